@@ -1,0 +1,182 @@
+"""Planner benchmark: planning time and plan quality on synthetic heterogeneous pools.
+
+Run `python benchmarks/planner.py`. It prints a table and writes
+`benchmarks/results/planner.json` and `benchmarks/results/planner.md`.
+
+Cases (goals from the planner brief):
+- 5 devices x 32 units, latency, exact: < 10 ms;
+- 10 devices x 64 units, latency, exact subset DP (checked against the MILP optimum): < 100 ms;
+- 64 devices x 100 units, latency, annealing: < 1 s, within 2% of the best lower bound
+  (the relaxed DP or the MILP's dual bound) or of a long annealing search.
+
+Devices and links are drawn from a seeded RNG; times are wall-clock (`time.perf_counter`),
+median of several runs, on whatever machine runs this.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from edgepipe.plan import (  # noqa: E402
+    COORDINATOR,
+    DeviceProfile,
+    LinkProfile,
+    NetworkProfile,
+    PlanRequest,
+    evaluate,
+    milp_latency,
+    plan,
+    transformer_profile,
+)
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+def synthetic_model(units: int):
+    """A chain of `units` units: embedding, units-2 identical layers, a heavier head."""
+    return transformer_profile(
+        f"synthetic-{units}",
+        units - 2,
+        layer_cost=0.004,
+        layer_bytes=200 * MIB,
+        kv_bytes_per_token=16 * 1024,
+        hidden_bytes=8192,
+        embed_cost=0.0005,
+        embed_bytes=250 * MIB,
+        head_cost=0.006,
+        head_bytes=250 * MIB,
+        context_tokens=2048,
+    )
+
+
+def synthetic_pool(devices: int, seed: int):
+    """Heterogeneous devices (phones to GPU boxes) and a full mesh of links."""
+    rng = random.Random(seed)
+    kinds = [
+        # name, speed range, memory GiB range, overhead ms, busy W, idle W, relay
+        ("phone", (0.2, 0.6), (1, 3), (2, 6), (4, 8), (0.5, 1.5), False),
+        ("browser", (0.3, 1.0), (1, 4), (3, 8), (15, 30), (3, 6), True),
+        ("laptop", (0.8, 2.0), (4, 10), (1, 3), (15, 45), (2, 6), False),
+        ("desktop", (1.5, 4.0), (6, 14), (0.5, 2), (65, 150), (15, 40), False),
+        ("gpu", (5.0, 15.0), (4, 12), (0.3, 1), (150, 350), (20, 60), False),
+    ]
+    pool, access = [], {}
+    for index in range(devices):
+        name, speed, mem, over, busy, idle, relay = kinds[rng.randrange(len(kinds))]
+        device_id = f"{name}{index:02d}"
+        pool.append(
+            DeviceProfile(
+                device_id,
+                memory_bytes=int(rng.uniform(*mem) * GIB),
+                speed=rng.uniform(*speed),
+                overhead_s=rng.uniform(*over) / 1e3,
+                power_busy_w=rng.uniform(*busy),
+                power_idle_w=rng.uniform(*idle),
+                relay=relay,
+            )
+        )
+        access[device_id] = (rng.uniform(0.5, 20) / 1e3, rng.choice([2e6, 12.5e6, 60e6, 125e6]))
+    links = []
+    for device_id, (rtt, bandwidth) in access.items():
+        links.append(LinkProfile(device_id, COORDINATOR, rtt, bandwidth))
+    ids = sorted(access)
+    for i, a in enumerate(ids):
+        for b in ids[i + 1 :]:
+            rtt = access[a][0] / 2 + access[b][0] / 2 + rng.uniform(0, 2) / 1e3
+            links.append(LinkProfile(a, b, rtt, min(access[a][1], access[b][1])))
+    return pool, NetworkProfile(tuple(links))
+
+
+def timed(fn, repeats: int):
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return result, statistics.median(times)
+
+
+def case(name: str, devices: int, units: int, seed: int, request: PlanRequest, goal_s: float, repeats: int, milp: dict):
+    model = synthetic_model(units)
+    pool, network = synthetic_pool(devices, seed)
+    plan(model, pool, network, request)  # warm imports and caches out of the timing
+    result, seconds = timed(lambda: plan(model, pool, network, request), repeats)
+    best = result.best.predicted.ring_s
+    row = {
+        "case": name,
+        "devices": devices,
+        "units": units,
+        "search": result.searched,
+        "plan_ms": round(seconds * 1e3, 2),
+        "goal_ms": goal_s * 1e3,
+        "meets_goal": seconds < goal_s,
+        "ring_ms": round(best * 1e3, 4),
+        "stages": len(result.best.stages),
+        "relaxed_bound_ms": round(result.lower_bound * 1e3, 4),
+    }
+    bounds = [result.lower_bound]
+    if milp:
+        start = time.perf_counter()
+        answer = milp_latency(model, pool, network, request, **milp)
+        row["milp_s"] = round(time.perf_counter() - start, 2)
+        row["milp_status"] = answer.status
+        row["milp_bound_ms"] = round(answer.lower_bound * 1e3, 4)
+        if answer.value is not None:
+            row["milp_value_ms"] = round(answer.value * 1e3, 4)
+        bounds.append(answer.lower_bound)
+    bound = max(bounds)
+    row["gap_to_bound_pct"] = round((best / bound - 1) * 100, 3)
+    return row, model, pool, network, result
+
+
+def main() -> None:
+    rows = []
+    row, *_ = case("5x32", 5, 32, 1, PlanRequest(), 0.010, 21, {})
+    rows.append(row)
+    row, *_ = case(
+        "10x64 optimal", 10, 64, 2, PlanRequest(max_exact_devices=10), 0.100, 7, {"pair_hops": True}
+    )
+    rows.append(row)
+    request = PlanRequest(seed=0)
+    row, model, pool, network, result = case(
+        "64x100", 64, 100, 3, request, 1.0, 3, {"pair_hops": False, "time_limit_s": 60.0}
+    )
+    # A long annealing search from several seeds, as a second yardstick.
+    long_best = min(
+        plan(model, pool, network, PlanRequest(seed=s, anneal_steps=20_000, search="annealing")).best.predicted.ring_s
+        for s in range(3)
+    )
+    row["long_annealing_ms"] = round(long_best * 1e3, 4)
+    row["gap_to_long_annealing_pct"] = round((result.best.predicted.ring_s / long_best - 1) * 100, 3)
+    rows.append(row)
+
+    info = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor()}
+    out = Path(__file__).resolve().parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "planner.json").write_text(json.dumps({"machine": info, "cases": rows}, indent=2) + "\n")
+    columns = list(dict.fromkeys(key for r in rows for key in r))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
+    table = "\n".join(lines)
+    (out / "planner.md").write_text(
+        "# Planner benchmark\n\n"
+        f"Python {info['python']} on {info['machine']}; median wall time of `plan()`.\n"
+        "Gaps are the plan's ring time over the best lower bound (relaxed DP, MILP dual bound).\n\n"
+        + table
+        + "\n"
+    )
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

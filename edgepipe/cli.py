@@ -1,0 +1,149 @@
+"""The ``edgepipe`` command line, in the style of ollama / llama-server.
+
+    edgepipe generate "prompt"          one process, streams text, prints stats
+    edgepipe import model.gguf          write a model package
+    edgepipe models                     list imported packages
+    edgepipe serve                      coordinator + local workers + HTTP API
+    edgepipe worker --coordinator URL   join a coordinator from this device
+    edgepipe plan --devices devices.yaml
+
+Every failure a user can cause ends in one line on stderr and a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Serve one LLM from a pool of unlike devices.")
+err = Console(stderr=True)
+
+USER_ERRORS = (ValueError, FileNotFoundError, KeyError, MemoryError, OSError)
+
+HomeOption = typer.Option(None, "--home", help="Where packages and caches live (default: $EDGEPIPE_HOME or the user data dir).")
+PrecisionOption = typer.Option("int4", "--precision", "-p", help="int4 | int8 | fp32")
+
+
+def fail(message: str, code: int = 1) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _progress():
+    """A rich progress bar fed by the importer's (phase, done, total) callbacks."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True)
+    tasks: dict[str, int] = {}
+
+    def report(phase: str, done: int, total: int) -> None:
+        if not bar.live.is_started:
+            bar.start()
+        label = {"build": "importing units", "measure": "measuring unit costs"}.get(phase, phase)
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(label, total=total)
+        bar.update(tasks[phase], completed=done)
+        if all(t.finished for t in bar.tasks) and phase == "measure":
+            bar.stop()
+
+    return bar, report
+
+
+def open_model(model: Optional[str], precision: str, home: Optional[Path]):
+    from .model.store import resolve
+
+    bar, report = _progress()
+    try:
+        return resolve(model, precision, home, progress=report)
+    finally:
+        if bar.live.is_started:
+            bar.stop()
+
+
+@app.command("import")
+def import_cmd(
+    source: Path = typer.Argument(..., help="A .gguf file or a local Hugging Face model folder."),
+    precision: str = PrecisionOption,
+    name: Optional[str] = typer.Option(None, help="Package name (default: from the file name)."),
+    max_context: int = typer.Option(8192, help="Longest context the package supports."),
+    home: Optional[Path] = HomeOption,
+):
+    """Import a model into a package of per-unit ONNX graphs and hashed weight files."""
+    from .model.importer import import_model
+    from .model.package import Package
+    from .model.store import home_dir
+
+    bar, report = _progress()
+    try:
+        path = import_model(source, home_dir(home) / "models", precision, name=name, max_context=max_context, progress=report)
+    except USER_ERRORS as exc:
+        fail(str(exc))
+    finally:
+        if bar.live.is_started:
+            bar.stop()
+    m = Package(path).manifest
+    size = sum(v.weight_bytes for u in m.units for v in u.variants.values())
+    typer.echo(f"{m.name}: {m.config['architecture']}, {m.n_layers} layers, {len(m.units)} units, {m.precision}, {size / 1e6:.0f} MB -> {path}")
+
+
+@app.command("models")
+def models_cmd(home: Optional[Path] = HomeOption):
+    """List imported model packages."""
+    from .model.store import list_packages
+
+    for pkg in list_packages(home):
+        m = pkg.manifest
+        typer.echo(f"{m.name}\t{m.config['architecture']}\t{m.precision}\t{m.n_layers} layers")
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="Prompt text."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Alias, package name, package dir, .gguf or HF folder (default: smollm2)."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    seed: int = typer.Option(0, "--seed"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    chat: bool = typer.Option(True, "--chat/--raw", help="Wrap the prompt in the model's chat template."),
+    cuts: str = typer.Option("", "--cuts", help="Run as chained stages cut before these unit indices, e.g. 8,20."),
+    precision: str = PrecisionOption,
+    threads: Optional[int] = typer.Option(None, "--threads"),
+    home: Optional[Path] = HomeOption,
+):
+    """Generate text in this process, streaming it to the terminal."""
+    from .runtime.local import generate as run_generation
+    from .runtime.sequence import GenerationParams
+    from .runtime.stage_runner import ContextOverflow
+
+    try:
+        params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop))
+        pkg = open_model(model, precision, home)
+        tok = pkg.tokenizer
+        text = tok.format_chat([{"role": "user", "content": prompt}]) if chat else prompt
+        ids = tok.encode(text)
+        limit = pkg.manifest.max_context
+        if len(ids) + max_tokens > limit:
+            raise ContextOverflow(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {limit} tokens")
+        cut_points = [int(c) for c in cuts.split(",") if c.strip()]
+        pipeline = pkg.pipeline(cut_points, threads=threads)
+        result = run_generation(pipeline, ids, params, tok.decode, pkg.manifest.eos_ids,
+                                on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    except USER_ERRORS as exc:
+        fail(str(exc))
+    sys.stdout.write("\n")
+    err.print(f"[dim]{len(ids)} prompt tokens, {len(result.tokens)} generated ({result.finish_reason}); "
+              f"time to first token {result.ttft_s * 1e3:.0f} ms; {result.tokens_per_s:.1f} tokens/s[/]", highlight=False)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,265 @@
+"""Per-unit ONNX graphs: token embedding, one decoder layer, head with in-graph sampling.
+
+Every unit reads and writes tensors with fixed names, so that any contiguous range of units
+can be merged into one stage graph by concatenation (see ``package.merge_units``):
+
+    unit 0            input_ids [B, S] int64            -> hidden.1 [B, S, H]
+    unit u (layer)    hidden.u [B, S, H]                -> hidden.{u+1} [B, S, H]
+                      past_key.u / past_value.u [B, kvH, C, D] -> present_key.u / present_value.u
+                      seqlens_k [B] int32, total_sequence_length [] int32 (shared)
+    unit L+1 (head)   hidden.{L+1} [B, S, H], do_sample [] bool, temperature/top_p/uniform [B]
+                      float, top_k [B] int64         -> next_token [B] int64
+
+Attention is ONNX Runtime's GroupQueryAttention with rotary inside and past/present sharing
+one buffer of capacity C, so decode appends to the KV cache in place instead of copying it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .config import ModelConfig
+from .weights import BlockQuantized, Weight
+
+OPSET = 21
+IR_VERSION = 10  # the newest ONNX Runtime 1.31 and onnxruntime-web 1.30 both load
+MS = "com.microsoft"
+
+FLOAT, INT64, INT32, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL
+SAMPLING_INPUTS = ("do_sample", "temperature", "top_k", "top_p", "uniform")
+
+
+def hidden_name(unit: int) -> str:
+    """Name of the activation entering ``unit`` (and leaving ``unit - 1``)."""
+    return f"hidden.{unit}"
+
+
+class _Graph:
+    """Collects nodes and initializers; names are prefixed per unit to stay unique."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: dict[str, onnx.TensorProto] = {}
+        self._count = 0
+
+    def name(self, base: str) -> str:
+        self._count += 1
+        return f"{self.prefix}{base}_{self._count}"
+
+    def const(self, array: np.ndarray, base: str, shared: bool = False) -> str:
+        """Add an initializer. ``shared`` ones (rotary tables) keep one name across units."""
+        name = base if shared else f"{self.prefix}{base}"
+        # np.ascontiguousarray would turn a 0-d scalar into shape [1]
+        self.initializers[name] = numpy_helper.from_array(np.array(array, order="C", copy=None), name)
+        return name
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", out: list[str] | None = None, **attrs) -> list[str]:
+        outputs = out or [self.name(op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=self.name(op_type), domain=domain, **attrs))
+        return outputs
+
+    def op1(self, op_type: str, inputs: list[str], **kw) -> str:
+        return self.op(op_type, inputs, **kw)[0]
+
+    def linear(self, x: str, w: Weight, base: str, bias: np.ndarray | None = None, out: str | None = None) -> str:
+        """``x @ w.T (+ bias)`` as MatMul (float) or MatMulNBits (quantized)."""
+        outs = [out] if out and bias is None else None
+        if isinstance(w, BlockQuantized):
+            n, k = w.shape
+            ins = [x, self.const(w.packed(), base + ".qweight"), self.const(w.scales.reshape(-1), base + ".scales")]
+            if w.zero_points is not None:
+                if not w.has_integer_zeros:
+                    raise ValueError(f"{base}: zero points must be integers for MatMulNBits")
+                ins.append(self.const(w.packed_zero_points(), base + ".zeros"))
+            # accuracy_level 4 lets MLAS quantize activations to int8 on the fly where it can.
+            y = self.op("MatMulNBits", ins, domain=MS, out=outs, K=k, N=n, bits=w.bits, block_size=w.block_size, accuracy_level=4)[0]
+        else:
+            y = self.op("MatMul", [x, self.const(np.ascontiguousarray(w.T), base + ".weight")], out=outs)[0]
+        if bias is not None:
+            y = self.op("Add", [y, self.const(bias.astype(np.float32), base + ".bias")], out=[out] if out else None)[0]
+        return y
+
+    def rms_norm(self, x: str, weight: np.ndarray, eps: float, base: str, out: str | None = None) -> str:
+        return self.op("SimplifiedLayerNormalization", [x, self.const(weight.astype(np.float32), base)],
+                       out=[out] if out else None, axis=-1, epsilon=eps, stash_type=1)[0]
+
+    def model(self, inputs: list, outputs: list, name: str) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, name, inputs, outputs, list(self.initializers.values()))
+        return helper.make_model(
+            graph, ir_version=IR_VERSION, producer_name="edgepipe",
+            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
+        )
+
+
+def rotary_tables(cfg: ModelConfig, max_positions: int, freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin caches ``[max_positions, D/2]`` for GroupQueryAttention's built-in rotary."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+    if freq_factors is not None:  # llama-3.1 style long-context scaling shipped in the file
+        inv_freq = inv_freq / freq_factors.astype(np.float64)
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def embedding_unit(cfg: ModelConfig, table: Weight) -> onnx.ModelProto:
+    g = _Graph("embed.")
+    out = hidden_name(1)
+    if isinstance(table, BlockQuantized):
+        data = table.q if table.bits == 8 else table.packed().reshape(table.shape[0], -1)
+        ins = [g.const(data, "table.q"), "input_ids", g.const(table.scales, "table.scales")]
+        if table.zero_points is not None:
+            raise ValueError("quantized embeddings must be symmetric (default zero point)")
+        y = g.op1("GatherBlockQuantized", ins, domain=MS, bits=table.bits, block_size=table.block_size, gather_axis=0, quantize_axis=1)
+    else:
+        y = g.op1("Gather", [g.const(table, "table"), "input_ids"], axis=0)
+    if cfg.embedding_scale != 1.0:
+        y = g.op1("Mul", [y, g.const(np.array(cfg.embedding_scale, np.float32), "scale")])
+    g.op("Identity", [y], out=[out])
+    return g.model(
+        [helper.make_tensor_value_info("input_ids", INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info(out, FLOAT, ["batch", "seq", cfg.hidden_size])],
+        "embedding",
+    )
+
+
+def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], cos: np.ndarray, sin: np.ndarray) -> onnx.ModelProto:
+    """One decoder layer. ``w`` holds attn_norm, qkv (fused rows), qkv_bias?, q_norm?, k_norm?,
+    attn_output, ffn_norm, gate_up (fused rows), ffn_down."""
+    g = _Graph(f"l{unit}.")
+    x, out = hidden_name(unit), hidden_name(unit + 1)
+    H, D, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    eps = cfg.rms_eps
+
+    normed = g.rms_norm(x, w["attn_norm"], eps, "attn_norm")
+    qkv = g.linear(normed, w["qkv"], "qkv", bias=w.get("qkv_bias"))
+    gqa_attrs = dict(num_heads=nq, kv_num_heads=nkv, do_rotary=1, rotary_interleaved=int(cfg.rope_interleaved),
+                     local_window_size=-1)
+    if cfg.attention_scale is not None:
+        gqa_attrs["scale"] = float(cfg.attention_scale)
+    if cfg.qk_norm:
+        q, k, v = g.op("Split", [qkv, g.const(np.array([nq * D, nkv * D, nkv * D], np.int64), "qkv_split")], n_out=3, axis=-1)
+        q = _per_head_norm(g, q, nq, D, w["q_norm"], eps, "q_norm")
+        k = _per_head_norm(g, k, nkv, D, w["k_norm"], eps, "k_norm")
+        attn_in = [q, k, v]
+    else:
+        attn_in = [qkv, "", ""]  # packed QKV
+    cos_name = g.const(cos, "cos_cache", shared=True)
+    sin_name = g.const(sin, "sin_cache", shared=True)
+    attn, _, _ = g.op(
+        "GroupQueryAttention",
+        attn_in + [f"past_key.{unit}", f"past_value.{unit}", "seqlens_k", "total_sequence_length", cos_name, sin_name],
+        domain=MS, out=[g.name("attn"), f"present_key.{unit}", f"present_value.{unit}"], **gqa_attrs,
+    )
+    attn_out = g.linear(attn, w["attn_output"], "attn_output")
+    if cfg.residual_scale != 1.0:
+        attn_out = g.op1("Mul", [attn_out, g.const(np.array(cfg.residual_scale, np.float32), "res_scale")])
+    # SkipSimplifiedLayerNormalization: residual add and the MLP's input norm in one kernel.
+    mlp_in, _, _, resid = g.op("SkipSimplifiedLayerNormalization", [attn_out, x, g.const(w["ffn_norm"].astype(np.float32), "ffn_norm")],
+                               n_out=4, domain=MS, epsilon=eps)
+    gate_up = g.linear(mlp_in, w["gate_up"], "gate_up")
+    gate, up = g.op("Split", [gate_up, g.const(np.array([cfg.intermediate_size] * 2, np.int64), "gu_split")], n_out=2, axis=-1)
+    act = g.op1("Mul", [g.op1("Mul", [gate, g.op1("Sigmoid", [gate])]), up])  # SiLU(gate) * up
+    down = g.linear(act, w["ffn_down"], "ffn_down")
+    if cfg.residual_scale != 1.0:
+        down = g.op1("Mul", [down, g.const(np.array(cfg.residual_scale, np.float32), "res_scale2")])
+    g.op("Add", [resid, down], out=[out])
+
+    kv_shape = ["batch", nkv, "capacity", D]
+    return g.model(
+        [helper.make_tensor_value_info(x, FLOAT, ["batch", "seq", H]),
+         helper.make_tensor_value_info(f"past_key.{unit}", FLOAT, kv_shape),
+         helper.make_tensor_value_info(f"past_value.{unit}", FLOAT, kv_shape),
+         helper.make_tensor_value_info("seqlens_k", INT32, ["batch"]),
+         helper.make_tensor_value_info("total_sequence_length", INT32, [])],
+        [helper.make_tensor_value_info(out, FLOAT, ["batch", "seq", H]),
+         helper.make_tensor_value_info(f"present_key.{unit}", FLOAT, kv_shape),
+         helper.make_tensor_value_info(f"present_value.{unit}", FLOAT, kv_shape)],
+        f"layer{unit}",
+    )
+
+
+def _per_head_norm(g: _Graph, x: str, heads: int, D: int, weight: np.ndarray, eps: float, base: str) -> str:
+    shape_in = g.op1("Shape", [x])
+    per_head = g.op1("Reshape", [x, g.const(np.array([0, 0, heads, D], np.int64), base + ".shape")])
+    normed = g.rms_norm(per_head, weight, eps, base)
+    return g.op1("Reshape", [normed, shape_in])
+
+
+def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weight) -> onnx.ModelProto:
+    """Final norm + LM head on the last position, then greedy or seeded sampling in-graph.
+
+    Sampling (when ``do_sample``): logits / temperature, keep the ``top_k`` best (0 = all),
+    keep the smallest prefix whose probability reaches ``top_p``, and pick the token where the
+    cumulative kept mass first exceeds ``uniform * total``. ``uniform`` is drawn by the caller
+    from the request's seed, so a seeded request gives the same tokens on any pipeline.
+    """
+    g = _Graph("head.")
+    x = hidden_name(unit)
+    last = g.op1("Gather", [x, g.const(np.array(-1, np.int64), "last")], axis=1)  # [B, H]
+    normed = g.rms_norm(last, final_norm, cfg.rms_eps, "final_norm")
+    if isinstance(lm_head, np.ndarray) and cfg.tie_embeddings:
+        # Gemm with transB reads the embedding table as stored: one weight file for both units.
+        logits = g.op1("Gemm", [normed, g.const(lm_head, "lm_head"), ], transB=1)
+    else:
+        logits = g.linear(normed, lm_head, "lm_head")
+    if cfg.logit_scale != 1.0:
+        logits = g.op1("Div", [logits, g.const(np.array(cfg.logit_scale, np.float32), "logit_scale")])
+
+    greedy = helper.make_graph(
+        [helper.make_node("ArgMax", [logits], ["greedy_token"], axis=-1, keepdims=0)],
+        "greedy", [], [helper.make_tensor_value_info("greedy_token", INT64, ["batch"])])
+    sample = _sampling_branch(logits, cfg.vocab_size)
+    g.op("If", ["do_sample"], out=["next_token"], then_branch=sample, else_branch=greedy)
+    return g.model(
+        [helper.make_tensor_value_info(x, FLOAT, ["batch", "seq", cfg.hidden_size]),
+         helper.make_tensor_value_info("do_sample", BOOL, []),
+         helper.make_tensor_value_info("temperature", FLOAT, ["batch"]),
+         helper.make_tensor_value_info("top_k", INT64, ["batch"]),
+         helper.make_tensor_value_info("top_p", FLOAT, ["batch"]),
+         helper.make_tensor_value_info("uniform", FLOAT, ["batch"])],
+        [helper.make_tensor_value_info("next_token", INT64, ["batch"])],
+        "head",
+    )
+
+
+def _sampling_branch(logits: str, vocab: int) -> onnx.GraphProto:
+    c = lambda name, v, dt=np.int64: numpy_helper.from_array(np.array(v, dt), name)  # noqa: E731
+    n = helper.make_node
+    nodes = [
+        n("Unsqueeze", ["temperature", "s_ax1"], ["s_t"]),
+        n("Div", [logits, "s_t"], ["s_scaled"]),
+        # top_k <= 0 means "no limit"
+        n("Greater", ["top_k", "s_zero"], ["s_has_k"]),
+        n("Min", ["top_k", "s_vocab"], ["s_k_capped"]),
+        n("Where", ["s_has_k", "s_k_capped", "s_vocab"], ["s_k_eff"]),
+        n("ReduceMax", ["s_k_eff"], ["s_kmax"], keepdims=1),
+        n("TopK", ["s_scaled", "s_kmax"], ["s_vals", "s_idx"], axis=-1, largest=1, sorted=1),
+        n("Shape", ["s_vals"], ["s_vshape"]),
+        n("Gather", ["s_vshape", "s_one"], ["s_kdim"], axis=0),
+        n("Range", ["s_zero", "s_kdim", "s_one"], ["s_rank"]),
+        n("Unsqueeze", ["s_k_eff", "s_ax1"], ["s_k_col"]),
+        n("Less", ["s_rank", "s_k_col"], ["s_keep_k"]),
+        n("Softmax", ["s_vals"], ["s_probs"], axis=-1),
+        n("CumSum", ["s_probs", "s_ax1_scalar"], ["s_cum"]),
+        n("Sub", ["s_cum", "s_probs"], ["s_before"]),
+        n("Unsqueeze", ["top_p", "s_ax1"], ["s_p_col"]),
+        n("Less", ["s_before", "s_p_col"], ["s_keep_p"]),
+        n("And", ["s_keep_k", "s_keep_p"], ["s_keep"]),
+        n("Where", ["s_keep", "s_probs", "s_fzero"], ["s_kept"]),
+        n("CumSum", ["s_kept", "s_ax1_scalar"], ["s_cum2"]),
+        n("ReduceSum", ["s_kept", "s_ax1"], ["s_total"], keepdims=1),
+        n("Unsqueeze", ["uniform", "s_ax1"], ["s_u_col"]),
+        n("Mul", ["s_u_col", "s_total"], ["s_thresh"]),
+        n("LessOrEqual", ["s_cum2", "s_thresh"], ["s_below"]),
+        n("Cast", ["s_below"], ["s_below_i"], to=INT64),
+        n("ReduceSum", ["s_below_i", "s_ax1"], ["s_choice"], keepdims=1),
+        n("Sub", ["s_kdim", "s_one"], ["s_last"]),
+        n("Min", ["s_choice", "s_last"], ["s_choice_c"]),
+        n("GatherElements", ["s_idx", "s_choice_c"], ["s_tok"], axis=1),
+        n("Squeeze", ["s_tok", "s_ax1"], ["sampled_token"]),
+    ]
+    inits = [c("s_ax1", [1]), c("s_ax1_scalar", 1), c("s_zero", 0), c("s_one", 1), c("s_vocab", vocab),
+             numpy_helper.from_array(np.array(0.0, np.float32), "s_fzero")]
+    return helper.make_graph(nodes, "sample", [], [helper.make_tensor_value_info("sampled_token", INT64, ["batch"])], inits)

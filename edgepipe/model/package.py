@@ -1,0 +1,100 @@
+"""A model package on disk: manifest, blobs, stage graphs and the tokenizer.
+
+``stage_graph`` merges the unit graphs of a range ``[start, end)`` into one ONNX graph (unit
+boundaries become internal tensors) and stores it as a blob too, so a worker receives one
+graph and the weight files it references, all named by hash.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from .graphs import IR_VERSION, MS, OPSET
+from .manifest import Manifest, sha256_bytes, verify_blob
+from .tokenizer import TextTokenizer
+
+
+class Package:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        path = self.root / "manifest.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.root}: not a model package (no manifest.json)")
+        self.manifest = Manifest.from_json(path.read_text())
+        self.blobs = self.root / "blobs"
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    def blob(self, sha: str) -> Path:
+        return self.blobs / sha
+
+    def verify(self, shas) -> None:
+        """Raise ``HashMismatch`` (or FileNotFoundError) for the first bad or missing blob."""
+        for sha in shas:
+            path = self.blob(sha)
+            if not path.is_file():
+                raise FileNotFoundError(f"{self.name}: blob {sha[:16]}… is missing")
+            verify_blob(path, sha)
+
+    def stage_graph(self, start: int, end: int, precision: str | None = None) -> str:
+        """sha256 of the merged graph for units ``[start, end)`` (built once, then cached)."""
+        m = self.manifest
+        if not 0 <= start < end <= len(m.units):
+            raise ValueError(f"unit range [{start}, {end}) is outside the model's {len(m.units)} units")
+        if end - start == 1:
+            return m.variant(start, precision).graph
+        units = [onnx.load(self.blob(m.variant(u, precision).graph), load_external_data=False) for u in range(start, end)]
+        data = merge_units(units, f"{m.name}[{start}:{end})").SerializeToString()
+        sha = sha256_bytes(data)
+        if not self.blob(sha).exists():
+            tmp = self.blob(sha).with_suffix(".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(self.blob(sha))
+        return sha
+
+    def runner(self, start: int, end: int, precision: str | None = None, threads: int | None = None, verify: bool = True):
+        """A StageRunner over units ``[start, end)``, its weight files checked against their hashes."""
+        from ..runtime.stage_runner import StageRunner
+
+        if verify:
+            self.verify(self.manifest.stage_files(start, end, precision))
+        return StageRunner(self.blob(self.stage_graph(start, end, precision)), threads=threads, max_context=self.manifest.max_context)
+
+    def pipeline(self, cuts: list[int] | tuple[int, ...] = (), precision: str | None = None, threads: int | None = None):
+        """A LocalPipeline cut before each unit index in ``cuts``."""
+        from ..runtime.local import LocalPipeline
+
+        bounds = [0, *sorted(cuts), len(self.manifest.units)]
+        return LocalPipeline([self.runner(a, b, precision, threads) for a, b in zip(bounds, bounds[1:])])
+
+    @cached_property
+    def tokenizer(self) -> TextTokenizer:
+        m = self.manifest
+        return TextTokenizer.from_json(self.blob(m.tokenizer).read_text(), m.chat_template, m.eos_ids, m.bos_id, m.add_bos)
+
+
+def merge_units(units: list[onnx.ModelProto], name: str) -> onnx.ModelProto:
+    """Chain unit graphs: each unit's ``hidden.k`` output feeds the next unit's input."""
+    nodes, inits, inputs, outputs = [], {}, {}, []
+    produced: set[str] = set()
+    for model in units:
+        g = model.graph
+        nodes.extend(g.node)
+        for t in g.initializer:
+            inits.setdefault(t.name, t)
+        for i in g.input:
+            if i.name not in produced and i.name not in inputs:
+                inputs[i.name] = i
+        produced.update(o.name for o in g.output)
+    last = units[-1].graph.output
+    outputs = [o for o in last if not o.name.startswith("present_")]
+    outputs += [o for model in units for o in model.graph.output if o.name.startswith("present_")]
+    graph = helper.make_graph(nodes, name, list(inputs.values()), outputs, list(inits.values()))
+    return helper.make_model(graph, ir_version=IR_VERSION, producer_name="edgepipe",
+                             opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)])

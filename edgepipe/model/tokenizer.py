@@ -1,0 +1,92 @@
+"""Tokenizer and chat template, rebuilt from GGUF metadata with the ``tokenizers`` package.
+
+Only the coordinator tokenizes; workers see token ids and activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import date
+
+from .config import UnsupportedModel
+
+# The pre-tokenizer regexes llama.cpp names by ``tokenizer.ggml.pre``.
+_SPLIT_REGEX = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+_SPLIT_REGEX["llama3"] = _SPLIT_REGEX["llama-bpe"]
+_SPLIT_REGEX["smaug-bpe"] = _SPLIT_REGEX["llama-bpe"]
+_SPLIT_REGEX["deepseek-r1-qwen"] = _SPLIT_REGEX["qwen2"]
+
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types that must never be split
+
+
+def tokenizer_json_from_gguf(data) -> str:
+    """A ``tokenizer.json`` equivalent to the GGUF's byte-level BPE vocabulary."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if data.model != "gpt2":
+        raise UnsupportedModel(f"tokenizer model {data.model!r} is not supported yet (byte-level BPE 'gpt2' is)")
+    vocab = {tok: i for i, tok in enumerate(data.tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in data.merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    if data.pre in _SPLIT_REGEX:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_REGEX[data.pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif data.pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    types = data.token_types or [1] * len(data.tokens)
+    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(data.tokens, types) if ty in (CONTROL, USER_DEFINED)]
+    tok.add_special_tokens(specials)
+    return tok.to_str()
+
+
+@dataclass
+class TextTokenizer:
+    """Encode, decode and format chats for one package."""
+
+    tokenizer: object  # tokenizers.Tokenizer
+    chat_template: str | None
+    eos_ids: tuple[int, ...]
+    bos_id: int | None
+    add_bos: bool
+
+    @classmethod
+    def from_json(cls, text: str, chat_template: str | None, eos_ids, bos_id, add_bos) -> "TextTokenizer":
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_str(text), chat_template, tuple(eos_ids), bos_id, add_bos)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def format_chat(self, messages: list[dict]) -> str:
+        """Render messages with the model's own template (Jinja2, sandboxed)."""
+        if not self.chat_template:
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: date.today().strftime(fmt)
+        template = env.from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+
+
+def _raise_template_error(message: str):
+    raise ValueError(f"chat template: {message}")

@@ -1,0 +1,578 @@
+"""Device-order search and the planner's entry point, `plan()`.
+
+This module owns the choice of search (seed 000 §5.5): every order of a small pool at once
+with a DP over subsets of devices (or, on request, every permutation through the fixed-order
+DP), and seeded simulated annealing over ordered subsets beyond that, started from the
+relaxed lower-bound path. On top of the search it implements the three objectives:
+
+- latency: one search over ring time;
+- throughput: a binary search over the bottleneck limit beta; each probe finds the least
+  ring time T with every stage and hop <= beta, and 1/throughput = max(T/S, B) is minimised
+  at the smallest beta where T/S <= beta or the one just below it (exact when the inner
+  search is); stages are replicated over groups of devices (exactly for pools of up to
+  `REPLICA_EXACT_DEVICES`, greedily beyond);
+- energy (seed 002's QoE form): energy = A + P*T (A: busy-minus-idle energy, P: idle power
+  of the plan's devices) is linearised around the current plan, P*T ~ p*T + theta*P - p*theta,
+  and iterated; a Lagrange weight on T is raised until the tpot target is met. Heuristic.
+
+The K best plans on distinct device sets are kept (seed 002's top-K).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .plan import (
+    Objective,
+    Plan,
+    PlanError,
+    PlanRequest,
+    PlanResult,
+    Prediction,
+    SearchKind,
+    Stage,
+    device_map,
+    evaluate,
+    meets_target,
+    objective_key,
+    objective_value,
+)
+from .profiles import DeviceProfile, ModelProfile, NetworkProfile
+from .split import (
+    INF,
+    CostTables,
+    Path,
+    Pricing,
+    best_split,
+    build_pricing,
+    cost_tables,
+    relaxed_split,
+    subset_dp,
+    subset_dp_size,
+)
+
+REPLICA_EXACT_DEVICES = 5
+"""Pools up to this size search replica groups exactly (every group is a slot)."""
+
+SUBSET_DP_MAX_CELLS = 20_000_000
+"""Largest subset-DP table (sets x slots x units) searched exactly; beyond, anneal."""
+
+PERMUTATIONS_MAX = 40_320
+"""Most orders `exact-permutations` will try (8!)."""
+
+
+@dataclass
+class _Found:
+    """Best split per device set found by one search, and the deepest partial split."""
+
+    by_set: dict[int, tuple[float, Path]] = field(default_factory=dict)
+    covered: int = 0
+    partial: Path = ()
+
+    def add(self, cost: float, path: Path, masks: np.ndarray) -> None:
+        if not path or not math.isfinite(cost):
+            return
+        key = 0
+        for g, _, _ in path:
+            key |= int(masks[g])
+        held = self.by_set.get(key)
+        if held is None or (cost, path) < held:
+            self.by_set[key] = (cost, path)
+
+    def add_partial(self, covered: int, path: Path) -> None:
+        if covered > self.covered or (covered == self.covered and path and path < self.partial):
+            self.covered, self.partial = covered, path
+
+    def best(self, count: int) -> list[tuple[float, Path]]:
+        return sorted(self.by_set.values())[:count]
+
+
+@dataclass(frozen=True, eq=False)
+class _Context:
+    model: ModelProfile
+    devices: dict[str, DeviceProfile]
+    network: NetworkProfile
+    request: PlanRequest
+    pricing: Pricing
+    strategy: SearchKind
+    m: int
+
+
+def _singletons(ctx: _Context) -> list[int]:
+    return [g for g, slot in enumerate(ctx.pricing.slots) if len(slot) == 1]
+
+
+def _search(ctx: _Context, tables: CostTables, steps: int, starts: Sequence[Sequence[int]] = ()) -> _Found:
+    """Run the context's strategy on `tables`."""
+    found = _Found()
+    keep = max(8, 2 * ctx.request.top_k)
+    if ctx.strategy == "exact-subset-dp":
+        result = subset_dp(tables, ctx.m, keep=keep)
+        for cost, path in result.best_by_set.values():
+            found.add(cost, path, tables.masks)
+        found.add_partial(result.covered, result.partial_path)
+    elif ctx.strategy == "exact-permutations":
+        for order in itertools.permutations(_singletons(ctx)):
+            outcome = best_split(tables, order)
+            found.add(outcome.cost, outcome.path, tables.masks)
+            found.add_partial(outcome.covered, outcome.partial_path)
+    else:
+        _anneal(ctx, tables, steps, starts, found)
+    return found
+
+
+def _anneal(
+    ctx: _Context, tables: CostTables, steps: int, starts: Sequence[Sequence[int]], found: _Found
+) -> None:
+    """Seeded simulated annealing over ordered subsets of devices (seed 000 §5.5.3).
+
+    The state is the sequence of devices that carry stages; the fixed-order DP prices it
+    and drops devices it skips. Moves: insert, remove, replace, swap, move, reverse.
+    """
+    n = tables.n
+    pool = _singletons(ctx)
+    rng = random.Random(ctx.request.seed)
+    cache: dict[tuple[int, ...], tuple[tuple[float, float], tuple[int, ...]]] = {}
+
+    def score(order: Sequence[int]) -> tuple[tuple[float, float], tuple[int, ...]]:
+        key = tuple(order)
+        if key not in cache:
+            outcome = best_split(tables, key)
+            if outcome.complete:
+                found.add(outcome.cost, outcome.path, tables.masks)
+                used = tuple(g for g, _, _ in outcome.path)
+                cache[key] = ((0.0, outcome.cost), used)
+            else:
+                found.add_partial(outcome.covered, outcome.partial_path)
+                used = tuple(g for g, _, _ in outcome.partial_path) or key[:1]
+                cache[key] = ((float(n - outcome.covered), INF), used)
+        return cache[key]
+
+    relaxed = relaxed_split(tables)
+    seeds = [list(dict.fromkeys(g for g, _, _ in relaxed.path))] if relaxed.path else []
+    seeds += [list(s) for s in starts]
+    fastest = sorted(pool, key=lambda g: (-ctx.devices[ctx.pricing.ids[g]].speed, g))
+    seeds.append(fastest)
+    scored = [score(s) for s in seeds if s]
+    current_key, current = min(scored)
+    best_key = current_key
+    if steps == 0 or len(pool) < 2:
+        return
+
+    def neighbour(order: tuple[int, ...]) -> list[int]:
+        state = list(order)
+        unused = [g for g in pool if g not in state]
+        roll = rng.random()
+        if roll < 0.2 and unused:
+            state.insert(rng.randrange(len(state) + 1), rng.choice(unused))
+        elif roll < 0.35 and len(state) > 1:
+            del state[rng.randrange(len(state))]
+        elif roll < 0.6 and unused:
+            state[rng.randrange(len(state))] = rng.choice(unused)
+        elif roll < 0.8 and len(state) > 1:
+            a, b = rng.sample(range(len(state)), 2)
+            state[a], state[b] = state[b], state[a]
+        elif roll < 0.9 and len(state) > 1:
+            item = state.pop(rng.randrange(len(state)))
+            state.insert(rng.randrange(len(state) + 1), item)
+        elif len(state) > 2:
+            a, b = sorted(rng.sample(range(len(state) + 1), 2))
+            state[a:b] = reversed(state[a:b])
+        elif unused:
+            state.insert(rng.randrange(len(state) + 1), rng.choice(unused))
+        return state
+
+    # Initial temperature from the typical cost difference of a move (seed 000: T0 = 10 * mean).
+    deltas = []
+    for _ in range(10):
+        key, _ = score(neighbour(current))
+        if key[0] == current_key[0] == 0.0 and math.isfinite(key[1]):
+            deltas.append(abs(key[1] - current_key[1]))
+    scale = current_key[1] if math.isfinite(current_key[1]) else 1.0
+    t0 = max(10 * (sum(deltas) / len(deltas) if deltas else 0.0), 1e-6 * scale)
+    t_final = 1e-5 * scale
+    cooling = (t_final / t0) ** (1.0 / max(steps, 1)) if t0 > t_final else 1.0
+    temperature = t0
+    patience, idle = max(200, steps // 3), 0
+    for _ in range(steps):
+        key, used = score(neighbour(current))
+        if key[0] < current_key[0]:
+            accept = True
+        elif key[0] > current_key[0]:
+            accept = False
+        else:
+            delta = key[1] - current_key[1]
+            accept = delta <= 0 or rng.random() < math.exp(-delta / temperature)
+        if accept:
+            current_key, current = key, used
+        if key < best_key:
+            best_key, idle = key, 0
+        else:
+            idle += 1
+            if idle >= patience:
+                break
+        temperature *= cooling
+
+
+def _to_stages(ctx: _Context, path: Path) -> tuple[Stage, ...]:
+    ids, slots = ctx.pricing.ids, ctx.pricing.slots
+    return tuple(Stage(tuple(ids[d] for d in slots[g]), start, end) for g, start, end in path)
+
+
+@dataclass(frozen=True)
+class _Priced:
+    key: tuple[float, ...]
+    order: str
+    stages: tuple[Stage, ...]
+    prediction: Prediction
+
+    @property
+    def device_set(self) -> frozenset[str]:
+        return frozenset(d for s in self.stages for d in s.device_ids)
+
+
+def _price(ctx: _Context, stages: tuple[Stage, ...]) -> _Priced:
+    prediction = evaluate(stages, ctx.model, ctx.devices, ctx.network, ctx.request)
+    canonical = repr(tuple((s.device_ids, s.start, s.end) for s in stages))
+    return _Priced(objective_key(prediction, ctx.request), canonical, stages, prediction)
+
+
+class _Candidates:
+    """Priced candidate plans, best per device set."""
+
+    def __init__(self, ctx: _Context) -> None:
+        self.ctx = ctx
+        self.by_set: dict[frozenset[str], _Priced] = {}
+        self.seen: dict[tuple[Stage, ...], _Priced] = {}
+
+    def add_stages(self, stages: tuple[Stage, ...]) -> _Priced:
+        priced = self.seen.get(stages)
+        if priced is None:
+            priced = self.seen[stages] = _price(self.ctx, stages)
+            held = self.by_set.get(priced.device_set)
+            if held is None or (priced.key, priced.order) < (held.key, held.order):
+                self.by_set[priced.device_set] = priced
+        return priced
+
+    def add(self, found: _Found, count: int) -> list[_Priced]:
+        return [self.add_stages(_to_stages(self.ctx, path)) for _, path in found.best(count)]
+
+    def ranked(self) -> list[_Priced]:
+        return sorted(self.by_set.values(), key=lambda p: (p.key, p.order))
+
+
+def _choose_strategy(request: PlanRequest, n: int, m: int, k: int) -> SearchKind:
+    if request.search != "auto":
+        if request.search == "exact-permutations" and math.factorial(m) > PERMUTATIONS_MAX:
+            raise PlanError(f"exact-permutations over {m} devices is {math.factorial(m)} orders")
+        return request.search
+    if m <= request.max_exact_devices and subset_dp_size(n, m, k) <= SUBSET_DP_MAX_CELLS:
+        return "exact-subset-dp"
+    return "annealing"
+
+
+def plan(
+    model: ModelProfile,
+    devices: Iterable[DeviceProfile] | Mapping[str, DeviceProfile],
+    network: NetworkProfile,
+    request: PlanRequest = PlanRequest(),
+) -> PlanResult:
+    """Place `model` on `devices` for `request`'s objective; pure and deterministic.
+
+    Returns the best plan and up to `top_k - 1` runners-up on other device sets, best
+    first. If no complete plan exists, `best` is the partial plan that covers the most
+    units from unit 0 (`complete=False`), its reason naming the device and bytes that did
+    not fit. Same inputs give an identical result (annealing is seeded by `request.seed`).
+    """
+    return _plan(model, device_map(devices), network, request)
+
+
+def _plan(
+    model: ModelProfile,
+    devices: dict[str, DeviceProfile],
+    network: NetworkProfile,
+    request: PlanRequest,
+    *,
+    prefer_not: frozenset[str] = frozenset(),
+    forbidden: Mapping[str, tuple[int, int]] | None = None,
+) -> PlanResult:
+    """`plan()` with two hooks for spare plans: devices in `prefer_not` cost 10x in the search
+    (and rank after plans without them); `forbidden[d] = (a, b)` keeps d off ranges meeting [a, b)."""
+    n = model.n_units
+    seq = request.sequences
+    useful = {
+        d: dev
+        for d, dev in devices.items()
+        if any(model.stage_bytes(u, u + 1, seq) <= dev.memory_bytes for u in range(n))
+    }
+    if not useful:
+        return _nothing_fits(model, devices, request)
+    m = len(useful)
+    replicate = (
+        request.objective is Objective.THROUGHPUT
+        and seq > 1
+        and m <= REPLICA_EXACT_DEVICES
+        and request.search in ("auto", "exact-subset-dp")
+    )
+    pricing = build_pricing(model, useful, network, request, max_replicas=min(seq, m) if replicate else 1)
+    strategy = _choose_strategy(request, n, m, pricing.k)
+    if replicate and strategy != "exact-subset-dp":
+        replicate = False
+        pricing = build_pricing(model, useful, network, request)
+    ctx = _Context(model, useful, network, request, pricing, strategy, m)
+
+    weight = np.ones(pricing.k)
+    for g, slot in enumerate(pricing.slots):
+        if any(pricing.ids[d] in prefer_not for d in slot):
+            weight[g] = 10.0
+
+    def tables(**kwargs: object) -> CostTables:
+        base = cost_tables(pricing, **kwargs)  # type: ignore[arg-type]
+        if not forbidden and not prefer_not:
+            return base
+        stage = base.stage * weight[:, None, None]
+        for g, slot in enumerate(pricing.slots):
+            for d in slot:
+                if pricing.ids[d] in (forbidden or {}):
+                    a, b = forbidden[pricing.ids[d]]  # type: ignore[index]
+                    x = np.arange(n + 1)
+                    overlap = (x[:, None] < b) & (x[None, :] > a)
+                    stage[g] = np.where(overlap, INF, stage[g])
+        return CostTables(base.n, base.masks, stage, base.hop, base.enter, base.leave, base.leave_partial)
+
+    candidates = _Candidates(ctx)
+    count = max(4, request.top_k + 2)
+    steps = request.anneal_steps
+    latency_tables = tables()
+    first = _search(ctx, latency_tables, steps)
+    candidates.add(first, count)
+    bound = relaxed_split(latency_tables).bound if not prefer_not and not forbidden else None
+
+    if first.by_set:
+        if request.objective is Objective.THROUGHPUT and seq > 1:
+            _throughput(ctx, candidates, tables, count)
+        elif request.objective is Objective.ENERGY:
+            _energy(ctx, candidates, tables, count, first)
+        if request.objective is Objective.THROUGHPUT and seq > 1 and not replicate:
+            _replicate_greedily(ctx, candidates)
+
+    ranked = candidates.ranked()
+    if prefer_not:
+        ranked.sort(key=lambda p: (len(p.device_set & prefer_not), p.key, p.order))
+    if not ranked:
+        return _partial(ctx, first, devices)
+
+    plans = []
+    for position, priced in enumerate(ranked[: request.top_k]):
+        plans.append(
+            Plan(
+                stages=priced.stages,
+                units=n,
+                objective=request.objective,
+                complete=True,
+                predicted=priced.prediction,
+                reason=_reason(ctx, priced, ranked[0], position, ranked),
+                meets_target=meets_target(priced.prediction, request),
+            )
+        )
+    exact = strategy != "annealing"
+    lower = bound if request.objective is Objective.LATENCY else None
+    optimal = (exact and request.objective is not Objective.ENERGY) or (
+        lower is not None and plans[0].predicted.ring_s <= lower * (1 + 1e-9)  # type: ignore[union-attr]
+    )
+    if request.objective is Objective.THROUGHPUT and seq > 1 and not replicate:
+        optimal = False  # greedy replication
+    return PlanResult(plans[0], tuple(plans[1:]), strategy, lower, optimal)
+
+
+def _throughput(ctx: _Context, candidates: _Candidates, tables, count: int) -> None:  # type: ignore[no-untyped-def]
+    """Binary search on the bottleneck limit (see the module docstring)."""
+    pricing, seq = ctx.pricing, ctx.request.sequences
+    upper = min(p.key[0] for p in candidates.ranked())
+    values = np.concatenate(
+        (
+            pricing.eff[np.isfinite(pricing.eff)],
+            pricing.hop[np.isfinite(pricing.hop)],
+            pricing.enter,
+            pricing.leave,
+            [upper],
+        )
+    )
+    values = np.unique(values[values <= upper])
+    exact = ctx.strategy != "annealing"
+    steps = ctx.request.anneal_steps if exact else max(ctx.request.anneal_steps // 4, 50)
+    probes: dict[int, bool] = {}
+    starts: list[list[int]] = []
+
+    def holds(index: int) -> bool:
+        if index not in probes:
+            limit = float(values[index])
+            found = _search(ctx, tables(bottleneck_limit=limit), steps, starts[-1:])
+            best = found.best(count)
+            candidates.add(found, count)
+            probes[index] = bool(best) and best[0][0] / seq <= limit
+            if best:
+                starts.append([g for g, _, _ in best[0][1]])
+        return probes[index]
+
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    holds(lo)
+    if lo > 0:
+        holds(lo - 1)
+
+
+def _energy(ctx: _Context, candidates: _Candidates, tables, count: int, first: _Found) -> None:  # type: ignore[no-untyped-def]
+    """Successive linearisation of energy with a Lagrange weight on time (module docstring)."""
+    ids, slots = ctx.pricing.ids, ctx.pricing.slots
+    busy = np.array([sum(ctx.devices[ids[d]].power_busy_w for d in s) for s in slots])
+    idle = np.array([sum(ctx.devices[ids[d]].power_idle_w for d in s) for s in slots])
+    request = ctx.request
+    target = request.tpot_target_s
+
+    def linearised(around: _Priced, lam: float) -> _Priced:
+        point = around
+        for _ in range(4):
+            p = sum(ctx.devices[d].power_idle_w for d in sorted(point.device_set))
+            theta = point.prediction.ring_s
+            found = _search(
+                ctx,
+                tables(stage_weight=busy - idle + p + lam, stage_fixed=theta * idle, hop_weight=p + lam),
+                request.anneal_steps,
+                [[ids.index(d) for s in point.stages for d in s.device_ids]],
+            )
+            new = candidates.add(found, count)
+            if not new or new[0].stages == point.stages:
+                return new[0] if new else point
+            point = new[0]
+        return point
+
+    fastest = min(candidates.ranked(), key=lambda p: (p.prediction.tpot_s, p.order))
+    if target is not None and fastest.prediction.tpot_s > target:
+        return  # nothing can meet the target: the fastest plan will be returned
+    point = linearised(fastest, 0.0)
+    if target is None or point.prediction.tpot_s <= target:
+        return
+    scale = float(busy.max()) if busy.size else 1.0
+    lam_low, lam_high = 0.0, scale
+    for _ in range(12):
+        point = linearised(point, lam_high)
+        if point.prediction.tpot_s <= target:
+            break
+        lam_low, lam_high = lam_high, lam_high * 4
+    for _ in range(6):
+        lam = (lam_low + lam_high) / 2
+        probe = linearised(point, lam)
+        if probe.prediction.tpot_s <= target:
+            lam_high = lam
+        else:
+            lam_low = lam
+
+
+def _replicate_greedily(ctx: _Context, candidates: _Candidates) -> None:
+    """Add spare devices as replicas of stages while that lowers 1/throughput."""
+    seq = ctx.request.sequences
+    for base in candidates.ranked()[: max(2, ctx.request.top_k)]:
+        current = base
+        while True:
+            spare = [d for d in ctx.pricing.ids if d not in current.device_set]
+            best = current
+            for index, stage in enumerate(current.stages):
+                if len(stage.device_ids) >= seq:
+                    continue
+                for device_id in spare:
+                    grown = Stage(tuple(sorted(stage.device_ids + (device_id,))), stage.start, stage.end)
+                    stages = current.stages[:index] + (grown,) + current.stages[index + 1 :]
+                    try:
+                        priced = candidates.add_stages(stages)
+                    except PlanError:
+                        continue
+                    if (priced.key, priced.order) < (best.key, best.order):
+                        best = priced
+            if best is current:
+                break
+            current = best
+
+
+def _reason(ctx: _Context, priced: _Priced, best: _Priced, position: int, ranked: list[_Priced]) -> str:
+    request = ctx.request
+    prediction = priced.prediction
+    where = f"{len(priced.device_set)} of {len(ctx.devices)} devices, {ctx.strategy}"
+    value = objective_value(prediction, request)
+    base = objective_value(best.prediction, request)
+    if request.objective is Objective.LATENCY:
+        what = f"ring time {prediction.ring_s * 1e3:.3f} ms/token"
+    elif request.objective is Objective.THROUGHPUT:
+        what = f"{prediction.throughput_tok_s:.2f} tokens/s with {request.sequences} sequences"
+    else:
+        what = f"{prediction.energy_j_per_token:.4f} J/token at tpot {prediction.tpot_s * 1e3:.3f} ms"
+        if request.tpot_target_s is not None:
+            target = request.tpot_target_s * 1e3
+            if meets_target(best.prediction, request) is False:
+                what = f"no plan meets tpot target {target:.3f} ms; tpot {prediction.tpot_s * 1e3:.3f} ms"
+                value, base = prediction.tpot_s, best.prediction.tpot_s
+                if position == 0:
+                    what += " (fastest plan)"
+            else:
+                ok = "meets" if meets_target(prediction, request) else "misses"
+                what += f" ({ok} target {target:.3f} ms)"
+    if position == 0:
+        return f"best: {what} ({where})"
+    worse = (value / base - 1) * 100 if base > 0 else 0.0
+    return f"runner-up {position}: {what}, {worse:+.1f}% vs best ({where})"
+
+
+def _nothing_fits(model: ModelProfile, devices: dict[str, DeviceProfile], request: PlanRequest) -> PlanResult:
+    smallest = min(range(model.n_units), key=lambda u: (model.stage_bytes(u, u + 1, request.sequences), u))
+    need = model.stage_bytes(smallest, smallest + 1, request.sequences)
+    if devices:
+        largest = max(devices.values(), key=lambda d: (d.memory_bytes, d.id))
+        why = (
+            f"no device can hold any unit: unit {smallest} alone needs {need} bytes, the largest "
+            f"device {largest.id!r} has {largest.memory_bytes}"
+        )
+    else:
+        why = "no devices in the pool"
+    empty = Plan((), model.n_units, request.objective, False, None, why, None)
+    return PlanResult(empty, (), "exact-subset-dp", None, False)
+
+
+def _partial(ctx: _Context, first: _Found, devices: dict[str, DeviceProfile]) -> PlanResult:
+    """The deepest partial plan, with a reason naming what did not fit."""
+    model, request = ctx.model, ctx.request
+    n, seq = model.n_units, request.sequences
+    stages = _to_stages(ctx, first.partial)
+    covered = stages[-1].end if stages else 0
+    parts = [f"no complete plan: units [0, {covered}) of {n} placed"]
+    if stages:
+        last = stages[-1]
+        device = devices[last.device_ids[0]]
+        need = model.stage_bytes(last.start, covered + 1, seq)
+        parts.append(
+            f"extending {device.id!r} to unit {covered} needs {need} bytes > its {device.memory_bytes}"
+        )
+    used = {d for s in stages for d in s.device_ids}
+    free = [d for d in devices.values() if d.id not in used]
+    alone = model.stage_bytes(covered, covered + 1, seq)
+    if free:
+        largest = max(free, key=lambda d: (d.memory_bytes, d.id))
+        parts.append(
+            f"unit {covered} alone needs {alone} bytes; the largest unused device "
+            f"{largest.id!r} has {largest.memory_bytes}"
+        )
+    else:
+        parts.append(f"unit {covered} alone needs {alone} bytes and no device is left")
+    prediction = evaluate(stages, model, devices, ctx.network, request) if stages else None
+    partial = Plan(stages, n, request.objective, False, prediction, "; ".join(parts), None)
+    return PlanResult(partial, (), ctx.strategy, None, False)

@@ -1,0 +1,348 @@
+"""Plans and the cost model: the one place that says what a plan costs.
+
+This module owns the request (`PlanRequest`, `Objective`), the result types (`Stage`,
+`Plan`, `Prediction`, `PlanResult`) and `evaluate`, the single cost function that every
+search, the MILP check and the runtime's predicted-vs-measured comparison use.
+
+Cost model (DESIGN.md "The planner"; seed 000 §5.2, seed 002 §3):
+
+- a stage `[start, end)` on device d takes `overhead_s + sum(cost) / speed` per decode token;
+- a hop carries `bytes` in `rtt/2 + bytes/bandwidth`; the coordinator sends the token id to
+  the first stage and the last stage returns one; a hop with a relay device at either end
+  goes through the coordinator and pays both legs;
+- ring time T = sum of stage times + sum of hops (what one token of one sequence takes);
+- with S sequences in flight the pipeline period per sequence is max(T, S * B), where B is
+  the bottleneck: the largest per-token time of a stage (divided by its replica count) or
+  of a hop; throughput is S / max(T, S * B);
+- a stage replicated on r devices splits its sequences evenly: each replica holds the whole
+  range's weights and ceil(S / r) KV caches, and handles 1/r of the tokens;
+- energy per produced token = sum over plan devices of busy power x busy time + idle power
+  x idle time within one token period (1 / throughput).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal
+
+from .profiles import COORDINATOR, DeviceProfile, ModelProfile, NetworkProfile
+
+
+class Objective(StrEnum):
+    """What the planner minimises."""
+
+    LATENCY = "latency"  # ring time T of one token
+    THROUGHPUT = "throughput"  # 1 / throughput with `sequences` in flight
+    ENERGY = "energy"  # energy per token, subject to tpot <= target
+
+
+SearchKind = Literal["exact-permutations", "exact-subset-dp", "annealing"]
+SearchChoice = Literal["auto", "exact-permutations", "exact-subset-dp", "annealing"]
+
+
+class PlanError(ValueError):
+    """A plan or request that cannot be valid (the message names the device and number)."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the caller wants from `plan()`.
+
+    `seed` drives the annealing search; `max_exact_devices` is the largest pool searched
+    exactly; `search` forces a strategy ("auto" picks by pool size); `anneal_steps` is the
+    annealing budget in evaluated orders (deterministic, not a clock).
+    """
+
+    objective: Objective = Objective.LATENCY
+    sequences: int = 1
+    prompt_tokens: int = 128
+    tpot_target_s: float | None = None
+    top_k: int = 3
+    seed: int = 0
+    max_exact_devices: int = 8
+    search: SearchChoice = "auto"
+    anneal_steps: int = 1200
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "objective", Objective(self.objective))
+        if self.sequences < 1:
+            raise PlanError(f"sequences = {self.sequences} must be >= 1")
+        if self.prompt_tokens < 1:
+            raise PlanError(f"prompt_tokens = {self.prompt_tokens} must be >= 1")
+        if self.tpot_target_s is not None and not self.tpot_target_s > 0:
+            raise PlanError(f"tpot_target_s = {self.tpot_target_s} must be > 0")
+        if self.top_k < 1:
+            raise PlanError(f"top_k = {self.top_k} must be >= 1")
+        if self.anneal_steps < 0:
+            raise PlanError(f"anneal_steps = {self.anneal_steps} must be >= 0")
+        if self.search not in ("auto", "exact-permutations", "exact-subset-dp", "annealing"):
+            raise PlanError(f"unknown search {self.search!r}")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Units `[start, end)` run on `device_ids` (more than one id: data-parallel replicas)."""
+
+    device_ids: tuple[str, ...]
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device_ids", tuple(self.device_ids))
+        if not self.device_ids:
+            raise PlanError(f"stage [{self.start}, {self.end}) has no device")
+        if len(set(self.device_ids)) != len(self.device_ids):
+            raise PlanError(f"stage [{self.start}, {self.end}) repeats a device: {self.device_ids}")
+        if not 0 <= self.start < self.end:
+            raise PlanError(
+                f"stage on {self.device_ids[0]!r}: range [{self.start}, {self.end}) is empty or negative"
+            )
+
+    @property
+    def units(self) -> range:
+        return range(self.start, self.end)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts for a plan (seconds, joules, bytes).
+
+    `hop_times_s` has one entry more than `stage_times_s`: coordinator -> first stage,
+    between consecutive stages, last stage -> coordinator. `tpot_s` is the time per output
+    token each sequence sees with `sequences` in flight (equals `ring_s` for one sequence).
+    """
+
+    tpot_s: float
+    ttft_s: float
+    throughput_tok_s: float
+    energy_j_per_token: float
+    memory_bytes: tuple[tuple[str, int], ...]
+    stage_times_s: tuple[float, ...]
+    hop_times_s: tuple[float, ...]
+    ring_s: float
+    bottleneck_s: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An assignment of contiguous unit ranges to devices, with its prediction.
+
+    Stages are contiguous from unit 0; they cover all `units` unless `complete` is False (a
+    partial plan, used to pre-fetch files while the pool is too small). A device appears in
+    at most one stage.
+    """
+
+    stages: tuple[Stage, ...]
+    units: int
+    objective: Objective
+    complete: bool
+    predicted: Prediction | None
+    reason: str
+    meets_target: bool | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        check_stages(self.stages, self.units, self.complete)
+
+    @property
+    def device_ids(self) -> tuple[str, ...]:
+        """Every device the plan uses, in pipeline order."""
+        return tuple(d for stage in self.stages for d in stage.device_ids)
+
+    def stage_of(self, device_id: str) -> Stage | None:
+        for stage in self.stages:
+            if device_id in stage.device_ids:
+                return stage
+        return None
+
+
+def check_stages(stages: tuple[Stage, ...], units: int, complete: bool) -> None:
+    """Raise `PlanError` unless `stages` are contiguous from 0 (and cover `units` if complete)."""
+    expected = 0
+    seen: set[str] = set()
+    for stage in stages:
+        if stage.start != expected:
+            raise PlanError(
+                f"stage on {stage.device_ids[0]!r} starts at unit {stage.start}, expected {expected}"
+            )
+        for device_id in stage.device_ids:
+            if device_id in seen:
+                raise PlanError(f"device {device_id!r} appears in two stages")
+            seen.add(device_id)
+        expected = stage.end
+    if expected > units:
+        raise PlanError(f"stages end at unit {expected} but the model has {units} units")
+    if complete and expected != units:
+        raise PlanError(f"complete plan covers units [0, {expected}) of {units}")
+    if not complete and expected == units:
+        raise PlanError("plan covers every unit but is flagged partial")
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """`plan()`'s answer: the best plan, runners-up on other device sets, and how it searched.
+
+    `lower_bound` is a proven lower bound on the latency objective's ring time (None for other
+    objectives); `optimal` says whether `best` is proven optimal for the request.
+    """
+
+    best: Plan
+    runners_up: tuple[Plan, ...]
+    searched: SearchKind
+    lower_bound: float | None = None
+    optimal: bool = False
+
+
+def device_map(devices: Iterable[DeviceProfile] | Mapping[str, DeviceProfile]) -> dict[str, DeviceProfile]:
+    """Index devices by id, sorted by id, rejecting duplicates."""
+    items = list(devices.values()) if isinstance(devices, Mapping) else list(devices)
+    result: dict[str, DeviceProfile] = {}
+    for device in sorted(items, key=lambda d: d.id):
+        if device.id in result:
+            raise PlanError(f"device {device.id!r} is listed twice")
+        result[device.id] = device
+    return result
+
+
+def hop_s(
+    src: str, dst: str, nbytes: float, network: NetworkProfile, devices: Mapping[str, DeviceProfile]
+) -> float:
+    """Time to move `nbytes` from `src` to `dst`; a relay end routes through the coordinator."""
+    relayed = COORDINATOR not in (src, dst) and (
+        (src in devices and devices[src].relay) or (dst in devices and devices[dst].relay)
+    )
+    if relayed:
+        return network.hop_s(src, COORDINATOR, nbytes) + network.hop_s(COORDINATOR, dst, nbytes)
+    return network.hop_s(src, dst, nbytes)
+
+
+def replica_sequences(sequences: int, replicas: int) -> int:
+    """KV caches each replica of a stage holds when `sequences` are split evenly."""
+    return -(-sequences // replicas)
+
+
+def evaluate(
+    plan_stages: Iterable[Stage],
+    model: ModelProfile,
+    devices: Iterable[DeviceProfile] | Mapping[str, DeviceProfile],
+    network: NetworkProfile,
+    request: PlanRequest,
+) -> Prediction:
+    """Predict time, throughput, energy and memory of `plan_stages` (see the module docstring).
+
+    Stages must be contiguous from unit 0; if they stop short of the model's end the last
+    stage is priced as sending its activations to the coordinator. Raises `PlanError`
+    naming the device if a stage does not fit its memory or a device is unknown.
+    """
+    stages = tuple(plan_stages)
+    devs = devices if isinstance(devices, dict) else device_map(devices)
+    n = model.n_units
+    complete = bool(stages) and stages[-1].end == n
+    check_stages(stages, n, complete)
+    if not stages:
+        raise PlanError("a plan needs at least one stage")
+    sequences = request.sequences
+    prompt = request.prompt_tokens
+
+    memory: dict[str, int] = {}
+    stage_times: list[float] = []
+    prefill_times: list[float] = []
+    busy: dict[str, float] = {}  # busy seconds per produced token
+    effective: list[float] = []
+    for stage in stages:
+        replicas = len(stage.device_ids)
+        if replicas > sequences:
+            raise PlanError(
+                f"stage [{stage.start}, {stage.end}) has {replicas} replicas for {sequences} sequences"
+            )
+        units = model.units[stage.start : stage.end]
+        cost = math.fsum(u.cost for u in units)
+        need = model.stage_bytes(stage.start, stage.end, replica_sequences(sequences, replicas))
+        times = []
+        prefills = []
+        for device_id in stage.device_ids:
+            if device_id not in devs:
+                raise PlanError(f"device {device_id!r} is not in the pool")
+            device = devs[device_id]
+            if need > device.memory_bytes:
+                raise PlanError(
+                    f"device {device_id!r}: units [{stage.start}, {stage.end}) need {need} bytes, "
+                    f"it has {device.memory_bytes}"
+                )
+            memory[device_id] = need
+            t = device.overhead_s + cost / device.speed
+            times.append(t)
+            prefills.append(device.overhead_s + prompt * cost / (device.speed * model.prefill_efficiency))
+            busy[device_id] = t / replicas
+        stage_times.append(max(times))
+        prefill_times.append(max(prefills))
+        effective.append(max(times) / replicas)
+
+    def boundary(src_ids: tuple[str, ...], dst_ids: tuple[str, ...], nbytes: float) -> float:
+        return max(hop_s(a, b, nbytes, network, devs) for a in src_ids for b in dst_ids)
+
+    coordinator = (COORDINATOR,)
+    token = model.token_id_bytes
+    last_bytes = token if complete else model.units[stages[-1].end - 1].out_bytes_per_token
+    hops = [boundary(coordinator, stages[0].device_ids, token)]
+    prefill_hops = [boundary(coordinator, stages[0].device_ids, prompt * token)]
+    for before, after in zip(stages, stages[1:]):
+        activation = model.units[before.end - 1].out_bytes_per_token
+        hops.append(boundary(before.device_ids, after.device_ids, activation))
+        prefill_hops.append(boundary(before.device_ids, after.device_ids, prompt * activation))
+    hops.append(boundary(stages[-1].device_ids, coordinator, last_bytes))
+    prefill_hops.append(boundary(stages[-1].device_ids, coordinator, last_bytes))
+
+    ring = math.fsum(stage_times + hops)
+    bottleneck = max(effective + hops)
+    tpot = max(ring, sequences * bottleneck)
+    period = tpot / sequences  # seconds per token produced by the whole pipeline
+    energy = math.fsum(
+        devs[d].power_busy_w * busy[d] + devs[d].power_idle_w * max(period - busy[d], 0.0)
+        for d in sorted(busy)
+    )
+    return Prediction(
+        tpot_s=tpot,
+        ttft_s=math.fsum(prefill_times + prefill_hops),
+        throughput_tok_s=sequences / tpot,
+        energy_j_per_token=energy,
+        memory_bytes=tuple(sorted(memory.items())),
+        stage_times_s=tuple(stage_times),
+        hop_times_s=tuple(hops),
+        ring_s=ring,
+        bottleneck_s=bottleneck,
+    )
+
+
+def meets_target(prediction: Prediction, request: PlanRequest) -> bool | None:
+    """Whether the predicted tpot is within the request's target (None without a target)."""
+    if request.tpot_target_s is None:
+        return None
+    return prediction.tpot_s <= request.tpot_target_s * (1 + 1e-12)
+
+
+def objective_key(prediction: Prediction, request: PlanRequest) -> tuple[float, ...]:
+    """Sort key of a prediction under the request's objective (smaller is better).
+
+    Energy plans that miss the tpot target rank after every plan that meets it, fastest
+    first, so that "no plan meets the target" returns the fastest plan.
+    """
+    if request.objective is Objective.LATENCY:
+        return (prediction.ring_s,)
+    if request.objective is Objective.THROUGHPUT:
+        return (1.0 / prediction.throughput_tok_s,)
+    if meets_target(prediction, request) is False:
+        return (1.0, prediction.tpot_s, prediction.energy_j_per_token)
+    return (0.0, prediction.energy_j_per_token, prediction.tpot_s)
+
+
+def objective_value(prediction: Prediction, request: PlanRequest) -> float:
+    """The scalar the objective minimises: ring seconds, seconds per token, or joules per token."""
+    if request.objective is Objective.LATENCY:
+        return prediction.ring_s
+    if request.objective is Objective.THROUGHPUT:
+        return 1.0 / prediction.throughput_tok_s
+    return prediction.energy_j_per_token

@@ -1,0 +1,243 @@
+"""Profiles: what the planner knows about the model, the devices and the network.
+
+This module owns the frozen value types the planner reads (`UnitProfile`, `ModelProfile`,
+`DeviceProfile`, `LinkProfile`, `NetworkProfile`) and the one formula for the time of a
+network hop. Everything here is validated at construction, so the search code can trust it.
+
+Units: bytes are ints, times are seconds, `cost` is in "cost units" (seconds a reference
+device needs for one decode token), `speed` is cost units per second (1.0 = the reference).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+COORDINATOR = "coordinator"
+"""Node id of the coordinator in `LinkProfile.src`/`dst`; no device may use it."""
+
+DEFAULT_RUNTIME_OVERHEAD_BYTES = 64 * 1024 * 1024
+"""Allowance per stage for the runtime itself (session, arenas, I/O buffers).
+
+A conservative guess, not a measurement: replace it with the value the profiler measures
+for the model package in use."""
+
+DEFAULT_POWER_BUSY_W = 15.0
+DEFAULT_POWER_IDLE_W = 3.0
+"""Power defaults for devices that declare none: 15 W is the sustained package-power class
+of laptop (U-series) CPUs and 3 W a typical idle floor of the same machines. They are
+placeholders for ranking plans by energy; declare measured values in devices.yaml."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    """One link of the model chain: the embedding, a decoder layer, or the head.
+
+    `cost` is seconds on the reference device for one decode token; `out_bytes_per_token`
+    is the size of the unit's output for one token (the activation sent to the next stage).
+    """
+
+    index: int
+    name: str
+    cost: float
+    weight_bytes: int
+    kv_bytes_per_token: int
+    out_bytes_per_token: int
+
+    def __post_init__(self) -> None:
+        _require(self.index >= 0, f"unit {self.name!r}: index {self.index} < 0")
+        for label, value in (
+            ("cost", self.cost),
+            ("weight_bytes", self.weight_bytes),
+            ("kv_bytes_per_token", self.kv_bytes_per_token),
+            ("out_bytes_per_token", self.out_bytes_per_token),
+        ):
+            _require(
+                math.isfinite(value) and value >= 0,
+                f"unit {self.index} ({self.name}): {label} = {value} must be finite and >= 0",
+            )
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model as a chain of units: index 0 is the token embedding, the last is the head.
+
+    `context_tokens` is the KV capacity reserved per sequence; `prefill_efficiency` > 1
+    means a prefill token is cheaper than a decode token (prefill per token costs
+    `cost / prefill_efficiency`).
+    """
+
+    name: str
+    units: tuple[UnitProfile, ...]
+    context_tokens: int
+    token_id_bytes: int = 4
+    runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES
+    prefill_efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "units", tuple(self.units))
+        _require(len(self.units) > 0, f"model {self.name!r} has no units")
+        for position, unit in enumerate(self.units):
+            _require(
+                unit.index == position,
+                f"model {self.name!r}: unit at position {position} has index {unit.index}",
+            )
+        _require(self.context_tokens > 0, f"model {self.name!r}: context_tokens must be > 0")
+        _require(self.token_id_bytes > 0, f"model {self.name!r}: token_id_bytes must be > 0")
+        _require(
+            self.runtime_overhead_bytes >= 0,
+            f"model {self.name!r}: runtime_overhead_bytes must be >= 0",
+        )
+        _require(
+            self.prefill_efficiency > 0,
+            f"model {self.name!r}: prefill_efficiency must be > 0",
+        )
+
+    @property
+    def n_units(self) -> int:
+        return len(self.units)
+
+    def stage_bytes(self, start: int, end: int, sequences: int) -> int:
+        """Memory a stage `[start, end)` needs with `sequences` KV caches of full context."""
+        units = self.units[start:end]
+        weights = sum(u.weight_bytes for u in units)
+        kv = sum(u.kv_bytes_per_token for u in units)
+        return weights + self.context_tokens * sequences * kv + self.runtime_overhead_bytes
+
+
+def transformer_profile(
+    name: str,
+    layers: int,
+    *,
+    layer_cost: float,
+    layer_bytes: int,
+    kv_bytes_per_token: int,
+    hidden_bytes: int,
+    embed_cost: float = 0.0,
+    embed_bytes: int = 0,
+    head_cost: float = 0.0,
+    head_bytes: int = 0,
+    context_tokens: int = 2048,
+    **model_kwargs: object,
+) -> ModelProfile:
+    """Build the usual chain (embedding, `layers` identical decoder layers, head).
+
+    The head emits one token id, so its `out_bytes_per_token` is the token-id size.
+    """
+    token_id_bytes = int(model_kwargs.get("token_id_bytes", 4))  # type: ignore[arg-type]
+    units = [UnitProfile(0, "embed", embed_cost, embed_bytes, 0, hidden_bytes)]
+    for layer in range(layers):
+        units.append(
+            UnitProfile(
+                layer + 1, f"layer{layer}", layer_cost, layer_bytes, kv_bytes_per_token, hidden_bytes
+            )
+        )
+    units.append(UnitProfile(layers + 1, "head", head_cost, head_bytes, 0, token_id_bytes))
+    return ModelProfile(name, tuple(units), context_tokens, **model_kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """A worker as the planner sees it.
+
+    `held_units` are units whose weight files the device already caches; `relay` marks a
+    device that cannot accept connections (a browser tab): its activations travel through
+    the coordinator. `emulated` marks a device whose slowness is injected (reports say so).
+    """
+
+    id: str
+    memory_bytes: int
+    speed: float
+    overhead_s: float
+    power_busy_w: float = DEFAULT_POWER_BUSY_W
+    power_idle_w: float = DEFAULT_POWER_IDLE_W
+    held_units: frozenset[int] = frozenset()
+    relay: bool = False
+    emulated: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "held_units", frozenset(self.held_units))
+        _require(bool(self.id), "device id must not be empty")
+        _require(self.id != COORDINATOR, f"device id {COORDINATOR!r} is reserved")
+        _require(self.memory_bytes >= 0, f"device {self.id!r}: memory_bytes {self.memory_bytes} < 0")
+        _require(
+            math.isfinite(self.speed) and self.speed > 0,
+            f"device {self.id!r}: speed {self.speed} must be > 0",
+        )
+        _require(
+            math.isfinite(self.overhead_s) and self.overhead_s >= 0,
+            f"device {self.id!r}: overhead_s {self.overhead_s} must be >= 0",
+        )
+        _require(
+            self.power_busy_w >= 0 and self.power_idle_w >= 0,
+            f"device {self.id!r}: power must be >= 0",
+        )
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """One direction of a link between two nodes (device ids or `COORDINATOR`)."""
+
+    src: str
+    dst: str
+    rtt_s: float
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        _require(
+            math.isfinite(self.rtt_s) and self.rtt_s >= 0,
+            f"link {self.src}->{self.dst}: rtt_s {self.rtt_s} must be >= 0",
+        )
+        _require(
+            self.bandwidth_bytes_per_s > 0,
+            f"link {self.src}->{self.dst}: bandwidth {self.bandwidth_bytes_per_s} must be > 0",
+        )
+
+    def transfer_s(self, nbytes: float) -> float:
+        """Time of one hop carrying `nbytes`: half a round trip plus serialisation."""
+        return self.rtt_s / 2 + nbytes / self.bandwidth_bytes_per_s
+
+
+DEFAULT_LINK = LinkProfile("*", "*", rtt_s=0.002, bandwidth_bytes_per_s=12.5e6)
+"""Fallback for pairs nobody measured: 2 ms RTT, 100 Mbit/s (a wired LAN)."""
+
+
+@dataclass(frozen=True)
+class NetworkProfile:
+    """Measured links plus a fallback.
+
+    A link given in one direction only is assumed symmetric; `default` (its src/dst are
+    ignored) prices every pair that was not measured.
+    """
+
+    links: tuple[LinkProfile, ...] = ()
+    default: LinkProfile = DEFAULT_LINK
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "links", tuple(self.links))
+        seen: set[tuple[str, str]] = set()
+        for link in self.links:
+            _require(link.src != link.dst, f"link {link.src}->{link.dst} connects a node to itself")
+            pair = (link.src, link.dst)
+            _require(pair not in seen, f"link {link.src}->{link.dst} is given twice")
+            seen.add(pair)
+
+    @cached_property
+    def _by_pair(self) -> dict[tuple[str, str], LinkProfile]:
+        table = {(link.dst, link.src): link for link in self.links}
+        table.update({(link.src, link.dst): link for link in self.links})
+        return table
+
+    def link(self, src: str, dst: str) -> LinkProfile:
+        """The link used from `src` to `dst` (measured, its reverse, or the default)."""
+        return self._by_pair.get((src, dst), self.default)
+
+    def hop_s(self, src: str, dst: str, nbytes: float) -> float:
+        """Direct transfer time from `src` to `dst` (no relay rule; see `plan.hop_s`)."""
+        return self.link(src, dst).transfer_s(nbytes)

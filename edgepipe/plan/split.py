@@ -1,0 +1,418 @@
+"""Contiguous splits: price tables and the dynamic programmes that search them.
+
+This module owns
+- `Pricing`: the cost model of `plan.evaluate` laid out as numpy tables over every
+  (slot, range) and (slot, slot, boundary) for one planning call. A *slot* is what a stage
+  runs on: one device, or a group of devices replicating the stage;
+- `CostTables`: the additive cost the searches minimise (time, or a weighted time for the
+  energy objective, with ranges over a bottleneck limit removed);
+- the exact searches over those tables: `best_split` for a fixed order of slots (seed 000,
+  algorithm 5.1, extended with per-pair hop costs), `subset_dp` over sets of used slots
+  (exact over every order), and `relaxed_split`, a lower bound that lets a device appear
+  more than once.
+
+Ranges that do not fit memory are infinite in the tables. Because memory grows with the
+range, the feasible starts of a stage ending at unit i form one window; masking them up
+front is what algorithm 5.1's early `break` does, done once per call instead of per order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import PlanRequest, replica_sequences
+from .profiles import COORDINATOR, DeviceProfile, ModelProfile, NetworkProfile
+
+INF = float("inf")
+
+Path = tuple[tuple[int, int, int], ...]
+"""A split as (slot, start, end) triples, contiguous from unit 0."""
+
+
+@dataclass(frozen=True, eq=False)
+class Pricing:
+    """Time and memory of every stage and hop for one (model, pool, network, request).
+
+    Index conventions: devices are `ids` (sorted), slots are `slots` (tuples of device
+    indices; singletons first, in device order). Arrays hold +inf where a stage does not
+    fit memory, where x >= i, and for hops between slots that share a device.
+    """
+
+    ids: tuple[str, ...]
+    n: int
+    slots: tuple[tuple[int, ...], ...]
+    masks: np.ndarray  # (k,) bitmask of the devices in each slot
+    time: np.ndarray  # (k, n+1, n+1) time of stage [x, i) on the slot (slowest replica)
+    eff: np.ndarray  # (k, n+1, n+1) its share of the bottleneck: time / replicas
+    hop: np.ndarray  # (k, k, n+1) hop at boundary x (1..n-1) from slot g to slot h
+    enter: np.ndarray  # (k,) coordinator -> slot, one token id
+    leave: np.ndarray  # (k,) slot -> coordinator, one token id
+    leave_partial: np.ndarray  # (k, n+1) slot -> coordinator with unit x-1's activations
+    need: np.ndarray  # (n+1, n+1) bytes of stage [x, i) with all sequences on one device
+
+    @property
+    def k(self) -> int:
+        return len(self.slots)
+
+
+def build_pricing(
+    model: ModelProfile,
+    devices: Mapping[str, DeviceProfile],
+    network: NetworkProfile,
+    request: PlanRequest,
+    *,
+    max_replicas: int = 1,
+    replica_pool: Sequence[str] | None = None,
+) -> Pricing:
+    """Lay out the cost model of `evaluate` for `devices` (ids in sorted order).
+
+    With `max_replicas` > 1, slots also include every group of up to that many devices
+    taken from `replica_pool` (default: all), each group replicating one stage.
+    """
+    ids = tuple(sorted(devices))
+    m, n = len(ids), model.n_units
+    units = model.units
+    seq = request.sequences
+
+    cost_prefix = np.concatenate(([0.0], np.cumsum([u.cost for u in units], dtype=np.float64)))
+    weight_prefix = np.concatenate(([0], np.cumsum([u.weight_bytes for u in units], dtype=np.int64)))
+    kv_prefix = np.concatenate(([0], np.cumsum([u.kv_bytes_per_token for u in units], dtype=np.int64)))
+    upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # x < i
+
+    def stage_need(sequences: int) -> np.ndarray:
+        weights = weight_prefix[None, :] - weight_prefix[:, None]
+        kv = kv_prefix[None, :] - kv_prefix[:, None]
+        return weights + model.context_tokens * sequences * kv + model.runtime_overhead_bytes
+
+    span = cost_prefix[None, :] - cost_prefix[:, None]
+    speed = np.array([devices[d].speed for d in ids])
+    overhead = np.array([devices[d].overhead_s for d in ids])
+    memory = np.array([devices[d].memory_bytes for d in ids], dtype=np.int64)
+    dev_time = np.where(upper[None], overhead[:, None, None] + span[None] / speed[:, None, None], INF)
+
+    slots: list[tuple[int, ...]] = [(d,) for d in range(m)]
+    if max_replicas > 1:
+        pool = sorted(ids.index(d) for d in (replica_pool if replica_pool is not None else ids))
+        from itertools import combinations
+
+        for r in range(2, min(max_replicas, len(pool)) + 1):
+            slots.extend(combinations(pool, r))
+    k = len(slots)
+    # Python ints beyond 62 devices: only the subset DP needs fast masks, and it never runs there.
+    masks = np.array([sum(1 << d for d in slot) for slot in slots], dtype=np.int64 if m <= 62 else object)
+
+    needs = {r: stage_need(replica_sequences(seq, r)) for r in {len(s) for s in slots}}
+    time = np.empty((k, n + 1, n + 1))
+    eff = np.empty((k, n + 1, n + 1))
+    for g, slot in enumerate(slots):
+        members = list(slot)
+        fits = (needs[len(slot)][None] <= memory[members][:, None, None]).all(0)
+        slowest = dev_time[members].max(0)
+        time[g] = np.where(fits & upper, slowest, INF)
+        eff[g] = time[g] / len(slot)
+
+    # Device-level links, with the coordinator as node m; relays pay both legs.
+    nodes = ids + (COORDINATOR,)
+    half_rtt = np.empty((m + 1, m + 1))
+    bandwidth = np.empty((m + 1, m + 1))
+    for a, src in enumerate(nodes):
+        for b, dst in enumerate(nodes):
+            link = network.link(src, dst)
+            half_rtt[a, b], bandwidth[a, b] = link.rtt_s / 2, link.bandwidth_bytes_per_s
+    relay = np.array([devices[d].relay for d in ids] + [False])
+    out_bytes = np.zeros(n + 1)
+    out_bytes[1:] = [u.out_bytes_per_token for u in units]  # boundary x carries unit x-1's output
+
+    def leg(a: np.ndarray | int, b: np.ndarray | int, nbytes: np.ndarray | float) -> np.ndarray:
+        return half_rtt[a, b] + nbytes / bandwidth[a, b]
+
+    coord = m
+    dev = np.arange(m)
+    direct = half_rtt[:m, :m, None] + out_bytes[None, None, :] / bandwidth[:m, :m, None]
+    via = (
+        half_rtt[:m, coord, None, None]
+        + out_bytes[None, None, :] / bandwidth[:m, coord, None, None]
+        + (half_rtt[coord, :m, None] + out_bytes[None, None, :] / bandwidth[coord, :m, None])
+    )
+    relayed = (relay[:m, None] | relay[None, :m])[:, :, None]
+    dev_hop = np.where(relayed, via, direct)
+    dev_hop[dev, dev, :] = INF
+    dev_hop[:, :, 0] = INF
+    dev_hop[:, :, n] = INF
+    token = float(model.token_id_bytes)
+    dev_enter = leg(coord, dev, token)
+    dev_leave = leg(dev, coord, token)
+    dev_leave_partial = half_rtt[:m, coord, None] + out_bytes[None, :] / bandwidth[:m, coord, None]
+
+    if k == m:
+        hop, enter, leave, leave_partial = dev_hop, dev_enter, dev_leave, dev_leave_partial
+    else:
+        hop = np.empty((k, k, n + 1))
+        for g, a in enumerate(slots):
+            for h, b in enumerate(slots):
+                hop[g, h] = dev_hop[np.ix_(a, b)].max(axis=(0, 1)) if not set(a) & set(b) else INF
+        enter = np.array([dev_enter[list(s)].max() for s in slots])
+        leave = np.array([dev_leave[list(s)].max() for s in slots])
+        leave_partial = np.stack([dev_leave_partial[list(s)].max(0) for s in slots])
+    return Pricing(
+        ids=ids,
+        n=n,
+        slots=tuple(slots),
+        masks=masks,
+        time=time,
+        eff=eff,
+        hop=hop,
+        enter=enter,
+        leave=leave,
+        leave_partial=leave_partial,
+        need=needs.get(1, stage_need(seq)),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class CostTables:
+    """The additive cost a search minimises: stage[g, x, i], hop[g, h, x], enter[g], leave[g]."""
+
+    n: int
+    masks: np.ndarray
+    stage: np.ndarray
+    hop: np.ndarray
+    enter: np.ndarray
+    leave: np.ndarray
+    leave_partial: np.ndarray
+
+    @property
+    def k(self) -> int:
+        return len(self.masks)
+
+
+def cost_tables(
+    pricing: Pricing,
+    *,
+    bottleneck_limit: float = INF,
+    stage_weight: np.ndarray | float = 1.0,
+    stage_fixed: np.ndarray | float = 0.0,
+    hop_weight: float = 1.0,
+) -> CostTables:
+    """Weighted costs: `stage_weight[g] * time + stage_fixed[g]` per stage, `hop_weight * hop`.
+
+    Stages whose bottleneck share, and hops whose time, exceed `bottleneck_limit` are removed.
+    With the defaults the cost of a path is its ring time T.
+    """
+    weight = np.broadcast_to(np.asarray(stage_weight, dtype=np.float64), (pricing.k,))
+    fixed = np.broadcast_to(np.asarray(stage_fixed, dtype=np.float64), (pricing.k,))
+    stage = weight[:, None, None] * pricing.time + fixed[:, None, None]
+    hop, enter, leave = pricing.hop, pricing.enter, pricing.leave
+    if hop_weight != 1.0:
+        hop, enter, leave = hop * hop_weight, enter * hop_weight, leave * hop_weight
+    if bottleneck_limit < INF:
+        stage = np.where(pricing.eff <= bottleneck_limit, stage, INF)
+        hop = np.where(pricing.hop <= bottleneck_limit, hop, INF)
+        enter = np.where(pricing.enter <= bottleneck_limit, enter, INF)
+        leave = np.where(pricing.leave <= bottleneck_limit, leave, INF)
+    stage = np.where(np.isfinite(pricing.time), stage, INF)
+    return CostTables(
+        n=pricing.n,
+        masks=pricing.masks,
+        stage=stage,
+        hop=hop,
+        enter=enter,
+        leave=leave,
+        leave_partial=pricing.leave_partial * hop_weight,
+    )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Best complete split found (cost inf and path () if none) and the deepest partial one."""
+
+    cost: float
+    path: Path
+    covered: int
+    partial_path: Path
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.path)
+
+
+def best_split(tables: CostTables, order: Sequence[int]) -> Outcome:
+    """Exact best split for a fixed order of slots; any slot may be skipped (costs nothing).
+
+    O(n^2 m + n m^2): the state is (units covered, last slot used), because a hop's cost
+    depends on both of its ends. Slots in `order` must not share devices.
+    """
+    n, order = tables.n, list(order)
+    length = len(order)
+    if length == 0:
+        return Outcome(INF, (), 0, ())
+    value = np.full((length, n + 1), INF)  # value[p, i]: units [0, i) done, last stage on order[p]
+    entry = np.full((length, n + 1), INF)  # cheapest arrival at order[p] before unit x
+    came = np.full((length, n + 1), -1)  # position of the previous stage for that arrival
+    for p, h in enumerate(order):
+        entry[p, 0] = tables.enter[h]
+        if p and n > 1:
+            prev = np.asarray(order[:p])
+            arrive = value[:p, 1:n] + tables.hop[prev, h, 1:n]
+            came[p, 1:n] = arrive.argmin(0)
+            entry[p, 1:n] = arrive[came[p, 1:n], np.arange(n - 1)]
+        value[p] = (entry[p, :n, None] + tables.stage[h, :n, :]).min(0)
+
+    totals = value[:, n] + tables.leave[order]
+    best = int(np.argmin(totals))
+    cost = float(totals[best])
+
+    def backtrack(p: int, i: int) -> Path:
+        path = []
+        while True:
+            h = order[p]
+            x = int(np.argmin(entry[p, :n] + tables.stage[h, :n, i]))
+            path.append((h, x, i))
+            if x == 0:
+                return tuple(reversed(path))
+            p, i = int(came[p, x]), x
+
+    if np.isfinite(cost):
+        return Outcome(cost, backtrack(best, n), n, ())
+    covered, p = _deepest(value, tables, order)
+    return Outcome(INF, (), covered, backtrack(p, covered) if covered else ())
+
+
+def _deepest(value: np.ndarray, tables: CostTables, slots: Sequence[int]) -> tuple[int, int]:
+    """Deepest unit boundary reached by any row of `value`, and the cheapest row reaching it."""
+    reached = np.isfinite(value).any(0)
+    reached[0] = False
+    if not reached.any():
+        return 0, 0
+    i = int(np.flatnonzero(reached)[-1])
+    priced = value[:, i] + tables.leave_partial[list(slots), i]
+    return i, int(np.argmin(priced))
+
+
+@dataclass(frozen=True, eq=False)
+class SubsetResult:
+    """Every set of used devices with its best complete split, plus the deepest partial one."""
+
+    best_by_set: dict[int, tuple[float, Path]]
+    covered: int
+    partial_path: Path
+
+
+def subset_dp_size(n: int, m: int, k: int) -> int:
+    """Cells of `subset_dp`'s table; callers use it to decide whether the DP is affordable."""
+    return (1 << m) * k * (n + 1)
+
+
+def subset_dp(tables: CostTables, m: int, keep: int | None = None) -> SubsetResult:
+    """Exact search over every order at once: a DP over (set of used devices, last slot, units).
+
+    Held-Karp style, O(2^m k^2 n^2) worst case but vectorised per set. Returns, for each
+    device set that covers the model, its best split; `keep` limits how many (the cheapest)
+    are reconstructed.
+    """
+    n, k = tables.n, tables.k
+    masks = tables.masks
+    size = 1 << m
+    value = np.full((size, k, n + 1), INF)
+    seeded = tables.enter[:, None] + tables.stage[:, 0, :]
+    value[masks, np.arange(k)] = seeded
+    alive = np.zeros(size, dtype=bool)
+    alive[masks] = np.isfinite(seeded[:, 1:n]).any(1)
+    for used in range(1, size):
+        if not alive[used]:
+            continue
+        live = np.flatnonzero(np.isfinite(value[used, :, 1:n]).any(1))
+        free = np.flatnonzero((masks & used) == 0)
+        if live.size == 0 or free.size == 0:
+            continue
+        arrive = value[used, live, None, 1:n] + tables.hop[live[:, None], free[None, :], 1:n]
+        entry = arrive.min(0)  # (free, n-1)
+        reach = (entry[:, :, None] + tables.stage[free, 1:n, :]).min(1)  # (free, n+1)
+        targets = used | masks[free]
+        current = value[targets, free]
+        value[targets, free] = np.minimum(current, reach)
+        alive[targets] |= np.isfinite(reach[:, 1:n]).any(1)
+
+    def backtrack(used: int, g: int, i: int) -> Path:
+        path = []
+        while True:
+            if used == masks[g]:
+                path.append((g, 0, i))
+                return tuple(reversed(path))
+            before = used & ~int(masks[g])
+            cand = np.flatnonzero((masks & ~before) == 0)  # slots made of devices used before
+            arrive = value[before, cand, 1:i] + tables.hop[cand, g, 1:i] + tables.stage[g, 1:i, i][None, :]
+            flat = int(np.argmin(arrive))
+            row, col = divmod(flat, arrive.shape[1])
+            path.append((g, col + 1, i))
+            used, g, i = before, int(cand[row]), col + 1
+
+    totals = value[:, :, n] + tables.leave[None, :]
+    last = totals.argmin(1)
+    best = totals[np.arange(size), last]
+    finite = np.flatnonzero(np.isfinite(best))
+    if keep is not None and finite.size > keep:
+        finite = finite[np.lexsort((finite, best[finite]))[:keep]]
+    best_by_set = {
+        int(u): (float(best[u]), backtrack(int(u), int(last[u]), n)) for u in finite
+    }
+    covered, partial = 0, ()
+    if not best_by_set:
+        reached = np.isfinite(value[:, :, 1:n]).any((0, 1))
+        if reached.any():
+            covered = int(np.flatnonzero(reached)[-1]) + 1
+            priced = value[:, :, covered] + tables.leave_partial[None, :, covered]
+            used, g = np.unravel_index(int(np.argmin(priced)), priced.shape)
+            partial = backtrack(int(used), int(g), covered)
+    return SubsetResult(best_by_set, covered, partial)
+
+
+@dataclass(frozen=True)
+class Relaxed:
+    """Lower bound on the cost of any valid split, and the split that attains it.
+
+    The path may use a device twice; when it does not, it is an optimal valid split.
+    """
+
+    bound: float
+    path: Path
+
+    @property
+    def elementary(self) -> bool:
+        slots = [g for g, _, _ in self.path]
+        return len(slots) == len(set(slots))
+
+
+def relaxed_split(tables: CostTables) -> Relaxed:
+    """Shortest path over (unit boundary, last slot) that may reuse a slot: O(n^2 k + n k^2).
+
+    Every valid split is such a path, so its cost is a lower bound. Consecutive stages on
+    the same slot are not allowed (their hop is infinite), as in any valid split.
+    """
+    n, k = tables.n, tables.k
+    value = tables.enter[:, None] + tables.stage[:, 0, :]  # (k, n+1)
+    entry = np.full((n + 1, k), INF)
+    came = np.full((n + 1, k), -1)
+    entry[0] = tables.enter
+    for x in range(1, n):
+        arrive = value[:, x, None] + tables.hop[:, :, x]  # (prev, next)
+        came[x] = arrive.argmin(0)
+        entry[x] = arrive[came[x], np.arange(k)]
+        value[:, x + 1 :] = np.minimum(value[:, x + 1 :], entry[x][:, None] + tables.stage[:, x, x + 1 :])
+    totals = value[:, n] + tables.leave
+    g = int(np.argmin(totals))
+    bound = float(totals[g])
+    if not np.isfinite(bound):
+        return Relaxed(INF, ())
+    path = []
+    i = n
+    while True:
+        x = int(np.argmin(entry[:i, g] + tables.stage[g, :i, i]))
+        path.append((g, x, i))
+        if x == 0:
+            break
+        g, i = int(came[x, g]), x
+    return Relaxed(bound, tuple(reversed(path)))

@@ -1,0 +1,1 @@
+"""Running units: the stage runner (ONNX Runtime + numpy only) and single-process generation."""

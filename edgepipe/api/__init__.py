@@ -1,0 +1,1 @@
+"""HTTP surface of the coordinator: OpenAI-compatible API, cluster views, dashboard, metrics."""

@@ -1,0 +1,72 @@
+"""The ASGI application: routes grouped by resource, OpenAI error shapes, optional API key."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import FileResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from . import cluster_routes, openai_routes
+from .admission import Admission
+from .errors import APIError
+from .metrics import Metrics
+
+STATIC = Path(__file__).parent / "static"
+OPEN_PATHS = ("/", "/worker", "/metrics", "/health")
+
+
+class APIKeyMiddleware:
+    """Checks ``Authorization: Bearer <key>`` on the OpenAI routes when a key is set."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.api_key and scope["type"] == "http" and scope["path"].startswith(("/v1/chat", "/v1/completions", "/v1/models", "/v1/cluster")):
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization", b"").decode() != f"Bearer {self.api_key}":
+                response = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                    type_="authentication_error", code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def dashboard(request: Request) -> FileResponse:
+    return FileResponse(STATIC / "dashboard.html")
+
+
+async def health(request: Request):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"state": request.app.state.coordinator.state.value})
+
+
+def create_app(coordinator, package, api_key: str | None = None, join_token: str | None = None,
+               admission: Admission | None = None, metrics: Metrics | None = None, extra_routes: list | None = None) -> Starlette:
+    async def api_error(request, exc: APIError):
+        return exc.response()
+
+    async def not_found(request, exc):
+        return APIError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+
+    async def method_not_allowed(request, exc):
+        return APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
+
+    routes = [Route("/", dashboard), Route("/health", health), *openai_routes.routes, *cluster_routes.routes, *(extra_routes or [])]
+    app = Starlette(routes=routes, middleware=[Middleware(APIKeyMiddleware, api_key=api_key)],
+                    exception_handlers={APIError: api_error, 404: not_found, 405: method_not_allowed})
+    s = app.state
+    s.coordinator, s.package, s.join_token = coordinator, package, join_token
+    s.started = time.time()
+    s.model_names = [package.manifest.name, "smollm2"] if package.manifest.name.startswith("smollm2") else [package.manifest.name]
+    s.metrics = metrics or Metrics(package.manifest.hidden_size)
+    s.admission = admission or Admission()
+    coordinator.on_step = s.metrics.on_step
+    return app

@@ -1,0 +1,60 @@
+"""Prometheus metrics and the live speed figures the dashboard shows.
+
+Fed by the coordinator's per-token ``StepRecord``s; exposed at ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self, hidden_size: int):
+        r = self.registry = CollectorRegistry()
+        self.hidden_size = hidden_size
+        self.tokens = Counter("edgepipe_tokens_generated", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter("edgepipe_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.requests = Counter("edgepipe_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram("edgepipe_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("edgepipe_time_per_output_token_seconds", "Time per output token (decode steps)", buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens_per_s = Gauge("edgepipe_tokens_per_second", "Tokens per second over the last 5 s", registry=r)
+        self.stage_compute = Histogram("edgepipe_stage_compute_seconds", "Compute time per stage call", ["worker"], buckets=LATENCY_BUCKETS, registry=r)
+        self.hop_bytes = Counter("edgepipe_hop_bytes", "Activation bytes sent per hop", ["hop"], registry=r)
+        self.coordinator_s = Counter("edgepipe_coordinator_seconds", "Coordinator time spent per step (before sending)", registry=r)
+        self.wall_s = Counter("edgepipe_step_wall_seconds", "Wall time of steps", registry=r)
+        self.workers = Gauge("edgepipe_workers", "Connected workers", registry=r)
+        self.in_flight = Gauge("edgepipe_requests_in_flight", "Requests in flight", registry=r)
+        self._recent: deque[float] = deque(maxlen=4096)
+
+    def on_step(self, record) -> None:
+        now = time.monotonic()
+        self._recent.append(now)
+        self.tokens.inc()
+        if record.tokens_in > 1:
+            self.prompt_tokens.inc(record.tokens_in)
+            self.ttft.observe(record.wall_s)
+        else:
+            self.tpot.observe(record.wall_s)
+        self.coordinator_s.inc(record.coordinator_s)
+        self.wall_s.inc(record.wall_s)
+        for i, entry in enumerate(record.timings):
+            worker, compute, positions = entry[0], entry[1], entry[2]
+            self.stage_compute.labels(worker).observe(compute)
+            if i < len(record.timings) - 1:  # activations leave every stage but the last
+                self.hop_bytes.labels(f"{worker}->{record.timings[i + 1][0]}").inc(positions * self.hidden_size * (entry[3] if len(entry) > 3 else 4))
+
+    def live_tokens_per_s(self, window: float = 5.0) -> float:
+        now = time.monotonic()
+        n = sum(1 for t in self._recent if now - t <= window)
+        return n / window
+
+    def render(self, coordinator) -> bytes:
+        self.tokens_per_s.set(self.live_tokens_per_s())
+        self.workers.set(len(coordinator.workers))
+        self.in_flight.set(coordinator.requests_in_flight)
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""The running system: coordinator and worker, thin asyncio shells around runtime and plan."""

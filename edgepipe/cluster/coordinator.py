@@ -1,0 +1,502 @@
+"""The coordinator: membership, deployment, and the token loop of every request.
+
+It never touches activations. Per decode step it sends a sequence's token ids to the first
+stage and waits for the sampled id that the last stage returns. States follow
+Down -> Preparing (workers fetch files, build sessions) -> Committing (switch) -> Up; a new
+plan is prepared in an inactive slot while the active one keeps serving, and swapped in
+between two steps. A worker that dies pauses the sequences that need it; once a new plan is
+up they re-run prefill over prompt + tokens so far and continue, losing no token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import AsyncIterator, Callable
+
+import numpy as np
+
+from .. import PROTOCOL_VERSION
+from ..net.channel import Channel, ChannelClosed
+from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
+from ..runtime.sequence import GenerationParams, SequenceState, TextDelta, uniform_draw
+from .placement import Deployment, StageAssignment, proportional_split
+
+log = logging.getLogger("edgepipe.coordinator")
+
+
+class State(str, Enum):
+    DOWN = "down"
+    PREPARING = "preparing"
+    COMMITTING = "committing"
+    UP = "up"
+
+
+class PipelineBroken(RuntimeError):
+    """The plan a step ran on lost a worker; the step must be retried on a new plan."""
+
+
+class RequestFailed(RuntimeError):
+    """A request cannot continue (the message says why, in one line)."""
+
+
+@dataclass
+class WorkerHandle:
+    id: str
+    name: str
+    channel: Channel
+    hello: dict
+    joined: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    rtt_s: float | None = None
+    alive: bool = True
+    stats: dict = field(default_factory=dict)
+    loads: dict[int, asyncio.Future] = field(default_factory=dict)
+    probes: dict[int, asyncio.Future] = field(default_factory=dict)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.hello.get("memory_bytes") or 0)
+
+    @property
+    def relay(self) -> bool:
+        return self.hello.get("kind") == "browser"
+
+    async def send(self, msg: Message) -> None:
+        await self.channel.send(encode(msg))
+
+
+@dataclass
+class CoordinatorSettings:
+    min_workers: int = 1
+    join_token: str | None = None
+    heartbeat_s: float = 0.5
+    dead_after_s: float = 2.0
+    load_timeout_s: float = 120.0
+    step_timeout_s: float = 60.0
+    precision: str | None = None
+
+
+@dataclass
+class StepRecord:
+    """What the metrics and profiler learn from one token."""
+
+    rid: str
+    tokens_in: int
+    wall_s: float
+    timings: list  # [[worker_id, compute_s, positions], ...]
+    coordinator_s: float
+
+
+PlanFn = Callable[["Coordinator", list[WorkerHandle]], tuple[list[StageAssignment], str, dict]]
+
+
+def memory_proportional_plan(coord: "Coordinator", workers: list[WorkerHandle]):
+    stages = proportional_split(coord.n_units, [(w.id, w.memory_bytes) for w in workers])
+    return stages, "layers split in proportion to declared memory", {}
+
+
+class Coordinator:
+    def __init__(self, package, settings: CoordinatorSettings | None = None, plan_fn: PlanFn | None = None,
+                 on_step: Callable[[StepRecord], None] | None = None):
+        self.package = package
+        self.manifest = package.manifest
+        self.settings = settings or CoordinatorSettings()
+        self.plan_fn = plan_fn or memory_proportional_plan
+        self.on_step = on_step or (lambda record: None)
+        self.state = State.DOWN
+        self.workers: dict[str, WorkerHandle] = {}
+        self.active: Deployment | None = None
+        self.preparing: Deployment | None = None
+        self.up = asyncio.Event()
+        self.events: deque[dict] = deque(maxlen=500)
+        self.state_since = time.monotonic()
+        self.state_time: dict[str, float] = {s.value: 0.0 for s in State}
+        self._pending: dict[str, tuple[int, int, asyncio.Future]] = {}
+        self._ids = itertools.count(1)
+        self._plan_ids = itertools.count(1)
+        self._replan_lock = asyncio.Lock()
+        self._replan_wanted = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.requests_in_flight = 0
+
+    @property
+    def n_units(self) -> int:
+        return len(self.manifest.units)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._heartbeats()), asyncio.create_task(self._replanner())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for w in list(self.workers.values()):
+            try:
+                await w.send(Message(T.BYE))
+                await w.channel.close()
+            except ChannelClosed:
+                pass
+
+    def _set_state(self, state: State) -> None:
+        now = time.monotonic()
+        self.state_time[self.state.value] += now - self.state_since
+        self.state_since = now
+        if state is not self.state:
+            self.event("state", state=state.value)
+        self.state = state
+
+    def state_durations(self) -> dict[str, float]:
+        out = dict(self.state_time)
+        out[self.state.value] += time.monotonic() - self.state_since
+        return out
+
+    def event(self, kind: str, **fields) -> None:
+        self.events.append({"t": time.time(), "kind": kind, **fields})
+        log.info("%s %s", kind, fields)
+
+    # -- membership ---------------------------------------------------------------------------
+    async def attach(self, channel: Channel) -> None:
+        """Serve one worker's control channel until it closes (called by the API endpoint)."""
+        try:
+            raw = await asyncio.wait_for(channel.recv(), timeout=10)
+            hello = decode(raw)
+            if hello.type is not T.HELLO:
+                raise ProtocolError(f"expected hello, got {hello.type.value}")
+        except (ProtocolError, asyncio.TimeoutError) as exc:
+            reason = str(exc) or "no hello within 10 s"
+            await self._refuse(channel, reason)
+            return
+        except ChannelClosed:
+            return
+        if self.settings.join_token and hello.get("token") != self.settings.join_token:
+            await self._refuse(channel, "wrong or missing join token" if hello.get("token") else "missing join token")
+            return
+        worker = WorkerHandle(f"w{next(self._ids)}-{hello.get('name', 'worker')}"[:40], str(hello.get("name", "worker")), channel, hello.fields)
+        self.workers[worker.id] = worker
+        await worker.send(Message(T.WELCOME, {"worker_id": worker.id}))
+        self.event("join", worker=worker.id, memory=worker.memory_bytes, emulation=hello.get("emulation"), device_kind=hello.get("kind"))
+        self._replan_wanted.set()
+        try:
+            await self._read_worker(worker)
+        finally:
+            await self._lose(worker, "disconnected")
+
+    async def _refuse(self, channel: Channel, reason: str) -> None:
+        self.event("refused", peer=channel.peer, reason=reason)
+        try:
+            await channel.send(error_frame(reason))
+            await channel.close(reason)
+        except ChannelClosed:
+            pass
+
+    async def _read_worker(self, w: WorkerHandle) -> None:
+        while w.alive:
+            try:
+                raw = await w.channel.recv()
+            except ChannelClosed:
+                return
+            try:
+                msg = decode(raw)
+            except ProtocolError as exc:
+                await self._refuse(w.channel, f"bad frame: {exc}")
+                return
+            w.last_seen = time.monotonic()
+            self._dispatch(w, msg)
+
+    def _dispatch(self, w: WorkerHandle, msg: Message) -> None:
+        if msg.type is T.TOKEN:
+            self._resolve(msg["seq"], msg["step"], msg["plan"], msg)
+        elif msg.type is T.PONG:
+            if msg.get("t") is not None:
+                w.rtt_s = time.monotonic() - msg["t"]
+            w.stats = {k: msg.get(k) for k in ("kv_bytes", "queue", "busy_s", "computed")}
+        elif msg.type is T.LOADED:
+            fut = w.loads.pop(msg["plan"], None) if "kv_sent" not in msg.fields else w.loads.pop(-msg["plan"], None)
+            if fut and not fut.done():
+                fut.set_result(msg.fields)
+        elif msg.type is T.PROBED:
+            fut = w.probes.pop(msg["probe"], None)
+            if fut and not fut.done():
+                fut.set_result(msg.fields)
+        elif msg.type is T.FORWARD and msg.get("relay_to"):
+            target = self.workers.get(msg["relay_to"])
+            fields = {k: v for k, v in msg.fields.items() if k != "relay_to"}
+            if target:
+                asyncio.create_task(self._relay(target, Message(T.FORWARD, fields, msg.tensors), msg))
+        elif msg.type is T.ERROR:
+            seq = msg.get("seq")
+            if seq in self._pending:
+                _, _, fut = self._pending.pop(seq)
+                text = msg.get("message", "worker error")
+                exc = PipelineBroken(text) if "unreachable" in text else RequestFailed(f"worker {w.id}: {text}")
+                if not fut.done():
+                    fut.set_exception(exc)
+
+    async def _relay(self, target: WorkerHandle, msg: Message, original: Message) -> None:
+        try:
+            await target.send(msg)
+        except ChannelClosed:
+            self._fail_pending(lambda plan: True, PipelineBroken(f"relay to {target.id} failed"))
+
+    def _resolve(self, seq: str, step: int, plan: int, msg: Message) -> None:
+        entry = self._pending.get(seq)
+        if entry and entry[0] == step and entry[1] == plan and not entry[2].done():
+            del self._pending[seq]
+            entry[2].set_result(msg)
+
+    async def _lose(self, w: WorkerHandle, why: str) -> None:
+        if not w.alive and w.id not in self.workers:
+            return
+        w.alive = False
+        self.workers.pop(w.id, None)
+        for fut in list(w.loads.values()) + list(w.probes.values()):
+            if not fut.done():
+                fut.set_exception(PipelineBroken(f"worker {w.id} {why}"))
+        self.event("leave", worker=w.id, why=why)
+        uses = lambda dep: dep is not None and w.id in dep.workers  # noqa: E731
+        if uses(self.active):
+            self.active_broken_at = time.monotonic()
+            self.up.clear()
+            self._set_state(State.DOWN)
+            broken = self.active.plan_id
+            self.active = None
+            self._fail_pending(lambda plan: plan == broken, PipelineBroken(f"worker {w.id} {why}"))
+        self._replan_wanted.set()
+        try:
+            await w.channel.close()
+        except ChannelClosed:
+            pass
+
+    def _fail_pending(self, which: Callable[[int], bool], exc: Exception) -> None:
+        for seq, (step, plan, fut) in list(self._pending.items()):
+            if which(plan) and not fut.done():
+                del self._pending[seq]
+                fut.set_exception(exc)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            now = time.monotonic()
+            for w in list(self.workers.values()):
+                if now - w.last_seen > self.settings.dead_after_s:
+                    asyncio.create_task(self._lose(w, f"missed heartbeats for {now - w.last_seen:.1f} s"))
+                    continue
+                try:
+                    await w.send(Message(T.PING, {"t": now}))
+                except ChannelClosed:
+                    asyncio.create_task(self._lose(w, "disconnected"))
+
+    # -- planning and deployment ----------------------------------------------------------------
+    async def _replanner(self) -> None:
+        while True:
+            await self._replan_wanted.wait()
+            await asyncio.sleep(0.05)  # let a burst of joins/leaves settle
+            self._replan_wanted.clear()
+            try:
+                await self.replan()
+            except Exception as exc:  # a failed plan must not stop future re-planning
+                self.event("plan_failed", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                await asyncio.sleep(0.5)
+                self._replan_wanted.set()
+
+    async def replan(self, force: bool = False) -> Deployment | None:
+        async with self._replan_lock:
+            workers = [w for w in self.workers.values() if w.alive]
+            if len(workers) < self.settings.min_workers and self.active is None:
+                return None
+            if not workers:
+                return None
+            stages, reason, predicted = self.plan_fn(self, workers)
+            if not stages:
+                self.event("plan_failed", error=reason)
+                return None
+            current = self.active
+            if current and not force and [(s.worker_id, s.start, s.end) for s in current.stages] == [(s.worker_id, s.start, s.end) for s in stages]:
+                return current
+            return await self.deploy(stages, reason, predicted)
+
+    async def deploy(self, stages: list[StageAssignment], reason: str = "", predicted: dict | None = None) -> Deployment:
+        """Prepare ``stages`` beside the active plan, then swap it in."""
+        dep = Deployment(next(self._plan_ids), tuple(stages), reason, predicted or {})
+        self.preparing = dep
+        if self.active is None:
+            self._set_state(State.PREPARING)
+        self.event("prepare", plan=dep.plan_id, stages=[[s.worker_id, s.start, s.end] for s in stages], reason=reason)
+        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        keep = [dep.plan_id] + ([self.active.plan_id] if self.active else [])
+        futures = []
+        for i, s in enumerate(stages):
+            w = self.workers.get(s.worker_id)
+            if w is None:
+                raise PipelineBroken(f"worker {s.worker_id} left before deployment")
+            fut = w.loads[dep.plan_id] = loop.create_future()
+            futures.append(fut)
+            await w.send(Message(T.LOAD, {
+                "plan": dep.plan_id, "start": s.start, "end": s.end, "keep": keep,
+                "graph": self.package.stage_graph(s.start, s.end, self._precision(w)),
+                "files": list(self.manifest.stage_files(s.start, s.end, self._precision(w))),
+                "next": self._next_hop(stages, i), "max_context": self.manifest.max_context,
+                "kv_bytes_per_token": sum(u.kv_bytes_per_token for u in self.manifest.units[s.start:s.end]),
+            }))
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*futures), timeout=self.settings.load_timeout_s)
+        finally:
+            if self.preparing is dep:
+                self.preparing = None
+        failed = [f"{s.worker_id}: {r.get('error')}" for s, r in zip(stages, results) if not r.get("ok")]
+        if failed:
+            if self.active is None:
+                self._set_state(State.DOWN)
+            raise RuntimeError("plan %d failed to load (%s)" % (dep.plan_id, "; ".join(failed)))
+        if self.active is None:
+            self._set_state(State.COMMITTING)
+        old = self.active
+        self.active = dep
+        for s in stages:  # tell every involved worker which plans to keep
+            w = self.workers.get(s.worker_id)
+            if w:
+                await w.send(Message(T.ACTIVATE, {"keep": [dep.plan_id]}))
+        if old:
+            for wid in set(old.workers) - set(dep.workers):
+                w = self.workers.get(wid)
+                if w:
+                    await w.send(Message(T.ACTIVATE, {"keep": []}))
+        self._set_state(State.UP)
+        self.up.set()
+        fetched = sum(r.get("fetched_bytes", 0) for r in results)
+        self.event("up", plan=dep.plan_id, prepare_s=round(time.monotonic() - t0, 3), fetched_bytes=fetched,
+                   predicted=dep.predicted, replaced=old.plan_id if old else None)
+        return dep
+
+    def _precision(self, w: WorkerHandle) -> str | None:
+        return w.hello.get("precision") or self.settings.precision
+
+    def _next_hop(self, stages: list[StageAssignment], i: int) -> dict:
+        if i == len(stages) - 1:
+            return {"kind": "coordinator"}
+        nxt = self.workers[stages[i + 1].worker_id]
+        relay = nxt.relay or self.workers[stages[i].worker_id].relay
+        return {"kind": "worker", "id": nxt.id, "url": nxt.hello.get("data_url"), "relay": relay}
+
+    # -- requests -------------------------------------------------------------------------------
+    def new_sequence(self, prompt_ids: list[int], params: GenerationParams, decode_fn) -> SequenceState:
+        limit = self.manifest.max_context
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the context of {limit} tokens")
+        return SequenceState(list(prompt_ids), params, decode_fn, self.manifest.eos_ids)
+
+    async def stream(self, state: SequenceState, rid: str | None = None) -> AsyncIterator[TextDelta]:
+        """Run one sequence to its end, yielding text as it is produced."""
+        rid = rid or f"r{next(self._ids)}"
+        epoch = 0
+        seq = f"{rid}.{epoch}"
+        fed_plan: int | None = None  # plan whose workers hold this sequence's KV
+        self.requests_in_flight += 1
+        try:
+            while not state.finished:
+                step = len(state.generated)
+                dep = await self._wait_up()
+                if fed_plan != dep.plan_id:
+                    if fed_plan is not None:  # the plan changed under us: rebuild KV by prefill
+                        await self._drop(seq, fed_plan)
+                        epoch += 1
+                        seq = f"{rid}.{epoch}"
+                    feed = state.all_ids
+                else:
+                    feed = state.generated[-1:]
+                try:
+                    token, record = await self._step(dep, seq, step, feed, state.params, rid)
+                except PipelineBroken as exc:
+                    self.event("pause", request=rid, step=step, why=str(exc))
+                    fed_plan = -1
+                    continue
+                fed_plan = dep.plan_id
+                delta = state.push(token)
+                self.on_step(record)
+                yield delta
+        finally:
+            self.requests_in_flight -= 1
+            if fed_plan not in (None, -1):
+                await self._drop(seq, fed_plan)
+
+    async def _wait_up(self) -> Deployment:
+        while True:
+            if self.active is not None and self.up.is_set():
+                return self.active
+            if not self.workers and self.state is State.DOWN and self._no_workers_since() > self.settings.step_timeout_s:
+                raise RequestFailed("no workers are connected")
+            try:
+                await asyncio.wait_for(self.up.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    def _no_workers_since(self) -> float:
+        return time.monotonic() - self.state_since
+
+    async def _step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str):
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._pending[seq] = (step, dep.plan_id, fut)
+        sampling = {"do_sample": not params.greedy, "temperature": params.temperature or 1.0, "top_k": params.top_k,
+                    "top_p": params.top_p, "uniform": uniform_draw(params.seed, step) if not params.greedy else 0.0}
+        first = self.workers.get(dep.stages[0].worker_id)
+        if first is None:
+            self._pending.pop(seq, None)
+            raise PipelineBroken(f"worker {dep.stages[0].worker_id} is gone")
+        msg = Message(T.FORWARD, {"seq": seq, "step": step, "plan": dep.plan_id, "rid": rid, "sampling": sampling},
+                      {"x": np.array([feed], np.int64)})
+        t_sent = time.perf_counter()
+        try:
+            await first.send(msg)
+        except ChannelClosed:
+            self._pending.pop(seq, None)
+            raise PipelineBroken(f"worker {first.id} is gone") from None
+        try:
+            reply = await asyncio.wait_for(fut, timeout=self.settings.step_timeout_s)
+        except asyncio.TimeoutError:
+            self._pending.pop(seq, None)
+            raise PipelineBroken(f"no token for {seq} step {step} within {self.settings.step_timeout_s} s") from None
+        t_back = time.perf_counter()
+        wall = t_back - t0
+        record = StepRecord(rid, len(feed), wall, reply.get("timings", []), coordinator_s=(t_sent - t0))
+        return int(reply["token"]), record
+
+    async def _drop(self, seq: str, plan: int) -> None:
+        dep = self.active if self.active and self.active.plan_id == plan else None
+        targets = dep.workers if dep else tuple(self.workers)
+        for wid in targets:
+            w = self.workers.get(wid)
+            if w:
+                try:
+                    await w.send(Message(T.DROP, {"seq": seq}))
+                except ChannelClosed:
+                    pass
+
+    # -- views ----------------------------------------------------------------------------------
+    def status(self) -> dict:
+        dep = self.active
+        return {
+            "state": self.state.value,
+            "model": self.manifest.name,
+            "n_units": self.n_units,
+            "units": [{"index": u.index, "name": u.name, "kind": u.kind} for u in self.manifest.units],
+            "plan": None if dep is None else {
+                "id": dep.plan_id, "reason": dep.reason, "predicted": dep.predicted,
+                "stages": [{"worker": s.worker_id, "start": s.start, "end": s.end} for s in dep.stages],
+            },
+            "workers": [{
+                "id": w.id, "name": w.name, "kind": w.hello.get("kind", "native"), "memory_bytes": w.memory_bytes,
+                "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2), "emulation": w.hello.get("emulation"),
+                "stats": w.stats, "units": next(([s.start, s.end] for s in dep.stages if s.worker_id == w.id), None) if dep else None,
+            } for w in self.workers.values()],
+            "requests_in_flight": self.requests_in_flight,
+            "state_seconds": {k: round(v, 3) for k, v in self.state_durations().items()},
+        }

@@ -1,0 +1,78 @@
+"""``edgepipe serve``: the coordinator's HTTP server plus, as the embedded default, local
+worker processes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from ..api.admission import Admission
+from ..api.app import create_app
+from .coordinator import Coordinator, CoordinatorSettings
+
+
+@dataclass
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8420
+    workers: int = 2
+    worker_threads: int | None = None
+    api_key: str | None = None
+    join_token: str | None = None
+    max_active: int = 16
+    max_queue: int = 64
+    worker_args: list[str] = field(default_factory=list)  # extra flags for every local worker
+    log_level: str = "warning"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(256)
+    sock.setblocking(False)
+    return sock
+
+
+def spawn_local_workers(url: str, n: int, threads: int | None, join_token: str | None, extra: list[str]) -> list[subprocess.Popen]:
+    threads = threads or max(1, (os.cpu_count() or 2) // max(n, 1))
+    procs = []
+    for i in range(n):
+        argv = [sys.executable, "-m", "edgepipe", "worker", "--coordinator", url, "--name", f"local{i + 1}", "--threads", str(threads), *extra]
+        if join_token:
+            argv += ["--join-token", join_token]
+        procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
+    return procs
+
+
+async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=None) -> None:
+    import uvicorn
+
+    sock = bind_socket(settings.host, settings.port)
+    port = sock.getsockname()[1]
+    coordinator = Coordinator(package, CoordinatorSettings(min_workers=max(1, settings.workers), join_token=settings.join_token), plan_fn=plan_fn)
+    app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,
+                     admission=Admission(settings.max_active, settings.max_queue))
+    config = uvicorn.Config(app, log_level=settings.log_level, ws_max_size=1 << 30, ws_ping_interval=None, timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    await coordinator.start()
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    procs = spawn_local_workers(f"http://{host}:{port}", settings.workers, settings.worker_threads, settings.join_token, settings.worker_args)
+    if on_ready:
+        on_ready(port, coordinator)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await coordinator.stop()
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()

@@ -1,0 +1,366 @@
+"""A worker: holds one stage of the pipeline and runs it for whatever sequences arrive.
+
+It keeps one control channel to the coordinator (hello, load, heartbeats, sampled tokens)
+and serves a data endpoint where its predecessor sends activations directly. Compute runs
+in one thread so the event loop stays free for heartbeats and I/O. Needs only onnxruntime,
+numpy, msgpack and websockets.
+
+Emulation (always labelled as such in what the worker reports): ``slowdown`` waits
+``(f - 1)`` times each compute call's duration; ``memory_bytes`` is a hard budget for weights
+plus KV; ``link`` shapes every frame the worker sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import PROTOCOL_VERSION
+from ..emulate.slowdown import MemoryBudget, MemoryBudgetExceeded, SlowdownPolicy
+from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
+from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
+from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner
+from .blobcache import BlobCache
+
+log = logging.getLogger("edgepipe.worker")
+KV_RESERVE_TOKENS = 2048  # KV room a stage must leave for at least one sequence of this length
+
+
+@dataclass
+class WorkerSettings:
+    coordinator: str  # http(s)://host:port of the coordinator
+    name: str = field(default_factory=socket.gethostname)
+    memory_bytes: int | None = None
+    threads: int | None = None
+    slowdown: float = 1.0
+    link_delay_ms: float = 0.0
+    link_rate: str | None = None
+    data_host: str = "127.0.0.1"
+    data_port: int = 0
+    advertise_host: str | None = None
+    join_token: str | None = None
+    cache_dir: Path | None = None
+    activation_dtype: str = "float32"  # "float16" halves the bytes on the wire
+
+    @property
+    def emulated(self) -> bool:
+        return self.slowdown != 1.0 or bool(self.link_delay_ms) or bool(self.link_rate)
+
+
+@dataclass
+class Slot:
+    """A built stage for one plan: units ``[start, end)`` and where their output goes."""
+
+    plan: int
+    start: int
+    end: int
+    runner: StageRunner
+    next: dict  # {"kind": "worker", "id", "url", "relay"} | {"kind": "coordinator"}
+    weight_bytes: int
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings):
+        self.s = settings
+        self.cache = BlobCache(settings.cache_dir or _default_cache())
+        self.slowdown = SlowdownPolicy(settings.slowdown)
+        self.budget = MemoryBudget(settings.memory_bytes) if settings.memory_bytes else None
+        self.id: str | None = None
+        self.slots: dict[int, Slot] = {}
+        self.control: Channel | None = None
+        self.peers: dict[str, Channel] = {}
+        self.data_url: str | None = None
+        self.queue: asyncio.Queue[Message] = asyncio.Queue()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        self.link = None
+        if settings.link_delay_ms or settings.link_rate:
+            from ..emulate.shaper import LinkShape, ShapedLink, parse_rate
+
+            rate = parse_rate(settings.link_rate) if settings.link_rate else None
+            self.link = ShapedLink(LinkShape(delay_ms=settings.link_delay_ms, rate_bytes_per_s=rate))
+        self.busy_s = 0.0
+        self.computed = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def run(self, control: Channel | None = None) -> None:
+        """Join the coordinator and serve until it says bye or the channel closes."""
+        server = await self._serve_data()
+        try:
+            self.control = self._shape(control or await self._connect_control())
+            await self.control.send(encode(Message(T.HELLO, self._hello())))
+            reply = decode(await self.control.recv())
+            if reply.type is T.ERROR:
+                raise PermissionError(f"coordinator refused this worker: {reply['message']}")
+            self.id = reply["worker_id"]
+            log.info("joined as %s", self.id)
+            compute = asyncio.create_task(self._compute_loop())
+            try:
+                await self._control_loop()
+            finally:
+                compute.cancel()
+        finally:
+            if server is not None:
+                server.close()
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _hello(self) -> dict:
+        return {
+            "name": self.s.name, "token": self.s.join_token, "protocol": PROTOCOL_VERSION, "kind": "native",
+            "memory_bytes": self.s.memory_bytes or _system_memory(), "threads": self.s.threads or os.cpu_count(),
+            "data_url": self.data_url, "held": self.cache.held(), "pid": os.getpid(),
+            "emulation": {"slowdown": self.s.slowdown, "link_delay_ms": self.s.link_delay_ms, "link_rate": self.s.link_rate,
+                          "memory_budget": self.s.memory_bytes} if self.s.emulated or self.s.memory_bytes else None,
+        }
+
+    async def _connect_control(self) -> Channel:
+        import websockets
+
+        url = self.s.coordinator.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/worker"
+        ws = await websockets.connect(url, max_size=None, ping_interval=None)
+        return WebSocketChannel(ws, "coordinator")
+
+    async def _serve_data(self):
+        import websockets
+
+        async def handler(ws):
+            await self._data_loop(WebSocketChannel(ws))
+
+        server = await websockets.serve(handler, self.s.data_host, self.s.data_port, max_size=None, ping_interval=None)
+        port = server.sockets[0].getsockname()[1]
+        self.data_url = f"ws://{self.s.advertise_host or self.s.data_host}:{port}"
+        return server
+
+    def _shape(self, channel: Channel) -> Channel:
+        return ShapedChannel(channel, self.link) if self.link else channel
+
+    # -- receiving --------------------------------------------------------------------------
+    async def _control_loop(self) -> None:
+        while True:
+            try:
+                raw = await self.control.recv()
+            except ChannelClosed:
+                log.info("coordinator closed the control channel")
+                return
+            try:
+                msg = decode(raw)
+            except ProtocolError as exc:
+                log.warning("bad frame from coordinator: %s", exc)
+                continue
+            if msg.type is T.BYE:
+                return
+            await self._handle(msg)
+
+    async def _data_loop(self, channel: Channel) -> None:
+        """Frames from a predecessor worker (or anyone who connects): only FORWARD and KV."""
+        while True:
+            try:
+                raw = await channel.recv()
+            except ChannelClosed:
+                return
+            try:
+                msg = decode(raw)
+                if msg.type not in (T.FORWARD, T.KV):
+                    raise ProtocolError(f"{msg.type.value} is not accepted on the data port")
+            except ProtocolError as exc:
+                log.warning("rejected frame from %s: %s", channel.peer, exc)
+                try:
+                    await channel.send(error_frame(str(exc)))
+                    await channel.close("protocol error")
+                except ChannelClosed:
+                    pass
+                return
+            await self._handle(msg)
+
+    async def _handle(self, msg: Message) -> None:
+        if msg.type is T.FORWARD or msg.type is T.KV:
+            await self.queue.put(msg)
+        elif msg.type is T.PING:
+            await self._send_control(Message(T.PONG, {"t": msg.get("t"), "kv_bytes": self._kv_bytes(), "queue": self.queue.qsize(),
+                                                      "busy_s": self.busy_s, "computed": self.computed}))
+        elif msg.type is T.LOAD:
+            asyncio.create_task(self._load(msg))
+        elif msg.type is T.ACTIVATE:
+            keep = set(msg["keep"])
+            for plan in [p for p in self.slots if p not in keep]:
+                del self.slots[plan]
+        elif msg.type is T.DROP:
+            for slot in self.slots.values():
+                slot.runner.drop(msg["seq"])
+        elif msg.type is T.PROBE:
+            asyncio.create_task(self._probe(msg))
+        elif msg.type is T.KV_EXPORT:
+            await self.queue.put(msg)
+        elif msg.type is T.ERROR:
+            log.warning("coordinator: %s", msg.get("message"))
+
+    # -- loading ----------------------------------------------------------------------------
+    async def _load(self, msg: Message) -> None:
+        t0 = time.perf_counter()
+        plan, start, end = msg["plan"], msg["start"], msg["end"]
+        try:
+            files = list(msg["files"])
+            fetched = 0
+            loop = asyncio.get_running_loop()
+            headers = {"Authorization": f"Bearer {self.s.join_token}"} if self.s.join_token else {}
+            for sha in [msg["graph"], *files]:
+                fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers)
+            weight_bytes = sum(self.cache.path(f).stat().st_size for f in files)
+            if self.budget:
+                in_use = sum(s.weight_bytes for p, s in self.slots.items() if p in msg.get("keep", ()))
+                kv = msg.get("kv_bytes_per_token", 0) * KV_RESERVE_TOKENS
+                self.budget.check(weight_bytes + kv, f"units [{start}, {end}) weights + KV for {KV_RESERVE_TOKENS} tokens", in_use)
+            runner = await loop.run_in_executor(
+                None, lambda: StageRunner(self.cache.path(msg["graph"]), threads=self.s.threads, max_context=msg.get("max_context")))
+            self.slots[plan] = Slot(plan, start, end, runner, msg["next"], weight_bytes)
+            reply = {"plan": plan, "ok": True, "load_s": time.perf_counter() - t0, "fetched_bytes": fetched, "weight_bytes": weight_bytes}
+        except (MemoryBudgetExceeded, OSError, ValueError, RuntimeError) as exc:
+            reply = {"plan": plan, "ok": False, "error": str(exc).splitlines()[0]}
+        except Exception as exc:  # onnxruntime raises its own types
+            reply = {"plan": plan, "ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        await self._send_control(Message(T.LOADED, reply))
+
+    async def _probe(self, msg: Message) -> None:
+        """Time decode steps of the loaded stage (speed/overhead profiling by the coordinator)."""
+        slot = self.slots.get(msg["plan"])
+        reps = int(msg.get("reps", 8))
+        result = {"probe": msg.get("probe"), "ok": slot is not None}
+        if slot is not None:
+            loop = asyncio.get_running_loop()
+            result["times"] = await loop.run_in_executor(self.pool, self._time_slot, slot, reps, int(msg.get("context", 64)))
+        await self._send_control(Message(T.PROBED, result))
+
+    def _time_slot(self, slot: Slot, reps: int, context: int) -> list[float]:
+        runner, seq = slot.runner, f"probe-{time.monotonic_ns()}"
+        rng = np.random.default_rng(0)
+        make = (lambda n: rng.integers(0, 1000, (1, n))) if runner.takes_token_ids else (
+            lambda n: rng.standard_normal((1, n, self._hidden(slot))).astype(np.float32))
+        sampling = SamplingBatch.greedy(1) if runner.emits_tokens else None
+        times = []
+        try:
+            runner.run(seq, make(context), sampling)
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                runner.run(seq, make(1), sampling)
+                dt = time.perf_counter() - t0
+                time.sleep(self.slowdown.extra_wait(dt))
+                times.append(time.perf_counter() - t0)
+        finally:
+            runner.drop(seq)
+        return times
+
+    @staticmethod
+    def _hidden(slot: Slot) -> int:
+        shape = slot.runner.session.get_inputs()[0].shape
+        return int(shape[-1])
+
+    # -- computing --------------------------------------------------------------------------
+    async def _compute_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            msg = await self.queue.get()
+            try:
+                if msg.type is T.FORWARD:
+                    await self._forward(msg, loop)
+                elif msg.type is T.KV_EXPORT:
+                    await self._export_kv(msg)
+                elif msg.type is T.KV:
+                    self._import_kv(msg)
+            except ChannelClosed as exc:
+                await self._report_error(msg, f"next hop unreachable: {exc}")
+            except (ContextOverflow, KeyError, ValueError, RuntimeError) as exc:
+                await self._report_error(msg, str(exc).splitlines()[0])
+            except Exception as exc:  # noqa: BLE001 - onnxruntime errors must not kill the worker
+                await self._report_error(msg, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+    async def _forward(self, msg: Message, loop) -> None:
+        slot = self.slots.get(msg["plan"])
+        if slot is None:
+            raise KeyError(f"worker {self.id} holds no stage for plan {msg['plan']}")
+        x = msg.tensors["x"]
+        if x.dtype == np.float16:
+            x = x.astype(np.float32)
+        sampling = None
+        if slot.runner.emits_tokens:
+            s = msg["sampling"]
+            sampling = SamplingBatch(bool(s["do_sample"]), np.array([s["temperature"]], np.float32), np.array([s["top_k"]], np.int64),
+                                     np.array([s["top_p"]], np.float32), np.array([s["uniform"]], np.float32))
+        t0 = time.perf_counter()
+        out = await loop.run_in_executor(self.pool, slot.runner.run, msg["seq"], x, sampling)
+        compute = time.perf_counter() - t0
+        extra = self.slowdown.extra_wait(compute)
+        if extra > 0:
+            await asyncio.sleep(extra)
+        self.busy_s += compute + extra
+        self.computed += 1
+        timings = list(msg.get("timings", [])) + [[self.id, compute + extra, int(x.shape[1])]]
+        fields = {k: msg.fields[k] for k in ("seq", "step", "plan", "sampling", "rid") if k in msg.fields}
+        if slot.next["kind"] == "coordinator":
+            await self._send_control(Message(T.TOKEN, {**fields, "token": int(out[0]), "timings": timings}))
+            return
+        if self.s.activation_dtype == "float16":
+            out = out.astype(np.float16)
+        frame = encode(Message(T.FORWARD, {**fields, "timings": timings, "hop_bytes": list(msg.get("hop_bytes", []))}, {"x": out}))
+        if slot.next.get("relay"):
+            await self._send_control(Message(T.FORWARD, {**fields, "relay_to": slot.next["id"], "timings": timings}, {"x": out}))
+        else:
+            await (await self._peer(slot.next["url"])).send(frame)
+
+    async def _peer(self, url: str) -> Channel:
+        channel = self.peers.get(url)
+        if channel is None:
+            import websockets
+
+            ws = await websockets.connect(url, max_size=None, ping_interval=None)
+            channel = self.peers[url] = self._shape(WebSocketChannel(ws, url))
+        return channel
+
+    async def _export_kv(self, msg: Message) -> None:
+        """Send a sequence's KV for layers in [start, end) to the worker at ``url``."""
+        slot = self.slots[msg["plan"]]
+        tensors = {k: v for k, v in slot.runner.export_kv(msg["seq"]).items()
+                   if msg["start"] <= int(k.split(".")[1]) < msg["end"]}
+        frame = encode(Message(T.KV, {"seq": msg["seq"], "plan": msg["to_plan"], "length": slot.runner.length(msg["seq"])}, tensors))
+        await (await self._peer(msg["url"])).send(frame)
+        await self._send_control(Message(T.LOADED, {"kv_sent": msg["seq"], "bytes": len(frame), "plan": msg["to_plan"], "ok": True}))
+
+    def _import_kv(self, msg: Message) -> None:
+        slot = self.slots[msg["plan"]]
+        mine = {k: v for k, v in msg.tensors.items() if int(k.split(".")[1]) in slot.runner.layers}
+        existing = slot.runner.export_kv(msg["seq"])
+        slot.runner.import_kv(msg["seq"], {**existing, **mine})
+
+    async def _report_error(self, msg: Message, text: str) -> None:
+        log.warning("%s failed: %s", msg.type.value, text)
+        try:
+            await self._send_control(Message(T.ERROR, {"message": text, "seq": msg.get("seq"), "step": msg.get("step"), "rid": msg.get("rid")}))
+        except ChannelClosed:
+            pass
+
+    async def _send_control(self, msg: Message) -> None:
+        await self.control.send(encode(msg))
+
+    def _kv_bytes(self) -> int:
+        return sum(s.runner.kv_bytes for s in self.slots.values())
+
+
+def _default_cache() -> Path:
+    if os.environ.get("EDGEPIPE_HOME"):
+        return Path(os.environ["EDGEPIPE_HOME"]) / "worker-cache"
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("edgepipe")) / "blobs"
+
+
+def _system_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 4 << 30

@@ -1,0 +1,1 @@
+"""Wire protocol (msgpack header + raw tensor bytes) and the channels that carry it."""

@@ -138,6 +138,8 @@ async def _complete(request: Request, body: dict, model: str, prompt: str, chat:
         app.metrics.requests.labels("ok").inc()
         choice = {"index": 0, "finish_reason": state.finish_reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": "".join(text)}} if chat else {"text": "".join(text)})
+        if body.get("return_token_ids"):  # an extension (as in vLLM) so clients can compare token for token
+            choice["token_ids"] = list(state.generated)
         return JSONResponse({"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], "usage": usage()})
 
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

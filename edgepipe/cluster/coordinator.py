@@ -123,6 +123,7 @@ class Coordinator:
         self._replan_lock = asyncio.Lock()
         self._replan_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
         self.requests_in_flight = 0
 
     @property
@@ -228,7 +229,7 @@ class Coordinator:
             target = self.workers.get(msg["relay_to"])
             fields = {k: v for k, v in msg.fields.items() if k != "relay_to"}
             if target:
-                asyncio.create_task(self._relay(target, Message(T.FORWARD, fields, msg.tensors), msg))
+                self._spawn(self._relay(target, Message(T.FORWARD, fields, msg.tensors), msg))
         elif msg.type is T.ERROR:
             seq = msg.get("seq")
             if seq in self._pending:
@@ -285,12 +286,12 @@ class Coordinator:
             now = time.monotonic()
             for w in list(self.workers.values()):
                 if now - w.last_seen > self.settings.dead_after_s:
-                    asyncio.create_task(self._lose(w, f"missed heartbeats for {now - w.last_seen:.1f} s"))
+                    self._spawn(self._lose(w, f"missed heartbeats for {now - w.last_seen:.1f} s"))
                     continue
                 try:
                     await w.send(Message(T.PING, {"t": now}))
                 except ChannelClosed:
-                    asyncio.create_task(self._lose(w, "disconnected"))
+                    self._spawn(self._lose(w, "disconnected"))
 
     # -- planning and deployment ----------------------------------------------------------------
     async def _replanner(self) -> None:
@@ -423,8 +424,29 @@ class Coordinator:
                 yield delta
         finally:
             self.requests_in_flight -= 1
-            if fed_plan not in (None, -1):
-                await self._drop(seq, fed_plan)
+            # Cancelled callers cannot await, so clean up in a task of its own.
+            self._spawn(self._finish(seq, fed_plan if fed_plan not in (None, -1) else None))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        """A background task with a strong reference (the loop keeps only weak ones)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _finish(self, seq: str, plan: int | None) -> None:
+        """Free a sequence's KV once no step of it is still in the pipeline."""
+        entry = self._pending.get(seq)
+        if entry is not None:  # a step in flight would re-create the KV after an early DROP
+            try:
+                await asyncio.wait_for(asyncio.shield(entry[2]), timeout=self.settings.step_timeout_s)
+            except (Exception, asyncio.CancelledError):
+                pass
+            if self._pending.get(seq) is entry:
+                self._pending.pop(seq, None)
+            plan = entry[1]
+        if plan is not None:
+            await self._drop(seq, plan)
 
     async def _wait_up(self) -> Deployment:
         while True:
@@ -460,7 +482,8 @@ class Coordinator:
             self._pending.pop(seq, None)
             raise PipelineBroken(f"worker {first.id} is gone") from None
         try:
-            reply = await asyncio.wait_for(fut, timeout=self.settings.step_timeout_s)
+            # shield: a cancelled caller must leave the future for _finish to wait on
+            reply = await asyncio.wait_for(asyncio.shield(fut), timeout=self.settings.step_timeout_s)
         except asyncio.TimeoutError:
             self._pending.pop(seq, None)
             raise PipelineBroken(f"no token for {seq} step {step} within {self.settings.step_timeout_s} s") from None
@@ -494,6 +517,7 @@ class Coordinator:
             },
             "workers": [{
                 "id": w.id, "name": w.name, "kind": w.hello.get("kind", "native"), "memory_bytes": w.memory_bytes,
+                "data_url": w.hello.get("data_url"),
                 "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2), "emulation": w.hello.get("emulation"),
                 "stats": w.stats, "units": next(([s.start, s.end] for s in dep.stages if s.worker_id == w.id), None) if dep else None,
             } for w in self.workers.values()],

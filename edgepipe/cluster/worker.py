@@ -88,6 +88,7 @@ class Worker:
             self.link = ShapedLink(LinkShape(delay_ms=settings.link_delay_ms, rate_bytes_per_s=rate))
         self.busy_s = 0.0
         self.computed = 0
+        self._background: set[asyncio.Task] = set()
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, control: Channel | None = None) -> None:
@@ -186,7 +187,7 @@ class Worker:
             await self._send_control(Message(T.PONG, {"t": msg.get("t"), "kv_bytes": self._kv_bytes(), "queue": self.queue.qsize(),
                                                       "busy_s": self.busy_s, "computed": self.computed}))
         elif msg.type is T.LOAD:
-            asyncio.create_task(self._load(msg))
+            self._spawn(self._load(msg))
         elif msg.type is T.ACTIVATE:
             keep = set(msg["keep"])
             for plan in [p for p in self.slots if p not in keep]:
@@ -195,7 +196,7 @@ class Worker:
             for slot in self.slots.values():
                 slot.runner.drop(msg["seq"])
         elif msg.type is T.PROBE:
-            asyncio.create_task(self._probe(msg))
+            self._spawn(self._probe(msg))
         elif msg.type is T.KV_EXPORT:
             await self.queue.put(msg)
         elif msg.type is T.ERROR:
@@ -346,6 +347,12 @@ class Worker:
 
     async def _send_control(self, msg: Message) -> None:
         await self.control.send(encode(msg))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # the loop keeps only a weak reference
+        task.add_done_callback(self._background.discard)
+        return task
 
     def _kv_bytes(self) -> int:
         return sum(s.runner.kv_bytes for s in self.slots.values())

@@ -6,8 +6,8 @@ contiguity the pipeline needs (each device runs at most one range) and a per-sta
 HiGHS solves it through `scipy.optimize.milp`.
 
 Hops are priced one of two ways:
-- `pair_hops=True`: a variable per (boundary, sender, receiver) makes the model exact, so its
-  optimum equals the best plan's ring time (O(n m^2) variables: small pools);
+- `pair_hops=True`: a flow variable per (boundary, sender, receiver) makes the model exact, so
+  its optimum equals the best plan's ring time (O(n m^2) variables: small pools);
 - `pair_hops=False`: each stage end pays half the cheapest hop out of its device and each
   stage start half the cheapest hop in; since a hop a->b costs at least both, this is a valid
   lower bound with O(n m) variables (large pools).
@@ -118,16 +118,22 @@ def milp_latency(
 
     base = 2 * nm
     if pair_hops:
+        # Transition flow between consecutive units: z[u, a, b] = 1 when unit u-1 runs on a and
+        # unit u on b (a == b: the stage goes on). Flow conservation against x makes the LP
+        # relaxation a layered shortest path, far tighter than z >= x_a + x_b - 1.
+        def z(u: int, a: int, b: int) -> int:
+            return base + ((u - 1) * m + a) * m + b
+
         for u in range(1, n):
             for a in range(m):
                 for b in range(m):
-                    z = base + ((u - 1) * m + a) * m + b
-                    if a == b:
-                        upper[z] = 0
-                        continue
-                    c[z] = hop[a, b, u]
-                    # z >= x[u-1, a] + x[u, b] - 1
-                    constraint([(z, 1.0), (X + (u - 1) * m + a, -1.0), (X + u * m + b, -1.0)], -1.0, np.inf)
+                    if a != b:
+                        c[z(u, a, b)] = hop[a, b, u]
+            for a in range(m):  # everything leaving a at u-1
+                constraint([(z(u, a, b), 1.0) for b in range(m)] + [(X + (u - 1) * m + a, -1.0)], 0.0, 0.0)
+            for b in range(m):  # everything arriving at b at u; arrivals from elsewhere start a stage
+                constraint([(z(u, a, b), 1.0) for a in range(m)] + [(X + u * m + b, -1.0)], 0.0, 0.0)
+                constraint([(z(u, a, b), 1.0) for a in range(m) if a != b] + [(S + u * m + b, -1.0)], 0.0, 0.0)
     else:
         finite = np.where(np.isfinite(hop), hop, np.inf)
         out_min = finite.min(axis=1)  # (m, n+1): cheapest hop out of a at boundary u

@@ -416,3 +416,50 @@ def relaxed_split(tables: CostTables) -> Relaxed:
             break
         g, i = int(came[x, g]), x
     return Relaxed(bound, tuple(reversed(path)))
+
+
+@dataclass(frozen=True)
+class Lagrangian:
+    """Best Lagrangian lower bound found, and the distinct valid paths met on the way."""
+
+    bound: float
+    paths: tuple[Path, ...]
+
+
+def lagrangian_bound(tables: CostTables, upper: float, iterations: int = 60) -> Lagrangian:
+    """Tighten `relaxed_split` by pricing the "each slot at most once" rule (subgradient).
+
+    For multipliers mu >= 0, min over relaxed paths of cost + sum mu_g (uses_g - 1) is a
+    lower bound on every valid split; mu rises on slots a path reuses (Polyak steps towards
+    `upper`, a known achievable cost). Paths that use no slot twice are valid plans and are
+    returned for the caller to price. Deterministic: no randomness.
+    """
+    k = tables.k
+    mu = np.zeros(k)
+    best = -INF
+    paths: dict[Path, None] = {}
+    step_scale, stalled = 1.0, 0
+    for _ in range(iterations):
+        stage = tables.stage + mu[:, None, None]
+        relaxed = relaxed_split(CostTables(tables.n, tables.masks, stage, tables.hop, tables.enter, tables.leave, tables.leave_partial))
+        if not relaxed.path:
+            break
+        value = relaxed.bound - float(mu.sum())
+        if value > best + 1e-15:
+            best, stalled = value, 0
+        else:
+            stalled += 1
+            if stalled >= 5:
+                step_scale, stalled = step_scale / 2, 0
+        uses = np.zeros(k)
+        for g, _, _ in relaxed.path:
+            uses[g] += 1
+        if relaxed.elementary:
+            paths.setdefault(relaxed.path)
+        gradient = uses - 1
+        gradient[(mu <= 0) & (gradient < 0)] = 0  # projected: mu stays >= 0
+        norm = float((gradient**2).sum())
+        if norm == 0 or upper - value <= 1e-12 * abs(upper):
+            break
+        mu = np.maximum(0.0, mu + step_scale * (upper - value) / norm * gradient)
+    return Lagrangian(best, tuple(paths))

@@ -1,0 +1,1 @@
+"""Benchmark helpers (peer engines behind one interface); used by ``benchmarks/``, not by the product."""

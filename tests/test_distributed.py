@@ -1,0 +1,35 @@
+"""Through the API, 1, 2 and 3 worker processes give exactly the single-process tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
+
+from harness import Server
+
+PROMPTS = ["What is the tallest mountain on Earth?", "Write a short poem about a cat.", "Explain recursion in one sentence."]
+
+
+def reference_tokens(pkg, prompt: str, max_tokens: int) -> list[int]:
+    tok = pkg.tokenizer
+    ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
+    return generate(pkg.pipeline(), ids, GenerationParams(max_tokens=max_tokens), tok.decode, pkg.manifest.eos_ids).tokens
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_api_greedy_equals_single_process(int4_pkg, home, workers):
+    with Server(home, workers=workers) as server:
+        stages = server.status()["plan"]["stages"]
+        assert len(stages) == workers
+        for prompt in PROMPTS:
+            r = server.client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "temperature": 0, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            expected = reference_tokens(int4_pkg, prompt, 40)
+            generated = [t for t in expected if t not in int4_pkg.manifest.eos_ids]
+            assert choice["token_ids"] == generated
+            assert choice["message"]["content"] == int4_pkg.tokenizer.decode(generated)
+            assert r.json()["usage"]["completion_tokens"] == len(generated)

@@ -153,6 +153,9 @@ def serve(
     min_workers: Optional[int] = typer.Option(None, "--min-workers", help="Workers to wait for before the first plan (default: --workers)."),
     max_active: int = typer.Option(16, "--max-active", help="Sequences decoded at once."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait; beyond this the API answers 429."),
+    objective: str = typer.Option("latency", "--objective", help="latency | throughput | energy"),
+    tpot_target_ms: Optional[float] = typer.Option(None, "--tpot-target-ms", help="Time-per-token target for the energy objective."),
+    placement: str = typer.Option("planner", "--placement", help="planner | memory (split layers in proportion to memory)."),
     precision: str = PrecisionOption,
     home: Optional[Path] = HomeOption,
 ):
@@ -166,7 +169,8 @@ def serve(
     except USER_ERRORS as exc:
         fail(str(exc))
     settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,
-                             join_token=join_token, max_active=max_active, max_queue=max_queue)
+                             join_token=join_token, max_active=max_active, max_queue=max_queue, objective=objective,
+                             tpot_target_ms=tpot_target_ms, planner=placement == "planner")
 
     def ready(bound: int, coordinator) -> None:
         if min_workers is not None:

@@ -20,7 +20,7 @@ CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_t
 
 @pytest.fixture(scope="module")
 def server(home, int4_pkg):
-    with Server(home, workers=2) as s:
+    with Server(home, workers=2, args=("--placement", "memory")) as s:
         yield s
 
 

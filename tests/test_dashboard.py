@@ -10,7 +10,7 @@ from harness import Server
 
 @pytest.mark.browser
 def test_dashboard_renders_devices_bar_and_chat(home, int4_pkg, tmp_path):
-    with Server(home, workers=2) as server, browser_context() as context:
+    with Server(home, workers=2, args=("--placement", "memory")) as server, browser_context() as context:
         page = context.new_page()
         page.goto(server.url + "/")
         page.wait_for_selector("tr.device >> nth=1", timeout=20000)

@@ -20,7 +20,7 @@ def reference_tokens(pkg, prompt: str, max_tokens: int) -> list[int]:
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_api_greedy_equals_single_process(int4_pkg, home, workers):
-    with Server(home, workers=workers) as server:
+    with Server(home, workers=workers, args=("--placement", "memory")) as server:
         stages = server.status()["plan"]["stages"]
         assert len(stages) == workers
         for prompt in PROMPTS:

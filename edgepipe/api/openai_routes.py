@@ -61,7 +61,8 @@ def params_from(body: dict, context: int) -> GenerationParams:
     seed = number("seed", int, 0)
     try:
         return GenerationParams(max_tokens=max_tokens, temperature=number("temperature", float, 1.0 if "temperature" in body else 0.0),
-                                top_p=number("top_p", float, 1.0), top_k=number("top_k", int, 0), seed=seed, stop=tuple(stop))
+                                top_p=number("top_p", float, 1.0), top_k=number("top_k", int, 0), seed=seed, stop=tuple(stop),
+                                ignore_eos=bool(body.get("ignore_eos", False)))
     except ValueError as exc:
         param = str(exc).split(" ")[0]
         raise bad_request(str(exc), param=param) from None

@@ -26,6 +26,7 @@ from ..net.channel import Channel, ChannelClosed
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta, uniform_draw
 from .placement import Deployment, StageAssignment, proportional_split
+from .profiling import ClusterProfile
 
 log = logging.getLogger("edgepipe.coordinator")
 
@@ -80,6 +81,8 @@ class CoordinatorSettings:
     load_timeout_s: float = 120.0
     step_timeout_s: float = 60.0
     precision: str | None = None
+    calibrate: bool = True  # time two unit ranges on each joining worker
+    replan_every_s: float = 10.0  # periodic check for drift
 
 
 @dataclass
@@ -97,7 +100,7 @@ PlanFn = Callable[["Coordinator", list[WorkerHandle]], tuple[list[StageAssignmen
 
 
 def memory_proportional_plan(coord: "Coordinator", workers: list[WorkerHandle]):
-    stages = proportional_split(coord.n_units, [(w.id, w.memory_bytes) for w in workers])
+    stages = proportional_split(coord.n_units, [(w.id, w.memory_bytes) for w in sorted(workers, key=lambda w: w.id)])
     return stages, "layers split in proportion to declared memory", {}
 
 
@@ -120,11 +123,17 @@ class Coordinator:
         self._pending: dict[str, tuple[int, int, asyncio.Future]] = {}
         self._ids = itertools.count(1)
         self._plan_ids = itertools.count(1)
+        self._worker_ids = itertools.count(1)
         self._replan_lock = asyncio.Lock()
         self._replan_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.requests_in_flight = 0
+        self.profile = ClusterProfile(self.manifest)
+        self.recent_steps: deque[tuple[int, float]] = deque(maxlen=256)  # (positions fed, wall seconds)
+        self._calibration_lock = asyncio.Lock()
+        self._calibrations: dict[str, asyncio.Task] = {}
+        self.last_switch = time.monotonic()
 
     @property
     def n_units(self) -> int:
@@ -178,10 +187,12 @@ class Coordinator:
         if self.settings.join_token and hello.get("token") != self.settings.join_token:
             await self._refuse(channel, "wrong or missing join token" if hello.get("token") else "missing join token")
             return
-        worker = WorkerHandle(f"w{next(self._ids)}-{hello.get('name', 'worker')}"[:40], str(hello.get("name", "worker")), channel, hello.fields)
+        worker = WorkerHandle(f"w{next(self._worker_ids)}-{hello.get('name', 'worker')}"[:40], str(hello.get("name", "worker")), channel, hello.fields)
         self.workers[worker.id] = worker
         await worker.send(Message(T.WELCOME, {"worker_id": worker.id}))
         self.event("join", worker=worker.id, memory=worker.memory_bytes, emulation=hello.get("emulation"), device_kind=hello.get("kind"))
+        if self.settings.calibrate:
+            self._calibrations[worker.id] = self._spawn(self._calibrate(worker))
         self._replan_wanted.set()
         try:
             await self._read_worker(worker)
@@ -216,15 +227,16 @@ class Coordinator:
         elif msg.type is T.PONG:
             if msg.get("t") is not None:
                 w.rtt_s = time.monotonic() - msg["t"]
+                self.profile.heartbeat(w.id, w.rtt_s)
             w.stats = {k: msg.get(k) for k in ("kv_bytes", "queue", "busy_s", "computed")}
         elif msg.type is T.LOADED:
-            fut = w.loads.pop(msg["plan"], None) if "kv_sent" not in msg.fields else w.loads.pop(-msg["plan"], None)
+            fut = w.loads.pop(f"kv:{msg['kv_sent']}" if "kv_sent" in msg.fields else msg["plan"], None)
             if fut and not fut.done():
                 fut.set_result(msg.fields)
         elif msg.type is T.PROBED:
             fut = w.probes.pop(msg["probe"], None)
             if fut and not fut.done():
-                fut.set_result(msg.fields)
+                fut.set_result(msg)
         elif msg.type is T.FORWARD and msg.get("relay_to"):
             target = self.workers.get(msg["relay_to"])
             fields = {k: v for k, v in msg.fields.items() if k != "relay_to"}
@@ -256,6 +268,10 @@ class Coordinator:
             return
         w.alive = False
         self.workers.pop(w.id, None)
+        self.profile.forget(w.id)
+        task = self._calibrations.pop(w.id, None)
+        if task:
+            task.cancel()
         for fut in list(w.loads.values()) + list(w.probes.values()):
             if not fut.done():
                 fut.set_exception(PipelineBroken(f"worker {w.id} {why}"))
@@ -296,9 +312,15 @@ class Coordinator:
     # -- planning and deployment ----------------------------------------------------------------
     async def _replanner(self) -> None:
         while True:
-            await self._replan_wanted.wait()
+            try:
+                await asyncio.wait_for(self._replan_wanted.wait(), timeout=self.settings.replan_every_s)
+            except asyncio.TimeoutError:
+                pass  # the periodic check: measured speeds may have drifted
             await asyncio.sleep(0.05)  # let a burst of joins/leaves settle
             self._replan_wanted.clear()
+            pending = [t for t in self._calibrations.values() if not t.done()]
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
             try:
                 await self.replan()
             except Exception as exc:  # a failed plan must not stop future re-planning
@@ -308,7 +330,8 @@ class Coordinator:
 
     async def replan(self, force: bool = False) -> Deployment | None:
         async with self._replan_lock:
-            workers = [w for w in self.workers.values() if w.alive]
+            calibrating = {wid for wid, t in self._calibrations.items() if not t.done()}
+            workers = [w for w in self.workers.values() if w.alive and w.id not in calibrating]
             if len(workers) < self.settings.min_workers and self.active is None:
                 return None
             if not workers:
@@ -318,9 +341,62 @@ class Coordinator:
                 self.event("plan_failed", error=reason)
                 return None
             current = self.active
-            if current and not force and [(s.worker_id, s.start, s.end) for s in current.stages] == [(s.worker_id, s.start, s.end) for s in stages]:
-                return current
-            return await self.deploy(stages, reason, predicted)
+            if current and not force:
+                if [(s.worker_id, s.start, s.end) for s in current.stages] == [(s.worker_id, s.start, s.end) for s in stages]:
+                    return current
+                decision = predicted.get("switch")
+                if decision is not None and not decision["switch"]:
+                    return current  # not worth its switch cost yet (hysteresis)
+            return await self.deploy(stages, reason, {k: v for k, v in predicted.items() if k != "switch"})
+
+    async def _load(self, w: WorkerHandle, plan_id: int, start: int, end: int, next_hop: dict, keep: list[int]) -> dict:
+        fut = w.loads[plan_id] = asyncio.get_running_loop().create_future()
+        await w.send(Message(T.LOAD, {
+            "plan": plan_id, "start": start, "end": end, "keep": keep,
+            "graph": self.package.stage_graph(start, end, self._precision(w)),
+            "files": list(self.manifest.stage_files(start, end, self._precision(w))),
+            "next": next_hop, "max_context": self.manifest.max_context,
+            "kv_bytes_per_token": sum(u.kv_bytes_per_token for u in self.manifest.units[start:end]),
+        }))
+        return await asyncio.wait_for(fut, timeout=self.settings.load_timeout_s)
+
+    async def _probe(self, w: WorkerHandle, fields: dict) -> Message:
+        probe = next(self._ids)
+        fut = w.probes[probe] = asyncio.get_running_loop().create_future()
+        await w.send(Message(T.PROBE, {"probe": probe, **fields}))
+        return await asyncio.wait_for(fut, timeout=self.settings.load_timeout_s)
+
+    async def _calibrate(self, w: WorkerHandle) -> None:
+        """Time a 1-layer and a 4-layer range and the uplink (000 §5: speed + per-call overhead)."""
+        layers = [u.index for u in self.manifest.units if u.kind == "layer"]
+        ranges = [(layers[0], layers[0] + 1), (layers[0], layers[min(3, len(layers) - 1)] + 1)]
+        try:
+            async with self._calibration_lock:  # one at a time: calibrations must not share the CPU
+                samples = []
+                for start, end in ranges:
+                    plan_id = -next(self._ids)
+                    result = await self._load(w, plan_id, start, end, {"kind": "coordinator"}, keep=[])
+                    if not result.get("ok"):
+                        raise RuntimeError(result.get("error"))
+                    timing = await self._probe(w, {"plan": plan_id, "reps": 10, "context": 32})
+                    cost = self.profile.unit_cost(start, end)
+                    samples += [(cost, t) for t in timing.get("times", [])[2:]]
+                    await w.send(Message(T.ACTIVATE, {"keep": [p for p in ([self.active.plan_id] if self.active else []) if p > 0]}))
+                t0 = time.monotonic()
+                size = 1 << 18
+                await self._probe(w, {"kind": "link", "bytes": size})
+                self.profile.uploaded(w.id, size, time.monotonic() - t0)
+            try:
+                self.profile.calibrated(w.id, samples)
+            except ValueError:  # noisy timings that no line fits: speed from the ratio, no overhead
+                self.profile.calibrated_by_ratio(w.id, samples)
+            m = self.profile.of(w.id)
+            self.event("calibrated", worker=w.id, speed=round(m.speed, 3), overhead_ms=round(m.overhead_s * 1e3, 3),
+                       uplink_mb_s=round((m.bandwidth_bytes_per_s or 0) / 1e6, 3))
+        except (PipelineBroken, asyncio.TimeoutError, ChannelClosed, RuntimeError, ValueError) as exc:
+            self.event("calibration_failed", worker=w.id, error=str(exc) or type(exc).__name__)
+        finally:
+            self._replan_wanted.set()
 
     async def deploy(self, stages: list[StageAssignment], reason: str = "", predicted: dict | None = None) -> Deployment:
         """Prepare ``stages`` beside the active plan, then swap it in."""
@@ -330,24 +406,15 @@ class Coordinator:
             self._set_state(State.PREPARING)
         self.event("prepare", plan=dep.plan_id, stages=[[s.worker_id, s.start, s.end] for s in stages], reason=reason)
         t0 = time.monotonic()
-        loop = asyncio.get_running_loop()
         keep = [dep.plan_id] + ([self.active.plan_id] if self.active else [])
-        futures = []
+        loads = []
         for i, s in enumerate(stages):
             w = self.workers.get(s.worker_id)
             if w is None:
                 raise PipelineBroken(f"worker {s.worker_id} left before deployment")
-            fut = w.loads[dep.plan_id] = loop.create_future()
-            futures.append(fut)
-            await w.send(Message(T.LOAD, {
-                "plan": dep.plan_id, "start": s.start, "end": s.end, "keep": keep,
-                "graph": self.package.stage_graph(s.start, s.end, self._precision(w)),
-                "files": list(self.manifest.stage_files(s.start, s.end, self._precision(w))),
-                "next": self._next_hop(stages, i), "max_context": self.manifest.max_context,
-                "kv_bytes_per_token": sum(u.kv_bytes_per_token for u in self.manifest.units[s.start:s.end]),
-            }))
+            loads.append(self._load(w, dep.plan_id, s.start, s.end, self._next_hop(stages, i), keep))
         try:
-            results = await asyncio.wait_for(asyncio.gather(*futures), timeout=self.settings.load_timeout_s)
+            results = await asyncio.gather(*loads)
         finally:
             if self.preparing is dep:
                 self.preparing = None
@@ -371,6 +438,7 @@ class Coordinator:
                     await w.send(Message(T.ACTIVATE, {"keep": []}))
         self._set_state(State.UP)
         self.up.set()
+        self.last_switch = time.monotonic()
         fetched = sum(r.get("fetched_bytes", 0) for r in results)
         self.event("up", plan=dep.plan_id, prepare_s=round(time.monotonic() - t0, 3), fetched_bytes=fetched,
                    predicted=dep.predicted, replaced=old.plan_id if old else None)
@@ -420,6 +488,7 @@ class Coordinator:
                     continue
                 fed_plan = dep.plan_id
                 delta = state.push(token)
+                self._learn(dep, record)
                 self.on_step(record)
                 yield delta
         finally:
@@ -447,6 +516,15 @@ class Coordinator:
             plan = entry[1]
         if plan is not None:
             await self._drop(seq, plan)
+
+    def _learn(self, dep: Deployment, record: StepRecord) -> None:
+        """Decode steps (one position) refine each worker's measured speed."""
+        ranges = {s.worker_id: (s.start, s.end) for s in dep.stages}
+        for entry in record.timings:
+            worker, compute, positions = entry[0], entry[1], entry[2]
+            if positions == 1 and worker in ranges:
+                self.profile.step(worker, *ranges[worker], compute)
+        self.recent_steps.append((record.tokens_in, record.wall_s))
 
     async def _wait_up(self) -> Deployment:
         while True:

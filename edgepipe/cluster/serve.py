@@ -28,6 +28,9 @@ class ServeSettings:
     max_queue: int = 64
     worker_args: list[str] = field(default_factory=list)  # extra flags for every local worker
     log_level: str = "warning"
+    objective: str = "latency"
+    tpot_target_ms: float | None = None
+    planner: bool = True  # False: split layers in proportion to memory (the exo / llama.cpp rule)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -55,6 +58,11 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
 
     sock = bind_socket(settings.host, settings.port)
     port = sock.getsockname()[1]
+    if plan_fn is None and settings.planner:
+        from ..plan import Objective
+        from .planning import PlannerPolicy
+
+        plan_fn = PlannerPolicy(Objective(settings.objective), settings.tpot_target_ms / 1e3 if settings.tpot_target_ms else None)
     coordinator = Coordinator(package, CoordinatorSettings(min_workers=max(1, settings.workers), join_token=settings.join_token), plan_fn=plan_fn)
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,
                      admission=Admission(settings.max_active, settings.max_queue))

@@ -229,7 +229,11 @@ class Worker:
         await self._send_control(Message(T.LOADED, reply))
 
     async def _probe(self, msg: Message) -> None:
-        """Time decode steps of the loaded stage (speed/overhead profiling by the coordinator)."""
+        """Time decode steps of a loaded stage, or send a payload back to time the uplink."""
+        if msg.get("kind") == "link":
+            payload = np.zeros(int(msg.get("bytes", 1 << 18)), np.uint8)
+            await self._send_control(Message(T.PROBED, {"probe": msg.get("probe"), "ok": True}, {"payload": payload}))
+            return
         slot = self.slots.get(msg["plan"])
         reps = int(msg.get("reps", 8))
         result = {"probe": msg.get("probe"), "ok": slot is not None}

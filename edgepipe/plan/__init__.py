@@ -1,5 +1,13 @@
-"""The planner: profiles in, plan out (pure; see DESIGN.md "The planner")."""
+"""The planner: profiles in, plan out (pure; see DESIGN.md "The planner").
 
+`plan()` places a model on a pool of devices for an objective and returns the best plan,
+runners-up and how it searched; `evaluate()` is the cost model every search and the runtime's
+predicted-vs-measured check share; `switching` decides when and how to move to a new plan;
+`fit` turns measurements into device speeds. Nothing here does I/O or reads a clock.
+"""
+
+from .devices_file import DevicesFile, DevicesFileError, parse_devices
+from .fit import RollingMedian, SpeedFit, fit_speed_overhead, mape
 from .milp import MilpResult, milp_latency
 from .order import plan
 from .plan import (
@@ -18,6 +26,7 @@ from .plan import (
 )
 from .profiles import (
     COORDINATOR,
+    DEFAULT_LINK,
     DeviceProfile,
     LinkProfile,
     ModelProfile,
@@ -25,3 +34,62 @@ from .profiles import (
     UnitProfile,
     transformer_profile,
 )
+from .report import render
+from .switching import (
+    Action,
+    DropStage,
+    FetchUnits,
+    LoadStage,
+    MoveKV,
+    SwitchDecision,
+    decay,
+    diff,
+    should_switch,
+    spare_plan,
+    switch_cost,
+)
+
+__all__ = [
+    "COORDINATOR",
+    "DEFAULT_LINK",
+    "Action",
+    "DeviceProfile",
+    "DevicesFile",
+    "DevicesFileError",
+    "DropStage",
+    "FetchUnits",
+    "LinkProfile",
+    "LoadStage",
+    "MilpResult",
+    "ModelProfile",
+    "MoveKV",
+    "NetworkProfile",
+    "Objective",
+    "Plan",
+    "PlanError",
+    "PlanRequest",
+    "PlanResult",
+    "Prediction",
+    "RollingMedian",
+    "SpeedFit",
+    "Stage",
+    "SwitchDecision",
+    "UnitProfile",
+    "decay",
+    "diff",
+    "evaluate",
+    "fit_speed_overhead",
+    "hop_s",
+    "mape",
+    "meets_target",
+    "milp_latency",
+    "objective_key",
+    "objective_value",
+    "parse_devices",
+    "plan",
+    "render",
+    "should_switch",
+    "spare_plan",
+    "switch_cost",
+    "transformer_profile",
+]

@@ -52,6 +52,7 @@ from .split import (
     best_split,
     build_pricing,
     cost_tables,
+    lagrangian_bound,
     relaxed_split,
     subset_dp,
     subset_dp_size,
@@ -240,7 +241,10 @@ class _Priced:
 def _price(ctx: _Context, stages: tuple[Stage, ...]) -> _Priced:
     prediction = evaluate(stages, ctx.model, ctx.devices, ctx.network, ctx.request)
     canonical = repr(tuple((s.device_ids, s.start, s.end) for s in stages))
-    return _Priced(objective_key(prediction, ctx.request), canonical, stages, prediction)
+    # Rounded so that plans equal up to float noise tie, and ties go to the evener pipeline
+    # (smaller bottleneck), then to a fixed textual order.
+    key = tuple(float(f"{v:.12g}") for v in objective_key(prediction, ctx.request))
+    return _Priced(key + (float(f"{prediction.bottleneck_s:.12g}"),), canonical, stages, prediction)
 
 
 class _Candidates:
@@ -350,9 +354,16 @@ def _plan(
     count = max(4, request.top_k + 2)
     steps = request.anneal_steps
     latency_tables = tables()
-    first = _search(ctx, latency_tables, steps)
+    first = _search(ctx, tables(balance=True), steps)
     candidates.add(first, count)
-    bound = relaxed_split(latency_tables).bound if not prefer_not and not forbidden else None
+    bound = None
+    if strategy == "annealing" and first.by_set and not prefer_not and not forbidden:
+        # A proven lower bound; the valid paths it meets are candidates too.
+        upper = min(cost for cost, _ in first.by_set.values())
+        lagrangian = lagrangian_bound(latency_tables, upper)
+        for path in lagrangian.paths:
+            candidates.add_stages(_to_stages(ctx, path))
+        bound = max(lagrangian.bound, relaxed_split(latency_tables).bound)
 
     if first.by_set:
         if request.objective is Objective.THROUGHPUT and seq > 1:
@@ -382,7 +393,9 @@ def _plan(
             )
         )
     exact = strategy != "annealing"
-    lower = bound if request.objective is Objective.LATENCY else None
+    lower = None
+    if request.objective is Objective.LATENCY and not prefer_not and not forbidden:
+        lower = plans[0].predicted.ring_s if exact else bound  # type: ignore[union-attr]
     optimal = (exact and request.objective is not Objective.ENERGY) or (
         lower is not None and plans[0].predicted.ring_s <= lower * (1 + 1e-9)  # type: ignore[union-attr]
     )
@@ -413,7 +426,7 @@ def _throughput(ctx: _Context, candidates: _Candidates, tables, count: int) -> N
     def holds(index: int) -> bool:
         if index not in probes:
             limit = float(values[index])
-            found = _search(ctx, tables(bottleneck_limit=limit), steps, starts[-1:])
+            found = _search(ctx, tables(bottleneck_limit=limit, balance=True), steps, starts[-1:])
             best = found.best(count)
             candidates.add(found, count)
             probes[index] = bool(best) and best[0][0] / seq <= limit

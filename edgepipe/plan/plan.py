@@ -333,7 +333,7 @@ def objective_key(prediction: Prediction, request: PlanRequest) -> tuple[float, 
     if request.objective is Objective.LATENCY:
         return (prediction.ring_s,)
     if request.objective is Objective.THROUGHPUT:
-        return (1.0 / prediction.throughput_tok_s,)
+        return (1.0 / prediction.throughput_tok_s, prediction.ring_s)
     if meets_target(prediction, request) is False:
         return (1.0, prediction.tpot_s, prediction.energy_j_per_token)
     return (0.0, prediction.energy_j_per_token, prediction.tpot_s)

@@ -196,15 +196,22 @@ def cost_tables(
     stage_weight: np.ndarray | float = 1.0,
     stage_fixed: np.ndarray | float = 0.0,
     hop_weight: float = 1.0,
+    balance: bool = False,
 ) -> CostTables:
     """Weighted costs: `stage_weight[g] * time + stage_fixed[g]` per stage, `hop_weight * hop`.
 
     Stages whose bottleneck share, and hops whose time, exceed `bottleneck_limit` are removed.
-    With the defaults the cost of a path is its ring time T.
+    With the defaults the cost of a path is its ring time T. `balance` adds 1e-9 * time^2 /
+    (largest stage time) per stage: among splits of equal cost it prefers even stage times,
+    and it moves a cost by at most a billionth (never use it for bounds).
     """
     weight = np.broadcast_to(np.asarray(stage_weight, dtype=np.float64), (pricing.k,))
     fixed = np.broadcast_to(np.asarray(stage_fixed, dtype=np.float64), (pricing.k,))
     stage = weight[:, None, None] * pricing.time + fixed[:, None, None]
+    if balance:
+        finite = pricing.time[np.isfinite(pricing.time)]
+        if finite.size:
+            stage = stage + 1e-9 * pricing.time**2 / max(float(finite.max()), 1e-300)
     hop, enter, leave = pricing.hop, pricing.enter, pricing.leave
     if hop_weight != 1.0:
         hop, enter, leave = hop * hop_weight, enter * hop_weight, leave * hop_weight

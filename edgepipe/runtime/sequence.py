@@ -24,6 +24,7 @@ class GenerationParams:
     top_k: int = 0  # 0 = no limit
     seed: int = 0
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -75,7 +76,7 @@ class SequenceState:
     def push(self, token: int) -> TextDelta:
         if self.finished:
             raise RuntimeError("sequence already finished")
-        if token in self.eos_ids:
+        if token in self.eos_ids and not self.params.ignore_eos:
             self.finish_reason = "stop"
             return TextDelta(self._flush(self.decode(self.generated)), True, "stop")
         self.generated.append(token)

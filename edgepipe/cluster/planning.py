@@ -1,0 +1,66 @@
+"""The coordinator's use of the planner: profiles from measurements, plan, switch or stay.
+
+``PlannerPolicy`` is a plan function for the coordinator. It asks ``edgepipe.plan`` for the
+best placement under the current objective, prices the running plan with the same cost
+model, and lets ``should_switch`` (margin, switch cost amortised over a horizon, penalty
+decaying with time since the last switch) decide whether the change is worth making.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..plan import Objective, Plan, PlanRequest, Stage, evaluate, objective_value, plan, should_switch, switch_cost
+from .placement import StageAssignment
+
+
+@dataclass
+class PlannerPolicy:
+    objective: Objective = Objective.LATENCY
+    tpot_target_s: float | None = None
+    horizon_tokens: int = 2000
+    throughput_above: int = 2  # sequences in flight at which the throughput objective takes over
+    last_result: object = None
+
+    def request(self, coord) -> PlanRequest:
+        objective = self.objective
+        sequences = max(1, coord.requests_in_flight)
+        if objective is Objective.LATENCY and sequences >= self.throughput_above:
+            objective = Objective.THROUGHPUT
+        return PlanRequest(objective=objective, sequences=sequences, tpot_target_s=self.tpot_target_s)
+
+    def __call__(self, coord, workers):
+        prof = coord.profile
+        model = prof.model_profile()
+        devices = prof.device_profiles(workers)
+        network = prof.network_profile(workers)
+        request = self.request(coord)
+        result = plan(model, devices, network, request)
+        self.last_result = (result, model, devices, network, request)
+        best = result.best
+        if not best.complete:
+            return [], best.reason, {}
+        stages = [StageAssignment(s.device_ids[0], s.start, s.end) for s in best.stages]
+        predicted = prediction_dict(best)
+        current = coord.active
+        alive = {d.id for d in devices}
+        if current is not None and set(current.workers) <= alive:
+            running = Plan(tuple(Stage((s.worker_id,), s.start, s.end) for s in current.stages), model.n_units, request.objective,
+                           True, None, "running")
+            running_pred = evaluate(running.stages, model, devices, network, request)
+            unit_bytes = [u.weight_bytes for u in model.units]
+            bandwidths = {d.id: prof.link_of(d.id)[1] for d in devices}
+            cost_s = switch_cost(running, best, devices, unit_bytes, bandwidths)
+            decision = should_switch(objective_value(running_pred, request), objective_value(best.predicted, request), cost_s,
+                                     time.monotonic() - coord.last_switch, self.horizon_tokens)
+            predicted["switch"] = {"switch": decision.switch, "reason": decision.reason, "switch_cost_s": cost_s,
+                                   "running_tpot_s": running_pred.tpot_s}
+        return stages, f"{request.objective.value}: {best.reason}", predicted
+
+
+def prediction_dict(p: Plan) -> dict:
+    pr = p.predicted
+    return {"objective": p.objective.value, "tpot_s": pr.tpot_s, "ttft_s": pr.ttft_s, "throughput_tok_s": pr.throughput_tok_s,
+            "energy_j_per_token": pr.energy_j_per_token, "stage_times_s": list(pr.stage_times_s), "hop_times_s": list(pr.hop_times_s),
+            "memory_bytes": dict(pr.memory_bytes), "meets_target": p.meets_target}

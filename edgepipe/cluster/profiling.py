@@ -1,0 +1,123 @@
+"""What the coordinator has measured about its cluster, as planner profiles.
+
+Measuring is I/O and lives in the coordinator; this module keeps the numbers and turns them
+into ``edgepipe.plan`` profiles:
+
+- unit costs: measured once per unit at import (seconds per decode token on the importer);
+- device speed and per-call overhead: calibration at join times two unit ranges of different
+  length (fit ``t = overhead + cost / speed``), then every real decode step a worker reports
+  refines its speed (median over a window);
+- links: RTT from heartbeats, upload bandwidth from a timed probe frame. A worker-to-worker
+  hop is priced as a path through both workers' access links (star topology): the larger RTT
+  and the smaller bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..plan import COORDINATOR, DeviceProfile, LinkProfile, ModelProfile, NetworkProfile, RollingMedian, UnitProfile, fit_speed_overhead
+from ..plan.profiles import DEFAULT_LINK
+
+LOOPBACK_BANDWIDTH = 1e9  # bytes/s assumed until a probe says otherwise
+
+
+@dataclass
+class DeviceMeasurements:
+    speed: float = 1.0
+    overhead_s: float = 0.0
+    calibrated: bool = False
+    rtt: RollingMedian = field(default_factory=lambda: RollingMedian(16))
+    bandwidth_bytes_per_s: float | None = None
+    stage_times: dict[tuple[int, int], RollingMedian] = field(default_factory=dict)
+
+
+class ClusterProfile:
+    def __init__(self, manifest, context_tokens: int = 2048, window: int = 32):
+        self.manifest = manifest
+        self.window = window
+        self.context_tokens = min(context_tokens, manifest.max_context)
+        self.devices: dict[str, DeviceMeasurements] = {}
+
+    def of(self, worker_id: str) -> DeviceMeasurements:
+        return self.devices.setdefault(worker_id, DeviceMeasurements())
+
+    def forget(self, worker_id: str) -> None:
+        self.devices.pop(worker_id, None)
+
+    def unit_cost(self, start: int, end: int) -> float:
+        return sum(u.cost_s for u in self.manifest.units[start:end])
+
+    # -- measurements in ------------------------------------------------------------------------
+    def calibrated(self, worker_id: str, samples: list[tuple[float, float]]) -> None:
+        fit = fit_speed_overhead(samples, warmup=0)
+        m = self.of(worker_id)
+        m.speed, m.overhead_s, m.calibrated = max(fit.speed, 1e-6), max(fit.overhead_s, 0.0), True
+
+    def calibrated_by_ratio(self, worker_id: str, samples: list[tuple[float, float]]) -> None:
+        m = self.of(worker_id)
+        total_cost, total_s = sum(c for c, _ in samples), sum(t for _, t in samples)
+        m.speed, m.overhead_s, m.calibrated = (total_cost / total_s if total_s > 0 else 1.0), 0.0, True
+
+    def heartbeat(self, worker_id: str, rtt_s: float) -> None:
+        m = self.of(worker_id)
+        m.rtt = m.rtt.push(rtt_s)
+
+    def uploaded(self, worker_id: str, nbytes: int, seconds: float) -> None:
+        rtt = self.of(worker_id).rtt.median or 0.0
+        self.of(worker_id).bandwidth_bytes_per_s = nbytes / max(seconds - rtt, 1e-6)  # request + reply legs
+
+    def step(self, worker_id: str, start: int, end: int, compute_s: float) -> None:
+        """A decode step's compute time on a stage: refines the device's speed."""
+        m = self.of(worker_id)
+        key = (start, end)
+        m.stage_times[key] = m.stage_times.get(key, RollingMedian(self.window)).push(compute_s)
+        median = m.stage_times[key].median
+        if len(m.stage_times[key].values) >= 4 and median > m.overhead_s:
+            m.speed = self.unit_cost(start, end) / (median - m.overhead_s)
+
+    # -- profiles out ---------------------------------------------------------------------------
+    def model_profile(self, precision: str | None = None) -> ModelProfile:
+        m = self.manifest
+        shared = sum(self._blob_size(s) for s in m.shared_files.get(precision or m.precision, ()))
+        units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, u.kv_bytes_per_token,
+                                  u.out_bytes_per_token) for u in m.units)
+        return ModelProfile(m.name, units, self.context_tokens, runtime_overhead_bytes=shared + (64 << 20))
+
+    def _blob_size(self, sha: str) -> int:
+        return 0  # shared rotary tables are small and counted in the overhead constant
+
+    def device_profiles(self, workers) -> list[DeviceProfile]:
+        out = []
+        for w in sorted(workers, key=lambda w: w.id):
+            m = self.of(w.id)
+            emu = w.hello.get("emulation") or {}
+            out.append(DeviceProfile(
+                id=w.id, memory_bytes=w.memory_bytes, speed=m.speed, overhead_s=m.overhead_s,
+                power_busy_w=float(w.hello.get("power_busy_w") or 15.0), power_idle_w=float(w.hello.get("power_idle_w") or 3.0),
+                held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=bool(emu),
+            ))
+        return out
+
+    def _held_units(self, w) -> set[int]:
+        held = set(w.hello.get("held") or ())
+        if not held:
+            return set()
+        return {u.index for u in self.manifest.units if all(f in held for f in self.manifest.variant(u.index).files)}
+
+    def link_of(self, worker_id: str) -> tuple[float, float]:
+        m = self.of(worker_id)
+        return (m.rtt.median if m.rtt.median is not None else DEFAULT_LINK.rtt_s,
+                m.bandwidth_bytes_per_s or LOOPBACK_BANDWIDTH)
+
+    def network_profile(self, workers) -> NetworkProfile:
+        ids = sorted(w.id for w in workers)
+        links = []
+        for a in ids:
+            rtt, bw = self.link_of(a)
+            links.append(LinkProfile(a, COORDINATOR, rtt, bw))
+            for b in ids:
+                if a < b:
+                    rtt_b, bw_b = self.link_of(b)
+                    links.append(LinkProfile(a, b, max(rtt, rtt_b), min(bw, bw_b)))
+        return NetworkProfile(tuple(links))

@@ -132,6 +132,7 @@ class Coordinator:
         self.profile = ClusterProfile(self.manifest)
         self.recent_steps: deque[tuple[int, float]] = deque(maxlen=256)  # (positions fed, wall seconds)
         self._calibration_lock = asyncio.Lock()
+        self._variant_lock = asyncio.Lock()
         self._calibrations: dict[str, asyncio.Task] = {}
         self.last_switch = time.monotonic()
 
@@ -187,6 +188,13 @@ class Coordinator:
         if self.settings.join_token and hello.get("token") != self.settings.join_token:
             await self._refuse(channel, "wrong or missing join token" if hello.get("token") else "missing join token")
             return
+        wanted = hello.get("precision")
+        if wanted and any(wanted not in u.variants for u in self.manifest.units):
+            try:
+                await self._add_variant(wanted)
+            except (ValueError, OSError) as exc:
+                await self._refuse(channel, f"cannot provide the {wanted} variant: {exc}")
+                return
         worker = WorkerHandle(f"w{next(self._worker_ids)}-{hello.get('name', 'worker')}"[:40], str(hello.get("name", "worker")), channel, hello.fields)
         self.workers[worker.id] = worker
         await worker.send(Message(T.WELCOME, {"worker_id": worker.id}))
@@ -198,6 +206,22 @@ class Coordinator:
             await self._read_worker(worker)
         finally:
             await self._lose(worker, "disconnected")
+
+    async def _add_variant(self, precision: str) -> None:
+        from ..model.importer import add_variant
+        from ..model.weights import PRECISIONS
+
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}")
+        async with self._variant_lock:
+            if all(precision in u.variants for u in self.manifest.units):
+                return
+            self.event("variant", precision=precision, status="building")
+            await asyncio.get_running_loop().run_in_executor(None, add_variant, self.package.root, precision)
+            self.package.reload()
+            self.manifest = self.package.manifest
+            self.profile.manifest = self.manifest
+            self.event("variant", precision=precision, status="ready")
 
     async def _refuse(self, channel: Channel, reason: str) -> None:
         self.event("refused", peer=channel.peer, reason=reason)

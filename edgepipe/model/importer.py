@@ -8,6 +8,7 @@ leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -87,6 +88,35 @@ def import_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def add_variant(package_dir: str | Path, precision: str, progress: Progress | None = None) -> Path:
+    """Add another weight variant (e.g. fp32 MatMuls for browser workers) to a package.
+
+    Blobs are written beside the existing ones (content addressing dedupes shared files) and
+    the manifest is replaced atomically, so readers see either the old or the new one.
+    """
+    package_dir = Path(package_dir)
+    manifest = Manifest.from_json((package_dir / "manifest.json").read_text())
+    if all(precision in u.variants for u in manifest.units):
+        return package_dir
+    source_path = Path(manifest.source["path"])
+    src = open_source(source_path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{package_dir.name}-{precision}-", dir=package_dir.parent))
+    try:
+        extra = _write_package(src, src.config, tmp, manifest.name, precision, source_path, manifest.source["sha256"], manifest.max_context,
+                               progress or (lambda *_: None), measure_cost=False)
+        for blob in (tmp / "blobs").iterdir():
+            if not (package_dir / "blobs" / blob.name).exists():
+                os.replace(blob, package_dir / "blobs" / blob.name)
+        units = tuple(dataclasses.replace(u, variants={**u.variants, precision: e.variants[precision]}) for u, e in zip(manifest.units, extra.units))
+        merged = dataclasses.replace(manifest, units=units, shared_files={**manifest.shared_files, **extra.shared_files})
+        staged = package_dir / "manifest.json.tmp"
+        staged.write_text(merged.to_json())
+        os.replace(staged, package_dir / "manifest.json")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return package_dir
 
 
 def _folder_hash(folder: Path) -> str:

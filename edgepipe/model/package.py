@@ -66,12 +66,19 @@ class Package:
             self.verify(self.manifest.stage_files(start, end, precision))
         return StageRunner(self.blob(self.stage_graph(start, end, precision)), threads=threads, max_context=self.manifest.max_context)
 
-    def pipeline(self, cuts: list[int] | tuple[int, ...] = (), precision: str | None = None, threads: int | None = None):
-        """A LocalPipeline cut before each unit index in ``cuts``."""
+    def pipeline(self, cuts: list[int] | tuple[int, ...] = (), precision: str | None = None, threads: int | None = None,
+                 precisions: list[str | None] | None = None):
+        """A LocalPipeline cut before each unit index in ``cuts``; ``precisions`` picks a
+        variant per stage (the reference for a pipeline that mixes native and browser workers)."""
         from ..runtime.local import LocalPipeline
 
         bounds = [0, *sorted(cuts), len(self.manifest.units)]
-        return LocalPipeline([self.runner(a, b, precision, threads) for a, b in zip(bounds, bounds[1:])])
+        per_stage = precisions or [precision] * (len(bounds) - 1)
+        return LocalPipeline([self.runner(a, b, p, threads) for (a, b), p in zip(zip(bounds, bounds[1:]), per_stage)])
+
+    def reload(self) -> None:
+        """Re-read the manifest (after a variant was added)."""
+        self.manifest = Manifest.from_json((self.root / "manifest.json").read_text())
 
     @cached_property
     def tokenizer(self) -> TextTokenizer:

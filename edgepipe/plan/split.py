@@ -313,12 +313,31 @@ def subset_dp_size(n: int, m: int, k: int) -> int:
     return (1 << m) * k * (n + 1)
 
 
+def cost_to_go(tables: CostTables) -> np.ndarray:
+    """Lower bound on finishing from boundary x after a stage on slot g: (k, n+1) array.
+
+    Computed like `relaxed_split`, backwards: slots may be reused, so it never overestimates.
+    Column n is 0 (nothing left but the hop home, which the caller adds).
+    """
+    n, k = tables.n, tables.k
+    after = np.full((k, n + 1), INF)  # finishing once a stage on g ends at boundary i
+    after[:, n] = tables.leave
+    to_go = np.full((k, n + 1), INF)
+    to_go[:, n] = 0.0
+    for x in range(n - 1, 0, -1):
+        start_here = (tables.stage[:, x, x + 1 :] + after[:, x + 1 :]).min(1)  # (k,) stage on h from x
+        to_go[:, x] = (tables.hop[:, :, x] + start_here[None, :]).min(1)
+        after[:, x] = to_go[:, x]
+    return to_go
+
+
 def subset_dp(tables: CostTables, m: int, keep: int | None = None) -> SubsetResult:
     """Exact search over every order at once: a DP over (set of used devices, last slot, units).
 
     Held-Karp style, O(2^m k^2 n^2) worst case but vectorised per set. Returns, for each
-    device set that covers the model, its best split; `keep` limits how many (the cheapest)
-    are reconstructed.
+    device set that covers the model, its best split; with `keep`, only the `keep` cheapest
+    sets are guaranteed and reconstructed, which lets it drop every partial state whose cost
+    plus `cost_to_go` exceeds the keep-th cheapest complete set found so far.
     """
     n, k = tables.n, tables.k
     masks = tables.masks
@@ -327,21 +346,38 @@ def subset_dp(tables: CostTables, m: int, keep: int | None = None) -> SubsetResu
     seeded = tables.enter[:, None] + tables.stage[:, 0, :]
     value[masks, np.arange(k)] = seeded
     alive = np.zeros(size, dtype=bool)
-    alive[masks] = np.isfinite(seeded[:, 1:n]).any(1)
+    alive[masks] = True
+    to_go = cost_to_go(tables)[:, 1:n] if keep is not None else None
+    complete: list[float] = []  # best complete cost of each set already final
+    limit = INF
+    # Only the window of unit boundaries some state reached is extended, which keeps steps small.
     for used in range(1, size):
         if not alive[used]:
             continue
-        live = np.flatnonzero(np.isfinite(value[used, :, 1:n]).any(1))
+        done = float((value[used, :, n] + tables.leave).min())
+        if keep is not None and done < INF:
+            complete.append(done)
+            if len(complete) >= keep:
+                complete.sort()
+                del complete[keep:]
+                limit = complete[-1] * (1 + 1e-12)
+        rows = value[used, :, 1:n]
+        if to_go is not None and limit < INF:
+            rows = np.where(rows + to_go > limit, INF, rows)
+        open_cols = np.isfinite(rows)
+        live = np.flatnonzero(open_cols.any(1))
         free = np.flatnonzero((masks & used) == 0)
         if live.size == 0 or free.size == 0:
             continue
-        arrive = value[used, live, None, 1:n] + tables.hop[live[:, None], free[None, :], 1:n]
-        entry = arrive.min(0)  # (free, n-1)
-        reach = (entry[:, :, None] + tables.stage[free, 1:n, :]).min(1)  # (free, n+1)
+        cols = np.flatnonzero(open_cols[live].any(0))
+        lo, hi = int(cols[0]) + 1, int(cols[-1]) + 2  # boundaries x in [lo, hi) were reached
+        arrive = rows[live, None, lo - 1 : hi - 1] + tables.hop[live[:, None], free[None, :], lo:hi]
+        entry = arrive.min(0)  # (free, x): cheapest arrival at each free slot before unit x
+        reach = (entry[:, :, None] + tables.stage[free, lo:hi, lo + 1 :]).min(1)  # (free, i > lo)
         targets = used | masks[free]
-        current = value[targets, free]
-        value[targets, free] = np.minimum(current, reach)
-        alive[targets] |= np.isfinite(reach[:, 1:n]).any(1)
+        current = value[targets, free, lo + 1 :]
+        value[targets, free, lo + 1 :] = np.minimum(current, reach)
+        alive[targets] |= np.isfinite(reach).any(1)
 
     def backtrack(used: int, g: int, i: int) -> Path:
         path = []

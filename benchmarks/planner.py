@@ -7,7 +7,11 @@ Cases (goals from the planner brief):
 - 5 devices x 32 units, latency, exact: < 10 ms;
 - 10 devices x 64 units, latency, exact subset DP (checked against the MILP optimum): < 100 ms;
 - 64 devices x 100 units, latency, annealing: < 1 s, within 2% of the best lower bound
-  (the relaxed DP or the MILP's dual bound) or of a long annealing search.
+  (the planner's own Lagrangian bound, or the MILP's dual bound within 30 s) or of a long
+  annealing search (3 seeds x 20,000 steps).
+
+`planner_bound_ms` is `PlanResult.lower_bound`: the optimum itself for exact searches, the
+Lagrangian / relaxed-DP bound for annealing.
 
 Devices and links are drawn from a seeded RNG; times are wall-clock (`time.perf_counter`),
 median of several runs, on whatever machine runs this.
@@ -42,12 +46,13 @@ MIB = 1024**2
 
 
 def synthetic_model(units: int):
-    """A chain of `units` units: embedding, units-2 identical layers, a heavier head."""
+    """A chain of `units` units (embedding, identical layers, a heavier head), ~12 GiB in all,
+    so that no single synthetic device holds it and plans need several stages."""
     return transformer_profile(
         f"synthetic-{units}",
         units - 2,
-        layer_cost=0.004,
-        layer_bytes=200 * MIB,
+        layer_cost=0.4 / units,
+        layer_bytes=(12 * GIB - 500 * MIB) // (units - 2),
         kv_bytes_per_token=16 * 1024,
         hidden_bytes=8192,
         embed_cost=0.0005,
@@ -105,7 +110,9 @@ def timed(fn, repeats: int):
     return result, statistics.median(times)
 
 
-def case(name: str, devices: int, units: int, seed: int, request: PlanRequest, goal_s: float, repeats: int, milp: dict):
+def case(
+    name: str, devices: int, units: int, seed: int, request: PlanRequest, goal_s: float, repeats: int, milp: dict
+):
     model = synthetic_model(units)
     pool, network = synthetic_pool(devices, seed)
     plan(model, pool, network, request)  # warm imports and caches out of the timing
@@ -121,7 +128,8 @@ def case(name: str, devices: int, units: int, seed: int, request: PlanRequest, g
         "meets_goal": seconds < goal_s,
         "ring_ms": round(best * 1e3, 4),
         "stages": len(result.best.stages),
-        "relaxed_bound_ms": round(result.lower_bound * 1e3, 4),
+        "planner_bound_ms": round(result.lower_bound * 1e3, 4),
+        "proven_optimal": result.optimal,
     }
     bounds = [result.lower_bound]
     if milp:
@@ -134,7 +142,7 @@ def case(name: str, devices: int, units: int, seed: int, request: PlanRequest, g
             row["milp_value_ms"] = round(answer.value * 1e3, 4)
         bounds.append(answer.lower_bound)
     bound = max(bounds)
-    row["gap_to_bound_pct"] = round((best / bound - 1) * 100, 3)
+    row["gap_to_bound_pct"] = round((best / bound - 1) * 100, 3) + 0.0  # no "-0.0" from float noise
     return row, model, pool, network, result
 
 
@@ -146,18 +154,21 @@ def main() -> None:
         "10x64 optimal", 10, 64, 2, PlanRequest(max_exact_devices=10), 0.100, 7, {"pair_hops": True}
     )
     rows.append(row)
-    request = PlanRequest(seed=0)
-    row, model, pool, network, result = case(
-        "64x100", 64, 100, 3, request, 1.0, 3, {"pair_hops": False, "time_limit_s": 60.0}
-    )
-    # A long annealing search from several seeds, as a second yardstick.
-    long_best = min(
-        plan(model, pool, network, PlanRequest(seed=s, anneal_steps=20_000, search="annealing")).best.predicted.ring_s
-        for s in range(3)
-    )
-    row["long_annealing_ms"] = round(long_best * 1e3, 4)
-    row["gap_to_long_annealing_pct"] = round((result.best.predicted.ring_s / long_best - 1) * 100, 3)
-    rows.append(row)
+    for pool_seed in (3, 4, 5, 6, 7):  # several pools: annealing quality varies with the pool
+        milp = {"pair_hops": False, "time_limit_s": 30.0} if pool_seed == 3 else {}
+        row, model, pool, network, result = case(
+            f"64x100 pool {pool_seed}", 64, 100, pool_seed, PlanRequest(seed=0), 1.0, 5, milp
+        )
+        # A long annealing search from several seeds, as a second yardstick.
+        long_best = min(
+            plan(model, pool, network, PlanRequest(seed=s, anneal_steps=20_000, search="annealing"))
+            .best.predicted.ring_s
+            for s in range(3)
+        )
+        row["long_annealing_ms"] = round(long_best * 1e3, 4)
+        gap = (result.best.predicted.ring_s / long_best - 1) * 100
+        row["gap_to_long_annealing_pct"] = round(gap, 3) + 0.0
+        rows.append(row)
 
     info = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor()}
     out = Path(__file__).resolve().parent / "results"
@@ -171,7 +182,8 @@ def main() -> None:
     (out / "planner.md").write_text(
         "# Planner benchmark\n\n"
         f"Python {info['python']} on {info['machine']}; median wall time of `plan()`.\n"
-        "Gaps are the plan's ring time over the best lower bound (relaxed DP, MILP dual bound).\n\n"
+        "Gaps are the plan's ring time over the best lower bound (planner's bound, MILP dual bound).\n"
+        "The machine is shared with other work, so wall times are noisy.\n\n"
         + table
         + "\n"
     )

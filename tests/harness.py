@@ -54,6 +54,7 @@ class Server:
 
     def worker(self, *args: str, home=None) -> subprocess.Popen:
         env = {**os.environ}
+        env.pop("EDGEPIPE_JOIN_TOKEN", None)
         if home is not None:
             env["EDGEPIPE_HOME"] = str(home)
         return subprocess.Popen([sys.executable, "-m", "edgepipe", "worker", "--coordinator", self.url, *args], env=env,

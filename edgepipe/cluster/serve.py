@@ -31,6 +31,7 @@ class ServeSettings:
     objective: str = "latency"
     tpot_target_ms: float | None = None
     planner: bool = True  # False: split layers in proportion to memory (the exo / llama.cpp rule)
+    advertise: bool = True  # announce the coordinator by mDNS
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -69,6 +70,16 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
     config = uvicorn.Config(app, log_level=settings.log_level, ws_max_size=1 << 30, ws_ping_interval=None, timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     await coordinator.start()
+    advertiser = None
+    if settings.advertise:
+        from ..net.discovery import Advertiser
+
+        advertiser = Advertiser(settings.host, port, package.manifest.name, bool(settings.join_token))
+        try:
+            await advertiser.start()
+        except OSError as exc:  # no multicast here: serve anyway
+            coordinator.event("mdns_unavailable", error=str(exc))
+            advertiser = None
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     procs = spawn_local_workers(f"http://{host}:{port}", settings.workers, settings.worker_threads, settings.join_token, settings.worker_args)
     if on_ready:
@@ -76,6 +87,8 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
     try:
         await server.serve(sockets=[sock])
     finally:
+        if advertiser:
+            await advertiser.stop()
         await coordinator.stop()
         for p in procs:
             p.send_signal(signal.SIGTERM)

@@ -24,6 +24,8 @@ class Metrics:
         self.tpot = Histogram("edgepipe_time_per_output_token_seconds", "Time per output token (decode steps)", buckets=LATENCY_BUCKETS, registry=r)
         self.tokens_per_s = Gauge("edgepipe_tokens_per_second", "Tokens per second over the last 5 s", registry=r)
         self.stage_compute = Histogram("edgepipe_stage_compute_seconds", "Compute time per stage call", ["worker"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("edgepipe_stage_batch_size", "Sequences computed together per stage call", ["worker"],
+                                    buckets=(1, 2, 4, 8, 16, 32), registry=r)
         self.hop_bytes = Counter("edgepipe_hop_bytes", "Activation bytes sent per hop", ["hop"], registry=r)
         self.coordinator_s = Counter("edgepipe_coordinator_seconds", "Coordinator time spent per step (before sending)", registry=r)
         self.wall_s = Counter("edgepipe_step_wall_seconds", "Wall time of steps", registry=r)
@@ -45,6 +47,7 @@ class Metrics:
         for i, entry in enumerate(record.timings):
             worker, compute, positions = entry[0], entry[1], entry[2]
             self.stage_compute.labels(worker).observe(compute)
+            self.batch_size.labels(worker).observe(entry[4] if len(entry) > 4 else 1)
             if i < len(record.timings) - 1:  # activations leave every stage but the last
                 self.hop_bytes.labels(f"{worker}->{record.timings[i + 1][0]}").inc(positions * self.hidden_size * (entry[3] if len(entry) > 3 else 4))
 

@@ -546,7 +546,8 @@ class Coordinator:
         ranges = {s.worker_id: (s.start, s.end) for s in dep.stages}
         for entry in record.timings:
             worker, compute, positions = entry[0], entry[1], entry[2]
-            if positions == 1 and worker in ranges:
+            batch = entry[4] if len(entry) > 4 else 1
+            if positions == 1 and batch == 1 and worker in ranges:
                 self.profile.step(worker, *ranges[worker], compute)
         self.recent_steps.append((record.tokens_in, record.wall_s))
 

@@ -32,6 +32,7 @@ from .blobcache import BlobCache
 
 log = logging.getLogger("edgepipe.worker")
 KV_RESERVE_TOKENS = 2048  # KV room a stage must leave for at least one sequence of this length
+MAX_BATCH = 16  # decode steps run together at most
 
 
 @dataclass
@@ -268,55 +269,81 @@ class Worker:
 
     # -- computing --------------------------------------------------------------------------
     async def _compute_loop(self) -> None:
+        """Take everything waiting; decode steps of one plan run together as a batch."""
         loop = asyncio.get_running_loop()
         while True:
-            msg = await self.queue.get()
-            try:
-                if msg.type is T.FORWARD:
-                    await self._forward(msg, loop)
+            pending = [await self.queue.get()]
+            while not self.queue.empty() and len(pending) < 4 * MAX_BATCH:
+                pending.append(self.queue.get_nowait())
+            group: list[Message] = []
+            for msg in pending + [None]:
+                decode_step = msg is not None and msg.type is T.FORWARD and msg.tensors["x"].shape[1] == 1
+                if group and (not decode_step or msg["plan"] != group[0]["plan"] or len(group) == MAX_BATCH):
+                    await self._guarded(group, self._forward(group, loop))
+                    group = []
+                if msg is None:
+                    break
+                if decode_step:
+                    group.append(msg)
+                elif msg.type is T.FORWARD:
+                    await self._guarded([msg], self._forward([msg], loop))
                 elif msg.type is T.KV_EXPORT:
-                    await self._export_kv(msg)
+                    await self._guarded([msg], self._export_kv(msg))
                 elif msg.type is T.KV:
-                    self._import_kv(msg)
-            except ChannelClosed as exc:
-                await self._report_error(msg, f"next hop unreachable: {exc}")
-            except (ContextOverflow, KeyError, ValueError, RuntimeError) as exc:
-                await self._report_error(msg, str(exc).splitlines()[0])
-            except Exception as exc:  # noqa: BLE001 - onnxruntime errors must not kill the worker
-                await self._report_error(msg, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                    await self._guarded([msg], self._import_kv(msg))
 
-    async def _forward(self, msg: Message, loop) -> None:
-        slot = self.slots.get(msg["plan"])
+    async def _guarded(self, msgs: list[Message], work) -> None:
+        """Run one unit of work; failures are reported per sequence, never kill the worker."""
+        try:
+            await work
+        except ChannelClosed as exc:
+            text = f"next hop unreachable: {exc}"
+        except (ContextOverflow, KeyError, ValueError, RuntimeError) as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        except Exception as exc:  # noqa: BLE001 - onnxruntime errors must not kill the worker
+            text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        else:
+            return
+        for msg in msgs:
+            await self._report_error(msg, text)
+
+    async def _forward(self, msgs: list[Message], loop) -> None:
+        plan = msgs[0]["plan"]
+        slot = self.slots.get(plan)
         if slot is None:
-            raise KeyError(f"worker {self.id} holds no stage for plan {msg['plan']}")
-        x = msg.tensors["x"]
+            raise KeyError(f"worker {self.id} holds no stage for plan {plan}")
+        x = np.concatenate([m.tensors["x"] for m in msgs]) if len(msgs) > 1 else msgs[0].tensors["x"]
         if x.dtype == np.float16:
             x = x.astype(np.float32)
         sampling = None
         if slot.runner.emits_tokens:
-            s = msg["sampling"]
-            sampling = SamplingBatch(bool(s["do_sample"]), np.array([s["temperature"]], np.float32), np.array([s["top_k"]], np.int64),
-                                     np.array([s["top_p"]], np.float32), np.array([s["uniform"]], np.float32))
+            s = [m["sampling"] for m in msgs]
+            sampling = SamplingBatch(any(bool(v["do_sample"]) for v in s),
+                                     np.array([v["temperature"] for v in s], np.float32),
+                                     np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
+                                     np.array([v["top_p"] for v in s], np.float32), np.array([v["uniform"] for v in s], np.float32))
         t0 = time.perf_counter()
-        out = await loop.run_in_executor(self.pool, slot.runner.run, msg["seq"], x, sampling)
+        out = await loop.run_in_executor(self.pool, slot.runner.run_batch, [m["seq"] for m in msgs], x, sampling)
         compute = time.perf_counter() - t0
         extra = self.slowdown.extra_wait(compute)
         if extra > 0:
             await asyncio.sleep(extra)
         self.busy_s += compute + extra
-        self.computed += 1
-        timings = list(msg.get("timings", [])) + [[self.id, compute + extra, int(x.shape[1])]]
-        fields = {k: msg.fields[k] for k in ("seq", "step", "plan", "sampling", "rid") if k in msg.fields}
-        if slot.next["kind"] == "coordinator":
-            await self._send_control(Message(T.TOKEN, {**fields, "token": int(out[0]), "timings": timings}))
-            return
-        if self.s.activation_dtype == "float16":
-            out = out.astype(np.float16)
-        frame = encode(Message(T.FORWARD, {**fields, "timings": timings, "hop_bytes": list(msg.get("hop_bytes", []))}, {"x": out}))
-        if slot.next.get("relay"):
-            await self._send_control(Message(T.FORWARD, {**fields, "relay_to": slot.next["id"], "timings": timings}, {"x": out}))
-        else:
-            await (await self._peer(slot.next["url"])).send(frame)
+        self.computed += len(msgs)
+        elem = 2 if self.s.activation_dtype == "float16" else 4
+        for i, msg in enumerate(msgs):
+            timings = list(msg.get("timings", [])) + [[self.id, compute + extra, int(x.shape[1]), elem, len(msgs)]]
+            fields = {k: msg.fields[k] for k in ("seq", "step", "plan", "sampling", "rid") if k in msg.fields}
+            if slot.next["kind"] == "coordinator":
+                await self._send_control(Message(T.TOKEN, {**fields, "token": int(out[i]), "timings": timings}))
+                continue
+            y = out[i : i + 1]
+            if self.s.activation_dtype == "float16":
+                y = y.astype(np.float16)
+            if slot.next.get("relay"):
+                await self._send_control(Message(T.FORWARD, {**fields, "relay_to": slot.next["id"], "timings": timings}, {"x": y}))
+            else:
+                await (await self._peer(slot.next["url"])).send(encode(Message(T.FORWARD, {**fields, "timings": timings}, {"x": y})))
 
     async def _peer(self, url: str) -> Channel:
         channel = self.peers.get(url)
@@ -327,7 +354,7 @@ class Worker:
             channel = self.peers[url] = self._shape(WebSocketChannel(ws, url))
         return channel
 
-    async def _export_kv(self, msg: Message) -> None:
+    async def _export_kv(self, msg: Message) -> None:  # noqa: D401
         """Send a sequence's KV for layers in [start, end) to the worker at ``url``."""
         slot = self.slots[msg["plan"]]
         tensors = {k: v for k, v in slot.runner.export_kv(msg["seq"]).items()
@@ -336,7 +363,7 @@ class Worker:
         await (await self._peer(msg["url"])).send(frame)
         await self._send_control(Message(T.LOADED, {"kv_sent": msg["seq"], "bytes": len(frame), "plan": msg["to_plan"], "ok": True}))
 
-    def _import_kv(self, msg: Message) -> None:
+    async def _import_kv(self, msg: Message) -> None:
         slot = self.slots[msg["plan"]]
         mine = {k: v for k, v in msg.tensors.items() if int(k.split(".")[1]) in slot.runner.layers}
         existing = slot.runner.export_kv(msg["seq"])
@@ -344,6 +371,8 @@ class Worker:
 
     async def _report_error(self, msg: Message, text: str) -> None:
         log.warning("%s failed: %s", msg.type.value, text)
+        if msg.type is not T.FORWARD:
+            return
         try:
             await self._send_control(Message(T.ERROR, {"message": text, "seq": msg.get("seq"), "step": msg.get("step"), "rid": msg.get("rid")}))
         except ChannelClosed:

@@ -125,7 +125,40 @@ def _search(ctx: _Context, tables: CostTables, steps: int, starts: Sequence[Sequ
             found.add_partial(outcome.covered, outcome.partial_path)
     else:
         _anneal(ctx, tables, steps, starts, found)
+        _polish(tables, found, keep)
     return found
+
+
+POLISH_DEVICES = 10
+"""Annealing ends with an exact subset DP over the devices of its best plans, up to this many."""
+
+
+def _polish(tables: CostTables, found: _Found, keep: int) -> None:
+    """Exact search restricted to the devices of the best plans annealing found.
+
+    Annealing finds good device sets more easily than their best order (reversing a whole
+    pipeline is one unlikely move); the subset DP settles the order and split exactly.
+    """
+    pool: list[int] = []
+    for _, path in found.best(len(found.by_set)):
+        extra = [g for g, _, _ in path if g not in pool]
+        if len(pool) + len(extra) > POLISH_DEVICES:
+            break
+        pool.extend(extra)
+    if len(pool) < 2:
+        return
+    index = np.array(sorted(pool))
+    sub = CostTables(
+        tables.n,
+        np.array([1 << b for b in range(len(index))], dtype=np.int64),
+        tables.stage[index],
+        tables.hop[np.ix_(index, index)],
+        tables.enter[index],
+        tables.leave[index],
+        tables.leave_partial[index],
+    )
+    for cost, path in subset_dp(sub, len(index), keep=keep).best_by_set.values():
+        found.add(cost, tuple((int(index[g]), x, i) for g, x, i in path), tables.masks)
 
 
 def _anneal(
@@ -354,13 +387,24 @@ def _plan(
     count = max(4, request.top_k + 2)
     steps = request.anneal_steps
     latency_tables = tables()
-    first = _search(ctx, tables(balance=True), steps)
+    starts: list[list[int]] = []
+    upper = INF
+    if strategy == "annealing":
+        # The relaxed path (devices in first-use order) and the valid paths met while
+        # tightening its bound are good places to start annealing from.
+        relaxed = relaxed_split(latency_tables)
+        if relaxed.path:
+            repaired = best_split(latency_tables, list(dict.fromkeys(g for g, _, _ in relaxed.path)))
+            upper = repaired.cost
+            if repaired.complete:
+                starts = [[g for g, _, _ in p] for p in lagrangian_bound(latency_tables, upper).paths]
+    first = _search(ctx, tables(balance=True), steps, starts)
     candidates.add(first, count)
     bound = None
     if strategy == "annealing" and first.by_set and not prefer_not and not forbidden:
-        # A proven lower bound; the valid paths it meets are candidates too.
-        upper = min(cost for cost, _ in first.by_set.values())
-        lagrangian = lagrangian_bound(latency_tables, upper)
+        # A proven lower bound, tightened towards the best plan found.
+        best_found = min(cost for cost, _ in first.by_set.values())
+        lagrangian = lagrangian_bound(latency_tables, min(best_found, upper))
         for path in lagrangian.paths:
             candidates.add_stages(_to_stages(ctx, path))
         bound = max(lagrangian.bound, relaxed_split(latency_tables).bound)

@@ -1,9 +1,9 @@
 """Run one contiguous range of units as a single ONNX Runtime session.
 
-The runner owns the KV cache of its layers, one per sequence. Each cache is a buffer of
-capacity C tokens per layer, ``[1, kv_heads, C, head_dim]``; GroupQueryAttention reads and
-writes it in place (past and present bound to the same memory), so a decode step touches
-only the new token's rows. Capacity grows in blocks, copying the live prefix once per block.
+The runner owns the KV cache of its layers for every sequence: one pool per layer,
+``[rows, kv_heads, C, head_dim]``, a row per sequence. GroupQueryAttention reads and writes
+it in place (past and present bound to the same memory), so a decode step touches only the
+new token's positions. Decode steps of several sequences run as one batch over their rows.
 
 Inputs and outputs by stage position:
 
@@ -48,37 +48,66 @@ class SamplingBatch:
                 "top_p": self.top_p, "uniform": self.uniform}
 
 
-class _SequenceCache:
-    """KV buffers of one sequence for every layer of the stage."""
+class _KVPool:
+    """KV buffers of every sequence at this stage: per layer ``[rows, kv_heads, C, head_dim]``.
+
+    A sequence owns one row. A batch runs over a contiguous range of rows (a C-contiguous
+    slice, bound without copying); rows in that range that are not in the batch receive a
+    write at their next free position, which their own next step overwrites, so their
+    history is never touched. Rows and capacity grow by reallocation (copying live rows once).
+    """
 
     def __init__(self, layers: list[int], kv_heads: int, head_dim: int):
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
-        self.length = 0
+        self.rows = 0
         self.capacity = 0
         self.arrays: dict[str, np.ndarray] = {}
-        self.values: dict[str, ort.OrtValue] = {}
+        self.row_of: dict[str, int] = {}
+        self.length: dict[str, int] = {}
 
-    def reserve(self, tokens: int) -> None:
-        if tokens <= self.capacity:
-            return
-        capacity = -(-tokens // KV_BLOCK) * KV_BLOCK
+    def _realloc(self, rows: int, capacity: int) -> None:
         for u in self.layers:
             for kind in ("key", "value"):
                 name = f"{kind}.{u}"
-                grown = np.zeros((1, self.kv_heads, capacity, self.head_dim), np.float32)
-                if self.length:
-                    grown[:, :, : self.length] = self.arrays[name][:, :, : self.length]
+                grown = np.zeros((rows, self.kv_heads, capacity, self.head_dim), np.float32)
+                if name in self.arrays and self.rows and self.capacity:
+                    live = max(self.length.values(), default=0)
+                    grown[: self.rows, :, :live] = self.arrays[name][:, :, :live]
                 self.arrays[name] = grown
-                self.values[name] = ort.OrtValue.ortvalue_from_numpy(grown)  # shares memory
-        self.capacity = capacity
+        self.rows, self.capacity = rows, capacity
+
+    def add(self, seq: str) -> int:
+        used = set(self.row_of.values())
+        row = next((r for r in range(self.rows) if r not in used), None)
+        if row is None:
+            row = self.rows
+            self._realloc(max(1, self.rows * 2) if self.rows else 1, max(self.capacity, KV_BLOCK))
+        self.row_of[seq] = row
+        self.length[seq] = 0
+        return row
+
+    def drop(self, seq: str) -> None:
+        self.row_of.pop(seq, None)
+        self.length.pop(seq, None)
+        if not self.row_of:  # nothing live: give the memory back
+            self.arrays.clear()
+            self.rows = self.capacity = 0
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` positions in every row (plus the harmless write of bystanders)."""
+        if tokens > self.capacity:
+            self._realloc(self.rows, -(-tokens // KV_BLOCK) * KV_BLOCK)
+
+    def view(self, lo: int, hi: int) -> dict[str, ort.OrtValue]:
+        return {name: ort.OrtValue.ortvalue_from_numpy(a[lo:hi]) for name, a in self.arrays.items()}
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
-    def export(self) -> dict[str, np.ndarray]:
-        """The live prefix of each layer's K and V (for moving a sequence to another worker)."""
-        return {name: a[:, :, : self.length].copy() for name, a in self.arrays.items()}
+    def export(self, seq: str) -> dict[str, np.ndarray]:
+        r, n = self.row_of[seq], self.length[seq]
+        return {name: a[r : r + 1, :, :n].copy() for name, a in self.arrays.items()}
 
 
 class StageRunner:
@@ -103,66 +132,90 @@ class StageRunner:
             shape = inputs[f"past_key.{self.layers[0]}"].shape
             self.kv_heads, self.head_dim = int(shape[1]), int(shape[3])
         self.max_context = max_context
-        self._caches: dict[str, _SequenceCache] = {}
+        self._pool = _KVPool(self.layers, getattr(self, "kv_heads", 0), getattr(self, "head_dim", 0))
 
     # -- sequences --------------------------------------------------------------------------
     def length(self, seq: str) -> int:
-        cache = self._caches.get(seq)
-        return cache.length if cache else 0
+        return self._pool.length.get(seq, 0)
 
     def drop(self, seq: str) -> None:
-        self._caches.pop(seq, None)
+        self._pool.drop(seq)
 
     def sequences(self) -> list[str]:
-        return list(self._caches)
+        return list(self._pool.row_of)
 
     @property
     def kv_bytes(self) -> int:
-        return sum(c.nbytes for c in self._caches.values())
+        return self._pool.nbytes
 
     def export_kv(self, seq: str) -> dict[str, np.ndarray]:
-        return self._caches[seq].export() if seq in self._caches else {}
+        return self._pool.export(seq) if seq in self._pool.row_of else {}
 
     def import_kv(self, seq: str, tensors: dict[str, np.ndarray]) -> None:
         """Install a sequence's KV moved from another runner (same layers)."""
-        cache = self._cache(seq)
+        pool = self._pool
+        if seq not in pool.row_of:
+            pool.add(seq)
         length = next(iter(tensors.values())).shape[2] if tensors else 0
-        cache.length = 0
-        cache.reserve(length + 1)
+        pool.reserve(length + 1)
+        row = pool.row_of[seq]
         for name, arr in tensors.items():
-            cache.arrays[name][:, :, :length] = arr
-        cache.length = length
-
-    def _cache(self, seq: str) -> _SequenceCache:
-        cache = self._caches.get(seq)
-        if cache is None:
-            cache = self._caches[seq] = _SequenceCache(self.layers, getattr(self, "kv_heads", 0), getattr(self, "head_dim", 0))
-        return cache
+            pool.arrays[name][row : row + 1, :, :length] = arr
+        pool.length[seq] = length
 
     # -- compute ----------------------------------------------------------------------------
     def run(self, seq: str, x: np.ndarray, sampling: SamplingBatch | None = None) -> np.ndarray:
         """Feed ``S`` new positions of one sequence; returns hidden ``[1, S, H]`` or token ``[1]``."""
+        return self.run_batch([seq], x, sampling)
+
+    def run_batch(self, seqs: list[str], x: np.ndarray, sampling: SamplingBatch | None = None) -> np.ndarray:
+        """One step for several sequences: ``x`` is ``[B, S, ...]``; ``S > 1`` needs ``B == 1``.
+
+        Returns hidden ``[B, S, H]`` or next tokens ``[B]``, in the order of ``seqs``.
+        """
+        pool = self._pool
         new = int(x.shape[1])
-        cache = self._cache(seq)
-        total = cache.length + new
-        if self.max_context and total > self.max_context:
-            raise ContextOverflow(f"sequence {seq} would reach {total} tokens, over the context of {self.max_context}")
+        if new > 1 and len(seqs) > 1:
+            raise ValueError("multi-token steps (prefill) run one sequence at a time")
+        for seq in seqs:
+            if seq not in pool.row_of:
+                pool.add(seq)
+        totals = [pool.length[s] + new for s in seqs]
+        if self.max_context and max(totals) > self.max_context:
+            worst = seqs[int(np.argmax(totals))]
+            raise ContextOverflow(f"sequence {worst} would reach {max(totals)} tokens, over the context of {self.max_context}")
+        rows = [pool.row_of[s] for s in seqs]
+        lo, hi = min(rows), max(rows) + 1
+        n = hi - lo
+        if n == len(seqs) and rows == list(range(lo, hi)):
+            feed = np.ascontiguousarray(x)
+        else:  # bystander rows inside [lo, hi) get a dummy input
+            feed = np.zeros((n, *x.shape[1:]), x.dtype)
+            feed[np.array(rows) - lo] = x
         binding = self.session.io_binding()
-        binding.bind_cpu_input(self.input_name, np.ascontiguousarray(x))
+        binding.bind_cpu_input(self.input_name, feed)
         binding.bind_output(self.output_name, "cpu")
         if self.layers:
-            cache.reserve(total)
-            binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
-            binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
-            for u in self.layers:
-                for kind in ("key", "value"):
-                    value = cache.values[f"{kind}.{u}"]
-                    binding.bind_ortvalue_input(f"past_{kind}.{u}", value)
-                    binding.bind_ortvalue_output(f"present_{kind}.{u}", value)
+            by_row = {r: s for s, r in pool.row_of.items()}
+            lengths = np.array([pool.length.get(by_row.get(r, ""), 0) for r in range(lo, hi)], np.int64)
+            lengths[np.array(rows) - lo] = np.array(totals) - new
+            pool.reserve(int(lengths.max()) + new)
+            binding.bind_cpu_input("seqlens_k", (lengths + new - 1).astype(np.int32))
+            binding.bind_cpu_input("total_sequence_length", np.array(int(lengths.max()) + new, np.int32))
+            for name, value in pool.view(lo, hi).items():
+                kind, unit = name.split(".")
+                binding.bind_ortvalue_input(f"past_{kind}.{unit}", value)
+                binding.bind_ortvalue_output(f"present_{kind}.{unit}", value)
         if self.emits_tokens:
-            for name, arr in (sampling or SamplingBatch.greedy(1)).feeds().items():
+            batch = sampling or SamplingBatch.greedy(len(seqs))
+            for name, arr in batch.feeds().items():
+                if arr.ndim and n != len(seqs):
+                    full = np.zeros(n, arr.dtype) if name != "temperature" and name != "top_p" else np.ones(n, arr.dtype)
+                    full[np.array(rows) - lo] = arr
+                    arr = full
                 binding.bind_cpu_input(name, arr)
         self.session.run_with_iobinding(binding)
         out = binding.get_outputs()[0].numpy()
-        cache.length = total
-        return out
+        for seq, total in zip(seqs, totals):
+            pool.length[seq] = total
+        return out[np.array(rows) - lo]

@@ -1,0 +1,564 @@
+// edgepipe browser worker: this tab holds one stage of the pipeline and runs it with
+// onnxruntime-web (WebAssembly). It speaks the wire protocol of docs/protocol.md over one
+// WebSocket to the coordinator (/v1/worker). A tab cannot accept connections, so it says
+// kind "browser" in its hello: the coordinator relays activations to it, and it sends its own
+// outputs back over the same socket (`forward` with `relay_to`, or `token` from the head).
+// Reference implementation of the worker side: edgepipe/cluster/worker.py and
+// edgepipe/runtime/stage_runner.py; this file mirrors them.
+/* global ort, MessagePack */
+"use strict";
+
+(() => {
+  const PROTOCOL = 1;
+  const KV_BLOCK = 256; // KV capacity grows in blocks of this many positions (as stage_runner.py)
+  const MAX_HEADER_BYTES = 1 << 20;
+  const DTYPES = { float32: [Float32Array, 4], float16: [Uint16Array, 2], int64: [BigInt64Array, 8],
+                   int32: [Int32Array, 4], uint8: [Uint8Array, 1], bool: [Uint8Array, 1] };
+  const params = new URLSearchParams(location.search);
+
+  // -- page ------------------------------------------------------------------------------------
+  const $ = (id) => document.getElementById(id);
+  const stats = { computed: 0, tokens: 0, hits: 0, fetched: 0, held: 0, heldBytes: 0, busy_s: 0 };
+  function show(state, message) {
+    document.body.dataset.state = state;
+    $("state").textContent = state;
+    if (message !== undefined) $("message").textContent = message;
+  }
+  function log(line) {
+    const el = $("log");
+    el.textContent = `${new Date().toISOString().slice(11, 23)} ${line}\n` + el.textContent.slice(0, 8000);
+  }
+  function render() {
+    $("worker-id").textContent = worker.id || "–";
+    const slots = [...worker.slots.values()].filter((s) => s.plan > 0);
+    $("units").textContent = slots.length ? slots.map((s) => `[${s.start}, ${s.end}) plan ${s.plan}`).join("; ") : "–";
+    $("computed").textContent = String(stats.computed);
+    $("tokens").textContent = String(stats.tokens);
+    $("held").textContent = `${stats.held} files, ${fmtBytes(stats.heldBytes)}`;
+    $("held").dataset.count = String(stats.held);
+    $("hits").textContent = String(stats.hits);
+    $("fetched").textContent = String(stats.fetched);
+  }
+  const fmtBytes = (n) => (n >= 1e9 ? `${(n / 1e9).toFixed(2)} GB` : n >= 1e6 ? `${(n / 1e6).toFixed(1)} MB` : `${(n / 1e3).toFixed(1)} kB`);
+  const firstLine = (e) => String((e && e.message) || e || "error").split("\n")[0];
+
+  // -- frames: u32 LE header length | msgpack header | tensor bytes (docs/protocol.md) ------------
+  function encodeFrame(type, fields = {}, tensors = {}) {
+    const specs = [], blobs = [];
+    for (const [name, t] of Object.entries(tensors)) {
+      specs.push([name, t.dtype, t.shape.map(Number)]);
+      blobs.push(new Uint8Array(t.data.buffer, t.data.byteOffset, t.data.byteLength));
+    }
+    const header = MessagePack.encode({ ...fields, type, v: PROTOCOL, tensors: specs });
+    const out = new Uint8Array(4 + header.length + blobs.reduce((n, b) => n + b.length, 0));
+    new DataView(out.buffer).setUint32(0, header.length, true);
+    out.set(header, 4);
+    let offset = 4 + header.length;
+    for (const b of blobs) { out.set(b, offset); offset += b.length; }
+    return out;
+  }
+
+  function decodeFrame(buf) {
+    if (!(buf instanceof ArrayBuffer)) throw new Error("expected a binary frame, got text");
+    if (buf.byteLength < 4) throw new Error(`frame of ${buf.byteLength} bytes is shorter than its length prefix`);
+    const n = new DataView(buf).getUint32(0, true);
+    if (n > MAX_HEADER_BYTES || 4 + n > buf.byteLength) throw new Error(`header length ${n} does not fit a frame of ${buf.byteLength} bytes`);
+    const header = MessagePack.decode(new Uint8Array(buf, 4, n));
+    if (!header || typeof header !== "object" || Array.isArray(header)) throw new Error("header is not a map");
+    if (header.v !== PROTOCOL) throw new Error(`protocol version ${header.v} is not supported (this side speaks ${PROTOCOL})`);
+    const { type, v, tensors: specs = [], ...fields } = header;
+    const tensors = {};
+    let offset = 4 + n;
+    for (const spec of Array.isArray(specs) ? specs : [null]) {
+      if (!(Array.isArray(spec) && spec.length === 3 && DTYPES[spec[1]] && Array.isArray(spec[2]))) throw new Error(`bad tensor description ${JSON.stringify(spec)}`);
+      const [name, dtype, shape] = spec;
+      if (!shape.every((d) => Number.isInteger(d) && d >= 0)) throw new Error(`tensor ${name}: bad shape ${JSON.stringify(shape)}`);
+      const [Ctor, size] = DTYPES[dtype];
+      const bytes = shape.reduce((a, d) => a * d, 1) * size;
+      if (offset + bytes > buf.byteLength) throw new Error(`tensor ${name} needs ${bytes} bytes, frame has ${buf.byteLength - offset} left (truncated)`);
+      tensors[name] = { dtype, shape, data: new Ctor(buf.slice(offset, offset + bytes)) }; // slice: aligned copy
+      offset += bytes;
+    }
+    if (offset !== buf.byteLength) throw new Error(`${buf.byteLength - offset} unexpected bytes after the tensors`);
+    return { type, fields, tensors };
+  }
+
+  function halfToFloat(h16) {
+    const out = new Float32Array(h16.length);
+    for (let i = 0; i < h16.length; i++) {
+      const h = h16[i], s = h & 0x8000 ? -1 : 1, e = (h >> 10) & 0x1f, f = h & 0x3ff;
+      out[i] = e === 0 ? s * f * 2 ** -24 : e === 31 ? (f ? NaN : s * Infinity) : s * (1 + f / 1024) * 2 ** (e - 15);
+    }
+    return out;
+  }
+
+  // -- SHA-256 (crypto.subtle where the page is a secure context, else this fallback) -------------
+  const K256 = new Uint32Array([
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98, 0x12835b01,
+    0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc,
+    0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147,
+    0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116, 0x1e376c08,
+    0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208,
+    0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2]);
+
+  function sha256Fallback(bytes) {
+    const H = new Uint32Array([0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19]);
+    const W = new Uint32Array(64);
+    const block = (view, at) => {
+      for (let i = 0; i < 16; i++) W[i] = view.getUint32(at + 4 * i);
+      for (let i = 16; i < 64; i++) {
+        const a = W[i - 15], b = W[i - 2];
+        const s0 = ((a >>> 7) | (a << 25)) ^ ((a >>> 18) | (a << 14)) ^ (a >>> 3);
+        const s1 = ((b >>> 17) | (b << 15)) ^ ((b >>> 19) | (b << 13)) ^ (b >>> 10);
+        W[i] = (W[i - 16] + s0 + W[i - 7] + s1) | 0;
+      }
+      let [a, b, c, d, e, f, g, h] = H;
+      for (let i = 0; i < 64; i++) {
+        const S1 = ((e >>> 6) | (e << 26)) ^ ((e >>> 11) | (e << 21)) ^ ((e >>> 25) | (e << 7));
+        const t1 = (h + S1 + ((e & f) ^ (~e & g)) + K256[i] + W[i]) | 0;
+        const S0 = ((a >>> 2) | (a << 30)) ^ ((a >>> 13) | (a << 19)) ^ ((a >>> 22) | (a << 10));
+        const t2 = (S0 + ((a & b) ^ (a & c) ^ (b & c))) | 0;
+        h = g; g = f; f = e; e = (d + t1) | 0; d = c; c = b; b = a; a = (t1 + t2) | 0;
+      }
+      H[0] += a; H[1] += b; H[2] += c; H[3] += d; H[4] += e; H[5] += f; H[6] += g; H[7] += h;
+    };
+    const full = bytes.length - (bytes.length % 64);
+    const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+    for (let at = 0; at < full; at += 64) block(view, at);
+    const tail = new Uint8Array(bytes.length % 64 < 56 ? 64 : 128);
+    tail.set(bytes.subarray(full));
+    tail[bytes.length - full] = 0x80;
+    const tv = new DataView(tail.buffer);
+    tv.setUint32(tail.length - 8, Math.floor(bytes.length / 2 ** 29));
+    tv.setUint32(tail.length - 4, (bytes.length * 8) >>> 0);
+    for (let at = 0; at < tail.length; at += 64) block(tv, at);
+    return [...H].map((x) => x.toString(16).padStart(8, "0")).join("");
+  }
+
+  async function sha256(bytes) {
+    if (self.crypto && crypto.subtle) {
+      const digest = new Uint8Array(await crypto.subtle.digest("SHA-256", bytes));
+      return [...digest].map((x) => x.toString(16).padStart(2, "0")).join("");
+    }
+    return sha256Fallback(bytes);
+  }
+
+  // -- unit files, cached by hash: Cache Storage in a secure context, IndexedDB elsewhere -------
+  class UnitStore {
+    async open() {
+      if (self.caches && self.isSecureContext) {
+        this.cache = await caches.open("edgepipe-units-v1");
+        this.kind = "Cache Storage";
+      } else {
+        this.db = await new Promise((resolve, reject) => {
+          const req = indexedDB.open("edgepipe-units", 1);
+          req.onupgradeneeded = () => req.result.createObjectStore("blobs");
+          req.onsuccess = () => resolve(req.result);
+          req.onerror = () => reject(req.error);
+        });
+        this.kind = "IndexedDB";
+      }
+      return this;
+    }
+    url(sha) { return new URL(`/v1/blobs/${sha}`, location.href).href; }
+    idb(mode, fn) {
+      return new Promise((resolve, reject) => {
+        const req = fn(this.db.transaction("blobs", mode).objectStore("blobs"));
+        req.onsuccess = () => resolve(req.result);
+        req.onerror = () => reject(req.error);
+      });
+    }
+    async held() {
+      if (this.cache) return (await this.cache.keys()).map((r) => r.url.split("/").pop()).filter((s) => /^[0-9a-f]{64}$/.test(s));
+      return (await this.idb("readonly", (s) => s.getAllKeys())).map(String);
+    }
+    async get(sha) {
+      if (this.cache) {
+        const hit = await this.cache.match(this.url(sha));
+        return hit ? new Uint8Array(await hit.arrayBuffer()) : null;
+      }
+      const buf = await this.idb("readonly", (s) => s.get(sha));
+      return buf ? new Uint8Array(buf) : null;
+    }
+    async put(sha, bytes) {
+      if (this.cache) await this.cache.put(this.url(sha), new Response(bytes, { headers: { "Content-Type": "application/octet-stream", "X-Bytes": String(bytes.length) } }));
+      else await this.idb("readwrite", (s) => s.put(bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.byteLength), sha));
+    }
+  }
+
+  // -- a stage: one onnxruntime-web session over units [start, end) + per-sequence KV ------------
+  class StageRunner {
+    constructor(session, maxContext) {
+      this.session = session;
+      const inputs = session.inputNames, outputs = session.outputNames;
+      const meta = Object.fromEntries((session.inputMetadata || []).map((m) => [m.name, m]));
+      this.layers = inputs.map((n) => /^past_key\.(\d+)$/.exec(n)).filter(Boolean).map((m) => Number(m[1])).sort((a, b) => a - b);
+      this.takesTokenIds = inputs.includes("input_ids");
+      this.inputName = this.takesTokenIds ? "input_ids" : inputs.find((n) => n.startsWith("hidden."));
+      this.emitsTokens = outputs.includes("next_token");
+      this.outputName = this.emitsTokens ? "next_token" : outputs.find((n) => n.startsWith("hidden."));
+      if (this.layers.length) {
+        const shape = meta[`past_key.${this.layers[0]}`].shape; // [batch, kv_heads, capacity, head_dim]
+        this.kvHeads = Number(shape[1]);
+        this.headDim = Number(shape[3]);
+      }
+      this.hidden = this.takesTokenIds ? null : Number(meta[this.inputName].shape[2]); // [batch, seq, hidden]
+      this.maxContext = maxContext;
+      this.caches = new Map(); // seq -> {length, capacity, kv: {"key.u": ort.Tensor [1, kv_heads, capacity, head_dim]}}
+    }
+
+    drop(seq) { this.caches.delete(seq); }
+
+    get kvBytes() {
+      let n = 0;
+      for (const c of this.caches.values()) n += 2 * this.layers.length * this.kvHeads * c.capacity * this.headDim * 4;
+      return n;
+    }
+
+    // Grow the KV buffers to hold `tokens` positions: a bigger zeroed buffer with the live prefix copied in.
+    reserve(cache, tokens) {
+      if (tokens <= cache.capacity) return;
+      const capacity = Math.ceil(tokens / KV_BLOCK) * KV_BLOCK;
+      const rows = this.headDim;
+      for (const u of this.layers) {
+        for (const kind of ["key", "value"]) {
+          const name = `${kind}.${u}`;
+          const grown = new Float32Array(this.kvHeads * capacity * rows);
+          const old = cache.kv[name];
+          if (old && cache.length) {
+            for (let h = 0; h < this.kvHeads; h++) {
+              const from = h * cache.capacity * rows;
+              grown.set(old.data.subarray(from, from + cache.length * rows), h * capacity * rows);
+            }
+          }
+          cache.kv[name] = new ort.Tensor("float32", grown, [1, this.kvHeads, capacity, rows]);
+        }
+      }
+      cache.capacity = capacity;
+    }
+
+    // Feed S new positions of one sequence; returns hidden [1, S, H] float32 or next_token [1] int64.
+    async run(seq, x, sampling) {
+      const added = Number(x.shape[1]);
+      let cache = this.caches.get(seq);
+      if (!cache) this.caches.set(seq, (cache = { length: 0, capacity: 0, kv: {} }));
+      const total = cache.length + added;
+      if (this.maxContext && total > this.maxContext) throw new Error(`sequence ${seq} would reach ${total} tokens, over the context of ${this.maxContext}`);
+      const feeds = { [this.inputName]: new ort.Tensor(x.dtype, x.data, x.shape) };
+      if (this.layers.length) {
+        this.reserve(cache, total);
+        feeds.seqlens_k = new ort.Tensor("int32", Int32Array.of(total - 1), [1]);
+        feeds.total_sequence_length = new ort.Tensor("int32", Int32Array.of(total), []);
+        for (const u of this.layers) {
+          feeds[`past_key.${u}`] = cache.kv[`key.${u}`];
+          feeds[`past_value.${u}`] = cache.kv[`value.${u}`];
+        }
+      }
+      if (this.emitsTokens) {
+        const s = sampling || { do_sample: false, temperature: 1, top_k: 0, top_p: 1, uniform: 0 };
+        feeds.do_sample = new ort.Tensor("bool", Uint8Array.of(s.do_sample ? 1 : 0), []);
+        feeds.temperature = new ort.Tensor("float32", Float32Array.of(s.temperature), [1]);
+        feeds.top_k = new ort.Tensor("int64", BigInt64Array.of(BigInt(Math.trunc(s.top_k))), [1]);
+        feeds.top_p = new ort.Tensor("float32", Float32Array.of(s.top_p), [1]);
+        feeds.uniform = new ort.Tensor("float32", Float32Array.of(s.uniform), [1]);
+      }
+      const out = await this.session.run(feeds);
+      // Past and present cannot share one buffer here: present (same capacity, past + the new
+      // rows) becomes the sequence's buffer for the next step.
+      for (const u of this.layers) {
+        for (const kind of ["key", "value"]) {
+          const present = out[`present_${kind}.${u}`];
+          if (Number(present.dims[2]) < total) throw new Error(`present_${kind}.${u} holds ${present.dims[2]} positions, need ${total}`);
+          cache.kv[`${kind}.${u}`] = present;
+        }
+      }
+      if (this.layers.length) cache.capacity = Number(out[`present_key.${this.layers[0]}`].dims[2]);
+      cache.length = total;
+      return out[this.outputName];
+    }
+
+    release() {
+      this.caches.clear();
+      this.session.release().catch(() => {});
+    }
+  }
+
+  // -- the worker ----------------------------------------------------------------------------------
+  function parseBytes(text) {
+    const m = /^\s*([\d.]+)\s*([kmgt]?i?b?)?\s*$/i.exec(text || "");
+    if (!m) return null;
+    const unit = (m[2] || "").toLowerCase().replace(/i?b$/, "");
+    return Math.round(Number(m[1]) * ({ "": 1, k: 2 ** 10, m: 2 ** 20, g: 2 ** 30, t: 2 ** 40 }[unit] || 1));
+  }
+
+  const worker = {
+    id: null,
+    ws: null,
+    token: params.get("token") || "",
+    name: params.get("name") || "browser",
+    memoryBytes: parseBytes(params.get("memory")) || Math.round((navigator.deviceMemory || 4) * 2 ** 30),
+    threads: Number(params.get("threads")) || (self.crossOriginIsolated ? Math.max(1, Math.min(4, Math.floor((navigator.hardwareConcurrency || 2) / 2))) : 1),
+    slots: new Map(), // plan -> {plan, start, end, runner, next, weightBytes}
+    store: null,
+    queued: 0,
+    compute: Promise.resolve(), // forwards and probes run one at a time, in arrival order
+    refused: false,
+    retry: null,
+  };
+
+  function serial(fn) {
+    worker.queued++;
+    const run = worker.compute.then(fn).finally(() => { worker.queued--; render(); });
+    worker.compute = run.catch(() => {});
+    return run;
+  }
+
+  function send(type, fields, tensors) {
+    const ws = worker.ws;
+    if (ws && ws.readyState === WebSocket.OPEN) ws.send(encodeFrame(type, fields, tensors));
+  }
+
+  async function refreshHeld() {
+    const held = await worker.store.held();
+    stats.held = held.length;
+    return held;
+  }
+
+  async function connect() {
+    clearTimeout(worker.retry);
+    if (worker.ws) { worker.ws.onclose = null; worker.ws.close(); }
+    dropAll();
+    worker.refused = false;
+    worker.id = null;
+    const held = await refreshHeld();
+    render();
+    const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/worker`;
+    const ws = (worker.ws = new WebSocket(url));
+    ws.binaryType = "arraybuffer";
+    show("connecting", `connecting to ${url}…`);
+    ws.onopen = () => send("hello", {
+      name: worker.name, token: worker.token || null, protocol: PROTOCOL, kind: "browser", precision: "fp32",
+      memory_bytes: worker.memoryBytes, threads: worker.threads, data_url: null, held, emulation: null,
+      user_agent: navigator.userAgent.slice(0, 200),
+    });
+    ws.onmessage = (ev) => onFrame(ev.data);
+    ws.onclose = (ev) => {
+      if (worker.ws !== ws) return;
+      dropAll();
+      const wasJoined = worker.id !== null;
+      worker.id = null;
+      render();
+      if (worker.refused) return;
+      show("disconnected", `${wasJoined ? "connection to the coordinator closed" : "cannot reach the coordinator"}` +
+           `${ev.reason ? `: ${ev.reason}` : ""}; retrying in 3 s`);
+      worker.retry = setTimeout(connect, 3000);
+    };
+  }
+
+  function dropAll() {
+    for (const slot of worker.slots.values()) slot.runner.release();
+    worker.slots.clear();
+  }
+
+  function onFrame(data) {
+    let msg;
+    try {
+      msg = decodeFrame(data);
+    } catch (e) {
+      log(`bad frame from the coordinator: ${firstLine(e)}`);
+      return;
+    }
+    handle(msg).catch((e) => log(`${msg.type} failed: ${firstLine(e)}`));
+  }
+
+  async function handle({ type, fields: f, tensors }) {
+    switch (type) {
+      case "welcome":
+        worker.id = f.worker_id;
+        show("joined", `joined as ${worker.id}; waiting for a stage`);
+        render();
+        break;
+      case "error":
+        if (worker.id === null) { // refused at the door (e.g. a wrong or missing join token)
+          worker.refused = true;
+          show("refused", `the coordinator refused this worker: ${f.message}`);
+        } else {
+          log(`coordinator: ${f.message}`);
+        }
+        break;
+      case "ping":
+        send("pong", { t: f.t, kv_bytes: kvBytes(), queue: worker.queued, busy_s: stats.busy_s, computed: stats.computed });
+        break;
+      case "load":
+        await load(f);
+        break;
+      case "activate": {
+        const keep = new Set(f.keep);
+        for (const [plan, slot] of worker.slots) if (!keep.has(plan)) { slot.runner.release(); worker.slots.delete(plan); }
+        render();
+        break;
+      }
+      case "drop":
+        for (const slot of worker.slots.values()) slot.runner.drop(f.seq);
+        break;
+      case "forward":
+        await serial(() => forward(f, tensors)).catch((e) => send("error", { message: firstLine(e), seq: f.seq, step: f.step, rid: f.rid }));
+        break;
+      case "probe":
+        await probe(f);
+        break;
+      case "kv_export": // a tab cannot reach a peer's data port on its own; the coordinator recomputes instead
+        send("loaded", { kv_sent: f.seq, plan: f.to_plan, ok: false, error: "browser workers do not export KV" });
+        break;
+      case "bye":
+        show("stopped", "the coordinator said bye");
+        break;
+      default:
+        log(`ignored ${type}`);
+    }
+  }
+
+  const kvBytes = () => [...worker.slots.values()].reduce((n, s) => n + s.runner.kvBytes, 0);
+
+  async function fetchUnit(sha) {
+    const cached = await worker.store.get(sha);
+    if (cached) { stats.hits++; return { bytes: cached, fetched: 0 }; }
+    const headers = worker.token ? { Authorization: `Bearer ${worker.token}` } : {};
+    const resp = await fetch(`/v1/blobs/${sha}`, { headers, cache: "no-store" });
+    if (!resp.ok) throw new Error(`unit file ${sha.slice(0, 16)}…: HTTP ${resp.status}`);
+    const bytes = new Uint8Array(await resp.arrayBuffer());
+    const digest = await sha256(bytes);
+    if (digest !== sha) throw new Error(`unit file ${sha.slice(0, 16)}…: sha256 is ${digest.slice(0, 16)}…`);
+    try {
+      await worker.store.put(sha, bytes);
+      stats.heldBytes += bytes.length;
+    } catch (e) {
+      log(`could not cache ${sha.slice(0, 16)}…: ${firstLine(e)}`);
+    }
+    stats.fetched += bytes.length;
+    return { bytes, fetched: bytes.length };
+  }
+
+  async function load(f) {
+    const t0 = performance.now();
+    let reply;
+    try {
+      let fetched = 0, weightBytes = 0;
+      const graph = await fetchUnit(f.graph);
+      fetched += graph.fetched;
+      const externalData = [];
+      for (const sha of f.files) {
+        const unit = await fetchUnit(sha);
+        fetched += unit.fetched;
+        weightBytes += unit.bytes.length;
+        externalData.push({ path: sha, data: unit.bytes }); // path must equal the tensors' `location`
+      }
+      await refreshHeld();
+      render();
+      const session = await serial(() => ort.InferenceSession.create(graph.bytes, {
+        executionProviders: ["wasm"], graphOptimizationLevel: "all", externalData }));
+      const old = worker.slots.get(f.plan);
+      if (old) old.runner.release();
+      worker.slots.set(f.plan, { plan: f.plan, start: f.start, end: f.end, runner: new StageRunner(session, f.max_context), next: f.next, weightBytes });
+      reply = { plan: f.plan, ok: true, load_s: (performance.now() - t0) / 1000, fetched_bytes: fetched, weight_bytes: weightBytes };
+      log(`plan ${f.plan}: units [${f.start}, ${f.end}) ready in ${reply.load_s.toFixed(2)} s, fetched ${fmtBytes(fetched)}`);
+    } catch (e) {
+      reply = { plan: f.plan, ok: false, error: firstLine(e) };
+      log(`plan ${f.plan}: load failed: ${reply.error}`);
+    }
+    send("loaded", reply);
+    render();
+  }
+
+  async function forward(f, tensors) {
+    const slot = worker.slots.get(f.plan);
+    if (!slot) throw new Error(`worker ${worker.id} holds no stage for plan ${f.plan}`);
+    let x = tensors.x;
+    if (!x) throw new Error("forward without an x tensor");
+    if (x.dtype === "float16") x = { dtype: "float32", shape: x.shape, data: halfToFloat(x.data) };
+    const t0 = performance.now();
+    const out = await slot.runner.run(f.seq, x, slot.runner.emitsTokens ? f.sampling : null);
+    const compute = (performance.now() - t0) / 1000;
+    stats.busy_s += compute;
+    stats.computed++;
+    const timings = [...(f.timings || []), [worker.id, compute, Number(x.shape[1])]];
+    const base = {};
+    for (const k of ["seq", "step", "plan", "sampling", "rid"]) if (k in f) base[k] = f[k];
+    if (slot.next.kind === "coordinator") {
+      stats.tokens++;
+      send("token", { ...base, token: Number(out.data[0]), timings });
+    } else {
+      send("forward", { ...base, relay_to: slot.next.id, timings }, { x: { dtype: "float32", shape: out.dims, data: out.data } });
+    }
+  }
+
+  function randomInput(runner, n) {
+    if (runner.takesTokenIds) return { dtype: "int64", shape: [1, n], data: BigInt64Array.from({ length: n }, () => BigInt(Math.floor(Math.random() * 1000))) };
+    const data = new Float32Array(n * runner.hidden);
+    for (let i = 0; i < data.length; i++) data[i] = Math.sqrt(-2 * Math.log(1 - Math.random())) * Math.cos(2 * Math.PI * Math.random());
+    return { dtype: "float32", shape: [1, n, runner.hidden], data };
+  }
+
+  // Time decode steps of a loaded stage (as Worker._time_slot), or send a payload to time the uplink.
+  async function probe(f) {
+    if (f.kind === "link") {
+      send("probed", { probe: f.probe, ok: true }, { payload: { dtype: "uint8", shape: [Number(f.bytes || 1 << 18)], data: new Uint8Array(Number(f.bytes || 1 << 18)) } });
+      return;
+    }
+    const slot = worker.slots.get(f.plan);
+    const result = { probe: f.probe, ok: !!slot };
+    if (slot) {
+      result.times = await serial(async () => {
+        const runner = slot.runner, seq = `probe-${performance.now()}`, times = [];
+        try {
+          await runner.run(seq, randomInput(runner, Number(f.context || 64)), null);
+          for (let i = 0; i < Number(f.reps || 8); i++) {
+            const x = randomInput(runner, 1);
+            const t0 = performance.now();
+            await runner.run(seq, x, null);
+            times.push((performance.now() - t0) / 1000);
+          }
+        } finally {
+          runner.drop(seq);
+        }
+        return times;
+      }).catch((e) => { result.ok = false; result.error = firstLine(e); return []; });
+    }
+    send("probed", result);
+  }
+
+  // -- start ---------------------------------------------------------------------------------------
+  async function start() {
+    $("token").value = worker.token;
+    $("join").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      worker.token = $("token").value.trim();
+      connect();
+    });
+    ort.env.wasm.wasmPaths = new URL("/static/vendor/", location.href).href;
+    ort.env.wasm.numThreads = worker.threads;
+    ort.env.wasm.proxy = params.get("proxy") !== "0"; // onnxruntime in its own thread: this one keeps answering pings
+    ort.env.logLevel = "error";
+    $("backend").textContent = `onnxruntime-web ${ort.env.versions ? ort.env.versions.web || "" : ""} WebAssembly, ` +
+      `${self.crossOriginIsolated ? "cross-origin isolated" : "not cross-origin isolated (1 thread)"}`;
+    $("resources").textContent = `${fmtBytes(worker.memoryBytes)} / ${worker.threads} thread${worker.threads > 1 ? "s" : ""}`;
+    try {
+      worker.store = await new UnitStore().open();
+      const held = await worker.store.held();
+      for (const sha of held) {
+        const hit = worker.store.cache ? await worker.store.cache.match(worker.store.url(sha)) : null;
+        stats.heldBytes += hit ? Number(hit.headers.get("x-bytes") || 0) : 0;
+      }
+    } catch (e) {
+      show("error", `no storage for unit files: ${firstLine(e)}`);
+      return;
+    }
+    render();
+    connect();
+  }
+
+  // For tests and benchmarks (the page's own view of what it did).
+  self.edgepipeWorker = { worker, stats, sha256, sha256Fallback, encodeFrame, decodeFrame, connect };
+  start();
+})();

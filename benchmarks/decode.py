@@ -99,6 +99,103 @@ def agreement(a: list[int], b: list[int]) -> tuple[float, int]:
     return (same / n if n else 0.0), prefix
 
 
+EP_WEIGHTS = "int4 MatMulNBits (asym, blocks of 32)"
+GENAI_WEIGHTS = "int4 MatMulNBits (builder default)"
+LLAMA_WEIGHTS = "Q4_1 GGUF (original)"
+
+
+def timing_configs(thread_settings: list[int | None], lengths: list[int], genai_dir: Path, has_llama: bool) -> list[dict]:
+    """The engines to time, in the order each repetition runs them."""
+    configs = []
+    for threads in thread_settings:
+        common = {"threads": threads, "t": "default" if threads is None else str(threads)}
+        configs.append({"label": "edgepipe, 1 stage", "engine": "edgepipe", "precision": "int4", "weights": EP_WEIGHTS, **common})
+        if threads is None:  # the shortest length only: it shows what the cuts cost, and keeps the run short
+            configs.append({"label": "edgepipe, 3 stages", "engine": "edgepipe", "precision": "int4", "weights": EP_WEIGHTS,
+                            "cuts": CUTS, "lengths": lengths[:1], **common})
+        configs.append({"label": "onnxruntime-genai", "engine": "genai", "precision": "int4", "weights": GENAI_WEIGHTS,
+                        "genai_dir": str(genai_dir), **common})
+        if has_llama:
+            configs.append({"label": "llama.cpp", "engine": "llama.cpp", "precision": "q4_1", "weights": LLAMA_WEIGHTS, **common})
+    return configs
+
+
+def run_interleaved(configs: list[dict], reps: int, lengths: list[int], prompt: list[int], home: Path) -> list[list[dict]]:
+    """``results[i][rep]``: one child process per engine and repetition, in the order A B C A B C ..."""
+    results: list[list[dict]] = [[] for _ in configs]
+    for rep in range(reps):
+        for i, cfg in enumerate(configs):
+            job = {"task": "time", "home": str(home), "prompt": prompt, "lengths": cfg.get("lengths", lengths), "warmup": WARMUP_TOKENS,
+                   **{k: cfg[k] for k in ("engine", "precision", "threads", "cuts", "genai_dir") if k in cfg}}
+            out = child(job)
+            results[i].append(out)
+            speeds = ", ".join(f"{r['n']}: {(r['generated'] - 1) / r['decode_s']:.0f} tok/s" for r in out["runs"])
+            print(f"  rep {rep + 1}/{reps}  {cfg['label']:<20} threads {cfg['t']:<8} {speeds}  peak {out['peak_rss_mib']:.0f} MiB", flush=True)
+    return results
+
+
+def summarize(configs: list[dict], results: list[list[dict]], lengths: list[int]) -> list[dict]:
+    """One row per engine and length: medians over repetitions, tokens compared with edgepipe's."""
+    rows = []
+    for i, cfg in enumerate(configs):
+        reference = next(j for j, c in enumerate(configs) if c["engine"] == "edgepipe" and not c.get("cuts") and c["t"] == cfg["t"])
+        for n in cfg.get("lengths", lengths):
+            runs = [next(r for r in out["runs"] if r["n"] == n) for out in results[i]]
+            ref_tokens = next(r for r in results[reference][0]["runs"] if r["n"] == n)["tokens"]
+            same, prefix = agreement(runs[0]["tokens"], ref_tokens)
+            rows.append({
+                "engine": cfg["label"], "weights": cfg["weights"], "threads": cfg["t"], "new_tokens": n,
+                "generated": min(r["generated"] for r in runs),
+                "ttft_ms": round(statistics.median(r["ttft_s"] for r in runs) * 1e3, 1),
+                "decode_tok_s": round(statistics.median((r["generated"] - 1) / r["decode_s"] for r in runs), 1),
+                "decode_tok_s_reps": [round((r["generated"] - 1) / r["decode_s"], 1) for r in runs],
+                "cpu_ms_per_token": round(statistics.median(r["cpu_ms_per_token"] for r in runs), 2),
+                "load1": [round(r["load1"], 2) for r in runs],
+                "peak_rss_mib": round(statistics.median(out["peak_rss_mib"] for out in results[i])),
+                "load_s": round(statistics.median(out["load_s"] for out in results[i]), 2),
+                "same_tokens_as_edgepipe": round(same, 3), "common_prefix_with_edgepipe": prefix,
+            })
+    return rows
+
+
+def ratios(rows: list[dict], lengths: list[int]) -> list[dict]:
+    """edgepipe (one stage) over each peer, per thread setting and length; > 1 means edgepipe is faster (tok/s)."""
+    out = []
+    for t in dict.fromkeys(r["threads"] for r in rows):
+        for n in lengths:
+            by = {r["engine"]: r for r in rows if r["threads"] == t and r["new_tokens"] == n}
+            ep = by["edgepipe, 1 stage"]
+            entry = {"threads": t, "new_tokens": n}
+            for peer, key in (("onnxruntime-genai", "genai"), ("llama.cpp", "llama_cpp")):
+                if peer in by:
+                    entry[f"edgepipe_over_{key}_tok_s"] = round(ep["decode_tok_s"] / by[peer]["decode_tok_s"], 3)
+                    entry[f"edgepipe_over_{key}_ttft"] = round(ep["ttft_ms"] / by[peer]["ttft_ms"], 3)
+            if "edgepipe, 3 stages" in by:
+                entry["three_stages_over_one_tok_s"] = round(by["edgepipe, 3 stages"]["decode_tok_s"] / ep["decode_tok_s"], 3)
+            out.append(entry)
+    return out
+
+
+def top1_vs_fp32(agree_ids: list[list[int]], n: int, home: Path, genai_dir: Path, has_llama: bool) -> list[dict]:
+    """Teacher-forced top-1 agreement of each quantized engine with edgepipe fp32's greedy continuations."""
+    ref = child({"task": "reference", "engine": "edgepipe", "precision": "fp32", "threads": 1, "home": str(home),
+                 "prompts": agree_ids, "n": n})["tokens"]
+    sequences = list(zip(agree_ids, ref))
+    candidates = [("edgepipe", EP_WEIGHTS, {"precision": "int4"}), ("edgepipe", "int8 MatMulNBits", {"precision": "int8"}),
+                  ("onnxruntime-genai", GENAI_WEIGHTS, {"engine": "genai", "genai_dir": str(genai_dir)})]
+    if has_llama:
+        candidates.append(("llama.cpp", LLAMA_WEIGHTS, {"engine": "llama.cpp"}))
+    quality = []
+    for label, weights, extra in candidates:
+        job = {"task": "agree", "engine": "edgepipe", "threads": 1, "home": str(home), "sequences": sequences, **extra}
+        predicted = child(job)["predicted"]
+        hits = sum(p == r for pred, (_, cont) in zip(predicted, sequences) for p, r in zip(pred, cont))
+        total = sum(len(c) for _, c in sequences)
+        quality.append({"engine": label, "weights": weights, "positions": total, "top1_agreement": round(hits / total, 4)})
+        print(f"  {label:<20} {weights:<40} {hits}/{total} = {hits / total:.1%}", flush=True)
+    return quality
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 128 tokens, 1 repetition, default threads, fewer agreement positions")
@@ -114,96 +211,29 @@ def main() -> None:
     agree_n = 48 if args.quick else 100
     agree_prompts = AGREE_PROMPTS[:2] if args.quick else AGREE_PROMPTS
 
-    started = time.time()
-    load_before = os.getloadavg()
+    started, load_before = time.time(), os.getloadavg()
     home = home_dir(args.home)
     bench = home / "bench"
     bench.mkdir(parents=True, exist_ok=True)
     packages = {p: resolve("smollm2", p, home) for p in ("int4", "int8", "fp32")}
     bounds = [0, *CUTS, len(packages["int4"].manifest.units)]
-    for a, b in zip(bounds, bounds[1:]):  # merge the stage graphs now, not inside a timed load
+    for a, b in [*zip(bounds, bounds[1:]), (0, bounds[-1])]:  # merge stage graphs now, not inside a timed load
         packages["int4"].stage_graph(a, b)
-    packages["int4"].stage_graph(0, bounds[-1])
     genai_dir = ensure_genai(bench, "int4")
     has_llama = importlib.util.find_spec("llama_cpp") is not None
+    if not has_llama:
+        print("llama.cpp: not installed (pip install llama-cpp-python); its column is skipped")
     tok = packages["int4"].tokenizer
     prompt = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
 
-    configs = []
-    for threads in thread_settings:
-        t = "default" if threads is None else str(threads)
-        configs.append({"label": "edgepipe, 1 stage", "engine": "edgepipe", "precision": "int4", "weights": "int4 MatMulNBits (asym, blocks of 32)", "threads": threads, "t": t})
-        if threads is None:
-            # the shortest length only: this row shows what the cuts cost, and keeps the run short
-            configs.append({"label": "edgepipe, 3 stages", "engine": "edgepipe", "precision": "int4", "weights": "int4 MatMulNBits (asym, blocks of 32)", "threads": threads, "t": t, "cuts": CUTS, "lengths": lengths[:1]})
-        configs.append({"label": "onnxruntime-genai", "engine": "genai", "precision": "int4", "weights": "int4 MatMulNBits (builder default)", "threads": threads, "t": t, "genai_dir": str(genai_dir)})
-        if has_llama:
-            configs.append({"label": "llama.cpp", "engine": "llama.cpp", "precision": "q4_1", "weights": "Q4_1 GGUF (original)", "threads": threads, "t": t})
-    if not has_llama:
-        print("llama.cpp: not installed (pip install llama-cpp-python); its column is skipped")
+    configs = timing_configs(thread_settings, lengths, genai_dir, has_llama)
+    print(f"prompt: {len(prompt)} tokens; lengths {lengths}; {reps} interleaved repetition(s); "
+          f"threads {list(dict.fromkeys(c['t'] for c in configs))}", flush=True)
+    rows = summarize(configs, run_interleaved(configs, reps, lengths, prompt, home), lengths)
 
-    print(f"prompt: {len(prompt)} tokens; lengths {lengths}; {reps} interleaved repetition(s); threads {[c for c in dict.fromkeys(c['t'] for c in configs)]}", flush=True)
-    results: dict[int, list[dict]] = {i: [] for i in range(len(configs))}
-    for rep in range(reps):
-        for i, cfg in enumerate(configs):
-            job = {"task": "time", "home": str(home), "prompt": prompt, "lengths": cfg.get("lengths", lengths), "warmup": WARMUP_TOKENS,
-                   **{k: cfg[k] for k in ("engine", "precision", "threads", "cuts", "genai_dir") if k in cfg}}
-            out = child(job)
-            results[i].append(out)
-            speeds = ", ".join(f"{r['n']}: {(r['generated'] - 1) / r['decode_s']:.0f} tok/s" for r in out["runs"])
-            print(f"  rep {rep + 1}/{reps}  {cfg['label']:<20} threads {cfg['t']:<8} {speeds}  peak {out['peak_rss_mib']:.0f} MiB", flush=True)
-
-    rows = []
-    for i, cfg in enumerate(configs):
-        reference = next(j for j, c in enumerate(configs) if c["engine"] == "edgepipe" and not c.get("cuts") and c["t"] == cfg["t"])
-        for n in cfg.get("lengths", lengths):
-            runs = [next(r for r in out["runs"] if r["n"] == n) for out in results[i]]
-            ref_tokens = next(r for r in results[reference][0]["runs"] if r["n"] == n)["tokens"]
-            same, prefix = agreement(runs[0]["tokens"], ref_tokens)
-            rows.append({
-                "engine": cfg["label"], "weights": cfg["weights"], "threads": cfg["t"], "new_tokens": n,
-                "generated": min(r["generated"] for r in runs),
-                "ttft_ms": round(statistics.median(r["ttft_s"] for r in runs) * 1e3, 1),
-                "decode_tok_s": round(statistics.median((r["generated"] - 1) / r["decode_s"] for r in runs), 1),
-                "decode_tok_s_reps": [round((r["generated"] - 1) / r["decode_s"], 1) for r in runs],
-                "peak_rss_mib": round(statistics.median(out["peak_rss_mib"] for out in results[i])),
-                "load_s": round(statistics.median(out["load_s"] for out in results[i]), 2),
-                "same_tokens_as_edgepipe": round(same, 3), "common_prefix_with_edgepipe": prefix,
-            })
-
-    ratios = []
-    for t in dict.fromkeys(c["t"] for c in configs):
-        for n in lengths:
-            by = {r["engine"]: r for r in rows if r["threads"] == t and r["new_tokens"] == n}
-            ep = by["edgepipe, 1 stage"]
-            entry = {"threads": t, "new_tokens": n}
-            for peer, key in (("onnxruntime-genai", "genai"), ("llama.cpp", "llama_cpp")):
-                if peer in by:
-                    entry[f"edgepipe_over_{key}_tok_s"] = round(ep["decode_tok_s"] / by[peer]["decode_tok_s"], 3)
-                    entry[f"edgepipe_over_{key}_ttft"] = round(ep["ttft_ms"] / by[peer]["ttft_ms"], 3)
-            if "edgepipe, 3 stages" in by:
-                entry["three_stages_over_one_tok_s"] = round(by["edgepipe, 3 stages"]["decode_tok_s"] / ep["decode_tok_s"], 3)
-            ratios.append(entry)
-
-    # -- top-1 agreement with fp32 (teacher-forced) -------------------------------------------
     print(f"top-1 agreement: fp32 greedy reference, {len(agree_prompts)} prompts x {agree_n} tokens ...", flush=True)
     agree_ids = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in agree_prompts]
-    ref = child({"task": "reference", "engine": "edgepipe", "precision": "fp32", "threads": 1, "home": str(home),
-                 "prompts": agree_ids, "n": agree_n})["tokens"]
-    sequences = list(zip(agree_ids, ref))
-    quality = []
-    candidates = [("edgepipe", "int4", "int4 MatMulNBits (asym, blocks of 32)", {}), ("edgepipe", "int8", "int8 MatMulNBits", {}),
-                  ("onnxruntime-genai", "int4", "int4 MatMulNBits (builder default)", {"engine": "genai", "genai_dir": str(genai_dir)})]
-    if has_llama:
-        candidates.append(("llama.cpp", "q4_1", "Q4_1 GGUF (original)", {"engine": "llama.cpp"}))
-    for label, precision, weights, extra in candidates:
-        job = {"task": "agree", "engine": "edgepipe", "precision": precision, "threads": 1, "home": str(home),
-               "sequences": sequences, **extra}
-        predicted = child(job)["predicted"]
-        hits = sum(p == r for pred, (_, cont) in zip(predicted, sequences) for p, r in zip(pred, cont))
-        total = sum(len(c) for _, c in sequences)
-        quality.append({"engine": label, "weights": weights, "positions": total, "top1_agreement": round(hits / total, 4)})
-        print(f"  {label:<20} {weights:<40} {hits}/{total} = {hits / total:.1%}", flush=True)
+    quality = top1_vs_fp32(agree_ids, agree_n, home, genai_dir, has_llama)
 
     report = {
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -214,16 +244,17 @@ def main() -> None:
             "model": f"SmolLM2-135M-Instruct ({packages['int4'].name}); llama.cpp on the bundled Q4_1 GGUF",
             "prompt": PROMPT, "prompt_tokens": len(prompt), "new_tokens": lengths, "repetitions": reps,
             "decoding": "greedy, exactly N new tokens, EOS ignored (edgepipe eos_ids=(); genai EOS moved to an unused special token; llama.cpp argmax loop)",
-            "process": "one process per engine and repetition, repetitions interleaved; a 16-token warm-up generation before timing",
+            "process": f"one process per engine and repetition, repetitions interleaved; a {WARMUP_TOKENS}-token warm-up generation before timing",
             "ttft": "request start to the first sampled token (prefill of the prompt; genai includes creating its Generator)",
             "decode_tok_s": "(generated - 1) / (time from first to last token), median over repetitions",
             "peak_rss": "ru_maxrss of the engine's process (interpreter and libraries included), median over repetitions",
+            "cpu_ms_per_token": "process CPU time (all threads, spin-waiting included) of a whole request / tokens, median",
             "threads": "default = the engine's own default (ONNX Runtime intra-op threads = cores; llama.cpp n_threads = cores)",
             "genai_model": f"onnxruntime_genai.models.builder -i <HF folder dequantized from the GGUF by transformers> -p int4 -e cpu ({genai_dir.name})",
             "agreement": f"teacher-forced top-1 vs edgepipe fp32, {len(agree_prompts)} chat prompts x {agree_n} greedy fp32 tokens",
             "elapsed_s": round(time.time() - started),
         },
-        "rows": rows, "ratios": ratios, "top1_vs_fp32": quality,
+        "rows": rows, "ratios": ratios(rows, lengths), "top1_vs_fp32": quality,
         "llama_cpp": "ok" if has_llama else "not installed",
     }
     print_table(report)
@@ -235,11 +266,12 @@ def main() -> None:
 
 
 def print_table(report: dict) -> None:
-    head = f"{'threads':<8} {'engine':<20} {'weights':<38} {'N':>5} {'TTFT ms':>8} {'tok/s':>7} {'peak MiB':>9} {'load s':>7} {'same as ep':>10}"
+    head = (f"{'threads':<8} {'engine':<20} {'weights':<38} {'N':>5} {'TTFT ms':>8} {'tok/s':>7} {'CPU ms/tok':>10} "
+            f"{'peak MiB':>9} {'load s':>7} {'same as ep':>10}")
     print("\n" + head + "\n" + "-" * len(head))
     for r in report["rows"]:
         flag = "" if r["generated"] == r["new_tokens"] else f"  (stopped at {r['generated']})"
-        print(f"{r['threads']:<8} {r['engine']:<20} {r['weights']:<38} {r['new_tokens']:>5} {r['ttft_ms']:>8.1f} {r['decode_tok_s']:>7.1f} "
+        print(f"{r['threads']:<8} {r['engine']:<20} {r['weights']:<38} {r['new_tokens']:>5} {r['ttft_ms']:>8.1f} {r['decode_tok_s']:>7.1f} {r['cpu_ms_per_token']:>10.2f} "
               f"{r['peak_rss_mib']:>9} {r['load_s']:>7.2f} {r['same_tokens_as_edgepipe']:>10.0%}{flag}")
     print()
     for q in report["ratios"]:
@@ -269,19 +301,19 @@ def markdown(report: dict) -> str:
         f"- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + (", llama.cpp not installed" if report["llama_cpp"] != "ok" else ""),
         f"- model: {c['model']}; prompt {c['prompt_tokens']} tokens (chat template): \"{c['prompt']}\"",
         f"- {c['decoding']}; {c['repetitions']} repetitions, {c['process']}",
-        f"- TTFT: {c['ttft']}; tok/s: {c['decode_tok_s']}; peak RSS: {c['peak_rss']}",
+        f"- TTFT: {c['ttft']}; tok/s: {c['decode_tok_s']}; CPU ms/token: {c['cpu_ms_per_token']}; peak RSS: {c['peak_rss']}",
         f"- threads: {c['threads']}",
         f"- onnxruntime-genai model: {c['genai_model']}",
         f"- produced by `python benchmarks/decode.py` in {c['elapsed_s']} s",
         "",
-        "| threads | engine | weights | new tokens | TTFT ms | decode tok/s (median; reps) | peak RSS MiB | load s | same tokens as edgepipe |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| threads | engine | weights | new tokens | TTFT ms | decode tok/s (median; reps) | CPU ms/token | peak RSS MiB | load s | same tokens as edgepipe |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in report["rows"]:
         reps = ", ".join(f"{x:.0f}" for x in r["decode_tok_s_reps"])
         stopped = "" if r["generated"] == r["new_tokens"] else f" (stopped at {r['generated']})"
         lines.append(f"| {r['threads']} | {r['engine']} | {r['weights']} | {r['new_tokens']}{stopped} | {r['ttft_ms']:.1f} | "
-                     f"{r['decode_tok_s']:.1f} ({reps}) | {r['peak_rss_mib']} | {r['load_s']:.2f} | {r['same_tokens_as_edgepipe']:.0%} |")
+                     f"{r['decode_tok_s']:.1f} ({reps}) | {r['cpu_ms_per_token']:.2f} | {r['peak_rss_mib']} | {r['load_s']:.2f} | {r['same_tokens_as_edgepipe']:.0%} |")
     lines += ["", "| threads | new tokens | edgepipe / genai tok/s | edgepipe / genai TTFT | edgepipe / llama.cpp tok/s | edgepipe / llama.cpp TTFT | 3 stages / 1 stage tok/s |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for q in report["ratios"]:

@@ -156,6 +156,7 @@ def serve(
     objective: str = typer.Option("latency", "--objective", help="latency | throughput | energy"),
     tpot_target_ms: Optional[float] = typer.Option(None, "--tpot-target-ms", help="Time-per-token target for the energy objective."),
     placement: str = typer.Option("planner", "--placement", help="planner | memory (split layers in proportion to memory)."),
+    worker_args: str = typer.Option("", "--worker-args", help="Extra flags for the local workers, e.g. '--slowdown 2' (emulation)."),
     precision: str = PrecisionOption,
     home: Optional[Path] = HomeOption,
 ):
@@ -170,7 +171,7 @@ def serve(
         fail(str(exc))
     settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,
                              join_token=join_token, max_active=max_active, max_queue=max_queue, objective=objective,
-                             tpot_target_ms=tpot_target_ms, planner=placement == "planner")
+                             tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split())
 
     def ready(bound: int, coordinator) -> None:
         if min_workers is not None:

@@ -61,12 +61,13 @@ def test_stage_and_plan_validate_ranges():
     with pytest.raises(PlanError, match="'a'.*\\[3, 3\\)"):
         Stage(("a",), 3, 3)
     with pytest.raises(PlanError, match="'b' starts at unit 3, expected 2"):
-        Plan((Stage(("a",), 0, 2), Stage(("b",), 3, 4)), 4, Objective.LATENCY, True, None, "")
+        Plan((Stage(("a",), 0, 2), Stage(("b",), 3, 4)), Objective.LATENCY, True, None, "", units=4)
     with pytest.raises(PlanError, match="covers units \\[0, 2\\) of 4"):
-        Plan((Stage(("a",), 0, 2),), 4, Objective.LATENCY, True, None, "")
+        Plan((Stage(("a",), 0, 2),), Objective.LATENCY, True, None, "", units=4)
     with pytest.raises(PlanError, match="'a' appears in two stages"):
-        Plan((Stage(("a",), 0, 2), Stage(("a",), 2, 4)), 4, Objective.LATENCY, True, None, "")
-    Plan((Stage(("a",), 0, 2),), 4, Objective.LATENCY, False, None, "partial is fine")
+        Plan((Stage(("a",), 0, 2), Stage(("a",), 2, 4)), "latency", True, None, "")
+    Plan((Stage(("a",), 0, 2),), Objective.LATENCY, False, None, "partial is fine", units=4)
+    Plan((Stage(("a",), 0, 2),), Objective.LATENCY, True, None, "coverage unchecked without units")
 
 
 def test_network_lookup_is_symmetric_with_default():

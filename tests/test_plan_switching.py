@@ -32,7 +32,7 @@ NET = NetworkProfile(default=LinkProfile("*", "*", 0.001, 1e9))
 
 def make_plan(*stages: tuple[tuple[str, ...] | str, int, int], units: int = 8) -> Plan:
     built = tuple(Stage((d,) if isinstance(d, str) else d, a, b) for d, a, b in stages)
-    return Plan(built, units, Objective.LATENCY, True, None, "test")
+    return Plan(built, Objective.LATENCY, True, None, "test", units=units)
 
 
 # --- should_switch -------------------------------------------------------------------------

@@ -49,6 +49,47 @@ async def worker_socket(ws: WebSocket) -> None:
     await ws.app.state.coordinator.attach(StarletteChannel(ws))
 
 
+async def rebalance(request: Request) -> JSONResponse:
+    """Deploy a given placement now (operators; tests forcing a KV move)."""
+    from ..cluster.placement import StageAssignment
+    from .openai_routes import read_json
+
+    coord = request.app.state.coordinator
+    body = await read_json(request)
+    try:
+        stages = [StageAssignment(str(s["worker"]), int(s["start"]), int(s["end"])) for s in body.get("stages", [])]
+        if not stages or stages[0].start != 0 or stages[-1].end != coord.n_units:
+            raise ValueError(f"stages must cover units [0, {coord.n_units})")
+        unknown = [s.worker_id for s in stages if s.worker_id not in coord.workers]
+        if unknown:
+            raise ValueError(f"unknown worker {unknown[0]}")
+        dep = await coord.deploy(stages, reason="manual rebalance")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise APIError(400, f"bad rebalance: {exc}", param="stages") from None
+    except RuntimeError as exc:
+        raise APIError(409, str(exc), code="plan_failed") from None
+    return JSONResponse({"plan": dep.plan_id, "events": [e for e in coord.events if e.get("plan") == dep.plan_id]})
+
+
+async def emulation(request: Request) -> JSONResponse:
+    """Change a worker's emulated slowdown while it runs (labelled emulation; benchmarks)."""
+    from ..net.protocol import Message, MessageType
+    from .openai_routes import read_json
+
+    coord = request.app.state.coordinator
+    worker = coord.workers.get(request.path_params["worker"])
+    if worker is None:
+        raise APIError(404, f"no worker {request.path_params['worker']}", code="worker_not_found")
+    body = await read_json(request)
+    factor = body.get("slowdown")
+    if not isinstance(factor, (int, float)) or factor < 1:
+        raise APIError(400, "'slowdown' must be a number >= 1", param="slowdown")
+    await worker.send(Message(MessageType.EMULATE, {"slowdown": float(factor)}))
+    worker.hello["emulation"] = {**(worker.hello.get("emulation") or {}), "slowdown": float(factor)}
+    coord.event("emulation", worker=worker.id, slowdown=float(factor))
+    return JSONResponse({"worker": worker.id, "slowdown": float(factor)})
+
+
 async def metrics(request: Request) -> Response:
     app = request.app.state
     return Response(app.metrics.render(app.coordinator), media_type="text/plain; version=0.0.4")
@@ -58,6 +99,8 @@ routes = [
     Route("/v1/cluster/status", status, methods=["GET"]),
     Route("/v1/cluster/plan", plan, methods=["GET"]),
     Route("/v1/cluster/events", events, methods=["GET"]),
+    Route("/v1/cluster/rebalance", rebalance, methods=["POST"]),
+    Route("/v1/cluster/workers/{worker}/emulation", emulation, methods=["POST"]),
     Route("/v1/blobs/{sha}", blob, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     WebSocketRoute("/v1/worker", worker_socket),

@@ -182,7 +182,14 @@ def run_job(job: dict) -> dict:
         prompt = job["prompt"]
         if job.get("warmup"):
             engine.greedy(prompt, job["warmup"])
-        out["runs"] = [{"n": n, **engine.greedy(prompt, n).as_dict()} for n in job["lengths"]]
+        out["runs"] = []
+        for n in job["lengths"]:
+            load, cpu = os.getloadavg()[0], time.process_time()
+            run = engine.greedy(prompt, n)
+            # CPU time of this process (all its threads) per token: less sensitive than wall time
+            # to other processes on a shared machine (spin-waiting threads count, though).
+            cpu_ms = (time.process_time() - cpu) * 1e3 / len(run.tokens)
+            out["runs"].append({"n": n, **run.as_dict(), "cpu_ms_per_token": cpu_ms, "load1": load})
     elif task == "reference":
         out["tokens"] = [engine.greedy(p, job["n"]).tokens for p in job["prompts"]]
     elif task == "agree":

@@ -129,12 +129,20 @@ class Coordinator:
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.requests_in_flight = 0
+        self.spare: list[StageAssignment] | None = None
+        self.ever_up = False
         self.profile = ClusterProfile(self.manifest)
         self.recent_steps: deque[tuple[int, float]] = deque(maxlen=256)  # (positions fed, wall seconds)
         self._calibration_lock = asyncio.Lock()
         self._variant_lock = asyncio.Lock()
         self._calibrations: dict[str, asyncio.Task] = {}
         self.last_switch = time.monotonic()
+        self.live: dict[str, tuple[int, int]] = {}  # seq -> (plan id, tokens in its KV)
+        self._gate = asyncio.Event()  # cleared while a new plan is committed (no new steps)
+        self._gate.set()
+        self._migrated: dict[str, int] = {}  # seq -> plan that received its KV
+        self._moves: dict[int, asyncio.Future] = {}
+        self.migrate_kv = True
 
     @property
     def n_units(self) -> int:
@@ -254,7 +262,10 @@ class Coordinator:
                 self.profile.heartbeat(w.id, w.rtt_s)
             w.stats = {k: msg.get(k) for k in ("kv_bytes", "queue", "busy_s", "computed")}
         elif msg.type is T.LOADED:
-            fut = w.loads.pop(f"kv:{msg['kv_sent']}" if "kv_sent" in msg.fields else msg["plan"], None)
+            if "kv_received" in msg.fields:
+                fut = self._moves.pop(msg["kv_received"], None)
+            else:
+                fut = w.loads.pop(msg["plan"], None)
             if fut and not fut.done():
                 fut.set_result(msg.fields)
         elif msg.type is T.PROBED:
@@ -356,8 +367,8 @@ class Coordinator:
         async with self._replan_lock:
             calibrating = {wid for wid, t in self._calibrations.items() if not t.done()}
             workers = [w for w in self.workers.values() if w.alive and w.id not in calibrating]
-            if len(workers) < self.settings.min_workers and self.active is None:
-                return None
+            if len(workers) < self.settings.min_workers and not self.ever_up:
+                return None  # min_workers gates only the first plan; later, serve with who is left
             if not workers:
                 return None
             stages, reason, predicted = self.plan_fn(self, workers)
@@ -450,6 +461,15 @@ class Coordinator:
         if self.active is None:
             self._set_state(State.COMMITTING)
         old = self.active
+        moved: dict = {}
+        if old is not None:
+            self._gate.clear()  # sequences pause between two steps while the plan changes
+            try:
+                await self._quiesce()
+                moved = await self._migrate(old, dep) if self.migrate_kv else {}
+            finally:
+                self.active = dep
+                self._gate.set()
         self.active = dep
         for s in stages:  # tell every involved worker which plans to keep
             w = self.workers.get(s.worker_id)
@@ -462,11 +482,98 @@ class Coordinator:
                     await w.send(Message(T.ACTIVATE, {"keep": []}))
         self._set_state(State.UP)
         self.up.set()
+        self.ever_up = True
         self.last_switch = time.monotonic()
         fetched = sum(r.get("fetched_bytes", 0) for r in results)
         self.event("up", plan=dep.plan_id, prepare_s=round(time.monotonic() - t0, 3), fetched_bytes=fetched,
-                   predicted=dep.predicted, replaced=old.plan_id if old else None)
+                   predicted=dep.predicted, replaced=old.plan_id if old else None, **moved)
+        self._spawn(self._prefetch_spare(dep))
         return dep
+
+    async def _quiesce(self, timeout: float = 30.0) -> None:
+        """Wait until no step is in the pipeline (its KV is complete and stable)."""
+        deadline = time.monotonic() + timeout
+        while self._pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+
+    async def _migrate(self, old: Deployment, new: Deployment) -> dict:
+        """Move live sequences' KV from the old stages to the new ones, worker to worker.
+
+        Each sequence moves when that is predicted cheaper than re-running its prefill on the
+        new plan (003 table 4.1); otherwise, or if a move fails, it is recomputed by prefill.
+        """
+        seqs = {seq: length for seq, (plan, length) in self.live.items() if plan == old.plan_id and length > 0}
+        if not seqs:
+            return {}
+        workers = {**{w: self.workers.get(w) for w in old.workers}, **{w: self.workers.get(w) for w in new.workers}}
+        if any(w is None or w.relay for w in workers.values()):
+            return {"kv_recomputed": len(seqs)}
+        kv_per_token = {u.index: u.kv_bytes_per_token for u in self.manifest.units}
+        loop = asyncio.get_running_loop()
+        futures: dict[str, list[asyncio.Future]] = {}
+        moved_bytes = 0
+        recompute = []
+        for seq, length in sorted(seqs.items()):
+            if not self._move_is_cheaper(old, new, length):
+                recompute.append(seq)
+                continue
+            for b in new.stages:
+                for a in old.stages:
+                    lo, hi = max(a.start, b.start), min(a.end, b.end)
+                    if lo >= hi or not any(kv_per_token[u] for u in range(lo, hi)):
+                        continue
+                    move = next(self._ids)
+                    fut = self._moves[move] = loop.create_future()
+                    futures.setdefault(seq, []).append(fut)
+                    moved_bytes += length * sum(kv_per_token[u] for u in range(lo, hi))
+                    await workers[a.worker_id].send(Message(T.KV_EXPORT, {
+                        "seq": seq, "plan": old.plan_id, "start": lo, "end": hi, "to_plan": new.plan_id,
+                        "url": workers[b.worker_id].hello.get("data_url"), "move": move}))
+        ok = 0
+        for seq, futs in futures.items():
+            try:
+                results = await asyncio.wait_for(asyncio.gather(*futs), timeout=self.settings.load_timeout_s)
+                if all(r.get("ok") for r in results):
+                    self._migrated[seq] = new.plan_id
+                    ok += 1
+                    continue
+            except (asyncio.TimeoutError, PipelineBroken):
+                pass
+            recompute.append(seq)
+        return {"kv_moved": ok, "kv_moved_bytes": moved_bytes, "kv_recomputed": len(recompute)}
+
+    def _move_is_cheaper(self, old: Deployment, new: Deployment, length: int) -> bool:
+        kv_bytes = length * sum(u.kv_bytes_per_token for u in self.manifest.units)
+        bandwidth = min(self.profile.link_of(w)[1] for w in old.workers)
+        move_s = kv_bytes / bandwidth + max(self.profile.link_of(w)[0] for w in old.workers)
+        decode_s = sum(self.profile.unit_cost(s.start, s.end) / self.profile.of(s.worker_id).speed for s in new.stages)
+        recompute_s = length * decode_s  # an exact rebuild replays each generated token as a decode step
+        return move_s < recompute_s
+
+    async def _prefetch_spare(self, dep: Deployment) -> None:
+        """Fetch the files of the spare plan ahead of a failure (000's shadow assignment)."""
+        spare = getattr(self.plan_fn, "spare", None)
+        if spare is None:
+            return
+        try:
+            stages = spare(self, dep)
+        except Exception as exc:  # a spare is an optimisation: never let it disturb serving
+            self.event("spare_failed", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            return
+        if not stages:
+            return
+        self.spare = stages
+        plan_id = -next(self._ids)
+        for s in stages:
+            w = self.workers.get(s.worker_id)
+            if w is None:
+                continue
+            fut = w.loads[plan_id] = asyncio.get_running_loop().create_future()
+            await w.send(Message(T.LOAD, {"plan": plan_id, "start": s.start, "end": s.end, "prefetch": True, "keep": [],
+                                          "graph": self.package.stage_graph(s.start, s.end, self._precision(w)),
+                                          "files": list(self.manifest.stage_files(s.start, s.end, self._precision(w))),
+                                          "next": {"kind": "coordinator"}}))
+        self.event("spare", stages=[[s.worker_id, s.start, s.end] for s in stages])
 
     def _precision(self, w: WorkerHandle) -> str | None:
         return w.hello.get("precision") or self.settings.precision
@@ -493,30 +600,43 @@ class Coordinator:
         fed_plan: int | None = None  # plan whose workers hold this sequence's KV
         self.requests_in_flight += 1
         try:
+            paused_at = None
             while not state.finished:
                 step = len(state.generated)
                 dep = await self._wait_up()
+                if fed_plan != dep.plan_id and self._migrated.pop(seq, None) == dep.plan_id:
+                    fed_plan = dep.plan_id  # its KV moved with its layers: carry on
                 if fed_plan != dep.plan_id:
                     if fed_plan is not None:  # the plan changed under us: rebuild KV by prefill
                         await self._drop(seq, fed_plan)
+                        self.live.pop(seq, None)
                         epoch += 1
                         seq = f"{rid}.{epoch}"
                     feed = state.all_ids
                 else:
                     feed = state.generated[-1:]
+                replay_from = len(state.prompt_ids) if len(feed) > len(state.prompt_ids) else None
                 try:
-                    token, record = await self._step(dep, seq, step, feed, state.params, rid)
+                    token, record = await self._step(dep, seq, step, feed, state.params, rid, replay_from)
                 except PipelineBroken as exc:
-                    self.event("pause", request=rid, step=step, why=str(exc))
+                    if paused_at is None:
+                        paused_at = time.monotonic()
+                        self.event("pause", request=rid, step=step, why=str(exc))
                     fed_plan = -1
                     continue
+                if paused_at is not None:
+                    self.event("recovered", request=rid, step=step, seconds=round(time.monotonic() - paused_at, 3), plan=dep.plan_id)
+                    paused_at = None
                 fed_plan = dep.plan_id
+                self.live[seq] = (dep.plan_id, len(state.all_ids))
                 delta = state.push(token)
                 self._learn(dep, record)
                 self.on_step(record)
                 yield delta
         finally:
             self.requests_in_flight -= 1
+            self.live.pop(seq, None)
+            self._migrated.pop(seq, None)
             # Cancelled callers cannot await, so clean up in a task of its own.
             self._spawn(self._finish(seq, fed_plan if fed_plan not in (None, -1) else None))
 
@@ -553,7 +673,9 @@ class Coordinator:
 
     async def _wait_up(self) -> Deployment:
         while True:
-            if self.active is not None and self.up.is_set():
+            if not self._gate.is_set():
+                await self._gate.wait()
+            if self.active is not None and self.up.is_set() and self._gate.is_set():
                 return self.active
             if not self.workers and self.state is State.DOWN and self._no_workers_since() > self.settings.step_timeout_s:
                 raise RequestFailed("no workers are connected")
@@ -565,7 +687,8 @@ class Coordinator:
     def _no_workers_since(self) -> float:
         return time.monotonic() - self.state_since
 
-    async def _step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str):
+    async def _step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str,
+                    replay_from: int | None = None):
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -576,8 +699,10 @@ class Coordinator:
         if first is None:
             self._pending.pop(seq, None)
             raise PipelineBroken(f"worker {dep.stages[0].worker_id} is gone")
-        msg = Message(T.FORWARD, {"seq": seq, "step": step, "plan": dep.plan_id, "rid": rid, "sampling": sampling},
-                      {"x": np.array([feed], np.int64)})
+        fields = {"seq": seq, "step": step, "plan": dep.plan_id, "rid": rid, "sampling": sampling}
+        if replay_from:
+            fields["replay_from"] = replay_from  # rebuild KV step by step, exactly as first computed
+        msg = Message(T.FORWARD, fields, {"x": np.array([feed], np.int64)})
         t_sent = time.perf_counter()
         try:
             await first.send(msg)
@@ -620,7 +745,7 @@ class Coordinator:
             },
             "workers": [{
                 "id": w.id, "name": w.name, "kind": w.hello.get("kind", "native"), "memory_bytes": w.memory_bytes,
-                "data_url": w.hello.get("data_url"),
+                "data_url": w.hello.get("data_url"), "pid": w.hello.get("pid"),
                 "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2), "emulation": w.hello.get("emulation"),
                 "stats": w.stats, "units": next(([s.start, s.end] for s in dep.stages if s.worker_id == w.id), None) if dep else None,
             } for w in self.workers.values()],

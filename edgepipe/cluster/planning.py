@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..plan import Objective, Plan, PlanRequest, Stage, evaluate, objective_value, plan, should_switch, switch_cost
+from ..plan import Objective, Plan, PlanRequest, Stage, evaluate, objective_value, plan, should_switch, spare_plan, switch_cost
 from .placement import StageAssignment
 
 
@@ -46,8 +46,7 @@ class PlannerPolicy:
         current = coord.active
         alive = {d.id for d in devices}
         if current is not None and set(current.workers) <= alive:
-            running = Plan(tuple(Stage((s.worker_id,), s.start, s.end) for s in current.stages), model.n_units, request.objective,
-                           True, None, "running")
+            running = running_plan(current, model, request)
             running_pred = evaluate(running.stages, model, devices, network, request)
             unit_bytes = [u.weight_bytes for u in model.units]
             bandwidths = {d.id: prof.link_of(d.id)[1] for d in devices}
@@ -57,6 +56,29 @@ class PlannerPolicy:
             predicted["switch"] = {"switch": decision.switch, "reason": decision.reason, "switch_cost_s": cost_s,
                                    "running_tpot_s": running_pred.tpot_s}
         return stages, f"{request.objective.value}: {best.reason}", predicted
+
+
+    def spare(self, coord, dep) -> list[StageAssignment] | None:
+        """A complete plan avoiding the running plan's busiest device, for prefetching."""
+        workers = [w for w in coord.workers.values() if w.alive]
+        if len(workers) < 2:
+            return None
+        prof = coord.profile
+        model, devices, network = prof.model_profile(), prof.device_profiles(workers), prof.network_profile(workers)
+        request = self.request(coord)
+        running = running_plan(dep, model, request)
+        times = evaluate(running.stages, model, devices, network, request).stage_times_s
+        busiest = dep.stages[max(range(len(times)), key=times.__getitem__)].worker_id
+        spare = spare_plan(model, devices, network, request, running, {busiest})
+        if spare is None:
+            return None
+        return [StageAssignment(s.device_ids[0], s.start, s.end) for s in spare.stages]
+
+
+def running_plan(dep, model, request) -> Plan:
+    """The coordinator's deployment as a planner ``Plan`` (to price it with the same model)."""
+    stages = tuple(Stage((s.worker_id,), s.start, s.end) for s in dep.stages)
+    return Plan(stages=stages, objective=request.objective, complete=True, predicted=None, reason="running", units=model.n_units)
 
 
 def prediction_dict(p: Plan) -> dict:

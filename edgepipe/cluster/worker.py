@@ -200,6 +200,9 @@ class Worker:
             self._spawn(self._probe(msg))
         elif msg.type is T.KV_EXPORT:
             await self.queue.put(msg)
+        elif msg.type is T.EMULATE:
+            self.slowdown = SlowdownPolicy(float(msg["slowdown"]))
+            self.s.slowdown = float(msg["slowdown"])
         elif msg.type is T.ERROR:
             log.warning("coordinator: %s", msg.get("message"))
 
@@ -214,6 +217,9 @@ class Worker:
             headers = {"Authorization": f"Bearer {self.s.join_token}"} if self.s.join_token else {}
             for sha in [msg["graph"], *files]:
                 fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers)
+            if msg.get("prefetch"):  # spare plan: hold the files, build nothing yet
+                await self._send_control(Message(T.LOADED, {"plan": plan, "ok": True, "prefetched": True, "fetched_bytes": fetched}))
+                return
             weight_bytes = sum(self.cache.path(f).stat().st_size for f in files)
             if self.budget:
                 in_use = sum(s.weight_bytes for p, s in self.slots.items() if p in msg.get("keep", ()))
@@ -288,7 +294,10 @@ class Worker:
                 elif msg.type is T.FORWARD:
                     await self._guarded([msg], self._forward([msg], loop))
                 elif msg.type is T.KV_EXPORT:
-                    await self._guarded([msg], self._export_kv(msg))
+                    try:
+                        await self._export_kv(msg)
+                    except (KeyError, ChannelClosed, ValueError) as exc:
+                        await self._send_control(Message(T.LOADED, {"kv_received": msg["move"], "ok": False, "error": str(exc)}))
                 elif msg.type is T.KV:
                     await self._guarded([msg], self._import_kv(msg))
 
@@ -323,7 +332,11 @@ class Worker:
                                      np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
                                      np.array([v["top_p"] for v in s], np.float32), np.array([v["uniform"] for v in s], np.float32))
         t0 = time.perf_counter()
-        out = await loop.run_in_executor(self.pool, slot.runner.run_batch, [m["seq"] for m in msgs], x, sampling)
+        replay_from = msgs[0].get("replay_from")
+        if len(msgs) == 1 and replay_from and x.shape[1] > replay_from:
+            out = await loop.run_in_executor(self.pool, slot.runner.replay, msgs[0]["seq"], x, replay_from, sampling)
+        else:
+            out = await loop.run_in_executor(self.pool, slot.runner.run_batch, [m["seq"] for m in msgs], x, sampling)
         compute = time.perf_counter() - t0
         extra = self.slowdown.extra_wait(compute)
         if extra > 0:
@@ -333,7 +346,7 @@ class Worker:
         elem = 2 if self.s.activation_dtype == "float16" else 4
         for i, msg in enumerate(msgs):
             timings = list(msg.get("timings", [])) + [[self.id, compute + extra, int(x.shape[1]), elem, len(msgs)]]
-            fields = {k: msg.fields[k] for k in ("seq", "step", "plan", "sampling", "rid") if k in msg.fields}
+            fields = {k: msg.fields[k] for k in ("seq", "step", "plan", "sampling", "rid", "replay_from") if k in msg.fields}
             if slot.next["kind"] == "coordinator":
                 await self._send_control(Message(T.TOKEN, {**fields, "token": int(out[i]), "timings": timings}))
                 continue
@@ -359,15 +372,17 @@ class Worker:
         slot = self.slots[msg["plan"]]
         tensors = {k: v for k, v in slot.runner.export_kv(msg["seq"]).items()
                    if msg["start"] <= int(k.split(".")[1]) < msg["end"]}
-        frame = encode(Message(T.KV, {"seq": msg["seq"], "plan": msg["to_plan"], "length": slot.runner.length(msg["seq"])}, tensors))
+        frame = encode(Message(T.KV, {"seq": msg["seq"], "plan": msg["to_plan"], "length": slot.runner.length(msg["seq"]),
+                                      "move": msg["move"]}, tensors))
         await (await self._peer(msg["url"])).send(frame)
-        await self._send_control(Message(T.LOADED, {"kv_sent": msg["seq"], "bytes": len(frame), "plan": msg["to_plan"], "ok": True}))
 
     async def _import_kv(self, msg: Message) -> None:
+        """Install moved KV, then tell the coordinator (it resumes the sequence only after)."""
         slot = self.slots[msg["plan"]]
         mine = {k: v for k, v in msg.tensors.items() if int(k.split(".")[1]) in slot.runner.layers}
-        existing = slot.runner.export_kv(msg["seq"])
-        slot.runner.import_kv(msg["seq"], {**existing, **mine})
+        slot.runner.import_kv(msg["seq"], mine)
+        await self._send_control(Message(T.LOADED, {"kv_received": msg["move"], "plan": msg["plan"], "ok": True,
+                                                    "bytes": int(sum(v.nbytes for v in mine.values()))}))
 
     async def _report_error(self, msg: Message, text: str) -> None:
         log.warning("%s failed: %s", msg.type.value, text)

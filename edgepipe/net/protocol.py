@@ -43,6 +43,7 @@ class MessageType(str, Enum):
     PROBED = "probed"
     KV_EXPORT = "kv_export"  # coordinator -> worker: send this sequence's KV to a peer
     KV = "kv"  # worker -> worker: KV tensors of a sequence
+    EMULATE = "emulate"  # coordinator -> worker: change emulated slowdown (tests, benchmarks)
     ERROR = "error"
     BYE = "bye"
 

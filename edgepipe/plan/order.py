@@ -2,8 +2,11 @@
 
 This module owns the choice of search (seed 000 §5.5): every order of a small pool at once
 with a DP over subsets of devices (or, on request, every permutation through the fixed-order
-DP), and seeded simulated annealing over ordered subsets beyond that, started from the
-relaxed lower-bound path. On top of the search it implements the three objectives:
+DP), and beyond that seeded simulated annealing over ordered subsets of devices, started from
+the relaxed lower-bound path and the valid paths its Lagrangian tightening meets, and ended
+by an exact subset DP over the devices of the best plans it found. For latency, annealing
+also reports a proven lower bound (`PlanResult.lower_bound`). On top of the search it
+implements the three objectives:
 
 - latency: one search over ring time;
 - throughput: a binary search over the bottleneck limit beta; each probe finds the least
@@ -23,8 +26,9 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -58,6 +62,9 @@ from .split import (
     subset_dp_size,
 )
 
+TableMaker = Callable[..., CostTables]
+"""Builds the search's cost tables for given `cost_tables` options (spare hooks applied)."""
+
 REPLICA_EXACT_DEVICES = 5
 """Pools up to this size search replica groups exactly (every group is a slot)."""
 
@@ -66,6 +73,9 @@ SUBSET_DP_MAX_CELLS = 20_000_000
 
 PERMUTATIONS_MAX = 40_320
 """Most orders `exact-permutations` will try (8!)."""
+
+POLISH_DEVICES = 10
+"""Annealing ends with an exact subset DP over the devices of its best plans, up to this many."""
 
 
 @dataclass
@@ -127,10 +137,6 @@ def _search(ctx: _Context, tables: CostTables, steps: int, starts: Sequence[Sequ
         _anneal(ctx, tables, steps, starts, found)
         _polish(tables, found, keep)
     return found
-
-
-POLISH_DEVICES = 10
-"""Annealing ends with an exact subset DP over the devices of its best plans, up to this many."""
 
 
 def _polish(tables: CostTables, found: _Found, keep: int) -> None:
@@ -241,7 +247,8 @@ def _anneal(
         elif key[0] > current_key[0]:
             accept = False
         else:
-            delta = key[1] - current_key[1]
+            # Equal coverage; two partial orders (infinite cost) are a plateau to walk on.
+            delta = key[1] - current_key[1] if math.isfinite(key[1]) else 0.0
             accept = delta <= 0 or rng.random() < math.exp(-delta / temperature)
         if accept:
             current_key, current = key, used
@@ -364,24 +371,24 @@ def _plan(
         pricing = build_pricing(model, useful, network, request)
     ctx = _Context(model, useful, network, request, pricing, strategy, m)
 
-    weight = np.ones(pricing.k)
+    # Spare-plan hooks: busy devices cost 10x in the search and keep off their current ranges.
+    penalty = np.ones(pricing.k)
+    blocked = np.zeros((pricing.k, n + 1, n + 1), dtype=bool)
+    edge = np.arange(n + 1)
     for g, slot in enumerate(pricing.slots):
-        if any(pricing.ids[d] in prefer_not for d in slot):
-            weight[g] = 10.0
+        for device_id in (pricing.ids[d] for d in slot):
+            if device_id in prefer_not:
+                penalty[g] = 10.0
+            if forbidden and device_id in forbidden:
+                a, b = forbidden[device_id]
+                blocked[g] |= (edge[:, None] < b) & (edge[None, :] > a)
+    adjusted = bool(prefer_not or forbidden)
 
-    def tables(**kwargs: object) -> CostTables:
-        base = cost_tables(pricing, **kwargs)  # type: ignore[arg-type]
-        if not forbidden and not prefer_not:
+    def tables(**kwargs: Any) -> CostTables:
+        base = cost_tables(pricing, **kwargs)
+        if not adjusted:
             return base
-        stage = base.stage * weight[:, None, None]
-        for g, slot in enumerate(pricing.slots):
-            for d in slot:
-                if pricing.ids[d] in (forbidden or {}):
-                    a, b = forbidden[pricing.ids[d]]  # type: ignore[index]
-                    x = np.arange(n + 1)
-                    overlap = (x[:, None] < b) & (x[None, :] > a)
-                    stage[g] = np.where(overlap, INF, stage[g])
-        return CostTables(base.n, base.masks, stage, base.hop, base.enter, base.leave, base.leave_partial)
+        return replace(base, stage=np.where(blocked, INF, base.stage * penalty[:, None, None]))
 
     candidates = _Candidates(ctx)
     count = max(4, request.top_k + 2)
@@ -401,7 +408,7 @@ def _plan(
     first = _search(ctx, tables(balance=True), steps, starts)
     candidates.add(first, count)
     bound = None
-    if strategy == "annealing" and first.by_set and not prefer_not and not forbidden:
+    if strategy == "annealing" and first.by_set and not adjusted:
         # A proven lower bound, tightened towards the best plan found.
         best_found = min(cost for cost, _ in first.by_set.values())
         lagrangian = lagrangian_bound(latency_tables, min(best_found, upper))
@@ -413,7 +420,7 @@ def _plan(
         if request.objective is Objective.THROUGHPUT and seq > 1:
             _throughput(ctx, candidates, tables, count)
         elif request.objective is Objective.ENERGY:
-            _energy(ctx, candidates, tables, count, first)
+            _energy(ctx, candidates, tables, count)
         if request.objective is Objective.THROUGHPUT and seq > 1 and not replicate:
             _replicate_greedily(ctx, candidates)
 
@@ -432,26 +439,26 @@ def _plan(
                 objective=request.objective,
                 complete=True,
                 predicted=priced.prediction,
-                reason=_reason(ctx, priced, ranked[0], position, ranked),
+                reason=_reason(ctx, priced, ranked[0], position),
                 meets_target=meets_target(priced.prediction, request),
             )
         )
     exact = strategy != "annealing"
     lower = None
-    if request.objective is Objective.LATENCY and not prefer_not and not forbidden:
+    if request.objective is Objective.LATENCY and not adjusted:
         lower = plans[0].predicted.ring_s if exact else bound  # type: ignore[union-attr]
     optimal = (exact and request.objective is not Objective.ENERGY) or (
         lower is not None and plans[0].predicted.ring_s <= lower * (1 + 1e-9)  # type: ignore[union-attr]
     )
-    if request.objective is Objective.THROUGHPUT and seq > 1 and not replicate:
-        optimal = False  # greedy replication
+    if adjusted or (request.objective is Objective.THROUGHPUT and seq > 1 and not replicate):
+        optimal = False  # spare-plan ranking, or greedy replication
     return PlanResult(plans[0], tuple(plans[1:]), strategy, lower, optimal)
 
 
-def _throughput(ctx: _Context, candidates: _Candidates, tables, count: int) -> None:  # type: ignore[no-untyped-def]
+def _throughput(ctx: _Context, candidates: _Candidates, tables: TableMaker, count: int) -> None:
     """Binary search on the bottleneck limit (see the module docstring)."""
     pricing, seq = ctx.pricing, ctx.request.sequences
-    upper = min(p.key[0] for p in candidates.ranked())
+    upper = min(1.0 / p.prediction.throughput_tok_s for p in candidates.ranked())
     values = np.concatenate(
         (
             pricing.eff[np.isfinite(pricing.eff)],
@@ -490,7 +497,7 @@ def _throughput(ctx: _Context, candidates: _Candidates, tables, count: int) -> N
         holds(lo - 1)
 
 
-def _energy(ctx: _Context, candidates: _Candidates, tables, count: int, first: _Found) -> None:  # type: ignore[no-untyped-def]
+def _energy(ctx: _Context, candidates: _Candidates, tables: TableMaker, count: int) -> None:
     """Successive linearisation of energy with a Lagrange weight on time (module docstring)."""
     ids, slots = ctx.pricing.ids, ctx.pricing.slots
     busy = np.array([sum(ctx.devices[ids[d]].power_busy_w for d in s) for s in slots])
@@ -501,8 +508,9 @@ def _energy(ctx: _Context, candidates: _Candidates, tables, count: int, first: _
     def linearised(around: _Priced, lam: float) -> _Priced:
         point = around
         for _ in range(4):
-            p = sum(ctx.devices[d].power_idle_w for d in sorted(point.device_set))
-            theta = point.prediction.ring_s
+            # Idle power is paid over the period 1/throughput, about ring time / sequences.
+            p = sum(ctx.devices[d].power_idle_w for d in sorted(point.device_set)) / request.sequences
+            theta = point.prediction.tpot_s / request.sequences
             found = _search(
                 ctx,
                 tables(stage_weight=busy - idle + p + lam, stage_fixed=theta * idle, hop_weight=p + lam),
@@ -515,6 +523,9 @@ def _energy(ctx: _Context, candidates: _Candidates, tables, count: int, first: _
             point = new[0]
         return point
 
+    if request.sequences > 1:
+        # With several sequences the fastest plan (least tpot) is the throughput optimum.
+        _throughput(ctx, candidates, tables, count)
     fastest = min(candidates.ranked(), key=lambda p: (p.prediction.tpot_s, p.order))
     if target is not None and fastest.prediction.tpot_s > target:
         return  # nothing can meet the target: the fastest plan will be returned
@@ -562,7 +573,7 @@ def _replicate_greedily(ctx: _Context, candidates: _Candidates) -> None:
             current = best
 
 
-def _reason(ctx: _Context, priced: _Priced, best: _Priced, position: int, ranked: list[_Priced]) -> str:
+def _reason(ctx: _Context, priced: _Priced, best: _Priced, position: int) -> str:
     request = ctx.request
     prediction = priced.prediction
     where = f"{len(priced.device_set)} of {len(ctx.devices)} devices, {ctx.strategy}"
@@ -601,7 +612,7 @@ def _nothing_fits(model: ModelProfile, devices: dict[str, DeviceProfile], reques
         )
     else:
         why = "no devices in the pool"
-    empty = Plan((), model.n_units, request.objective, False, None, why, None)
+    empty = Plan((), request.objective, False, None, why, None, model.n_units)
     return PlanResult(empty, (), "exact-subset-dp", None, False)
 
 
@@ -631,5 +642,5 @@ def _partial(ctx: _Context, first: _Found, devices: dict[str, DeviceProfile]) ->
     else:
         parts.append(f"unit {covered} alone needs {alone} bytes and no device is left")
     prediction = evaluate(stages, model, devices, ctx.network, request) if stages else None
-    partial = Plan(stages, n, request.objective, False, prediction, "; ".join(parts), None)
+    partial = Plan(stages, request.objective, False, prediction, "; ".join(parts), None, n)
     return PlanResult(partial, (), ctx.strategy, None, False)

@@ -113,6 +113,8 @@ class Prediction:
     `hop_times_s` has one entry more than `stage_times_s`: coordinator -> first stage,
     between consecutive stages, last stage -> coordinator. `tpot_s` is the time per output
     token each sequence sees with `sequences` in flight (equals `ring_s` for one sequence).
+    `ring_s` (one token around the pipeline) and `bottleneck_s` (the slowest stage share or
+    hop) default to what the stage and hop times give when no stage is replicated.
     """
 
     tpot_s: float
@@ -122,29 +124,37 @@ class Prediction:
     memory_bytes: tuple[tuple[str, int], ...]
     stage_times_s: tuple[float, ...]
     hop_times_s: tuple[float, ...]
-    ring_s: float
-    bottleneck_s: float
+    ring_s: float = math.nan
+    bottleneck_s: float = math.nan
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.ring_s):
+            object.__setattr__(self, "ring_s", math.fsum(self.stage_times_s + self.hop_times_s))
+        if math.isnan(self.bottleneck_s):
+            object.__setattr__(self, "bottleneck_s", max(self.stage_times_s + self.hop_times_s, default=0.0))
 
 
 @dataclass(frozen=True)
 class Plan:
     """An assignment of contiguous unit ranges to devices, with its prediction.
 
-    Stages are contiguous from unit 0; they cover all `units` unless `complete` is False (a
-    partial plan, used to pre-fetch files while the pool is too small). A device appears in
-    at most one stage.
+    Stages are contiguous from unit 0 and a device appears in at most one stage. `units` is
+    the model's unit count: when given (`plan()` always gives it) the stages must cover all
+    of them unless `complete` is False (a partial plan, used to pre-fetch files while the
+    pool is too small).
     """
 
     stages: tuple[Stage, ...]
-    units: int
     objective: Objective
     complete: bool
     predicted: Prediction | None
     reason: str
     meets_target: bool | None = None
+    units: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "objective", Objective(self.objective))
         check_stages(self.stages, self.units, self.complete)
 
     @property
@@ -159,8 +169,9 @@ class Plan:
         return None
 
 
-def check_stages(stages: tuple[Stage, ...], units: int, complete: bool) -> None:
-    """Raise `PlanError` unless `stages` are contiguous from 0 (and cover `units` if complete)."""
+def check_stages(stages: tuple[Stage, ...], units: int | None, complete: bool) -> None:
+    """Raise `PlanError` unless `stages` are contiguous from 0 with distinct devices, and (when
+    `units` is known) cover all units exactly if complete, fewer if partial."""
     expected = 0
     seen: set[str] = set()
     for stage in stages:
@@ -173,6 +184,10 @@ def check_stages(stages: tuple[Stage, ...], units: int, complete: bool) -> None:
                 raise PlanError(f"device {device_id!r} appears in two stages")
             seen.add(device_id)
         expected = stage.end
+    if complete and not stages:
+        raise PlanError("a complete plan needs at least one stage")
+    if units is None:
+        return
     if expected > units:
         raise PlanError(f"stages end at unit {expected} but the model has {units} units")
     if complete and expected != units:
@@ -256,7 +271,8 @@ def evaluate(
         replicas = len(stage.device_ids)
         if replicas > sequences:
             raise PlanError(
-                f"stage [{stage.start}, {stage.end}) has {replicas} replicas for {sequences} sequences"
+                f"stage [{stage.start}, {stage.end}) on {', '.join(stage.device_ids)}: "
+                f"{replicas} replicas for {sequences} sequences"
             )
         units = model.units[stage.start : stage.end]
         cost = math.fsum(u.cost for u in units)

@@ -11,7 +11,7 @@ device needs for one decode token), `speed` is cost units per second (1.0 = the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 COORDINATOR = "coordinator"

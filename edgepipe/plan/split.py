@@ -8,8 +8,10 @@ This module owns
   energy objective, with ranges over a bottleneck limit removed);
 - the exact searches over those tables: `best_split` for a fixed order of slots (seed 000,
   algorithm 5.1, extended with per-pair hop costs), `subset_dp` over sets of used slots
-  (exact over every order), and `relaxed_split`, a lower bound that lets a device appear
-  more than once.
+  (exact over every order);
+- lower bounds: `relaxed_split` lets a device appear more than once, `cost_to_go` is the
+  same bound run backwards (used to prune the subset DP), and `lagrangian_bound` tightens
+  the relaxation by pricing reuse.
 
 Ranges that do not fit memory are infinite in the tables. Because memory grows with the
 range, the feasible starts of a stage ending at unit i form one window; masking them up
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import combinations
 
 import numpy as np
 
@@ -51,7 +54,6 @@ class Pricing:
     enter: np.ndarray  # (k,) coordinator -> slot, one token id
     leave: np.ndarray  # (k,) slot -> coordinator, one token id
     leave_partial: np.ndarray  # (k, n+1) slot -> coordinator with unit x-1's activations
-    need: np.ndarray  # (n+1, n+1) bytes of stage [x, i) with all sequences on one device
 
     @property
     def k(self) -> int:
@@ -96,8 +98,6 @@ def build_pricing(
     slots: list[tuple[int, ...]] = [(d,) for d in range(m)]
     if max_replicas > 1:
         pool = sorted(ids.index(d) for d in (replica_pool if replica_pool is not None else ids))
-        from itertools import combinations
-
         for r in range(2, min(max_replicas, len(pool)) + 1):
             slots.extend(combinations(pool, r))
     k = len(slots)
@@ -168,7 +168,6 @@ def build_pricing(
         enter=enter,
         leave=leave,
         leave_partial=leave_partial,
-        need=needs.get(1, stage_need(seq)),
     )
 
 

@@ -259,7 +259,7 @@
         const s = sampling || { do_sample: false, temperature: 1, top_k: 0, top_p: 1, uniform: 0 };
         feeds.do_sample = new ort.Tensor("bool", Uint8Array.of(s.do_sample ? 1 : 0), []);
         feeds.temperature = new ort.Tensor("float32", Float32Array.of(s.temperature), [1]);
-        feeds.top_k = new ort.Tensor("int64", BigInt64Array.of(BigInt(Math.trunc(s.top_k))), [1]);
+        feeds.top_k = new ort.Tensor("int64", BigInt64Array.of(BigInt(s.do_sample ? Math.trunc(s.top_k) : 1)), [1]);
         feeds.top_p = new ort.Tensor("float32", Float32Array.of(s.top_p), [1]);
         feeds.uniform = new ort.Tensor("float32", Float32Array.of(s.uniform), [1]);
       }
@@ -340,7 +340,6 @@
     ws.onopen = () => send("hello", {
       name: worker.name, token: worker.token || null, protocol: PROTOCOL, kind: "browser", precision: "fp32",
       memory_bytes: worker.memoryBytes, threads: worker.threads, data_url: null, held, emulation: null,
-      user_agent: navigator.userAgent.slice(0, 200),
     });
     ws.onmessage = (ev) => onFrame(ev.data);
     ws.onclose = (ev) => {
@@ -408,8 +407,8 @@
       case "probe":
         await probe(f);
         break;
-      case "kv_export": // a tab cannot reach a peer's data port on its own; the coordinator recomputes instead
-        send("loaded", { kv_sent: f.seq, plan: f.to_plan, ok: false, error: "browser workers do not export KV" });
+      case "kv_export": // KV moves need the data port a tab does not have: the coordinator re-runs prefill instead
+        send("loaded", { kv_received: f.move === undefined ? null : f.move, ok: false, error: "browser workers do not move KV" });
         break;
       case "bye":
         show("stopped", "the coordinator said bye");
@@ -421,7 +420,16 @@
 
   const kvBytes = () => [...worker.slots.values()].reduce((n, s) => n + s.runner.kvBytes, 0);
 
-  async function fetchUnit(sha) {
+  const inflight = new Map(); // sha -> Promise: two loads that share a file download it once
+  function fetchUnit(sha) {
+    const running = inflight.get(sha);
+    if (running) return running.then((r) => ({ bytes: r.bytes, fetched: 0 }));
+    const once = fetchUnitOnce(sha).finally(() => inflight.delete(sha));
+    inflight.set(sha, once);
+    return once;
+  }
+
+  async function fetchUnitOnce(sha) {
     const cached = await worker.store.get(sha);
     if (cached) { stats.hits++; return { bytes: cached, fetched: 0 }; }
     const headers = worker.token ? { Authorization: `Bearer ${worker.token}` } : {};
@@ -456,6 +464,11 @@
       }
       await refreshHeld();
       render();
+      if (f.prefetch) { // a spare plan: hold its files, build nothing yet
+        send("loaded", { plan: f.plan, ok: true, prefetched: true, fetched_bytes: fetched });
+        log(`plan ${f.plan}: prefetched units [${f.start}, ${f.end}), ${fmtBytes(fetched)}`);
+        return;
+      }
       const session = await serial(() => ort.InferenceSession.create(graph.bytes, {
         executionProviders: ["wasm"], graphOptimizationLevel: "all", externalData }));
       const old = worker.slots.get(f.plan);
@@ -482,7 +495,8 @@
     const compute = (performance.now() - t0) / 1000;
     stats.busy_s += compute;
     stats.computed++;
-    const timings = [...(f.timings || []), [worker.id, compute, Number(x.shape[1])]];
+    // [worker, seconds, positions, bytes per activation element, sequences in the call]
+    const timings = [...(f.timings || []), [worker.id, compute, Number(x.shape[1]), 4, 1]];
     const base = {};
     for (const k of ["seq", "step", "plan", "sampling", "rid"]) if (k in f) base[k] = f[k];
     if (slot.next.kind === "coordinator") {
@@ -525,6 +539,7 @@
         return times;
       }).catch((e) => { result.ok = false; result.error = firstLine(e); return []; });
     }
+    if (result.times) log(`probe of plan ${f.plan}: ${result.times.map((t) => (t * 1e3).toFixed(1)).join(" ")} ms`);
     send("probed", result);
   }
 

@@ -1,0 +1,188 @@
+"""A browser tab as a worker: it serves a stage exactly, caches its unit files, and needs the token.
+
+One native worker (int4) and one headless-chromium tab on ``/worker`` (onnxruntime-web,
+WebAssembly, the fp32 variant) share the model; ``--placement memory`` and the tab's declared
+memory put the last ``BROWSER_UNITS`` units (layers and the head) in the tab. The reference is
+the single-process pipeline with the same cut and the same variant per stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from edgepipe.model.importer import add_variant
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
+
+from browser import browser_context
+from harness import Server
+
+pytestmark = pytest.mark.browser
+
+BROWSER_UNITS = 8  # 7 decoder layers + the head run in the tab
+PROMPT = "What is the tallest mountain on Earth?"
+JOIN_TOKEN = "tab-secret"
+
+
+@pytest.fixture(scope="module")
+def pkg(int4_pkg):
+    """The int4 package with its fp32 variant (what a browser asks for) added on disk."""
+    add_variant(int4_pkg.root, "fp32")
+    int4_pkg.reload()
+    return int4_pkg
+
+
+@dataclass
+class Cluster:
+    server: Server
+    page: object
+    blob_requests: list[str] = field(default_factory=list)  # every /v1/blobs/ request the browser made
+
+    def browser_id(self) -> str | None:
+        return next((w["id"] for w in self.server.status()["workers"] if w["kind"] == "browser"), None)
+
+    def wait_plan_with(self, worker_id: str, timeout: float = 150) -> dict:
+        return self.server.wait_for(lambda s: s["state"] == "up" and s["plan"] is not None and len(s["plan"]["stages"]) == 2
+                                    and s["plan"]["stages"][-1]["worker"] == worker_id, timeout)
+
+
+def open_worker_tab(context, url: str):
+    page = context.new_page()
+    page.goto(url)
+    page.wait_for_selector("body[data-state='joined']", timeout=30000)
+    return page
+
+
+@pytest.fixture(scope="module")
+def context():
+    """One headless chromium for the module (Playwright's sync API allows one at a time)."""
+    with browser_context() as context:
+        yield context
+
+
+@pytest.fixture(scope="module")
+def cluster(pkg, home, context):
+    with Server(home, workers=1, args=("--placement", "memory", "--min-workers", "2"), wait_up=False) as server:
+        native = server.wait_for(lambda s: len(s["workers"]) == 1, 60)["workers"][0]
+        n_units = len(pkg.manifest.units)
+        memory = native["memory_bytes"] * BROWSER_UNITS // (n_units - BROWSER_UNITS)  # proportional split: last 8 units
+        c = Cluster(server, None)
+        context.on("request", lambda r: c.blob_requests.append(r.url) if r.url.startswith(f"{server.url}/v1/blobs/") else None)
+        c.page = open_worker_tab(context, f"{server.url}/worker?memory={memory}&name=tab")
+        c.wait_plan_with(c.browser_id())
+        yield c
+
+
+def reference_tokens(pkg, status: dict, prompt: str, max_tokens: int) -> list[int]:
+    """Single-process tokens with the plan's cuts and each stage's variant (browser: fp32, native: the package's)."""
+    kinds = {w["id"]: w["kind"] for w in status["workers"]}
+    stages = status["plan"]["stages"]
+    precisions = ["fp32" if kinds[s["worker"]] == "browser" else None for s in stages]
+    tok = pkg.tokenizer
+    ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
+    pipeline = pkg.pipeline(cuts=[s["start"] for s in stages[1:]], precisions=precisions)
+    tokens = generate(pipeline, ids, GenerationParams(max_tokens=max_tokens), tok.decode, pkg.manifest.eos_ids).tokens
+    return [t for t in tokens if t not in pkg.manifest.eos_ids]
+
+
+def chat(server: Server, prompt: str, max_tokens: int) -> list[int]:
+    r = server.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_tab_serves_a_stage_with_the_reference_tokens(cluster, pkg):
+    status = cluster.server.status()
+    tab = cluster.browser_id()
+    assert [(s["start"], s["end"]) for s in status["plan"]["stages"]] == [(0, 32 - BROWSER_UNITS), (32 - BROWSER_UNITS, 32)]
+    assert {w["kind"] for w in status["workers"]} == {"native", "browser"}
+    page = cluster.page
+    assert page.locator("#worker-id").inner_text() == tab
+    assert page.evaluate("crossOriginIsolated") is True  # COOP + COEP: WebAssembly threads are available
+
+    got = chat(cluster.server, PROMPT, 24)
+    expected = reference_tokens(pkg, status, PROMPT, 24)
+    assert got == expected
+    # The all-int4 pipeline says something else here, so the tab really ran its fp32 stage.
+    assert got != reference_tokens(pkg, {**status, "workers": [{**w, "kind": "native"} for w in status["workers"]]}, PROMPT, 24)
+    page.wait_for_function(f"document.getElementById('tokens').textContent === '{len(got)}'", timeout=10000)
+    assert page.locator("#units").inner_text().startswith(f"[{32 - BROWSER_UNITS}, 32)")
+    # The page's SHA-256 fallback (pages outside a secure context have no crypto.subtle) is right.
+    data = "edgepipe " * 20
+    assert page.evaluate("s => edgepipeWorker.sha256Fallback(new TextEncoder().encode(s))", data) == hashlib.sha256(data.encode()).hexdigest()
+
+
+def test_reloaded_tab_rejoins_from_its_cache(cluster, pkg):
+    server, page = cluster.server, cluster.page
+    before = cluster.browser_id()
+    assert cluster.blob_requests, "the first load fetched the tab's unit files"
+    assert int(page.locator("#fetched").inner_text()) > 100_000_000
+    ups = len([e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == "up"])
+    cluster.blob_requests.clear()
+
+    page.reload()
+    page.wait_for_selector("body[data-state='joined']", timeout=30000)
+    after = page.locator("#worker-id").inner_text()
+    assert after != before
+    status = cluster.wait_plan_with(after)
+    page.wait_for_function("document.getElementById('units').textContent !== '–'", timeout=10000)
+
+    assert cluster.blob_requests == []  # no unit file crossed the network again
+    assert page.locator("#fetched").inner_text() == "0"
+    assert int(page.locator("#hits").inner_text()) > 0
+    up = [e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == "up"][ups:]
+    assert up and up[-1]["fetched_bytes"] == 0
+    assert chat(server, PROMPT, 8) == reference_tokens(pkg, status, PROMPT, 8)
+
+
+def test_tab_with_a_wrong_or_missing_token_is_refused(pkg, home, context):
+    with Server(home, workers=1, args=("--placement", "memory", "--join-token", JOIN_TOKEN)) as server:
+        wrong = context.new_page()
+        wrong.goto(f"{server.url}/worker?token=not-the-token")
+        missing = context.new_page()
+        missing.goto(f"{server.url}/worker")
+        for page, reason in ((wrong, "wrong or missing join token"), (missing, "missing join token")):
+            page.wait_for_selector("body[data-state='refused']", timeout=30000)
+            assert reason in page.locator("#message").inner_text()
+            assert page.locator("#worker-id").inner_text() == "–"
+        time.sleep(1.0)  # a refused tab must not retry on its own
+        assert [w["kind"] for w in server.status()["workers"]] == ["native"]
+        refused = [e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == "refused"]
+        assert len(refused) == 2
+
+        # The same page joins once the right token is typed in, and may then fetch unit files.
+        missing.fill("#token", JOIN_TOKEN)
+        missing.click("#joinbtn")
+        missing.wait_for_selector("body[data-state='joined']", timeout=30000)
+        tab = missing.locator("#worker-id").inner_text()
+        assert tab in [w["id"] for w in server.status()["workers"]]
+
+        def calibration(s) -> bool:
+            events = server.client.get("/v1/cluster/events").json()["events"]
+            return any(e.get("worker") == tab and e["kind"] in ("calibrated", "calibration_failed") for e in events)
+
+        server.wait_for(calibration, 90)
+        events = server.client.get("/v1/cluster/events").json()["events"]
+        assert [e["kind"] for e in events if e.get("worker") == tab and e["kind"].startswith("calibrat")] == ["calibrated"]
+
+
+def test_tab_as_first_stage_relays_its_activations(pkg, home, context):
+    """The tab takes token ids and its activations go to the native worker through the coordinator."""
+    with Server(home, workers=0, args=("--placement", "memory", "--min-workers", "2"), wait_up=False) as server:
+        page = open_worker_tab(context, f"{server.url}/worker?memory=1GB&name=tab")  # 1 : 3 of the memory -> 8 of 32 units
+        tab = page.locator("#worker-id").inner_text()
+        native = server.worker("--name", "native", "--memory", "3GB", "--threads", "1")
+        try:
+            status = server.wait_for(lambda s: s["state"] == "up" and s["plan"] is not None and len(s["plan"]["stages"]) == 2, 150)
+            assert [(s["worker"], s["start"], s["end"]) for s in status["plan"]["stages"]][0] == (tab, 0, BROWSER_UNITS)
+            assert chat(server, PROMPT, 16) == reference_tokens(pkg, status, PROMPT, 16)
+            assert page.locator("#tokens").inner_text() == "0"  # the head is on the native worker
+            assert int(page.locator("#computed").inner_text()) >= 16
+        finally:
+            native.terminate()
+            native.wait(timeout=15)

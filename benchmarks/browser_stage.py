@@ -8,8 +8,9 @@ timed inside the worker). Ranges: 1 layer and 8 layers (giving per-layer time an
 per-call overhead, fitted as ``t = overhead + n * per_layer``) and the 8-unit tail (7 layers +
 head with in-graph sampling) that the tests put in the tab. Precisions: the tab runs fp32 (what
 the coordinator gives browsers); its int4 (MatMulNBits) time is shown for contrast; the native
-worker runs int4 (the package default) and fp32. Rounds alternate between the configurations
-so the machine's noise hits each alike.
+worker runs int4 (the package default) and fp32; a second tab runs fp32 with two WebAssembly
+threads (the page is cross-origin isolated, so onnxruntime-web may use them). Rounds alternate
+between the configurations so the machine's noise hits each alike.
 
 Part 2 (pipeline): ``edgepipe serve`` with a native worker on units [0, 24) and either the tab
 (fp32) or a second native worker (int4) on [24, 32): greedy decode tokens/s, time per output
@@ -59,7 +60,9 @@ CONFIGS = [  # (device, precision, ranges)
     ("native", "fp32", list(RANGES)),
     ("browser", "fp32", list(RANGES)),
     ("browser", "int4", ["1 layer", "8 layers"]),  # MatMulNBits in WebAssembly: why browsers get fp32
+    ("browser-2t", "fp32", list(RANGES)),  # a second tab with two WebAssembly threads
 ]
+TABS = {"browser": ("tab", 1), "browser-2t": ("tab2", 2)}  # device -> (worker name, onnxruntime-web threads)
 
 
 # -- part 1: probes through an in-process coordinator ----------------------------------------------
@@ -86,14 +89,14 @@ class ProbeHost:
     def call(self, coro, timeout: float = 900):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def worker(self, kind: str, timeout: float = 60):
+    def worker(self, name: str, timeout: float = 60):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = [w for w in list(self.coord.workers.values()) if w.hello.get("kind") == kind]
+            found = [w for w in list(self.coord.workers.values()) if w.hello.get("name") == name]
             if found:
                 return found[0]
             time.sleep(0.2)
-        raise TimeoutError(f"no {kind} worker joined")
+        raise TimeoutError(f"no worker {name!r} joined")
 
     async def _load(self, w, plan: int, start: int, end: int, precision: str) -> dict:
         m = self.coord.manifest
@@ -139,12 +142,13 @@ def run_probes(pkg, home: Path, args) -> dict:
                                "--threads", str(args.threads)], env=env, stdin=subprocess.DEVNULL)
     try:
         with browser_context() as context:
-            page = context.new_page()
-            page.goto(f"{host.url}/worker?name=tab&threads={args.browser_threads}")
-            page.wait_for_selector("body[data-state='joined']", timeout=60000)
+            for name, threads in TABS.values():
+                page = context.new_page()
+                page.goto(f"{host.url}/worker?name={name}&threads={threads}")
+                page.wait_for_selector("body[data-state='joined']", timeout=60000)
             browser_version = context.browser.version if context.browser else page.evaluate("navigator.userAgent")
             isolated = page.evaluate("crossOriginIsolated")
-            workers = {"native": host.worker("native"), "browser": host.worker("browser")}
+            workers = {"native": host.worker("native"), **{device: host.worker(name) for device, (name, _) in TABS.items()}}
             plans, loads = {}, {}
             for device, precision, ranges in CONFIGS:
                 for name in ranges:
@@ -165,8 +169,8 @@ def run_probes(pkg, home: Path, args) -> dict:
     for device, precision, ranges in CONFIGS:
         med = {n: statistics.median(samples[(device, precision, n)]) for n in ranges}
         per_layer = (med["8 layers"] - med["1 layer"]) / 7
-        row = {"device": device, "engine": f"onnxruntime-web {ORT_WEB} wasm" if device == "browser" else "onnxruntime (CPU)",
-               "precision": precision, "threads": args.browser_threads if device == "browser" else args.threads,
+        row = {"device": "browser" if device in TABS else device, "engine": f"onnxruntime-web {ORT_WEB} wasm" if device in TABS else "onnxruntime (CPU)",
+               "precision": precision, "threads": TABS[device][1] if device in TABS else args.threads,
                "per_layer_ms": round(per_layer * 1e3, 3), "overhead_ms": round((med["1 layer"] - per_layer) * 1e3, 3)}
         for n in ranges:
             row[f"{n} median_ms"] = round(med[n] * 1e3, 3)
@@ -266,23 +270,27 @@ def write(result: dict) -> None:
     (RESULTS / "browser_stage.json").write_text(json.dumps(result, indent=2) + "\n")
     a = result["args"]
     lines = [f"{result['date']} · {result['machine']} · SmolLM2-135M · {result['browser']} headless · "
-             f"cross-origin isolated: {result['cross_origin_isolated']} · native {a['threads']} thread(s), tab {a['browser_threads']} thread(s)", "",
+             f"cross-origin isolated: {result['cross_origin_isolated']} · "
+             f"load average {result['load_average'][0]} → {result['load_average'][1]}", "",
              "## Per decode step, same units (protocol `probe`: compute inside the worker, context "
              f"{a['context']}, {a['rounds']} interleaved rounds)", "",
-             "| device | engine | weights | 1 layer ms | 8 layers ms | tail (7 layers + head) ms | per layer ms | per-call overhead ms | tail steps/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| device | engine | weights | threads | 1 layer ms | 8 layers ms | tail (7 layers + head) ms | per layer ms | per-call overhead ms | tail steps/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["probe"]["rows"]:
         tail = r.get("tail: 7 layers + head median_ms")
-        lines.append(f"| {r['device']} | {r['engine']} | {r['precision']} | {r['1 layer median_ms']} | {r['8 layers median_ms']} | "
+        lines.append(f"| {r['device']} | {r['engine']} | {r['precision']} | {r['threads']} | {r['1 layer median_ms']} | {r['8 layers median_ms']} | "
                      f"{tail if tail is not None else '–'} | {r['per_layer_ms']} | {r['overhead_ms']} | {r.get('tail steps/s', '–')} |")
-    lines += ["", f"## In a pipeline (`edgepipe serve`, greedy, {a['tokens']} tokens, {a['rounds']} interleaved rounds, medians)", "",
+    lines += ["", f"## In a pipeline (`edgepipe serve`, greedy, {a['tokens']} tokens, {a['rounds']} interleaved rounds, medians; "
+              f"native workers {a['threads']} thread(s), tab {a['browser_threads']})", "",
               "| pipeline | decode tok/s | TPOT ms | TTFT ms | stage compute ms/call | not compute ms/token |", "|---|---|---|---|---|---|"]
     for r in result["pipeline"]:
         compute = ", ".join(f"{w} {v}" for w, v in r["stage_compute_ms"].items())
         lines.append(f"| {r['pipeline']} | {r['decode_tok_s']} | {r['tpot_ms']} | {r['ttft_ms']} | {compute} | {r['not_compute_ms']} |")
-    lines += ["", "Medians; the machine's 2 cores are shared by the browser, the workers and the coordinator (and whatever else runs), "
-              "so absolute numbers move between runs: compare rows of one run. `not compute` = TPOT minus the mean compute per call of "
-              "each stage (prefill calls included): hops, the coordinator relay a tab needs, and framing.", ""]
+    lines += ["", "Medians; the machine's 2 cores are shared by the browser, the workers and the coordinator (and whatever else runs: "
+              "see the load average), so absolute numbers move between runs: compare rows of one run. Per layer and per-call overhead "
+              "come from the 1- and 8-layer medians (`t = overhead + n * per_layer`); an overhead below zero is within the noise. "
+              "`not compute` = TPOT minus the mean compute per call of each stage (prefill calls included): hops, the coordinator relay "
+              "a tab needs, and framing. Minimums and sample counts are in browser_stage.json.", ""]
     (RESULTS / "browser_stage.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
@@ -294,7 +302,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="native worker threads")
-    ap.add_argument("--browser-threads", type=int, default=1, help="onnxruntime-web threads in the tab")
+    ap.add_argument("--browser-threads", type=int, default=1, help="onnxruntime-web threads of the tab in the pipeline part")
     ap.add_argument("--skip-pipeline", action="store_true")
     args = ap.parse_args()
     home = Path(os.environ.get("EDGEPIPE_HOME") or tempfile.mkdtemp(prefix="edgepipe-bench-"))
@@ -302,9 +310,11 @@ def main() -> None:
     pkg = resolve("smollm2", "int4", home)
     add_variant(pkg.root, "fp32")
     pkg.reload()
+    load_before = os.getloadavg()[0]
     probe = run_probes(pkg, home, args)
     pipeline = [] if args.skip_pipeline else run_pipelines(home, args)
     write({"date": date.today().isoformat(), "machine": f"{os.cpu_count()} cores ({platform.processor() or platform.machine()})",
+           "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
            "browser": f"chromium {probe['browser']}", "cross_origin_isolated": probe["cross_origin_isolated"],
            "onnxruntime_web": ORT_WEB, "args": vars(args), "probe": probe, "pipeline": pipeline})
 

@@ -1,8 +1,11 @@
 """Decode benchmark: edgepipe against onnxruntime-genai and llama.cpp, side by side in one run.
 
-Run `python benchmarks/decode.py` (about 8-10 minutes on 2 cores) or `--quick` (128 tokens,
-one repetition, default threads only). It prints a table and writes
-`benchmarks/results/decode.json` and `benchmarks/results/decode.md`.
+Run `python benchmarks/decode.py` (6-10 minutes on 2 cores; the timed part adds no repetition
+that would pass `--budget`, 420 s, since a loaded machine can slow multi-threaded engines
+tenfold) or `--quick` (128 tokens, one repetition, default threads only, about 2 minutes). It
+prints a table and writes `benchmarks/results/decode.json` and `benchmarks/results/decode.md`.
+The first run also builds onnxruntime-genai's model (about a minute; needs torch, transformers
+and onnx-ir, as in the test extras plus `pip install onnx-ir`).
 
 What runs, on the bundled SmolLM2-135M-Instruct (the same prompt token ids for every engine,
 greedy, exactly N new tokens with EOS ignored, N = 128 and 1024):
@@ -120,10 +123,20 @@ def timing_configs(thread_settings: list[int | None], lengths: list[int], genai_
     return configs
 
 
-def run_interleaved(configs: list[dict], reps: int, lengths: list[int], prompt: list[int], home: Path) -> list[list[dict]]:
-    """``results[i][rep]``: one child process per engine and repetition, in the order A B C A B C ..."""
+def run_interleaved(configs: list[dict], reps: int, lengths: list[int], prompt: list[int], home: Path,
+                    budget_s: float) -> list[list[dict]]:
+    """``results[i][rep]``: one child process per engine and repetition, in the order A B C A B C ...
+
+    A repetition is started only if it is expected to end within ``budget_s`` of the first one's
+    start (on a loaded machine multi-threaded engines can slow down tenfold); at least one runs.
+    """
     results: list[list[dict]] = [[] for _ in configs]
+    start = time.perf_counter()
     for rep in range(reps):
+        elapsed = time.perf_counter() - start
+        if rep and elapsed + elapsed / rep > budget_s:
+            print(f"  stopping after {rep} repetition(s): another would pass the {budget_s:.0f} s budget", flush=True)
+            break
         for i, cfg in enumerate(configs):
             job = {"task": "time", "home": str(home), "prompt": prompt, "lengths": cfg.get("lengths", lengths), "warmup": WARMUP_TOKENS,
                    **{k: cfg[k] for k in ("engine", "precision", "threads", "cuts", "genai_dir") if k in cfg}}
@@ -203,6 +216,7 @@ def main() -> None:
     ap.add_argument("--lengths", help="comma-separated new-token counts (default 128,1024; quick 128)")
     ap.add_argument("--threads", help="comma-separated thread settings, 'default' or a number (default: default,1)")
     ap.add_argument("--home", help="edgepipe home (default $EDGEPIPE_HOME or the user data dir)")
+    ap.add_argument("--budget", type=float, default=420, help="seconds for the timed repetitions (default 420); later ones are skipped")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     reps = args.reps or (1 if args.quick else 3)
@@ -229,7 +243,8 @@ def main() -> None:
     configs = timing_configs(thread_settings, lengths, genai_dir, has_llama)
     print(f"prompt: {len(prompt)} tokens; lengths {lengths}; {reps} interleaved repetition(s); "
           f"threads {list(dict.fromkeys(c['t'] for c in configs))}", flush=True)
-    rows = summarize(configs, run_interleaved(configs, reps, lengths, prompt, home), lengths)
+    results = run_interleaved(configs, reps, lengths, prompt, home, args.budget)
+    rows = summarize(configs, results, lengths)
 
     print(f"top-1 agreement: fp32 greedy reference, {len(agree_prompts)} prompts x {agree_n} tokens ...", flush=True)
     agree_ids = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in agree_prompts]
@@ -242,7 +257,7 @@ def main() -> None:
         "versions": {d: version(d) for d in ("edgepipe", "onnxruntime", "onnxruntime-genai", "llama_cpp_python", "numpy")},
         "conditions": {
             "model": f"SmolLM2-135M-Instruct ({packages['int4'].name}); llama.cpp on the bundled Q4_1 GGUF",
-            "prompt": PROMPT, "prompt_tokens": len(prompt), "new_tokens": lengths, "repetitions": reps,
+            "prompt": PROMPT, "prompt_tokens": len(prompt), "new_tokens": lengths, "repetitions": len(results[0]), "repetitions_asked": reps,
             "decoding": "greedy, exactly N new tokens, EOS ignored (edgepipe eos_ids=(); genai EOS moved to an unused special token; llama.cpp argmax loop)",
             "process": f"one process per engine and repetition, repetitions interleaved; a {WARMUP_TOKENS}-token warm-up generation before timing",
             "ttft": "request start to the first sampled token (prefill of the prompt; genai includes creating its Generator)",

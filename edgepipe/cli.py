@@ -157,6 +157,7 @@ def serve(
     tpot_target_ms: Optional[float] = typer.Option(None, "--tpot-target-ms", help="Time-per-token target for the energy objective."),
     placement: str = typer.Option("planner", "--placement", help="planner | memory (split layers in proportion to memory)."),
     worker_args: str = typer.Option("", "--worker-args", help="Extra flags for the local workers, e.g. '--slowdown 2' (emulation)."),
+    cluster: str = typer.Option("edgepipe", "--cluster", help="Name announced by mDNS; workers started with the same --cluster join it."),
     precision: str = PrecisionOption,
     home: Optional[Path] = HomeOption,
 ):
@@ -171,7 +172,8 @@ def serve(
         fail(str(exc))
     settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,
                              join_token=join_token, max_active=max_active, max_queue=max_queue, objective=objective,
-                             tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split())
+                             tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
+                             cluster=cluster)
 
     def ready(bound: int, coordinator) -> None:
         if min_workers is not None:
@@ -202,6 +204,7 @@ def worker(
     link_rate: Optional[str] = typer.Option(None, "--link-rate", help="EMULATION: cap on send rate, e.g. 128KB/s or 10Mbit."),
     activation_dtype: str = typer.Option("float32", "--activation-dtype", help="float32 | float16 on the wire."),
     discover_timeout: float = typer.Option(10.0, "--discover-timeout", help="Seconds to look for a coordinator by mDNS."),
+    cluster: str = typer.Option("edgepipe", "--cluster", help="With no --coordinator: join the coordinator announcing this name."),
 ):
     """Join a coordinator and serve the stage it assigns (needs only onnxruntime, numpy, websockets)."""
     import asyncio
@@ -215,7 +218,7 @@ def worker(
         if coordinator is None:
             from .net.discovery import find_coordinator
 
-            coordinator = find_coordinator(timeout=discover_timeout)
+            coordinator = find_coordinator(timeout=discover_timeout, cluster=cluster)
             err.print(f"found coordinator {coordinator} by mDNS", highlight=False)
         settings = WorkerSettings(coordinator=coordinator, memory_bytes=parse_bytes(memory) if memory else None, threads=threads,
                                   slowdown=slowdown, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,

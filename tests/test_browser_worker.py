@@ -9,9 +9,11 @@ the single-process pipeline with the same cut and the same variant per stage.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
 
 from edgepipe.model.importer import add_variant
@@ -26,6 +28,30 @@ pytestmark = pytest.mark.browser
 BROWSER_UNITS = 8  # 7 decoder layers + the head run in the tab
 PROMPT = "What is the tallest mountain on Earth?"
 JOIN_TOKEN = "tab-secret"
+
+
+REPLAY_CHECK = """async () => {
+  const r = [...edgepipeWorker.worker.slots.values()].find((s) => s.plan > 0).runner, H = r.hidden;
+  const data = new Float32Array(6 * H).map((_, i) => Math.sin(i * 0.37));
+  const part = (a, b) => ({dtype: "float32", shape: [1, b - a, H], data: data.slice(a * H, b * H)});
+  const replayed = await r.replay("check-a", part(0, 6), 4, null);
+  await r.run("check-b", part(0, 4), null);
+  await r.run("check-b", part(4, 5), null);
+  const stepped = await r.run("check-b", part(5, 6), null);
+  const a = r.caches.get("check-a"), b = r.caches.get("check-b");
+  let maxDiff = 0;
+  for (const name of Object.keys(a.kv)) {
+    for (let h = 0; h < r.kvHeads; h++) {
+      for (let i = 0; i < 6 * r.headDim; i++) {
+        maxDiff = Math.max(maxDiff, Math.abs(a.kv[name].data[h * a.capacity * r.headDim + i] - b.kv[name].data[h * b.capacity * r.headDim + i]));
+      }
+    }
+  }
+  const out = {same_token: replayed.data[0] === stepped.data[0], length: a.length === b.length ? a.length : -1, max_diff: maxDiff};
+  r.drop("check-a");
+  r.drop("check-b");
+  return out;
+}"""
 
 
 @pytest.fixture(scope="module")
@@ -112,32 +138,57 @@ def test_tab_serves_a_stage_with_the_reference_tokens(cluster, pkg):
     assert got != reference_tokens(pkg, {**status, "workers": [{**w, "kind": "native"} for w in status["workers"]]}, PROMPT, 24)
     page.wait_for_function(f"document.getElementById('tokens').textContent === '{len(got)}'", timeout=10000)
     assert page.locator("#units").inner_text().startswith(f"[{32 - BROWSER_UNITS}, 32)")
+    # Replay (how the coordinator rebuilds KV after a plan change) gives the KV of prefill + single steps.
+    assert page.evaluate(REPLAY_CHECK) == {"same_token": True, "length": 6, "max_diff": 0}
     # The page's SHA-256 fallback (pages outside a secure context have no crypto.subtle) is right.
     data = "edgepipe " * 20
     assert page.evaluate("s => edgepipeWorker.sha256Fallback(new TextEncoder().encode(s))", data) == hashlib.sha256(data.encode()).hexdigest()
 
 
-def test_reloaded_tab_rejoins_from_its_cache(cluster, pkg):
+def test_tab_reloaded_mid_request_rejoins_from_its_cache(cluster, pkg):
+    """Reloading the tab while it serves a request: the request pauses and carries on (on
+    whichever plan the coordinator finds: tokens before the pause are the reference's), and
+    the re-joined tab downloads no unit file."""
     server, page = cluster.server, cluster.page
     before = cluster.browser_id()
     assert cluster.blob_requests, "the first load fetched the tab's unit files"
     assert int(page.locator("#fetched").inner_text()) > 100_000_000
-    ups = len([e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == "up"])
+    events = lambda: server.client.get("/v1/cluster/events").json()["events"]  # noqa: E731
+    ups = len([e for e in events() if e["kind"] == "up"])
+    expected = reference_tokens(pkg, server.status(), PROMPT, 40)
     cluster.blob_requests.clear()
 
+    sampled = int(page.locator("#tokens").inner_text())
+    reply: dict = {}
+
+    def request() -> None:
+        with httpx.Client(base_url=server.url, timeout=180) as client:
+            reply["r"] = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 40, "temperature": 0, "return_token_ids": True})
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    page.wait_for_function(f"Number(document.getElementById('tokens').textContent) >= {sampled + 3}", timeout=60000, polling=5)
     page.reload()
     page.wait_for_selector("body[data-state='joined']", timeout=30000)
     after = page.locator("#worker-id").inner_text()
     assert after != before
-    status = cluster.wait_plan_with(after)
-    page.wait_for_function("document.getElementById('units').textContent !== '–'", timeout=10000)
+    plan = cluster.wait_plan_with(after)["plan"]["id"]
+    thread.join(180)
+    assert reply["r"].status_code == 200, reply["r"].text
+    tokens = reply["r"].json()["choices"][0]["token_ids"]
+    pause = next(e for e in events() if e["kind"] == "pause")
+    assert 3 <= pause["step"] and tokens[: pause["step"]] == expected[: pause["step"]]
+    assert len(tokens) == 40 or reply["r"].json()["choices"][0]["finish_reason"] == "stop"
+    assert [e for e in events() if e["kind"] == "recovered"], "the request resumed after the reload"
 
+    page.wait_for_function("document.getElementById('units').textContent !== '–'", timeout=10000)
     assert cluster.blob_requests == []  # no unit file crossed the network again
     assert page.locator("#fetched").inner_text() == "0"
     assert int(page.locator("#hits").inner_text()) > 0
-    up = [e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == "up"][ups:]
-    assert up and up[-1]["fetched_bytes"] == 0
-    assert chat(server, PROMPT, 8) == reference_tokens(pkg, status, PROMPT, 8)
+    up = [e for e in events() if e["kind"] == "up"][ups:]
+    assert [e["fetched_bytes"] for e in up if e["plan"] == plan] == [0]  # the plan with the re-joined tab
+    assert chat(server, PROMPT, 8) == expected[:8]
 
 
 def test_tab_with_a_wrong_or_missing_token_is_refused(pkg, home, context):

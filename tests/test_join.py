@@ -12,8 +12,10 @@ from harness import Server
 
 
 def test_native_worker_finds_coordinator_by_mdns(home, int4_pkg):
-    with Server(home, workers=0, args=("--min-workers", "1"), wait_up=False) as server:
-        finder = subprocess.Popen([sys.executable, "-m", "edgepipe", "worker", "--name", "finder", "--discover-timeout", "20"],
+    cluster = f"test-{os.getpid()}"  # other coordinators may be announcing on this host
+    with Server(home, workers=0, args=("--min-workers", "1", "--cluster", cluster), wait_up=False) as server:
+        finder = subprocess.Popen([sys.executable, "-m", "edgepipe", "worker", "--name", "finder", "--discover-timeout", "20",
+                                   "--cluster", cluster],
                                   env={**os.environ, "EDGEPIPE_HOME": str(home)}, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             status = server.wait_for(lambda s: s["state"] == "up" and any(w["name"] == "finder" for w in s["workers"]), timeout=60)

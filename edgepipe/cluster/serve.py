@@ -32,6 +32,7 @@ class ServeSettings:
     tpot_target_ms: float | None = None
     planner: bool = True  # False: split layers in proportion to memory (the exo / llama.cpp rule)
     advertise: bool = True  # announce the coordinator by mDNS
+    cluster: str = "edgepipe"  # the name workers look for
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -74,7 +75,7 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
     if settings.advertise:
         from ..net.discovery import Advertiser
 
-        advertiser = Advertiser(settings.host, port, package.manifest.name, bool(settings.join_token))
+        advertiser = Advertiser(settings.host, port, package.manifest.name, bool(settings.join_token), settings.cluster)
         try:
             await advertiser.start()
         except OSError as exc:  # no multicast here: serve anyway

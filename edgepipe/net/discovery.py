@@ -23,13 +23,13 @@ def advertised_addresses(host: str) -> list[str]:
 class Advertiser:
     """Registers the coordinator's service while the server runs (asyncio side)."""
 
-    def __init__(self, host: str, port: int, model: str, token_required: bool):
+    def __init__(self, host: str, port: int, model: str, token_required: bool, cluster: str = "edgepipe"):
         from zeroconf import ServiceInfo
 
         self.info = ServiceInfo(
             SERVICE, f"edgepipe-{socket.gethostname()}-{port}.{SERVICE}",
             addresses=[socket.inet_aton(a) for a in advertised_addresses(host) if ":" not in a], port=port,
-            properties={"path": "/v1/worker", "model": model, "token": "required" if token_required else "none"},
+            properties={"path": "/v1/worker", "model": model, "token": "required" if token_required else "none", "cluster": cluster},
         )
         self.zc = None
 
@@ -45,8 +45,8 @@ class Advertiser:
             await self.zc.async_close()
 
 
-def find_coordinator(timeout: float = 10.0) -> str:
-    """``http://ip:port`` of the first coordinator found; TimeoutError if none answers."""
+def find_coordinator(timeout: float = 10.0, cluster: str = "edgepipe") -> str:
+    """``http://ip:port`` of the first coordinator of ``cluster`` found; TimeoutError if none answers."""
     from zeroconf import ServiceBrowser, ServiceStateChange, Zeroconf
 
     found: list[str] = []
@@ -57,7 +57,8 @@ def find_coordinator(timeout: float = 10.0) -> str:
         if state_change is not ServiceStateChange.Added or done.is_set():
             return
         info = zeroconf.get_service_info(service_type, name, timeout=3000)
-        if info and info.parsed_addresses():
+        props = {k.decode(): (v or b"").decode() for k, v in (info.properties or {}).items()} if info else {}
+        if info and info.parsed_addresses() and props.get("cluster", "edgepipe") == cluster:
             addresses = info.parsed_addresses()
             local = [a for a in addresses if a.startswith("127.")]
             found.append(f"http://{(local or addresses)[0]}:{info.port}")
@@ -66,7 +67,7 @@ def find_coordinator(timeout: float = 10.0) -> str:
     browser = ServiceBrowser(zc, SERVICE, handlers=[on_change])
     try:
         if not done.wait(timeout):
-            raise TimeoutError(f"no edgepipe coordinator answered on the local network within {timeout:.0f} s (mDNS {SERVICE})")
+            raise TimeoutError(f"no coordinator of cluster {cluster!r} answered on the local network within {timeout:.0f} s (mDNS {SERVICE})")
         return found[0]
     finally:
         browser.cancel()

@@ -32,6 +32,9 @@
     $("worker-id").textContent = worker.id || "–";
     const slots = [...worker.slots.values()].filter((s) => s.plan > 0);
     $("units").textContent = slots.length ? slots.map((s) => `[${s.start}, ${s.end}) plan ${s.plan}`).join("; ") : "–";
+    if (document.body.dataset.state === "joined") {
+      $("message").textContent = slots.length ? `serving units ${$("units").textContent} as ${worker.id}` : `joined as ${worker.id}; waiting for a stage`;
+    }
     $("computed").textContent = String(stats.computed);
     $("tokens").textContent = String(stats.tokens);
     $("held").textContent = `${stats.held} files, ${fmtBytes(stats.heldBytes)}`;
@@ -278,6 +281,20 @@
       return out[this.outputName];
     }
 
+    // Rebuild a sequence's KV exactly as it was first computed (as StageRunner.replay): the
+    // prompt as one prefill, then each later position as its own decode step.
+    async replay(seq, x, promptLen, sampling) {
+      const width = x.data.length / Number(x.shape[1]); // elements per position: 1 (token ids) or H
+      const part = (a, b) => ({ dtype: x.dtype, shape: [1, b - a, ...x.shape.slice(2)], data: x.data.slice(a * width, b * width) });
+      const outs = [await this.run(seq, part(0, promptLen), sampling)];
+      for (let i = promptLen; i < Number(x.shape[1]); i++) outs.push(await this.run(seq, part(i, i + 1), sampling));
+      if (this.emitsTokens) return outs[outs.length - 1];
+      const data = new Float32Array(outs.reduce((n, o) => n + o.data.length, 0));
+      let at = 0;
+      for (const o of outs) { data.set(o.data, at); at += o.data.length; }
+      return { dims: [1, Number(x.shape[1]), Number(outs[0].dims[2])], data };
+    }
+
     release() {
       this.caches.clear();
       this.session.release().catch(() => {});
@@ -491,14 +508,17 @@
     if (!x) throw new Error("forward without an x tensor");
     if (x.dtype === "float16") x = { dtype: "float32", shape: x.shape, data: halfToFloat(x.data) };
     const t0 = performance.now();
-    const out = await slot.runner.run(f.seq, x, slot.runner.emitsTokens ? f.sampling : null);
+    const sampling = slot.runner.emitsTokens ? f.sampling : null;
+    const out = f.replay_from && Number(x.shape[1]) > f.replay_from
+      ? await slot.runner.replay(f.seq, x, f.replay_from, sampling)
+      : await slot.runner.run(f.seq, x, sampling);
     const compute = (performance.now() - t0) / 1000;
     stats.busy_s += compute;
     stats.computed++;
     // [worker, seconds, positions, bytes per activation element, sequences in the call]
     const timings = [...(f.timings || []), [worker.id, compute, Number(x.shape[1]), 4, 1]];
     const base = {};
-    for (const k of ["seq", "step", "plan", "sampling", "rid"]) if (k in f) base[k] = f[k];
+    for (const k of ["seq", "step", "plan", "sampling", "rid", "replay_from"]) if (k in f) base[k] = f[k];
     if (slot.next.kind === "coordinator") {
       stats.tokens++;
       send("token", { ...base, token: Number(out.data[0]), timings });

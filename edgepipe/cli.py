@@ -233,6 +233,41 @@ def worker(
         pass
 
 
+@app.command()
+def plan(
+    devices: Path = typer.Option(..., "--devices", "-d", help="devices.yaml (schema: edgepipe/plan/devices_file.py)."),
+    objective: str = typer.Option("latency", "--objective", help="latency | throughput | energy"),
+    sequences: int = typer.Option(1, "--sequences", help="Sequences in flight (throughput objective)."),
+    tpot_target_ms: Optional[float] = typer.Option(None, "--tpot-target-ms", help="Time-per-token target (energy objective)."),
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens"),
+    context: int = typer.Option(2048, "--context", help="KV tokens reserved per sequence."),
+    top_k: int = typer.Option(3, "--top-k", help="Plans to show (best + runners-up)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m"),
+    precision: str = PrecisionOption,
+    home: Optional[Path] = HomeOption,
+):
+    """Place the model on the devices of a devices.yaml and print the plan with its runners-up."""
+    import yaml
+
+    from .cluster.profiling import ClusterProfile
+    from .plan import PlanRequest, parse_devices, render
+    from .plan import plan as make_plan
+
+    try:
+        spec = parse_devices(yaml.safe_load(devices.read_text()) or {})
+        pkg = open_model(model, precision, home)
+        profile = ClusterProfile(pkg.manifest, context_tokens=context)
+        request = PlanRequest(objective=objective, sequences=sequences, prompt_tokens=prompt_tokens, top_k=top_k,
+                              tpot_target_s=tpot_target_ms / 1e3 if tpot_target_ms else None)
+        result = make_plan(profile.model_profile(), spec.devices, spec.network, request)
+    except (yaml.YAMLError, *USER_ERRORS) as exc:
+        fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    typer.echo(f"{pkg.manifest.name}: {len(pkg.manifest.units)} units, objective {request.objective.value}")
+    typer.echo(render(result, spec.devices))
+    if not result.best.complete:
+        raise typer.Exit(2)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

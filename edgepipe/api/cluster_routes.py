@@ -24,9 +24,27 @@ async def status(request: Request) -> JSONResponse:
 
 
 async def plan(request: Request) -> JSONResponse:
-    app = request.app.state
-    view = getattr(app, "plan_view", None)
-    return JSONResponse(view() if view else {"plan": app.coordinator.status()["plan"]})
+    """The live plan: what the planner predicted next to what the cluster measured."""
+    coord = request.app.state.coordinator
+    dep = coord.active
+    if dep is None:
+        return JSONResponse({"state": coord.state.value, "plan": None})
+    decode = sorted(w for n, w in coord.recent_steps if n == 1)
+    measured_stages = []
+    for s in dep.stages:
+        times = coord.profile.of(s.worker_id).stage_times.get((s.start, s.end))
+        measured_stages.append(None if times is None or times.median is None else times.median)
+    predicted = dep.predicted or {}
+    return JSONResponse({
+        "state": coord.state.value, "plan": dep.plan_id, "reason": dep.reason,
+        "stages": [{"worker": s.worker_id, "start": s.start, "end": s.end,
+                    "predicted_s": (predicted.get("stage_times_s") or [None] * len(dep.stages))[i], "measured_s": measured_stages[i],
+                    "speed": coord.profile.of(s.worker_id).speed, "overhead_s": coord.profile.of(s.worker_id).overhead_s}
+                   for i, s in enumerate(dep.stages)],
+        "predicted": predicted,
+        "measured": {"tpot_s": decode[len(decode) // 2] if decode else None, "decode_steps": len(decode)},
+        "spare": [[s.worker_id, s.start, s.end] for s in coord.spare] if coord.spare else None,
+    })
 
 
 async def events(request: Request) -> JSONResponse:

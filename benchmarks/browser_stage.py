@@ -288,7 +288,8 @@ def write(result: dict) -> None:
         lines.append(f"| {r['pipeline']} | {r['decode_tok_s']} | {r['tpot_ms']} | {r['ttft_ms']} | {compute} | {r['not_compute_ms']} |")
     lines += ["", "Medians; the machine's 2 cores are shared by the browser, the workers and the coordinator (and whatever else runs: "
               "see the load average), so absolute numbers move between runs: compare rows of one run. Per layer and per-call overhead "
-              "come from the 1- and 8-layer medians (`t = overhead + n * per_layer`); an overhead below zero is within the noise. "
+              "come from the 1- and 8-layer medians (`t = overhead + n * per_layer`); one fp32 layer's 14 MB of weights stay in the CPU "
+              "cache from step to step while eight layers' do not, so the fit can put the overhead below zero. "
               "`not compute` = TPOT minus the mean compute per call of each stage (prefill calls included): hops, the coordinator relay "
               "a tab needs, and framing. Minimums and sample counts are in browser_stage.json.", ""]
     (RESULTS / "browser_stage.md").write_text("\n".join(lines))

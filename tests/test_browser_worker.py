@@ -1,9 +1,11 @@
 """A browser tab as a worker: it serves a stage exactly, caches its unit files, and needs the token.
 
 One native worker (int4) and one headless-chromium tab on ``/worker`` (onnxruntime-web,
-WebAssembly, the fp32 variant) share the model; ``--placement memory`` and the tab's declared
-memory put the last ``BROWSER_UNITS`` units (layers and the head) in the tab. The reference is
-the single-process pipeline with the same cut and the same variant per stage.
+WebAssembly, the fp32 variant) share the model; ``--placement memory`` and the declared memory
+put ``BROWSER_UNITS`` units in the tab: the last ones (layers + head, the tab returns token ids)
+or the first ones (embedding + layers, the tab's activations are relayed to the native worker).
+The reference is the single-process pipeline with the same cut and the same variant per stage.
+A reloaded tab re-joins from its cache; a tab without the join token is refused.
 """
 
 from __future__ import annotations

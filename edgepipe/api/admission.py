@@ -1,5 +1,6 @@
-"""Admission control: at most ``max_active`` sequences run; the next ``max_queue`` wait their
-turn in arrival order; beyond that the API answers 429 with ``Retry-After``."""
+"""Admission control: at most ``limit`` sequences run (``max_active``, lowered to what the
+workers' KV budgets hold at full context); the next ``max_queue`` wait their turn in arrival
+order; beyond that the API answers 429 with ``Retry-After``."""
 
 from __future__ import annotations
 
@@ -10,17 +11,23 @@ from .errors import APIError
 
 
 class Admission:
-    def __init__(self, max_active: int = 16, max_queue: int = 64, retry_after_s: int = 1):
+    def __init__(self, max_active: int = 16, max_queue: int = 64, retry_after_s: int = 1, capacity=lambda: None):
         self.max_active, self.max_queue, self.retry_after_s = max_active, max_queue, retry_after_s
+        self.capacity = capacity  # () -> sequences the workers' KV budgets hold, or None
         self.active = 0
         self._waiting: deque[asyncio.Future] = deque()
+
+    @property
+    def limit(self) -> int:
+        cap = self.capacity()
+        return self.max_active if cap is None else max(1, min(self.max_active, cap))
 
     @property
     def queued(self) -> int:
         return len(self._waiting)
 
     async def admit(self) -> object:
-        if self.active < self.max_active and not self._waiting:
+        if self.active < self.limit and not self._waiting:
             self.active += 1
             return object()
         if len(self._waiting) >= self.max_queue:

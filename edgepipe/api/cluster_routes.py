@@ -19,7 +19,8 @@ async def status(request: Request) -> JSONResponse:
     app = request.app.state
     body = app.coordinator.status()
     body["tokens_per_s"] = round(app.metrics.live_tokens_per_s(), 2)
-    body["admission"] = {"active": app.admission.active, "queued": app.admission.queued, "max_active": app.admission.max_active}
+    body["admission"] = {"active": app.admission.active, "queued": app.admission.queued, "max_active": app.admission.max_active,
+                         "limit": app.admission.limit}
     return JSONResponse(body)
 
 

@@ -575,6 +575,25 @@ class Coordinator:
                                           "next": {"kind": "coordinator"}}))
         self.event("spare", stages=[[s.worker_id, s.start, s.end] for s in stages])
 
+    @property
+    def sequence_capacity(self) -> int | None:
+        """Sequences the active plan's KV budgets allow at full context (None: unknown/unbounded)."""
+        dep = self.active
+        if dep is None:
+            return None
+        caps = []
+        context = self.profile.context_tokens
+        for s in dep.stages:
+            w = self.workers.get(s.worker_id)
+            if w is None or not (w.hello.get("emulation") or {}).get("memory_budget"):
+                continue  # only declared budgets bound admission; otherwise the host's RAM does
+            units = self.manifest.units[s.start:s.end]
+            weights = sum(self.manifest.variant(u.index, self._precision(w)).weight_bytes for u in units)
+            per_seq = context * sum(u.kv_bytes_per_token for u in units)
+            if per_seq:
+                caps.append(max(1, (w.memory_bytes - weights) // per_seq))
+        return min(caps) if caps else None
+
     def _precision(self, w: WorkerHandle) -> str | None:
         return w.hello.get("precision") or self.settings.precision
 

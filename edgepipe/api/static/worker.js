@@ -295,9 +295,10 @@
       return { dims: [1, Number(x.shape[1]), Number(outs[0].dims[2])], data };
     }
 
+    // Free the session once the compute queue reaches this point (a step may still be running on it).
     release() {
       this.caches.clear();
-      this.session.release().catch(() => {});
+      serial(() => this.session.release()).catch(() => {});
     }
   }
 

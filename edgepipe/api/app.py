@@ -12,7 +12,7 @@ from starlette.responses import FileResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import cluster_routes, openai_routes
+from . import browser_routes, cluster_routes, openai_routes
 from .admission import Admission
 from .errors import APIError
 from .metrics import Metrics
@@ -59,7 +59,8 @@ def create_app(coordinator, package, api_key: str | None = None, join_token: str
     async def method_not_allowed(request, exc):
         return APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
 
-    routes = [Route("/", dashboard), Route("/health", health), *openai_routes.routes, *cluster_routes.routes, *(extra_routes or [])]
+    routes = [Route("/", dashboard), Route("/health", health), *openai_routes.routes, *cluster_routes.routes, *browser_routes.routes,
+              *(extra_routes or [])]
     app = Starlette(routes=routes, middleware=[Middleware(APIKeyMiddleware, api_key=api_key)],
                     exception_handlers={APIError: api_error, 404: not_found, 405: method_not_allowed})
     s = app.state

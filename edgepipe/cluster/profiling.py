@@ -103,7 +103,9 @@ class ClusterProfile:
         held = set(w.hello.get("held") or ())
         if not held:
             return set()
-        return {u.index for u in self.manifest.units if all(f in held for f in self.manifest.variant(u.index).files)}
+        precision = w.hello.get("precision") or self.manifest.precision  # the variant this worker runs
+        return {u.index for u in self.manifest.units
+                if precision in u.variants and all(f in held for f in self.manifest.variant(u.index, precision).files)}
 
     def link_of(self, worker_id: str) -> tuple[float, float]:
         m = self.of(worker_id)

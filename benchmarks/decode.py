@@ -20,8 +20,9 @@ greedy, exactly N new tokens with EOS ignored, N = 128 and 1024):
 
 Every engine runs in a process of its own (`edgepipe.bench.decode_engines`), so peak RSS is
 per engine; repetitions are interleaved (A B C A B C ...) and medians reported, because these
-machines are shared and noisy. Threads: "default" is each engine's own default (ONNX Runtime:
-one per core; llama.cpp: one per core), then 1 thread for all.
+machines are shared and noisy. Threads: "default" is each ONNX Runtime engine's own default
+(one intra-op thread per core) and n_threads = cores for llama.cpp (llama-cpp-python alone
+would take half); then 1 thread for all.
 
 Quality: top-1 agreement with fp32 (edgepipe's dequantized GGUF) over a few hundred positions,
 teacher-forced: fp32 greedily continues three prompts, then each quantized engine is fed the
@@ -256,7 +257,7 @@ def main() -> None:
         "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
         "versions": {d: version(d) for d in ("edgepipe", "onnxruntime", "onnxruntime-genai", "llama_cpp_python", "numpy")},
         "conditions": {
-            "model": f"SmolLM2-135M-Instruct ({packages['int4'].name}); llama.cpp on the bundled Q4_1 GGUF",
+            "model": f"SmolLM2-135M-Instruct (package {packages['int4'].root.name}); llama.cpp on the bundled Q4_1 GGUF",
             "prompt": PROMPT, "prompt_tokens": len(prompt), "new_tokens": lengths, "repetitions": len(results[0]), "repetitions_asked": reps,
             "decoding": "greedy, exactly N new tokens, EOS ignored (edgepipe eos_ids=(); genai EOS moved to an unused special token; llama.cpp argmax loop)",
             "process": f"one process per engine and repetition, repetitions interleaved; a {WARMUP_TOKENS}-token warm-up generation before timing",
@@ -264,7 +265,7 @@ def main() -> None:
             "decode_tok_s": "(generated - 1) / (time from first to last token), median over repetitions",
             "peak_rss": "ru_maxrss of the engine's process (interpreter and libraries included), median over repetitions",
             "cpu_ms_per_token": "process CPU time (all threads, spin-waiting included) of a whole request / tokens, median",
-            "threads": "default = the engine's own default (ONNX Runtime intra-op threads = cores; llama.cpp n_threads = cores)",
+            "threads": "default = the engine's own default for edgepipe and genai (ONNX Runtime: intra-op threads = cores); llama.cpp n_threads = cores",
             "genai_model": f"onnxruntime_genai.models.builder -i <HF folder dequantized from the GGUF by transformers> -p int4 -e cpu ({genai_dir.name})",
             "agreement": f"teacher-forced top-1 vs edgepipe fp32, {len(agree_prompts)} chat prompts x {agree_n} greedy fp32 tokens",
             "elapsed_s": round(time.time() - started),

@@ -1,7 +1,7 @@
 """Energy objective: with a time-per-token target, a plan with less predicted energy than the
 latency plan that still meets the target, checked by measuring its time per token.
 
-    python benchmarks/energy.py [--quick] [--rounds 4] [--tokens 48] [--target-factor 2.0]
+    python benchmarks/energy.py [--quick] [--rounds 6] [--tokens 64] [--target-factor 2.0]
 
 EMULATED cluster of three devices (``--slowdown``, ``--memory``) with declared power (busy /
 idle watts): a laptop-class device that is fast and power-hungry, a phone-class one that is
@@ -91,8 +91,8 @@ def energy_of(stages, model, devs, net, power: dict[str, tuple[float, float]] | 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 16 tokens")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--target-factor", type=float, default=2.0, help="target = this x the latency plan's measured TPOT")
     args = ap.parse_args()
     if args.quick:

@@ -198,35 +198,46 @@ class Cluster:
     """
 
     def __init__(self, tag: str, devices: list[Device], args: tuple[str, ...] = (), logdir: Path | None = None,
-                 timeout: float = 240):
-        self.tag, self.devices, self.timeout = tag, list(devices), timeout
+                 timeout: float = 240, attempts: int = 3):
+        self.tag, self.devices, self.args, self.timeout = tag, list(devices), tuple(args), timeout
         self.logdir = Path(logdir or tempfile.mkdtemp(prefix="edgepipe-bench-"))
+        self.env = {**os.environ, "EDGEPIPE_HOME": str(HOME)}
+        self.kernel = any(d.kernel_rate for d in devices)
+        for attempt in range(1, attempts + 1):
+            try:
+                self._launch(attempt)
+                return
+            except RuntimeError as exc:
+                # On this shared machine other jobs' clean-ups have sent SIGTERM to our processes;
+                # start again rather than lose the whole run.
+                self.close()
+                if "exited with" not in str(exc) or attempt == attempts:
+                    raise
+                print(f"[{tag}] {exc}; starting again", file=sys.stderr)
+            except BaseException:
+                self.close()
+                raise
+
+    def _launch(self, attempt: int) -> None:
         self.links: list[KernelLink] = []
         self.workers: list[subprocess.Popen] = []
         self._logs = []
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.kernel = any(d.kernel_rate for d in devices)
-        env = {**os.environ, "EDGEPIPE_HOME": str(HOME)}
-        self.env = env
         # A join token keeps out workers of other runs on this host that find the coordinator by mDNS
         # (`edgepipe serve` always advertises itself).
         self.token = secrets.token_hex(8)
-        argv = [sys.executable, "-m", "edgepipe", "serve", "--workers", "0", "--min-workers", str(len(devices)),
-                "--port", str(self.port), "--join-token", self.token, *args]
+        argv = [sys.executable, "-m", "edgepipe", "serve", "--workers", "0", "--min-workers", str(len(self.devices)),
+                "--port", str(self.port), "--join-token", self.token, *self.args]
         if self.kernel:
             argv += ["--host", "0.0.0.0"]
-        log = open(self.logdir / f"{tag}-server.log", "w")
+        log = open(self.logdir / f"{self.tag}-server-{attempt}.log", "w")
         self._logs.append(log)
-        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.client = httpx.Client(base_url=self.url, timeout=600)
-        try:
-            self.wait_for(lambda s: True, 120)
-            self._start_workers()
-        except BaseException:
-            self.close()
-            raise
+        self.wait_for(lambda s: True, 120)
+        self._start_workers()
 
     def _start_workers(self) -> None:
         advertise = None
@@ -236,7 +247,7 @@ class Cluster:
                 self.links.append(link)
                 advertise = advertise or link.host.peer_ip
         for i, d in enumerate(self.devices):
-            log = open(self.logdir / f"{self.tag}-{d.name}.log", "w")
+            log = open(self.logdir / f"{self.tag}-{d.name}.log", "a")
             self._logs.append(log)
             if d.kernel_rate:
                 link = self.links[[x for x in self.devices if x.kernel_rate].index(d)]
@@ -340,30 +351,33 @@ class Cluster:
                 "stage_compute_s": compute}
 
     def close(self) -> None:
-        try:
-            self.client.close()
-        except Exception:
-            pass
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+        """Stop the server, the workers and the namespaces (safe to call more than once)."""
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.close()
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=15)
+                proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        for w in self.workers:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        workers = getattr(self, "workers", [])
+        for w in workers:
             if w.poll() is None:
                 w.terminate()
-        for w in self.workers:
+        for w in workers:
             try:
                 w.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 w.kill()
                 w.wait()
-        for link in self.links:
+        for link in getattr(self, "links", []):
             link.close()
-        for log in self._logs:
+        for log in getattr(self, "_logs", []):
             log.close()
+        self.workers, self.links, self._logs = [], [], []
 
     def __enter__(self):
         return self
@@ -657,7 +671,10 @@ def run_link_scenario(rounds: int, tokens: int, logdir: Path) -> dict:
         result["server_uses_fastL_after"] = "fastL" in {n for n, _, _ in result["server_plan_after"]}
         result["met"] = (not result["aware_uses_fastL"]) and result["blind_uses_fastL"] and \
             "blind-tbf" in measured and measured["blind-tbf"]["aware_vs_this_paired"] > 1.0
-        result["server_met"] = not result["server_uses_fastL"] and not result["server_uses_fastL_after"]
+        # The server's avoidance counts only if its own profile would avoid fastL too (its uplink probe
+        # can be off by orders of magnitude; then avoiding fastL is luck of RTTs and calibration).
+        result["server_met"] = not result["server_uses_fastL"] and not result["server_uses_fastL_after"] and \
+            "fastL" not in {n for n, _, _ in result["pure_plan_product_profiles"]}
         return result
     finally:
         for c in clusters.values():
@@ -719,7 +736,8 @@ def report(out: dict) -> str:
                 lines.append(f"| {k} | {r['tpot_ms_median']:.1f} | {r['decode_tok_s_median']:.1f} | {comp} | {r['aware_vs_this_paired']:.2f}x |")
         lines += ["", f"Goal (planner logic: the 128 KB/s device is avoided, chosen when bandwidth is ignored, and avoiding it is "
                   f"measurably faster) → **{'met' if lk['met'] else 'NOT met'}**. Same goal for the running server as is → "
-                  f"**{'met' if lk['server_met'] else 'NOT met'}** (see notes: the coordinator's uplink probe). "
+                  f"**{'met' if lk['server_met'] else 'NOT met'}** (counted only if the pure planner on the coordinator's own profiles avoids "
+                  "fastL too; see the calibrated uplinks). "
                   "`aware`, `blind-tbf` and `blind-userspace` are forced placements (`--placement memory`, memory declared in "
                   "proportion to the stage sizes); `blind-userspace` makes the slow link with the worker's `--link-rate 128KB/s` "
                   "instead of the kernel.", ""]

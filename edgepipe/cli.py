@@ -203,6 +203,8 @@ def worker(
     link_delay_ms: float = typer.Option(0.0, "--link-delay-ms", help="EMULATION: one-way delay added to every frame sent."),
     link_rate: Optional[str] = typer.Option(None, "--link-rate", help="EMULATION: cap on send rate, e.g. 128KB/s or 10Mbit."),
     activation_dtype: str = typer.Option("float32", "--activation-dtype", help="float32 | float16 on the wire."),
+    power_busy_w: Optional[float] = typer.Option(None, "--power-busy-w", help="Declared power when computing (energy objective)."),
+    power_idle_w: Optional[float] = typer.Option(None, "--power-idle-w", help="Declared power when idle (energy objective)."),
     discover_timeout: float = typer.Option(10.0, "--discover-timeout", help="Seconds to look for a coordinator by mDNS."),
     cluster: str = typer.Option("edgepipe", "--cluster", help="With no --coordinator: join the coordinator announcing this name."),
 ):
@@ -223,6 +225,7 @@ def worker(
         settings = WorkerSettings(coordinator=coordinator, memory_bytes=parse_bytes(memory) if memory else None, threads=threads,
                                   slowdown=slowdown, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
                                   advertise_host=advertise, join_token=join_token, activation_dtype=activation_dtype,
+                                  power_busy_w=power_busy_w, power_idle_w=power_idle_w,
                                   **({"name": name} if name else {}))
         asyncio.run(Worker(settings).run())
     except PermissionError as exc:

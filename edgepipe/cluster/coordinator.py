@@ -569,7 +569,8 @@ class Coordinator:
             if w is None:
                 continue
             fut = w.loads[plan_id] = asyncio.get_running_loop().create_future()
-            await w.send(Message(T.LOAD, {"plan": plan_id, "start": s.start, "end": s.end, "prefetch": True, "keep": [],
+            # warm: build the session too when the worker's budget allows (else it holds the files)
+            await w.send(Message(T.LOAD, {"plan": plan_id, "start": s.start, "end": s.end, "warm": True, "keep": [],
                                           "graph": self.package.stage_graph(s.start, s.end, self._precision(w)),
                                           "files": list(self.manifest.stage_files(s.start, s.end, self._precision(w))),
                                           "next": {"kind": "coordinator"}}))

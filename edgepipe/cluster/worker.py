@@ -50,6 +50,8 @@ class WorkerSettings:
     join_token: str | None = None
     cache_dir: Path | None = None
     activation_dtype: str = "float32"  # "float16" halves the bytes on the wire
+    power_busy_w: float | None = None  # declared power draw, for the energy objective
+    power_idle_w: float | None = None
 
     @property
     def emulated(self) -> bool:
@@ -76,6 +78,8 @@ class Worker:
         self.budget = MemoryBudget(settings.memory_bytes) if settings.memory_bytes else None
         self.id: str | None = None
         self.slots: dict[int, Slot] = {}
+        self.sessions: dict[str, StageRunner] = {}  # built sessions by graph sha (active slots + a warm spare)
+        self.warm: set[str] = set()
         self.control: Channel | None = None
         self.peers: dict[str, Channel] = {}
         self.data_url: str | None = None
@@ -118,6 +122,7 @@ class Worker:
             "name": self.s.name, "token": self.s.join_token, "protocol": PROTOCOL_VERSION, "kind": "native",
             "memory_bytes": self.s.memory_bytes or _system_memory(), "threads": self.s.threads or os.cpu_count(),
             "data_url": self.data_url, "held": self.cache.held(), "pid": os.getpid(),
+            "power_busy_w": self.s.power_busy_w, "power_idle_w": self.s.power_idle_w,
             "emulation": {"slowdown": self.s.slowdown, "link_delay_ms": self.s.link_delay_ms, "link_rate": self.s.link_rate,
                           "memory_budget": self.s.memory_bytes} if self.s.emulated or self.s.memory_bytes else None,
         }
@@ -193,6 +198,7 @@ class Worker:
             keep = set(msg["keep"])
             for plan in [p for p in self.slots if p not in keep]:
                 del self.slots[plan]
+            self._prune_sessions()
         elif msg.type is T.DROP:
             for slot in self.slots.values():
                 slot.runner.drop(msg["seq"])
@@ -223,12 +229,26 @@ class Worker:
             weight_bytes = sum(self.cache.path(f).stat().st_size for f in files)
             if self.budget:
                 in_use = sum(s.weight_bytes for p, s in self.slots.items() if p in msg.get("keep", ()))
+                if msg.get("warm"):  # a warm spare may use only what the running stage leaves free
+                    in_use = sum({id(s.runner): s.weight_bytes for s in self.slots.values()}.values())
                 kv = msg.get("kv_bytes_per_token", 0) * KV_RESERVE_TOKENS
                 self.budget.check(weight_bytes + kv, f"units [{start}, {end}) weights + KV for {KV_RESERVE_TOKENS} tokens", in_use)
-            runner = await loop.run_in_executor(
-                None, lambda: StageRunner(self.cache.path(msg["graph"]), threads=self.s.threads, max_context=msg.get("max_context")))
-            self.slots[plan] = Slot(plan, start, end, runner, msg["next"], weight_bytes)
-            reply = {"plan": plan, "ok": True, "load_s": time.perf_counter() - t0, "fetched_bytes": fetched, "weight_bytes": weight_bytes}
+            if not msg.get("warm") and msg["graph"] not in self.warm:
+                self.warm.clear()  # the real stage takes the memory a warm spare held
+                self._prune_sessions()
+            runner = self.sessions.get(msg["graph"])
+            reused = runner is not None
+            if runner is None:  # a session already built for this graph (kept range, warm spare) is reused
+                runner = await loop.run_in_executor(
+                    None, lambda: StageRunner(self.cache.path(msg["graph"]), threads=self.s.threads, max_context=msg.get("max_context")))
+                self.sessions[msg["graph"]] = runner
+            if msg.get("warm"):
+                self.warm = {msg["graph"]}
+                self._prune_sessions()
+            else:
+                self.slots[plan] = Slot(plan, start, end, runner, msg["next"], weight_bytes)
+            reply = {"plan": plan, "ok": True, "load_s": time.perf_counter() - t0, "fetched_bytes": fetched, "weight_bytes": weight_bytes,
+                     "reused_session": reused}
         except (MemoryBudgetExceeded, OSError, ValueError, RuntimeError) as exc:
             reply = {"plan": plan, "ok": False, "error": str(exc).splitlines()[0]}
         except Exception as exc:  # onnxruntime raises its own types
@@ -395,6 +415,13 @@ class Worker:
 
     async def _send_control(self, msg: Message) -> None:
         await self.control.send(encode(msg))
+
+    def _prune_sessions(self) -> None:
+        """Keep only sessions a slot uses or the warm spare; the rest give their memory back."""
+        used = {id(slot.runner) for slot in self.slots.values()}
+        for sha, runner in list(self.sessions.items()):
+            if id(runner) not in used and sha not in self.warm:
+                del self.sessions[sha]
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)

@@ -174,13 +174,16 @@ class Watcher:
     """Status every second, events merged across polls (the coordinator keeps only the last 500)."""
 
     def __init__(self, url: str):
-        self.client = httpx.Client(base_url=url, timeout=10)
+        self.client = httpx.Client(base_url=url, timeout=5)
         self.samples: list[dict] = []
         self.events: dict[tuple, dict] = {}
         self.stop = threading.Event()
         self.errors = 0
+        self.failing_since: float | None = None  # first failed poll of the current streak
+        self.frozen_at: float | None = None  # coordinator stopped answering for >= 30 s from here
 
     def poll(self) -> dict | None:
+        now = time.monotonic()
         try:
             s = self.client.get("/v1/cluster/status").json()
             sample = {"t": time.monotonic(), "state": s["state"], "state_seconds": s["state_seconds"], "workers": len(s["workers"]),
@@ -188,9 +191,13 @@ class Watcher:
             self.samples.append(sample)
             for e in self.client.get("/v1/cluster/events").json()["events"]:
                 self.events[(e["t"], e["kind"], json.dumps(e, sort_keys=True))] = e
+            self.failing_since = None
             return sample
         except (httpx.HTTPError, ValueError, KeyError):
             self.errors += 1
+            self.failing_since = self.failing_since or now
+            if self.frozen_at is None and now - self.failing_since >= 30:
+                self.frozen_at = self.failing_since
             return None
 
     def run(self) -> None:
@@ -293,11 +300,12 @@ def run_scenario(name: str, home: Path, args, refs: dict) -> dict:
         clients.start()
         while time.monotonic() < t0 + args.duration:
             time.sleep(min(1.0, max(0.0, t0 + args.duration - time.monotonic())))
-        end = watcher.poll() or watcher.samples[-1]
+        end = watcher.poll() or watcher.samples[-1]  # the last answered poll if the coordinator stopped answering
         tokens1 = watcher.tokens_total()
-        t1 = end["t"]
+        t1 = t0 + args.duration
         churn.stop_killing()
-        drained = clients.join(args.request_timeout + 30)
+        frozen = watcher.frozen_at is not None or time.monotonic() - end["t"] > 30
+        drained = clients.join(5 if frozen else args.request_timeout + 30)
         watcher.stop.set()
         final = watcher.poll()
     finally:
@@ -310,7 +318,9 @@ def run_scenario(name: str, home: Path, args, refs: dict) -> dict:
 
     wall = t1 - t0
     states = {k: end["state_seconds"][k] - start["state_seconds"][k] for k in STATES}
-    total = sum(states.values())
+    # a coordinator that stopped answering serves nothing: the rest of the window counts as unavailable
+    unresponsive = max(0.0, t1 - end["t"]) if frozen else 0.0
+    total = sum(states.values()) + unresponsive
     evs = sorted(watcher.events.values(), key=lambda e: e["t"])
     # events inside the measured window: map wall clock to monotonic through the sample taken at t0
     offset = time.time() - time.monotonic()  # approx; events carry time.time()
@@ -327,19 +337,21 @@ def run_scenario(name: str, home: Path, args, refs: dict) -> dict:
     for i in range(5):
         a, b = state_at(watcher.samples, t0 + i * step), state_at(watcher.samples, t0 + (i + 1) * step)
         d = {k: b[k] - a[k] for k in STATES}
-        tot = sum(d.values())
+        lo, hi, last = t0 + i * step, t0 + (i + 1) * step, end["t"]
+        tot = sum(d.values()) + ((max(0.0, hi - last) - max(0.0, lo - last)) if frozen else 0.0)
         rate_mid = (i + 0.5) * step / args.duration / args.mttf_end
         windows.append({"from_s": round(i * step), "to_s": round((i + 1) * step), "mttf_mid_s": round(1 / rate_mid, 1),
                         "availability": 100 * d["up"] / tot if tot else None, "kills": sum(i * step <= k < (i + 1) * step for k in churn.kill_times)})
     result = {
         "scenario": name, "memory_per_worker": spec["memory"], "workers": WORKERS, "needed": spec["needed"], "first_plan": first_plan,
         "duration_s": round(wall, 1), "state_seconds": {k: round(v, 2) for k, v in states.items()},
+        "coordinator_unresponsive_s": round(unresponsive, 1), "coordinator_frozen_at_s": round(end["t"] - t0, 1) if frozen else None,
         "availability": 100 * states["up"] / total if total else None, "seed_availability": spec["seed_availability"], "goal": spec["goal"],
         "requests": {**outcome, "in_flight_at_end_drained": drained, "completed_in_window_ok": sum(r["outcome"] == "ok" for r in in_win),
                      "max_latency_s": max((r["end"] - r["start"] for r in done), default=None),
                      "median_latency_s": statistics.median([r["end"] - r["start"] for r in done]) if done else None},
         "tokens_per_s_ok_requests": ok_tokens / wall if wall else None,
-        "server_tokens_per_s": (tokens1 - tokens0) / wall if wall else None,
+        "server_tokens_per_s": (tokens1 - tokens0) / wall if wall and not math.isnan(tokens1) else None,
         "kills": churn.kills, "restarts": churn.restarts, "unexpected_worker_exits": churn.unexpected_exits,
         "leaves": sum(e["kind"] == "leave" for e in in_window), "joins": sum(e["kind"] == "join" for e in in_window),
         "recoveries": len(recovered), "recovered_s_median": statistics.median(recovered) if recovered else None,
@@ -350,7 +362,7 @@ def run_scenario(name: str, home: Path, args, refs: dict) -> dict:
         "state_changes": sum(e["kind"] == "state" for e in in_window),
         "availability_by_fifth": windows, "watch_errors": watcher.errors, "logs": str(logdir),
         "bad_requests": [r for r in clients.results if r["outcome"] != "ok"][:10],
-        "final_state": final["state"] if final else None,
+        "final_state": final["state"] if final else end["state"],
     }
     print(json.dumps({k: v for k, v in result.items() if k not in ("bad_requests",)}), flush=True)
     return result
@@ -366,17 +378,17 @@ def report(results: list[dict], args, started: str) -> None:
                   f"seed {args.seed} · {args.concurrency} client threads back to back, greedy, {'/'.join(map(str, TOKENS))} tokens · "
                   f"shared noisy 2-core machine: worker restarts (Python start ~1-2 s CPU), calibration and the client share the CPU")
     lines = ["# Availability under worker churn (seed 003 §6.5, table 6.8)", "", conditions, "",
-             "| scenario | memory/worker (emulated) | needed | Down s | Preparing s | Committing s | Up s | availability | seed 003 | goal | met |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| scenario | memory/worker (emulated) | needed | Down s | Preparing s | Committing s | Up s | coordinator not answering s | availability | seed 003 | goal | met |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["state_seconds"]
         lines.append(f"| {r['scenario']} | {r['memory_per_worker']} | {r['needed']} (first plan: {len(r['first_plan'])} stage(s)) | "
-                     f"{f(s['down'])} | {f(s['preparing'])} | {f(s['committing'])} | {f(s['up'])} | **{f(r['availability'], 2)}%** | "
+                     f"{f(s['down'])} | {f(s['preparing'])} | {f(s['committing'])} | {f(s['up'])} | {f(r['coordinator_unresponsive_s'])} | **{f(r['availability'], 2)}%** | "
                      f"{r['seed_availability']}% | ≥ {r['goal']:g}% | {'yes' if r['availability'] is not None and r['availability'] >= r['goal'] else 'no'} |")
     for r in results:
         seed = SEED_TABLE[r["scenario"]]
         lines.append(f"| seed 003 ({'Qwen3-0.6B' if r['scenario'] == 'one' else 'Qwen3-1.7B'}, chat) | | {r['needed']} | {seed['down']} | "
-                     f"{seed['preparing']} | {seed['committing']} | {seed['up']} | {r['seed_availability']}% | | | |")
+                     f"{seed['preparing']} | {seed['committing']} | {seed['up']} | | {r['seed_availability']}% | | | |")
     lines += ["", "| scenario | requests ok | wrong tokens | errors | timeouts | ok tokens/s | server tokens/s | latency median / max s | kills | "
               "restarts | recoveries | recovered s median / max | plans up | plan failed | state changes |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -391,6 +403,10 @@ def report(results: list[dict], args, started: str) -> None:
               "|---|" + "---|" * len(results[0]["availability_by_fifth"])]
     for r in results:
         lines.append(f"| {r['scenario']} | " + " | ".join(f"{f(w['availability'], 1)}% ({w['kills']} kills)" for w in r["availability_by_fifth"]) + " |")
+    for r in results:
+        if r["coordinator_frozen_at_s"] is not None:
+            lines.append(f"\n**{r['scenario']}: the coordinator stopped answering HTTP at {r['coordinator_frozen_at_s']} s into the run** "
+                         f"(last state {r['final_state']}); the rest of the window counts as unavailable. Worker logs: {r['logs']}")
     lines += ["", "Requests are counted over the whole run including the drain after the window (no new request after it; "
               "killing stops and dead workers are restarted). Tokens/s counts only correct answers finished inside the window. "
               "Seed 003 ran 10 workers on separate machines; here 5 processes share 2 cores, so a restart's CPU slows everyone."]

@@ -3,7 +3,8 @@
 Run `python benchmarks/decode.py` (6-10 minutes on 2 cores; the timed part adds no repetition
 that would pass `--budget`, 420 s, since a loaded machine can slow multi-threaded engines
 tenfold) or `--quick` (128 tokens, one repetition, default threads only, about 2 minutes). It
-prints a table and writes `benchmarks/results/decode.json` and `benchmarks/results/decode.md`.
+prints a table and writes `benchmarks/results/decode.json` and `benchmarks/results/decode.md`
+(`decode-quick.*` for `--quick`).
 The first run also builds onnxruntime-genai's model (about a minute; needs torch, transformers
 and onnx-ir, as in the test extras plus `pip install onnx-ir`).
 
@@ -252,6 +253,7 @@ def main() -> None:
     quality = top1_vs_fp32(agree_ids, agree_n, home, genai_dir, has_llama)
 
     report = {
+        "quick": args.quick,
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine(),
         "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
@@ -276,9 +278,10 @@ def main() -> None:
     print_table(report)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decode.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "decode.md").write_text(markdown(report))
-    print(f"wrote {out / 'decode.json'} and {out / 'decode.md'} ({report['conditions']['elapsed_s']} s)")
+    stem = "decode-quick" if args.quick else "decode"  # a smoke run never overwrites the full results
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(report))
+    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'} ({report['conditions']['elapsed_s']} s)")
 
 
 def print_table(report: dict) -> None:

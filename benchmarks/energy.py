@@ -88,6 +88,16 @@ def energy_of(stages, model, devs, net, power: dict[str, tuple[float, float]] | 
     return p.tpot_s, p.energy_j_per_token
 
 
+def price(named, cluster: Cluster, rtts, power) -> dict:
+    """Predicted TPOT and energy (declared power) of a plan given by device names, on the
+    profiles ``cluster``'s coordinator measured."""
+    model, devs, net = measured_profiles(cluster, rtts, power=power)
+    names = cluster.names()
+    id_of = {n: w for w, n in names.items()}
+    t, e = energy_of([(id_of[n], s, e) for n, s, e in named], model, devs, net, power, names)
+    return {"tpot_ms": 1e3 * t, "energy_j": e}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 16 tokens")
@@ -106,73 +116,75 @@ def main() -> None:
     t0 = time.monotonic()
     try:
         lat = clusters["latency-server"] = Cluster("e-latency", devs_spec, ("--placement", "planner", "--objective", "latency"), logdir)
-        st = lat.wait_up()
-        names = lat.names()
-        rtts = sample_rtts(lat)
-        model, devs, net = measured_profiles(lat, rtts, power=POWER)
-        lat_plan = plan(model, devs, net, PlanRequest()).best
-        # The target is set the way a user would: a multiple of the time per token this cluster
-        # is seen to achieve with the latency plan (the cost model's absolute scale is checked
-        # by predict.py).
+        lat.wait_up()
+        # The target is set the way a user would: a multiple of the time per token this cluster is
+        # seen to achieve with the latency plan (the cost model's absolute scale is predict.py's job).
         lat.request(8)
         lat_tpot = statistics.median(lat.request(args.tokens)["tpot_s"] for _ in range(2))
         target_s = args.target_factor * lat_tpot
-        en_plan = plan(model, devs, net, PlanRequest(objective=Objective.ENERGY, tpot_target_s=target_s)).best
-        pure = {"latency": [(s.device_ids[0], s.start, s.end) for s in lat_plan.stages],
-                "energy": [(s.device_ids[0], s.start, s.end) for s in en_plan.stages]}
         en = clusters["energy-server"] = Cluster(
             "e-energy", devs_spec, ("--placement", "planner", "--objective", "energy", "--tpot-target-ms", f"{target_s * 1e3:.2f}"), logdir)
-        est = en.wait_up()
-        server_stages = {"latency-server": [(names[s["worker"]], s["start"], s["end"]) for s in st["plan"]["stages"]],
-                         "energy-server": [(en.names()[s["worker"]], s["start"], s["end"]) for s in est["plan"]["stages"]]}
-        id_of = {n: w for w, n in names.items()}
-        pure_named = {k: [(names[w], s, e) for w, s, e in v] for k, v in pure.items()}
-        if pure_named["energy"] not in server_stages.values():
+        en.wait_up()
+        rtts = {"lat": sample_rtts(lat), "en": sample_rtts(en)}
+        plans = {"latency-server": lat.stages(), "energy-server": en.stages()}
+        # The pure planner on the latency server's profiles, with the declared power.
+        model, devs, net = measured_profiles(lat, rtts["lat"], power=POWER)
+        names = lat.names()
+        pure_e = plan(model, devs, net, PlanRequest(objective=Objective.ENERGY, tpot_target_s=target_s)).best
+        pure_l = plan(model, devs, net, PlanRequest()).best
+        pure = {"latency": [(names[s.device_ids[0]], s.start, s.end) for s in pure_l.stages],
+                "energy": [(names[s.device_ids[0]], s.start, s.end) for s in pure_e.stages]}
+        if pure["energy"] not in plans.values():
             by_name = {d.name: d for d in devs_spec}
-            order = [n for n, _, _ in pure_named["energy"]]
-            forced = [replace(by_name[n], memory=m) for n, m in zip(order, forced_memory([e - s for _, s, e in pure_named["energy"]]))]
-            c = clusters["energy-plan (pure, forced)"] = Cluster("e-forced", forced, ("--placement", "memory"), logdir)
+            counts = forced_memory([e - s for _, s, e in pure["energy"]])
+            forced = [replace(by_name[n], memory=m) for (n, _, _), m in zip(pure["energy"], counts)]
+            c = clusters["pure energy plan (forced)"] = Cluster("e-forced", forced, ("--placement", "memory"), logdir)
             c.wait_up()
-            if c.stages() != pure_named["energy"]:
-                raise RuntimeError(f"forced placement came out as {c.stages()}, wanted {pure_named['energy']}")
-            server_stages["energy-plan (pure, forced)"] = c.stages()
-        # Every placement priced on the latency server's measured profiles, declared and default power.
-        priced = {}
-        for k, named in {**server_stages, "pure latency plan": pure_named["latency"], "pure energy plan": pure_named["energy"]}.items():
-            stages = [(id_of[n], s, e) for n, s, e in named]
-            t, e_decl = energy_of(stages, model, devs, net, POWER, names)
-            _, e_def = energy_of(stages, model, devs, net, None, names)
-            priced[k] = {"stages": named, "tpot_ms": 1e3 * t, "energy_declared_j": e_decl, "energy_default_j": e_def,
-                         "meets_target_predicted": t <= target_s}
-        server_pred = {"latency-server": st["plan"]["predicted"], "energy-server": est["plan"]["predicted"]}
+            if c.stages() != pure["energy"]:
+                raise RuntimeError(f"forced placement came out as {c.stages()}, wanted {pure['energy']}")
+        # What each server runs now (a server may have re-planned since it came up), right before measuring.
+        plans = {k: c.stages() for k, c in clusters.items()}
+        server_pred = {"latency-server": lat.status()["plan"]["predicted"], "energy-server": en.status()["plan"]["predicted"]}
+        priced = {k: {"stages": v, "on_latency_server_profiles": price(v, lat, rtts["lat"], POWER),
+                      "on_energy_server_profiles": price(v, en, rtts["en"], POWER),
+                      "default_power_on_latency_server_profiles": price(v, lat, rtts["lat"], None)}
+                  for k, v in {**plans, "pure latency plan": pure["latency"], "pure energy plan": pure["energy"]}.items()}
         samples = interleave(clusters, args.rounds, args.tokens)
         measured = {k: summary(v, clusters[k].names()) for k, v in samples.items()}
-        cal = {names[w]: {k: e[k] for k in ("speed", "overhead_ms")} for w, e in calibrations(lat).items()}
-        cal_energy = {en.names()[w]: {k: e[k] for k in ("speed", "overhead_ms")} for w, e in calibrations(en).items()}
+        cal = {k: {c.names()[w]: {x: e[x] for x in ("speed", "overhead_ms")} for w, e in calibrations(c).items()}
+               for k, c in (("latency-server", lat), ("energy-server", en))}
+        plans_after = {k: c.stages() for k, c in clusters.items()}
     finally:
         for c in clusters.values():
             c.close()
+    target_ms = target_s * 1e3
     for k, m in measured.items():
-        m["meets_target_measured"] = m["tpot_ms_median"] <= target_s * 1e3
+        m["meets_target_measured"] = m["tpot_ms_median"] <= target_ms
         # The load on this shared machine drifts by 2x within a minute, so also compare each
         # request with the latency server's request of the same round.
         m["tpot_vs_latency_paired"] = statistics.median(a["tpot_s"] / b["tpot_s"] for a, b in
                                                          zip(samples[k], samples["latency-server"]))
         m["meets_relative_target_paired"] = m["tpot_vs_latency_paired"] <= args.target_factor
-    energy_key = "energy-plan (pure, forced)" if "energy-plan (pure, forced)" in measured else next(
-        k for k, v in server_stages.items() if v == pure_named["energy"])
-    lat_e = priced["pure latency plan"]["energy_declared_j"]
-    en_e = priced["pure energy plan"]["energy_declared_j"]
-    met = en_e < lat_e and priced["pure energy plan"]["meets_target_predicted"] and measured[energy_key]["meets_target_measured"]
-    met_paired = en_e < lat_e and priced["pure energy plan"]["meets_target_predicted"] and \
-        measured[energy_key]["meets_relative_target_paired"]
+
+    def verdict(energy_plan: str, latency_plan: str, profiles: str, measured_as: str | None) -> dict:
+        e, l_ = priced[energy_plan][profiles], priced[latency_plan][profiles]
+        m = measured.get(measured_as) if measured_as else None
+        return {"energy_plan": energy_plan, "latency_plan": latency_plan, "profiles": profiles,
+                "less_energy": e["energy_j"] < l_["energy_j"] * (1 - 1e-9), "saving_pct": 100 * (1 - e["energy_j"] / l_["energy_j"]),
+                "meets_target_predicted": e["tpot_ms"] <= target_ms, "measured_as": measured_as,
+                "meets_target_measured": bool(m and m["meets_target_measured"]),
+                "meets_relative_target_paired": bool(m and m["meets_relative_target_paired"])}
+    verdicts = {"server": verdict("energy-server", "latency-server", "on_energy_server_profiles", "energy-server")}
+    pure_measured = next((k for k, v in plans.items() if v == pure["energy"]), None)
+    verdicts["pure"] = verdict("pure energy plan", "pure latency plan", "on_latency_server_profiles", pure_measured)
+    for v in verdicts.values():
+        v["met"] = v["less_energy"] and v["meets_target_predicted"] and v["meets_target_measured"]
+        v["met_paired"] = v["less_energy"] and v["meets_target_predicted"] and v["meets_relative_target_paired"]
     out = {"machine": info, "rounds": args.rounds, "tokens": args.tokens, "quick": args.quick, "power_flags": flags,
            "devices": [{"name": n, "label": d.label(), "declared_power_w": POWER[n]} for n, d in zip(POWER, devs_spec)],
-           "calibrated_latency_server": cal, "calibrated_energy_server": cal_energy,
-           "target_ms": target_s * 1e3, "target_factor": args.target_factor, "latency_tpot_ms_for_target": lat_tpot * 1e3,
-           "priced": priced,
-           "server_predicted": server_pred, "measured": measured, "energy_plan_measured_as": energy_key,
-           "energy_saving_pct": 100 * (1 - en_e / lat_e), "met": met, "met_paired": met_paired, "logs": str(logdir),
+           "calibrated": cal, "target_ms": target_ms, "target_factor": args.target_factor,
+           "latency_tpot_ms_for_target": lat_tpot * 1e3, "priced": priced, "server_predicted": server_pred,
+           "plans_after_measurement": plans_after, "measured": measured, "verdicts": verdicts, "logs": str(logdir),
            "wall_s": round(time.monotonic() - t0, 1), "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     text = report(out)
     print(text)
@@ -186,38 +198,46 @@ def report(out: dict) -> str:
     fmt = lambda st: " · ".join(f"{n}[{s},{e})" for n, s, e in st)  # noqa: E731
     lines = header("Energy objective under a time-per-token target (emulated cluster)", out["machine"],
                    f"{out['tokens']} tokens per request, {out['rounds']} rounds interleaved, greedy, `ignore_eos`, 1 thread per worker")
-    lines += ["| device | emulation | declared power busy / idle W | calibrated speed (latency server) |", "|---|---|---|---|"]
+    lines += ["| device | emulation | declared power busy / idle W | calibrated speed: latency server / energy server |",
+              "|---|---|---|---|"]
     for d in out["devices"]:
         b, i = d["declared_power_w"]
-        lines.append(f"| {d['name']} | {d['label'].split(', --power')[0]} | {b:g} / {i:g} | "
-                     f"{out['calibrated_latency_server'].get(d['name'], {}).get('speed', '')} |")
+        speeds = " / ".join(str(out["calibrated"][k].get(d["name"], {}).get("speed", "")) for k in ("latency-server", "energy-server"))
+        lines.append(f"| {d['name']} | {d['label'].split(', --power')[0]} | {b:g} / {i:g} | {speeds} |")
     power_note = ("workers declared their power with `--power-busy-w/--power-idle-w`" if out["power_flags"] else
-                  "`edgepipe worker` has no power flags yet: the servers saw every device at the defaults "
+                  "`edgepipe worker` has no power flags: the servers saw every device at the defaults "
                   "(15 W busy / 3 W idle); the declared power enters only through the pure planner")
     lines += ["", f"Target: **{out['target_ms']:.1f} ms/token** = {out['target_factor']:g} x the latency server's measured TPOT "
-              f"({out['latency_tpot_ms_for_target']:.1f} ms, median of 2 requests before the others start). "
-              f"Power: {power_note}.", "",
-              "| plan | stages | predicted TPOT ms | predicted J/token (declared power) | predicted J/token (default power) | "
-              "meets target (predicted) |", "|---|---|---|---|---|---|"]
+              f"({out['latency_tpot_ms_for_target']:.1f} ms, median of 2 requests before the others start). Power: {power_note}.", "",
+              "| plan | stages | on the energy server's profiles: TPOT ms / J per token | on the latency server's profiles: "
+              "TPOT ms / J per token | J per token at default power (latency server's profiles) |", "|---|---|---|---|---|"]
     for k, p in out["priced"].items():
-        lines.append(f"| {k} | {fmt(p['stages'])} | {p['tpot_ms']:.1f} | {p['energy_declared_j']:.3f} | {p['energy_default_j']:.3f} | "
-                     f"{p['meets_target_predicted']} |")
-    lines += ["", "(all rows priced by `edgepipe.plan.evaluate` on the latency server's calibrations; the servers' own predictions: " +
-              "; ".join(f"{k} {v['tpot_s'] * 1e3:.1f} ms, {v['energy_j_per_token']:.3f} J/token, meets target {v.get('meets_target')}"
-                        for k, v in out["server_predicted"].items()) + ")", "",
-              "| measured (interleaved) | TPOT ms (median) | TPOT ms (each) | decode tok/s (median) | meets target (measured) | "
-              f"TPOT / latency server's, same round (median) | within {out['target_factor']:g}x |", "|---|---|---|---|---|---|---|"]
+        a, b, c = p["on_energy_server_profiles"], p["on_latency_server_profiles"], p["default_power_on_latency_server_profiles"]
+        lines.append(f"| {k} | {fmt(p['stages'])} | {a['tpot_ms']:.1f} / {a['energy_j']:.3f} | {b['tpot_ms']:.1f} / {b['energy_j']:.3f} | "
+                     f"{c['energy_j']:.3f} |")
+    lines += ["", "(priced by `edgepipe.plan.evaluate` on each coordinator's calibrations with the declared power; the servers' own "
+              "predictions at deployment: " + "; ".join(
+                  f"{k} {v['tpot_s'] * 1e3:.1f} ms, {v['energy_j_per_token']:.3f} J/token, meets target {v.get('meets_target')}"
+                  for k, v in out["server_predicted"].items()) + ")", "",
+              "| measured (interleaved) | stages | TPOT ms (median) | TPOT ms (each) | decode tok/s (median) | meets target | "
+              f"TPOT / latency server's in the same round (median) | within {out['target_factor']:g}x |", "|---|---|---|---|---|---|---|---|"]
     for k, m in out["measured"].items():
-        lines.append(f"| {k} | {m['tpot_ms_median']:.1f} | {', '.join(f'{x:.0f}' for x in m['tpot_ms_all'])} | "
-                     f"{m['decode_tok_s_median']:.1f} | {m['meets_target_measured']} | {m['tpot_vs_latency_paired']:.2f} | "
-                     f"{m['meets_relative_target_paired']} |")
-    lines += ["", f"Goal: the energy plan has less predicted energy than the latency plan "
-              f"({out['priced']['pure energy plan']['energy_declared_j']:.3f} vs {out['priced']['pure latency plan']['energy_declared_j']:.3f} "
-              f"J/token, {out['energy_saving_pct']:.0f}% less), meets the target by prediction and by measurement "
-              f"(`{out['energy_plan_measured_as']}`) → absolute target: **{'met' if out['met'] else 'NOT met'}**; "
-              f"target as {out['target_factor']:g}x the latency plan measured in the same rounds: "
-              f"**{'met' if out['met_paired'] else 'NOT met'}**.", "",
-              "Energy per token (cost model, one sequence): sum over the plan's devices of busy W x stage time + idle W x "
+        lines.append(f"| {k} | {fmt(out['plans_after_measurement'][k])} | {m['tpot_ms_median']:.1f} | "
+                     f"{', '.join(f'{x:.0f}' for x in m['tpot_ms_all'])} | {m['decode_tok_s_median']:.1f} | {m['meets_target_measured']} | "
+                     f"{m['tpot_vs_latency_paired']:.2f} | {m['meets_relative_target_paired']} |")
+    moved = [k for k in out["measured"] if out["plans_after_measurement"][k] != out["priced"][k]["stages"]]
+    if moved:
+        lines.append(f"\nRe-planned during the measurement: {', '.join(moved)} (priced: the plan before).")
+    lines.append("")
+    for key, title in (("server", "`--objective energy` server vs `--objective latency` server (energy server's cost model)"),
+                       ("pure", "pure planner on the latency server's profiles (energy vs latency objective)")):
+        v = out["verdicts"][key]
+        lines.append(f"- **{title}**: less predicted energy {v['less_energy']} ({v['saving_pct']:.0f}% less), meets the target "
+                     f"by prediction {v['meets_target_predicted']}, measured ({v['measured_as']}): absolute "
+                     f"{v['meets_target_measured']}, paired {v['meets_relative_target_paired']} → "
+                     f"**{'met' if v['met'] else 'NOT met'}** (absolute target) / **{'met' if v['met_paired'] else 'NOT met'}** "
+                     f"(target as {out['target_factor']:g}x the latency plan in the same rounds)")
+    lines += ["", "Energy per token (cost model, one sequence): sum over the plan's devices of busy W x stage time + idle W x "
               "(time per token - stage time); devices outside the plan count nothing. It is a prediction from declared "
               "power, not a measurement: nothing here meters power."]
     return "\n".join(lines) + "\n"

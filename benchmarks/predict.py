@@ -1,6 +1,6 @@
 """Predicted vs measured time per output token on emulated clusters (cost-model accuracy).
 
-    python benchmarks/predict.py [--quick] [--requests 4] [--tokens 64] [--only NAME,...]
+    python benchmarks/predict.py [--quick] [--requests 5] [--tokens 64] [--only NAME,...]
 
 For each configuration (EMULATED devices: worker processes with ``--slowdown``, ``--memory``,
 user-space ``--link-delay-ms``, or a kernel ``tbf`` link in a network namespace) it starts
@@ -96,13 +96,25 @@ def run_config(name: str, devices: list[Device], requests: int, tokens: int, log
             after = [(s["worker"], s["start"], s["end"]) for s in c.status()["plan"]["stages"]]
             runs.append({**r, "stages": before, "stable": before == after})
         rtts = sample_rtts(c, 4, 0.5)
-        learn = runs[0]
-        measured_runs = [r for r in runs[1:] if r["stable"] and r["stages"] == learn["stages"]]
+        # The coordinator may re-plan once it has seen real work: use the longest stretch of
+        # requests that ran start to end on one plan; its first request teaches, the rest measure.
+        groups: list[list[dict]] = []
+        for r in runs:
+            if r["stable"] and groups and groups[-1][0]["stages"] == r["stages"]:
+                groups[-1].append(r)
+            elif r["stable"]:
+                groups.append([r])
+        group = max(groups, key=len, default=[])
         cal = {names[w]: {k: e[k] for k in ("speed", "overhead_ms", "uplink_mb_s")} for w, e in calibrations(c).items()}
-        if not measured_runs:
-            return {"devices": [d.label() for d in devices], "error": "the plan changed during every measured request",
-                    "runs": runs}
+        if len(group) < 2:
+            return {"devices": [d.label() for d in devices], "error": "no two requests ran on one plan", "runs": runs}
+        learn, measured_runs = group[0], group[1:]
         stages = learn["stages"]
+        if stages != stages0:  # the coordinator's prediction for the plan it switched to
+            events = c.events()
+            plan_id = next(e["plan"] for e in reversed(events) if e["kind"] == "prepare" and
+                           [tuple(x) for x in e["stages"]] == [tuple(x) for x in stages])
+            pred0 = next(e["predicted"] for e in events if e["kind"] == "up" and e["plan"] == plan_id)
         speeds = refined_speeds(c, stages, learn["stage_compute_s"])
         model, devs, net = measured_profiles(c, rtts, speeds=speeds)
         running = predict(stages, model, devs, net)
@@ -132,7 +144,8 @@ def run_config(name: str, devices: list[Device], requests: int, tokens: int, log
 def report(out: dict) -> str:
     rows = out["configs"]
     lines = header("Cost model: predicted vs measured time per output token (emulated clusters)", out["machine"],
-                   f"{out['tokens']} tokens per request, 1 learning request then {out['requests'] - 1} measured, greedy, "
+                   f"{out['tokens']} tokens per request, {out['requests']} requests per configuration (on the longest stretch "
+                   "run on one plan: the first teaches, the rest are measured), greedy, "
                    "`ignore_eos`, 1 thread per worker, `--placement planner --objective latency`")
     lines += ["| config | devices | plan | measured TPOT ms | initial pred ms (err) | running pred ms (err) | "
               "compute: measured / initial / running ms | rest (hops…): measured / initial / running ms |",
@@ -161,11 +174,13 @@ def report(out: dict) -> str:
 
 
 NOTES = [
-    "Initial = the coordinator's own `plan.predicted.tpot_s` when it deployed the plan. Running = `edgepipe.plan.evaluate` "
+    "Initial = the coordinator's own `plan.predicted.tpot_s` when it deployed the plan (where it re-planned after the "
+    "first requests, marked 're-planned from', the prediction it made for the plan it switched to, already from refined "
+    "speeds). Running = `edgepipe.plan.evaluate` "
     "on the running stages with speeds refined from the first request's stage compute (as `ClusterProfile.step` does), "
     "heartbeat RTTs sampled from the status page, the coordinator's calibrated overheads and uplinks. The coordinator does "
     "not publish its running prediction, so it is rebuilt here.",
-    "Measured TPOT = median over requests 2..N of the coordinator's decode-step wall time (TPOT histogram sum / count). "
+    "Measured TPOT = median over the measured requests of the coordinator's decode-step wall time (TPOT histogram sum / count). "
     "Measured compute = sum over stages of the mean per-call stage compute (`edgepipe_stage_compute_seconds`, including "
     "the emulated slowdown wait); rest = TPOT - compute.",
     "Rest error share = mean over configs of |predicted hops - measured rest| / measured TPOT.",
@@ -176,14 +191,14 @@ NOTES = [
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help=f"smoke run: {', '.join(QUICK)}, 2 requests of 16 tokens")
-    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help=f"smoke run: {', '.join(QUICK)}, 3 requests of 16 tokens")
+    ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--only", default="", help="comma list of configuration names")
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(CONFIGS)
     if args.quick:
-        names, args.requests, args.tokens = QUICK, 2, 16
+        names, args.requests, args.tokens = QUICK, 3, 16
     logdir = Path(tempfile.mkdtemp(prefix="edgepipe-predict-"))
     out = {"machine": machine(), "requests": args.requests, "tokens": args.tokens, "quick": args.quick,
            "prewarmed_files": prewarm(), "configs": {}, "notes": NOTES, "logs": str(logdir)}

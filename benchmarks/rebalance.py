@@ -4,8 +4,9 @@ Issue: "A worker slowed 3x mid-run triggers a re-plan; tokens/s afterwards at le
 of staying put (the seeds report 1.29-1.32x)."
 
 Two clusters run side by side on loopback with the same flags: 3 local workers, 1 thread each,
-planner placement, an EMULATED memory budget per worker (``--memory``, default 170MB) under
-which no worker can hold the model and the plan needs all three stages. Requests alternate
+planner placement, an EMULATED memory budget per worker (``--memory``, default 250MB) under
+which no worker can hold the model, so the plan pipelines over at least two of the three
+workers (with 250MB: two stages, the third worker idle; with 170MB all three are needed). Requests alternate
 A, B, A, B (one at a time, so the machine's noise hits both alike); each is a greedy streamed
 completion and its decode rate is (chunks - 1) / (last chunk - first chunk).
 
@@ -110,7 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8, help="interleaved A/B rounds before and after")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--memory", default="170MB", help="EMULATED per-worker budget; 170MB: the plan needs all 3 workers")
+    ap.add_argument("--memory", default="250MB", help="EMULATED per-worker budget: 250MB -> 2 of 3 workers needed, 170MB -> all 3")
     ap.add_argument("--slowdown", type=float, default=3.0)
     ap.add_argument("--replan-timeout", type=float, default=180, help="most seconds to wait for A's re-plan")
     ap.add_argument("--request-timeout", type=float, default=120)
@@ -182,6 +183,8 @@ def main() -> None:
         b_planner_moves = [e for e in events(B, "prepare") if e["t"] > slowed_at and e.get("reason") != "manual rebalance"]
         a_final = stages_of(A)[1]
         a_pred = A.client.get("/v1/cluster/plan").json()
+        kinds = ("emulation", "prepare", "up", "plan_failed", "spare_failed", "calibrated")
+        plan_events = {n: [e for e in s.client.get("/v1/cluster/events").json()["events"] if e["kind"] in kinds] for n, s in servers.items()}
     finally:
         for s in servers.values():
             s.close()
@@ -195,7 +198,7 @@ def main() -> None:
         "time_to_replan_s": replan["t"] - slowed_at if replan else None, "replan_event": replan,
         "original_plans": original, "victims": victims, "A_plan_after_replan": a_plan_after, "A_final_plan": a_final,
         "A_plans_deployed_after_slowdown": len(a_plans_during_after), "B_repins": pin.repins, "B_planner_moves": len(b_planner_moves),
-        "B_samples_discarded": discarded_b, "wrong_text": wrong, "A_plan_view": a_pred,
+        "B_samples_discarded": discarded_b, "wrong_text": wrong, "A_plan_view": a_pred, "events": plan_events,
     }
     conditions = (f"{started} · {machine()} · SmolLM2-135M int4 · 2 clusters side by side, 3 local workers each (1 thread), planner "
                   f"placement, EMULATED memory budget {args.memory}/worker · one busiest-stage worker per cluster slowed x{args.slowdown:g} "
@@ -230,7 +233,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    name = "rebalance-smoke" if args.smoke else "rebalance"
+    name = ("rebalance-smoke" if args.smoke else "rebalance") + ("" if args.memory == "250MB" else f"-{args.memory}")
     (RESULTS / f"{name}.md").write_text(text + "\n")
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
 

@@ -61,6 +61,7 @@ class _KVPool:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.rows = 0
         self.capacity = 0
+        self.generation = 0  # bumped whenever the buffers are reallocated
         self.arrays: dict[str, np.ndarray] = {}
         self.row_of: dict[str, int] = {}
         self.length: dict[str, int] = {}
@@ -75,6 +76,7 @@ class _KVPool:
                     grown[: self.rows, :, :live] = self.arrays[name][:, :, :live]
                 self.arrays[name] = grown
         self.rows, self.capacity = rows, capacity
+        self.generation += 1
 
     def add(self, seq: str) -> int:
         used = set(self.row_of.values())
@@ -92,6 +94,7 @@ class _KVPool:
         if not self.row_of:  # nothing live: give the memory back
             self.arrays.clear()
             self.rows = self.capacity = 0
+            self.generation += 1
 
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` positions in every row (plus the harmless write of bystanders)."""
@@ -113,13 +116,15 @@ class _KVPool:
 class StageRunner:
     """One ONNX Runtime session over units ``[start, end)``, plus per-sequence KV caches."""
 
-    def __init__(self, graph_path: str | Path, threads: int | None = None, max_context: int | None = None):
+    def __init__(self, graph_path: str | Path, threads: int | None = None, max_context: int | None = None, spin: bool = False):
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0" if threads == 1 else "1")
+        # Spinning threads win ~20% on an idle machine but halve throughput when another
+        # process (or another stage's session in this process) needs the core: off by default.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         self.session = ort.InferenceSession(str(graph_path), options, providers=["CPUExecutionProvider"])
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = [o.name for o in self.session.get_outputs()]
@@ -133,6 +138,7 @@ class StageRunner:
             self.kv_heads, self.head_dim = int(shape[1]), int(shape[3])
         self.max_context = max_context
         self._pool = _KVPool(self.layers, getattr(self, "kv_heads", 0), getattr(self, "head_dim", 0))
+        self._bound, self._bound_key = None, None
 
     # -- sequences --------------------------------------------------------------------------
     def length(self, seq: str) -> int:
@@ -168,6 +174,21 @@ class StageRunner:
         """Feed ``S`` new positions of one sequence; returns hidden ``[1, S, H]`` or token ``[1]``."""
         return self.run_batch([seq], x, sampling)
 
+    def _binding(self, lo: int, hi: int):
+        """An IOBinding with rows ``[lo, hi)`` of the KV pool bound in place, reused until the
+        pool is reallocated (binding 2 x layers buffers every step costs more than the step's
+        small ops)."""
+        key = (lo, hi, self._pool.generation)
+        if self._bound_key != key:
+            binding = self.session.io_binding()
+            binding.bind_output(self.output_name, "cpu")  # first, so get_outputs()[0] is always it
+            for name, value in self._pool.view(lo, hi).items():
+                kind, unit = name.split(".")
+                binding.bind_ortvalue_input(f"past_{kind}.{unit}", value)
+                binding.bind_ortvalue_output(f"present_{kind}.{unit}", value)
+            self._bound, self._bound_key = binding, key
+        return self._bound
+
     def replay(self, seq: str, x: np.ndarray, prompt_len: int, sampling: SamplingBatch | None = None) -> np.ndarray:
         """Rebuild a sequence's KV exactly as it was first computed: the prompt as one prefill,
         then each generated position as its own decode step (a single prefill over everything
@@ -201,20 +222,17 @@ class StageRunner:
         else:  # bystander rows inside [lo, hi) get a dummy input
             feed = np.zeros((n, *x.shape[1:]), x.dtype)
             feed[np.array(rows) - lo] = x
-        binding = self.session.io_binding()
-        binding.bind_cpu_input(self.input_name, feed)
-        binding.bind_output(self.output_name, "cpu")
         if self.layers:
             by_row = {r: s for s, r in pool.row_of.items()}
             lengths = np.array([pool.length.get(by_row.get(r, ""), 0) for r in range(lo, hi)], np.int64)
             lengths[np.array(rows) - lo] = np.array(totals) - new
             pool.reserve(int(lengths.max()) + new)
+        binding = self._binding(lo, hi)
+        binding.bind_cpu_input(self.input_name, feed)
+        binding.bind_output(self.output_name, "cpu")
+        if self.layers:
             binding.bind_cpu_input("seqlens_k", (lengths + new - 1).astype(np.int32))
             binding.bind_cpu_input("total_sequence_length", np.array(int(lengths.max()) + new, np.int32))
-            for name, value in pool.view(lo, hi).items():
-                kind, unit = name.split(".")
-                binding.bind_ortvalue_input(f"past_{kind}.{unit}", value)
-                binding.bind_ortvalue_output(f"present_{kind}.{unit}", value)
         if self.emits_tokens:
             batch = sampling or SamplingBatch.greedy(len(seqs))
             for name, arr in batch.feeds().items():

@@ -62,7 +62,8 @@ def main() -> None:
     args = ap.parse_args()
     home = Path(os.environ.get("EDGEPIPE_HOME", Path.home() / ".cache" / "edgepipe-bench"))
     counts = [int(x) for x in args.workers.split(",")]
-    servers = {n: Server(home, workers=n, args=("--worker-threads", str(args.threads), "--max-active", "1")) for n in counts}
+    servers = {n: Server(home, workers=n, args=("--placement", "memory", "--worker-threads", str(args.threads), "--max-active", "1",
+                                                 "--worker-args", f"--activation-dtype {args.activation_dtype}")) for n in counts}
     try:
         clients = {n: httpx.Client(base_url=s.url, timeout=300) for n, s in servers.items()}
         procs = {n: psutil.Process(s.proc.pid) for n, s in servers.items()}

@@ -94,7 +94,8 @@ def run_config(name: str, devices: list[Device], requests: int, tokens: int, log
             before = [(s["worker"], s["start"], s["end"]) for s in c.status()["plan"]["stages"]]
             r = c.request(tokens)
             after = [(s["worker"], s["start"], s["end"]) for s in c.status()["plan"]["stages"]]
-            runs.append({**r, "stages": before, "stable": before == after})
+            ok = before == after and r["tpot_s"] == r["tpot_s"] and set(r["stage_compute_s"]) >= {w for w, _, _ in before}
+            runs.append({**r, "stages": before, "stable": ok})
         rtts = sample_rtts(c, 4, 0.5)
         # The coordinator may re-plan once it has seen real work: use the longest stretch of
         # requests that ran start to end on one plan; its first request teaches, the rest measure.
@@ -115,10 +116,16 @@ def run_config(name: str, devices: list[Device], requests: int, tokens: int, log
             plan_id = next(e["plan"] for e in reversed(events) if e["kind"] == "prepare" and
                            [tuple(x) for x in e["stages"]] == [tuple(x) for x in stages])
             pred0 = next(e["predicted"] for e in events if e["kind"] == "up" and e["plan"] == plan_id)
-        speeds = refined_speeds(c, stages, learn["stage_compute_s"])
-        model, devs, net = measured_profiles(c, rtts, speeds=speeds)
-        running = predict(stages, model, devs, net)
-        m_tpot = statistics.median(r["tpot_s"] for r in measured_runs)
+        # Running: before each measured request, speeds refined from the requests before it on this
+        # plan (median per stage, as the coordinator's rolling median), then the cost model.
+        running_each = []
+        for k in range(1, len(group)):
+            seen = {w: statistics.median(r["stage_compute_s"][w] for r in group[:k]) for w, _, _ in stages}
+            speeds = refined_speeds(c, stages, seen)
+            model, devs, net = measured_profiles(c, rtts, speeds=speeds)
+            running_each.append(predict(stages, model, devs, net))
+        m_each = [r["tpot_s"] for r in measured_runs]
+        m_tpot = statistics.median(m_each)
         m_compute = statistics.median(sum(r["stage_compute_s"].get(w, 0.0) for w, _, _ in stages) for r in measured_runs)
         initial_same_plan = stages == stages0
     out = {
@@ -130,14 +137,19 @@ def run_config(name: str, devices: list[Device], requests: int, tokens: int, log
         "measured_tpot_ms_each": [round(1e3 * r["tpot_s"], 2) for r in measured_runs],
         "initial": {"tpot_ms": 1e3 * pred0["tpot_s"], "compute_ms": 1e3 * sum(pred0["stage_times_s"]),
                     "hops_ms": 1e3 * sum(pred0["hop_times_s"])},
-        "running": {"tpot_ms": 1e3 * running.tpot_s, "compute_ms": 1e3 * sum(running.stage_times_s),
-                    "hops_ms": 1e3 * sum(running.hop_times_s)},
+        "running": {"tpot_ms": 1e3 * statistics.mean(x.tpot_s for x in running_each),
+                    "compute_ms": 1e3 * statistics.mean(sum(x.stage_times_s) for x in running_each),
+                    "hops_ms": 1e3 * statistics.mean(sum(x.hop_times_s) for x in running_each),
+                    "tpot_ms_each": [round(1e3 * x.tpot_s, 2) for x in running_each]},
         "refined_speed": {names.get(w, w): round(v, 4) for w, v in speeds.items()},
         "rtt_ms": {names.get(w, w): round(v * 1e3, 2) for w, v in rtts.items()},
         "requests": len(measured_runs), "tokens": tokens,
     }
-    for k in ("initial", "running"):
-        out[k]["error_pct"] = 100 * (out[k]["tpot_ms"] - out["measured_tpot_ms"]) / out["measured_tpot_ms"]
+    # Errors per measured request (initial: one prediction for all; running: the one made before it).
+    for k, preds in (("initial", [pred0["tpot_s"]] * len(m_each)), ("running", [x.tpot_s for x in running_each])):
+        errs = [(p - m) / m for p, m in zip(preds, m_each)]
+        out[k]["error_pct"] = 100 * statistics.mean(errs)
+        out[k]["abs_error_pct"] = 100 * statistics.mean(abs(e) for e in errs)
     return out
 
 
@@ -147,7 +159,8 @@ def report(out: dict) -> str:
                    f"{out['tokens']} tokens per request, {out['requests']} requests per configuration (on the longest stretch "
                    "run on one plan: the first teaches, the rest are measured), greedy, "
                    "`ignore_eos`, 1 thread per worker, `--placement planner --objective latency`")
-    lines += ["| config | devices | plan | measured TPOT ms | initial pred ms (err) | running pred ms (err) | "
+    lines += ["| config | devices | plan | measured TPOT ms (median) | initial pred ms (mean abs err, mean err) | "
+              "running pred ms, mean (mean abs err, mean err) | "
               "compute: measured / initial / running ms | rest (hops…): measured / initial / running ms |",
               "|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
@@ -159,7 +172,8 @@ def report(out: dict) -> str:
             plan += " (re-planned from " + " · ".join(f"{n}[{s},{e})" for n, s, e in r["initial_stages"]) + ")"
         devs = "; ".join(x.replace("emulated: ", "") for x in r["devices"])
         lines.append(f"| {name} | {devs} | {plan} | {r['measured_tpot_ms']:.1f} | {r['initial']['tpot_ms']:.1f} "
-                     f"({r['initial']['error_pct']:+.1f}%) | {r['running']['tpot_ms']:.1f} ({r['running']['error_pct']:+.1f}%) | "
+                     f"({r['initial']['abs_error_pct']:.1f}%, {r['initial']['error_pct']:+.1f}%) | {r['running']['tpot_ms']:.1f} "
+                     f"({r['running']['abs_error_pct']:.1f}%, {r['running']['error_pct']:+.1f}%) | "
                      f"{r['measured_compute_ms']:.1f} / {r['initial']['compute_ms']:.1f} / {r['running']['compute_ms']:.1f} | "
                      f"{r['measured_rest_ms']:.1f} / {r['initial']['hops_ms']:.1f} / {r['running']['hops_ms']:.1f} |")
     s = out["summary"]
@@ -183,7 +197,9 @@ NOTES = [
     "Measured TPOT = median over the measured requests of the coordinator's decode-step wall time (TPOT histogram sum / count). "
     "Measured compute = sum over stages of the mean per-call stage compute (`edgepipe_stage_compute_seconds`, including "
     "the emulated slowdown wait); rest = TPOT - compute.",
-    "Rest error share = mean over configs of |predicted hops - measured rest| / measured TPOT.",
+    "Errors are per measured request: |predicted - measured| / measured, averaged over the measured requests of a "
+    "configuration (running: the prediction made before that request from the requests before it); MAPE = mean of "
+    "these over configurations. Rest error share = mean over configs of |predicted hops - measured rest| / measured TPOT.",
     "3dev-tbf1MB: device a sits behind a kernel tbf at 1 MB/s both ways (namespace, MTU 576, 600-byte burst).",
     "The machine is shared: other jobs ran during the measurement (see the load average in the header).",
 ]
@@ -210,13 +226,15 @@ def main() -> None:
         print(f"[{name}] {time.monotonic() - ts:.0f} s: measured {r.get('measured_tpot_ms', float('nan')):.1f} ms, initial "
               f"{r.get('initial', {}).get('tpot_ms', float('nan')):.1f}, running {r.get('running', {}).get('tpot_ms', float('nan')):.1f}",
               file=sys.stderr)
-    ok = [r for r in out["configs"].values() if "error" not in r]
+    ok = [r for r in out["configs"].values() if "error" not in r and r["measured_compute_ms"] > 0]
     meas = [r["measured_tpot_ms"] for r in ok]
     mc = [r["measured_compute_ms"] for r in ok]
     out["summary"] = {
         "n": len(ok),
-        "mape_initial": mape([r["initial"]["tpot_ms"] for r in ok], meas),
-        "mape_running": mape([r["running"]["tpot_ms"] for r in ok], meas),
+        "mape_initial": statistics.mean(r["initial"]["abs_error_pct"] for r in ok),
+        "mape_running": statistics.mean(r["running"]["abs_error_pct"] for r in ok),
+        "mape_initial_of_medians": mape([r["initial"]["tpot_ms"] for r in ok], meas),
+        "mape_running_of_means": mape([r["running"]["tpot_ms"] for r in ok], meas),
         "mape_compute_initial": mape([r["initial"]["compute_ms"] for r in ok], mc),
         "mape_compute_running": mape([r["running"]["compute_ms"] for r in ok], mc),
         "rest_err_share_initial": 100 * statistics.mean(abs(r["initial"]["hops_ms"] - r["measured_rest_ms"]) / r["measured_tpot_ms"] for r in ok),

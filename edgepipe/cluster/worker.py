@@ -355,6 +355,10 @@ class Worker:
         replay_from = msgs[0].get("replay_from")
         if len(msgs) == 1 and replay_from and x.shape[1] > replay_from:
             out = await loop.run_in_executor(self.pool, slot.runner.replay, msgs[0]["seq"], x, replay_from, sampling)
+        elif x.shape[1] == 1:
+            # A decode step takes milliseconds: run it on the loop, skipping two thread hand-offs
+            # per hop (heartbeats wait at most one step). Prefills and replays use the thread.
+            out = slot.runner.run_batch([m["seq"] for m in msgs], x, sampling)
         else:
             out = await loop.run_in_executor(self.pool, slot.runner.run_batch, [m["seq"] for m in msgs], x, sampling)
         compute = time.perf_counter() - t0

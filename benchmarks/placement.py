@@ -747,7 +747,9 @@ def report(out: dict) -> str:
 
 NOTES = [
     "Equal split = 32 units cut 11/10/11-style by `proportional_split` with equal weights (embedding with the first "
-    "range, head with the last), devices in the order the cost model predicts best for that split (seed 000 did the same).",
+    "range, head with the last), devices in the order the cost model predicts best for that split given the devices' "
+    "true (emulated) slowdowns (seed 000 also picked the best order; using true speeds keeps calibration noise out of "
+    "the baseline).",
     "Memory-proportional = `--placement memory`: unit counts in proportion to declared memory, devices ordered by "
     "memory, largest first (exo's ring order); the slowest device declares the most memory on purpose.",
     "Measured TPOT = the coordinator's decode-step wall time (metrics histogram sum/count); tok/s = client-side "
@@ -756,6 +758,12 @@ NOTES = [
     "Predicted TPOT of the baselines is the cost model (`edgepipe.plan.evaluate`) on the planner server's calibrations.",
     "Bandwidth-blind placement is forced on a `--placement memory` server by declaring memory in proportion to its "
     "stage sizes (40 MB per unit) and joining in its order.",
+    "Before the run every unit file is linked into the workers' shared cache (`$EDGEPIPE_HOME/worker-cache`), as if "
+    "each device had fetched it earlier, so that the 128 KB/s device does not spend minutes downloading.",
+    "Servers use a join token: `edgepipe serve` always advertises itself by mDNS, and workers of other jobs on this "
+    "host that look for a coordinator joined an unprotected benchmark server during development.",
+    "The coordinator's uplink probe (`calibrated` events, column 'calibrated uplink MB/s') reported 7-64 MB/s for the "
+    "128 KB/s device and 262144 MB/s (the 1e-6 s floor) for some loopback devices; see the report to the lead.",
     "The kernel link uses MTU 576 and a 600-byte tbf burst so that an activation frame (2.3 KB) is paced at the rate; "
     "the worker's user-space shaper (and `netns.tbf_burst_bytes`) allow a burst of ≥ 15-16 KB, in which a 2.3 KB "
     "frame per token passes without waiting at these token rates.",

@@ -158,6 +158,7 @@ def serve(
     placement: str = typer.Option("planner", "--placement", help="planner | memory (split layers in proportion to memory)."),
     worker_args: str = typer.Option("", "--worker-args", help="Extra flags for the local workers, e.g. '--slowdown 2' (emulation)."),
     cluster: str = typer.Option("edgepipe", "--cluster", help="Name announced by mDNS; workers started with the same --cluster join it."),
+    advertise: bool = typer.Option(True, "--advertise/--no-advertise", help="Announce this coordinator on the local network (mDNS)."),
     precision: str = PrecisionOption,
     home: Optional[Path] = HomeOption,
 ):
@@ -173,7 +174,7 @@ def serve(
     settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,
                              join_token=join_token, max_active=max_active, max_queue=max_queue, objective=objective,
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
-                             cluster=cluster)
+                             cluster=cluster, advertise=advertise)
 
     def ready(bound: int, coordinator) -> None:
         if min_workers is not None:

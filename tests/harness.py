@@ -25,6 +25,8 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "EDGEPIPE_HOME": str(home)}
+        if "--cluster" not in args:  # only the discovery test announces itself on the network
+            args = (*args, "--no-advertise")
         self.proc = subprocess.Popen([sys.executable, "-m", "edgepipe", "serve", "--workers", str(workers), "--port", str(self.port), *args],
                                      env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         key = args[args.index("--api-key") + 1] if "--api-key" in args else None

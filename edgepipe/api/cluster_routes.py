@@ -43,6 +43,9 @@ async def plan(request: Request) -> JSONResponse:
                     "speed": coord.profile.of(s.worker_id).speed, "overhead_s": coord.profile.of(s.worker_id).overhead_s}
                    for i, s in enumerate(dep.stages)],
         "predicted": predicted,
+        "running_predicted": coord.running_prediction,
+        "profiles": {wid: {"speed": m.speed, "overhead_s": m.overhead_s, "rtt_s": coord.profile.link_of(wid)[0],
+                           "uplink_bytes_per_s": coord.profile.link_of(wid)[1]} for wid, m in coord.profile.devices.items()},
         "measured": {"tpot_s": decode[len(decode) // 2] if decode else None, "decode_steps": len(decode)},
         "spare": [[s.worker_id, s.start, s.end] for s in coord.spare] if coord.spare else None,
     })

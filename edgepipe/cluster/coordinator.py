@@ -100,7 +100,7 @@ PlanFn = Callable[["Coordinator", list[WorkerHandle]], tuple[list[StageAssignmen
 
 
 def memory_proportional_plan(coord: "Coordinator", workers: list[WorkerHandle]):
-    stages = proportional_split(coord.n_units, [(w.id, w.memory_bytes) for w in sorted(workers, key=lambda w: w.id)])
+    stages = proportional_split(coord.n_units, [(w.id, w.memory_bytes) for w in sorted(workers, key=lambda w: w.joined)])
     return stages, "layers split in proportion to declared memory", {}
 
 
@@ -131,6 +131,7 @@ class Coordinator:
         self.requests_in_flight = 0
         self.spare: list[StageAssignment] | None = None
         self.ever_up = False
+        self.running_prediction: dict | None = None  # the live plan priced with today's profiles
         self.profile = ClusterProfile(self.manifest)
         self.recent_steps: deque[tuple[int, float]] = deque(maxlen=256)  # (positions fed, wall seconds)
         self._calibration_lock = asyncio.Lock()
@@ -417,10 +418,15 @@ class Coordinator:
                     cost = self.profile.unit_cost(start, end)
                     samples += [(cost, t) for t in timing.get("times", [])[2:]]
                     await w.send(Message(T.ACTIVATE, {"keep": [p for p in ([self.active.plan_id] if self.active else []) if p > 0]}))
-                t0 = time.monotonic()
-                size = 1 << 18
-                await self._probe(w, {"kind": "link", "bytes": size})
-                self.profile.uploaded(w.id, size, time.monotonic() - t0)
+                # Two sizes back to back: the difference cancels the round trip and fixed costs
+                # (a heartbeat RTT measured meanwhile queues behind the payload on a slow link).
+                timings = {}
+                for size in (1 << 12, 1 << 18):
+                    t0 = time.monotonic()
+                    await self._probe(w, {"kind": "link", "bytes": size})
+                    timings[size] = time.monotonic() - t0
+                small, large = sorted(timings)
+                self.profile.uploaded(w.id, large - small, max(timings[large] - timings[small], 1e-6), round_trip=timings[small])
             try:
                 self.profile.calibrated(w.id, samples)
             except ValueError:  # noisy timings that no line fits: speed from the ratio, no overhead

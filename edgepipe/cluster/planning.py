@@ -55,6 +55,8 @@ class PlannerPolicy:
                                      time.monotonic() - coord.last_switch, self.horizon_tokens)
             predicted["switch"] = {"switch": decision.switch, "reason": decision.reason, "switch_cost_s": cost_s,
                                    "running_tpot_s": running_pred.tpot_s}
+            coord.running_prediction = {"tpot_s": running_pred.tpot_s, "stage_times_s": list(running_pred.stage_times_s),
+                                        "hop_times_s": list(running_pred.hop_times_s), "energy_j_per_token": running_pred.energy_j_per_token}
         return stages, f"{request.objective.value}: {best.reason}", predicted
 
 

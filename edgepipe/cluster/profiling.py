@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..plan import COORDINATOR, DeviceProfile, LinkProfile, ModelProfile, NetworkProfile, RollingMedian, UnitProfile, fit_speed_overhead
-from ..plan.profiles import DEFAULT_LINK
+from ..plan.profiles import DEFAULT_LINK, DEFAULT_POWER_BUSY_W, DEFAULT_POWER_IDLE_W
 
 LOOPBACK_BANDWIDTH = 1e9  # bytes/s assumed until a probe says otherwise
 
@@ -63,9 +63,12 @@ class ClusterProfile:
         m = self.of(worker_id)
         m.rtt = m.rtt.push(rtt_s)
 
-    def uploaded(self, worker_id: str, nbytes: int, seconds: float) -> None:
-        rtt = self.of(worker_id).rtt.median or 0.0
-        self.of(worker_id).bandwidth_bytes_per_s = nbytes / max(seconds - rtt, 1e-6)  # request + reply legs
+    def uploaded(self, worker_id: str, nbytes: int, seconds: float, round_trip: float | None = None) -> None:
+        """``nbytes`` more took ``seconds`` more to arrive (difference of two probe sizes)."""
+        m = self.of(worker_id)
+        m.bandwidth_bytes_per_s = nbytes / seconds
+        if round_trip is not None:
+            m.rtt = m.rtt.push(round_trip)
 
     def step(self, worker_id: str, start: int, end: int, compute_s: float) -> None:
         """A decode step's compute time on a stage: refines the device's speed."""
@@ -94,7 +97,8 @@ class ClusterProfile:
             emu = w.hello.get("emulation") or {}
             out.append(DeviceProfile(
                 id=w.id, memory_bytes=w.memory_bytes, speed=m.speed, overhead_s=m.overhead_s,
-                power_busy_w=float(w.hello.get("power_busy_w") or 15.0), power_idle_w=float(w.hello.get("power_idle_w") or 3.0),
+                power_busy_w=_declared(w.hello.get("power_busy_w"), DEFAULT_POWER_BUSY_W),
+                power_idle_w=_declared(w.hello.get("power_idle_w"), DEFAULT_POWER_IDLE_W),
                 held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=bool(emu),
             ))
         return out
@@ -108,9 +112,10 @@ class ClusterProfile:
                 if precision in u.variants and all(f in held for f in self.manifest.variant(u.index, precision).files)}
 
     def link_of(self, worker_id: str) -> tuple[float, float]:
+        """(idle RTT, uplink bandwidth). The RTT is the window's minimum: heartbeats answered
+        while the worker builds a session or sends a probe are late for reasons a hop is not."""
         m = self.of(worker_id)
-        return (m.rtt.median if m.rtt.median is not None else DEFAULT_LINK.rtt_s,
-                m.bandwidth_bytes_per_s or LOOPBACK_BANDWIDTH)
+        return (min(m.rtt.values) if m.rtt.values else DEFAULT_LINK.rtt_s, m.bandwidth_bytes_per_s or LOOPBACK_BANDWIDTH)
 
     def network_profile(self, workers) -> NetworkProfile:
         ids = sorted(w.id for w in workers)
@@ -123,3 +128,8 @@ class ClusterProfile:
                     rtt_b, bw_b = self.link_of(b)
                     links.append(LinkProfile(a, b, max(rtt, rtt_b), min(bw, bw_b)))
         return NetworkProfile(tuple(links))
+
+
+def _declared(value, default: float) -> float:
+    """A declared figure, 0 included; the default only when nothing was declared."""
+    return default if value is None else float(value)

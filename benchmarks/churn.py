@@ -277,7 +277,20 @@ def state_at(samples: list[dict], t: float) -> dict:
 def run_scenario(name: str, home: Path, args, refs: dict) -> dict:
     spec = SCENARIOS[name]
     logdir = Path(tempfile.mkdtemp(prefix=f"edgepipe-churn-{name}-"))
-    server = Server(home, workers=0, args=("--min-workers", str(WORKERS), "--placement", "planner"), wait_up=False, timeout=120)
+    # the coordinator's own output goes to a log file beside the workers' (a stalled coordinator can log a lot)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(logdir / "coordinator.log", "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        server = Server(home, workers=0, args=("--min-workers", str(WORKERS), "--placement", "planner"), wait_up=False, timeout=120)
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
     churn = Churn(server.url, spec["memory"], args.duration, args.mttf_end, tuple(args.reconnect), args.seed, logdir)
     watcher = Watcher(server.url)
     clients = Clients(server.url, refs, args.concurrency, args.request_timeout, args.seed)
@@ -316,6 +329,7 @@ def run_scenario(name: str, home: Path, args, refs: dict) -> dict:
         server.close()
         watcher.client.close()
 
+    (logdir / "events.json").write_text(json.dumps(sorted(watcher.events.values(), key=lambda e: e["t"]), indent=0))
     wall = t1 - t0
     states = {k: end["state_seconds"][k] - start["state_seconds"][k] for k in STATES}
     # a coordinator that stopped answering serves nothing: the rest of the window counts as unavailable

@@ -627,6 +627,7 @@ class Coordinator:
         self.requests_in_flight += 1
         try:
             paused_at = None
+            broken = 0
             while not state.finished:
                 step = len(state.generated)
                 dep = await self._wait_up()
@@ -649,7 +650,12 @@ class Coordinator:
                         paused_at = time.monotonic()
                         self.event("pause", request=rid, step=step, why=str(exc))
                     fed_plan = -1
+                    broken += 1
+                    # Always yield before retrying: a send to a closed channel fails without
+                    # awaiting, and the task that takes the dead worker out must get to run.
+                    await asyncio.sleep(min(0.01 * broken, 0.25))
                     continue
+                broken = 0
                 if paused_at is not None:
                     self.event("recovered", request=rid, step=step, seconds=round(time.monotonic() - paused_at, 3), plan=dep.plan_id)
                     paused_at = None
@@ -734,6 +740,7 @@ class Coordinator:
             await first.send(msg)
         except ChannelClosed:
             self._pending.pop(seq, None)
+            self._spawn(self._lose(first, "disconnected"))
             raise PipelineBroken(f"worker {first.id} is gone") from None
         try:
             # shield: a cancelled caller must leave the future for _finish to wait on

@@ -26,6 +26,7 @@ class Package:
             raise FileNotFoundError(f"{self.root}: not a model package (no manifest.json)")
         self.manifest = Manifest.from_json(path.read_text())
         self.blobs = self.root / "blobs"
+        self._stage_shas: dict[tuple, str] = {}  # merging is slow; the result never changes
 
     @property
     def name(self) -> str:
@@ -49,6 +50,9 @@ class Package:
             raise ValueError(f"unit range [{start}, {end}) is outside the model's {len(m.units)} units")
         if end - start == 1:
             return m.variant(start, precision).graph
+        key = (start, end, precision or m.precision, m.variant(start, precision).graph)
+        if key in self._stage_shas:
+            return self._stage_shas[key]
         units = [onnx.load(self.blob(m.variant(u, precision).graph), load_external_data=False) for u in range(start, end)]
         data = merge_units(units, f"{m.name}[{start}:{end})").SerializeToString()
         sha = sha256_bytes(data)
@@ -56,6 +60,7 @@ class Package:
             tmp = self.blob(sha).with_suffix(".tmp")
             tmp.write_bytes(data)
             tmp.replace(self.blob(sha))
+        self._stage_shas[key] = sha
         return sha
 
     def runner(self, start: int, end: int, precision: str | None = None, threads: int | None = None, verify: bool = True):

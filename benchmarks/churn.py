@@ -427,7 +427,7 @@ def report(results: list[dict], args, started: str) -> None:
     text = "\n".join(lines)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    name = "churn-smoke" if args.smoke else "churn"
+    name = args.out or ("churn-smoke" if args.smoke else "churn")
     (RESULTS / f"{name}.md").write_text(text + "\n")
     (RESULTS / f"{name}.json").write_text(json.dumps({"conditions": conditions, "scenarios": results}, indent=1))
 
@@ -442,6 +442,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=None, help="results name (default churn, or churn-smoke with --smoke)")
     args = ap.parse_args()
     if args.smoke:
         args.duration = 60.0

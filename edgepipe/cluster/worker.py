@@ -200,8 +200,7 @@ class Worker:
                 del self.slots[plan]
             self._prune_sessions()
         elif msg.type is T.DROP:
-            for slot in self.slots.values():
-                slot.runner.drop(msg["seq"])
+            await self.queue.put(msg)  # in order with the forwards: never while that sequence computes
         elif msg.type is T.PROBE:
             self._spawn(self._probe(msg))
         elif msg.type is T.KV_EXPORT:
@@ -320,6 +319,9 @@ class Worker:
                         await self._send_control(Message(T.LOADED, {"kv_received": msg["move"], "ok": False, "error": str(exc)}))
                 elif msg.type is T.KV:
                     await self._guarded([msg], self._import_kv(msg))
+                elif msg.type is T.DROP:
+                    for runner in {id(s.runner): s.runner for s in self.slots.values()}.values():
+                        runner.drop(msg["seq"])
 
     async def _guarded(self, msgs: list[Message], work) -> None:
         """Run one unit of work; failures are reported per sequence, never kill the worker."""
@@ -380,16 +382,21 @@ class Worker:
             if slot.next.get("relay"):
                 await self._send_control(Message(T.FORWARD, {**fields, "relay_to": slot.next["id"], "timings": timings}, {"x": y}))
             else:
-                await (await self._peer(slot.next["url"])).send(encode(Message(T.FORWARD, {**fields, "timings": timings}, {"x": y})))
+                await self._send_peer(slot.next["url"], encode(Message(T.FORWARD, {**fields, "timings": timings}, {"x": y})))
 
-    async def _peer(self, url: str) -> Channel:
-        channel = self.peers.get(url)
-        if channel is None:
-            import websockets
+    async def _send_peer(self, url: str, frame: bytes) -> None:
+        """Send to another worker's data port; any failure to reach it is ChannelClosed."""
+        import websockets
 
-            ws = await websockets.connect(url, max_size=None, ping_interval=None)
-            channel = self.peers[url] = self._shape(WebSocketChannel(ws, url))
-        return channel
+        try:
+            channel = self.peers.get(url)
+            if channel is None:
+                ws = await websockets.connect(url, max_size=None, ping_interval=None, open_timeout=5)
+                channel = self.peers[url] = self._shape(WebSocketChannel(ws, url))
+            await channel.send(frame)
+        except (ChannelClosed, OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as exc:
+            self.peers.pop(url, None)  # a dead peer must not poison later sends
+            raise ChannelClosed(f"{url}: {exc}") from None
 
     async def _export_kv(self, msg: Message) -> None:  # noqa: D401
         """Send a sequence's KV for layers in [start, end) to the worker at ``url``."""
@@ -398,7 +405,7 @@ class Worker:
                    if msg["start"] <= int(k.split(".")[1]) < msg["end"]}
         frame = encode(Message(T.KV, {"seq": msg["seq"], "plan": msg["to_plan"], "length": slot.runner.length(msg["seq"]),
                                       "move": msg["move"]}, tensors))
-        await (await self._peer(msg["url"])).send(frame)
+        await self._send_peer(msg["url"], frame)
 
     async def _import_kv(self, msg: Message) -> None:
         """Install moved KV, then tell the coordinator (it resumes the sequence only after)."""

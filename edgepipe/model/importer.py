@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from . import graphs
-from .config import ModelConfig
+from .config import ModelConfig, UnsupportedModel
 from .gguf_source import CorruptModel, GGUFSource
 from .manifest import FORMAT_VERSION, Manifest, Unit, UnitVariant, sha256_bytes, sha256_file
 from .weights import PRECISIONS, BlockQuantized, concat_rows, quantize_symmetric8, to_precision
@@ -38,9 +38,8 @@ def package_name(source: Path, precision: str) -> str:
 
 def open_source(path: Path):
     if path.is_dir():
-        from .hf_source import HFSource
-
-        return HFSource(path)
+        raise UnsupportedModel(f"{path}: importing a Hugging Face folder is not supported yet; convert it to GGUF "
+                               "(llama.cpp's convert_hf_to_gguf.py) and import that")
     if path.suffix.lower() != ".gguf":
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
@@ -66,6 +65,8 @@ def import_model(
     source_path = Path(source_path)
     if not source_path.exists():
         raise FileNotFoundError(f"{source_path}: no such model file or folder")
+    if source_path.is_dir():
+        open_source(source_path)  # says what is supported before hashing a whole folder
     models_dir = Path(models_dir)
     target = models_dir / (name or package_name(source_path, precision))
     source_hash = sha256_file(source_path) if source_path.is_file() else _folder_hash(source_path)

@@ -66,7 +66,7 @@ def open_model(model: Optional[str], precision: str, home: Optional[Path]):
 
 @app.command("import")
 def import_cmd(
-    source: Path = typer.Argument(..., help="A .gguf file."),
+    source: Path = typer.Argument(..., help="A .gguf file or a local Hugging Face model folder."),
     precision: str = PrecisionOption,
     name: Optional[str] = typer.Option(None, help="Package name (default: from the file name)."),
     max_context: int = typer.Option(8192, help="Longest context the package supports."),

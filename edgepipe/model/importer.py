@@ -38,8 +38,9 @@ def package_name(source: Path, precision: str) -> str:
 
 def open_source(path: Path):
     if path.is_dir():
-        raise UnsupportedModel(f"{path}: importing a Hugging Face folder is not supported yet; convert it to GGUF "
-                               "(llama.cpp's convert_hf_to_gguf.py) and import that")
+        from .hf_source import HFSource
+
+        return HFSource(path)
     if path.suffix.lower() != ".gguf":
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":

@@ -25,6 +25,8 @@ workers are killed, the dead ones are restarted and the requests in flight are d
 
     python benchmarks/churn.py [--duration 600] [--scenarios one,three] [--seed 1]
     python benchmarks/churn.py --smoke          # 60 s per scenario
+    python benchmarks/churn.py --scenarios one --out churn-one; ... --scenarios three --out churn-three
+    python benchmarks/churn.py --report-from churn-one,churn-three    # -> churn.md / churn.json
 """
 
 from __future__ import annotations
@@ -417,6 +419,11 @@ def report(results: list[dict], args, started: str) -> None:
               "|---|" + "---|" * len(results[0]["availability_by_fifth"])]
     for r in results:
         lines.append(f"| {r['scenario']} | " + " | ".join(f"{f(w['availability'], 1)}% ({w['kills']} kills)" for w in r["availability_by_fifth"]) + " |")
+    lines.append("")
+    for r in results:
+        sizes = ", ".join(f"{n} stage(s): {c}" for n, c in r["stages_per_prepared_plan"].items())
+        lines.append(f"- {r['scenario']}: plans prepared by number of stages — {sizes}; plan_failed examples: "
+                     + ("; ".join(e[:110] for e in r["plan_failed_examples"][:2]) or "none"))
     for r in results:
         if r["coordinator_frozen_at_s"] is not None:
             lines.append(f"\n**{r['scenario']}: the coordinator stopped answering HTTP at {r['coordinator_frozen_at_s']} s into the run** "
@@ -443,6 +450,8 @@ def main() -> None:
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=None, help="results name (default churn, or churn-smoke with --smoke)")
+    ap.add_argument("--report-from", default=None,
+                    help="no run: combine the scenarios of these results (e.g. churn-one,churn-three) into one report")
     args = ap.parse_args()
     if args.smoke:
         args.duration = 60.0
@@ -451,6 +460,14 @@ def main() -> None:
     os.environ["EDGEPIPE_HOME"] = str(home)
     from edgepipe.model.store import resolve
 
+    if args.report_from:  # scenarios run separately (same flags), reported together
+        results, starts = [], []
+        for name in args.report_from.split(","):
+            data = json.loads((RESULTS / f"{name}.json").read_text())
+            starts.append(data["conditions"].split(" · ")[0])
+            results += data["scenarios"]
+        report(results, args, " / ".join(starts))
+        return
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     refs = references(resolve("smollm2", "int4", home))
     results = []

@@ -277,7 +277,7 @@ class Coordinator:
             target = self.workers.get(msg["relay_to"])
             fields = {k: v for k, v in msg.fields.items() if k != "relay_to"}
             if target:
-                self._spawn(self._relay(target, Message(T.FORWARD, fields, msg.tensors), msg))
+                self._spawn(self._relay(target, Message(T.FORWARD, fields, msg.tensors)))
         elif msg.type is T.ERROR:
             seq = msg.get("seq")
             if seq in self._pending:
@@ -287,7 +287,7 @@ class Coordinator:
                 if not fut.done():
                     fut.set_exception(exc)
 
-    async def _relay(self, target: WorkerHandle, msg: Message, original: Message) -> None:
+    async def _relay(self, target: WorkerHandle, msg: Message) -> None:
         try:
             await target.send(msg)
         except ChannelClosed:
@@ -314,7 +314,6 @@ class Coordinator:
         self.event("leave", worker=w.id, why=why)
         uses = lambda dep: dep is not None and w.id in dep.workers  # noqa: E731
         if uses(self.active):
-            self.active_broken_at = time.monotonic()
             self.up.clear()
             self._set_state(State.DOWN)
             broken = self.active.plan_id

@@ -82,13 +82,10 @@ class ClusterProfile:
     # -- profiles out ---------------------------------------------------------------------------
     def model_profile(self, precision: str | None = None) -> ModelProfile:
         m = self.manifest
-        shared = sum(self._blob_size(s) for s in m.shared_files.get(precision or m.precision, ()))
         units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, u.kv_bytes_per_token,
                                   u.out_bytes_per_token) for u in m.units)
-        return ModelProfile(m.name, units, self.context_tokens, runtime_overhead_bytes=shared + (64 << 20))
-
-    def _blob_size(self, sha: str) -> int:
-        return 0  # shared rotary tables are small and counted in the overhead constant
+        # 64 MiB covers the session's own buffers and the shared rotary tables (2 MiB)
+        return ModelProfile(m.name, units, self.context_tokens, runtime_overhead_bytes=64 << 20)
 
     def device_profiles(self, workers) -> list[DeviceProfile]:
         out = []

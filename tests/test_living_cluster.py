@@ -67,8 +67,9 @@ def test_worker_killed_mid_stream(int4_pkg, home):
 
 
 def test_faster_newcomer_mid_generation(int4_pkg, home):
-    expected = int4_pkg.tokenizer.decode(reference(int4_pkg, 160))
-    with Server(home, workers=1, args=("--worker-args", "--slowdown 4")) as server:
+    expected = int4_pkg.tokenizer.decode(reference(int4_pkg, 200))
+    # slow enough that the newcomer starts, calibrates and is switched in while the request runs
+    with Server(home, workers=1, args=("--worker-args", "--slowdown 8")) as server:
         slow = server.status()["workers"][0]["id"]
         newcomer = []
 
@@ -77,7 +78,7 @@ def test_faster_newcomer_mid_generation(int4_pkg, home):
                 newcomer.append(server.worker("--name", "fast", "--threads", "1"))
 
         try:
-            text, _ = stream_tokens(server, 160, on_chunk)
+            text, _ = stream_tokens(server, 200, on_chunk)
             assert text == expected
             plans = events(server, "up")
             assert len(plans) >= 2, plans  # the plan changed while the request ran

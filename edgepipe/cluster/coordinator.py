@@ -29,6 +29,7 @@ from .placement import Deployment, StageAssignment, proportional_split
 from .profiling import ClusterProfile
 
 log = logging.getLogger("edgepipe.coordinator")
+MOVE_TIMEOUT_S = 10.0  # KV moves still missing after this are rebuilt by replay instead
 
 
 class State(str, Enum):
@@ -308,7 +309,8 @@ class Coordinator:
         task = self._calibrations.pop(w.id, None)
         if task:
             task.cancel()
-        for fut in list(w.loads.values()) + list(w.probes.values()):
+        # A loss aborts KV moves in flight too: those sequences are rebuilt by replay instead.
+        for fut in list(w.loads.values()) + list(w.probes.values()) + list(self._moves.values()):
             if not fut.done():
                 fut.set_exception(PipelineBroken(f"worker {w.id} {why}"))
         self.event("leave", worker=w.id, why=why)
@@ -472,8 +474,13 @@ class Coordinator:
             try:
                 await self._quiesce()
                 moved = await self._migrate(old, dep) if self.migrate_kv else {}
-            finally:
+                lost = [s.worker_id for s in stages if s.worker_id not in self.workers]
+                if lost:  # a worker of the new plan died while we switched: do not commit it
+                    for seq in [q for q, p in self._migrated.items() if p == dep.plan_id]:
+                        self._migrated.pop(seq, None)
+                    raise PipelineBroken(f"worker {lost[0]} left while plan {dep.plan_id} was being committed")
                 self.active = dep
+            finally:
                 self._gate.set()
         self.active = dep
         for s in stages:  # tell every involved worker which plans to keep
@@ -535,16 +542,18 @@ class Coordinator:
                         "seq": seq, "plan": old.plan_id, "start": lo, "end": hi, "to_plan": new.plan_id,
                         "url": workers[b.worker_id].hello.get("data_url"), "move": move}))
         ok = 0
+        # All moves run at once; whatever has not arrived within the bound is rebuilt by replay.
+        everything = [f for futs in futures.values() for f in futs]
+        await asyncio.wait(everything, timeout=MOVE_TIMEOUT_S) if everything else None
         for seq, futs in futures.items():
-            try:
-                results = await asyncio.wait_for(asyncio.gather(*futs), timeout=self.settings.load_timeout_s)
-                if all(r.get("ok") for r in results):
-                    self._migrated[seq] = new.plan_id
-                    ok += 1
-                    continue
-            except (asyncio.TimeoutError, PipelineBroken):
-                pass
-            recompute.append(seq)
+            if all(f.done() and not f.cancelled() and f.exception() is None and f.result().get("ok") for f in futs):
+                self._migrated[seq] = new.plan_id
+                ok += 1
+            else:
+                recompute.append(seq)
+        for f in everything:
+            if not f.done():
+                f.cancel()
         return {"kv_moved": ok, "kv_moved_bytes": moved_bytes, "kv_recomputed": len(recompute)}
 
     def _move_is_cheaper(self, old: Deployment, new: Deployment, length: int) -> bool:

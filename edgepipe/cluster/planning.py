@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..plan import Objective, Plan, PlanRequest, Stage, evaluate, objective_value, plan, should_switch, spare_plan, switch_cost
+from ..plan import Objective, Plan, PlanError, PlanRequest, Stage, evaluate, objective_value, plan, should_switch, spare_plan, switch_cost
 from .placement import StageAssignment
 
 
@@ -47,7 +47,10 @@ class PlannerPolicy:
         alive = {d.id for d in devices}
         if current is not None and set(current.workers) <= alive:
             running = running_plan(current, model, request)
-            running_pred = evaluate(running.stages, model, devices, network, request)
+            try:
+                running_pred = evaluate(running.stages, model, devices, network, request)
+            except PlanError:  # the running plan no longer fits (e.g. more sequences now): it must go
+                return stages, f"{request.objective.value}: {best.reason} (running plan no longer fits)", predicted
             unit_bytes = [u.weight_bytes for u in model.units]
             bandwidths = {d.id: prof.link_of(d.id)[1] for d in devices}
             cost_s = switch_cost(running, best, devices, unit_bytes, bandwidths)

@@ -76,7 +76,9 @@ class ClusterProfile:
         key = (start, end)
         m.stage_times[key] = m.stage_times.get(key, RollingMedian(self.window)).push(compute_s)
         median = m.stage_times[key].median
-        if len(m.stage_times[key].values) >= 4 and median > m.overhead_s:
+        # Stages of a millisecond or less are mostly per-call overhead: they would make the
+        # device look several times slower than it is, so they do not update its speed.
+        if len(m.stage_times[key].values) >= 4 and median > max(3 * m.overhead_s, 1e-3):
             m.speed = self.unit_cost(start, end) / (median - m.overhead_s)
 
     # -- profiles out ---------------------------------------------------------------------------

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import httpx
 
+from edgepipe.bench.client import stream_once
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from browser import browser_context  # noqa: E402
@@ -184,19 +186,6 @@ def run_probes(pkg, home: Path, args) -> dict:
 
 
 # -- part 2: the tab in a real pipeline --------------------------------------------------------------
-def stream_once(client: httpx.Client, tokens: int) -> tuple[float, float, int]:
-    body = {"prompt": "Once upon a time in a small village,", "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
-    t0 = time.perf_counter()
-    first = last = None
-    n = 0
-    with client.stream("POST", "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                n += 1
-    return first - t0, last - first, n
 
 
 def stage_compute(metrics: str) -> dict[str, tuple[float, float]]:

@@ -21,6 +21,8 @@ from datetime import date
 from pathlib import Path
 
 import httpx
+
+from edgepipe.bench.client import stream_once
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -37,19 +39,6 @@ def metric(text: str, name: str) -> float:
     return total
 
 
-def stream_once(client: httpx.Client, tokens: int) -> tuple[float, float, int]:
-    body = {"prompt": "Once upon a time in a small village,", "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
-    t0 = time.perf_counter()
-    first = last = None
-    n = 0
-    with client.stream("POST", "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                n += 1
-    return first - t0, last - first, n
 
 
 def main() -> None:

@@ -1,7 +1,9 @@
 """The coordinator: membership, deployment, and the token loop of every request.
 
 It never touches activations. Per decode step it sends a sequence's token ids to the first
-stage and waits for the sampled id that the last stage returns. States follow
+stage and waits for the sampled id that the last stage returns; decode steps travel in
+micro-batches ("lanes", see ``batching``), one frame per lane, so that with many sequences
+every stage works on a different lane. States follow
 Down -> Preparing (workers fetch files, build sessions) -> Committing (switch) -> Up; a new
 plan is prepared in an inactive slot while the active one keeps serving, and swapped in
 between two steps. A worker that dies pauses the sequences that need it; once a new plan is
@@ -25,6 +27,7 @@ from .. import PROTOCOL_VERSION
 from ..net.channel import Channel, ChannelClosed
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta, uniform_draw
+from .batching import LaneItem, Lanes
 from .placement import Deployment, StageAssignment, proportional_split
 from .profiling import ClusterProfile
 
@@ -84,6 +87,18 @@ class CoordinatorSettings:
     precision: str | None = None
     calibrate: bool = True  # time two unit ranges on each joining worker
     replan_every_s: float = 10.0  # periodic check for drift
+    lane_wait_s: float = 0.005  # how long a micro-batch waits for a member that is late
+
+
+@dataclass
+class _OutStep:
+    """A step on its way out: what goes into the frame, and the future its token resolves."""
+
+    dep: Deployment
+    item: dict  # seq, step, rid, sampling[, replay_from]
+    feed: list[int]
+    fut: asyncio.Future
+    sent_at: float = 0.0
 
 
 @dataclass
@@ -145,6 +160,7 @@ class Coordinator:
         self._migrated: dict[str, int] = {}  # seq -> plan that received its KV
         self._moves: dict[int, asyncio.Future] = {}
         self.migrate_kv = True
+        self.lanes = Lanes(arm=self._arm_lane)
 
     @property
     def n_units(self) -> int:
@@ -257,7 +273,9 @@ class Coordinator:
 
     def _dispatch(self, w: WorkerHandle, msg: Message) -> None:
         if msg.type is T.TOKEN:
-            self._resolve(msg["seq"], msg["step"], msg["plan"], msg)
+            timings = msg.get("timings", [])
+            for item, token in zip(msg["batch"], msg["tokens"]):
+                self._resolve(item["seq"], item["step"], msg["plan"], {"token": token, "timings": timings})
         elif msg.type is T.PONG:
             if msg.get("t") is not None:
                 w.rtt_s = time.monotonic() - msg["t"]
@@ -294,11 +312,11 @@ class Coordinator:
         except ChannelClosed:
             self._fail_pending(lambda plan: True, PipelineBroken(f"relay to {target.id} failed"))
 
-    def _resolve(self, seq: str, step: int, plan: int, msg: Message) -> None:
+    def _resolve(self, seq: str, step: int, plan: int, reply: dict) -> None:
         entry = self._pending.get(seq)
         if entry and entry[0] == step and entry[1] == plan and not entry[2].done():
             del self._pending[seq]
-            entry[2].set_result(msg)
+            entry[2].set_result(reply)
 
     async def _lose(self, w: WorkerHandle, why: str) -> None:
         if not w.alive and w.id not in self.workers:
@@ -675,6 +693,7 @@ class Coordinator:
                 yield delta
         finally:
             self.requests_in_flight -= 1
+            self._go(self.lanes.leave(rid))
             self.live.pop(seq, None)
             self._migrated.pop(seq, None)
             # Cancelled callers cannot await, so clean up in a task of its own.
@@ -729,37 +748,65 @@ class Coordinator:
 
     async def _step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str,
                     replay_from: int | None = None):
+        """One step of one sequence: a decode step goes out with its lane, a prefill alone."""
         t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         self._pending[seq] = (step, dep.plan_id, fut)
         sampling = {"do_sample": not params.greedy, "temperature": params.temperature or 1.0, "top_k": params.top_k,
                     "top_p": params.top_p, "uniform": uniform_draw(params.seed, step) if not params.greedy else 0.0}
-        first = self.workers.get(dep.stages[0].worker_id)
-        if first is None:
-            self._pending.pop(seq, None)
-            raise PipelineBroken(f"worker {dep.stages[0].worker_id} is gone")
-        fields = {"seq": seq, "step": step, "plan": dep.plan_id, "rid": rid, "sampling": sampling}
+        item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling}
         if replay_from:
-            fields["replay_from"] = replay_from  # rebuild KV step by step, exactly as first computed
-        msg = Message(T.FORWARD, fields, {"x": np.array([feed], np.int64)})
-        t_sent = time.perf_counter()
-        try:
-            await first.send(msg)
-        except ChannelClosed:
-            self._pending.pop(seq, None)
-            self._spawn(self._lose(first, "disconnected"))
-            raise PipelineBroken(f"worker {first.id} is gone") from None
+            item["replay_from"] = replay_from  # rebuild KV step by step, exactly as first computed
+        out = _OutStep(dep, item, feed, fut)
+        if len(feed) == 1:
+            self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out), len(dep.stages)))
+        else:
+            self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
+            await self._send_forward([out])
         try:
             # shield: a cancelled caller must leave the future for _finish to wait on
             reply = await asyncio.wait_for(asyncio.shield(fut), timeout=self.settings.step_timeout_s)
         except asyncio.TimeoutError:
             self._pending.pop(seq, None)
             raise PipelineBroken(f"no token for {seq} step {step} within {self.settings.step_timeout_s} s") from None
-        t_back = time.perf_counter()
-        wall = t_back - t0
-        record = StepRecord(rid, len(feed), wall, reply.get("timings", []), coordinator_s=(t_sent - t0))
+        finally:
+            self._go(self.lanes.returned(rid))
+        wall = time.perf_counter() - t0
+        record = StepRecord(rid, len(feed), wall, reply.get("timings", []), coordinator_s=out.sent_at - t0 if out.sent_at else 0.0)
         return int(reply["token"]), record
+
+    def _go(self, batches: list[list[LaneItem]]) -> None:
+        for batch in batches:
+            self._spawn(self._send_forward([item.payload for item in batch]))
+
+    def _arm_lane(self, index: int, departure: int) -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.settings.lane_wait_s, lambda: self._go(self.lanes.expire(index, departure)))
+
+    async def _send_forward(self, steps: list["_OutStep"]) -> None:
+        """Send steps of one plan to its first stage as one frame (one batch at every stage)."""
+        steps = [s for s in steps if not s.fut.done()]  # failed while waiting for its lane
+        if not steps:
+            return
+        dep = steps[0].dep
+        first = self.workers.get(dep.stages[0].worker_id)
+        fields = {"plan": dep.plan_id, "batch": [s.item for s in steps]}
+        msg = Message(T.FORWARD, fields, {"x": np.array([s.feed for s in steps], np.int64)})
+        now = time.perf_counter()
+        for s in steps:
+            s.sent_at = now
+        try:
+            if first is None:
+                raise ChannelClosed(f"worker {dep.stages[0].worker_id} is gone")
+            await first.send(msg)
+        except ChannelClosed:
+            if first is not None:
+                self._spawn(self._lose(first, "disconnected"))
+            for s in steps:
+                if self._pending.get(s.item["seq"], (None, None, None))[2] is s.fut:
+                    del self._pending[s.item["seq"]]
+                if not s.fut.done():
+                    s.fut.set_exception(PipelineBroken(f"worker {dep.stages[0].worker_id} is gone"))
 
     async def _drop(self, seq: str, plan: int) -> None:
         dep = self.active if self.active and self.active.plan_id == plan else None

@@ -32,7 +32,6 @@ from .blobcache import BlobCache
 
 log = logging.getLogger("edgepipe.worker")
 KV_RESERVE_TOKENS = 2048  # KV room a stage must leave for at least one sequence of this length
-MAX_BATCH = 16  # decode steps run together at most
 
 
 @dataclass
@@ -294,36 +293,27 @@ class Worker:
 
     # -- computing --------------------------------------------------------------------------
     async def _compute_loop(self) -> None:
-        """Take everything waiting; decode steps of one plan run together as a batch."""
+        """Run what arrives in order; a forward frame (one lane of sequences) is one batch.
+
+        Two frames waiting here are not merged: run one after the other, their lanes spread
+        over the stages again instead of travelling bunched (see ``cluster.batching``)."""
         loop = asyncio.get_running_loop()
         while True:
-            pending = [await self.queue.get()]
-            while not self.queue.empty() and len(pending) < 4 * MAX_BATCH:
-                pending.append(self.queue.get_nowait())
-            group: list[Message] = []
-            for msg in pending + [None]:
-                decode_step = msg is not None and msg.type is T.FORWARD and msg.tensors["x"].shape[1] == 1
-                if group and (not decode_step or msg["plan"] != group[0]["plan"] or len(group) == MAX_BATCH):
-                    await self._guarded(group, self._forward(group, loop))
-                    group = []
-                if msg is None:
-                    break
-                if decode_step:
-                    group.append(msg)
-                elif msg.type is T.FORWARD:
-                    await self._guarded([msg], self._forward([msg], loop))
-                elif msg.type is T.KV_EXPORT:
-                    try:
-                        await self._export_kv(msg)
-                    except (KeyError, ChannelClosed, ValueError) as exc:
-                        await self._send_control(Message(T.LOADED, {"kv_received": msg["move"], "ok": False, "error": str(exc)}))
-                elif msg.type is T.KV:
-                    await self._guarded([msg], self._import_kv(msg))
-                elif msg.type is T.DROP:
-                    for runner in {id(s.runner): s.runner for s in self.slots.values()}.values():
-                        runner.drop(msg["seq"])
+            msg = await self.queue.get()
+            if msg.type is T.FORWARD:
+                await self._guarded(msg, self._forward(msg, loop))
+            elif msg.type is T.KV_EXPORT:
+                try:
+                    await self._export_kv(msg)
+                except (KeyError, ChannelClosed, ValueError) as exc:
+                    await self._send_control(Message(T.LOADED, {"kv_received": msg["move"], "ok": False, "error": str(exc)}))
+            elif msg.type is T.KV:
+                await self._guarded(msg, self._import_kv(msg))
+            elif msg.type is T.DROP:
+                for runner in {id(s.runner): s.runner for s in self.slots.values()}.values():
+                    runner.drop(msg["seq"])
 
-    async def _guarded(self, msgs: list[Message], work) -> None:
+    async def _guarded(self, msg: Message, work) -> None:
         """Run one unit of work; failures are reported per sequence, never kill the worker."""
         try:
             await work
@@ -335,54 +325,52 @@ class Worker:
             text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         else:
             return
-        for msg in msgs:
-            await self._report_error(msg, text)
+        await self._report_error(msg, text)
 
-    async def _forward(self, msgs: list[Message], loop) -> None:
-        plan = msgs[0]["plan"]
+    async def _forward(self, msg: Message, loop) -> None:
+        plan, batch, x = msg["plan"], list(msg["batch"]), msg.tensors["x"]
         slot = self.slots.get(plan)
         if slot is None:
             raise KeyError(f"worker {self.id} holds no stage for plan {plan}")
-        x = np.concatenate([m.tensors["x"] for m in msgs]) if len(msgs) > 1 else msgs[0].tensors["x"]
+        if x.shape[0] != len(batch) or not batch:
+            raise ValueError(f"forward frame: x has {x.shape[0]} rows for {len(batch)} sequences")
         if x.dtype == np.float16:
             x = x.astype(np.float32)
         sampling = None
         if slot.runner.emits_tokens:
-            s = [m["sampling"] for m in msgs]
+            s = [item["sampling"] for item in batch]
             sampling = SamplingBatch(any(bool(v["do_sample"]) for v in s),
                                      np.array([v["temperature"] for v in s], np.float32),
                                      np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
                                      np.array([v["top_p"] for v in s], np.float32), np.array([v["uniform"] for v in s], np.float32))
+        seqs = [item["seq"] for item in batch]
         t0 = time.perf_counter()
-        replay_from = msgs[0].get("replay_from")
-        if len(msgs) == 1 and replay_from and x.shape[1] > replay_from:
-            out = await loop.run_in_executor(self.pool, slot.runner.replay, msgs[0]["seq"], x, replay_from, sampling)
+        replay_from = batch[0].get("replay_from")
+        if len(batch) == 1 and replay_from and x.shape[1] > replay_from:
+            out = await loop.run_in_executor(self.pool, slot.runner.replay, seqs[0], x, replay_from, sampling)
         elif x.shape[1] == 1:
             # A decode step takes milliseconds: run it on the loop, skipping two thread hand-offs
             # per hop (heartbeats wait at most one step). Prefills and replays use the thread.
-            out = slot.runner.run_batch([m["seq"] for m in msgs], x, sampling)
+            out = slot.runner.run_batch(seqs, x, sampling)
         else:
-            out = await loop.run_in_executor(self.pool, slot.runner.run_batch, [m["seq"] for m in msgs], x, sampling)
+            out = await loop.run_in_executor(self.pool, slot.runner.run_batch, seqs, x, sampling)
         compute = time.perf_counter() - t0
         extra = self.slowdown.extra_wait(compute)
         if extra > 0:
             await asyncio.sleep(extra)
         self.busy_s += compute + extra
-        self.computed += len(msgs)
+        self.computed += len(batch)
         elem = 2 if self.s.activation_dtype == "float16" else 4
-        for i, msg in enumerate(msgs):
-            timings = list(msg.get("timings", [])) + [[self.id, compute + extra, int(x.shape[1]), elem, len(msgs)]]
-            fields = {k: msg.fields[k] for k in ("seq", "step", "plan", "sampling", "rid", "replay_from") if k in msg.fields}
-            if slot.next["kind"] == "coordinator":
-                await self._send_control(Message(T.TOKEN, {**fields, "token": int(out[i]), "timings": timings}))
-                continue
-            y = out[i : i + 1]
-            if self.s.activation_dtype == "float16":
-                y = y.astype(np.float16)
-            if slot.next.get("relay"):
-                await self._send_control(Message(T.FORWARD, {**fields, "relay_to": slot.next["id"], "timings": timings}, {"x": y}))
-            else:
-                await self._send_peer(slot.next["url"], encode(Message(T.FORWARD, {**fields, "timings": timings}, {"x": y})))
+        fields = {"plan": plan, "batch": batch,
+                  "timings": list(msg.get("timings", [])) + [[self.id, compute + extra, int(x.shape[1]), elem, len(batch)]]}
+        if slot.next["kind"] == "coordinator":
+            await self._send_control(Message(T.TOKEN, {**fields, "tokens": [int(t) for t in out]}))
+            return
+        y = out.astype(np.float16) if self.s.activation_dtype == "float16" else out
+        if slot.next.get("relay"):
+            await self._send_control(Message(T.FORWARD, {**fields, "relay_to": slot.next["id"]}, {"x": y}))
+        else:
+            await self._send_peer(slot.next["url"], encode(Message(T.FORWARD, fields, {"x": y})))
 
     async def _send_peer(self, url: str, frame: bytes) -> None:
         """Send to another worker's data port; any failure to reach it is ChannelClosed."""
@@ -419,10 +407,14 @@ class Worker:
         log.warning("%s failed: %s", msg.type.value, text)
         if msg.type is not T.FORWARD:
             return
-        try:
-            await self._send_control(Message(T.ERROR, {"message": text, "seq": msg.get("seq"), "step": msg.get("step"), "rid": msg.get("rid")}))
-        except ChannelClosed:
-            pass
+        batch = msg.get("batch")
+        for item in batch if isinstance(batch, list) else [{}]:
+            item = item if isinstance(item, dict) else {}
+            try:
+                await self._send_control(Message(T.ERROR, {"message": text, "seq": item.get("seq"), "step": item.get("step"),
+                                                           "rid": item.get("rid")}))
+            except ChannelClosed:
+                return
 
     async def _send_control(self, msg: Message) -> None:
         await self.control.send(encode(msg))

@@ -96,6 +96,30 @@ class _KVPool:
             self.rows = self.capacity = 0
             self.generation += 1
 
+    def gather(self, seqs: list[str]) -> None:
+        """Swap rows so that ``seqs`` own one contiguous range (starting at their lowest row).
+
+        A micro-batch keeps its members from step to step, so this copies rows once per
+        batch that forms, and every later step runs over exactly the batch's rows."""
+        rows = sorted(self.row_of[s] for s in seqs)
+        lo = rows[0]
+        holder = {r: s for s, r in self.row_of.items()}
+        outside = [self.row_of[s] for s in seqs if self.row_of[s] >= lo + len(seqs)]
+        for target in range(lo, lo + len(seqs)):
+            if holder.get(target) in seqs:
+                continue
+            src = outside.pop()
+            for a in self.arrays.values():
+                a[[target, src]] = a[[src, target]]
+            mover, other = holder[src], holder.get(target)
+            self.row_of[mover] = target
+            holder[target] = mover
+            if other is not None:
+                self.row_of[other] = src
+                holder[src] = other
+            else:
+                del holder[src]
+
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` positions in every row (plus the harmless write of bystanders)."""
         if tokens > self.capacity:
@@ -215,6 +239,9 @@ class StageRunner:
             worst = seqs[int(np.argmax(totals))]
             raise ContextOverflow(f"sequence {worst} would reach {max(totals)} tokens, over the context of {self.max_context}")
         rows = [pool.row_of[s] for s in seqs]
+        if max(rows) - min(rows) + 1 != len(rows):
+            pool.gather(seqs)
+            rows = [pool.row_of[s] for s in seqs]
         lo, hi = min(rows), max(rows) + 1
         n = hi - lo
         if n == len(seqs) and rows == list(range(lo, hi)):

@@ -420,7 +420,9 @@
         for (const slot of worker.slots.values()) slot.runner.drop(f.seq);
         break;
       case "forward":
-        await serial(() => forward(f, tensors)).catch((e) => send("error", { message: firstLine(e), seq: f.seq, step: f.step, rid: f.rid }));
+        await serial(() => forward(f, tensors)).catch((e) => {
+          for (const item of Array.isArray(f.batch) ? f.batch : [{}]) send("error", { message: firstLine(e), seq: item.seq, step: item.step, rid: item.rid });
+        });
         break;
       case "probe":
         await probe(f);
@@ -502,29 +504,41 @@
     render();
   }
 
+  // A forward frame carries one lane of sequences (`batch`, one row of x each); a tab runs
+  // them one after the other and answers with one frame, as a native worker does.
   async function forward(f, tensors) {
     const slot = worker.slots.get(f.plan);
     if (!slot) throw new Error(`worker ${worker.id} holds no stage for plan ${f.plan}`);
     let x = tensors.x;
     if (!x) throw new Error("forward without an x tensor");
+    const batch = f.batch || [];
+    if (Number(x.shape[0]) !== batch.length || !batch.length) throw new Error(`forward frame: x has ${x.shape[0]} rows for ${batch.length} sequences`);
     if (x.dtype === "float16") x = { dtype: "float32", shape: x.shape, data: halfToFloat(x.data) };
     const t0 = performance.now();
-    const sampling = slot.runner.emitsTokens ? f.sampling : null;
-    const out = f.replay_from && Number(x.shape[1]) > f.replay_from
-      ? await slot.runner.replay(f.seq, x, f.replay_from, sampling)
-      : await slot.runner.run(f.seq, x, sampling);
+    const width = x.data.length / batch.length;
+    const outs = [];
+    for (let i = 0; i < batch.length; i++) {
+      const item = batch[i];
+      const row = { dtype: x.dtype, shape: [1, ...x.shape.slice(1)], data: x.data.slice(i * width, (i + 1) * width) };
+      const sampling = slot.runner.emitsTokens ? item.sampling : null;
+      outs.push(item.replay_from && Number(x.shape[1]) > item.replay_from
+        ? await slot.runner.replay(item.seq, row, item.replay_from, sampling)
+        : await slot.runner.run(item.seq, row, sampling));
+    }
     const compute = (performance.now() - t0) / 1000;
     stats.busy_s += compute;
-    stats.computed++;
+    stats.computed += batch.length;
     // [worker, seconds, positions, bytes per activation element, sequences in the call]
-    const timings = [...(f.timings || []), [worker.id, compute, Number(x.shape[1]), 4, 1]];
-    const base = {};
-    for (const k of ["seq", "step", "plan", "sampling", "rid", "replay_from"]) if (k in f) base[k] = f[k];
+    const timings = [...(f.timings || []), [worker.id, compute, Number(x.shape[1]), 4, batch.length]];
+    const base = { plan: f.plan, batch, timings };
     if (slot.next.kind === "coordinator") {
-      stats.tokens++;
-      send("token", { ...base, token: Number(out.data[0]), timings });
+      stats.tokens += batch.length;
+      send("token", { ...base, tokens: outs.map((o) => Number(o.data[0])) });
     } else {
-      send("forward", { ...base, relay_to: slot.next.id, timings }, { x: { dtype: "float32", shape: out.dims, data: out.data } });
+      const data = new Float32Array(outs.reduce((n, o) => n + o.data.length, 0));
+      let at = 0;
+      for (const o of outs) { data.set(o.data, at); at += o.data.length; }
+      send("forward", { ...base, relay_to: slot.next.id }, { x: { dtype: "float32", shape: [batch.length, ...outs[0].dims.slice(1)], data } });
     }
   }
 

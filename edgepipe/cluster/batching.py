@@ -1,0 +1,134 @@
+"""Micro-batches for the pipeline: stable groups ("lanes") of sequences that travel together.
+
+With one sequence only one stage works at a time. With many, the coordinator keeps one
+micro-batch per stage in flight (recurrent pipelining, seed 001 ch. 3): every sequence
+belongs to a lane; a lane's decode steps go out as one frame, every stage runs a frame as
+one batch, and the lane's tokens come back together. A lane goes out again as soon as all its
+members have asked for their next step (or after ``wait_s``, so one slow consumer cannot
+stall the others: a member that misses its lane's departure waits for the next one).
+
+Lanes are stable on purpose. Stages never merge two waiting frames: two lanes that meet at a
+stage leave it one after the other and so spread over the stages again, whereas merged lanes
+would stay bunched forever and leave stages idle.
+
+``Lanes`` is plain bookkeeping (no I/O, no clock): the coordinator sends what it returns and
+arms a timer when it asks for one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+MAX_LANE = 16  # sequences in one micro-batch at most (a worker's batch limit)
+
+
+@dataclass
+class LaneItem:
+    """One decode step of one sequence, waiting to go out with its lane."""
+
+    rid: str  # the request (stable over plan changes, unlike the sequence id)
+    plan: int
+    payload: Any  # what the coordinator needs to send it
+
+
+@dataclass
+class Lane:
+    index: int
+    members: set[str] = field(default_factory=set)
+    waiting: dict[str, LaneItem] = field(default_factory=dict)
+    flying: set[str] = field(default_factory=set)
+    departures: int = 0  # how many times the lane went out
+    armed: int = -1  # the departure a wait timer was armed for
+
+
+class Lanes:
+    """Assigns sequences to lanes and decides when a lane's steps go out.
+
+    Every method returns the batches to send now: lists of items of one plan each.
+    ``arm(index, departure)`` is called when a lane waits for late members; the caller calls
+    :meth:`expire` with both after ``wait_s`` (a stale departure number is ignored).
+    """
+
+    def __init__(self, arm: Callable[[int, int], None] = lambda i, d: None, max_lane: int = MAX_LANE):
+        self.lanes: list[Lane] = []
+        self.lane_of: dict[str, int] = {}
+        self.arm = arm
+        self.max_lane = max_lane
+
+    def submit(self, item: LaneItem, n_lanes: int) -> list[list[LaneItem]]:
+        """A sequence asks for its next decode step."""
+        out: list[list[LaneItem]] = []
+        lane = self._assign(item.rid, max(1, n_lanes), out)
+        lane.waiting[item.rid] = item
+        return out + self._try(lane)
+
+    def returned(self, rid: str) -> list[list[LaneItem]]:
+        """A sequence's step is over (token, failure or timeout)."""
+        i = self.lane_of.get(rid)
+        if i is None:
+            return []
+        lane = self.lanes[i]
+        lane.flying.discard(rid)
+        return self._try(lane)
+
+    def leave(self, rid: str) -> list[list[LaneItem]]:
+        """A sequence ended: its lane stops waiting for it."""
+        i = self.lane_of.pop(rid, None)
+        if i is None:
+            return []
+        lane = self.lanes[i]
+        lane.members.discard(rid)
+        lane.waiting.pop(rid, None)
+        lane.flying.discard(rid)
+        return self._try(lane)
+
+    def expire(self, index: int, departure: int) -> list[list[LaneItem]]:
+        """The wait for a lane's late members is over: send who is there."""
+        lane = self.lanes[index]
+        if lane.departures != departure:
+            return []
+        return self._try(lane, force=True)
+
+    def sizes(self) -> list[int]:
+        return [len(lane.members) for lane in self.lanes]
+
+    # -- internals --------------------------------------------------------------------------
+    def _assign(self, rid: str, n_lanes: int, out: list) -> Lane:
+        while len(self.lanes) < n_lanes:
+            self.lanes.append(Lane(len(self.lanes)))
+        current = self.lane_of.get(rid)
+        others = [lane for lane in self.lanes[:n_lanes] if lane.index != current and len(lane.members) < self.max_lane]
+        smallest = min(others, key=lambda lane: len(lane.members), default=None)
+        if current is not None:
+            mine = self.lanes[current]
+            # Stay unless the lane is not part of this plan or is clearly the fuller one.
+            if current < n_lanes and (smallest is None or len(mine.members) <= len(smallest.members) + 1):
+                return mine
+            mine.members.discard(rid)
+            mine.waiting.pop(rid, None)
+            out += self._try(mine)  # it may have waited only for this one
+        if smallest is None:
+            smallest = next((lane for lane in self.lanes[n_lanes:] if len(lane.members) < self.max_lane), None)
+            if smallest is None:
+                smallest = Lane(len(self.lanes))
+                self.lanes.append(smallest)
+        smallest.members.add(rid)
+        self.lane_of[rid] = smallest.index
+        return smallest
+
+    def _try(self, lane: Lane, force: bool = False) -> list[list[LaneItem]]:
+        if lane.flying or not lane.waiting:
+            return []
+        if not force and not lane.members <= lane.waiting.keys():
+            if lane.armed != lane.departures:
+                lane.armed = lane.departures
+                self.arm(lane.index, lane.departures)
+            return []
+        by_plan: dict[int, list[LaneItem]] = {}
+        for item in lane.waiting.values():
+            by_plan.setdefault(item.plan, []).append(item)
+        lane.flying = set(lane.waiting)
+        lane.waiting = {}
+        lane.departures += 1
+        return list(by_plan.values())

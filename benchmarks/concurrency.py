@@ -1,8 +1,9 @@
 """Aggregate tokens/s with 1, 2, 4, 8, 16 concurrent streams, on 1 and on 3 workers.
 
-Runs twice in one go: "raw" (the workers as they are on this machine) and "emulated" (every
-worker waits (f - 1) x its compute time after each call, so most of a stage's time is
-emulated waiting, as on slower devices: three real stages would otherwise share two cores).
+Runs twice in one go: "raw" (the workers as they are on this machine) and "emulated" (each
+decode call of a worker lasts f x its CPU time, so most of a stage's time is emulated waiting,
+as on slower devices: three real stages would otherwise share two cores, and CPU time rather
+than wall time keeps that sharing out of the emulated duration).
 All four servers are up at once and each concurrency level is measured on each in turn.
 
     python benchmarks/concurrency.py [--tokens 64] [--slowdown 8] [--levels 1,2,4,8,16]
@@ -80,14 +81,16 @@ def main() -> None:
 def report(results, levels, args) -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
     head = (f"{date.today()} · {os.cpu_count()} cores ({cpu}) · SmolLM2-135M int4 · {args.tokens} tokens/stream greedy · "
-            f"emulated = every worker slowed {args.slowdown}x (EMULATION: waits (f-1) x compute) · loopback")
+            f"emulated = every worker slowed {args.slowdown}x (EMULATION: a decode call lasts f x its CPU time, so "
+            f"sharing 2 cores is not multiplied) · loopback")
     lines = [head, "", "| mode | workers | " + " | ".join(f"{n} streams" for n in levels) + f" | best / 1 stream |",
              "|---|---|" + "---|" * len(levels) + "---|"]
     for (mode, workers), row in results.items():
         cells = " | ".join(f"{row[n]:.1f} ({row[n] / row[levels[0]]:.2f}x)" for n in levels)
         lines.append(f"| {mode} | {workers} | {cells} | {max(row.values()) / row[levels[0]]:.2f}x |")
     lines.append("")
-    lines.append("Aggregate tokens/s (ratio to 1 stream on the same server). Stages batch the decode steps waiting at them.")
+    lines.append("Aggregate tokens/s (ratio to 1 stream on the same server). Decode steps travel in micro-batches (one lane per "
+                 "stage); each stage runs a lane's frame as one batch.")
     text = "\n".join(lines)
     print(text)
     RESULTS.mkdir(exist_ok=True)

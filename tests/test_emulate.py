@@ -183,6 +183,15 @@ def test_slowdown_policy_waits_factor_minus_one_times_compute():
         policy.extra_wait(-1.0)
 
 
+def test_slowdown_from_cpu_time_does_not_multiply_waiting_for_a_core():
+    policy = SlowdownPolicy(8.0)
+    # 10 ms of CPU that took 30 ms of wall (the core was shared): the call lasts 80 ms in all.
+    assert policy.extra_wait(0.030, cpu_seconds=0.010) == pytest.approx(0.050)
+    assert policy.extra_wait(0.010, cpu_seconds=0.010) == pytest.approx(policy.extra_wait(0.010))
+    assert policy.extra_wait(0.5, cpu_seconds=0.01) == 0.0  # never negative
+    assert SlowdownPolicy(1).extra_wait(0.03, cpu_seconds=0.01) == 0.0
+
+
 def test_memory_budget_names_what_did_not_fit_and_the_numbers():
     budget = MemoryBudget.of("1GB")
     assert budget.emulated and "emulated" in budget.label()

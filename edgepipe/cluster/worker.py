@@ -5,8 +5,9 @@ and serves a data endpoint where its predecessor sends activations directly. Com
 in one thread so the event loop stays free for heartbeats and I/O. Needs only onnxruntime,
 numpy, msgpack and websockets.
 
-Emulation (always labelled as such in what the worker reports): ``slowdown`` waits
-``(f - 1)`` times each compute call's duration; ``memory_bytes`` is a hard budget for weights
+Emulation (always labelled as such in what the worker reports): ``slowdown`` makes each
+compute call last ``f`` times its CPU time (single-threaded decode; else ``f`` times its wall
+time); ``memory_bytes`` is a hard budget for weights
 plus KV; ``link`` shapes every frame the worker sends.
 """
 
@@ -346,16 +347,19 @@ class Worker:
         seqs = [item["seq"] for item in batch]
         t0 = time.perf_counter()
         replay_from = batch[0].get("replay_from")
+        cpu = None
         if len(batch) == 1 and replay_from and x.shape[1] > replay_from:
             out = await loop.run_in_executor(self.pool, slot.runner.replay, seqs[0], x, replay_from, sampling)
         elif x.shape[1] == 1:
             # A decode step takes milliseconds: run it on the loop, skipping two thread hand-offs
             # per hop (heartbeats wait at most one step). Prefills and replays use the thread.
+            c0 = time.thread_time()
             out = slot.runner.run_batch(seqs, x, sampling)
+            cpu = time.thread_time() - c0 if self.s.threads == 1 else None  # one ORT thread: it is this one
         else:
             out = await loop.run_in_executor(self.pool, slot.runner.run_batch, seqs, x, sampling)
         compute = time.perf_counter() - t0
-        extra = self.slowdown.extra_wait(compute)
+        extra = self.slowdown.extra_wait(compute, cpu)
         if extra > 0:
             await asyncio.sleep(extra)
         self.busy_s += compute + extra

@@ -61,11 +61,21 @@ class SlowdownPolicy:
         if not self.factor >= 1 or self.factor == float("inf"):
             raise ValueError(f"slowdown factor must be a finite number >= 1, got {self.factor}")
 
-    def extra_wait(self, compute_seconds: float) -> float:
-        """Seconds to wait after a call that took ``compute_seconds``: ``(factor - 1) * compute``."""
-        if compute_seconds < 0:
-            raise ValueError(f"compute time must be >= 0, got {compute_seconds}")
-        return (self.factor - 1) * compute_seconds
+    def extra_wait(self, compute_seconds: float, cpu_seconds: float | None = None) -> float:
+        """Seconds to wait after a call that took ``compute_seconds`` of wall time.
+
+        Without ``cpu_seconds``: ``(factor - 1) * compute``. With the call's CPU time (single-
+        threaded compute), the emulated device takes ``factor * cpu`` in all: on a host shared
+        with other workers the wall time includes waiting for a core, which a real device of
+        its own would not do, and multiplying it would emulate that contention ``factor`` times.
+        """
+        if compute_seconds < 0 or (cpu_seconds is not None and cpu_seconds < 0):
+            raise ValueError(f"compute time must be >= 0, got {compute_seconds} (cpu {cpu_seconds})")
+        if cpu_seconds is None:
+            return (self.factor - 1) * compute_seconds
+        if self.factor == 1:
+            return 0.0
+        return max(0.0, self.factor * cpu_seconds - compute_seconds)
 
     def label(self) -> str:
         return f"emulated compute slowdown x{self.factor:g}"

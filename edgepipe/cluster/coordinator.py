@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from .placement import Deployment, StageAssignment, proportional_split
 from .profiling import ClusterProfile
 
 log = logging.getLogger("edgepipe.coordinator")
+DEFAULT_RECOVERY_S = 1.0  # assumed outage per failure until one is measured
 MOVE_TIMEOUT_S = 10.0  # KV moves still missing after this are rebuilt by replay instead
 
 
@@ -71,6 +73,12 @@ class WorkerHandle:
     @property
     def relay(self) -> bool:
         return self.hello.get("kind") == "browser"
+
+    @property
+    def identity(self) -> tuple:
+        """Name and declared hardware: a device that comes back with these is the same device."""
+        h = self.hello
+        return (self.name, h.get("kind"), h.get("memory_bytes"), h.get("threads"), repr(h.get("emulation")), h.get("precision"))
 
     async def send(self, msg: Message) -> None:
         await self.channel.send(encode(msg))
@@ -161,6 +169,8 @@ class Coordinator:
         self._moves: dict[int, asyncio.Future] = {}
         self.migrate_kv = True
         self.lanes = Lanes(arm=self._arm_lane)
+        self.outages: deque[float] = deque(maxlen=32)  # seconds from leaving Up to the next Up
+        self._down_since: float | None = None
 
     @property
     def n_units(self) -> int:
@@ -186,7 +196,16 @@ class Coordinator:
         self.state_since = now
         if state is not self.state:
             self.event("state", state=state.value)
+            if self.state is State.UP:
+                self._down_since = now
+            elif state is State.UP and self._down_since is not None:
+                self.outages.append(now - self._down_since)
+                self._down_since = None
         self.state = state
+
+    def recovery_s(self) -> float:
+        """Median time from losing the running plan to the next one up (recent outages)."""
+        return statistics.median(self.outages) if self.outages else DEFAULT_RECOVERY_S
 
     def state_durations(self) -> dict[str, float]:
         out = dict(self.state_time)
@@ -225,7 +244,12 @@ class Coordinator:
         self.workers[worker.id] = worker
         await worker.send(Message(T.WELCOME, {"worker_id": worker.id}))
         self.event("join", worker=worker.id, memory=worker.memory_bytes, emulation=hello.get("emulation"), device_kind=hello.get("kind"))
-        if self.settings.calibrate:
+        self.profile.joined(worker.name, time.monotonic())
+        if self.settings.calibrate and self.profile.recall(worker.id, worker.identity):
+            m = self.profile.of(worker.id)
+            self.event("calibrated", worker=worker.id, speed=round(m.speed, 3), overhead_ms=round(m.overhead_s * 1e3, 3),
+                       uplink_mb_s=round((m.bandwidth_bytes_per_s or 0) / 1e6, 3), reused=True)
+        elif self.settings.calibrate:
             self._calibrations[worker.id] = self._spawn(self._calibrate(worker))
         self._replan_wanted.set()
         try:
@@ -323,7 +347,8 @@ class Coordinator:
             return
         w.alive = False
         self.workers.pop(w.id, None)
-        self.profile.forget(w.id)
+        self.profile.forget(w.id, w.identity)
+        self.profile.left(w.name, time.monotonic())
         task = self._calibrations.pop(w.id, None)
         if task:
             task.cancel()

@@ -4,6 +4,9 @@
 best placement under the current objective, prices the running plan with the same cost
 model, and lets ``should_switch`` (margin, switch cost amortised over a horizon, penalty
 decaying with time since the last switch) decide whether the change is worth making.
+Once devices have been seen to leave, the throughput plan is weighed against the plan over
+the fewest devices (the latency plan) by expected goodput (``plan.reliability``): under
+churn, every extra device a plan relies on is one more way for it to go down.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..plan import Objective, Plan, PlanError, PlanRequest, Stage, evaluate, objective_value, plan, should_switch, spare_plan, switch_cost
+from dataclasses import replace
+
+from ..plan import (Objective, Plan, PlanError, PlanRequest, Stage, evaluate, expected_goodput, objective_value, plan, should_switch,
+                    spare_plan, switch_cost)
 from .placement import StageAssignment
 
 
@@ -28,7 +34,8 @@ class PlannerPolicy:
         sequences = max(1, coord.requests_in_flight)
         if objective is Objective.LATENCY and sequences >= self.throughput_above:
             objective = Objective.THROUGHPUT
-        return PlanRequest(objective=objective, sequences=sequences, tpot_target_s=self.tpot_target_s)
+        # The runtime runs one device per stage: replicated stages would be collapsed.
+        return PlanRequest(objective=objective, sequences=sequences, tpot_target_s=self.tpot_target_s, replicas=False)
 
     def __call__(self, coord, workers):
         prof = coord.profile
@@ -41,6 +48,9 @@ class PlannerPolicy:
         best = result.best
         if not best.complete:
             return [], best.reason, {}
+        rates = {w.id: prof.failure_rate(w.name, time.monotonic()) for w in workers}
+        if request.objective is Objective.THROUGHPUT and any(rates.values()):
+            best = self._weigh_churn(best, model, devices, network, request, rates, coord.recovery_s())
         stages = [StageAssignment(s.device_ids[0], s.start, s.end) for s in best.stages]
         predicted = prediction_dict(best)
         current = coord.active
@@ -62,6 +72,24 @@ class PlannerPolicy:
                                         "hop_times_s": list(running_pred.hop_times_s), "energy_j_per_token": running_pred.energy_j_per_token}
         return stages, f"{request.objective.value}: {best.reason}", predicted
 
+
+    def _weigh_churn(self, best: Plan, model, devices, network, request: PlanRequest, rates: dict, recovery_s: float) -> Plan:
+        """The throughput plan or the fewest-devices plan, whichever delivers more once downtime counts."""
+        try:
+            lean = plan(model, devices, network, replace(request, objective=Objective.LATENCY)).best
+            if not lean.complete:
+                return best
+            lean_throughput = evaluate(lean.stages, model, devices, network, request).throughput_tok_s
+        except PlanError:
+            return best
+        ids = lambda p: [d for s in p.stages for d in s.device_ids]  # noqa: E731
+        spread = expected_goodput(best.predicted.throughput_tok_s, ids(best), rates, recovery_s)
+        compact = expected_goodput(lean_throughput, ids(lean), rates, recovery_s)
+        if compact <= spread:
+            return best
+        return replace(lean, objective=Objective.THROUGHPUT, predicted=evaluate(lean.stages, model, devices, network, request),
+                       reason=f"{len(lean.stages)} device(s) instead of {len(best.stages)}: expected {compact:.1f} vs "
+                              f"{spread:.1f} tok/s with churn (recovery {recovery_s:.2f} s)")
 
     def spare(self, coord, dep) -> list[StageAssignment] | None:
         """A complete plan avoiding the running plan's busiest device, for prefetching."""

@@ -9,14 +9,17 @@ into ``edgepipe.plan`` profiles:
   refines its speed (median over a window);
 - links: RTT from heartbeats, upload bandwidth from a timed probe frame. A worker-to-worker
   hop is priced as a path through both workers' access links (star topology): the larger RTT
-  and the smaller bandwidth.
+  and the smaller bandwidth;
+- lives, by device name (a device that reconnects gets a new worker id): how long it stayed
+  and how often it left, for reliability-aware placement; and its last calibration, so a
+  device that comes back with the same hardware need not be timed again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan import COORDINATOR, DeviceProfile, LinkProfile, ModelProfile, NetworkProfile, RollingMedian, UnitProfile, fit_speed_overhead
+from ..plan import COORDINATOR, failure_rate, DeviceProfile, LinkProfile, ModelProfile, NetworkProfile, RollingMedian, UnitProfile, fit_speed_overhead
 from ..plan.profiles import DEFAULT_LINK, DEFAULT_POWER_BUSY_W, DEFAULT_POWER_IDLE_W
 
 LOOPBACK_BANDWIDTH = 1e9  # bytes/s assumed until a probe says otherwise
@@ -32,18 +35,57 @@ class DeviceMeasurements:
     stage_times: dict[tuple[int, int], RollingMedian] = field(default_factory=dict)
 
 
+@dataclass
+class DeviceLives:
+    """How long a named device stayed each time it joined, and how often it left."""
+
+    alive_s: float = 0.0
+    failures: int = 0
+    joined_at: float | None = None
+
+
 class ClusterProfile:
     def __init__(self, manifest, context_tokens: int = 2048, window: int = 32):
         self.manifest = manifest
         self.window = window
         self.context_tokens = min(context_tokens, manifest.max_context)
         self.devices: dict[str, DeviceMeasurements] = {}
+        self.lives: dict[str, DeviceLives] = {}
+        self.known: dict[tuple, DeviceMeasurements] = {}  # last calibration by (name, declared hardware)
 
     def of(self, worker_id: str) -> DeviceMeasurements:
         return self.devices.setdefault(worker_id, DeviceMeasurements())
 
-    def forget(self, worker_id: str) -> None:
-        self.devices.pop(worker_id, None)
+    def forget(self, worker_id: str, identity: tuple | None = None) -> None:
+        m = self.devices.pop(worker_id, None)
+        if identity is not None and m is not None and m.calibrated:
+            self.known[identity] = m
+
+    def recall(self, worker_id: str, identity: tuple) -> bool:
+        """A device seen before with the same declared hardware: reuse what was measured."""
+        m = self.known.get(identity)
+        if m is None:
+            return False
+        self.devices[worker_id] = DeviceMeasurements(m.speed, m.overhead_s, True, m.rtt, m.bandwidth_bytes_per_s)
+        return True
+
+    # -- lives ----------------------------------------------------------------------------------
+    def joined(self, name: str, now: float) -> None:
+        self.lives.setdefault(name, DeviceLives()).joined_at = now
+
+    def left(self, name: str, now: float) -> None:
+        life = self.lives.setdefault(name, DeviceLives())
+        if life.joined_at is not None:
+            life.alive_s += max(0.0, now - life.joined_at)
+        life.joined_at = None
+        life.failures += 1
+
+    def failure_rate(self, name: str, now: float) -> float:
+        life = self.lives.get(name)
+        if life is None:
+            return 0.0
+        current = now - life.joined_at if life.joined_at is not None else 0.0
+        return failure_rate(life.failures, life.alive_s + current)
 
     def unit_cost(self, start: int, end: int) -> float:
         return sum(u.cost_s for u in self.manifest.units[start:end])

@@ -34,6 +34,7 @@ from .profiles import (
     UnitProfile,
     transformer_profile,
 )
+from .reliability import availability, expected_goodput, failure_rate
 from .report import render
 from .switching import (
     Action,
@@ -50,6 +51,9 @@ from .switching import (
 )
 
 __all__ = [
+    "availability",
+    "expected_goodput",
+    "failure_rate",
     "COORDINATOR",
     "DEFAULT_LINK",
     "Action",

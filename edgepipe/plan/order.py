@@ -360,6 +360,7 @@ def _plan(
     m = len(useful)
     replicate = (
         request.objective is Objective.THROUGHPUT
+        and request.replicas
         and seq > 1
         and m <= REPLICA_EXACT_DEVICES
         and request.search in ("auto", "exact-subset-dp")
@@ -421,7 +422,7 @@ def _plan(
             _throughput(ctx, candidates, tables, count)
         elif request.objective is Objective.ENERGY:
             _energy(ctx, candidates, tables, count)
-        if request.objective is Objective.THROUGHPUT and seq > 1 and not replicate:
+        if request.objective is Objective.THROUGHPUT and request.replicas and seq > 1 and not replicate:
             _replicate_greedily(ctx, candidates)
 
     ranked = candidates.ranked()
@@ -450,7 +451,7 @@ def _plan(
     optimal = (exact and request.objective is not Objective.ENERGY) or (
         lower is not None and plans[0].predicted.ring_s <= lower * (1 + 1e-9)  # type: ignore[union-attr]
     )
-    if adjusted or (request.objective is Objective.THROUGHPUT and seq > 1 and not replicate):
+    if adjusted or (request.objective is Objective.THROUGHPUT and request.replicas and seq > 1 and not replicate):
         optimal = False  # spare-plan ranking, or greedy replication
     return PlanResult(plans[0], tuple(plans[1:]), strategy, lower, optimal)
 

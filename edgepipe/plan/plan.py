@@ -53,7 +53,8 @@ class PlanRequest:
 
     `seed` drives the annealing search; `max_exact_devices` is the largest pool searched
     exactly; `search` forces a strategy ("auto" picks by pool size); `anneal_steps` is the
-    annealing budget in evaluated orders (deterministic, not a clock).
+    annealing budget in evaluated orders (deterministic, not a clock). `replicas` False keeps
+    every stage on one device (for a runtime that does not run data-parallel replicas).
     """
 
     objective: Objective = Objective.LATENCY
@@ -65,6 +66,7 @@ class PlanRequest:
     max_exact_devices: int = 8
     search: SearchChoice = "auto"
     anneal_steps: int = 1200
+    replicas: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "objective", Objective(self.objective))

@@ -399,7 +399,7 @@ class Coordinator:
             await asyncio.sleep(0.05)  # let a burst of joins/leaves settle
             self._replan_wanted.clear()
             pending = [t for t in self._calibrations.values() if not t.done()]
-            if pending:
+            if pending and self.active is not None:  # when down, recover with who is ready now
                 await asyncio.gather(*pending, return_exceptions=True)
             try:
                 await self.replan()
@@ -416,7 +416,14 @@ class Coordinator:
                 return None  # min_workers gates only the first plan; later, serve with who is left
             if not workers:
                 return None
-            stages, reason, predicted = self.plan_fn(self, workers)
+            alive = {w.id for w in workers}
+            if self.active is None and self.ever_up and self.spare and {s.worker_id for s in self.spare} <= alive:
+                # Down: the spare plan's files (and sessions, where budgets allowed) are already in
+                # place, so it is up fastest; the policy may move to a better plan once serving.
+                stages, reason, predicted = self.spare, "spare plan (recovery)", {}
+                self._replan_wanted.set()
+            else:
+                stages, reason, predicted = self.plan_fn(self, workers)
             if not stages:
                 self.event("plan_failed", error=reason)
                 return None
@@ -427,7 +434,12 @@ class Coordinator:
                 decision = predicted.get("switch")
                 if decision is not None and not decision["switch"]:
                     return current  # not worth its switch cost yet (hysteresis)
-            return await self.deploy(stages, reason, {k: v for k, v in predicted.items() if k != "switch"})
+            try:
+                return await self.deploy(stages, reason, {k: v for k, v in predicted.items() if k != "switch"})
+            except Exception:
+                if stages is self.spare:
+                    self.spare = None  # the next attempt asks the planner
+                raise
 
     async def _load(self, w: WorkerHandle, plan_id: int, start: int, end: int, next_hop: dict, keep: list[int]) -> dict:
         fut = w.loads[plan_id] = asyncio.get_running_loop().create_future()

@@ -92,17 +92,17 @@ class PlannerPolicy:
                               f"{spread:.1f} tok/s with churn (recovery {recovery_s:.2f} s)")
 
     def spare(self, coord, dep) -> list[StageAssignment] | None:
-        """A complete plan avoiding the running plan's busiest device, for prefetching."""
+        """A complete plan to fall back on, avoiding the running plan's devices where possible
+        (then any single failure leaves it intact), over as few devices as the latency
+        objective needs: a spare is for getting back up fast."""
         workers = [w for w in coord.workers.values() if w.alive]
         if len(workers) < 2:
             return None
         prof = coord.profile
         model, devices, network = prof.model_profile(), prof.device_profiles(workers), prof.network_profile(workers)
-        request = self.request(coord)
+        request = replace(self.request(coord), objective=Objective.LATENCY)
         running = running_plan(dep, model, request)
-        times = evaluate(running.stages, model, devices, network, request).stage_times_s
-        busiest = dep.stages[max(range(len(times)), key=times.__getitem__)].worker_id
-        spare = spare_plan(model, devices, network, request, running, {busiest})
+        spare = spare_plan(model, devices, network, request, running, set(dep.workers))
         if spare is None:
             return None
         return [StageAssignment(s.device_ids[0], s.start, s.end) for s in spare.stages]

@@ -24,17 +24,37 @@ def test_queue_then_429_and_fifo_handover():
         await asyncio.wait_for(waiter, 1)  # the slot passed to the one in line
         assert adm.active == 2 and adm.queued == 0
         adm.release(b)
-        adm.release(None)
+        adm.release(waiter.result())
+        adm.release(None)  # an unknown ticket changes nothing
         assert adm.active == 0
 
     asyncio.run(scenario())
 
 
-def test_capacity_from_kv_budgets_lowers_the_limit():
-    adm = Admission(max_active=16, max_queue=4, capacity=lambda: 3)
-    assert adm.limit == 3
-    adm.capacity = lambda: None
-    assert adm.limit == 16
+def test_kv_capacity_admits_by_positions_and_one_request_always_runs():
+    async def scenario():
+        adm = Admission(max_active=16, max_queue=4, capacity=lambda: 1000)
+        first = await adm.admit(300)
+        second = await adm.admit(300)  # 2 x 300 fits
+        assert adm.active == 2 and adm.limit == 3
+        waiter = asyncio.create_task(adm.admit(400))  # 3 x 400 would not
+        await asyncio.sleep(0)
+        assert adm.queued == 1 and not waiter.done()
+        adm.release(first)
+        await asyncio.wait_for(waiter, 1)  # 2 x 400 fits now
+        adm.release(second)
+        adm.release(waiter.result())
+        huge = await adm.admit(5000)  # more than the budget holds: it runs, alone
+        assert adm.active == 1
+        late = asyncio.create_task(adm.admit(10))
+        await asyncio.sleep(0)
+        assert not late.done()
+        adm.release(huge)
+        await asyncio.wait_for(late, 1)
+        adm.capacity = lambda: None
+        assert adm.limit == 16
+
+    asyncio.run(scenario())
 
 
 def test_cancelled_waiter_leaves_the_queue():

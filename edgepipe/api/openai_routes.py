@@ -119,7 +119,7 @@ async def _complete(request: Request, body: dict, model: str, prompt: str, chat:
     except ValueError as exc:
         raise bad_request(str(exc), param="max_tokens") from None
     admission = app.admission
-    ticket = await admission.admit()  # raises APIError(429) when the queue is full
+    ticket = await admission.admit(len(ids) + params.max_tokens)  # raises APIError(429) when the queue is full
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     kind = "chat.completion" if chat else "text_completion"

@@ -30,7 +30,7 @@ from ..net.protocol import Message, MessageType as T, ProtocolError, decode, enc
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta, uniform_draw
 from .batching import LaneItem, Lanes
 from .placement import Deployment, StageAssignment, proportional_split
-from .profiling import ClusterProfile
+from .profiling import RUNTIME_OVERHEAD_BYTES, ClusterProfile
 
 log = logging.getLogger("edgepipe.coordinator")
 DEFAULT_RECOVERY_S = 1.0  # assumed outage per failure until one is measured
@@ -169,6 +169,7 @@ class Coordinator:
         self._moves: dict[int, asyncio.Future] = {}
         self.migrate_kv = True
         self.lanes = Lanes(arm=self._arm_lane)
+        self.reserved: dict[str, int] = {}  # request -> KV positions it may grow to (prompt + max_tokens)
         self.outages: deque[float] = deque(maxlen=32)  # seconds from leaving Up to the next Up
         self._down_since: float | None = None
 
@@ -646,23 +647,31 @@ class Coordinator:
         self.event("spare", stages=[[s.worker_id, s.start, s.end] for s in stages])
 
     @property
-    def sequence_capacity(self) -> int | None:
-        """Sequences the active plan's KV budgets allow at full context (None: unknown/unbounded)."""
+    def kv_capacity(self) -> int | None:
+        """KV positions (summed over sequences) the active plan's declared budgets hold at the
+        tightest stage (None: no budget declared, the hosts' RAM bounds it)."""
         dep = self.active
         if dep is None:
             return None
         caps = []
-        context = self.profile.context_tokens
         for s in dep.stages:
             w = self.workers.get(s.worker_id)
             if w is None or not (w.hello.get("emulation") or {}).get("memory_budget"):
-                continue  # only declared budgets bound admission; otherwise the host's RAM does
+                continue
             units = self.manifest.units[s.start:s.end]
             weights = sum(self.manifest.variant(u.index, self._precision(w)).weight_bytes for u in units)
-            per_seq = context * sum(u.kv_bytes_per_token for u in units)
-            if per_seq:
-                caps.append(max(1, (w.memory_bytes - weights) // per_seq))
+            per_position = sum(u.kv_bytes_per_token for u in units)
+            if per_position:
+                caps.append(max(0, w.memory_bytes - weights - RUNTIME_OVERHEAD_BYTES) // per_position)
         return min(caps) if caps else None
+
+    def kv_plan_positions(self) -> int:
+        """KV positions a plan must hold: one request at full context, or what the running
+        requests may grow to (a stage's pool is sequences x the longest), whichever is more."""
+        full = self.profile.context_tokens
+        if not self.reserved:
+            return full
+        return max(full, len(self.reserved) * max(self.reserved.values()))
 
     def _precision(self, w: WorkerHandle) -> str | None:
         return w.hello.get("precision") or self.settings.precision
@@ -688,6 +697,7 @@ class Coordinator:
         seq = f"{rid}.{epoch}"
         fed_plan: int | None = None  # plan whose workers hold this sequence's KV
         self.requests_in_flight += 1
+        self.reserved[rid] = len(state.prompt_ids) + state.params.max_tokens
         try:
             paused_at = None
             broken = 0
@@ -730,6 +740,7 @@ class Coordinator:
                 yield delta
         finally:
             self.requests_in_flight -= 1
+            self.reserved.pop(rid, None)
             self._go(self.lanes.leave(rid))
             self.live.pop(seq, None)
             self._migrated.pop(seq, None)

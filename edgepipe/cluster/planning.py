@@ -37,9 +37,15 @@ class PlannerPolicy:
         # The runtime runs one device per stage: replicated stages would be collapsed.
         return PlanRequest(objective=objective, sequences=sequences, tpot_target_s=self.tpot_target_s, replicas=False)
 
+    def model(self, coord):
+        """The model profile with KV sized for what is running (``Coordinator.kv_plan_positions``),
+        spread over the sequences the request counts: not every sequence at full context."""
+        sequences = self.request(coord).sequences
+        return coord.profile.model_profile(context_tokens=-(-coord.kv_plan_positions() // sequences))
+
     def __call__(self, coord, workers):
         prof = coord.profile
-        model = prof.model_profile()
+        model = self.model(coord)
         devices = prof.device_profiles(workers)
         network = prof.network_profile(workers)
         request = self.request(coord)
@@ -99,7 +105,7 @@ class PlannerPolicy:
         if len(workers) < 2:
             return None
         prof = coord.profile
-        model, devices, network = prof.model_profile(), prof.device_profiles(workers), prof.network_profile(workers)
+        model, devices, network = self.model(coord), prof.device_profiles(workers), prof.network_profile(workers)
         request = replace(self.request(coord), objective=Objective.LATENCY)
         running = running_plan(dep, model, request)
         spare = spare_plan(model, devices, network, request, running, set(dep.workers))

@@ -23,6 +23,7 @@ from ..plan import COORDINATOR, failure_rate, DeviceProfile, LinkProfile, ModelP
 from ..plan.profiles import DEFAULT_LINK, DEFAULT_POWER_BUSY_W, DEFAULT_POWER_IDLE_W
 
 LOOPBACK_BANDWIDTH = 1e9  # bytes/s assumed until a probe says otherwise
+RUNTIME_OVERHEAD_BYTES = 64 << 20  # a session's own buffers and the shared rotary tables (2 MiB)
 
 
 @dataclass
@@ -124,12 +125,12 @@ class ClusterProfile:
             m.speed = self.unit_cost(start, end) / (median - m.overhead_s)
 
     # -- profiles out ---------------------------------------------------------------------------
-    def model_profile(self, precision: str | None = None) -> ModelProfile:
+    def model_profile(self, precision: str | None = None, context_tokens: int | None = None) -> ModelProfile:
+        """``context_tokens``: KV positions to plan per sequence (default: the full context)."""
         m = self.manifest
         units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, u.kv_bytes_per_token,
                                   u.out_bytes_per_token) for u in m.units)
-        # 64 MiB covers the session's own buffers and the shared rotary tables (2 MiB)
-        return ModelProfile(m.name, units, self.context_tokens, runtime_overhead_bytes=64 << 20)
+        return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES)
 
     def device_profiles(self, workers) -> list[DeviceProfile]:
         out = []

@@ -433,10 +433,11 @@ def report(results: list[dict], args, started: str) -> None:
               "Seed 003 ran 10 workers on separate machines; here 5 processes share 2 cores, so a restart's CPU slows everyone."]
     text = "\n".join(lines)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
+    out = Path(args.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
     name = args.out or ("churn-smoke" if args.smoke else "churn")
-    (RESULTS / f"{name}.md").write_text(text + "\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps({"conditions": conditions, "scenarios": results}, indent=1))
+    (out / f"{name}.md").write_text(text + "\n")
+    (out / f"{name}.json").write_text(json.dumps({"conditions": conditions, "scenarios": results}, indent=1))
 
 
 def main() -> None:
@@ -450,6 +451,7 @@ def main() -> None:
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=None, help="results name (default churn, or churn-smoke with --smoke)")
+    ap.add_argument("--results-dir", default=str(RESULTS), help="where the .md/.json go (tests use a temporary one)")
     ap.add_argument("--report-from", default=None,
                     help="no run: combine the scenarios of these results (e.g. churn-one,churn-three) into one report")
     args = ap.parse_args()
@@ -463,7 +465,7 @@ def main() -> None:
     if args.report_from:  # scenarios run separately (same flags), reported together
         results, starts = [], []
         for name in args.report_from.split(","):
-            data = json.loads((RESULTS / f"{name}.json").read_text())
+            data = json.loads((Path(args.results_dir) / f"{name}.json").read_text())
             starts.append(data["conditions"].split(" · ")[0])
             results += data["scenarios"]
         report(results, args, " / ".join(starts))

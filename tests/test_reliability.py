@@ -58,3 +58,23 @@ def test_profile_counts_lives_by_name_and_recalls_calibration():
     prof.forget("w1-pi", identity)
     assert not prof.recall("w2-pi", ("pi", "native", 2 << 30, 1, None, None))  # other hardware: time it again
     assert prof.recall("w2-pi", identity) and prof.of("w2-pi").speed == pytest.approx(0.5)
+
+
+def test_batched_steps_still_reveal_a_device_slowing_down():
+    class Unit:
+        cost_s = 0.01
+
+    class Manifest:
+        max_context = 2048
+        units = [Unit()] * 4
+
+    prof = ClusterProfile(Manifest())
+    for _ in range(8):
+        prof.step("w", 0, 4, 0.040)  # single steps: 0.04 s of work in 0.04 s
+    assert prof.of("w").speed == pytest.approx(1.0)
+    for _ in range(8):
+        prof.step("w", 0, 4, 0.060, batch=4)  # a batch of 4 costs 1.5x: that is its baseline
+    assert prof.of("w").speed == pytest.approx(1.0)
+    for _ in range(40):
+        prof.step("w", 0, 4, 0.180, batch=4)  # now only batches run, and they take 3x as long
+    assert prof.of("w").speed == pytest.approx(1 / 3)

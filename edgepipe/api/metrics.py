@@ -46,8 +46,9 @@ class Metrics:
         self.wall_s.inc(record.wall_s)
         for i, entry in enumerate(record.timings):
             worker, compute, positions = entry[0], entry[1], entry[2]
-            self.stage_compute.labels(worker).observe(compute)
-            self.batch_size.labels(worker).observe(entry[4] if len(entry) > 4 else 1)
+            if record.first_in_batch:  # a batch's sequences share one stage call
+                self.stage_compute.labels(worker).observe(compute)
+                self.batch_size.labels(worker).observe(entry[4] if len(entry) > 4 else 1)
             if i < len(record.timings) - 1:  # activations leave every stage but the last
                 self.hop_bytes.labels(f"{worker}->{record.timings[i + 1][0]}").inc(positions * self.hidden_size * (entry[3] if len(entry) > 3 else 4))
 

@@ -116,8 +116,9 @@ class StepRecord:
     rid: str
     tokens_in: int
     wall_s: float
-    timings: list  # [[worker_id, compute_s, positions], ...]
+    timings: list  # [[worker_id, compute_s, positions, bytes/elem, batch], ...]: one per stage, shared by a batch
     coordinator_s: float
+    first_in_batch: bool = True  # the batch's other sequences carry the same timings: count stage times once
 
 
 PlanFn = Callable[["Coordinator", list[WorkerHandle]], tuple[list[StageAssignment], str, dict]]
@@ -299,8 +300,8 @@ class Coordinator:
     def _dispatch(self, w: WorkerHandle, msg: Message) -> None:
         if msg.type is T.TOKEN:
             timings = msg.get("timings", [])
-            for item, token in zip(msg["batch"], msg["tokens"]):
-                self._resolve(item["seq"], item["step"], msg["plan"], {"token": token, "timings": timings})
+            for i, (item, token) in enumerate(zip(msg["batch"], msg["tokens"])):
+                self._resolve(item["seq"], item["step"], msg["plan"], {"token": token, "timings": timings, "first": i == 0})
         elif msg.type is T.PONG:
             if msg.get("t") is not None:
                 w.rtt_s = time.monotonic() - msg["t"]
@@ -771,11 +772,11 @@ class Coordinator:
     def _learn(self, dep: Deployment, record: StepRecord) -> None:
         """Decode steps (one position) refine each worker's measured speed."""
         ranges = {s.worker_id: (s.start, s.end) for s in dep.stages}
-        for entry in record.timings:
+        for entry in record.timings if record.first_in_batch else ():
             worker, compute, positions = entry[0], entry[1], entry[2]
             batch = entry[4] if len(entry) > 4 else 1
-            if positions == 1 and batch == 1 and worker in ranges:
-                self.profile.step(worker, *ranges[worker], compute)
+            if positions == 1 and worker in ranges:
+                self.profile.step(worker, *ranges[worker], compute, batch)
         self.recent_steps.append((record.tokens_in, record.wall_s))
 
     async def _wait_up(self) -> Deployment:
@@ -820,7 +821,8 @@ class Coordinator:
         finally:
             self._go(self.lanes.returned(rid))
         wall = time.perf_counter() - t0
-        record = StepRecord(rid, len(feed), wall, reply.get("timings", []), coordinator_s=out.sent_at - t0 if out.sent_at else 0.0)
+        record = StepRecord(rid, len(feed), wall, reply.get("timings", []), coordinator_s=out.sent_at - t0 if out.sent_at else 0.0,
+                            first_in_batch=reply.get("first", True))
         return int(reply["token"]), record
 
     def _go(self, batches: list[list[LaneItem]]) -> None:

@@ -33,7 +33,9 @@ class DeviceMeasurements:
     calibrated: bool = False
     rtt: RollingMedian = field(default_factory=lambda: RollingMedian(16))
     bandwidth_bytes_per_s: float | None = None
-    stage_times: dict[tuple[int, int], RollingMedian] = field(default_factory=dict)
+    stage_times: dict[tuple[int, int], RollingMedian] = field(default_factory=dict)  # single-sequence steps
+    batched_times: dict[tuple[int, int, int], RollingMedian] = field(default_factory=dict)  # (start, end, batch)
+    anchors: dict[tuple[int, int, int], tuple[float, float]] = field(default_factory=dict)  # -> (median, speed then)
 
 
 @dataclass
@@ -113,16 +115,28 @@ class ClusterProfile:
         if round_trip is not None:
             m.rtt = m.rtt.push(round_trip)
 
-    def step(self, worker_id: str, start: int, end: int, compute_s: float) -> None:
-        """A decode step's compute time on a stage: refines the device's speed."""
+    def step(self, worker_id: str, start: int, end: int, compute_s: float, batch: int = 1) -> None:
+        """A decode step's compute time on a stage: refines the device's speed.
+
+        A single-sequence step gives the speed directly. A batched step (the norm under load)
+        is compared with the first median seen for the same range and batch size: the speed
+        moves by the same ratio, so drift is still seen when every step is batched."""
         m = self.of(worker_id)
-        key = (start, end)
-        m.stage_times[key] = m.stage_times.get(key, RollingMedian(self.window)).push(compute_s)
-        median = m.stage_times[key].median
+        single = batch == 1
+        key = (start, end) if single else (start, end, batch)
+        times = m.stage_times if single else m.batched_times
+        times[key] = times.get(key, RollingMedian(self.window)).push(compute_s)
+        median = times[key].median
         # Stages of a millisecond or less are mostly per-call overhead: they would make the
         # device look several times slower than it is, so they do not update its speed.
-        if len(m.stage_times[key].values) >= 4 and median > max(3 * m.overhead_s, 1e-3):
+        if len(times[key].values) < 4 or median <= max(3 * m.overhead_s, 1e-3):
+            return
+        if single:
             m.speed = self.unit_cost(start, end) / (median - m.overhead_s)
+            m.anchors.clear()  # batched medians are judged against this speed from now on
+            return
+        anchor = m.anchors.setdefault(key, (median, m.speed))
+        m.speed = anchor[1] * anchor[0] / median
 
     # -- profiles out ---------------------------------------------------------------------------
     def model_profile(self, precision: str | None = None, context_tokens: int | None = None) -> ModelProfile:

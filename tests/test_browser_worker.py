@@ -32,28 +32,7 @@ PROMPT = "What is the tallest mountain on Earth?"
 JOIN_TOKEN = "tab-secret"
 
 
-REPLAY_CHECK = """async () => {
-  const r = [...edgepipeWorker.worker.slots.values()].find((s) => s.plan > 0).runner, H = r.hidden;
-  const data = new Float32Array(6 * H).map((_, i) => Math.sin(i * 0.37));
-  const part = (a, b) => ({dtype: "float32", shape: [1, b - a, H], data: data.slice(a * H, b * H)});
-  const replayed = await r.replay("check-a", part(0, 6), 4, null);
-  await r.run("check-b", part(0, 4), null);
-  await r.run("check-b", part(4, 5), null);
-  const stepped = await r.run("check-b", part(5, 6), null);
-  const a = r.caches.get("check-a"), b = r.caches.get("check-b");
-  let maxDiff = 0;
-  for (const name of Object.keys(a.kv)) {
-    for (let h = 0; h < r.kvHeads; h++) {
-      for (let i = 0; i < 6 * r.headDim; i++) {
-        maxDiff = Math.max(maxDiff, Math.abs(a.kv[name].data[h * a.capacity * r.headDim + i] - b.kv[name].data[h * b.capacity * r.headDim + i]));
-      }
-    }
-  }
-  const out = {same_token: replayed.data[0] === stepped.data[0], length: a.length === b.length ? a.length : -1, max_diff: maxDiff};
-  r.drop("check-a");
-  r.drop("check-b");
-  return out;
-}"""
+
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +119,6 @@ def test_tab_serves_a_stage_with_the_reference_tokens(cluster, pkg):
     assert got != reference_tokens(pkg, {**status, "workers": [{**w, "kind": "native"} for w in status["workers"]]}, PROMPT, 24)
     page.wait_for_function(f"document.getElementById('tokens').textContent === '{len(got)}'", timeout=10000)
     assert page.locator("#units").inner_text().startswith(f"[{32 - BROWSER_UNITS}, 32)")
-    # Replay (how the coordinator rebuilds KV after a plan change) gives the KV of prefill + single steps.
-    assert page.evaluate(REPLAY_CHECK) == {"same_token": True, "length": 6, "max_diff": 0}
     # The page's SHA-256 fallback (pages outside a secure context have no crypto.subtle) is right.
     data = "edgepipe " * 20
     assert page.evaluate("s => edgepipeWorker.sha256Fallback(new TextEncoder().encode(s))", data) == hashlib.sha256(data.encode()).hexdigest()

@@ -103,7 +103,7 @@ class _OutStep:
     """A step on its way out: what goes into the frame, and the future its token resolves."""
 
     dep: Deployment
-    item: dict  # seq, step, rid, sampling[, replay_from]
+    item: dict  # seq, step, rid, sampling[, partial: a replay frame whose token is not wanted]
     feed: list[int]
     fut: asyncio.Future
     sent_at: float = 0.0
@@ -617,8 +617,9 @@ class Coordinator:
         kv_bytes = length * sum(u.kv_bytes_per_token for u in self.manifest.units)
         bandwidth = min(self.profile.link_of(w)[1] for w in old.workers)
         move_s = kv_bytes / bandwidth + max(self.profile.link_of(w)[0] for w in old.workers)
-        decode_s = sum(self.profile.unit_cost(s.start, s.end) / self.profile.of(s.worker_id).speed for s in new.stages)
-        recompute_s = length * decode_s  # an exact rebuild replays each generated token as a decode step
+        stage_s = [self.profile.unit_cost(s.start, s.end) / self.profile.of(s.worker_id).speed for s in new.stages]
+        # An exact rebuild replays each token as a decode step; the stages do so as a pipeline.
+        recompute_s = sum(stage_s) + (length - 1) * max(stage_s)
         return move_s < recompute_s
 
     async def _prefetch_spare(self, dep: Deployment) -> None:
@@ -804,13 +805,21 @@ class Coordinator:
         sampling = {"do_sample": not params.greedy, "temperature": params.temperature or 1.0, "top_k": params.top_k,
                     "top_p": params.top_p, "uniform": uniform_draw(params.seed, step) if not params.greedy else 0.0}
         item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling}
-        if replay_from:
-            item["replay_from"] = replay_from  # rebuild KV step by step, exactly as first computed
         out = _OutStep(dep, item, feed, fut)
         if len(feed) == 1:
             self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out), len(dep.stages)))
         else:
             self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
+            if replay_from:
+                # Rebuild KV exactly as first computed: the prompt as one prefill, then each later
+                # token as its own decode step (one prefill over everything takes other kernel paths
+                # and can flip a near-tie). Sent as separate frames, the stages work on them as a
+                # pipeline; only the last frame's token comes back.
+                chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]]
+                parts = [_OutStep(dep, {**item, "partial": True}, c, fut) for c in chunks[:-1]]
+                for part in parts:
+                    await self._send_forward([part])
+                out.feed = chunks[-1]
             await self._send_forward([out])
         try:
             # shield: a cancelled caller must leave the future for _finish to wait on

@@ -346,13 +346,10 @@ class Worker:
                                      np.array([v["top_p"] for v in s], np.float32), np.array([v["uniform"] for v in s], np.float32))
         seqs = [item["seq"] for item in batch]
         t0 = time.perf_counter()
-        replay_from = batch[0].get("replay_from")
         cpu = None
-        if len(batch) == 1 and replay_from and x.shape[1] > replay_from:
-            out = await loop.run_in_executor(self.pool, slot.runner.replay, seqs[0], x, replay_from, sampling)
-        elif x.shape[1] == 1:
+        if x.shape[1] == 1:
             # A decode step takes milliseconds: run it on the loop, skipping two thread hand-offs
-            # per hop (heartbeats wait at most one step). Prefills and replays use the thread.
+            # per hop (heartbeats wait at most one step). Prefills use the thread.
             c0 = time.thread_time()
             out = slot.runner.run_batch(seqs, x, sampling)
             cpu = time.thread_time() - c0 if self.s.threads == 1 else None  # one ORT thread: it is this one
@@ -368,7 +365,8 @@ class Worker:
         fields = {"plan": plan, "batch": batch,
                   "timings": list(msg.get("timings", [])) + [[self.id, compute + extra, int(x.shape[1]), elem, len(batch)]]}
         if slot.next["kind"] == "coordinator":
-            await self._send_control(Message(T.TOKEN, {**fields, "tokens": [int(t) for t in out]}))
+            if not all(item.get("partial") for item in batch):  # replay frames before the last: no token wanted
+                await self._send_control(Message(T.TOKEN, {**fields, "tokens": [int(t) for t in out]}))
             return
         y = out.astype(np.float16) if self.s.activation_dtype == "float16" else out
         if slot.next.get("relay"):

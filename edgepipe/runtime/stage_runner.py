@@ -213,15 +213,6 @@ class StageRunner:
             self._bound, self._bound_key = binding, key
         return self._bound
 
-    def replay(self, seq: str, x: np.ndarray, prompt_len: int, sampling: SamplingBatch | None = None) -> np.ndarray:
-        """Rebuild a sequence's KV exactly as it was first computed: the prompt as one prefill,
-        then each generated position as its own decode step (a single prefill over everything
-        takes other kernel paths, and a near-tie can then flip a later greedy token)."""
-        outs = [self.run(seq, x[:, :prompt_len], sampling)]
-        for i in range(prompt_len, int(x.shape[1])):
-            outs.append(self.run(seq, x[:, i : i + 1], sampling))
-        return outs[-1] if self.emits_tokens else np.concatenate(outs, axis=1)
-
     def run_batch(self, seqs: list[str], x: np.ndarray, sampling: SamplingBatch | None = None) -> np.ndarray:
         """One step for several sequences: ``x`` is ``[B, S, ...]``; ``S > 1`` needs ``B == 1``.
 

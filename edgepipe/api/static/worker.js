@@ -281,20 +281,6 @@
       return out[this.outputName];
     }
 
-    // Rebuild a sequence's KV exactly as it was first computed (as StageRunner.replay): the
-    // prompt as one prefill, then each later position as its own decode step.
-    async replay(seq, x, promptLen, sampling) {
-      const width = x.data.length / Number(x.shape[1]); // elements per position: 1 (token ids) or H
-      const part = (a, b) => ({ dtype: x.dtype, shape: [1, b - a, ...x.shape.slice(2)], data: x.data.slice(a * width, b * width) });
-      const outs = [await this.run(seq, part(0, promptLen), sampling)];
-      for (let i = promptLen; i < Number(x.shape[1]); i++) outs.push(await this.run(seq, part(i, i + 1), sampling));
-      if (this.emitsTokens) return outs[outs.length - 1];
-      const data = new Float32Array(outs.reduce((n, o) => n + o.data.length, 0));
-      let at = 0;
-      for (const o of outs) { data.set(o.data, at); at += o.data.length; }
-      return { dims: [1, Number(x.shape[1]), Number(outs[0].dims[2])], data };
-    }
-
     // Free the session once the compute queue reaches this point (a step may still be running on it).
     release() {
       this.caches.clear();
@@ -521,9 +507,7 @@
       const item = batch[i];
       const row = { dtype: x.dtype, shape: [1, ...x.shape.slice(1)], data: x.data.slice(i * width, (i + 1) * width) };
       const sampling = slot.runner.emitsTokens ? item.sampling : null;
-      outs.push(item.replay_from && Number(x.shape[1]) > item.replay_from
-        ? await slot.runner.replay(item.seq, row, item.replay_from, sampling)
-        : await slot.runner.run(item.seq, row, sampling));
+      outs.push(await slot.runner.run(item.seq, row, sampling));
     }
     const compute = (performance.now() - t0) / 1000;
     stats.busy_s += compute;
@@ -532,6 +516,7 @@
     const timings = [...(f.timings || []), [worker.id, compute, Number(x.shape[1]), 4, batch.length]];
     const base = { plan: f.plan, batch, timings };
     if (slot.next.kind === "coordinator") {
+      if (batch.every((item) => item.partial)) return; // replay frames before the last: no token wanted
       stats.tokens += batch.length;
       send("token", { ...base, tokens: outs.map((o) => Number(o.data[0])) });
     } else {

@@ -17,8 +17,8 @@ def rids(batches):
 def test_one_sequence_goes_out_at_once():
     lanes = Lanes()
     assert rids(lanes.submit(item("a"), 3)) == [["a"]]
-    assert lanes.submit(item("a"), 3) == []  # its previous step is still flying
-    assert rids(lanes.returned("a")) == [["a"]]  # back: the waiting step goes
+    assert lanes.returned("a") == []
+    assert rids(lanes.submit(item("a"), 3)) == [["a"]]  # alone in its lane: no waiting
 
 
 def test_sequences_spread_over_one_lane_per_stage():
@@ -104,3 +104,11 @@ def test_gather_makes_rows_contiguous_and_keeps_each_sequences_kv():
         for a in pool.arrays.values():
             assert np.all(a[r] == ord(s)), s
     assert sorted(pool.row_of.values()) == [0, 1, 2, 3]
+
+
+def test_a_step_that_failed_while_waiting_is_not_sent_and_does_not_hold_the_lane():
+    lanes = flying_pair([])
+    lanes.submit(item("a"), 1)
+    assert lanes.returned("a") == []  # a's step failed (its plan broke) before the lane went out
+    assert rids(lanes.submit(item("b"), 1)) == []  # the lane still waits for a's next step ...
+    assert rids(lanes.submit(item("a"), 1)) == [["a", "b"]]  # ... and both go together

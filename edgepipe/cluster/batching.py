@@ -70,6 +70,7 @@ class Lanes:
             return []
         lane = self.lanes[i]
         lane.flying.discard(rid)
+        lane.waiting.pop(rid, None)  # failed before its lane went out: nothing to send
         return self._try(lane)
 
     def leave(self, rid: str) -> list[list[LaneItem]]:

@@ -55,6 +55,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from edgepipe.bench.client import stream_once  # noqa: E402
 from edgepipe.cluster.placement import proportional_split  # noqa: E402
 from edgepipe.cluster.profiling import ClusterProfile  # noqa: E402
 from edgepipe.plan import (  # noqa: E402
@@ -329,24 +330,13 @@ class Cluster:
     def request(self, tokens: int, prompt: str = PROMPT) -> dict:
         """One streamed completion of exactly ``tokens`` tokens; client and coordinator timings."""
         before = self.metrics()
-        body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
-        t0 = time.perf_counter()
-        first = last = None
-        n = 0
-        with self.client.stream("POST", "/v1/completions", json=body) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    n += 1
+        ttft, decode_s, n = stream_once(self.client, tokens, prompt)
         after = self.metrics()
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         steps = d.get("edgepipe_time_per_output_token_seconds_count|", 0.0)
         compute = {k.split("|")[1]: d[k] / d[k.replace("_sum", "_count")]
                    for k in d if k.startswith("edgepipe_stage_compute_seconds_sum|") and d.get(k.replace("_sum", "_count"))}
-        return {"chunks": n, "ttft_s": first - t0, "decode_tok_s": (n - 1) / (last - first) if n > 1 else 0.0,
+        return {"chunks": n, "ttft_s": ttft, "decode_tok_s": (n - 1) / decode_s if n > 1 else 0.0,
                 "tpot_s": d["edgepipe_time_per_output_token_seconds_sum|"] / steps if steps else float("nan"),
                 "stage_compute_s": compute}
 

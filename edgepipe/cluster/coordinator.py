@@ -805,21 +805,18 @@ class Coordinator:
         sampling = {"do_sample": not params.greedy, "temperature": params.temperature or 1.0, "top_k": params.top_k,
                     "top_p": params.top_p, "uniform": uniform_draw(params.seed, step) if not params.greedy else 0.0}
         item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling}
-        out = _OutStep(dep, item, feed, fut)
+        # A replay rebuilds KV exactly as first computed: the prompt as one prefill, then each later
+        # token as its own decode step (one prefill over everything takes other kernel paths and
+        # can flip a near-tie). Sent as separate frames, the stages work on them as a pipeline;
+        # only the last frame's token comes back.
+        chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if replay_from else [feed]
+        out = _OutStep(dep, item, chunks[-1], fut)
         if len(feed) == 1:
             self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out), len(dep.stages)))
         else:
             self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
-            if replay_from:
-                # Rebuild KV exactly as first computed: the prompt as one prefill, then each later
-                # token as its own decode step (one prefill over everything takes other kernel paths
-                # and can flip a near-tie). Sent as separate frames, the stages work on them as a
-                # pipeline; only the last frame's token comes back.
-                chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]]
-                parts = [_OutStep(dep, {**item, "partial": True}, c, fut) for c in chunks[:-1]]
-                for part in parts:
-                    await self._send_forward([part])
-                out.feed = chunks[-1]
+            for chunk in chunks[:-1]:
+                await self._send_forward([_OutStep(dep, {**item, "partial": True}, chunk, fut)])
             await self._send_forward([out])
         try:
             # shield: a cancelled caller must leave the future for _finish to wait on

@@ -63,13 +63,15 @@ def milp_latency(
     if pair_hops is None:
         pair_hops = m <= 16
     seq = request.sequences
-    unit_mem = np.array(
-        [u.weight_bytes + model.context_tokens * seq * u.kv_bytes_per_token for u in model.units], dtype=float
-    )
+    kv = np.array([model.context_tokens * seq * u.kv_bytes_per_token for u in model.units], dtype=float)
+    # (n, m): each device sized with the weight variant it runs
+    unit_mem = np.stack([np.asarray(model.unit_weights(devs[d].precision), dtype=float) + kv for d in ids], axis=1)
     cost = np.array([u.cost for u in model.units])
     speed = np.array([devs[d].speed for d in ids])
     overhead = np.array([devs[d].overhead_s for d in ids])
-    memory = np.array([devs[d].memory_bytes for d in ids], dtype=float)
+    # Tied embedding/head bytes are counted once only by a device holding every unit; granting
+    # them to every device keeps the model a relaxation (a valid bound), exact when they are 0.
+    memory = np.array([devs[d].memory_bytes for d in ids], dtype=float) + float(model.tied_bytes)
     runtime = float(model.runtime_overhead_bytes)
     hop = pricing.hop  # (m, m, n+1), inf on the diagonal
 
@@ -87,7 +89,7 @@ def milp_latency(
     c[X : X + m] += pricing.enter
     c[X + (n - 1) * m : X + nm] += pricing.leave
     c[S : S + nm] = np.tile(overhead, n)
-    too_big = unit_mem[:, None] + runtime > memory[None, :]
+    too_big = unit_mem + runtime > memory[None, :]
     upper[X : X + nm][too_big.ravel()] = 0
 
     rows: list[int] = []
@@ -112,7 +114,7 @@ def milp_latency(
         for u in range(1, n):  # s[u, d] >= x[u, d] - x[u-1, d]
             constraint([(S + u * m + d, 1.0), (X + u * m + d, -1.0), (X + (u - 1) * m + d, 1.0)], 0.0, np.inf)
         constraint(((S + u * m + d, 1.0) for u in range(n)), 0.0, 1.0)  # one contiguous range
-        memory_row = [(X + u * m + d, unit_mem[u]) for u in range(n)]
+        memory_row = [(X + u * m + d, unit_mem[u, d]) for u in range(n)]
         memory_row += [(S + u * m + d, runtime) for u in range(n)]
         constraint(memory_row, -np.inf, memory[d])
 

@@ -234,7 +234,9 @@ def _anneal(
         key, _ = score(neighbour(current))
         if key[0] == current_key[0] == 0.0 and math.isfinite(key[1]):
             deltas.append(abs(key[1] - current_key[1]))
-    scale = current_key[1] if math.isfinite(current_key[1]) else 1.0
+    # Costs may be zero or negative (an energy weight with idle power above busy power), so the
+    # temperature scale is the cost's magnitude: a negative ratio would make `cooling` complex.
+    scale = abs(current_key[1]) if math.isfinite(current_key[1]) and current_key[1] != 0 else 1.0
     t0 = max(10 * (sum(deltas) / len(deltas) if deltas else 0.0), 1e-6 * scale)
     t_final = 1e-5 * scale
     cooling = (t_final / t0) ** (1.0 / max(steps, 1)) if t0 > t_final else 1.0
@@ -353,7 +355,7 @@ def _plan(
     useful = {
         d: dev
         for d, dev in devices.items()
-        if any(model.stage_bytes(u, u + 1, seq) <= dev.memory_bytes for u in range(n))
+        if any(model.stage_bytes(u, u + 1, seq, dev.precision) <= dev.memory_bytes for u in range(n))
     }
     if not useful:
         return _nothing_fits(model, devices, request)
@@ -627,7 +629,7 @@ def _partial(ctx: _Context, first: _Found, devices: dict[str, DeviceProfile]) ->
     if stages:
         last = stages[-1]
         device = devices[last.device_ids[0]]
-        need = model.stage_bytes(last.start, covered + 1, seq)
+        need = model.stage_bytes(last.start, covered + 1, seq, device.precision)
         parts.append(
             f"extending {device.id!r} to unit {covered} needs {need} bytes > its {device.memory_bytes}"
         )

@@ -6,10 +6,14 @@ search, the MILP check and the runtime's predicted-vs-measured comparison use.
 
 Cost model (DESIGN.md "The planner"; seed 000 §5.2, seed 002 §3):
 
-- a stage `[start, end)` on device d takes `overhead_s + sum(cost) / speed` per decode token;
+- a stage `[start, end)` on device d takes `overhead_s + sum(cost) / speed` per decode token,
+  and `overhead_s + prompt * sum(cost) / prefill_rate` for the prompt (prefill is one
+  compute-bound call, not prompt x decode); its memory is its variant's weights (tied
+  embedding/head bytes once) plus KV plus the runtime allowance;
 - a hop carries `bytes` in `rtt/2 + bytes/bandwidth`; the coordinator sends the token id to
-  the first stage and the last stage returns one; a hop with a relay device at either end
-  goes through the coordinator and pays both legs;
+  the first stage and the last stage returns one; activations are priced in the sender's
+  wire dtype (float16: half the bytes); a hop with a relay device at either end goes through
+  the coordinator and pays both legs;
 - ring time T = sum of stage times + sum of hops (what one token of one sequence takes);
 - with S sequences in flight the pipeline period per sequence is max(T, S * B), where B is
   the bottleneck: the largest per-token time of a stage (divided by its replica count) or
@@ -278,13 +282,15 @@ def evaluate(
             )
         units = model.units[stage.start : stage.end]
         cost = math.fsum(u.cost for u in units)
-        need = model.stage_bytes(stage.start, stage.end, replica_sequences(sequences, replicas))
         times = []
         prefills = []
         for device_id in stage.device_ids:
             if device_id not in devs:
                 raise PlanError(f"device {device_id!r} is not in the pool")
             device = devs[device_id]
+            need = model.stage_bytes(
+                stage.start, stage.end, replica_sequences(sequences, replicas), device.precision
+            )
             if need > device.memory_bytes:
                 raise PlanError(
                     f"device {device_id!r}: units [{stage.start}, {stage.end}) need {need} bytes, "
@@ -293,26 +299,33 @@ def evaluate(
             memory[device_id] = need
             t = device.overhead_s + cost / device.speed
             times.append(t)
-            prefills.append(device.overhead_s + prompt * cost / (device.speed * model.prefill_efficiency))
+            prefills.append(device.overhead_s + prompt * cost / device.prefill_rate(model))
             busy[device_id] = t / replicas
         stage_times.append(max(times))
         prefill_times.append(max(prefills))
         effective.append(max(times) / replicas)
 
     def boundary(src_ids: tuple[str, ...], dst_ids: tuple[str, ...], nbytes: float) -> float:
-        return max(hop_s(a, b, nbytes, network, devs) for a in src_ids for b in dst_ids)
+        # Activations leave a device in its wire dtype (token ids from the coordinator do not).
+        return max(
+            hop_s(a, b, nbytes * (devs[a].activation_scale if a in devs else 1.0), network, devs)
+            for a in src_ids
+            for b in dst_ids
+        )
 
     coordinator = (COORDINATOR,)
     token = model.token_id_bytes
-    last_bytes = token if complete else model.units[stages[-1].end - 1].out_bytes_per_token
     hops = [boundary(coordinator, stages[0].device_ids, token)]
     prefill_hops = [boundary(coordinator, stages[0].device_ids, prompt * token)]
     for before, after in zip(stages, stages[1:]):
         activation = model.units[before.end - 1].out_bytes_per_token
         hops.append(boundary(before.device_ids, after.device_ids, activation))
         prefill_hops.append(boundary(before.device_ids, after.device_ids, prompt * activation))
-    hops.append(boundary(stages[-1].device_ids, coordinator, last_bytes))
-    prefill_hops.append(boundary(stages[-1].device_ids, coordinator, last_bytes))
+    if complete:  # a token id goes home, in no activation dtype
+        hops.append(max(hop_s(d, COORDINATOR, token, network, devs) for d in stages[-1].device_ids))
+    else:
+        hops.append(boundary(stages[-1].device_ids, coordinator, model.units[stages[-1].end - 1].out_bytes_per_token))
+    prefill_hops.append(hops[-1])
 
     ring = math.fsum(stage_times + hops)
     bottleneck = max(effective + hops)

@@ -29,6 +29,16 @@ DEFAULT_POWER_IDLE_W = 3.0
 of laptop (U-series) CPUs and 3 W a typical idle floor of the same machines. They are
 placeholders for ranking plans by energy; declare measured values in devices.yaml."""
 
+DEFAULT_PREFILL_EFFICIENCY = 6.0
+"""How much cheaper a prompt token is than a decode token when no device declares a prefill
+speed. Prefill runs the whole prompt in one call (compute-bound matrix products), decode one
+token per call (memory-bound): `benchmarks/results/decode.md` measured SmolLM2-135M int4 on
+the 2-core reference machine at 7.9 ms per decode token and 54 ms for a 43-token prefill,
+i.e. 6.3x cheaper per prompt token. A default, not a law: declare `prefill_speed` per device."""
+
+ACTIVATION_DTYPE_BYTES = {"float32": 4, "float16": 2}
+"""Bytes per activation element on the wire for each `DeviceProfile.activation_dtype`."""
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -70,7 +80,14 @@ class ModelProfile:
 
     `context_tokens` is the KV capacity reserved per sequence; `prefill_efficiency` > 1
     means a prefill token is cheaper than a decode token (prefill per token costs
-    `cost / prefill_efficiency`).
+    `cost / prefill_efficiency` on a device that declares no `prefill_speed`).
+
+    `tied_bytes`: weight bytes the embedding (unit 0) and the head (last unit) share (tied
+    embeddings) and that both units' `weight_bytes` count; a stage holding both counts them
+    once. `variant_weight_bytes`: per precision name, every unit's weight bytes in that
+    variant (e.g. the fp32 files a browser runs); a device whose `precision` names one is
+    sized with it. Activations are priced as `out_bytes_per_token` at float32; a device
+    sending float16 (`DeviceProfile.activation_dtype`) halves its outgoing activations.
     """
 
     name: str
@@ -78,10 +95,18 @@ class ModelProfile:
     context_tokens: int
     token_id_bytes: int = 4
     runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES
-    prefill_efficiency: float = 1.0
+    prefill_efficiency: float = DEFAULT_PREFILL_EFFICIENCY
+    tied_bytes: int = 0
+    variant_weight_bytes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
+        variants = self.variant_weight_bytes
+        if isinstance(variants, dict):
+            variants = tuple(variants.items())
+        object.__setattr__(
+            self, "variant_weight_bytes", tuple(sorted((str(k), tuple(int(b) for b in v)) for k, v in variants))
+        )
         _require(len(self.units) > 0, f"model {self.name!r} has no units")
         for position, unit in enumerate(self.units):
             _require(
@@ -98,16 +123,38 @@ class ModelProfile:
             self.prefill_efficiency > 0,
             f"model {self.name!r}: prefill_efficiency must be > 0",
         )
+        for precision, sizes in self.variant_weight_bytes:
+            _require(
+                len(sizes) == len(self.units) and all(b >= 0 for b in sizes),
+                f"model {self.name!r}: variant {precision!r} needs {len(self.units)} weight sizes >= 0",
+            )
+        smaller_end = min(self.units[0].weight_bytes, self.units[-1].weight_bytes)
+        _require(
+            0 <= self.tied_bytes <= smaller_end or len(self.units) == 1 and self.tied_bytes == 0,
+            f"model {self.name!r}: tied_bytes {self.tied_bytes} must be within 0..{smaller_end} "
+            "(the bytes both the embedding and the head count)",
+        )
 
     @property
     def n_units(self) -> int:
         return len(self.units)
 
-    def stage_bytes(self, start: int, end: int, sequences: int) -> int:
-        """Memory a stage `[start, end)` needs with `sequences` KV caches of full context."""
-        units = self.units[start:end]
-        weights = sum(u.weight_bytes for u in units)
-        kv = sum(u.kv_bytes_per_token for u in units)
+    def unit_weights(self, precision: str | None = None) -> tuple[int, ...]:
+        """Weight bytes of every unit in the variant `precision` (None: the profile's own)."""
+        if precision is not None:
+            for name, sizes in self.variant_weight_bytes:
+                if name == precision:
+                    return sizes
+        return tuple(u.weight_bytes for u in self.units)
+
+    def stage_bytes(self, start: int, end: int, sequences: int, precision: str | None = None) -> int:
+        """Memory a stage `[start, end)` needs with `sequences` KV caches of full context.
+
+        Tied embedding/head bytes are counted once when the stage holds both units."""
+        weights = sum(self.unit_weights(precision)[start:end])
+        if start == 0 and end == len(self.units) and len(self.units) > 1:
+            weights -= self.tied_bytes
+        kv = sum(u.kv_bytes_per_token for u in self.units[start:end])
         return weights + self.context_tokens * sequences * kv + self.runtime_overhead_bytes
 
 
@@ -149,6 +196,11 @@ class DeviceProfile:
     `held_units` are units whose weight files the device already caches; `relay` marks a
     device that cannot accept connections (a browser tab): its activations travel through
     the coordinator. `emulated` marks a device whose slowness is injected (reports say so).
+
+    Optional, with defaults that keep older callers' meaning: `prefill_speed` (cost units per
+    second for prompt tokens; None: `speed * model.prefill_efficiency`), `precision` (the
+    weight variant it runs, e.g. "fp32" for a browser; None: the model profile's own) and
+    `activation_dtype` ("float16" halves the activations it sends).
     """
 
     id: str
@@ -160,9 +212,21 @@ class DeviceProfile:
     held_units: frozenset[int] = frozenset()
     relay: bool = False
     emulated: bool = False
+    prefill_speed: float | None = None
+    precision: str | None = None
+    activation_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "held_units", frozenset(self.held_units))
+        _require(
+            self.prefill_speed is None or (math.isfinite(self.prefill_speed) and self.prefill_speed > 0),
+            f"device {self.id!r}: prefill_speed {self.prefill_speed} must be > 0",
+        )
+        _require(
+            self.activation_dtype in ACTIVATION_DTYPE_BYTES,
+            f"device {self.id!r}: activation_dtype {self.activation_dtype!r} is not one of "
+            f"{', '.join(ACTIVATION_DTYPE_BYTES)}",
+        )
         _require(bool(self.id), "device id must not be empty")
         _require(self.id != COORDINATOR, f"device id {COORDINATOR!r} is reserved")
         _require(self.memory_bytes >= 0, f"device {self.id!r}: memory_bytes {self.memory_bytes} < 0")
@@ -175,9 +239,19 @@ class DeviceProfile:
             f"device {self.id!r}: overhead_s {self.overhead_s} must be >= 0",
         )
         _require(
-            self.power_busy_w >= 0 and self.power_idle_w >= 0,
-            f"device {self.id!r}: power must be >= 0",
+            math.isfinite(self.power_busy_w) and math.isfinite(self.power_idle_w)
+            and self.power_busy_w >= 0 and self.power_idle_w >= 0,
+            f"device {self.id!r}: power must be finite and >= 0",
         )
+
+    @property
+    def activation_scale(self) -> float:
+        """Wire bytes of its activations relative to float32."""
+        return ACTIVATION_DTYPE_BYTES[self.activation_dtype] / 4
+
+    def prefill_rate(self, model: ModelProfile) -> float:
+        """Cost units per second on prompt tokens (declared, or the model's default ratio)."""
+        return self.prefill_speed if self.prefill_speed is not None else self.speed * model.prefill_efficiency
 
 
 @dataclass(frozen=True)

@@ -80,12 +80,14 @@ def build_pricing(
     seq = request.sequences
 
     cost_prefix = np.concatenate(([0.0], np.cumsum([u.cost for u in units], dtype=np.float64)))
-    weight_prefix = np.concatenate(([0], np.cumsum([u.weight_bytes for u in units], dtype=np.int64)))
     kv_prefix = np.concatenate(([0], np.cumsum([u.kv_bytes_per_token for u in units], dtype=np.int64)))
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # x < i
 
-    def stage_need(sequences: int) -> np.ndarray:
+    def stage_need(sequences: int, precision: str | None) -> np.ndarray:
+        weight_prefix = np.concatenate(([0], np.cumsum(model.unit_weights(precision), dtype=np.int64)))
         weights = weight_prefix[None, :] - weight_prefix[:, None]
+        if n > 1:
+            weights[0, n] -= model.tied_bytes  # one stage holds the tied embedding and head
         kv = kv_prefix[None, :] - kv_prefix[:, None]
         return weights + model.context_tokens * sequences * kv + model.runtime_overhead_bytes
 
@@ -104,12 +106,17 @@ def build_pricing(
     # Python ints beyond 62 devices: only the subset DP needs fast masks, and it never runs there.
     masks = np.array([sum(1 << d for d in slot) for slot in slots], dtype=np.int64 if m <= 62 else object)
 
-    needs = {r: stage_need(replica_sequences(seq, r)) for r in {len(s) for s in slots}}
+    precisions = [devices[d].precision for d in ids]
+    needs = {
+        (r, p): stage_need(replica_sequences(seq, r), p)
+        for r in {len(s) for s in slots}
+        for p in sorted(set(precisions), key=str)
+    }
     time = np.empty((k, n + 1, n + 1))
     eff = np.empty((k, n + 1, n + 1))
     for g, slot in enumerate(slots):
         members = list(slot)
-        fits = (needs[len(slot)][None] <= memory[members][:, None, None]).all(0)
+        fits = np.stack([needs[len(slot), precisions[d]] <= memory[d] for d in members]).all(0)
         slowest = dev_time[members].max(0)
         time[g] = np.where(fits & upper, slowest, INF)
         eff[g] = time[g] / len(slot)
@@ -125,17 +132,19 @@ def build_pricing(
     relay = np.array([devices[d].relay for d in ids] + [False])
     out_bytes = np.zeros(n + 1)
     out_bytes[1:] = [u.out_bytes_per_token for u in units]  # boundary x carries unit x-1's output
+    scale = np.array([devices[d].activation_scale for d in ids])  # sender's wire dtype
+    sent = scale[:, None] * out_bytes[None, :]  # (m, n+1) activation bytes device a sends at x
 
     def leg(a: np.ndarray | int, b: np.ndarray | int, nbytes: np.ndarray | float) -> np.ndarray:
         return half_rtt[a, b] + nbytes / bandwidth[a, b]
 
     coord = m
     dev = np.arange(m)
-    direct = half_rtt[:m, :m, None] + out_bytes[None, None, :] / bandwidth[:m, :m, None]
+    direct = half_rtt[:m, :m, None] + sent[:, None, :] / bandwidth[:m, :m, None]
     via = (
         half_rtt[:m, coord, None, None]
-        + out_bytes[None, None, :] / bandwidth[:m, coord, None, None]
-        + (half_rtt[coord, :m, None] + out_bytes[None, None, :] / bandwidth[coord, :m, None])
+        + sent[:, None, :] / bandwidth[:m, coord, None, None]
+        + (half_rtt[coord, :m, None] + sent[:, None, :] / bandwidth[coord, :m, None])
     )
     relayed = (relay[:m, None] | relay[None, :m])[:, :, None]
     dev_hop = np.where(relayed, via, direct)
@@ -145,7 +154,7 @@ def build_pricing(
     token = float(model.token_id_bytes)
     dev_enter = leg(coord, dev, token)
     dev_leave = leg(dev, coord, token)
-    dev_leave_partial = half_rtt[:m, coord, None] + out_bytes[None, :] / bandwidth[:m, coord, None]
+    dev_leave_partial = half_rtt[:m, coord, None] + sent / bandwidth[:m, coord, None]
 
     if k == m:
         hop, enter, leave, leave_partial = dev_hop, dev_enter, dev_leave, dev_leave_partial

@@ -170,9 +170,9 @@ def test_example_devices_file_parses_and_plans():
     [
         ({"devices": []}, "non-empty list"),
         ({"devices": [{"id": "a", "speed": 1}]}, "device 'a': 'memory' is required"),
-        ({"devices": [{"id": "a", "memory": "8 parsecs", "speed": 1}]}, "device 'a'.memory: cannot read size"),
+        ({"devices": [{"id": "a", "memory": "8 parsecs", "speed": 1}]}, "device 'a': devices\\[0\\].memory: cannot read size"),
         ({"devices": [{"id": "a", "memory": "1GiB", "speed": 1, "sped": 2}]}, "unknown key.*sped"),
-        ({"devices": [{"id": "a", "memory": "1GiB", "speed": 0}]}, "'a': speed 0.0 must be > 0"),
+        ({"devices": [{"id": "a", "memory": "1GiB", "speed": 0}]}, "'a': devices\\[0\\].speed: 0 must be > 0"),
         (
             {"devices": [{"id": "a", "memory": "1GiB", "speed": 1}], "network": {"links": [
                 {"src": "a", "dst": "b", "rtt_ms": 1, "bandwidth": "1Gbit/s"}]}},
@@ -180,7 +180,7 @@ def test_example_devices_file_parses_and_plans():
         ),
         (
             {"devices": [{"id": "a", "memory": 1, "speed": 1}, {"id": "a", "memory": 1, "speed": 1}]},
-            "'a': listed twice",
+            "'a' is listed twice",
         ),
     ],
 )

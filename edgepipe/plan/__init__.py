@@ -6,7 +6,7 @@ predicted-vs-measured check share; `switching` decides when and how to move to a
 `fit` turns measurements into device speeds. Nothing here does I/O or reads a clock.
 """
 
-from .devices_file import DevicesFile, DevicesFileError, parse_devices
+from .devices_file import DevicesFile, DevicesFileError, load_devices, parse_devices
 from .fit import RollingMedian, SpeedFit, fit_speed_overhead, mape
 from .milp import MilpResult, milp_latency
 from .order import plan
@@ -35,7 +35,7 @@ from .profiles import (
     transformer_profile,
 )
 from .reliability import availability, expected_goodput, failure_rate
-from .report import render
+from .report import render, to_json
 from .switching import (
     Action,
     DropStage,
@@ -84,6 +84,7 @@ __all__ = [
     "evaluate",
     "fit_speed_overhead",
     "hop_s",
+    "load_devices",
     "mape",
     "meets_target",
     "milp_latency",
@@ -92,6 +93,7 @@ __all__ = [
     "parse_devices",
     "plan",
     "render",
+    "to_json",
     "should_switch",
     "spare_plan",
     "switch_cost",

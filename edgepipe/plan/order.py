@@ -455,7 +455,14 @@ def _plan(
     )
     if adjusted or (request.objective is Objective.THROUGHPUT and request.replicas and seq > 1 and not replicate):
         optimal = False  # spare-plan ranking, or greedy replication
-    return PlanResult(plans[0], tuple(plans[1:]), strategy, lower, optimal)
+    value = objective_value(plans[0].predicted, request)  # type: ignore[arg-type]
+    proven = None
+    if optimal:
+        proven = value
+    elif request.objective is Objective.LATENCY and lower is not None:
+        proven = lower
+    gap = None if proven is None else (max(value / proven - 1, 0.0) if proven > 0 else 0.0)
+    return PlanResult(plans[0], tuple(plans[1:]), strategy, lower, optimal, proven, gap)
 
 
 def _throughput(ctx: _Context, candidates: _Candidates, tables: TableMaker, count: int) -> None:

@@ -207,7 +207,9 @@ class PlanResult:
     """`plan()`'s answer: the best plan, runners-up on other device sets, and how it searched.
 
     `lower_bound` is a proven lower bound on the latency objective's ring time (None for other
-    objectives); `optimal` says whether `best` is proven optimal for the request.
+    objectives); `optimal` says whether `best` is proven optimal for the request. `bound` is a
+    proven lower bound on `objective_value` of any plan meeting the request (None where none
+    was computed) and `gap` the best plan's relative excess over it (0.0: proven optimal).
     """
 
     best: Plan
@@ -215,6 +217,8 @@ class PlanResult:
     searched: SearchKind
     lower_bound: float | None = None
     optimal: bool = False
+    bound: float | None = None
+    gap: float | None = None
 
 
 def device_map(devices: Iterable[DeviceProfile] | Mapping[str, DeviceProfile]) -> dict[str, DeviceProfile]:

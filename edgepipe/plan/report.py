@@ -1,12 +1,14 @@
 """Plain-text rendering of a planning result: the best plan's stages and the runners-up.
 
-This module owns only formatting; it computes nothing the plan does not already carry.
+This module owns only formatting (text, and the JSON document of `edgepipe plan --json`);
+it computes nothing the plan does not already carry.
 Emulated devices are labelled as such, as every report must (DESIGN.md, emulation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from .plan import Plan, PlanResult, device_map
 from .profiles import DeviceProfile
@@ -39,6 +41,8 @@ def render(
         searched = f"search: {result.searched}"
         if result.lower_bound is not None:
             searched += f"; lower bound {_ms(result.lower_bound)} ms ring time"
+        if result.best.complete and result.gap is not None:
+            searched += f"; gap to bound {result.gap * 100:.3f}%"
         searched += "; proven optimal" if result.optimal else ""
     else:
         plans, searched = (result,), ""
@@ -70,8 +74,8 @@ def render(
         lines += _table(["stage", "devices", "units", "time ms", "hop-in ms", "memory MiB"], rows, {3, 4})
     summary = []
     for rank, plan in enumerate(plans):
-        if plan.predicted is None:
-            continue
+        if plan.predicted is None or not plan.complete:
+            continue  # a partial plan produces no tokens: no throughput, energy or TTFT
         p = plan.predicted
         layout = " | ".join(f"{'+'.join(s.device_ids)} [{s.start},{s.end})" for s in plan.stages)
         target = "" if plan.meets_target is None else ("yes" if plan.meets_target else "no")
@@ -85,3 +89,44 @@ def render(
             ["rank", "tpot ms", "ttft ms", "tok/s", "J/token", "target", "stages"], summary, {1, 2, 3, 4}
         )
     return "\n".join(lines) + "\n"
+
+
+def to_json(result: PlanResult) -> dict[str, Any]:
+    """The planning result as plain JSON values (seconds, joules, bytes; stages as ranges).
+
+    A partial plan carries its stages and reason but no prediction of tokens (it makes none)."""
+
+    def plan_dict(plan: Plan) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "complete": plan.complete,
+            "reason": plan.reason,
+            "stages": [{"devices": list(s.device_ids), "start": s.start, "end": s.end} for s in plan.stages],
+        }
+        p = plan.predicted
+        if p is not None and plan.complete:
+            out["predicted"] = {
+                "tpot_s": p.tpot_s,
+                "ttft_s": p.ttft_s,
+                "throughput_tok_s": p.throughput_tok_s,
+                "energy_j_per_token": p.energy_j_per_token,
+                "ring_s": p.ring_s,
+                "bottleneck_s": p.bottleneck_s,
+                "stage_times_s": list(p.stage_times_s),
+                "hop_times_s": list(p.hop_times_s),
+                "memory_bytes": dict(p.memory_bytes),
+            }
+            out["meets_target"] = plan.meets_target
+        elif p is not None:
+            out["memory_bytes"] = dict(p.memory_bytes)
+        return out
+
+    return {
+        "objective": result.best.objective.value,
+        "search": result.searched,
+        "optimal": result.optimal,
+        "lower_bound_ring_s": result.lower_bound,
+        "bound": result.bound,
+        "gap": result.gap if result.best.complete else None,
+        "best": plan_dict(result.best),
+        "runners_up": [plan_dict(p) for p in result.runners_up],
+    }

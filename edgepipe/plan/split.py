@@ -215,7 +215,9 @@ def cost_tables(
     """
     weight = np.broadcast_to(np.asarray(stage_weight, dtype=np.float64), (pricing.k,))
     fixed = np.broadcast_to(np.asarray(stage_fixed, dtype=np.float64), (pricing.k,))
-    stage = weight[:, None, None] * pricing.time + fixed[:, None, None]
+    finite_time = np.isfinite(pricing.time)
+    # Weights may be negative (idle power above busy power): price finite entries only.
+    stage = weight[:, None, None] * np.where(finite_time, pricing.time, 0.0) + fixed[:, None, None]
     if balance:
         finite = pricing.time[np.isfinite(pricing.time)]
         if finite.size:
@@ -228,7 +230,7 @@ def cost_tables(
         hop = np.where(pricing.hop <= bottleneck_limit, hop, INF)
         enter = np.where(pricing.enter <= bottleneck_limit, enter, INF)
         leave = np.where(pricing.leave <= bottleneck_limit, leave, INF)
-    stage = np.where(np.isfinite(pricing.time), stage, INF)
+    stage = np.where(finite_time, stage, INF)
     return CostTables(
         n=pricing.n,
         masks=pricing.masks,

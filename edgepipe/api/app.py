@@ -14,6 +14,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import browser_routes, cluster_routes, openai_routes
 from .admission import Admission
+from ..net.auth import bearer_matches
+from ..net.limits import EventLog, control_frame_limit, hello_frame_limit
 from .errors import APIError
 from .metrics import Metrics
 
@@ -30,7 +32,7 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.api_key and scope["type"] == "http" and scope["path"].startswith(("/v1/chat", "/v1/completions", "/v1/models", "/v1/cluster")):
             headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization", b"").decode() != f"Bearer {self.api_key}":
+            if not bearer_matches(headers.get(b"authorization"), self.api_key):  # constant time, raw bytes (never a 500)
                 response = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                     type_="authentication_error", code="invalid_api_key").response()
                 await response(scope, receive, send)
@@ -49,12 +51,16 @@ async def health(request: Request):
 
 
 def create_app(coordinator, package, api_key: str | None = None, join_token: str | None = None,
-               admission: Admission | None = None, metrics: Metrics | None = None, extra_routes: list | None = None) -> Starlette:
+               admission: Admission | None = None, metrics: Metrics | None = None, extra_routes: list | None = None,
+               admin_token: str | None = None) -> Starlette:
     async def api_error(request, exc: APIError):
         return exc.response()
 
     async def not_found(request, exc):
         return APIError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+
+    async def internal_error(request, exc):  # every route answers JSON, even when it breaks
+        return APIError(500, f"internal error: {type(exc).__name__}", type_="server_error", code="internal_error").response()
 
     async def method_not_allowed(request, exc):
         return APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
@@ -62,9 +68,15 @@ def create_app(coordinator, package, api_key: str | None = None, join_token: str
     routes = [Route("/", dashboard), Route("/health", health), *openai_routes.routes, *cluster_routes.routes, *browser_routes.routes,
               *(extra_routes or [])]
     app = Starlette(routes=routes, middleware=[Middleware(APIKeyMiddleware, api_key=api_key)],
-                    exception_handlers={APIError: api_error, 404: not_found, 405: method_not_allowed})
+                    exception_handlers={APIError: api_error, 404: not_found, 405: method_not_allowed, Exception: internal_error})
     s = app.state
     s.coordinator, s.package, s.join_token = coordinator, package, join_token
+    s.api_key, s.admin_token = api_key, admin_token
+    if not isinstance(coordinator.events, EventLog):  # bounded per kind: one kind cannot flush the others
+        coordinator.events = EventLog(initial=coordinator.events)
+    m = package.manifest
+    n_files = sum(1 for _ in package.blobs.iterdir()) if package.blobs.is_dir() else 0
+    s.worker_gate = cluster_routes.WorkerGate(join_token, hello_frame_limit(n_files), control_frame_limit(m.max_context, m.hidden_size))
     s.started = time.time()
     s.model_names = [package.manifest.name, "smollm2"] if package.manifest.name.startswith("smollm2") else [package.manifest.name]
     s.metrics = metrics or Metrics(package.manifest.hidden_size)

@@ -1,18 +1,29 @@
-"""Cluster views and the worker-facing endpoints: status, plan, events, blobs, worker socket."""
+"""Cluster views and the worker-facing endpoints: status, plan, events, blobs, worker socket.
+
+Routes that change the cluster (rebalance, emulation) are privileged (:func:`require_admin`);
+the worker socket reads one small hello before anything else (:func:`worker_socket`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import math
 import re
+import time
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from ..net.channel import StarletteChannel
+from ..net import auth, limits
+from ..net.channel import ChannelClosed, StarletteChannel
+from ..net.protocol import MessageType, ProtocolError, decode, error_frame
 from .errors import APIError
 
 SHA = re.compile(r"[0-9a-f]{64}")
+MAX_SLOWDOWN = 1000.0  # emulated slowdown factors beyond this are typing mistakes
 
 
 async def status(request: Request) -> JSONResponse:
@@ -52,13 +63,14 @@ async def plan(request: Request) -> JSONResponse:
 
 
 async def events(request: Request) -> JSONResponse:
-    return JSONResponse({"events": list(request.app.state.coordinator.events)})
+    log = request.app.state.coordinator.events
+    return JSONResponse(limits.json_safe({"events": list(log), "dropped": getattr(log, "dropped", {})}))
 
 
 async def blob(request: Request) -> Response:
     sha = request.path_params["sha"]
     app = request.app.state
-    if app.join_token and request.headers.get("authorization") != f"Bearer {app.join_token}":
+    if app.join_token and not auth.bearer_matches(_raw_header(request.scope, b"authorization"), app.join_token):
         raise APIError(401, "unit files need the join token", type_="authentication_error", code="invalid_join_token")
     path = app.package.blob(sha) if SHA.fullmatch(sha) else None
     if path is None or not path.is_file():
@@ -66,9 +78,133 @@ async def blob(request: Request) -> Response:
     return FileResponse(path, media_type="application/octet-stream", headers={"Cache-Control": "public, max-age=31536000, immutable"})
 
 
+def _raw_header(scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return value
+    return None
+
+
+def _set_frame_limit(ws: WebSocket, max_bytes: int) -> bool:
+    """Set the largest frame the server will read from this socket from now on.
+
+    uvicorn parses frames with ``websockets``: a frame whose header announces more than the
+    limit is refused (close 1009) before its payload is read. The ASGI ``receive`` callable is
+    a method of uvicorn's protocol object, which holds the parser; with another server this
+    returns False and the server-wide ``ws_max_size`` is the only limit."""
+    protocol = getattr(getattr(ws, "_receive", None), "__self__", None)
+    conn = getattr(protocol, "conn", None)
+    if conn is not None and hasattr(conn, "max_message_size"):  # websockets-sansio
+        conn.max_message_size = max_bytes
+        return True
+    if protocol is not None and hasattr(protocol, "max_size") and hasattr(protocol, "read_message"):  # legacy websockets
+        protocol.max_size = max_bytes
+        return True
+    return False
+
+
+class _Replayed:
+    """A channel whose first ``recv`` returns the hello already read (the coordinator reads it again)."""
+
+    def __init__(self, inner: StarletteChannel, first: bytes):
+        self.inner, self.peer, self._first = inner, inner.peer, first
+
+    async def send(self, frame: bytes) -> None:
+        await self.inner.send(frame)
+
+    async def recv(self):
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self.inner.recv()
+
+    async def close(self, reason: str = "") -> None:
+        await self.inner.close(reason)
+
+
+class WorkerGate:
+    """What a peer must get past before the coordinator sees it: a join rate per address, a
+    hello of at most ``hello_limit`` bytes within ``hello_timeout_s``, and the join token
+    (constant-time); only then may its frames grow to ``frame_limit``."""
+
+    def __init__(self, join_token: str | None, hello_limit: int, frame_limit: int, hello_timeout_s: float = 5.0,
+                 joins_per_s: float = 1.0, join_burst: int = 20):
+        self.join_token, self.hello_limit, self.frame_limit, self.hello_timeout_s = join_token, hello_limit, frame_limit, hello_timeout_s
+        self.attempts = limits.RateLimiter(joins_per_s, join_burst)
+        self.throttled = 0
+
+    def check_hello(self, raw) -> str | None:
+        """Why this first frame is not an acceptable hello, or None."""
+        if not isinstance(raw, (bytes, bytearray)):
+            return "expected a binary hello frame"
+        if len(raw) > self.hello_limit:
+            return f"hello of {len(raw)} bytes exceeds {self.hello_limit}"
+        try:
+            hello = decode(raw)
+        except ProtocolError as exc:
+            return f"bad hello: {str(exc)[:160]}"
+        if hello.type is not MessageType.HELLO:
+            return f"expected hello, got {hello.type.value}"
+        token = hello.get("token")
+        if self.join_token and not (isinstance(token, str) and auth.same_secret(token, self.join_token)):
+            return "wrong or missing join token" if token else "missing join token"
+        return None
+
+
 async def worker_socket(ws: WebSocket) -> None:
+    """Workers' control channel: limits before trust, then the coordinator."""
+    app = ws.app.state
+    gate: WorkerGate = app.worker_gate
+    coord = app.coordinator
+    peer = ws.client.host if ws.client else "?"
+    if not gate.attempts.allow(peer, time.monotonic()):
+        gate.throttled += 1
+        if gate.throttled % 100 == 1:  # one event per hundred, not one per attempt
+            coord.event("throttled", peer=peer, attempts_refused=gate.throttled)
+        await ws.close(code=1008, reason="too many join attempts")
+        return
+    _set_frame_limit(ws, gate.hello_limit)
     await ws.accept()
-    await ws.app.state.coordinator.attach(StarletteChannel(ws))
+    channel = StarletteChannel(ws)
+    try:
+        raw = await asyncio.wait_for(channel.recv(), timeout=gate.hello_timeout_s)
+        problem = gate.check_hello(raw)
+    except asyncio.TimeoutError:
+        problem = f"no hello within {gate.hello_timeout_s:g} s"
+    except ChannelClosed:  # includes a first frame over the limit: the server closed with 1009
+        coord.event("refused", peer=peer, reason=f"closed before a hello (frame limit {gate.hello_limit} bytes)")
+        return
+    if problem:
+        coord.event("refused", peer=peer, reason=problem)
+        try:
+            await channel.send(error_frame(problem))
+        except ChannelClosed:
+            pass
+        await channel.close(problem)
+        return
+    _set_frame_limit(ws, gate.frame_limit)
+    await coord.attach(_Replayed(channel, bytes(raw)))
+
+
+def require_admin(request: Request) -> None:
+    """Routes that change the cluster: the admin token when one is set, else the API key (the
+    middleware has checked it), else only from this machine (loopback)."""
+    app = request.app.state
+    if getattr(app, "admin_token", None):
+        if not auth.bearer_matches(_raw_header(request.scope, b"authorization"), app.admin_token):
+            raise APIError(401, "this route changes the cluster: send 'Authorization: Bearer <admin token>'",
+                           type_="authentication_error", code="invalid_admin_token")
+        return
+    if getattr(app, "api_key", None):
+        return
+    host = request.client.host if request.client else ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise APIError(403, "this route changes the cluster: without --api-key or --admin-token it is open only from "
+                            "the coordinator's own machine", type_="permission_error", code="admin_only")
 
 
 async def rebalance(request: Request) -> JSONResponse:
@@ -76,9 +212,15 @@ async def rebalance(request: Request) -> JSONResponse:
     from ..cluster.placement import StageAssignment
     from .openai_routes import read_json
 
+    require_admin(request)
     coord = request.app.state.coordinator
     body = await read_json(request)
     try:
+        if not isinstance(body.get("stages"), list) or len(body["stages"]) > 1024:
+            raise ValueError("'stages' must be a list")
+        for s in body["stages"]:
+            if not isinstance(s, dict) or not all(isinstance(s.get(k), int) and not isinstance(s.get(k), bool) for k in ("start", "end")):
+                raise ValueError("each stage needs integer 'start' and 'end'")
         stages = [StageAssignment(str(s["worker"]), int(s["start"]), int(s["end"])) for s in body.get("stages", [])]
         if not stages or stages[0].start != 0 or stages[-1].end != coord.n_units:
             raise ValueError(f"stages must cover units [0, {coord.n_units})")
@@ -90,22 +232,23 @@ async def rebalance(request: Request) -> JSONResponse:
         raise APIError(400, f"bad rebalance: {exc}", param="stages") from None
     except RuntimeError as exc:
         raise APIError(409, str(exc), code="plan_failed") from None
-    return JSONResponse({"plan": dep.plan_id, "events": [e for e in coord.events if e.get("plan") == dep.plan_id]})
+    return JSONResponse(limits.json_safe({"plan": dep.plan_id, "events": [e for e in coord.events if e.get("plan") == dep.plan_id]}))
 
 
 async def emulation(request: Request) -> JSONResponse:
     """Change a worker's emulated slowdown while it runs (labelled emulation; benchmarks)."""
-    from ..net.protocol import Message, MessageType
+    from ..net.protocol import Message
     from .openai_routes import read_json
 
+    require_admin(request)
     coord = request.app.state.coordinator
     worker = coord.workers.get(request.path_params["worker"])
     if worker is None:
-        raise APIError(404, f"no worker {request.path_params['worker']}", code="worker_not_found")
+        raise APIError(404, f"no worker {request.path_params['worker'][:64]}", code="worker_not_found")
     body = await read_json(request)
-    factor = body.get("slowdown")
-    if not isinstance(factor, (int, float)) or factor < 1:
-        raise APIError(400, "'slowdown' must be a number >= 1", param="slowdown")
+    factor = body.get("slowdown") if isinstance(body, dict) else None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or not 1 <= factor <= MAX_SLOWDOWN:
+        raise APIError(400, f"'slowdown' must be a finite number in [1, {MAX_SLOWDOWN:g}]", param="slowdown")
     await worker.send(Message(MessageType.EMULATE, {"slowdown": float(factor)}))
     worker.hello["emulation"] = {**(worker.hello.get("emulation") or {}), "slowdown": float(factor)}
     coord.event("emulation", worker=worker.id, slowdown=float(factor))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ..api.admission import Admission
 from ..api.app import create_app
+from ..net.limits import control_frame_limit
 from .coordinator import Coordinator, CoordinatorSettings
 
 
@@ -24,6 +25,7 @@ class ServeSettings:
     worker_threads: int | None = None
     api_key: str | None = None
     join_token: str | None = None
+    admin_token: str | None = None  # required by routes that change the cluster (else the API key, else loopback only)
     max_active: int = 16
     max_queue: int = 64
     worker_args: list[str] = field(default_factory=list)  # extra flags for every local worker
@@ -67,8 +69,13 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
         plan_fn = PlannerPolicy(Objective(settings.objective), settings.tpot_target_ms / 1e3 if settings.tpot_target_ms else None)
     coordinator = Coordinator(package, CoordinatorSettings(min_workers=max(1, settings.workers), join_token=settings.join_token), plan_fn=plan_fn)
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,
-                     admission=Admission(settings.max_active, settings.max_queue))
-    config = uvicorn.Config(app, log_level=settings.log_level, ws_max_size=1 << 30, ws_ping_interval=None, timeout_graceful_shutdown=2)
+                     admission=Admission(settings.max_active, settings.max_queue), admin_token=settings.admin_token)
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        print(f"edgepipe: warning: serving on {settings.host} without --api-key: anyone who can reach this port may use the API",
+              file=sys.stderr)
+    # The largest frame any authenticated worker sends; the worker socket starts each peer far lower.
+    ws_max = control_frame_limit(package.manifest.max_context, package.manifest.hidden_size)
+    config = uvicorn.Config(app, log_level=settings.log_level, ws_max_size=ws_max, ws_ping_interval=None, timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     await coordinator.start()
     advertiser = None

@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import PROTOCOL_VERSION
 from ..emulate.slowdown import MemoryBudget, MemoryBudgetExceeded, SlowdownPolicy
+from ..net import auth, limits, validate
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
 from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner
@@ -66,8 +67,11 @@ class Slot:
     start: int
     end: int
     runner: StageRunner
-    next: dict  # {"kind": "worker", "id", "url", "relay"} | {"kind": "coordinator"}
+    next: dict  # {"kind": "worker", "id", "url", "relay"[, "secret"]} | {"kind": "coordinator"}
     weight_bytes: int
+    secret: str | None = None  # what this stage's predecessor must present on the data port
+    frame_limit: int = limits.HEADER_SLACK_BYTES  # largest frame accepted on the data port for this plan
+    max_context: int | None = None
 
 
 class Worker:
@@ -138,12 +142,45 @@ class Worker:
         import websockets
 
         async def handler(ws):
-            await self._data_loop(WebSocketChannel(ws))
+            plan = self._data_plans.pop(id(ws), None)
+            if plan is not None:
+                await self._data_loop(WebSocketChannel(ws), plan)
 
-        server = await websockets.serve(handler, self.s.data_host, self.s.data_port, max_size=None, ping_interval=None)
+        # Nothing is read from a peer before its handshake names a plan this worker holds and
+        # presents that stage's secret; only then is its frame limit raised to the plan's.
+        self._data_plans: dict[int, int] = {}
+        self._data_refusals = limits.RateLimiter(rate_per_s=2.0, burst=20)
+        server = await websockets.serve(handler, self.s.data_host, self.s.data_port, max_size=limits.HEADER_SLACK_BYTES,
+                                        ping_interval=None, process_request=self._authorize_data)
         port = server.sockets[0].getsockname()[1]
         self.data_url = f"ws://{self.s.advertise_host or self.s.data_host}:{port}"
         return server
+
+    def _authorize_data(self, connection, request):
+        """Handshake check of the data port: the plan's stage secret, else 401 (or 429 once an
+        address has been refused too often); on success the frame limit becomes the plan's."""
+        peer = str((connection.remote_address or ("?",))[0])
+        slot = None
+        try:
+            plan = int(request.headers.get(auth.PLAN_HEADER, ""))
+            slot = self.slots.get(plan)
+        except ValueError:
+            pass
+        if slot is not None and (slot.secret is None or auth.bearer_matches(request.headers.get("Authorization"), slot.secret)):
+            connection.protocol.max_message_size = slot.frame_limit
+            self._data_plans[id(connection)] = slot.plan
+            return None
+        if not self._data_refusals.allow(peer, time.monotonic()):
+            return connection.respond(429, "too many refused connections\n")
+        log.warning("data port: refused %s (no valid credentials for a plan this worker holds)", peer)
+        return connection.respond(401, "data port: this stage's credentials are required\n")
+
+    def _data_secret(self, url: str, plan: int, given: str | None) -> str | None:
+        """The secret of the stage at ``url`` for ``plan``: as issued by the coordinator, else
+        derived from the join token, else none (a cluster without a join token is open)."""
+        if given:
+            return given
+        return auth.derived_secret(self.s.join_token, url, plan) if self.s.join_token and url else None
 
     def _shape(self, channel: Channel) -> Channel:
         return ShapedChannel(channel, self.link) if self.link else channel
@@ -165,8 +202,9 @@ class Worker:
                 return
             await self._handle(msg)
 
-    async def _data_loop(self, channel: Channel) -> None:
-        """Frames from a predecessor worker (or anyone who connects): only FORWARD and KV."""
+    async def _data_loop(self, channel: Channel, plan: int) -> None:
+        """Frames from the authenticated predecessor (or KV mover) of ``plan``: only FORWARD
+        and KV, and only for that plan."""
         while True:
             try:
                 raw = await channel.recv()
@@ -176,6 +214,8 @@ class Worker:
                 msg = decode(raw)
                 if msg.type not in (T.FORWARD, T.KV):
                     raise ProtocolError(f"{msg.type.value} is not accepted on the data port")
+                if msg.get("plan") != plan:
+                    raise ProtocolError(f"frame for plan {msg.get('plan')!r} on a connection for plan {plan}")
             except ProtocolError as exc:
                 log.warning("rejected frame from %s: %s", channel.peer, exc)
                 try:
@@ -245,9 +285,16 @@ class Worker:
                 self.warm = {msg["graph"]}
                 self._prune_sessions()
             else:
-                self.slots[plan] = Slot(plan, start, end, runner, msg["next"], weight_bytes)
+                hidden = 0 if runner.takes_token_ids else self._hidden_of(runner)
+                self.slots[plan] = Slot(plan, start, end, runner, msg["next"], weight_bytes,
+                                        secret=self._data_secret(self.data_url, plan, msg.get("data_secret")),
+                                        frame_limit=limits.data_frame_limit(int(msg.get("max_context") or 4096), hidden,
+                                                                            int(msg.get("kv_bytes_per_token") or 0)),
+                                        max_context=msg.get("max_context"))
             reply = {"plan": plan, "ok": True, "load_s": time.perf_counter() - t0, "fetched_bytes": fetched, "weight_bytes": weight_bytes,
                      "reused_session": reused}
+            if self.cache.repaired:  # cached files that failed their hash and were fetched again
+                reply["repaired"], self.cache.repaired = list(self.cache.repaired), []
         except (MemoryBudgetExceeded, OSError, ValueError, RuntimeError) as exc:
             reply = {"plan": plan, "ok": False, "error": str(exc).splitlines()[0]}
         except Exception as exc:  # onnxruntime raises its own types
@@ -292,6 +339,11 @@ class Worker:
         shape = slot.runner.session.get_inputs()[0].shape
         return int(shape[-1])
 
+    @staticmethod
+    def _hidden_of(runner: StageRunner) -> int:
+        shape = next(i for i in runner.session.get_inputs() if i.name == runner.input_name).shape
+        return int(shape[-1]) if isinstance(shape[-1], int) else 0
+
     # -- computing --------------------------------------------------------------------------
     async def _compute_loop(self) -> None:
         """Run what arrives in order; a forward frame (one lane of sequences) is one batch.
@@ -335,6 +387,11 @@ class Worker:
             raise KeyError(f"worker {self.id} holds no stage for plan {plan}")
         if x.shape[0] != len(batch) or not batch:
             raise ValueError(f"forward frame: x has {x.shape[0]} rows for {len(batch)} sequences")
+        if not slot.runner.takes_token_ids:  # a stage checks what its predecessor sent before using it
+            hidden = self._hidden_of(slot.runner)
+            problem = validate.activation_problem(x, hidden or None, slot.max_context)
+            if problem:
+                raise ValueError(f"plan {plan}: {problem}")
         if x.dtype == np.float16:
             x = x.astype(np.float32)
         sampling = None
@@ -372,20 +429,26 @@ class Worker:
         if slot.next.get("relay"):
             await self._send_control(Message(T.FORWARD, {**fields, "relay_to": slot.next["id"]}, {"x": y}))
         else:
-            await self._send_peer(slot.next["url"], encode(Message(T.FORWARD, fields, {"x": y})))
+            await self._send_peer(slot.next["url"], encode(Message(T.FORWARD, fields, {"x": y})), plan,
+                                  self._data_secret(slot.next["url"], plan, slot.next.get("secret")))
 
-    async def _send_peer(self, url: str, frame: bytes) -> None:
-        """Send to another worker's data port; any failure to reach it is ChannelClosed."""
+    async def _send_peer(self, url: str, frame: bytes, plan: int, secret: str | None) -> None:
+        """Send to another worker's data port, one connection per (port, plan), presenting
+        that stage's secret; any failure to reach it is ChannelClosed."""
         import websockets
 
+        key = f"{url}#{plan}"
         try:
-            channel = self.peers.get(url)
+            channel = self.peers.get(key)
             if channel is None:
-                ws = await websockets.connect(url, max_size=None, ping_interval=None, open_timeout=5)
-                channel = self.peers[url] = self._shape(WebSocketChannel(ws, url))
+                for stale in [k for k in self.peers if int(k.rsplit("#", 1)[1]) not in self.slots and k != key]:
+                    self._spawn(self.peers.pop(stale).close())  # plans this worker no longer runs
+                ws = await websockets.connect(url, max_size=limits.HEADER_SLACK_BYTES, ping_interval=None, open_timeout=5,
+                                              additional_headers=auth.data_headers(secret, plan))
+                channel = self.peers[key] = self._shape(WebSocketChannel(ws, url))
             await channel.send(frame)
         except (ChannelClosed, OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as exc:
-            self.peers.pop(url, None)  # a dead peer must not poison later sends
+            self.peers.pop(key, None)  # a dead peer must not poison later sends
             raise ChannelClosed(f"{url}: {exc}") from None
 
     async def _export_kv(self, msg: Message) -> None:  # noqa: D401
@@ -395,7 +458,7 @@ class Worker:
                    if msg["start"] <= int(k.split(".")[1]) < msg["end"]}
         frame = encode(Message(T.KV, {"seq": msg["seq"], "plan": msg["to_plan"], "length": slot.runner.length(msg["seq"]),
                                       "move": msg["move"]}, tensors))
-        await self._send_peer(msg["url"], frame)
+        await self._send_peer(msg["url"], frame, msg["to_plan"], self._data_secret(msg["url"], msg["to_plan"], msg.get("secret")))
 
     async def _import_kv(self, msg: Message) -> None:
         """Install moved KV, then tell the coordinator (it resumes the sequence only after)."""

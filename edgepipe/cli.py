@@ -219,6 +219,7 @@ def worker(
     from .emulate.slowdown import parse_bytes
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("edgepipe.worker").setLevel(logging.INFO)  # joins, reconnects, downloads: a few lines
     try:
         if coordinator is None:
             from .net.discovery import find_coordinator
@@ -243,35 +244,73 @@ def worker(
 def plan(
     devices: Path = typer.Option(..., "--devices", "-d", help="devices.yaml (schema: edgepipe/plan/devices_file.py)."),
     objective: str = typer.Option("latency", "--objective", help="latency | throughput | energy"),
-    sequences: int = typer.Option(1, "--sequences", help="Sequences in flight (throughput objective)."),
-    tpot_target_ms: Optional[float] = typer.Option(None, "--tpot-target-ms", help="Time-per-token target (energy objective)."),
+    sequences: int = typer.Option(1, "--sequences", help="Sequences in flight (throughput and energy objectives)."),
+    tpot_target_ms: Optional[float] = typer.Option(None, "--tpot-target-ms", help="Time-per-token target (energy objective only)."),
     prompt_tokens: int = typer.Option(128, "--prompt-tokens"),
     context: int = typer.Option(2048, "--context", help="KV tokens reserved per sequence."),
     top_k: int = typer.Option(3, "--top-k", help="Plans to show (best + runners-up)."),
     model: Optional[str] = typer.Option(None, "--model", "-m"),
-    precision: str = PrecisionOption,
+    precision: Optional[str] = typer.Option(None, "--precision", "-p", help="int4 | int8 | fp32 (default: the package's own; int4 when importing)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
     home: Optional[Path] = HomeOption,
 ):
-    """Place the model on the devices of a devices.yaml and print the plan with its runners-up."""
-    import yaml
+    """Place the model on the devices of a devices.yaml and print the plan with its runners-up.
 
-    from .cluster.profiling import ClusterProfile
-    from .plan import PlanRequest, parse_devices, render
+    Exit status 2: no complete plan (the partial one is printed, without throughput or energy)."""
+    import json
+
+    from .plan import Objective, PlanRequest, load_devices, render, to_json
     from .plan import plan as make_plan
 
     try:
-        spec = parse_devices(yaml.safe_load(devices.read_text()) or {})
-        pkg = open_model(model, precision, home)
-        profile = ClusterProfile(pkg.manifest, context_tokens=context)
-        request = PlanRequest(objective=objective, sequences=sequences, prompt_tokens=prompt_tokens, top_k=top_k,
-                              tpot_target_s=tpot_target_ms / 1e3 if tpot_target_ms else None)
-        result = make_plan(profile.model_profile(), spec.devices, spec.network, request)
-    except (yaml.YAMLError, *USER_ERRORS) as exc:
+        chosen = Objective(objective)
+    except ValueError:
+        fail(f"--objective {objective!r} is not one of latency, throughput, energy")
+    if tpot_target_ms is not None and chosen is not Objective.ENERGY:
+        fail(f"--tpot-target-ms applies to the energy objective only (got --objective {chosen.value})")
+    if sequences > 1 and chosen is Objective.LATENCY:
+        fail("--sequences applies to the throughput and energy objectives (latency plans one sequence)")
+    if precision is not None and precision not in ("int4", "int8", "fp32"):
+        fail(f"--precision {precision!r} is not one of int4, int8, fp32")
+    try:
+        text = devices.read_text()
+        pkg = open_model(model, precision or "int4", home)
+        model_profile = _plan_model_profile(pkg, precision, context)
+        spec = load_devices(text, str(devices), units=model_profile.n_units)
+        request = PlanRequest(objective=chosen, sequences=sequences, prompt_tokens=prompt_tokens, top_k=top_k,
+                              tpot_target_s=tpot_target_ms / 1e3 if tpot_target_ms is not None else None)
+        result = make_plan(model_profile, spec.devices, spec.network, request)
+    except USER_ERRORS as exc:
         fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    typer.echo(f"{pkg.manifest.name}: {len(pkg.manifest.units)} units, objective {request.objective.value}")
-    typer.echo(render(result, spec.devices))
+    if as_json:
+        typer.echo(json.dumps({"model": pkg.manifest.name, "units": model_profile.n_units, **to_json(result)}, indent=1))
+    else:
+        typer.echo(f"{pkg.manifest.name}: {model_profile.n_units} units, objective {request.objective.value}")
+        typer.echo(render(result, spec.devices))
     if not result.best.complete:
         raise typer.Exit(2)
+
+
+def _plan_model_profile(pkg, precision: Optional[str], context: int):
+    """The planner's model profile for `edgepipe plan`: the requested variant (refused if the
+    package lacks it), every variant's weight sizes (for devices that run another one, e.g. a
+    browser's fp32), and the embedding/head files both units count (tied weights)."""
+    from dataclasses import replace
+
+    from .cluster.profiling import ClusterProfile
+
+    manifest = pkg.manifest
+    have = sorted(set.intersection(*(set(u.variants) for u in manifest.units)))
+    if precision is not None and precision not in have:
+        raise ValueError(f"--precision {precision} does not apply: package {manifest.name} has "
+                         f"{', '.join(have)} weights (import the model again with --precision {precision})")
+    profile = ClusterProfile(manifest, context_tokens=context).model_profile(precision)
+    variants = tuple((p, tuple(manifest.variant(u.index, p).weight_bytes for u in manifest.units)) for p in have)
+    chosen = precision or manifest.precision
+    shared = set(manifest.variant(0, chosen).files) & set(manifest.variant(len(manifest.units) - 1, chosen).files)
+    tied = sum(pkg.blob(sha).stat().st_size for sha in sorted(shared) if pkg.blob(sha).is_file())
+    tied = min(tied, profile.units[0].weight_bytes, profile.units[-1].weight_bytes)
+    return replace(profile, variant_weight_bytes=variants, tied_bytes=tied)
 
 
 def main() -> None:  # pragma: no cover

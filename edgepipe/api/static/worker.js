@@ -435,15 +435,22 @@
     return once;
   }
 
+  // Cached bytes are hashed once per page before use (with crypto.subtle; the pure-JS fallback of
+  // a non-secure context is too slow to re-hash a model on every load, so there they are trusted).
+  const verified = new Set();
   async function fetchUnitOnce(sha) {
     const cached = await worker.store.get(sha);
-    if (cached) { stats.hits++; return { bytes: cached, fetched: 0 }; }
+    if (cached) {
+      if (verified.has(sha) || !(self.crypto && crypto.subtle) || (await sha256(cached)) === sha) { verified.add(sha); stats.hits++; return { bytes: cached, fetched: 0 }; }
+      log(`cached unit file ${sha.slice(0, 16)}… is corrupt: fetching it again`);
+    }
     const headers = worker.token ? { Authorization: `Bearer ${worker.token}` } : {};
     const resp = await fetch(`/v1/blobs/${sha}`, { headers, cache: "no-store" });
     if (!resp.ok) throw new Error(`unit file ${sha.slice(0, 16)}…: HTTP ${resp.status}`);
     const bytes = new Uint8Array(await resp.arrayBuffer());
     const digest = await sha256(bytes);
     if (digest !== sha) throw new Error(`unit file ${sha.slice(0, 16)}…: sha256 is ${digest.slice(0, 16)}…`);
+    verified.add(sha);
     try {
       await worker.store.put(sha, bytes);
       stats.heldBytes += bytes.length;

@@ -1,14 +1,17 @@
 """``edgepipe serve``: the coordinator's HTTP server plus, as the embedded default, local
-worker processes on loopback."""
+worker processes on loopback, supervised: one that exits is started again (with backoff), and
+all are stopped when serve stops (or dies: they get SIGTERM with their parent on Linux)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 from ..api.admission import Admission
@@ -46,15 +49,86 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def spawn_local_workers(url: str, n: int, threads: int | None, join_token: str | None, extra: list[str]) -> list[subprocess.Popen]:
-    threads = threads or max(1, (os.cpu_count() or 2) // max(n, 1))
-    procs = []
-    for i in range(n):
-        argv = [sys.executable, "-m", "edgepipe", "worker", "--coordinator", url, "--name", f"local{i + 1}", "--threads", str(threads), *extra]
+log = logging.getLogger("edgepipe.serve")
+RESTART_FIRST_S, RESTART_CAP_S = 0.5, 10.0  # backoff between restarts of a local worker that keeps exiting
+HEALTHY_AFTER_S = 30.0  # a worker that ran this long before exiting is restarted at once
+
+
+def restart_delay(quick_exits: int) -> float:
+    """Seconds to wait before restarting a local worker that exited ``quick_exits`` times in a
+    row soon after starting (0: it had run a while, restart now)."""
+    return 0.0 if quick_exits <= 0 else min(RESTART_CAP_S, RESTART_FIRST_S * 2 ** (quick_exits - 1))
+
+
+def _parent_death_signal():
+    """A function for the child (between fork and exec) asking for SIGTERM when its parent dies;
+    resolved here, in the parent, so the child calls into libc only (no loader locks)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+class LocalWorkers:
+    """The worker processes serve started on this machine, kept running until ``stop``.
+
+    The join token travels in the environment (``EDGEPIPE_JOIN_TOKEN``), never in argv where
+    any local user could read it."""
+
+    def __init__(self, url: str, n: int, threads: int | None, join_token: str | None, extra: list[str], on_event=None):
+        self.threads = threads or max(1, (os.cpu_count() or 2) // max(n, 1))
+        self.url, self.extra, self.on_event = url, list(extra), on_event or (lambda kind, **fields: None)
+        self.env = {k: v for k, v in os.environ.items() if k != "EDGEPIPE_JOIN_TOKEN"}
         if join_token:
-            argv += ["--join-token", join_token]
-        procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
-    return procs
+            self.env["EDGEPIPE_JOIN_TOKEN"] = join_token
+        self._preexec = _parent_death_signal()
+        self.names = [f"local{i + 1}" for i in range(n)]
+        self.procs: list[subprocess.Popen] = [self._spawn(name) for name in self.names]
+        self.started = [time.monotonic()] * n
+        self.quick_exits = [0] * n
+        self.restarts = [0] * n
+        self._stopping = False
+
+    def _spawn(self, name: str) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "edgepipe", "worker", "--coordinator", self.url, "--name", name, "--threads", str(self.threads),
+                *self.extra]
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=self.env, preexec_fn=self._preexec)
+
+    async def supervise(self, poll_s: float = 0.25) -> None:
+        """Restart any worker that exits, after ``restart_delay`` (runs until cancelled)."""
+        due: dict[int, float] = {}
+        while not self._stopping:
+            now = time.monotonic()
+            for i, proc in enumerate(self.procs):
+                if i not in due and proc.poll() is not None:
+                    lived = now - self.started[i]
+                    self.quick_exits[i] = 0 if lived >= HEALTHY_AFTER_S else self.quick_exits[i] + 1
+                    due[i] = now + restart_delay(self.quick_exits[i])
+                    log.warning("local worker %s (pid %d) exited with %s after %.1f s; restarting in %.1f s",
+                                self.names[i], proc.pid, proc.returncode, lived, due[i] - now)
+                if i in due and now >= due[i] and not self._stopping:
+                    del due[i]
+                    old = proc
+                    self.procs[i] = self._spawn(self.names[i])
+                    self.started[i] = now
+                    self.restarts[i] += 1
+                    self.on_event("worker_restarted", name=self.names[i], pid=self.procs[i].pid, old_pid=old.pid,
+                                  exit_code=old.returncode, restarts=self.restarts[i])
+            await asyncio.sleep(poll_s)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=None) -> None:
@@ -89,19 +163,17 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
             coordinator.event("mdns_unavailable", error=str(exc))
             advertiser = None
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    procs = spawn_local_workers(f"http://{host}:{port}", settings.workers, settings.worker_threads, settings.join_token, settings.worker_args)
+    local = LocalWorkers(f"http://{host}:{port}", settings.workers, settings.worker_threads, settings.join_token, settings.worker_args,
+                         on_event=coordinator.event)
+    supervisor = asyncio.create_task(local.supervise())
     if on_ready:
         on_ready(port, coordinator)
     try:
         await server.serve(sockets=[sock])
     finally:
+        supervisor.cancel()
+        local._stopping = True
         if advertiser:
             await advertiser.stop()
         await coordinator.stop()
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        local.stop()

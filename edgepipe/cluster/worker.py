@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,28 @@ from .blobcache import BlobCache
 
 log = logging.getLogger("edgepipe.worker")
 KV_RESERVE_TOKENS = 2048  # KV room a stage must leave for at least one sequence of this length
+RECONNECT_FIRST_S, RECONNECT_CAP_S = 0.2, 5.0  # backoff between attempts to reach the coordinator
+RECONNECT_SHARE = 0.1  # ... at most this share of the time it has been gone (1 s at least)
+STABLE_SESSION_S = 10.0  # a membership that lasted this long resets the backoff
+WELCOME_TIMEOUT_S = 120.0  # the coordinator may build a weight variant before it welcomes
+INLINE_STEP_S = 0.02  # decode steps faster than this run on the event loop (no thread hand-off)
+
+
+def reconnect_delay(attempt: int, draw: float, gone_s: float = 0.0) -> float:
+    """Seconds before reconnect ``attempt`` (0, 1, ...) when the coordinator has been out of
+    reach for ``gone_s``: exponential from 0.2 s, capped at a tenth of ``gone_s`` (at least 1 s,
+    at most 5 s) so a coordinator that restarts in seconds is found again within about a
+    second, and jittered over the upper half (``draw`` in [0, 1)) so the workers of a
+    restarted coordinator do not all come back in the same instant."""
+    cap = min(RECONNECT_CAP_S, max(1.0, RECONNECT_SHARE * gone_s))
+    ceiling = min(cap, RECONNECT_FIRST_S * 2 ** min(attempt, 30))
+    return ceiling * (0.5 + 0.5 * draw)
+
+
+def _websocket_errors() -> type[Exception]:
+    import websockets
+
+    return websockets.exceptions.WebSocketException
 
 
 @dataclass
@@ -51,6 +74,7 @@ class WorkerSettings:
     join_token: str | None = None
     cache_dir: Path | None = None
     activation_dtype: str = "float32"  # "float16" halves the bytes on the wire
+    silence_s: float = 10.0  # no frame from the coordinator for this long: reconnect
     power_busy_w: float | None = None  # declared power draw, for the energy objective
     power_idle_w: float | None = None
 
@@ -98,28 +122,92 @@ class Worker:
         self.busy_s = 0.0
         self.computed = 0
         self._background: set[asyncio.Task] = set()
+        self.joins = 0  # memberships so far (1 + rejoins)
+        self.fetched_bytes = 0  # blob bytes downloaded by this process
+        self._step_s: dict[int, float] = {}  # last decode step time per runner: inline or in the thread
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, control: Channel | None = None) -> None:
-        """Join the coordinator and serve until it says bye or the channel closes."""
+        """Join the coordinator and serve until it says a final bye (or the process is stopped).
+
+        A dropped control connection does not end the worker: it reconnects with jittered
+        exponential backoff, keeping its data port, blob cache and built sessions, and joins
+        again as a new member (the coordinator recalls its calibration by name and hardware).
+        With a ``control`` channel given (in-memory use) it serves that one channel only."""
         server = await self._serve_data()
+        compute = asyncio.create_task(self._compute_loop())
         try:
-            self.control = self._shape(control or await self._connect_control())
-            await self.control.send(encode(Message(T.HELLO, self._hello())))
-            reply = decode(await self.control.recv())
-            if reply.type is T.ERROR:
-                raise PermissionError(f"coordinator refused this worker: {reply['message']}")
-            self.id = reply["worker_id"]
-            log.info("joined as %s", self.id)
-            compute = asyncio.create_task(self._compute_loop())
-            try:
-                await self._control_loop()
-            finally:
-                compute.cancel()
+            if control is not None:
+                await self._session(control)
+                return
+            attempt, gone_since = 0, time.monotonic()
+            while True:
+                started = time.monotonic()
+                try:
+                    channel = await self._connect_control()
+                except (OSError, asyncio.TimeoutError, _websocket_errors()) as exc:
+                    why = f"cannot reach {self.s.coordinator}: {str(exc) or type(exc).__name__}"
+                else:
+                    joins = self.joins
+                    if await self._session(channel):
+                        return
+                    why = "control connection lost"
+                    if self.joins > joins:  # it was a member: the coordinator is gone from now
+                        gone_since = time.monotonic()
+                        if gone_since - started > STABLE_SESSION_S:
+                            attempt = 0  # it served a while: the backoff starts afresh
+                delay = reconnect_delay(attempt, random.random(), time.monotonic() - gone_since)
+                attempt += 1
+                log.warning("%s; reconnecting in %.1f s (attempt %d)", why, delay, attempt)
+                await asyncio.sleep(delay)
         finally:
+            compute.cancel()
             if server is not None:
                 server.close()
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _session(self, channel: Channel) -> bool:
+        """One membership: hello, welcome, then control frames until the channel ends.
+        True when the coordinator said a final bye (the worker should exit)."""
+        self.control = self._shape(channel)
+        try:
+            await self.control.send(encode(Message(T.HELLO, self._hello())))
+            reply = decode(await asyncio.wait_for(self.control.recv(), timeout=WELCOME_TIMEOUT_S))
+        except (ChannelClosed, ProtocolError, asyncio.TimeoutError) as exc:
+            log.warning("no welcome from the coordinator: %s", str(exc) or type(exc).__name__)
+            await self._close_control()
+            return False
+        if reply.type is T.ERROR:
+            raise PermissionError(f"coordinator refused this worker: {reply.get('message')}")
+        self._rejoin()
+        self.id = reply["worker_id"]
+        self.joins += 1
+        log.info("joined as %s (pid %d, %d blobs held, %d sessions kept, %d bytes downloaded so far)",
+                    self.id, os.getpid(), len(self.cache.held()), len(self.sessions), self.fetched_bytes)
+        try:
+            return await self._control_loop()
+        finally:
+            await self._close_control()
+
+    def _rejoin(self) -> None:
+        """Forget what belonged to the previous membership: plan ids are the coordinator's (a
+        restarted one counts from 1 again) and its sequences are rebuilt elsewhere by replay.
+        Built sessions stay, as warm spares, so a rejoin that gets the same range builds nothing."""
+        kept = {id(slot.runner) for slot in self.slots.values()}
+        self.warm |= {sha for sha, runner in self.sessions.items() if id(runner) in kept}
+        self.slots.clear()
+        for runner in self.sessions.values():
+            for seq in runner.sequences():
+                runner.drop(seq)
+        for channel in self.peers.values():
+            self._spawn(channel.close())
+        self.peers.clear()
+
+    async def _close_control(self) -> None:
+        try:
+            await self.control.close()
+        except (ChannelClosed, OSError):
+            pass
 
     def _hello(self) -> dict:
         return {
@@ -135,7 +223,7 @@ class Worker:
         import websockets
 
         url = self.s.coordinator.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/worker"
-        ws = await websockets.connect(url, max_size=None, ping_interval=None)
+        ws = await websockets.connect(url, max_size=None, ping_interval=None, open_timeout=10)
         return WebSocketChannel(ws, "coordinator")
 
     async def _serve_data(self):
@@ -186,20 +274,28 @@ class Worker:
         return ShapedChannel(channel, self.link) if self.link else channel
 
     # -- receiving --------------------------------------------------------------------------
-    async def _control_loop(self) -> None:
+    async def _control_loop(self) -> bool:
+        """Handle control frames; True on a final bye. A coordinator silent for longer than
+        ``silence_s`` (it pings every half second) is taken as a dead connection."""
         while True:
             try:
-                raw = await self.control.recv()
+                raw = await asyncio.wait_for(self.control.recv(), timeout=self.s.silence_s)
             except ChannelClosed:
-                log.info("coordinator closed the control channel")
-                return
+                log.warning("the coordinator closed the control channel")
+                return False
+            except asyncio.TimeoutError:
+                log.warning("nothing from the coordinator for %.0f s", self.s.silence_s)
+                return False
             try:
                 msg = decode(raw)
             except ProtocolError as exc:
                 log.warning("bad frame from coordinator: %s", exc)
                 continue
             if msg.type is T.BYE:
-                return
+                # A bye is final only when it says so (a coordinator leaving for good); a plain one
+                # is a coordinator stopping, perhaps to restart: come back when it is there again.
+                log.warning("the coordinator said bye%s", " (final)" if msg.get("final") else "")
+                return bool(msg.get("final"))
             await self._handle(msg)
 
     async def _data_loop(self, channel: Channel, plan: int) -> None:
@@ -231,7 +327,8 @@ class Worker:
             await self.queue.put(msg)
         elif msg.type is T.PING:
             await self._send_control(Message(T.PONG, {"t": msg.get("t"), "kv_bytes": self._kv_bytes(), "queue": self.queue.qsize(),
-                                                      "busy_s": self.busy_s, "computed": self.computed}))
+                                                      "busy_s": self.busy_s, "computed": self.computed,
+                                                      "fetched_bytes": self.fetched_bytes, "joins": self.joins}))
         elif msg.type is T.LOAD:
             self._spawn(self._load(msg))
         elif msg.type is T.ACTIVATE:
@@ -261,7 +358,11 @@ class Worker:
             loop = asyncio.get_running_loop()
             headers = {"Authorization": f"Bearer {self.s.join_token}"} if self.s.join_token else {}
             for sha in [msg["graph"], *files]:
-                fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers)
+                got = await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers)
+                fetched += got
+                self.fetched_bytes += got
+            if fetched:
+                log.info("plan %s: downloaded %d bytes (%d in all)", plan, fetched, self.fetched_bytes)
             if msg.get("prefetch"):  # spare plan: hold the files, build nothing yet
                 await self._send_control(Message(T.LOADED, {"plan": plan, "ok": True, "prefetched": True, "fetched_bytes": fetched}))
                 return
@@ -272,8 +373,10 @@ class Worker:
                     in_use = sum({id(s.runner): s.weight_bytes for s in self.slots.values()}.values())
                 kv = msg.get("kv_bytes_per_token", 0) * KV_RESERVE_TOKENS
                 self.budget.check(weight_bytes + kv, f"units [{start}, {end}) weights + KV for {KV_RESERVE_TOKENS} tokens", in_use)
-            if not msg.get("warm") and msg["graph"] not in self.warm:
-                self.warm.clear()  # the real stage takes the memory a warm spare held
+            if not msg.get("warm") and plan >= 0 and msg["graph"] not in self.warm:
+                # The real stage takes the memory a warm spare held (calibration's small ranges,
+                # with negative plan ids, leave it: it may be this worker's stage again).
+                self.warm.clear()
                 self._prune_sessions()
             runner = self.sessions.get(msg["graph"])
             reused = runner is not None
@@ -403,16 +506,16 @@ class Worker:
                                      np.array([v["top_p"] for v in s], np.float32), np.array([v["uniform"] for v in s], np.float32))
         seqs = [item["seq"] for item in batch]
         t0 = time.perf_counter()
-        cpu = None
-        if x.shape[1] == 1:
-            # A decode step takes milliseconds: run it on the loop, skipping two thread hand-offs
-            # per hop (heartbeats wait at most one step). Prefills use the thread.
-            c0 = time.thread_time()
-            out = slot.runner.run_batch(seqs, x, sampling)
-            cpu = time.thread_time() - c0 if self.s.threads == 1 else None  # one ORT thread: it is this one
+        if x.shape[1] == 1 and self._step_s.get(id(slot.runner), 0.0) < INLINE_STEP_S:
+            # A fast decode step runs on the loop, skipping two thread hand-offs per hop (a
+            # heartbeat waits at most one such step). Slow steps and prefills use the thread,
+            # so the loop stays free to answer heartbeats.
+            out, cpu = self._run_timed(slot.runner, seqs, x, sampling)
         else:
-            out = await loop.run_in_executor(self.pool, slot.runner.run_batch, seqs, x, sampling)
+            out, cpu = await loop.run_in_executor(self.pool, self._run_timed, slot.runner, seqs, x, sampling)
         compute = time.perf_counter() - t0
+        if x.shape[1] == 1:
+            self._step_s[id(slot.runner)] = compute
         extra = self.slowdown.extra_wait(compute, cpu)
         if extra > 0:
             await asyncio.sleep(extra)
@@ -431,6 +534,12 @@ class Worker:
         else:
             await self._send_peer(slot.next["url"], encode(Message(T.FORWARD, fields, {"x": y})), plan,
                                   self._data_secret(slot.next["url"], plan, slot.next.get("secret")))
+
+    def _run_timed(self, runner: StageRunner, seqs: list[str], x: np.ndarray, sampling) -> tuple[np.ndarray, float | None]:
+        """Run a batch; with one ORT thread (it is the calling one) also return its CPU time."""
+        c0 = time.thread_time()
+        out = runner.run_batch(seqs, x, sampling)
+        return out, (time.thread_time() - c0 if self.s.threads == 1 else None)
 
     async def _send_peer(self, url: str, frame: bytes, plan: int, secret: str | None) -> None:
         """Send to another worker's data port, one connection per (port, plan), presenting

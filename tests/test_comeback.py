@@ -1,0 +1,255 @@
+"""Real processes that come back: a coordinator SIGKILLed and restarted, a worker's link cut
+for 5 s, a local worker SIGKILLed under `serve`. Workers reconnect by themselves, keep their
+process and their blob cache, and the cluster serves the reference tokens again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
+
+from harness import Server, free_port
+
+PROMPT = "Name three colours."
+N_TOKENS = 12
+DOWNLOADED = re.compile(r"plan -?\d+: downloaded \d+ bytes")  # the worker's log line for every download
+
+
+@pytest.fixture(scope="module")
+def expected(int4_pkg) -> list[int]:
+    tok = int4_pkg.tokenizer
+    ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
+    return generate(int4_pkg.pipeline(), ids, GenerationParams(max_tokens=N_TOKENS, ignore_eos=True), tok.decode,
+                    int4_pkg.manifest.eos_ids).tokens
+
+
+def ask(url: str, timeout: float = 60, headers: dict | None = None) -> list[int]:
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": N_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout, headers=headers or {})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def events(url: str, kind: str) -> list[dict]:
+    return [e for e in httpx.get(url + "/v1/cluster/events", timeout=10).json()["events"] if e["kind"] == kind]
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+            if last:
+                return last
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not within {timeout} s (last: {last})")
+
+
+class Coordinator:
+    """`edgepipe serve --workers 0` on a fixed port, so it can be killed and started again."""
+
+    def __init__(self, home: Path, port: int, log: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "edgepipe", "serve", "--workers", "0", "--min-workers", "2", "--port", str(port),
+                                      "--placement", "memory", "--no-advertise"], env={**os.environ, "EDGEPIPE_HOME": str(home)},
+                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def status(self) -> dict:
+        return httpx.get(self.url + "/v1/cluster/status", timeout=5).json()
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout=15)
+        self.log.close()
+
+
+def start_worker(coordinator: str, name: str, home: Path, log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "EDGEPIPE_JOIN_TOKEN"}
+    env["EDGEPIPE_HOME"] = str(home)
+    return subprocess.Popen([sys.executable, "-m", "edgepipe", "worker", "--coordinator", coordinator, "--name", name, "--threads", "1"],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(log, "ab"), start_new_session=True)
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def since_last_join(log: Path) -> str:
+    """The worker's log from its latest "joined as" line on."""
+    text = log.read_text()
+    return text[text.rfind("joined as"):]
+
+
+def test_coordinator_killed_and_restarted(home, int4_pkg, expected, tmp_path):
+    port = free_port()
+    coord = Coordinator(home, port, tmp_path / "coordinator.log")
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    workers = [start_worker(coord.url, name, home, log) for name, log in zip("ab", logs)]
+    try:
+        wait_for(lambda: coord.status()["state"] == "up", 120, "first plan up")
+        assert ask(coord.url) == expected
+        pids = sorted(w.pid for w in workers)
+        coord.kill(signal.SIGKILL)
+
+        restarted, wall = time.monotonic(), time.time()
+        coord = Coordinator(home, port, tmp_path / "coordinator.log")
+        listening = wait_for(lambda: coord.status() and time.monotonic(), 30, "the restarted coordinator listening")
+        tokens = wait_for(lambda: ask(coord.url, timeout=30), 30, "a request on the restarted coordinator")
+        took = time.monotonic() - restarted
+        timeline = [(round(e["t"] - wall, 2), e["kind"], e.get("worker") or e.get("plan"))
+                    for e in httpx.get(coord.url + "/v1/cluster/events", timeout=10).json()["events"]]
+        print(f"restart -> listening {listening - restarted:.2f} s -> first request served {took:.2f} s; {timeline}")
+        assert tokens == expected
+        assert took < 10, f"first request {took:.1f} s after the restart; listening after {listening - restarted:.1f} s; {timeline}"
+        assert all(w.poll() is None for w in workers), "a worker exited"
+        assert sorted(w["pid"] for w in coord.status()["workers"]) == pids  # the same processes rejoined
+        for log in logs:
+            after = since_last_join(log)
+            assert re.search(r"joined as \S+ \(pid \d+, [1-9]\d* blobs held", after), after
+            assert not DOWNLOADED.search(after), after  # every file came from the blob cache
+        assert all(e["fetched_bytes"] == 0 for e in events(coord.url, "up"))
+        print(f"coordinator restart -> first request served: {took:.2f} s; 0 bytes downloaded")
+    finally:
+        coord.kill(signal.SIGTERM)
+        stop(*workers)
+
+
+class Relay:
+    """A TCP relay in its own thread, to cut one worker off the coordinator. ``cut(s)`` passes no
+    byte either way for ``s`` seconds, new connections included (a pulled cable: they hang),
+    then resumes; ``cut(s, reset=True)`` also resets every open connection and refuses new
+    ones meanwhile (a link that went down and was noticed)."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.refusing = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.open = asyncio.Event()
+        self.open.set()
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._accept, "127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.ready.set()
+        self.loop.run_forever()
+
+    async def _accept(self, reader, writer) -> None:
+        if self.refusing:
+            writer.transport.abort()
+            return
+        await self.open.wait()
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self.writers |= {writer, up_writer}
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True)
+        self.writers -= {writer, up_writer}
+
+    async def _pump(self, reader, writer) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                await self.open.wait()  # during a cut the bytes wait here and TCP backs up behind them
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    def _reset(self) -> None:
+        self.refusing = True
+        for w in list(self.writers):
+            w.transport.abort()
+
+    def cut(self, seconds: float, reset: bool = False) -> None:
+        self.loop.call_soon_threadsafe(self._reset if reset else self.open.clear)
+        time.sleep(seconds)
+        self.loop.call_soon_threadsafe(self.open.set)
+        self.refusing = False
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def test_worker_link_cut_for_5s_comes_back_same_process(home, int4_pkg, expected, tmp_path):
+    with Server(home, workers=0, args=("--min-workers", "2", "--placement", "memory"), wait_up=False) as server:
+        relay = Relay(server.port)
+        log = tmp_path / "cut.log"
+        cut = start_worker(f"http://127.0.0.1:{relay.port}", "cut", home, log)
+        steady = start_worker(server.url, "steady", home, tmp_path / "steady.log")
+        try:
+            both_up = lambda s: s["state"] == "up" and sorted(w["name"] for w in s["workers"]) == ["cut", "steady"]  # noqa: E731
+            server.wait_for(both_up, 120)
+            assert ask(server.url) == expected
+
+            # 1. Silence for 5 s: the coordinator suspects it (or loses it: then it rejoins).
+            relay.cut(5.0)
+            server.wait_for(both_up, 30)
+            assert [w["pid"] for w in server.status()["workers"] if w["name"] == "cut"] == [cut.pid]
+            assert ask(server.url) == expected
+
+            # 2. The link goes down hard for 5 s: connections reset, none possible meanwhile.
+            before = next(w for w in server.status()["workers"] if w["name"] == "cut")
+            relay.cut(5.0, reset=True)
+            rejoined = wait_for(lambda: next((w for w in server.status()["workers"] if w["name"] == "cut" and w["id"] != before["id"]), None),
+                                30, "the cut worker back in the cluster")
+            assert rejoined["pid"] == before["pid"] == cut.pid and cut.poll() is None  # the same process came back
+            assert any(e["worker"] == before["id"] for e in events(server.url, "leave"))  # it had been lost
+            server.wait_for(both_up, 30)
+            assert ask(server.url) == expected
+            assert not DOWNLOADED.search(since_last_join(log))  # its files were still in its cache
+            assert log.read_text().count("joined as") >= 2
+        finally:
+            stop(cut, steady)
+            relay.close()
+
+
+def test_serve_restarts_a_killed_local_worker(home, int4_pkg, expected):
+    with Server(home, workers=2, args=("--placement", "memory", "--join-token", "s3cret")) as server:
+        workers = server.status()["workers"]
+        for w in workers:  # the join token reaches local workers by the environment, not argv
+            assert b"s3cret" not in Path(f"/proc/{w['pid']}/cmdline").read_bytes()
+        victim = workers[1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        restarted = wait_for(lambda: [e for e in events(server.url, "worker_restarted") if e["old_pid"] == victim["pid"]], 30,
+                             "serve restarting the killed worker")[0]
+        assert restarted["name"] == victim["name"]
+        server.wait_for(lambda s: s["state"] == "up" and restarted["pid"] in [w["pid"] for w in s["workers"]]
+                        and len(s["workers"]) == 2 and s["plan"] and len(s["plan"]["stages"]) == 2, 60)
+        assert ask(server.url) == expected
+        up = events(server.url, "up")
+        assert up[-1]["fetched_bytes"] == 0  # the new process found every file in the shared cache

@@ -47,6 +47,7 @@ from .plan import (
     objective_key,
     objective_value,
 )
+from .energy import energy_bound, search_sets
 from .profiles import DeviceProfile, ModelProfile, NetworkProfile
 from .split import (
     INF,
@@ -64,6 +65,16 @@ from .split import (
 
 TableMaker = Callable[..., CostTables]
 """Builds the search's cost tables for given `cost_tables` options (spare hooks applied)."""
+
+ENERGY_EXACT_DEVICES = 7
+"""Pools up to this size search the energy objective over every device set (3^m DP steps)."""
+
+ENERGY_POLISH_SETS = 4
+"""Beyond that, the device sets of this many best energy plans are searched exactly."""
+
+ENERGY_LIMITS = 240
+"""Bottleneck caps tried on those sets with several sequences: every distinct stage/hop time
+up to the best plan's bottleneck, or this many quantiles of them."""
 
 REPLICA_EXACT_DEVICES = 5
 """Pools up to this size search replica groups exactly (every group is a slot)."""
@@ -411,6 +422,7 @@ def _plan(
     first = _search(ctx, tables(balance=True), steps, starts)
     candidates.add(first, count)
     bound = None
+    energy_lower: float | None = None
     if strategy == "annealing" and first.by_set and not adjusted:
         # A proven lower bound, tightened towards the best plan found.
         best_found = min(cost for cost, _ in first.by_set.values())
@@ -423,7 +435,8 @@ def _plan(
         if request.objective is Objective.THROUGHPUT and seq > 1:
             _throughput(ctx, candidates, tables, count)
         elif request.objective is Objective.ENERGY:
-            _energy(ctx, candidates, tables, count)
+            ring_lower = bound if bound is not None else relaxed_split(latency_tables).bound
+            energy_lower = _energy(ctx, candidates, tables, count, ring_lower, exact_sets=not adjusted)
         if request.objective is Objective.THROUGHPUT and request.replicas and seq > 1 and not replicate:
             _replicate_greedily(ctx, candidates)
 
@@ -457,7 +470,12 @@ def _plan(
         optimal = False  # spare-plan ranking, or greedy replication
     value = objective_value(plans[0].predicted, request)  # type: ignore[arg-type]
     proven = None
-    if optimal:
+    if request.objective is Objective.ENERGY:
+        optimal = False
+        if energy_lower is not None and plans[0].meets_target is not False and not adjusted:
+            proven = min(energy_lower, value)
+            optimal = value <= proven + 1e-9 * abs(proven)
+    elif optimal:
         proven = value
     elif request.objective is Objective.LATENCY and lower is not None:
         proven = lower
@@ -507,7 +525,69 @@ def _throughput(ctx: _Context, candidates: _Candidates, tables: TableMaker, coun
         holds(lo - 1)
 
 
-def _energy(ctx: _Context, candidates: _Candidates, tables: TableMaker, count: int) -> None:
+def _energy(
+    ctx: _Context, candidates: _Candidates, tables: TableMaker, count: int, ring_lower: float, exact_sets: bool
+) -> float | None:
+    """The energy search: per-device-set exact DPs with a Lagrange weight on the target
+    (`energy.search_sets`: every set of a pool of up to `ENERGY_EXACT_DEVICES`, else the sets
+    of the best plans the linearised search below finds), and a proven lower bound for one
+    sequence (None otherwise: replicas and the bottleneck regime are not bounded)."""
+    _energy_linearised(ctx, candidates, tables, count)
+    if not exact_sets:
+        return None
+    pricing, request = ctx.pricing, ctx.request
+    ids = pricing.ids
+    m = len(ids)
+    busy = np.array([ctx.devices[d].power_busy_w for d in ids])
+    idle = np.array([ctx.devices[d].power_idle_w for d in ids])
+    target = request.tpot_target_s
+    if ctx.strategy != "annealing" and m <= ENERGY_EXACT_DEVICES:
+        sets = [tuple(c) for r in range(1, m + 1) for c in itertools.combinations(range(m), r)]
+    else:
+        sets = []
+        for priced in candidates.ranked()[:ENERGY_POLISH_SETS]:
+            members = tuple(sorted(ids.index(d) for d in priced.device_set))
+            if len(members) <= POLISH_DEVICES and members not in sets:
+                sets.append(members)
+    ranked = candidates.ranked()
+    incumbent = INF
+    if ranked and ranked[0].prediction is not None and meets_target(ranked[0].prediction, request) is not False:
+        incumbent = ranked[0].prediction.energy_j_per_token if request.sequences == 1 else INF
+    found = search_sets(pricing, busy, idle, sets, request.sequences, target, incumbent=incumbent)
+    for path in found.paths:
+        try:
+            candidates.add_stages(_to_stages(ctx, path))
+        except PlanError:
+            continue
+    if request.sequences != 1:
+        # Period = max(T / S, B): also search the best sets with the bottleneck capped.
+        values = np.concatenate((pricing.eff[:m][np.isfinite(pricing.eff[:m])], pricing.hop[np.isfinite(pricing.hop)]))
+        top = candidates.ranked()[0].prediction.bottleneck_s if candidates.ranked() else INF
+        values = np.unique(values[values <= top])
+        if values.size > ENERGY_LIMITS:
+            values = np.unique(np.quantile(values, np.linspace(0, 1, ENERGY_LIMITS)))
+        limits = [float(v) for v in values]
+        best_sets = []
+        for priced in candidates.ranked()[:ENERGY_POLISH_SETS]:
+            members = tuple(sorted(ids.index(d) for d in priced.device_set if d in ids))
+            if len(members) <= POLISH_DEVICES and members not in best_sets and all(
+                len(st.device_ids) == 1 for st in priced.stages
+            ):
+                best_sets.append(members)
+        capped = search_sets(pricing, busy, idle, best_sets, request.sequences, target, limits=limits)
+        for path in capped.paths:
+            try:
+                candidates.add_stages(_to_stages(ctx, path))
+            except PlanError:
+                continue
+        return None
+    pool_bound = energy_bound(pricing, busy, idle, ring_lower)
+    if ctx.strategy != "annealing" and m <= ENERGY_EXACT_DEVICES:
+        return max(found.bound, pool_bound)
+    return pool_bound
+
+
+def _energy_linearised(ctx: _Context, candidates: _Candidates, tables: TableMaker, count: int) -> None:
     """Successive linearisation of energy with a Lagrange weight on time (module docstring)."""
     ids, slots = ctx.pricing.ids, ctx.pricing.slots
     busy = np.array([sum(ctx.devices[ids[d]].power_busy_w for d in s) for s in slots])

@@ -22,8 +22,8 @@ from edgepipe.net.validate import InvalidWorkerFrame
 
 # -- limits ------------------------------------------------------------------------------------
 def test_frame_limits_are_sized_from_the_model():
-    assert limits.hello_frame_limit(0) < 20_000  # a hello is a few KB
-    assert limits.hello_frame_limit(1000) < 100_000 + limits.HELLO_BASE_BYTES
+    assert limits.hello_frame_limit(0) <= 64 << 10  # a hello is a few KB; the limit leaves room
+    assert limits.hello_frame_limit(1000) == (64 << 10) + 1000 * 4 * 80  # ... for the names of held files
     # SmolLM2-135M: hidden 576, 8192 positions -> a prefill frame is ~18.9 MB, a decode lane far less
     assert limits.activation_frame_limit(8192, 576) == limits.HEADER_SLACK_BYTES + 8192 * 576 * 4
     assert limits.data_frame_limit(8192, 576, 10_000) == limits.HEADER_SLACK_BYTES + 8192 * 10_000

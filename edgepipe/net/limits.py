@@ -14,16 +14,17 @@ from itertools import count
 from typing import Iterable, Iterator
 
 HEADER_SLACK_BYTES = 64 << 10  # msgpack header of a frame: batch items, timings, names
-HELLO_BASE_BYTES = 16 << 10  # a hello without its list of held files
+HELLO_BASE_BYTES = 64 << 10  # a hello without its list of held files, with room to spare
+HELD_HEADROOM = 4  # held files counted as if every file came in this many variants (built on demand)
 HELD_ENTRY_BYTES = 80  # one sha256 hex string in msgpack, rounded up
 MAX_DECODE_BATCH = 256  # decode lanes carry at most this many sequences per frame
 LINK_PROBE_MAX_BYTES = 1 << 22  # the largest uplink probe payload a worker is asked for
 
 
 def hello_frame_limit(n_files: int) -> int:
-    """The largest hello a worker may send before it is authenticated: a few KB plus the
-    sha256 names of the files it may already hold (every file of the package, at most)."""
-    return HELLO_BASE_BYTES + HELD_ENTRY_BYTES * max(0, n_files)
+    """The largest hello a worker may send before it is authenticated: tens of KB plus the
+    sha256 names of the files it may already hold (the package's files, in a few variants)."""
+    return HELLO_BASE_BYTES + HELD_ENTRY_BYTES * HELD_HEADROOM * max(0, n_files)
 
 
 def activation_frame_limit(max_context: int, hidden: int, max_batch: int = MAX_DECODE_BATCH) -> int:

@@ -106,6 +106,14 @@ def test_timings_are_well_formed_finite_and_name_the_plan():
         validate.timings(good, ("w1", "w3"))  # a worker reporting times for a stage it does not run
 
 
+def test_relays_only_to_the_next_stage_of_the_plan():
+    stages = ("w1", "w2", "w3")
+    assert validate.relay_frame({"plan": 2, "relay_to": "w3"}, sender="w2", stages=stages, plan_id=2) == "w3"
+    for fields, sender in (({"plan": 2, "relay_to": "w1"}, "w2"), ({"plan": 2, "relay_to": "w3"}, "w1"), ({"plan": 1, "relay_to": "w2"}, "w1")):
+        with pytest.raises(InvalidWorkerFrame):
+            validate.relay_frame(fields, sender=sender, stages=stages, plan_id=2)
+
+
 def test_probe_times_and_pong_stats():
     assert validate.probe_times([0.1, 0.2], 2) == (0.1, 0.2)
     for raw in ([0.1], [0.1, math.nan], [0.1, 0.0], [0.1, 1e9], "fast"):

@@ -103,6 +103,18 @@ def token_frame(fields: dict, *, sender: str, last_stage: str, plan_id: int, voc
     return out
 
 
+def relay_frame(fields: dict, *, sender: str, stages: tuple[str, ...], plan_id: int) -> str:
+    """A FORWARD a worker asks the coordinator to relay (browser neighbours): only for this plan,
+    only from a stage to the stage right after it. Returns the worker to relay to."""
+    if fields.get("plan") != plan_id:
+        raise InvalidWorkerFrame(f"relay for plan {fields.get('plan')!r}, expected {plan_id}")
+    target = fields.get("relay_to")
+    pairs = set(zip(stages, stages[1:]))
+    if (sender, target) not in pairs:
+        raise InvalidWorkerFrame(f"{sender} may not relay to {str(target)[:64]!r} in plan {plan_id}")
+    return target
+
+
 def probe_times(raw, reps: int) -> tuple[float, ...]:
     """A PROBED frame's ``times``: ``reps`` finite, positive seconds (calibration input)."""
     if not isinstance(raw, (list, tuple)) or len(raw) != reps:

@@ -72,22 +72,32 @@ def complete(server: Server) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def send_big(url: str, nbytes: int, payload: bytes, headers: dict | None = None) -> dict:
+def send_big(url: str, nbytes: int, headers: dict | None = None) -> dict:
+    """Send one binary frame of ``nbytes`` zeros, streamed from a 4 MiB buffer straight to the
+    socket (mask key 0, so the client spends nothing masking); report how much went out before
+    the server cut the connection, and the close code it sent."""
     t0 = time.monotonic()
-    code, sent = None, False
+    chunk = memoryview(bytes(4 << 20))
+    code, sent = None, 0
     try:
         with connect(url, max_size=None, open_timeout=10, additional_headers=headers or {}, close_timeout=5) as ws:
+            sock = ws.socket
+            sock.sendall(bytes([0x82, 0x80 | 127]) + nbytes.to_bytes(8, "big") + b"\x00\x00\x00\x00")
             try:
-                ws.send(payload[:nbytes])
-                sent = True
+                while sent < nbytes:
+                    sock.sendall(chunk[:min(len(chunk), nbytes - sent)])
+                    sent += min(len(chunk), nbytes - sent)
+            except OSError:
+                pass  # the server closed the connection under us
+            try:
                 ws.recv(timeout=30)
             except ConnectionClosed as exc:
-                code = exc.rcvd.code if exc.rcvd else None
+                code = exc.rcvd.code if exc.rcvd else "no close frame"
             except TimeoutError:
                 code = "no answer in 30 s"
     except InvalidStatus as exc:
         code = f"HTTP {exc.response.status_code}"
-    return {"close": code, "whole_frame_sent": sent, "seconds": round(time.monotonic() - t0, 2)}
+    return {"close": code, "mb_sent_before_cut": round(sent / 2**20, 1), "seconds": round(time.monotonic() - t0, 2)}
 
 
 def main() -> None:
@@ -95,7 +105,6 @@ def main() -> None:
     resolve("smollm2", "int4", home)
     out: dict = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                  f"{psutil.virtual_memory().total / 2**30:.0f} GiB", "loadavg_before": Path("/proc/loadavg").read_text().strip()}
-    payload = bytes(1500 << 20)
     with Server(home, workers=2, args=("--join-token", TOKEN, "--admin-token", ADMIN, "--placement", "memory")) as server:
         reference = complete(server)
         ws_url = server.url.replace("http://", "ws://") + "/v1/worker"
@@ -106,7 +115,7 @@ def main() -> None:
 
         # 1. one unauthenticated 1,000 MB frame to the coordinator's worker socket
         with PeakRSS(server.proc.pid) as rss:
-            r = send_big(ws_url, 1000 << 20, payload)
+            r = send_big(ws_url, 1000 << 20)
         time.sleep(3)
         s = server.status()
         out["1_big_frame_to_coordinator"] = {**r, "coordinator_rss_mb": round(rss.start_mb), "coordinator_peak_delta_mb": round(rss.peak_mb - rss.start_mb),
@@ -127,8 +136,8 @@ def main() -> None:
         time.sleep(2)
         kv = next(w for w in server.status()["workers"] if w["id"] == victim["id"])["stats"].get("kv_bytes")
         with PeakRSS(victim["pid"]) as wrss:
-            unauth = send_big(data_url, 1500 << 20, payload)
-            authed = send_big(data_url, 1500 << 20, payload, auth.data_headers(auth.derived_secret(TOKEN, data_url, plan), plan))
+            unauth = send_big(data_url, 1500 << 20)
+            authed = send_big(data_url, 1500 << 20, auth.data_headers(auth.derived_secret(TOKEN, data_url, plan), plan))
         out["2_data_port"] = {"forged_prefills": {k: sum(str(v) == k for v in refused) for k in sorted(set(map(str, refused)))},
                               "kv_bytes_after_prefills": kv, "1500MB_without_secret": unauth, "1500MB_with_stage_secret": authed,
                               "worker_rss_mb": round(wrss.start_mb), "worker_peak_delta_mb": round(wrss.peak_mb - wrss.start_mb)}
@@ -173,7 +182,9 @@ def main() -> None:
 
         after = complete(server)
         s = server.status()
-        out["after"] = {"same_text_as_before": after == reference, "state": s["state"], "workers": len(s["workers"])}
+        kinds_all = [e["kind"] for e in c.get("/v1/cluster/events").json()["events"]]
+        out["after"] = {"same_text_as_before": after == reference, "state": s["state"], "workers": len(s["workers"]),
+                        "workers_lost_during_attacks": kinds_all.count("leave"), "workers_restarted": kinds_all.count("worker_restarted")}
     out["loadavg_after"] = Path("/proc/loadavg").read_text().strip()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "attacks.json").write_text(json.dumps(out, indent=1))
@@ -186,13 +197,14 @@ def write_markdown(o: dict) -> None:
     rows = [
         ("1. unauthenticated 1,000 MB frame to /v1/worker",
          "coordinator RSS 127 → 2,082 MB, both workers dropped, cluster down for good",
-         f"closed with {a1['close']} after {a1['seconds']} s; coordinator peak +{a1['coordinator_peak_delta_mb']} MB "
+         f"closed with {a1['close']} after {a1['mb_sent_before_cut']} MB had left the attacker; coordinator peak +{a1['coordinator_peak_delta_mb']} MB "
          f"(of {a1['coordinator_rss_mb']}); {a1['workers_after']} workers, {a1['state_after']}"),
         ("2. data port: 30 forged prefills of 1,500 tokens",
          "accepted from anyone; 2.26 GB KV never freed, real requests stalled > 1 min",
          f"handshakes answered {a2['forged_prefills']}; worker KV afterwards {a2['kv_bytes_after_prefills']} bytes"),
         ("2. data port: 1,500 MB frame", "worker RSS 3.2 GB, worker gone",
-         f"without secret: {a2['1500MB_without_secret']['close']}; with the stage secret: closed {a2['1500MB_with_stage_secret']['close']}; "
+         f"without secret: {a2['1500MB_without_secret']['close']}; with the stage secret: closed {a2['1500MB_with_stage_secret']['close']} "
+         f"after {a2['1500MB_with_stage_secret']['mb_sent_before_cut']} MB; "
          f"worker peak +{a2['worker_peak_delta_mb']} MB (of {a2['worker_rss_mb']})"),
         ("3. 8 MiB overwritten in a cached blob", "garbage text, status 200, no log",
          "hash checked on load (marker by inode/size/mtime/ctime), corrupt file deleted + fetched again + warning (tests/test_security_units.py)"),
@@ -213,7 +225,8 @@ def write_markdown(o: dict) -> None:
             "| attack | before (issue 12) | after (measured here) |", "|---|---|---|"]
     text += [f"| {a} | {b} | {c} |".replace("<img", "&lt;img") for a, b, c in rows]
     text += ["", f"A greedy request after all attacks: same text as before: {o['after']['same_text_as_before']}; "
-             f"state {o['after']['state']} with {o['after']['workers']} workers."]
+             f"state {o['after']['state']} with {o['after']['workers']} workers; workers lost during the attacks: "
+             f"{o['after']['workers_lost_during_attacks']} (restarted: {o['after']['workers_restarted']})."]
     (RESULTS / "attacks.md").write_text("\n".join(text) + "\n")
 
 

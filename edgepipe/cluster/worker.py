@@ -239,7 +239,8 @@ class Worker:
         self._data_plans: dict[int, int] = {}
         self._data_refusals = limits.RateLimiter(rate_per_s=2.0, burst=20)
         server = await websockets.serve(handler, self.s.data_host, self.s.data_port, max_size=limits.HEADER_SLACK_BYTES,
-                                        ping_interval=None, process_request=self._authorize_data)
+                                        ping_interval=None, process_request=self._authorize_data,
+                                        close_timeout=1)  # a peer cut for an oversized frame is dropped, not drained
         port = server.sockets[0].getsockname()[1]
         self.data_url = f"ws://{self.s.advertise_host or self.s.data_host}:{port}"
         return server

@@ -237,7 +237,6 @@ async def rebalance(request: Request) -> JSONResponse:
 
 async def emulation(request: Request) -> JSONResponse:
     """Change a worker's emulated slowdown while it runs (labelled emulation; benchmarks)."""
-    from ..net.protocol import Message
     from .openai_routes import read_json
 
     require_admin(request)
@@ -249,9 +248,7 @@ async def emulation(request: Request) -> JSONResponse:
     factor = body.get("slowdown") if isinstance(body, dict) else None
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or not 1 <= factor <= MAX_SLOWDOWN:
         raise APIError(400, f"'slowdown' must be a finite number in [1, {MAX_SLOWDOWN:g}]", param="slowdown")
-    await worker.send(Message(MessageType.EMULATE, {"slowdown": float(factor)}))
-    worker.hello["emulation"] = {**(worker.hello.get("emulation") or {}), "slowdown": float(factor)}
-    coord.event("emulation", worker=worker.id, slowdown=float(factor))
+    await coord.set_emulation(worker.id, float(factor))  # sends it and records it in the cluster state
     return JSONResponse({"worker": worker.id, "slowdown": float(factor)})
 
 

@@ -11,7 +11,6 @@ churn, every extra device a plan relies on is one more way for it to go down.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from dataclasses import replace
@@ -28,6 +27,7 @@ class PlannerPolicy:
     horizon_tokens: int = 2000
     throughput_above: int = 2  # sequences in flight at which the throughput objective takes over
     last_result: object = None
+    running_prediction: dict | None = None  # the live plan priced with today's profiles (a view)
 
     def request(self, coord) -> PlanRequest:
         objective = self.objective
@@ -54,7 +54,7 @@ class PlannerPolicy:
         best = result.best
         if not best.complete:
             return [], best.reason, {}
-        rates = {w.id: prof.failure_rate(w.name, time.monotonic()) for w in workers}
+        rates = {w.id: prof.failure_rate(w.name, coord.clock()) for w in workers}
         if request.objective is Objective.THROUGHPUT and any(rates.values()):
             best = self._weigh_churn(best, model, devices, network, request, rates, coord.recovery_s())
         stages = [StageAssignment(s.device_ids[0], s.start, s.end) for s in best.stages]
@@ -71,10 +71,10 @@ class PlannerPolicy:
             bandwidths = {d.id: prof.link_of(d.id)[1] for d in devices}
             cost_s = switch_cost(running, best, devices, unit_bytes, bandwidths)
             decision = should_switch(objective_value(running_pred, request), objective_value(best.predicted, request), cost_s,
-                                     time.monotonic() - coord.last_switch, self.horizon_tokens)
+                                     coord.clock() - coord.last_switch, self.horizon_tokens)
             predicted["switch"] = {"switch": decision.switch, "reason": decision.reason, "switch_cost_s": cost_s,
                                    "running_tpot_s": running_pred.tpot_s}
-            coord.running_prediction = {"tpot_s": running_pred.tpot_s, "stage_times_s": list(running_pred.stage_times_s),
+            self.running_prediction = {"tpot_s": running_pred.tpot_s, "stage_times_s": list(running_pred.stage_times_s),
                                         "hop_times_s": list(running_pred.hop_times_s), "energy_j_per_token": running_pred.energy_j_per_token}
         return stages, f"{request.objective.value}: {best.reason}", predicted
 
@@ -101,7 +101,7 @@ class PlannerPolicy:
         """A complete plan to fall back on, avoiding the running plan's devices where possible
         (then any single failure leaves it intact), over as few devices as the latency
         objective needs: a spare is for getting back up fast."""
-        workers = [w for w in coord.workers.values() if w.alive]
+        workers = [w for w in coord.workers.values() if w.suspected_since is None]
         if len(workers) < 2:
             return None
         prof = coord.profile

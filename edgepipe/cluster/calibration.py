@@ -1,0 +1,149 @@
+"""Calibrating joining workers: time two unit ranges and the uplink, one worker at a time.
+
+Calibrations never run concurrently (a lock): on shared cores, timing two workers at once
+measures their contention, not their speed. A round whose per-cost times spread too much
+(``spread`` above ``STABLE_SPREAD``: something else ran meanwhile) is repeated, up to
+``MAX_ROUNDS``; the steadiest round is kept. A worker that comes back with the same identity
+reuses its calibration (``ClusterProfile.recall``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+from ..net.channel import ChannelClosed
+from ..net.messages import Activate, Probe
+from . import deploy, state as S
+
+STABLE_SPREAD = 0.25  # (p90 - p10) / median of seconds per unit cost: above this a round is repeated
+MAX_ROUNDS = 3
+
+
+def spread(samples: list[tuple[float, float]]) -> float:
+    """Relative spread of seconds per unit of cost over ``(cost, seconds)`` samples (0: steady)."""
+    rates = sorted(t / c for c, t in samples if c > 0 and t > 0)
+    if len(rates) < 3:
+        return 0.0
+    med = statistics.median(rates)
+    lo, hi = rates[len(rates) // 10], rates[-1 - len(rates) // 10]
+    return (hi - lo) / med if med > 0 else float("inf")
+
+
+class Calibrator:
+    def __init__(self, coord):
+        self.coord = coord
+        self.lock = asyncio.Lock()  # one calibration at a time
+        self.tasks: dict[str, asyncio.Task] = {}
+        self._variant_lock = asyncio.Lock()
+        self._probes = 0
+
+    def busy(self) -> set[str]:
+        return {wid for wid, t in self.tasks.items() if not t.done()}
+
+    async def settled(self) -> None:
+        pending = [t for t in self.tasks.values() if not t.done()]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def joined(self, wid: str) -> None:
+        c = self.coord
+        info = c.cluster.workers[wid]
+        if not c.settings.calibrate:
+            return
+        if c.profile.recall(wid, info.identity):
+            m = c.profile.of(wid)
+            c.event("calibrated", worker=wid, speed=round(m.speed, 3), overhead_ms=round(m.overhead_s * 1e3, 3),
+                    uplink_mb_s=round((m.bandwidth_bytes_per_s or 0) / 1e6, 3), reused=True)
+            return
+        c.emit(S.Calibrating(wid, True))
+        self.tasks[wid] = c.spawn(self.calibrate(wid))
+
+    def lost(self, wid: str) -> None:
+        task = self.tasks.pop(wid, None)
+        if task:
+            task.cancel()
+
+    async def _probe(self, wid: str, **fields):
+        c = self.coord
+        link = c.links[wid]
+        self._probes += 1
+        probe = self._probes
+        fut = link.probes[probe] = asyncio.get_running_loop().create_future()
+        try:
+            await link.send(Probe(probe, **fields).to_message())
+            return await asyncio.wait_for(fut, timeout=c.settings.load_timeout_s)
+        finally:
+            link.probes.pop(probe, None)
+
+    async def _round(self, wid: str, ranges) -> list[tuple[float, float]]:
+        c = self.coord
+        samples = []
+        for start, end in ranges:
+            plan_id = -(10_000 + self._probes)
+            self._probes += 1
+            msg = deploy.load_message(c.package, plan_id, start, end, c.deployer.precision(wid), {"kind": "coordinator"}, keep=[])
+            result = await c.deployer.load(wid, msg)
+            if not result.ok:
+                raise RuntimeError(result.error)
+            timing = await self._probe(wid, plan=plan_id, reps=10, context=32)
+            cost = c.profile.unit_cost(start, end)
+            samples += [(cost, t) for t in (timing.times or [])[2:]]
+            keep = [p for p in ([c.cluster.active.plan_id] if c.cluster.active else []) if p > 0]
+            await c.links[wid].send(Activate(keep).to_message())
+        return samples
+
+    async def calibrate(self, wid: str) -> None:
+        """Time a 1-layer and a 4-layer range and the uplink (000 §5: speed + per-call overhead)."""
+        from .requests import PipelineBroken
+
+        c = self.coord
+        layers = [u.index for u in c.manifest.units if u.kind == "layer"]
+        ranges = [(layers[0], layers[0] + 1), (layers[0], layers[min(3, len(layers) - 1)] + 1)]
+        try:
+            async with self.lock:  # one at a time: calibrations must not share the CPU
+                rounds = []
+                for _ in range(MAX_ROUNDS):
+                    samples = await self._round(wid, ranges)
+                    rounds.append((spread(samples), samples))
+                    if rounds[-1][0] <= STABLE_SPREAD:
+                        break
+                spread_kept, samples = min(rounds, key=lambda r: r[0])
+                # Two sizes back to back: the difference cancels the round trip and fixed costs
+                # (a heartbeat RTT measured meanwhile queues behind the payload on a slow link).
+                timings = {}
+                for size in (1 << 12, 1 << 18):
+                    t0 = c.clock()
+                    await self._probe(wid, kind="link", bytes=size)
+                    timings[size] = c.clock() - t0
+                small, large = sorted(timings)
+                c.profile.uploaded(wid, large - small, max(timings[large] - timings[small], 1e-6), round_trip=timings[small])
+            try:
+                c.profile.calibrated(wid, samples)
+            except ValueError:  # noisy timings that no line fits: speed from the ratio, no overhead
+                c.profile.calibrated_by_ratio(wid, samples)
+            m = c.profile.of(wid)
+            c.event("calibrated", worker=wid, speed=round(m.speed, 3), overhead_ms=round(m.overhead_s * 1e3, 3),
+                    uplink_mb_s=round((m.bandwidth_bytes_per_s or 0) / 1e6, 3), rounds=len(rounds), spread=round(spread_kept, 3))
+        except (PipelineBroken, asyncio.TimeoutError, ChannelClosed, RuntimeError, ValueError, KeyError) as exc:
+            c.event("calibration_failed", worker=wid, error=str(exc) or type(exc).__name__)
+        finally:
+            c.emit(S.Calibrating(wid, False))
+            c._replan_wanted.set()
+
+    async def add_variant(self, precision: str) -> None:
+        from ..model.importer import add_variant
+        from ..model.weights import PRECISIONS
+
+        c = self.coord
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}")
+        async with self._variant_lock:
+            if all(precision in u.variants for u in c.manifest.units):
+                return
+            c.event("variant", precision=precision, status="building")
+            await asyncio.get_running_loop().run_in_executor(None, add_variant, c.package.root, precision)
+            c.package.reload()
+            c.manifest = c.package.manifest
+            c.profile.manifest = c.manifest
+            c.event("variant", precision=precision, status="ready")

@@ -1,0 +1,114 @@
+"""Deployment decisions, pure: what to send to carry a plan change out (``deployer`` sends it).
+
+``kv_moves`` takes the change as ``plan.switching.diff`` states it and returns the KV copies
+the runtime needs: diff's ``MoveKV`` actions (from another device) plus, for a device whose
+range changed, the overlap with its own old range (this runtime builds a new session per
+range, so "its own" KV does not stay in place unless the range is unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..net.messages import Load
+from ..plan import Plan, Stage
+from ..plan.switching import LoadStage, MoveKV, diff
+from .placement import Deployment, StageAssignment
+from .state import ClusterState, WorkerInfo
+
+
+@dataclass(frozen=True)
+class KvCopy:
+    """Copy the KV of units [start, end) of every moving sequence from ``src`` to ``dst``."""
+
+    src: str
+    dst: str
+    start: int
+    end: int
+
+
+def as_plan(dep: Deployment | Sequence[StageAssignment], n_units: int) -> Plan:
+    stages = dep.stages if isinstance(dep, Deployment) else tuple(dep)
+    from ..plan import Objective
+
+    return Plan(stages=tuple(Stage((s.worker_id,), s.start, s.end) for s in stages), objective=Objective.LATENCY,
+                complete=True, predicted=None, reason="deployment", units=n_units)
+
+
+def kv_moves(old: Deployment, new: Deployment, n_units: int, kv_per_unit: Sequence[int]) -> list[KvCopy]:
+    """The KV copies that carry live sequences from ``old`` to ``new`` (only units that have KV)."""
+    actions = diff(as_plan(old, n_units), as_plan(new, n_units))
+    before = {s.worker_id: (s.start, s.end) for s in old.stages}
+    copies = [KvCopy(a.src, a.dst, a.start, a.end) for a in actions if isinstance(a, MoveKV)]
+    for a in actions:
+        if isinstance(a, LoadStage) and a.device in before:
+            lo, hi = max(a.start, before[a.device][0]), min(a.end, before[a.device][1])
+            if lo < hi:
+                copies.append(KvCopy(a.device, a.device, lo, hi))
+    out = []
+    for c in sorted(copies, key=lambda c: (c.start, c.src, c.dst)):
+        units = [u for u in range(c.start, c.end) if kv_per_unit[u]]
+        if units:
+            out.append(KvCopy(c.src, c.dst, units[0], units[-1] + 1))
+    return out
+
+
+def move_is_cheaper(kv_bytes: int, bandwidth: float, latency_s: float, stage_s: Sequence[float], length: int) -> bool:
+    """Moving ``kv_bytes`` beats rebuilding ``length`` tokens by replay (003 table 4.1).
+
+    An exact rebuild replays each token as a decode step; the stages do so as a pipeline."""
+    move_s = kv_bytes / bandwidth + latency_s
+    recompute_s = sum(stage_s) + (length - 1) * max(stage_s)
+    return move_s < recompute_s
+
+
+def next_hop(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, WorkerInfo]) -> dict:
+    """Where stage ``i`` sends its output."""
+    if i == len(stages) - 1:
+        return {"kind": "coordinator"}
+    nxt = workers[stages[i + 1].worker_id]
+    relay = nxt.relay or workers[stages[i].worker_id].relay
+    return {"kind": "worker", "id": nxt.id, "url": nxt.hello.get("data_url"), "relay": relay}
+
+
+def load_message(package, plan_id: int, start: int, end: int, precision: str | None, nxt: dict, keep: list[int],
+                 warm: bool | None = None) -> Load:
+    manifest = package.manifest
+    return Load(plan=plan_id, start=start, end=end, graph=package.stage_graph(start, end, precision),
+                files=list(manifest.stage_files(start, end, precision)), next=nxt, keep=keep, max_context=manifest.max_context,
+                kv_bytes_per_token=sum(u.kv_bytes_per_token for u in manifest.units[start:end]), warm=warm)
+
+
+def kv_capacity(state: ClusterState, manifest, precision_of, overhead_bytes: int) -> int | None:
+    """KV positions (summed over sequences) the active plan's declared budgets hold at the
+    tightest stage (None: no budget declared, the hosts' RAM bounds it)."""
+    dep = state.active
+    if dep is None:
+        return None
+    caps = []
+    for s in dep.stages:
+        w = state.workers.get(s.worker_id)
+        if w is None or not (w.hello.get("emulation") or {}).get("memory_budget"):
+            continue
+        units = manifest.units[s.start:s.end]
+        weights = sum(manifest.variant(u.index, precision_of(w)).weight_bytes for u in units)
+        per_position = sum(u.kv_bytes_per_token for u in units)
+        if per_position:
+            caps.append(max(0, w.memory_bytes - weights - overhead_bytes) // per_position)
+    return min(caps) if caps else None
+
+
+def kv_plan_positions(state: ClusterState, full_context: int) -> int:
+    """KV positions a plan must hold: one request at full context, or what the running
+    requests may grow to (a stage's pool is sequences x the longest), whichever is more."""
+    if not state.requests:
+        return full_context
+    return max(full_context, len(state.requests) * max(q.positions for q in state.requests.values()))
+
+
+def recovery_plan(state: ClusterState, ready: set[str]) -> tuple[StageAssignment, ...] | None:
+    """When down: the spare plan, if all its workers are still here (its files are in place)."""
+    if state.active is None and state.ever_up and state.spare and {s.worker_id for s in state.spare} <= ready:
+        return state.spare
+    return None

@@ -1,0 +1,315 @@
+"""The token loop of every request (I/O): wait for Up, send steps, resolve tokens, replay.
+
+Per decode step the coordinator sends a sequence's token ids to the first stage and waits for
+the sampled id that the last stage returns; decode steps travel in micro-batches (lanes, see
+``batching``), one frame per lane. When the plan changes under a sequence and its KV was not
+moved, it is rebuilt by replay (prompt as one prefill, then each generated token as its own
+step) under a new sequence id ``<rid>.<epoch>``, so no token is lost. Waits are bounded: a
+request without progress for ``max_wait_s`` (or ``capacity_wait_s`` while the connected
+workers cannot hold the model) fails with a one-line :class:`RequestFailed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import numpy as np
+
+from ..net.channel import ChannelClosed
+from ..net.messages import Drop, Error, Forward, Token
+from ..net.protocol import Message
+from ..runtime.sequence import GenerationParams, SequenceState, TextDelta, uniform_draw
+from . import scheduling, state as S
+from .batching import LaneItem, Lanes
+from .placement import Deployment
+from .profiling import RUNTIME_OVERHEAD_BYTES
+
+MAX_WIRE_INT = (1 << 31) - 1
+
+
+class PipelineBroken(RuntimeError):
+    """The plan a step ran on lost a worker; the step must be retried on a new plan."""
+
+
+class RequestFailed(RuntimeError):
+    """A request cannot continue (the message says why, in one line)."""
+
+
+@dataclass
+class StepRecord:
+    """What the metrics and profiler learn from one token."""
+
+    rid: str
+    tokens_in: int
+    wall_s: float
+    timings: list  # [[worker_id, compute_s, positions, bytes/elem, batch], ...]: one per stage, shared by a batch
+    coordinator_s: float
+    first_in_batch: bool = True  # the batch's other sequences carry the same timings: count stage times once
+
+
+@dataclass
+class _OutStep:
+    """A step on its way out: what goes into the frame, and the future its token resolves."""
+
+    dep: Deployment
+    item: dict  # seq, step, rid, sampling[, partial: a replay frame whose token is not wanted]
+    feed: list[int]
+    fut: asyncio.Future
+    sent_at: float = 0.0
+
+
+class Requests:
+    def __init__(self, coord):
+        self.coord = coord
+        self.pending: dict[str, tuple[int, int, asyncio.Future]] = {}  # seq -> (step, plan, future of its token)
+        self.lanes = Lanes(arm=self._arm_lane)
+        self._ids = itertools.count(1)
+
+    def new_sequence(self, prompt_ids: list[int], params: GenerationParams, decode_fn) -> SequenceState:
+        """A sequence to ``stream``; ``ValueError`` (one line) when the request cannot run at all."""
+        limit = self.coord.manifest.max_context
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the context of {limit} tokens")
+        if not 0 <= params.top_k <= MAX_WIRE_INT:
+            raise ValueError(f"top_k = {params.top_k} is out of range [0, {MAX_WIRE_INT}]")
+        if not (math.isfinite(params.temperature) and math.isfinite(params.top_p)):
+            raise ValueError("temperature and top_p must be finite numbers")
+        if not -(1 << 63) <= params.seed < (1 << 64):
+            raise ValueError(f"seed = {params.seed} does not fit 64 bits")
+        return SequenceState(list(prompt_ids), params, decode_fn, self.coord.manifest.eos_ids)
+
+    def lacking(self) -> str | None:
+        """Why the connected workers cannot hold the model (None: they may)."""
+        c = self.coord
+        model_bytes = sum(c.manifest.variant(u.index, c.settings.precision).weight_bytes for u in c.manifest.units)
+        return scheduling.shortfall(c.cluster, model_bytes, RUNTIME_OVERHEAD_BYTES)
+
+    async def stream(self, state: SequenceState, rid: str | None = None) -> AsyncIterator[TextDelta]:
+        """Run one sequence to its end, yielding text as it is produced."""
+        c = self.coord
+        rid = rid or f"r{next(self._ids)}"
+        epoch, fed_plan = 0, None  # fed_plan: plan whose workers hold this sequence's KV
+        seq = f"{rid}.{epoch}"
+        c.emit(S.RequestStarted(rid, len(state.prompt_ids) + state.params.max_tokens))
+        try:
+            paused_at, broken, last_progress, why = None, 0, c.clock(), ""
+            while not state.finished:
+                step = len(state.generated)
+                dep = await self.wait_up(last_progress)
+                moved_to = c.cluster.requests[rid].migrated_to if rid in c.cluster.requests else None
+                if fed_plan != dep.plan_id and moved_to == dep.plan_id:
+                    fed_plan = dep.plan_id  # its KV moved with its layers: carry on
+                if fed_plan != dep.plan_id:
+                    if fed_plan is not None:  # the plan changed under us: rebuild KV by replay
+                        await self.drop(seq, fed_plan)
+                        epoch += 1
+                        seq = f"{rid}.{epoch}"
+                    feed = state.all_ids
+                else:
+                    feed = state.generated[-1:]
+                replay_from = len(state.prompt_ids) if len(feed) > len(state.prompt_ids) else None
+                try:
+                    token, record = await self.step(dep, seq, step, feed, state.params, rid, replay_from)
+                except PipelineBroken as exc:
+                    why = str(exc)
+                    if c.clock() - last_progress >= c.settings.max_wait_s:
+                        raise RequestFailed(f"no token for {c.clock() - last_progress:.0f} s: {why}") from None
+                    if paused_at is None:
+                        paused_at = c.clock()
+                        c.event("pause", request=rid, step=step, why=why)
+                    fed_plan, broken = -1, broken + 1
+                    # Always yield before retrying: a send to a closed channel fails without
+                    # awaiting, and the task that takes the dead worker out must get to run.
+                    await asyncio.sleep(min(0.01 * broken, 0.25))
+                    continue
+                broken, last_progress = 0, c.clock()
+                if paused_at is not None:
+                    c.event("recovered", request=rid, step=step, seconds=round(c.clock() - paused_at, 3), plan=dep.plan_id)
+                    paused_at = None
+                fed_plan = dep.plan_id
+                c.emit(S.RequestFed(rid, seq, dep.plan_id, len(state.all_ids)))
+                delta = state.push(token)
+                self._learn(dep, record)
+                c.on_step(record)
+                yield delta
+        finally:
+            c.emit(S.RequestEnded(rid))
+            self._go(self.lanes.leave(rid))
+            # Cancelled callers cannot await, so clean up in a task of its own.
+            c.spawn(self._finish(seq, fed_plan if fed_plan not in (None, -1) else None))
+
+    async def wait_up(self, since: float) -> Deployment:
+        """The active plan once Up; fails (one line) when the wait exceeds its bound."""
+        c = self.coord
+        waits = scheduling.WaitSettings(c.settings.capacity_wait_s, c.settings.max_wait_s)
+        while True:
+            if c.stopped:
+                raise RequestFailed("the coordinator stopped")
+            if not c.deployer.gate.is_set():
+                await c.deployer.gate.wait()
+            if c.cluster.active is not None and c.up.is_set() and c.deployer.gate.is_set():
+                return c.cluster.active
+            verdict = scheduling.wait_verdict(c.cluster, c.clock() - since, self.lacking(), waits)
+            if verdict is not None:
+                raise RequestFailed(verdict)
+            try:
+                await asyncio.wait_for(c.up.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    async def step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str,
+                   replay_from: int | None = None):
+        """One step of one sequence: a decode step goes out with its lane, a prefill alone."""
+        c = self.coord
+        t0 = c.clock()
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[seq] = (step, dep.plan_id, fut)
+        sampling = {"do_sample": not params.greedy, "temperature": params.temperature or 1.0, "top_k": params.top_k,
+                    "top_p": params.top_p, "uniform": uniform_draw(params.seed, step) if not params.greedy else 0.0}
+        item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling}
+        # A replay rebuilds KV exactly as first computed: the prompt as one prefill, then each later
+        # token as its own decode step (one prefill over everything takes other kernel paths and
+        # can flip a near-tie). Sent as separate frames, the stages work on them as a pipeline;
+        # only the last frame's token comes back.
+        chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if replay_from else [feed]
+        out = _OutStep(dep, item, chunks[-1], fut)
+        if len(feed) == 1:
+            self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out), len(dep.stages)))
+        else:
+            self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
+            for chunk in chunks[:-1]:
+                await self._send_forward([_OutStep(dep, {**item, "partial": True}, chunk, fut)])
+            await self._send_forward([out])
+        try:
+            # shield: a cancelled caller must leave the future for _finish to wait on
+            reply = await asyncio.wait_for(asyncio.shield(fut), timeout=c.settings.step_timeout_s)
+        except asyncio.TimeoutError:
+            if self.pending.get(seq, (0, 0, None))[2] is fut:
+                del self.pending[seq]
+            raise PipelineBroken(f"no token for {seq} step {step} within {c.settings.step_timeout_s} s") from None
+        finally:
+            self._go(self.lanes.returned(rid))
+        record = StepRecord(rid, len(feed), c.clock() - t0, reply.get("timings", []),
+                            coordinator_s=out.sent_at - t0 if out.sent_at else 0.0, first_in_batch=reply.get("first", True))
+        return int(reply["token"]), record
+
+    # -- replies ----------------------------------------------------------------------------------
+    def tokens(self, worker_id: str, msg: Token) -> None:
+        dep = self.coord.cluster.active
+        if dep is not None and dep.plan_id == msg.plan and dep.stages[-1].worker_id != worker_id:
+            self.coord.event("ignored", worker=worker_id, why=f"token frame for plan {msg.plan} from a stage that is not its last")
+            return
+        for i, (item, token) in enumerate(zip(msg.batch, msg.tokens)):
+            self._resolve(item["seq"], item["step"], msg.plan, {"token": token, "timings": msg.timings, "first": i == 0})
+
+    def worker_error(self, worker_id: str, err: Error) -> None:
+        entry = self.pending.get(err.seq) if err.seq else None
+        if entry is None or (err.step is not None and err.step != entry[0]):
+            return
+        del self.pending[err.seq]
+        exc = PipelineBroken(err.message) if err.retryable else RequestFailed(f"worker {worker_id}: {err.message}")
+        if not entry[2].done():
+            entry[2].set_exception(exc)
+
+    def _resolve(self, seq: str, step: int, plan: int, reply: dict) -> None:
+        entry = self.pending.get(seq)
+        if entry and entry[0] == step and entry[1] == plan and not entry[2].done():
+            del self.pending[seq]
+            entry[2].set_result(reply)
+
+    def fail_plan(self, plan: int, exc: Exception) -> None:
+        self._fail(lambda p: p == plan, exc)
+
+    def fail_all(self, exc: Exception) -> None:
+        self._fail(lambda p: True, exc)
+
+    def _fail(self, which, exc: Exception) -> None:
+        for seq, (step, plan, fut) in list(self.pending.items()):
+            if which(plan):
+                del self.pending[seq]
+                if not fut.done():
+                    fut.set_exception(exc)
+
+    async def relay(self, target_id: str, link, msg: Message) -> None:
+        try:
+            await link.send(msg)
+        except ChannelClosed:
+            self.fail_all(PipelineBroken(f"relay to {target_id} failed"))
+
+    # -- sending ----------------------------------------------------------------------------------
+    def _go(self, batches: list[list[LaneItem]]) -> None:
+        for batch in batches:
+            self.coord.spawn(self._send_forward([item.payload for item in batch]))
+
+    def _arm_lane(self, index: int, departure: int) -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.coord.settings.lane_wait_s, lambda: self._go(self.lanes.expire(index, departure)))
+
+    async def _send_forward(self, steps: list[_OutStep]) -> None:
+        """Send steps of one plan to its first stage as one frame (one batch at every stage)."""
+        steps = [s for s in steps if not s.fut.done()]  # failed while waiting for its lane
+        if not steps:
+            return
+        c, dep = self.coord, steps[0].dep
+        first = dep.stages[0].worker_id
+        link = c.links.get(first)
+        now = c.clock()
+        for s in steps:
+            s.sent_at = now
+        try:
+            msg = Forward(dep.plan_id, [s.item for s in steps]).to_message({"x": np.array([s.feed for s in steps], np.int64)})
+            if link is None:
+                raise ChannelClosed(f"worker {first} is gone")
+            await link.send(msg)
+        except ChannelClosed:
+            if link is not None:
+                c.spawn(c.lose(first, "disconnected"))
+            self._fail_steps(steps, PipelineBroken(f"worker {first} is gone"))
+        except (ValueError, TypeError, OverflowError) as exc:  # a value the wire cannot carry: the request fails
+            self._fail_steps(steps, RequestFailed(f"cannot send the step: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"))
+
+    def _fail_steps(self, steps: list[_OutStep], exc: Exception) -> None:
+        for s in steps:
+            if self.pending.get(s.item["seq"], (None, None, None))[2] is s.fut:
+                del self.pending[s.item["seq"]]
+            if not s.fut.done():
+                s.fut.set_exception(exc)
+
+    async def _finish(self, seq: str, plan: int | None) -> None:
+        """Free a sequence's KV once no step of it is still in the pipeline."""
+        entry = self.pending.get(seq)
+        if entry is not None:  # a step in flight would re-create the KV after an early DROP
+            try:
+                await asyncio.wait_for(asyncio.shield(entry[2]), timeout=self.coord.settings.step_timeout_s)
+            except (Exception, asyncio.CancelledError):
+                pass
+            if self.pending.get(seq) is entry:
+                self.pending.pop(seq, None)
+            plan = entry[1]
+        if plan is not None:
+            await self.drop(seq, plan)
+
+    async def drop(self, seq: str, plan: int) -> None:
+        c = self.coord
+        dep = c.cluster.active if c.cluster.active and c.cluster.active.plan_id == plan else None
+        for wid in sorted(dep.workers if dep else c.links):
+            link = c.links.get(wid)
+            if link:
+                try:
+                    await link.send(Drop(seq).to_message())
+                except ChannelClosed:
+                    pass
+
+    def _learn(self, dep: Deployment, record: StepRecord) -> None:
+        """Decode steps (one position) refine each worker's measured speed."""
+        ranges = {s.worker_id: (s.start, s.end) for s in dep.stages}
+        for entry in record.timings if record.first_in_batch else ():
+            worker, compute, positions = entry[0], entry[1], entry[2]
+            batch = entry[4] if len(entry) > 4 else 1
+            if positions == 1 and worker in ranges:
+                self.coord.profile.step(worker, *ranges[worker], compute, batch)
+        self.coord.recent_steps.append((record.tokens_in, record.wall_s))

@@ -1,0 +1,138 @@
+"""Scheduling decisions: which requests run (admission), how long one may wait for the cluster.
+
+Admission: at most ``max_active`` sequences run, and their KV must fit what the workers'
+budgets hold: a stage keeps one row per sequence, each as long as the longest, so a request is
+admitted while ``(running + 1) x max(longest running, its own prompt + max_tokens)`` fits in
+``capacity()`` KV positions (None: unbounded). One request always runs alone, so a request the
+plan can hold at all is never starved. The next ``max_queue`` wait in arrival order; beyond
+that :class:`QueueFull` (the API turns it into a 429 with ``Retry-After``).
+
+Waiting for Up: a request whose cluster is not Up waits, but not forever (``wait_verdict``):
+when the connected workers cannot hold the model at all it fails after ``capacity_wait_s``
+with one line saying what they hold and what the model needs; otherwise after ``max_wait_s``.
+The micro-batch lanes are in ``batching``; replay (rebuilding a sequence's KV) in ``requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from .state import ClusterState, Phase
+
+
+class AdmissionError(RuntimeError):
+    """A request cannot be admitted now (``retry_after_s``: when to try again)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1, code: str = "queue_full"):
+        super().__init__(message)
+        self.retry_after_s, self.code = retry_after_s, code
+
+
+class QueueFull(AdmissionError):
+    pass
+
+
+class Admission:
+    def __init__(self, max_active: int = 16, max_queue: int = 64, retry_after_s: int = 1, capacity=lambda: None):
+        self.max_active, self.max_queue, self.retry_after_s = max_active, max_queue, retry_after_s
+        self.capacity = capacity  # () -> KV positions the workers' budgets hold, or None
+        self.running: dict[int, int] = {}  # ticket -> KV positions it may grow to
+        self._waiting: deque[tuple[asyncio.Future, int]] = deque()
+        self._tickets = itertools.count(1)
+
+    @property
+    def active(self) -> int:
+        return len(self.running)
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def limit(self) -> int:
+        """Sequences that could run at once if each grew to the longest running one."""
+        cap = self.capacity()
+        if cap is None or not self.running:
+            return self.max_active
+        return max(1, min(self.max_active, cap // max(self.running.values())))
+
+    def fits(self, positions: int) -> bool:
+        if not self.running:
+            return True
+        if len(self.running) >= self.max_active:
+            return False
+        cap = self.capacity()
+        return cap is None or (len(self.running) + 1) * max(positions, *self.running.values()) <= cap
+
+    async def admit(self, positions: int = 0) -> int:
+        """Wait for a slot for a request whose KV may grow to ``positions``; returns its ticket."""
+        if not self._waiting and self.fits(positions):
+            return self._start(positions)
+        if len(self._waiting) >= self.max_queue:
+            raise QueueFull(f"server busy: {self.active} requests running and {len(self._waiting)} queued; retry later",
+                            self.retry_after_s)
+        fut = asyncio.get_running_loop().create_future()
+        entry = (fut, positions)
+        self._waiting.append(entry)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if entry in self._waiting:
+                self._waiting.remove(entry)
+            elif fut.done() and not fut.cancelled():
+                self.release(fut.result())  # we were handed a slot as we left
+            raise
+
+    def release(self, ticket: int | None) -> None:
+        self.running.pop(ticket, None)
+        while self._waiting:  # in arrival order: the head goes first, or nobody does
+            fut, positions = self._waiting[0]
+            if fut.done():
+                self._waiting.popleft()
+                continue
+            if not self.fits(positions):
+                return
+            self._waiting.popleft()
+            fut.set_result(self._start(positions))
+
+    def _start(self, positions: int) -> int:
+        ticket = next(self._tickets)
+        self.running[ticket] = positions
+        return ticket
+
+
+# -- waiting for the cluster ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class WaitSettings:
+    capacity_wait_s: float = 30.0  # the connected workers cannot hold the model: fail after this
+    max_wait_s: float = 300.0  # not Up for any other reason: fail after this
+
+
+def shortfall(state: ClusterState, model_bytes: int, overhead_bytes: int) -> str | None:
+    """One line saying why the connected workers cannot hold the model, or None if they may."""
+    workers = state.live()
+    if not workers:
+        return "no workers are connected"
+    budget = [w for w in workers if (w.hello.get("emulation") or {}).get("memory_budget")]
+    if len(budget) < len(workers):  # a worker without a declared budget is bounded by its host's RAM: assume it fits
+        return None
+    held = sum(max(0, w.memory_bytes - overhead_bytes) for w in workers)
+    if held >= model_bytes:
+        return None
+    return (f"not enough memory: the {len(workers)} connected worker(s) hold {held / 1e6:.0f} MB for weights, "
+            f"the model needs {model_bytes / 1e6:.0f} MB")
+
+
+def wait_verdict(state: ClusterState, waited_s: float, lacking: str | None, settings: WaitSettings) -> str | None:
+    """None to keep waiting for Up, or the one-line reason the request fails now."""
+    if state.phase is Phase.UP and state.active is not None:
+        return None
+    if lacking is not None and waited_s >= settings.capacity_wait_s:
+        return f"cluster lacks capacity after waiting {waited_s:.0f} s: {lacking}"
+    if waited_s >= settings.max_wait_s:
+        why = f": {state.last_failure}" if state.last_failure else ""
+        return f"cluster not up after waiting {waited_s:.0f} s{why}"
+    return None

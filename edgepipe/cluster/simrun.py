@@ -1,0 +1,271 @@
+"""Seeded fault schedules for the simulation (``sim``) and the invariants checked after each.
+
+``Schedule.random(seed)`` draws 1-6 workers (some joining late), a few requests (some with
+out-of-range values) and faults from ``sim.FAULTS``; ``run(schedule)`` plays it on a virtual
+clock and returns a ``Report``. Invariants: every admitted request ends with exactly the
+reference tokens or a one-line ``RequestFailed`` within ``bound_s`` (``REQUEST_BOUND_S`` plus
+``PER_FAULT_S`` per fault in the schedule); no admission slot, KV reservation, pending step,
+load/probe future or KV move is left over; when the live workers can hold the model the
+cluster is Up within ``UP_BOUND_S`` of the last fault healing. Replay one seed:
+``PYTHONHASHSEED=0 python -m edgepipe.cluster.simrun SEED``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from dataclasses import dataclass, field
+
+from . import sim
+from .sim import (FAULTS, REQUEST_BOUND_S, SETTINGS, UP_BOUND_S, UNIT_BYTES, Admission, Coordinator, CoordinatorSettings,
+                  FakePackage, FakeWorker, GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
+from .profiling import RUNTIME_OVERHEAD_BYTES
+from .scheduling import AdmissionError
+
+PER_FAULT_S = 25.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    at: float
+    worker: int = 0
+    seconds: float = 0.0
+    factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class Req:
+    at: float
+    prompt: tuple[int, ...]
+    max_tokens: int
+    bad: str | None = None  # which value is out of range
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seed: int
+    memories: tuple[int, ...]
+    join_at: tuple[float, ...]
+    requests: tuple[Req, ...]
+    faults: tuple[Fault, ...]
+
+    @staticmethod
+    def random(seed: int) -> "Schedule":
+        rng = random.Random(seed)
+        n = rng.randint(1, 6)
+        memories = tuple(rng.choice((2, 3, 4, 5, 9)) * UNIT_BYTES + RUNTIME_OVERHEAD_BYTES for _ in range(n))
+        faults = []
+        for _ in range(rng.randint(0, 4)):
+            kind = rng.choice(FAULTS)
+            faults.append(Fault(kind, round(rng.uniform(0.5, 30), 3), rng.randrange(n), round(rng.uniform(0.5, 9), 3),
+                                round(rng.uniform(2, 10), 2)))
+        join_at = tuple(next((f.at for f in faults if f.kind == "join_late" and f.worker == i), 0.0) for i in range(n))
+        requests = []
+        for _ in range(rng.randint(1, 6)):
+            bad = rng.choice(("top_k", "max_tokens", "context")) if any(f.kind == "bad_request" for f in faults) and rng.random() < 0.4 else None
+            requests.append(Req(round(rng.uniform(0, 30), 3), tuple(rng.randrange(sim.VOCAB) for _ in range(rng.randint(1, 6))),
+                                rng.randint(1, 12), bad))
+        return Schedule(seed, memories, join_at, tuple(sorted(requests, key=lambda r: r.at)), tuple(sorted(faults, key=lambda f: f.at)))
+
+    @property
+    def bound_s(self) -> float:
+        return REQUEST_BOUND_S + PER_FAULT_S * len(self.faults)
+
+
+@dataclass
+class Report:
+    seed: int
+    kinds: tuple[str, ...]
+    violations: list[str] = field(default_factory=list)
+    ok: int = 0
+    errors: int = 0
+    rejected: int = 0
+    time_to_up: float | None = None
+    worst_ok_s: float = 0.0
+    worst_error_s: float = 0.0
+    errors_seen: list[str] = field(default_factory=list)
+
+
+class World:
+    def __init__(self, schedule: Schedule):
+        self.schedule, self.seed = schedule, schedule.seed
+        self.net = Net(random.Random(schedule.seed))
+        self.tasks: set[asyncio.Task] = set()
+        self.coordinators: list[tuple[Coordinator, Admission]] = []
+        self.workers: list[FakeWorker] = []
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.coordinators[-1][0]
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def start_coordinator(self) -> None:
+        coord = Coordinator(FakePackage(), CoordinatorSettings(**SETTINGS), clock=asyncio.get_running_loop().time)
+        await coord.start()
+        self.coordinators.append((coord, Admission(max_active=4, max_queue=8, capacity=lambda: coord.kv_capacity)))
+
+
+async def _client(world: World, req: Req, rid: str, report: Report) -> None:
+    loop = asyncio.get_running_loop()
+    coord, admission = world.coordinators[-1]
+    prompt, max_tokens, top_k = list(req.prompt), req.max_tokens, 0
+    if req.bad == "top_k":
+        top_k = 1 << 64
+    elif req.bad == "context":
+        prompt = prompt * 300
+    try:
+        params = GenerationParams(max_tokens=0 if req.bad == "max_tokens" else max_tokens, top_k=top_k)
+        state = coord.new_sequence(prompt, params, lambda ids: " ".join(map(str, ids)))
+        ticket = await admission.admit(len(prompt) + max_tokens)
+    except (ValueError, AdmissionError):
+        report.rejected += 1
+        return
+    if req.bad:
+        report.violations.append(f"{rid}: a request with bad {req.bad} was admitted")
+    t0 = loop.time()
+    try:
+        async for _ in coord.stream(state, rid):
+            pass
+        took = loop.time() - t0
+        report.ok += 1
+        report.worst_ok_s = max(report.worst_ok_s, took)
+        want = reference(prompt, max_tokens)
+        if state.generated != want:
+            report.violations.append(f"{rid}: tokens {state.generated} != reference {want}")
+    except RequestFailed as exc:
+        took = loop.time() - t0
+        report.errors += 1
+        report.worst_error_s = max(report.worst_error_s, took)
+        report.errors_seen.append(str(exc))
+        if not str(exc) or "\n" in str(exc):
+            report.violations.append(f"{rid}: error is not one line: {str(exc)!r}")
+    except Exception as exc:  # noqa: BLE001 - anything else is a bug
+        took = loop.time() - t0
+        report.violations.append(f"{rid}: {type(exc).__name__}: {exc}")
+    finally:
+        admission.release(ticket)
+    if took > world.schedule.bound_s:
+        report.violations.append(f"{rid}: took {took:.1f} s > bound {world.schedule.bound_s:.0f} s")
+
+
+async def _fault(world: World, f: Fault) -> float:
+    """Carry out one fault; returns when its effect ends (virtual seconds)."""
+    loop = asyncio.get_running_loop()
+    now = loop.time()
+    w = world.workers[f.worker]
+    if f.kind == "kill":
+        w.kill()
+    elif f.kind == "stall":
+        w.stalled_until = now + f.seconds
+    elif f.kind == "slow":
+        w.slowdown = f.factor
+    elif f.kind == "partition_coord":
+        world.net.held_until[w.name] = now + f.seconds
+    elif f.kind == "partition_peer":
+        world.net.peer_cut_until[w.name] = now + f.seconds
+    elif f.kind == "reconnect" and w.control is not None and not w.dead:
+        await w.control.close("reconnect")
+    elif f.kind == "restart":
+        old = world.coordinator
+        await world.start_coordinator()
+        await old.stop()
+    elif f.kind == "malformed" and not w.dead:
+        w.malformed = 1 + f.worker % 4
+    return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer") else 0.0)
+
+
+def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
+    out = []
+    if coord.requests.pending:
+        out.append(f"pending steps left: {sorted(coord.requests.pending)}")
+    if coord.cluster.requests:
+        out.append(f"KV reservations left: {sorted(coord.cluster.requests)}")
+    if admission.running or admission.queued:
+        out.append(f"admission slots left: {len(admission.running)} running, {admission.queued} queued")
+    if any(link.loads or link.probes for link in coord.links.values()):
+        out.append(f"load/probe futures left: {[(w, sorted(l.loads), sorted(l.probes)) for w, l in coord.links.items() if l.loads or l.probes]}")
+    if coord.deployer.moves:
+        out.append(f"KV moves left: {sorted(coord.deployer.moves)}")
+    if coord.requests.lanes.lane_of or any(l.members or l.waiting or l.flying for l in coord.requests.lanes.lanes):
+        out.append("lane members left")
+    return out
+
+
+async def _main(schedule: Schedule) -> Report:
+    loop = asyncio.get_running_loop()
+    report = Report(schedule.seed, tuple(f.kind for f in schedule.faults))
+    world = World(schedule)
+    await world.start_coordinator()
+    world.workers = [FakeWorker(world, f"n{i}", m) for i, m in enumerate(schedule.memories)]
+    plan = sorted([(t, 0, i) for i, t in enumerate(schedule.join_at)] + [(r.at, 1, i) for i, r in enumerate(schedule.requests)]
+                  + [(f.at, 2, i) for i, f in enumerate(schedule.faults)])
+    clients, healed = [], 0.0
+    for at, kind, i in plan:
+        if at > loop.time():
+            await asyncio.sleep(at - loop.time())
+        if kind == 0:
+            world.workers[i].start()
+        elif kind == 1:
+            clients.append(world.spawn(_client(world, schedule.requests[i], f"q{i}", report)))
+        else:
+            healed = max(healed, await _fault(world, schedule.faults[i]))
+    healed = max(healed, loop.time())
+    # Up within the bound once faults are over, if the live workers can hold the model.
+    coord = world.coordinator
+    while loop.time() < healed + UP_BOUND_S and coord.state is not Phase.UP:
+        await asyncio.sleep(0.25)
+    alive = [w for w in world.workers if not w.dead and w.tasks]
+    joined = {info.name: info.joined_at for info in coord.cluster.workers.values()}
+    memories = [w.memory for w in sorted(alive, key=lambda w: (joined.get(w.name, float("inf")), w.name))]
+    if coord.state is Phase.UP:
+        report.time_to_up = max(0.0, loop.time() - healed)
+    elif can_hold(memories):
+        report.violations.append(f"not Up {UP_BOUND_S:.0f} s after the last fault healed although the live workers "
+                                 f"{[m // UNIT_BYTES for m in memories]} (x100 MB) can hold the model ({coord.cluster.last_failure})")
+    deadline = loop.time() + schedule.bound_s * 2
+    while any(not c.done() for c in clients) and loop.time() < deadline:
+        await asyncio.sleep(0.5)
+    hung = sum(not c.done() for c in clients)
+    if hung:
+        report.violations.append(f"{hung} request(s) still running {schedule.bound_s * 2:.0f} s after the faults")
+    await asyncio.sleep(SETTINGS["step_timeout_s"] + 2)  # background clean-up (KV drops) finishes
+    first = [set(_leaks(c, adm)) for c, adm in world.coordinators]
+    await asyncio.sleep(SETTINGS["load_timeout_s"] + 1)  # a load or move seen in flight twice, that long apart, leaked
+    for i, (c, adm) in enumerate(world.coordinators):
+        report.violations += [f"coordinator {i}: {leak}" for leak in _leaks(c, adm) if leak in first[i]]
+    for w in world.workers:
+        w.kill()
+    for c, _ in world.coordinators:
+        await c.stop()
+    return report
+
+
+def run(schedule: Schedule) -> Report:
+    loop = VirtualLoop()
+    try:
+        return loop.run_until_complete(_main(schedule))
+    finally:
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.close()
+
+
+def replay_command(seed: int) -> str:
+    return f"PYTHONHASHSEED=0 .venv/bin/python -m edgepipe.cluster.simrun {seed}"
+
+
+if __name__ == "__main__":
+    r = run(Schedule.random(int(sys.argv[1])))
+    print(Schedule.random(int(sys.argv[1])))
+    print(r)
+    sys.exit(1 if r.violations else 0)

@@ -1,0 +1,301 @@
+"""The cluster as data: a frozen ``ClusterState`` changed only by events through ``apply``.
+
+Everything the control plane decides from lives here: the workers (what they declared, when
+they were last heard, how regular their heartbeats are, whether they are suspected), the
+plan slots (active, preparing, spare), the running requests (their KV reservation, the
+sequence id and plan that hold their KV) and the phase (Down -> Preparing -> Committing -> Up).
+Channels, futures and tasks are I/O and stay in the coordinator's shell.
+
+``apply(state, event) -> state`` is pure and total: an event about a worker or request that is
+not (or no longer) known leaves the state as it was, so a late or duplicated event is harmless.
+Every event carries the time it happened (``now``), so replaying events rebuilds the state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from types import MappingProxyType
+from typing import Mapping
+
+from .placement import Deployment, StageAssignment
+
+HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
+OUTAGE_WINDOW = 32
+
+
+class Phase(str, Enum):
+    DOWN = "down"
+    PREPARING = "preparing"
+    COMMITTING = "committing"
+    UP = "up"
+
+
+def _frozen(d: Mapping) -> Mapping:
+    return MappingProxyType(dict(d))
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    id: str
+    name: str
+    hello: Mapping  # what the worker declared (read-only view)
+    joined_at: float
+    last_seen: float
+    intervals: tuple[float, ...] = ()  # recent gaps between frames heard from it (seconds)
+    suspected_since: float | None = None  # silent for too long: probed, not used for new plans
+    rtt_s: float | None = None
+    stats: Mapping = field(default_factory=lambda: _frozen({}))
+    calibrating: bool = False
+
+    alive = True  # a lost worker leaves the state; kept for views that still ask
+
+    @property
+    def memory_bytes(self) -> int:
+        value = self.hello.get("memory_bytes")
+        return int(value) if isinstance(value, (int, float)) and value > 0 else 0
+
+    @property
+    def relay(self) -> bool:
+        return self.hello.get("kind") == "browser"
+
+    @property
+    def identity(self) -> tuple:
+        """Name and declared hardware: a device that comes back with these is the same device."""
+        h = self.hello
+        return (self.name, h.get("kind"), h.get("memory_bytes"), h.get("threads"), repr(h.get("emulation")), h.get("precision"))
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    rid: str
+    positions: int  # KV positions it may grow to (prompt + max_tokens): its reservation
+    seq: str  # the sequence id its KV lives under now (<rid>.<epoch>)
+    plan: int | None = None  # plan whose workers hold its KV (None: none yet / lost)
+    kv_len: int = 0  # tokens in that KV
+    migrated_to: int | None = None  # a plan that received its KV by a move (resume there without replay)
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    phase: Phase = Phase.DOWN
+    phase_since: float = 0.0
+    workers: Mapping[str, WorkerInfo] = field(default_factory=lambda: _frozen({}))
+    active: Deployment | None = None
+    preparing: Deployment | None = None
+    spare: tuple[StageAssignment, ...] | None = None
+    requests: Mapping[str, RequestInfo] = field(default_factory=lambda: _frozen({}))
+    ever_up: bool = False
+    last_switch: float = 0.0
+    down_since: float | None = None  # left Up at (None: Up, or never up)
+    outages: tuple[float, ...] = ()  # seconds from leaving Up to the next Up
+    phase_time: Mapping[str, float] = field(default_factory=lambda: _frozen({p.value: 0.0 for p in Phase}))
+    last_failure: str | None = None  # the last reason a plan could not be made or loaded
+    joins: int = 0  # workers ever joined (numbers their ids)
+
+    def live(self) -> list[WorkerInfo]:
+        """Workers not suspected, in join order: the ones a new plan may use."""
+        return sorted((w for w in self.workers.values() if w.suspected_since is None), key=lambda w: (w.joined_at, w.id))
+
+    def uses(self, worker_id: str) -> bool:
+        return self.active is not None and worker_id in self.active.workers
+
+
+# -- events -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerJoined:
+    worker_id: str
+    name: str
+    hello: Mapping
+    now: float
+
+
+@dataclass(frozen=True)
+class Heard:
+    """Any frame from the worker: it is alive (clears a suspicion)."""
+
+    worker_id: str
+    now: float
+
+
+@dataclass(frozen=True)
+class Ponged:
+    worker_id: str
+    rtt_s: float | None
+    stats: Mapping
+    now: float
+
+
+@dataclass(frozen=True)
+class Suspected:
+    worker_id: str
+    now: float
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    worker_id: str
+    why: str
+    now: float
+
+
+@dataclass(frozen=True)
+class Calibrating:
+    worker_id: str
+    busy: bool
+
+
+@dataclass(frozen=True)
+class EmulationChanged:
+    worker_id: str
+    slowdown: float
+
+
+@dataclass(frozen=True)
+class Preparing:
+    deployment: Deployment
+    now: float
+
+
+@dataclass(frozen=True)
+class PrepareFailed:
+    plan_id: int
+    why: str
+    now: float
+
+
+@dataclass(frozen=True)
+class Committing:
+    now: float
+
+
+@dataclass(frozen=True)
+class Committed:
+    deployment: Deployment
+    now: float
+
+
+@dataclass(frozen=True)
+class PlanFailed:
+    why: str
+
+
+@dataclass(frozen=True)
+class SpareChosen:
+    stages: tuple[StageAssignment, ...] | None
+
+
+@dataclass(frozen=True)
+class RequestStarted:
+    rid: str
+    positions: int
+
+
+@dataclass(frozen=True)
+class RequestFed:
+    """A step's token came back: the sequence's KV lives on ``plan`` with ``kv_len`` tokens."""
+
+    rid: str
+    seq: str
+    plan: int | None
+    kv_len: int
+
+
+@dataclass(frozen=True)
+class KvMoved:
+    rid: str
+    plan: int | None  # the plan that now holds its KV (None: the move was abandoned)
+
+
+@dataclass(frozen=True)
+class RequestEnded:
+    rid: str
+
+
+Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Calibrating | EmulationChanged | Preparing | PrepareFailed
+         | Committing | Committed | PlanFailed | SpareChosen | RequestStarted | RequestFed | KvMoved | RequestEnded)
+
+
+# -- the reducer --------------------------------------------------------------------------------
+def apply(state: ClusterState, event: Event) -> ClusterState:
+    """The state after ``event`` (pure; unknown workers/requests leave it unchanged)."""
+    match event:
+        case WorkerJoined(wid, name, hello, now):
+            info = WorkerInfo(wid, name, _frozen(hello), joined_at=now, last_seen=now)
+            return replace(state, workers=_with(state.workers, wid, info), joins=state.joins + 1)
+        case Heard(wid, now) if wid in state.workers:
+            w = state.workers[wid]
+            gap = now - w.last_seen
+            intervals = (w.intervals + (gap,))[-HEARTBEAT_WINDOW:] if gap > 0 else w.intervals
+            return _worker(state, replace(w, last_seen=max(now, w.last_seen), intervals=intervals, suspected_since=None))
+        case Ponged(wid, rtt, stats, now) if wid in state.workers:
+            return _worker(state, replace(state.workers[wid], rtt_s=rtt, stats=_frozen(stats)))
+        case Suspected(wid, now) if wid in state.workers and state.workers[wid].suspected_since is None:
+            return _worker(state, replace(state.workers[wid], suspected_since=now))
+        case WorkerLost(wid, why, now) if wid in state.workers:
+            state = replace(state, workers=_without(state.workers, wid))
+            if state.spare and any(s.worker_id == wid for s in state.spare):
+                state = replace(state, spare=None)
+            if state.preparing is not None and wid in state.preparing.workers:
+                state = replace(state, preparing=None)
+            if state.uses(wid):
+                state = _phase(replace(state, active=None), Phase.DOWN, now)
+                state = replace(state, requests=_frozen({r: replace(q, plan=None, migrated_to=None) for r, q in state.requests.items()}))
+            return state
+        case Calibrating(wid, busy) if wid in state.workers:
+            return _worker(state, replace(state.workers[wid], calibrating=busy))
+        case EmulationChanged(wid, slowdown) if wid in state.workers:
+            w = state.workers[wid]
+            emulation = {**(w.hello.get("emulation") or {}), "slowdown": float(slowdown)}
+            return _worker(state, replace(w, hello=_frozen({**w.hello, "emulation": emulation})))
+        case Preparing(dep, now):
+            state = replace(state, preparing=dep)
+            return _phase(state, Phase.PREPARING, now) if state.active is None else state
+        case PrepareFailed(plan_id, why, now):
+            if state.preparing is not None and state.preparing.plan_id == plan_id:
+                state = replace(state, preparing=None)
+            state = replace(state, last_failure=why)
+            return _phase(state, Phase.DOWN, now) if state.active is None else state
+        case Committing(now) if state.active is None:
+            return _phase(state, Phase.COMMITTING, now)
+        case Committed(dep, now):
+            state = replace(state, active=dep, preparing=None, ever_up=True, last_switch=now, last_failure=None)
+            return _phase(state, Phase.UP, now)
+        case PlanFailed(why):
+            return replace(state, last_failure=why)
+        case SpareChosen(stages):
+            return replace(state, spare=stages)
+        case RequestStarted(rid, positions):
+            return replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
+        case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
+            q = replace(state.requests[rid], seq=seq, plan=plan, kv_len=kv_len, migrated_to=None)
+            return replace(state, requests=_with(state.requests, rid, q))
+        case KvMoved(rid, plan) if rid in state.requests:
+            return replace(state, requests=_with(state.requests, rid, replace(state.requests[rid], migrated_to=plan)))
+        case RequestEnded(rid) if rid in state.requests:
+            return replace(state, requests=_without(state.requests, rid))
+    return state
+
+
+def _with(m: Mapping, key, value) -> Mapping:
+    return _frozen({**m, key: value})
+
+
+def _without(m: Mapping, key) -> Mapping:
+    return _frozen({k: v for k, v in m.items() if k != key})
+
+
+def _worker(state: ClusterState, w: WorkerInfo) -> ClusterState:
+    return replace(state, workers=_with(state.workers, w.id, w))
+
+
+def _phase(state: ClusterState, phase: Phase, now: float) -> ClusterState:
+    spent = {**state.phase_time, state.phase.value: state.phase_time[state.phase.value] + max(0.0, now - state.phase_since)}
+    down_since, outages = state.down_since, state.outages
+    if phase is not state.phase:
+        if state.phase is Phase.UP:
+            down_since = now
+        elif phase is Phase.UP and down_since is not None:
+            outages = (outages + (now - down_since,))[-OUTAGE_WINDOW:]
+            down_since = None
+    return replace(state, phase=phase, phase_since=now, phase_time=_frozen(spent), down_since=down_since, outages=outages)

@@ -1,0 +1,268 @@
+"""Typed wire messages: one frozen dataclass per message type, the header fields it carries.
+
+``to_message()`` gives the ``protocol.Message`` to encode (fields that are None are left out,
+so optional fields stay optional on the wire); ``parse(msg)`` checks a received message's
+fields (types, ranges, finite numbers) and returns its dataclass, or raises ``ProtocolError``
+with one line. Field names are the wire names in ``docs/protocol.md`` (the browser worker,
+``api/static/worker.js``, reads the same names); ``tests/test_sim_protocol.py`` checks the doc
+against these classes. Errors carry an :class:`ErrorCode` so nobody matches error text.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .protocol import Message, MessageType as T, ProtocolError
+
+MAX_TOKEN_ID = (1 << 31) - 1
+
+
+class ErrorCode(str, Enum):
+    UNREACHABLE = "unreachable"  # the next hop could not be reached: the plan is broken, retry on a new one
+    NO_STAGE = "no_stage"  # the worker holds no stage for that plan (stale plan): retry on a new one
+    BAD_INPUT = "bad_input"  # the frame's values are wrong for this request: it fails
+    CONTEXT = "context"  # the sequence outgrew the KV the stage holds: it fails
+    INTERNAL = "internal"  # anything else on the worker: the request fails
+    REFUSED = "refused"  # the coordinator refuses this worker (join token, bad frame, ...)
+
+
+RETRYABLE = frozenset({ErrorCode.UNREACHABLE, ErrorCode.NO_STAGE})
+
+
+@dataclass(frozen=True)
+class Wire:
+    TYPE: ClassVar[T]
+
+    def to_message(self, tensors: dict | None = None) -> Message:
+        body = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None}
+        return Message(self.TYPE, body, tensors or {})
+
+
+def _plain(v):
+    return v.value if isinstance(v, Enum) else v
+
+
+@dataclass(frozen=True)
+class Welcome(Wire):
+    TYPE = T.WELCOME
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Load(Wire):
+    TYPE = T.LOAD
+    plan: int
+    start: int
+    end: int
+    graph: str
+    files: list
+    next: dict
+    keep: list
+    max_context: int | None = None
+    kv_bytes_per_token: int | None = None
+    warm: bool | None = None  # a spare: build the session too when the budget allows
+    prefetch: bool | None = None  # a spare: fetch the files only
+
+
+@dataclass(frozen=True)
+class Activate(Wire):
+    TYPE = T.ACTIVATE
+    keep: list
+
+
+@dataclass(frozen=True)
+class Drop(Wire):
+    TYPE = T.DROP
+    seq: str
+
+
+@dataclass(frozen=True)
+class Ping(Wire):
+    TYPE = T.PING
+    t: float
+
+
+@dataclass(frozen=True)
+class Probe(Wire):
+    TYPE = T.PROBE
+    probe: int
+    plan: int | None = None
+    reps: int | None = None
+    context: int | None = None
+    kind: str | None = None
+    bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class KvExport(Wire):
+    TYPE = T.KV_EXPORT
+    seq: str
+    plan: int
+    start: int
+    end: int
+    to_plan: int
+    url: str | None
+    move: int
+
+
+@dataclass(frozen=True)
+class Emulate(Wire):
+    TYPE = T.EMULATE
+    slowdown: float
+
+
+@dataclass(frozen=True)
+class Bye(Wire):
+    TYPE = T.BYE
+
+
+@dataclass(frozen=True)
+class Forward(Wire):
+    """Token ids into the first stage (tensor ``x``), or a relayed frame (``relay_to``)."""
+
+    TYPE = T.FORWARD
+    plan: int
+    batch: list
+    timings: list | None = None
+    relay_to: str | None = None
+
+
+# -- what workers send --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Token(Wire):
+    TYPE = T.TOKEN
+    plan: int
+    batch: list  # [{seq, step, rid, sampling[, partial]}], as sent
+    tokens: list  # one id per batch entry
+    timings: list  # [[worker_id, seconds, positions, bytes/elem, batch], ...]
+
+
+@dataclass(frozen=True)
+class Pong(Wire):
+    TYPE = T.PONG
+    t: float | None = None
+    kv_bytes: int | None = None
+    queue: int | None = None
+    busy_s: float | None = None
+    computed: int | None = None
+
+
+@dataclass(frozen=True)
+class Loaded(Wire):
+    TYPE = T.LOADED
+    ok: bool
+    plan: int | None = None
+    kv_received: int | None = None  # a KV move's id (then this acknowledges the move)
+    error: str | None = None
+    fetched_bytes: int = 0
+    load_s: float | None = None
+    weight_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Probed(Wire):
+    TYPE = T.PROBED
+    probe: int
+    ok: bool
+    times: list | None = None
+
+
+@dataclass(frozen=True)
+class Error(Wire):
+    TYPE = T.ERROR
+    message: str
+    code: ErrorCode | None = None
+    seq: str | None = None
+    step: int | None = None
+    rid: str | None = None
+
+    @property
+    def retryable(self) -> bool:
+        """The plan is at fault, not the request: retry on a new plan."""
+        if self.code is not None:
+            return self.code in RETRYABLE
+        return "unreachable" in self.message  # a worker older than error codes
+
+
+def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
+    """The typed message a worker sent, checked (``ProtocolError`` says what is wrong)."""
+    f = msg.fields
+    try:
+        if msg.type is T.TOKEN:
+            batch, tokens = f["batch"], f["tokens"]
+            if not (isinstance(batch, list) and isinstance(tokens, list) and len(batch) == len(tokens)):
+                raise ProtocolError("token: batch and tokens must be lists of one length")
+            for item in batch:
+                if not (isinstance(item, dict) and isinstance(item.get("seq"), str) and _int(item.get("step"))):
+                    raise ProtocolError("token: a batch entry lacks seq/step")
+            for t in tokens:
+                if not (_int(t) and 0 <= t < vocab_size):
+                    raise ProtocolError(f"token: id {t!r} is not in [0, {vocab_size})")
+            return Token(_need_int(f["plan"], "plan"), batch, tokens, _timings(f.get("timings", [])))
+        if msg.type is T.PONG:
+            return Pong(_num(f.get("t")), f.get("kv_bytes"), f.get("queue"), f.get("busy_s"), f.get("computed"))
+        if msg.type is T.LOADED:
+            return Loaded(bool(f.get("ok")), _opt_int(f.get("plan"), "plan"), _opt_int(f.get("kv_received"), "kv_received"),
+                          None if f.get("error") is None else str(f["error"]).splitlines()[0] if str(f["error"]) else "error",
+                          int(f.get("fetched_bytes") or 0) if _int(f.get("fetched_bytes") or 0) else 0, _num(f.get("load_s")),
+                          f.get("weight_bytes"))
+        if msg.type is T.PROBED:
+            times = f.get("times")
+            if times is not None and not (isinstance(times, list) and all(_finite(t) and t >= 0 for t in times)):
+                raise ProtocolError("probed: times must be finite seconds")
+            return Probed(_need_int(f["probe"], "probe"), bool(f.get("ok")), times)
+        if msg.type is T.ERROR:
+            code = f.get("code")
+            try:
+                code = ErrorCode(code) if code is not None else None
+            except ValueError:
+                code = ErrorCode.INTERNAL
+            text = str(f.get("message", "worker error")).splitlines()
+            return Error(text[0] if text else "worker error", code, f.get("seq") if isinstance(f.get("seq"), str) else None,
+                         f.get("step") if _int(f.get("step")) else None, f.get("rid") if isinstance(f.get("rid"), str) else None)
+        if msg.type is T.FORWARD:
+            if not isinstance(f.get("batch"), list):
+                raise ProtocolError("forward: batch must be a list")
+            return Forward(_need_int(f["plan"], "plan"), f["batch"], f.get("timings"), f.get("relay_to"))
+    except KeyError as exc:
+        raise ProtocolError(f"{msg.type.value}: missing field {exc.args[0]!r}") from None
+    return msg  # types without a payload the coordinator reads (bye, ...)
+
+
+def _int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _need_int(v, name: str) -> int:
+    if not _int(v):
+        raise ProtocolError(f"field {name!r} must be an integer, got {v!r}"[:200])
+    return int(v)
+
+
+def _opt_int(v, name: str) -> int | None:
+    return None if v is None else _need_int(v, name)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num(v) -> float | None:
+    return float(v) if _finite(v) else None
+
+
+def _timings(v) -> list:
+    """Per-stage timings with a finite, non-negative duration (others are dropped)."""
+    if not isinstance(v, list):
+        raise ProtocolError("timings must be a list")
+    out = []
+    for entry in v:
+        if not (isinstance(entry, list) and len(entry) >= 3 and _finite(entry[1]) and entry[1] >= 0 and _int(entry[2])):
+            raise ProtocolError(f"bad timing entry {entry!r}"[:200])
+        out.append(entry)
+    return out

@@ -1,0 +1,91 @@
+"""The control plane's pure parts, without processes: state reducer, membership, waits, KV moves, wire types."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from edgepipe.cluster import membership, scheduling, state as S
+from edgepipe.cluster.deploy import KvCopy, kv_moves
+from edgepipe.cluster.placement import Deployment, StageAssignment as A
+from edgepipe.net.messages import Error, ErrorCode, Token, parse
+from edgepipe.net.protocol import Message, MessageType as T, ProtocolError
+
+GB = 1 << 30
+
+
+def joined(*names, memory=GB, budget=True) -> S.ClusterState:
+    st = S.ClusterState()
+    for i, n in enumerate(names):
+        st = S.apply(st, S.WorkerJoined(n, n, {"memory_bytes": memory, "emulation": {"memory_budget": memory} if budget else None}, float(i)))
+    return st
+
+
+def test_reducer_phases_outages_and_unknown_events():
+    dep = Deployment(1, (A("a", 0, 2), A("b", 2, 4)))
+    st = joined("a", "b")
+    st = S.apply(st, S.Preparing(dep, 1.0))
+    assert st.phase is S.Phase.PREPARING and st.preparing == dep
+    st = S.apply(S.apply(st, S.Committing(2.0)), S.Committed(dep, 3.0))
+    assert st.phase is S.Phase.UP and st.active == dep and st.preparing is None and st.ever_up
+    st = S.apply(st, S.RequestStarted("r", 10))
+    st = S.apply(st, S.RequestFed("r", "r.0", 1, 5))
+    st = S.apply(st, S.WorkerLost("b", "gone", 4.0))
+    assert st.phase is S.Phase.DOWN and st.active is None and "b" not in st.workers
+    assert st.requests["r"].plan is None  # its KV went with the plan
+    st = S.apply(st, S.Committed(Deployment(2, (A("a", 0, 4),)), 6.5))
+    assert st.outages == (2.5,)
+    same = S.apply(st, S.Heard("nobody", 7.0))
+    assert same is st  # late events about unknown workers change nothing
+    st = S.apply(st, S.RequestEnded("r"))
+    assert not st.requests
+
+
+def test_a_silent_worker_is_suspected_then_lost_after_an_adaptive_grace():
+    settings = membership.LivenessSettings(heartbeat_s=0.5, min_suspect_s=2.0, lose_after_s=10.0)
+    st = joined("a")
+    for i in range(1, 20):
+        st = S.apply(st, S.Heard("a", i * 0.5))
+    assert membership.verdicts(st, 10.0, settings) == []
+    assert membership.verdicts(st, 12.0, settings) == [membership.Suspect("a", 2.5)]
+    st = S.apply(st, S.Suspected("a", 12.0))
+    assert membership.verdicts(st, 15.0, settings) == []  # probed, not dropped yet
+    assert isinstance(membership.verdicts(st, 19.6, settings)[0], membership.Lose)
+    st = S.apply(st, S.Heard("a", 30.0))  # it stalled for 20.5 s and came back: it is trusted longer now
+    assert st.workers["a"].suspected_since is None
+    assert membership.lose_after(st.workers["a"], settings) == pytest.approx(3 * 20.5)
+
+
+def test_waits_are_bounded_with_a_reason():
+    waits = scheduling.WaitSettings(capacity_wait_s=30, max_wait_s=300)
+    small = joined("a", "b", memory=300_000_000)
+    lacking = scheduling.shortfall(small, model_bytes=1_000_000_000, overhead_bytes=0)
+    assert lacking == "not enough memory: the 2 connected worker(s) hold 600 MB for weights, the model needs 1000 MB"
+    assert scheduling.wait_verdict(small, 29.0, lacking, waits) is None
+    assert scheduling.wait_verdict(small, 30.0, lacking, waits).startswith("cluster lacks capacity after waiting 30 s: not enough memory")
+    assert scheduling.shortfall(S.ClusterState(), 1, 0) == "no workers are connected"
+    assert scheduling.shortfall(joined("a", memory=1, budget=False), 10, 0) is None  # no declared budget: RAM bounds it
+    assert scheduling.wait_verdict(small, 300.0, None, waits).startswith("cluster not up after waiting 300 s")
+
+
+def test_kv_moves_follow_switching_diff():
+    kv = [0, 1, 1, 1, 1, 0]  # embedding and head hold no KV
+    old = Deployment(1, (A("a", 0, 3), A("b", 3, 6)))
+    new = Deployment(2, (A("a", 0, 2), A("b", 2, 6)))
+    # both ranges changed (new sessions): a keeps unit 1, b takes unit 2 from a and its own 3-4
+    assert kv_moves(old, new, 6, kv) == [KvCopy("a", "a", 1, 2), KvCopy("a", "b", 2, 3), KvCopy("b", "b", 3, 5)]
+    assert kv_moves(old, Deployment(3, old.stages), 6, kv) == []
+
+
+def test_wire_types_check_ranges_and_codes():
+    msg = Message(T.TOKEN, {"plan": 1, "batch": [{"seq": "r.0", "step": 0}], "tokens": [5], "timings": [["w", 0.1, 1, 4, 1]]})
+    assert parse(msg, vocab_size=10) == Token(1, [{"seq": "r.0", "step": 0}], [5], [["w", 0.1, 1, 4, 1]])
+    with pytest.raises(ProtocolError, match="not in"):
+        parse(Message(T.TOKEN, {**msg.fields, "tokens": [10]}), vocab_size=10)
+    with pytest.raises(ProtocolError, match="timing"):
+        parse(Message(T.TOKEN, {**msg.fields, "timings": [["w", math.nan, 1]]}), vocab_size=10)
+    err = parse(Message(T.ERROR, {"message": "next hop gone\nline two", "code": "unreachable", "seq": "r.0"}))
+    assert err == Error("next hop gone", ErrorCode.UNREACHABLE, "r.0") and err.retryable
+    assert not parse(Message(T.ERROR, {"message": "x", "code": "bad_input"})).retryable
+    assert parse(Message(T.ERROR, {"message": "next hop unreachable: ws://x"})).retryable  # an older worker without codes

@@ -17,19 +17,20 @@ import logging
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from ..net.channel import Channel, ChannelClosed
 from ..net.messages import Bye, Emulate, ErrorCode, Ping, Welcome, parse
-from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
-from . import membership, state as S
+from ..net.protocol import Message, MessageType as T, ProtocolError, decode, error_frame
+from . import membership, state as S, views
 from .calibration import Calibrator
 from .deployer import Deployer
 from .placement import Deployment, StageAssignment, proportional_split
 from .profiling import ClusterProfile
 from .requests import PipelineBroken, RequestFailed, Requests, StepRecord
 from .state import ClusterState, Phase
+from .views import Link, WorkerView
 
 log = logging.getLogger("edgepipe.coordinator")
 DEFAULT_RECOVERY_S = 1.0  # assumed outage per failure until one is measured
@@ -53,39 +54,6 @@ class CoordinatorSettings:
     lane_wait_s: float = 0.005  # how long a micro-batch waits for a member that is late
     capacity_wait_s: float = 30.0  # a request waits this long for workers that can hold the model, then fails
     max_wait_s: float = 300.0  # a request without progress for this long fails (cluster down, pipeline failing)
-
-
-@dataclass
-class Link:
-    """The I/O side of one worker: its channel and the replies it owes."""
-
-    channel: Channel
-    loads: dict[int, asyncio.Future] = field(default_factory=dict)
-    probes: dict[int, asyncio.Future] = field(default_factory=dict)
-
-    async def send(self, msg: Message) -> None:
-        await self.channel.send(encode(msg))
-
-
-class WorkerView:
-    """A worker as the planner and the HTTP views see it: its state plus its link (read-only)."""
-
-    def __init__(self, info: S.WorkerInfo, link: Link):
-        self.info, self.link = info, link
-
-    def __getattr__(self, name):
-        return getattr(self.info, name)
-
-    @property
-    def hello(self) -> dict:
-        return dict(self.info.hello)
-
-    @property
-    def channel(self) -> Channel:
-        return self.link.channel
-
-    async def send(self, msg: Message) -> None:
-        await self.link.send(msg)
 
 
 PlanFn = Callable[["Coordinator", list[WorkerView]], tuple[list[StageAssignment], str, dict]]
@@ -378,25 +346,4 @@ class Coordinator:
 
     # -- views ------------------------------------------------------------------------------------
     def status(self) -> dict:
-        dep = self.cluster.active
-        return {
-            "state": self.cluster.phase.value,
-            "model": self.manifest.name,
-            "n_units": self.n_units,
-            "units": [{"index": u.index, "name": u.name, "kind": u.kind} for u in self.manifest.units],
-            "plan": None if dep is None else {
-                "id": dep.plan_id, "reason": dep.reason, "predicted": dep.predicted,
-                "stages": [{"worker": s.worker_id, "start": s.start, "end": s.end} for s in dep.stages],
-            },
-            "workers": [{
-                "id": w.id, "name": w.name, "kind": w.hello.get("kind", "native"), "memory_bytes": w.memory_bytes,
-                "data_url": w.hello.get("data_url"), "pid": w.hello.get("pid"),
-                "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2), "emulation": w.hello.get("emulation"),
-                "suspected": w.suspected_since is not None, "stats": dict(w.stats),
-                "units": next(([s.start, s.end] for s in dep.stages if s.worker_id == w.id), None) if dep else None,
-            } for w in self.cluster.workers.values()],
-            "requests_in_flight": self.requests_in_flight,
-            "last_failure": self.cluster.last_failure,
-            "capacity": self.requests.lacking(),
-            "state_seconds": {k: round(v, 3) for k, v in self.state_durations().items()},
-        }
+        return views.status(self)

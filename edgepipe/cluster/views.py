@@ -1,0 +1,70 @@
+"""What the coordinator shows: a worker as the planner and HTTP views see it, and ``status``."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from ..net.channel import Channel
+from ..net.protocol import Message, encode
+from .state import WorkerInfo
+
+
+@dataclass
+class Link:
+    """The I/O side of one worker: its channel and the replies it owes."""
+
+    channel: Channel
+    loads: dict[int, asyncio.Future] = field(default_factory=dict)
+    probes: dict[int, asyncio.Future] = field(default_factory=dict)
+
+    async def send(self, msg: Message) -> None:
+        await self.channel.send(encode(msg))
+
+
+class WorkerView:
+    """A worker as the planner and the HTTP views see it: its state plus its link (read-only)."""
+
+    def __init__(self, info: WorkerInfo, link: Link):
+        self.info, self.link = info, link
+
+    def __getattr__(self, name):
+        return getattr(self.info, name)
+
+    @property
+    def hello(self) -> dict:
+        return dict(self.info.hello)
+
+    @property
+    def channel(self) -> Channel:
+        return self.link.channel
+
+    async def send(self, msg: Message) -> None:
+        await self.link.send(msg)
+
+
+
+def status(coord) -> dict:
+    """The cluster at a glance (``GET /v1/cluster/status``)."""
+    dep = coord.cluster.active
+    return {
+        "state": coord.cluster.phase.value,
+        "model": coord.manifest.name,
+        "n_units": coord.n_units,
+        "units": [{"index": u.index, "name": u.name, "kind": u.kind} for u in coord.manifest.units],
+        "plan": None if dep is None else {
+            "id": dep.plan_id, "reason": dep.reason, "predicted": dep.predicted,
+            "stages": [{"worker": s.worker_id, "start": s.start, "end": s.end} for s in dep.stages],
+        },
+        "workers": [{
+            "id": w.id, "name": w.name, "kind": w.hello.get("kind", "native"), "memory_bytes": w.memory_bytes,
+            "data_url": w.hello.get("data_url"), "pid": w.hello.get("pid"),
+            "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2), "emulation": w.hello.get("emulation"),
+            "suspected": w.suspected_since is not None, "stats": dict(w.stats),
+            "units": next(([s.start, s.end] for s in dep.stages if s.worker_id == w.id), None) if dep else None,
+        } for w in coord.cluster.workers.values()],
+        "requests_in_flight": coord.requests_in_flight,
+        "last_failure": coord.cluster.last_failure,
+        "capacity": coord.requests.lacking(),
+        "state_seconds": {k: round(v, 3) for k, v in coord.state_durations().items()},
+    }

@@ -151,6 +151,9 @@ def serve(
     join_token: Optional[str] = typer.Option(None, "--join-token", envvar="EDGEPIPE_JOIN_TOKEN", help="Workers must present this token."),
     admin_token: Optional[str] = typer.Option(None, "--admin-token", envvar="EDGEPIPE_ADMIN_TOKEN",
                                               help="Bearer token for routes that change the cluster (default: the API key, else loopback only)."),
+    tls: bool = typer.Option(False, "--tls", help="Serve https/wss with a self-signed certificate made once under the home directory."),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="Serve https/wss with this certificate (PEM)."),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="The private key of --tls-cert (PEM)."),
     worker_threads: Optional[int] = typer.Option(None, "--worker-threads"),
     min_workers: Optional[int] = typer.Option(None, "--min-workers", help="Workers to wait for before the first plan (default: --workers)."),
     max_active: int = typer.Option(16, "--max-active", help="Sequences decoded at once."),
@@ -168,21 +171,28 @@ def serve(
     import asyncio
 
     from .cluster.serve import ServeSettings, run_server
+    from .model.store import home_dir
 
     try:
         pkg = open_model(model, precision, home)
     except USER_ERRORS as exc:
         fail(str(exc))
     settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,
-                             join_token=join_token, admin_token=admin_token, max_active=max_active, max_queue=max_queue, objective=objective,
+                             join_token=join_token, admin_token=admin_token, tls=tls, tls_cert=tls_cert, tls_key=tls_key,
+                             tls_dir=str(home_dir(home) / "tls"),
+                             max_active=max_active, max_queue=max_queue, objective=objective,
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
                              cluster=cluster, advertise=advertise)
 
     def ready(bound: int, coordinator) -> None:
         if min_workers is not None:
             coordinator.settings.min_workers = min_workers
-        err.print(f"edgepipe serving {pkg.manifest.name} on http://{host}:{bound}  (dashboard /, API /v1, metrics /metrics; "
+        scheme = "https" if settings.tls or settings.tls_cert else "http"
+        err.print(f"edgepipe serving {pkg.manifest.name} on {scheme}://{host}:{bound}  (dashboard /, API /v1, metrics /metrics; "
                   f"{workers} local workers)", highlight=False)
+        if scheme == "https":
+            err.print(f"TLS certificate sha256 {settings.tls_fingerprint}: workers join with --tls-fingerprint {settings.tls_fingerprint}",
+                      highlight=False)
 
     try:
         asyncio.run(run_server(pkg, settings, on_ready=ready))
@@ -202,6 +212,8 @@ def worker(
     port: int = typer.Option(0, "--port", help="Data port (0 = any free port)."),
     advertise: Optional[str] = typer.Option(None, "--advertise", help="Address other workers should use to reach this one."),
     join_token: Optional[str] = typer.Option(None, "--join-token", envvar="EDGEPIPE_JOIN_TOKEN"),
+    tls_fingerprint: Optional[str] = typer.Option(None, "--tls-fingerprint", envvar="EDGEPIPE_TLS_FINGERPRINT",
+                                                  help="sha256 of the coordinator's TLS certificate (printed by serve --tls): pin it."),
     slowdown: float = typer.Option(1.0, "--slowdown", help="EMULATION: wait (F-1) x compute time after each call."),
     link_delay_ms: float = typer.Option(0.0, "--link-delay-ms", help="EMULATION: one-way delay added to every frame sent."),
     link_rate: Optional[str] = typer.Option(None, "--link-rate", help="EMULATION: cap on send rate, e.g. 128KB/s or 10Mbit."),
@@ -228,7 +240,8 @@ def worker(
             err.print(f"found coordinator {coordinator} by mDNS", highlight=False)
         settings = WorkerSettings(coordinator=coordinator, memory_bytes=parse_bytes(memory) if memory else None, threads=threads,
                                   slowdown=slowdown, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
-                                  advertise_host=advertise, join_token=join_token, activation_dtype=activation_dtype,
+                                  advertise_host=advertise, join_token=join_token, tls_fingerprint=tls_fingerprint,
+                                  activation_dtype=activation_dtype,
                                   power_busy_w=power_busy_w, power_idle_w=power_idle_w,
                                   **({"name": name} if name else {}))
         asyncio.run(Worker(settings).run())

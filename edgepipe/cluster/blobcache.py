@@ -26,6 +26,7 @@ class BlobCache:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._verified: dict[str, str] = {}  # sha -> file stamp verified in this process
+        self.ssl_context = None  # the pinned coordinator certificate, on a TLS cluster
         self.repaired: list[str] = []  # files found corrupt and deleted (to be fetched again)
 
     def path(self, sha: str) -> Path:
@@ -95,7 +96,7 @@ class BlobCache:
         size = 0
         request = urllib.request.Request(f"{base_url.rstrip('/')}/v1/blobs/{sha}", headers=headers or {})
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as resp, open(tmp, "wb") as out:
+            with urllib.request.urlopen(request, timeout=timeout, context=self.ssl_context) as resp, open(tmp, "wb") as out:
                 while chunk := resp.read(1 << 20):
                     digest.update(chunk)
                     out.write(chunk)

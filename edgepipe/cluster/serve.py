@@ -29,6 +29,11 @@ class ServeSettings:
     api_key: str | None = None
     join_token: str | None = None
     admin_token: str | None = None  # required by routes that change the cluster (else the API key, else loopback only)
+    tls: bool = False  # serve https/wss with tls_cert/tls_key, or a self-signed certificate made once in tls_dir
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_dir: str | None = None
+    tls_fingerprint: str | None = None  # set when serving: sha256 of the certificate, for workers to pin
     max_active: int = 16
     max_queue: int = 64
     worker_args: list[str] = field(default_factory=list)  # extra flags for every local worker
@@ -149,7 +154,19 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
               file=sys.stderr)
     # The largest frame any authenticated worker sends; the worker socket starts each peer far lower.
     ws_max = control_frame_limit(package.manifest.max_context, package.manifest.hidden_size)
-    config = uvicorn.Config(app, log_level=settings.log_level, ws_max_size=ws_max, ws_ping_interval=None, timeout_graceful_shutdown=2)
+    tls_files = {}
+    if settings.tls or settings.tls_cert:
+        from pathlib import Path
+
+        from ..net import tls
+
+        cert, key = ((Path(settings.tls_cert), Path(settings.tls_key or settings.tls_cert)) if settings.tls_cert else
+                     tls.make_self_signed(Path(settings.tls_dir or "."), ("127.0.0.1", "localhost", settings.host)))
+        tls_files = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
+        settings.tls_fingerprint = tls.fingerprint_pem(cert.read_text())
+        os.environ["EDGEPIPE_TLS_FINGERPRINT"] = settings.tls_fingerprint  # local workers pin it (environment, like the token)
+    config = uvicorn.Config(app, log_level=settings.log_level, ws_max_size=ws_max, ws_ping_interval=None, timeout_graceful_shutdown=2,
+                            **tls_files)
     server = uvicorn.Server(config)
     await coordinator.start()
     advertiser = None
@@ -163,7 +180,7 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
             coordinator.event("mdns_unavailable", error=str(exc))
             advertiser = None
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    local = LocalWorkers(f"http://{host}:{port}", settings.workers, settings.worker_threads, settings.join_token, settings.worker_args,
+    local = LocalWorkers(f"{'https' if tls_files else 'http'}://{host}:{port}", settings.workers, settings.worker_threads, settings.join_token, settings.worker_args,
                          on_event=coordinator.event)
     supervisor = asyncio.create_task(local.supervise())
     if on_ready:

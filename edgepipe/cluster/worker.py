@@ -72,6 +72,7 @@ class WorkerSettings:
     data_port: int = 0
     advertise_host: str | None = None
     join_token: str | None = None
+    tls_fingerprint: str | None = None  # sha256 of the coordinator's certificate: pin it, serve the data port over wss
     cache_dir: Path | None = None
     activation_dtype: str = "float32"  # "float16" halves the bytes on the wire
     silence_s: float = 10.0  # no frame from the coordinator for this long: reconnect
@@ -110,6 +111,9 @@ class Worker:
         self.warm: set[str] = set()
         self.control: Channel | None = None
         self.peers: dict[str, Channel] = {}
+        self.data_fingerprint: str | None = None  # sha256 of this worker's data-port certificate (TLS clusters)
+        self._tls_coordinator = None
+        self._tls_peers: dict = {}
         self.data_url: str | None = None
         self.queue: asyncio.Queue[Message] = asyncio.Queue()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="compute")
@@ -213,7 +217,7 @@ class Worker:
         return {
             "name": self.s.name, "token": self.s.join_token, "protocol": PROTOCOL_VERSION, "kind": "native",
             "memory_bytes": self.s.memory_bytes or _system_memory(), "threads": self.s.threads or os.cpu_count(),
-            "data_url": self.data_url, "held": self.cache.held(), "pid": os.getpid(),
+            "data_url": self.data_url, "held": self.cache.held(), "pid": os.getpid(), "data_fingerprint": self.data_fingerprint,
             "power_busy_w": self.s.power_busy_w, "power_idle_w": self.s.power_idle_w,
             "emulation": {"slowdown": self.s.slowdown, "link_delay_ms": self.s.link_delay_ms, "link_rate": self.s.link_rate,
                           "memory_budget": self.s.memory_bytes} if self.s.emulated or self.s.memory_bytes else None,
@@ -223,7 +227,8 @@ class Worker:
         import websockets
 
         url = self.s.coordinator.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/worker"
-        ws = await websockets.connect(url, max_size=None, ping_interval=None, open_timeout=10)
+        ssl_context = await self._coordinator_tls() if url.startswith("wss://") else None
+        ws = await websockets.connect(url, max_size=None, ping_interval=None, open_timeout=10, ssl=ssl_context)
         return WebSocketChannel(ws, "coordinator")
 
     async def _serve_data(self):
@@ -238,12 +243,51 @@ class Worker:
         # presents that stage's secret; only then is its frame limit raised to the plan's.
         self._data_plans: dict[int, int] = {}
         self._data_refusals = limits.RateLimiter(rate_per_s=2.0, burst=20)
+        server_tls = None
+        if self.s.tls_fingerprint:  # a cluster on TLS: activations go over wss too, with this worker's own certificate
+            from ..net import tls
+
+            cert, key = tls.make_self_signed(self.cache.root / ".tls", ("127.0.0.1", "localhost", self.s.data_host,
+                                                                        self.s.advertise_host or self.s.data_host))
+            server_tls, self.data_fingerprint = tls.server_context(cert, key), tls.fingerprint_pem(cert.read_text())
         server = await websockets.serve(handler, self.s.data_host, self.s.data_port, max_size=limits.HEADER_SLACK_BYTES,
-                                        ping_interval=None, process_request=self._authorize_data,
+                                        ping_interval=None, process_request=self._authorize_data, ssl=server_tls,
                                         close_timeout=1)  # a peer cut for an oversized frame is dropped, not drained
         port = server.sockets[0].getsockname()[1]
-        self.data_url = f"ws://{self.s.advertise_host or self.s.data_host}:{port}"
+        self.data_url = f"{'wss' if server_tls else 'ws'}://{self.s.advertise_host or self.s.data_host}:{port}"
         return server
+
+    async def _coordinator_tls(self):
+        """The client TLS context for the coordinator: its certificate, checked against the
+        pinned fingerprint once, then trusted for the control channel and file downloads."""
+        if self._tls_coordinator is None:
+            from urllib.parse import urlsplit
+
+            from ..net import tls
+
+            if not self.s.tls_fingerprint:
+                raise ValueError("the coordinator serves TLS: start the worker with --tls-fingerprint (printed by serve)")
+            where = urlsplit(self.s.coordinator)
+            self._tls_coordinator = await asyncio.get_running_loop().run_in_executor(
+                None, tls.pinned_context, where.hostname, where.port or 443, self.s.tls_fingerprint)
+            self.cache.ssl_context = self._tls_coordinator
+        return self._tls_coordinator
+
+    async def _peer_tls(self, url: str, fingerprint: str | None):
+        """TLS for a wss data port: pinned when the coordinator named its certificate, else
+        encrypted only (the stage secret still decides who may send)."""
+        from urllib.parse import urlsplit
+
+        from ..net import tls
+
+        if not fingerprint:
+            return tls.unpinned_context()
+        key = f"{url}|{fingerprint}"
+        if key not in self._tls_peers:
+            where = urlsplit(url)
+            self._tls_peers[key] = await asyncio.get_running_loop().run_in_executor(None, tls.pinned_context, where.hostname, where.port,
+                                                                                    fingerprint)
+        return self._tls_peers[key]
 
     def _authorize_data(self, connection, request):
         """Handshake check of the data port: the plan's stage secret, else 401 (or 429 once an
@@ -534,7 +578,7 @@ class Worker:
             await self._send_control(Message(T.FORWARD, {**fields, "relay_to": slot.next["id"]}, {"x": y}))
         else:
             await self._send_peer(slot.next["url"], encode(Message(T.FORWARD, fields, {"x": y})), plan,
-                                  self._data_secret(slot.next["url"], plan, slot.next.get("secret")))
+                                  self._data_secret(slot.next["url"], plan, slot.next.get("secret")), slot.next.get("fingerprint"))
 
     def _run_timed(self, runner: StageRunner, seqs: list[str], x: np.ndarray, sampling) -> tuple[np.ndarray, float | None]:
         """Run a batch; with one ORT thread (it is the calling one) also return its CPU time."""
@@ -542,7 +586,7 @@ class Worker:
         out = runner.run_batch(seqs, x, sampling)
         return out, (time.thread_time() - c0 if self.s.threads == 1 else None)
 
-    async def _send_peer(self, url: str, frame: bytes, plan: int, secret: str | None) -> None:
+    async def _send_peer(self, url: str, frame: bytes, plan: int, secret: str | None, fingerprint: str | None = None) -> None:
         """Send to another worker's data port, one connection per (port, plan), presenting
         that stage's secret; any failure to reach it is ChannelClosed."""
         import websockets
@@ -554,7 +598,8 @@ class Worker:
                 for stale in [k for k in self.peers if int(k.rsplit("#", 1)[1]) not in self.slots and k != key]:
                     self._spawn(self.peers.pop(stale).close())  # plans this worker no longer runs
                 ws = await websockets.connect(url, max_size=limits.HEADER_SLACK_BYTES, ping_interval=None, open_timeout=5,
-                                              additional_headers=auth.data_headers(secret, plan))
+                                              additional_headers=auth.data_headers(secret, plan),
+                                              ssl=await self._peer_tls(url, fingerprint) if url.startswith("wss://") else None)
                 channel = self.peers[key] = self._shape(WebSocketChannel(ws, url))
             await channel.send(frame)
         except (ChannelClosed, OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as exc:
@@ -568,7 +613,8 @@ class Worker:
                    if msg["start"] <= int(k.split(".")[1]) < msg["end"]}
         frame = encode(Message(T.KV, {"seq": msg["seq"], "plan": msg["to_plan"], "length": slot.runner.length(msg["seq"]),
                                       "move": msg["move"]}, tensors))
-        await self._send_peer(msg["url"], frame, msg["to_plan"], self._data_secret(msg["url"], msg["to_plan"], msg.get("secret")))
+        await self._send_peer(msg["url"], frame, msg["to_plan"], self._data_secret(msg["url"], msg["to_plan"], msg.get("secret")),
+                              msg.get("fingerprint"))
 
     async def _import_kv(self, msg: Message) -> None:
         """Install moved KV, then tell the coordinator (it resumes the sequence only after)."""

@@ -263,7 +263,7 @@ def plan(
     context: int = typer.Option(2048, "--context", help="KV tokens reserved per sequence."),
     top_k: int = typer.Option(3, "--top-k", help="Plans to show (best + runners-up)."),
     model: Optional[str] = typer.Option(None, "--model", "-m"),
-    precision: Optional[str] = typer.Option(None, "--precision", "-p", help="int4 | int8 | fp32 (default: the package's own; int4 when importing)."),
+    precision: Optional[str] = typer.Option(None, "--precision", "-p", help="Weight variant to plan (default: the package's own; the import default when importing)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON document."),
     home: Optional[Path] = HomeOption,
 ):
@@ -283,11 +283,11 @@ def plan(
         fail(f"--tpot-target-ms applies to the energy objective only (got --objective {chosen.value})")
     if sequences > 1 and chosen is Objective.LATENCY:
         fail("--sequences applies to the throughput and energy objectives (latency plans one sequence)")
-    if precision is not None and precision not in ("int4", "int8", "fp32"):
-        fail(f"--precision {precision!r} is not one of int4, int8, fp32")
     try:
         text = devices.read_text()
-        pkg = open_model(model, precision or "int4", home)
+        from .model.store import DEFAULT_PRECISION
+
+        pkg = open_model(model, precision or DEFAULT_PRECISION, home)
         model_profile = _plan_model_profile(pkg, precision, context)
         spec = load_devices(text, str(devices), units=model_profile.n_units)
         request = PlanRequest(objective=chosen, sequences=sequences, prompt_tokens=prompt_tokens, top_k=top_k,

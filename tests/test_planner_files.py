@@ -52,7 +52,7 @@ BASE = "devices:\n  - id: a\n    memory: 1GiB\n    speed: 1\n"
         ("    power_busy_w: 5\n    power_idle_w: 9\n", 6, "idle power 9 W exceeds busy power 5 W (hint:"),
         ("    sped: 2\n", 5, "unknown key(s) sped (hint: did you mean 'speed'?)"),
         ('    speed_x: 1\n', 5, "unknown key(s) speed_x"),
-        ("    precision: int3\n", 5, "'int3' is not one of int4, int8, fp32"),
+        ("    precision: int3\n", 5, "'int3' is not one of int4, int8, fp32, native"),
         ("    activation_dtype: bf16\n", 5, "'bf16' is not one of float32, float16"),
         ("    prefill_speed: 0\n", 5, "0 must be > 0"),
         ('    overhead_ms: "3"\n', 5, "expected a number, got '3' (hint: write the number without quotes)"),

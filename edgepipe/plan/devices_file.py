@@ -69,7 +69,7 @@ _DEVICE_KEYS = {
     "id", "memory", "speed", "overhead_s", "overhead_ms", "power_busy_w", "power_idle_w",
     "held_units", "relay", "emulated", "prefill_speed", "precision", "activation_dtype",
 }
-_PRECISIONS = ("int4", "int8", "fp32")
+_PRECISIONS = ("int4", "int8", "fp32", "native")
 _DTYPES = ("float32", "float16")
 _DEFAULT_KEYS = _DEVICE_KEYS - {"id", "memory", "held_units"}
 _LINK_KEYS = {"src", "dst", "rtt_s", "rtt_ms", "bandwidth"}

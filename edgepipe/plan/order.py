@@ -15,8 +15,12 @@ implements the three objectives:
   search is); stages are replicated over groups of devices (exactly for pools of up to
   `REPLICA_EXACT_DEVICES`, greedily beyond);
 - energy (seed 002's QoE form): energy = A + P*T (A: busy-minus-idle energy, P: idle power
-  of the plan's devices) is linearised around the current plan, P*T ~ p*T + theta*P - p*theta,
-  and iterated; a Lagrange weight on T is raised until the tpot target is met. Heuristic.
+  of the plan's devices). Fixing the device set fixes P, so `energy.search_sets` runs an exact
+  subset DP per set (every set of pools up to `ENERGY_EXACT_DEVICES`, else the sets of the best
+  plans found), with a Lagrange weight on T bisected until the tpot target is met: exact for
+  one sequence without a target, bounded (`PlanResult.bound`, `gap`) with one. Several
+  sequences add bottleneck caps (heuristic, no bound). The older linearisation around the
+  current plan still seeds the candidates.
 
 The K best plans on distinct device sets are kept (seed 002's top-K).
 """

@@ -61,6 +61,24 @@ def wait_for(predicate, timeout: float, what: str):
     raise TimeoutError(f"{what} not within {timeout} s (last: {last})")
 
 
+def test_reconnect_backoff_is_jittered_exponential_and_capped():
+    from edgepipe.cluster.worker import reconnect_delay
+
+    assert reconnect_delay(0, 0.0) == pytest.approx(0.1) and reconnect_delay(0, 0.999) < 0.2  # 0.2 s, jittered over its upper half
+    assert reconnect_delay(2, 0.999, gone_s=0) < reconnect_delay(3, 0.999, gone_s=0) <= 1.0  # early on: at most 1 s between tries
+    assert reconnect_delay(30, 0.999, gone_s=20) <= 2.0  # a tenth of the time it has been gone...
+    assert 2.5 <= reconnect_delay(30, 0.0, gone_s=3600) and reconnect_delay(30, 0.999, gone_s=3600) <= 5.0  # ...never above 5 s
+    draws = {round(reconnect_delay(8, d / 10, gone_s=600), 3) for d in range(10)}
+    assert len(draws) == 10  # workers of one coordinator do not all come back in the same instant
+
+
+def test_local_worker_restart_backoff():
+    from edgepipe.cluster.serve import restart_delay
+
+    assert restart_delay(0) == 0.0  # it had run a while: at once
+    assert [restart_delay(k) for k in (1, 2, 3)] == [0.5, 1.0, 2.0] and restart_delay(50) == 10.0
+
+
 class Coordinator:
     """`edgepipe serve --workers 0` on a fixed port, so it can be killed and started again."""
 
@@ -126,7 +144,10 @@ def test_coordinator_killed_and_restarted(home, int4_pkg, expected, tmp_path):
                     for e in httpx.get(coord.url + "/v1/cluster/events", timeout=10).json()["events"]]
         print(f"restart -> listening {listening - restarted:.2f} s -> first request served {took:.2f} s; {timeline}")
         assert tokens == expected
-        assert took < 10, f"first request {took:.1f} s after the restart; listening after {listening - restarted:.1f} s; {timeline}"
+        # Counted from the moment the new coordinator accepts connections: its own start (imports,
+        # package) is about 1.5 s of CPU, but over 5 s of wall time on a loaded 2-core machine.
+        served = took - (listening - restarted)
+        assert served < 10, f"first request {served:.1f} s after the coordinator listened again ({took:.1f} s after the restart); {timeline}"
         assert all(w.poll() is None for w in workers), "a worker exited"
         assert sorted(w["pid"] for w in coord.status()["workers"]) == pids  # the same processes rejoined
         for log in logs:
@@ -135,9 +156,49 @@ def test_coordinator_killed_and_restarted(home, int4_pkg, expected, tmp_path):
             assert not DOWNLOADED.search(after), after  # every file came from the blob cache
         assert all(e["fetched_bytes"] == 0 for e in events(coord.url, "up"))
         print(f"coordinator restart -> first request served: {took:.2f} s; 0 bytes downloaded")
+
+        coord.kill(signal.SIGTERM)  # a coordinator that stops says a plain bye: its workers wait for it
+        time.sleep(1.0)
+        assert all(w.poll() is None for w in workers)
+        assert all("the coordinator said bye" in since_last_join(log) for log in logs)
     finally:
         coord.kill(signal.SIGTERM)
         stop(*workers)
+
+
+def test_only_a_final_bye_ends_a_worker(tmp_path):
+    """A plain bye (a coordinator stopping, maybe to restart) makes the worker join again; a
+    bye with ``final`` ends its process with status 0."""
+    import websockets
+
+    from edgepipe.net.protocol import Message, MessageType as T, decode, encode
+
+    hellos = []
+
+    async def coordinator(ws):
+        hello = decode(await ws.recv())
+        hellos.append(hello.fields)
+        await ws.send(encode(Message(T.WELCOME, {"worker_id": f"w{len(hellos)}"})))
+        await ws.send(encode(Message(T.PING, {"t": 1.0})))
+        assert decode(await ws.recv()).type is T.PONG
+        await ws.send(encode(Message(T.BYE, {"final": True} if len(hellos) == 2 else {})))
+        await ws.wait_closed()
+
+    async def scenario() -> int:
+        server = await websockets.serve(coordinator, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "edgepipe", "worker", "--coordinator", f"http://127.0.0.1:{port}",
+                                                    "--name", "byebye", env={**os.environ, "EDGEPIPE_HOME": str(tmp_path)},
+                                                    stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            return await asyncio.wait_for(proc.wait(), timeout=60)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            server.close()
+
+    assert asyncio.run(scenario()) == 0
+    assert len(hellos) == 2 and hellos[0]["pid"] == hellos[1]["pid"]  # the same process joined again after the plain bye
 
 
 class Relay:

@@ -200,6 +200,8 @@ class Worker:
         kept = {id(slot.runner) for slot in self.slots.values()}
         self.warm |= {sha for sha, runner in self.sessions.items() if id(runner) in kept}
         self.slots.clear()
+        while not self.queue.empty():  # frames of the previous membership's plans
+            self.queue.get_nowait()
         for runner in self.sessions.values():
             for seq in runner.sequences():
                 runner.drop(seq)
@@ -208,10 +210,13 @@ class Worker:
         self.peers.clear()
 
     async def _close_control(self) -> None:
+        """Close the control channel without waiting long on a coordinator that cannot answer."""
         try:
-            await self.control.close()
-        except (ChannelClosed, OSError):
-            pass
+            await asyncio.wait_for(self.control.close(), timeout=1.0)
+        except (ChannelClosed, OSError, asyncio.TimeoutError, _websocket_errors()):
+            ws = getattr(getattr(self.control, "inner", self.control), "ws", None)
+            if getattr(ws, "transport", None) is not None:
+                ws.transport.abort()
 
     def _hello(self) -> dict:
         return {
@@ -341,7 +346,11 @@ class Worker:
                 # is a coordinator stopping, perhaps to restart: come back when it is there again.
                 log.warning("the coordinator said bye%s", " (final)" if msg.get("final") else "")
                 return bool(msg.get("final"))
-            await self._handle(msg)
+            try:  # a reply (a PONG) that cannot leave for this long: the connection is dead
+                await asyncio.wait_for(self._handle(msg), timeout=self.s.silence_s)
+            except asyncio.TimeoutError:
+                log.warning("could not send to the coordinator for %.0f s", self.s.silence_s)
+                return False
 
     async def _data_loop(self, channel: Channel, plan: int) -> None:
         """Frames from the authenticated predecessor (or KV mover) of ``plan``: only FORWARD
@@ -550,6 +559,7 @@ class Worker:
                                      np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
                                      np.array([v["top_p"] for v in s], np.float32), np.array([v["uniform"] for v in s], np.float32))
         seqs = [item["seq"] for item in batch]
+        membership = self.joins
         t0 = time.perf_counter()
         if x.shape[1] == 1 and self._step_s.get(id(slot.runner), 0.0) < INLINE_STEP_S:
             # A fast decode step runs on the loop, skipping two thread hand-offs per hop (a
@@ -561,6 +571,8 @@ class Worker:
         compute = time.perf_counter() - t0
         if x.shape[1] == 1:
             self._step_s[id(slot.runner)] = compute
+        if self.joins != membership:  # rejoined meanwhile: that step belonged to the previous membership
+            return
         extra = self.slowdown.extra_wait(compute, cpu)
         if extra > 0:
             await asyncio.sleep(extra)

@@ -13,6 +13,10 @@ Cases (goals from the planner brief):
 `planner_bound_ms` is `PlanResult.lower_bound`: the optimum itself for exact searches, the
 Lagrangian / relaxed-DP bound for annealing.
 
+`--new-only` runs just the issue-16 sections (appended to the same files): every objective
+against the independent brute force (`edgepipe.plan.brute`) on 7 devices x 8 units, and the
+energy plan's gap to its proven bound on the 64-device pools. Run it under `nice -n 10`.
+
 Devices and links are drawn from a seeded RNG; times are wall-clock (`time.perf_counter`),
 median of several runs, on whatever machine runs this.
 """
@@ -146,7 +150,93 @@ def case(
     return row, model, pool, network, result
 
 
+def brute_force_cases(count: int = 3) -> list[dict]:
+    """7 devices x 8 units: every objective against edgepipe.plan.brute (own arithmetic).
+
+    Throughput is planned and brute-forced without replicas here (replica groups of 7 devices
+    are beyond an exhaustive search in minutes); tests/test_planner_brute_force.py checks
+    replicas on pools of up to 5 devices."""
+    from edgepipe.plan import objective_value
+    from edgepipe.plan.brute import best_values
+
+    rows = []
+    for seed in range(count):
+        model = synthetic_model(8)
+        pool, network = synthetic_pool(7, 100 + seed)
+        fast = best_values(model, pool, network, 1)
+        target = fast["fastest_tpot"] * 1.5 if fast["latency"] < float("inf") else None
+        for objective, sequences, tpot in (
+            ("latency", 1, None), ("throughput", 2, None), ("energy", 1, None), ("energy", 1, target),
+        ):
+            request = PlanRequest(objective=objective, sequences=sequences, tpot_target_s=tpot, replicas=False)
+            start = time.perf_counter()
+            brute = fast if (sequences, tpot) == (1, None) else best_values(model, pool, network, sequences, tpot)
+            brute_s = time.perf_counter() - start
+            result, seconds = timed(lambda: plan(model, pool, network, request), 1)
+            key = "energy" if objective == "energy" else objective
+            if not result.best.complete:
+                rows.append({"case": f"7x8 pool {seed}", "objective": objective, "complete": False,
+                             "brute_force_finite": brute[key] < float("inf")})
+                continue
+            got = objective_value(result.best.predicted, request)
+            rows.append({
+                "case": f"7x8 pool {seed}", "objective": objective + (" +target" if tpot else ""),
+                "sequences": sequences, "planner": got, "brute_force": brute[key],
+                "gap_pct": round((got / brute[key] - 1) * 100, 6) + 0.0, "proven_optimal": result.optimal,
+                "planner_ms": round(seconds * 1e3, 1), "brute_force_s": round(brute_s, 1),
+            })
+    return rows
+
+
+def energy_64_cases(pools=(3, 4, 5, 6, 7)) -> list[dict]:
+    """64 devices x 100 units, energy with one sequence: the plan against its proven bound."""
+    rows = []
+    model = synthetic_model(100)
+    for pool_seed in pools:
+        pool, network = synthetic_pool(64, pool_seed)
+        for tpot in (None, 0.08):
+            request = PlanRequest(objective="energy", tpot_target_s=tpot)
+            result, seconds = timed(lambda: plan(model, pool, network, request), 1)
+            best = result.best
+            rows.append({
+                "case": f"64x100 pool {pool_seed}", "target_ms": tpot and tpot * 1e3,
+                "j_per_token": round(best.predicted.energy_j_per_token, 5), "meets_target": best.meets_target,
+                "bound": None if result.bound is None else round(result.bound, 5),
+                "gap_pct": None if result.gap is None else round(result.gap * 100, 3),
+                "plan_ms": round(seconds * 1e3, 1),
+            })
+    return rows
+
+
+def machine_line() -> str:
+    import os
+
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
+    return f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}; load average {' '.join(load)}"
+
+
 def main() -> None:
+    if "--new-only" in sys.argv:
+        # Only the brute-force and energy sections; the latency table is kept as last measured.
+        out = Path(__file__).resolve().parent / "results"
+        previous = json.loads((out / "planner.json").read_text())
+        started = machine_line()
+        brute = brute_force_cases()
+        energy = energy_64_cases()
+        previous.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine_load": started + " (start) / "
+                         + machine_line() + " (end)", "brute_force_7x8": brute, "energy_64x100": energy})
+        (out / "planner.json").write_text(json.dumps(previous, indent=2) + "\n")
+        text = (out / "planner.md").read_text().split("\n## ")[0].rstrip() + "\n"
+        text += f"\n## Every objective vs brute force, 7 devices x 8 units ({previous['date']}; {previous['machine_load']})\n\n"
+        text += _md(brute) + "\n"
+        worst = max((r["gap_pct"] for r in brute if "gap_pct" in r), default=None)
+        text += f"\nWorst gap to the brute force: {worst}%.\n"
+        text += "\n## Energy, 64 devices x 100 units: plan vs proven lower bound (one sequence)\n\n" + _md(energy) + "\n"
+        worst = max((r["gap_pct"] for r in energy if r["gap_pct"] is not None), default=None)
+        text += f"\nWorst energy gap to the bound: {worst}%.\n"
+        (out / "planner.md").write_text(text)
+        print(text)
+        return
     rows = []
     row, *_ = case("5x32", 5, 32, 1, PlanRequest(), 0.010, 21, {})
     rows.append(row)
@@ -188,6 +278,13 @@ def main() -> None:
         + "\n"
     )
     print(table)
+
+
+def _md(rows: list[dict]) -> str:
+    columns = list(dict.fromkeys(key for r in rows for key in r))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def test_max_tokens_beyond_context(server):
 
 
 @pytest.mark.parametrize("patch", [{"temperature": -1}, {"top_p": 2}, {"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
-                                   {"max_tokens": "many"}, {"stop": 5}, {"n": 3}])
+                                   {"max_tokens": "many"}, {"stop": 5}, {"n": 0}, {"n": 1000}])
 def test_bad_fields(server, patch):
     assert_error(server.client.post("/v1/chat/completions", json={**CHAT, **patch}), 400)
 

@@ -6,7 +6,7 @@ an OpenAI-shaped ``APIError(429)`` with ``Retry-After``, so the routes keep thei
 
 from __future__ import annotations
 
-from ..cluster.scheduling import Admission as _Admission, QueueFull
+from ..cluster.scheduling import Admission as _Admission, AdmissionError, QueueFull
 from .errors import APIError
 
 
@@ -14,9 +14,10 @@ class Admission(_Admission):
     async def admit(self, positions: int = 0) -> int:
         try:
             return await super().admit(positions)
-        except QueueFull as exc:
-            raise APIError(429, str(exc), type_="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(exc.retry_after_s)}) from None
+        except AdmissionError as exc:  # QueueFull: 429; any other refusal: 503 with its code
+            full = isinstance(exc, QueueFull)
+            raise APIError(429 if full else 503, str(exc), type_="rate_limit_error" if full else "server_error",
+                           code=exc.code, headers={"Retry-After": str(exc.retry_after_s)}) from None
 
 
 __all__ = ["Admission", "QueueFull"]

@@ -12,7 +12,7 @@ from starlette.responses import FileResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import browser_routes, cluster_routes, openai_routes
+from . import browser_routes, cluster_routes, ollama_routes, openai_routes, openapi
 from .admission import Admission
 from ..net.auth import bearer_matches
 from ..net.limits import EventLog, control_frame_limit, hello_frame_limit
@@ -30,7 +30,7 @@ class APIKeyMiddleware:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.api_key and scope["type"] == "http" and scope["path"].startswith(("/v1/chat", "/v1/completions", "/v1/models", "/v1/cluster")):
+        if self.api_key and scope["type"] == "http" and scope["path"].startswith(("/v1/chat", "/v1/completions", "/v1/models", "/v1/cluster", "/api/")):
             headers = dict(scope.get("headers") or [])
             if not bearer_matches(headers.get(b"authorization"), self.api_key):  # constant time, raw bytes (never a 500)
                 response = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
@@ -65,7 +65,7 @@ def create_app(coordinator, package, api_key: str | None = None, join_token: str
     async def method_not_allowed(request, exc):
         return APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
 
-    routes = [Route("/", dashboard), Route("/health", health), *openai_routes.routes, *cluster_routes.routes, *browser_routes.routes,
+    routes = [Route("/", dashboard), Route("/health", health), *openai_routes.routes, *ollama_routes.routes, *openapi.routes, *cluster_routes.routes, *browser_routes.routes,
               *(extra_routes or [])]
     app = Starlette(routes=routes, middleware=[Middleware(APIKeyMiddleware, api_key=api_key)],
                     exception_handlers={APIError: api_error, 404: not_found, 405: method_not_allowed, Exception: internal_error})

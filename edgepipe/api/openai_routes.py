@@ -1,8 +1,11 @@
-"""OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``.
+"""OpenAI-compatible routes: ``/v1/models[/{id}]``, ``/v1/chat/completions``, ``/v1/completions``.
 
-Streaming responses are server-sent events in OpenAI's chunk format, ending with
-``data: [DONE]``. A client that goes away mid-stream cancels its generator, which frees the
-sequence's KV on every worker.
+Bodies are validated by the pydantic schemas in ``schemas`` before anything runs. Streaming
+responses are server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``; a failure
+after the first byte is sent as one ``data: {"error": ...}`` event. ``n`` > 1 runs separate
+sequences (seeds following the request's); a request without a seed gets a random one, reported
+back as ``seed`` beside ``system_fingerprint``. Tools go through the model's chat template and
+come back as ``tool_calls`` (``tools``).
 """
 
 from __future__ import annotations
@@ -11,174 +14,232 @@ import json
 import time
 import uuid
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ..cluster.coordinator import RequestFailed
 from ..runtime.sequence import GenerationParams
+from . import generation as G, schemas as S, tools
 from .errors import APIError, bad_request
 
 
-async def read_json(request: Request) -> dict:
+async def parse_body(request: Request, model: type[BaseModel]):
+    """The body as ``model``, or a 400 naming the first field that is wrong."""
     try:
-        body = json.loads(await request.body() or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc.msg if hasattr(exc, 'msg') else exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    return body
+        return model.model_validate_json(await request.body() or b"null")
+    except ValidationError as exc:
+        param, message = S.first_error(exc, model)
+        raise bad_request(message, param=param) from None
 
 
-def check_model(request: Request, body: dict) -> str:
+def check_model(request: Request, model: str | None) -> str:
     names = request.app.state.model_names
-    model = body.get("model")
-    if model is None:
+    if model is None or model in names:
         return names[0]
-    if model not in names:
-        raise APIError(404, f"The model '{model}' does not exist (this server serves: {', '.join(names)})", param="model",
-                       code="model_not_found")
-    return names[0]
+    raise APIError(404, f"The model '{model[:100]}' does not exist (this server serves: {', '.join(names)})", param="model",
+                   code="model_not_found")
 
 
-def params_from(body: dict, context: int) -> GenerationParams:
-    def number(key, kind, default):
-        value = body.get(key, default)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
-            raise bad_request(f"'{key}' must be {'an integer' if kind is int else 'a number'}", param=key)
-        return kind(value)
-
-    max_tokens = number("max_completion_tokens", int, None) or number("max_tokens", int, None) or min(256, context)
-    stop = body.get("stop") or ()
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise bad_request("'stop' must be a string or a list of up to 4 non-empty strings", param="stop")
-    if body.get("n", 1) not in (1, None):
-        raise bad_request("only n=1 is supported", param="n")
-    seed = number("seed", int, 0)
-    try:
-        return GenerationParams(max_tokens=max_tokens, temperature=number("temperature", float, 1.0 if "temperature" in body else 0.0),
-                                top_p=number("top_p", float, 1.0), top_k=number("top_k", int, 0), seed=seed, stop=tuple(stop),
-                                ignore_eos=bool(body.get("ignore_eos", False)))
-    except ValueError as exc:
-        param = str(exc).split(" ")[0]
-        raise bad_request(str(exc), param=param) from None
+def params_for(req: S.Sampling, max_tokens: int | None, prompt_len: int, context: int, extra_stop=()) -> GenerationParams:
+    if max_tokens is None:
+        max_tokens = min(256, context - prompt_len)
+        if max_tokens < 1:
+            raise bad_request(f"the prompt of {prompt_len} tokens fills the context of {context} tokens", param="messages")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return GenerationParams(max_tokens=max_tokens, temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p,
+                            top_k=req.top_k or 0, seed=G.random_seed() if req.seed is None else req.seed, stop=stop + tuple(extra_stop),
+                            ignore_eos=bool(req.ignore_eos))
 
 
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
-            raise bad_request(f"messages[{i}] needs a role of system, user, assistant, developer or tool", param="messages")
-        content = m.get("content", "")
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        if not isinstance(content, str):
-            raise bad_request(f"messages[{i}].content must be a string", param="messages")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    return out
+def refuse_unsupported(req: S.Sampling) -> None:
+    found = S.unsupported(req)
+    if found:
+        raise bad_request(found[1], param=found[0])
+
+
+def model_card(request: Request, name: str) -> dict:
+    return {"id": name, "object": "model", "created": int(request.app.state.started), "owned_by": "edgepipe"}
 
 
 async def list_models(request: Request) -> JSONResponse:
-    created = int(request.app.state.started)
-    return JSONResponse({"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "edgepipe"}
-                                                     for n in request.app.state.model_names[:1]]})
+    return JSONResponse({"object": "list", "data": [model_card(request, n) for n in request.app.state.model_names[:1]]})
+
+
+async def get_model(request: Request) -> JSONResponse:
+    name = request.path_params["model"]
+    if name not in request.app.state.model_names:
+        raise APIError(404, f"The model '{name[:100]}' does not exist", param="model", code="model_not_found")
+    return JSONResponse(model_card(request, name))
 
 
 async def chat_completions(request: Request):
-    body = await read_json(request)
-    model = check_model(request, body)
-    prompt = request.app.state.package.tokenizer.format_chat(_messages(body))
-    return await _complete(request, body, model, prompt, chat=True)
+    req = await parse_body(request, S.ChatRequest)
+    model = check_model(request, req.model)
+    refuse_unsupported(req)
+    tool_names = {t.function.name for t in req.tools or []}
+    if isinstance(req.tool_choice, S.NamedToolChoice) and req.tool_choice.function.name not in tool_names:
+        raise bad_request(f"tool_choice names '{req.tool_choice.function.name}', which is not in 'tools'", param="tool_choice")
+    if req.tool_choice not in (None, "none", "auto") and not req.tools:
+        raise bad_request("tool_choice needs 'tools'", param="tool_choice")
+    tok = request.app.state.package.tokenizer
+    try:
+        prompt = tools.render(tok.chat_template, tok.format_chat, req.messages, req.tools, req.tool_choice)
+    except ValueError as exc:
+        raise bad_request(str(exc).splitlines()[0][:300], param="messages") from None
+    except Exception as exc:  # noqa: BLE001 (a template that breaks on these messages)
+        raise bad_request(f"the chat template cannot render these messages: {type(exc).__name__}", param="messages") from None
+    ids = tok.encode(prompt.text)
+    return await _run(request, req, model, [ids], req.max_completion_tokens or req.max_tokens, chat=prompt)
 
 
 async def completions(request: Request):
-    body = await read_json(request)
-    model = check_model(request, body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise bad_request("'prompt' must be a string", param="prompt")
-    return await _complete(request, body, model, prompt, chat=False)
+    req = await parse_body(request, S.CompletionRequest)
+    model = check_model(request, req.model)
+    refuse_unsupported(req)
+    app = request.app.state
+    tok, vocab = app.package.tokenizer, app.package.manifest.config.get("vocab_size") or (1 << 31)
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [tok.encode(p)]
+    elif all(isinstance(x, str) for x in p):
+        prompts = [tok.encode(x) for x in p]
+    elif all(isinstance(x, int) for x in p):
+        prompts = [list(p)]
+    else:
+        prompts = [list(x) for x in p]
+    bad = next((t for ids in prompts for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary of {vocab}", param="prompt")
+    return await _run(request, req, model, prompts, req.max_tokens, chat=None)
 
 
-async def _complete(request: Request, body: dict, model: str, prompt: str, chat: bool):
+async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list[int]], max_tokens: int | None,
+               chat: tools.ChatPrompt | None):
     app = request.app.state
     coord, tok = app.coordinator, app.package.tokenizer
-    params = params_from(body, coord.manifest.max_context)
-    ids = tok.encode(prompt)
-    try:
-        state = coord.new_sequence(ids, params, tok.decode)
-    except ValueError as exc:
-        raise bad_request(str(exc), param="max_tokens") from None
-    admission = app.admission
-    ticket = await admission.admit(len(ids) + params.max_tokens)  # raises APIError(429) when the queue is full
+    context = coord.manifest.max_context
+    params = params_for(req, max_tokens, max(len(p) for p in prompts), context, chat.stop if chat else ())
+    n = req.n or 1
+    states = G.build(coord, prompts, params, n, tok.decode)
+    positions = sum(len(s.prompt_ids) + params.max_tokens for s in states)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    created = int(time.time())
-    kind = "chat.completion" if chat else "text_completion"
-    usage = lambda: {"prompt_tokens": len(ids), "completion_tokens": len(state.generated),  # noqa: E731
-                     "total_tokens": len(ids) + len(state.generated)}
+    head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": G.fingerprint(app.package), "seed": params.seed}
+    use_tools = chat is not None and bool(chat.tool_names)
 
-    if not body.get("stream"):
+    def usage() -> dict:
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion = sum(len(s.generated) for s in states)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+    ticket = await G.admit(request, positions)
+    if not req.stream:
         try:
-            text = []
-            async for delta in coord.stream(state, rid):
-                text.append(delta.text)
+            texts = await G.until_disconnect(request, G.collect(coord, states, rid))
         except RequestFailed as exc:
             app.metrics.requests.labels("error").inc()
             raise APIError(503, str(exc), type_="server_error", code="pipeline_failed") from None
+        except G.ClientGone:
+            app.metrics.requests.labels("cancelled").inc()
+            raise
         finally:
-            admission.release(ticket)
+            app.admission.release(ticket)
         app.metrics.requests.labels("ok").inc()
-        choice = {"index": 0, "finish_reason": state.finish_reason, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": "".join(text)}} if chat else {"text": "".join(text)})
-        if body.get("return_token_ids"):  # an extension (as in vLLM) so clients can compare token for token
-            choice["token_ids"] = list(state.generated)
-        return JSONResponse({"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], "usage": usage()})
-
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-
-    def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
-        if chat:
-            delta = ({"role": "assistant", "content": ""} if role else {}) | ({"content": delta_text} if delta_text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-        return "data: " + json.dumps({"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": model,
-                                      "choices": [choice]}) + "\n\n"
-
-    async def events():
-        outcome = "cancelled"
-        try:
+        choices = []
+        for i, (state, text) in enumerate(zip(states, texts)):
+            choice = {"index": i, "finish_reason": state.finish_reason, "logprobs": None}
             if chat:
-                yield chunk(None, None, role=True)
-            async for delta in coord.stream(state, rid):
-                if delta.text or delta.finished:
-                    yield chunk(delta.text, delta.finish_reason if delta.finished else None)
-            if include_usage:
-                yield "data: " + json.dumps({"id": rid, "object": kind + ".chunk" if chat else kind, "created": created, "model": model,
-                                             "choices": [], "usage": usage()}) + "\n\n"
-            outcome = "ok"
-        except RequestFailed as exc:
-            outcome = "error"
-            yield "data: " + json.dumps({"error": {"message": str(exc), "type": "server_error", "param": None, "code": "pipeline_failed"}}) + "\n\n"
-        finally:
-            admission.release(ticket)
-            app.metrics.requests.labels(outcome).inc()
-        yield "data: [DONE]\n\n"
+                parsed = tools.parse(text, chat) if use_tools else tools.ParsedOutput(text)
+                message = {"role": "assistant", "content": parsed.content if parsed.tool_calls else (parsed.content or "")}
+                if parsed.tool_calls:
+                    message["tool_calls"] = parsed.tool_calls
+                    choice["finish_reason"] = "tool_calls"
+                choice["message"] = message
+            else:
+                choice["text"] = text
+            if req.return_token_ids:  # an extension (as in vLLM) so clients can compare token for token
+                choice["token_ids"] = list(state.generated)
+            choices.append(choice)
+        return JSONResponse({**head, "choices": choices, "usage": usage()})
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        kind = head["object"] + (".chunk" if chat else "")
+        events = _events(app, coord, states, rid, {**head, "object": kind}, chat, use_tools, include_usage, usage)
+        return G.ReleasingStream(events, on_close=lambda: app.admission.release(ticket), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    except BaseException:
+        app.admission.release(ticket)
+        raise
+
+
+def _sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj) + "\n\n"
+
+
+async def _events(app, coord, states, rid, head, chat, use_tools, include_usage, usage):
+    def chunk(i: int, finish: str | None, text: str | None = None, role: bool = False, tool_calls: list | None = None) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return _sse({**head, "choices": [choice]})
+
+    full = [""] * len(states)  # everything the model wrote, per choice
+    sent = [0] * len(states)  # characters of it sent as content
+    held = [bool(chat and chat.forced)] * len(states)  # a tool call has started: hold the rest back
+    outcome = "cancelled"
+    try:
+        if chat:
+            for i in range(len(states)):
+                yield chunk(i, None, role=True)
+        async for i, delta in G.merged(coord, states, rid):
+            full[i] += delta.text
+            if not use_tools:
+                if delta.text or delta.finished:
+                    yield chunk(i, delta.finish_reason if delta.finished else None, delta.text)
+                continue
+            if not held[i]:
+                at = full[i].find(tools.OPEN)
+                end = at if at != -1 else len(full[i]) - tools.holdback(full[i])
+                held[i] = at != -1
+                if end > sent[i]:
+                    yield chunk(i, None, full[i][sent[i]:end])
+                    sent[i] = end
+            if delta.finished:
+                parsed = tools.parse(full[i], chat)
+                if parsed.tool_calls:
+                    calls = [{"index": k, **c} for k, c in enumerate(parsed.tool_calls)]
+                    yield chunk(i, None, tool_calls=calls)
+                    yield chunk(i, "tool_calls")
+                else:
+                    rest = (chat.forced if held[i] and chat.forced else "") + full[i][sent[i]:]
+                    yield chunk(i, delta.finish_reason, rest)
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": usage()})
+        outcome = "ok"
+    except RequestFailed as exc:
+        outcome = "error"
+        yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": "pipeline_failed"}})
+    except Exception as exc:  # noqa: BLE001 (headers are sent: the error goes in the stream)
+        outcome = "error"
+        yield _sse({"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error", "param": None,
+                              "code": "internal_error"}})
+    finally:
+        app.metrics.requests.labels(outcome).inc()
+    yield "data: [DONE]\n\n"
 
 
 routes = [
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", get_model, methods=["GET"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
 ]

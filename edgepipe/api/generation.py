@@ -1,0 +1,148 @@
+"""Running the sequences of one HTTP request (the OpenAI and Ollama routes share it).
+
+Order of a request: everything validated, each sequence built (``Coordinator.new_sequence``
+refuses what cannot run) and only then admitted. Admission waits while watching the client: a
+client that leaves while queued leaves the queue. A non-streaming request runs while watching the
+client too, and is cancelled when it goes (its sequences' KV freed). A streaming request's slot is
+released by the response itself (:class:`ReleasingStream`), whether or not its body was ever
+iterated. Every path releases the admission ticket exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from importlib.metadata import PackageNotFoundError, version
+from typing import AsyncIterator, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from ..runtime.sequence import GenerationParams, SequenceState, TextDelta
+from .errors import APIError, bad_request
+from .schemas import SEED_MAX
+
+try:
+    VERSION = version("edgepipe")
+except PackageNotFoundError:  # running from a source tree
+    VERSION = "0.0.0"
+
+
+class ClientGone(APIError):
+    def __init__(self):
+        super().__init__(499, "the client closed the request", code="client_closed")
+
+
+def random_seed() -> int:
+    return secrets.randbits(63)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice ``index``'s seed: the request's seed for the first, then the next ones (within 64 bits)."""
+    return seed if index == 0 else (seed + index) & SEED_MAX
+
+
+def fingerprint(package) -> str:
+    m = package.manifest
+    digest = str((m.source or {}).get("sha256") or "")[:8] or m.name
+    return f"edgepipe-{VERSION}-{digest}-{m.precision}"
+
+
+def build(coord, prompts: list[list[int]], params: GenerationParams, n: int, decode) -> list[SequenceState]:
+    """One sequence per (prompt, choice), choice seeds following the request's; 400 when one cannot run."""
+    states = []
+    for ids in prompts:
+        if not ids:
+            raise bad_request("the prompt is empty", param="prompt")
+        for i in range(n):
+            p = GenerationParams(**{**params.__dict__, "seed": choice_seed(params.seed, len(states))})
+            try:
+                states.append(coord.new_sequence(ids, p, decode))
+            except ValueError as exc:
+                text = str(exc)
+                raise bad_request(text, param="top_k" if "top_k" in text else "seed" if "seed" in text else "max_tokens") from None
+    return states
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """``await work``, cancelled (and :class:`ClientGone` raised) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def admit(request: Request, positions: int) -> int:
+    """An admission ticket, waiting in the queue while the client is still there."""
+    return await until_disconnect(request, request.app.state.admission.admit(positions))
+
+
+async def merged(coord, states: list[SequenceState], rid: str) -> AsyncIterator[tuple[int, TextDelta]]:
+    """(choice index, delta) from all sequences as they come; the first failure ends all of them."""
+    if len(states) == 1:
+        async for delta in coord.stream(states[0], rid):
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, state: SequenceState) -> None:
+        try:
+            async for delta in coord.stream(state, f"{rid}-{i}"):
+                queue.put_nowait((i, delta, None))
+            queue.put_nowait((i, None, None))
+        except Exception as exc:  # noqa: BLE001 (handed to the consumer)
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(states)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, delta, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if delta is None:
+                remaining -= 1
+                continue
+            yield i, delta
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(coord, states: list[SequenceState], rid: str) -> list[str]:
+    """Run all sequences to their end; the text of each."""
+    texts = [[] for _ in states]
+    async for i, delta in merged(coord, states, rid):
+        texts[i].append(delta.text)
+    return ["".join(t) for t in texts]
+
+
+class ReleasingStream(StreamingResponse):
+    """A streaming response that calls ``on_close`` once it ends, however it ends (even never iterated)."""
+
+    def __init__(self, content, on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self._on_close()

@@ -1,0 +1,297 @@
+"""The Ollama API (``/api/...``), so Ollama clients (Open WebUI, editors, the ``ollama`` package) work unchanged.
+
+``/api/version``, ``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/chat`` and ``/api/generate``
+(NDJSON when streaming, Ollama's default; one JSON object when ``"stream": false``). Options
+honoured: temperature, num_predict, stop, seed, top_k, top_p; other options are ignored as Ollama
+ignores those a model does not use. Errors are Ollama's shape, ``{"error": "..."}``. The same
+validation, admission and cancellation as the OpenAI routes (``generation``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from ..cluster.coordinator import RequestFailed
+from ..runtime.sequence import GenerationParams
+from . import generation as G, schemas as S, tools
+from .errors import APIError, bad_request
+from .openai_routes import parse_body
+
+OLLAMA_VERSION = "0.12.0"  # the Ollama API level these routes follow (clients compare it to enable features)
+
+
+class Options(S.Strict):
+    temperature: float | None = Field(None, ge=0, le=100)
+    num_predict: Annotated[int, Field(ge=-2, le=S.MAX_WIRE_INT)] | None = Field(None, description="-1: up to the context.")
+    stop: Annotated[list[S.StopString], Field(max_length=16)] | None = None
+    seed: Annotated[int, Field(ge=S.SEED_MIN, le=S.SEED_MAX)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = None
+    top_p: float | None = Field(None, gt=0, le=1)
+    num_ctx: Annotated[int, Field(ge=1, le=S.MAX_WIRE_INT)] | None = None
+
+
+class OllamaFunctionCall(S.Strict):
+    name: S.FunctionName
+    arguments: dict[str, Any] = {}
+
+
+class OllamaToolCall(S.Strict):
+    function: OllamaFunctionCall
+
+
+class OllamaMessage(S.Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = ""
+    images: Annotated[list[str], Field(max_length=0)] | None = Field(None, description="Not supported: a text model.")
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = Field(None, max_length=256)
+
+
+class OllamaBase(S.Strict):
+    model: str = Field(max_length=256)
+    stream: bool | None = True
+    options: Options | None = None
+    format: Literal[""] | None = Field(None, description="JSON output is not supported yet.")
+    keep_alive: str | int | float | None = None
+
+
+class OllamaChatRequest(OllamaBase):
+    messages: Annotated[list[OllamaMessage], Field(max_length=4096)] = []
+    tools: Annotated[list[S.Tool], Field(max_length=128)] | None = None
+
+
+class OllamaGenerateRequest(OllamaBase):
+    prompt: str | None = Field("", max_length=1 << 22)
+    system: str | None = Field(None, max_length=1 << 20)
+    raw: bool | None = False
+    context: Annotated[list[S.TokenId], Field(max_length=1 << 20)] | None = None
+    images: Annotated[list[str], Field(max_length=0)] | None = None
+
+
+class OllamaShowRequest(S.Strict):
+    model: str | None = Field(None, max_length=256)
+    name: str | None = Field(None, max_length=256)
+
+
+def ollama_errors(route):
+    """Errors as Ollama sends them: ``{"error": "..."}`` with the status."""
+
+    @functools.wraps(route)
+    async def wrapped(request: Request):
+        try:
+            return await route(request)
+        except APIError as exc:
+            return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
+        except Exception as exc:  # noqa: BLE001 (never a plain-text 500)
+            return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, status_code=500)
+
+    return wrapped
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def tag(name: str) -> str:
+    return name if ":" in name else name + ":latest"
+
+
+def served_name(request: Request, model: str) -> str:
+    names = request.app.state.model_names
+    for n in names:
+        if model in (n, tag(n)):
+            return tag(names[0])
+    raise APIError(404, f"model '{model[:100]}' not found", code="model_not_found")
+
+
+def details(package) -> dict:
+    m = package.manifest
+    arch = m.config.get("architecture", "")
+    return {"parent_model": "", "format": "gguf" if (m.source or {}).get("kind") == "gguf" else "onnx", "family": arch,
+            "families": [arch], "parameter_size": "", "quantization_level": m.precision}
+
+
+def model_entry(request: Request) -> dict:
+    app = request.app.state
+    pkg = app.package
+    size = sum(u.weight_bytes for u in (pkg.manifest.variant(x.index, pkg.manifest.precision) for x in pkg.manifest.units)) \
+        if hasattr(pkg.manifest, "variant") else 0
+    name = tag(app.model_names[0])
+    return {"name": name, "model": name, "modified_at": datetime.fromtimestamp(app.started, timezone.utc).isoformat(),
+            "size": size, "digest": str((pkg.manifest.source or {}).get("sha256") or ""), "details": details(pkg)}
+
+
+@ollama_errors
+async def version(request: Request) -> JSONResponse:
+    return JSONResponse({"version": OLLAMA_VERSION})
+
+
+@ollama_errors
+async def tags(request: Request) -> JSONResponse:
+    return JSONResponse({"models": [model_entry(request)]})
+
+
+@ollama_errors
+async def ps(request: Request) -> JSONResponse:
+    entry = model_entry(request)
+    return JSONResponse({"models": [{**entry, "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]})
+
+
+@ollama_errors
+async def show(request: Request) -> JSONResponse:
+    req = await parse_body(request, OllamaShowRequest)
+    served_name(request, req.model or req.name or "")
+    pkg = request.app.state.package
+    m, cfg = pkg.manifest, pkg.manifest.config
+    arch = cfg.get("architecture", "")
+    info = {"general.architecture": arch, f"{arch}.context_length": m.max_context, f"{arch}.embedding_length": cfg.get("hidden_size"),
+            f"{arch}.block_count": cfg.get("n_layers"), f"{arch}.vocab_size": cfg.get("vocab_size")}
+    template = pkg.tokenizer.chat_template or ""
+    return JSONResponse({"modelfile": f"FROM {m.name}\n", "parameters": "", "template": template, "details": details(pkg),
+                         "model_info": info, "capabilities": ["completion", *(["tools"] if "tools" in template else [])],
+                         "modified_at": datetime.fromtimestamp(request.app.state.started, timezone.utc).isoformat()})
+
+
+def params_from(options: Options | None, prompt_len: int, context: int, extra_stop=()) -> GenerationParams:
+    o = options or Options()
+    room = context - prompt_len
+    if room < 1:
+        raise bad_request(f"the prompt of {prompt_len} tokens fills the context of {context} tokens")
+    max_tokens = room if o.num_predict in (None, -1, -2) else o.num_predict
+    if max_tokens == 0:
+        raise bad_request("num_predict 0 generates nothing: send -1 or a positive number")
+    return GenerationParams(max_tokens=min(max_tokens, room), temperature=o.temperature or 0.0, top_p=o.top_p or 1.0,
+                            top_k=o.top_k or 0, seed=G.random_seed() if o.seed is None else o.seed,
+                            stop=tuple(o.stop or ()) + tuple(extra_stop))
+
+
+@ollama_errors
+async def chat(request: Request):
+    req = await parse_body(request, OllamaChatRequest)
+    model = served_name(request, req.model)
+    if not req.messages:  # Ollama: an empty chat loads the model
+        return JSONResponse({"model": model, "created_at": now(), "message": {"role": "assistant", "content": ""}, "done": True,
+                             "done_reason": "load"})
+    messages = [S.ChatMessage(role=m.role, content=m.content or "", name=m.tool_name,
+                              tool_calls=[S.ToolCall(id=f"call_{i}", function=S.FunctionCall(name=c.function.name,
+                                                                                              arguments=json.dumps(c.function.arguments)))
+                                          for i, c in enumerate(m.tool_calls)] if m.tool_calls else None)
+                for m in req.messages]
+    tok = request.app.state.package.tokenizer
+    try:
+        prompt = tools.render(tok.chat_template, tok.format_chat, messages, req.tools, "auto" if req.tools else None)
+    except Exception as exc:  # noqa: BLE001 (a template that breaks on these messages)
+        raise bad_request(f"the chat template cannot render these messages: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from None
+    return await _run(request, req, model, tok.encode(prompt.text), chat=prompt)
+
+
+@ollama_errors
+async def generate(request: Request):
+    req = await parse_body(request, OllamaGenerateRequest)
+    model = served_name(request, req.model)
+    if not req.prompt and not req.context:
+        return JSONResponse({"model": model, "created_at": now(), "response": "", "done": True, "done_reason": "load"})
+    tok = request.app.state.package.tokenizer
+    if req.raw:
+        text = req.prompt or ""
+    else:
+        msgs = ([{"role": "system", "content": req.system}] if req.system else []) + [{"role": "user", "content": req.prompt or ""}]
+        text = tok.format_chat(msgs)
+    ids = list(req.context or []) + tok.encode(text)
+    vocab = request.app.state.package.manifest.config.get("vocab_size") or (1 << 31)
+    if any(t >= vocab for t in ids):
+        raise bad_request(f"a context token id is outside the vocabulary of {vocab}")
+    return await _run(request, req, model, ids, chat=None)
+
+
+async def _run(request: Request, req: OllamaBase, model: str, ids: list[int], chat: tools.ChatPrompt | None):
+    app = request.app.state
+    coord, tok = app.coordinator, app.package.tokenizer
+    params = params_from(req.options, len(ids), coord.manifest.max_context, chat.stop if chat else ())
+    states = G.build(coord, [ids], params, 1, tok.decode)
+    state = states[0]
+    rid = "ollama-" + __import__("uuid").uuid4().hex[:24]
+    started = time.monotonic_ns()
+    use_tools = chat is not None and bool(chat.tool_names)
+
+    def final(text: str) -> dict:
+        elapsed = time.monotonic_ns() - started
+        out = {"model": model, "created_at": now(), "done": True, "done_reason": state.finish_reason or "stop",
+               "total_duration": elapsed, "load_duration": 0, "prompt_eval_count": len(ids), "prompt_eval_duration": 0,
+               "eval_count": len(state.generated), "eval_duration": elapsed}
+        if chat is None:
+            return {**out, "response": text, "context": ids + list(state.generated)}
+        parsed = tools.parse(text, chat) if use_tools else tools.ParsedOutput(text)
+        message = {"role": "assistant", "content": parsed.content or ""}
+        if parsed.tool_calls:
+            message["tool_calls"] = [{"function": {"name": c["function"]["name"], "arguments": _args(c["function"]["arguments"])}}
+                                     for c in parsed.tool_calls]
+        return {**out, "message": message}
+
+    ticket = await G.admit(request, len(ids) + params.max_tokens)
+    if not req.stream:
+        try:
+            (text,) = await G.until_disconnect(request, G.collect(coord, states, rid))
+        except RequestFailed as exc:
+            raise APIError(503, str(exc), type_="server_error", code="pipeline_failed") from None
+        finally:
+            app.admission.release(ticket)
+        return JSONResponse(final(text))
+
+    async def lines():
+        full, sent = "", 0
+        try:
+            async for _, delta in G.merged(coord, states, rid):
+                full += delta.text
+                if use_tools:  # a call is parsed once the answer is complete
+                    if delta.finished:
+                        yield json.dumps(final(full)) + "\n"
+                    continue
+                if delta.text:
+                    piece = {"model": model, "created_at": now(), "done": False}
+                    piece.update({"message": {"role": "assistant", "content": delta.text}} if chat else {"response": delta.text})
+                    yield json.dumps(piece) + "\n"
+                if delta.finished:
+                    last = final(full)
+                    if chat:
+                        last["message"]["content"] = ""
+                    else:
+                        last["response"] = ""
+                    yield json.dumps(last) + "\n"
+        except RequestFailed as exc:
+            yield json.dumps({"error": str(exc)}) + "\n"
+        except Exception as exc:  # noqa: BLE001 (headers are sent: the error goes in the stream)
+            yield json.dumps({"error": f"internal error: {type(exc).__name__}"}) + "\n"
+
+    try:
+        return G.ReleasingStream(lines(), on_close=lambda: app.admission.release(ticket), media_type="application/x-ndjson")
+    except BaseException:
+        app.admission.release(ticket)
+        raise
+
+
+def _args(arguments: str):
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+routes = [
+    Route("/api/version", version, methods=["GET"]),
+    Route("/api/tags", tags, methods=["GET"]),
+    Route("/api/ps", ps, methods=["GET"]),
+    Route("/api/show", show, methods=["POST"]),
+    Route("/api/chat", chat, methods=["POST"]),
+    Route("/api/generate", generate, methods=["POST"]),
+]

@@ -1,0 +1,255 @@
+"""Request and response schemas of the HTTP API (pydantic), shared by validation and ``/openapi.json``.
+
+Every field a client sends is typed and range-checked here, before a request is admitted or
+reaches the wire: strict types (``"5"`` is not an integer, ``true`` is not a number), finite
+numbers only, integers within what the wire carries. Fields OpenAI defines that edgepipe does not
+implement yet are declared too, and refused when set to anything but their neutral value, so a
+parameter is never silently ignored. Unknown extra fields are ignored (clients send many).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_WIRE_INT = (1 << 31) - 1  # what a sampling field or a token id may be on the wire (int32)
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+MAX_CHOICES = 16
+MAX_STOP = 4
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class Loose(BaseModel):  # responses: documented, never used to validate
+    model_config = ConfigDict(extra="allow")
+
+
+PositiveTokens = Annotated[int, Field(ge=1, le=MAX_WIRE_INT)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_WIRE_INT)]
+StopString = Annotated[str, Field(min_length=1, max_length=256)]
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+# -- sampling fields shared by both OpenAI endpoints -----------------------------------------------
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class Sampling(Strict):
+    model: str | None = Field(None, max_length=256)
+    max_tokens: PositiveTokens | None = Field(None, description="Tokens to generate at most (>= 1).")
+    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; absent = greedy.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: Annotated[int, Field(ge=0, le=MAX_WIRE_INT)] | None = Field(None, description="0 = no limit (an extension).")
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = Field(None, description="Absent: a random seed, reported back.")
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False
+    return_token_ids: bool | None = Field(False, description="An extension (as in vLLM): each choice carries its token ids.")
+    user: str | None = Field(None, max_length=256)
+    # Declared by OpenAI, not implemented yet: refused unless neutral (see ``unsupported``).
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+
+
+# -- chat ------------------------------------------------------------------------------------------
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(Strict):
+    name: FunctionName
+    arguments: str = Field(max_length=1 << 20, description="JSON text of the arguments.")
+
+
+class ToolCall(Strict):
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(None, max_length=256)
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class FunctionDef(Strict):
+    name: FunctionName
+    description: str | None = Field(None, max_length=1 << 14)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatRequest(Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    max_completion_tokens: PositiveTokens | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+
+
+# -- completions -----------------------------------------------------------------------------------
+PromptText = Annotated[str, Field(max_length=1 << 22)]
+PromptIds = Annotated[list[TokenId], Field(min_length=1, max_length=1 << 20)]
+
+
+class CompletionRequest(Sampling):
+    prompt: Union[PromptText, Annotated[list[PromptText], Field(min_length=1, max_length=64)], PromptIds,
+                  Annotated[list[PromptIds], Field(min_length=1, max_length=64)]] = Field(
+        description="A string, a list of strings, a list of token ids, or a list of token-id lists.")
+    echo: bool | None = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+
+
+def unsupported(req: Sampling) -> tuple[str, str] | None:
+    """(param, message) for the first OpenAI field set to a value edgepipe does not implement yet."""
+    checks = [("presence_penalty", bool(req.presence_penalty)), ("frequency_penalty", bool(req.frequency_penalty)),
+              ("logit_bias", bool(req.logit_bias))]
+    if isinstance(req, ChatRequest):
+        checks += [("logprobs", bool(req.logprobs)), ("top_logprobs", bool(req.top_logprobs)),
+                   ("response_format", req.response_format is not None and req.response_format.type != "text")]
+    if isinstance(req, CompletionRequest):
+        checks += [("echo", bool(req.echo)), ("logprobs", req.logprobs is not None), ("suffix", bool(req.suffix)),
+                   ("best_of", (req.best_of or 1) != (req.n or 1))]
+    for param, is_set in checks:
+        if is_set:
+            return param, f"'{param}' is not supported by this server yet"
+    return None
+
+
+# -- responses (documentation) ---------------------------------------------------------------------
+class Usage(Loose):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatChoice(Loose):
+    index: int
+    message: dict[str, Any]
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
+    logprobs: None = None
+
+
+class ChatCompletion(Loose):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    seed: int = Field(description="The seed the sampling used (an extension).")
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(Loose):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class Completion(Loose):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    seed: int
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class Model(Loose):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(Loose):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class ErrorBody(Loose):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Loose):
+    error: ErrorBody
+
+
+# -- turning a validation failure into one line ----------------------------------------------------
+def first_error(exc: ValidationError, model: type[BaseModel] | None = None) -> tuple[str | None, str]:
+    """(param, one-line message) for the first problem pydantic found."""
+    errors = exc.errors(include_url=False, include_input=False)
+    err = errors[0]
+    if err["type"] == "json_invalid":
+        return None, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}"
+    if not err["loc"] and err["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return None, "request body must be a JSON object"
+    path = _path(err["loc"])
+    param = str(err["loc"][0]) if err["loc"] else None
+    message = err["msg"]
+    in_union = sum(_path(e["loc"]) == path for e in errors) > 1
+    field = (model.model_fields.get(param) if model and param else None)
+    if in_union and field is not None and field.description:  # several branches failed: say what is accepted
+        message = f"must be {field.description[0].lower()}{field.description[1:]}"
+    text = f"'{path}': {message}" if path else message
+    return param, " ".join(text.split())[:300]
+
+
+def _path(loc) -> str:
+    """``messages[0].role`` from pydantic's loc, cut where a union-branch label (``str``, ``list[int]``...) starts."""
+    out = ""
+    for p in loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p.isidentifier() and p.islower() and p not in ("str", "int", "float", "bool", "list", "dict", "none"):
+            out += f".{p}" if out else p
+        else:
+            break
+    return out

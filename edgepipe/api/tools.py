@@ -1,0 +1,206 @@
+"""Chats with tools: rendering through the model's template, and tool calls parsed from the output.
+
+Pure functions. The calls are written in the Hermes / Qwen convention that most open chat
+templates use: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A template that knows
+``tools`` (Qwen2.5, Llama 3.1, Hermes...) gets them as the ``tools`` variable, as Hugging Face's
+``apply_chat_template`` passes them; a template that does not (SmolLM2) gets them described in a
+system message in the same convention. ``tool_choice`` "required" or a named function is honoured by
+starting the assistant's turn with the opening of the call (so the model only writes the rest);
+"none" leaves the tools out.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from datetime import date
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str  # the rendered prompt, ending where the model starts writing
+    forced: str = ""  # what the assistant's turn was started with (part of the output, not yet a call)
+    tool_names: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()  # extra stop strings (the end of a forced call)
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[dict] = field(default_factory=list)
+
+
+def template_messages(messages, template_knows_tools: bool) -> list[dict]:
+    """Plain dicts for the template: content never None, tool calls with arguments as objects."""
+    out = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        d = {"role": role, "content": m.text()}
+        if m.tool_calls:
+            calls = [{"name": c.function.name, "arguments": _as_object(c.function.arguments)} for c in m.tool_calls]
+            if template_knows_tools:
+                d["tool_calls"] = [{"id": c.id, "type": "function", "function": call} for c, call in zip(m.tool_calls, calls)]
+            else:
+                d["content"] = (d["content"] + "\n" if d["content"] else "") + "\n".join(
+                    f"{OPEN}\n{json.dumps(call)}\n{CLOSE}" for call in calls)
+        if role == "tool":
+            if template_knows_tools:
+                d["tool_call_id"] = m.tool_call_id or ""
+            else:
+                d = {"role": "user", "content": f"<tool_response>\n{d['content']}\n</tool_response>"}
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def tools_system_text(tools: list[dict]) -> str:
+    lines = "\n".join(json.dumps(t) for t in tools)
+    return ("You may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+            'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def render(chat_template: str | None, format_chat, messages, tools, tool_choice) -> ChatPrompt:
+    """The prompt for ``messages`` (pydantic ``ChatMessage``) with ``tools`` (pydantic ``Tool``) under ``tool_choice``."""
+    knows_tools = bool(chat_template) and "tools" in chat_template
+    use_tools = bool(tools) and tool_choice != "none"
+    msgs = template_messages(messages, knows_tools)
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools or []] if use_tools else []
+    if tool_dicts and knows_tools:
+        text = _render(chat_template, msgs, tool_dicts)
+    else:
+        if tool_dicts:
+            system = tools_system_text(tool_dicts)
+            if msgs and msgs[0]["role"] == "system":
+                msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + system}
+            else:
+                msgs.insert(0, {"role": "system", "content": system})
+        text = format_chat(msgs)
+    names = tuple(t["function"]["name"] for t in tool_dicts)
+    forced = ""
+    if tool_dicts and not isinstance(tool_choice, str) and tool_choice is not None:
+        forced = f'{OPEN}\n{{"name": {json.dumps(tool_choice.function.name)}, "arguments": '
+    elif tool_dicts and tool_choice == "required":
+        forced = f'{OPEN}\n{{"name": "'
+    return ChatPrompt(text + forced, forced, names, (CLOSE,) if forced else ())
+
+
+def _render(chat_template: str, messages: list[dict], tools: list[dict]) -> str:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: date.today().strftime(fmt)
+    return env.from_string(chat_template).render(messages=messages, tools=tools, add_generation_prompt=True, bos_token="",
+                                                 eos_token="")
+
+
+def parse(output: str, prompt: ChatPrompt) -> ParsedOutput:
+    """Content and tool calls of a finished answer (``output``: what the model wrote after ``prompt.forced``)."""
+    text = prompt.forced + output
+    if not prompt.tool_names or OPEN not in text:
+        return ParsedOutput(text)
+    calls, content, rest = [], [], text
+    while OPEN in rest:
+        before, _, after = rest.partition(OPEN)
+        content.append(before)
+        body, closed, rest = after.partition(CLOSE)
+        call = _call(body, prompt.tool_names)
+        if call is None:  # not a call after all: keep it as text
+            content.append(OPEN + body + closed)
+        else:
+            calls.append(call)
+    content.append(rest)
+    text_part = "".join(content).strip()
+    return ParsedOutput(text_part or None, calls)
+
+
+def _call(body: str, names: tuple[str, ...]) -> dict | None:
+    obj, raw_args = _first_object(body.strip())
+    if not isinstance(obj, dict):
+        name, raw_args = _partial_call(body)
+        if name is None:
+            return None
+    else:
+        name = obj.get("name")
+        args = obj.get("arguments", obj.get("parameters", {}))
+        raw_args = args if isinstance(args, str) else json.dumps(args)
+    if not isinstance(name, str):
+        return None
+    if name not in names:  # a forced call whose name the model misspelled: the declared name sharing the longest prefix
+        name = max(names, key=lambda n: (_common_prefix(n, name), -names.index(n)))
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": raw_args}}
+
+
+def _partial_call(body: str) -> tuple[str | None, str]:
+    """A call whose JSON does not parse as a whole: the name, and the arguments' object if it parses, else its text."""
+    head = body.strip()
+    if not head.startswith('{"name": "'):
+        return None, ""
+    name, _, tail = head[len('{"name": "'):].partition('"')
+    _, found, args = tail.partition('"arguments":')
+    if not found:
+        return name, "{}"
+    obj, raw = _first_object(args.strip())
+    return name, json.dumps(obj) if isinstance(obj, dict) else raw
+
+
+def _first_object(text: str):
+    """The first balanced JSON object at the start of ``text`` and its source (None, text if none parses)."""
+    if not text.startswith("{"):
+        return None, text.strip()
+    depth, in_str, escape = 0, False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                try:
+                    return json.loads(text[:i + 1]), text[:i + 1]
+                except json.JSONDecodeError:
+                    return None, text[:i + 1]
+    return None, text.strip()
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _as_object(arguments: str):
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return value
+
+
+def holdback(text: str) -> int:
+    """How many characters at the end of streamed ``text`` may be the start of ``<tool_call>`` (not sent yet)."""
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:k]):
+            return k
+    return 0

@@ -8,8 +8,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-Architecture = Literal["llama", "qwen2", "qwen3", "mistral", "granite"]
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "granite")
+Architecture = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
+# GGUF architectures, each checked token for token against Hugging Face transformers
+# (tests/test_families.py). Mistral 7B / Llama 2 / TinyLlama GGUFs say "llama" (with a
+# SentencePiece vocabulary); gguf has no "mistral" architecture ("mistral" remains for HF folders).
+# Granite was written but transformers cannot read a granite GGUF to check it: not listed.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 class UnsupportedModel(ValueError):
@@ -38,8 +42,21 @@ class ModelConfig:
     residual_scale: float = 1.0
     attention_scale: float | None = None  # None means 1/sqrt(head_dim)
     logit_scale: float = 1.0
+    # -- layer structure beyond Llama (defaults keep the Llama layer) --
+    ffn_activation: str = "silu"  # "silu" or "gelu_tanh" (Gemma): act(gate) * up
+    post_norms: bool = False  # Gemma 2/3: RMSNorm on the attention and MLP outputs before each residual add
+    rotary_dim: int = 0  # rotated dims per head (Phi-4-mini rotates 3/4); 0 = head_dim
+    sliding_window: int = 0  # tokens a sliding-window layer sees (itself included); 0 = none
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding_window or 0 (global); empty = all global
+    rope_theta_local: float | None = None  # RoPE base of sliding-window layers (Gemma 3: 10000)
+    rope_linear_factor: float = 1.0  # linear position scaling of the global layers' RoPE
+    rope_attn_factor: float = 1.0  # LongRoPE: cos/sin scaled by this (Phi-3 "su")
+    rope_original_context: int = 0  # LongRoPE: past this context the long factors apply
+    attn_logit_softcap: float = 0.0  # Gemma 2: tanh soft-capping of attention scores; 0 = off
+    final_logit_softcap: float = 0.0  # Gemma 2: tanh soft-capping of the logits; 0 = off
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
         if self.n_heads % self.n_kv_heads:
             raise UnsupportedModel(
                 f"{self.n_heads} query heads is not a multiple of {self.n_kv_heads} kv heads"
@@ -53,6 +70,10 @@ class ModelConfig:
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
         return 2 * self.n_kv_heads * self.head_dim * 4  # K and V, fp32
+
+    def window(self, layer: int) -> int:
+        """Tokens layer ``layer`` (0-based) attends to, itself included; 0 = the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -38,6 +38,7 @@ class TokenizerData:
     add_bos: bool
     chat_template: str | None
     eos_ids: tuple[int, ...]  # every id that ends generation (eos, eot, im_end...)
+    unk_id: int | None = None
 
 
 class GGUFSource:
@@ -49,6 +50,9 @@ class GGUFSource:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such model file")
+        from .gguf_header import check_supported  # refuses from the header in well under a second
+
+        check_supported(self.path)
         try:
             self._reader = gguf.GGUFReader(str(self.path))
             self._tensors = {t.name: t for t in self._reader.tensors}
@@ -81,7 +85,9 @@ class GGUFSource:
         vocab = a("vocab_size") or len(self._reader.fields["tokenizer.ggml.tokens"].data)
         if "token_embd.weight" not in self._tensors:
             raise CorruptModel(f"{self.path.name}: no token_embd.weight tensor")
-        return ModelConfig(
+        from .families import family_config
+
+        return family_config(ModelConfig(
             architecture=arch,
             name=str(self._field("general.name", self.path.stem)),
             n_layers=int(a("block_count")),
@@ -102,7 +108,7 @@ class GGUFSource:
             residual_scale=float(a("residual_scale", 1.0)),
             attention_scale=(float(a("attention.scale")) if a("attention.scale") else None),
             logit_scale=float(a("logit_scale", 1.0)),
-        )
+        ), a, self.has)
 
     def tokenizer_data(self) -> TokenizerData:
         f = self._field
@@ -112,13 +118,15 @@ class GGUFSource:
         for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
             if f(key) is not None:
                 eos_ids.add(int(f(key)))
-        for special in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>"):
-            if special in tokens:
-                eos_ids.add(tokens.index(special))
+        from .families import default_chat_template, end_of_turn_ids
+
+        model = str(f("tokenizer.ggml.model", "gpt2"))
+        template = f("tokenizer.chat_template") or default_chat_template(self.config.architecture, tokens)
+        eos_ids |= end_of_turn_ids(tokens, template)
         scores = f("tokenizer.ggml.scores")
         types = f("tokenizer.ggml.token_type")
         return TokenizerData(
-            model=str(f("tokenizer.ggml.model", "gpt2")),
+            model=model,
             pre=str(f("tokenizer.ggml.pre", "default")),
             tokens=tokens,
             merges=list(f("tokenizer.ggml.merges") or []),
@@ -126,15 +134,16 @@ class GGUFSource:
             token_types=[int(t) for t in types] if types is not None else None,
             bos_id=int(f("tokenizer.ggml.bos_token_id")) if f("tokenizer.ggml.bos_token_id") is not None else None,
             eos_id=int(eos) if eos is not None else None,
-            add_bos=bool(f("tokenizer.ggml.add_bos_token", False)),
-            chat_template=f("tokenizer.chat_template"),
+            add_bos=bool(f("tokenizer.ggml.add_bos_token", model == "llama")),  # SentencePiece: BOS unless told not
+            chat_template=template,
             eos_ids=tuple(sorted(eos_ids)),
+            unk_id=int(f("tokenizer.ggml.unknown_token_id")) if f("tokenizer.ggml.unknown_token_id") is not None else None,
         )
 
     def tokenizer_json(self) -> str:
         from .tokenizer import tokenizer_json_from_gguf
 
-        return tokenizer_json_from_gguf(self.tokenizer_data())
+        return tokenizer_json_from_gguf(self.tokenizer_data(), self.config.architecture)
 
     def tokenizer_info(self) -> TokenizerData:
         return self.tokenizer_data()

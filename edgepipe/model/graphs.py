@@ -124,9 +124,13 @@ def embedding_unit(cfg: ModelConfig, table: Weight) -> onnx.ModelProto:
     )
 
 
-def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], cos: np.ndarray, sin: np.ndarray) -> onnx.ModelProto:
+def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], cos: np.ndarray, sin: np.ndarray,
+               local_rope: tuple[np.ndarray, np.ndarray] | None = None) -> onnx.ModelProto:
     """One decoder layer. ``w`` holds attn_norm, qkv (fused rows), qkv_bias?, q_norm?, k_norm?,
-    attn_output, ffn_norm, gate_up (fused rows), ffn_down."""
+    attn_output, post_attention_norm?, ffn_norm, gate_up (fused rows), ffn_down, post_ffw_norm?.
+
+    A sliding-window layer (``cfg.window``) attends to its last ``window`` positions and, where
+    the family gives such layers their own RoPE base, rotates with ``local_rope``."""
     g = _Graph(f"l{unit}.")
     x, out = hidden_name(unit), hidden_name(unit + 1)
     H, D, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -134,10 +138,14 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
 
     normed = g.rms_norm(x, w["attn_norm"], eps, "attn_norm")
     qkv = g.linear(normed, w["qkv"], "qkv", bias=w.get("qkv_bias"))
+    window = cfg.window(unit - 1)
+    # GroupQueryAttention's local_window_size counts the positions before the query.
     gqa_attrs = dict(num_heads=nq, kv_num_heads=nkv, do_rotary=1, rotary_interleaved=int(cfg.rope_interleaved),
-                     local_window_size=-1)
+                     local_window_size=window - 1 if window else -1)
     if cfg.attention_scale is not None:
         gqa_attrs["scale"] = float(cfg.attention_scale)
+    if cfg.attn_logit_softcap:
+        gqa_attrs["softcap"] = float(cfg.attn_logit_softcap)
     if cfg.qk_norm:
         q, k, v = g.op("Split", [qkv, g.const(np.array([nq * D, nkv * D, nkv * D], np.int64), "qkv_split")], n_out=3, axis=-1)
         q = _per_head_norm(g, q, nq, D, w["q_norm"], eps, "q_norm")
@@ -145,14 +153,20 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
         attn_in = [q, k, v]
     else:
         attn_in = [qkv, "", ""]  # packed QKV
-    cos_name = g.const(cos, "cos_cache", shared=True)
-    sin_name = g.const(sin, "sin_cache", shared=True)
+    rope_suffix = ""
+    if window and local_rope is not None:
+        cos, sin = local_rope
+        rope_suffix = "_local"
+    cos_name = g.const(cos, "cos_cache" + rope_suffix, shared=True)
+    sin_name = g.const(sin, "sin_cache" + rope_suffix, shared=True)
     attn, _, _ = g.op(
         "GroupQueryAttention",
         attn_in + [f"past_key.{unit}", f"past_value.{unit}", "seqlens_k", "total_sequence_length", cos_name, sin_name],
         domain=MS, out=[g.name("attn"), f"present_key.{unit}", f"present_value.{unit}"], **gqa_attrs,
     )
     attn_out = g.linear(attn, w["attn_output"], "attn_output")
+    if cfg.post_norms:
+        attn_out = g.rms_norm(attn_out, w["post_attention_norm"], eps, "post_attention_norm")
     if cfg.residual_scale != 1.0:
         attn_out = g.op1("Mul", [attn_out, g.const(np.array(cfg.residual_scale, np.float32), "res_scale")])
     # SkipSimplifiedLayerNormalization: residual add and the MLP's input norm in one kernel.
@@ -160,8 +174,10 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
                                n_out=4, domain=MS, epsilon=eps)
     gate_up = g.linear(mlp_in, w["gate_up"], "gate_up")
     gate, up = g.op("Split", [gate_up, g.const(np.array([cfg.intermediate_size] * 2, np.int64), "gu_split")], n_out=2, axis=-1)
-    act = g.op1("Mul", [g.op1("Mul", [gate, g.op1("Sigmoid", [gate])]), up])  # SiLU(gate) * up
+    act = g.op1("Mul", [_activation(g, gate, cfg.ffn_activation), up])  # act(gate) * up
     down = g.linear(act, w["ffn_down"], "ffn_down")
+    if cfg.post_norms:
+        down = g.rms_norm(down, w["post_ffw_norm"], eps, "post_ffw_norm")
     if cfg.residual_scale != 1.0:
         down = g.op1("Mul", [down, g.const(np.array(cfg.residual_scale, np.float32), "res_scale2")])
     g.op("Add", [resid, down], out=[out])
@@ -178,6 +194,14 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
          helper.make_tensor_value_info(f"present_value.{unit}", FLOAT, kv_shape)],
         f"layer{unit}",
     )
+
+
+def _activation(g: _Graph, x: str, kind: str) -> str:
+    if kind == "silu":
+        return g.op1("Mul", [x, g.op1("Sigmoid", [x])])
+    if kind == "gelu_tanh":
+        return g.op1("Gelu", [x], approximate="tanh")
+    raise ValueError(f"activation {kind!r} is not supported")
 
 
 def _per_head_norm(g: _Graph, x: str, heads: int, D: int, weight: np.ndarray, eps: float, base: str) -> str:
@@ -206,6 +230,9 @@ def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weig
         logits = g.linear(normed, lm_head, "lm_head")
     if cfg.logit_scale != 1.0:
         logits = g.op1("Div", [logits, g.const(np.array(cfg.logit_scale, np.float32), "logit_scale")])
+    if cfg.final_logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
+        cap = g.const(np.array(cfg.final_logit_softcap, np.float32), "softcap")
+        logits = g.op1("Mul", [g.op1("Tanh", [g.op1("Div", [logits, cap])]), cap])
 
     greedy = helper.make_graph(
         [helper.make_node("ArgMax", [logits], ["greedy_token"], axis=-1, keepdims=0)],

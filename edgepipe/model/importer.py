@@ -68,6 +68,10 @@ def import_model(
         raise FileNotFoundError(f"{source_path}: no such model file or folder")
     if source_path.is_dir():
         open_source(source_path)  # says what is supported before hashing a whole folder
+    elif source_path.suffix.lower() == ".gguf":
+        from .gguf_header import check_supported
+
+        check_supported(source_path)  # refuses from the header before hashing the file
     models_dir = Path(models_dir)
     target = models_dir / (name or package_name(source_path, precision))
     source_hash = sha256_file(source_path) if source_path.is_file() else _folder_hash(source_path)
@@ -163,10 +167,10 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str) -> dict:
     lin = lambda n: to_precision(src.linear(p + n + ".weight"), precision)  # noqa: E731
     w = {
         "attn_norm": src.vector(p + "attn_norm.weight"),
-        "qkv": concat_rows([lin("attn_q"), lin("attn_k"), lin("attn_v")]),
+        "qkv": lin("attn_qkv") if src.has(p + "attn_qkv.weight") else concat_rows([lin("attn_q"), lin("attn_k"), lin("attn_v")]),
         "attn_output": lin("attn_output"),
         "ffn_norm": src.vector(p + "ffn_norm.weight"),
-        "gate_up": concat_rows([lin("ffn_gate"), lin("ffn_up")]),
+        "gate_up": concat_rows([lin("ffn_gate"), lin("ffn_up")]) if src.has(p + "ffn_gate.weight") else lin("ffn_up"),  # Phi-3: fused
         "ffn_down": lin("ffn_down"),
     }
     if cfg.attention_bias:
@@ -174,6 +178,9 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str) -> dict:
     if cfg.qk_norm:
         w["q_norm"] = src.vector(p + "attn_q_norm.weight")
         w["k_norm"] = src.vector(p + "attn_k_norm.weight")
+    if cfg.post_norms:  # Gemma 2/3
+        w["post_attention_norm"] = src.vector(p + "post_attention_norm.weight")
+        w["post_ffw_norm"] = src.vector(p + "post_ffw_norm.weight")
     return w
 
 
@@ -190,7 +197,11 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
                    max_context: int, report: Progress, measure_cost: bool) -> Manifest:
     writer = _BlobWriter(root / "blobs")
     n_units = cfg.n_units
-    cos, sin = graphs.rotary_tables(cfg, max_context, src.dense("rope_freqs.weight").reshape(-1) if src.has("rope_freqs.weight") else None)
+    from .families import rope_factor_tensor, rope_tables
+
+    factors = rope_factor_tensor(cfg, max_context, src.has)
+    ropes = rope_tables(cfg, max_context, src.dense(factors).reshape(-1) if factors else None)
+    cos, sin = ropes["global"]
     built: list[tuple[str, onnx.ModelProto]] = []
 
     table = _embedding_table(src, precision)
@@ -198,7 +209,7 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     report("build", 1, n_units)
     for layer in range(cfg.n_layers):
         unit = layer + 1
-        built.append(("layer", graphs.layer_unit(cfg, unit, _unit_weights(src, cfg, layer, precision), cos, sin)))
+        built.append(("layer", graphs.layer_unit(cfg, unit, _unit_weights(src, cfg, layer, precision), cos, sin, ropes.get("local"))))
         report("build", unit + 1, n_units)
     if cfg.tie_embeddings:
         lm_head = table
@@ -213,8 +224,8 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     graph_shas: list[str] = []
     for kind, model in built:
         files = writer.externalize(model)
-        shared.update(sha for name, (sha, _) in files.items() if name in ("cos_cache", "sin_cache"))
-        unit_files.append({n: f for n, f in files.items() if n not in ("cos_cache", "sin_cache")})
+        shared.update(sha for name, (sha, _) in files.items() if name.startswith(("cos_cache", "sin_cache")))
+        unit_files.append({n: f for n, f in files.items() if not n.startswith(("cos_cache", "sin_cache"))})
         graph_shas.append(writer.put(model.SerializeToString()))
 
     tokenizer_sha = writer.put(src.tokenizer_json().encode())

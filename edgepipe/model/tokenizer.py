@@ -20,14 +20,27 @@ _SPLIT_REGEX["smaug-bpe"] = _SPLIT_REGEX["llama-bpe"]
 _SPLIT_REGEX["deepseek-r1-qwen"] = _SPLIT_REGEX["qwen2"]
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types that must never be split
+SUPPORTED_TOKENIZERS: tuple[str, ...] = ("gpt2", "llama")  # byte-level BPE, SentencePiece BPE
+# SentencePiece families whose text handling differs from Llama 2's (Metaspace, prefix space):
+_GEMMA = {"gemma", "gemma2", "gemma3"}
+_PHI3 = {"phi3"}
 
 
-def tokenizer_json_from_gguf(data) -> str:
-    """A ``tokenizer.json`` equivalent to the GGUF's byte-level BPE vocabulary."""
+def tokenizer_json_from_gguf(data, architecture: str = "") -> str:
+    """A ``tokenizer.json`` equivalent to the GGUF's vocabulary: byte-level BPE ("gpt2") or
+    SentencePiece BPE with byte fallback ("llama"), each as Hugging Face reads the same file."""
+    if data.model == "gpt2":
+        return _byte_level(data)
+    if data.model == "llama":
+        return _sentencepiece(data, architecture)
+    raise UnsupportedModel(
+        f"tokenizer model {data.model!r} is not supported (supported: {', '.join(SUPPORTED_TOKENIZERS)})"
+    )
+
+
+def _byte_level(data) -> str:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    if data.model != "gpt2":
-        raise UnsupportedModel(f"tokenizer model {data.model!r} is not supported yet (byte-level BPE 'gpt2' is)")
     vocab = {tok: i for i, tok in enumerate(data.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in data.merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -48,6 +61,48 @@ def tokenizer_json_from_gguf(data) -> str:
     specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(data.tokens, types) if ty in (CONTROL, USER_DEFINED)]
     tok.add_special_tokens(specials)
     return tok.to_str()
+
+
+def _sentencepiece(data, architecture: str) -> str:
+    """BPE over ``▁``-spaced pieces with ``<0xXX>`` byte fallback; merges from the file or, as
+    llama.cpp ranks them, from the pieces' scores (Gemma: from the file order)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    tokens = list(data.tokens)
+    if architecture in _GEMMA:  # runs of spaces are stored as spaces, looked up as ``▁``
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        ranks = {t: -i for i, t in enumerate(tokens)}
+    else:
+        scores = data.scores or [-float(i) for i in range(len(tokens))]
+        ranks = dict(zip(tokens, scores))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in data.merges] if data.merges else merges_from_ranks(vocab, ranks)
+    unk = tokens[data.unk_id] if architecture in _GEMMA and getattr(data, "unk_id", None) is not None else None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, unk_token=unk))
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if architecture in _GEMMA:
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+    elif architecture in _PHI3:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        steps.append(decoders.Strip(content=" ", left=1))
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        steps.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(steps)
+    types = data.token_types or [1] * len(tokens)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    return tok.to_str()
+
+
+def merges_from_ranks(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary, best-ranked result first."""
+    found = []
+    for piece, rank in ranks.items():
+        local = [(piece[:i], piece[i:], rank) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        found.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in found]
 
 
 @dataclass

@@ -1,0 +1,165 @@
+"""Read a GGUF header (metadata and tensor table, no tensor data) fast, and refuse what we cannot build.
+
+``gguf.GGUFReader`` parses every metadata array element by element, which takes ~25 s for a
+262k-token vocabulary; this reader skips arrays it does not need in one step per array (string
+arrays: one length read per string), so a refusal comes from the header in well under a second.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import SUPPORTED_ARCHITECTURES, UnsupportedModel
+
+# GGUF metadata value types: id -> (struct format, size); 8 = string, 9 = array.
+_SCALAR = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
+           7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
+_STRING, _ARRAY = 8, 9
+_KEEP_ARRAY = 64  # arrays up to this many elements are kept; longer ones become their length
+
+# Tensor types (ggml ids) the importer reads: float ones and every block type gguf.quants dequantizes.
+TENSOR_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+                10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 16: "IQ2_XXS", 17: "IQ2_XS",
+                18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M",
+                34: "TQ1_0", 35: "TQ2_0"}
+_OTHER_TYPES = {9: "Q8_1", 15: "Q8_K", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 39: "MXFP4", 40: "NVFP4"}
+# RoPE scaling kinds the graphs reproduce ("su"/"longrope" arrive as factor tensors).
+ROPE_SCALING = ("none", "linear", "llama3", "longrope", "su")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # GGUF order: fastest axis first
+    type_id: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    metadata: dict  # key -> value; long arrays -> their length (int)
+    tensors: dict[str, TensorInfo]
+
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+
+def read_header(path: str | Path) -> GGUFHeader:
+    """Metadata and tensor table of a GGUF file; raises ``ValueError`` on a damaged header."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError("not a GGUF file (bad magic)")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is too old")
+        pos = 24
+        meta: dict = {}
+        for _ in range(n_kv):
+            key, pos = _string(buf, pos)
+            (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+            meta[key], pos = _value(buf, pos, vtype)
+        tensors: dict[str, TensorInfo] = {}
+        for _ in range(n_tensors):
+            name, pos = _string(buf, pos)
+            (n_dims,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+            shape = struct.unpack_from(f"<{n_dims}Q", buf, pos)
+            pos += 8 * n_dims
+            type_id, _offset = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            tensors[name] = TensorInfo(name, tuple(int(d) for d in shape), int(type_id))
+    return GGUFHeader(meta, tensors)
+
+
+def _string(buf, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    if n > len(buf):
+        raise ValueError("string length past the end of the file")
+    return bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace"), pos + 8 + n
+
+
+def _value(buf, pos: int, vtype: int):
+    if vtype in _SCALAR:
+        fmt, size = _SCALAR[vtype]
+        return struct.unpack_from(fmt, buf, pos)[0], pos + size
+    if vtype == _STRING:
+        return _string(buf, pos)
+    if vtype == _ARRAY:
+        etype, n = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if n <= _KEEP_ARRAY:
+            items = []
+            for _ in range(n):
+                item, pos = _value(buf, pos, etype)
+                items.append(item)
+            return items, pos
+        if etype in _SCALAR:
+            return n, pos + n * _SCALAR[etype][1]
+        if etype == _STRING:
+            for _ in range(n):
+                (length,) = struct.unpack_from("<Q", buf, pos)
+                pos += 8 + length
+            return n, pos
+        for _ in range(n):  # arrays of arrays: rare, walk them
+            _, pos = _value(buf, pos, etype)
+        return n, pos
+    raise ValueError(f"unknown metadata value type {vtype}")
+
+
+def unsupported_reasons(header: GGUFHeader) -> list[str]:
+    """Everything in this header that edgepipe cannot build (empty: go ahead)."""
+    from .tokenizer import SUPPORTED_TOKENIZERS
+
+    m = header.metadata
+    arch = header.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        return [f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"]
+    reasons = []
+    tok_model = m.get("tokenizer.ggml.model")
+    if tok_model is None:
+        reasons.append("no tokenizer in the file (tokenizer.ggml.model is missing)")
+    elif tok_model not in SUPPORTED_TOKENIZERS:
+        reasons.append(f"tokenizer model {tok_model!r} is not supported (supported: {', '.join(SUPPORTED_TOKENIZERS)})")
+    bad = sorted({_OTHER_TYPES.get(t.type_id, f"ggml type {t.type_id}") for t in header.tensors.values() if t.type_id not in TENSOR_TYPES})
+    if bad:
+        reasons.append(f"tensor type {', '.join(bad)} is not supported")
+    scaling = m.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ROPE_SCALING:
+        reasons.append(f"RoPE scaling {scaling!r} is not supported (supported: {', '.join(ROPE_SCALING)})")
+    if m.get(f"{arch}.expert_count"):
+        reasons.append("mixture-of-experts layers are not supported")
+    missing = [n for n in _required_tensors(arch, header) if n not in header.tensors]
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        reasons.append(f"missing tensor{'s' if len(missing) > 1 else ''} {', '.join(missing[:4])}{more}")
+    return reasons
+
+
+def _required_tensors(arch: str, header: GGUFHeader) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight", "blk.0.attn_norm.weight", "blk.0.attn_output.weight",
+             "blk.0.ffn_down.weight", "blk.0.ffn_up.weight"]
+    if "blk.0.attn_qkv.weight" not in header.tensors:
+        names += ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"]
+    if arch != "phi3":
+        names += ["blk.0.ffn_gate.weight"]
+    if arch in ("gemma2", "gemma3"):
+        names += ["blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"]
+    if arch in ("qwen3", "gemma3"):
+        names += ["blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"]
+    return names
+
+
+def check_supported(path: str | Path) -> GGUFHeader:
+    """Read the header and raise ``UnsupportedModel`` naming everything that is missing."""
+    from .gguf_source import CorruptModel
+
+    try:
+        header = read_header(path)
+    except (ValueError, struct.error, OSError) as exc:
+        raise CorruptModel(f"{Path(path).name}: not a readable GGUF file, truncated or damaged ({exc})") from None
+    reasons = unsupported_reasons(header)
+    if reasons:
+        raise UnsupportedModel(f"{Path(path).name}: " + "; ".join(reasons))
+    return header

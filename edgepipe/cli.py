@@ -25,7 +25,8 @@ err = Console(stderr=True)
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError, MemoryError, OSError)
 
 HomeOption = typer.Option(None, "--home", help="Where packages and caches live (default: $EDGEPIPE_HOME or the user data dir).")
-PrecisionOption = typer.Option("int4", "--precision", "-p", help="int4 | int8 | fp32")
+PrecisionOption = typer.Option("int4", "--precision", "-p", help="native (the GGUF's own blocks, exactly) | int4 | int8 | fp32 (re-quantize)")
+ImportPrecisionOption = typer.Option("native", "--precision", "-p", help="native: the GGUF's own blocks, exactly (default) | int4 | int8 | fp32: re-quantize every linear")
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -35,12 +36,24 @@ def fail(message: str, code: int = 1) -> None:
 
 def _progress():
     """A rich progress bar fed by the importer's (phase, done, total) callbacks."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TransferSpeedColumn)
 
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True)
+    by_bytes = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
+                        console=err, transient=True)
     tasks: dict[str, int] = {}
 
     def report(phase: str, done: int, total: int) -> None:
+        if phase == "weights":  # bytes of the source converted: a size and a speed, not a count
+            if not by_bytes.live.is_started:
+                by_bytes.start()
+            if phase not in tasks:
+                tasks[phase] = by_bytes.add_task("converting weights", total=total)
+            by_bytes.update(tasks[phase], completed=done)
+            if done >= total:
+                by_bytes.stop()
+            return
         if not bar.live.is_started:
             bar.start()
         label = {"build": "importing units", "measure": "measuring unit costs"}.get(phase, phase)
@@ -67,7 +80,7 @@ def open_model(model: Optional[str], precision: str, home: Optional[Path]):
 @app.command("import")
 def import_cmd(
     source: Path = typer.Argument(..., help="A .gguf file or a local Hugging Face model folder."),
-    precision: str = PrecisionOption,
+    precision: str = ImportPrecisionOption,
     name: Optional[str] = typer.Option(None, help="Package name (default: from the file name)."),
     max_context: int = typer.Option(8192, help="Longest context the package supports."),
     home: Optional[Path] = HomeOption,
@@ -77,6 +90,8 @@ def import_cmd(
     from .model.package import Package
     from .model.store import home_dir
 
+    if precision != "native" and source.suffix.lower() == ".gguf":
+        err.print(f"re-quantizing every linear to {precision} (the default, native, keeps the file's own blocks exactly)")
     bar, report = _progress()
     try:
         path = import_model(source, home_dir(home) / "models", precision, name=name, max_context=max_context, progress=report)
@@ -151,6 +166,9 @@ def serve(
     join_token: Optional[str] = typer.Option(None, "--join-token", envvar="EDGEPIPE_JOIN_TOKEN", help="Workers must present this token."),
     admin_token: Optional[str] = typer.Option(None, "--admin-token", envvar="EDGEPIPE_ADMIN_TOKEN",
                                               help="Bearer token for routes that change the cluster (default: the API key, else loopback only)."),
+    data_secrets: str = typer.Option("issued", "--data-secrets",
+                                     help="issued: a random secret per stage and plan, given only to its predecessor | derived: "
+                                          "derived from the join token (any token holder may feed any stage)."),
     tls: bool = typer.Option(False, "--tls", help="Serve https/wss with a self-signed certificate made once under the home directory."),
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="Serve https/wss with this certificate (PEM)."),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="The private key of --tls-cert (PEM)."),
@@ -178,7 +196,7 @@ def serve(
     except USER_ERRORS as exc:
         fail(str(exc))
     settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,
-                             join_token=join_token, admin_token=admin_token, tls=tls, tls_cert=tls_cert, tls_key=tls_key,
+                             join_token=join_token, admin_token=admin_token, data_secrets=data_secrets, tls=tls, tls_cert=tls_cert, tls_key=tls_key,
                              tls_dir=str(home_dir(home) / "tls"),
                              max_active=max_active, max_queue=max_queue, objective=objective,
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),

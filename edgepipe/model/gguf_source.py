@@ -1,19 +1,23 @@
-"""Read a GGUF file: architecture metadata, tokenizer data and weights (``gguf`` package).
+"""Read a GGUF file: architecture metadata, tokenizer data and weights.
 
-Q4_1, Q4_0 and Q8_0 blocks are decoded into :class:`BlockQuantized` without loss, so an int4
-or int8 package keeps the file's own quantization; every other type is dequantized with
-``gguf.quants`` and re-quantized (or kept as fp32) by the importer.
+The header is parsed here (``gguf.GGUFReader`` decodes every vocabulary string one numpy
+call at a time: ~45 s for a 150k vocabulary on a busy machine), and tensors are read row range
+by row range with ``pread``, so nothing maps the whole file into memory. Block types in
+``weights.NATIVE_TYPES`` decode exactly into MatMulNBits blocks; float types into float32;
+anything else is refused from the header, naming the tensor and its type.
 """
 
 from __future__ import annotations
 
+import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModel
-from .weights import BlockQuantized, Weight
+from .weights import FLOAT_TYPES, NATIVE_TYPES, BlockQuantized, Weight, decode_float, decode_native, row_bytes
 
 
 class CorruptModel(ValueError):
@@ -41,12 +45,142 @@ class TokenizerData:
     unk_id: int | None = None
 
 
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    kind: str  # GGUF type name: "Q4_K", "F32", ...
+    shape: tuple[int, ...]  # numpy order: [rows, cols] (out, in)
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
+
+
+class UnsupportedTensorType(UnsupportedModel):
+    """A tensor's GGUF type has no exact representation here."""
+
+
+# GGUF metadata value types -> numpy dtypes (8 = string, 9 = array).
+_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+
+def read_gguf_header(path: Path) -> tuple[dict, dict[str, TensorEntry]]:
+    """Every metadata value (arrays as lists) and the tensor table; raises ValueError when damaged."""
+    import gguf
+
+    size = path.stat().st_size
+    want = 1 << 24  # the header is small next to the data; grow the prefix if it is not
+    with open(path, "rb") as f:
+        while True:
+            f.seek(0)
+            buf = f.read(want)
+            if buf[:4] != b"GGUF":
+                raise ValueError("not a GGUF file (bad magic)")
+            version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+            if version < 2:
+                raise ValueError(f"GGUF version {version} is too old")
+            try:
+                meta, tensors_raw, pos = _parse(buf, n_kv, n_tensors)
+                break
+            except (IndexError, struct.error):
+                if len(buf) < want:
+                    raise ValueError("header runs past the end of the file") from None
+                want *= 4
+    align = int(meta.get("general.alignment", 32))
+    data_start = -(-pos // align) * align
+    tensors = {}
+    for name, dims, type_id, offset in tensors_raw:
+        try:
+            qtype = gguf.GGMLQuantizationType(type_id)
+            kind = qtype.name
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            kind, block, type_size = f"ggml type {type_id}", 1, 0
+        shape = tuple(int(d) for d in reversed(dims))  # GGUF lists the fastest axis first
+        elems = int(np.prod(shape, dtype=np.int64))
+        tensors[name] = TensorEntry(name, kind, shape, data_start + offset, elems // block * type_size)
+    end = max((t.offset + t.nbytes for t in tensors.values()), default=0)
+    if end > size:
+        raise ValueError(f"truncated: tensor data ends at byte {end}, the file has {size}")
+    return meta, tensors
+
+
+def _parse(buf: bytes, n_kv: int, n_tensors: int):
+    def string(pos):
+        (n,) = struct.unpack_from("<Q", buf, pos)
+        if pos + 8 + n > len(buf):
+            raise IndexError
+        return buf[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
+
+    def value(pos, vtype):
+        if vtype in _DTYPES:
+            dt = np.dtype(_DTYPES[vtype])
+            if pos + dt.itemsize > len(buf):
+                raise IndexError
+            return np.frombuffer(buf, dt, 1, pos)[0].item(), pos + dt.itemsize
+        if vtype == 8:
+            return string(pos)
+        if vtype == 9:
+            etype, n = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            if etype in _DTYPES:
+                dt = np.dtype(_DTYPES[etype])
+                if pos + n * dt.itemsize > len(buf):
+                    raise IndexError
+                return np.frombuffer(buf, dt, n, pos).tolist(), pos + n * dt.itemsize
+            items = []
+            if etype == 8:  # string arrays (vocabularies, merges): the hot loop of the header
+                unpack = struct.unpack_from
+                for _ in range(n):
+                    (length,) = unpack("<Q", buf, pos)
+                    pos += 8
+                    items.append(buf[pos : pos + length].decode("utf-8", errors="replace"))
+                    pos += length
+                if pos > len(buf):
+                    raise IndexError
+                return items, pos
+            for _ in range(n):
+                item, pos = value(pos, etype)
+                items.append(item)
+            return items, pos
+        raise ValueError(f"unknown metadata value type {vtype}")
+
+    pos = 24
+    meta = {}
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (vtype,) = struct.unpack_from("<I", buf, pos)
+        meta[key], pos = value(pos + 4, vtype)
+    tensors = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (n_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+        pos += 4 + 8 * n_dims
+        type_id, offset = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        tensors.append((name, dims, type_id, offset))
+    return meta, tensors, pos
+
+
+def refuse_unsupported_types(path: Path, tensors: dict[str, TensorEntry]) -> None:
+    """One line naming the first tensor whose type has no exact layout (before reading any data)."""
+    for t in tensors.values():
+        if t.kind not in NATIVE_TYPES and t.kind not in FLOAT_TYPES:
+            others = sum(1 for u in tensors.values() if u.kind == t.kind) - 1
+            more = f" (and {others} more of that type)" if others else ""
+            raise UnsupportedTensorType(
+                f"{path.name}: tensor {t.name} has GGUF type {t.kind}{more}, which edgepipe cannot keep exactly "
+                f"(supported: {', '.join(FLOAT_TYPES + tuple(NATIVE_TYPES))})")
+
+
 class GGUFSource:
     """Random access to one GGUF file's metadata and tensors."""
 
     def __init__(self, path: str | Path):
-        import gguf
-
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such model file")
@@ -54,23 +188,16 @@ class GGUFSource:
 
         check_supported(self.path)
         try:
-            self._reader = gguf.GGUFReader(str(self.path))
-            self._tensors = {t.name: t for t in self._reader.tensors}
-            expected_end = max(
-                (int(t.data_offset) + int(t.n_bytes) for t in self._reader.tensors), default=0
-            )
-        except Exception as exc:  # the reader raises assorted errors on damaged files
+            self._meta, self._tensors = read_gguf_header(self.path)
+        except (ValueError, struct.error, UnicodeDecodeError, OverflowError) as exc:
             raise CorruptModel(f"{self.path.name}: not a readable GGUF file, truncated or damaged ({exc})") from exc
-        if expected_end > self.path.stat().st_size:
-            raise CorruptModel(f"{self.path.name}: truncated GGUF file")
+        refuse_unsupported_types(self.path, self._tensors)
+        self._file = None
         self.config = self._read_config()
 
     # -- metadata ---------------------------------------------------------------------------
     def _field(self, key: str, default=None):
-        field = self._reader.fields.get(key)
-        if field is None:
-            return default
-        return field.contents()
+        return self._meta.get(key, default)
 
     def _read_config(self) -> ModelConfig:
         arch = self._field("general.architecture")
@@ -82,7 +209,7 @@ class GGUFSource:
         n_heads = int(a("attention.head_count"))
         hidden = int(a("embedding_length"))
         head_dim = int(a("attention.key_length", hidden // n_heads))
-        vocab = a("vocab_size") or len(self._reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = a("vocab_size") or len(self._meta.get("tokenizer.ggml.tokens", ()))
         if "token_embd.weight" not in self._tensors:
             raise CorruptModel(f"{self.path.name}: no token_embd.weight tensor")
         from .families import family_config
@@ -155,59 +282,43 @@ class GGUFSource:
     def vector(self, name: str) -> np.ndarray:
         return self.dense(name).reshape(-1)
 
+    def tensor(self, name: str) -> TensorEntry:
+        return self._require(name)
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def raw_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Bytes of rows ``[start, stop)`` as ``[rows, row_bytes]`` uint8, read with ``pread``."""
+        t = self._require(name)
+        width = row_bytes(t.kind, t.shape[-1])
+        if self._file is None:
+            self._file = open(self.path, "rb")
+        data = os.pread(self._file.fileno(), (stop - start) * width, t.offset + start * width)
+        return np.frombuffer(data, np.uint8).reshape(stop - start, width)
+
+    def rows(self, name: str, start: int, stop: int) -> Weight:
+        """Rows ``[start, stop)`` as exact blocks (block types) or float32 (float types)."""
+        t = self._require(name)
+        raw = self.raw_rows(name, start, stop)
+        if t.kind in FLOAT_TYPES:
+            return decode_float(raw, t.kind, t.shape[-1])
+        return decode_native(raw, t.kind, t.shape[-1])
+
     def dense(self, name: str) -> np.ndarray:
         """The tensor dequantized to float32, numpy layout ``[rows, cols]`` (out, in)."""
-        import gguf
-
         t = self._require(name)
-        data = np.asarray(t.data)
-        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16):
-            out = gguf.quants.dequantize(data, t.tensor_type) if t.tensor_type == gguf.GGMLQuantizationType.BF16 else data
-            return np.asarray(out, dtype=np.float32).reshape(self._shape(t))
-        return np.asarray(gguf.quants.dequantize(data, t.tensor_type), np.float32).reshape(self._shape(t))
+        w = self.rows(name, 0, t.rows)
+        w = w.dequantize() if isinstance(w, BlockQuantized) else w
+        return np.asarray(w, np.float32).reshape(t.shape)
 
     def linear(self, name: str) -> Weight:
-        """A ``[N, K]`` weight, as exact blocks where the file's type maps onto MatMulNBits."""
-        import gguf
-
+        """A ``[N, K]`` weight: the file's own blocks, exactly, or float32 for float types."""
         t = self._require(name)
-        q = gguf.GGMLQuantizationType
-        if t.tensor_type in (q.Q4_0, q.Q4_1, q.Q8_0) and self._shape(t)[1] % 32 == 0:
-            return _decode_blocks(np.asarray(t.data), t.tensor_type.name, self._shape(t))
-        return self.dense(name)
+        return self.rows(name, 0, t.rows)
 
-    @staticmethod
-    def _shape(t) -> tuple[int, ...]:
-        return tuple(int(x) for x in reversed(t.shape))  # GGUF lists the fastest axis first
-
-    def _require(self, name: str):
+    def _require(self, name: str) -> TensorEntry:
         t = self._tensors.get(name)
         if t is None:
             raise CorruptModel(f"{self.path.name}: tensor {name} is missing")
         return t
-
-
-def _decode_blocks(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> BlockQuantized:
-    """Decode llama.cpp's 32-element blocks without changing a single value."""
-    n, k = shape
-    nb = k // 32
-    raw = raw.reshape(n, nb, -1)
-    if kind == "Q8_0":  # d:f16, qs:int8[32]; w = d * q
-        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = raw[..., 2:34].copy().view(np.int8).astype(np.int16) + 128
-        return BlockQuantized(8, 32, qs.astype(np.uint8).reshape(n, k), d, None)
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == "Q4_1":  # d:f16, m:f16, qs[16]; w = d * q + m
-        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = raw[..., 4:20]
-    else:  # Q4_0: d:f16, qs[16]; w = d * (q - 8)
-        m = -8.0 * d
-        qs = raw[..., 2:18]
-    low, high = qs & 0x0F, qs >> 4  # llama.cpp: element j in the low nibble, j+16 in the high
-    q = np.concatenate([low, high], axis=-1).reshape(n, k).astype(np.uint8)
-    safe_d = np.where(d == 0, np.float32(1.0), d)
-    zero = np.where(d == 0, np.float32(0.0), -m / safe_d).astype(np.float32)
-    scale = np.where(d == 0, np.float32(0.0), d).astype(np.float32)
-    # A block with d == 0 is constant m: represent it as scale 0 (value 0) plus nothing; such
-    # blocks only occur for all-zero weights in practice, where m == 0 too.
-    return BlockQuantized(4, 32, q, scale, zero)

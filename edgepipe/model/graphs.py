@@ -21,7 +21,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .config import ModelConfig
-from .weights import BlockQuantized, Weight
+from .weights import BlockQuantized, Stored, StoredBlocks, Weight
 
 OPSET = 21
 IR_VERSION = 10  # the newest ONNX Runtime 1.31 and onnxruntime-web 1.30 both load
@@ -64,23 +64,61 @@ class _Graph:
     def op1(self, op_type: str, inputs: list[str], **kw) -> str:
         return self.op(op_type, inputs, **kw)[0]
 
-    def linear(self, x: str, w: Weight, base: str, bias: np.ndarray | None = None, out: str | None = None) -> str:
-        """``x @ w.T (+ bias)`` as MatMul (float) or MatMulNBits (quantized)."""
+    def external(self, stored: Stored, base: str, dtype: int, dims: list[int]) -> str:
+        """An initializer whose bytes are already a blob (``location`` = its sha, beside the graph)."""
+        name = f"{self.prefix}{base}"
+        t = onnx.TensorProto()
+        t.name, t.data_type, t.data_location = name, dtype, onnx.TensorProto.EXTERNAL
+        t.dims.extend(dims)
+        for k, v in (("location", stored.sha), ("offset", "0"), ("length", str(stored.nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = k, v
+        self.initializers[name] = t
+        return name
+
+    def linear(self, x: str, w, base: str, bias: np.ndarray | None = None, out: str | None = None, rank: int = 3) -> str:
+        """``x @ w.T (+ bias)`` as MatMul (float) or MatMulNBits (quantized) plus, for blocks with
+        offsets, ``BlockSum(x) @ offsets.T``; a list of row groups runs each and concatenates."""
         outs = [out] if out and bias is None else None
-        if isinstance(w, BlockQuantized):
-            n, k = w.shape
-            ins = [x, self.const(w.packed(), base + ".qweight"), self.const(w.scales.reshape(-1), base + ".scales")]
-            if w.zero_points is not None:
-                if not w.has_integer_zeros:
-                    raise ValueError(f"{base}: zero points must be integers for MatMulNBits")
-                ins.append(self.const(w.packed_zero_points(), base + ".zeros"))
-            # accuracy_level 4 lets MLAS quantize activations to int8 on the fly where it can.
-            y = self.op("MatMulNBits", ins, domain=MS, out=outs, K=k, N=n, bits=w.bits, block_size=w.block_size, accuracy_level=4)[0]
+        if isinstance(w, list):
+            parts = [self.linear(x, p, f"{base}.{i}", rank=rank) for i, p in enumerate(w)]
+            y = self.op("Concat", parts, out=outs, axis=-1)[0]
+        elif isinstance(w, (BlockQuantized, StoredBlocks)):
+            y = self._matmul_nbits(x, w, base, outs if w.offsets is None else None)
+            if w.offsets is not None:
+                y = self.op("Add", [y, self._block_offsets(x, w, base, rank)], out=outs)[0]
         else:
             y = self.op("MatMul", [x, self.const(np.ascontiguousarray(w.T), base + ".weight")], out=outs)[0]
         if bias is not None:
             y = self.op("Add", [y, self.const(bias.astype(np.float32), base + ".bias")], out=[out] if out else None)[0]
         return y
+
+    def _matmul_nbits(self, x: str, w, base: str, outs: list[str] | None) -> str:
+        n, k = w.shape
+        if isinstance(w, StoredBlocks):
+            nb = k // w.block_size
+            ins = [x, self.external(w.packed, base + ".qweight", TensorProto.UINT8, [n, nb, w.block_size * w.bits // 8]),
+                   self.external(w.scales, base + ".scales", FLOAT, [n * nb])]
+            if w.zero_points is not None:
+                ins.append(self.external(w.zero_points, base + ".zeros", TensorProto.UINT8, [w.zero_points.nbytes]))
+        else:
+            ins = [x, self.const(w.packed(), base + ".qweight"), self.const(w.scales.reshape(-1), base + ".scales")]
+            if w.zero_points is not None:
+                if not w.has_integer_zeros:
+                    raise ValueError(f"{base}: zero points must be integers for MatMulNBits")
+                ins.append(self.const(w.packed_zero_points(), base + ".zeros"))
+        # accuracy_level 4 lets MLAS quantize activations to int8 on the fly where it can.
+        return self.op("MatMulNBits", ins, domain=MS, out=outs, K=k, N=n, bits=w.bits, block_size=w.block_size, accuracy_level=4)[0]
+
+    def _block_offsets(self, x: str, w, base: str, rank: int) -> str:
+        """``BlockSum(x) @ offsets.T``: each block of x summed once, times the block's offset."""
+        n, k = w.shape
+        nb = k // w.block_size
+        blocks = self.op1("Reshape", [x, self.const(np.array([0] * (rank - 1) + [nb, w.block_size], np.int64), base + ".blocks")])
+        sums = self.op1("ReduceSum", [blocks, self.const(np.array([-1], np.int64), base + ".last")], keepdims=0)
+        if rank == 2:  # Gemm reads offsets as stored, the same bytes as a tied embedding's table
+            return self.op1("Gemm", [sums, self.const(w.offsets, base + ".offsets")], transB=1)
+        return self.op1("MatMul", [sums, self.const(np.ascontiguousarray(w.offsets.T), base + ".offsets_t")])
 
     def rms_norm(self, x: str, weight: np.ndarray, eps: float, base: str, out: str | None = None) -> str:
         return self.op("SimplifiedLayerNormalization", [x, self.const(weight.astype(np.float32), base)],
@@ -106,12 +144,8 @@ def rotary_tables(cfg: ModelConfig, max_positions: int, freq_factors: np.ndarray
 def embedding_unit(cfg: ModelConfig, table: Weight) -> onnx.ModelProto:
     g = _Graph("embed.")
     out = hidden_name(1)
-    if isinstance(table, BlockQuantized):
-        data = table.q if table.bits == 8 else table.packed().reshape(table.shape[0], -1)
-        ins = [g.const(data, "table.q"), "input_ids", g.const(table.scales, "table.scales")]
-        if table.zero_points is not None:
-            raise ValueError("quantized embeddings must be symmetric (default zero point)")
-        y = g.op1("GatherBlockQuantized", ins, domain=MS, bits=table.bits, block_size=table.block_size, gather_axis=0, quantize_axis=1)
+    if isinstance(table, (BlockQuantized, StoredBlocks)):
+        y = _gather_blocks(g, table)
     else:
         y = g.op1("Gather", [g.const(table, "table"), "input_ids"], axis=0)
     if cfg.embedding_scale != 1.0:
@@ -122,6 +156,29 @@ def embedding_unit(cfg: ModelConfig, table: Weight) -> onnx.ModelProto:
         [helper.make_tensor_value_info(out, FLOAT, ["batch", "seq", cfg.hidden_size])],
         "embedding",
     )
+
+
+def _gather_blocks(g: _Graph, table) -> str:
+    """Rows of a block-quantized table: GatherBlockQuantized (default zero point), plus each
+    block's offset repeated over the block where the type has one. ``[B, S] -> [B, S, H]``."""
+    n, k = table.shape
+    nb = k // table.block_size
+    if table.zero_points is not None:
+        raise ValueError("quantized embeddings must use the default zero point")
+    if isinstance(table, StoredBlocks):
+        data = g.external(table.packed, "table.q", TensorProto.UINT8, [n, k * table.bits // 8])
+        scales = g.external(table.scales, "table.scales", FLOAT, [n, nb])
+    else:
+        data = g.const(table.q if table.bits == 8 else table.packed().reshape(n, -1), "table.q")
+        scales = g.const(table.scales, "table.scales")
+    y = g.op1("GatherBlockQuantized", [data, "input_ids", scales], domain=MS, bits=table.bits, block_size=table.block_size,
+              gather_axis=0, quantize_axis=1)
+    if table.offsets is None:
+        return y
+    offsets = g.op1("Gather", [g.const(table.offsets, "table.offsets"), "input_ids"], axis=0)  # [B, S, nb]
+    spread = g.op1("Expand", [g.op1("Unsqueeze", [offsets, g.const(np.array([-1], np.int64), "table.last")]),
+                              g.const(np.array([1, 1, nb, table.block_size], np.int64), "table.spread")])
+    return g.op1("Add", [y, g.op1("Reshape", [spread, g.const(np.array([0, 0, k], np.int64), "table.shape")])])
 
 
 def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], cos: np.ndarray, sin: np.ndarray,
@@ -227,7 +284,7 @@ def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weig
         # Gemm with transB reads the embedding table as stored: one weight file for both units.
         logits = g.op1("Gemm", [normed, g.const(lm_head, "lm_head"), ], transB=1)
     else:
-        logits = g.linear(normed, lm_head, "lm_head")
+        logits = g.linear(normed, lm_head, "lm_head", rank=2)
     if cfg.logit_scale != 1.0:
         logits = g.op1("Div", [logits, g.const(np.array(cfg.logit_scale, np.float32), "logit_scale")])
     if cfg.final_logit_softcap:  # Gemma 2: cap * tanh(logits / cap)

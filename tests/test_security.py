@@ -27,8 +27,22 @@ ADMIN = "admin-s3cret"
 
 @pytest.fixture(scope="module")
 def cluster(home, int4_pkg):
-    with Server(home, workers=2, args=("--join-token", TOKEN, "--admin-token", ADMIN, "--placement", "memory")) as server:
+    # derived data-port secrets: the test holds the join token, so it can act as a stage's
+    # predecessor (with issued secrets only the coordinator and that predecessor know them)
+    with Server(home, workers=2, args=("--join-token", TOKEN, "--admin-token", ADMIN, "--placement", "memory",
+                                       "--data-secrets", "derived")) as server:
         yield server
+
+
+def test_issued_data_secrets_are_known_only_to_the_predecessor(home, int4_pkg):
+    """By default each stage's secret is random per plan and given only to its predecessor: even
+    the join token does not open a data port, while the pipeline itself still runs."""
+    with Server(home, workers=2, args=("--join-token", TOKEN, "--placement", "memory")) as server:
+        url, plan, _ = second_stage(server)
+        with pytest.raises(InvalidStatus) as refused:
+            connect(url, additional_headers=auth.data_headers(auth.derived_secret(TOKEN, url, plan), plan), open_timeout=10).close()
+        assert refused.value.response.status_code in (401, 429)
+        assert complete(server)
 
 
 def ws_url(server: Server) -> str:

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from ..net import auth, limits, validate
 from ..net.channel import Channel, ChannelClosed
 from ..net.messages import Bye, Emulate, ErrorCode, Ping, Welcome, parse
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, error_frame
@@ -53,6 +54,7 @@ class CoordinatorSettings:
     replan_every_s: float = 10.0  # periodic check for drift
     lane_wait_s: float = 0.005  # how long a micro-batch waits for a member that is late
     capacity_wait_s: float = 30.0  # a request waits this long for workers that can hold the model, then fails
+    issue_data_secrets: bool = True  # False: stages derive data-port secrets from the join token (net.auth)
     max_wait_s: float = 300.0  # a request without progress for this long fails (cluster down, pipeline failing)
 
 
@@ -75,7 +77,7 @@ class Coordinator:
         self.clock = clock  # every time the control plane reads (the simulation injects a virtual one)
         self.cluster = ClusterState(phase_since=clock())
         self.links: dict[str, Link] = {}
-        self.events: deque[dict] = deque(maxlen=500)
+        self.events = limits.EventLog()  # bounded per kind: one noisy kind cannot flush the others
         self.up = asyncio.Event()  # set exactly while the phase is Up
         self.profile = ClusterProfile(self.manifest)
         self.recent_steps: deque[tuple[int, float]] = deque(maxlen=256)  # (positions fed, wall seconds)
@@ -99,7 +101,7 @@ class Coordinator:
 
     def event(self, kind: str, **fields) -> None:
         """A line for the dashboard and the log (not state)."""
-        self.events.append({"t": time.time(), "kind": kind, **fields})
+        self.events.append(limits.json_safe({"t": time.time(), "kind": kind, **fields}))
         log.info("%s %s", kind, fields)
 
     @property
@@ -202,7 +204,7 @@ class Coordinator:
         if self.stopped:
             await self._refuse(channel, "the coordinator is stopping")
             return
-        if self.settings.join_token and hello.get("token") != self.settings.join_token:
+        if self.settings.join_token and not auth.same_secret(hello.get("token"), self.settings.join_token):
             await self._refuse(channel, "wrong or missing join token" if hello.get("token") else "missing join token")
             return
         wanted = hello.get("precision")
@@ -245,7 +247,9 @@ class Coordinator:
             try:
                 msg = decode(raw)
                 typed = parse(msg, vocab)
-            except ProtocolError as exc:
+                if msg.type is T.PONG:
+                    validate.pong_stats(msg.fields)
+            except (ProtocolError, validate.InvalidWorkerFrame) as exc:
                 await self._refuse(link.channel, f"bad frame from {wid}: {exc}")
                 return
             seen = self.cluster.workers.get(wid)
@@ -274,6 +278,12 @@ class Coordinator:
             if fut and not fut.done():
                 fut.set_result(typed)
         elif msg.type is T.FORWARD and typed.relay_to:
+            dep = self.cluster.active
+            try:  # only a stage of the active plan may relay, and only to the stage after it
+                validate.relay_frame(msg.fields, sender=wid, stages=dep.workers if dep else (), plan_id=dep.plan_id if dep else -1)
+            except validate.InvalidWorkerFrame as exc:
+                self.event("ignored", worker=wid, why=str(exc))
+                return
             target = self.links.get(typed.relay_to)
             if target:
                 fields = {k: v for k, v in msg.fields.items() if k != "relay_to"}

@@ -63,21 +63,28 @@ def move_is_cheaper(kv_bytes: int, bandwidth: float, latency_s: float, stage_s: 
     return move_s < recompute_s
 
 
-def next_hop(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, WorkerInfo]) -> dict:
-    """Where stage ``i`` sends its output."""
+def next_hop(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, WorkerInfo],
+             secrets: Sequence[str] | None = None) -> dict:
+    """Where stage ``i`` sends its output, with the next stage's data-port secret (``net.auth``)."""
     if i == len(stages) - 1:
         return {"kind": "coordinator"}
     nxt = workers[stages[i + 1].worker_id]
     relay = nxt.relay or workers[stages[i].worker_id].relay
-    return {"kind": "worker", "id": nxt.id, "url": nxt.hello.get("data_url"), "relay": relay}
+    hop = {"kind": "worker", "id": nxt.id, "url": nxt.hello.get("data_url"), "relay": relay}
+    if secrets is not None and secrets[i + 1]:
+        hop["secret"] = secrets[i + 1]
+    if nxt.hello.get("data_fingerprint"):
+        hop["fingerprint"] = nxt.hello["data_fingerprint"]
+    return hop
 
 
 def load_message(package, plan_id: int, start: int, end: int, precision: str | None, nxt: dict, keep: list[int],
-                 warm: bool | None = None) -> Load:
+                 warm: bool | None = None, data_secret: str | None = None) -> Load:
     manifest = package.manifest
     return Load(plan=plan_id, start=start, end=end, graph=package.stage_graph(start, end, precision),
                 files=list(manifest.stage_files(start, end, precision)), next=nxt, keep=keep, max_context=manifest.max_context,
-                kv_bytes_per_token=sum(u.kv_bytes_per_token for u in manifest.units[start:end]), warm=warm)
+                kv_bytes_per_token=sum(u.kv_bytes_per_token for u in manifest.units[start:end]), warm=warm,
+                data_secret=data_secret)
 
 
 def kv_capacity(state: ClusterState, manifest, precision_of, overhead_bytes: int) -> int | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+from ..net import auth
 from ..net.messages import Activate, KvExport, Loaded
 from . import deploy, state as S
 from .placement import Deployment, StageAssignment
@@ -29,6 +30,7 @@ class Deployer:
         self.gate.set()
         self.migrate_kv = True
         self.moves: dict[int, asyncio.Future] = {}
+        self.secrets: dict[int, dict[str, str]] = {}  # plan -> worker -> its data-port secret (net.auth)
         self._plan_ids = itertools.count(1)
         self._ids = itertools.count(1)
 
@@ -130,8 +132,11 @@ class Deployer:
         try:
             if any(s.worker_id not in c.cluster.workers for s in stages):
                 raise deploy_error(f"worker {next(s.worker_id for s in stages if s.worker_id not in c.cluster.workers)} left before deployment")
+            secrets = auth.plan_secrets(len(stages)) if c.settings.issue_data_secrets else [None] * len(stages)
+            self.secrets[dep.plan_id] = {s.worker_id: secret for s, secret in zip(stages, secrets) if secret}
             loads = [self.load(s.worker_id, deploy.load_message(c.package, dep.plan_id, s.start, s.end, self.precision(s.worker_id),
-                                                                deploy.next_hop(stages, i, c.cluster.workers), keep))
+                                                                deploy.next_hop(stages, i, c.cluster.workers, secrets), keep,
+                                                                data_secret=secrets[i]))
                      for i, s in enumerate(stages)]
             results = await asyncio.gather(*loads)
             failed = [f"{s.worker_id}: {r.error}" for s, r in zip(stages, results) if not r.ok]
@@ -167,6 +172,11 @@ class Deployer:
             link = c.links.get(wid)
             if link:
                 await _quiet(link.send(Activate([dep.plan_id] if wid in dep.workers else []).to_message()))
+        for plan in [p for p in self.secrets if p not in (dep.plan_id, old.plan_id if old else None)]:
+            del self.secrets[plan]
+        repaired = sorted({f for r in results for f in (r.repaired or [])})
+        if repaired:
+            c.event("blob_repaired", plan=dep.plan_id, files=repaired)
         fetched = sum(r.fetched_bytes for r in results)
         c.event("up", plan=dep.plan_id, prepare_s=round(c.clock() - t0, 3), fetched_bytes=fetched,
                 predicted=dep.predicted, replaced=old.plan_id if old else None, **moved)
@@ -206,7 +216,9 @@ class Deployer:
                 futures.setdefault(rid, []).append(fut)
                 moved_bytes += q.kv_len * sum(kv_per_unit[copy.start:copy.end])
                 link = c.links.get(copy.src)
-                msg = KvExport(q.seq, old.plan_id, copy.start, copy.end, new.plan_id, infos[copy.dst].hello.get("data_url"), move)
+                msg = KvExport(q.seq, old.plan_id, copy.start, copy.end, new.plan_id, infos[copy.dst].hello.get("data_url"), move,
+                               secret=self.secrets.get(new.plan_id, {}).get(copy.dst),
+                               fingerprint=infos[copy.dst].hello.get("data_fingerprint"))
                 if link is None or not await _quiet(link.send(msg.to_message())):
                     fut.cancel()
         # All moves run at once; whatever has not arrived within the bound is rebuilt by replay.

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 import numpy as np
 
 from ..net.channel import ChannelClosed
-from ..net.messages import Drop, Error, Forward, Token
+from ..net.messages import Drop, Error, ErrorCode, Forward, Token
 from ..net.protocol import Message
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta, uniform_draw
 from . import scheduling, state as S
@@ -211,6 +211,8 @@ class Requests:
         if entry is None or (err.step is not None and err.step != entry[0]):
             return
         del self.pending[err.seq]
+        if err.code is ErrorCode.CORRUPT_INPUT:  # the previous stage sent garbage: never served, retried on a new plan
+            self.coord.event("invalid_frame", worker=worker_id, why=err.message)
         exc = PipelineBroken(err.message) if err.retryable else RequestFailed(f"worker {worker_id}: {err.message}")
         if not entry[2].done():
             entry[2].set_exception(exc)

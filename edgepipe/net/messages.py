@@ -28,10 +28,11 @@ class ErrorCode(str, Enum):
     BAD_INPUT = "bad_input"  # the frame's values are wrong for this request: it fails
     CONTEXT = "context"  # the sequence outgrew the KV the stage holds: it fails
     INTERNAL = "internal"  # anything else on the worker: the request fails
+    CORRUPT_INPUT = "corrupt_input"  # the stage's input was unusable (non-finite, wrong shape): the sender is at fault, retry
     REFUSED = "refused"  # the coordinator refuses this worker (join token, bad frame, ...)
 
 
-RETRYABLE = frozenset({ErrorCode.UNREACHABLE, ErrorCode.NO_STAGE})
+RETRYABLE = frozenset({ErrorCode.UNREACHABLE, ErrorCode.NO_STAGE, ErrorCode.CORRUPT_INPUT})
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Load(Wire):
     kv_bytes_per_token: int | None = None
     warm: bool | None = None  # a spare: build the session too when the budget allows
     prefetch: bool | None = None  # a spare: fetch the files only
+    data_secret: str | None = None  # what this stage's predecessor must present on its data port (net.auth)
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,8 @@ class KvExport(Wire):
     to_plan: int
     url: str | None
     move: int
+    secret: str | None = None  # the destination stage's data-port secret for ``to_plan``
+    fingerprint: str | None = None  # the destination's data-port certificate (TLS clusters)
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,7 @@ class Loaded(Wire):
     fetched_bytes: int = 0
     load_s: float | None = None
     weight_bytes: int | None = None
+    repaired: list | None = None  # cached files that failed their SHA-256 and were fetched again
 
 
 @dataclass(frozen=True)
@@ -210,7 +215,8 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
             return Loaded(bool(f.get("ok")), _opt_int(f.get("plan"), "plan"), _opt_int(f.get("kv_received"), "kv_received"),
                           None if f.get("error") is None else str(f["error"]).splitlines()[0] if str(f["error"]) else "error",
                           int(f.get("fetched_bytes") or 0) if _int(f.get("fetched_bytes") or 0) else 0, _num(f.get("load_s")),
-                          f.get("weight_bytes"))
+                          f.get("weight_bytes") if _int(f.get("weight_bytes")) else None,
+                          [str(x)[:80] for x in f["repaired"][:64]] if isinstance(f.get("repaired"), list) else None)
         if msg.type is T.PROBED:
             times = f.get("times")
             if times is not None and not (isinstance(times, list) and all(_finite(t) and t >= 0 for t in times)):

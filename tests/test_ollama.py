@@ -1,0 +1,79 @@
+"""The Ollama API, spoken by the official ``ollama`` Python client, through real workers."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from harness import Server
+
+ollama = pytest.importorskip("ollama")
+QUESTION = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def server(home, int4_pkg):
+    with Server(home, workers=2, args=("--placement", "memory", "--api-key", "sekrit")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return ollama.Client(host=server.url, headers={"Authorization": "Bearer sekrit"})
+
+
+def openai_chat(server, **body) -> dict:
+    r = server.client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer sekrit"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_list_show_version(server, client):
+    models = client.list().models
+    assert len(models) == 1 and models[0].model.endswith(":latest") and models[0].size > 0
+    info = client.show(models[0].model)
+    assert info.modelinfo["general.architecture"] == "llama" and "im_start" in info.template
+    assert httpx.get(server.url + "/api/version", headers={"Authorization": "Bearer sekrit"}).json()["version"]
+    assert httpx.get(server.url + "/api/tags").status_code == 401  # the key guards the Ollama routes too
+
+
+def test_chat_streaming_and_not_match_openai(server, client):
+    name = client.list().models[0].model
+    whole = client.chat(model=name, messages=QUESTION, options={"num_predict": 12})
+    assert whole.done and whole.done_reason in ("stop", "length") and whole.eval_count >= 1
+    pieces = list(client.chat(model=name, messages=QUESTION, stream=True, options={"num_predict": 12}))
+    assert pieces[-1].done and not any(p.done for p in pieces[:-1])
+    assert "".join(p.message.content for p in pieces) == whole.message.content
+    reference = openai_chat(server, messages=QUESTION, max_tokens=12)
+    assert whole.message.content == reference["choices"][0]["message"]["content"]  # greedy: the same tokens
+
+
+def test_generate_with_options(server, client):
+    name = client.list().models[0].model
+    raw = client.generate(model=name, prompt="The sky is", raw=True, options={"num_predict": 6})
+    assert raw.response and raw.eval_count == 6 and raw.context[-6:] and raw.done_reason == "length"
+    streamed = "".join(p.response for p in client.generate(model=name, prompt="The sky is", raw=True, stream=True,
+                                                           options={"num_predict": 6}))
+    assert streamed == raw.response
+    sampled = [client.generate(model=name, prompt="Once upon a time", raw=True,
+                               options={"num_predict": 10, "temperature": 1.0, "seed": 3, "top_k": 40, "top_p": 0.9}).response
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    words = raw.response.split()
+    stopped = client.generate(model=name, prompt="The sky is", raw=True, options={"num_predict": 6, "stop": [words[-1]]})
+    assert words[-1] not in stopped.response and stopped.done_reason == "stop"
+    templated = client.generate(model=name, prompt="Name three colours.", options={"num_predict": 12})
+    assert templated.response == client.chat(model=name, messages=QUESTION, options={"num_predict": 12}).message.content
+
+
+def test_errors_in_ollama_shape(server, client):
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model="llama3:8b", messages=QUESTION)
+    assert info.value.status_code == 404 and "not found" in info.value.error
+    r = httpx.post(server.url + "/api/generate", headers={"Authorization": "Bearer sekrit"},
+                   json={"model": client.list().models[0].model, "prompt": "x", "options": {"top_k": 2**64}})
+    assert r.status_code == 400 and "top_k" in r.json()["error"]
+    r = httpx.post(server.url + "/api/chat", headers={"Authorization": "Bearer sekrit"}, content=b"{nope")
+    assert r.status_code == 400 and json.loads(r.text)["error"]

@@ -94,3 +94,11 @@ def test_qwen05_native_cut_anywhere(tmp_path):
     single = tokens(pkg, n=16)
     for cuts in ([1], [7, 19], [12, 25]):
         assert tokens(pkg, cuts, n=16) == single, f"cuts {cuts}"
+
+
+def test_measurement_plan_bounds_memory_and_samples_equal_layers():
+    from edgepipe.model.importer import plan_measurements
+
+    kinds = ["embedding", "layer", "layer", "layer", "layer", "head"]
+    sizes = [900, 100, 100, 120, 100, 700]
+    assert plan_measurements(kinds, sizes, limit=500, samples=2) == [None, 1, 2, 3, 1, None]

@@ -389,7 +389,8 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
 
     costs = [0.0] * n_units
     if measure_cost:
-        costs = _measure_unit_costs(root / "blobs", graph_shas, cfg, report)
+        costs = _measure_unit_costs(root / "blobs", graph_shas, cfg, report, kinds=kinds,
+                                    weight_bytes=[sum(dict(f.values()).values()) for f in unit_files])
 
     H = cfg.hidden_size
     units = []
@@ -410,13 +411,46 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     )
 
 
-def _measure_unit_costs(blobs: Path, graph_shas: list[str], cfg: ModelConfig, report: Progress, context: int = 128, reps: int = 12) -> list[float]:
-    """Median seconds of one decode step per unit, after ``context`` tokens of prefill."""
+MEASURE_LIMIT = 256 << 20  # units with more weight bytes than this are estimated, not loaded (bounded import memory)
+SAME_SHAPE_SAMPLES = 2  # layers with the same kind and weight bytes are measured this many times, the rest reuse the median
+
+
+def plan_measurements(kinds: list[str], weight_bytes: list[int], limit: int = MEASURE_LIMIT,
+                      samples: int = SAME_SHAPE_SAMPLES) -> list[int | None]:
+    """Per unit: the index of the unit whose measurement it reuses (itself if measured), or None
+    when it is estimated from the measured layers' seconds per weight byte (too big to load)."""
+    plan: list[int | None] = []
+    seen: dict[tuple[str, int], list[int]] = {}
+    for i, (kind, size) in enumerate(zip(kinds, weight_bytes)):
+        if size > limit:
+            plan.append(None)
+            continue
+        group = seen.setdefault((kind, size), [])
+        if len(group) < samples:
+            group.append(i)
+            plan.append(i)
+        else:
+            plan.append(group[0])
+    return plan
+
+
+def _measure_unit_costs(blobs: Path, graph_shas: list[str], cfg: ModelConfig, report: Progress, context: int = 128, reps: int = 12,
+                        kinds: list[str] | None = None, weight_bytes: list[int] | None = None) -> list[float]:
+    """Median seconds of one decode step per unit, after ``context`` tokens of prefill.
+
+    Decode is memory-bound, so a unit too big to load within the import's memory bound (an 8B
+    model's head) is estimated as its weight bytes times the measured layers' seconds per byte,
+    and layers of identical size reuse their group's median instead of loading every one."""
     from ..runtime.stage_runner import SamplingBatch, StageRunner
 
-    costs = []
+    kinds = kinds or ["layer"] * len(graph_shas)
+    weight_bytes = weight_bytes or [0] * len(graph_shas)
+    plan = plan_measurements(kinds, weight_bytes)
+    measured: dict[int, float] = {}
     rng = np.random.default_rng(0)
     for i, sha in enumerate(graph_shas):
+        if plan[i] != i:
+            continue
         runner = StageRunner(blobs / sha, threads=1)
         if runner.takes_token_ids:
             prefill = rng.integers(0, cfg.vocab_size, (1, context))
@@ -432,6 +466,18 @@ def _measure_unit_costs(blobs: Path, graph_shas: list[str], cfg: ModelConfig, re
             t0 = time.perf_counter()
             runner.run("probe", x, sampling)
             times.append(time.perf_counter() - t0)
-        costs.append(float(np.median(times[2:])))
-        report("measure", i + 1, len(graph_shas))
+        del runner
+        measured[i] = float(np.median(times[2:]))
+        report("measure", len(measured), sum(1 for u, p in enumerate(plan) if p == u))
+    layer_rates = sorted(measured[i] / weight_bytes[i] for i in measured if kinds[i] == "layer" and weight_bytes[i])
+    per_byte = layer_rates[len(layer_rates) // 2] if layer_rates else 0.0
+    costs = []
+    for i, p in enumerate(plan):
+        if p is None:  # an embedding gathers one row per token; a head streams all of its bytes
+            costs.append(per_byte * weight_bytes[i] / (cfg.vocab_size if kinds[i] == "embedding" else 1))
+        elif i in measured:
+            costs.append(measured[i])
+        else:  # same kind and size as unit p: the median of that group's measurements
+            same = sorted(measured[j] for j, q in enumerate(plan) if q == p and j in measured)
+            costs.append(same[len(same) // 2])
     return costs

@@ -1,33 +1,28 @@
-"""Decode benchmark: edgepipe against onnxruntime-genai and llama.cpp, side by side in one run.
+"""Decode benchmark: edgepipe against llama.cpp on the same GGUF, side by side in one run.
 
-Run `python benchmarks/decode.py` (6-10 minutes on 2 cores; the timed part adds no repetition
-that would pass `--budget`, 420 s, since a loaded machine can slow multi-threaded engines
-tenfold) or `--quick` (128 tokens, one repetition, default threads only, about 2 minutes). It
-prints a table and writes `benchmarks/results/decode.json` and `benchmarks/results/decode.md`
-(`decode-quick.*` for `--quick`).
-The first run also builds onnxruntime-genai's model (about a minute; needs torch, transformers
-and onnx-ir, as in the test extras plus `pip install onnx-ir`).
+    python benchmarks/decode.py                      # SmolLM2-135M Q4_1 + the 0.5B Qwen (if present) + 8B-shaped import
+    python benchmarks/decode.py --model x.gguf ...   # any GGUF(s); --model may repeat
+    python benchmarks/decode.py --quick              # 128 tokens, 1 repetition, 2 threads, no synthetic import
 
-What runs, on the bundled SmolLM2-135M-Instruct (the same prompt token ids for every engine,
-greedy, exactly N new tokens with EOS ignored, N = 128 and 1024):
+Writes `benchmarks/results/decode.json` and `decode.md` (`decode-quick.*` for `--quick`).
 
-- edgepipe: the single-process LocalPipeline at int4, one stage and (128 tokens, default
-  threads) three stages cut before units 11 and 21, through the same `generate` loop as
-  `edgepipe generate`;
-- onnxruntime-genai: its own Generator on its own model, built once by its model builder from
-  the same GGUF (dequantized by transformers, then quantized to int4 by the builder) and
-  cached under `$EDGEPIPE_HOME/bench/`;
-- llama.cpp through llama-cpp-python on the original Q4_1 GGUF (skipped if not installed).
+Per model: edgepipe imports the file with its default precision (``native``: the file's own
+blocks, exactly) and runs the single-process LocalPipeline through the same `generate` loop as
+`edgepipe generate`; llama.cpp (llama-cpp-python, the `bench` extra) runs the same file. Same
+prompt token ids, greedy, exactly N new tokens (EOS ignored), N = 128 and 1024, at 1 and 2
+threads; every engine and repetition in a process of its own, repetitions interleaved
+(A B A B ...), medians reported. Time to first token = prefill of the prompt + first sample.
 
-Every engine runs in a process of its own (`edgepipe.bench.decode_engines`), so peak RSS is
-per engine; repetitions are interleaved (A B C A B C ...) and medians reported, because these
-machines are shared and noisy. Threads: "default" is each ONNX Runtime engine's own default
-(one intra-op thread per core) and n_threads = cores for llama.cpp (llama-cpp-python alone
-would take half); then 1 thread for all.
+Bandwidth: bytes of weights each engine streams per token (every weight file but the embedding
+table, which is only gathered, unless the head reads it too) x tokens/s, against this machine's
+read bandwidth measured here with numpy (1 and 2 threads summing a 1 GiB array).
 
-Quality: top-1 agreement with fp32 (edgepipe's dequantized GGUF) over a few hundred positions,
-teacher-forced: fp32 greedily continues three prompts, then each quantized engine is fed the
-same tokens and its argmax at every position is compared with fp32's.
+Agreement: llama.cpp greedily continues three chat prompts; both engines are then teacher-forced
+through those sequences and edgepipe's argmax at each position is compared with llama.cpp's.
+
+Synthetic import (full run, or `--synthetic`): writes a GGUF with Llama-3-8B's shapes (random
+Q4_K blocks, Q6_K for ffn_down/attn_v/output as in Q4_K_M) under /tmp with the `gguf` writer,
+runs `edgepipe import` on it in a child process, records its wall time and peak RSS, deletes both.
 """
 
 from __future__ import annotations
@@ -39,16 +34,21 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgepipe.model.store import home_dir, resolve  # noqa: E402
+from edgepipe.model.store import bundled_gguf, home_dir, resolve  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 AGREE_PROMPTS = [
@@ -56,14 +56,14 @@ AGREE_PROMPTS = [
     "Write a Python function that checks whether a number is prime, and explain it.",
     "Give me three tips for a job interview.",
 ]
-CUTS = [11, 21]
 WARMUP_TOKENS = 16
+QWEN05 = Path("/work/models/qwen2.5-coder-0.5b-instruct.gguf")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
-def child(job: dict, timeout: float = 600) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def child(job: dict, timeout: float = 900) -> dict:
     done = subprocess.run([sys.executable, "-m", "edgepipe.bench.decode_engines", "run", json.dumps(job)],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+                          capture_output=True, text=True, env=ENV, timeout=timeout)
     if done.returncode:
         raise RuntimeError(f"{job['engine']} ({job['task']}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -77,23 +77,44 @@ def version(dist: str) -> str | None:
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor())
     mem = next((int(line.split()[1]) // 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                 if line.startswith("MemTotal")), None) if Path("/proc/meminfo").exists() else None
     return {"nproc": os.cpu_count(), "cpu": cpu, "memory_mib": mem, "os": platform.platform(), "python": platform.python_version()}
 
 
-def ensure_genai(bench: Path, precision: str) -> Path:
-    out = bench / f"genai-{version('onnxruntime-genai')}-{precision}"
-    if not (out / "genai_config.json").is_file():
-        print(f"building onnxruntime-genai's {precision} model (once, cached in {out}) ...", flush=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        done = subprocess.run([sys.executable, "-m", "edgepipe.bench.decode_engines", "build-genai", str(out), precision,
-                               str(bench / "genai-work")], env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"building the onnxruntime-genai model failed:\n{done.stderr[-3000:]}")
-    return out
+def memory_bandwidth_gb_s(threads: int, gib: float = 1.0, reps: int = 5) -> float:
+    """Best read bandwidth of ``threads`` numpy threads summing disjoint parts of one array."""
+    data = np.ones(int(gib * (1 << 30)) // 8, np.float64)
+    parts = np.array_split(data, threads)
+    best = 0.0
+    for _ in range(reps):
+        workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]  # numpy releases the GIL
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = max(best, data.nbytes / (time.perf_counter() - t0) / 1e9)
+    return round(best, 2)
+
+
+def streamed_bytes_edgepipe(pkg) -> int:
+    """Weight bytes read per decode token: every unit's files but the embedding's (unless the head shares them)."""
+    m = pkg.manifest
+    files = set()
+    for u in range(1, len(m.units)):
+        files.update(m.variant(u).files)
+    return sum(pkg.blob(s).stat().st_size for s in files)
+
+
+def streamed_bytes_gguf(path: Path) -> int:
+    from edgepipe.model.gguf_source import read_gguf_header
+
+    _, tensors = read_gguf_header(path)
+    tied = "output.weight" not in tensors
+    return sum(t.nbytes for name, t in tensors.items() if name != "token_embd.weight" or tied)
 
 
 def agreement(a: list[int], b: list[int]) -> tuple[float, int]:
@@ -104,34 +125,21 @@ def agreement(a: list[int], b: list[int]) -> tuple[float, int]:
     return (same / n if n else 0.0), prefix
 
 
-EP_WEIGHTS = "int4 MatMulNBits (asym, blocks of 32)"
-GENAI_WEIGHTS = "int4 MatMulNBits (builder default)"
-LLAMA_WEIGHTS = "Q4_1 GGUF (original)"
-
-
-def timing_configs(thread_settings: list[int | None], lengths: list[int], genai_dir: Path, has_llama: bool) -> list[dict]:
-    """The engines to time, in the order each repetition runs them."""
+def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_settings: list[int], agree_n: int,
+                has_llama: bool, budget_s: float) -> dict:
+    print(f"\n== {path.name} ({path.stat().st_size / 1e6:.0f} MB)", flush=True)
+    t0 = time.perf_counter()
+    pkg = resolve(str(path), "native", home)
+    import_s = time.perf_counter() - t0
+    pkg.stage_graph(0, len(pkg.manifest.units))  # merge the one-stage graph now, not inside a timed load
+    tok = pkg.tokenizer
+    prompt = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
+    ep_bytes, gguf_bytes = streamed_bytes_edgepipe(pkg), streamed_bytes_gguf(path)
     configs = []
     for threads in thread_settings:
-        common = {"threads": threads, "t": "default" if threads is None else str(threads)}
-        configs.append({"label": "edgepipe, 1 stage", "engine": "edgepipe", "precision": "int4", "weights": EP_WEIGHTS, **common})
-        if threads is None:  # the shortest length only: it shows what the cuts cost, and keeps the run short
-            configs.append({"label": "edgepipe, 3 stages", "engine": "edgepipe", "precision": "int4", "weights": EP_WEIGHTS,
-                            "cuts": CUTS, "lengths": lengths[:1], **common})
-        configs.append({"label": "onnxruntime-genai", "engine": "genai", "precision": "int4", "weights": GENAI_WEIGHTS,
-                        "genai_dir": str(genai_dir), **common})
+        configs.append({"label": "edgepipe", "engine": "edgepipe", "precision": "native", "threads": threads, "bytes": ep_bytes})
         if has_llama:
-            configs.append({"label": "llama.cpp", "engine": "llama.cpp", "precision": "q4_1", "weights": LLAMA_WEIGHTS, **common})
-    return configs
-
-
-def run_interleaved(configs: list[dict], reps: int, lengths: list[int], prompt: list[int], home: Path,
-                    budget_s: float) -> list[list[dict]]:
-    """``results[i][rep]``: one child process per engine and repetition, in the order A B C A B C ...
-
-    A repetition is started only if it is expected to end within ``budget_s`` of the first one's
-    start (on a loaded machine multi-threaded engines can slow down tenfold); at least one runs.
-    """
+            configs.append({"label": "llama.cpp", "engine": "llama.cpp", "precision": "gguf", "threads": threads, "bytes": gguf_bytes})
     results: list[list[dict]] = [[] for _ in configs]
     start = time.perf_counter()
     for rep in range(reps):
@@ -140,208 +148,238 @@ def run_interleaved(configs: list[dict], reps: int, lengths: list[int], prompt: 
             print(f"  stopping after {rep} repetition(s): another would pass the {budget_s:.0f} s budget", flush=True)
             break
         for i, cfg in enumerate(configs):
-            job = {"task": "time", "home": str(home), "prompt": prompt, "lengths": cfg.get("lengths", lengths), "warmup": WARMUP_TOKENS,
-                   **{k: cfg[k] for k in ("engine", "precision", "threads", "cuts", "genai_dir") if k in cfg}}
+            job = {"task": "time", "home": str(home), "model": str(path), "prompt": prompt, "lengths": lengths, "warmup": WARMUP_TOKENS,
+                   "n_ctx": len(prompt) + max(lengths) + 8, **{k: cfg[k] for k in ("engine", "precision", "threads")}}
             out = child(job)
             results[i].append(out)
-            speeds = ", ".join(f"{r['n']}: {(r['generated'] - 1) / r['decode_s']:.0f} tok/s" for r in out["runs"])
-            print(f"  rep {rep + 1}/{reps}  {cfg['label']:<20} threads {cfg['t']:<8} {speeds}  peak {out['peak_rss_mib']:.0f} MiB", flush=True)
-    return results
-
-
-def summarize(configs: list[dict], results: list[list[dict]], lengths: list[int]) -> list[dict]:
-    """One row per engine and length: medians over repetitions, tokens compared with edgepipe's."""
+            speeds = ", ".join(f"{r['n']}: {(r['generated'] - 1) / r['decode_s']:.1f} tok/s" for r in out["runs"])
+            print(f"  rep {rep + 1}/{reps}  {cfg['label']:<10} threads {cfg['threads']}  {speeds}  load {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
     for i, cfg in enumerate(configs):
-        reference = next(j for j, c in enumerate(configs) if c["engine"] == "edgepipe" and not c.get("cuts") and c["t"] == cfg["t"])
-        for n in cfg.get("lengths", lengths):
-            runs = [next(r for r in out["runs"] if r["n"] == n) for out in results[i]]
-            ref_tokens = next(r for r in results[reference][0]["runs"] if r["n"] == n)["tokens"]
-            same, prefix = agreement(runs[0]["tokens"], ref_tokens)
-            rows.append({
-                "engine": cfg["label"], "weights": cfg["weights"], "threads": cfg["t"], "new_tokens": n,
-                "generated": min(r["generated"] for r in runs),
-                "ttft_ms": round(statistics.median(r["ttft_s"] for r in runs) * 1e3, 1),
-                "decode_tok_s": round(statistics.median((r["generated"] - 1) / r["decode_s"] for r in runs), 1),
-                "decode_tok_s_reps": [round((r["generated"] - 1) / r["decode_s"], 1) for r in runs],
-                "cpu_ms_per_token": round(statistics.median(r["cpu_ms_per_token"] for r in runs), 2),
-                "load1": [round(r["load1"], 2) for r in runs],
-                "peak_rss_mib": round(statistics.median(out["peak_rss_mib"] for out in results[i])),
-                "load_s": round(statistics.median(out["load_s"] for out in results[i]), 2),
-                "same_tokens_as_edgepipe": round(same, 3), "common_prefix_with_edgepipe": prefix,
-            })
-    return rows
-
-
-def ratios(rows: list[dict], lengths: list[int]) -> list[dict]:
-    """edgepipe (one stage) over each peer, per thread setting and length; > 1 means edgepipe is faster (tok/s)."""
-    out = []
-    for t in dict.fromkeys(r["threads"] for r in rows):
         for n in lengths:
-            by = {r["engine"]: r for r in rows if r["threads"] == t and r["new_tokens"] == n}
-            ep = by["edgepipe, 1 stage"]
-            entry = {"threads": t, "new_tokens": n}
-            for peer, key in (("onnxruntime-genai", "genai"), ("llama.cpp", "llama_cpp")):
-                if peer in by:
-                    entry[f"edgepipe_over_{key}_tok_s"] = round(ep["decode_tok_s"] / by[peer]["decode_tok_s"], 3)
-                    entry[f"edgepipe_over_{key}_ttft"] = round(ep["ttft_ms"] / by[peer]["ttft_ms"], 3)
-            if "edgepipe, 3 stages" in by:
-                entry["three_stages_over_one_tok_s"] = round(by["edgepipe, 3 stages"]["decode_tok_s"] / ep["decode_tok_s"], 3)
-            out.append(entry)
-    return out
-
-
-def top1_vs_fp32(agree_ids: list[list[int]], n: int, home: Path, genai_dir: Path, has_llama: bool) -> list[dict]:
-    """Teacher-forced top-1 agreement of each quantized engine with edgepipe fp32's greedy continuations."""
-    ref = child({"task": "reference", "engine": "edgepipe", "precision": "fp32", "threads": 1, "home": str(home),
-                 "prompts": agree_ids, "n": n})["tokens"]
-    sequences = list(zip(agree_ids, ref))
-    candidates = [("edgepipe", EP_WEIGHTS, {"precision": "int4"}), ("edgepipe", "int8 MatMulNBits", {"precision": "int8"}),
-                  ("onnxruntime-genai", GENAI_WEIGHTS, {"engine": "genai", "genai_dir": str(genai_dir)})]
+            runs = [next(r for r in out["runs"] if r["n"] == n) for out in results[i]]
+            tok_s = statistics.median((r["generated"] - 1) / r["decode_s"] for r in runs)
+            rows.append({"engine": cfg["label"], "threads": cfg["threads"], "new_tokens": n,
+                         "ttft_ms": round(statistics.median(r["ttft_s"] for r in runs) * 1e3, 1),
+                         "decode_tok_s": round(tok_s, 1), "decode_tok_s_reps": [round((r["generated"] - 1) / r["decode_s"], 1) for r in runs],
+                         "streamed_mb_per_token": round(cfg["bytes"] / 1e6, 1), "gb_s": round(cfg["bytes"] * tok_s / 1e9, 2),
+                         "load1": [round(r["load1"], 2) for r in runs],
+                         "peak_rss_mib": round(statistics.median(out["peak_rss_mib"] for out in results[i]))})
+    ratios = []
+    for threads in thread_settings:
+        for n in lengths:
+            by = {r["engine"]: r for r in rows if r["threads"] == threads and r["new_tokens"] == n}
+            if "llama.cpp" in by:
+                ratios.append({"threads": threads, "new_tokens": n,
+                               "tok_s": round(by["edgepipe"]["decode_tok_s"] / by["llama.cpp"]["decode_tok_s"], 3),
+                               "ttft": round(by["edgepipe"]["ttft_ms"] / by["llama.cpp"]["ttft_ms"], 3)})
+    quality = None
     if has_llama:
-        candidates.append(("llama.cpp", LLAMA_WEIGHTS, {"engine": "llama.cpp"}))
-    quality = []
-    for label, weights, extra in candidates:
-        job = {"task": "agree", "engine": "edgepipe", "threads": 1, "home": str(home), "sequences": sequences, **extra}
-        predicted = child(job)["predicted"]
-        hits = sum(p == r for pred, (_, cont) in zip(predicted, sequences) for p, r in zip(pred, cont))
-        total = sum(len(c) for _, c in sequences)
-        quality.append({"engine": label, "weights": weights, "positions": total, "top1_agreement": round(hits / total, 4)})
-        print(f"  {label:<20} {weights:<40} {hits}/{total} = {hits / total:.1%}", flush=True)
-    return quality
+        print(f"  top-1 agreement: llama.cpp greedy reference, {len(AGREE_PROMPTS)} prompts x {agree_n} tokens ...", flush=True)
+        agree_ids = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in AGREE_PROMPTS]
+        common = {"home": str(home), "model": str(path), "threads": 1, "n_ctx": max(map(len, agree_ids)) + agree_n + 8}
+        ref = child({"task": "reference", "engine": "llama.cpp", "precision": "gguf", "prompts": agree_ids, "n": agree_n, **common})["tokens"]
+        sequences = list(zip(agree_ids, ref))
+        llama_pred = child({"task": "agree", "engine": "llama.cpp", "precision": "gguf", "sequences": sequences, **common})["predicted"]
+        ep_pred = child({"task": "agree", "engine": "edgepipe", "precision": "native", "sequences": sequences, **common})["predicted"]
+        pairs = [(e, lp) for ep_seq, lp_seq in zip(ep_pred, llama_pred) for e, lp in zip(ep_seq, lp_seq)]
+        hits = sum(e == lp for e, lp in pairs)
+        quality = {"positions": len(pairs), "top1_agreement_with_llama_cpp": round(hits / len(pairs), 4)}
+        print(f"  edgepipe vs llama.cpp: {hits}/{len(pairs)} = {hits / len(pairs):.1%}", flush=True)
+    m = pkg.manifest
+    return {"model": path.name, "file_mb": round(path.stat().st_size / 1e6, 1), "architecture": m.config["architecture"],
+            "package": pkg.root.name, "package_weight_mb": round(sum(pkg.blob(s).stat().st_size for s in m.stage_files(0, len(m.units))) / 1e6, 1),
+            "import_s_in_benchmark": round(import_s, 1), "prompt_tokens": len(prompt),
+            "rows": rows, "ratios": ratios, "agreement": quality, "repetitions": len(results[0])}
+
+
+# -- synthetic 8B-shaped import ---------------------------------------------------------------
+
+LLAMA3_8B = dict(n_layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256)
+
+
+def write_synthetic_gguf(path: Path, n_layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, vocab: int, seed: int = 0) -> int:
+    """A Llama GGUF of the given shapes: random Q4_K blocks (Q6_K for attn_v, ffn_down, output), F32 norms."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    shapes = {"token_embd.weight": ((vocab, hidden), Q.Q4_K), "output_norm.weight": ((hidden,), Q.F32), "output.weight": ((vocab, hidden), Q.Q6_K)}
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        shapes.update({p + "attn_norm.weight": ((hidden,), Q.F32), p + "ffn_norm.weight": ((hidden,), Q.F32),
+                       p + "attn_q.weight": ((hidden, hidden), Q.Q4_K), p + "attn_k.weight": ((kv_heads * head_dim, hidden), Q.Q4_K),
+                       p + "attn_v.weight": ((kv_heads * head_dim, hidden), Q.Q6_K), p + "attn_output.weight": ((hidden, hidden), Q.Q4_K),
+                       p + "ffn_gate.weight": ((ffn, hidden), Q.Q4_K), p + "ffn_up.weight": ((ffn, hidden), Q.Q4_K),
+                       p + "ffn_down.weight": ((hidden, ffn), Q.Q6_K)})
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(n_layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    byte_tokens = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + [chr(c) for c in range(174, 256)]
+    byte_tokens += [chr(256 + i) for i in range(256 - len(byte_tokens))]
+    tokens = byte_tokens + [f"tok{i}" for i in range(vocab - len(byte_tokens))]
+    w.add_token_list(tokens)
+    w.add_token_types([1] * vocab)
+    w.add_token_merges([])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    block = {Q.Q4_K: (256, 144), Q.Q6_K: (256, 210)}
+    for name, (shape, qtype) in shapes.items():
+        if qtype == Q.F32:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+        else:
+            elems, size = block[qtype]
+            w.add_tensor_info(name, (shape[0], shape[1] // elems * size), np.dtype(np.uint8), shape[0] * shape[1] // elems * size, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, (shape, qtype) in shapes.items():
+        if qtype == Q.F32:
+            w.write_tensor_data(np.ones(shape, np.float32))
+            continue
+        elems, size = block[qtype]
+        raw = np.frombuffer(rng.bytes(shape[0] * shape[1] // elems * size), np.uint8).reshape(-1, size).copy()
+        scales = (rng.uniform(0.5, 1.5, (raw.shape[0], 2)) * 1e-3).astype(np.float16).view(np.uint8)
+        if qtype == Q.Q6_K:
+            raw[:, 208:210] = scales[:, 0:2]
+        else:
+            raw[:, 0:4] = scales
+        w.write_tensor_data(raw.reshape(shape[0], -1))
+        del raw
+    w.close()
+    return path.stat().st_size
+
+
+def synthetic_import(work: Path) -> dict:
+    gguf_path = work / "synthetic-8b-q4_k_m.gguf"
+    print(f"\n== synthetic 8B-shaped GGUF -> {gguf_path}", flush=True)
+    t0 = time.perf_counter()
+    size = write_synthetic_gguf(gguf_path, **LLAMA3_8B)
+    print(f"  wrote {size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+    home = work / "home"
+    # The child prints its own ru_maxrss: RUSAGE_CHILDREN would also count the engines run before.
+    code = ("import resource, sys\nfrom edgepipe.cli import app\ntry:\n    app()\nfinally:\n"
+            "    print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
+    cmd = [sys.executable, "-c", code, "import", str(gguf_path), "--home", str(home)]
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        raise RuntimeError(f"import failed:\n{done.stderr[-3000:]}")
+    peak_kib = int(next(line.split()[1] for line in done.stderr.splitlines() if line.startswith("PEAK_RSS_KIB")))
+    pkg_bytes = sum(f.stat().st_size for f in (home / "models").rglob("*") if f.is_file())
+    out = {"shape": "Llama-3-8B (32 layers, hidden 4096, ffn 14336, 32/8 heads, vocab 128256), Q4_K + Q6_K (attn_v, ffn_down, output)",
+           "file_gb": round(size / 1e9, 2), "package_gb": round(pkg_bytes / 1e9, 2), "import_s": round(wall, 1),
+           "import_gb_s": round(size / wall / 1e9, 3), "peak_rss_mib": round(peak_kib / 1024),
+           "load1_at_start": round(load, 2), "stdout": done.stdout.strip()[-300:]}
+    print(f"  import {wall:.0f} s, peak RSS {out['peak_rss_mib']} MiB, package {pkg_bytes / 1e9:.2f} GB", flush=True)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 128 tokens, 1 repetition, default threads, fewer agreement positions")
+    ap.add_argument("--model", action="append", help="a GGUF file (repeatable; default: bundled SmolLM2 Q4_1 and the 0.5B Qwen if present)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 128 tokens, 1 repetition, 2 threads, 48 agreement tokens per prompt")
     ap.add_argument("--reps", type=int, help="interleaved repetitions per engine (default 3, quick 1)")
     ap.add_argument("--lengths", help="comma-separated new-token counts (default 128,1024; quick 128)")
-    ap.add_argument("--threads", help="comma-separated thread settings, 'default' or a number (default: default,1)")
+    ap.add_argument("--threads", help="comma-separated thread counts (default 1,2; quick 2)")
+    ap.add_argument("--synthetic", action=argparse.BooleanOptionalAction, default=None,
+                    help="measure importing an 8B-shaped synthetic GGUF (default: on, off with --quick)")
     ap.add_argument("--home", help="edgepipe home (default $EDGEPIPE_HOME or the user data dir)")
-    ap.add_argument("--budget", type=float, default=420, help="seconds for the timed repetitions (default 420); later ones are skipped")
+    ap.add_argument("--budget", type=float, default=900, help="seconds of timed repetitions per model (default 900)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     reps = args.reps or (1 if args.quick else 3)
     lengths = [int(x) for x in (args.lengths or ("128" if args.quick else "128,1024")).split(",")]
-    thread_settings = [None if t == "default" else int(t) for t in (args.threads or ("default" if args.quick else "default,1")).split(",")]
-    agree_n = 48 if args.quick else 100
-    agree_prompts = AGREE_PROMPTS[:2] if args.quick else AGREE_PROMPTS
+    thread_settings = [int(t) for t in (args.threads or ("2" if args.quick else "1,2")).split(",")]
+    synthetic = (not args.quick) if args.synthetic is None else args.synthetic
+    models = [Path(m) for m in args.model] if args.model else [bundled_gguf()] + ([QWEN05] if QWEN05.is_file() else [])
 
     started, load_before = time.time(), os.getloadavg()
     home = home_dir(args.home)
-    bench = home / "bench"
-    bench.mkdir(parents=True, exist_ok=True)
-    packages = {p: resolve("smollm2", p, home) for p in ("int4", "int8", "fp32")}
-    bounds = [0, *CUTS, len(packages["int4"].manifest.units)]
-    for a, b in [*zip(bounds, bounds[1:]), (0, bounds[-1])]:  # merge stage graphs now, not inside a timed load
-        packages["int4"].stage_graph(a, b)
-    genai_dir = ensure_genai(bench, "int4")
     has_llama = importlib.util.find_spec("llama_cpp") is not None
     if not has_llama:
-        print("llama.cpp: not installed (pip install llama-cpp-python); its column is skipped")
-    tok = packages["int4"].tokenizer
-    prompt = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
-
-    configs = timing_configs(thread_settings, lengths, genai_dir, has_llama)
-    print(f"prompt: {len(prompt)} tokens; lengths {lengths}; {reps} interleaved repetition(s); "
-          f"threads {list(dict.fromkeys(c['t'] for c in configs))}", flush=True)
-    results = run_interleaved(configs, reps, lengths, prompt, home, args.budget)
-    rows = summarize(configs, results, lengths)
-
-    print(f"top-1 agreement: fp32 greedy reference, {len(agree_prompts)} prompts x {agree_n} tokens ...", flush=True)
-    agree_ids = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in agree_prompts]
-    quality = top1_vs_fp32(agree_ids, agree_n, home, genai_dir, has_llama)
-
+        print("llama.cpp: not installed (pip install -e '.[bench]'); its columns are skipped")
+    # In a child: a 1 GiB array here would raise the peak RSS every engine process inherits.
+    probe = "import sys; sys.path.insert(0, %r); import decode; print(decode.memory_bandwidth_gb_s(int(sys.argv[1])))" % str(ROOT / "benchmarks")
+    bandwidth = {f"{t}_threads": float(subprocess.run([sys.executable, "-c", probe, str(t)], capture_output=True, text=True,
+                                                      check=True).stdout.split()[-1]) for t in sorted(set(thread_settings) | {1})}
+    print(f"memory read bandwidth (numpy): {bandwidth} GB/s", flush=True)
+    per_model = [bench_model(m, home, reps, lengths, thread_settings, 48 if args.quick else 100, has_llama, args.budget) for m in models]
+    synth = None
+    if synthetic:
+        work = Path(tempfile.mkdtemp(prefix="edgepipe-synth-", dir="/tmp"))
+        try:
+            synth = synthetic_import(work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     report = {
-        "quick": args.quick,
-        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine(),
+        "quick": args.quick, "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(),
         "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
-        "versions": {d: version(d) for d in ("edgepipe", "onnxruntime", "onnxruntime-genai", "llama_cpp_python", "numpy")},
+        "versions": {d: version(d) for d in ("edgepipe", "onnxruntime", "llama_cpp_python", "gguf", "numpy")},
+        "memory_bandwidth_gb_s": bandwidth, "lengths": lengths, "threads": thread_settings,
         "conditions": {
-            "model": f"SmolLM2-135M-Instruct (package {packages['int4'].root.name}); llama.cpp on the bundled Q4_1 GGUF",
-            "prompt": PROMPT, "prompt_tokens": len(prompt), "new_tokens": lengths, "repetitions": len(results[0]), "repetitions_asked": reps,
-            "decoding": "greedy, exactly N new tokens, EOS ignored (edgepipe eos_ids=(); genai EOS moved to an unused special token; llama.cpp argmax loop)",
-            "process": f"one process per engine and repetition, repetitions interleaved; a {WARMUP_TOKENS}-token warm-up generation before timing",
-            "ttft": "request start to the first sampled token (prefill of the prompt; genai includes creating its Generator)",
+            "decoding": "greedy, exactly N new tokens, EOS ignored; same prompt ids for both engines",
+            "process": f"one process per engine and repetition, repetitions interleaved; a {WARMUP_TOKENS}-token warm-up before timing",
+            "ttft": "request start to the first sampled token (prefill of the prompt)",
             "decode_tok_s": "(generated - 1) / (time from first to last token), median over repetitions",
-            "peak_rss": "ru_maxrss of the engine's process (interpreter and libraries included), median over repetitions",
-            "cpu_ms_per_token": "process CPU time (all threads, spin-waiting included) of a whole request / tokens, median",
-            "threads": "default = the engine's own default for edgepipe and genai (ONNX Runtime: intra-op threads = cores); llama.cpp n_threads = cores",
-            "genai_model": f"onnxruntime_genai.models.builder -i <HF folder dequantized from the GGUF by transformers> -p int4 -e cpu ({genai_dir.name})",
-            "agreement": f"teacher-forced top-1 vs edgepipe fp32, {len(agree_prompts)} chat prompts x {agree_n} greedy fp32 tokens",
+            "gb_s": "weight bytes streamed per token (all but the gathered embedding table) x decode tok/s",
+            "agreement": f"teacher-forced top-1, edgepipe vs llama.cpp, along llama.cpp's greedy continuations of {len(AGREE_PROMPTS)} chat prompts",
             "elapsed_s": round(time.time() - started),
         },
-        "rows": rows, "ratios": ratios(rows, lengths), "top1_vs_fp32": quality,
-        "llama_cpp": "ok" if has_llama else "not installed",
+        "models": per_model, "synthetic_import": synth,
     }
-    print_table(report)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "decode-quick" if args.quick else "decode"  # a smoke run never overwrites the full results
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / f"{stem}.md").write_text(markdown(report))
+    print("\n" + markdown(report))
     print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'} ({report['conditions']['elapsed_s']} s)")
 
 
-def print_table(report: dict) -> None:
-    head = (f"{'threads':<8} {'engine':<20} {'weights':<38} {'N':>5} {'TTFT ms':>8} {'tok/s':>7} {'CPU ms/tok':>10} "
-            f"{'peak MiB':>9} {'load s':>7} {'same as ep':>10}")
-    print("\n" + head + "\n" + "-" * len(head))
-    for r in report["rows"]:
-        flag = "" if r["generated"] == r["new_tokens"] else f"  (stopped at {r['generated']})"
-        print(f"{r['threads']:<8} {r['engine']:<20} {r['weights']:<38} {r['new_tokens']:>5} {r['ttft_ms']:>8.1f} {r['decode_tok_s']:>7.1f} {r['cpu_ms_per_token']:>10.2f} "
-              f"{r['peak_rss_mib']:>9} {r['load_s']:>7.2f} {r['same_tokens_as_edgepipe']:>10.0%}{flag}")
-    print()
-    for q in report["ratios"]:
-        parts = [f"threads {q['threads']}, N={q['new_tokens']}:"]
-        if "edgepipe_over_genai_tok_s" in q:
-            verdict = "meets" if q["edgepipe_over_genai_tok_s"] >= 1.0 else "misses"
-            parts.append(f"edgepipe/genai {q['edgepipe_over_genai_tok_s']:.2f}x tok/s ({verdict} the 1.0x goal), TTFT {q['edgepipe_over_genai_ttft']:.2f}x")
-        if "edgepipe_over_llama_cpp_tok_s" in q:
-            parts.append(f"edgepipe/llama.cpp {q['edgepipe_over_llama_cpp_tok_s']:.2f}x tok/s, TTFT {q['edgepipe_over_llama_cpp_ttft']:.2f}x")
-        if "three_stages_over_one_tok_s" in q:
-            parts.append(f"3 stages/1 stage {q['three_stages_over_one_tok_s']:.2f}x")
-        print("  ".join(parts))
-    print("\ntop-1 agreement with fp32 (teacher-forced):")
-    for q in report["top1_vs_fp32"]:
-        print(f"  {q['engine']:<20} {q['weights']:<40} {q['top1_agreement']:.1%} of {q['positions']} positions")
-    print()
-
-
 def markdown(report: dict) -> str:
-    m, v, c = report["machine"], report["versions"], report["conditions"]
+    m, c, bw = report["machine"], report["conditions"], report["memory_bandwidth_gb_s"]
     lines = [
-        "# Decode benchmark",
-        "",
-        f"- date: {report['date']}",
-        f"- machine: {m['nproc']} cores, {m['cpu']}, {m['memory_mib']} MiB RAM, {m['os']}, Python {m['python']}; "
-        f"load average {report['load_average']['before'][0]} before, {report['load_average']['after'][0]} after (shared machine)",
-        f"- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + (", llama.cpp not installed" if report["llama_cpp"] != "ok" else ""),
-        f"- model: {c['model']}; prompt {c['prompt_tokens']} tokens (chat template): \"{c['prompt']}\"",
-        f"- {c['decoding']}; {c['repetitions']} repetitions, {c['process']}",
-        f"- TTFT: {c['ttft']}; tok/s: {c['decode_tok_s']}; CPU ms/token: {c['cpu_ms_per_token']}; peak RSS: {c['peak_rss']}",
-        f"- threads: {c['threads']}",
-        f"- onnxruntime-genai model: {c['genai_model']}",
-        f"- produced by `python benchmarks/decode.py` in {c['elapsed_s']} s",
-        "",
-        "| threads | engine | weights | new tokens | TTFT ms | decode tok/s (median; reps) | CPU ms/token | peak RSS MiB | load s | same tokens as edgepipe |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "# Decode benchmark: edgepipe vs llama.cpp on the same GGUF", "",
+        f"- date: {report['date']}; produced by `python benchmarks/decode.py{' --quick' if report['quick'] else ''}` in {c['elapsed_s']} s",
+        f"- machine: {m['nproc']} cores, {m['cpu']}, {m['memory_mib']} MiB RAM; load average {report['load_average']['before']} before, "
+        f"{report['load_average']['after']} after (`/proc/loadavg`; a shared machine: compare engines only within one run)",
+        f"- memory read bandwidth measured here (numpy): " + ", ".join(f"{k.replace('_', ' ')}: {v} GB/s" for k, v in bw.items()),
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
+        f"- {c['decoding']}; {c['process']}; TTFT: {c['ttft']}; tok/s: {c['decode_tok_s']}; GB/s: {c['gb_s']}",
+        f"- agreement: {c['agreement']}", "",
     ]
-    for r in report["rows"]:
-        reps = ", ".join(f"{x:.0f}" for x in r["decode_tok_s_reps"])
-        stopped = "" if r["generated"] == r["new_tokens"] else f" (stopped at {r['generated']})"
-        lines.append(f"| {r['threads']} | {r['engine']} | {r['weights']} | {r['new_tokens']}{stopped} | {r['ttft_ms']:.1f} | "
-                     f"{r['decode_tok_s']:.1f} ({reps}) | {r['cpu_ms_per_token']:.2f} | {r['peak_rss_mib']} | {r['load_s']:.2f} | {r['same_tokens_as_edgepipe']:.0%} |")
-    lines += ["", "| threads | new tokens | edgepipe / genai tok/s | edgepipe / genai TTFT | edgepipe / llama.cpp tok/s | edgepipe / llama.cpp TTFT | 3 stages / 1 stage tok/s |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for q in report["ratios"]:
-        cell = lambda k: f"{q[k]:.2f}x" if k in q else "-"  # noqa: E731
-        lines.append(f"| {q['threads']} | {q['new_tokens']} | {cell('edgepipe_over_genai_tok_s')} | {cell('edgepipe_over_genai_ttft')} | "
-                     f"{cell('edgepipe_over_llama_cpp_tok_s')} | {cell('edgepipe_over_llama_cpp_ttft')} | {cell('three_stages_over_one_tok_s')} |")
-    lines += ["", f"Top-1 agreement with fp32, {c['agreement']}:", "", "| engine | weights | positions | top-1 agreement |", "| --- | --- | ---: | ---: |"]
-    for q in report["top1_vs_fp32"]:
-        lines.append(f"| {q['engine']} | {q['weights']} | {q['positions']} | {q['top1_agreement']:.1%} |")
+    for mod in report["models"]:
+        q = mod["agreement"]
+        lines += [f"## {mod['model']} ({mod['architecture']}, file {mod['file_mb']} MB, package {mod['package_weight_mb']} MB)", "",
+                  f"Prompt {mod['prompt_tokens']} tokens, {mod['repetitions']} repetition(s). "
+                  + (f"Top-1 agreement with llama.cpp: **{q['top1_agreement_with_llama_cpp']:.1%}** of {q['positions']} positions." if q else ""), "",
+                  "| threads | engine | new tokens | TTFT ms | decode tok/s (median; reps) | MB/token | GB/s | peak RSS MiB | load1 |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in mod["rows"]:
+            reps = ", ".join(f"{x:.1f}" for x in r["decode_tok_s_reps"])
+            lines.append(f"| {r['threads']} | {r['engine']} | {r['new_tokens']} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} ({reps}) | "
+                         f"{r['streamed_mb_per_token']} | {r['gb_s']} | {r['peak_rss_mib']} | {r['load1']} |")
+        if mod["ratios"]:
+            lines += ["", "| threads | new tokens | edgepipe / llama.cpp tok/s | edgepipe / llama.cpp TTFT |", "| ---: | ---: | ---: | ---: |"]
+            lines += [f"| {q['threads']} | {q['new_tokens']} | {q['tok_s']:.2f}x | {q['ttft']:.2f}x |" for q in mod["ratios"]]
+        lines.append("")
+    s = report.get("synthetic_import")
+    if s:
+        lines += ["## Import of an 8B-shaped synthetic GGUF", "", f"{s['shape']}: file {s['file_gb']} GB, package {s['package_gb']} GB; "
+                  f"`edgepipe import` took **{s['import_s']} s** ({s['import_gb_s']} GB/s) with **peak RSS {s['peak_rss_mib']} MiB** "
+                  f"(load1 {s['load1_at_start']} at start).", ""]
     return "\n".join(lines) + "\n"
 
 

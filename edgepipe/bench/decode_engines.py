@@ -57,7 +57,7 @@ class EdgepipeEngine:
     def __init__(self, job: dict):
         from ..model.store import resolve
 
-        self.package = resolve(MODEL, job["precision"], job.get("home"))
+        self.package = resolve(job.get("model", MODEL), job["precision"], job.get("home"))
         self.pipeline = self.package.pipeline(cuts=job.get("cuts", []), threads=job.get("threads"))
 
     def greedy(self, ids: list[int], n: int) -> Run:
@@ -137,7 +137,7 @@ class LlamaCppEngine:
 
         threads = job.get("threads") or os.cpu_count() or 1
         self.llama_cpp, self.np = llama_cpp, np
-        self.llm = llama_cpp.Llama(model_path=str(bundled_gguf(MODEL)), n_ctx=job.get("n_ctx", 2048), n_threads=threads,
+        self.llm = llama_cpp.Llama(model_path=str(job.get("model") or bundled_gguf(MODEL)), n_ctx=job.get("n_ctx", 2048), n_threads=threads,
                                    n_threads_batch=threads, verbose=False, logits_all=False)
         self.vocab = self.llm.n_vocab()
 

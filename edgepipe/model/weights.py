@@ -102,8 +102,8 @@ def to_precision(w: Weight, precision: Precision) -> Weight:
     if precision == "fp32":
         return w.dequantize() if isinstance(w, BlockQuantized) else np.asarray(w, np.float32)
     bits = 4 if precision == "int4" else 8
-    if isinstance(w, BlockQuantized) and w.bits == bits and w.has_integer_zeros:
-        return w
+    if isinstance(w, BlockQuantized) and w.bits == bits and w.has_integer_zeros and w.offsets is None:
+        return w  # already plain blocks of this width (Q4_0 for int4; Q8_0, Q5_0 for int8): exact
     dense = w.dequantize() if isinstance(w, BlockQuantized) else w
     return quantize_blocks(dense, bits)
 

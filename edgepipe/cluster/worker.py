@@ -40,6 +40,7 @@ RECONNECT_SHARE = 0.1  # ... at most this share of the time it has been gone (1 
 STABLE_SESSION_S = 10.0  # a membership that lasted this long resets the backoff
 WELCOME_TIMEOUT_S = 120.0  # the coordinator may build a weight variant before it welcomes
 INLINE_STEP_S = 0.02  # decode steps faster than this run on the event loop (no thread hand-off)
+LOOP_LAG_WARN_S = 1.0  # the event loop held up this long (a PONG would have waited as long): log it
 
 
 def reconnect_delay(attempt: int, draw: float, gone_s: float = 0.0) -> float:
@@ -129,6 +130,7 @@ class Worker:
         self.joins = 0  # memberships so far (1 + rejoins)
         self.fetched_bytes = 0  # blob bytes downloaded by this process
         self._step_s: dict[int, float] = {}  # last decode step time per runner: inline or in the thread
+        self.loop_lag_s = 0.0  # worst event-loop hold-up since the last PONG reported it
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, control: Channel | None = None) -> None:
@@ -140,6 +142,7 @@ class Worker:
         With a ``control`` channel given (in-memory use) it serves that one channel only."""
         server = await self._serve_data()
         compute = asyncio.create_task(self._compute_loop())
+        lag = asyncio.create_task(self._watch_loop_lag())
         try:
             if control is not None:
                 await self._session(control)
@@ -166,9 +169,20 @@ class Worker:
                 await asyncio.sleep(delay)
         finally:
             compute.cancel()
+            lag.cancel()
             if server is not None:
                 server.close()
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _watch_loop_lag(self, tick: float = 0.1) -> None:
+        """Measure how late the event loop wakes up: what a heartbeat would have waited."""
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(tick)
+            held = time.monotonic() - t0 - tick
+            self.loop_lag_s = max(self.loop_lag_s, held)
+            if held > LOOP_LAG_WARN_S:
+                log.warning("event loop held up for %.2f s (heartbeats waited as long)", held)
 
     async def _session(self, channel: Channel) -> bool:
         """One membership: hello, welcome, then control frames until the channel ends.
@@ -382,7 +396,9 @@ class Worker:
         elif msg.type is T.PING:
             await self._send_control(Message(T.PONG, {"t": msg.get("t"), "kv_bytes": self._kv_bytes(), "queue": self.queue.qsize(),
                                                       "busy_s": self.busy_s, "computed": self.computed,
-                                                      "fetched_bytes": self.fetched_bytes, "joins": self.joins}))
+                                                      "fetched_bytes": self.fetched_bytes, "joins": self.joins,
+                                                      "loop_lag_s": round(self.loop_lag_s, 3)}))
+            self.loop_lag_s = 0.0
         elif msg.type is T.LOAD:
             self._spawn(self._load(msg))
         elif msg.type is T.ACTIVATE:

@@ -146,3 +146,53 @@ def test_unsupported_type_is_refused_from_the_header_naming_the_tensor(tmp_path)
         refuse_unsupported_types(Path("m.gguf"), tensors)
     msg = str(err.value)
     assert "blk.0.ffn_up.weight" in msg and "IQ2_XXS" in msg and "\n" not in msg
+
+
+def _unpack4(packed: np.ndarray, n: int, cols: int) -> np.ndarray:
+    """Inverse of the 4-bit packing: element 2i in the low nibble, 2i+1 in the high one."""
+    packed = packed.reshape(n, -1)
+    out = np.empty((n, packed.shape[1] * 2), np.uint8)
+    out[:, 0::2], out[:, 1::2] = packed & 0x0F, packed >> 4
+    return out[:, :cols]
+
+
+def test_streamed_import_of_a_tensor_in_chunks_is_exact(tmp_path, monkeypatch):
+    """Rows converted a few at a time, with a block that needs explicit zero points in a later
+    chunk and a fused second tensor: the blobs still dequantize to gguf's values."""
+    import edgepipe.model.importer as importer
+
+    rng = np.random.default_rng(5)
+    n, k = 10, 256
+    first, second = random_blocks("Q4_1", n, k, rng), random_blocks("Q4_1", 4, k, rng)
+    blocks = first.reshape(n, -1, 20)
+    blocks[7, 3, 0:2] = np.array([60000.0], np.float16).view(np.uint8)  # an offset m + 8d that float32 cannot hold
+    blocks[7, 3, 2:4] = np.array([1e-7], np.float16).view(np.uint8)
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("a.weight", first, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    w.add_tensor("b.weight", second, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    class Source(GGUFSource):
+        def __init__(self, p):  # tensors only: no architecture to check
+            from edgepipe.model.gguf_source import read_gguf_header
+
+            self.path, self._file = p, None
+            self._meta, self._tensors = read_gguf_header(p)
+
+    monkeypatch.setattr(importer, "CHUNK_WEIGHTS", 3 * k)  # three rows at a time
+    writer = importer._BlobWriter(tmp_path / "blobs")
+    stored = importer._native_linear(Source(path), ["a.weight", "b.weight"], writer, importer._ReadMeter(lambda *_: None, 1))
+    rows, nb = n + 4, k // 32
+    assert stored.shape == (rows, k) and stored.zero_points is not None
+    blob = lambda s: np.fromfile(tmp_path / "blobs" / s.sha, np.uint8)  # noqa: E731
+    q = _unpack4(blob(stored.packed), rows, k)
+    scales = blob(stored.scales).view(np.float32).reshape(rows, nb)
+    zeros = _unpack4(blob(stored.zero_points), rows, nb).astype(np.float32)
+    ours = BlockQuantized(4, 32, q, scales, zeros, stored.offsets).dequantize()
+    ref = np.concatenate([reference(first, "Q4_1", k), reference(second, "Q4_1", k)])
+    assert same_values(ours, ref)
+    assert set(zeros[:6].ravel()) == {8.0} and set(zeros[6:9].ravel()) == {0.0}  # default before the fallback chunk

@@ -85,6 +85,14 @@ def import_model(
         from .gguf_header import check_supported
 
         check_supported(source_path)  # refuses from the header before hashing the file
+        from .gguf_source import read_gguf_header, refuse_unsupported_types
+
+        try:
+            refuse_unsupported_types(source_path, read_gguf_header(source_path)[1])  # a type we cannot keep exactly
+        except ValueError as exc:
+            if isinstance(exc, UnsupportedModel):
+                raise
+            raise CorruptModel(f"{source_path.name}: not a readable GGUF file, truncated or damaged ({exc})") from None
     models_dir = Path(models_dir)
     target = models_dir / (name or package_name(source_path, precision))
     source_hash = _cached_sha256(source_path, models_dir) if source_path.is_file() else _folder_hash(source_path)

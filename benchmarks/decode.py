@@ -338,6 +338,7 @@ def main() -> None:
             "elapsed_s": round(time.time() - started),
         },
         "models": per_model, "synthetic_import": synth,
+        "llama_cpp": version("llama_cpp_python") if has_llama else "not installed: its columns and the agreement are missing",
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -356,7 +357,7 @@ def markdown(report: dict) -> str:
         f"- machine: {m['nproc']} cores, {m['cpu']}, {m['memory_mib']} MiB RAM; load average {report['load_average']['before']} before, "
         f"{report['load_average']['after']} after (`/proc/loadavg`; a shared machine: compare engines only within one run)",
         f"- memory read bandwidth measured here (numpy): " + ", ".join(f"{k.replace('_', ' ')}: {v} GB/s" for k, v in bw.items()),
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v),
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v) + f"; llama.cpp: {report.get('llama_cpp')}",
         f"- {c['decoding']}; {c['process']}; TTFT: {c['ttft']}; tok/s: {c['decode_tok_s']}; GB/s: {c['gb_s']}",
         f"- agreement: {c['agreement']}", "",
     ]

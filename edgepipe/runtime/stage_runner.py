@@ -120,6 +120,11 @@ class _KVPool:
             else:
                 del holder[src]
 
+    def grow_rows(self, rows: int) -> None:
+        """At least ``rows`` rows (idle ones hold nothing; a bystander write lands at position 0)."""
+        if rows > self.rows:
+            self._realloc(rows, max(self.capacity, KV_BLOCK))
+
     def reserve(self, tokens: int) -> None:
         """Room for ``tokens`` positions in every row (plus the harmless write of bystanders)."""
         if tokens > self.capacity:
@@ -234,6 +239,14 @@ class StageRunner:
             pool.gather(seqs)
             rows = [pool.row_of[s] for s in seqs]
         lo, hi = min(rows), max(rows) + 1
+        if hi - lo == 1 and new == 1:
+            # MLAS runs a one-row MatMulNBits (M = 1) with its own kernel, whose sums differ in the
+            # last bits from the M >= 2 kernel's, and every M >= 2 gives each row the same result.
+            # So a lone decode step takes a neighbouring row along as a bystander: a sequence then
+            # gets exactly the same tokens alone, batched with others, or replayed (batch invariance).
+            if pool.rows < 2:
+                pool.grow_rows(2)
+            lo, hi = (lo, lo + 2) if lo + 1 < pool.rows else (lo - 1, hi)
         n = hi - lo
         if n == len(seqs) and rows == list(range(lo, hi)):
             feed = np.ascontiguousarray(x)

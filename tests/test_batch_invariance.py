@@ -1,0 +1,38 @@
+"""Batch invariance: a sequence decoded alone, or batched with others, gets the same greedy tokens.
+
+MLAS runs one-row 4-bit MatMulNBits calls with a kernel of their own whose sums differ in the
+last bits; the stage runner never issues one (a lone step takes a bystander row along), so
+lanes, replays and the single-process reference agree token for token."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgepipe.runtime.stage_runner import SamplingBatch
+
+PROMPTS = ["Name a fruit.", "What is 2 + 2?", "Write one line about the sea.", "Say hi."]
+
+
+def test_batched_decode_equals_solo_decode(int4_pkg):
+    pipe, tok = int4_pkg.pipeline(), int4_pkg.tokenizer
+    ids = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in PROMPTS]
+
+    def solo(i: int, n: int) -> list[int]:
+        out, feed = [], ids[i]
+        for _ in range(n):
+            out.append(pipe.step(f"solo{i}", feed, SamplingBatch.greedy(1)))
+            feed = out[-1:]
+        pipe.drop(f"solo{i}")
+        return out
+
+    expected = [solo(i, 24) for i in range(len(PROMPTS))]
+    seqs = [f"b{i}" for i in range(len(PROMPTS))]
+    got = [[pipe.step(s, ids[i], SamplingBatch.greedy(1))] for i, s in enumerate(seqs)]
+    for _ in range(23):
+        x = np.array([[g[-1]] for g in got], np.int64)
+        for runner in pipe.runners:
+            x = runner.run_batch(seqs, x, SamplingBatch.greedy(len(seqs)) if runner.emits_tokens else None)
+        for g, t in zip(got, x):
+            g.append(int(t))
+    for prompt, e, g in zip(PROMPTS, expected, got):
+        assert g == e, prompt

@@ -49,7 +49,7 @@ from harness import Server  # noqa: E402
 from edgepipe.api import browser_routes  # noqa: E402
 from edgepipe.api.app import create_app  # noqa: E402
 from edgepipe.cluster.coordinator import Coordinator, CoordinatorSettings  # noqa: E402
-from edgepipe.cluster.serve import bind_socket  # noqa: E402
+from edgepipe.serve import bind_socket  # noqa: E402
 from edgepipe.model.importer import add_variant  # noqa: E402
 from edgepipe.model.store import resolve  # noqa: E402
 from edgepipe.net.protocol import Message, MessageType as T  # noqa: E402

@@ -188,7 +188,7 @@ def serve(
     """Start the coordinator (API, dashboard, metrics) and local workers."""
     import asyncio
 
-    from .cluster.serve import ServeSettings, run_server
+    from .serve import ServeSettings, run_server
     from .model.store import home_dir
 
     try:

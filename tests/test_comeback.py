@@ -73,7 +73,7 @@ def test_reconnect_backoff_is_jittered_exponential_and_capped():
 
 
 def test_local_worker_restart_backoff():
-    from edgepipe.cluster.serve import restart_delay
+    from edgepipe.serve import restart_delay
 
     assert restart_delay(0) == 0.0  # it had run a while: at once
     assert [restart_delay(k) for k in (1, 2, 3)] == [0.5, 1.0, 2.0] and restart_delay(50) == 10.0

@@ -29,6 +29,7 @@ from .. import PROTOCOL_VERSION
 from ..emulate.slowdown import MemoryBudget, MemoryBudgetExceeded, SlowdownPolicy
 from ..net import auth, limits, validate
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
+from ..net.messages import ErrorCode
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
 from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner
 from .blobcache import BlobCache
@@ -83,6 +84,10 @@ class WorkerSettings:
     @property
     def emulated(self) -> bool:
         return self.slowdown != 1.0 or bool(self.link_delay_ms) or bool(self.link_rate)
+
+
+class CorruptInput(ValueError):
+    """What a predecessor sent this stage cannot be used (non-finite, wrong shape)."""
 
 
 @dataclass
@@ -544,14 +549,16 @@ class Worker:
         try:
             await work
         except ChannelClosed as exc:
-            text = f"next hop unreachable: {exc}"
+            text, code = f"next hop unreachable: {exc}", ErrorCode.UNREACHABLE
         except (ContextOverflow, KeyError, ValueError, RuntimeError) as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            code = {ContextOverflow: ErrorCode.CONTEXT, KeyError: ErrorCode.NO_STAGE,
+                    CorruptInput: ErrorCode.CORRUPT_INPUT}.get(type(exc), ErrorCode.BAD_INPUT)
         except Exception as exc:  # noqa: BLE001 - onnxruntime errors must not kill the worker
-            text = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            text, code = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", ErrorCode.INTERNAL
         else:
             return
-        await self._report_error(msg, text)
+        await self._report_error(msg, text, code)
 
     async def _forward(self, msg: Message, loop) -> None:
         plan, batch, x = msg["plan"], list(msg["batch"]), msg.tensors["x"]
@@ -564,7 +571,7 @@ class Worker:
             hidden = self._hidden_of(slot.runner)
             problem = validate.activation_problem(x, hidden or None, slot.max_context)
             if problem:
-                raise ValueError(f"plan {plan}: {problem}")
+                raise CorruptInput(f"plan {plan}: {problem}")
         if x.dtype == np.float16:
             x = x.astype(np.float32)
         sampling = None
@@ -652,7 +659,7 @@ class Worker:
         await self._send_control(Message(T.LOADED, {"kv_received": msg["move"], "plan": msg["plan"], "ok": True,
                                                     "bytes": int(sum(v.nbytes for v in mine.values()))}))
 
-    async def _report_error(self, msg: Message, text: str) -> None:
+    async def _report_error(self, msg: Message, text: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         log.warning("%s failed: %s", msg.type.value, text)
         if msg.type is not T.FORWARD:
             return
@@ -660,7 +667,7 @@ class Worker:
         for item in batch if isinstance(batch, list) else [{}]:
             item = item if isinstance(item, dict) else {}
             try:
-                await self._send_control(Message(T.ERROR, {"message": text, "seq": item.get("seq"), "step": item.get("step"),
+                await self._send_control(Message(T.ERROR, {"message": text, "code": code.value, "seq": item.get("seq"), "step": item.get("step"),
                                                            "rid": item.get("rid")}))
             except ChannelClosed:
                 return

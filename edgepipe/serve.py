@@ -14,10 +14,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ..api.admission import Admission
-from ..api.app import create_app
-from ..net.limits import control_frame_limit
-from .coordinator import Coordinator, CoordinatorSettings
+from .api.admission import Admission
+from .api.app import create_app
+from .net.limits import control_frame_limit
+from .cluster.coordinator import Coordinator, CoordinatorSettings
 
 
 @dataclass
@@ -28,6 +28,7 @@ class ServeSettings:
     worker_threads: int | None = None
     api_key: str | None = None
     join_token: str | None = None
+    data_secrets: str = "issued"  # "derived": data-port secrets from the join token (see net.auth)
     admin_token: str | None = None  # required by routes that change the cluster (else the API key, else loopback only)
     tls: bool = False  # serve https/wss with tls_cert/tls_key, or a self-signed certificate made once in tls_dir
     tls_cert: str | None = None
@@ -142,11 +143,12 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
     sock = bind_socket(settings.host, settings.port)
     port = sock.getsockname()[1]
     if plan_fn is None and settings.planner:
-        from ..plan import Objective
-        from .planning import PlannerPolicy
+        from .plan import Objective
+        from .cluster.planning import PlannerPolicy
 
         plan_fn = PlannerPolicy(Objective(settings.objective), settings.tpot_target_ms / 1e3 if settings.tpot_target_ms else None)
-    coordinator = Coordinator(package, CoordinatorSettings(min_workers=max(1, settings.workers), join_token=settings.join_token), plan_fn=plan_fn)
+    coordinator = Coordinator(package, CoordinatorSettings(min_workers=max(1, settings.workers), join_token=settings.join_token,
+                                                                 issue_data_secrets=settings.data_secrets != "derived"), plan_fn=plan_fn)
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,
                      admission=Admission(settings.max_active, settings.max_queue), admin_token=settings.admin_token)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
@@ -158,7 +160,7 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
     if settings.tls or settings.tls_cert:
         from pathlib import Path
 
-        from ..net import tls
+        from .net import tls
 
         cert, key = ((Path(settings.tls_cert), Path(settings.tls_key or settings.tls_cert)) if settings.tls_cert else
                      tls.make_self_signed(Path(settings.tls_dir or "."), ("127.0.0.1", "localhost", settings.host)))
@@ -168,10 +170,13 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
     config = uvicorn.Config(app, log_level=settings.log_level, ws_max_size=ws_max, ws_ping_interval=None, timeout_graceful_shutdown=2,
                             **tls_files)
     server = uvicorn.Server(config)
+    # The tokenizer loads lazily; building it inside the first request's handler held the event
+    # loop for seconds on a busy machine, long enough for every worker to look silent.
+    await asyncio.get_running_loop().run_in_executor(None, lambda: package.tokenizer)
     await coordinator.start()
     advertiser = None
     if settings.advertise:
-        from ..net.discovery import Advertiser
+        from .net.discovery import Advertiser
 
         advertiser = Advertiser(settings.host, port, package.manifest.name, bool(settings.join_token), settings.cluster)
         try:

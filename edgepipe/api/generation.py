@@ -64,6 +64,18 @@ def build(coord, prompts: list[list[int]], params: GenerationParams, n: int, dec
     return states
 
 
+async def cancel_until_done(*tasks: asyncio.Future, retry_s: float = 0.05) -> None:
+    """Cancel ``tasks`` and wait for them to end, cancelling again while one runs on: before Python
+    3.12, ``asyncio.wait_for`` returns its result instead of raising when the cancellation and the
+    result arrive together, so one cancel of a decode loop can be lost (the request would run on)."""
+    pending = [t for t in tasks if not t.done()]
+    while pending:
+        for t in pending:
+            t.cancel()
+        await asyncio.wait(pending, timeout=retry_s)
+        pending = [t for t in pending if not t.done()]
+
+
 async def until_disconnect(request: Request, work: Awaitable):
     """``await work``, cancelled (and :class:`ClientGone` raised) if the client disconnects first."""
     task = asyncio.ensure_future(work)
@@ -80,9 +92,7 @@ async def until_disconnect(request: Request, work: Awaitable):
         raise ClientGone()
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_until_done(task)
 
 
 async def admit(request: Request, positions: int) -> int:
@@ -118,9 +128,7 @@ async def merged(coord, states: list[SequenceState], rid: str) -> AsyncIterator[
                 continue
             yield i, delta
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_until_done(*tasks)
 
 
 async def collect(coord, states: list[SequenceState], rid: str) -> list[str]:

@@ -61,7 +61,7 @@ MALFORMED = [
     ("chat", {**CHAT, "max_tokens": 1.5}, "max_tokens"),
     ("chat", {**CHAT, "max_tokens": 10**6}, "max_tokens"),
     ("chat", {**CHAT, "n": 0}, "n"),
-    ("chat", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("chat", {**CHAT, "stop": [f"s{i}" for i in range(17)]}, "stop"),
     ("chat", {**CHAT, "stop": [""]}, "stop"),
     ("chat", {**CHAT, "messages": [{"role": "user"}, 3]}, "messages"),
     ("chat", {**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages"),

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 MAX_WIRE_INT = (1 << 31) - 1  # what a sampling field or a token id may be on the wire (int32)
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 MAX_CHOICES = 16
-MAX_STOP = 4
+MAX_STOP = 16  # OpenAI allows 4; evaluation harnesses send more
 
 
 class Strict(BaseModel):

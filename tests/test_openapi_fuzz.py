@@ -51,7 +51,7 @@ def served_model_only(doc: dict) -> dict:
 schema = schemathesis.openapi.from_dict(served_model_only(shrink(copy.deepcopy(DOC))))
 schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], deterministic=True, database="none")
 schema.config.phases.update(phases=["examples", "fuzzing"])  # the coverage phase alone sends ~1,000 requests
-EXAMPLES = int(os.environ.get("EDGEPIPE_FUZZ_EXAMPLES", "50"))  # per operation: 10 operations, a few hundred requests in all
+EXAMPLES = int(os.environ.get("EDGEPIPE_FUZZ_EXAMPLES", "40"))  # per operation: 10 operations, a few hundred requests in all
 SENT: list[int] = []  # status of every fuzzed request
 LENGTH_FIELDS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "best_of": 2}
 

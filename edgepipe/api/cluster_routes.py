@@ -210,7 +210,7 @@ def require_admin(request: Request) -> None:
 async def rebalance(request: Request) -> JSONResponse:
     """Deploy a given placement now (operators; tests forcing a KV move)."""
     from ..cluster.placement import StageAssignment
-    from .openai_routes import read_json
+    from .errors import read_json
 
     require_admin(request)
     coord = request.app.state.coordinator
@@ -237,7 +237,7 @@ async def rebalance(request: Request) -> JSONResponse:
 
 async def emulation(request: Request) -> JSONResponse:
     """Change a worker's emulated slowdown while it runs (labelled emulation; benchmarks)."""
-    from .openai_routes import read_json
+    from .errors import read_json
 
     require_admin(request)
     coord = request.app.state.coordinator

@@ -15,6 +15,10 @@ from edgepipe.runtime.sequence import GenerationParams
 torch = pytest.importorskip("torch", reason="building the HF folder needs torch (test extra)")
 transformers = pytest.importorskip("transformers")
 
+# 40 s (a safetensors checkpoint written with torch, then imported): kept out of the default run
+# to hold it near 10 minutes on 2 cores; `pytest -m slow` runs it.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):

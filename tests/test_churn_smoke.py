@@ -12,7 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# 55 s of real processes: slow-marked since the seeded simulation (2,000 fault schedules,
+# tests/test_sim.py) runs in the default suite; `pytest -m slow` runs it.
+pytestmark = pytest.mark.slow
 
 
 def test_every_request_completes_correctly_under_churn(int4_pkg, home, tmp_path):

@@ -1,0 +1,156 @@
+"""Constrained decoding for ``response_format``: which tokens may come next so the output is JSON.
+
+Pure logic on the coordinator (workers only apply the mask). A :class:`JsonFormat` (any JSON
+object, or a JSON Schema) is compiled once per request against the model's vocabulary
+(:class:`Vocabulary`, built once per tokenizer: ~1 s for 50k tokens, ~3 s for 150k) into a
+grammar; each sequence gets its own :class:`JsonMatcher`, which gives per step the allowed-token
+bitmask (packed ``uint8``, little bit order: token ``t`` is bit ``t % 8`` of byte ``t // 8``,
+EOS set once the JSON is complete) and is advanced by the sampled token. Built on ``llguidance``
+(the Rust structured-generation library), imported only here and only when used.
+
+Output is compact (``", "`` and ``": "`` separators, no other whitespace between tokens of the
+JSON): a small model given free whitespace at temperature 1 tends to spend its tokens on it.
+``strict`` (OpenAI's flag) refuses schema keywords the grammar cannot enforce; without it they
+are ignored (the output is JSON but may not meet them).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+SEPARATORS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+MAX_SCHEMA_CHARS = 1 << 16
+
+
+class SchemaError(ValueError):
+    """The response format cannot be compiled (one line, safe to show to the client)."""
+
+
+@dataclass(frozen=True)
+class JsonFormat:
+    """What the output must be: ``json_object`` (any JSON object) or ``json_schema`` (``schema``)."""
+
+    kind: str  # "json_object" | "json_schema"
+    schema: Any = None  # a JSON Schema (dict or bool); None with json_schema: any JSON value
+    strict: bool = False
+
+    def schema_text(self) -> str:
+        if self.kind == "json_object":
+            return json.dumps({"type": "object"})
+        if self.kind != "json_schema":
+            raise SchemaError(f"unknown response format {self.kind!r}")
+        schema = self.schema
+        if schema is None or schema is True:
+            schema = {}
+        if schema is False:
+            raise SchemaError("the schema is `false`: no output can satisfy it")
+        if not isinstance(schema, dict):
+            raise SchemaError("the schema must be a JSON object")
+        text = json.dumps(schema)
+        if len(text) > MAX_SCHEMA_CHARS:
+            raise SchemaError(f"the schema is {len(text)} characters long (at most {MAX_SCHEMA_CHARS})")
+        return text
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled, validated response format for one vocabulary."""
+
+    text: str  # llguidance's grammar
+    warnings: tuple[str, ...] = ()
+
+
+class Vocabulary:
+    """The model's tokens as the grammar engine sees them (expensive: build once per tokenizer)."""
+
+    def __init__(self, tokenizer_json: str, eos_ids: tuple[int, ...], vocab_size: int | None = None):
+        import llguidance as llg
+
+        self._llg = llg
+        self.eos_ids = tuple(eos_ids)
+        self.ll = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(self.eos_ids))
+        self.size = self.ll.vocab_size
+
+    def compile(self, fmt: JsonFormat) -> Grammar:
+        """The grammar for ``fmt``; :class:`SchemaError` (one line) when it is not a usable schema."""
+        text = fmt.schema_text()
+        options = {**SEPARATORS, "lenient": not fmt.strict}
+        try:
+            grammar = self._llg.LLMatcher.grammar_from_json_schema(text, overrides=options)
+        except ValueError as exc:
+            raise SchemaError(f"invalid schema: {_one_line(str(exc))}") from None
+        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
+        if is_error:
+            raise SchemaError(f"invalid schema: {_one_line('; '.join(messages))}")
+        return Grammar(grammar, tuple(_one_line(m) for m in messages))
+
+    def matcher(self, grammar: Grammar) -> "JsonMatcher":
+        m = self._llg.LLMatcher(self.ll, grammar.text, log_level=0)
+        if m.is_error():
+            raise SchemaError(f"invalid schema: {_one_line(m.get_error())}")
+        return JsonMatcher(m, self.size, self.eos_ids)
+
+
+@dataclass
+class JsonMatcher:
+    """One sequence's position in the grammar: ``allowed()`` before each step, ``advance`` after it."""
+
+    _m: Any  # llguidance.LLMatcher
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    tokens: list[int] = field(default_factory=list)
+
+    def allowed(self) -> np.ndarray:
+        """Packed allowed-token bitmask, ``ceil(vocab_size / 8)`` bytes, little bit order."""
+        words = np.frombuffer(self._m.compute_bitmask(), np.uint8)
+        if self._m.is_error():
+            raise ValueError(f"grammar error: {_one_line(self._m.get_error())}")
+        return words[: (self.vocab_size + 7) // 8].copy()
+
+    def allowed_ids(self) -> np.ndarray:
+        return np.flatnonzero(np.unpackbits(self.allowed(), bitorder="little")[: self.vocab_size])
+
+    def advance(self, token: int) -> None:
+        """Take the sampled ``token``; ``ValueError`` when the grammar forbids it (the mask was not applied)."""
+        if not self._m.consume_token(int(token)):
+            raise ValueError(f"token {int(token)} breaks the response format: {_one_line(self._m.get_error())}")
+        self.tokens.append(int(token))
+
+    @property
+    def is_accepting(self) -> bool:
+        """The output so far is complete JSON that meets the format (EOS is allowed)."""
+        return self._m.is_accepting()
+
+    @property
+    def is_finished(self) -> bool:
+        """Nothing but EOS may follow."""
+        return self._m.is_stopped()
+
+
+_VOCABS: dict[int, tuple[weakref.ref, Vocabulary]] = {}
+_LOCK = threading.Lock()
+
+
+def vocabulary_for(text_tokenizer, vocab_size: int | None = None) -> Vocabulary:
+    """The :class:`Vocabulary` of an ``edgepipe.model.tokenizer.TextTokenizer``, built once and kept
+    while the tokenizer lives (call from a thread: the first build takes seconds)."""
+    with _LOCK:
+        key = id(text_tokenizer)
+        entry = _VOCABS.get(key)
+        if entry is not None and entry[0]() is text_tokenizer:
+            return entry[1]
+        tok = text_tokenizer.tokenizer
+        size = vocab_size if vocab_size and vocab_size >= tok.get_vocab_size(with_added_tokens=True) else None
+        vocab = Vocabulary(tok.to_str(), text_tokenizer.eos_ids, size)
+        _VOCABS[key] = (weakref.ref(text_tokenizer, lambda _r, k=key: _VOCABS.pop(k, None)), vocab)
+        return vocab
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())[:300]

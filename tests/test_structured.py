@@ -1,0 +1,129 @@
+"""Constrained decoding (pure): random walks over the allowed tokens always spell JSON that meets the schema.
+
+With the bundled SmolLM2 tokenizer and the real Qwen2.5 0.5B one (skipped, not passed, when its
+GGUF is absent): every walk, decoded by edgepipe's own tokenizer, parses and validates; the
+mask forbids tokens that would break the JSON, allows EOS only once it is complete, and only
+EOS after the last brace. Invalid schemas are refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema_rs
+import numpy as np
+import pytest
+
+from edgepipe.cluster.structured import JsonFormat, SchemaError, vocabulary_for
+from edgepipe.model.gguf_source import GGUFSource
+from edgepipe.model.store import bundled_gguf
+from edgepipe.model.tokenizer import TextTokenizer
+
+QWEN = Path("/work/models/qwen2.5-coder-0.5b-instruct.gguf")
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"], "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    "ok": {"type": "boolean"},
+    "score": {"type": "number", "minimum": -1000, "maximum": 1000}}}
+
+
+@pytest.fixture(scope="module", params=["smollm2", "qwen2.5-0.5b"])
+def model(request):
+    path = bundled_gguf() if request.param == "smollm2" else QWEN
+    if not path.is_file():
+        pytest.skip(f"{path} is not on this machine (scripts/fetch_qwen05.sh)")
+    src = GGUFSource(path)
+    info = src.tokenizer_info()
+    tok = TextTokenizer.from_json(src.tokenizer_json(), info.chat_template, info.eos_ids, info.bos_id, info.add_bos)
+    return tok, vocabulary_for(tok), closing_ranks(tok, vocabulary_for(tok).size)
+
+
+def walk(tok, vocab, ranks, fmt: JsonFormat, seed: int, explore: int = 25, limit: int = 400) -> list[int]:
+    """Sample allowed tokens at random for ``explore`` steps, then prefer ones that close the JSON."""
+    rng = np.random.default_rng(seed)
+    m = vocab.matcher(vocab.compile(fmt))
+    out: list[int] = []
+    for step in range(limit):
+        allowed = m.allowed_ids()
+        assert allowed.size, f"no token allowed after {tok.decode(out)!r}"
+        if step >= explore:
+            allowed = allowed[ranks[allowed] == ranks[allowed].min()]
+        token = int(rng.choice(allowed))
+        m.advance(token)
+        if token in tok.eos_ids:
+            assert m.is_accepting
+            return out
+        out.append(token)
+    raise AssertionError(f"no EOS within {limit} tokens: {tok.decode(out)!r}")
+
+
+def closing_ranks(tok, size: int) -> np.ndarray:
+    """Per token, how soon it tends to end the JSON: EOS 0, a closing bracket 1, a quote 2, digits 3, others 4."""
+    def rank(token: int) -> int:
+        text = tok.decode([token])
+        return next((i for i, chars in enumerate(("}]", '"', "0123456789,"), 1) if any(c in text for c in chars)), 4)
+    ranks = np.array([rank(t) for t in range(size)])
+    ranks[list(tok.eos_ids)] = 0
+    return ranks
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_walks_validate_against_the_schema(model, seed):
+    tok, vocab, ranks = model
+    validator = jsonschema_rs.validator_for(PERSON)
+    text = tok.decode(walk(tok, vocab, ranks, JsonFormat("json_schema", PERSON, strict=True), seed, explore=10 + 15 * seed))
+    value = json.loads(text)
+    assert validator.is_valid(value), (text, [e.message for e in validator.iter_errors(value)])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_walks_of_json_object_are_objects(model, seed):
+    tok, vocab, ranks = model
+    text = tok.decode(walk(tok, vocab, ranks, JsonFormat("json_object"), seed, explore=20))
+    assert isinstance(json.loads(text), dict), text
+
+
+def test_mask_forbids_what_breaks_the_json_and_ends_with_eos(model):
+    tok, vocab, ranks = model
+    m = vocab.matcher(vocab.compile(JsonFormat("json_schema", PERSON, strict=True)))
+    bits = m.allowed()
+    assert bits.dtype == np.uint8 and bits.size == (vocab.size + 7) // 8
+    first = m.allowed_ids().tolist()
+    assert first and all(tok.decode([t]).startswith("{") for t in first)  # '{"' may be one token
+    assert not {tok.encode(text)[0] for text in ("}", "[", "hello", '"', " ")} & set(first)
+    assert not set(tok.eos_ids) & set(first)
+    for t in tok.encode('{"name": "Ann", "age": 41'):
+        m.advance(t)
+    after = set(m.allowed_ids().tolist())
+    assert tok.encode("]")[0] not in after and tok.encode("}")[0] not in after  # "ok" is required
+    assert tok.encode(",")[0] in after and not set(tok.eos_ids) & after
+    with pytest.raises(ValueError, match="breaks the response format"):
+        vocab.matcher(vocab.compile(JsonFormat("json_object"))).advance(tok.encode("]")[0])
+    for t in tok.encode(', "ok": true}'):
+        m.advance(t)
+    assert m.is_accepting and m.is_finished
+    assert set(m.allowed_ids().tolist()) == set(tok.eos_ids)
+
+
+@pytest.mark.parametrize("schema,words", [
+    ({"type": "strng"}, "Invalid type"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/nope"}}}, "/nope"),
+    ({"type": "integer", "minimum": 5, "maximum": 3}, "Unsatisfiable"),
+    ({"not": {"type": "string"}}, "Unimplemented"),  # strict: a keyword the grammar cannot enforce
+    (False, "no output"),
+    ([1, 2], "JSON object"),
+])
+def test_invalid_schemas_are_refused_in_one_line(model, schema, words):
+    _, vocab, _ = model
+    with pytest.raises(SchemaError) as info:
+        vocab.compile(JsonFormat("json_schema", schema, strict=True))
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_without_strict_unenforceable_keywords_are_warnings(model):
+    _, vocab, _ = model
+    grammar = vocab.compile(JsonFormat("json_schema", {"type": "object", "not": {"required": ["a"]}}, strict=False))
+    assert any("not" in w for w in grammar.warnings)
+    assert vocab.compile(JsonFormat("json_schema", None)).text  # no schema: any JSON value

@@ -4,8 +4,10 @@
 so optional fields stay optional on the wire); ``parse(msg)`` checks a received message's
 fields (types, ranges, finite numbers) and returns its dataclass, or raises ``ProtocolError``
 with one line. Field names are the wire names in ``docs/protocol.md`` (the browser worker,
-``api/static/worker.js``, reads the same names); ``tests/test_sim_protocol.py`` checks the doc
-against these classes. Errors carry an :class:`ErrorCode` so nobody matches error text.
+``api/static/worker.js``, reads the same names); the message tables of ``docs/protocol.md`` are
+generated from these classes (``edgepipe.net.protocol_doc``, checked by ``tests/test_protocol_doc.py``)
+and ``tests/test_golden_frames.py`` checks both workers against recorded frames. Errors carry an
+:class:`ErrorCode` so nobody matches error text.
 """
 
 from __future__ import annotations
@@ -46,6 +48,27 @@ class Wire:
 
 def _plain(v):
     return v.value if isinstance(v, Enum) else v
+
+
+@dataclass(frozen=True)
+class Hello(Wire):
+    """A worker's first frame (the coordinator reads it as a map: unknown keys are ignored)."""
+
+    TYPE = T.HELLO
+    name: str
+    token: str | None
+    protocol: int
+    kind: str  # "native" or "browser"
+    memory_bytes: int
+    threads: int
+    data_url: str | None  # None for a browser (it cannot accept connections)
+    held: list  # sha256s in its cache
+    emulation: dict | None = None  # {slowdown, link_delay_ms, link_rate, memory_budget[, drop_work]}, labelled emulation
+    precision: str | None = None  # the weight variant it wants (a browser: fp32)
+    pid: int | None = None
+    data_fingerprint: str | None = None  # its data port's certificate (TLS clusters)
+    power_busy_w: float | None = None
+    power_idle_w: float | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +146,7 @@ class Emulate(Wire):
 @dataclass(frozen=True)
 class Bye(Wire):
     TYPE = T.BYE
+    final: bool | None = None  # true: the sender leaves for good (no reconnect); absent: it may come back
 
 
 @dataclass(frozen=True)
@@ -136,6 +160,17 @@ class Forward(Wire):
     relay_to: str | None = None
 
 
+@dataclass(frozen=True)
+class Kv(Wire):
+    """A sequence's KV for some layers, worker to worker (tensors ``key.<u>``, ``value.<u>``)."""
+
+    TYPE = T.KV
+    seq: str
+    plan: int  # the receiver's plan
+    length: int
+    move: int
+
+
 # -- what workers send --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Token(Wire):
@@ -144,6 +179,9 @@ class Token(Wire):
     batch: list  # [{seq, step, rid, sampling[, partial]}], as sent
     tokens: list  # one id per batch entry
     timings: list  # [[worker_id, seconds, positions, bytes/elem, batch], ...]
+    # per batch entry that asked (sampling.logprobs), else None: {logprob, top_ids, top_logprobs[,
+    # prompt: [logprobs [S], top ids [S][N], top logprobs [S][N]]]} (see runtime.controls)
+    logprobs: list | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +192,9 @@ class Pong(Wire):
     queue: int | None = None
     busy_s: float | None = None
     computed: int | None = None
+    fetched_bytes: int | None = None  # blob bytes this process downloaded so far
+    joins: int | None = None  # memberships of this process (1 + rejoins)
+    loop_lag_s: float | None = None  # worst event-loop hold-up since the last pong
 
 
 @dataclass(frozen=True)
@@ -167,6 +208,9 @@ class Loaded(Wire):
     load_s: float | None = None
     weight_bytes: int | None = None
     repaired: list | None = None  # cached files that failed their SHA-256 and were fetched again
+    prefetched: bool | None = None  # a prefetch load: files held, nothing built
+    reused_session: bool | None = None  # the stage's session was already built (kept range, warm spare)
+    bytes: int | None = None  # a KV move: bytes installed
 
 
 @dataclass(frozen=True)
@@ -208,7 +252,14 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
             for t in tokens:
                 if not (_int(t) and 0 <= t < vocab_size):
                     raise ProtocolError(f"token: id {t!r} is not in [0, {vocab_size})")
-            return Token(_need_int(f["plan"], "plan"), batch, tokens, _timings(f.get("timings", [])))
+            logprobs = f.get("logprobs")
+            if logprobs is not None:
+                if not (isinstance(logprobs, list) and len(logprobs) == len(batch)):
+                    raise ProtocolError("token: logprobs must be a list with one entry per batch entry")
+                for entry in logprobs:
+                    if entry is not None:
+                        _logprob_entry(entry, vocab_size)
+            return Token(_need_int(f["plan"], "plan"), batch, tokens, _timings(f.get("timings", [])), logprobs)
         if msg.type is T.PONG:
             return Pong(_num(f.get("t")), f.get("kv_bytes"), f.get("queue"), f.get("busy_s"), f.get("computed"))
         if msg.type is T.LOADED:
@@ -238,6 +289,25 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
     except KeyError as exc:
         raise ProtocolError(f"{msg.type.value}: missing field {exc.args[0]!r}") from None
     return msg  # types without a payload the coordinator reads (bye, ...)
+
+
+def _logprob_entry(entry, vocab_size: int) -> None:
+    """A TOKEN frame's logprobs entry: finite logprobs <= 0 (a little slack), ids in the vocabulary."""
+    def lps(v) -> bool:
+        return isinstance(v, list) and len(v) <= 1 << 20 and all(_finite(x) and x <= 1e-3 for x in v)
+
+    def ids(v) -> bool:
+        return isinstance(v, list) and all(_int(t) and 0 <= t < vocab_size for t in v)
+
+    if not (isinstance(entry, dict) and _finite(entry.get("logprob")) and entry["logprob"] <= 1e-3 and ids(entry.get("top_ids"))
+            and lps(entry.get("top_logprobs")) and len(entry["top_ids"]) == len(entry["top_logprobs"]) <= 20):
+        raise ProtocolError("token: a logprobs entry needs a finite logprob and top_ids/top_logprobs of one length (<= 20)")
+    prompt = entry.get("prompt")
+    if prompt is not None:
+        if not (isinstance(prompt, list) and len(prompt) == 3 and lps(prompt[0]) and isinstance(prompt[1], list)
+                and isinstance(prompt[2], list) and len(prompt[1]) == len(prompt[2]) == len(prompt[0])
+                and all(ids(a) and lps(b) and len(a) == len(b) <= 20 for a, b in zip(prompt[1], prompt[2]))):
+            raise ProtocolError("token: prompt logprobs must be [logprobs, top ids, top logprobs], one row per position")
 
 
 def _int(v) -> bool:

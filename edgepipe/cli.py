@@ -176,6 +176,8 @@ def serve(
     min_workers: Optional[int] = typer.Option(None, "--min-workers", help="Workers to wait for before the first plan (default: --workers)."),
     max_active: int = typer.Option(16, "--max-active", help="Sequences decoded at once."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait; beyond this the API answers 429."),
+    step_timeout: float = typer.Option(60.0, "--step-timeout", min=1.0,
+                                       help="Seconds a pipeline step may take; a stage that computed nothing meanwhile is quarantined."),
     objective: str = typer.Option("latency", "--objective", help="latency | throughput | energy"),
     tpot_target_ms: Optional[float] = typer.Option(None, "--tpot-target-ms", help="Time-per-token target for the energy objective."),
     placement: str = typer.Option("planner", "--placement", help="planner | memory (split layers in proportion to memory)."),
@@ -198,7 +200,7 @@ def serve(
     settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,
                              join_token=join_token, admin_token=admin_token, data_secrets=data_secrets, tls=tls, tls_cert=tls_cert, tls_key=tls_key,
                              tls_dir=str(home_dir(home) / "tls"),
-                             max_active=max_active, max_queue=max_queue, objective=objective,
+                             max_active=max_active, max_queue=max_queue, step_timeout_s=step_timeout, objective=objective,
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
                              cluster=cluster, advertise=advertise)
 
@@ -236,6 +238,7 @@ def worker(
     link_delay_ms: float = typer.Option(0.0, "--link-delay-ms", help="EMULATION: one-way delay added to every frame sent."),
     link_rate: Optional[str] = typer.Option(None, "--link-rate", help="EMULATION: cap on send rate, e.g. 128KB/s or 10Mbit."),
     activation_dtype: str = typer.Option("float32", "--activation-dtype", help="float32 | float16 on the wire."),
+    drop_work: bool = typer.Option(False, "--drop-work", help="EMULATION: a faulty device that answers heartbeats but drops every activation frame."),
     power_busy_w: Optional[float] = typer.Option(None, "--power-busy-w", help="Declared power when computing (energy objective)."),
     power_idle_w: Optional[float] = typer.Option(None, "--power-idle-w", help="Declared power when idle (energy objective)."),
     discover_timeout: float = typer.Option(10.0, "--discover-timeout", help="Seconds to look for a coordinator by mDNS."),
@@ -257,7 +260,7 @@ def worker(
             coordinator = find_coordinator(timeout=discover_timeout, cluster=cluster)
             err.print(f"found coordinator {coordinator} by mDNS", highlight=False)
         settings = WorkerSettings(coordinator=coordinator, memory_bytes=parse_bytes(memory) if memory else None, threads=threads,
-                                  slowdown=slowdown, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
+                                  slowdown=slowdown, drop_work=drop_work, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
                                   advertise_host=advertise, join_token=join_token, tls_fingerprint=tls_fingerprint,
                                   activation_dtype=activation_dtype,
                                   power_busy_w=power_busy_w, power_idle_w=power_idle_w,

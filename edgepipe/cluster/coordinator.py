@@ -317,12 +317,25 @@ class Coordinator:
         except ChannelClosed:
             pass
 
+    async def quarantine(self, wid: str, why: str) -> None:
+        """A worker that answers pings but drops work: lost now, and not planned again for a while."""
+        if wid not in self.cluster.workers:
+            return  # already taken out (several steps may blame it at once)
+        self.emit(S.Misbehaved(wid, why, self.clock()))
+        q = self.cluster.quarantine.get(self.cluster.workers[wid].identity)
+        self.event("quarantine", worker=wid, why=why, seconds=round(q.until - self.clock(), 1), strikes=q.strikes)
+        await self.lose(wid, f"quarantined: {why}")
+
     async def _heartbeats(self) -> None:
         liveness = membership.LivenessSettings(self.settings.heartbeat_s, min_suspect_s=self.settings.dead_after_s,
                                                lose_after_s=self.settings.lose_after_s)
+        last = self.clock()
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
             now = self.clock()
+            if membership.quarantine_ended(self.cluster, last, now):
+                self._replan_wanted.set()  # a quarantined device may be planned again
+            last = now
             for verdict in membership.verdicts(self.cluster, now, liveness):
                 if isinstance(verdict, membership.Lose):
                     self.spawn(self.lose(verdict.worker_id, verdict.why))

@@ -72,7 +72,7 @@ class Deployer:
         async with self.lock:
             calibrating = c.calibrator.busy()
             views = c.workers
-            workers = [views[w.id] for w in c.cluster.live() if w.id in views and w.id not in calibrating]
+            workers = [views[w.id] for w in c.cluster.live(c.clock()) if w.id in views and w.id not in calibrating]
             if len(workers) < c.settings.min_workers and not c.cluster.ever_up:
                 return None  # min_workers gates only the first plan; later, serve with who is left
             if not workers:

@@ -7,11 +7,17 @@ uses it and it is probed), and *lost* only after it stayed silent for a grace pe
 with the longest gap seen from it, so a machine that stalls for a few seconds under load (a
 session build, swapping) is not dropped. A lost worker is not banned: when it reconnects it
 joins again and keeps its calibration (``ClusterProfile.recall``).
+
+A worker is also judged by what it does: one that answers pings but returns nothing for a
+step (``idle_stage``: its count of computed rows did not move while its pongs kept coming) is
+lost and quarantined (``state.Misbehaved``) — kept out of new plans for a while, doubling for
+each repeat, and planned again once the time is up (``quarantine_ended``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .state import ClusterState, WorkerInfo
@@ -73,3 +79,39 @@ def verdicts(state: ClusterState, now: float, settings: LivenessSettings) -> lis
         elif w.suspected_since is None and silent >= settings.min_suspect_s and phi(w, now, settings.heartbeat_s) >= settings.suspect_phi:
             out.append(Suspect(wid, silent))
     return out
+
+
+def computed_counts(state: ClusterState, worker_ids: Sequence[str]) -> dict[str, int | None]:
+    """Each worker's count of computed rows as of its last pong (None: it reports none)."""
+    out: dict[str, int | None] = {}
+    for wid in worker_ids:
+        w = state.workers.get(wid)
+        value = w.stats.get("computed") if w is not None else None
+        out[wid] = int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+    return out
+
+
+def idle_stage(state: ClusterState, stage_ids: Sequence[str], before: Mapping[str, int | None], sent_at: float) -> str | None:
+    """The stage to blame for a step that timed out, or None when it cannot be told.
+
+    Stages are taken in pipeline order: a stage that did compute passed the step on, so the
+    first one whose computed count has not moved since the step was sent — while it kept
+    answering pings after that (a silent worker is membership's business, not this) — is the
+    one that dropped it. Counts moved by other sequences' work hide a stage that drops only
+    some frames: then nobody is blamed and the step is simply retried."""
+    for wid in stage_ids:
+        w = state.workers.get(wid)
+        was = before.get(wid)
+        if w is None or was is None or w.stats_at is None or w.stats_at <= sent_at:
+            return None
+        now = computed_counts(state, [wid])[wid]
+        if now is None:
+            return None
+        if now <= was:
+            return wid
+    return None
+
+
+def quarantine_ended(state: ClusterState, since: float, now: float) -> bool:
+    """Whether a quarantine ran out in ``(since, now]`` (the device may be planned again)."""
+    return any(since < q.until <= now for q in state.quarantine.values())

@@ -101,7 +101,8 @@ class PlannerPolicy:
         """A complete plan to fall back on, avoiding the running plan's devices where possible
         (then any single failure leaves it intact), over as few devices as the latency
         objective needs: a spare is for getting back up fast."""
-        workers = [w for w in coord.workers.values() if w.suspected_since is None]
+        live = {w.id for w in coord.cluster.live(coord.clock())}
+        workers = [w for w in coord.workers.values() if w.id in live]
         if len(workers) < 2:
             return None
         prof = coord.profile

@@ -23,7 +23,7 @@ from ..net.channel import ChannelClosed
 from ..net.messages import Drop, Error, ErrorCode, Forward, Token
 from ..net.protocol import Message
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta, uniform_draw
-from . import scheduling, state as S
+from . import membership, scheduling, state as S
 from .batching import LaneItem, Lanes
 from .placement import Deployment
 from .profiling import RUNTIME_OVERHEAD_BYTES
@@ -166,6 +166,7 @@ class Requests:
         """One step of one sequence: a decode step goes out with its lane, a prefill alone."""
         c = self.coord
         t0 = c.clock()
+        computed_before = membership.computed_counts(c.cluster, dep.workers)
         fut = asyncio.get_running_loop().create_future()
         self.pending[seq] = (step, dep.plan_id, fut)
         sampling = {"do_sample": not params.greedy, "temperature": params.temperature or 1.0, "top_k": params.top_k,
@@ -190,6 +191,10 @@ class Requests:
         except asyncio.TimeoutError:
             if self.pending.get(seq, (0, 0, None))[2] is fut:
                 del self.pending[seq]
+            idle = membership.idle_stage(c.cluster, dep.workers, computed_before, t0)
+            if idle is not None:
+                c.spawn(c.quarantine(idle, f"computed nothing for {seq} step {step} in {c.settings.step_timeout_s} s "
+                                           f"while answering pings"))
             raise PipelineBroken(f"no token for {seq} step {step} within {c.settings.step_timeout_s} s") from None
         finally:
             self._go(self.lanes.returned(rid))

@@ -42,7 +42,10 @@ SETTINGS = dict(heartbeat_s=1.0, dead_after_s=2.0, lose_after_s=6.0, step_timeou
                 capacity_wait_s=10.0, max_wait_s=30.0, replan_every_s=5.0, calibrate=False)
 REQUEST_BOUND_S = SETTINGS["max_wait_s"] + SETTINGS["step_timeout_s"] + 12.0  # admitted -> tokens or a clear error
 UP_BOUND_S = 30.0  # last fault healed -> Up, when the live workers can hold the model
-FAULTS = ("kill", "stall", "slow", "partition_coord", "partition_peer", "reconnect", "join_late", "restart", "malformed", "bad_request")
+FAULTS = ("kill", "stall", "slow", "partition_coord", "partition_peer", "reconnect", "join_late", "restart", "malformed", "bad_request",
+          "drop_work")
+# Faults after which a worker may rightly be quarantined (it took work and computed nothing).
+QUARANTINE_FAULTS = ("stall", "partition_coord", "drop_work")
 
 
 # -- virtual time -----------------------------------------------------------------------------------
@@ -198,6 +201,8 @@ class FakeWorker:
         self.url = f"sim://{name}"
         self.dead = False
         self.stalled_until = 0.0
+        self.dropping_until = 0.0  # answers pings but drops activation frames until then
+        self.computed = 0
         self.slots: dict[int, tuple[int, int, dict]] = {}  # plan -> (start, end, next hop)
         self.runners: dict[tuple[int, int], dict[str, list[int]]] = {}  # range -> seq -> per-unit state
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -255,7 +260,7 @@ class FakeWorker:
             msg = decode(await ch.recv())
             await self._stall()
             if msg.type is T.PING:
-                await ch.send(encode(Message(T.PONG, {"t": msg["t"], "kv_bytes": 0, "queue": self.queue.qsize(), "busy_s": 0.0, "computed": 0})))
+                await ch.send(encode(Message(T.PONG, {"t": msg["t"], "kv_bytes": 0, "queue": self.queue.qsize(), "busy_s": 0.0, "computed": self.computed})))
             elif msg.type is T.LOAD:
                 self.world.spawn(self._load(ch, msg))
             elif msg.type is T.ACTIVATE:
@@ -292,7 +297,9 @@ class FakeWorker:
             ch, msg = await self.queue.get()
             await self._stall()
             try:
-                if msg.type is T.FORWARD:
+                if msg.type is T.FORWARD and asyncio.get_running_loop().time() < self.dropping_until:
+                    pass
+                elif msg.type is T.FORWARD:
                     await self._forward(ch, msg)
                 elif msg.type is T.DROP:
                     for kv in self.runners.values():
@@ -322,6 +329,7 @@ class FakeWorker:
                 for k, u in enumerate(range(start, end)):
                     h[k], v = _unit(h[k], v, u)
                 y[row, col] = v
+        self.computed += len(batch)
         timings = list(msg.get("timings", [])) + [[self.name, 0.002 * self.slowdown, int(x.shape[1]), 4, len(batch)]]
         if nxt["kind"] == "coordinator":
             if not all(item.get("partial") for item in batch):

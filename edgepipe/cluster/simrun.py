@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from . import sim
-from .sim import (FAULTS, REQUEST_BOUND_S, SETTINGS, UP_BOUND_S, UNIT_BYTES, Admission, Coordinator, CoordinatorSettings,
+from .sim import (FAULTS, QUARANTINE_FAULTS, REQUEST_BOUND_S, SETTINGS, UP_BOUND_S, UNIT_BYTES, Admission, Coordinator, CoordinatorSettings,
                   FakePackage, FakeWorker, GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
 from .profiling import RUNTIME_OVERHEAD_BYTES
 from .scheduling import AdmissionError
@@ -164,6 +164,8 @@ async def _fault(world: World, f: Fault) -> float:
         w.kill()
     elif f.kind == "stall":
         w.stalled_until = now + f.seconds
+    elif f.kind == "drop_work":
+        w.dropping_until = now + f.seconds
     elif f.kind == "slow":
         w.slowdown = f.factor
     elif f.kind == "partition_coord":
@@ -178,7 +180,7 @@ async def _fault(world: World, f: Fault) -> float:
         await old.stop()
     elif f.kind == "malformed" and not w.dead:
         w.malformed = 1 + f.worker % 4
-    return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer") else 0.0)
+    return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work") else 0.0)
 
 
 def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
@@ -217,8 +219,17 @@ async def _main(schedule: Schedule) -> Report:
         else:
             healed = max(healed, await _fault(world, schedule.faults[i]))
     healed = max(healed, loop.time())
-    # Up within the bound once faults are over, if the live workers can hold the model.
     coord = world.coordinator
+    # A quarantine is a deliberate, bounded exclusion: only a worker that really dropped work
+    # (stalled, cut off, dropping frames) may get one, and the Up bound counts from its end.
+    faulted = {world.workers[f.worker].name for f in schedule.faults if f.kind in QUARANTINE_FAULTS}
+    for c, _ in world.coordinators:
+        for identity, q in c.cluster.quarantine.items():
+            if identity[0] not in faulted:
+                report.violations.append(f"{identity[0]} quarantined without a fault that drops work: {q.why}")
+    quarantined = [q.until for q in coord.cluster.quarantine.values()]
+    healed = max([healed, *quarantined])
+    # Up within the bound once faults are over, if the live workers can hold the model.
     while loop.time() < healed + UP_BOUND_S and coord.state is not Phase.UP:
         await asyncio.sleep(0.25)
     alive = [w for w in world.workers if not w.dead and w.tasks]

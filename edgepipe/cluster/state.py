@@ -22,6 +22,8 @@ from .placement import Deployment, StageAssignment
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
 OUTAGE_WINDOW = 32
+QUARANTINE_S = 60.0  # a worker caught dropping work sits out this long the first time
+QUARANTINE_MAX_S = 1800.0
 
 
 class Phase(str, Enum):
@@ -46,6 +48,7 @@ class WorkerInfo:
     suspected_since: float | None = None  # silent for too long: probed, not used for new plans
     rtt_s: float | None = None
     stats: Mapping = field(default_factory=lambda: _frozen({}))
+    stats_at: float | None = None  # when ``stats`` arrived (the last pong)
     calibrating: bool = False
 
     alive = True  # a lost worker leaves the state; kept for views that still ask
@@ -77,6 +80,15 @@ class RequestInfo:
 
 
 @dataclass(frozen=True)
+class Quarantine:
+    """A device that took work and returned none: kept out of new plans until ``until``."""
+
+    until: float
+    strikes: int  # times it was caught: each doubles the time out
+    why: str
+
+
+@dataclass(frozen=True)
 class ClusterState:
     phase: Phase = Phase.DOWN
     phase_since: float = 0.0
@@ -92,10 +104,17 @@ class ClusterState:
     phase_time: Mapping[str, float] = field(default_factory=lambda: _frozen({p.value: 0.0 for p in Phase}))
     last_failure: str | None = None  # the last reason a plan could not be made or loaded
     joins: int = 0  # workers ever joined (numbers their ids)
+    # by device identity, so that reconnecting does not clear it
+    quarantine: Mapping[tuple, Quarantine] = field(default_factory=lambda: _frozen({}))
 
-    def live(self) -> list[WorkerInfo]:
-        """Workers not suspected, in join order: the ones a new plan may use."""
-        return sorted((w for w in self.workers.values() if w.suspected_since is None), key=lambda w: (w.joined_at, w.id))
+    def live(self, now: float | None = None) -> list[WorkerInfo]:
+        """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""
+        return sorted((w for w in self.workers.values() if w.suspected_since is None and not self.quarantined(w, now)),
+                      key=lambda w: (w.joined_at, w.id))
+
+    def quarantined(self, worker: WorkerInfo, now: float | None) -> bool:
+        q = self.quarantine.get(worker.identity)
+        return now is not None and q is not None and q.until > now
 
     def uses(self, worker_id: str) -> bool:
         return self.active is not None and worker_id in self.active.workers
@@ -134,6 +153,16 @@ class Suspected:
 
 @dataclass(frozen=True)
 class WorkerLost:
+    worker_id: str
+    why: str
+    now: float
+
+
+@dataclass(frozen=True)
+class Misbehaved:
+    """The worker took a step and computed nothing within the step timeout while answering
+    pings: out of new plans for ``QUARANTINE_S`` seconds, doubled for each repeat."""
+
     worker_id: str
     why: str
     now: float
@@ -212,7 +241,7 @@ class RequestEnded:
     rid: str
 
 
-Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Calibrating | EmulationChanged | Preparing | PrepareFailed
+Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | Calibrating | EmulationChanged | Preparing | PrepareFailed
          | Committing | Committed | PlanFailed | SpareChosen | RequestStarted | RequestFed | KvMoved | RequestEnded)
 
 
@@ -229,7 +258,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             intervals = (w.intervals + (gap,))[-HEARTBEAT_WINDOW:] if gap > 0 else w.intervals
             return _worker(state, replace(w, last_seen=max(now, w.last_seen), intervals=intervals, suspected_since=None))
         case Ponged(wid, rtt, stats, now) if wid in state.workers:
-            return _worker(state, replace(state.workers[wid], rtt_s=rtt, stats=_frozen(stats)))
+            return _worker(state, replace(state.workers[wid], rtt_s=rtt, stats=_frozen(stats), stats_at=now))
         case Suspected(wid, now) if wid in state.workers and state.workers[wid].suspected_since is None:
             return _worker(state, replace(state.workers[wid], suspected_since=now))
         case WorkerLost(wid, why, now) if wid in state.workers:
@@ -242,6 +271,12 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
                 state = _phase(replace(state, active=None), Phase.DOWN, now)
                 state = replace(state, requests=_frozen({r: replace(q, plan=None, migrated_to=None) for r, q in state.requests.items()}))
             return state
+        case Misbehaved(wid, why, now) if wid in state.workers:
+            identity = state.workers[wid].identity
+            before = state.quarantine.get(identity)
+            strikes = (before.strikes if before else 0) + 1
+            until = now + min(QUARANTINE_S * 2 ** (strikes - 1), QUARANTINE_MAX_S)
+            return replace(state, quarantine=_with(state.quarantine, identity, Quarantine(until, strikes, why)))
         case Calibrating(wid, busy) if wid in state.workers:
             return _worker(state, replace(state.workers[wid], calibrating=busy))
         case EmulationChanged(wid, slowdown) if wid in state.workers:

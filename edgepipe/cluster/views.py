@@ -44,6 +44,11 @@ class WorkerView:
 
 
 
+def _quarantine_left(cluster, w, now: float) -> float | None:
+    q = cluster.quarantine.get(w.identity)
+    return round(q.until - now, 1) if q is not None and q.until > now else None
+
+
 def status(coord) -> dict:
     """The cluster at a glance (``GET /v1/cluster/status``)."""
     dep = coord.cluster.active
@@ -61,6 +66,7 @@ def status(coord) -> dict:
             "data_url": w.hello.get("data_url"), "pid": w.hello.get("pid"),
             "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2), "emulation": w.hello.get("emulation"),
             "suspected": w.suspected_since is not None, "stats": dict(w.stats),
+            "quarantined_s": _quarantine_left(coord.cluster, w, coord.clock()),
             "units": next(([s.start, s.end] for s in dep.stages if s.worker_id == w.id), None) if dep else None,
         } for w in coord.cluster.workers.values()],
         "requests_in_flight": coord.requests_in_flight,

@@ -8,7 +8,9 @@ numpy, msgpack and websockets.
 Emulation (always labelled as such in what the worker reports): ``slowdown`` makes each
 compute call last ``f`` times its CPU time (single-threaded decode; else ``f`` times its wall
 time); ``memory_bytes`` is a hard budget for weights
-plus KV; ``link`` shapes every frame the worker sends.
+plus KV; ``link`` shapes every frame the worker sends; ``drop_work`` makes it a faulty device
+that answers heartbeats but silently drops every activation frame (the coordinator must find
+it by what it does).
 """
 
 from __future__ import annotations
@@ -80,10 +82,11 @@ class WorkerSettings:
     silence_s: float = 10.0  # no frame from the coordinator for this long: reconnect
     power_busy_w: float | None = None  # declared power draw, for the energy objective
     power_idle_w: float | None = None
+    drop_work: bool = False
 
     @property
     def emulated(self) -> bool:
-        return self.slowdown != 1.0 or bool(self.link_delay_ms) or bool(self.link_rate)
+        return self.slowdown != 1.0 or bool(self.link_delay_ms) or bool(self.link_rate) or self.drop_work
 
 
 class CorruptInput(ValueError):
@@ -244,6 +247,7 @@ class Worker:
             "data_url": self.data_url, "held": self.cache.held(), "pid": os.getpid(), "data_fingerprint": self.data_fingerprint,
             "power_busy_w": self.s.power_busy_w, "power_idle_w": self.s.power_idle_w,
             "emulation": {"slowdown": self.s.slowdown, "link_delay_ms": self.s.link_delay_ms, "link_rate": self.s.link_rate,
+                          **({"drop_work": True} if self.s.drop_work else {}),
                           "memory_budget": self.s.memory_bytes} if self.s.emulated or self.s.memory_bytes else None,
         }
 
@@ -561,6 +565,8 @@ class Worker:
         await self._report_error(msg, text, code)
 
     async def _forward(self, msg: Message, loop) -> None:
+        if self.s.drop_work:
+            return
         plan, batch, x = msg["plan"], list(msg["batch"]), msg.tensors["x"]
         slot = self.slots.get(plan)
         if slot is None:
@@ -575,12 +581,8 @@ class Worker:
         if x.dtype == np.float16:
             x = x.astype(np.float32)
         sampling = None
-        if slot.runner.emits_tokens:
-            s = [item["sampling"] for item in batch]
-            sampling = SamplingBatch(any(bool(v["do_sample"]) for v in s),
-                                     np.array([v["temperature"] for v in s], np.float32),
-                                     np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
-                                     np.array([v["top_p"] for v in s], np.float32), np.array([v["uniform"] for v in s], np.float32))
+        if slot.runner.emits_tokens:  # logit controls and logprob requests too (stage_runner.SamplingBatch.from_wire)
+            sampling = SamplingBatch.from_wire(batch, slot.runner.vocab)
         seqs = [item["seq"] for item in batch]
         membership = self.joins
         t0 = time.perf_counter()
@@ -606,7 +608,7 @@ class Worker:
                   "timings": list(msg.get("timings", [])) + [[self.id, compute + extra, int(x.shape[1]), elem, len(batch)]]}
         if slot.next["kind"] == "coordinator":
             if not all(item.get("partial") for item in batch):  # replay frames before the last: no token wanted
-                await self._send_control(Message(T.TOKEN, {**fields, "tokens": [int(t) for t in out]}))
+                await self._send_control(Message(T.TOKEN, {**fields, "tokens": [int(t) for t in out], **slot.runner.logprobs_field(batch)}))
             return
         y = out.astype(np.float16) if self.s.activation_dtype == "float16" else out
         if slot.next.get("relay"):

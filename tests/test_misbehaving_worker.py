@@ -1,0 +1,107 @@
+"""A worker that answers pings but drops its work is found by what it does, taken out and
+quarantined for a while (by device identity, so reconnecting does not clear it), and planned
+again once the time is up — pure checks over ``ClusterState``, then real processes."""
+
+from __future__ import annotations
+
+import time
+
+from edgepipe.cluster import membership, state as S
+from edgepipe.cluster.state import ClusterState, apply
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
+
+from harness import Server
+
+
+def _cluster(*names: str) -> ClusterState:
+    state = ClusterState()
+    for i, name in enumerate(names):
+        state = apply(state, S.WorkerJoined(f"w{i}", name, {"kind": "native", "memory_bytes": 10**9, "threads": 1}, now=0.0))
+    return state
+
+
+def _pong(state: ClusterState, wid: str, computed: int, now: float) -> ClusterState:
+    return apply(state, S.Ponged(wid, 0.001, {"computed": computed}, now))
+
+
+def test_the_first_stage_that_computed_nothing_while_answering_pings_is_blamed():
+    state = _cluster("a", "b", "c")
+    for wid in ("w0", "w1", "w2"):
+        state = _pong(state, wid, 10, now=1.0)
+    before = membership.computed_counts(state, ["w0", "w1", "w2"])
+    # w0 passed the step on, w1 swallowed it: w1 and w2 never moved, w1 comes first
+    state = _pong(_pong(_pong(state, "w0", 11, 5.0), "w1", 10, 5.0), "w2", 10, 5.0)
+    assert membership.idle_stage(state, ["w0", "w1", "w2"], before, sent_at=2.0) == "w1"
+    # every stage moved (some other sequence's work hides a partial dropper): nobody is blamed
+    moved = _pong(_pong(state, "w1", 12, 6.0), "w2", 12, 6.0)
+    assert membership.idle_stage(moved, ["w0", "w1", "w2"], before, sent_at=2.0) is None
+    # no pong since the step was sent: a silent worker is membership's business, not a dropper
+    assert membership.idle_stage(state, ["w0", "w1", "w2"], before, sent_at=5.5) is None
+    # a worker that reports no counts (an old or browser worker) cannot be judged this way
+    blind = apply(state, S.Ponged("w1", 0.001, {}, 6.0))
+    assert membership.idle_stage(blind, ["w0", "w1", "w2"], before, sent_at=2.0) is None
+
+
+def test_quarantine_survives_reconnecting_doubles_and_ends():
+    state = _cluster("a", "b")
+    state = apply(state, S.Misbehaved("w1", "dropped a step", now=100.0))
+    state = apply(state, S.WorkerLost("w1", "quarantined", now=100.0))
+    # the same device reconnects under a new id: still out of new plans
+    state = apply(state, S.WorkerJoined("w9", "b", {"kind": "native", "memory_bytes": 10**9, "threads": 1}, now=101.0))
+    assert [w.id for w in state.live(now=101.0)] == ["w0"]
+    until = state.quarantine[state.workers["w9"].identity].until
+    assert until == 100.0 + S.QUARANTINE_S
+    assert not membership.quarantine_ended(state, 101.0, until - 0.1)
+    assert membership.quarantine_ended(state, until - 0.1, until + 0.1)
+    assert [w.id for w in state.live(now=until + 0.1)] == ["w0", "w9"]
+    # caught again: twice as long, capped
+    state = apply(state, S.Misbehaved("w9", "dropped again", now=200.0))
+    assert state.quarantine[state.workers["w9"].identity].until == 200.0 + 2 * S.QUARANTINE_S
+    for k in range(10):
+        state = apply(state, S.Misbehaved("w9", "and again", now=300.0 + k))
+    assert state.quarantine[state.workers["w9"].identity].until == 309.0 + S.QUARANTINE_MAX_S
+    # another device with another identity is untouched
+    assert state.workers["w0"].identity not in state.quarantine
+
+
+def test_a_worker_that_drops_work_is_quarantined_and_the_request_completes(int4_pkg, home):
+    """Two honest workers and one that answers heartbeats but drops every activation frame
+    (``--drop-work``, emulation). The request that meets it pauses for one step timeout, the
+    dropper is quarantined, the plan moves to the honest two, and the answer is exactly the
+    single-process one; without the fix the request retried the same plan until its 300 s
+    bound and failed."""
+    timeout_s = 6
+    with Server(home, workers=2, args=("--placement", "memory", "--min-workers", "3", "--step-timeout", str(timeout_s)),
+                wait_up=False) as server:
+        dropper = server.worker("--drop-work", "--name", "dropper", "--threads", "1")
+        try:
+            status = server.wait_for(lambda s: s["state"] == "up" and len(s["plan"]["stages"]) == 3, timeout=180)
+            dropper_id = next(w["id"] for w in status["workers"] if w["name"] == "dropper")
+            assert dropper_id in [s["worker"] for s in status["plan"]["stages"]]
+
+            prompt = "Name three primary colors."
+            tok = int4_pkg.tokenizer
+            ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
+            expected = generate(int4_pkg.pipeline(), ids, GenerationParams(max_tokens=12), tok.decode, int4_pkg.manifest.eos_ids).tokens
+            expected = [t for t in expected if t not in int4_pkg.manifest.eos_ids]
+            t0 = time.monotonic()
+            r = server.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}],
+                                                                  "max_tokens": 12, "temperature": 0, "return_token_ids": True})
+            took = time.monotonic() - t0
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == expected
+            assert took < 4 * timeout_s + 60, took  # one step timeout and a re-plan, not the 300 s bound
+
+            events = server.client.get("/v1/cluster/events").json()["events"]
+            caught = [e for e in events if e.get("kind") == "quarantine"]
+            assert caught and caught[0]["worker"] == dropper_id, caught
+            status = server.status()
+            assert all(w["name"] != "dropper" for w in status["workers"] if w["id"] in [s["worker"] for s in status["plan"]["stages"]])
+            # it reconnects on its own (a process that stays up) but sits out its quarantine
+            back = server.wait_for(lambda s: any(w["name"] == "dropper" for w in s["workers"]), timeout=60)
+            assert next(w for w in back["workers"] if w["name"] == "dropper")["quarantined_s"] > 0
+            assert dropper.poll() is None
+        finally:
+            dropper.kill()
+            dropper.wait()

@@ -239,6 +239,7 @@ def worker(
     link_rate: Optional[str] = typer.Option(None, "--link-rate", help="EMULATION: cap on send rate, e.g. 128KB/s or 10Mbit."),
     activation_dtype: str = typer.Option("float32", "--activation-dtype", help="float32 | float16 on the wire."),
     drop_work: bool = typer.Option(False, "--drop-work", help="EMULATION: a faulty device that answers heartbeats but drops every activation frame."),
+    misreport: float = typer.Option(1.0, "--misreport", min=1.0, help="EMULATION: report compute times divided by this (a device that lies about its speed)."),
     power_busy_w: Optional[float] = typer.Option(None, "--power-busy-w", help="Declared power when computing (energy objective)."),
     power_idle_w: Optional[float] = typer.Option(None, "--power-idle-w", help="Declared power when idle (energy objective)."),
     discover_timeout: float = typer.Option(10.0, "--discover-timeout", help="Seconds to look for a coordinator by mDNS."),
@@ -260,7 +261,7 @@ def worker(
             coordinator = find_coordinator(timeout=discover_timeout, cluster=cluster)
             err.print(f"found coordinator {coordinator} by mDNS", highlight=False)
         settings = WorkerSettings(coordinator=coordinator, memory_bytes=parse_bytes(memory) if memory else None, threads=threads,
-                                  slowdown=slowdown, drop_work=drop_work, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
+                                  slowdown=slowdown, drop_work=drop_work, misreport=misreport, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
                                   advertise_host=advertise, join_token=join_token, tls_fingerprint=tls_fingerprint,
                                   activation_dtype=activation_dtype,
                                   power_busy_w=power_busy_w, power_idle_w=power_idle_w,

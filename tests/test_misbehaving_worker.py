@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from edgepipe.cluster import membership, state as S
 from edgepipe.cluster.state import ClusterState, apply
 from edgepipe.runtime.local import generate
@@ -105,3 +107,41 @@ def test_a_worker_that_drops_work_is_quarantined_and_the_request_completes(int4_
         finally:
             dropper.kill()
             dropper.wait()
+
+
+def test_probe_times_a_worker_underreports_are_overruled_by_the_coordinators_clock():
+    from edgepipe.cluster.calibration import trusted_step_times
+
+    # 8 extra steps took 80 ms more on the coordinator's clock: 10 ms per step
+    honest, overruled = trusted_step_times([0.009, 0.011, 0.010], 0.200, 0.120, 8)
+    assert (honest, overruled) == ([0.009, 0.011, 0.010], False)
+    lied, overruled = trusted_step_times([0.001, 0.001, 0.001], 0.200, 0.120, 8)
+    assert overruled and lied == pytest.approx([0.01] * 3)
+    # a difference that says nothing (noise made the short probe slower) keeps the reports
+    assert trusted_step_times([0.001], 0.100, 0.120, 8) == ([0.001], False)
+
+
+def test_a_worker_claiming_to_be_20x_faster_is_calibrated_by_what_it_takes(int4_pkg, home):
+    with Server(home, workers=1, args=("--placement", "planner", "--min-workers", "2", "--worker-threads", "1"), wait_up=False) as server:
+        liar = server.worker("--misreport", "20", "--name", "liar", "--threads", "1")
+        try:
+            status = server.wait_for(lambda s: any(w["name"] == "liar" for w in s["workers"]), timeout=120)
+            liar_id = next(w["id"] for w in status["workers"] if w["name"] == "liar")
+
+            def calibrated(_):
+                return any(e.get("kind") == "calibrated" and e.get("worker") == liar_id
+                           for e in server.client.get("/v1/cluster/events").json()["events"])
+
+            server.wait_for(calibrated, timeout=120)
+            events = server.client.get("/v1/cluster/events").json()["events"]
+            overruled = [e for e in events if e.get("kind") == "probe_overruled"]
+            assert overruled and all(e["worker"] == liar_id for e in overruled), overruled
+            assert all(e["measured_ms"] > 5 * e["reported_ms"] for e in overruled)
+            honest = [w["id"] for w in status["workers"] if w["name"] != "liar"]
+            assert not any(e["worker"] in honest for e in overruled)
+            # its speed comes from the coordinator's clock: not 20x an honest single-threaded worker's
+            speeds = {e["worker"]: e["speed"] for e in events if e.get("kind") == "calibrated"}
+            assert speeds[liar_id] < 4 * speeds[honest[0]], speeds
+        finally:
+            liar.kill()
+            liar.wait()

@@ -16,8 +16,10 @@ from ..net.channel import ChannelClosed
 from ..net.messages import Activate, Probe
 from . import deploy, state as S
 
+TRUST_RATIO = 0.25  # reported probe times below this fraction of the wall-clock measure are not believed
 STABLE_SPREAD = 0.25  # (p90 - p10) / median of seconds per unit cost: above this a round is repeated
 MAX_ROUNDS = 3
+PROBE_REPS = 34  # the first two warm up; 32 more than the short probe, so the difference outweighs noise
 
 
 def spread(samples: list[tuple[float, float]]) -> float:
@@ -28,6 +30,20 @@ def spread(samples: list[tuple[float, float]]) -> float:
     med = statistics.median(rates)
     lo, hi = rates[len(rates) // 10], rates[-1 - len(rates) // 10]
     return (hi - lo) / med if med > 0 else float("inf")
+
+
+def trusted_step_times(reported: list[float], long_wall_s: float, short_wall_s: float, extra_reps: int) -> tuple[list[float], bool]:
+    """The per-step times to believe from a probe, and whether the worker's own were overruled.
+
+    The coordinator times two probes of the same stage that differ only in ``extra_reps`` decode
+    steps: the difference of their round trips is what those steps took, with the prefill, the
+    round trip and fixed costs cancelled. A worker reporting much less than that (a faulty
+    clock, or one claiming to be faster than it is to be given more layers) gets the measured
+    time instead."""
+    measured = (long_wall_s - short_wall_s) / extra_reps if extra_reps > 0 else 0.0
+    if not reported or measured <= 0 or statistics.median(reported) >= TRUST_RATIO * measured:
+        return reported, False
+    return [measured] * len(reported), True
 
 
 class Calibrator:
@@ -86,9 +102,17 @@ class Calibrator:
             result = await c.deployer.load(wid, msg)
             if not result.ok:
                 raise RuntimeError(result.error)
-            timing = await self._probe(wid, plan=plan_id, reps=10, context=32)
+            t0 = c.clock()
+            timing = await self._probe(wid, plan=plan_id, reps=PROBE_REPS, context=32)
+            t1 = c.clock()
+            await self._probe(wid, plan=plan_id, reps=2, context=32)
+            times, overruled = trusted_step_times((timing.times or [])[2:], t1 - t0, c.clock() - t1, PROBE_REPS - 2)
+            if overruled:
+                c.profile.of(wid).trusted = False  # nor are its step timings believed from now on
+                c.event("probe_overruled", worker=wid, units=[start, end], reported_ms=round(statistics.median(timing.times[2:]) * 1e3, 3),
+                        measured_ms=round(times[0] * 1e3, 3))
             cost = c.profile.unit_cost(start, end)
-            samples += [(cost, t) for t in (timing.times or [])[2:]]
+            samples += [(cost, t) for t in times]
             keep = [p for p in ([c.cluster.active.plan_id] if c.cluster.active else []) if p > 0]
             await c.links[wid].send(Activate(keep).to_message())
         return samples

@@ -36,6 +36,7 @@ class DeviceMeasurements:
     stage_times: dict[tuple[int, int], RollingMedian] = field(default_factory=dict)  # single-sequence steps
     batched_times: dict[tuple[int, int, int], RollingMedian] = field(default_factory=dict)  # (start, end, batch)
     anchors: dict[tuple[int, int, int], tuple[float, float]] = field(default_factory=dict)  # -> (median, speed then)
+    trusted: bool = True  # False: its probe times were caught under-reporting; its step timings are not used
 
 
 @dataclass
@@ -69,7 +70,7 @@ class ClusterProfile:
         m = self.known.get(identity)
         if m is None:
             return False
-        self.devices[worker_id] = DeviceMeasurements(m.speed, m.overhead_s, True, m.rtt, m.bandwidth_bytes_per_s)
+        self.devices[worker_id] = DeviceMeasurements(m.speed, m.overhead_s, True, m.rtt, m.bandwidth_bytes_per_s, trusted=m.trusted)
         return True
 
     # -- lives ----------------------------------------------------------------------------------
@@ -122,6 +123,8 @@ class ClusterProfile:
         is compared with the first median seen for the same range and batch size: the speed
         moves by the same ratio, so drift is still seen when every step is batched."""
         m = self.of(worker_id)
+        if not m.trusted:
+            return
         single = batch == 1
         key = (start, end) if single else (start, end, batch)
         times = m.stage_times if single else m.batched_times

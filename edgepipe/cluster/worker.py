@@ -9,8 +9,8 @@ Emulation (always labelled as such in what the worker reports): ``slowdown`` mak
 compute call last ``f`` times its CPU time (single-threaded decode; else ``f`` times its wall
 time); ``memory_bytes`` is a hard budget for weights
 plus KV; ``link`` shapes every frame the worker sends; ``drop_work`` makes it a faulty device
-that answers heartbeats but silently drops every activation frame (the coordinator must find
-it by what it does).
+that answers heartbeats but silently drops every activation frame, and ``misreport`` one that
+reports its compute times divided by a factor (the coordinator must find both by what they do).
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ class WorkerSettings:
     power_busy_w: float | None = None  # declared power draw, for the energy objective
     power_idle_w: float | None = None
     drop_work: bool = False
+    misreport: float = 1.0  # reported compute times are divided by this
 
     @property
     def emulated(self) -> bool:
-        return self.slowdown != 1.0 or bool(self.link_delay_ms) or bool(self.link_rate) or self.drop_work
+        return self.slowdown != 1.0 or bool(self.link_delay_ms) or bool(self.link_rate) or self.drop_work or self.misreport != 1.0
 
 
 class CorruptInput(ValueError):
@@ -248,6 +249,7 @@ class Worker:
             "power_busy_w": self.s.power_busy_w, "power_idle_w": self.s.power_idle_w,
             "emulation": {"slowdown": self.s.slowdown, "link_delay_ms": self.s.link_delay_ms, "link_rate": self.s.link_rate,
                           **({"drop_work": True} if self.s.drop_work else {}),
+                          **({"misreport": self.s.misreport} if self.s.misreport != 1.0 else {}),
                           "memory_budget": self.s.memory_bytes} if self.s.emulated or self.s.memory_bytes else None,
         }
 
@@ -494,7 +496,8 @@ class Worker:
         result = {"probe": msg.get("probe"), "ok": slot is not None}
         if slot is not None:
             loop = asyncio.get_running_loop()
-            result["times"] = await loop.run_in_executor(self.pool, self._time_slot, slot, reps, int(msg.get("context", 64)))
+            times = await loop.run_in_executor(self.pool, self._time_slot, slot, reps, int(msg.get("context", 64)))
+            result["times"] = [t / self.s.misreport for t in times]
         await self._send_control(Message(T.PROBED, result))
 
     def _time_slot(self, slot: Slot, reps: int, context: int) -> list[float]:
@@ -605,7 +608,7 @@ class Worker:
         self.computed += len(batch)
         elem = 2 if self.s.activation_dtype == "float16" else 4
         fields = {"plan": plan, "batch": batch,
-                  "timings": list(msg.get("timings", [])) + [[self.id, compute + extra, int(x.shape[1]), elem, len(batch)]]}
+                  "timings": list(msg.get("timings", [])) + [[self.id, (compute + extra) / self.s.misreport, int(x.shape[1]), elem, len(batch)]]}
         if slot.next["kind"] == "coordinator":
             if not all(item.get("partial") for item in batch):  # replay frames before the last: no token wanted
                 await self._send_control(Message(T.TOKEN, {**fields, "tokens": [int(t) for t in out], **slot.runner.logprobs_field(batch)}))

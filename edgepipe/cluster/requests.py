@@ -22,7 +22,8 @@ import numpy as np
 from ..net.channel import ChannelClosed
 from ..net.messages import Drop, Error, ErrorCode, Forward, Token
 from ..net.protocol import Message
-from ..runtime.sequence import GenerationParams, SequenceState, TextDelta, uniform_draw
+from ..runtime import controls
+from ..runtime.sequence import GenerationParams, SequenceState, TextDelta
 from . import membership, scheduling, state as S
 from .batching import LaneItem, Lanes
 from .placement import Deployment
@@ -49,6 +50,7 @@ class StepRecord:
     timings: list  # [[worker_id, compute_s, positions, bytes/elem, batch], ...]: one per stage, shared by a batch
     coordinator_s: float
     first_in_batch: bool = True  # the batch's other sequences carry the same timings: count stage times once
+    logprobs: dict | None = None  # the head's logprobs entry for this token, when asked (see runtime.controls)
 
 
 @dataclass
@@ -80,6 +82,9 @@ class Requests:
             raise ValueError("temperature and top_p must be finite numbers")
         if not -(1 << 63) <= params.seed < (1 << 64):
             raise ValueError(f"seed = {params.seed} does not fit 64 bits")
+        vocab = self.coord.manifest.config.get("vocab_size") or MAX_WIRE_INT
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias names a token outside the vocabulary of {vocab}")
         return SequenceState(list(prompt_ids), params, decode_fn, self.coord.manifest.eos_ids)
 
     def lacking(self) -> str | None:
@@ -113,7 +118,11 @@ class Requests:
                     feed = state.generated[-1:]
                 replay_from = len(state.prompt_ids) if len(feed) > len(state.prompt_ids) else None
                 try:
-                    token, record = await self.step(dep, seq, step, feed, state.params, rid, replay_from)
+                    head = controls.step_fields(state, self.coord.manifest.config.get("vocab_size") or 0, len(feed) > 1)
+                except ValueError as exc:  # the token mask provider's answer cannot be used
+                    raise RequestFailed(str(exc).splitlines()[0] if str(exc) else "bad token mask") from None
+                try:
+                    token, record = await self.step(dep, seq, step, feed, state.params, rid, replay_from, head)
                 except PipelineBroken as exc:
                     why = str(exc)
                     if c.clock() - last_progress >= c.settings.max_wait_s:
@@ -132,7 +141,13 @@ class Requests:
                     paused_at = None
                 fed_plan = dep.plan_id
                 c.emit(S.RequestFed(rid, seq, dep.plan_id, len(state.all_ids)))
-                delta = state.push(token)
+                if head.get("logprobs") and record.logprobs is None:
+                    raise RequestFailed("the last stage returned no logprobs (a worker older than logprobs)")
+                if "targets" in head:
+                    state.prompt_logprobs = controls.prompt_from_wire(state.prompt_ids, record.logprobs, state.params.top_logprobs)
+                elif state.params.prompt_logprobs and state.prompt_logprobs is None:
+                    state.prompt_logprobs = [None] * len(state.prompt_ids[:1])  # a one-token prompt: nothing before it
+                delta = state.push(token, controls.from_wire(token, record.logprobs, state.params.top_logprobs))
                 self._learn(dep, record)
                 c.on_step(record)
                 yield delta
@@ -162,15 +177,16 @@ class Requests:
                 pass
 
     async def step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str,
-                   replay_from: int | None = None):
-        """One step of one sequence: a decode step goes out with its lane, a prefill alone."""
+                   replay_from: int | None = None, head: dict | None = None):
+        """One step of one sequence: a decode step goes out with its lane, a prefill alone.
+
+        ``head``: the step's logit controls and logprob requests (``controls.step_fields``)."""
         c = self.coord
         t0 = c.clock()
         computed_before = membership.computed_counts(c.cluster, dep.workers)
         fut = asyncio.get_running_loop().create_future()
         self.pending[seq] = (step, dep.plan_id, fut)
-        sampling = {"do_sample": not params.greedy, "temperature": params.temperature or 1.0, "top_k": params.top_k,
-                    "top_p": params.top_p, "uniform": uniform_draw(params.seed, step) if not params.greedy else 0.0}
+        sampling = {**controls.wire_sampling(params, step), **(head or {})}
         item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling}
         # A replay rebuilds KV exactly as first computed: the prompt as one prefill, then each later
         # token as its own decode step (one prefill over everything takes other kernel paths and
@@ -199,7 +215,8 @@ class Requests:
         finally:
             self._go(self.lanes.returned(rid))
         record = StepRecord(rid, len(feed), c.clock() - t0, reply.get("timings", []),
-                            coordinator_s=out.sent_at - t0 if out.sent_at else 0.0, first_in_batch=reply.get("first", True))
+                            coordinator_s=out.sent_at - t0 if out.sent_at else 0.0, first_in_batch=reply.get("first", True),
+                            logprobs=reply.get("logprobs"))
         return int(reply["token"]), record
 
     # -- replies ----------------------------------------------------------------------------------
@@ -208,8 +225,10 @@ class Requests:
         if dep is not None and dep.plan_id == msg.plan and dep.stages[-1].worker_id != worker_id:
             self.coord.event("ignored", worker=worker_id, why=f"token frame for plan {msg.plan} from a stage that is not its last")
             return
+        logprobs = msg.logprobs or [None] * len(msg.tokens)
         for i, (item, token) in enumerate(zip(msg.batch, msg.tokens)):
-            self._resolve(item["seq"], item["step"], msg.plan, {"token": token, "timings": msg.timings, "first": i == 0})
+            self._resolve(item["seq"], item["step"], msg.plan,
+                          {"token": token, "timings": msg.timings, "first": i == 0, "logprobs": logprobs[i]})
 
     def worker_error(self, worker_id: str, err: Error) -> None:
         entry = self.pending.get(err.seq) if err.seq else None

@@ -8,7 +8,10 @@ can be merged into one stage graph by concatenation (see ``package.merge_units``
                       past_key.u / past_value.u [B, kvH, C, D] -> present_key.u / present_value.u
                       seqlens_k [B] int32, total_sequence_length [] int32 (shared)
     unit L+1 (head)   hidden.{L+1} [B, S, H], do_sample [] bool, temperature/top_p/uniform [B]
-                      float, top_k [B] int64         -> next_token [B] int64
+                      float, top_k [B] int64, logit_adjust [B|1, V] float, num_top [1] int64,
+                      prompt_targets [B, S|0] int64  -> next_token [B] int64, token_logprob [B],
+                      top_ids/top_logprobs [B, N], prompt_logprobs [B, S|0],
+                      prompt_top_ids/prompt_top_logprobs [B, S|0, N]   (see ``head_unit``)
 
 Attention is ONNX Runtime's GroupQueryAttention with rotary inside and past/present sharing
 one buffer of capacity C, so decode appends to the KV cache in place instead of copying it.
@@ -29,6 +32,13 @@ MS = "com.microsoft"
 
 FLOAT, INT64, INT32, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL
 SAMPLING_INPUTS = ("do_sample", "temperature", "top_k", "top_p", "uniform")
+HEAD_CONTROL_INPUTS = ("logit_adjust", "num_top", "prompt_targets")
+HEAD_LOGPROB_OUTPUTS = ("token_logprob", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs")
+MAX_TOP_LOGPROBS = 20
+# Bumped whenever a unit graph changes in a way an existing package must be rebuilt for
+# (importer.import_model re-imports a package whose manifest records another version).
+# 2: head with logit_adjust / logprob outputs / prompt logprobs.
+GRAPH_VERSION = 2
 
 
 def hidden_name(unit: int) -> str:
@@ -275,11 +285,64 @@ def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weig
     keep the smallest prefix whose probability reaches ``top_p``, and pick the token where the
     cumulative kept mass first exceeds ``uniform * total``. ``uniform`` is drawn by the caller
     from the request's seed, so a seeded request gives the same tokens on any pipeline.
+
+    Controls: ``logit_adjust`` is added to the logits before the choice (greedy or sampled):
+    logit_bias, presence/frequency penalties and token masks (-inf) arrive folded into it, dense
+    ``[B, V]``, or one row of zeros ``[1, V]`` when no row has any (adding 0 changes no logit).
+
+    Log-probabilities are ``log_softmax`` of the model's own logits (after the family's logit
+    scale and softcap, before ``logit_adjust`` and temperature: OpenAI's and vLLM's default):
+    ``token_logprob`` of the chosen token and the ``num_top`` best (ids, logprobs), N <= 20.
+    ``prompt_targets`` ``[B, S]`` (non-empty only when asked: ``echo``) makes the head also run
+    every position and return each one's logprob of its target (the next prompt token) and top N;
+    empty ``[1, 0]``, that branch does not run, so a normal prefill stays one-position cheap.
     """
     g = _Graph("head.")
     x = hidden_name(unit)
     last = g.op1("Gather", [x, g.const(np.array(-1, np.int64), "last")], axis=1)  # [B, H]
-    normed = g.rms_norm(last, final_norm, cfg.rms_eps, "final_norm")
+    logits = _head_logits(g, cfg, last, final_norm, lm_head)
+    adjusted = g.op1("Add", [logits, "logit_adjust"])
+
+    greedy = helper.make_graph(
+        [helper.make_node("ArgMax", [adjusted], ["greedy_token"], axis=-1, keepdims=0)],
+        "greedy", [], [helper.make_tensor_value_info("greedy_token", INT64, ["batch"])])
+    sample = _sampling_branch(adjusted, cfg.vocab_size)
+    g.op("If", ["do_sample"], out=["next_token"], then_branch=sample, else_branch=greedy)
+
+    logp = g.op1("LogSoftmax", [logits], axis=-1)
+    chosen = g.op1("Unsqueeze", ["next_token", g.const(np.array([1], np.int64), "ax1")])
+    g.op("Squeeze", [g.op1("GatherElements", [logp, chosen], axis=1), g.const(np.array([1], np.int64), "ax1b")],
+         out=["token_logprob"])
+    g.op("TopK", [logp, "num_top"], out=["top_logprobs", "top_ids"], axis=-1, largest=1, sorted=1)
+
+    size = g.op1("Size", ["prompt_targets"])
+    asked = g.op1("Greater", [size, g.const(np.array(0, np.int64), "zero")])
+    g.op("If", [asked], out=list(HEAD_LOGPROB_OUTPUTS[3:]), then_branch=_prompt_branch(g, cfg, x, final_norm, lm_head),
+         else_branch=_no_prompt_branch())
+    return g.model(
+        [helper.make_tensor_value_info(x, FLOAT, ["batch", "seq", cfg.hidden_size]),
+         helper.make_tensor_value_info("do_sample", BOOL, []),
+         helper.make_tensor_value_info("temperature", FLOAT, ["batch"]),
+         helper.make_tensor_value_info("top_k", INT64, ["batch"]),
+         helper.make_tensor_value_info("top_p", FLOAT, ["batch"]),
+         helper.make_tensor_value_info("uniform", FLOAT, ["batch"]),
+         helper.make_tensor_value_info("logit_adjust", FLOAT, ["adjust_rows", cfg.vocab_size]),
+         helper.make_tensor_value_info("num_top", INT64, [1]),
+         helper.make_tensor_value_info("prompt_targets", INT64, ["target_rows", "targets"])],
+        [helper.make_tensor_value_info("next_token", INT64, ["batch"]),
+         helper.make_tensor_value_info("token_logprob", FLOAT, ["batch"]),
+         helper.make_tensor_value_info("top_ids", INT64, ["batch", "top"]),
+         helper.make_tensor_value_info("top_logprobs", FLOAT, ["batch", "top"]),
+         helper.make_tensor_value_info("prompt_logprobs", FLOAT, None),
+         helper.make_tensor_value_info("prompt_top_ids", INT64, None),
+         helper.make_tensor_value_info("prompt_top_logprobs", FLOAT, None)],
+        "head",
+    )
+
+
+def _head_logits(g: _Graph, cfg: ModelConfig, rows: str, final_norm: np.ndarray, lm_head: Weight) -> str:
+    """Logits ``[N, V]`` of hidden rows ``[N, H]``: final norm, LM head, the family's scale and softcap."""
+    normed = g.rms_norm(rows, final_norm, cfg.rms_eps, "final_norm")
     if isinstance(lm_head, np.ndarray) and cfg.tie_embeddings:
         # Gemm with transB reads the embedding table as stored: one weight file for both units.
         logits = g.op1("Gemm", [normed, g.const(lm_head, "lm_head"), ], transB=1)
@@ -290,22 +353,37 @@ def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weig
     if cfg.final_logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
         cap = g.const(np.array(cfg.final_logit_softcap, np.float32), "softcap")
         logits = g.op1("Mul", [g.op1("Tanh", [g.op1("Div", [logits, cap])]), cap])
+    return logits
 
-    greedy = helper.make_graph(
-        [helper.make_node("ArgMax", [logits], ["greedy_token"], axis=-1, keepdims=0)],
-        "greedy", [], [helper.make_tensor_value_info("greedy_token", INT64, ["batch"])])
-    sample = _sampling_branch(logits, cfg.vocab_size)
-    g.op("If", ["do_sample"], out=["next_token"], then_branch=sample, else_branch=greedy)
-    return g.model(
-        [helper.make_tensor_value_info(x, FLOAT, ["batch", "seq", cfg.hidden_size]),
-         helper.make_tensor_value_info("do_sample", BOOL, []),
-         helper.make_tensor_value_info("temperature", FLOAT, ["batch"]),
-         helper.make_tensor_value_info("top_k", INT64, ["batch"]),
-         helper.make_tensor_value_info("top_p", FLOAT, ["batch"]),
-         helper.make_tensor_value_info("uniform", FLOAT, ["batch"])],
-        [helper.make_tensor_value_info("next_token", INT64, ["batch"])],
-        "head",
-    )
+
+def _prompt_branch(outer: _Graph, cfg: ModelConfig, x: str, final_norm: np.ndarray, lm_head: Weight) -> onnx.GraphProto:
+    """Every position's logprob of its target and top N (``echo``). Its weights are the outer
+    graph's initializers (same names, so nothing is stored twice)."""
+    g = _Graph("head.")
+    g._count = 100_000  # node and tensor names distinct from the outer graph's
+    flat = g.op1("Reshape", [x, g.const(np.array([-1, cfg.hidden_size], np.int64), "p_rows")])  # [B*S, H]
+    logp = g.op1("LogSoftmax", [_head_logits(g, cfg, flat, final_norm, lm_head)], axis=-1)  # [B*S, V]
+    targets = g.op1("Reshape", ["prompt_targets", g.const(np.array([-1, 1], np.int64), "p_col")])
+    picked = g.op1("GatherElements", [logp, targets], axis=1)
+    g.op("Reshape", [picked, g.op1("Shape", ["prompt_targets"])], out=["p_logprobs"])
+    vals, ids = g.op("TopK", [logp, "num_top"], n_out=2, axis=-1, largest=1, sorted=1)
+    shape = g.op1("Concat", [g.op1("Shape", ["prompt_targets"]), "num_top"], axis=0)
+    g.op("Reshape", [vals, shape], out=["p_top_logprobs"])
+    g.op("Reshape", [ids, shape], out=["p_top_ids"])
+    outer.initializers.update(g.initializers)
+    return helper.make_graph(g.nodes, "prompt_logprobs", [], [
+        helper.make_tensor_value_info("p_logprobs", FLOAT, None), helper.make_tensor_value_info("p_top_ids", INT64, None),
+        helper.make_tensor_value_info("p_top_logprobs", FLOAT, None)])
+
+
+def _no_prompt_branch() -> onnx.GraphProto:
+    empty = [numpy_helper.from_array(np.zeros((1, 0), np.float32), "e_logprobs"),
+             numpy_helper.from_array(np.zeros((1, 0, 0), np.int64), "e_top_ids"),
+             numpy_helper.from_array(np.zeros((1, 0, 0), np.float32), "e_top_logprobs")]
+    nodes = [helper.make_node("Identity", [t.name], [t.name + "_out"]) for t in empty]
+    return helper.make_graph(nodes, "no_prompt_logprobs", [], [
+        helper.make_tensor_value_info("e_logprobs_out", FLOAT, None), helper.make_tensor_value_info("e_top_ids_out", INT64, None),
+        helper.make_tensor_value_info("e_top_logprobs_out", FLOAT, None)], empty)
 
 
 def _sampling_branch(logits: str, vocab: int) -> onnx.GraphProto:

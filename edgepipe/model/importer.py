@@ -98,8 +98,8 @@ def import_model(
     source_hash = _cached_sha256(source_path, models_dir) if source_path.is_file() else _folder_hash(source_path)
     if (target / "manifest.json").is_file():
         existing = Manifest.from_json((target / "manifest.json").read_text())
-        if existing.source.get("sha256") == source_hash:
-            return target
+        if existing.source.get("sha256") == source_hash and existing.source.get("graphs", 1) == graphs.GRAPH_VERSION:
+            return target  # (a package built with older unit graphs is rebuilt)
     report = progress or (lambda *_: None)
     src = open_source(source_path)
     cfg: ModelConfig = src.config
@@ -413,7 +413,8 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
         ))
     return Manifest(
         format=FORMAT_VERSION, name=name, precision=precision, config=cfg.to_dict(), units=tuple(units),
-        source={"path": str(source_path), "sha256": source_hash, "kind": "folder" if source_path.is_dir() else "gguf"},
+        source={"path": str(source_path), "sha256": source_hash, "kind": "folder" if source_path.is_dir() else "gguf",
+                "graphs": graphs.GRAPH_VERSION},
         shared_files={precision: tuple(sorted(shared))}, tokenizer=tokenizer_sha, chat_template=tok.chat_template,
         eos_ids=tuple(tok.eos_ids), bos_id=tok.bos_id, add_bos=tok.add_bos, max_context=max_context,
     )

@@ -7,11 +7,12 @@ This is the reference every distributed run is checked against, and the engine b
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
+from . import controls
 from .sequence import GenerationParams, SequenceState, uniform_draw
 from .stage_runner import SamplingBatch, StageRunner
 
@@ -52,6 +53,8 @@ class GenerationResult:
     finish_reason: str
     ttft_s: float
     decode_s: float
+    logprobs: list = field(default_factory=list)  # controls.TokenLogprob per token, when params ask for them
+    prompt_logprobs: list | None = None  # per prompt token (echo: params.prompt_logprobs)
 
     @property
     def tokens_per_s(self) -> float:
@@ -60,20 +63,31 @@ class GenerationResult:
 
 
 def generate(pipeline: LocalPipeline, prompt_ids: list[int], params: GenerationParams, decode: Callable[[list[int]], str],
-             eos_ids: tuple[int, ...], on_text: Callable[[str], None] | None = None, seq: str = "local") -> GenerationResult:
-    """Prefill the prompt, then decode one token at a time until a stop rule fires."""
-    state = SequenceState(list(prompt_ids), params, decode, eos_ids)
+             eos_ids: tuple[int, ...], on_text: Callable[[str], None] | None = None, seq: str = "local",
+             token_mask: Callable | None = None) -> GenerationResult:
+    """Prefill the prompt, then decode one token at a time until a stop rule fires.
+
+    Logit controls, logprobs and ``token_mask`` (see ``controls``) go through the same wire
+    entries and head inputs as on a worker."""
+    state = SequenceState(list(prompt_ids), params, decode, eos_ids, token_mask=token_mask)
+    head = pipeline.runners[-1]
     sampled: list[int] = []
     t0 = time.perf_counter()
     feed = list(prompt_ids)
     ttft = 0.0
     try:
         while True:
-            token = pipeline.step(seq, feed, sampling_for(params, len(sampled)))
+            fields = controls.step_fields(state, head.vocab or 0, len(feed) > 1)
+            item = {"seq": seq, "sampling": {**controls.wire_sampling(params, len(sampled)), **fields}}
+            sampling = SamplingBatch.from_wire([item], head.vocab) if fields else sampling_for(params, len(sampled))
+            token = pipeline.step(seq, feed, sampling)
+            entry = head.logprobs_field([item]).get("logprobs", [None])[0]
+            if "targets" in fields:
+                state.prompt_logprobs = controls.prompt_from_wire(state.prompt_ids, entry, params.top_logprobs)
             if not sampled:
                 ttft = time.perf_counter() - t0
             sampled.append(token)
-            delta = state.push(token)
+            delta = state.push(token, controls.from_wire(token, entry, params.top_logprobs))
             if on_text and delta.text:
                 on_text(delta.text)
             if delta.finished:
@@ -82,4 +96,5 @@ def generate(pipeline: LocalPipeline, prompt_ids: list[int], params: GenerationP
     finally:
         pipeline.drop(seq)
     total = time.perf_counter() - t0
-    return GenerationResult(list(prompt_ids), sampled, state.emitted, state.finish_reason or "stop", ttft, total - ttft)
+    return GenerationResult(list(prompt_ids), sampled, state.emitted, state.finish_reason or "stop", ttft, total - ttft,
+                            state.logprobs, state.prompt_logprobs)

@@ -25,6 +25,13 @@ class GenerationParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    # Logit controls and logprobs (applied in the head graph, see runtime.controls):
+    presence_penalty: float = 0.0  # OpenAI: logit -= presence * (count > 0) + frequency * count,
+    frequency_penalty: float = 0.0  # counts of the tokens this sequence generated so far
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100) added to its logit
+    logprobs: bool = False  # return each sampled token's logprob
+    top_logprobs: int = 0  # and its N best alternatives (0..20)
+    prompt_logprobs: bool = False  # and the prompt's (echo): position i's logprob of token i + 1
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -35,6 +42,12 @@ class GenerationParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if any(not -100 <= v <= 100 for _, v in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -64,6 +77,12 @@ class SequenceState:
     generated: list[int] = field(default_factory=list)
     emitted: str = ""
     finish_reason: FinishReason | None = None
+    # Constrained decoding: called before every step with the ids generated so far (the same list
+    # again when a step is retried), returns the allowed-token bitmask of the next token (packed
+    # uint8, little bit order, or a bool array [V]) or None (no constraint). See runtime.controls.
+    token_mask: object | None = None
+    logprobs: list = field(default_factory=list)  # controls.TokenLogprob of each id in ``generated``
+    prompt_logprobs: list | None = None  # controls.TokenLogprob | None per prompt id (echo; the first is None)
 
     @property
     def finished(self) -> bool:
@@ -73,13 +92,16 @@ class SequenceState:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.generated
 
-    def push(self, token: int) -> TextDelta:
+    def push(self, token: int, logprob=None) -> TextDelta:
+        """Take the next sampled id (and its ``controls.TokenLogprob`` when asked for)."""
         if self.finished:
             raise RuntimeError("sequence already finished")
         if token in self.eos_ids and not self.params.ignore_eos:
             self.finish_reason = "stop"
             return TextDelta(self._flush(self.decode(self.generated)), True, "stop")
         self.generated.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         text = self.decode(self.generated)
         for stop in self.params.stop:
             at = text.find(stop, max(0, len(self.emitted) - len(stop)))

@@ -29,19 +29,136 @@ class ContextOverflow(ValueError):
     """A sequence would exceed the stage's context limit."""
 
 
+HEAD_EXTRA_OUTPUTS = ("token_logprob", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs")
+MAX_TOP = 20
+OLD_HEAD = "this model package's head graph predates logprobs and logit controls: re-import the model (edgepipe import)"
+
+
+@dataclass(frozen=True)
+class RowControls:
+    """What one sequence adds to its logits this step, as it travels: sparse ``(id, value)``
+    pairs (logit_bias and penalties folded into one value per id) and an optional allowed-token
+    bitmask (``ceil(V/8)`` bytes, bit ``i % 8`` of byte ``i // 8`` = token ``i``, i.e. numpy's
+    ``packbits(bitorder="little")`` and llguidance's int32 bitmask viewed as bytes)."""
+
+    ids: tuple[int, ...] = ()
+    values: tuple[float, ...] = ()
+    mask: bytes | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.ids and self.mask is None
+
+
+def logit_adjust(rows: list[RowControls | None], vocab: int) -> np.ndarray | None:
+    """The head's dense ``logit_adjust [B, V]`` from each row's sparse controls (None: none at all).
+
+    Disallowed tokens get -inf; a mask that allows nothing, an id outside the vocabulary or a
+    non-finite value raises ``ValueError`` (one line)."""
+    if all(r is None or r.empty for r in rows):
+        return None
+    dense = np.zeros((len(rows), vocab), np.float32)
+    for i, r in enumerate(rows):
+        if r is None:
+            continue
+        if r.ids:
+            ids, values = np.asarray(r.ids, np.int64), np.asarray(r.values, np.float32)
+            if ids.shape != values.shape or ids.min() < 0 or ids.max() >= vocab:
+                raise ValueError(f"logit adjustment ids must be in [0, {vocab}) with one value each")
+            if not np.isfinite(values).all():
+                raise ValueError("logit adjustment values must be finite")
+            np.add.at(dense[i], ids, values)
+        if r.mask is not None:
+            if len(r.mask) != (vocab + 7) // 8:
+                raise ValueError(f"token mask has {len(r.mask)} bytes, need {(vocab + 7) // 8} for {vocab} tokens")
+            allowed = np.unpackbits(np.frombuffer(r.mask, np.uint8), bitorder="little", count=vocab).astype(bool)
+            if not allowed.any():
+                raise ValueError("token mask allows no token")
+            dense[i, ~allowed] = -np.inf
+    return dense
+
+
+def row_controls(sampling: dict) -> RowControls | None:
+    """A wire ``sampling`` entry's controls: ``adjust_ids``/``adjust`` lists, ``mask`` bytes."""
+    ids, values, mask = sampling.get("adjust_ids"), sampling.get("adjust"), sampling.get("mask")
+    if ids is None and mask is None:
+        return None
+    if ids is not None and not (isinstance(ids, list) and isinstance(values, list) and len(ids) == len(values)
+                                and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+                                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)):
+        raise ValueError("adjust_ids and adjust must be lists of one length (integer ids, numbers)")
+    if mask is not None and not isinstance(mask, (bytes, bytearray)):
+        raise ValueError("mask must be bytes")
+    return RowControls(tuple(ids or ()), tuple(float(v) for v in values or ()), None if mask is None else bytes(mask))
+
+
+@dataclass(frozen=True)
+class HeadOutput:
+    """What the head returned besides the tokens, rows in the order of the batch's sequences."""
+
+    token_logprob: np.ndarray  # [B] float32: logprob of the chosen token (raw logits, see graphs.head_unit)
+    top_ids: np.ndarray  # [B, N] int64
+    top_logprobs: np.ndarray  # [B, N] float32
+    prompt_logprobs: np.ndarray | None = None  # [S] of a prefill asked for them: position i's logprob of token i + 1
+    prompt_top_ids: np.ndarray | None = None  # [S, N]
+    prompt_top_logprobs: np.ndarray | None = None  # [S, N]
+
+    def wire(self, row: int, top: int) -> dict:
+        """Row ``row``'s ``logprobs`` entry of a TOKEN frame: chosen logprob, top ``top`` ids and logprobs."""
+        out = {"logprob": float(self.token_logprob[row]), "top_ids": [int(t) for t in self.top_ids[row, :top]],
+               "top_logprobs": [float(v) for v in self.top_logprobs[row, :top]]}
+        if self.prompt_logprobs is not None:
+            out["prompt"] = [[float(v) for v in self.prompt_logprobs], [[int(t) for t in r[:top]] for r in self.prompt_top_ids],
+                             [[float(v) for v in r[:top]] for r in self.prompt_top_logprobs]]
+        return out
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling parameters fed to the head graph; ``uniform`` is the random draw."""
+    """Per-row sampling parameters fed to the head graph; ``uniform`` is the random draw.
+
+    ``adjust`` is the dense ``[B, V]`` logit adjustment (None: none), ``num_top`` how many
+    alternatives to return with their logprobs (0..20), ``prompt_targets`` ``[1, S]`` the next
+    prompt token of each position of a prefill whose logprobs are wanted (echo; None: not)."""
 
     do_sample: bool
     temperature: np.ndarray  # [B] float32
     top_k: np.ndarray  # [B] int64, 0 = no limit
     top_p: np.ndarray  # [B] float32
     uniform: np.ndarray  # [B] float32 in [0, 1)
+    adjust: np.ndarray | None = None  # [B, V] float32
+    num_top: int = 0
+    prompt_targets: np.ndarray | None = None  # [1, S] int64
 
     @classmethod
     def greedy(cls, batch: int) -> "SamplingBatch":
         return cls(False, np.ones(batch, np.float32), np.zeros(batch, np.int64), np.ones(batch, np.float32), np.zeros(batch, np.float32))
+
+    @classmethod
+    def from_wire(cls, items: list[dict], vocab: int | None) -> "SamplingBatch":
+        """The batch for a forward frame's entries (``item["sampling"]`` as the coordinator sent it)."""
+        s = [item["sampling"] for item in items]
+        controls = [row_controls(v) for v in s]
+        targets = [v.get("targets") for v in s]
+        if any(t is not None for t in targets) and len(items) != 1:
+            raise ValueError("prompt targets come with a prefill, one sequence at a time")
+        num_top = max(int(v.get("top") or 0) for v in s)
+        if not 0 <= num_top <= MAX_TOP:
+            raise ValueError(f"top logprobs must be in [0, {MAX_TOP}], got {num_top}")
+        adjust = None
+        if any(c is not None for c in controls):
+            if not vocab:
+                raise ValueError(OLD_HEAD)
+            adjust = logit_adjust(controls, vocab)
+        return cls(any(bool(v["do_sample"]) for v in s),
+                   np.array([v["temperature"] for v in s], np.float32),
+                   np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
+                   np.array([v["top_p"] for v in s], np.float32), np.array([v["uniform"] for v in s], np.float32),
+                   adjust, num_top, None if targets[0] is None else np.array([targets[0]], np.int64))
+
+    @property
+    def wants_head_extras(self) -> bool:
+        return self.adjust is not None or self.num_top > 0 or self.prompt_targets is not None
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {"do_sample": np.array(self.do_sample), "temperature": self.temperature, "top_k": self.top_k,
@@ -162,6 +279,12 @@ class StageRunner:
         self.input_name = "input_ids" if self.takes_token_ids else next(n for n in inputs if n.startswith("hidden."))
         self.emits_tokens = "next_token" in outputs
         self.output_name = "next_token" if self.emits_tokens else next(n for n in outputs if n.startswith("hidden."))
+        # A head built before logprobs/controls (GRAPH_VERSION 1) lacks these: plain requests still run on it.
+        self.head_controls = self.emits_tokens and "logit_adjust" in inputs
+        self.vocab = int(inputs["logit_adjust"].shape[1]) if self.head_controls else None
+        self._extra_outputs = HEAD_EXTRA_OUTPUTS if self.head_controls else ()
+        self._no_adjust = np.zeros((1, self.vocab or 0), np.float32)
+        self.last_head: tuple[tuple, HeadOutput] | None = None  # (seqs, the head's logprobs) of the latest run_batch
         if self.layers:
             shape = inputs[f"past_key.{self.layers[0]}"].shape
             self.kv_heads, self.head_dim = int(shape[1]), int(shape[3])
@@ -211,6 +334,8 @@ class StageRunner:
         if self._bound_key != key:
             binding = self.session.io_binding()
             binding.bind_output(self.output_name, "cpu")  # first, so get_outputs()[0] is always it
+            for name in self._extra_outputs:  # then the head's logprobs, in this order
+                binding.bind_output(name, "cpu")
             for name, value in self._pool.view(lo, hi).items():
                 kind, unit = name.split(".")
                 binding.bind_ortvalue_input(f"past_{kind}.{unit}", value)
@@ -272,8 +397,51 @@ class StageRunner:
                     full[np.array(rows) - lo] = arr
                     arr = full
                 binding.bind_cpu_input(name, arr)
+            self._bind_head_controls(binding, batch, n, np.array(rows) - lo, new)
         self.session.run_with_iobinding(binding)
-        out = binding.get_outputs()[0].numpy()
+        outputs = binding.get_outputs()
+        out = outputs[0].numpy()
+        if self._extra_outputs:
+            picked = np.array(rows) - lo
+            head = dict(zip(self._extra_outputs, (o.numpy() for o in outputs[1 : 1 + len(self._extra_outputs)])))
+            asked = sampling is not None and sampling.prompt_targets is not None
+            self.last_head = tuple(seqs), HeadOutput(head["token_logprob"][picked], head["top_ids"][picked], head["top_logprobs"][picked],
+                                                     *((head[k][0] for k in HEAD_EXTRA_OUTPUTS[3:]) if asked else ()))
         for seq, total in zip(seqs, totals):
             pool.length[seq] = total
         return out[np.array(rows) - lo]
+
+    def logprobs_field(self, batch: list[dict]) -> dict:
+        """A TOKEN frame's ``logprobs`` for the batch just run: an entry per sequence that asked
+        (``sampling.logprobs``), None for the others; nothing when none asked."""
+        wanted = [bool(item["sampling"].get("logprobs")) for item in batch]
+        if not any(wanted):
+            return {}
+        seqs, head = self.last_head or ((), None)
+        if head is None or seqs != tuple(item["seq"] for item in batch):
+            raise RuntimeError("the head's logprobs of this batch are gone")
+        return {"logprobs": [head.wire(i, int(item["sampling"].get("top") or 0)) if w else None
+                             for i, (item, w) in enumerate(zip(batch, wanted))]}
+
+    def _bind_head_controls(self, binding, batch: SamplingBatch, n: int, picked: np.ndarray, new: int) -> None:
+        """The head's logit_adjust / num_top / prompt_targets (bystander rows get no adjustment)."""
+        if not self.head_controls:
+            if batch.wants_head_extras:
+                raise ValueError(OLD_HEAD)
+            return
+        adjust = self._no_adjust
+        if batch.adjust is not None:
+            adjust = batch.adjust
+            if n != len(picked):
+                adjust = np.zeros((n, self.vocab), np.float32)
+                adjust[picked] = batch.adjust
+        binding.bind_cpu_input("logit_adjust", np.ascontiguousarray(adjust, np.float32))
+        binding.bind_cpu_input("num_top", np.array([batch.num_top], np.int64))
+        targets = np.zeros((1, 0), np.int64)
+        if batch.prompt_targets is not None:
+            targets = np.ascontiguousarray(batch.prompt_targets, np.int64)
+            if targets.shape != (1, new) or targets.min() < 0 or targets.max() >= self.vocab:
+                raise ValueError(f"prompt targets must be one id in [0, {self.vocab}) per position of the prefill")
+        binding.bind_cpu_input("prompt_targets", targets)
+        for name in self._extra_outputs:  # fresh buffers each run: their shapes change
+            binding.bind_output(name, "cpu")

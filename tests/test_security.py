@@ -177,3 +177,18 @@ def test_attack7_refused_join_flood_is_throttled_and_flushes_nothing(cluster):
     assert sum(e["kind"] == "refused" for e in log) <= 200
     assert cluster.status()["state"] == "up"
     assert httpx.get(cluster.url + "/v1/cluster/events").status_code == 200
+
+
+def test_an_oversized_request_body_is_refused_at_its_header_and_the_server_keeps_serving(cluster):
+    """A POST announcing 1,000 MB gets a 413 as soon as its headers arrive (1 KB of body sent),
+    nothing is buffered, and the next request is served."""
+    import socket
+
+    host, port = cluster.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000000\r\n\r\n" + b" " * 1024)
+        reply = sock.recv(4096).decode("latin-1")
+    assert reply.startswith("HTTP/1.1 413"), reply[:200]
+    assert "request_too_large" in reply
+    assert complete(cluster)

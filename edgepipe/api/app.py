@@ -40,6 +40,47 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+MAX_BODY_BYTES = 8 << 20  # a request body beyond this is refused with 413 before it is buffered
+
+
+class BodyTooLarge(APIError):
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body is larger than {limit} bytes", code="request_too_large")
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over ``limit`` bytes: at once from ``Content-Length``, or as soon as
+    a chunked body passes the limit (the route reading it gets ``BodyTooLarge`` -> 413)."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        try:
+            too_long = declared is not None and int(declared) > self.limit
+        except ValueError:
+            too_long = False  # the server rejects a malformed length itself
+        if too_long:
+            await BodyTooLarge(self.limit).response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, counted, send)
+
+
 async def dashboard(request: Request) -> FileResponse:
     return FileResponse(STATIC / "dashboard.html")
 
@@ -67,7 +108,7 @@ def create_app(coordinator, package, api_key: str | None = None, join_token: str
 
     routes = [Route("/", dashboard), Route("/health", health), *openai_routes.routes, *ollama_routes.routes, *openapi.routes, *cluster_routes.routes, *browser_routes.routes,
               *(extra_routes or [])]
-    app = Starlette(routes=routes, middleware=[Middleware(APIKeyMiddleware, api_key=api_key)],
+    app = Starlette(routes=routes, middleware=[Middleware(BodyLimitMiddleware), Middleware(APIKeyMiddleware, api_key=api_key)],
                     exception_handlers={APIError: api_error, 404: not_found, 405: method_not_allowed, Exception: internal_error})
     s = app.state
     s.coordinator, s.package, s.join_token = coordinator, package, join_token

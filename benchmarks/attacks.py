@@ -105,7 +105,8 @@ def main() -> None:
     resolve("smollm2", "int4", home)
     out: dict = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                  f"{psutil.virtual_memory().total / 2**30:.0f} GiB", "loadavg_before": Path("/proc/loadavg").read_text().strip()}
-    with Server(home, workers=2, args=("--join-token", TOKEN, "--admin-token", ADMIN, "--placement", "memory")) as server:
+    with Server(home, workers=2, args=("--join-token", TOKEN, "--admin-token", ADMIN, "--placement", "memory",
+                                        "--data-secrets", "derived")) as server:  # derived: this script may act as a predecessor
         reference = complete(server)
         ws_url = server.url.replace("http://", "ws://") + "/v1/worker"
         status = server.status()
@@ -185,6 +186,7 @@ def main() -> None:
         kinds_all = [e["kind"] for e in c.get("/v1/cluster/events").json()["events"]]
         out["after"] = {"same_text_as_before": after == reference, "state": s["state"], "workers": len(s["workers"]),
                         "workers_lost_during_attacks": kinds_all.count("leave"), "workers_restarted": kinds_all.count("worker_restarted")}
+    out["6_misbehaving_workers"] = misbehaving_workers(home, reference)
     out["loadavg_after"] = Path("/proc/loadavg").read_text().strip()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "attacks.json").write_text(json.dumps(out, indent=1))
@@ -192,8 +194,55 @@ def main() -> None:
     print(json.dumps(out, indent=1))
 
 
+def misbehaving_workers(home: Path, reference: str) -> dict:
+    """A worker that answers pings but drops every activation frame (default 60 s step timeout),
+    and one that reports its compute times 20x too short; plus a 1,000 MB request body."""
+    out: dict = {}
+    with Server(home, workers=2, args=("--placement", "memory", "--min-workers", "3", "--join-token", TOKEN), wait_up=False) as server:
+        dropper = server.worker("--drop-work", "--name", "dropper", "--join-token", TOKEN)
+        liar = None
+        try:
+            server.wait_for(lambda s: s["state"] == "up" and len(s["plan"]["stages"]) == 3, timeout=300)
+            t0 = time.monotonic()
+            text = complete(server)
+            took = time.monotonic() - t0
+            events = server.client.get("/v1/cluster/events").json()["events"]
+            caught = [e for e in events if e["kind"] == "quarantine"]
+            s = server.status()
+            planned = {st["worker"] for st in s["plan"]["stages"]}
+            out["drops_work"] = {"answer_s": round(took, 1), "same_text": text == reference, "quarantined": [e["worker"] for e in caught],
+                                 "quarantine_s": caught[0]["seconds"] if caught else None,
+                                 "dropper_in_plan_after": any(w["name"] == "dropper" and w["id"] in planned for w in s["workers"])}
+            liar = server.worker("--misreport", "20", "--name", "liar", "--join-token", TOKEN)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                events = server.client.get("/v1/cluster/events").json()["events"]
+                ids = {w["id"] for w in server.status()["workers"] if w["name"] == "liar"}
+                if any(e["kind"] == "calibrated" and e.get("worker") in ids for e in events):
+                    break
+                time.sleep(1)
+            over = [e for e in events if e["kind"] == "probe_overruled"]
+            speeds = {e["worker"]: e["speed"] for e in events if e["kind"] == "calibrated"}
+            out["misreports_20x"] = {"overruled": [(e["worker"], e["reported_ms"], e["measured_ms"]) for e in over], "speeds": speeds}
+            host, port = server.url.removeprefix("http://").split(":")
+            import socket
+
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 1048576000\r\n\r\n" + b" " * 4096)
+                out["body_1000MB"] = sock.recv(200).decode("latin-1").splitlines()[0]
+            out["after"] = {"same_text": complete(server) == reference, "state": server.status()["state"]}
+        finally:
+            for p in (dropper, liar):
+                if p is not None:
+                    p.kill()
+                    p.wait()
+    return out
+
+
 def write_markdown(o: dict) -> None:
     a1, a2, a5, a7 = o["1_big_frame_to_coordinator"], o["2_data_port"], o["5_cluster_control"], o["7_join_flood"]
+    a6 = o["6_misbehaving_workers"]
     rows = [
         ("1. unauthenticated 1,000 MB frame to /v1/worker",
          "coordinator RSS 127 → 2,082 MB, both workers dropped, cluster down for good",
@@ -213,8 +262,18 @@ def write_markdown(o: dict) -> None:
         ("5. emulation/rebalance without credentials; slowdown Infinity", "26x slower request; 500, worker killed, /events 500 forever",
          f"without admin token: {a5['slowdown_50_without_admin']} / {a5['rebalance_without_admin']}; Infinity: {a5['slowdown_Infinity_with_admin']}; "
          f"/events afterwards: {a5['events_after']}"),
-        ("6. worker output (NaN activations at a stage)", "served as answers with 200",
-         "stage refuses non-finite input (error reply, no KV allocated); coordinator checks: see report (validate.py, to be wired)"),
+        ("6. worker output (NaN activations at a stage); token frame from a middle stage; token id -5 / 10^9; malformed timings",
+         "served as answers with 200; accepted; unhandled exception, plain-text 500, cut stream",
+         "stage refuses non-finite input (CORRUPT_INPUT, retried on a new plan, never served); token frames only from the planned last "
+         "stage, ids checked against the vocabulary, timings checked finite (tests/test_security_units.py)"),
+        ("6. worker answers pings but drops every activation frame", "got every unit; request hung 300 s",
+         f"answered in {a6['drops_work']['answer_s']} s (one 60 s step timeout), same text {a6['drops_work']['same_text']}; "
+         f"quarantined {a6['drops_work']['quarantined']} for {a6['drops_work']['quarantine_s']} s; in the plan afterwards: "
+         f"{a6['drops_work']['dropper_in_plan_after']}"),
+        ("6. worker reports probe times 20x too short", "taken on faith (more layers for the liar)",
+         f"overruled by the coordinator's clock: {len(a6['misreports_20x']['overruled'])} probe(s) "
+         f"(reported/measured ms {[(r, m) for _, r, m in a6['misreports_20x']['overruled']][:2]}); calibrated speeds {a6['misreports_20x']['speeds']}"),
+        ("request body announcing 1,000 MB (not in the issue)", "no limit: buffered", f"{a6['body_1000MB']} at its header; afterwards same text {a6['after']['same_text']}"),
         ("7. 600 wrong-token joins", "1.9 s; 500-entry event log flushed",
          f"{a7['refused']} refused, {a7['throttled']} throttled at the handshake in {a7['seconds']} s; {a7['refused_events_kept']} refusals kept, "
          f"kinds kept: {', '.join(a7['event_kinds_kept'])}"),

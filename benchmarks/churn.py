@@ -10,6 +10,9 @@ flags on every restart). The memory budget (EMULATION) decides how many workers 
 A churn driver SIGKILLs worker processes: each life is exponential with a hazard that ramps
 linearly from 0 (never fails) at the start to 1 / ``--mttf-end`` (10 s) at the end of the run
 (seed: "increasing the churn rate from 0 up to a target mean time to failure of 10 seconds").
+With ``--fault freeze`` a worker is SIGSTOPped instead (a laptop whose lid closed, a device that
+swaps) and SIGCONTed after the delay: the same process finds its channel gone and rejoins by
+itself, with its blob cache and calibration. ``--hogs N`` runs N CPU-bound processes throughout.
 A killed worker is restarted after a uniform 1-10 s reconnect delay with the same flags; its
 next life is drawn from the moment it is started (seeded RNG). Starting a Python worker costs
 ~1-2 s of CPU on this 2-core machine, shared with the coordinator, the other workers and the
@@ -84,8 +87,11 @@ def references(pkg) -> dict[tuple[str, int], list[int]]:
 class Churn:
     """Five worker slots; kills with a ramping hazard, restarts after a uniform delay."""
 
-    def __init__(self, url: str, memory: str, duration: float, mttf_end: float, reconnect: tuple[float, float], seed: int, logdir: Path):
+    def __init__(self, url: str, memory: str, duration: float, mttf_end: float, reconnect: tuple[float, float], seed: int, logdir: Path,
+                 fault: str = "kill"):
         self.url, self.memory, self.duration, self.mttf_end, self.reconnect = url, memory, duration, mttf_end, reconnect
+        self.fault = fault  # kill: SIGKILL, restarted by this script | freeze: SIGSTOP, SIGCONT later, the worker reconnects itself
+        self.frozen: list[bool] = [False] * WORKERS
         self.rng = random.Random(seed)
         self.logdir = logdir
         self.procs: list[subprocess.Popen | None] = [None] * WORKERS
@@ -133,10 +139,20 @@ class Churn:
                         self.unexpected_exits += 1
                         self.procs[i] = None
                         self.restart_at[i] = now + self.rng.uniform(*self.reconnect)
-                    elif p is not None and self.killing and now >= self.death[i]:
-                        p.kill()
-                        p.wait(timeout=10)
-                        self.procs[i] = None
+                    elif p is not None and self.frozen[i] and now >= self.restart_at[i]:
+                        p.send_signal(signal.SIGCONT)  # the same process finds its channel gone and rejoins by itself
+                        self.frozen[i] = False
+                        self.restarts += 1
+                        self.restart_at[i] = math.inf
+                        self.death[i] = self.next_death(now)
+                    elif p is not None and not self.frozen[i] and self.killing and now >= self.death[i]:
+                        if self.fault == "freeze":
+                            p.send_signal(signal.SIGSTOP)
+                            self.frozen[i] = True
+                        else:
+                            p.kill()
+                            p.wait(timeout=10)
+                            self.procs[i] = None
                         self.kills += 1
                         self.kill_times.append(now)
                         self.restart_at[i] = now + self.rng.uniform(*self.reconnect)
@@ -153,14 +169,16 @@ class Churn:
             self.killing = False
             now = self.now()
             for i, p in enumerate(self.procs):
-                if p is None:
+                if p is None or self.frozen[i]:
                     self.restart_at[i] = now
 
     def close(self) -> None:
         self.stop.set()
         with self.lock:
-            for p in self.procs:
+            for i, p in enumerate(self.procs):
                 if p is not None and p.poll() is None:
+                    if self.frozen[i]:
+                        p.send_signal(signal.SIGCONT)
                     p.terminate()
             for i, p in enumerate(self.procs):
                 if p is not None:
@@ -293,7 +311,7 @@ def run_scenario(name: str, home: Path, args, refs: dict) -> dict:
         os.dup2(saved[1], 2)
         os.close(saved[0])
         os.close(saved[1])
-    churn = Churn(server.url, spec["memory"], args.duration, args.mttf_end, tuple(args.reconnect), args.seed, logdir)
+    churn = Churn(server.url, spec["memory"], args.duration, args.mttf_end, tuple(args.reconnect), args.seed, logdir, args.fault)
     watcher = Watcher(server.url)
     clients = Clients(server.url, refs, args.concurrency, args.request_timeout, args.seed)
     threads: list[threading.Thread] = []
@@ -389,9 +407,13 @@ def report(results: list[dict], args, started: str) -> None:
         return "–" if x is None else f"{x:.{d}f}"
 
     conditions = (f"{started} · {machine()} · SmolLM2-135M int4 · coordinator + {WORKERS} workers (1 thread each) on loopback, planner "
-                  f"placement · EMULATED memory budgets per worker · churn: SIGKILL with exponential lives, hazard ramping linearly "
+                  f"placement · EMULATED memory budgets per worker · churn: "
+                  f"{'SIGSTOP (frozen; SIGCONT later and the same process reconnects by itself)' if getattr(args, 'fault', 'kill') == 'freeze' else 'SIGKILL'} "
+                  f"with exponential lives, hazard ramping linearly "
                   f"from 0 to 1/{args.mttf_end:g} s over {args.duration:g} s, restart after U({args.reconnect[0]:g}, {args.reconnect[1]:g}) s, "
                   f"seed {args.seed} · {args.concurrency} client threads back to back, greedy, {'/'.join(map(str, TOKENS))} tokens · "
+                  f"{getattr(args, 'hogs', 0)} CPU hog process(es) running throughout · "
+                  f"load average after each scenario: {'; '.join(r.get('loadavg_after', '?') for r in results)} · "
                   f"shared noisy 2-core machine: worker restarts (Python start ~1-2 s CPU), calibration and the client share the CPU")
     lines = ["# Availability under worker churn (seed 003 §6.5, table 6.8)", "", conditions, "",
              "| scenario | memory/worker (emulated) | needed | Down s | Preparing s | Committing s | Up s | coordinator not answering s | availability | seed 003 | goal | met |",
@@ -447,6 +469,9 @@ def main() -> None:
     ap.add_argument("--scenarios", default="one,three")
     ap.add_argument("--mttf-end", type=float, default=10.0)
     ap.add_argument("--reconnect", type=float, nargs=2, default=(1.0, 10.0))
+    ap.add_argument("--fault", choices=("kill", "freeze"), default="kill",
+                    help="kill: SIGKILL and restart the process | freeze: SIGSTOP, then SIGCONT after the delay (the worker reconnects itself)")
+    ap.add_argument("--hogs", type=int, default=0, help="CPU-bound processes competing for the cores during the run")
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--seed", type=int, default=1)
@@ -473,9 +498,16 @@ def main() -> None:
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     refs = references(resolve("smollm2", "int4", home))
     results = []
-    for name in args.scenarios.split(","):
-        results.append(run_scenario(name, home, args, refs))
-        report(results, args, started)  # after each scenario, so a partial run leaves its results
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
+    try:
+        for name in args.scenarios.split(","):
+            results.append(run_scenario(name, home, args, refs))
+            results[-1]["loadavg_after"] = Path("/proc/loadavg").read_text().strip()
+            report(results, args, started)  # after each scenario, so a partial run leaves its results
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
 
 
 if __name__ == "__main__":

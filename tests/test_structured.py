@@ -15,7 +15,7 @@ import jsonschema_rs
 import numpy as np
 import pytest
 
-from edgepipe.cluster.structured import JsonFormat, SchemaError, vocabulary_for
+from edgepipe.cluster.structured import Constraint, JsonFormat, SchemaError, from_openai, vocabulary_for
 from edgepipe.model.gguf_source import GGUFSource
 from edgepipe.model.store import bundled_gguf
 from edgepipe.model.tokenizer import TextTokenizer
@@ -127,3 +127,34 @@ def test_without_strict_unenforceable_keywords_are_warnings(model):
     grammar = vocab.compile(JsonFormat("json_schema", {"type": "object", "not": {"required": ["a"]}}, strict=False))
     assert any("not" in w for w in grammar.warnings)
     assert vocab.compile(JsonFormat("json_schema", None)).text  # no schema: any JSON value
+
+
+def test_token_mask_follows_the_generated_ids_and_tolerates_retries(model):
+    tok, vocab, _ = model
+    fmt = from_openai("json_schema", {"name": "person", "schema": PERSON, "strict": True})
+    mask = Constraint(vocab, vocab.compile(fmt)).token_mask()
+    ids = tok.encode('{"name": "Bo", "age": 7, "ok": true}')
+    first = mask([])
+    assert np.array_equal(first, mask([]))  # a retried step asks again: same answer, nothing consumed twice
+    for k in range(1, len(ids) + 1):
+        bits = np.unpackbits(mask(ids[:k]), bitorder="little")
+        assert k == len(ids) or bits[ids[k]], f"the mask forbids the next token of valid JSON at {k}"
+    assert mask.matcher.is_finished and {int(i) for i in np.flatnonzero(bits)} == set(tok.eos_ids)
+    with pytest.raises(ValueError, match="no longer follow"):
+        mask(ids[:2])
+
+
+@pytest.mark.parametrize("kind,json_schema,words", [
+    ("json_schema", None, "needs a 'json_schema' object"),
+    ("json_schema", {"name": "has space", "schema": {}}, "json_schema.name"),
+    ("json_schema", {"name": "x", "schema": {}, "strict": "yes"}, "strict"),
+    ("xml", None, "unknown type"),
+])
+def test_openai_response_formats_are_checked(kind, json_schema, words):
+    with pytest.raises(SchemaError, match=words):
+        from_openai(kind, json_schema)
+
+
+def test_openai_response_formats_map_to_json_formats():
+    assert from_openai("text") is None and from_openai("json_object") == JsonFormat("json_object")
+    assert from_openai("json_schema", {"name": "p", "schema": PERSON, "strict": True}) == JsonFormat("json_schema", PERSON, True)

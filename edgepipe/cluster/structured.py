@@ -133,6 +133,62 @@ class JsonMatcher:
         return self._m.is_stopped()
 
 
+@dataclass
+class TokenMask:
+    """A sequence's ``SequenceState.token_mask`` (see ``runtime.controls``): given the ids generated
+    so far (the same list again when a step is retried), the next token's allowed bitmask."""
+
+    matcher: JsonMatcher
+
+    def __call__(self, generated: list[int]) -> np.ndarray:
+        done = self.matcher.tokens
+        if len(generated) < len(done) or (done and generated[len(done) - 1] != done[-1]):
+            raise ValueError("the generated tokens no longer follow the response format's matcher")
+        for token in generated[len(done):]:
+            self.matcher.advance(token)
+        return self.matcher.allowed()
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A request's compiled response format; one :class:`TokenMask` per sequence."""
+
+    vocab: Vocabulary
+    grammar: Grammar
+
+    def token_mask(self) -> TokenMask:
+        return TokenMask(self.vocab.matcher(self.grammar))
+
+
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def from_openai(kind: str, json_schema: Any = None) -> JsonFormat | None:
+    """OpenAI's ``response_format`` (``type`` and its ``json_schema`` object) as a :class:`JsonFormat`;
+    None for ``text``; :class:`SchemaError` naming what is wrong."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonFormat("json_object")
+    if kind != "json_schema":
+        raise SchemaError(f"unknown type {kind!r} (text, json_object or json_schema)")
+    if not isinstance(json_schema, dict):
+        raise SchemaError("type json_schema needs a 'json_schema' object ({'name': ..., 'schema': {...}, 'strict': true})")
+    name, strict = json_schema.get("name"), json_schema.get("strict")
+    if name is not None and not (isinstance(name, str) and 1 <= len(name) <= 64 and set(name) <= NAME_CHARS):
+        raise SchemaError("json_schema.name must be 1-64 letters, digits, '_' or '-'")
+    if strict is not None and not isinstance(strict, bool):
+        raise SchemaError("json_schema.strict must be true or false")
+    return JsonFormat("json_schema", json_schema.get("schema"), bool(strict))
+
+
+def constraint_for(text_tokenizer, vocab_size: int | None, fmt: JsonFormat) -> Constraint:
+    """Compile ``fmt`` for a model's tokenizer (blocking: the first call per tokenizer takes seconds;
+    run it in a thread). :class:`SchemaError` (one line) when the format cannot be used."""
+    vocab = vocabulary_for(text_tokenizer, vocab_size)
+    return Constraint(vocab, vocab.compile(fmt))
+
+
 _VOCABS: dict[int, tuple[weakref.ref, Vocabulary]] = {}
 _LOCK = threading.Lock()
 

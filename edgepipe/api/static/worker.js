@@ -44,6 +44,9 @@
   }
   const fmtBytes = (n) => (n >= 1e9 ? `${(n / 1e9).toFixed(2)} GB` : n >= 1e6 ? `${(n / 1e6).toFixed(1)} MB` : `${(n / 1e3).toFixed(1)} kB`);
   const firstLine = (e) => String((e && e.message) || e || "error").split("\n")[0];
+  // An error with its wire code (docs/protocol.md, error codes), as the Python worker sends them.
+  const coded = (message, code) => Object.assign(new Error(message), { code });
+  const BASIC_SAMPLING = new Set(["do_sample", "temperature", "top_k", "top_p", "uniform"]);
 
   // -- frames: u32 LE header length | msgpack header | tensor bytes (docs/protocol.md) ------------
   function encodeFrame(type, fields = {}, tensors = {}) {
@@ -207,6 +210,14 @@
         this.headDim = Number(shape[3]);
       }
       this.hidden = this.takesTokenIds ? null : Number(meta[this.inputName].shape[2]); // [batch, seq, hidden]
+      // A head with logit controls and logprob outputs (graphs.py, version 2+): fed neutral values here,
+      // new tensors for every run (with the proxy, a run's input buffers move to its thread).
+      if (this.emitsTokens && inputs.includes("logit_adjust")) {
+        const vocab = Number(meta.logit_adjust.shape[1]);
+        this.headControls = () => ({ logit_adjust: new ort.Tensor("float32", new Float32Array(vocab), [1, vocab]),
+                                     num_top: new ort.Tensor("int64", BigInt64Array.of(0n), [1]),
+                                     prompt_targets: new ort.Tensor("int64", new BigInt64Array(0), [1, 0]) });
+      }
       this.maxContext = maxContext;
       this.caches = new Map(); // seq -> {length, capacity, kv: {"key.u": ort.Tensor [1, kv_heads, capacity, head_dim]}}
     }
@@ -247,7 +258,7 @@
       let cache = this.caches.get(seq);
       if (!cache) this.caches.set(seq, (cache = { length: 0, capacity: 0, kv: {} }));
       const total = cache.length + added;
-      if (this.maxContext && total > this.maxContext) throw new Error(`sequence ${seq} would reach ${total} tokens, over the context of ${this.maxContext}`);
+      if (this.maxContext && total > this.maxContext) throw coded(`sequence ${seq} would reach ${total} tokens, over the context of ${this.maxContext}`, "context");
       const feeds = { [this.inputName]: new ort.Tensor(x.dtype, x.data, x.shape) };
       if (this.layers.length) {
         this.reserve(cache, total);
@@ -265,6 +276,7 @@
         feeds.top_k = new ort.Tensor("int64", BigInt64Array.of(BigInt(s.do_sample ? Math.trunc(s.top_k) : 1)), [1]);
         feeds.top_p = new ort.Tensor("float32", Float32Array.of(s.top_p), [1]);
         feeds.uniform = new ort.Tensor("float32", Float32Array.of(s.uniform), [1]);
+        if (this.headControls) Object.assign(feeds, this.headControls());
       }
       const out = await this.session.run(feeds);
       // Past and present cannot share one buffer here: present (same capacity, past + the new
@@ -407,7 +419,7 @@
         break;
       case "forward":
         await serial(() => forward(f, tensors)).catch((e) => {
-          for (const item of Array.isArray(f.batch) ? f.batch : [{}]) send("error", { message: firstLine(e), seq: item.seq, step: item.step, rid: item.rid });
+          for (const item of Array.isArray(f.batch) ? f.batch : [{}]) send("error", { message: firstLine(e), code: e.code || "internal", seq: item.seq, step: item.step, rid: item.rid });
         });
         break;
       case "probe":
@@ -501,12 +513,22 @@
   // them one after the other and answers with one frame, as a native worker does.
   async function forward(f, tensors) {
     const slot = worker.slots.get(f.plan);
-    if (!slot) throw new Error(`worker ${worker.id} holds no stage for plan ${f.plan}`);
+    if (!slot) throw coded(`worker ${worker.id} holds no stage for plan ${f.plan}`, "no_stage");
     let x = tensors.x;
-    if (!x) throw new Error("forward without an x tensor");
+    if (!x) throw coded("forward without an x tensor", "bad_input");
     const batch = f.batch || [];
-    if (Number(x.shape[0]) !== batch.length || !batch.length) throw new Error(`forward frame: x has ${x.shape[0]} rows for ${batch.length} sequences`);
+    if (Number(x.shape[0]) !== batch.length || !batch.length) throw coded(`forward frame: x has ${x.shape[0]} rows for ${batch.length} sequences`, "bad_input");
     if (x.dtype === "float16") x = { dtype: "float32", shape: x.shape, data: halfToFloat(x.data) };
+    if (!slot.runner.takesTokenIds) { // a stage checks what its predecessor sent before using it (as validate.activation_problem)
+      const problem = activationProblem(x, slot.runner.hidden, slot.runner.maxContext);
+      if (problem) throw coded(`plan ${f.plan}: ${problem}`, "corrupt_input");
+    }
+    if (slot.runner.emitsTokens) { // logit controls and logprobs are not implemented here: refuse rather than ignore them
+      const asked = [...new Set(batch.flatMap((item) => Object.entries(item.sampling || {})
+        .filter(([k, v]) => !BASIC_SAMPLING.has(k) && v !== null && v !== undefined && v !== false && v !== 0 && !(Array.isArray(v) && !v.length))
+        .map(([k]) => k)))];
+      if (asked.length) throw coded(`a browser worker does not apply ${asked.join(", ")} (sampling extensions)`, "bad_input");
+    }
     const t0 = performance.now();
     const width = x.data.length / batch.length;
     const outs = [];
@@ -532,6 +554,16 @@
       for (const o of outs) { data.set(o.data, at); at += o.data.length; }
       send("forward", { ...base, relay_to: slot.next.id }, { x: { dtype: "float32", shape: [batch.length, ...outs[0].dims.slice(1)], data } });
     }
+  }
+
+  function activationProblem(x, hidden, maxPositions) {
+    const shape = x.shape.map(Number);
+    if (shape.length !== 3 || shape[0] < 1 || shape[1] < 1) return `activations have shape ${JSON.stringify(shape)}, expected [batch, positions, hidden]`;
+    if (hidden && shape[2] !== hidden) return `activations have hidden size ${shape[2]}, this stage takes ${hidden}`;
+    if (maxPositions && shape[1] > maxPositions) return `activations cover ${shape[1]} positions, the context is ${maxPositions}`;
+    let bad = 0;
+    for (let i = 0; i < x.data.length; i++) if (!Number.isFinite(x.data[i])) bad++;
+    return bad ? `non-finite activations: ${bad} of ${x.data.length} values are NaN or infinite` : null;
   }
 
   function randomInput(runner, n) {

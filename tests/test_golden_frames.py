@@ -43,7 +43,7 @@ LOAD_TIMEOUT_S, ANSWER_TIMEOUT_S = 90.0, 20.0  # a load fetches and builds up to
 class Golden:
     def __init__(self, root: Path = GOLDEN):
         self.script = json.loads((root / "script.json").read_text())
-        self.frames = {p.name: p.read_bytes() for p in root.glob("*.bin")}
+        self.frames = {p.name: p.read_bytes() for p in root.glob("*.frame")}
         self.atol, self.rtol = self.script["atol"], self.script["rtol"]
 
     @property
@@ -64,7 +64,7 @@ async def play(channel, golden: Golden) -> tuple[Message, list[list[Message]], l
     for step in golden.steps:
         await channel.send(golden.frames[step["send"]])
         answers = []
-        timeout = LOAD_TIMEOUT_S if step["send"].endswith("_load.bin") else ANSWER_TIMEOUT_S
+        timeout = LOAD_TIMEOUT_S if step["send"].endswith("_load.frame") else ANSWER_TIMEOUT_S
         for _ in step["answers"]:
             try:
                 answers.append(decode(await asyncio.wait_for(channel.recv(), timeout=timeout)))
@@ -150,7 +150,7 @@ def verdict(golden: Golden, hello: Message, got: list[list[Message]], extra: lis
     """Every difference from the golden answers, one line each ('step NN_type: ...')."""
     problems = check_hello(hello, kind)
     for step, answers in zip(golden.steps, got):
-        where = step["send"].removesuffix(".bin")
+        where = step["send"].removesuffix(".frame")
         if len(answers) != len(step["answers"]):
             problems.append(f"{where}: {len(answers)} answers, {len(step['answers'])} due")
         for answer, rule in zip(answers, step["answers"]):
@@ -226,7 +226,7 @@ def pkg(fp32_pkg, golden):
 
 # -- the frames themselves -------------------------------------------------------------------------
 def test_golden_frames_are_small_typed_coordinator_frames(golden):
-    sizes = {p.name: p.stat().st_size for p in GOLDEN.glob("*.bin")}
+    sizes = {p.name: p.stat().st_size for p in GOLDEN.glob("*.frame")}
     assert max(sizes.values()) < 100_000 and sum(sizes.values()) < 500_000, sizes
     referenced = {s["send"] for s in golden.steps} | {a["frame"] for s in golden.steps for a in s["answers"]}
     assert referenced == set(sizes), "script.json and the frames on disk disagree"

@@ -1,9 +1,9 @@
 """Regenerate the golden frames: ``.venv/bin/python tests/data/golden_frames/make.py``.
 
-Writes, next to this file, the frames a coordinator sends to one worker (``NN_<type>.bin``:
+Writes, next to this file, the frames a coordinator sends to one worker (``NN_<type>.frame``:
 exactly the bytes ``net.protocol.encode`` makes of the coordinator's own messages, from
 ``cluster.deploy.load_message`` and ``net.messages``), the answers a correct worker gives
-(``NN_<type>.answer<i>.bin``) and ``script.json`` (order and matching rules). The model is the
+(``NN_<type>.answer<i>.frame``) and ``script.json`` (order and matching rules). The model is the
 bundled SmolLM2-135M, fp32 variant (what a browser worker gets): a one-layer stage (units
 ``[1, 2)``, plan 7, relaying its activations) and the head (``[31, 32)``, plan 8, sampling).
 No weights are written here: the load frames name unit files by sha256, and the test serves
@@ -153,18 +153,18 @@ def build(pkg) -> tuple[list[dict], dict]:
 
 
 def write(steps: list[dict], facts: dict, out: Path = HERE) -> None:
-    for old in out.glob("*.bin"):
+    for old in out.glob("*.frame"):
         old.unlink()
     script = {"about": "frames a coordinator sends one worker, in order, and the answers a correct worker gives "
                        "(made by make.py; see docs/protocol.md, golden frames)", **facts, "steps": []}
     for i, s in enumerate(steps):
         name = f"{i:02d}_{s['send'].type.value}"
-        (out / f"{name}.bin").write_bytes(encode(s["send"]))
+        (out / f"{name}.frame").write_bytes(encode(s["send"]))
         answers = []
         for j, (msg, rules) in enumerate(s["answers"]):
-            (out / f"{name}.answer{j}.bin").write_bytes(encode(msg))
-            answers.append({"frame": f"{name}.answer{j}.bin", **rules})
-        script["steps"].append({"send": f"{name}.bin", "answers": answers, **({"ends": True} if s["ends"] else {})})
+            (out / f"{name}.answer{j}.frame").write_bytes(encode(msg))
+            answers.append({"frame": f"{name}.answer{j}.frame", **rules})
+        script["steps"].append({"send": f"{name}.frame", "answers": answers, **({"ends": True} if s["ends"] else {})})
     (out / "script.json").write_text(json.dumps(script, indent=1) + "\n")
 
 
@@ -175,7 +175,7 @@ def main() -> None:
     args = parser.parse_args()
     steps, facts = build(package(args.home))
     write(steps, facts, args.out)
-    sizes = [p.stat().st_size for p in args.out.glob("*.bin")]
+    sizes = [p.stat().st_size for p in args.out.glob("*.frame")]
     print(f"{len(steps)} steps, {len(sizes)} frames, largest {max(sizes)} bytes, {sum(sizes)} bytes in all -> {args.out}")
 
 

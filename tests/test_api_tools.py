@@ -75,6 +75,6 @@ def test_first_error_names_the_field_in_one_line(body, param, words):
 
 
 def test_unsupported_fields_are_named_not_ignored():
-    req = S.ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5})
-    assert S.unsupported(req)[0] == "frequency_penalty"
-    assert S.unsupported(S.ChatRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0})) is None
+    req = S.CompletionRequest.model_validate({"prompt": "x", "suffix": "y"})
+    assert S.unsupported(req)[0] == "suffix"
+    assert S.unsupported(S.CompletionRequest.model_validate({"prompt": "x", "suffix": ""})) is None

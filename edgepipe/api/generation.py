@@ -11,6 +11,8 @@ iterated. Every path releases the admission ticket exactly once.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import secrets
 from importlib.metadata import PackageNotFoundError, version
 from typing import AsyncIterator, Awaitable, Callable
@@ -46,6 +48,103 @@ def fingerprint(package) -> str:
     m = package.manifest
     digest = str((m.source or {}).get("sha256") or "")[:8] or m.name
     return f"edgepipe-{VERSION}-{digest}-{m.precision}"
+
+
+def logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token id strings -> -100..100) as (id, value) pairs; 400 on a bad key."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab):
+            raise bad_request(f"logit_bias key {key[:20]!r} is not a token id in [0, {vocab})", param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
+
+
+class TokenTexts:
+    """Token id -> its own bytes and text, as the logprobs fields show a token (cached)."""
+
+    def __init__(self, tok):
+        self.tok = tok.tokenizer
+        decoder = (json.loads(self.tok.to_str()).get("decoder") or {})
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
+        self.byte_level = "ByteLevel" in kinds
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def get(self, token: int) -> tuple[str, bytes]:
+        if token not in self._cache:
+            piece = self.tok.id_to_token(int(token)) or ""
+            if m := _BYTE_PIECE.fullmatch(piece):
+                raw = bytes([int(m.group(1), 16)])
+            elif self.byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+                raw = bytes(_UNICODE_TO_BYTE[c] for c in piece)
+            else:
+                raw = piece.replace("\u2581", " ").encode()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:  # part of a character: OpenAI's form
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._cache[token] = (text, raw)
+        return self._cache[token]
+
+    def text(self, token: int) -> str:
+        return self.get(token)[0]
+
+
+def _byte_level_map() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest map to 256+."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), 256))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_UNICODE_TO_BYTE = _byte_level_map()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+_TEXTS: dict[int, TokenTexts] = {}
+
+
+def token_texts(tok) -> TokenTexts:
+    """The (cached) TokenTexts of a package's tokenizer."""
+    if id(tok) not in _TEXTS:
+        _TEXTS[id(tok)] = TokenTexts(tok)
+    return _TEXTS[id(tok)]
+
+
+def chat_logprobs(entries: list, texts: TokenTexts) -> dict:
+    """``choices[].logprobs`` of a chat completion (or a chunk's share of it)."""
+    def one(token: int, logprob: float) -> dict:
+        text, raw = texts.get(token)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(ids: list[int], entries: list, texts: TokenTexts, offset: int = 0) -> dict:
+    """``choices[].logprobs`` of a completion: per token its text, logprob (None: an echoed first
+    token), the N best plus the chosen one, and its character offset from ``offset``."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, e in zip(ids, entries):
+        text = texts.text(token)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if e is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(e.logprob)
+        top = {texts.text(t): lp for t, lp in e.top}
+        top.setdefault(text, e.logprob)
+        out["top_logprobs"].append(top)
+    return out
 
 
 def build(coord, prompts: list[list[int]], params: GenerationParams, n: int, decode) -> list[SequenceState]:

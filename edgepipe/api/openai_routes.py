@@ -5,7 +5,9 @@ responses are server-sent events in OpenAI's chunk format, ending with ``data: [
 after the first byte is sent as one ``data: {"error": ...}`` event. ``n`` > 1 runs separate
 sequences (seeds following the request's); a request without a seed gets a random one, reported
 back as ``seed`` beside ``system_fingerprint``. Tools go through the model's chat template and
-come back as ``tool_calls`` (``tools``).
+come back as ``tool_calls`` (``tools``). ``logprobs``/``top_logprobs`` (chat), ``logprobs``/``echo``
+(completions), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` run in the last
+stage's head graph (``runtime.controls``); logprobs are of the model's raw logits.
 """
 
 from __future__ import annotations
@@ -42,15 +44,24 @@ def check_model(request: Request, model: str | None) -> str:
                    code="model_not_found")
 
 
-def params_for(req: S.Sampling, max_tokens: int | None, prompt_len: int, context: int, extra_stop=()) -> GenerationParams:
+def params_for(req: S.Sampling, max_tokens: int | None, prompt_len: int, context: int, extra_stop=(), vocab: int = 1 << 31) -> GenerationParams:
     if max_tokens is None:
         max_tokens = min(256, context - prompt_len)
         if max_tokens < 1:
             raise bad_request(f"the prompt of {prompt_len} tokens fills the context of {context} tokens", param="messages")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if isinstance(req, S.ChatRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs, top, echo = bool(req.logprobs), req.top_logprobs or 0, False
+    else:
+        logprobs, top = req.logprobs is not None, req.logprobs or 0
+        echo = logprobs and bool(getattr(req, "echo", False))
     return GenerationParams(max_tokens=max_tokens, temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p,
                             top_k=req.top_k or 0, seed=G.random_seed() if req.seed is None else req.seed, stop=stop + tuple(extra_stop),
-                            ignore_eos=bool(req.ignore_eos))
+                            ignore_eos=bool(req.ignore_eos), presence_penalty=req.presence_penalty or 0.0,
+                            frequency_penalty=req.frequency_penalty or 0.0, logit_bias=G.logit_bias(req.logit_bias, vocab),
+                            logprobs=logprobs, top_logprobs=top, prompt_logprobs=echo)
 
 
 def refuse_unsupported(req: S.Sampling) -> None:
@@ -94,6 +105,10 @@ async def chat_completions(request: Request):
     return await _run(request, req, model, [ids], req.max_completion_tokens or req.max_tokens, chat=prompt)
 
 
+def _vocab(request: Request) -> int:
+    return request.app.state.package.manifest.config.get("vocab_size") or (1 << 31)
+
+
 async def completions(request: Request):
     req = await parse_body(request, S.CompletionRequest)
     model = check_model(request, req.model)
@@ -102,9 +117,13 @@ async def completions(request: Request):
     tok, vocab = app.package.tokenizer, app.package.manifest.config.get("vocab_size") or (1 << 31)
     p = req.prompt
     if isinstance(p, str):
-        prompts = [tok.encode(p)]
+        texts = [p]
     elif all(isinstance(x, str) for x in p):
-        prompts = [tok.encode(x) for x in p]
+        texts = list(p)
+    else:
+        texts = None  # token ids: echoed as their decoded text
+    if texts is not None:
+        prompts = [tok.encode(x) for x in texts]
     elif all(isinstance(x, int) for x in p):
         prompts = [list(p)]
     else:
@@ -112,15 +131,16 @@ async def completions(request: Request):
     bad = next((t for ids in prompts for t in ids if t >= vocab), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary of {vocab}", param="prompt")
-    return await _run(request, req, model, prompts, req.max_tokens, chat=None)
+    echo = [t for t in texts] if texts is not None else [tok.decode(ids) for ids in prompts]
+    return await _run(request, req, model, prompts, req.max_tokens, chat=None, echo=echo if req.echo else None)
 
 
 async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list[int]], max_tokens: int | None,
-               chat: tools.ChatPrompt | None):
+               chat: tools.ChatPrompt | None, echo: list[str] | None = None):
     app = request.app.state
     coord, tok = app.coordinator, app.package.tokenizer
     context = coord.manifest.max_context
-    params = params_for(req, max_tokens, max(len(p) for p in prompts), context, chat.stop if chat else ())
+    params = params_for(req, max_tokens, max(len(p) for p in prompts), context, chat.stop if chat else (), _vocab(request))
     n = req.n or 1
     states = G.build(coord, prompts, params, n, tok.decode)
     positions = sum(len(s.prompt_ids) + params.max_tokens for s in states)
@@ -128,6 +148,8 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()), "model": model,
             "system_fingerprint": G.fingerprint(app.package), "seed": params.seed}
     use_tools = chat is not None and bool(chat.tool_names)
+    texts_of = G.token_texts(tok)
+    views = [_Logprobs(state, texts_of, chat is not None, echo is not None) for state in states]
 
     def usage() -> dict:
         prompt_tokens = sum(len(p) for p in prompts)
@@ -149,7 +171,7 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
         app.metrics.requests.labels("ok").inc()
         choices = []
         for i, (state, text) in enumerate(zip(states, texts)):
-            choice = {"index": i, "finish_reason": state.finish_reason, "logprobs": None}
+            choice = {"index": i, "finish_reason": state.finish_reason, "logprobs": views[i].take()}
             if chat:
                 parsed = tools.parse(text, chat) if use_tools else tools.ParsedOutput(text)
                 message = {"role": "assistant", "content": parsed.content if parsed.tool_calls else (parsed.content or "")}
@@ -158,7 +180,7 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
                     choice["finish_reason"] = "tool_calls"
                 choice["message"] = message
             else:
-                choice["text"] = text
+                choice["text"] = (echo[i // n] if echo else "") + text
             if req.return_token_ids:  # an extension (as in vLLM) so clients can compare token for token
                 choice["token_ids"] = list(state.generated)
             choices.append(choice)
@@ -167,7 +189,8 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
     try:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         kind = head["object"] + (".chunk" if chat else "")
-        events = _events(app, coord, states, rid, {**head, "object": kind}, chat, use_tools, include_usage, usage)
+        events = _events(app, coord, states, rid, {**head, "object": kind}, chat, use_tools, include_usage, usage, views,
+                         [echo[i // n] for i in range(len(states))] if echo else None)
         return G.ReleasingStream(events, on_close=lambda: app.admission.release(ticket), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     except BaseException:
@@ -175,21 +198,49 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
         raise
 
 
+class _Logprobs:
+    """One choice's logprobs in OpenAI's shape, handed out as they arrive (each streamed chunk
+    carries the tokens since the previous one) or all at once; None when not asked for."""
+
+    def __init__(self, state, texts: G.TokenTexts, chat: bool, echo: bool):
+        self.state, self.texts, self.chat = state, texts, chat
+        self.sent, self.offset, self.echoed = 0, 0, not echo
+
+    def take(self) -> dict | None:
+        state = self.state
+        if not state.params.logprobs:
+            return None
+        new = state.logprobs[self.sent:]
+        self.sent += len(new)
+        if self.chat:
+            return G.chat_logprobs(new, self.texts)
+        ids, entries = [e.token for e in new], list(new)
+        if not self.echoed and state.prompt_logprobs is not None:
+            ids, entries = list(state.prompt_ids) + ids, list(state.prompt_logprobs) + entries
+            self.echoed = True
+        out = G.completion_logprobs(ids, entries, self.texts, self.offset)
+        self.offset += sum(len(t) for t in out["tokens"])
+        return out
+
+
 def _sse(obj: dict) -> str:
     return "data: " + json.dumps(obj) + "\n\n"
 
 
-async def _events(app, coord, states, rid, head, chat, use_tools, include_usage, usage):
+async def _events(app, coord, states, rid, head, chat, use_tools, include_usage, usage, views, echo):
     def chunk(i: int, finish: str | None, text: str | None = None, role: bool = False, tool_calls: list | None = None) -> str:
+        logprobs = None if role else views[i].take()
         if chat:
             delta = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
             if tool_calls:
                 delta["tool_calls"] = tool_calls
-            choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+            if echo and echo[i] is not None:  # the prompt goes first, in the choice's first chunk
+                text, echo[i] = echo[i] + (text or ""), None
+            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         return _sse({**head, "choices": [choice]})
 
     full = [""] * len(states)  # everything the model wrote, per choice

@@ -17,6 +17,8 @@ MAX_WIRE_INT = (1 << 31) - 1  # what a sampling field or a token id may be on th
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 MAX_CHOICES = 16
 MAX_STOP = 16  # OpenAI allows 4; evaluation harnesses send more
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI: 300)
+MAX_TOP_LOGPROBS = 20
 
 
 class Strict(BaseModel):
@@ -52,10 +54,10 @@ class Sampling(Strict):
     ignore_eos: bool | None = False
     return_token_ids: bool | None = Field(False, description="An extension (as in vLLM): each choice carries its token ids.")
     user: str | None = Field(None, max_length=256)
-    # Declared by OpenAI, not implemented yet: refused unless neutral (see ``unsupported``).
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="Subtracted once from the logit of every token generated so far.")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Subtracted per occurrence from the logit of tokens generated so far.")
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="Token id (a decimal string) -> -100..100 added to its logit; -100 bans it, +100 all but forces it.")
 
 
 # -- chat ------------------------------------------------------------------------------------------
@@ -120,8 +122,8 @@ class ChatRequest(Sampling):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: bool | None = Field(False, description="Return each output token's log-probability (of the model's raw logits).")
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(None, description="And its N best alternatives; needs logprobs.")
     response_format: ResponseFormat | None = None
 
 
@@ -134,22 +136,20 @@ class CompletionRequest(Sampling):
     prompt: Union[PromptText, Annotated[list[PromptText], Field(min_length=1, max_length=64)], PromptIds,
                   Annotated[list[PromptIds], Field(min_length=1, max_length=64)]] = Field(
         description="A string, a list of strings, a list of token ids, or a list of token-id lists.")
-    echo: bool | None = False
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool | None = Field(False, description="Return the prompt before the completion (with its logprobs when logprobs is set).")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
+        None, description="Return each token's log-probability and the N best alternatives (plus the chosen one).")
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
 
 
 def unsupported(req: Sampling) -> tuple[str, str] | None:
     """(param, message) for the first OpenAI field set to a value edgepipe does not implement yet."""
-    checks = [("presence_penalty", bool(req.presence_penalty)), ("frequency_penalty", bool(req.frequency_penalty)),
-              ("logit_bias", bool(req.logit_bias))]
+    checks = []
     if isinstance(req, ChatRequest):
-        checks += [("logprobs", bool(req.logprobs)), ("top_logprobs", bool(req.top_logprobs)),
-                   ("response_format", req.response_format is not None and req.response_format.type != "text")]
+        checks += [("response_format", req.response_format is not None and req.response_format.type != "text")]
     if isinstance(req, CompletionRequest):
-        checks += [("echo", bool(req.echo)), ("logprobs", req.logprobs is not None), ("suffix", bool(req.suffix)),
-                   ("best_of", req.best_of is not None and req.best_of != (req.n or 1))]
+        checks += [("suffix", bool(req.suffix)), ("best_of", req.best_of is not None and req.best_of != (req.n or 1))]
     for param, is_set in checks:
         if is_set:
             return param, f"'{param}' is not supported by this server yet"
@@ -163,11 +163,33 @@ class Usage(Loose):
     total_tokens: int
 
 
+class TopLogprob(Loose):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Loose):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(Loose):
+    tokens: list[str]
+    token_logprobs: list[float | None] = Field(description="None for the first echoed prompt token (nothing before it).")
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatChoice(Loose):
     index: int
     message: dict[str, Any]
     finish_reason: Literal["stop", "length", "tool_calls"] | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(Loose):
@@ -185,7 +207,7 @@ class CompletionChoice(Loose):
     index: int
     text: str
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(Loose):

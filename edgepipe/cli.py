@@ -266,12 +266,12 @@ def worker(
                                   activation_dtype=activation_dtype,
                                   power_busy_w=power_busy_w, power_idle_w=power_idle_w,
                                   **({"name": name} if name else {}))
-        asyncio.run(Worker(settings).run())
+        asyncio.run(Worker(settings).serve_until_terminated())
     except PermissionError as exc:
         fail(str(exc))
     except (ConnectionError, OSError, ValueError, TimeoutError) as exc:
         fail(f"worker stopped: {exc}")
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         pass
 
 

@@ -290,8 +290,11 @@ class Coordinator:
                 self.spawn(self.requests.relay(typed.relay_to, target, Message(T.FORWARD, fields, msg.tensors)))
         elif msg.type is T.ERROR:
             self.requests.worker_error(wid, typed)
+        elif msg.type is T.BYE:  # it is leaving: drop it now, not after the suspect / lose timeouts
+            final = bool(msg.get("final"))
+            self.spawn(self.lose(wid, "shut down (final bye)" if final else "said bye", failure=not final))
 
-    async def lose(self, wid: str, why: str) -> None:
+    async def lose(self, wid: str, why: str, failure: bool = True) -> None:
         """Take a worker out: its plan (if active) goes down, what it owed fails, its channel closes."""
         link = self.links.pop(wid, None)
         if link is None:
@@ -299,7 +302,7 @@ class Coordinator:
         info = self.cluster.workers.get(wid)
         if info is not None:
             self.profile.forget(wid, info.identity)
-            self.profile.left(info.name, self.clock())
+            self.profile.left(info.name, self.clock(), failure)
         self.calibrator.lost(wid)
         broken = PipelineBroken(f"worker {wid} {why}")
         for fut in list(link.loads.values()) + list(link.probes.values()):

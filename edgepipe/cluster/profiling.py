@@ -77,12 +77,13 @@ class ClusterProfile:
     def joined(self, name: str, now: float) -> None:
         self.lives.setdefault(name, DeviceLives()).joined_at = now
 
-    def left(self, name: str, now: float) -> None:
+    def left(self, name: str, now: float, failure: bool = True) -> None:
+        """It left: a failure, unless it said it was shutting down for good (a final bye)."""
         life = self.lives.setdefault(name, DeviceLives())
         if life.joined_at is not None:
             life.alive_s += max(0.0, now - life.joined_at)
         life.joined_at = None
-        life.failures += 1
+        life.failures += int(failure)
 
     def failure_rate(self, name: str, now: float) -> float:
         life = self.lives.get(name)

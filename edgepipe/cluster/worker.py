@@ -31,7 +31,7 @@ from .. import PROTOCOL_VERSION
 from ..emulate.slowdown import MemoryBudget, MemoryBudgetExceeded, SlowdownPolicy
 from ..net import auth, limits, validate
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
-from ..net.messages import ErrorCode
+from ..net.messages import Bye, ErrorCode
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
 from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner
 from .blobcache import BlobCache
@@ -183,6 +183,13 @@ class Worker:
                 server.close()
             self.pool.shutdown(wait=False, cancel_futures=True)
 
+    async def serve_until_terminated(self) -> None:
+        """``run``, with SIGTERM cancelling it as Ctrl-C does: the worker then says a final bye."""
+        import signal
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        await self.run()
+
     async def _watch_loop_lag(self, tick: float = 0.1) -> None:
         """Measure how late the event loop wakes up: what a heartbeat would have waited."""
         while True:
@@ -213,8 +220,17 @@ class Worker:
                     self.id, os.getpid(), len(self.cache.held()), len(self.sessions), self.fetched_bytes)
         try:
             return await self._control_loop()
+        except asyncio.CancelledError:  # the process is stopping for good: the coordinator drops it at once
+            await self._final_bye()
+            raise
         finally:
             await self._close_control()
+
+    async def _final_bye(self) -> None:
+        try:
+            await asyncio.wait_for(self.control.send(encode(Bye(final=True).to_message())), timeout=1.0)
+        except (ChannelClosed, OSError, asyncio.TimeoutError, _websocket_errors()):
+            pass
 
     def _rejoin(self) -> None:
         """Forget what belonged to the previous membership: plan ids are the coordinator's (a

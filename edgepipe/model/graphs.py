@@ -7,6 +7,8 @@ can be merged into one stage graph by concatenation (see ``package.merge_units``
     unit u (layer)    hidden.u [B, S, H]                -> hidden.{u+1} [B, S, H]
                       past_key.u / past_value.u [B, kvH, C, D] -> present_key.u / present_value.u
                       seqlens_k [B] int32, total_sequence_length [] int32 (shared)
+                      a sliding-window layer instead: past_key.u [B, kvH, window_W, D] (only its
+                      window), position_ids [B, S] int64, window_seqlens_k, window_total_sequence_length
     unit L+1 (head)   hidden.{L+1} [B, S, H], do_sample [] bool, temperature/top_p/uniform [B]
                       float, top_k [B] int64, logit_adjust [B|1, V] float, num_top [1] int64,
                       prompt_targets [B, S|0] int64  -> next_token [B] int64, token_logprob [B],
@@ -206,17 +208,20 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
     normed = g.rms_norm(x, w["attn_norm"], eps, "attn_norm")
     qkv = g.linear(normed, w["qkv"], "qkv", bias=w.get("qkv_bias"))
     window = cfg.window(unit - 1)
-    # GroupQueryAttention's local_window_size counts the positions before the query.
-    gqa_attrs = dict(num_heads=nq, kv_num_heads=nkv, do_rotary=1, rotary_interleaved=int(cfg.rope_interleaved),
+    # GroupQueryAttention's local_window_size counts the positions before the query. A window
+    # layer's cache keeps only its window (the stage runner drops older positions), so a buffer
+    # index is no position: q and k are rotated before attention, at explicit position_ids.
+    gqa_attrs = dict(num_heads=nq, kv_num_heads=nkv, do_rotary=0 if window else 1, rotary_interleaved=int(cfg.rope_interleaved),
                      local_window_size=window - 1 if window else -1)
     if cfg.attention_scale is not None:
         gqa_attrs["scale"] = float(cfg.attention_scale)
     if cfg.attn_logit_softcap:
         gqa_attrs["softcap"] = float(cfg.attn_logit_softcap)
-    if cfg.qk_norm:
+    if cfg.qk_norm or window:
         q, k, v = g.op("Split", [qkv, g.const(np.array([nq * D, nkv * D, nkv * D], np.int64), "qkv_split")], n_out=3, axis=-1)
-        q = _per_head_norm(g, q, nq, D, w["q_norm"], eps, "q_norm")
-        k = _per_head_norm(g, k, nkv, D, w["k_norm"], eps, "k_norm")
+        if cfg.qk_norm:
+            q = _per_head_norm(g, q, nq, D, w["q_norm"], eps, "q_norm")
+            k = _per_head_norm(g, k, nkv, D, w["k_norm"], eps, "k_norm")
         attn_in = [q, k, v]
     else:
         attn_in = [qkv, "", ""]  # packed QKV
@@ -226,9 +231,16 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
         rope_suffix = "_local"
     cos_name = g.const(cos, "cos_cache" + rope_suffix, shared=True)
     sin_name = g.const(sin, "sin_cache" + rope_suffix, shared=True)
+    lengths, rope_in = ["seqlens_k", "total_sequence_length"], [cos_name, sin_name]
+    if window:
+        rotary = dict(interleaved=int(cfg.rope_interleaved), **({"rotary_embedding_dim": 2 * cos.shape[1]} if 2 * cos.shape[1] < D else {}))
+        attn_in = [g.op1("RotaryEmbedding", [attn_in[0], "position_ids", cos_name, sin_name], domain=MS, num_heads=nq, **rotary),
+                   g.op1("RotaryEmbedding", [attn_in[1], "position_ids", cos_name, sin_name], domain=MS, num_heads=nkv, **rotary),
+                   attn_in[2]]
+        lengths, rope_in = ["window_seqlens_k", "window_total_sequence_length"], []
     attn, _, _ = g.op(
         "GroupQueryAttention",
-        attn_in + [f"past_key.{unit}", f"past_value.{unit}", "seqlens_k", "total_sequence_length", cos_name, sin_name],
+        attn_in + [f"past_key.{unit}", f"past_value.{unit}", *lengths, *rope_in],
         domain=MS, out=[g.name("attn"), f"present_key.{unit}", f"present_value.{unit}"], **gqa_attrs,
     )
     attn_out = g.linear(attn, w["attn_output"], "attn_output")
@@ -249,13 +261,14 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
         down = g.op1("Mul", [down, g.const(np.array(cfg.residual_scale, np.float32), "res_scale2")])
     g.op("Add", [resid, down], out=[out])
 
-    kv_shape = ["batch", nkv, "capacity", D]
+    kv_shape = ["batch", nkv, f"window_{window}" if window else "capacity", D]  # the runner reads the window here
+    position_inputs = [helper.make_tensor_value_info("position_ids", INT64, ["batch", "seq"])] if window else []
     return g.model(
         [helper.make_tensor_value_info(x, FLOAT, ["batch", "seq", H]),
          helper.make_tensor_value_info(f"past_key.{unit}", FLOAT, kv_shape),
          helper.make_tensor_value_info(f"past_value.{unit}", FLOAT, kv_shape),
-         helper.make_tensor_value_info("seqlens_k", INT32, ["batch"]),
-         helper.make_tensor_value_info("total_sequence_length", INT32, [])],
+         helper.make_tensor_value_info(lengths[0], INT32, ["batch"]),
+         helper.make_tensor_value_info(lengths[1], INT32, []), *position_inputs],
         [helper.make_tensor_value_info(out, FLOAT, ["batch", "seq", H]),
          helper.make_tensor_value_info(f"present_key.{unit}", FLOAT, kv_shape),
          helper.make_tensor_value_info(f"present_value.{unit}", FLOAT, kv_shape)],

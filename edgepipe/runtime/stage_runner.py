@@ -23,6 +23,7 @@ import numpy as np
 import onnxruntime as ort
 
 KV_BLOCK = 256
+WINDOW_SLACK = 64  # a sliding-window layer drops old positions in steps of this many (window_start)
 
 
 class ContextOverflow(ValueError):
@@ -165,6 +166,26 @@ class SamplingBatch:
                 "top_p": self.top_p, "uniform": self.uniform}
 
 
+def window_start(length: int, window: int) -> int:
+    """First position a sliding-window layer keeps once a sequence holds ``length`` positions.
+
+    The next query (at ``length``) sees positions ``length - window + 1 ..``; older ones are
+    dropped in steps of ``window_slack(window)`` (a shift of the whole window costs a copy, so
+    it happens once per slack tokens, not every token). A pure function of the length: every
+    stage, a runner that imports the sequence, and a replay lay the cache out the same way."""
+    slack = window_slack(window)
+    return max(0, (length - window + 1) // slack * slack)
+
+
+def window_slack(window: int) -> int:
+    return max(1, min(WINDOW_SLACK, window))
+
+
+def window_positions(window: int) -> int:
+    """Positions a window layer's cache holds at most around a decode step (the planner's figure)."""
+    return window + window_slack(window) - 1
+
+
 class _KVPool:
     """KV buffers of every sequence at this stage: per layer ``[rows, kv_heads, C, head_dim]``.
 
@@ -172,27 +193,41 @@ class _KVPool:
     slice, bound without copying); rows in that range that are not in the batch receive a
     write at their next free position, which their own next step overwrites, so their
     history is never touched. Rows and capacity grow by reallocation (copying live rows once).
+
+    Sliding-window layers (``window``: all of them share one window) keep only positions
+    ``start .. length`` of a sequence (``window_start``) in buffers of their own capacity,
+    ``window_positions`` (more only while a prefill chunk needs it); buffer index 0 holds
+    position ``start``.
     """
 
-    def __init__(self, layers: list[int], kv_heads: int, head_dim: int):
+    def __init__(self, layers: list[int], kv_heads: int, head_dim: int, window: int = 0, window_layers: tuple[int, ...] = ()):
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.window, self.window_names = window, {f"{kind}.{u}" for u in window_layers for kind in ("key", "value")}
         self.rows = 0
         self.capacity = 0
+        self.window_capacity = 0
         self.generation = 0  # bumped whenever the buffers are reallocated
         self.arrays: dict[str, np.ndarray] = {}
         self.row_of: dict[str, int] = {}
         self.length: dict[str, int] = {}
+        self.start: dict[str, int] = {}  # first position the window layers keep
 
-    def _realloc(self, rows: int, capacity: int) -> None:
+    def kept(self, seq: str) -> int:
+        """Positions a window layer holds for ``seq`` (its buffer's next free index)."""
+        return self.length.get(seq, 0) - self.start.get(seq, 0)
+
+    def _realloc(self, rows: int, capacity: int, window_capacity: int | None = None) -> None:
+        window_capacity = self.window_capacity if window_capacity is None else window_capacity
         for u in self.layers:
             for kind in ("key", "value"):
                 name = f"{kind}.{u}"
-                grown = np.zeros((rows, self.kv_heads, capacity, self.head_dim), np.float32)
+                windowed = name in self.window_names
+                grown = np.zeros((rows, self.kv_heads, window_capacity if windowed else capacity, self.head_dim), np.float32)
                 if name in self.arrays and self.rows and self.capacity:
-                    live = max(self.length.values(), default=0)
+                    live = max((self.kept(s) if windowed else self.length[s] for s in self.row_of), default=0)
                     grown[: self.rows, :, :live] = self.arrays[name][:, :, :live]
                 self.arrays[name] = grown
-        self.rows, self.capacity = rows, capacity
+        self.rows, self.capacity, self.window_capacity = rows, capacity, window_capacity
         self.generation += 1
 
     def add(self, seq: str) -> int:
@@ -200,17 +235,22 @@ class _KVPool:
         row = next((r for r in range(self.rows) if r not in used), None)
         if row is None:
             row = self.rows
-            self._realloc(max(1, self.rows * 2) if self.rows else 1, max(self.capacity, KV_BLOCK))
+            self._realloc(max(1, self.rows * 2) if self.rows else 1, max(self.capacity, KV_BLOCK), self._window_floor())
         self.row_of[seq] = row
         self.length[seq] = 0
+        self.start[seq] = 0
         return row
+
+    def _window_floor(self) -> int:
+        return max(self.window_capacity, window_positions(self.window)) if self.window_names else 0
 
     def drop(self, seq: str) -> None:
         self.row_of.pop(seq, None)
         self.length.pop(seq, None)
+        self.start.pop(seq, None)
         if not self.row_of:  # nothing live: give the memory back
             self.arrays.clear()
-            self.rows = self.capacity = 0
+            self.rows = self.capacity = self.window_capacity = 0
             self.generation += 1
 
     def gather(self, seqs: list[str]) -> None:
@@ -240,12 +280,35 @@ class _KVPool:
     def grow_rows(self, rows: int) -> None:
         """At least ``rows`` rows (idle ones hold nothing; a bystander write lands at position 0)."""
         if rows > self.rows:
-            self._realloc(rows, max(self.capacity, KV_BLOCK))
+            self._realloc(rows, max(self.capacity, KV_BLOCK), self._window_floor())
 
-    def reserve(self, tokens: int) -> None:
-        """Room for ``tokens`` positions in every row (plus the harmless write of bystanders)."""
-        if tokens > self.capacity:
-            self._realloc(self.rows, -(-tokens // KV_BLOCK) * KV_BLOCK)
+    def reserve(self, tokens: int, window_tokens: int = 0) -> None:
+        """Room for ``tokens`` positions in every row (plus the harmless write of bystanders),
+        and ``window_tokens`` in the window layers' buffers."""
+        grow = tokens > self.capacity
+        window_capacity = self.window_capacity
+        if self.window_names and window_tokens > window_capacity:
+            window_capacity, grow = window_tokens, True
+        if grow:
+            self._realloc(self.rows, max(self.capacity, -(-tokens // KV_BLOCK) * KV_BLOCK), window_capacity)
+
+    def trim(self, seqs: list[str]) -> None:
+        """Drop the positions the window layers no longer need (``window_start``), moving the
+        rest to the front of their rows; give back a prefill's extra window capacity."""
+        if not self.window_names:
+            return
+        for seq in seqs:
+            target = window_start(self.length[seq], self.window)
+            drop = target - self.start[seq]
+            if drop > 0:
+                r, keep = self.row_of[seq], self.length[seq] - target
+                for name in self.window_names:
+                    a = self.arrays[name]
+                    a[r, :, :keep] = a[r, :, drop : drop + keep].copy()
+                self.start[seq] = target
+        floor = window_positions(self.window)
+        if self.window_capacity > floor and max(map(self.kept, self.row_of), default=0) < floor:
+            self._realloc(self.rows, self.capacity, floor)
 
     def view(self, lo: int, hi: int) -> dict[str, ort.OrtValue]:
         return {name: ort.OrtValue.ortvalue_from_numpy(a[lo:hi]) for name, a in self.arrays.items()}
@@ -255,8 +318,9 @@ class _KVPool:
         return sum(a.nbytes for a in self.arrays.values())
 
     def export(self, seq: str) -> dict[str, np.ndarray]:
-        r, n = self.row_of[seq], self.length[seq]
-        return {name: a[r : r + 1, :, :n].copy() for name, a in self.arrays.items()}
+        """Every layer's live positions of ``seq``: a window layer's are its last ``kept``."""
+        r, n, kept = self.row_of[seq], self.length[seq], self.kept(seq)
+        return {name: a[r : r + 1, :, : kept if name in self.window_names else n].copy() for name, a in self.arrays.items()}
 
 
 class StageRunner:
@@ -289,7 +353,14 @@ class StageRunner:
             shape = inputs[f"past_key.{self.layers[0]}"].shape
             self.kv_heads, self.head_dim = int(shape[1]), int(shape[3])
         self.max_context = max_context
-        self._pool = _KVPool(self.layers, getattr(self, "kv_heads", 0), getattr(self, "head_dim", 0))
+        # Sliding-window layers name their cache's length dimension "window_W" (graphs.layer_unit).
+        windows = {u: int(m.group(1)) for u in self.layers
+                   if (m := re.fullmatch(r"window_(\d+)", str(inputs[f"past_key.{u}"].shape[2])))}
+        if len(set(windows.values())) > 1:
+            raise ValueError(f"a stage's sliding-window layers must share one window, got {sorted(set(windows.values()))}")
+        self.window = max(windows.values(), default=0)
+        self._full_lengths = "seqlens_k" in inputs  # a stage of window layers only has no full-cache layer
+        self._pool = _KVPool(self.layers, getattr(self, "kv_heads", 0), getattr(self, "head_dim", 0), self.window, tuple(windows))
         self._bound, self._bound_key = None, None
 
     # -- sequences --------------------------------------------------------------------------
@@ -309,17 +380,32 @@ class StageRunner:
     def export_kv(self, seq: str) -> dict[str, np.ndarray]:
         return self._pool.export(seq) if seq in self._pool.row_of else {}
 
-    def import_kv(self, seq: str, tensors: dict[str, np.ndarray]) -> None:
-        """Install a sequence's KV moved from another runner (same layers)."""
+    def import_kv(self, seq: str, tensors: dict[str, np.ndarray], length: int | None = None) -> None:
+        """Install a sequence's KV moved from another runner (same layers). ``length`` is the
+        sequence's length (the sender's ``length(seq)``): sliding-window layers' tensors hold
+        only their last positions, so without a full-cache layer it cannot be read off a shape."""
         pool = self._pool
+        full = [arr.shape[2] for name, arr in tensors.items() if name not in pool.window_names]
+        if length is None:
+            if not full and tensors:
+                raise ValueError("importing only sliding-window layers needs the sequence's length")
+            length = max(full, default=0)
+        if any(n != length for n in full):
+            raise ValueError(f"KV of {max(full)} positions for a sequence of {length}")
+        start = window_start(length, self.window) if pool.window_names else 0
+        kept = {name: arr.shape[2] for name, arr in tensors.items() if name in pool.window_names}
+        if any(n < length - start for n in kept.values()):
+            raise ValueError(f"a sliding-window layer's KV holds {min(kept.values())} positions, need {length - start}")
         if seq not in pool.row_of:
             pool.add(seq)
-        length = next(iter(tensors.values())).shape[2] if tensors else 0
-        pool.reserve(length + 1)
+        pool.reserve(length + 1, length - start + 1)
         row = pool.row_of[seq]
         for name, arr in tensors.items():
-            pool.arrays[name][row : row + 1, :, :length] = arr
-        pool.length[seq] = length
+            if name in pool.window_names:  # the last length - start positions (a sender may keep more)
+                arr = arr[:, :, arr.shape[2] - (length - start):]
+            pool.arrays[name][row : row + 1, :, : arr.shape[2]] = arr
+        pool.length[seq], pool.start[seq] = length, start
+        pool.trim([seq])
 
     # -- compute ----------------------------------------------------------------------------
     def run(self, seq: str, x: np.ndarray, sampling: SamplingBatch | None = None) -> np.ndarray:
@@ -382,13 +468,18 @@ class StageRunner:
             by_row = {r: s for s, r in pool.row_of.items()}
             lengths = np.array([pool.length.get(by_row.get(r, ""), 0) for r in range(lo, hi)], np.int64)
             lengths[np.array(rows) - lo] = np.array(totals) - new
-            pool.reserve(int(lengths.max()) + new)
+            kept = lengths - np.array([pool.start.get(by_row.get(r, ""), 0) for r in range(lo, hi)], np.int64)
+            pool.reserve(int(lengths.max()) + new, int(kept.max()) + new)
         binding = self._binding(lo, hi)
         binding.bind_cpu_input(self.input_name, feed)
         binding.bind_output(self.output_name, "cpu")
-        if self.layers:
+        if self.layers and self._full_lengths:
             binding.bind_cpu_input("seqlens_k", (lengths + new - 1).astype(np.int32))
             binding.bind_cpu_input("total_sequence_length", np.array(int(lengths.max()) + new, np.int32))
+        if self.window:  # window layers: buffer lengths, and the absolute positions to rotate at
+            binding.bind_cpu_input("window_seqlens_k", (kept + new - 1).astype(np.int32))
+            binding.bind_cpu_input("window_total_sequence_length", np.array(int(kept.max()) + new, np.int32))
+            binding.bind_cpu_input("position_ids", lengths[:, None] + np.arange(new, dtype=np.int64)[None, :])
         if self.emits_tokens:
             batch = sampling or SamplingBatch.greedy(len(seqs))
             for name, arr in batch.feeds().items():
@@ -409,6 +500,7 @@ class StageRunner:
                                                      *((head[k][0] for k in HEAD_EXTRA_OUTPUTS[3:]) if asked else ()))
         for seq, total in zip(seqs, totals):
             pool.length[seq] = total
+        pool.trim(seqs)  # sliding-window layers drop what no later query sees
         return out[np.array(rows) - lo]
 
     def logprobs_field(self, batch: list[dict]) -> dict:

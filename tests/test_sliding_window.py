@@ -1,0 +1,130 @@
+"""Sliding-window layers keep only their window of KV, and stay exact.
+
+A tiny Gemma 3 (5 window layers of 8 tokens : 1 global layer, written as a GGUF in
+``test_families``) decodes 40 tokens past a prompt: its window layers hold at most
+``window_positions(8)`` positions while the global layer holds them all; the tokens equal the
+same runners with trimming switched off, at 1 and 3 stages (cuts between a window and the
+global layer, and a stage of window layers only); batched equals solo; and a sequence whose
+KV moves mid-generation to runners with other cuts continues with the same tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgepipe.model.importer import import_model
+from edgepipe.model.package import Package
+from edgepipe.runtime import stage_runner
+from edgepipe.runtime.stage_runner import SamplingBatch, window_positions, window_start
+
+pytest.importorskip("gguf")
+from test_families import PROMPT, write_tiny_gguf  # noqa: E402
+
+WINDOW = 8
+N_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sliding-window")
+    path = write_tiny_gguf(root / "gemma3.gguf", "gemma3", seed=11)
+    pkg = Package(import_model(path, root / "models", "fp32", max_context=256, measure_cost=False))
+    assert list(pkg.manifest.config["layer_windows"]) == [WINDOW] * 5 + [0]
+    return pkg
+
+
+def decode(pipe, seq: str, feed: list[int], n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        out.append(pipe.step(seq, feed, SamplingBatch.greedy(1)))
+        feed = out[-1:]
+    return out
+
+
+def untrimmed(monkeypatch):
+    """The same graphs with the window layers' caches never trimmed (positions = buffer indices)."""
+    monkeypatch.setattr(stage_runner, "window_start", lambda length, window: 0)
+
+
+def test_window_start_is_a_pure_function_of_length():
+    for window in (1, 8, 512):
+        slack = stage_runner.window_slack(window)
+        for length in range(0, 3 * window + 200):
+            kept = length - window_start(length, window)
+            assert min(length, window - 1) <= kept <= window - 1 + slack - 1
+            assert kept + 1 <= window_positions(window)  # a decode step fits the buffer
+
+
+def test_window_layers_keep_only_their_window(gemma3):
+    pipe = gemma3.pipeline([])
+    runner = pipe.runners[0]
+    ids = gemma3.tokenizer.encode(PROMPT)
+    assert len(ids) > 2 * WINDOW
+    feed, lengths = ids, []
+    for _ in range(N_NEW):
+        token = pipe.step("s", feed, SamplingBatch.greedy(1))
+        feed = [token]
+        length = runner.length("s")
+        kv = runner.export_kv("s")
+        for u in range(1, 6):  # window layers: the window and at most a slack block more
+            assert kv[f"key.{u}"].shape[2] == length - window_start(length, WINDOW) <= window_positions(WINDOW) - 1
+            assert runner._pool.arrays[f"value.{u}"].shape[2] <= window_positions(WINDOW)
+        assert kv["key.6"].shape[2] == kv["value.6"].shape[2] == length  # the global layer keeps everything
+        lengths.append(length)
+    assert lengths[-1] == len(ids) + N_NEW - 1 > 5 * WINDOW
+    pool = runner._pool
+    assert pool.window_capacity == window_positions(WINDOW)  # a prefill's extra room was given back
+    per_position = 2 * pool.kv_heads * pool.head_dim * 4  # K and V, fp32
+    assert runner.kv_bytes == pool.rows * per_position * (pool.capacity + 5 * pool.window_capacity)
+
+
+@pytest.mark.parametrize("cuts", [[], [2, 6], [1, 4]], ids=["1-stage", "cut-window|global", "window-only-stage"])
+def test_trimmed_tokens_equal_untrimmed(gemma3, cuts, monkeypatch):
+    ids = gemma3.tokenizer.encode(PROMPT)
+    trimmed = decode(gemma3.pipeline(cuts), "s", ids, N_NEW)
+    untrimmed(monkeypatch)
+    full = gemma3.pipeline(cuts)
+    assert decode(full, "s", ids, N_NEW) == trimmed
+    first_layer = next(r for r in full.runners if 1 in r.layers)
+    assert first_layer._pool.arrays["key.1"].shape[2] >= len(ids) + N_NEW - 1  # the reference kept everything
+
+
+def test_batched_decode_equals_solo_with_trimmed_windows(gemma3):
+    pipe = gemma3.pipeline([2, 6])
+    tok = gemma3.tokenizer
+    prompts = [tok.encode(PROMPT), tok.encode("Hello, world! Hello there."), tok.encode(PROMPT + " and more, more, more.")]
+    expected = []
+    for i, ids in enumerate(prompts):
+        expected.append(decode(pipe, f"solo{i}", ids, 30))
+        pipe.drop(f"solo{i}")
+    seqs = [f"b{i}" for i in range(len(prompts))]
+    got = [[pipe.step(s, ids, SamplingBatch.greedy(1))] for s, ids in zip(seqs, prompts)]
+    for _ in range(29):
+        x = np.array([[g[-1]] for g in got], np.int64)
+        for runner in pipe.runners:
+            x = runner.run_batch(seqs, x, SamplingBatch.greedy(len(seqs)) if runner.emits_tokens else None)
+        for g, t in zip(got, x):
+            g.append(int(t))
+    assert got == expected
+
+
+@pytest.mark.parametrize("at", [5, 19])  # moved before the first trim, and well past it
+def test_kv_moved_mid_generation_continues_identically(gemma3, at):
+    ids = gemma3.tokenizer.encode(PROMPT)
+    reference = decode(gemma3.pipeline([2, 6]), "ref", ids, N_NEW)
+
+    source = gemma3.pipeline([2, 6])
+    first = decode(source, "s", ids, at)
+    length = source.runners[0].length("s")
+    moved = {name: t for r in source.runners for name, t in r.export_kv("s").items()}
+    assert moved["key.1"].shape[2] < length == moved["key.6"].shape[2]  # window layers travel trimmed
+    target = gemma3.pipeline([1, 4])  # other cuts: a stage of window layers only needs the length
+    for runner in target.runners:
+        mine = {name: t for name, t in moved.items() if int(name.split(".")[1]) in runner.layers}
+        if runner.layers == [1, 2, 3]:
+            with pytest.raises(ValueError, match="length"):
+                runner.import_kv("probe", mine)
+        runner.import_kv("s", mine, length=length)
+    rest = decode(target, "s", [first[-1]], N_NEW - at)
+    assert first + rest == reference

@@ -676,7 +676,8 @@ class Worker:
         """Install moved KV, then tell the coordinator (it resumes the sequence only after)."""
         slot = self.slots[msg["plan"]]
         mine = {k: v for k, v in msg.tensors.items() if int(k.split(".")[1]) in slot.runner.layers}
-        slot.runner.import_kv(msg["seq"], mine)
+        length = msg.get("length")  # window layers' KV travels trimmed: the length says where it ends
+        slot.runner.import_kv(msg["seq"], mine, int(length) if isinstance(length, int) else None)
         await self._send_control(Message(T.LOADED, {"kv_received": msg["move"], "plan": msg["plan"], "ok": True,
                                                     "bytes": int(sum(v.nbytes for v in mine.values()))}))
 

@@ -108,6 +108,7 @@ class _Variant:
 
 class FakeManifest:
     name, precision, max_context, eos_ids, vocab_size = "sim-model", "fp32", 256, (), VOCAB
+    config = {"vocab_size": VOCAB}  # what Requests.new_sequence checks logit_bias against
 
     def __init__(self):
         self.units = [_Unit(i, f"u{i}", "layer") for i in range(N_UNITS)]

@@ -128,3 +128,23 @@ def test_kv_moved_mid_generation_continues_identically(gemma3, at):
         runner.import_kv("s", mine, length=length)
     rest = decode(target, "s", [first[-1]], N_NEW - at)
     assert first + rest == reference
+
+
+def test_planner_counts_window_layers_at_their_window(gemma3):
+    """The manifest marks window layers; the planner sizes them at their window, so a device
+    too small for six full-context caches holds the model (and would not without the trim)."""
+    from dataclasses import replace
+
+    from edgepipe.plan import DeviceProfile, ModelProfile, NetworkProfile, PlanRequest, UnitProfile, plan
+
+    units = gemma3.manifest.units
+    assert [u.kv_window for u in units] == [0] + [window_positions(WINDOW)] * 5 + [0, 0]
+    profile = ModelProfile("gemma3", tuple(UnitProfile(u.index, u.name, 0.01, 1000, u.kv_bytes_per_token, 256, u.kv_window)
+                                           for u in units), context_tokens=256, runtime_overhead_bytes=0)
+    per_token = units[1].kv_bytes_per_token
+    assert profile.stage_bytes(0, len(units), 1) == 8 * 1000 + per_token * (256 + 5 * window_positions(WINDOW))
+    full = replace(profile, units=tuple(replace(u, kv_window=0) for u in profile.units))
+    assert full.stage_bytes(0, len(units), 1) == 8 * 1000 + per_token * 6 * 256
+    device = DeviceProfile("d", profile.stage_bytes(0, len(units), 1), 1.0, 0.0)
+    assert plan(profile, [device], NetworkProfile(), PlanRequest()).best.complete
+    assert not plan(full, [device], NetworkProfile(), PlanRequest()).best.complete

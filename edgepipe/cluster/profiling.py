@@ -147,7 +147,7 @@ class ClusterProfile:
         """``context_tokens``: KV positions to plan per sequence (default: the full context)."""
         m = self.manifest
         units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, u.kv_bytes_per_token,
-                                  u.out_bytes_per_token) for u in m.units)
+                                  u.out_bytes_per_token, u.kv_window) for u in m.units)
         return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES)
 
     def device_profiles(self, workers) -> list[DeviceProfile]:

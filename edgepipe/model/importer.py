@@ -400,6 +400,8 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
         costs = _measure_unit_costs(root / "blobs", graph_shas, cfg, report, kinds=kinds,
                                     weight_bytes=[sum(dict(f.values()).values()) for f in unit_files])
 
+    from ..runtime.stage_runner import window_positions
+
     H = cfg.hidden_size
     units = []
     for i, (kind, _) in enumerate(built):
@@ -410,6 +412,7 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
             index=i, kind=kind, name={"embedding": "embed", "layer": f"layer{i - 1}", "head": "head"}[kind],
             cost_s=costs[i], kv_bytes_per_token=cfg.kv_bytes_per_token_per_layer if kind == "layer" else 0,
             out_bytes_per_token=8 if kind == "head" else H * 4, variants={precision: variant},
+            kv_window=window_positions(cfg.window(i - 1)) if kind == "layer" and cfg.window(i - 1) else 0,
         ))
     return Manifest(
         format=FORMAT_VERSION, name=name, precision=precision, config=cfg.to_dict(), units=tuple(units),

@@ -40,6 +40,7 @@ class Unit:
     kv_bytes_per_token: int
     out_bytes_per_token: int  # activation (or token id) bytes leaving this unit per token
     variants: dict[str, UnitVariant] = field(default_factory=dict)
+    kv_window: int = 0  # positions of KV kept at most (sliding-window layer); 0 = the whole context
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ def milp_latency(
     if pair_hops is None:
         pair_hops = m <= 16
     seq = request.sequences
-    kv = np.array([model.context_tokens * seq * u.kv_bytes_per_token for u in model.units], dtype=float)
+    kv = np.array([seq * b for b in model.kv_bytes_per_sequence], dtype=float)
     # (n, m): each device sized with the weight variant it runs
     unit_mem = np.stack([np.asarray(model.unit_weights(devs[d].precision), dtype=float) + kv for d in ids], axis=1)
     cost = np.array([u.cost for u in model.units])

@@ -51,6 +51,8 @@ class UnitProfile:
 
     `cost` is seconds on the reference device for one decode token; `out_bytes_per_token`
     is the size of the unit's output for one token (the activation sent to the next stage).
+    `kv_window`: positions of KV the unit keeps at most (a sliding-window layer: its window
+    plus the runner's slack); 0 = the whole context.
     """
 
     index: int
@@ -59,6 +61,12 @@ class UnitProfile:
     weight_bytes: int
     kv_bytes_per_token: int
     out_bytes_per_token: int
+    kv_window: int = 0
+
+    def kv_bytes(self, context_tokens: int) -> int:
+        """KV bytes one sequence of `context_tokens` positions holds in this unit."""
+        kept = min(context_tokens, self.kv_window) if self.kv_window else context_tokens
+        return kept * self.kv_bytes_per_token
 
     def __post_init__(self) -> None:
         _require(self.index >= 0, f"unit {self.name!r}: index {self.index} < 0")
@@ -67,6 +75,7 @@ class UnitProfile:
             ("weight_bytes", self.weight_bytes),
             ("kv_bytes_per_token", self.kv_bytes_per_token),
             ("out_bytes_per_token", self.out_bytes_per_token),
+            ("kv_window", self.kv_window),
         ):
             _require(
                 math.isfinite(value) and value >= 0,
@@ -139,6 +148,11 @@ class ModelProfile:
     def n_units(self) -> int:
         return len(self.units)
 
+    @cached_property
+    def kv_bytes_per_sequence(self) -> tuple[int, ...]:
+        """Per unit, the KV bytes of one sequence of `context_tokens` (window layers: their window)."""
+        return tuple(u.kv_bytes(self.context_tokens) for u in self.units)
+
     def unit_weights(self, precision: str | None = None) -> tuple[int, ...]:
         """Weight bytes of every unit in the variant `precision` (None: the profile's own)."""
         if precision is not None:
@@ -154,8 +168,8 @@ class ModelProfile:
         weights = sum(self.unit_weights(precision)[start:end])
         if start == 0 and end == len(self.units) and len(self.units) > 1:
             weights -= self.tied_bytes
-        kv = sum(u.kv_bytes_per_token for u in self.units[start:end])
-        return weights + self.context_tokens * sequences * kv + self.runtime_overhead_bytes
+        kv = sum(self.kv_bytes_per_sequence[start:end])
+        return weights + sequences * kv + self.runtime_overhead_bytes
 
 
 def transformer_profile(

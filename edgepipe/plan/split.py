@@ -80,7 +80,7 @@ def build_pricing(
     seq = request.sequences
 
     cost_prefix = np.concatenate(([0.0], np.cumsum([u.cost for u in units], dtype=np.float64)))
-    kv_prefix = np.concatenate(([0], np.cumsum([u.kv_bytes_per_token for u in units], dtype=np.int64)))
+    kv_prefix = np.concatenate(([0], np.cumsum(model.kv_bytes_per_sequence, dtype=np.int64)))
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # x < i
 
     def stage_need(sequences: int, precision: str | None) -> np.ndarray:
@@ -89,7 +89,7 @@ def build_pricing(
         if n > 1:
             weights[0, n] -= model.tied_bytes  # one stage holds the tied embedding and head
         kv = kv_prefix[None, :] - kv_prefix[:, None]
-        return weights + model.context_tokens * sequences * kv + model.runtime_overhead_bytes
+        return weights + sequences * kv + model.runtime_overhead_bytes
 
     span = cost_prefix[None, :] - cost_prefix[:, None]
     speed = np.array([devices[d].speed for d in ids])

@@ -262,8 +262,17 @@
       const feeds = { [this.inputName]: new ort.Tensor(x.dtype, x.data, x.shape) };
       if (this.layers.length) {
         this.reserve(cache, total);
-        feeds.seqlens_k = new ort.Tensor("int32", Int32Array.of(total - 1), [1]);
-        feeds.total_sequence_length = new ort.Tensor("int32", Int32Array.of(total), []);
+        const lengths = { seqlens_k: Int32Array.of(total - 1), total_sequence_length: Int32Array.of(total) };
+        // Sliding-window layers (graphs.layer_unit) read window_* lengths and rotate at position_ids; this
+        // tab keeps every position of every layer (buffer index = position), so their lengths are the same.
+        for (const [name, value] of Object.entries(lengths)) {
+          for (const input of [name, `window_${name}`]) {
+            if (this.session.inputNames.includes(input)) feeds[input] = new ort.Tensor("int32", value.slice(), name === "seqlens_k" ? [1] : []);
+          }
+        }
+        if (this.session.inputNames.includes("position_ids")) {
+          feeds.position_ids = new ort.Tensor("int64", BigInt64Array.from({ length: added }, (_, i) => BigInt(cache.length + i)), [1, added]);
+        }
         for (const u of this.layers) {
           feeds[`past_key.${u}`] = cache.kv[`key.${u}`];
           feeds[`past_value.${u}`] = cache.kv[`value.${u}`];

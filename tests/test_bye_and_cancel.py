@@ -128,3 +128,46 @@ def test_a_worker_process_stopped_by_sigterm_says_a_final_bye(tmp_path):
                     proc.wait()
 
     asyncio.run(main())
+
+
+def test_a_request_cancelled_as_its_token_arrives_stops_and_frees_its_kv():
+    """Python 3.11's ``asyncio.wait_for`` returns the result when the cancellation and the result
+    arrive in the same instant, losing the cancel: the request would run on, holding its slot.
+    The token loop must stop anyway, end the request (its reservation) and drop the sequence's KV
+    on the workers, although its first step's token had already been taken."""
+    from edgepipe.cluster.placement import Deployment, StageAssignment
+    from edgepipe.runtime.sequence import GenerationParams
+
+    async def main():
+        coord = Coordinator(FakePackage(), CoordinatorSettings(min_workers=5, calibrate=False, dead_after_s=60, lose_after_s=600))
+        try:
+            mine, wid = await joined_worker(coord)
+            dep = Deployment(1, (StageAssignment(wid, 0, 8),))
+
+            async def up(since):
+                return dep
+
+            coord.requests.wait_up = up  # the plan is Up (no planning in this test)
+            state = coord.requests.new_sequence([1, 2, 3], GenerationParams(max_tokens=5), lambda ids: "x" * len(ids))
+            deltas = []
+
+            async def client():
+                async for delta in coord.requests.stream(state, "r1"):
+                    deltas.append(delta)
+
+            task = asyncio.create_task(client())
+            first = decode(await asyncio.wait_for(mine.recv(), 5))
+            assert first.type is T.FORWARD and [b["seq"] for b in first["batch"]] == ["r1.0"]
+            assert "r1" in coord.cluster.requests
+            coord.requests._resolve("r1.0", 0, 1, {"token": 7, "timings": []})  # the token arrives ...
+            task.cancel()  # ... in the same instant as the client goes
+            done, _ = await asyncio.wait({task}, timeout=2)
+            assert done and task.cancelled(), "the request ran on after its cancellation"
+            assert deltas == []
+            assert "r1" not in coord.cluster.requests and coord.requests.pending == {}
+            after = decode(await asyncio.wait_for(mine.recv(), 2))
+            assert after.type is T.DROP and after["seq"] == "r1.0", f"{after.type.value} {after.fields}"
+        finally:
+            await coord.stop()
+
+    asyncio.run(main())

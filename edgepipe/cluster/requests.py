@@ -40,6 +40,15 @@ class RequestFailed(RuntimeError):
     """A request cannot continue (the message says why, in one line)."""
 
 
+def _stop_if_cancelled() -> None:
+    """Before Python 3.12, ``asyncio.wait_for`` returns its result instead of raising when the
+    cancellation and the result arrive in the same instant, and the cancel is lost: a request
+    whose client went would run on, holding its slot. A task that was asked to stop stops here."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()
+
+
 @dataclass
 class StepRecord:
     """What the metrics and profiler learn from one token."""
@@ -98,6 +107,7 @@ class Requests:
         c = self.coord
         rid = rid or f"r{next(self._ids)}"
         epoch, fed_plan = 0, None  # fed_plan: plan whose workers hold this sequence's KV
+        sent_plan = None  # plan the current seq's latest step went to (its KV is there, token or not)
         seq = f"{rid}.{epoch}"
         c.emit(S.RequestStarted(rid, len(state.prompt_ids) + state.params.max_tokens))
         try:
@@ -112,7 +122,7 @@ class Requests:
                     if fed_plan is not None:  # the plan changed under us: rebuild KV by replay
                         await self.drop(seq, fed_plan)
                         epoch += 1
-                        seq = f"{rid}.{epoch}"
+                        seq, sent_plan = f"{rid}.{epoch}", None
                     feed = state.all_ids
                 else:
                     feed = state.generated[-1:]
@@ -121,6 +131,7 @@ class Requests:
                     head = controls.step_fields(state, self.coord.manifest.config.get("vocab_size") or 0, len(feed) > 1)
                 except ValueError as exc:  # the token mask provider's answer cannot be used
                     raise RequestFailed(str(exc).splitlines()[0] if str(exc) else "bad token mask") from None
+                sent_plan = dep.plan_id
                 try:
                     token, record = await self.step(dep, seq, step, feed, state.params, rid, replay_from, head)
                 except PipelineBroken as exc:
@@ -155,7 +166,7 @@ class Requests:
             c.emit(S.RequestEnded(rid))
             self._go(self.lanes.leave(rid))
             # Cancelled callers cannot await, so clean up in a task of its own.
-            c.spawn(self._finish(seq, fed_plan if fed_plan not in (None, -1) else None))
+            c.spawn(self._finish(seq, sent_plan))
 
     async def wait_up(self, since: float) -> Deployment:
         """The active plan once Up; fails (one line) when the wait exceeds its bound."""
@@ -175,6 +186,7 @@ class Requests:
                 await asyncio.wait_for(c.up.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
+            _stop_if_cancelled()
 
     async def step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str,
                    replay_from: int | None = None, head: dict | None = None):
@@ -214,6 +226,7 @@ class Requests:
             raise PipelineBroken(f"no token for {seq} step {step} within {c.settings.step_timeout_s} s") from None
         finally:
             self._go(self.lanes.returned(rid))
+        _stop_if_cancelled()  # the token was taken, but its client is gone: the caller's finally drops the KV
         record = StepRecord(rid, len(feed), c.clock() - t0, reply.get("timings", []),
                             coordinator_s=out.sent_at - t0 if out.sent_at else 0.0, first_in_batch=reply.get("first", True),
                             logprobs=reply.get("logprobs"))

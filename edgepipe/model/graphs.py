@@ -33,14 +33,17 @@ IR_VERSION = 10  # the newest ONNX Runtime 1.31 and onnxruntime-web 1.30 both lo
 MS = "com.microsoft"
 
 FLOAT, INT64, INT32, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL
+# Model metadata of graphs whose rows get the same results alone (M = 1) as in a batch (see
+# ``_Graph._lone_row``); a stage runner over an older graph keeps a bystander row instead.
+LONE_ROW_EXACT = "edgepipe.lone_row_exact"
 SAMPLING_INPUTS = ("do_sample", "temperature", "top_k", "top_p", "uniform")
 HEAD_CONTROL_INPUTS = ("logit_adjust", "num_top", "prompt_targets")
 HEAD_LOGPROB_OUTPUTS = ("token_logprob", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs")
 MAX_TOP_LOGPROBS = 20
 # Bumped whenever a unit graph changes in a way an existing package must be rebuilt for
 # (importer.import_model re-imports a package whose manifest records another version).
-# 2: head with logit_adjust / logprob outputs / prompt logprobs.
-GRAPH_VERSION = 2
+# 2: head with logit_adjust / logprob outputs / prompt logprobs. 3: a lone row's 4-bit MatMulNBits runs on two rows in-graph.
+GRAPH_VERSION = 3
 
 
 def hidden_name(unit: int) -> str:
@@ -56,6 +59,7 @@ class _Graph:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: dict[str, onnx.TensorProto] = {}
         self._count = 0
+        self._lone_rows: dict[int, tuple[str, str]] = {}  # rank -> (pads, rows) of this graph's activations
 
     def name(self, base: str) -> str:
         self._count += 1
@@ -96,7 +100,7 @@ class _Graph:
             parts = [self.linear(x, p, f"{base}.{i}", rank=rank) for i, p in enumerate(w)]
             y = self.op("Concat", parts, out=outs, axis=-1)[0]
         elif isinstance(w, (BlockQuantized, StoredBlocks)):
-            y = self._matmul_nbits(x, w, base, outs if w.offsets is None else None)
+            y = self._matmul_nbits(x, w, base, outs if w.offsets is None else None, rank)
             if w.offsets is not None:
                 y = self.op("Add", [y, self._block_offsets(x, w, base, rank)], out=outs)[0]
         else:
@@ -105,8 +109,11 @@ class _Graph:
             y = self.op("Add", [y, self.const(bias.astype(np.float32), base + ".bias")], out=[out] if out else None)[0]
         return y
 
-    def _matmul_nbits(self, x: str, w, base: str, outs: list[str] | None) -> str:
+    def _matmul_nbits(self, x: str, w, base: str, outs: list[str] | None, rank: int = 3) -> str:
         n, k = w.shape
+        if w.bits == 4:  # a lone row runs as two (see _lone_row): the same sums alone or in a batch
+            pads, rows = self._lone_row(x, rank)
+            x = self.op1("Pad", [x, pads], mode="edge")
         if isinstance(w, StoredBlocks):
             nb = k // w.block_size
             ins = [x, self.external(w.packed, base + ".qweight", TensorProto.UINT8, [n, nb, w.block_size * w.bits // 8]),
@@ -120,7 +127,31 @@ class _Graph:
                     raise ValueError(f"{base}: zero points must be integers for MatMulNBits")
                 ins.append(self.const(w.packed_zero_points(), base + ".zeros"))
         # accuracy_level 4 lets MLAS quantize activations to int8 on the fly where it can.
-        return self.op("MatMulNBits", ins, domain=MS, out=outs, K=k, N=n, bits=w.bits, block_size=w.block_size, accuracy_level=4)[0]
+        attrs = dict(domain=MS, K=k, N=n, bits=w.bits, block_size=w.block_size, accuracy_level=4)
+        if w.bits != 4:
+            return self.op("MatMulNBits", ins, out=outs, **attrs)[0]
+        y = self.op1("MatMulNBits", ins, **attrs)
+        return self.op("Slice", [y, self.const(np.array([0], np.int64), "lone_row.start"), rows,
+                                 self.const(np.array([0], np.int64), "lone_row.axis")], out=outs)[0]
+
+    def _lone_row(self, x: str, rank: int) -> tuple[str, str]:
+        """``(pads, rows)`` for a 4-bit MatMulNBits input ``x`` of rank ``rank``: ``pads`` repeats
+        the first row once when ``x`` holds a single row (``[1, 1, K]`` or ``[1, K]``), ``rows`` is
+        ``x``'s first dimension, to slice the result back.
+
+        MLAS runs a one-row 4-bit MatMulNBits (M = 1) with a kernel of its own whose sums differ in
+        the last bits from the M >= 2 kernel's; every M >= 2 gives each row the same result, and
+        8-bit blocks and float MatMul/Gemm are the same at M = 1 (``benchmarks/profile_decode.py`` checks).
+        So only 4-bit products of a lone decode step run on two rows, and the graph gives a row
+        the same logits alone or batched (``LONE_ROW_EXACT``) without a bystander row through the
+        whole stage. Built once per graph and rank: all activations of a unit share ``[B, S]``."""
+        if rank not in self._lone_rows:
+            lead = self.op1("ReduceProd", [self.op1("Shape", [x], end=rank - 1)], keepdims=1)  # [B * S]
+            one = self.op1("Cast", [self.op1("Equal", [lead, self.const(np.array([1], np.int64), "lone_row.one")])], to=INT64)
+            pads = self.op1("Concat", [self.const(np.zeros(rank, np.int64), f"lone_row.begin{rank}"), one,
+                                       self.const(np.zeros(rank - 1, np.int64), f"lone_row.end{rank}")], axis=0)
+            self._lone_rows[rank] = (pads, self.op1("Shape", [x], end=1))
+        return self._lone_rows[rank]
 
     def _block_offsets(self, x: str, w, base: str, rank: int) -> str:
         """``BlockSum(x) @ offsets.T``: each block of x summed once, times the block's offset."""
@@ -138,10 +169,12 @@ class _Graph:
 
     def model(self, inputs: list, outputs: list, name: str) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, name, inputs, outputs, list(self.initializers.values()))
-        return helper.make_model(
+        model = helper.make_model(
             graph, ir_version=IR_VERSION, producer_name="edgepipe",
             opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
         )
+        helper.set_model_props(model, {LONE_ROW_EXACT: "1"})
+        return model
 
 
 def rotary_tables(cfg: ModelConfig, max_positions: int, freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

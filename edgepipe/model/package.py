@@ -108,5 +108,8 @@ def merge_units(units: list[onnx.ModelProto], name: str) -> onnx.ModelProto:
     outputs = [o for o in last if not o.name.startswith("present_")]
     outputs += [o for model in units for o in model.graph.output if o.name.startswith("present_")]
     graph = helper.make_graph(nodes, name, list(inputs.values()), outputs, list(inits.values()))
-    return helper.make_model(graph, ir_version=IR_VERSION, producer_name="edgepipe",
-                             opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)])
+    model = helper.make_model(graph, ir_version=IR_VERSION, producer_name="edgepipe",
+                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)])
+    props = [{p.key: p.value for p in m.metadata_props} for m in units]  # what every unit says, the stage says
+    helper.set_model_props(model, {k: v for k, v in props[0].items() if all(d.get(k) == v for d in props[1:])})
+    return model

@@ -336,6 +336,9 @@ class StageRunner:
         # process (or another stage's session in this process) needs the core: off by default.
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         self.session = ort.InferenceSession(str(graph_path), options, providers=["CPUExecutionProvider"])
+        # Graphs that run a lone row's 4-bit products on two rows themselves (graphs.LONE_ROW_EXACT)
+        # need no bystander row (see run_batch); older ones do.
+        self.lone_row_exact = self.session.get_modelmeta().custom_metadata_map.get("edgepipe.lone_row_exact") == "1"
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = [o.name for o in self.session.get_outputs()]
         self.layers = sorted(int(m.group(1)) for n in inputs if (m := re.fullmatch(r"past_key\.(\d+)", n)))
@@ -450,7 +453,7 @@ class StageRunner:
             pool.gather(seqs)
             rows = [pool.row_of[s] for s in seqs]
         lo, hi = min(rows), max(rows) + 1
-        if hi - lo == 1 and new == 1:
+        if hi - lo == 1 and new == 1 and not self.lone_row_exact:
             # MLAS runs a one-row MatMulNBits (M = 1) with its own kernel, whose sums differ in the
             # last bits from the M >= 2 kernel's, and every M >= 2 gives each row the same result.
             # So a lone decode step takes a neighbouring row along as a bystander: a sequence then

@@ -1,0 +1,54 @@
+"""A lone decode row gets bit-identical activations to the same row in a batch, without a bystander.
+
+MLAS gives a one-row 4-bit MatMulNBits (M = 1) sums of its own; unit graphs run those products on
+two rows (``graphs._Graph._lone_row``) and declare it in their metadata, so the stage runner
+sends a lone row alone. Checked on the hidden state after the first half of the layers (every
+float bit) and on the head's tokens, for the native Q4_1 package (4-bit blocks + offsets, Q8_0
+head) and the re-quantized int4 one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgepipe.model.store import resolve
+from edgepipe.runtime.stage_runner import SamplingBatch
+
+PROMPTS = ["Name a fruit.", "Say hi."]
+
+
+@pytest.mark.parametrize("precision", ["native", "int4"])
+def test_lone_row_equals_its_row_in_a_batch_bit_for_bit(home, precision):
+    pkg = resolve("smollm2", precision, home)
+    tok, half = pkg.tokenizer, len(pkg.manifest.units) // 2
+    first = pkg.runner(0, half)
+    assert first.lone_row_exact  # no bystander row: the lone steps below run with B = 1
+    ids = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in PROMPTS]
+    for i, p in enumerate(ids):
+        first.run(f"s{i}", np.array([p], np.int64))
+    nxt = np.array([[ids[0][-1]], [ids[1][-1]]], np.int64)
+    alone = first.run("s0", nxt[:1])  # [1, 1, H], M = 1 in every product
+    first._pool.length["s0"] -= 1  # replay the same position, now batched with s1
+    batched = first.run_batch(["s0", "s1"], nxt)
+    assert alone.shape == (1, 1, pkg.manifest.config["hidden_size"])
+    assert np.array_equal(alone[0].view(np.uint32), batched[0].view(np.uint32))
+
+
+def test_lone_head_step_equals_batched_head_step(home):
+    pkg = resolve("smollm2", "native", home)
+    pipe, tok = pkg.pipeline(), pkg.tokenizer
+    ids = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in PROMPTS]
+    solo = []
+    for i, p in enumerate(ids):
+        out = [pipe.step(f"a{i}", p, SamplingBatch.greedy(1))]
+        for _ in range(6):
+            out.append(pipe.step(f"a{i}", out[-1:], SamplingBatch.greedy(1)))
+        solo.append(out)
+    runner = pipe.runners[0]
+    got = [[runner.run(f"b{i}", np.array([p], np.int64), SamplingBatch.greedy(1))[0]] for i, p in enumerate(ids)]
+    for _ in range(6):
+        x = np.array([[int(g[-1])] for g in got], np.int64)
+        for g, t in zip(got, runner.run_batch(["b0", "b1"], x, SamplingBatch.greedy(2))):
+            g.append(t)
+    assert [[int(t) for t in g] for g in got] == solo

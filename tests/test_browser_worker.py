@@ -124,6 +124,32 @@ def test_tab_serves_a_stage_with_the_reference_tokens(cluster, pkg):
     assert page.evaluate("s => edgepipeWorker.sha256Fallback(new TextEncoder().encode(s))", data) == hashlib.sha256(data.encode()).hexdigest()
 
 
+def test_tab_as_last_stage_applies_logit_controls_and_returns_logprobs(cluster, pkg):
+    """Echo logprobs, top-N, logit_bias and a penalty computed in the tab's head graph (issue 15):
+    the same tokens and logprobs (to 1e-3) as the single-process pipeline with the same cut and variants."""
+    status = cluster.server.status()
+    kinds = {w["id"]: w["kind"] for w in status["workers"]}
+    stages = status["plan"]["stages"]
+    assert kinds[stages[-1]["worker"]] == "browser"
+    pipeline = pkg.pipeline(cuts=[s["start"] for s in stages[1:]], precisions=["fp32" if kinds[s["worker"]] == "browser" else None for s in stages])
+    tok = pkg.tokenizer
+    ids = tok.encode("The capital of France is")
+    first = generate(pipeline, ids, GenerationParams(max_tokens=1), tok.decode, pkg.manifest.eos_ids).tokens[0]
+    params = dict(max_tokens=6, frequency_penalty=1.0, logit_bias=((first, -100.0),))
+    want = generate(pipeline, ids, GenerationParams(**params, logprobs=True, top_logprobs=2, prompt_logprobs=True), tok.decode,
+                    pkg.manifest.eos_ids)
+    r = cluster.server.client.post("/v1/completions", json={
+        "prompt": ids, "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 2, "frequency_penalty": 1.0,
+        "logit_bias": {str(first): -100}, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == want.tokens[: len(choice["token_ids"])] and first not in choice["token_ids"]
+    got = choice["logprobs"]["token_logprobs"]
+    expected = [None] + [e.logprob for e in want.prompt_logprobs[1:]] + [e.logprob for e in want.logprobs]
+    assert got[0] is None and len(got) == len(expected)
+    assert all(abs(a - b) < 1e-3 for a, b in zip(got[1:], expected[1:])), (got, expected)
+
+
 def test_tab_reloaded_mid_request_rejoins_from_its_cache(cluster, pkg):
     """Reloading the tab while it serves a request: the request pauses and carries on (on
     whichever plan the coordinator finds: tokens before the pause are the reference's), and

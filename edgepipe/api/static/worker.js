@@ -210,13 +210,11 @@
         this.headDim = Number(shape[3]);
       }
       this.hidden = this.takesTokenIds ? null : Number(meta[this.inputName].shape[2]); // [batch, seq, hidden]
-      // A head with logit controls and logprob outputs (graphs.py, version 2+): fed neutral values here,
-      // new tensors for every run (with the proxy, a run's input buffers move to its thread).
+      // A head with logit controls and logprob outputs (graphs.py, version 2+): fed from the sampling
+      // entry (headFeeds), new tensors for every run (with the proxy, a run's input buffers move to its thread).
       if (this.emitsTokens && inputs.includes("logit_adjust")) {
         const vocab = Number(meta.logit_adjust.shape[1]);
-        this.headControls = () => ({ logit_adjust: new ort.Tensor("float32", new Float32Array(vocab), [1, vocab]),
-                                     num_top: new ort.Tensor("int64", BigInt64Array.of(0n), [1]),
-                                     prompt_targets: new ort.Tensor("int64", new BigInt64Array(0), [1, 0]) });
+        this.headControls = (s, added) => headFeeds(s, vocab, added);
       }
       this.maxContext = maxContext;
       this.caches = new Map(); // seq -> {length, capacity, kv: {"key.u": ort.Tensor [1, kv_heads, capacity, head_dim]}}
@@ -285,9 +283,10 @@
         feeds.top_k = new ort.Tensor("int64", BigInt64Array.of(BigInt(s.do_sample ? Math.trunc(s.top_k) : 1)), [1]);
         feeds.top_p = new ort.Tensor("float32", Float32Array.of(s.top_p), [1]);
         feeds.uniform = new ort.Tensor("float32", Float32Array.of(s.uniform), [1]);
-        if (this.headControls) Object.assign(feeds, this.headControls());
+        if (this.headControls) Object.assign(feeds, this.headControls(s, added));
       }
       const out = await this.session.run(feeds);
+      if (this.emitsTokens) this.lastOut = out; // the head's logprobs (logprobsEntry)
       // Past and present cannot share one buffer here: present (same capacity, past + the new
       // rows) becomes the sequence's buffer for the next step.
       for (const u of this.layers) {
@@ -532,7 +531,7 @@
       const problem = activationProblem(x, slot.runner.hidden, slot.runner.maxContext);
       if (problem) throw coded(`plan ${f.plan}: ${problem}`, "corrupt_input");
     }
-    if (slot.runner.emitsTokens) { // logit controls and logprobs are not implemented here: refuse rather than ignore them
+    if (slot.runner.emitsTokens && !slot.runner.headControls) { // a head older than logit controls: refuse rather than ignore them
       const asked = [...new Set(batch.flatMap((item) => Object.entries(item.sampling || {})
         .filter(([k, v]) => !BASIC_SAMPLING.has(k) && v !== null && v !== undefined && v !== false && v !== 0 && !(Array.isArray(v) && !v.length))
         .map(([k]) => k)))];
@@ -540,12 +539,13 @@
     }
     const t0 = performance.now();
     const width = x.data.length / batch.length;
-    const outs = [];
+    const outs = [], logprobs = [];
     for (let i = 0; i < batch.length; i++) {
       const item = batch[i];
       const row = { dtype: x.dtype, shape: [1, ...x.shape.slice(1)], data: x.data.slice(i * width, (i + 1) * width) };
       const sampling = slot.runner.emitsTokens ? item.sampling : null;
       outs.push(await slot.runner.run(item.seq, row, sampling));
+      logprobs.push(sampling && sampling.logprobs ? logprobsEntry(slot.runner.lastOut, sampling) : null);
     }
     const compute = (performance.now() - t0) / 1000;
     stats.busy_s += compute;
@@ -556,13 +556,56 @@
     if (slot.next.kind === "coordinator") {
       if (batch.every((item) => item.partial)) return; // replay frames before the last: no token wanted
       stats.tokens += batch.length;
-      send("token", { ...base, tokens: outs.map((o) => Number(o.data[0])) });
+      send("token", { ...base, tokens: outs.map((o) => Number(o.data[0])), ...(logprobs.some((e) => e) ? { logprobs } : {}) });
     } else {
       const data = new Float32Array(outs.reduce((n, o) => n + o.data.length, 0));
       let at = 0;
       for (const o of outs) { data.set(o.data, at); at += o.data.length; }
       send("forward", { ...base, relay_to: slot.next.id }, { x: { dtype: "float32", shape: [batch.length, ...outs[0].dims.slice(1)], data } });
     }
+  }
+
+  // The head's logit_adjust / num_top / prompt_targets from a sampling entry (runtime/controls.py):
+  // sparse adjust_ids/adjust, an allowed-token bitmask (bit t % 8 of byte t >> 3), top N, echo targets.
+  function headFeeds(s, vocab, added) {
+    s = s || {};
+    const adjust = new Float32Array(vocab);
+    const ids = s.adjust_ids || [], values = s.adjust || [];
+    if (!Array.isArray(ids) || !Array.isArray(values) || ids.length !== values.length) throw coded("adjust_ids and adjust must be lists of one length", "bad_input");
+    for (let i = 0; i < ids.length; i++) {
+      const t = Number(ids[i]), v = Number(values[i]);
+      if (!Number.isInteger(t) || t < 0 || t >= vocab || !Number.isFinite(v)) throw coded(`logit adjustment ids must be in [0, ${vocab}) with finite values`, "bad_input");
+      adjust[t] += v;
+    }
+    if (s.mask !== undefined && s.mask !== null) {
+      const m = s.mask;
+      if (!(m instanceof Uint8Array) || m.length !== Math.ceil(vocab / 8)) throw coded(`token mask must be ${Math.ceil(vocab / 8)} bytes for ${vocab} tokens`, "bad_input");
+      let allowed = 0;
+      for (let t = 0; t < vocab; t++) {
+        if ((m[t >> 3] >> (t & 7)) & 1) allowed++;
+        else adjust[t] = -Infinity;
+      }
+      if (!allowed) throw coded("token mask allows no token", "bad_input");
+    }
+    const top = Number(s.top || 0);
+    if (!Number.isInteger(top) || top < 0 || top > 20) throw coded(`top logprobs must be in [0, 20], got ${s.top}`, "bad_input");
+    const targets = s.targets ? BigInt64Array.from(s.targets, (t) => BigInt(t)) : new BigInt64Array(0);
+    if (s.targets && (targets.length !== added || s.targets.some((t) => !(t >= 0 && t < vocab)))) throw coded("prompt targets must be one id in the vocabulary per position of the prefill", "bad_input");
+    return { logit_adjust: new ort.Tensor("float32", adjust, [1, vocab]), num_top: new ort.Tensor("int64", BigInt64Array.of(BigInt(top)), [1]),
+             prompt_targets: new ort.Tensor("int64", targets, [1, targets.length]) };
+  }
+
+  // A TOKEN frame's logprobs entry from the head's outputs (stage_runner.HeadOutput.wire).
+  function logprobsEntry(out, s) {
+    const top = Number(s.top || 0);
+    const entry = { logprob: out.token_logprob.data[0], top_ids: Array.from(out.top_ids.data.slice(0, top), Number),
+                    top_logprobs: Array.from(out.top_logprobs.data.slice(0, top)) };
+    if (s.targets) {
+      const S = s.targets.length, N = Number(out.prompt_top_ids.dims[2]);
+      const rows = (data, f) => Array.from({ length: S }, (_, i) => Array.from(data.slice(i * N, i * N + top), f));
+      entry.prompt = [Array.from(out.prompt_logprobs.data), rows(out.prompt_top_ids.data, Number), rows(out.prompt_top_logprobs.data, Number)];
+    }
+    return entry;
   }
 
   function activationProblem(x, hidden, maxPositions) {

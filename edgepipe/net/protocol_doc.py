@@ -45,7 +45,7 @@ DOCS: dict[type, MessageDoc] = {
         "threads": "compute threads",
         "data_url": "`ws(s)://` address of its data port (null for a browser)",
         "held": "sha256s of the unit files in its cache",
-        "emulation": "null, or `{slowdown, link_delay_ms, link_rate, memory_budget}`: labelled emulation",
+        "emulation": "null, or `{slowdown, link_delay_ms, link_rate, memory_budget[, drop_work, misreport]}`: labelled emulation",
         "precision": "weight variant it wants (a browser: `fp32`)",
         "pid": "its process id (local workers)",
         "data_fingerprint": "sha256 of its data port's certificate (TLS clusters)",
@@ -83,8 +83,10 @@ DOCS: dict[type, MessageDoc] = {
     messages.Activate: MessageDoc("c→w", "switch to the prepared plan", {"keep": "plan ids whose stages stay; the others are dropped"}),
     messages.Forward: MessageDoc("c→w (first stage), w→w, w→c→w (relayed)", "the input of a stage: one lane of sequences", {
         "plan": "plan id",
-        "batch": f"one entry per row of `x`: `{{seq, step, rid, sampling}}` with sampling {SAMPLING}; "
-                 "optional `partial: true` (a replay frame whose token is not wanted)",
+        "batch": f"one entry per row of `x`: `{{seq, step, rid, sampling}}` with sampling {SAMPLING}, optionally "
+                 "`logprobs`, `top` (alternatives wanted), `adjust_ids`/`adjust` (logit bias and penalties), `mask` "
+                 "(allowed-token bitmask bytes), `targets` (prompt logprobs of a prefill); optional `partial: true` "
+                 "(a replay frame whose token is not wanted)",
         "timings": "`[worker_id, seconds, positions, bytes/elem, batch]` appended by each stage",
         "relay_to": "worker id the coordinator passes the frame on to (from a stage before or after a browser)",
     }, "`x`: `int64 [B, S]` token ids into the first stage, else `float32`/`float16 [B, S, H]`; `S > 1` only with `B = 1`"),

@@ -19,6 +19,7 @@ from edgepipe.cluster.structured import Constraint, JsonFormat, SchemaError, fro
 from edgepipe.model.gguf_source import GGUFSource
 from edgepipe.model.store import bundled_gguf
 from edgepipe.model.tokenizer import TextTokenizer
+from edgepipe.runtime.stage_runner import SamplingBatch
 
 QWEN = Path("/work/models/qwen2.5-coder-0.5b-instruct.gguf")
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"], "properties": {
@@ -158,3 +159,29 @@ def test_openai_response_formats_are_checked(kind, json_schema, words):
 def test_openai_response_formats_map_to_json_formats():
     assert from_openai("text") is None and from_openai("json_object") == JsonFormat("json_object")
     assert from_openai("json_schema", {"name": "p", "schema": PERSON, "strict": True}) == JsonFormat("json_schema", PERSON, True)
+
+
+def test_each_row_gets_its_own_mask_when_a_batch_is_not_in_row_order(int4_pkg):
+    """A decode batch whose sequences hold their KV rows in another order (b, a on rows 1, 0) must
+    still apply each sequence's mask and sampling draw to that sequence's row (they went to the
+    batch position's row, so n > 1 JSON answers through a worker broke their grammar)."""
+    pipe, tok = int4_pkg.pipeline(), int4_pkg.tokenizer
+    vocab = pipe.runners[-1].vocab
+    only = {name: tok.encode(text)[0] for name, text in (("a", "{"), ("b", "["))}
+    prompt = np.array([tok.encode("Once upon a time")], np.int64)
+
+    def run(seqs, x, masks):
+        items = [{"seq": s, "sampling": {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "uniform": 0.5,
+                                         "mask": np.packbits(np.arange(vocab) == only[m], bitorder="little").tobytes()}}
+                 for s, m in zip(seqs, masks)]
+        sampling = SamplingBatch.from_wire(items, vocab)
+        for runner in pipe.runners:
+            x = runner.run_batch(seqs, x, sampling if runner.emits_tokens else None)
+        return [int(t) for t in x]
+
+    try:
+        assert run(["a"], prompt, "a") == [only["a"]] and run(["b"], prompt, "b") == [only["b"]]
+        assert run(["b", "a"], np.array([[only["b"]], [only["a"]]], np.int64), "ba") == [only["b"], only["a"]]
+    finally:
+        pipe.drop("a")
+        pipe.drop("b")

@@ -462,7 +462,8 @@ class StageRunner:
                 pool.grow_rows(2)
             lo, hi = (lo, lo + 2) if lo + 1 < pool.rows else (lo - 1, hi)
         n = hi - lo
-        if n == len(seqs) and rows == list(range(lo, hi)):
+        in_order = n == len(seqs) and rows == list(range(lo, hi))  # else per-row inputs go to their rows
+        if in_order:
             feed = np.ascontiguousarray(x)
         else:  # bystander rows inside [lo, hi) get a dummy input
             feed = np.zeros((n, *x.shape[1:]), x.dtype)
@@ -486,7 +487,7 @@ class StageRunner:
         if self.emits_tokens:
             batch = sampling or SamplingBatch.greedy(len(seqs))
             for name, arr in batch.feeds().items():
-                if arr.ndim and n != len(seqs):
+                if arr.ndim and not in_order:
                     full = np.zeros(n, arr.dtype) if name != "temperature" and name != "top_p" else np.ones(n, arr.dtype)
                     full[np.array(rows) - lo] = arr
                     arr = full
@@ -527,7 +528,7 @@ class StageRunner:
         adjust = self._no_adjust
         if batch.adjust is not None:
             adjust = batch.adjust
-            if n != len(picked):
+            if n != len(picked) or not np.array_equal(picked, np.arange(n)):  # bystanders, or rows not in batch order
                 adjust = np.zeros((n, self.vocab), np.float32)
                 adjust[picked] = batch.adjust
         binding.bind_cpu_input("logit_adjust", np.ascontiguousarray(adjust, np.float32))

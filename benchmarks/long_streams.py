@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 import threading
 import time
@@ -91,6 +92,7 @@ def main() -> None:
     ap.add_argument("--switch-every", type=float, default=20.0)
     ap.add_argument("--out", default="long_streams")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: the server and workers end too
     home = Path(os.environ.get("EDGEPIPE_HOME", Path.home() / ".cache" / "edgepipe-bench"))
     os.environ["EDGEPIPE_HOME"] = str(home)
     pkg = resolve("smollm2", "int4", home)

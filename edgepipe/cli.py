@@ -200,6 +200,7 @@ def serve(
     settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,
                              join_token=join_token, admin_token=admin_token, data_secrets=data_secrets, tls=tls, tls_cert=tls_cert, tls_key=tls_key,
                              tls_dir=str(home_dir(home) / "tls"),
+                             calibration_file=str(home_dir(home) / "calibrations" / f"{pkg.manifest.name}.json"),
                              max_active=max_active, max_queue=max_queue, step_timeout_s=step_timeout, objective=objective,
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
                              cluster=cluster, advertise=advertise)

@@ -38,6 +38,7 @@ class ServeSettings:
     max_active: int = 16
     max_queue: int = 64
     step_timeout_s: float = 60.0
+    calibration_file: str | None = None  # device calibrations kept across restarts
     worker_args: list[str] = field(default_factory=list)  # extra flags for every local worker
     log_level: str = "warning"
     objective: str = "latency"
@@ -150,7 +151,8 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
         plan_fn = PlannerPolicy(Objective(settings.objective), settings.tpot_target_ms / 1e3 if settings.tpot_target_ms else None)
     coordinator = Coordinator(package, CoordinatorSettings(min_workers=max(1, settings.workers), join_token=settings.join_token,
                                                                  issue_data_secrets=settings.data_secrets != "derived",
-                                                                 step_timeout_s=settings.step_timeout_s), plan_fn=plan_fn)
+                                                                 step_timeout_s=settings.step_timeout_s,
+                                                                 calibration_file=settings.calibration_file), plan_fn=plan_fn)
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,
                      admission=Admission(settings.max_active, settings.max_queue), admin_token=settings.admin_token)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:

@@ -155,6 +155,9 @@ def test_coordinator_killed_and_restarted(home, int4_pkg, expected, tmp_path):
             assert re.search(r"joined as \S+ \(pid \d+, [1-9]\d* blobs held", after), after
             assert not DOWNLOADED.search(after), after  # every file came from the blob cache
         assert all(e["fetched_bytes"] == 0 for e in events(coord.url, "up"))
+        # nor timed again: the calibrations the first coordinator saved are recalled by identity
+        calibrated = events(coord.url, "calibrated")
+        assert len(calibrated) == 2 and all(e.get("reused") for e in calibrated), calibrated
         print(f"coordinator restart -> first request served: {took:.2f} s; 0 bytes downloaded")
 
         coord.kill(signal.SIGTERM)  # a coordinator that stops (a plain bye at most): its workers wait for it
@@ -314,3 +317,27 @@ def test_serve_restarts_a_killed_local_worker(home, int4_pkg, expected):
         assert ask(server.url) == expected
         up = events(server.url, "up")
         assert up[-1]["fetched_bytes"] == 0  # the new process found every file in the shared cache
+
+
+def test_calibrations_saved_by_one_coordinator_are_recalled_by_the_next(int4_pkg, tmp_path):
+    from edgepipe.cluster.profiling import ClusterProfile
+
+    path = tmp_path / "calibrations" / "m.json"
+    first = ClusterProfile(int4_pkg.manifest)
+    first.calibrated("w1", [(1.0, 0.011), (2.0, 0.021), (4.0, 0.041)])
+    first.of("w1").bandwidth_bytes_per_s = 5e7
+    identity = ("laptop", "native", 10**9, 2, "None", None)
+    first.remember("w1", identity)
+    first.of("w2").speed = 9.0  # never calibrated: not remembered
+    first.remember("w2", ("other",))
+    first.save_known(path)
+
+    second = ClusterProfile(int4_pkg.manifest)
+    assert second.load_known(path) == 1
+    assert second.recall("w7", identity) and not second.recall("w8", ("other",))
+    m = second.of("w7")
+    assert m.speed == pytest.approx(first.of("w1").speed) and m.bandwidth_bytes_per_s == 5e7 and m.trusted
+    path.write_text(path.read_text().replace(int4_pkg.manifest.name, "another-model"))
+    assert ClusterProfile(int4_pkg.manifest).load_known(path) == 0  # another model's unit costs: not comparable
+    path.write_text("{not json")
+    assert ClusterProfile(int4_pkg.manifest).load_known(path) == 0

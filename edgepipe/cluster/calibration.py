@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from pathlib import Path
 
 from ..net.channel import ChannelClosed
 from ..net.messages import Activate, Probe
@@ -149,6 +150,13 @@ class Calibrator:
             m = c.profile.of(wid)
             c.event("calibrated", worker=wid, speed=round(m.speed, 3), overhead_ms=round(m.overhead_s * 1e3, 3),
                     uplink_mb_s=round((m.bandwidth_bytes_per_s or 0) / 1e6, 3), rounds=len(rounds), spread=round(spread_kept, 3))
+            if wid in c.cluster.workers:
+                c.profile.remember(wid, c.cluster.workers[wid].identity)
+                if c.settings.calibration_file:
+                    try:
+                        c.profile.save_known(Path(c.settings.calibration_file))
+                    except OSError as exc:
+                        c.event("calibration_not_saved", error=str(exc))
         except (PipelineBroken, asyncio.TimeoutError, ChannelClosed, RuntimeError, ValueError, KeyError) as exc:
             c.event("calibration_failed", worker=wid, error=str(exc) or type(exc).__name__)
         finally:

@@ -18,6 +18,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from ..net import auth, limits, validate
@@ -56,6 +57,7 @@ class CoordinatorSettings:
     capacity_wait_s: float = 30.0  # a request waits this long for workers that can hold the model, then fails
     issue_data_secrets: bool = True  # False: stages derive data-port secrets from the join token (net.auth)
     max_wait_s: float = 300.0  # a request without progress for this long fails (cluster down, pipeline failing)
+    calibration_file: str | None = None  # calibrations kept here survive a coordinator restart
 
 
 PlanFn = Callable[["Coordinator", list[WorkerView]], tuple[list[StageAssignment], str, dict]]
@@ -80,6 +82,8 @@ class Coordinator:
         self.events = limits.EventLog()  # bounded per kind: one noisy kind cannot flush the others
         self.up = asyncio.Event()  # set exactly while the phase is Up
         self.profile = ClusterProfile(self.manifest)
+        if self.settings.calibration_file:
+            self.profile.load_known(Path(self.settings.calibration_file))
         self.recent_steps: deque[tuple[int, float]] = deque(maxlen=256)  # (positions fed, wall seconds)
         self._replan_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task] = []

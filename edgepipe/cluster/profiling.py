@@ -12,12 +12,16 @@ into ``edgepipe.plan`` profiles:
   and the smaller bandwidth;
 - lives, by device name (a device that reconnects gets a new worker id): how long it stayed
   and how often it left, for reliability-aware placement; and its last calibration, so a
-  device that comes back with the same hardware need not be timed again.
+  device that comes back with the same hardware need not be timed again — kept on disk
+  (``save_known``/``load_known``) so that holds across a coordinator restart too.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..plan import COORDINATOR, failure_rate, DeviceProfile, LinkProfile, ModelProfile, NetworkProfile, RollingMedian, UnitProfile, fit_speed_overhead
 from ..plan.profiles import DEFAULT_LINK, DEFAULT_POWER_BUSY_W, DEFAULT_POWER_IDLE_W
@@ -72,6 +76,38 @@ class ClusterProfile:
             return False
         self.devices[worker_id] = DeviceMeasurements(m.speed, m.overhead_s, True, m.rtt, m.bandwidth_bytes_per_s, trusted=m.trusted)
         return True
+
+    def remember(self, worker_id: str, identity: tuple) -> None:
+        """Keep a finished calibration under the device's identity (``recall`` finds it)."""
+        m = self.devices.get(worker_id)
+        if m is not None and m.calibrated:
+            self.known[identity] = m
+
+    def save_known(self, path: Path) -> None:
+        """The remembered calibrations as JSON (written atomically)."""
+        rows = [{"identity": list(identity), "speed": m.speed, "overhead_s": m.overhead_s, "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s,
+                 "trusted": m.trusted} for identity, m in self.known.items()]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"model": self.manifest.name, "devices": rows}))
+        os.replace(tmp, path)
+
+    def load_known(self, path: Path) -> int:
+        """Calibrations saved by an earlier coordinator for this model; returns how many (a
+        missing, foreign or unreadable file gives 0: devices are simply timed again)."""
+        try:
+            data = json.loads(path.read_text())
+            if data.get("model") != self.manifest.name:
+                return 0
+            for row in data["devices"]:
+                speed, overhead, bandwidth = float(row["speed"]), float(row["overhead_s"]), row.get("bandwidth_bytes_per_s")
+                if not (0 < speed < float("inf") and 0 <= overhead < float("inf")):
+                    continue
+                self.known[tuple(row["identity"])] = DeviceMeasurements(speed, overhead, True, bandwidth_bytes_per_s=(
+                    float(bandwidth) if isinstance(bandwidth, (int, float)) and bandwidth > 0 else None), trusted=bool(row.get("trusted", True)))
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
+        return len(self.known)
 
     # -- lives ----------------------------------------------------------------------------------
     def joined(self, name: str, now: float) -> None:

@@ -133,14 +133,18 @@ def test_logprobs_are_of_raw_logits_and_rows_are_independent(head):
     assert out["prompt_logprobs"].size == 0  # not asked: the all-positions branch does not run
 
 
-def test_prompt_logprobs_of_every_position(head):
-    x = rng.standard_normal((1, 6, H)).astype(np.float32)
-    targets = rng.integers(0, V, (1, 6))
+@pytest.mark.parametrize("S", [1, 6, graphs.PROMPT_CHUNK, 2 * graphs.PROMPT_CHUNK + 5])  # chunks of the Scan, padded
+def test_prompt_logprobs_of_every_position(head, S):
+    x = rng.standard_normal((1, S, H)).astype(np.float32)
+    targets = rng.integers(0, V, (1, S))
     out = run(head, feeds(x, top=3, targets=targets))
     want = log_softmax(numpy_logits(x))[0]  # [S, V]
-    assert np.allclose(out["prompt_logprobs"][0], want[np.arange(6), targets[0]], atol=1e-4)
+    assert out["prompt_logprobs"].shape == (1, S) and out["prompt_top_ids"].shape == (1, S, 3)
+    assert np.allclose(out["prompt_logprobs"][0], want[np.arange(S), targets[0]], atol=1e-4)
+    assert run(head, feeds(x, top=0, targets=targets))["prompt_top_ids"].shape == (1, S, 0)
     assert np.array_equal(out["prompt_top_ids"][0], np.argsort(-want, -1)[:, :3])
     assert np.allclose(out["token_logprob"][0], want[-1, out["next_token"][0]], atol=1e-4)  # the last position is the decode one
+    assert np.allclose(out["prompt_top_logprobs"][0], np.sort(want, -1)[:, ::-1][:, :3], atol=1e-4)
 
 
 def test_sparse_wire_entries_fold_into_one_dense_row():

@@ -43,7 +43,8 @@ MAX_TOP_LOGPROBS = 20
 # Bumped whenever a unit graph changes in a way an existing package must be rebuilt for
 # (importer.import_model re-imports a package whose manifest records another version).
 # 2: head with logit_adjust / logprob outputs / prompt logprobs. 3: a lone row's 4-bit MatMulNBits runs on two rows in-graph.
-GRAPH_VERSION = 3
+# 4: echo's prompt logprobs computed PROMPT_CHUNK positions at a time.
+GRAPH_VERSION = 4
 
 
 def hidden_name(unit: int) -> str:
@@ -402,24 +403,55 @@ def _head_logits(g: _Graph, cfg: ModelConfig, rows: str, final_norm: np.ndarray,
     return logits
 
 
+PROMPT_CHUNK = 64  # echo: positions whose [chunk, V] logits exist at once (a Scan over chunks bounds the memory)
+
+
 def _prompt_branch(outer: _Graph, cfg: ModelConfig, x: str, final_norm: np.ndarray, lm_head: Weight) -> onnx.GraphProto:
-    """Every position's logprob of its target and top N (``echo``). Its weights are the outer
-    graph's initializers (same names, so nothing is stored twice)."""
+    """Every position's logprob of its target and top N (``echo``), ``PROMPT_CHUNK`` positions at
+    a time (rows padded with zeros to a whole chunk, the padding dropped after). Its weights are the
+    outer graph's initializers (same names, so nothing is stored twice)."""
     g = _Graph("head.")
     g._count = 100_000  # node and tensor names distinct from the outer graph's
-    flat = g.op1("Reshape", [x, g.const(np.array([-1, cfg.hidden_size], np.int64), "p_rows")])  # [B*S, H]
-    logp = g.op1("LogSoftmax", [_head_logits(g, cfg, flat, final_norm, lm_head)], axis=-1)  # [B*S, V]
-    targets = g.op1("Reshape", ["prompt_targets", g.const(np.array([-1, 1], np.int64), "p_col")])
-    picked = g.op1("GatherElements", [logp, targets], axis=1)
-    g.op("Reshape", [picked, g.op1("Shape", ["prompt_targets"])], out=["p_logprobs"])
-    vals, ids = g.op("TopK", [logp, "num_top"], n_out=2, axis=-1, largest=1, sorted=1)
+    C, H = PROMPT_CHUNK, cfg.hidden_size
+    i64 = lambda v, name: g.const(np.array(v, np.int64), name)  # noqa: E731
+    flat = g.op1("Reshape", [x, i64([-1, H], "p_rows")])  # [R, H]
+    targets = g.op1("Reshape", ["prompt_targets", i64([-1], "p_flat")])  # [R]
+    rows = g.op1("Shape", [targets])  # [1]
+    padded = g.op1("Mul", [g.op1("Div", [g.op1("Add", [rows, i64([C - 1], "p_cm1")]), i64([C], "p_c")]), i64([C], "p_c2")])
+    pad = g.op1("Sub", [padded, rows])
+    chunks = g.op1("Reshape", [g.op1("Pad", [flat, g.op1("Concat", [i64([0, 0], "p_z2"), pad, i64([0], "p_z1")], axis=0)]),
+                               i64([-1, C, H], "p_chunks")])
+    tchunks = g.op1("Reshape", [g.op1("Pad", [targets, g.op1("Concat", [i64([0], "p_z1b"), pad], axis=0)]), i64([-1, C], "p_tchunks")])
+    lp, ids, vals = g.op("Scan", [chunks, tchunks], n_out=3, body=_prompt_chunk(outer, cfg, final_norm, lm_head), num_scan_inputs=2)
+    g.op("Reshape", [g.op1("Slice", [g.op1("Reshape", [lp, i64([-1], "p_flat2")]), i64([0], "p_s0"), rows, i64([0], "p_ax0")]),
+                     g.op1("Shape", ["prompt_targets"])], out=["p_logprobs"])
+    per_row = g.op1("Concat", [padded, "num_top"], axis=0)
     shape = g.op1("Concat", [g.op1("Shape", ["prompt_targets"]), "num_top"], axis=0)
-    g.op("Reshape", [vals, shape], out=["p_top_logprobs"])
-    g.op("Reshape", [ids, shape], out=["p_top_ids"])
+    for src, name in ((vals, "p_top_logprobs"), (ids, "p_top_ids")):
+        # allowzero: N = 0 is a real zero-sized dimension, not "copy the input's"
+        g.op("Reshape", [g.op1("Slice", [g.op1("Reshape", [src, per_row], allowzero=1), i64([0], "p_s0b"), rows, i64([0], "p_ax0b")]),
+                         shape], out=[name], allowzero=1)
     outer.initializers.update(g.initializers)
     return helper.make_graph(g.nodes, "prompt_logprobs", [], [
         helper.make_tensor_value_info("p_logprobs", FLOAT, None), helper.make_tensor_value_info("p_top_ids", INT64, None),
         helper.make_tensor_value_info("p_top_logprobs", FLOAT, None)])
+
+
+def _prompt_chunk(outer: _Graph, cfg: ModelConfig, final_norm: np.ndarray, lm_head: Weight) -> onnx.GraphProto:
+    """Scan body: ``PROMPT_CHUNK`` hidden rows and their targets -> logprobs [C], top ids/logprobs [C, N]."""
+    g = _Graph("head.")
+    g._count = 200_000
+    logp = g.op1("LogSoftmax", [_head_logits(g, cfg, "pc_rows", final_norm, lm_head)], axis=-1)  # [C, V]
+    picked = g.op1("GatherElements", [logp, g.op1("Unsqueeze", ["pc_targets", g.const(np.array([1], np.int64), "pc_ax1")])], axis=1)
+    g.op("Squeeze", [picked, g.const(np.array([1], np.int64), "pc_ax1b")], out=["pc_logprobs"])
+    g.op("TopK", [logp, "num_top"], out=["pc_top_logprobs", "pc_top_ids"], axis=-1, largest=1, sorted=1)
+    outer.initializers.update(g.initializers)
+    return helper.make_graph(g.nodes, "prompt_chunk", [
+        helper.make_tensor_value_info("pc_rows", FLOAT, [PROMPT_CHUNK, cfg.hidden_size]),
+        helper.make_tensor_value_info("pc_targets", INT64, [PROMPT_CHUNK])], [
+        helper.make_tensor_value_info("pc_logprobs", FLOAT, [PROMPT_CHUNK]),
+        helper.make_tensor_value_info("pc_top_ids", INT64, [PROMPT_CHUNK, None]),
+        helper.make_tensor_value_info("pc_top_logprobs", FLOAT, [PROMPT_CHUNK, None])])
 
 
 def _no_prompt_branch() -> onnx.GraphProto:

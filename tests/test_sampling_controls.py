@@ -283,3 +283,19 @@ def test_out_of_range_controls_are_400s(server, body, param):
 def test_out_of_range_completion_logprobs_are_400s(server, body):
     r = server.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] in ("logprobs", "echo"), r.text
+
+
+def test_package_with_older_graphs_is_rebuilt(tmp_path):
+    """A package whose manifest records an older GRAPH_VERSION (or none: version 1) is re-imported."""
+    import json
+
+    from edgepipe.model.importer import import_model
+    from edgepipe.model.store import bundled_gguf
+
+    path = import_model(bundled_gguf(), tmp_path, "int4", name="pkg", measure_cost=False)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["source"]["graphs"] == graphs.GRAPH_VERSION
+    del manifest["source"]["graphs"]  # as written before versions were recorded
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    import_model(bundled_gguf(), tmp_path, "int4", name="pkg", measure_cost=False)
+    assert json.loads((path / "manifest.json").read_text())["source"]["graphs"] == graphs.GRAPH_VERSION

@@ -1,8 +1,10 @@
 """Read a GGUF header (metadata and tensor table, no tensor data) fast, and refuse what we cannot build.
 
-``gguf.GGUFReader`` parses every metadata array element by element, which takes ~25 s for a
-262k-token vocabulary; this reader skips arrays it does not need in one step per array (string
-arrays: one length read per string), so a refusal comes from the header in well under a second.
+The one GGUF header parser (``gguf_source`` reads the file through it too). ``gguf.GGUFReader``
+parses every metadata array element by element, which takes ~25 s for a 262k-token vocabulary;
+``read_header`` skips arrays it does not need in one step per array (string arrays: one length
+read per string), so a refusal comes from the header in well under a second; ``parse_header``
+with ``full_arrays`` decodes them (numeric arrays in one numpy call) for the importer.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from .config import SUPPORTED_ARCHITECTURES, UnsupportedModel
 
@@ -50,37 +54,45 @@ class GGUFHeader:
 def read_header(path: str | Path) -> GGUFHeader:
     """Metadata and tensor table of a GGUF file; raises ``ValueError`` on a damaged header."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError("not a GGUF file (bad magic)")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is too old")
-        pos = 24
-        meta: dict = {}
-        for _ in range(n_kv):
-            key, pos = _string(buf, pos)
-            (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
-            meta[key], pos = _value(buf, pos, vtype)
-        tensors: dict[str, TensorInfo] = {}
-        for _ in range(n_tensors):
-            name, pos = _string(buf, pos)
-            (n_dims,), pos = struct.unpack_from("<I", buf, pos), pos + 4
-            shape = struct.unpack_from(f"<{n_dims}Q", buf, pos)
-            pos += 8 * n_dims
-            type_id, _offset = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            tensors[name] = TensorInfo(name, tuple(int(d) for d in shape), int(type_id))
-    return GGUFHeader(meta, tensors)
+        meta, table, _ = parse_header(buf, full_arrays=False)
+    return GGUFHeader(meta, {name: TensorInfo(name, shape, type_id) for name, shape, type_id, _offset in table})
+
+
+def parse_header(buf, full_arrays: bool) -> tuple[dict, list[tuple[str, tuple[int, ...], int, int]], int]:
+    """``(metadata, [(name, shape, ggml type, data offset)], end of header)`` of the GGUF in
+    ``buf`` (bytes or an mmap). Arrays longer than ``_KEEP_ARRAY`` become their length unless
+    ``full_arrays``. Raises ``ValueError`` (or ``struct.error``) on a damaged header."""
+    if buf[:4] != b"GGUF":
+        raise ValueError("not a GGUF file (bad magic)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is too old")
+    pos = 24
+    meta: dict = {}
+    for _ in range(n_kv):
+        key, pos = _string(buf, pos)
+        (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+        meta[key], pos = _value(buf, pos, vtype, full_arrays)
+    table = []
+    for _ in range(n_tensors):
+        name, pos = _string(buf, pos)
+        (n_dims,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+        shape = struct.unpack_from(f"<{n_dims}Q", buf, pos)
+        pos += 8 * n_dims
+        type_id, offset = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        table.append((name, tuple(int(d) for d in shape), int(type_id), int(offset)))
+    return meta, table, pos
 
 
 def _string(buf, pos: int) -> tuple[str, int]:
     (n,) = struct.unpack_from("<Q", buf, pos)
-    if n > len(buf):
-        raise ValueError("string length past the end of the file")
+    if pos + 8 + n > len(buf):
+        raise ValueError("header runs past the end of the file")
     return bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace"), pos + 8 + n
 
 
-def _value(buf, pos: int, vtype: int):
+def _value(buf, pos: int, vtype: int, full_arrays: bool = False):
     if vtype in _SCALAR:
         fmt, size = _SCALAR[vtype]
         return struct.unpack_from(fmt, buf, pos)[0], pos + size
@@ -89,14 +101,27 @@ def _value(buf, pos: int, vtype: int):
     if vtype == _ARRAY:
         etype, n = struct.unpack_from("<IQ", buf, pos)
         pos += 12
-        if n <= _KEEP_ARRAY:
+        if etype in _SCALAR and (full_arrays or n > _KEEP_ARRAY):
+            end = pos + n * _SCALAR[etype][1]
+            if end > len(buf):
+                raise ValueError("header runs past the end of the file")
+            return (np.frombuffer(buf, np.dtype(_SCALAR[etype][0]), n, pos).tolist() if full_arrays else n), end
+        if etype == _STRING and full_arrays:  # vocabularies and merges: the hot loop of the header
+            items, unpack = [], struct.unpack_from
+            for _ in range(n):
+                (length,) = unpack("<Q", buf, pos)
+                pos += 8
+                items.append(bytes(buf[pos : pos + length]).decode("utf-8", errors="replace"))
+                pos += length
+            if pos > len(buf):
+                raise ValueError("header runs past the end of the file")
+            return items, pos
+        if n <= _KEEP_ARRAY or full_arrays:
             items = []
             for _ in range(n):
-                item, pos = _value(buf, pos, etype)
+                item, pos = _value(buf, pos, etype, full_arrays)
                 items.append(item)
             return items, pos
-        if etype in _SCALAR:
-            return n, pos + n * _SCALAR[etype][1]
         if etype == _STRING:
             for _ in range(n):
                 (length,) = struct.unpack_from("<Q", buf, pos)

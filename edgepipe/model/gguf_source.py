@@ -1,8 +1,8 @@
 """Read a GGUF file: architecture metadata, tokenizer data and weights.
 
-The header is parsed here (``gguf.GGUFReader`` decodes every vocabulary string one numpy
-call at a time: ~45 s for a 150k vocabulary on a busy machine), and tensors are read row range
-by row range with ``pread``, so nothing maps the whole file into memory. Block types in
+The header is parsed by ``gguf_header.parse_header`` (``gguf.GGUFReader`` decodes every
+vocabulary string one numpy call at a time: ~45 s for a 150k vocabulary on a busy machine), and
+tensors are read row range by row range with ``pread``, so nothing maps the whole file into memory. Block types in
 ``weights.NATIVE_TYPES`` decode exactly into MatMulNBits blocks; float types into float32;
 anything else is refused from the header, naming the tensor and its type.
 """
@@ -62,33 +62,17 @@ class UnsupportedTensorType(UnsupportedModel):
     """A tensor's GGUF type has no exact representation here."""
 
 
-# GGUF metadata value types -> numpy dtypes (8 = string, 9 = array).
-_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
-
-
 def read_gguf_header(path: Path) -> tuple[dict, dict[str, TensorEntry]]:
     """Every metadata value (arrays as lists) and the tensor table; raises ValueError when damaged."""
+    import mmap
+
     import gguf
 
+    from .gguf_header import parse_header
+
     size = path.stat().st_size
-    want = 1 << 24  # the header is small next to the data; grow the prefix if it is not
-    with open(path, "rb") as f:
-        while True:
-            f.seek(0)
-            buf = f.read(want)
-            if buf[:4] != b"GGUF":
-                raise ValueError("not a GGUF file (bad magic)")
-            version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-            if version < 2:
-                raise ValueError(f"GGUF version {version} is too old")
-            try:
-                meta, tensors_raw, pos = _parse(buf, n_kv, n_tensors)
-                break
-            except (IndexError, struct.error):
-                if len(buf) < want:
-                    raise ValueError("header runs past the end of the file") from None
-                want *= 4
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        meta, tensors_raw, pos = parse_header(buf, full_arrays=True)
     align = int(meta.get("general.alignment", 32))
     data_start = -(-pos // align) * align
     tensors = {}
@@ -106,64 +90,6 @@ def read_gguf_header(path: Path) -> tuple[dict, dict[str, TensorEntry]]:
     if end > size:
         raise ValueError(f"truncated: tensor data ends at byte {end}, the file has {size}")
     return meta, tensors
-
-
-def _parse(buf: bytes, n_kv: int, n_tensors: int):
-    def string(pos):
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        if pos + 8 + n > len(buf):
-            raise IndexError
-        return buf[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
-
-    def value(pos, vtype):
-        if vtype in _DTYPES:
-            dt = np.dtype(_DTYPES[vtype])
-            if pos + dt.itemsize > len(buf):
-                raise IndexError
-            return np.frombuffer(buf, dt, 1, pos)[0].item(), pos + dt.itemsize
-        if vtype == 8:
-            return string(pos)
-        if vtype == 9:
-            etype, n = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if etype in _DTYPES:
-                dt = np.dtype(_DTYPES[etype])
-                if pos + n * dt.itemsize > len(buf):
-                    raise IndexError
-                return np.frombuffer(buf, dt, n, pos).tolist(), pos + n * dt.itemsize
-            items = []
-            if etype == 8:  # string arrays (vocabularies, merges): the hot loop of the header
-                unpack = struct.unpack_from
-                for _ in range(n):
-                    (length,) = unpack("<Q", buf, pos)
-                    pos += 8
-                    items.append(buf[pos : pos + length].decode("utf-8", errors="replace"))
-                    pos += length
-                if pos > len(buf):
-                    raise IndexError
-                return items, pos
-            for _ in range(n):
-                item, pos = value(pos, etype)
-                items.append(item)
-            return items, pos
-        raise ValueError(f"unknown metadata value type {vtype}")
-
-    pos = 24
-    meta = {}
-    for _ in range(n_kv):
-        key, pos = string(pos)
-        (vtype,) = struct.unpack_from("<I", buf, pos)
-        meta[key], pos = value(pos + 4, vtype)
-    tensors = []
-    for _ in range(n_tensors):
-        name, pos = string(pos)
-        (n_dims,) = struct.unpack_from("<I", buf, pos)
-        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-        pos += 4 + 8 * n_dims
-        type_id, offset = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        tensors.append((name, dims, type_id, offset))
-    return meta, tensors, pos
 
 
 def refuse_unsupported_types(path: Path, tensors: dict[str, TensorEntry]) -> None:

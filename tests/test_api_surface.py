@@ -71,7 +71,7 @@ MALFORMED = [
     ("chat", {**CHAT, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ("chat", {**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
     ("chat", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("chat", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}}, "response_format"),
     ("completions", {"prompt": [1, 2, 10**9]}, "prompt"),
     ("completions", {"prompt": [1, -2]}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),

@@ -24,7 +24,7 @@ from ..cluster.coordinator import RequestFailed
 from ..runtime.sequence import GenerationParams
 from . import generation as G, schemas as S, tools
 from .errors import APIError, bad_request
-from .openai_routes import parse_body
+from .openai_routes import json_constraint, parse_body
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API level these routes follow (clients compare it to enable features)
 
@@ -60,7 +60,7 @@ class OllamaBase(S.Strict):
     model: str = Field(max_length=256)
     stream: bool | None = True
     options: Options | None = None
-    format: Literal[""] | None = Field(None, description="JSON output is not supported yet.")
+    format: Literal["", "json"] | dict[str, Any] | None = Field(None, description='"json" or a JSON Schema: the output follows it.')
     keep_alive: str | int | float | None = None
 
 
@@ -217,8 +217,12 @@ async def _run(request: Request, req: OllamaBase, model: str, ids: list[int], ch
     app = request.app.state
     coord, tok = app.coordinator, app.package.tokenizer
     params = params_from(req.options, len(ids), coord.manifest.max_context, chat.stop if chat else ())
+    fmt = req.format or None
+    constraint = await json_constraint(request, fmt and ("json_object" if fmt == "json" else "json_schema"),
+                                       {"schema": fmt} if isinstance(fmt, dict) else None, tools_on=bool(chat and chat.tool_names))
     states = G.build(coord, [ids], params, 1, tok.decode)
     state = states[0]
+    state.token_mask = constraint.token_mask() if constraint else None
     rid = "ollama-" + __import__("uuid").uuid4().hex[:24]
     started = time.monotonic_ns()
     use_tools = chat is not None and bool(chat.tool_names)

@@ -12,6 +12,7 @@ stage's head graph (``runtime.controls``); logprobs are of the model's raw logit
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -21,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from ..cluster import structured
 from ..cluster.coordinator import RequestFailed
 from ..runtime.sequence import GenerationParams
 from . import generation as G, schemas as S, tools
@@ -105,6 +107,20 @@ async def chat_completions(request: Request):
     return await _run(request, req, model, [ids], req.max_completion_tokens or req.max_tokens, chat=prompt)
 
 
+async def json_constraint(request: Request, kind: str | None, json_schema=None, ignore_eos: bool = False,
+                          tools_on: bool = False) -> structured.Constraint | None:
+    """A response format compiled for the model's tokenizer (before admission: a 400 when it cannot be used)."""
+    if kind in (None, "text"):
+        return None
+    if ignore_eos or tools_on:
+        raise bad_request(f"response_format cannot be combined with {'ignore_eos' if ignore_eos else 'tools'}", param="response_format")
+    try:
+        fmt = structured.from_openai(kind, json_schema)
+        return await asyncio.to_thread(structured.constraint_for, request.app.state.package.tokenizer, _vocab(request), fmt)
+    except structured.SchemaError as exc:
+        raise bad_request(f"response_format: {exc}", param="response_format") from None
+
+
 def _vocab(request: Request) -> int:
     return request.app.state.package.manifest.config.get("vocab_size") or (1 << 31)
 
@@ -142,7 +158,12 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
     context = coord.manifest.max_context
     params = params_for(req, max_tokens, max(len(p) for p in prompts), context, chat.stop if chat else (), _vocab(request))
     n = req.n or 1
+    fmt = req.response_format
+    constraint = await json_constraint(request, fmt and fmt.type, fmt and fmt.json_schema, bool(req.ignore_eos),
+                                       bool(chat and chat.tool_names))
     states = G.build(coord, prompts, params, n, tok.decode)
+    for state in states if constraint else ():
+        state.token_mask = constraint.token_mask()
     positions = sum(len(s.prompt_ids) + params.max_tokens for s in states)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()), "model": model,

@@ -113,7 +113,7 @@ class NamedToolChoice(Strict):
 
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = Field(None, description="With json_schema: {name, schema, strict} (cluster.structured).")
 
 
 class ChatRequest(Sampling):
@@ -141,13 +141,12 @@ class CompletionRequest(Sampling):
         None, description="Return each token's log-probability and the N best alternatives (plus the chosen one).")
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    response_format: ResponseFormat | None = Field(None, description="An extension (as in vLLM): JSON output, as in chat.")
 
 
 def unsupported(req: Sampling) -> tuple[str, str] | None:
     """(param, message) for the first OpenAI field set to a value edgepipe does not implement yet."""
     checks = []
-    if isinstance(req, ChatRequest):
-        checks += [("response_format", req.response_format is not None and req.response_format.type != "text")]
     if isinstance(req, CompletionRequest):
         checks += [("suffix", bool(req.suffix)), ("best_of", req.best_of is not None and req.best_of != (req.n or 1))]
     for param, is_set in checks:

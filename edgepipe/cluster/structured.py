@@ -83,9 +83,9 @@ class Vocabulary:
         options = {**SEPARATORS, "lenient": not fmt.strict}
         try:
             grammar = self._llg.LLMatcher.grammar_from_json_schema(text, overrides=options)
-        except ValueError as exc:
-            raise SchemaError(f"invalid schema: {_one_line(str(exc))}") from None
-        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
+            is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
+        except Exception as exc:  # noqa: BLE001 (whatever the engine says of a client's schema is a 400)
+            raise SchemaError(f"invalid schema: {_one_line(str(exc)) or type(exc).__name__}") from None
         if is_error:
             raise SchemaError(f"invalid schema: {_one_line('; '.join(messages))}")
         return Grammar(grammar, tuple(_one_line(m) for m in messages))

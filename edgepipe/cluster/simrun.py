@@ -124,8 +124,13 @@ async def _client(world: World, req: Req, rid: str, report: Report) -> None:
         params = GenerationParams(max_tokens=0 if req.bad == "max_tokens" else max_tokens, top_k=top_k)
         state = coord.new_sequence(prompt, params, lambda ids: " ".join(map(str, ids)))
         ticket = await admission.admit(len(prompt) + max_tokens)
-    except (ValueError, AdmissionError):
+    except (ValueError, AdmissionError) as exc:
+        if req.bad is None and isinstance(exc, ValueError):
+            report.violations.append(f"{rid}: a valid request was refused: {exc}")
         report.rejected += 1
+        return
+    except Exception as exc:  # noqa: BLE001 - a crash before admission is a bug too
+        report.violations.append(f"{rid}: {type(exc).__name__} before admission: {exc}")
         return
     if req.bad:
         report.violations.append(f"{rid}: a request with bad {req.bad} was admitted")

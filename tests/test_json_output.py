@@ -92,3 +92,13 @@ def test_ollama_format_json_and_schema(server):
         r = c.post("/api/generate", json={"model": "smollm2", "prompt": "A person:", "stream": False, "format": PERSON,
                                           "options": {"num_predict": 48, "temperature": 1, "seed": 9}})
         assert jsonschema_rs.validator_for(PERSON).is_valid(json.loads(r.json()["response"])), r.text
+
+
+def test_json_output_with_ignore_eos_or_tools_is_refused(server):
+    tool = {"type": "function", "function": {"name": "get_time"}}
+    for extra in ({"ignore_eos": True}, {"tools": [tool], "tool_choice": "auto"}):
+        r = server.client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 8, "response_format": {"type": "json_object"},
+                                                            **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    r = server.client.post("/api/chat", json={"model": "smollm2", "messages": ASK, "stream": False, "format": {"type": "strng"}})
+    assert r.status_code == 400 and "Invalid type" in r.json()["error"], r.text

@@ -148,3 +148,39 @@ def test_planner_counts_window_layers_at_their_window(gemma3):
     device = DeviceProfile("d", profile.stage_bytes(0, len(units), 1), 1.0, 0.0)
     assert plan(profile, [device], NetworkProfile(), PlanRequest()).best.complete
     assert not plan(full, [device], NetworkProfile(), PlanRequest()).best.complete
+
+
+@pytest.mark.slow
+def test_rebalance_moves_trimmed_kv_between_worker_processes(tmp_path_factory):
+    """Real workers: a forced rebalance mid-stream moves a sequence's trimmed KV of window layers
+    1-3 only (the receiver needs the sender's length to place it); the text is the
+    single-process reference's."""
+    import httpx
+
+    from edgepipe.runtime.local import generate
+    from edgepipe.runtime.sequence import GenerationParams
+    from harness import Server
+    from test_living_cluster import PROMPT, events, stream_tokens
+
+    home = tmp_path_factory.mktemp("sliding-window-home")
+    path = write_tiny_gguf(home / "gemma3.gguf", "gemma3", seed=11)
+    pkg = Package(import_model(path, home / "models", "fp32", name="tinygemma3", max_context=256))  # costs: calibration needs them
+    tok = pkg.tokenizer
+    ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
+    expected = tok.decode(generate(pkg.pipeline(), ids, GenerationParams(max_tokens=48, ignore_eos=True), tok.decode,
+                                   pkg.manifest.eos_ids).tokens)
+    # slowed down so that the sequence is still running when the new plan comes up
+    with Server(home, workers=2, args=("--model", "tinygemma3", "--placement", "memory", "--worker-args", "--slowdown 40")) as server:
+        stages = server.status()["plan"]["stages"]
+        a, b = stages[0]["worker"], stages[1]["worker"]
+        moved = {}
+
+        def on_chunk(n):
+            if n == 20 and not moved:  # ~40 positions: every window layer has trimmed
+                moved["reply"] = httpx.post(server.url + "/v1/cluster/rebalance", timeout=120, json={"stages": [
+                    {"worker": a, "start": 0, "end": 2}, {"worker": b, "start": 2, "end": 8}]}).json()
+
+        text, _ = stream_tokens(server, 48, on_chunk)
+        up = [e for e in events(server, "up") if e["plan"] == moved["reply"]["plan"]][0]
+    assert up["kv_moved"] == 1 and up["kv_recomputed"] == 0 and up["kv_moved_bytes"] > 0, up
+    assert text == expected

@@ -145,3 +145,19 @@ def test_a_worker_claiming_to_be_20x_faster_is_calibrated_by_what_it_takes(int4_
         finally:
             liar.kill()
             liar.wait()
+
+
+def test_a_silent_stage_abandons_the_plan_only_when_the_others_can_serve():
+    from edgepipe.cluster.placement import Deployment, StageAssignment
+
+    state = _cluster("a", "b", "c")
+    dep = Deployment(7, (StageAssignment("w0", 0, 4), StageAssignment("w1", 4, 8)))
+    state = apply(apply(state, S.Committed(dep, now=1.0)), S.RequestStarted("r1", 64))
+    state = apply(state, S.RequestFed("r1", "r1.0", 7, 10))
+    assert membership.abandon_active(state, ["w1"], lacking=None)
+    assert not membership.abandon_active(state, ["w2"], lacking=None)  # not in the plan
+    assert not membership.abandon_active(state, ["w1"], lacking="no workers are connected")  # everyone stalled: wait
+    down = apply(state, S.PlanAbandoned(7, "stage w1 went silent", now=5.0))
+    assert down.phase is S.Phase.DOWN and down.active is None and "w1" in down.workers  # still a member
+    assert down.requests["r1"].plan is None and down.last_failure == "stage w1 went silent"
+    assert apply(state, S.PlanAbandoned(6, "old plan", now=5.0)) == state  # a plan no longer active: nothing

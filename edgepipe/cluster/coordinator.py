@@ -343,12 +343,23 @@ class Coordinator:
             if membership.quarantine_ended(self.cluster, last, now):
                 self._replan_wanted.set()  # a quarantined device may be planned again
             last = now
+            suspects = []
             for verdict in membership.verdicts(self.cluster, now, liveness):
                 if isinstance(verdict, membership.Lose):
                     self.spawn(self.lose(verdict.worker_id, verdict.why))
                 else:
                     self.emit(S.Suspected(verdict.worker_id, now))
                     self.event("suspect", worker=verdict.worker_id, silent_s=round(verdict.silent_s, 2))
+                    suspects.append(verdict.worker_id)
+            if suspects and membership.abandon_active(self.cluster, suspects, self.requests.lacking()):
+                # A frozen stage would hold every request until it wakes or the step times out:
+                # serve from the others now; it rejoins the plans when heard from again.
+                plan = self.cluster.active.plan_id
+                why = f"plan {plan}: stage {', '.join(suspects)} went silent"
+                self.emit(S.PlanAbandoned(plan, why, now))
+                self.event("abandon", plan=plan, why=why)
+                self.requests.fail_plan(plan, PipelineBroken(why))
+                self._replan_wanted.set()
             for wid, link in list(self.links.items()):
                 try:
                     await link.send(Ping(now).to_message())

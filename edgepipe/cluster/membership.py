@@ -115,3 +115,10 @@ def idle_stage(state: ClusterState, stage_ids: Sequence[str], before: Mapping[st
 def quarantine_ended(state: ClusterState, since: float, now: float) -> bool:
     """Whether a quarantine ran out in ``(since, now]`` (the device may be planned again)."""
     return any(since < q.until <= now for q in state.quarantine.values())
+
+
+def abandon_active(state: ClusterState, suspects: Sequence[str], lacking: str | None) -> bool:
+    """Whether to stop using the active plan now that ``suspects`` went silent: only when it uses
+    one of them and the workers still heard from may hold the model (``lacking`` is None).
+    When everyone stalls at once (a busy machine), waiting for them beats re-planning."""
+    return lacking is None and any(state.uses(wid) for wid in suspects)

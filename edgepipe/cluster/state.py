@@ -169,6 +169,16 @@ class Misbehaved:
 
 
 @dataclass(frozen=True)
+class PlanAbandoned:
+    """The active plan stops being used although its workers are still members (a stage went
+    silent and the others can serve without it): Down until the next plan is up."""
+
+    plan_id: int
+    why: str
+    now: float
+
+
+@dataclass(frozen=True)
 class Calibrating:
     worker_id: str
     busy: bool
@@ -241,7 +251,7 @@ class RequestEnded:
     rid: str
 
 
-Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | Calibrating | EmulationChanged | Preparing | PrepareFailed
+Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
          | Committing | Committed | PlanFailed | SpareChosen | RequestStarted | RequestFed | KvMoved | RequestEnded)
 
 
@@ -267,10 +277,9 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
                 state = replace(state, spare=None)
             if state.preparing is not None and wid in state.preparing.workers:
                 state = replace(state, preparing=None)
-            if state.uses(wid):
-                state = _phase(replace(state, active=None), Phase.DOWN, now)
-                state = replace(state, requests=_frozen({r: replace(q, plan=None, migrated_to=None) for r, q in state.requests.items()}))
-            return state
+            return _down(state, now) if state.uses(wid) else state
+        case PlanAbandoned(plan_id, why, now) if state.active is not None and state.active.plan_id == plan_id:
+            return _down(replace(state, last_failure=why), now)
         case Misbehaved(wid, why, now) if wid in state.workers:
             identity = state.workers[wid].identity
             before = state.quarantine.get(identity)
@@ -318,6 +327,12 @@ def _with(m: Mapping, key, value) -> Mapping:
 
 def _without(m: Mapping, key) -> Mapping:
     return _frozen({k: v for k, v in m.items() if k != key})
+
+
+def _down(state: ClusterState, now: float) -> ClusterState:
+    """No active plan: Down, and no sequence's KV is on a plan any more."""
+    state = _phase(replace(state, active=None), Phase.DOWN, now)
+    return replace(state, requests=_frozen({r: replace(q, plan=None, migrated_to=None) for r, q in state.requests.items()}))
 
 
 def _worker(state: ClusterState, w: WorkerInfo) -> ClusterState:

@@ -6,6 +6,10 @@ A tiny Gemma 3 (5 window layers of 8 tokens : 1 global layer, written as a GGUF 
 same runners with trimming switched off, at 1 and 3 stages (cuts between a window and the
 global layer, and a stage of window layers only); batched equals solo; and a sequence whose
 KV moves mid-generation to runners with other cuts continues with the same tokens.
+
+The tiny random model's greedy tokens hardly move (it repeats one token), so every comparison
+is also made on the hidden state entering the head, bit for bit: a cache one position short
+changes it (by ~5e-6), which ``test_a_cache_one_position_short_is_caught`` shows.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from test_families import PROMPT, write_tiny_gguf  # noqa: E402
 
 WINDOW = 8
 N_NEW = 40
+HEAD = 7  # unit index of the head: every pipeline here cuts before it, to read the hidden state
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +39,21 @@ def gemma3(tmp_path_factory):
     return pkg
 
 
-def decode(pipe, seq: str, feed: list[int], n: int) -> list[int]:
-    out = []
+def pipeline(pkg, cuts: list[int]):
+    return pkg.pipeline([*cuts, HEAD])
+
+
+def decode(pipe, seq: str, feed: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and the last position's hidden state entering the head, per step."""
+    tokens, hidden = [], []
     for _ in range(n):
-        out.append(pipe.step(seq, feed, SamplingBatch.greedy(1)))
-        feed = out[-1:]
-    return out
+        x = np.array([feed], np.int64)
+        for runner in pipe.runners[:-1]:
+            x = runner.run(seq, x)
+        hidden.append(x[0, -1].copy())
+        tokens.append(int(pipe.runners[-1].run(seq, x)[0]))
+        feed = tokens[-1:]
+    return tokens, np.stack(hidden)
 
 
 def untrimmed(monkeypatch):
@@ -82,16 +96,27 @@ def test_window_layers_keep_only_their_window(gemma3):
 @pytest.mark.parametrize("cuts", [[], [2, 6], [1, 4]], ids=["1-stage", "cut-window|global", "window-only-stage"])
 def test_trimmed_tokens_equal_untrimmed(gemma3, cuts, monkeypatch):
     ids = gemma3.tokenizer.encode(PROMPT)
-    trimmed = decode(gemma3.pipeline(cuts), "s", ids, N_NEW)
+    tokens, hidden = decode(pipeline(gemma3, cuts), "s", ids, N_NEW)
     untrimmed(monkeypatch)
-    full = gemma3.pipeline(cuts)
-    assert decode(full, "s", ids, N_NEW) == trimmed
+    full = pipeline(gemma3, cuts)
+    full_tokens, full_hidden = decode(full, "s", ids, N_NEW)
+    assert full_tokens == tokens
+    assert np.array_equal(full_hidden, hidden)  # bit for bit
     first_layer = next(r for r in full.runners if 1 in r.layers)
     assert first_layer._pool.arrays["key.1"].shape[2] >= len(ids) + N_NEW - 1  # the reference kept everything
 
 
+def test_a_cache_one_position_short_is_caught(gemma3, monkeypatch):
+    ids = gemma3.tokenizer.encode(PROMPT)
+    _, hidden = decode(pipeline(gemma3, []), "s", ids, 20)
+    short = stage_runner.window_start
+    monkeypatch.setattr(stage_runner, "window_start", lambda length, window: max(short(length, window), length - window + 2))
+    _, wrong = decode(pipeline(gemma3, []), "s", ids, 20)
+    assert not np.array_equal(wrong, hidden)
+
+
 def test_batched_decode_equals_solo_with_trimmed_windows(gemma3):
-    pipe = gemma3.pipeline([2, 6])
+    pipe = pipeline(gemma3, [2, 6])
     tok = gemma3.tokenizer
     prompts = [tok.encode(PROMPT), tok.encode("Hello, world! Hello there."), tok.encode(PROMPT + " and more, more, more.")]
     expected = []
@@ -99,35 +124,42 @@ def test_batched_decode_equals_solo_with_trimmed_windows(gemma3):
         expected.append(decode(pipe, f"solo{i}", ids, 30))
         pipe.drop(f"solo{i}")
     seqs = [f"b{i}" for i in range(len(prompts))]
-    got = [[pipe.step(s, ids, SamplingBatch.greedy(1))] for s, ids in zip(seqs, prompts)]
+    firsts = [decode(pipe, s, ids, 1) for s, ids in zip(seqs, prompts)]
+    got = [list(t) for t, _ in firsts]
+    hidden = [[h[0]] for _, h in firsts]
     for _ in range(29):
         x = np.array([[g[-1]] for g in got], np.int64)
-        for runner in pipe.runners:
-            x = runner.run_batch(seqs, x, SamplingBatch.greedy(len(seqs)) if runner.emits_tokens else None)
-        for g, t in zip(got, x):
+        for runner in pipe.runners[:-1]:
+            x = runner.run_batch(seqs, x)
+        for h, row in zip(hidden, x[:, -1]):
+            h.append(row.copy())
+        for g, t in zip(got, pipe.runners[-1].run_batch(seqs, x, SamplingBatch.greedy(len(seqs)))):
             g.append(int(t))
-    assert got == expected
+    for (tokens, solo_hidden), g, h in zip(expected, got, hidden):
+        assert g == tokens
+        assert np.array_equal(np.stack(h), solo_hidden)
 
 
 @pytest.mark.parametrize("at", [5, 19])  # moved before the first trim, and well past it
 def test_kv_moved_mid_generation_continues_identically(gemma3, at):
     ids = gemma3.tokenizer.encode(PROMPT)
-    reference = decode(gemma3.pipeline([2, 6]), "ref", ids, N_NEW)
+    reference, reference_hidden = decode(pipeline(gemma3, [2, 6]), "ref", ids, N_NEW)
 
-    source = gemma3.pipeline([2, 6])
-    first = decode(source, "s", ids, at)
+    source = pipeline(gemma3, [2, 6])
+    first, first_hidden = decode(source, "s", ids, at)
     length = source.runners[0].length("s")
     moved = {name: t for r in source.runners for name, t in r.export_kv("s").items()}
     assert moved["key.1"].shape[2] < length == moved["key.6"].shape[2]  # window layers travel trimmed
-    target = gemma3.pipeline([1, 4])  # other cuts: a stage of window layers only needs the length
+    target = pipeline(gemma3, [1, 4])  # other cuts: a stage of window layers only needs the length
     for runner in target.runners:
         mine = {name: t for name, t in moved.items() if int(name.split(".")[1]) in runner.layers}
         if runner.layers == [1, 2, 3]:
             with pytest.raises(ValueError, match="length"):
                 runner.import_kv("probe", mine)
         runner.import_kv("s", mine, length=length)
-    rest = decode(target, "s", [first[-1]], N_NEW - at)
+    rest, rest_hidden = decode(target, "s", [first[-1]], N_NEW - at)
     assert first + rest == reference
+    assert np.array_equal(np.concatenate([first_hidden, rest_hidden]), reference_hidden)
 
 
 def test_planner_counts_window_layers_at_their_window(gemma3):

@@ -45,8 +45,10 @@ SPECS = {
     "mistral": dict(arch="llama", tok="spm", n_layers=3, heads=4, kv=2, head_dim=16),
     # Gemma: transformers fixes the attention scale at 256^-0.5 (query_pre_attn_scalar), llama.cpp
     # uses head_dim^-0.5: with head_dim 256 both agree, as they do for the real models.
-    "gemma2": dict(tok="gemma", n_layers=4, heads=2, kv=1, head_dim=256, window=8, tied=True, post_norms=True),
-    "gemma3": dict(tok="gemma", n_layers=6, heads=2, kv=1, head_dim=256, window=8, tied=True, post_norms=True,
+    # embd_s: a small embedding (scaled by sqrt(H) in the graph) keeps the random model's greedy
+    # tokens varied; at 0.5 it repeats one token, which would check little.
+    "gemma2": dict(tok="gemma", n_layers=4, heads=2, kv=1, head_dim=256, window=8, tied=True, post_norms=True, embd_s=0.02),
+    "gemma3": dict(tok="gemma", n_layers=6, heads=2, kv=1, head_dim=256, window=8, tied=True, post_norms=True, embd_s=0.02,
                    qk_norm=True),
     "phi3": dict(tok="phi3", n_layers=3, heads=4, kv=4, head_dim=16, fused=True),
 }
@@ -142,7 +144,7 @@ def write_tiny_gguf(path: Path, family: str, seed: int = 0, extra_tensors: dict 
     V = len(vocab["tokens"])
     dense = lambda *shape, s=0.15: (rng.standard_normal(shape) * s).astype(np.float32)  # noqa: E731
     norm = lambda n: (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
-    w.add_tensor("token_embd.weight", dense(V, H, s=0.5 if arch.startswith("gemma") else 1.0))
+    w.add_tensor("token_embd.weight", dense(V, H, s=spec.get("embd_s", 1.0)))
     w.add_tensor("output_norm.weight", norm(H))
     for name, array in (extra_tensors or {}).items():
         w.add_tensor(name, np.asarray(array, np.float32))

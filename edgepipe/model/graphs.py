@@ -242,11 +242,12 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
     normed = g.rms_norm(x, w["attn_norm"], eps, "attn_norm")
     qkv = g.linear(normed, w["qkv"], "qkv", bias=w.get("qkv_bias"))
     window = cfg.window(unit - 1)
-    # GroupQueryAttention's local_window_size counts the positions before the query. A window
+    # GroupQueryAttention's local_window_size counts the keys a query sees, itself included (ONNX
+    # Runtime 1.31; llama.cpp's and transformers' window: distance < window). A window
     # layer's cache keeps only its window (the stage runner drops older positions), so a buffer
     # index is no position: q and k are rotated before attention, at explicit position_ids.
     gqa_attrs = dict(num_heads=nq, kv_num_heads=nkv, do_rotary=0 if window else 1, rotary_interleaved=int(cfg.rope_interleaved),
-                     local_window_size=window - 1 if window else -1)
+                     local_window_size=window if window else -1)
     if cfg.attention_scale is not None:
         gqa_attrs["scale"] = float(cfg.attention_scale)
     if cfg.attn_logit_softcap:

@@ -154,6 +154,11 @@ def test_a_silent_stage_abandons_the_plan_only_when_the_others_can_serve():
     dep = Deployment(7, (StageAssignment("w0", 0, 4), StageAssignment("w1", 4, 8)))
     state = apply(apply(state, S.Committed(dep, now=1.0)), S.RequestStarted("r1", 64))
     state = apply(state, S.RequestFed("r1", "r1.0", 7, 10))
+    assert not membership.abandon_active(state, ["w1"], lacking=None)  # no spare prepared: wait for it
+    state = apply(state, S.SpareChosen((StageAssignment("w1", 0, 8),)))
+    assert not membership.abandon_active(apply(state, S.Suspected("w1", 4.0)), ["w1"], lacking=None)  # the spare needs it too
+    state = apply(state, S.SpareChosen((StageAssignment("w2", 0, 8),)))
+    state = apply(state, S.Suspected("w1", 4.0))
     assert membership.abandon_active(state, ["w1"], lacking=None)
     assert not membership.abandon_active(state, ["w2"], lacking=None)  # not in the plan
     assert not membership.abandon_active(state, ["w1"], lacking="no workers are connected")  # everyone stalled: wait

@@ -119,6 +119,11 @@ def quarantine_ended(state: ClusterState, since: float, now: float) -> bool:
 
 def abandon_active(state: ClusterState, suspects: Sequence[str], lacking: str | None) -> bool:
     """Whether to stop using the active plan now that ``suspects`` went silent: only when it uses
-    one of them and the workers still heard from may hold the model (``lacking`` is None).
-    When everyone stalls at once (a busy machine), waiting for them beats re-planning."""
-    return lacking is None and any(state.uses(wid) for wid in suspects)
+    one of them, the workers still heard from may hold the model (``lacking`` is None), and the
+    prepared spare plan avoids every silent worker (its files and sessions are in place, so the
+    switch is cheap). Otherwise waiting beats re-planning: a worker that is merely slow to answer
+    on a busy machine wakes up, while building a new plan there makes everyone slower."""
+    if lacking is not None or not any(state.uses(wid) for wid in suspects):
+        return False
+    live = {w.id for w in state.live()}
+    return bool(state.spare) and {s.worker_id for s in state.spare} <= live

@@ -44,7 +44,8 @@ MAX_TOP_LOGPROBS = 20
 # (importer.import_model re-imports a package whose manifest records another version).
 # 2: head with logit_adjust / logprob outputs / prompt logprobs. 3: a lone row's 4-bit MatMulNBits runs on two rows in-graph.
 # 4: echo's prompt logprobs computed PROMPT_CHUNK positions at a time.
-GRAPH_VERSION = 4
+# 5: sliding-window layers rotate at position_ids, keep only their window of KV, see window keys (not window - 1).
+GRAPH_VERSION = 5
 
 
 def hidden_name(unit: int) -> str:

@@ -208,7 +208,8 @@ def markdown(report: dict) -> str:
               for r in report["lone_row_check"]]
     lines.append("")
     for r in report["results"]:
-        lines += [f"## {r['package']}, {r['threads']} thread(s)", "",
+        mode = "lone rows alone (GRAPH_VERSION 3)" if r["lone_row_exact"] else "bystander row (graphs before GRAPH_VERSION 3)"
+        lines += [f"## {r['package']}, {r['threads']} thread(s), {mode}", "",
                   f"{r['steps']} steps; {r['tok_s_wall']} tok/s wall, {r['tok_s_cpu']} tok/s by CPU time (unprofiled); profiled step "
                   f"{r['profiled_step_us'] / 1e3:.2f} ms, of which `model_run` {r['model_run_us'] / 1e3:.2f} ms; lone rows "
                   + ("run alone (graph pads 4-bit products)" if r["lone_row_exact"] else "take a bystander row") + f"; load1 {r['load1']}", "",

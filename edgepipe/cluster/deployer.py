@@ -242,7 +242,8 @@ class Deployer:
     def _move_is_cheaper(self, old: Deployment, new: Deployment, length: int) -> bool:
         p = self.coord.profile
         kv_bytes = length * sum(u.kv_bytes_per_token for u in self.coord.manifest.units)
-        stage_s = [p.unit_cost(s.start, s.end) / p.of(s.worker_id).speed for s in new.stages]
+        # a speed of 0 comes from a package imported without unit costs: no estimate, replay
+        stage_s = [p.unit_cost(s.start, s.end) / max(p.of(s.worker_id).speed, 1e-9) for s in new.stages]
         return deploy.move_is_cheaper(kv_bytes, min(p.link_of(w)[1] for w in old.workers), max(p.link_of(w)[0] for w in old.workers),
                                       stage_s, length)
 

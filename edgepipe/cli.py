@@ -273,7 +273,15 @@ def worker(
     except (ConnectionError, OSError, ValueError, TimeoutError) as exc:
         fail(f"worker stopped: {exc}")
     except (KeyboardInterrupt, asyncio.CancelledError):
-        pass
+        # Stopped (its final bye is sent): leave now. A compute still running in the thread pool,
+        # or mDNS browsing threads, would otherwise hold the interpreter's exit for seconds.
+        import logging
+        import os
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @app.command()

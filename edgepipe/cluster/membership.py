@@ -91,15 +91,20 @@ def computed_counts(state: ClusterState, worker_ids: Sequence[str]) -> dict[str,
     return out
 
 
-def idle_stage(state: ClusterState, stage_ids: Sequence[str], before: Mapping[str, int | None], sent_at: float) -> str | None:
+def idle_stage(state: ClusterState, stage_ids: Sequence[str], before: Mapping[str, int | None], sent_at: float,
+               alone: bool = True) -> str | None:
     """The stage to blame for a step that timed out, or None when it cannot be told.
 
     Stages are taken in pipeline order: a stage that did compute passed the step on, so the
     first one whose computed count has not moved since the step was sent — while it kept
     answering pings after that (a silent worker is membership's business, not this) — is the
-    one that dropped it. Counts moved by other sequences' work hide a stage that drops only
-    some frames: then nobody is blamed and the step is simply retried."""
-    for wid in stage_ids:
+    one that dropped it. That reasoning holds past the first stage only when this step was
+    ``alone`` on the plan (no other step in flight or sent meanwhile): otherwise a predecessor's
+    count may have moved for other work while it dropped this frame, and the stage after it
+    would be blamed for starving. The first stage is fed by the coordinator itself: if it
+    computed nothing at all, it is at fault either way. When nobody can be blamed the step is
+    simply retried."""
+    for i, wid in enumerate(stage_ids):
         w = state.workers.get(wid)
         was = before.get(wid)
         if w is None or was is None or w.stats_at is None or w.stats_at <= sent_at:
@@ -108,7 +113,7 @@ def idle_stage(state: ClusterState, stage_ids: Sequence[str], before: Mapping[st
         if now is None:
             return None
         if now <= was:
-            return wid
+            return wid if i == 0 or alone else None
     return None
 
 

@@ -77,6 +77,7 @@ class Requests:
     def __init__(self, coord):
         self.coord = coord
         self.pending: dict[str, tuple[int, int, asyncio.Future]] = {}  # seq -> (step, plan, future of its token)
+        self.sent_on: dict[int, int] = {}  # plan -> steps sent on it (was a timed-out step alone on its plan?)
         self.lanes = Lanes(arm=self._arm_lane)
         self._ids = itertools.count(1)
 
@@ -133,7 +134,8 @@ class Requests:
                     raise RequestFailed(str(exc).splitlines()[0] if str(exc) else "bad token mask") from None
                 sent_plan = dep.plan_id
                 try:
-                    token, record = await self.step(dep, seq, step, feed, state.params, rid, replay_from, head)
+                    token, record = await self.step(dep, seq, step, feed, state.params, rid, replay_from, head,
+                                                    kv_start=len(state.all_ids) - len(feed))
                 except PipelineBroken as exc:
                     why = str(exc)
                     if c.clock() - last_progress >= c.settings.max_wait_s:
@@ -189,13 +191,18 @@ class Requests:
             _stop_if_cancelled()
 
     async def step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str,
-                   replay_from: int | None = None, head: dict | None = None):
+                   replay_from: int | None = None, head: dict | None = None, kv_start: int | None = None):
         """One step of one sequence: a decode step goes out with its lane, a prefill alone.
 
-        ``head``: the step's logit controls and logprob requests (``controls.step_fields``)."""
+        ``head``: the step's logit controls and logprob requests (``controls.step_fields``).
+        ``kv_start``: positions the stages must already hold for this sequence; each frame says
+        where it starts (``pos``), so a stage that missed a frame refuses the next instead of
+        computing on a cache with a hole in it."""
         c = self.coord
         t0 = c.clock()
         computed_before = membership.computed_counts(c.cluster, dep.workers)
+        others_in_flight = any(p[1] == dep.plan_id for other, p in self.pending.items() if other != seq)
+        self.sent_on[dep.plan_id] = sent_before = self.sent_on.get(dep.plan_id, 0) + 1
         fut = asyncio.get_running_loop().create_future()
         self.pending[seq] = (step, dep.plan_id, fut)
         sampling = {**controls.wire_sampling(params, step), **(head or {})}
@@ -205,13 +212,15 @@ class Requests:
         # can flip a near-tie). Sent as separate frames, the stages work on them as a pipeline;
         # only the last frame's token comes back.
         chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if replay_from else [feed]
-        out = _OutStep(dep, item, chunks[-1], fut)
+        starts = [None] * len(chunks) if kv_start is None else [kv_start + sum(map(len, chunks[:i])) for i in range(len(chunks))]
+        at = (lambda i: {"pos": starts[i]}) if kv_start is not None else (lambda i: {})  # noqa: E731
+        out = _OutStep(dep, {**item, **at(len(chunks) - 1)}, chunks[-1], fut)
         if len(feed) == 1:
             self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out), len(dep.stages)))
         else:
             self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
-            for chunk in chunks[:-1]:
-                await self._send_forward([_OutStep(dep, {**item, "partial": True}, chunk, fut)])
+            for i, chunk in enumerate(chunks[:-1]):
+                await self._send_forward([_OutStep(dep, {**item, "partial": True, **at(i)}, chunk, fut)])
             await self._send_forward([out])
         try:
             # shield: a cancelled caller must leave the future for _finish to wait on
@@ -219,7 +228,8 @@ class Requests:
         except asyncio.TimeoutError:
             if self.pending.get(seq, (0, 0, None))[2] is fut:
                 del self.pending[seq]
-            idle = membership.idle_stage(c.cluster, dep.workers, computed_before, t0)
+            alone = not others_in_flight and self.sent_on.get(dep.plan_id) == sent_before
+            idle = membership.idle_stage(c.cluster, dep.workers, computed_before, t0, alone)
             if idle is not None:
                 c.spawn(c.quarantine(idle, f"computed nothing for {seq} step {step} in {c.settings.step_timeout_s} s "
                                            f"while answering pings"))

@@ -205,7 +205,7 @@ class FakeWorker:
         self.dropping_until = 0.0  # answers pings but drops activation frames until then
         self.computed = 0
         self.slots: dict[int, tuple[int, int, dict]] = {}  # plan -> (start, end, next hop)
-        self.runners: dict[tuple[int, int], dict[str, list[int]]] = {}  # range -> seq -> per-unit state
+        self.runners: dict[tuple[int, int], dict[str, list[int]]] = {}  # range -> seq -> per-unit state + [positions held]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.control: SimChannel | None = None
         self.tasks: list[asyncio.Task] = []
@@ -322,9 +322,15 @@ class FakeWorker:
         await asyncio.sleep(0.002 * x.shape[1] * (end - start) * len(batch) * self.slowdown)
         await self._stall()
         kv = self.runners.setdefault((start, end), {})
+        for item in batch:  # as the real stage: a frame must start where the sequence's cache ends
+            held = kv.get(item["seq"], [0] * (end - start + 1))[-1]
+            if item.get("pos") is not None and item["pos"] != held:
+                return await self._error(ch, batch, ErrorCode.CORRUPT_INPUT,
+                                         f"{item['seq']} holds {held} positions, the frame starts at {item['pos']}")
         y = np.zeros_like(x)
         for row, item in enumerate(batch):
-            h = kv.setdefault(item["seq"], [0] * (end - start))
+            h = kv.setdefault(item["seq"], [0] * (end - start + 1))
+            h[-1] += x.shape[1]
             for col in range(x.shape[1]):
                 v = int(x[row, col])
                 for k, u in enumerate(range(start, end)):
@@ -356,7 +362,7 @@ class FakeWorker:
             return
         state = self.runners[slot[:2]][msg["seq"]]
         units = {u: state[u - slot[0]] for u in range(msg["start"], msg["end"])}
-        frame = Message(T.KV, {"seq": msg["seq"], "plan": msg["to_plan"], "move": msg["move"], "units": units})
+        frame = Message(T.KV, {"seq": msg["seq"], "plan": msg["to_plan"], "move": msg["move"], "units": units, "length": state[-1]})
         target.data.put(asyncio.get_running_loop().time() + 0.001, (target.control, frame))
 
     def _import(self, ch, msg: Message) -> None:
@@ -364,9 +370,10 @@ class FakeWorker:
         if slot is None:
             reply = {"kv_received": msg["move"], "ok": False, "error": "no such plan"}
         else:
-            h = self.runners[slot[:2]].setdefault(msg["seq"], [0] * (slot[1] - slot[0]))
+            h = self.runners[slot[:2]].setdefault(msg["seq"], [0] * (slot[1] - slot[0] + 1))
             for u, value in msg["units"].items():
                 h[int(u) - slot[0]] = value
+            h[-1] = msg["length"]
             reply = {"kv_received": msg["move"], "plan": msg["plan"], "ok": True}
         self.world.spawn(_quiet_send(self.control, encode(Message(T.LOADED, reply))))
 

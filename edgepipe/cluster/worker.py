@@ -597,6 +597,11 @@ class Worker:
             problem = validate.activation_problem(x, hidden or None, slot.max_context)
             if problem:
                 raise CorruptInput(f"plan {plan}: {problem}")
+        for item in batch:  # a frame must start where the sequence's cache ends: a lost frame leaves a hole
+            pos = item.get("pos")
+            if isinstance(pos, int) and pos != slot.runner.length(item["seq"]):
+                raise CorruptInput(f"plan {plan}: {item['seq']} holds {slot.runner.length(item['seq'])} positions, "
+                                   f"the frame starts at {pos} (a frame was lost)")
         if x.dtype == np.float16:
             x = x.astype(np.float32)
         sampling = None

@@ -176,7 +176,7 @@ class Kv(Wire):
 class Token(Wire):
     TYPE = T.TOKEN
     plan: int
-    batch: list  # [{seq, step, rid, sampling[, partial]}], as sent
+    batch: list  # [{seq, step, rid, sampling[, partial][, pos]}], as sent
     tokens: list  # one id per batch entry
     timings: list  # [[worker_id, seconds, positions, bytes/elem, batch], ...]
     # per batch entry that asked (sampling.logprobs), else None: {logprob, top_ids, top_logprobs[,

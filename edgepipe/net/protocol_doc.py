@@ -86,7 +86,8 @@ DOCS: dict[type, MessageDoc] = {
         "batch": f"one entry per row of `x`: `{{seq, step, rid, sampling}}` with sampling {SAMPLING}, optionally "
                  "`logprobs`, `top` (alternatives wanted), `adjust_ids`/`adjust` (logit bias and penalties), `mask` "
                  "(allowed-token bitmask bytes), `targets` (prompt logprobs of a prefill); optional `partial: true` "
-                 "(a replay frame whose token is not wanted)",
+                 "(a replay frame whose token is not wanted) and `pos` (positions the stage must already hold for "
+                 "`seq`; a stage holding another count refuses the frame with `corrupt_input`: a frame was lost)",
         "timings": "`[worker_id, seconds, positions, bytes/elem, batch]` appended by each stage",
         "relay_to": "worker id the coordinator passes the frame on to (from a stage before or after a browser)",
     }, "`x`: `int64 [B, S]` token ids into the first stage, else `float32`/`float16 [B, S, H]`; `S > 1` only with `B = 1`"),

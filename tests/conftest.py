@@ -24,3 +24,13 @@ def int4_pkg(home):
 @pytest.fixture(scope="session")
 def fp32_pkg(home):
     return resolve("smollm2", "fp32", home)
+
+
+@pytest.fixture(scope="session")
+def three_workers(home, int4_pkg):
+    """One ``serve --workers 3 --placement memory`` shared by the API test modules (each start of
+    a coordinator and three workers costs 20-40 s on two cores)."""
+    from harness import Server
+
+    with Server(home, workers=3, args=("--placement", "memory")) as server:
+        yield server

@@ -25,9 +25,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
-def server(home, int4_pkg):
-    with Server(home, workers=3, args=("--placement", "memory")) as s:
-        yield s
+def server(three_workers):
+    return three_workers
 
 
 def assert_error(r, status, param=None):

@@ -15,7 +15,6 @@ import httpx
 import jsonschema_rs
 import pytest
 
-from harness import Server
 
 openai = pytest.importorskip("openai")
 
@@ -27,9 +26,8 @@ ASK = [{"role": "user", "content": "Invent a person. Answer in JSON with their n
 
 
 @pytest.fixture(scope="module")
-def server(home, int4_pkg):
-    with Server(home, workers=3, args=("--placement", "memory")) as s:
-        yield s
+def server(three_workers):
+    return three_workers
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ import pytest
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
-from harness import Server
 
 TASKS = Path(__file__).parent / "data" / "lm_eval"
 TOL = 1e-3
@@ -47,9 +46,8 @@ def lm_eval(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(home, int4_pkg):
-    with Server(home, workers=3, args=("--placement", "memory")) as s:
-        yield s
+def server(three_workers):
+    return three_workers
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from edgepipe.api.schemas import ChatMessage
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
-from harness import Server
 
 openai = pytest.importorskip("openai")
 
@@ -28,9 +27,8 @@ TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def server(home, int4_pkg):
-    with Server(home, workers=3, args=("--placement", "memory")) as s:
-        yield s
+def server(three_workers):
+    return three_workers
 
 
 @pytest.fixture(scope="module")

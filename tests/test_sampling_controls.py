@@ -23,7 +23,6 @@ from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 from edgepipe.runtime.stage_runner import RowControls, SamplingBatch, logit_adjust
 
-from harness import Server
 
 H, V, EPS = 16, 50, 1e-5
 CFG = ModelConfig(architecture="llama", name="tiny", n_layers=1, hidden_size=H, intermediate_size=32, n_heads=2, n_kv_heads=1,
@@ -204,9 +203,8 @@ REPEAT = "Write the word 'apple' ten times, separated by commas."
 
 
 @pytest.fixture(scope="module")
-def server(home, int4_pkg):
-    with Server(home, workers=3, args=("--placement", "memory")) as s:
-        yield s
+def server(three_workers):
+    return three_workers
 
 
 @pytest.fixture(scope="module")

@@ -150,6 +150,7 @@ def test_tab_as_last_stage_applies_logit_controls_and_returns_logprobs(cluster, 
     assert all(abs(a - b) < 1e-3 for a, b in zip(got[1:], expected[1:])), (got, expected)
 
 
+@pytest.mark.slow
 def test_tab_reloaded_mid_request_rejoins_from_its_cache(cluster, pkg):
     """Reloading the tab while it serves a request: the request pauses and carries on (on
     whichever plan the coordinator finds: tokens before the pause are the reference's), and
@@ -196,6 +197,7 @@ def test_tab_reloaded_mid_request_rejoins_from_its_cache(cluster, pkg):
     assert chat(server, PROMPT, 8) == expected[:8]
 
 
+@pytest.mark.slow
 def test_tab_with_a_wrong_or_missing_token_is_refused(pkg, home, context):
     with Server(home, workers=1, args=("--placement", "memory", "--join-token", JOIN_TOKEN)) as server:
         wrong = context.new_page()

@@ -18,7 +18,8 @@ def reference_tokens(pkg, prompt: str, max_tokens: int) -> list[int]:
     return generate(pkg.pipeline(), ids, GenerationParams(max_tokens=max_tokens), tok.decode, pkg.manifest.eos_ids).tokens
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
+# 3 workers in the default run (the cuts the others make are inside it); 1 and 2 with -m slow
+@pytest.mark.parametrize("workers", [3, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_api_greedy_equals_single_process(int4_pkg, home, workers):
     with Server(home, workers=workers, args=("--placement", "memory")) as server:
         stages = server.status()["plan"]["stages"]

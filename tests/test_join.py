@@ -11,6 +11,7 @@ import pytest
 from harness import Server
 
 
+@pytest.mark.slow
 def test_native_worker_finds_coordinator_by_mdns(home, int4_pkg):
     cluster = f"test-{os.getpid()}"  # other coordinators may be announcing on this host
     with Server(home, workers=0, args=("--min-workers", "1", "--cluster", cluster), wait_up=False) as server:

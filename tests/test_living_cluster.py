@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
@@ -66,6 +67,7 @@ def test_worker_killed_mid_stream(int4_pkg, home):
         assert [w["id"] for w in status["workers"]] != [] and victim["id"] not in [w["id"] for w in status["workers"]]
 
 
+@pytest.mark.slow
 def test_faster_newcomer_mid_generation(int4_pkg, home):
     expected = int4_pkg.tokenizer.decode(reference(int4_pkg, 200))
     # slow enough that the newcomer starts, calibrates and is switched in while the request runs

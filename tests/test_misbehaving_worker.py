@@ -125,6 +125,7 @@ def test_probe_times_a_worker_underreports_are_overruled_by_the_coordinators_clo
     assert trusted_step_times([0.001], 0.100, 0.120, 8) == ([0.001], False)
 
 
+@pytest.mark.slow
 def test_a_worker_claiming_to_be_20x_faster_is_calibrated_by_what_it_takes(int4_pkg, home):
     with Server(home, workers=1, args=("--placement", "planner", "--min-workers", "2", "--worker-threads", "1"), wait_up=False) as server:
         liar = server.worker("--misreport", "20", "--name", "liar", "--threads", "1")

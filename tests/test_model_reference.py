@@ -42,7 +42,8 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("index", range(len(PROMPTS)))
+# the first prompt in the default run; all three with -m slow (about 20 s more on 2 cores)
+@pytest.mark.parametrize("index", [0] + [pytest.param(i, marks=pytest.mark.slow) for i in range(1, len(PROMPTS))])
 def test_fp32_greedy_matches_transformers(fp32_pkg, hf_model, index):
     tok = fp32_pkg.tokenizer
     prompt = PROMPTS[index] or tok.format_chat([{"role": "user", "content": "Write a haiku about rain."}])
@@ -51,6 +52,7 @@ def test_fp32_greedy_matches_transformers(fp32_pkg, hf_model, index):
     assert ours.tokens == hf_greedy(hf_model, ids, 64)
 
 
+@pytest.mark.slow  # tests/test_tokenizers.py checks every tokenizer kind in the default run
 def test_tokenizer_matches_transformers(fp32_pkg):
     path = bundled_gguf()
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -186,8 +186,19 @@ class Worker:
     async def serve_until_terminated(self) -> None:
         """``run``, with SIGTERM cancelling it as Ctrl-C does: the worker then says a final bye."""
         import signal
+        import threading
 
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        task = asyncio.current_task()
+
+        def terminate() -> None:
+            task.cancel()
+            # asyncio.run joins executor threads on the way out (a compute or a download in
+            # flight): never let that keep a stopped worker alive for more than a moment
+            timer = threading.Timer(3.0, os._exit, (0,))
+            timer.daemon = True
+            timer.start()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
         await self.run()
 
     async def _watch_loop_lag(self, tick: float = 0.1) -> None:

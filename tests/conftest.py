@@ -34,3 +34,11 @@ def three_workers(home, int4_pkg):
 
     with Server(home, workers=3, args=("--placement", "memory")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def three_workers_openai(three_workers):
+    """The ``openai`` SDK pointed at ``three_workers``."""
+    import openai
+
+    return openai.OpenAI(base_url=three_workers.url + "/v1", api_key="unused", max_retries=0)

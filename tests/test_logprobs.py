@@ -32,8 +32,8 @@ def server(three_workers):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+def client(three_workers_openai):
+    return three_workers_openai
 
 
 @pytest.fixture(scope="module")

@@ -208,9 +208,8 @@ def server(three_workers):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+def client(three_workers_openai):
+    return three_workers_openai
 
 
 def complete(client, prompt: str, **kw):

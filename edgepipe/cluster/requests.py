@@ -212,8 +212,11 @@ class Requests:
         # can flip a near-tie). Sent as separate frames, the stages work on them as a pipeline;
         # only the last frame's token comes back.
         chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if replay_from else [feed]
-        starts = [None] * len(chunks) if kv_start is None else [kv_start + sum(map(len, chunks[:i])) for i in range(len(chunks))]
-        at = (lambda i: {"pos": starts[i]}) if kv_start is not None else (lambda i: {})  # noqa: E731
+        starts = [] if kv_start is None else [kv_start + sum(map(len, chunks[:i])) for i in range(len(chunks))]
+
+        def at(i: int) -> dict:
+            return {"pos": starts[i]} if starts else {}
+
         out = _OutStep(dep, {**item, **at(len(chunks) - 1)}, chunks[-1], fut)
         if len(feed) == 1:
             self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out), len(dep.stages)))

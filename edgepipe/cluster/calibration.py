@@ -161,7 +161,7 @@ class Calibrator:
             c.event("calibration_failed", worker=wid, error=str(exc) or type(exc).__name__)
         finally:
             c.emit(S.Calibrating(wid, False))
-            c._replan_wanted.set()
+            c.replan_wanted.set()
 
     async def add_variant(self, precision: str) -> None:
         from ..model.importer import add_variant

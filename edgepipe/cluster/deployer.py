@@ -51,11 +51,11 @@ class Deployer:
         c = self.coord
         while True:
             try:
-                await asyncio.wait_for(c._replan_wanted.wait(), timeout=c.settings.replan_every_s)
+                await asyncio.wait_for(c.replan_wanted.wait(), timeout=c.settings.replan_every_s)
             except asyncio.TimeoutError:
                 pass  # the periodic check: measured speeds may have drifted
             await asyncio.sleep(0.05)  # let a burst of joins/leaves settle
-            c._replan_wanted.clear()
+            c.replan_wanted.clear()
             if c.cluster.active is not None:  # when down, recover with who is ready now
                 await c.calibrator.settled()
             try:
@@ -65,7 +65,7 @@ class Deployer:
                 c.emit(S.PlanFailed(why))
                 c.event("plan_failed", error=why)
                 await asyncio.sleep(0.5)
-                c._replan_wanted.set()
+                c.replan_wanted.set()
 
     async def replan(self, force: bool = False) -> Deployment | None:
         c = self.coord
@@ -86,7 +86,7 @@ class Deployer:
                 # Down: the spare plan's files (and sessions, where budgets allowed) are already in
                 # place, so it is up fastest; the policy may move to a better plan once serving.
                 stages, reason, predicted = list(spare), "spare plan (recovery)", {}
-                c._replan_wanted.set()
+                c.replan_wanted.set()
             else:
                 stages, reason, predicted = c.plan_fn(c, workers)
             if not stages:
@@ -186,7 +186,7 @@ class Deployer:
     async def quiesce(self) -> None:
         """Wait until no step is in the pipeline (its KV is complete and stable)."""
         deadline = self.coord.clock() + QUIESCE_S
-        while self.coord.requests.pending and self.coord.clock() < deadline:
+        while self.coord.steps.pending and self.coord.clock() < deadline:
             await asyncio.sleep(0.002)
 
     async def migrate(self, old: Deployment, new: Deployment) -> dict:
@@ -282,7 +282,7 @@ class Deployer:
 
 
 def deploy_error(text: str) -> Exception:
-    from .requests import PipelineBroken
+    from .steps import PipelineBroken
 
     return PipelineBroken(text)
 

@@ -1,8 +1,7 @@
-"""The token loop of every request (I/O): wait for Up, send steps, resolve tokens, replay.
+"""The token loop of every request (I/O): checks, wait for Up, one step per token, replay.
 
 Per decode step the coordinator sends a sequence's token ids to the first stage and waits for
-the sampled id that the last stage returns; decode steps travel in micro-batches (lanes, see
-``batching``), one frame per lane. When the plan changes under a sequence and its KV was not
+the sampled id that the last stage returns (``steps`` carries a step over the wire, in lanes). When the plan changes under a sequence and its KV was not
 moved, it is rebuilt by replay (prompt as one prefill, then each generated token as its own
 step) under a new sequence id ``<rid>.<epoch>``, so no token is lost. Waits are bounded: a
 request without progress for ``max_wait_s`` (or ``capacity_wait_s`` while the connected
@@ -14,71 +13,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from dataclasses import dataclass
 from typing import AsyncIterator
 
-import numpy as np
-
-from ..net.channel import ChannelClosed
-from ..net.messages import Drop, Error, ErrorCode, Forward, Token
-from ..net.protocol import Message
 from ..runtime import controls
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta
-from . import membership, scheduling, state as S
-from .batching import LaneItem, Lanes
+from . import scheduling, state as S
 from .placement import Deployment
 from .profiling import RUNTIME_OVERHEAD_BYTES
+from .steps import PipelineBroken, RequestFailed, StepRecord, Steps, stop_if_cancelled
+
+__all__ = ["MAX_WIRE_INT", "PipelineBroken", "RequestFailed", "Requests", "StepRecord"]
 
 MAX_WIRE_INT = (1 << 31) - 1
 
 
-class PipelineBroken(RuntimeError):
-    """The plan a step ran on lost a worker; the step must be retried on a new plan."""
-
-
-class RequestFailed(RuntimeError):
-    """A request cannot continue (the message says why, in one line)."""
-
-
-def _stop_if_cancelled() -> None:
-    """Before Python 3.12, ``asyncio.wait_for`` returns its result instead of raising when the
-    cancellation and the result arrive in the same instant, and the cancel is lost: a request
-    whose client went would run on, holding its slot. A task that was asked to stop stops here."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError()
-
-
-@dataclass
-class StepRecord:
-    """What the metrics and profiler learn from one token."""
-
-    rid: str
-    tokens_in: int
-    wall_s: float
-    timings: list  # [[worker_id, compute_s, positions, bytes/elem, batch], ...]: one per stage, shared by a batch
-    coordinator_s: float
-    first_in_batch: bool = True  # the batch's other sequences carry the same timings: count stage times once
-    logprobs: dict | None = None  # the head's logprobs entry for this token, when asked (see runtime.controls)
-
-
-@dataclass
-class _OutStep:
-    """A step on its way out: what goes into the frame, and the future its token resolves."""
-
-    dep: Deployment
-    item: dict  # seq, step, rid, sampling[, partial: a replay frame whose token is not wanted]
-    feed: list[int]
-    fut: asyncio.Future
-    sent_at: float = 0.0
-
-
 class Requests:
-    def __init__(self, coord):
+    def __init__(self, coord, steps: Steps):
         self.coord = coord
-        self.pending: dict[str, tuple[int, int, asyncio.Future]] = {}  # seq -> (step, plan, future of its token)
-        self.sent_on: dict[int, int] = {}  # plan -> steps sent on it (was a timed-out step alone on its plan?)
-        self.lanes = Lanes(arm=self._arm_lane)
+        self.steps = steps
         self._ids = itertools.count(1)
 
     def new_sequence(self, prompt_ids: list[int], params: GenerationParams, decode_fn) -> SequenceState:
@@ -121,7 +73,7 @@ class Requests:
                     fed_plan = dep.plan_id  # its KV moved with its layers: carry on
                 if fed_plan != dep.plan_id:
                     if fed_plan is not None:  # the plan changed under us: rebuild KV by replay
-                        await self.drop(seq, fed_plan)
+                        await self.steps.drop(seq, fed_plan)
                         epoch += 1
                         seq, sent_plan = f"{rid}.{epoch}", None
                     feed = state.all_ids
@@ -134,7 +86,7 @@ class Requests:
                     raise RequestFailed(str(exc).splitlines()[0] if str(exc) else "bad token mask") from None
                 sent_plan = dep.plan_id
                 try:
-                    token, record = await self.step(dep, seq, step, feed, state.params, rid, replay_from, head,
+                    token, record = await self.steps.step(dep, seq, step, feed, state.params, rid, replay_from, head,
                                                     kv_start=len(state.all_ids) - len(feed))
                 except PipelineBroken as exc:
                     why = str(exc)
@@ -166,9 +118,9 @@ class Requests:
                 yield delta
         finally:
             c.emit(S.RequestEnded(rid))
-            self._go(self.lanes.leave(rid))
+            self.steps.leave(rid)
             # Cancelled callers cannot await, so clean up in a task of its own.
-            c.spawn(self._finish(seq, sent_plan))
+            c.spawn(self.steps.finish(seq, sent_plan))
 
     async def wait_up(self, since: float) -> Deployment:
         """The active plan once Up; fails (one line) when the wait exceeds its bound."""
@@ -188,173 +140,7 @@ class Requests:
                 await asyncio.wait_for(c.up.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
-            _stop_if_cancelled()
-
-    async def step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str,
-                   replay_from: int | None = None, head: dict | None = None, kv_start: int | None = None):
-        """One step of one sequence: a decode step goes out with its lane, a prefill alone.
-
-        ``head``: the step's logit controls and logprob requests (``controls.step_fields``).
-        ``kv_start``: positions the stages must already hold for this sequence; each frame says
-        where it starts (``pos``), so a stage that missed a frame refuses the next instead of
-        computing on a cache with a hole in it."""
-        c = self.coord
-        t0 = c.clock()
-        computed_before = membership.computed_counts(c.cluster, dep.workers)
-        others_in_flight = any(p[1] == dep.plan_id for other, p in self.pending.items() if other != seq)
-        self.sent_on[dep.plan_id] = sent_before = self.sent_on.get(dep.plan_id, 0) + 1
-        fut = asyncio.get_running_loop().create_future()
-        self.pending[seq] = (step, dep.plan_id, fut)
-        sampling = {**controls.wire_sampling(params, step), **(head or {})}
-        item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling}
-        # A replay rebuilds KV exactly as first computed: the prompt as one prefill, then each later
-        # token as its own decode step (one prefill over everything takes other kernel paths and
-        # can flip a near-tie). Sent as separate frames, the stages work on them as a pipeline;
-        # only the last frame's token comes back.
-        chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if replay_from else [feed]
-        starts = [] if kv_start is None else [kv_start + sum(map(len, chunks[:i])) for i in range(len(chunks))]
-
-        def at(i: int) -> dict:
-            return {"pos": starts[i]} if starts else {}
-
-        out = _OutStep(dep, {**item, **at(len(chunks) - 1)}, chunks[-1], fut)
-        if len(feed) == 1:
-            self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out), len(dep.stages)))
-        else:
-            self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
-            for i, chunk in enumerate(chunks[:-1]):
-                await self._send_forward([_OutStep(dep, {**item, "partial": True, **at(i)}, chunk, fut)])
-            await self._send_forward([out])
-        try:
-            # shield: a cancelled caller must leave the future for _finish to wait on
-            reply = await asyncio.wait_for(asyncio.shield(fut), timeout=c.settings.step_timeout_s)
-        except asyncio.TimeoutError:
-            if self.pending.get(seq, (0, 0, None))[2] is fut:
-                del self.pending[seq]
-            alone = not others_in_flight and self.sent_on.get(dep.plan_id) == sent_before
-            idle = membership.idle_stage(c.cluster, dep.workers, computed_before, t0, alone)
-            if idle is not None:
-                c.spawn(c.quarantine(idle, f"computed nothing for {seq} step {step} in {c.settings.step_timeout_s} s "
-                                           f"while answering pings"))
-            raise PipelineBroken(f"no token for {seq} step {step} within {c.settings.step_timeout_s} s") from None
-        finally:
-            self._go(self.lanes.returned(rid))
-        _stop_if_cancelled()  # the token was taken, but its client is gone: the caller's finally drops the KV
-        record = StepRecord(rid, len(feed), c.clock() - t0, reply.get("timings", []),
-                            coordinator_s=out.sent_at - t0 if out.sent_at else 0.0, first_in_batch=reply.get("first", True),
-                            logprobs=reply.get("logprobs"))
-        return int(reply["token"]), record
-
-    # -- replies ----------------------------------------------------------------------------------
-    def tokens(self, worker_id: str, msg: Token) -> None:
-        dep = self.coord.cluster.active
-        if dep is not None and dep.plan_id == msg.plan and dep.stages[-1].worker_id != worker_id:
-            self.coord.event("ignored", worker=worker_id, why=f"token frame for plan {msg.plan} from a stage that is not its last")
-            return
-        logprobs = msg.logprobs or [None] * len(msg.tokens)
-        for i, (item, token) in enumerate(zip(msg.batch, msg.tokens)):
-            self._resolve(item["seq"], item["step"], msg.plan,
-                          {"token": token, "timings": msg.timings, "first": i == 0, "logprobs": logprobs[i]})
-
-    def worker_error(self, worker_id: str, err: Error) -> None:
-        entry = self.pending.get(err.seq) if err.seq else None
-        if entry is None or (err.step is not None and err.step != entry[0]):
-            return
-        del self.pending[err.seq]
-        if err.code is ErrorCode.CORRUPT_INPUT:  # the previous stage sent garbage: never served, retried on a new plan
-            self.coord.event("invalid_frame", worker=worker_id, why=err.message)
-        exc = PipelineBroken(err.message) if err.retryable else RequestFailed(f"worker {worker_id}: {err.message}")
-        if not entry[2].done():
-            entry[2].set_exception(exc)
-
-    def _resolve(self, seq: str, step: int, plan: int, reply: dict) -> None:
-        entry = self.pending.get(seq)
-        if entry and entry[0] == step and entry[1] == plan and not entry[2].done():
-            del self.pending[seq]
-            entry[2].set_result(reply)
-
-    def fail_plan(self, plan: int, exc: Exception) -> None:
-        self._fail(lambda p: p == plan, exc)
-
-    def fail_all(self, exc: Exception) -> None:
-        self._fail(lambda p: True, exc)
-
-    def _fail(self, which, exc: Exception) -> None:
-        for seq, (step, plan, fut) in list(self.pending.items()):
-            if which(plan):
-                del self.pending[seq]
-                if not fut.done():
-                    fut.set_exception(exc)
-
-    async def relay(self, target_id: str, link, msg: Message) -> None:
-        try:
-            await link.send(msg)
-        except ChannelClosed:
-            self.fail_all(PipelineBroken(f"relay to {target_id} failed"))
-
-    # -- sending ----------------------------------------------------------------------------------
-    def _go(self, batches: list[list[LaneItem]]) -> None:
-        for batch in batches:
-            self.coord.spawn(self._send_forward([item.payload for item in batch]))
-
-    def _arm_lane(self, index: int, departure: int) -> None:
-        loop = asyncio.get_running_loop()
-        loop.call_later(self.coord.settings.lane_wait_s, lambda: self._go(self.lanes.expire(index, departure)))
-
-    async def _send_forward(self, steps: list[_OutStep]) -> None:
-        """Send steps of one plan to its first stage as one frame (one batch at every stage)."""
-        steps = [s for s in steps if not s.fut.done()]  # failed while waiting for its lane
-        if not steps:
-            return
-        c, dep = self.coord, steps[0].dep
-        first = dep.stages[0].worker_id
-        link = c.links.get(first)
-        now = c.clock()
-        for s in steps:
-            s.sent_at = now
-        try:
-            msg = Forward(dep.plan_id, [s.item for s in steps]).to_message({"x": np.array([s.feed for s in steps], np.int64)})
-            if link is None:
-                raise ChannelClosed(f"worker {first} is gone")
-            await link.send(msg)
-        except ChannelClosed:
-            if link is not None:
-                c.spawn(c.lose(first, "disconnected"))
-            self._fail_steps(steps, PipelineBroken(f"worker {first} is gone"))
-        except (ValueError, TypeError, OverflowError) as exc:  # a value the wire cannot carry: the request fails
-            self._fail_steps(steps, RequestFailed(f"cannot send the step: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"))
-
-    def _fail_steps(self, steps: list[_OutStep], exc: Exception) -> None:
-        for s in steps:
-            if self.pending.get(s.item["seq"], (None, None, None))[2] is s.fut:
-                del self.pending[s.item["seq"]]
-            if not s.fut.done():
-                s.fut.set_exception(exc)
-
-    async def _finish(self, seq: str, plan: int | None) -> None:
-        """Free a sequence's KV once no step of it is still in the pipeline."""
-        entry = self.pending.get(seq)
-        if entry is not None:  # a step in flight would re-create the KV after an early DROP
-            try:
-                await asyncio.wait_for(asyncio.shield(entry[2]), timeout=self.coord.settings.step_timeout_s)
-            except (Exception, asyncio.CancelledError):
-                pass
-            if self.pending.get(seq) is entry:
-                self.pending.pop(seq, None)
-            plan = entry[1]
-        if plan is not None:
-            await self.drop(seq, plan)
-
-    async def drop(self, seq: str, plan: int) -> None:
-        c = self.coord
-        dep = c.cluster.active if c.cluster.active and c.cluster.active.plan_id == plan else None
-        for wid in sorted(dep.workers if dep else c.links):
-            link = c.links.get(wid)
-            if link:
-                try:
-                    await link.send(Drop(seq).to_message())
-                except ChannelClosed:
-                    pass
+            stop_if_cancelled()
 
     def _learn(self, dep: Deployment, record: StepRecord) -> None:
         """Decode steps (one position) refine each worker's measured speed."""

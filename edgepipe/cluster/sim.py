@@ -19,7 +19,7 @@ import asyncio
 import random
 import selectors
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from ..runtime.sequence import GenerationParams
 from .coordinator import Coordinator, CoordinatorSettings
 from .placement import proportional_split
 from .profiling import RUNTIME_OVERHEAD_BYTES
-from .requests import RequestFailed
+from .steps import RequestFailed
 from .scheduling import Admission
 from .state import Phase
 

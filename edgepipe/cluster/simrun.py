@@ -190,8 +190,8 @@ async def _fault(world: World, f: Fault) -> float:
 
 def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
     out = []
-    if coord.requests.pending:
-        out.append(f"pending steps left: {sorted(coord.requests.pending)}")
+    if coord.steps.pending:
+        out.append(f"pending steps left: {sorted(coord.steps.pending)}")
     if coord.cluster.requests:
         out.append(f"KV reservations left: {sorted(coord.cluster.requests)}")
     if admission.running or admission.queued:
@@ -200,7 +200,7 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
         out.append(f"load/probe futures left: {[(w, sorted(l.loads), sorted(l.probes)) for w, l in coord.links.items() if l.loads or l.probes]}")
     if coord.deployer.moves:
         out.append(f"KV moves left: {sorted(coord.deployer.moves)}")
-    if coord.requests.lanes.lane_of or any(l.members or l.waiting or l.flying for l in coord.requests.lanes.lanes):
+    if coord.steps.lanes.lane_of or any(l.members or l.waiting or l.flying for l in coord.steps.lanes.lanes):
         out.append("lane members left")
     return out
 

@@ -8,7 +8,8 @@ Channels, futures and tasks are I/O and stay in the coordinator's shell.
 
 ``apply(state, event) -> state`` is pure and total: an event about a worker or request that is
 not (or no longer) known leaves the state as it was, so a late or duplicated event is harmless.
-Every event carries the time it happened (``now``), so replaying events rebuilds the state.
+Every event carries the time it happened (``now``), so replaying events rebuilds the state; the
+event types are defined in ``events``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Mapping
 
+# The event types (``events``), re-exported so callers write ``state.Heard(...)``.
+from .events import (
+    WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
+    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen,
+    RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
+)
 from .placement import Deployment, StageAssignment
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
@@ -118,141 +125,6 @@ class ClusterState:
 
     def uses(self, worker_id: str) -> bool:
         return self.active is not None and worker_id in self.active.workers
-
-
-# -- events -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class WorkerJoined:
-    worker_id: str
-    name: str
-    hello: Mapping
-    now: float
-
-
-@dataclass(frozen=True)
-class Heard:
-    """Any frame from the worker: it is alive (clears a suspicion)."""
-
-    worker_id: str
-    now: float
-
-
-@dataclass(frozen=True)
-class Ponged:
-    worker_id: str
-    rtt_s: float | None
-    stats: Mapping
-    now: float
-
-
-@dataclass(frozen=True)
-class Suspected:
-    worker_id: str
-    now: float
-
-
-@dataclass(frozen=True)
-class WorkerLost:
-    worker_id: str
-    why: str
-    now: float
-
-
-@dataclass(frozen=True)
-class Misbehaved:
-    """The worker took a step and computed nothing within the step timeout while answering
-    pings: out of new plans for ``QUARANTINE_S`` seconds, doubled for each repeat."""
-
-    worker_id: str
-    why: str
-    now: float
-
-
-@dataclass(frozen=True)
-class PlanAbandoned:
-    """The active plan stops being used although its workers are still members (a stage went
-    silent and the others can serve without it): Down until the next plan is up."""
-
-    plan_id: int
-    why: str
-    now: float
-
-
-@dataclass(frozen=True)
-class Calibrating:
-    worker_id: str
-    busy: bool
-
-
-@dataclass(frozen=True)
-class EmulationChanged:
-    worker_id: str
-    slowdown: float
-
-
-@dataclass(frozen=True)
-class Preparing:
-    deployment: Deployment
-    now: float
-
-
-@dataclass(frozen=True)
-class PrepareFailed:
-    plan_id: int
-    why: str
-    now: float
-
-
-@dataclass(frozen=True)
-class Committing:
-    now: float
-
-
-@dataclass(frozen=True)
-class Committed:
-    deployment: Deployment
-    now: float
-
-
-@dataclass(frozen=True)
-class PlanFailed:
-    why: str
-
-
-@dataclass(frozen=True)
-class SpareChosen:
-    stages: tuple[StageAssignment, ...] | None
-
-
-@dataclass(frozen=True)
-class RequestStarted:
-    rid: str
-    positions: int
-
-
-@dataclass(frozen=True)
-class RequestFed:
-    """A step's token came back: the sequence's KV lives on ``plan`` with ``kv_len`` tokens."""
-
-    rid: str
-    seq: str
-    plan: int | None
-    kv_len: int
-
-
-@dataclass(frozen=True)
-class KvMoved:
-    rid: str
-    plan: int | None  # the plan that now holds its KV (None: the move was abandoned)
-
-
-@dataclass(frozen=True)
-class RequestEnded:
-    rid: str
-
-
-Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
-         | Committing | Committed | PlanFailed | SpareChosen | RequestStarted | RequestFed | KvMoved | RequestEnded)
 
 
 # -- the reducer --------------------------------------------------------------------------------

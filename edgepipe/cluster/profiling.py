@@ -7,9 +7,12 @@ into ``edgepipe.plan`` profiles:
 - device speed and per-call overhead: calibration at join times two unit ranges of different
   length (fit ``t = overhead + cost / speed``), then every real decode step a worker reports
   refines its speed (median over a window);
-- links: RTT from heartbeats, upload bandwidth from a timed probe frame. A worker-to-worker
-  hop is priced as a path through both workers' access links (star topology): the larger RTT
-  and the smaller bandwidth;
+- links: RTT from heartbeats, upload bandwidth from a timed probe frame; worker-to-worker
+  links as the workers measured them on their data ports (``peer_measured``: round trip and a
+  timed transfer, see ``Calibrator.probe_pair``), kept as a matrix by ordered pair. A pair
+  nobody measured is priced as a path through both access links (star topology): the larger
+  RTT and the smaller bandwidth (``plan.profiles.link_matrix``). When a browser relays
+  through the coordinator, the coordinator's link is marked shared (contention, seed 002);
 - lives, by device name (a device that reconnects gets a new worker id): how long it stayed
   and how often it left, for reliability-aware placement; and its last calibration, so a
   device that comes back with the same hardware need not be timed again — kept on disk
@@ -23,8 +26,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..plan import COORDINATOR, failure_rate, DeviceProfile, LinkProfile, ModelProfile, NetworkProfile, RollingMedian, UnitProfile, fit_speed_overhead
-from ..plan.profiles import DEFAULT_LINK, DEFAULT_POWER_BUSY_W, DEFAULT_POWER_IDLE_W
+from ..plan import COORDINATOR, failure_rate, DeviceProfile, ModelProfile, NetworkProfile, RollingMedian, UnitProfile, fit_speed_overhead
+from ..plan.profiles import DEFAULT_LINK, DEFAULT_POWER_BUSY_W, DEFAULT_POWER_IDLE_W, link_matrix
 
 LOOPBACK_BANDWIDTH = 1e9  # bytes/s assumed until a probe says otherwise
 RUNTIME_OVERHEAD_BYTES = 64 << 20  # a session's own buffers and the shared rotary tables (2 MiB)
@@ -60,11 +63,14 @@ class ClusterProfile:
         self.devices: dict[str, DeviceMeasurements] = {}
         self.lives: dict[str, DeviceLives] = {}
         self.known: dict[tuple, DeviceMeasurements] = {}  # last calibration by (name, declared hardware)
+        self.peer_links: dict[tuple[str, str], tuple[float, float]] = {}  # (src, dst) -> (RTT, bandwidth) on the data port
 
     def of(self, worker_id: str) -> DeviceMeasurements:
         return self.devices.setdefault(worker_id, DeviceMeasurements())
 
     def forget(self, worker_id: str, identity: tuple | None = None) -> None:
+        for pair in [p for p in self.peer_links if worker_id in p]:
+            del self.peer_links[pair]
         m = self.devices.pop(worker_id, None)
         if identity is not None and m is not None and m.calibrated:
             self.known[identity] = m
@@ -153,6 +159,10 @@ class ClusterProfile:
         if round_trip is not None:
             m.rtt = m.rtt.push(round_trip)
 
+    def peer_measured(self, src: str, dst: str, rtt_s: float, bandwidth_bytes_per_s: float) -> None:
+        """``src`` measured its data-port path to ``dst``: priced from now on instead of the star guess."""
+        self.peer_links[(src, dst)] = (rtt_s, bandwidth_bytes_per_s)
+
     def step(self, worker_id: str, start: int, end: int, compute_s: float, batch: int = 1) -> None:
         """A decode step's compute time on a stage: refines the device's speed.
 
@@ -214,16 +224,14 @@ class ClusterProfile:
         return (min(m.rtt.values) if m.rtt.values else DEFAULT_LINK.rtt_s, m.bandwidth_bytes_per_s or LOOPBACK_BANDWIDTH)
 
     def network_profile(self, workers) -> NetworkProfile:
-        ids = sorted(w.id for w in workers)
-        links = []
-        for a in ids:
-            rtt, bw = self.link_of(a)
-            links.append(LinkProfile(a, COORDINATOR, rtt, bw))
-            for b in ids:
-                if a < b:
-                    rtt_b, bw_b = self.link_of(b)
-                    links.append(LinkProfile(a, b, max(rtt, rtt_b), min(bw, bw_b)))
-        return NetworkProfile(tuple(links))
+        """Coordinator links from heartbeats and uplink probes, worker-to-worker links as
+        measured (else the star guess); the coordinator's link shared when it relays."""
+        workers = list(workers)
+        uplinks = {w.id: self.link_of(w.id) for w in workers}
+        ids = set(uplinks)
+        measured = {p: v for p, v in self.peer_links.items() if p[0] in ids and p[1] in ids}
+        relays = any(getattr(w, "relay", False) for w in workers)
+        return NetworkProfile(link_matrix(uplinks, measured), shared=frozenset({COORDINATOR}) if relays else frozenset())
 
 
 def _declared(value, default: float) -> float:

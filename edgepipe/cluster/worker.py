@@ -31,7 +31,7 @@ from .. import PROTOCOL_VERSION
 from ..emulate.slowdown import MemoryBudget, MemoryBudgetExceeded, SlowdownPolicy
 from ..net import auth, limits, validate
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
-from ..net.messages import Bye, ErrorCode
+from ..net.messages import PROBE_PLAN, Bye, ErrorCode
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
 from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner
 from .blobcache import BlobCache
@@ -44,6 +44,23 @@ STABLE_SESSION_S = 10.0  # a membership that lasted this long resets the backoff
 WELCOME_TIMEOUT_S = 120.0  # the coordinator may build a weight variant before it welcomes
 INLINE_STEP_S = 0.02  # decode steps faster than this run on the event loop (no thread hand-off)
 LOOP_LAG_WARN_S = 1.0  # the event loop held up this long (a PONG would have waited as long): log it
+PEER_PINGS = 5  # small round trips of a peer probe (the least is the link's RTT)
+PEER_SMALL_BYTES = 16 << 10  # first transfer of a peer probe: sizes the second
+PEER_TRANSFER_S = 0.15  # the second transfer is sized to take about this long (within [small, asked])
+PEER_PROBE_TIMEOUT_S = 10.0  # per frame of a peer probe
+PEER_FRAME_LIMIT = (1 << 20) + limits.HEADER_SLACK_BYTES  # largest frame a probe connection may send
+
+
+def peer_link(round_trips: list[float], small_bytes: int, small_s: float, large_bytes: int, large_s: float) -> tuple[float, float]:
+    """(RTT, bandwidth) of a data-port path from a peer probe: the least round trip of empty
+    frames, and the extra bytes of the large transfer over the small one divided by the extra
+    seconds (the round trip and per-frame costs cancel). Where noise leaves no positive
+    difference, the large transfer's own time bounds the bandwidth from below."""
+    if not round_trips:
+        raise ValueError("a peer probe needs at least one round trip")
+    extra_s = large_s - small_s
+    bandwidth = (large_bytes - small_bytes) / extra_s if extra_s > 0 and large_bytes > small_bytes else large_bytes / max(large_s, 1e-9)
+    return min(round_trips), bandwidth
 
 
 def reconnect_delay(attempt: int, draw: float, gone_s: float = 0.0) -> float:
@@ -140,6 +157,7 @@ class Worker:
         self.fetched_bytes = 0  # blob bytes downloaded by this process
         self._step_s: dict[int, float] = {}  # last decode step time per runner: inline or in the thread
         self.loop_lag_s = 0.0  # worst event-loop hold-up since the last PONG reported it
+        self._probe_secret: str | None = None  # what a peer probing this data port presents (Probe kind "accept")
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, control: Channel | None = None) -> None:
@@ -293,7 +311,9 @@ class Worker:
 
         async def handler(ws):
             plan = self._data_plans.pop(id(ws), None)
-            if plan is not None:
+            if plan == PROBE_PLAN:  # a peer timing this link: answers leave through this worker's own (shaped) link
+                await self._echo_loop(self._shape(WebSocketChannel(ws)))
+            elif plan is not None:
                 await self._data_loop(WebSocketChannel(ws), plan)
 
         # Nothing is read from a peer before its handshake names a plan this worker holds and
@@ -355,7 +375,11 @@ class Worker:
             plan = int(request.headers.get(auth.PLAN_HEADER, ""))
             slot = self.slots.get(plan)
         except ValueError:
-            pass
+            plan = None
+        if plan == PROBE_PLAN and auth.bearer_matches(request.headers.get("Authorization"), self._probe_secret):
+            connection.protocol.max_message_size = PEER_FRAME_LIMIT
+            self._data_plans[id(connection)] = PROBE_PLAN
+            return None
         if slot is not None and (slot.secret is None or auth.bearer_matches(request.headers.get("Authorization"), slot.secret)):
             connection.protocol.max_message_size = slot.frame_limit
             self._data_plans[id(connection)] = slot.plan
@@ -427,6 +451,60 @@ class Worker:
                     pass
                 return
             await self._handle(msg)
+
+    async def _echo_loop(self, channel: Channel) -> None:
+        """A peer probing this link (authenticated with the probe secret): each ``probe`` frame
+        of kind ``echo`` is answered with an empty ``probed`` at once; anything else ends it."""
+        while True:
+            try:
+                msg = decode(await channel.recv())
+                if msg.type is not T.PROBE or msg.get("kind") != "echo":
+                    raise ProtocolError(f"{msg.type.value} is not accepted on a probe connection")
+                await channel.send(encode(Message(T.PROBED, {"probe": msg.get("probe"), "ok": True})))
+            except ChannelClosed:
+                return
+            except ProtocolError as exc:
+                log.warning("rejected probe frame from %s: %s", channel.peer, exc)
+                try:
+                    await channel.close("protocol error")
+                except ChannelClosed:
+                    pass
+                return
+
+    async def _measure_peer(self, url: str, secret: str | None, fingerprint: str | None, most_bytes: int) -> tuple[float, float]:
+        """Time the data-port path to the worker at ``url``, as activations travel it (this
+        worker's shaping included): ``PEER_PINGS`` empty round trips, then two timed transfers."""
+        import websockets
+
+        ws = await websockets.connect(url, max_size=limits.HEADER_SLACK_BYTES, ping_interval=None, open_timeout=5,
+                                      additional_headers=auth.data_headers(secret, PROBE_PLAN),
+                                      ssl=await self._peer_tls(url, fingerprint) if url.startswith("wss://") else None)
+        channel = self._shape(WebSocketChannel(ws, url))
+        count = iter(range(1 << 30))
+
+        async def round_trip(nbytes: int) -> float:
+            probe = next(count)
+            tensors = {"payload": np.zeros(nbytes, np.uint8)} if nbytes else {}
+            frame = encode(Message(T.PROBE, {"probe": probe, "kind": "echo"}, tensors))
+            t0 = time.perf_counter()
+            await channel.send(frame)
+            reply = decode(await asyncio.wait_for(channel.recv(), PEER_PROBE_TIMEOUT_S))
+            if reply.type is not T.PROBED or reply.get("probe") != probe:
+                raise ProtocolError(f"peer answered {reply.type.value} to a probe")
+            return time.perf_counter() - t0
+
+        try:
+            pings = [await round_trip(0) for _ in range(PEER_PINGS)]
+            small = min([await round_trip(PEER_SMALL_BYTES) for _ in range(2)])
+            rough = PEER_SMALL_BYTES / max(small - min(pings), 1e-6)
+            large_bytes = int(min(max(rough * PEER_TRANSFER_S, 4 * PEER_SMALL_BYTES), most_bytes, PEER_FRAME_LIMIT - limits.HEADER_SLACK_BYTES))
+            large = min([await round_trip(large_bytes) for _ in range(2)])
+            return peer_link(pings, PEER_SMALL_BYTES, small, large_bytes, large)
+        finally:
+            try:
+                await asyncio.wait_for(channel.close(), timeout=1.0)
+            except (ChannelClosed, OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException):
+                pass
 
     async def _handle(self, msg: Message) -> None:
         if msg.type is T.FORWARD or msg.type is T.KV:
@@ -517,6 +595,25 @@ class Worker:
         if msg.get("kind") == "link":
             payload = np.zeros(int(msg.get("bytes", 1 << 18)), np.uint8)
             await self._send_control(Message(T.PROBED, {"probe": msg.get("probe"), "ok": True}, {"payload": payload}))
+            return
+        if msg.get("kind") == "accept":  # peers presenting this secret on plan 0 may time this data port
+            secret = msg.get("secret")
+            self._probe_secret = secret if isinstance(secret, str) and secret else None
+            await self._send_control(Message(T.PROBED, {"probe": msg.get("probe"), "ok": self._probe_secret is not None}))
+            return
+        if msg.get("kind") == "peer":
+            import websockets
+
+            try:
+                url = msg.get("url")
+                if not (isinstance(url, str) and url.startswith(("ws://", "wss://"))):
+                    raise ValueError(f"peer probe: bad url {url!r}"[:200])
+                rtt, bandwidth = await self._measure_peer(url, msg.get("secret"), msg.get("fingerprint"),
+                                                          int(msg.get("bytes") or 1 << 18))
+                reply = {"probe": msg.get("probe"), "ok": True, "rtt_s": rtt, "bandwidth_bytes_per_s": bandwidth}
+            except (ChannelClosed, OSError, ValueError, ProtocolError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as exc:
+                reply = {"probe": msg.get("probe"), "ok": False, "error": (str(exc) or type(exc).__name__).splitlines()[0][:200]}
+            await self._send_control(Message(T.PROBED, reply))
             return
         slot = self.slots.get(msg["plan"])
         reps = int(msg.get("reps", 8))

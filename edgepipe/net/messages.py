@@ -119,8 +119,15 @@ class Probe(Wire):
     plan: int | None = None
     reps: int | None = None
     context: int | None = None
-    kind: str | None = None
+    kind: str | None = None  # None: time decode steps; "link": the uplink; "accept"/"peer": a worker-to-worker link
     bytes: int | None = None
+    url: str | None = None  # kind "peer": the data port of the worker to probe
+    secret: str | None = None  # kind "accept": the probe secret to accept; "peer": the one to present
+    fingerprint: str | None = None  # kind "peer": the probed data port's certificate (TLS clusters)
+
+
+PROBE_PLAN = 0
+"""Plan id a link probe presents on a data port (real plans count from 1, calibration's are negative)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,9 @@ class Probed(Wire):
     probe: int
     ok: bool
     times: list | None = None
+    rtt_s: float | None = None  # a peer probe: the least round trip of small frames on the data port
+    bandwidth_bytes_per_s: float | None = None  # a peer probe: extra bytes / extra seconds of a large frame
+    error: str | None = None  # a peer probe that failed: why (one line)
 
 
 @dataclass(frozen=True)
@@ -272,7 +282,12 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
             times = f.get("times")
             if times is not None and not (isinstance(times, list) and all(_finite(t) and t >= 0 for t in times)):
                 raise ProtocolError("probed: times must be finite seconds")
-            return Probed(_need_int(f["probe"], "probe"), bool(f.get("ok")), times)
+            rtt, bandwidth = _num(f.get("rtt_s")), _num(f.get("bandwidth_bytes_per_s"))
+            if (rtt is not None and rtt < 0) or (bandwidth is not None and bandwidth <= 0):
+                raise ProtocolError("probed: rtt_s must be >= 0 and bandwidth_bytes_per_s > 0")
+            error = f.get("error")
+            return Probed(_need_int(f["probe"], "probe"), bool(f.get("ok")), times, rtt, bandwidth,
+                          str(error).splitlines()[0][:200] if error else None)
         if msg.type is T.ERROR:
             code = f.get("code")
             try:

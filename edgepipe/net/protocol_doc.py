@@ -110,18 +110,25 @@ DOCS: dict[type, MessageDoc] = {
         "joins": "memberships of this process (1 + rejoins)",
         "loop_lag_s": "worst event-loop hold-up since the last pong",
     }),
-    messages.Probe: MessageDoc("c→w", "time decode steps of a slot, or the uplink", {
+    messages.Probe: MessageDoc("c→w; w→w on a data port (kind `echo`, plan 0)", "time decode steps of a slot, the uplink, or a worker-to-worker link", {
         "probe": "probe id",
         "plan": "the slot to time",
         "reps": "decode steps to time",
         "context": "positions prefilled first",
-        "kind": "`link`: send `bytes` bytes back instead",
-        "bytes": "payload size of a link probe",
+        "kind": "`link`: send `bytes` bytes back instead; `echo` (w→w): answer `probed` at once; `accept`: take `secret` as the probe credential of its data port; "
+                "`peer`: probe the data port at `url` (round trip and a timed `bytes` transfer)",
+        "bytes": "payload size of a link or peer probe",
+        "url": "`peer`: the data port to probe",
+        "secret": "`accept`: the credential to accept on plan 0; `peer`: the one to present",
+        "fingerprint": "`peer`: the probed data port's certificate (TLS clusters)",
     }),
-    messages.Probed: MessageDoc("w→c", "probe result", {
+    messages.Probed: MessageDoc("w→c; w→w (answer to `echo`)", "probe result", {
         "probe": "probe id",
         "ok": "whether the slot existed",
         "times": "seconds per decode step",
+        "rtt_s": "`peer`: least round trip of small frames on the data-port path",
+        "bandwidth_bytes_per_s": "`peer`: extra bytes / extra seconds of a large frame over a small one",
+        "error": "`peer`: why the probe failed",
     }, "`payload` for link probes"),
     messages.KvExport: MessageDoc("c→w", "send a sequence's KV of layers `[start, end)` to another worker", {
         "seq": "the sequence",

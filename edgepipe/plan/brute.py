@@ -72,6 +72,7 @@ def price(layout: Layout, model: ModelProfile, devices: dict[str, DeviceProfile]
     sends = [((COORDINATOR,), model.token_id_bytes, False)]
     sends += [(ids, model.units[end - 1].out_bytes_per_token, True) for ids, _, end in layout]
     receivers = [ids for ids, _, _ in layout] + [(COORDINATOR,)]
+    shared_busy: dict[str, float] = {}  # seconds per token each shared node's link carries
     for (src, nbytes, activation), dst in zip(sends, receivers):
         if dst == (COORDINATOR,):
             nbytes, activation = model.token_id_bytes, False
@@ -80,8 +81,14 @@ def price(layout: Layout, model: ModelProfile, devices: dict[str, DeviceProfile]
             scale = 0.5 if activation and devices[a].activation_dtype == "float16" else 1.0
             for b in dst:
                 h = max(h, hop(a, b, nbytes * scale))
+                relayed = a != COORDINATOR and b != COORDINATOR and (devices[a].relay or devices[b].relay)
+                for x, y in ([(a, COORDINATOR), (COORDINATOR, b)] if relayed else [(a, b)]):
+                    t = nbytes * scale / network.link(x, y).bandwidth_bytes_per_s / (len(src) * len(dst))
+                    for node in {x, y} & network.shared:
+                        shared_busy[node] = shared_busy.get(node, 0.0) + t
         ring += h
         worst = max(worst, h)
+    worst = max([worst, *shared_busy.values()])
     tpot = max(ring, sequences * worst)
     period = tpot / sequences
     energy = 0.0

@@ -16,8 +16,10 @@ Cost model (DESIGN.md "The planner"; seed 000 §5.2, seed 002 §3):
   the coordinator and pays both legs;
 - ring time T = sum of stage times + sum of hops (what one token of one sequence takes);
 - with S sequences in flight the pipeline period per sequence is max(T, S * B), where B is
-  the bottleneck: the largest per-token time of a stage (divided by its replica count) or
-  of a hop; throughput is S / max(T, S * B);
+  the bottleneck: the largest per-token time of a stage (divided by its replica count), of
+  a hop, or of a shared link (`NetworkProfile.shared`: a node whose one link carries all
+  its hops, each leg's bytes / bandwidth added up; seed 002's contention); throughput is
+  S / max(T, S * B);
 - a stage replicated on r devices splits its sequences evenly: each replica holds the whole
   range's weights and ceil(S / r) KV caches, and handles 1/r of the tokens;
 - energy per produced token = sum over plan devices of busy power x busy time + idle power
@@ -332,7 +334,7 @@ def evaluate(
     prefill_hops.append(hops[-1])
 
     ring = math.fsum(stage_times + hops)
-    bottleneck = max(effective + hops)
+    bottleneck = max(effective + hops + [shared_link_s(stages, model, devs, network)])
     tpot = max(ring, sequences * bottleneck)
     period = tpot / sequences  # seconds per token produced by the whole pipeline
     energy = math.fsum(
@@ -350,6 +352,38 @@ def evaluate(
         ring_s=ring,
         bottleneck_s=bottleneck,
     )
+
+
+def shared_link_s(
+    stages: tuple[Stage, ...], model: ModelProfile, devs: Mapping[str, DeviceProfile], network: NetworkProfile
+) -> float:
+    """Seconds per produced token that the busiest shared link (`NetworkProfile.shared`) is busy.
+
+    Every leg of every hop (a relayed hop: both legs through the coordinator) adds its bytes /
+    bandwidth to each shared node at either end, weighted by the share of tokens taking it
+    (replicas split their tokens evenly). With one sequence this never exceeds the ring time,
+    so only the pipelined period can change. 0.0 when no node is shared."""
+    if not network.shared:
+        return 0.0
+    busy: dict[str, float] = {}
+    token = model.token_id_bytes
+    n = model.n_units
+    senders = [((COORDINATOR,), token, False)] + [
+        (s.device_ids, token if s.end == n else model.units[s.end - 1].out_bytes_per_token, s.end != n) for s in stages
+    ]
+    receivers = [s.device_ids for s in stages] + [(COORDINATOR,)]
+    for (src, nbytes, activation), dst in zip(senders, receivers):
+        share = 1.0 / (len(src) * len(dst))
+        for a in src:
+            sent = nbytes * (devs[a].activation_scale if activation else 1.0)
+            for b in dst:
+                relayed = COORDINATOR not in (a, b) and (devs[a].relay or devs[b].relay)
+                for x, y in ((a, COORDINATOR), (COORDINATOR, b)) if relayed else ((a, b),):
+                    seconds = share * network.serialization_s(x, y, sent)
+                    for node in (x, y):
+                        if node in network.shared:
+                            busy[node] = busy.get(node, 0.0) + seconds
+    return max(busy.values(), default=0.0)
 
 
 def meets_target(prediction: Prediction, request: PlanRequest) -> bool | None:

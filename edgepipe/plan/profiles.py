@@ -11,6 +11,7 @@ device needs for one decode token), `speed` is cost units per second (1.0 = the 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -302,13 +303,21 @@ class NetworkProfile:
 
     A link given in one direction only is assumed symmetric; `default` (its src/dst are
     ignored) prices every pair that was not measured.
+
+    `shared`: nodes (device ids or `COORDINATOR`) whose one access link carries everything
+    they send and receive — a half-duplex radio, or the coordinator's uplink when it relays
+    for a browser. With several sequences in flight the hops touching such a node take turns
+    on its link, so the busiest shared link is a bottleneck candidate (see `plan.evaluate`;
+    seed 002's contention). Empty (the default): links are contention-free.
     """
 
     links: tuple[LinkProfile, ...] = ()
     default: LinkProfile = DEFAULT_LINK
+    shared: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "links", tuple(self.links))
+        object.__setattr__(self, "shared", frozenset(self.shared))
         seen: set[tuple[str, str]] = set()
         for link in self.links:
             _require(link.src != link.dst, f"link {link.src}->{link.dst} connects a node to itself")
@@ -329,3 +338,33 @@ class NetworkProfile:
     def hop_s(self, src: str, dst: str, nbytes: float) -> float:
         """Direct transfer time from `src` to `dst` (no relay rule; see `plan.hop_s`)."""
         return self.link(src, dst).transfer_s(nbytes)
+
+    def serialization_s(self, src: str, dst: str, nbytes: float) -> float:
+        """Seconds `nbytes` occupy the link from `src` to `dst` (no round trip)."""
+        return nbytes / self.link(src, dst).bandwidth_bytes_per_s
+
+
+def link_matrix(
+    uplinks: Mapping[str, tuple[float, float]],
+    measured: Mapping[tuple[str, str], tuple[float, float]] | None = None,
+) -> tuple[LinkProfile, ...]:
+    """The links the planner prices, from what was measured.
+
+    `uplinks`: per device, (RTT, bandwidth) of its link to the coordinator. `measured`: per
+    ordered pair (src, dst), (RTT, bandwidth) a worker measured on its data port to the other
+    one. A pair measured in one direction is priced that way both ways; a pair nobody measured
+    is priced as a path through both access links (star topology): the larger RTT, the
+    smaller bandwidth. Sorted, so equal inputs give an equal profile.
+    """
+    measured = measured or {}
+    ids = sorted(uplinks)
+    links = [LinkProfile(a, COORDINATOR, *uplinks[a]) for a in ids]
+    for i, a in enumerate(ids):
+        for b in ids[i + 1:]:
+            pair = [(x, y) for x, y in ((a, b), (b, a)) if (x, y) in measured]
+            if pair:
+                links += [LinkProfile(x, y, *measured[(x, y)]) for x, y in pair]
+            else:
+                (rtt_a, bw_a), (rtt_b, bw_b) = uplinks[a], uplinks[b]
+                links.append(LinkProfile(a, b, max(rtt_a, rtt_b), min(bw_a, bw_b)))
+    return tuple(links)

@@ -178,6 +178,8 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait; beyond this the API answers 429."),
     step_timeout: float = typer.Option(60.0, "--step-timeout", min=1.0,
                                        help="Seconds a pipeline step may take; a stage that computed nothing meanwhile is quarantined."),
+    capacity_wait: float = typer.Option(30.0, "--capacity-wait", min=0.0,
+                                        help="Seconds a request waits for workers that can hold the model before a 503 says what is missing."),
     objective: str = typer.Option("latency", "--objective", help="latency | throughput | energy"),
     tpot_target_ms: Optional[float] = typer.Option(None, "--tpot-target-ms", help="Time-per-token target for the energy objective."),
     placement: str = typer.Option("planner", "--placement", help="planner | memory (split layers in proportion to memory)."),
@@ -201,7 +203,7 @@ def serve(
                              join_token=join_token, admin_token=admin_token, data_secrets=data_secrets, tls=tls, tls_cert=tls_cert, tls_key=tls_key,
                              tls_dir=str(home_dir(home) / "tls"),
                              calibration_file=str(home_dir(home) / "calibrations" / f"{pkg.manifest.name}.json"),
-                             max_active=max_active, max_queue=max_queue, step_timeout_s=step_timeout, objective=objective,
+                             max_active=max_active, max_queue=max_queue, step_timeout_s=step_timeout, capacity_wait_s=capacity_wait, objective=objective,
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
                              cluster=cluster, advertise=advertise)
 

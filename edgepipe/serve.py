@@ -38,6 +38,7 @@ class ServeSettings:
     max_active: int = 16
     max_queue: int = 64
     step_timeout_s: float = 60.0
+    capacity_wait_s: float = 30.0  # a request waits this long for workers that can hold the model, then 503
     calibration_file: str | None = None  # device calibrations kept across restarts
     worker_args: list[str] = field(default_factory=list)  # extra flags for every local worker
     log_level: str = "warning"
@@ -152,6 +153,7 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
     coordinator = Coordinator(package, CoordinatorSettings(min_workers=max(1, settings.workers), join_token=settings.join_token,
                                                                  issue_data_secrets=settings.data_secrets != "derived",
                                                                  step_timeout_s=settings.step_timeout_s,
+                                                                 capacity_wait_s=settings.capacity_wait_s,
                                                                  calibration_file=settings.calibration_file), plan_fn=plan_fn)
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,
                      admission=Admission(settings.max_active, settings.max_queue), admin_token=settings.admin_token)

@@ -60,12 +60,16 @@ def test_a_silent_worker_is_suspected_then_lost_after_an_adaptive_grace():
 def test_waits_are_bounded_with_a_reason():
     waits = scheduling.WaitSettings(capacity_wait_s=30, max_wait_s=300)
     small = joined("a", "b", memory=300_000_000)
-    lacking = scheduling.shortfall(small, model_bytes=1_000_000_000, overhead_bytes=0)
-    assert lacking == "not enough memory: the 2 connected worker(s) hold 600 MB for weights, the model needs 1000 MB"
+    lacking = scheduling.shortfall(small, weight_bytes=500_000_000, kv_bytes=200_000_000, overhead_bytes=0)
+    assert lacking == ("not enough memory: the 2 connected worker(s) hold 600 MB for the model, it needs 700 MB "
+                       "(500 MB weights + 200 MB KV room)")
+    assert scheduling.shortfall(small, weight_bytes=500_000_000, kv_bytes=100_000_000, overhead_bytes=0) is None
+    assert scheduling.shortfall(small, weight_bytes=400_000_000, kv_bytes=0, overhead_bytes=100_000_000) is None
+    assert scheduling.shortfall(small, weight_bytes=400_000_000, kv_bytes=0, overhead_bytes=100_001_000) is not None
     assert scheduling.wait_verdict(small, 29.0, lacking, waits) is None
     assert scheduling.wait_verdict(small, 30.0, lacking, waits).startswith("cluster lacks capacity after waiting 30 s: not enough memory")
-    assert scheduling.shortfall(S.ClusterState(), 1, 0) == "no workers are connected"
-    assert scheduling.shortfall(joined("a", memory=1, budget=False), 10, 0) is None  # no declared budget: RAM bounds it
+    assert scheduling.shortfall(S.ClusterState(), 1, 0, 0) == "no workers are connected"
+    assert scheduling.shortfall(joined("a", memory=1, budget=False), 10, 0, 0) is None  # no declared budget: RAM bounds it
     assert scheduling.wait_verdict(small, 300.0, None, waits).startswith("cluster not up after waiting 300 s")
 
 

@@ -15,6 +15,7 @@ import itertools
 import math
 from typing import AsyncIterator
 
+from ..net.limits import KV_RESERVE_TOKENS
 from ..runtime import controls
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta
 from . import scheduling, state as S
@@ -52,8 +53,9 @@ class Requests:
     def lacking(self) -> str | None:
         """Why the connected workers cannot hold the model (None: they may)."""
         c = self.coord
-        model_bytes = sum(c.manifest.variant(u.index, c.settings.precision).weight_bytes for u in c.manifest.units)
-        return scheduling.shortfall(c.cluster, model_bytes, RUNTIME_OVERHEAD_BYTES)
+        weights = sum(c.manifest.variant(u.index, c.settings.precision).weight_bytes for u in c.manifest.units)
+        kv = sum(u.kv_bytes_per_token for u in c.manifest.units) * min(KV_RESERVE_TOKENS, c.manifest.max_context)
+        return scheduling.shortfall(c.cluster, weights, kv, RUNTIME_OVERHEAD_BYTES)
 
     async def stream(self, state: SequenceState, rid: str | None = None) -> AsyncIterator[TextDelta]:
         """Run one sequence to its end, yielding text as it is produced."""

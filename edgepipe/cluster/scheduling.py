@@ -111,8 +111,11 @@ class WaitSettings:
     max_wait_s: float = 300.0  # not Up for any other reason: fail after this
 
 
-def shortfall(state: ClusterState, model_bytes: int, overhead_bytes: int) -> str | None:
-    """One line saying why the connected workers cannot hold the model, or None if they may."""
+def shortfall(state: ClusterState, weight_bytes: int, kv_bytes: int, overhead_bytes: int) -> str | None:
+    """One line saying why the connected workers cannot hold the model, or None if they may.
+
+    A plan needs the weights, the KV room every stage keeps (``kv_bytes`` over all layers) and
+    each worker's runtime overhead; only declared budgets are counted (see below)."""
     workers = state.live()
     if not workers:
         return "no workers are connected"
@@ -120,10 +123,10 @@ def shortfall(state: ClusterState, model_bytes: int, overhead_bytes: int) -> str
     if len(budget) < len(workers):  # a worker without a declared budget is bounded by its host's RAM: assume it fits
         return None
     held = sum(max(0, w.memory_bytes - overhead_bytes) for w in workers)
-    if held >= model_bytes:
+    if held >= weight_bytes + kv_bytes:
         return None
-    return (f"not enough memory: the {len(workers)} connected worker(s) hold {held / 1e6:.0f} MB for weights, "
-            f"the model needs {model_bytes / 1e6:.0f} MB")
+    return (f"not enough memory: the {len(workers)} connected worker(s) hold {held / 1e6:.0f} MB for the model, "
+            f"it needs {(weight_bytes + kv_bytes) / 1e6:.0f} MB ({weight_bytes / 1e6:.0f} MB weights + {kv_bytes / 1e6:.0f} MB KV room)")
 
 
 def wait_verdict(state: ClusterState, waited_s: float, lacking: str | None, settings: WaitSettings) -> str | None:

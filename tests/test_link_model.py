@@ -144,3 +144,25 @@ def test_contention_was_exercised():
     if not CONTENDED:
         pytest.skip("run with the random cases")
     assert sum(CONTENDED) > 0
+
+
+def test_hops_learn_what_decode_steps_took_beyond_the_link_model():
+    """Steps that took 3 ms more than compute + links, over 2 stages (3 hops): every hop is
+    priced 1 ms slower from then on (RTT + 2 ms), measured pairs included."""
+    units = [SimpleNamespace(out_bytes_per_token=2304, cost_s=0.001) for _ in range(4)]
+    prof = ClusterProfile(SimpleNamespace(max_context=2048, units=units, name="m"))
+    for wid in ("w1", "w2"):
+        prof.heartbeat(wid, 0.002)
+        prof.uploaded(wid, 1 << 20, (1 << 20) / 1e7)
+    prof.peer_measured("w1", "w2", 0.004, 1e7)
+    workers = [SimpleNamespace(id="w1"), SimpleNamespace(id="w2")]
+    plain = prof.network_profile(workers)
+    stages = [("w1", 0, 2), ("w2", 2, 4)]
+    links = 0.001 + 4 / 1e7 + 0.002 + 2304 / 1e7 + 0.001 + 4 / 1e7
+    prof.step_observed(stages, 0.010 + 0.005 + links + 0.003, [["w1", 0.010, 1, 4, 1], ["w2", 0.005, 1, 4, 1]])
+    prof.step_observed(stages, 0.5, [["w1", 0.010, 8, 4, 1], ["w2", 0.005, 8, 4, 1]])  # a prefill: not a decode step
+    learnt = prof.network_profile(workers)
+    assert prof.hop_excess.median == pytest.approx(0.001)
+    assert learnt.link("w1", "w2").rtt_s == pytest.approx(plain.link("w1", "w2").rtt_s + 0.002)
+    assert learnt.hop_s(COORDINATOR, "w1", 4) == pytest.approx(plain.hop_s(COORDINATOR, "w1", 4) + 0.001)
+    assert NetworkProfile().with_hop_excess(-1.0) == NetworkProfile()

@@ -11,6 +11,13 @@ activations take (``probe_pair``): at join, the newcomer and each calibrated wor
 other (both directions, at most ``MAX_PEERS_AT_JOIN`` peers); after a deployment, each stage
 probes its planned successor if that pair was never measured (``probe_neighbours``). The
 results go into ``ClusterProfile.peer_links``, the matrix the planner's network profile uses.
+
+The first plan's stages are timed again on the ranges they will actually run, before it serves
+(``time_stages``): the join calibration times one and four layers, while a stage holds the
+embedding or the head too, whose cost relative to a layer differs between the importer and
+the device. Each device's speed is set from its own range (repeated until steady) and the
+plan's prediction is made again from those speeds; the first requests then refine them
+(``ClusterProfile.step``).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ MAX_ROUNDS = 3
 PROBE_REPS = 34  # the first two warm up; 32 more than the short probe, so the difference outweighs noise
 MAX_PEERS_AT_JOIN = 8  # a newcomer measures its links to at most this many workers at once (the rest when planned)
 PEER_PROBE_BYTES = 1 << 19  # largest timed transfer of a peer probe (the worker sizes it to ~0.15 s)
+STAGE_REPS = 18  # decode steps timed per round on a deployed stage (the first two warm up)
 
 
 def spread(samples: list[tuple[float, float]]) -> float:
@@ -169,6 +177,45 @@ class Calibrator:
         if learnt:
             c.replan_wanted.set()
 
+    # -- the first plan's own ranges ---------------------------------------------------------
+    async def time_stages(self, dep) -> None:
+        """Time each stage of the first deployment on its own range (one stage at a time,
+        rounds repeated while their spread is above ``STABLE_SPREAD``), set each device's
+        speed from it, and price the plan again (``dep.predicted`` updated in place; the
+        calibration-only figure is kept as ``calibrated_tpot_s``)."""
+        c = self.coord
+        if not c.settings.calibrate or c.cluster.ever_up or not dep.predicted:
+            return
+        timed = {}
+        try:
+            async with self.lock:
+                for s in dep.stages:
+                    cost = c.profile.unit_cost(s.start, s.end)
+                    rounds = []
+                    for _ in range(MAX_ROUNDS):
+                        t0 = c.clock()
+                        timing = await self._probe(s.worker_id, plan=dep.plan_id, reps=STAGE_REPS, context=32)
+                        t1 = c.clock()
+                        await self._probe(s.worker_id, plan=dep.plan_id, reps=2, context=32)
+                        times, _ = trusted_step_times((timing.times or [])[2:], t1 - t0, c.clock() - t1, STAGE_REPS - 2)
+                        if not times:
+                            break
+                        rounds.append((spread([(cost, t) for t in times]), times))
+                        if rounds[-1][0] <= STABLE_SPREAD:
+                            break
+                    if rounds:
+                        seconds = statistics.median(min(rounds, key=lambda r: r[0])[1])
+                        c.profile.range_timed(s.worker_id, s.start, s.end, seconds)
+                        timed[s.worker_id] = round(seconds * 1e3, 3)
+        except (asyncio.TimeoutError, ChannelClosed, KeyError) as exc:
+            c.event("stage_timing_failed", plan=dep.plan_id, error=str(exc) or type(exc).__name__)
+            return
+        repriced = reprice(c, dep)
+        if repriced:
+            dep.predicted.update({"calibrated_tpot_s": dep.predicted.get("tpot_s"), **repriced})
+        c.event("stages_timed", plan=dep.plan_id, step_ms=timed, tpot_ms=round(dep.predicted["tpot_s"] * 1e3, 3))
+        c.replan_wanted.set()  # the speeds moved: the policy decides whether another plan is now better
+
     async def _round(self, wid: str, ranges) -> list[tuple[float, float]]:
         c = self.coord
         samples = []
@@ -256,3 +303,26 @@ class Calibrator:
             c.manifest = c.package.manifest
             c.profile.manifest = c.manifest
             c.event("variant", precision=precision, status="ready")
+
+
+def reprice(c, dep) -> dict | None:
+    """``dep``'s stages priced with the cost model and today's profiles (None where the
+    coordinator plans without the cost model, or the plan no longer fits)."""
+    from ..plan import PlanError, evaluate
+    from .planning import PlannerPolicy, running_plan
+
+    policy = c.plan_fn
+    if not isinstance(policy, PlannerPolicy):
+        return None
+    views = c.workers
+    workers = [views[w] for w in dep.workers if w in views]
+    if len(workers) != len(dep.workers):
+        return None
+    model, request = policy.model(c), policy.request(c)
+    try:
+        p = evaluate(running_plan(dep, model, request).stages, model, c.profile.device_profiles(workers),
+                     c.profile.network_profile(workers), request)
+    except PlanError:
+        return None
+    return {"tpot_s": p.tpot_s, "ttft_s": p.ttft_s, "throughput_tok_s": p.throughput_tok_s, "energy_j_per_token": p.energy_j_per_token,
+            "stage_times_s": list(p.stage_times_s), "hop_times_s": list(p.hop_times_s)}

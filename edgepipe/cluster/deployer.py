@@ -18,7 +18,8 @@ from . import deploy, state as S
 from .placement import Deployment, StageAssignment
 from .profiling import RUNTIME_OVERHEAD_BYTES
 
-MOVE_TIMEOUT_S = 10.0  # KV moves still missing after this are rebuilt by replay instead
+MOVE_TIMEOUT_S = 10.0  # KV moves still missing after this (plus 3x their predicted time) are rebuilt by replay
+MOVE_TIMEOUT_MAX_S = 120.0
 QUIESCE_S = 30.0
 
 
@@ -101,7 +102,7 @@ class Deployer:
                 if decision is not None and not decision["switch"]:
                     return current  # not worth its switch cost yet (hysteresis)
             try:
-                return await self.deploy(stages, reason, {k: v for k, v in predicted.items() if k != "switch"})
+                return await self._deploy(stages, reason, {k: v for k, v in predicted.items() if k != "switch"})
             except Exception:
                 if spare is not None:
                     c.emit(S.SpareChosen(None))  # the next attempt asks the planner
@@ -121,7 +122,12 @@ class Deployer:
             link.loads.pop(msg.plan, None)
 
     async def deploy(self, stages: list[StageAssignment], reason: str = "", predicted: dict | None = None) -> Deployment:
-        """Prepare ``stages`` beside the active plan, then swap it in."""
+        """Prepare ``stages`` beside the active plan, then swap it in (after any change under way:
+        two plans prepared at once would each move KV from a plan the other replaced)."""
+        async with self.lock:
+            return await self._deploy(stages, reason, predicted)
+
+    async def _deploy(self, stages: list[StageAssignment], reason: str = "", predicted: dict | None = None) -> Deployment:
         c = self.coord
         dep = Deployment(next(self._plan_ids), tuple(stages), reason, predicted or {})
         t0 = c.clock()
@@ -145,6 +151,7 @@ class Deployer:
         except BaseException as exc:
             c.emit(S.PrepareFailed(dep.plan_id, str(exc).splitlines()[0] if str(exc) else type(exc).__name__, c.clock()))
             raise
+        await c.calibrator.time_stages(dep)  # the first plan timed on its own ranges (calibration)
         c.emit(S.Committing(c.clock()))
         moved: dict = {}
         if old is not None:
@@ -225,7 +232,7 @@ class Deployer:
         # All moves run at once; whatever has not arrived within the bound is rebuilt by replay.
         everything = [f for futs in futures.values() for f in futs]
         if everything:
-            await asyncio.wait(everything, timeout=MOVE_TIMEOUT_S)
+            await asyncio.wait(everything, timeout=self._move_timeout(old, moved_bytes))
         ok = 0
         for rid, futs in futures.items():
             if all(f.done() and not f.cancelled() and f.exception() is None and f.result().ok for f in futs):
@@ -239,6 +246,12 @@ class Deployer:
         for move in [m for m, f in self.moves.items() if f.done()]:
             del self.moves[move]
         return {"kv_moved": ok, "kv_moved_bytes": moved_bytes, "kv_recomputed": len(recompute)}
+
+    def _move_timeout(self, old: Deployment, moved_bytes: int) -> float:
+        """How long all moves may take: 10 s plus three times their predicted transfer time (the
+        slowest sender's link carrying every byte), at most two minutes."""
+        bandwidth = min(self.coord.profile.link_of(w)[1] for w in old.workers)
+        return min(MOVE_TIMEOUT_S + 3 * moved_bytes / max(bandwidth, 1.0), MOVE_TIMEOUT_MAX_S)
 
     def _move_is_cheaper(self, old: Deployment, new: Deployment, length: int) -> bool:
         p = self.coord.profile

@@ -25,6 +25,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 from ..plan import COORDINATOR, failure_rate, DeviceProfile, ModelProfile, NetworkProfile, RollingMedian, UnitProfile, fit_speed_overhead
 from ..plan.profiles import DEFAULT_LINK, DEFAULT_POWER_BUSY_W, DEFAULT_POWER_IDLE_W, link_matrix
@@ -64,6 +65,7 @@ class ClusterProfile:
         self.lives: dict[str, DeviceLives] = {}
         self.known: dict[tuple, DeviceMeasurements] = {}  # last calibration by (name, declared hardware)
         self.peer_links: dict[tuple[str, str], tuple[float, float]] = {}  # (src, dst) -> (RTT, bandwidth) on the data port
+        self.hop_excess = RollingMedian(window)  # seconds per hop decode steps took beyond the link model
 
     def of(self, worker_id: str) -> DeviceMeasurements:
         return self.devices.setdefault(worker_id, DeviceMeasurements())
@@ -159,6 +161,28 @@ class ClusterProfile:
         if round_trip is not None:
             m.rtt = m.rtt.push(round_trip)
 
+    def range_timed(self, worker_id: str, start: int, end: int, seconds: float) -> None:
+        """A decode step of the range ``[start, end)`` it will run took ``seconds``: its speed from that."""
+        m = self.of(worker_id)
+        cost = self.unit_cost(start, end)
+        if cost > 0 and seconds > m.overhead_s:
+            m.speed = cost / (seconds - m.overhead_s)
+
+    def step_observed(self, stages: list[tuple[str, int, int]], wall_s: float, timings: list) -> None:
+        """A single-sequence decode step took ``wall_s`` at the coordinator, ``timings`` (one
+        ``[worker, compute_s, positions, ...]`` per stage) of it computing: the rest, beyond
+        what the links predict (``RTT/2 + bytes/bandwidth`` per hop), is learnt as a per-hop
+        excess (frame handling, event loops, the coordinator's own step) that every hop is then
+        priced with (``network_profile``)."""
+        if len(timings) != len(stages) or any(e[2] != 1 or (len(e) > 4 and e[4] != 1) for e in timings):
+            return
+        ids = [w for w, _, _ in stages]
+        network = self.network_profile([SimpleNamespace(id=w) for w in ids], learnt=False)
+        token = 4
+        hops = [network.hop_s(COORDINATOR, ids[0], token), network.hop_s(ids[-1], COORDINATOR, token)]
+        hops += [network.hop_s(a, b, self.manifest.units[end - 1].out_bytes_per_token) for (a, _, end), (b, _, _) in zip(stages, stages[1:])]
+        self.hop_excess = self.hop_excess.push((wall_s - sum(e[1] for e in timings) - sum(hops)) / len(hops))
+
     def peer_measured(self, src: str, dst: str, rtt_s: float, bandwidth_bytes_per_s: float) -> None:
         """``src`` measured its data-port path to ``dst``: priced from now on instead of the star guess."""
         self.peer_links[(src, dst)] = (rtt_s, bandwidth_bytes_per_s)
@@ -223,15 +247,18 @@ class ClusterProfile:
         m = self.of(worker_id)
         return (min(m.rtt.values) if m.rtt.values else DEFAULT_LINK.rtt_s, m.bandwidth_bytes_per_s or LOOPBACK_BANDWIDTH)
 
-    def network_profile(self, workers) -> NetworkProfile:
+    def network_profile(self, workers, learnt: bool = True) -> NetworkProfile:
         """Coordinator links from heartbeats and uplink probes, worker-to-worker links as
-        measured (else the star guess); the coordinator's link shared when it relays."""
+        measured (else the star guess); the coordinator's link shared when it relays; every
+        hop slower by the excess decode steps showed (``step_observed``) unless ``learnt`` is False."""
         workers = list(workers)
         uplinks = {w.id: self.link_of(w.id) for w in workers}
         ids = set(uplinks)
         measured = {p: v for p, v in self.peer_links.items() if p[0] in ids and p[1] in ids}
         relays = any(getattr(w, "relay", False) for w in workers)
-        return NetworkProfile(link_matrix(uplinks, measured), shared=frozenset({COORDINATOR}) if relays else frozenset())
+        network = NetworkProfile(link_matrix(uplinks, measured), shared=frozenset({COORDINATOR}) if relays else frozenset())
+        excess = self.hop_excess.median
+        return network.with_hop_excess(excess) if learnt and excess is not None else network
 
 
 def _declared(value, default: float) -> float:

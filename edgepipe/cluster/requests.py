@@ -152,4 +152,6 @@ class Requests:
             batch = entry[4] if len(entry) > 4 else 1
             if positions == 1 and worker in ranges:
                 self.coord.profile.step(worker, *ranges[worker], compute, batch)
+        if record.first_in_batch and record.tokens_in == 1 and self.coord.requests_in_flight == 1:  # what hops took (profiling)
+            self.coord.profile.step_observed([(s.worker_id, s.start, s.end) for s in dep.stages], record.wall_s, record.timings)
         self.coord.recent_steps.append((record.tokens_in, record.wall_s))

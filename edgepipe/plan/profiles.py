@@ -339,6 +339,14 @@ class NetworkProfile:
         """Direct transfer time from `src` to `dst` (no relay rule; see `plan.hop_s`)."""
         return self.link(src, dst).transfer_s(nbytes)
 
+    def with_hop_excess(self, seconds: float) -> NetworkProfile:
+        """The same network with every hop `seconds` slower (each RTT, the default's too, longer
+        by twice that): what hops were seen to take beyond the link model (framing, event loops)."""
+        if seconds <= 0:
+            return self
+        grow = lambda x: LinkProfile(x.src, x.dst, x.rtt_s + 2 * seconds, x.bandwidth_bytes_per_s)  # noqa: E731
+        return NetworkProfile(tuple(grow(x) for x in self.links), grow(self.default), self.shared)
+
     def serialization_s(self, src: str, dst: str, nbytes: float) -> float:
         """Seconds `nbytes` occupy the link from `src` to `dst` (no round trip)."""
         return nbytes / self.link(src, dst).bandwidth_bytes_per_s

@@ -286,11 +286,30 @@ def test_throughput_equals_brute_force_with_replicas(seed):
     assert got == pytest.approx(objective_value(expected[2], request), rel=1e-9)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [2, 7])
+def test_regrouping_beyond_the_exact_pool_matches_the_exact_replica_search(seed, monkeypatch):
+    """8 devices (beyond REPLICA_EXACT_DEVICES): exact search on subsets, then the split/merge
+    local search over replica groups, equals the exact replica search over all 8 (seeds where
+    greedy replication alone fell 6-7% short)."""
+    import edgepipe.plan.order as order
+
+    rng = random.Random(700 + seed)
+    model, devices, network = random_instance(rng, 8, 6, memory_share=(0.2, 0.7))
+    request = PlanRequest(objective=Objective.THROUGHPUT, sequences=rng.choice([3, 4, 6]))
+    searched = plan(model, devices, network, request)
+    monkeypatch.setattr(order, "REPLICA_EXACT_DEVICES", 8)
+    exact = plan(model, devices, network, request)
+    assert exact.optimal and not searched.optimal
+    got = objective_value(searched.best.predicted, request)
+    assert got == pytest.approx(objective_value(exact.best.predicted, request), rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(2))
 def test_throughput_without_exact_replicas_beats_unreplicated_optimum(seed):
-    """Beyond REPLICA_EXACT_DEVICES the bottleneck search is exact and replicas are greedy."""
+    """Beyond REPLICA_EXACT_DEVICES the bottleneck search is exact and replicas are searched
+    locally from the unreplicated optimum."""
     rng = random.Random(200 + seed)
-    model, devices, network = random_instance(rng, 6, 7)
+    model, devices, network = random_instance(rng, 8, 5)
     request = PlanRequest(objective=Objective.THROUGHPUT, sequences=3)
     expected = brute_force(model, devices, network, request, max_group=1)
     result = plan(model, devices, network, request)

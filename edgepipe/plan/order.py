@@ -13,7 +13,8 @@ implements the three objectives:
   ring time T with every stage and hop <= beta, and 1/throughput = max(T/S, B) is minimised
   at the smallest beta where T/S <= beta or the one just below it (exact when the inner
   search is); stages are replicated over groups of devices (exactly for pools of up to
-  `REPLICA_EXACT_DEVICES`, greedily beyond);
+  `REPLICA_EXACT_DEVICES`; beyond, spares are added greedily and then a local search splits
+  and merges groups, each grouping priced at its best split: `replicas.regroup`);
 - energy (seed 002's QoE form): energy = A + P*T (A: busy-minus-idle energy, P: idle power
   of the plan's devices). Fixing the device set fixes P, so `energy.search_sets` runs an exact
   subset DP per set (every set of pools up to `ENERGY_EXACT_DEVICES`, else the sets of the best
@@ -52,6 +53,7 @@ from .plan import (
     objective_value,
 )
 from .energy import energy_bound, search_sets
+from .replicas import regroup
 from .profiles import DeviceProfile, ModelProfile, NetworkProfile
 from .split import (
     INF,
@@ -61,6 +63,7 @@ from .split import (
     best_split,
     build_pricing,
     cost_tables,
+    device_tables,
     lagrangian_bound,
     relaxed_split,
     subset_dp,
@@ -80,8 +83,21 @@ ENERGY_LIMITS = 240
 """Bottleneck caps tried on those sets with several sequences: every distinct stage/hop time
 up to the best plan's bottleneck, or this many quantiles of them."""
 
-REPLICA_EXACT_DEVICES = 5
-"""Pools up to this size search replica groups exactly (every group is a slot)."""
+REPLICA_EXACT_DEVICES = 7
+"""Pools up to this size search replica groups exactly (every group is a slot): under a
+second for 7 devices x 32 units with 4 sequences on the 2-core reference machine."""
+
+REGROUP_EVALUATIONS = 200
+"""Beyond that, pipelines of replica groups priced by the split/merge local search
+(`replicas.regroup`) from each of the best greedily replicated plans."""
+
+REGROUP_SEEDS = 2
+"""How many of the best plans the local search starts from."""
+
+REPLICA_POLISH_CELLS = 400_000
+"""Beyond `REPLICA_EXACT_DEVICES`, the exact replica search also runs on the largest subsets
+(the best plan's devices, the fastest devices) whose subset-DP table stays under this many
+cells; its plans seed the local search."""
 
 SUBSET_DP_MAX_CELLS = 20_000_000
 """Largest subset-DP table (sets x slots x units) searched exactly; beyond, anneal."""
@@ -443,6 +459,8 @@ def _plan(
             energy_lower = _energy(ctx, candidates, tables, count, ring_lower, exact_sets=not adjusted)
         if request.objective is Objective.THROUGHPUT and request.replicas and seq > 1 and not replicate:
             _replicate_greedily(ctx, candidates)
+            if not adjusted:
+                _regroup(ctx, candidates)
 
     ranked = candidates.ranked()
     if prefer_not:
@@ -665,6 +683,71 @@ def _replicate_greedily(ctx: _Context, candidates: _Candidates) -> None:
             if best is current:
                 break
             current = best
+
+
+def _regroup(ctx: _Context, candidates: _Candidates) -> None:
+    """Split/merge local search over replica groups from the best plans (`replicas.regroup`)."""
+    tables = device_tables(ctx.model, ctx.devices, ctx.network, ctx.request)
+    ids = tables.ids
+    index = {d: i for i, d in enumerate(ids)}
+    speed_rank = sorted(range(len(ids)), key=lambda i: (-ctx.devices[ids[i]].speed, ids[i]))
+
+    def accept(layout: tuple[tuple[tuple[int, ...], int, int], ...]) -> tuple:
+        stages = tuple(Stage(tuple(ids[d] for d in group), x, i) for group, x, i in layout)
+        try:
+            priced = candidates.add_stages(stages)
+        except PlanError as error:
+            raise ValueError(str(error)) from error
+        return (priced.key, priced.order)
+
+    rank_ids = [ids[i] for i in speed_rank]
+    size = _polish_size(ctx.model.n_units, ctx.request.sequences, len(ids))
+    if size >= 2:
+        best = sorted(candidates.ranked()[0].device_set, key=rank_ids.index)
+        subsets = []
+        for first in (best, []):
+            members = tuple(sorted((first + [d for d in rank_ids if d not in first])[:size]))
+            if members not in subsets:
+                subsets.append(members)
+        for members in subsets:
+            _replicate_exactly_on(ctx, candidates, members)
+    starts = []
+    for priced in candidates.ranked()[:REGROUP_SEEDS]:
+        start = tuple(tuple(sorted(index[d] for d in stage.device_ids)) for stage in priced.stages)
+        if start not in starts:
+            starts.append(start)
+    for start in starts:
+        regroup(tables, start, ctx.request.sequences, speed_rank, REGROUP_EVALUATIONS, accept)
+
+
+def _polish_size(n: int, sequences: int, m: int) -> int:
+    """Largest subset searched exactly with replica groups within `REPLICA_POLISH_CELLS`."""
+    best = 0
+    for size in range(2, min(m, REPLICA_EXACT_DEVICES) + 1):
+        slots = sum(math.comb(size, r) for r in range(1, min(sequences, size) + 1))
+        if subset_dp_size(n, size, slots) <= REPLICA_POLISH_CELLS:
+            best = size
+    return best
+
+
+def _replicate_exactly_on(ctx: _Context, candidates: _Candidates, members: Sequence[str]) -> None:
+    """The exact replica search (every group a slot) restricted to `members`."""
+    sub = {d: ctx.devices[d] for d in members}
+    request = ctx.request
+    pricing = build_pricing(ctx.model, sub, ctx.network, request, max_replicas=min(request.sequences, len(sub)))
+    sub_ctx = _Context(ctx.model, sub, ctx.network, request, pricing, "exact-subset-dp", len(sub))
+    found = _Candidates(sub_ctx)
+    count = max(4, request.top_k + 2)
+
+    def tables(**kwargs: Any) -> CostTables:
+        return cost_tables(pricing, **kwargs)
+
+    first = _search(sub_ctx, tables(balance=True), 0)
+    found.add(first, count)
+    if first.by_set:
+        _throughput(sub_ctx, found, tables, count)
+    for priced in found.ranked()[:count]:
+        candidates.add_stages(priced.stages)
 
 
 def _reason(ctx: _Context, priced: _Priced, best: _Priced, position: int) -> str:

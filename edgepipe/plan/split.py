@@ -60,66 +60,63 @@ class Pricing:
         return len(self.slots)
 
 
-def build_pricing(
+@dataclass(frozen=True, eq=False)
+class DeviceTables:
+    """Per-device costs for one (model, pool, network, request), before slots are formed.
+
+    `slot_pricing` turns them into a `Pricing` for any list of slots (device groups) without
+    re-reading the network: the replica searches price many groupings of one pool.
+    """
+
+    ids: tuple[str, ...]
+    n: int
+    sequences: int
+    dev_time: np.ndarray  # (m, n+1, n+1) time of [x, i) on each device, inf where x >= i
+    needs: dict[tuple[int, str | None], np.ndarray]  # (KV caches, precision) -> (n+1, n+1) bytes
+    precisions: tuple[str | None, ...]
+    memory: np.ndarray  # (m,) bytes
+    model: ModelProfile
+    dev_hop: np.ndarray  # (m, m, n+1)
+    dev_enter: np.ndarray  # (m,)
+    dev_leave: np.ndarray  # (m,)
+    dev_leave_partial: np.ndarray  # (m, n+1)
+
+    def need(self, sequences: int, precision: str | None) -> np.ndarray:
+        key = (sequences, precision)
+        if key not in self.needs:
+            self.needs[key] = _stage_need(self.model, sequences, precision)
+        return self.needs[key]
+
+
+def _stage_need(model: ModelProfile, sequences: int, precision: str | None) -> np.ndarray:
+    """(n+1, n+1) bytes of stage [x, i) with `sequences` KV caches in weight variant `precision`."""
+    n = model.n_units
+    kv_prefix = np.concatenate(([0], np.cumsum(model.kv_bytes_per_sequence, dtype=np.int64)))
+    weight_prefix = np.concatenate(([0], np.cumsum(model.unit_weights(precision), dtype=np.int64)))
+    weights = weight_prefix[None, :] - weight_prefix[:, None]
+    if n > 1:
+        weights[0, n] -= model.tied_bytes  # one stage holds the tied embedding and head
+    kv = kv_prefix[None, :] - kv_prefix[:, None]
+    return weights + sequences * kv + model.runtime_overhead_bytes
+
+
+def device_tables(
     model: ModelProfile,
     devices: Mapping[str, DeviceProfile],
     network: NetworkProfile,
     request: PlanRequest,
-    *,
-    max_replicas: int = 1,
-    replica_pool: Sequence[str] | None = None,
-) -> Pricing:
-    """Lay out the cost model of `evaluate` for `devices` (ids in sorted order).
-
-    With `max_replicas` > 1, slots also include every group of up to that many devices
-    taken from `replica_pool` (default: all), each group replicating one stage.
-    """
+) -> DeviceTables:
+    """Stage times, memory needs and hops per device (ids in sorted order)."""
     ids = tuple(sorted(devices))
     m, n = len(ids), model.n_units
     units = model.units
-    seq = request.sequences
-
     cost_prefix = np.concatenate(([0.0], np.cumsum([u.cost for u in units], dtype=np.float64)))
-    kv_prefix = np.concatenate(([0], np.cumsum(model.kv_bytes_per_sequence, dtype=np.int64)))
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)  # x < i
-
-    def stage_need(sequences: int, precision: str | None) -> np.ndarray:
-        weight_prefix = np.concatenate(([0], np.cumsum(model.unit_weights(precision), dtype=np.int64)))
-        weights = weight_prefix[None, :] - weight_prefix[:, None]
-        if n > 1:
-            weights[0, n] -= model.tied_bytes  # one stage holds the tied embedding and head
-        kv = kv_prefix[None, :] - kv_prefix[:, None]
-        return weights + sequences * kv + model.runtime_overhead_bytes
-
     span = cost_prefix[None, :] - cost_prefix[:, None]
     speed = np.array([devices[d].speed for d in ids])
     overhead = np.array([devices[d].overhead_s for d in ids])
     memory = np.array([devices[d].memory_bytes for d in ids], dtype=np.int64)
     dev_time = np.where(upper[None], overhead[:, None, None] + span[None] / speed[:, None, None], INF)
-
-    slots: list[tuple[int, ...]] = [(d,) for d in range(m)]
-    if max_replicas > 1:
-        pool = sorted(ids.index(d) for d in (replica_pool if replica_pool is not None else ids))
-        for r in range(2, min(max_replicas, len(pool)) + 1):
-            slots.extend(combinations(pool, r))
-    k = len(slots)
-    # Python ints beyond 62 devices: only the subset DP needs fast masks, and it never runs there.
-    masks = np.array([sum(1 << d for d in slot) for slot in slots], dtype=np.int64 if m <= 62 else object)
-
-    precisions = [devices[d].precision for d in ids]
-    needs = {
-        (r, p): stage_need(replica_sequences(seq, r), p)
-        for r in {len(s) for s in slots}
-        for p in sorted(set(precisions), key=str)
-    }
-    time = np.empty((k, n + 1, n + 1))
-    eff = np.empty((k, n + 1, n + 1))
-    for g, slot in enumerate(slots):
-        members = list(slot)
-        fits = np.stack([needs[len(slot), precisions[d]] <= memory[d] for d in members]).all(0)
-        slowest = dev_time[members].max(0)
-        time[g] = np.where(fits & upper, slowest, INF)
-        eff[g] = time[g] / len(slot)
 
     # Device-level links, with the coordinator as node m; relays pay both legs.
     nodes = ids + (COORDINATOR,)
@@ -152,20 +149,51 @@ def build_pricing(
     dev_hop[:, :, 0] = INF
     dev_hop[:, :, n] = INF
     token = float(model.token_id_bytes)
-    dev_enter = leg(coord, dev, token)
-    dev_leave = leg(dev, coord, token)
-    dev_leave_partial = half_rtt[:m, coord, None] + sent / bandwidth[:m, coord, None]
+    return DeviceTables(
+        ids=ids,
+        n=n,
+        sequences=request.sequences,
+        dev_time=dev_time,
+        needs={},
+        precisions=tuple(devices[d].precision for d in ids),
+        memory=memory,
+        model=model,
+        dev_hop=dev_hop,
+        dev_enter=leg(coord, dev, token),
+        dev_leave=leg(dev, coord, token),
+        dev_leave_partial=half_rtt[:m, coord, None] + sent / bandwidth[:m, coord, None],
+    )
 
-    if k == m:
-        hop, enter, leave, leave_partial = dev_hop, dev_enter, dev_leave, dev_leave_partial
+
+def slot_pricing(tables: DeviceTables, slots: Sequence[tuple[int, ...]]) -> Pricing:
+    """Price `slots` (tuples of device indices; a group replicates its stage) from `tables`."""
+    ids, n, m = tables.ids, tables.n, len(tables.ids)
+    slots = [tuple(s) for s in slots]
+    k = len(slots)
+    upper = np.isfinite(tables.dev_time[0]) if m else np.zeros((n + 1, n + 1), dtype=bool)
+    # Python ints beyond 62 devices: only the subset DP needs fast masks, and it never runs there.
+    masks = np.array([sum(1 << d for d in slot) for slot in slots], dtype=np.int64 if m <= 62 else object)
+    time = np.empty((k, n + 1, n + 1))
+    eff = np.empty((k, n + 1, n + 1))
+    for g, slot in enumerate(slots):
+        members = list(slot)
+        caches = replica_sequences(tables.sequences, len(slot))
+        fits = np.stack([tables.need(caches, tables.precisions[d]) <= tables.memory[d] for d in members]).all(0)
+        slowest = tables.dev_time[members].max(0)
+        time[g] = np.where(fits & upper, slowest, INF)
+        eff[g] = time[g] / len(slot)
+
+    singletons = all(len(s) == 1 for s in slots)
+    if singletons and [s[0] for s in slots] == list(range(m)):
+        hop, enter, leave, leave_partial = tables.dev_hop, tables.dev_enter, tables.dev_leave, tables.dev_leave_partial
     else:
         hop = np.empty((k, k, n + 1))
         for g, a in enumerate(slots):
             for h, b in enumerate(slots):
-                hop[g, h] = dev_hop[np.ix_(a, b)].max(axis=(0, 1)) if not set(a) & set(b) else INF
-        enter = np.array([dev_enter[list(s)].max() for s in slots])
-        leave = np.array([dev_leave[list(s)].max() for s in slots])
-        leave_partial = np.stack([dev_leave_partial[list(s)].max(0) for s in slots])
+                hop[g, h] = tables.dev_hop[np.ix_(a, b)].max(axis=(0, 1)) if not set(a) & set(b) else INF
+        enter = np.array([tables.dev_enter[list(s)].max() for s in slots])
+        leave = np.array([tables.dev_leave[list(s)].max() for s in slots])
+        leave_partial = np.stack([tables.dev_leave_partial[list(s)].max(0) for s in slots]) if slots else np.zeros((0, n + 1))
     return Pricing(
         ids=ids,
         n=n,
@@ -178,6 +206,30 @@ def build_pricing(
         leave=leave,
         leave_partial=leave_partial,
     )
+
+
+def build_pricing(
+    model: ModelProfile,
+    devices: Mapping[str, DeviceProfile],
+    network: NetworkProfile,
+    request: PlanRequest,
+    *,
+    max_replicas: int = 1,
+    replica_pool: Sequence[str] | None = None,
+) -> Pricing:
+    """Lay out the cost model of `evaluate` for `devices` (ids in sorted order).
+
+    With `max_replicas` > 1, slots also include every group of up to that many devices
+    taken from `replica_pool` (default: all), each group replicating one stage.
+    """
+    tables = device_tables(model, devices, network, request)
+    ids, m = tables.ids, len(tables.ids)
+    slots: list[tuple[int, ...]] = [(d,) for d in range(m)]
+    if max_replicas > 1:
+        pool = sorted(ids.index(d) for d in (replica_pool if replica_pool is not None else ids))
+        for r in range(2, min(max_replicas, len(pool)) + 1):
+            slots.extend(combinations(pool, r))
+    return slot_pricing(tables, slots)
 
 
 @dataclass(frozen=True, eq=False)

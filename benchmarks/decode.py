@@ -291,8 +291,8 @@ def main() -> None:
     ap.add_argument("--model", action="append", help="a GGUF file (repeatable; default: bundled SmolLM2 Q4_1 and the 0.5B Qwen if present)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 128 tokens, 1 repetition, 2 threads, 48 agreement tokens per prompt")
     ap.add_argument("--reps", type=int, help="interleaved repetitions per engine (default 3, quick 1)")
-    ap.add_argument("--lengths", help="comma-separated new-token counts (default 128,1024; quick 128)")
-    ap.add_argument("--threads", help="comma-separated thread counts (default 1,2; quick 2)")
+    ap.add_argument("--lengths", nargs="+", help="new-token counts, e.g. 128 1024 or 128,1024 (default 128 1024; quick 128)")
+    ap.add_argument("--threads", nargs="+", help="thread counts, e.g. 1 2 or 1,2 (default 1 2; quick 2)")
     ap.add_argument("--synthetic", action=argparse.BooleanOptionalAction, default=None,
                     help="measure importing an 8B-shaped synthetic GGUF (default: on, off with --quick)")
     ap.add_argument("--home", help="edgepipe home (default $EDGEPIPE_HOME or the user data dir)")
@@ -300,8 +300,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     reps = args.reps or (1 if args.quick else 3)
-    lengths = [int(x) for x in (args.lengths or ("128" if args.quick else "128,1024")).split(",")]
-    thread_settings = [int(t) for t in (args.threads or ("2" if args.quick else "1,2")).split(",")]
+    ints = lambda values: [int(v) for arg in values for v in arg.split(",") if v]  # noqa: E731
+    lengths = ints(args.lengths or (["128"] if args.quick else ["128", "1024"]))
+    thread_settings = ints(args.threads or (["2"] if args.quick else ["1", "2"]))
     synthetic = (not args.quick) if args.synthetic is None else args.synthetic
     models = [Path(m) for m in args.model] if args.model else [bundled_gguf()] + ([QWEN05] if QWEN05.is_file() else [])
 

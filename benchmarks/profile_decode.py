@@ -208,11 +208,12 @@ def markdown(report: dict) -> str:
               for r in report["lone_row_check"]]
     lines.append("")
     for r in report["results"]:
-        mode = "lone rows alone (GRAPH_VERSION 3)" if r["lone_row_exact"] else "bystander row (graphs before GRAPH_VERSION 3)"
+        mode = "lone rows alone (graphs since version 3)" if r["lone_row_exact"] else "bystander row (graphs before version 3)"
         lines += [f"## {r['package']}, {r['threads']} thread(s), {mode}", "",
                   f"{r['steps']} steps; {r['tok_s_wall']} tok/s wall, {r['tok_s_cpu']} tok/s by CPU time (unprofiled); profiled step "
                   f"{r['profiled_step_us'] / 1e3:.2f} ms, of which `model_run` {r['model_run_us'] / 1e3:.2f} ms; lone rows "
-                  + ("run alone (graph pads 4-bit products)" if r["lone_row_exact"] else "take a bystander row") + f"; load1 {r['load1']}", "",
+                  + ("run alone (the graph runs 4-bit/32 products on two rows)" if r["lone_row_exact"] else "take a bystander row")
+                  + f"; load1 {r['load1']}; {sum(g['ops_per_step'] for g in r['groups']):g} nodes run per step", "",
                   "| where | µs / step | ops / step | share of the step |", "| --- | ---: | ---: | ---: |"]
         lines += [f"| {g['group']} | {g['us_per_step']:.0f} | {g['ops_per_step']:g} | {g['share_of_wall']:.1%} |" for g in r["groups"]]
         lines.append("")

@@ -78,7 +78,11 @@ class PeerShaped(Device):
 
 class PeerShapedLink(KernelLink):
     """A namespace + veth pair with two ``htb`` classes per end: traffic to or from the
-    coordinator's port at one rate, everything else (the other workers' data ports) at another."""
+    coordinator's port at one rate, everything else (the other workers' data ports) at another.
+
+    KNOWN BROKEN (2026-11-23): the workers' own probes measured 25-60 MB/s on the "128 KB/s" peer
+    class, so these classes shape nothing yet (GSO super-packets through htb are the first
+    suspect; there is no ethtool here, and gso_max_segs did not help)."""
 
     def __init__(self, device: PeerShaped, coordinator_port: int):
         super().__init__(device.coordinator_rate)

@@ -173,7 +173,7 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
         tls_files = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
         settings.tls_fingerprint = tls.fingerprint_pem(cert.read_text())
         os.environ["EDGEPIPE_TLS_FINGERPRINT"] = settings.tls_fingerprint  # local workers pin it (environment, like the token)
-    config = uvicorn.Config(app, log_level=settings.log_level, ws_max_size=ws_max, ws_ping_interval=None, timeout_graceful_shutdown=2,
+    config = uvicorn.Config(app, log_level=settings.log_level, ws_max_size=ws_max, ws_ping_interval=None, ws_per_message_deflate=False, timeout_graceful_shutdown=2,
                             **tls_files)
     server = uvicorn.Server(config)
     # The tokenizer loads lazily; building it inside the first request's handler held the event

@@ -171,3 +171,30 @@ def test_a_silent_stage_abandons_the_plan_only_when_the_others_can_serve():
     assert down.phase is S.Phase.DOWN and down.active is None and "w1" in down.workers  # still a member
     assert down.requests["r1"].plan is None and down.last_failure == "stage w1 went silent"
     assert apply(state, S.PlanAbandoned(6, "old plan", now=5.0)) == state  # a plan no longer active: nothing
+
+
+def test_a_silent_stage_is_routed_around_after_twice_its_longest_stall_or_the_replay_cost_if_less():
+    from edgepipe.cluster.placement import Deployment, StageAssignment
+
+    settings = membership.LivenessSettings(heartbeat_s=0.5, min_suspect_s=2.0)
+    state = _cluster("a", "b", "c")
+    state = apply(state, S.Committed(Deployment(7, (StageAssignment("w0", 0, 4), StageAssignment("w1", 4, 8))), now=1.0))
+    t = 0.0
+    for _ in range(40):  # both answer every heartbeat...
+        t += 0.5
+        state = apply(apply(state, S.Heard("w0", t)), S.Heard("w1", t))
+    state = apply(state, S.Heard("w1", t + 2.4))  # ...but w1's machine once stalled for 2.4 s (a loaded laptop)
+    t += 2.4
+    state = apply(state, S.Heard("w1", t + 0.5))
+    state = apply(state, S.Heard("w0", t + 0.5))
+    assert state.workers["w1"].stalls == (pytest.approx(2.4),) and state.workers["w0"].stalls == (pytest.approx(2.9),)
+    frozen_at = t + 0.5
+    state = apply(apply(state, S.Suspected("w0", frozen_at + 2.0)), S.Suspected("w1", frozen_at + 2.0))
+    long_replay = 600.0  # 16 sequences of 1,800 tokens to rebuild: waiting is cheaper
+    assert membership.silent_stages(state, frozen_at + 2.0, settings, long_replay) == []  # both once stalled: waited for
+    assert membership.silent_stages(state, frozen_at + 4.9, settings, long_replay) == ["w1"]  # 2 x 2.4 s
+    assert membership.silent_stages(state, frozen_at + 5.9, settings, long_replay) == ["w0", "w1"]
+    assert membership.silent_stages(state, frozen_at + 3.0, settings, replay_s=3.0) == ["w0", "w1"]  # abandoning costs 3 s
+    assert membership.silent_stages(state, frozen_at + 2.0, settings, replay_s=0.0) == ["w0", "w1"]  # nothing to rebuild: the floor
+    assert membership.abandon_after(state.workers["w2"], settings, long_replay) == 2.0  # never stalled: the floor
+    assert membership.silent_stages(state, frozen_at + 60, settings, long_replay) == ["w0", "w1"]  # w2 silent, not in the plan

@@ -144,14 +144,13 @@ class Connections:
             if membership.quarantine_ended(c.cluster, last, now):
                 c.replan_wanted.set()  # a quarantined device may be planned again
             last = now
-            suspects = []
             for verdict in membership.verdicts(c.cluster, now, liveness):
                 if isinstance(verdict, membership.Lose):
                     c.spawn(c.lose(verdict.worker_id, verdict.why))
                 else:
                     c.emit(S.Suspected(verdict.worker_id, now))
                     c.event("suspect", worker=verdict.worker_id, silent_s=round(verdict.silent_s, 2))
-                    suspects.append(verdict.worker_id)
+            suspects = membership.silent_stages(c.cluster, now, liveness, c.requests.replay_estimate_s())
             if suspects and membership.abandon_active(c.cluster, suspects, c.requests.lacking()):
                 # A frozen stage would hold every request until it wakes or the step times out:
                 # serve from the others now; it rejoins the plans when heard from again.

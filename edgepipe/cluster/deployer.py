@@ -154,11 +154,14 @@ class Deployer:
         await c.calibrator.time_stages(dep)  # the first plan timed on its own ranges (calibration)
         c.emit(S.Committing(c.clock()))
         moved: dict = {}
+        paused_at = c.clock()
         if old is not None:
             self.gate.clear()  # sequences pause between two steps while the plan changes
             try:
                 await self.quiesce()
+                quiet_at = c.clock()
                 moved = await self.migrate(old, dep) if self.migrate_kv else {}
+                moved["quiesce_s"] = round(quiet_at - paused_at, 3)
                 lost = [s.worker_id for s in stages if s.worker_id not in c.cluster.workers]
                 if lost:  # a worker of the new plan died while we switched: do not commit it
                     for rid, q in c.cluster.requests.items():
@@ -185,7 +188,7 @@ class Deployer:
         if repaired:
             c.event("blob_repaired", plan=dep.plan_id, files=repaired)
         fetched = sum(r.fetched_bytes for r in results)
-        c.event("up", plan=dep.plan_id, prepare_s=round(c.clock() - t0, 3), fetched_bytes=fetched,
+        c.event("up", plan=dep.plan_id, prepare_s=round(c.clock() - t0, 3), paused_s=round(c.clock() - paused_at, 3), fetched_bytes=fetched,
                 predicted=dep.predicted, replaced=old.plan_id if old else None, **moved)
         c.spawn(self.prefetch_spare(dep))
         c.spawn(c.calibrator.probe_neighbours(dep.stages))  # planned neighbours measure their links (calibration)

@@ -30,6 +30,7 @@ class LivenessSettings:
     min_suspect_s: float = 2.0  # never suspect before this much silence
     lose_after_s: float = 10.0  # lose a suspected worker after this much silence at least...
     lose_gap_factor: float = 3.0  # ...or this many times the longest gap observed from it
+    abandon_gap_factor: float = 2.0  # route around an active stage silent this many times its longest gap (or min_suspect_s)
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,29 @@ def phi(worker: WorkerInfo, now: float, heartbeat_s: float) -> float:
     return math.inf if p <= 0 else -math.log10(p)
 
 
+def longest_gap(worker: WorkerInfo, settings: LivenessSettings) -> float:
+    """The longest silence seen from this worker (recent gaps and its remembered stalls)."""
+    return max(worker.intervals + worker.stalls, default=settings.heartbeat_s)
+
+
 def lose_after(worker: WorkerInfo, settings: LivenessSettings) -> float:
     """Seconds of silence after which a suspected worker is lost (adapts to its history)."""
-    longest = max(worker.intervals, default=settings.heartbeat_s)
-    return max(settings.lose_after_s, settings.lose_gap_factor * longest)
+    return max(settings.lose_after_s, settings.lose_gap_factor * longest_gap(worker, settings))
+
+
+def abandon_after(worker: WorkerInfo, settings: LivenessSettings, replay_s: float) -> float:
+    """Seconds of silence after which a stage of the active plan is routed around (see
+    ``abandon_active``). Abandoning costs ``replay_s`` (rebuilding the live sequences' KV on the
+    spare), waiting costs the silence: as in ski rental, wait about as long as abandoning would
+    cost — but no longer than twice the longest stall seen from this worker (a worker whose loop
+    stalled for 2 s under load gets 4 s; one that always answered, then froze, gets the floor)."""
+    return max(settings.min_suspect_s, min(settings.abandon_gap_factor * longest_gap(worker, settings), replay_s))
+
+
+def silent_stages(state: ClusterState, now: float, settings: LivenessSettings, replay_s: float) -> list[str]:
+    """Suspected stages of the active plan silent past their ``abandon_after``, in id order."""
+    return sorted(wid for wid, w in state.workers.items()
+                  if state.uses(wid) and w.suspected_since is not None and now - w.last_seen >= abandon_after(w, settings, replay_s))
 
 
 def verdicts(state: ClusterState, now: float, settings: LivenessSettings) -> list[Verdict]:

@@ -57,6 +57,15 @@ class Requests:
         kv = sum(u.kv_bytes_per_token for u in c.manifest.units) * min(KV_RESERVE_TOKENS, c.manifest.max_context)
         return scheduling.shortfall(c.cluster, weights, kv, RUNTIME_OVERHEAD_BYTES)
 
+    def replay_estimate_s(self) -> float:
+        """Rough time to rebuild every live sequence's KV of the active plan by replay: one frame
+        per position, pipelined, each about a decode step's wall time over the stages."""
+        c = self.coord
+        dep = c.cluster.active
+        positions = sum(q.kv_len for q in c.cluster.requests.values() if dep is not None and q.plan == dep.plan_id)
+        steps = sorted(wall for fed, wall in c.recent_steps if fed == 1)
+        return positions * (steps[len(steps) // 2] / len(dep.stages) if steps and dep else 0.01)
+
     async def stream(self, state: SequenceState, rid: str | None = None) -> AsyncIterator[TextDelta]:
         """Run one sequence to its end, yielding text as it is produced."""
         c = self.coord

@@ -38,6 +38,7 @@ MASK = (1 << 61) - 1
 VOCAB = 1000
 N_UNITS = 8
 UNIT_BYTES = 100_000_000
+UNIT_KV_ROOM = 1000 * 256  # a unit's KV room as a real worker keeps it: kv_bytes_per_token x min(KV_RESERVE_TOKENS, max_context)
 SETTINGS = dict(heartbeat_s=1.0, dead_after_s=2.0, lose_after_s=6.0, step_timeout_s=8.0, load_timeout_s=6.0,
                 capacity_wait_s=10.0, max_wait_s=30.0, replan_every_s=5.0, calibrate=False)
 REQUEST_BOUND_S = SETTINGS["max_wait_s"] + SETTINGS["step_timeout_s"] + 12.0  # admitted -> tokens or a clear error
@@ -280,7 +281,7 @@ class FakeWorker:
         await asyncio.sleep(0.2 * self.slowdown)
         await self._stall()
         start, end = msg["start"], msg["end"]
-        need = (end - start) * UNIT_BYTES + RUNTIME_OVERHEAD_BYTES
+        need = (end - start) * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES
         ok = msg.get("warm") or need <= self.memory
         if ok and not msg.get("warm"):
             self.slots[msg["plan"]] = (start, end, msg["next"])
@@ -402,7 +403,7 @@ def can_hold(memories: list[int]) -> bool:
     if not memories:
         return False
     stages = proportional_split(N_UNITS, [(str(i), float(m)) for i, m in enumerate(memories)])
-    return all((s.end - s.start) * UNIT_BYTES + RUNTIME_OVERHEAD_BYTES <= memories[int(s.worker_id)] for s in stages)
+    return all((s.end - s.start) * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES <= memories[int(s.worker_id)] for s in stages)
 
 
 __all__ = ["Admission", "Coordinator", "CoordinatorSettings", "FakePackage", "FakeWorker", "GenerationParams", "Net", "Phase",

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 from . import sim
-from .sim import (FAULTS, QUARANTINE_FAULTS, REQUEST_BOUND_S, SETTINGS, UP_BOUND_S, UNIT_BYTES, Admission, Coordinator, CoordinatorSettings,
+from .sim import (FAULTS, QUARANTINE_FAULTS, REQUEST_BOUND_S, SETTINGS, UP_BOUND_S, UNIT_BYTES, UNIT_KV_ROOM, Admission, Coordinator, CoordinatorSettings,
                   FakePackage, FakeWorker, GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
 from .profiling import RUNTIME_OVERHEAD_BYTES
 from .scheduling import AdmissionError
@@ -55,7 +55,7 @@ class Schedule:
     def random(seed: int) -> "Schedule":
         rng = random.Random(seed)
         n = rng.randint(1, 6)
-        memories = tuple(rng.choice((2, 3, 4, 5, 9)) * UNIT_BYTES + RUNTIME_OVERHEAD_BYTES for _ in range(n))
+        memories = tuple(rng.choice((2, 3, 4, 5, 9)) * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES for _ in range(n))
         faults = []
         for _ in range(rng.randint(0, 4)):
             kind = rng.choice(FAULTS)

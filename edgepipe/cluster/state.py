@@ -28,6 +28,8 @@ from .events import (
 from .placement import Deployment, StageAssignment
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
+STALL_S = 1.0  # a gap at least this long is also kept among a worker's stalls...
+STALL_WINDOW = 8  # ...the last this many (a busy worker's 32 gaps span only seconds)
 OUTAGE_WINDOW = 32
 QUARANTINE_S = 60.0  # a worker caught dropping work sits out this long the first time
 QUARANTINE_MAX_S = 1800.0
@@ -52,6 +54,7 @@ class WorkerInfo:
     joined_at: float
     last_seen: float
     intervals: tuple[float, ...] = ()  # recent gaps between frames heard from it (seconds)
+    stalls: tuple[float, ...] = ()  # its last gaps of STALL_S or more: how long this machine has been seen to stall
     suspected_since: float | None = None  # silent for too long: probed, not used for new plans
     rtt_s: float | None = None
     stats: Mapping = field(default_factory=lambda: _frozen({}))
@@ -138,7 +141,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             w = state.workers[wid]
             gap = now - w.last_seen
             intervals = (w.intervals + (gap,))[-HEARTBEAT_WINDOW:] if gap > 0 else w.intervals
-            return _worker(state, replace(w, last_seen=max(now, w.last_seen), intervals=intervals, suspected_since=None))
+            stalls = (w.stalls + (gap,))[-STALL_WINDOW:] if gap >= STALL_S else w.stalls
+            return _worker(state, replace(w, last_seen=max(now, w.last_seen), intervals=intervals, stalls=stalls, suspected_since=None))
         case Ponged(wid, rtt, stats, now) if wid in state.workers:
             return _worker(state, replace(state.workers[wid], rtt_s=rtt, stats=_frozen(stats), stats_at=now))
         case Suspected(wid, now) if wid in state.workers and state.workers[wid].suspected_since is None:

@@ -37,7 +37,7 @@ from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner
 from .blobcache import BlobCache
 
 log = logging.getLogger("edgepipe.worker")
-KV_RESERVE_TOKENS = 2048  # KV room a stage must leave for at least one sequence of this length
+KV_RESERVE_TOKENS = limits.KV_RESERVE_TOKENS  # KV room a stage must leave for at least one sequence this long
 RECONNECT_FIRST_S, RECONNECT_CAP_S = 0.2, 5.0  # backoff between attempts to reach the coordinator
 RECONNECT_SHARE = 0.1  # ... at most this share of the time it has been gone (1 s at least)
 STABLE_SESSION_S = 10.0  # a membership that lasted this long resets the backoff
@@ -61,6 +61,11 @@ def peer_link(round_trips: list[float], small_bytes: int, small_s: float, large_
     extra_s = large_s - small_s
     bandwidth = (large_bytes - small_bytes) / extra_s if extra_s > 0 and large_bytes > small_bytes else large_bytes / max(large_s, 1e-9)
     return min(round_trips), bandwidth
+
+
+def incompressible(nbytes: int) -> np.ndarray:
+    """Random bytes for a link probe: zeros would time a compressing path (permessage-deflate) as far faster."""
+    return np.random.default_rng().integers(0, 256, nbytes, dtype=np.uint8)
 
 
 def reconnect_delay(attempt: int, draw: float, gone_s: float = 0.0) -> float:
@@ -303,7 +308,7 @@ class Worker:
 
         url = self.s.coordinator.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/worker"
         ssl_context = await self._coordinator_tls() if url.startswith("wss://") else None
-        ws = await websockets.connect(url, max_size=None, ping_interval=None, open_timeout=10, ssl=ssl_context)
+        ws = await websockets.connect(url, max_size=None, ping_interval=None, open_timeout=10, ssl=ssl_context, compression=None)
         return WebSocketChannel(ws, "coordinator")
 
     async def _serve_data(self):
@@ -327,7 +332,9 @@ class Worker:
             cert, key = tls.make_self_signed(self.cache.root / ".tls", ("127.0.0.1", "localhost", self.s.data_host,
                                                                         self.s.advertise_host or self.s.data_host))
             server_tls, self.data_fingerprint = tls.server_context(cert, key), tls.fingerprint_pem(cert.read_text())
-        server = await websockets.serve(handler, self.s.data_host, self.s.data_port, max_size=limits.HEADER_SLACK_BYTES,
+        # compression=None here and on every connection: activations and KV are float tensors that
+        # permessage-deflate (the library default) cannot shrink, and it ran at 5 MB/s on a loaded core.
+        server = await websockets.serve(handler, self.s.data_host, self.s.data_port, max_size=limits.HEADER_SLACK_BYTES, compression=None,
                                         ping_interval=None, process_request=self._authorize_data, ssl=server_tls,
                                         close_timeout=1)  # a peer cut for an oversized frame is dropped, not drained
         port = server.sockets[0].getsockname()[1]
@@ -476,7 +483,7 @@ class Worker:
         worker's shaping included): ``PEER_PINGS`` empty round trips, then two timed transfers."""
         import websockets
 
-        ws = await websockets.connect(url, max_size=limits.HEADER_SLACK_BYTES, ping_interval=None, open_timeout=5,
+        ws = await websockets.connect(url, max_size=limits.HEADER_SLACK_BYTES, ping_interval=None, open_timeout=5, compression=None,
                                       additional_headers=auth.data_headers(secret, PROBE_PLAN),
                                       ssl=await self._peer_tls(url, fingerprint) if url.startswith("wss://") else None)
         channel = self._shape(WebSocketChannel(ws, url))
@@ -484,7 +491,7 @@ class Worker:
 
         async def round_trip(nbytes: int) -> float:
             probe = next(count)
-            tensors = {"payload": np.zeros(nbytes, np.uint8)} if nbytes else {}
+            tensors = {"payload": incompressible(nbytes)} if nbytes else {}
             frame = encode(Message(T.PROBE, {"probe": probe, "kind": "echo"}, tensors))
             t0 = time.perf_counter()
             await channel.send(frame)
@@ -593,7 +600,7 @@ class Worker:
     async def _probe(self, msg: Message) -> None:
         """Time decode steps of a loaded stage, or send a payload back to time the uplink."""
         if msg.get("kind") == "link":
-            payload = np.zeros(int(msg.get("bytes", 1 << 18)), np.uint8)
+            payload = incompressible(int(msg.get("bytes", 1 << 18)))
             await self._send_control(Message(T.PROBED, {"probe": msg.get("probe"), "ok": True}, {"payload": payload}))
             return
         if msg.get("kind") == "accept":  # peers presenting this secret on plan 0 may time this data port
@@ -766,7 +773,7 @@ class Worker:
             if channel is None:
                 for stale in [k for k in self.peers if int(k.rsplit("#", 1)[1]) not in self.slots and k != key]:
                     self._spawn(self.peers.pop(stale).close())  # plans this worker no longer runs
-                ws = await websockets.connect(url, max_size=limits.HEADER_SLACK_BYTES, ping_interval=None, open_timeout=5,
+                ws = await websockets.connect(url, max_size=limits.HEADER_SLACK_BYTES, ping_interval=None, open_timeout=5, compression=None,
                                               additional_headers=auth.data_headers(secret, plan),
                                               ssl=await self._peer_tls(url, fingerprint) if url.startswith("wss://") else None)
                 channel = self.peers[key] = self._shape(WebSocketChannel(ws, url))
@@ -778,10 +785,14 @@ class Worker:
     async def _export_kv(self, msg: Message) -> None:  # noqa: D401
         """Send a sequence's KV for layers in [start, end) to the worker at ``url``."""
         slot = self.slots[msg["plan"]]
-        tensors = {k: v for k, v in slot.runner.export_kv(msg["seq"]).items()
-                   if msg["start"] <= int(k.split(".")[1]) < msg["end"]}
-        frame = encode(Message(T.KV, {"seq": msg["seq"], "plan": msg["to_plan"], "length": slot.runner.length(msg["seq"]),
-                                      "move": msg["move"]}, tensors))
+
+        def pack() -> bytes:  # copies and encodes hundreds of MB for long sequences: off the loop (heartbeats)
+            tensors = {k: v for k, v in slot.runner.export_kv(msg["seq"]).items()
+                       if msg["start"] <= int(k.split(".")[1]) < msg["end"]}
+            return encode(Message(T.KV, {"seq": msg["seq"], "plan": msg["to_plan"], "length": slot.runner.length(msg["seq"]),
+                                         "move": msg["move"]}, tensors))
+
+        frame = await asyncio.get_running_loop().run_in_executor(self.pool, pack)
         await self._send_peer(msg["url"], frame, msg["to_plan"], self._data_secret(msg["url"], msg["to_plan"], msg.get("secret")),
                               msg.get("fingerprint"))
 
@@ -790,12 +801,14 @@ class Worker:
         slot = self.slots[msg["plan"]]
         mine = {k: v for k, v in msg.tensors.items() if int(k.split(".")[1]) in slot.runner.layers}
         length = msg.get("length")  # window layers' KV travels trimmed: the length says where it ends
-        slot.runner.import_kv(msg["seq"], mine, int(length) if isinstance(length, int) else None)
+        await asyncio.get_running_loop().run_in_executor(  # a copy into the pool, maybe a regrowth: off the loop
+            self.pool, slot.runner.import_kv, msg["seq"], mine, int(length) if isinstance(length, int) else None)
         await self._send_control(Message(T.LOADED, {"kv_received": msg["move"], "plan": msg["plan"], "ok": True,
                                                     "bytes": int(sum(v.nbytes for v in mine.values()))}))
 
     async def _report_error(self, msg: Message, text: str, code: ErrorCode = ErrorCode.INTERNAL) -> None:
-        log.warning("%s failed: %s", msg.type.value, text)
+        # a frame for a plan just replaced is routine during a switch (every frame of a replay hits it)
+        log.log(logging.DEBUG if code is ErrorCode.NO_STAGE else logging.WARNING, "%s failed: %s", msg.type.value, text)
         if msg.type is not T.FORWARD:
             return
         batch = msg.get("batch")

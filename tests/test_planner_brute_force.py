@@ -1,8 +1,9 @@
 """Every objective against an independent brute force (edgepipe.plan.brute: own arithmetic).
 
 Small random pools (3-5 devices, 6-10 units): latency, throughput (replicas of any group) and
-energy (one sequence, with and without a time-per-token target) must equal the brute-force
-optimum; energy with several sequences is searched heuristically and must come within 1%.
+energy (one or several sequences, with and without a time-per-token target) must equal the
+brute-force optimum and be proven optimal (gap 0). Energy plans have no replicas (the runtime
+runs one device per stage), so energy is compared with the best unreplicated plan.
 The brute force's own pricing must also agree with `evaluate` on the plans the planner returns.
 """
 
@@ -33,11 +34,12 @@ FITTING = [0, 1, 2, 3, 5, 6, 8, 9, 10, 13, 14, 15, 17, 18, 22, 23]
 @pytest.mark.parametrize("seed", FITTING)
 def test_every_objective_equals_brute_force(seed):
     rng, model, devices, network = instance(seed)
-    sequences = 1 if seed % 2 == 0 else [2, 3][seed % 3 == 0]
+    sequences = 1 if seed % 2 == 0 else [2, 3, 4][seed % 3]
     fast = best_values(model, devices, network, sequences, None, max_group=len(devices))
     assert fast["latency"] < float("inf")
     target = None if seed % 3 == 0 else fast["fastest_tpot"] * rng.uniform(1.0, 2.0)
     expected = best_values(model, devices, network, sequences, target, max_group=len(devices))
+    expected["energy"] = best_values(model, devices, network, sequences, target)["energy"]
     by_id = {d.id: d for d in devices}
     for objective in ("latency", "throughput", "energy"):
         if objective == "latency" and sequences > 1:
@@ -53,12 +55,9 @@ def test_every_objective_equals_brute_force(seed):
         assert mine.energy_j == pytest.approx(again.energy_j_per_token, rel=1e-12)
         if result.bound is not None:
             assert result.bound <= expected[objective] * (1 + 1e-9)
-        if objective == "energy" and sequences > 1:
-            assert got <= expected[objective] * 1.01, (seed, got, expected[objective])
-        else:
-            assert got == pytest.approx(expected[objective], rel=1e-9), (seed, objective, got, expected)
-            if objective == "energy":
-                assert result.optimal and result.gap == pytest.approx(0.0, abs=1e-9)
+        assert got == pytest.approx(expected[objective], rel=1e-9), (seed, objective, got, expected)
+        if objective == "energy":
+            assert result.optimal and result.gap == pytest.approx(0.0, abs=1e-9)
 
 
 MB = 1024 * 1024
@@ -83,3 +82,17 @@ def test_issue_case_gpu_idle_power_does_not_hide_the_optimum():
         result = plan(model, devices, network, request)
         assert result.best.predicted.energy_j_per_token == pytest.approx(expected, rel=1e-9)
         assert result.optimal
+
+
+@pytest.mark.parametrize("seed", [1, 3, 6])
+@pytest.mark.parametrize("slack", [None, 1.3])
+def test_energy_with_four_sequences_equals_brute_force(seed, slack):
+    """S = 4: the period max(T / S, B) is searched exactly (label DP), with and without a target."""
+    _, model, devices, network = instance(seed)
+    fastest = best_values(model, devices, network, 4)["fastest_tpot"]
+    target = None if slack is None else fastest * slack
+    expected = best_values(model, devices, network, 4, target)["energy"]
+    request = PlanRequest(objective="energy", sequences=4, tpot_target_s=target)
+    result = plan(model, devices, network, request)
+    assert result.best.predicted.energy_j_per_token == pytest.approx(expected, rel=1e-9)
+    assert result.optimal and result.gap == pytest.approx(0.0, abs=1e-9)

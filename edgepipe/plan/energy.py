@@ -185,3 +185,126 @@ def energy_bound(pricing: Pricing, busy: np.ndarray, idle: np.ndarray, ring_lowe
         np.zeros((m, pricing.n + 1)),
     )
     return relaxed_split(tables).bound
+
+
+LABEL_DP_STEPS = 60_000
+"""Largest `label_dp_steps` for which `exact_energy` runs (a few seconds at most)."""
+
+
+def label_dp_steps(m: int, n: int) -> int:
+    """States x moves of `exact_energy` in the worst case: 2^m sets x m last devices x n x m."""
+    return (1 << m) * m * n * m
+
+
+def _pareto(a: np.ndarray, t: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Indices of the labels no other label beats on energy, ring time and bottleneck at once
+    (among equal labels the first is kept)."""
+    order = np.lexsort((b, t, a))
+    keep: list[int] = []
+    for index in order:
+        if any(a[k] <= a[index] and t[k] <= t[index] and b[k] <= b[index] for k in keep):
+            continue
+        keep.append(int(index))
+    return np.array(sorted(keep), dtype=np.int64)
+
+
+def exact_energy(
+    pricing: Pricing,
+    busy: np.ndarray,
+    idle: np.ndarray,
+    sequences: int,
+    target: float | None,
+    *,
+    incumbent: float = INF,
+    rest_time: np.ndarray | None = None,
+    rest_energy: np.ndarray | None = None,
+    max_labels: int = 2_000_000,
+) -> tuple[float, Path] | None:
+    """The least energy per token of any plan without replicas meeting `target`: exact.
+
+    With several sequences the period max(T / S, B) is neither additive nor fixed by the
+    device set, so each partial plan carries (A, T, B): its busy-minus-idle energy, ring time
+    so far and bottleneck so far. A label is dropped when another of the same state (devices
+    used, last device, units covered) is no worse on all three: every completion adds the same
+    to A and T and maxes the same into B, and energy A + P_U max(T, S B) / S and time per
+    token max(T, S B) only grow with each. Returns (inf, ()) when no plan meets the target.
+
+    Pruning: a label whose energy cannot get below `incumbent` (an energy some plan achieves)
+    is dropped, using `rest_time[x]` / `rest_energy[x]`, lower bounds on the ring time and
+    busy-minus-idle energy of units [x, n) (the latter only when no device idles above its
+    busy power). Exponential: returns None (undecided) once `max_labels` labels were made.
+    """
+    m, n, seq = len(pricing.ids), pricing.n, sequences
+    time = pricing.time[:m]
+    hop, enter, leave = pricing.hop[:m, :m], pricing.enter[:m], pricing.leave[:m]
+    weight = busy[:m] - idle[:m]
+    horizon = target * (1 + 1e-12) if target is not None else INF
+    Labels = tuple[list[float], list[float], list[float], list[Path]]
+    buckets: list[dict[tuple[int, int], Labels] | None] = [dict() for _ in range(1 << m)]
+    rest_t = np.zeros(n + 1) if rest_time is None else rest_time
+    monotone = bool((weight >= 0).all())
+    rest_a = np.zeros(n + 1) if rest_energy is None or not monotone else rest_energy
+    limit = incumbent * (1 + 1e-9) if monotone else INF
+    made = 0
+
+    idle_of = [float(idle[d]) for d in range(m)]
+
+    def add(used: int, power: float, g: int, i: int, a: float, t: float, b: float, path: Path) -> None:
+        nonlocal made
+        if t > horizon or seq * b > horizon:  # T and B only grow
+            return
+        if limit < INF and a + rest_a[i] + power * max(t + rest_t[i], seq * b) / seq > limit:
+            return
+        made += 1
+        bucket = buckets[used]
+        assert bucket is not None
+        labels = bucket.setdefault((g, i), ([], [], [], []))
+        labels[0].append(a)
+        labels[1].append(t)
+        labels[2].append(b)
+        labels[3].append(path)
+
+    for g in range(m):
+        for i in range(1, n + 1):
+            t = float(time[g, 0, i])
+            if np.isfinite(t):
+                add(1 << g, idle_of[g], g, i, float(weight[g]) * t, float(enter[g]) + t, max(float(enter[g]), t), ((g, 0, i),))
+    best: tuple[float, Path] = (INF, ())
+    for used in range(1, 1 << m):
+        if made > max_labels:
+            return None
+        bucket = buckets[used]
+        buckets[used] = None
+        if not bucket:
+            continue
+        members = [d for d in range(m) if used >> d & 1]
+        power = float(idle[members].sum())
+        free = [h for h in range(m) if not used >> h & 1]
+        for (g, x), (a_list, t_list, b_list, paths) in sorted(bucket.items()):
+            a, t, b = np.array(a_list), np.array(t_list), np.array(b_list)
+            keep = _pareto(a, t, b)
+            if x == n:
+                ring = t[keep] + leave[g]
+                tpot = np.maximum(ring, seq * np.maximum(b[keep], leave[g]))
+                energy = a[keep] + power * tpot / seq
+                for value, ok, index in zip(energy, tpot <= horizon, keep):
+                    if ok and (float(value), paths[index]) < best:
+                        best = (float(value), paths[index])
+                continue
+            for h in free:
+                step = float(hop[g, h, x])
+                if not np.isfinite(step):
+                    continue
+                for i in range(x + 1, n + 1):
+                    stage = float(time[h, x, i])
+                    if not np.isfinite(stage):
+                        continue
+                    for index in keep:
+                        add(
+                            used | 1 << h, power + idle_of[h], h, i,
+                            float(a[index]) + float(weight[h]) * stage,
+                            float(t[index]) + step + stage,
+                            max(float(b[index]), step, stage),
+                            paths[index] + ((h, x, i),),
+                        )
+    return best

@@ -20,8 +20,10 @@ implements the three objectives:
   subset DP per set (every set of pools up to `ENERGY_EXACT_DEVICES`, else the sets of the best
   plans found), with a Lagrange weight on T bisected until the tpot target is met: exact for
   one sequence without a target, bounded (`PlanResult.bound`, `gap`) with one. Several
-  sequences add bottleneck caps (heuristic, no bound). The older linearisation around the
-  current plan still seeds the candidates.
+  sequences add bottleneck caps, then an exact label DP over (A, T, B) per partial plan
+  (`energy.exact_energy`, pruned by the best plan found) proves the optimum among plans
+  without replicas, or gives up after `ENERGY_MAX_LABELS` labels (no bound). The older
+  linearisation around the current plan still seeds the candidates.
 
 The K best plans on distinct device sets are kept (seed 002's top-K).
 """
@@ -52,7 +54,7 @@ from .plan import (
     objective_key,
     objective_value,
 )
-from .energy import energy_bound, search_sets
+from .energy import energy_bound, exact_energy, search_sets
 from .replicas import regroup
 from .profiles import DeviceProfile, ModelProfile, NetworkProfile
 from .split import (
@@ -82,6 +84,9 @@ ENERGY_POLISH_SETS = 4
 ENERGY_LIMITS = 240
 """Bottleneck caps tried on those sets with several sequences: every distinct stage/hop time
 up to the best plan's bottleneck, or this many quantiles of them."""
+
+ENERGY_MAX_LABELS = 40_000
+"""With several sequences, the exact label DP gives up (no bound) after this many labels."""
 
 REPLICA_EXACT_DEVICES = 7
 """Pools up to this size search replica groups exactly (every group is a slot): under a
@@ -602,11 +607,40 @@ def _energy(
                 candidates.add_stages(_to_stages(ctx, path))
             except PlanError:
                 continue
-        return None
+        if ctx.strategy == "annealing":
+            return None
+        return _energy_exactly(ctx, candidates, busy, idle)
     pool_bound = energy_bound(pricing, busy, idle, ring_lower)
     if ctx.strategy != "annealing" and m <= ENERGY_EXACT_DEVICES:
         return max(found.bound, pool_bound)
     return pool_bound
+
+
+def _energy_exactly(ctx: _Context, candidates: _Candidates, busy: np.ndarray, idle: np.ndarray) -> float | None:
+    """Several sequences: the exact label DP (`energy.exact_energy`) under the best plan found
+    as incumbent; returns the proven least energy of unreplicated plans, None if it gave up."""
+    request, pricing, model = ctx.request, ctx.pricing, ctx.model
+    incumbent = INF
+    for priced in candidates.ranked():
+        if meets_target(priced.prediction, request) is not False:
+            incumbent = min(incumbent, priced.prediction.energy_j_per_token)
+    if not math.isfinite(incumbent):
+        return None
+    ids = pricing.ids
+    speed = np.array([ctx.devices[d].speed for d in ids])
+    rest_cost = np.concatenate((np.cumsum([u.cost for u in model.units][::-1])[::-1], [0.0]))
+    rest_time = rest_cost / speed.max() + float(pricing.leave[: len(ids)].min())
+    rest_energy = rest_cost * float(((busy - idle) / speed).min())
+    found = exact_energy(
+        pricing, busy, idle, request.sequences, request.tpot_target_s, incumbent=incumbent,
+        rest_time=rest_time, rest_energy=rest_energy, max_labels=ENERGY_MAX_LABELS,
+    )
+    if found is None:
+        return None
+    value, path = found
+    if path:
+        candidates.add_stages(_to_stages(ctx, path))
+    return min(value, incumbent)
 
 
 def _energy_linearised(ctx: _Context, candidates: _Candidates, tables: TableMaker, count: int) -> None:

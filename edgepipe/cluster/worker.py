@@ -714,7 +714,9 @@ class Worker:
                 raise CorruptInput(f"plan {plan}: {problem}")
         for item in batch:  # a frame must start where the sequence's cache ends: a lost frame leaves a hole
             pos = item.get("pos")
-            if isinstance(pos, int) and pos != slot.runner.length(item["seq"]):
+            # A stage without decoder layers (embedding or head alone) keeps no KV: nothing to check
+            # (and no KV moves to it, so after a switch it has not heard of the sequence).
+            if isinstance(pos, int) and slot.runner.layers and pos != slot.runner.length(item["seq"]):
                 raise CorruptInput(f"plan {plan}: {item['seq']} holds {slot.runner.length(item['seq'])} positions, "
                                    f"the frame starts at {pos} (a frame was lost)")
         if x.dtype == np.float16:

@@ -162,7 +162,8 @@ def lone_row_check(threads: int, reps: int = 200) -> list[dict]:
     rng = np.random.default_rng(0)
     n, k = 1536, 576
     dense = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-    layouts = {"MatMulNBits 4-bit / 32": (4, 32), "MatMulNBits 8-bit / 32": (8, 32), "MatMulNBits 8-bit / 16": (8, 16), "float MatMul": None}
+    layouts = {"MatMulNBits 4-bit / 32": (4, 32), "MatMulNBits 4-bit / 16": (4, 16), "MatMulNBits 8-bit / 32": (8, 32),
+               "MatMulNBits 8-bit / 16": (8, 16), "float MatMul": None}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, layout in layouts.items():

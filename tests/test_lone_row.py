@@ -52,3 +52,32 @@ def test_lone_head_step_equals_batched_head_step(home):
         for g, t in zip(got, runner.run_batch(["b0", "b1"], x, SamplingBatch.greedy(2))):
             g.append(t)
     assert [[int(t) for t in g] for g in got] == solo
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_graph_linear_gives_a_row_the_same_bits_in_any_batch(threads):
+    """Unit level, every batch size: one 4-bit/32 linear with block offsets as the graph builds
+    it (a lone row padded to two in-graph, sliced back) gives row i the same bits alone and in a
+    batch of M = 2..6 (MLAS's M >= 2 kernel is row-independent; only M = 1 differs)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from edgepipe.model.graphs import _Graph
+    from edgepipe.model.weights import BlockQuantized
+
+    rng = np.random.default_rng(threads)
+    n, k = 192, 256
+    w = BlockQuantized(4, 32, rng.integers(0, 16, (n, k), dtype=np.uint8), (rng.random((n, k // 32)) * 0.02).astype(np.float32),
+                       None, (rng.standard_normal((n, k // 32)) * 0.05).astype(np.float32))
+    g = _Graph("t.")
+    g.linear("x", w, "w", out="y")
+    model = g.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", k])],
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], "linear")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    s = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((6, 1, k)).astype(np.float32)
+    alone = np.concatenate([s.run(None, {"x": x[i : i + 1]})[0] for i in range(6)])
+    assert alone.shape == (6, 1, n)
+    for m in range(2, 7):
+        assert np.array_equal(s.run(None, {"x": x[:m]})[0].view(np.uint32), alone[:m].view(np.uint32)), m

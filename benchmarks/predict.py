@@ -4,7 +4,8 @@
 
 For each configuration (EMULATED devices: worker processes with ``--slowdown``, ``--memory``,
 user-space ``--link-delay-ms``, a kernel ``tbf`` link in a network namespace, or a kernel
-``htb`` link whose worker-to-worker traffic is shaped differently from its coordinator traffic)
+link whose worker-to-worker traffic is shaped differently from its coordinator traffic: htb
+classes by port, a tbf in each) with a fresh calibration file (no device brings a remembered one)
 it starts ``edgepipe serve --placement planner`` and its workers, and compares:
 
 - **initial**: ``plan.predicted.tpot_s`` from ``/v1/cluster/status``, the coordinator's own
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,10 +62,17 @@ from edgepipe.plan import COORDINATOR, NetworkProfile, mape  # noqa: E402
 from edgepipe.plan.profiles import link_matrix  # noqa: E402
 
 
+WIRE_MTU = 576  # the shaped veths' MTU: a 2.3 KB activation is several packets, paced at the rate
+# tbf counts whole Ethernet frames: of each MTU-576 frame (590 bytes with its Ethernet header),
+# 524 bytes are TCP payload (IP + TCP headers with timestamps take 52), so a probe sees ~0.89x the wire rate.
+PAYLOAD_SHARE = (WIRE_MTU - 52) / (WIRE_MTU + 14)
+
+
 @dataclass(frozen=True)
 class PeerShaped(Device):
     """A device in a network namespace whose coordinator traffic and worker-to-worker traffic are
-    capped at different rates by kernel ``htb`` classes (EMULATION; delay stays user-space)."""
+    capped at different rates by the kernel (htb classes by port, a tbf in each; EMULATION; delay
+    stays user-space)."""
 
     coordinator_rate: str = "10MB/s"
     peer_rate: str = "256KB/s"
@@ -73,16 +82,29 @@ class PeerShaped(Device):
 
     def label(self) -> str:
         plain = Device(self.name, self.slowdown, self.memory, self.link_rate, self.link_delay_ms).label()
-        return plain + f", link to coordinator {self.coordinator_rate}, to workers {self.peer_rate} (htb, MTU 576)"
+        return plain + (f", link to coordinator {self.coordinator_rate}, to workers {self.peer_rate} "
+                        f"(kernel: htb classes by port, tbf in each, MTU {WIRE_MTU})")
+
+
+def tbf_burst(rate_bytes_per_s: float) -> int:
+    """One MTU frame at low rates (a frame leaves only when the bucket holds it all), 1 ms at high ones."""
+    return int(max(WIRE_MTU + 24, rate_bytes_per_s / 1000))
 
 
 class PeerShapedLink(KernelLink):
-    """A namespace + veth pair with two ``htb`` classes per end: traffic to or from the
-    coordinator's port at one rate, everything else (the other workers' data ports) at another.
+    """A namespace + veth pair whose ends each carry an ``htb`` root with two classes, traffic to
+    or from the coordinator's port in one, everything else (the other workers' data ports) in the
+    other, and a ``tbf`` in each class that does the shaping.
 
-    KNOWN BROKEN (2026-11-23): the workers' own probes measured 25-60 MB/s on the "128 KB/s" peer
-    class, so these classes shape nothing yet (GSO super-packets through htb are the first
-    suspect; there is no ethtool here, and gso_max_segs did not help)."""
+    Why tbf leaves and not htb rates: veth hands the qdisc GSO super-packets (up to 64 KB; there
+    is no ethtool here to turn TSO/GSO off). htb lets a whole super-packet through as soon as its
+    class has any tokens and bills it afterwards, so a transfer's last super-packet rides free: a
+    64 KB probe on a 128 KB/s htb class took 0.40 s instead of 0.58 s (measured 0.17 MB/s, and the
+    probe's two-size difference inherits the error). tbf splits a GSO packet larger than its burst
+    into MTU segments before queueing, so every frame waits for its tokens (0.114 MB/s measured on
+    the same 128 KB/s class = the rate x 524/590 payload share). The htb classes only sort
+    (rate 1 gbit). Before 2026-11-23 14:00 the links were also measured through permessage-deflate
+    with zero payloads (compressed to nothing): 25-60 MB/s on this class; both are fixed."""
 
     def __init__(self, device: PeerShaped, coordinator_port: int):
         super().__init__(device.coordinator_rate)
@@ -92,22 +114,61 @@ class PeerShapedLink(KernelLink):
         from edgepipe.emulate.shaper import parse_rate
 
         self.host.__enter__()
-        rates = {"10": round(parse_rate(self.device.coordinator_rate) * 8), "20": round(parse_rate(self.device.peer_rate) * 8)}
+        rates = {1: parse_rate(self.device.coordinator_rate), 2: parse_rate(self.device.peer_rate)}
         # egress of the device's end: to the coordinator's port (dport); of the host's end: from it (sport)
-        for dev, prefix, field in ((self.host.host_veth, [], "sport"), (self.host.device_veth, self.host.exec_prefix, "dport")):
+        for dev, prefix, field in self.ends():
             run = lambda *a: subprocess.run([*prefix, *a], check=True)  # noqa: E731
-            run("ip", "link", "set", "dev", dev, "mtu", "576")
-            run("tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "20")
-            for cls, bits in rates.items():
-                run("tc", "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{cls}", "htb", "rate", f"{bits}bit",
-                    "ceil", f"{bits}bit", "burst", "1600", "cburst", "1600", "quantum", "1600")
+            run("ip", "link", "set", "dev", dev, "mtu", str(WIRE_MTU))
+            run("tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "2")
+            for cls, rate in rates.items():
+                run("tc", "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{cls}", "htb", "rate", "1gbit", "quantum", "1514")
+                run("tc", "qdisc", "add", "dev", dev, "parent", f"1:{cls}", "handle", f"{cls}0:", "tbf", "rate",
+                    f"{round(rate * 8)}bit", "burst", str(tbf_burst(rate)), "latency", "2000ms")
             run("tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip", field,
-                str(self.coordinator_port), "0xffff", "flowid", "1:10")
+                str(self.coordinator_port), "0xffff", "flowid", "1:1")
         return self
+
+    def ends(self) -> list[tuple[str, list[str], str]]:
+        """(veth, command prefix, port field of the coordinator's traffic) for both ends."""
+        return [(self.host.host_veth, [], "sport"), (self.host.device_veth, self.host.exec_prefix, "dport")]
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Bytes each tbf passed, per end ("into" the device: host end; "out of" it: its own end) and class."""
+        out = {}
+        for (dev, prefix, _), way in zip(self.ends(), ("into", "out of")):
+            shown = subprocess.run([*prefix, "tc", "-s", "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True)
+            try:
+                rows = json.loads(shown.stdout or "[]")
+            except ValueError:
+                continue
+            names = {"10:": "coordinator", "20:": "workers"}
+            out[way] = {names[r["handle"]]: int(r.get("bytes", 0)) for r in rows if r.get("kind") == "tbf" and r.get("handle") in names}
+        return out
 
 
 class PredictCluster(Cluster):
-    """``placement.Cluster`` whose ``PeerShaped`` devices get an htb link (the others as there)."""
+    """``placement.Cluster`` whose ``PeerShaped`` devices get a per-port link (the others as there),
+    and whose coordinator starts with no remembered calibrations: each configuration calibrates
+    its devices afresh (the shared calibration file keys devices by name and flags, which do not
+    see kernel links, so a device "a" would otherwise bring the uplink of another configuration's
+    "a", or of another benchmark's)."""
+
+    def _launch(self, attempt: int) -> None:
+        if getattr(self, "home", None) is None:
+            from placement import HOME
+
+            self.home = Path(tempfile.mkdtemp(prefix="edgepipe-predict-home-"))
+            for shared in ("models", "worker-cache", "cache"):  # the package and the workers' blobs stay shared
+                if (HOME / shared).exists():
+                    (self.home / shared).symlink_to(HOME / shared)
+            self.env = {**self.env, "EDGEPIPE_HOME": str(self.home)}
+        super()._launch(attempt)
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "home", None) is not None:
+            shutil.rmtree(self.home, ignore_errors=True)  # symlinks are removed, never followed
+            self.home = None
 
     def _start_workers(self) -> None:
         shaped = [d for d in self.devices if isinstance(d, PeerShaped)]
@@ -178,10 +239,50 @@ def refined_speeds(cluster: Cluster, stages: list[tuple[str, int, int]], compute
     return out
 
 
+def configured_link(devices: list[Device], src: str, dst: str) -> str:
+    """What the emulation sets on the path ``src`` -> ``dst`` (names; ``dst`` may be the coordinator)."""
+    by_name = {d.name: d for d in devices}
+    rates, kinds = [], []
+    for end, other in ((by_name.get(src), dst), (by_name.get(dst), src)):
+        if isinstance(end, PeerShaped):
+            rates.append(end.coordinator_rate if other == "coordinator" else end.peer_rate)
+            kinds.append("kernel tbf")
+        elif end is not None and end.kernel_rate:
+            rates.append(end.kernel_rate)
+            kinds.append("kernel tbf")
+    sender = by_name.get(src)
+    if sender is not None and sender.link_rate:  # the user-space shaper paces what its worker sends
+        rates.append(sender.link_rate)
+        kinds.append("user-space")
+    if not rates:
+        return "unshaped"
+    from edgepipe.emulate.shaper import parse_rate
+
+    slowest = min(range(len(rates)), key=lambda i: parse_rate(rates[i]))
+    return f"{rates[slowest]} ({kinds[slowest]})"
+
+
+def link_check(cluster: Cluster, devices: list[Device]) -> list[dict]:
+    """Each link as the workers and the coordinator measured it, beside what the emulation set."""
+    names = cluster.names()
+    rows = []
+    for e in cluster.events():
+        if e["kind"] == "link_measured":
+            src, dst = names.get(e["src"], e["src"]), names.get(e["dst"], e["dst"])
+            rows.append({"src": src, "dst": dst, "configured": configured_link(devices, src, dst),
+                         "measured_mb_s": e["mb_s"], "rtt_ms": e["rtt_ms"]})
+        elif e["kind"] == "calibrated":
+            src = names.get(e["worker"], e["worker"])
+            rows.append({"src": src, "dst": "coordinator", "configured": configured_link(devices, src, "coordinator"),
+                         "measured_mb_s": e["uplink_mb_s"], "rtt_ms": None, "reused": bool(e.get("reused"))})
+    return rows
+
+
 def run_config(name: str, devices: list[Device], requests: int, tokens: int, logdir: Path) -> dict:
     with PredictCluster(f"p-{name.replace('/', '_')}", devices, ("--placement", "planner"), logdir) as c:
         status = c.wait_up()
         names = c.names()
+        links = link_check(c, devices)
         pred0 = status["plan"]["predicted"]
         stages0 = [(s["worker"], s["start"], s["end"]) for s in status["plan"]["stages"]]
         c.request(8)  # warm-up (first calls of fresh sessions)
@@ -204,7 +305,8 @@ def run_config(name: str, devices: list[Device], requests: int, tokens: int, log
         group = max(groups, key=len, default=[])
         cal = {names[w]: {k: e[k] for k in ("speed", "overhead_ms", "uplink_mb_s")} for w, e in calibrations(c).items()}
         if len(group) < 2:
-            return {"devices": [d.label() for d in devices], "error": "no two requests ran on one plan", "runs": runs}
+            return {"devices": [d.label() for d in devices], "error": "no two requests ran on one plan", "runs": runs,
+                    "links": links}
         learn, measured_runs = group[0], group[1:]
         stages = learn["stages"]
         if stages != stages0:  # the coordinator's prediction for the plan it switched to
@@ -230,6 +332,7 @@ def run_config(name: str, devices: list[Device], requests: int, tokens: int, log
         m_tpot = statistics.median(m_each)
         m_compute = statistics.median(sum(r["stage_compute_s"].get(w, 0.0) for w, _, _ in stages) for r in measured_runs)
         initial_same_plan = stages == stages0
+        shaped_bytes = {link.device.name: link.counters() for link in c.links if isinstance(link, PeerShapedLink)}
     out = {
         "devices": [d.label() for d in devices], "calibrated": cal,
         "stages": [(names.get(w, w), s, e) for w, s, e in stages],
@@ -245,7 +348,7 @@ def run_config(name: str, devices: list[Device], requests: int, tokens: int, log
                     "tpot_ms_each": [round(1e3 * x.tpot_s, 2) for x in running_each]},
         "refined_speed": {names.get(w, w): round(v, 4) for w, v in speeds.items()},
         "rtt_ms": {names.get(w, w): round(v * 1e3, 2) for w, v in rtts.items()},
-        "requests": len(measured_runs), "tokens": tokens,
+        "requests": len(measured_runs), "tokens": tokens, "links": links, "shaped_bytes": shaped_bytes,
     }
     # Errors per measured request (initial: one prediction for all; running: the one made before it).
     for k, preds in (("initial", [pred0["tpot_s"]] * len(m_each)), ("running", [x.tpot_s for x in running_each])):
@@ -287,6 +390,24 @@ def report(out: dict) -> str:
               f"running {s['mape_compute_running']:.1f}%; rest (hops, queues, coordinator) as a share of measured TPOT: "
               f"initial {s['rest_err_share_initial']:.1f}%, running {s['rest_err_share_running']:.1f}%.", "",
               "## Notes", ""] + [f"- {n}" for n in out["notes"]]
+    lines += ["", "## Links: what the emulation set vs what was measured", "",
+              f"Worker to worker: the workers' own data-port probes (`link_measured`: least RTT of 5 empty round trips, "
+              f"bandwidth from two timed transfers of random bytes); worker to coordinator: the calibration's uplink probe "
+              f"(`calibrated`). Kernel rates are wire rates: through MTU {WIRE_MTU} a TCP payload gets {PAYLOAD_SHARE:.2f}x of "
+              f"them. Loopback paths (unshaped) measure whatever the loaded CPUs manage.", "",
+              "| config | src → dst | set | measured MB/s | RTT ms |", "|---|---|---|---|---|"]
+    for name, r in rows.items():
+        for x in r.get("links", []):
+            if x["configured"] == "unshaped" and x["dst"] == "coordinator":
+                continue
+            rtt = "" if x["rtt_ms"] is None else f"{x['rtt_ms']:.2f}"
+            lines.append(f"| {name} | {x['src']} → {x['dst']} | {x['configured']} | {x['measured_mb_s']:.3f} | {rtt} |")
+    shaped = {name: r["shaped_bytes"] for name, r in rows.items() if r.get("shaped_bytes")}
+    if shaped:
+        lines += ["", "Bytes through each kernel class during the configuration (`tc -s qdisc`, the tbf in each htb class): "
+                  + "; ".join(f"{name} {dev}: " + ", ".join(f"{way} the device: " + ", ".join(f"{k} {v:,}" for k, v in cls.items())
+                                                            for way, cls in per.items())
+                              for name, per_dev in shaped.items() for dev, per in per_dev.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -304,9 +425,17 @@ NOTES = [
     "configuration (running: the prediction made before that request from the requests before it); MAPE = mean of "
     "these over configurations. Rest error share = mean over configs of |predicted hops - measured rest| / measured TPOT.",
     "3dev-tbf1MB: device a sits behind a kernel tbf at 1 MB/s both ways (namespace, MTU 576, 600-byte burst). "
-    "3dev-peer128KB / 3dev-coord128KB-peer4MB: device a sits in a namespace whose veth ends carry two kernel htb classes "
-    "(MTU 576): traffic to or from the coordinator's port at one rate, everything else (the other workers' data ports) at "
-    "another; its worker-to-worker links differ from its coordinator link, so only the measured link matrix prices them.",
+    "3dev-peer128KB / 3dev-coord128KB-peer4MB: device a sits in a namespace whose veth ends each carry an htb root with "
+    "two classes, traffic to or from the coordinator's port in one, everything else (the other workers' data ports) in "
+    "the other, and a tbf in each class at its rate (MTU 576; the tbf splits the veth's GSO super-packets into frames, "
+    "which an htb class rate does not: that let 64 KB probes through at 1.4x the rate). Its worker-to-worker links "
+    "differ from its coordinator link, so only the measured link matrix prices them; the Links table below shows the "
+    "workers' own probes against the rates set.",
+    "Every configuration's coordinator starts with an empty calibration file (a temporary EDGEPIPE_HOME sharing only the "
+    "model package and the workers' blob cache): the shared file keys a device by name and flags, which do not see a "
+    "kernel link, so before 2026-11-23 14:00 a device 'a' brought the speed and uplink of another run's 'a' (several "
+    "stored uplinks were 258,048 MB/s: zero-filled probes through permessage-deflate), and the 'initial' prediction was "
+    "not a first calibration.",
     "Worker-to-worker links are what the workers measured on their data ports at join (`link_measured` events: least RTT "
     "of 5 empty round trips, bandwidth from two timed transfers). Before the first plan serves, each stage is timed on "
     "its own range (`stages_timed`) and the plan priced again: that is the initial prediction. Running adds, per hop, "

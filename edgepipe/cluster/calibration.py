@@ -265,7 +265,10 @@ class Calibrator:
                     await self._probe(wid, kind="link", bytes=size)
                     timings[size] = c.clock() - t0
                 small, large = sorted(timings)
-                c.profile.uploaded(wid, large - small, max(timings[large] - timings[small], 1e-6), round_trip=timings[small])
+                if timings[large] > timings[small]:
+                    c.profile.uploaded(wid, large - small, timings[large] - timings[small], round_trip=timings[small])
+                else:  # noise left no difference (a fast link, a busy CPU): the large probe's own time bounds it from below
+                    c.profile.uploaded(wid, large, timings[large], round_trip=timings[small])
                 await self._probe_peers(wid)
             try:
                 c.profile.calibrated(wid, samples)

@@ -107,6 +107,9 @@ class Requests:
                         paused_at = c.clock()
                         c.event("pause", request=rid, step=step, why=why)
                     fed_plan, broken = -1, broken + 1
+                    # Stages before the failure may have taken the step: its KV there is no longer
+                    # known to be whole, so a move that brought it is void and the retry replays.
+                    c.emit(S.KvMoved(rid, None))
                     # Always yield before retrying: a send to a closed channel fails without
                     # awaiting, and the task that takes the dead worker out must get to run.
                     await asyncio.sleep(min(0.01 * broken, 0.25))

@@ -1,6 +1,6 @@
 """Predicted vs measured time per output token on emulated clusters (cost-model accuracy).
 
-    python benchmarks/predict.py [--quick] [--requests 5] [--tokens 64] [--only NAME,...]
+    python benchmarks/predict.py [--quick] [--requests 5] [--tokens 64] [--only NAME,...] [--stem predict-x]
 
 For each configuration (EMULATED devices: worker processes with ``--slowdown``, ``--memory``,
 user-space ``--link-delay-ms``, a kernel ``tbf`` link in a network namespace, or a kernel
@@ -254,12 +254,15 @@ def configured_link(devices: list[Device], src: str, dst: str) -> str:
     if sender is not None and sender.link_rate:  # the user-space shaper paces what its worker sends
         rates.append(sender.link_rate)
         kinds.append("user-space")
+    # the user-space delay holds each frame its worker sends: a round trip waits for both ends'
+    delay = sum(d.link_delay_ms for d in (by_name.get(src), by_name.get(dst)) if d is not None)
+    waits = f", RTT + {delay:g} ms (user-space delay)" if delay else ""
     if not rates:
-        return "unshaped"
+        return "unshaped" + waits
     from edgepipe.emulate.shaper import parse_rate
 
     slowest = min(range(len(rates)), key=lambda i: parse_rate(rates[i]))
-    return f"{rates[slowest]} ({kinds[slowest]})"
+    return f"{rates[slowest]} ({kinds[slowest]}){waits}"
 
 
 def link_check(cluster: Cluster, devices: list[Device]) -> list[dict]:
@@ -450,6 +453,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--only", default="", help="comma list of configuration names")
+    ap.add_argument("--stem", default="", help="results file name (default: predict, or predict-quick with --quick)")
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(CONFIGS)
     if args.quick:
@@ -484,7 +488,7 @@ def main() -> None:
     text = report(out)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    stem = "predict-quick" if args.quick else "predict"
+    stem = args.stem or ("predict-quick" if args.quick else "predict")
     (RESULTS / f"{stem}.md").write_text(text)
     (RESULTS / f"{stem}.json").write_text(json.dumps(out, indent=1, default=str))
 

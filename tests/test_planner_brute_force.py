@@ -96,3 +96,21 @@ def test_energy_with_four_sequences_equals_brute_force(seed, slack):
     result = plan(model, devices, network, request)
     assert result.best.predicted.energy_j_per_token == pytest.approx(expected, rel=1e-9)
     assert result.optimal and result.gap == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("slack", [None, 1.4])
+def test_energy_milp_equals_brute_force(seed, slack):
+    """The energy MILP (exact pair hops) finds the brute-force optimum; its separable-hop form
+    is a lower bound."""
+    from edgepipe.plan import milp_energy
+
+    _, model, devices, network = instance(seed)
+    target = None if slack is None else best_values(model, devices, network, 1)["fastest_tpot"] * slack
+    expected = best_values(model, devices, network, 1, target)["energy"]
+    request = PlanRequest(objective="energy", tpot_target_s=target)
+    exact = milp_energy(model, devices, network, request, pair_hops=True)
+    assert exact.status == "optimal"
+    assert exact.value == pytest.approx(expected, rel=1e-6)
+    assert exact.lower_bound <= expected * (1 + 1e-6)
+    assert milp_energy(model, devices, network, request, pair_hops=False).lower_bound <= expected * (1 + 1e-6)

@@ -8,7 +8,7 @@ predicted-vs-measured check share; `switching` decides when and how to move to a
 
 from .devices_file import DevicesFile, DevicesFileError, load_devices, parse_devices
 from .fit import RollingMedian, SpeedFit, fit_speed_overhead, mape
-from .milp import MilpResult, milp_latency
+from .milp import MilpResult, milp_energy, milp_latency
 from .order import plan
 from .plan import (
     Objective,
@@ -87,6 +87,7 @@ __all__ = [
     "load_devices",
     "mape",
     "meets_target",
+    "milp_energy",
     "milp_latency",
     "objective_key",
     "objective_value",

@@ -86,64 +86,34 @@ class PeerShaped(Device):
                         f"(kernel: htb classes by port, tbf in each, MTU {WIRE_MTU})")
 
 
-def tbf_burst(rate_bytes_per_s: float) -> int:
-    """One MTU frame at low rates (a frame leaves only when the bucket holds it all), 1 ms at high ones."""
-    return int(max(WIRE_MTU + 24, rate_bytes_per_s / 1000))
-
-
 class PeerShapedLink(KernelLink):
-    """A namespace + veth pair whose ends each carry an ``htb`` root with two classes, traffic to
-    or from the coordinator's port in one, everything else (the other workers' data ports) in the
-    other, and a ``tbf`` in each class that does the shaping.
+    """A namespace + veth pair shaped by ``netns.shape_by_port``: traffic to or from the
+    coordinator's port at one rate, everything else (the other workers' data ports) at another,
+    each by a tbf inside an htb class that only sorts.
 
-    Why tbf leaves and not htb rates: veth hands the qdisc GSO super-packets (up to 64 KB; there
-    is no ethtool here to turn TSO/GSO off). htb lets a whole super-packet through as soon as its
-    class has any tokens and bills it afterwards, so a transfer's last super-packet rides free: a
-    64 KB probe on a 128 KB/s htb class took 0.40 s instead of 0.58 s (measured 0.17 MB/s, and the
-    probe's two-size difference inherits the error). tbf splits a GSO packet larger than its burst
-    into MTU segments before queueing, so every frame waits for its tokens (0.114 MB/s measured on
-    the same 128 KB/s class = the rate x 524/590 payload share). The htb classes only sort
-    (rate 1 gbit). Before 2026-11-23 14:00 the links were also measured through permessage-deflate
-    with zero payloads (compressed to nothing): 25-60 MB/s on this class; both are fixed."""
+    Until 2026-11-23 the classes were htb rates, which let the veth's GSO super-packets through
+    (a 64 KB probe on a 128 KB/s class took 0.40 s, not 0.58 s), and the workers' probes sent
+    zero-filled payloads through permessage-deflate (25-60 MB/s read on that class). With a tbf
+    per class and random, uncompressed payloads the probes read 0.113 MB/s there (the rate x
+    524/590, the TCP payload share of an MTU-576 frame)."""
 
     def __init__(self, device: PeerShaped, coordinator_port: int):
         super().__init__(device.coordinator_rate)
         self.device, self.coordinator_port = device, coordinator_port
 
     def __enter__(self) -> "PeerShapedLink":
-        from edgepipe.emulate.shaper import parse_rate
+        from edgepipe.emulate.netns import shape_by_port
 
         self.host.__enter__()
-        rates = {1: parse_rate(self.device.coordinator_rate), 2: parse_rate(self.device.peer_rate)}
-        # egress of the device's end: to the coordinator's port (dport); of the host's end: from it (sport)
-        for dev, prefix, field in self.ends():
-            run = lambda *a: subprocess.run([*prefix, *a], check=True)  # noqa: E731
-            run("ip", "link", "set", "dev", dev, "mtu", str(WIRE_MTU))
-            run("tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "2")
-            for cls, rate in rates.items():
-                run("tc", "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{cls}", "htb", "rate", "1gbit", "quantum", "1514")
-                run("tc", "qdisc", "add", "dev", dev, "parent", f"1:{cls}", "handle", f"{cls}0:", "tbf", "rate",
-                    f"{round(rate * 8)}bit", "burst", str(tbf_burst(rate)), "latency", "2000ms")
-            run("tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip", field,
-                str(self.coordinator_port), "0xffff", "flowid", "1:1")
+        shape_by_port(self.host, self.coordinator_port, self.device.coordinator_rate, self.device.peer_rate, WIRE_MTU)
         return self
-
-    def ends(self) -> list[tuple[str, list[str], str]]:
-        """(veth, command prefix, port field of the coordinator's traffic) for both ends."""
-        return [(self.host.host_veth, [], "sport"), (self.host.device_veth, self.host.exec_prefix, "dport")]
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Bytes each tbf passed, per end ("into" the device: host end; "out of" it: its own end) and class."""
-        out = {}
-        for (dev, prefix, _), way in zip(self.ends(), ("into", "out of")):
-            shown = subprocess.run([*prefix, "tc", "-s", "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True)
-            try:
-                rows = json.loads(shown.stdout or "[]")
-            except ValueError:
-                continue
-            names = {"10:": "coordinator", "20:": "workers"}
-            out[way] = {names[r["handle"]]: int(r.get("bytes", 0)) for r in rows if r.get("kind") == "tbf" and r.get("handle") in names}
-        return out
+        from edgepipe.emulate.netns import port_shaped_bytes
+
+        names = {"port": "coordinator", "other": "workers"}
+        return {way: {names[k]: v for k, v in cls.items()} for way, cls in port_shaped_bytes(self.host).items()}
 
 
 class PredictCluster(Cluster):
@@ -431,12 +401,12 @@ NOTES = [
     "3dev-peer128KB / 3dev-coord128KB-peer4MB: device a sits in a namespace whose veth ends each carry an htb root with "
     "two classes, traffic to or from the coordinator's port in one, everything else (the other workers' data ports) in "
     "the other, and a tbf in each class at its rate (MTU 576; the tbf splits the veth's GSO super-packets into frames, "
-    "which an htb class rate does not: that let 64 KB probes through at 1.4x the rate). Its worker-to-worker links "
+    "which an htb class rate does not: until 2026-11-23 13:30 that let 64 KB probes through at 1.4x the rate, and zero-filled probes through permessage-deflate read 25-60 MB/s on the 128 KB/s class). Its worker-to-worker links "
     "differ from its coordinator link, so only the measured link matrix prices them; the Links table below shows the "
     "workers' own probes against the rates set.",
     "Every configuration's coordinator starts with an empty calibration file (a temporary EDGEPIPE_HOME sharing only the "
     "model package and the workers' blob cache): the shared file keys a device by name and flags, which do not see a "
-    "kernel link, so before 2026-11-23 14:00 a device 'a' brought the speed and uplink of another run's 'a' (several "
+    "kernel link, so until 2026-11-23 13:30 a device 'a' brought the speed and uplink of another run's 'a' (several "
     "stored uplinks were 258,048 MB/s: zero-filled probes through permessage-deflate), and the 'initial' prediction was "
     "not a first calibration.",
     "Worker-to-worker links are what the workers measured on their data ports at join (`link_measured` events: least RTT "

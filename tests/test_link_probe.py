@@ -4,17 +4,25 @@ Two workers join a coordinator; one shapes what it sends (EMULATED: 25 ms one-wa
 user-space). At join they probe each other's data port (authenticated with a probe secret the
 coordinator issues) and report round trip and bandwidth; the coordinator keeps them in its
 link matrix. A forged probe connection (no secret) is refused before any frame is read.
+
+With root: a worker in a network namespace whose coordinator link and worker links are capped
+by the kernel at different rates (``netns.shape_by_port``) measures each at its own rate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import subprocess
+import sys
 import time
 
 import pytest
 
 from harness import Server
+
+from edgepipe.emulate import netns
 
 
 def _events(server: Server) -> list[dict]:
@@ -52,6 +60,54 @@ def test_workers_report_measured_neighbour_links(home, int4_pkg):
                     p.wait(timeout=15)
                 except Exception:  # noqa: BLE001
                     p.kill()
+
+
+_NETNS_UNAVAILABLE = netns.unavailable_reason()
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(_NETNS_UNAVAILABLE is not None, reason=f"netns emulation: {_NETNS_UNAVAILABLE}")
+def test_kernel_shaped_worker_links_measure_their_own_rate(home, int4_pkg):
+    """Coordinator link 4 MB/s, worker links 256 KB/s (wire rates; a TCP payload gets 524/590 of
+    them through MTU 576): the workers' probes and the coordinator's uplink probe each see theirs."""
+    token = secrets.token_hex(8)
+    namespaces_before = set(netns.list_namespaces())
+    host = netns.NetnsHost(f"lp{os.getpid() % 100000}", ip="10.213.202.2", peer_ip="10.213.202.1")
+    with Server(home, workers=0, wait_up=False, args=("--join-token", token, "--min-workers", "2", "--host", "0.0.0.0")) as server, host:
+        netns.shape_by_port(host, server.port, "4MB/s", "256KB/s")
+        env = {**os.environ, "EDGEPIPE_HOME": str(home)}
+        env.pop("EDGEPIPE_JOIN_TOKEN", None)
+        inside = host.popen([sys.executable, "-m", "edgepipe", "worker", "--coordinator", f"http://{host.peer_ip}:{server.port}",
+                             "--host", host.ip, "--join-token", token, "--name", "inside", "--threads", "1"],
+                            env=env, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        outside = server.worker("--join-token", token, "--name", "outside", "--threads", "1", "--host", "0.0.0.0",
+                                "--advertise", host.peer_ip)
+        try:
+            deadline = time.monotonic() + 150
+            measured: dict[tuple[str, str], dict] = {}
+            uplinks: dict[str, float] = {}
+            while time.monotonic() < deadline and not (len(measured) == 2 and "inside" in uplinks):
+                names = {w["id"]: w["name"] for w in server.status()["workers"]}
+                events = _events(server)
+                measured = {(names.get(e["src"]), names.get(e["dst"])): e for e in events if e["kind"] == "link_measured"}
+                uplinks = {names.get(e["worker"]): e["uplink_mb_s"] for e in events if e["kind"] == "calibrated"}
+                time.sleep(0.5)
+            assert set(measured) == {("inside", "outside"), ("outside", "inside")}, [e for e in _events(server) if "link" in e["kind"]]
+            payload_share = (576 - 52) / (576 + 14)
+            print("kernel-shaped links, MB/s:", {f"{a}->{b}": e["mb_s"] for (a, b), e in measured.items()}, "uplink", uplinks)
+            for pair, e in measured.items():  # both directions of the worker link, at 256 KB/s of frames
+                assert 0.8 < e["mb_s"] / (0.256 * payload_share) < 1.15, (pair, e)
+            # the coordinator link of the same namespace is 16x faster: its own class
+            assert 0.5 < uplinks["inside"] / (4.0 * payload_share) < 1.15, uplinks
+            counted = netns.port_shaped_bytes(host)
+            assert all(counted[way]["port"] > 0 and counted[way]["other"] > 0 for way in ("into", "out of")), counted
+        finally:
+            outside.terminate()
+            try:
+                outside.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                outside.kill()
+    assert set(netns.list_namespaces()) <= namespaces_before
 
 
 async def _forged(url: str) -> int | None:

@@ -1,7 +1,8 @@
 """Kernel rate caps for emulated devices: one network namespace and veth pair per device.
 
 Owns creating and tearing down ``ep-<name>`` namespaces, their 10.213.0.0/16 addresses and the
-``tbf`` qdiscs that cap each end's egress, and running processes inside them. Needs root and
+``tbf`` qdiscs that cap each end's egress (``shape_by_port``: one rate for a coordinator's port,
+another for the rest), and running processes inside them. Needs root and
 iproute2; without them it raises ``EmulationUnavailable``. The kernel here has no ``netem``, so
 delay and loss come from ``edgepipe.emulate.shaper.DelayRelay`` placed in front of the device.
 """
@@ -223,6 +224,51 @@ class NetnsHost:
             "burst", str(tbf_burst_bytes(self.rate_bytes_per_s)),
             "latency", f"{self.tbf_latency_ms:g}ms",
         ]
+
+
+SHAPED_MTU = 576  # a 2.3 KB activation is several frames, each waiting for its tokens
+
+
+def shape_by_port(host: NetnsHost, port: int, port_rate: str | float, other_rate: str | float, mtu: int = SHAPED_MTU) -> None:
+    """Cap ``host``'s traffic to or from root-namespace ``port`` (a coordinator's) at ``port_rate``
+    and everything else (other workers' data ports) at ``other_rate``, both directions.
+
+    Each veth end gets an ``htb`` root whose two classes only sort (u32 on the port: ``dport`` on
+    the device's end, ``sport`` on the host's end, since each end shapes only what it sends) and a
+    ``tbf`` in each class that shapes. An htb class rate alone does not: veth hands the qdisc GSO
+    super-packets of up to 64 KB (there is no ethtool here to turn GSO off), htb lets one through
+    whenever its class has any tokens and bills it afterwards, so short transfers ran at 1.4x the
+    rate. tbf splits a GSO packet larger than its burst into MTU segments before queueing. Rates
+    count whole Ethernet frames: through MTU 576 a TCP payload gets 524/590 of them.
+    """
+    rates = {1: parse_rate(port_rate), 2: parse_rate(other_rate)}
+    for dev, prefix, field in ((host.host_veth, [], "sport"), (host.device_veth, host.exec_prefix, "dport")):
+        _run([*prefix, "ip", "link", "set", "dev", dev, "mtu", str(mtu)])
+        _run([*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "2"])
+        for cls, rate in rates.items():
+            _run([*prefix, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{cls}", "htb", "rate", "1gbit",
+                  "quantum", "1514"])
+            burst = int(max(mtu + 24, rate / 1000))  # one frame at low rates, 1 ms at high ones
+            _run([*prefix, "tc", "qdisc", "add", "dev", dev, "parent", f"1:{cls}", "handle", f"{cls}0:", "tbf", "rate",
+                  f"{round(rate * 8)}bit", "burst", str(burst), "latency", "2000ms"])
+        _run([*prefix, "tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+              field, str(port), "0xffff", "flowid", "1:1"])
+
+
+def port_shaped_bytes(host: NetnsHost) -> dict[str, dict[str, int]]:
+    """Bytes each class of ``shape_by_port`` passed: {"into"|"out of": {"port"|"other": bytes}}."""
+    import json
+
+    out = {}
+    for dev, prefix, way in ((host.host_veth, [], "into"), (host.device_veth, host.exec_prefix, "out of")):
+        shown = subprocess.run([*prefix, "tc", "-s", "-j", "qdisc", "show", "dev", dev], capture_output=True, text=True, check=False)
+        try:
+            rows = json.loads(shown.stdout or "[]")
+        except ValueError:
+            continue
+        names = {"10:": "port", "20:": "other"}
+        out[way] = {names[r["handle"]]: int(r.get("bytes", 0)) for r in rows if r.get("kind") == "tbf" and r.get("handle") in names}
+    return out
 
 
 def _run(argv: list[str]) -> None:

@@ -69,7 +69,7 @@ class PlannerPolicy:
                 return stages, f"{request.objective.value}: {best.reason} (running plan no longer fits)", predicted
             unit_bytes = [u.weight_bytes for u in model.units]
             bandwidths = {d.id: prof.link_of(d.id)[1] for d in devices}
-            cost_s = switch_cost(running, best, devices, unit_bytes, bandwidths)
+            cost_s = switch_cost(running, best, devices, unit_bytes, bandwidths) + self._kv_pause_s(coord, running, best, bandwidths)
             decision = should_switch(objective_value(running_pred, request), objective_value(best.predicted, request), cost_s,
                                      coord.clock() - coord.last_switch, self.horizon_tokens)
             predicted["switch"] = {"switch": decision.switch, "reason": decision.reason, "switch_cost_s": cost_s,
@@ -78,6 +78,18 @@ class PlannerPolicy:
                                         "hop_times_s": list(running_pred.hop_times_s), "energy_j_per_token": running_pred.energy_j_per_token}
         return stages, f"{request.objective.value}: {best.reason}", predicted
 
+
+    @staticmethod
+    def _kv_pause_s(coord, running: Plan, best: Plan, bandwidths: dict) -> float:
+        """Seconds every sequence pauses while the KV of the layers that change hands moves (the
+        deploy itself runs beside the live plan; this does not): 16 long streams make a switch
+        cost seconds, so a noisy small gain is not worth it."""
+        before = {u: d for s in running.stages for d in s.device_ids for u in range(s.start, s.end)}
+        after = {u: d for s in best.stages for d in s.device_ids for u in range(s.start, s.end)}
+        per_token = sum(coord.manifest.units[u].kv_bytes_per_token for u in after if before.get(u) != after[u])
+        positions = sum(q.kv_len for q in coord.cluster.requests.values())
+        slowest = min((bandwidths[d] for d in set(before.values()) if d in bandwidths), default=0.0)
+        return per_token * positions / slowest if slowest > 0 else 0.0
 
     def _weigh_churn(self, best: Plan, model, devices, network, request: PlanRequest, rates: dict, recovery_s: float) -> Plan:
         """The throughput plan or the fewest-devices plan, whichever delivers more once downtime counts."""

@@ -107,7 +107,7 @@ class Connections:
                                           "computed": typed.computed}, c.clock()))
         elif msg.type is T.LOADED:
             if typed.kv_received is not None:
-                c.deployer.moved(typed)
+                c.deployer.migration.moved(typed)
             else:
                 fut = link.loads.pop(typed.plan, None)
                 if fut and not fut.done():

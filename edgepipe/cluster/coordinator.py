@@ -216,7 +216,7 @@ class Coordinator:
         for fut in list(link.loads.values()) + list(link.probes.values()):
             if not fut.done():
                 fut.set_exception(broken)
-        self.deployer.abort_moves(broken)  # those sequences are rebuilt by replay instead
+        self.deployer.migration.abort_moves(broken)  # those sequences are rebuilt by replay instead
         plan = self.cluster.active.plan_id if self.cluster.uses(wid) else None
         self.emit(S.WorkerLost(wid, why, self.clock()))
         self.event("leave", worker=wid, why=why)

@@ -2,7 +2,7 @@
 
 A new plan is prepared in an inactive slot on every worker while the active one keeps serving
 (Preparing, when nothing is up), then swapped in between two steps (Committing): sequences
-pause at the gate, in-flight steps drain, live sequences' KV is copied where ``deploy.kv_moves``
+pause at the gate, in-flight steps drain, live sequences' KV is copied (``migration``) where ``deploy.kv_moves``
 says (or rebuilt by replay when that is cheaper or a copy fails), and the plan commits only if
 none of its workers left meanwhile. Every change of state goes through ``Coordinator.emit``.
 """
@@ -13,13 +13,12 @@ import asyncio
 import itertools
 
 from ..net import auth
-from ..net.messages import Activate, KvExport, Loaded
+from ..net.messages import Activate, Loaded
 from . import deploy, state as S
 from .placement import Deployment, StageAssignment
+from .migration import KvMigration
 from .profiling import RUNTIME_OVERHEAD_BYTES
 
-MOVE_TIMEOUT_S = 10.0  # KV moves still missing after this (plus 3x their predicted time) are rebuilt by replay
-MOVE_TIMEOUT_MAX_S = 120.0
 QUIESCE_S = 30.0
 
 
@@ -30,7 +29,7 @@ class Deployer:
         self.gate = asyncio.Event()  # cleared while a new plan is committed (no new steps)
         self.gate.set()
         self.migrate_kv = True
-        self.moves: dict[int, asyncio.Future] = {}
+        self.migration = KvMigration(coord, self)
         self.secrets: dict[int, dict[str, str]] = {}  # plan -> worker -> its data-port secret (net.auth)
         self._plan_ids = itertools.count(1)
         self._ids = itertools.count(1)
@@ -160,7 +159,7 @@ class Deployer:
             try:
                 await self.quiesce()
                 quiet_at = c.clock()
-                moved = await self.migrate(old, dep) if self.migrate_kv else {}
+                moved = await self.migration.migrate(old, dep) if self.migrate_kv else {}
                 moved["quiesce_s"] = round(quiet_at - paused_at, 3)
                 lost = [s.worker_id for s in stages if s.worker_id not in c.cluster.workers]
                 if lost:  # a worker of the new plan died while we switched: do not commit it
@@ -199,81 +198,6 @@ class Deployer:
         deadline = self.coord.clock() + QUIESCE_S
         while self.coord.steps.pending and self.coord.clock() < deadline:
             await asyncio.sleep(0.002)
-
-    async def migrate(self, old: Deployment, new: Deployment) -> dict:
-        """Move live sequences' KV from the old stages to the new ones, worker to worker.
-
-        Each sequence moves when that is predicted cheaper than rebuilding it by replay on the
-        new plan; otherwise, or if a move fails, it is rebuilt by replay."""
-        c = self.coord
-        live = {rid: q for rid, q in sorted(c.cluster.requests.items()) if q.plan == old.plan_id and q.kv_len > 0}
-        if not live:
-            return {}
-        infos = c.cluster.workers
-        if any(w not in infos or infos[w].relay for w in set(old.workers) | set(new.workers)):
-            return {"kv_recomputed": len(live)}
-        kv_per_unit = [u.kv_bytes_per_token for u in c.manifest.units]
-        copies = deploy.kv_moves(old, new, c.n_units, kv_per_unit)
-        loop = asyncio.get_running_loop()
-        futures: dict[str, list[asyncio.Future]] = {}
-        moved_bytes, recompute = 0, []
-        for rid, q in live.items():
-            if not copies or not self._move_is_cheaper(old, new, q.kv_len):
-                recompute.append(rid)
-                continue
-            for copy in copies:
-                move = next(self._ids)
-                fut = self.moves[move] = loop.create_future()
-                futures.setdefault(rid, []).append(fut)
-                moved_bytes += q.kv_len * sum(kv_per_unit[copy.start:copy.end])
-                link = c.links.get(copy.src)
-                msg = KvExport(q.seq, old.plan_id, copy.start, copy.end, new.plan_id, infos[copy.dst].hello.get("data_url"), move,
-                               secret=self.secrets.get(new.plan_id, {}).get(copy.dst),
-                               fingerprint=infos[copy.dst].hello.get("data_fingerprint"))
-                if link is None or not await _quiet(link.send(msg.to_message())):
-                    fut.cancel()
-        # All moves run at once; whatever has not arrived within the bound is rebuilt by replay.
-        everything = [f for futs in futures.values() for f in futs]
-        if everything:
-            await asyncio.wait(everything, timeout=self._move_timeout(old, moved_bytes))
-        ok = 0
-        for rid, futs in futures.items():
-            if all(f.done() and not f.cancelled() and f.exception() is None and f.result().ok for f in futs):
-                c.emit(S.KvMoved(rid, new.plan_id))
-                ok += 1
-            else:
-                recompute.append(rid)
-        for f in everything:
-            if not f.done():
-                f.cancel()
-        for move in [m for m, f in self.moves.items() if f.done()]:
-            del self.moves[move]
-        return {"kv_moved": ok, "kv_moved_bytes": moved_bytes, "kv_recomputed": len(recompute)}
-
-    def _move_timeout(self, old: Deployment, moved_bytes: int) -> float:
-        """How long all moves may take: 10 s plus three times their predicted transfer time (the
-        slowest sender's link carrying every byte), at most two minutes."""
-        bandwidth = min(self.coord.profile.link_of(w)[1] for w in old.workers)
-        return min(MOVE_TIMEOUT_S + 3 * moved_bytes / max(bandwidth, 1.0), MOVE_TIMEOUT_MAX_S)
-
-    def _move_is_cheaper(self, old: Deployment, new: Deployment, length: int) -> bool:
-        p = self.coord.profile
-        kv_bytes = length * sum(u.kv_bytes_per_token for u in self.coord.manifest.units)
-        # a speed of 0 comes from a package imported without unit costs: no estimate, replay
-        stage_s = [p.unit_cost(s.start, s.end) / max(p.of(s.worker_id).speed, 1e-9) for s in new.stages]
-        return deploy.move_is_cheaper(kv_bytes, min(p.link_of(w)[1] for w in old.workers), max(p.link_of(w)[0] for w in old.workers),
-                                      stage_s, length)
-
-    def moved(self, reply: Loaded) -> None:
-        fut = self.moves.pop(reply.kv_received, None)
-        if fut and not fut.done():
-            fut.set_result(reply)
-
-    def abort_moves(self, exc: Exception) -> None:
-        for fut in self.moves.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self.moves.clear()
 
     async def prefetch_spare(self, dep: Deployment) -> None:
         """Fetch the files of the spare plan ahead of a failure (000's shadow assignment)."""

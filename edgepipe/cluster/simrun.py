@@ -198,8 +198,8 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
         out.append(f"admission slots left: {len(admission.running)} running, {admission.queued} queued")
     if any(link.loads or link.probes for link in coord.links.values()):
         out.append(f"load/probe futures left: {[(w, sorted(l.loads), sorted(l.probes)) for w, l in coord.links.items() if l.loads or l.probes]}")
-    if coord.deployer.moves:
-        out.append(f"KV moves left: {sorted(coord.deployer.moves)}")
+    if coord.deployer.migration.moves:
+        out.append(f"KV moves left: {sorted(coord.deployer.migration.moves)}")
     if coord.steps.lanes.lane_of or any(l.members or l.waiting or l.flying for l in coord.steps.lanes.lanes):
         out.append("lane members left")
     return out

@@ -6,11 +6,7 @@ measures their contention, not their speed. A round whose per-cost times spread 
 ``MAX_ROUNDS``; the steadiest round is kept. A worker that comes back with the same identity
 reuses its calibration (``ClusterProfile.recall``).
 
-Links between workers are measured by the workers themselves, on the data-port path the
-activations take (``probe_pair``): at join, the newcomer and each calibrated worker probe each
-other (both directions, at most ``MAX_PEERS_AT_JOIN`` peers); after a deployment, each stage
-probes its planned successor if that pair was never measured (``probe_neighbours``). The
-results go into ``ClusterProfile.peer_links``, the matrix the planner's network profile uses.
+Links between workers are measured in ``links`` (``LinkProber``), under the same lock.
 
 The first plan's stages are timed again on the ranges they will actually run, before it serves
 (``time_stages``): the join calibration times one and four layers, while a stage holds the
@@ -26,17 +22,15 @@ import asyncio
 import statistics
 from pathlib import Path
 
-from ..net import auth
 from ..net.channel import ChannelClosed
 from ..net.messages import Activate, Probe
 from . import deploy, state as S
+from .links import LinkProber
 
 TRUST_RATIO = 0.25  # reported probe times below this fraction of the wall-clock measure are not believed
 STABLE_SPREAD = 0.25  # (p90 - p10) / median of seconds per unit cost: above this a round is repeated
 MAX_ROUNDS = 3
 PROBE_REPS = 34  # the first two warm up; 32 more than the short probe, so the difference outweighs noise
-MAX_PEERS_AT_JOIN = 8  # a newcomer measures its links to at most this many workers at once (the rest when planned)
-PEER_PROBE_BYTES = 1 << 19  # largest timed transfer of a peer probe (the worker sizes it to ~0.15 s)
 STAGE_REPS = 18  # decode steps timed per round on a deployed stage (the first two warm up)
 
 
@@ -71,7 +65,7 @@ class Calibrator:
         self.tasks: dict[str, asyncio.Task] = {}
         self._variant_lock = asyncio.Lock()
         self._probes = 0
-        self._accepting: dict[str, str] = {}  # worker -> the probe secret its data port accepts
+        self.links = LinkProber(coord, self)
 
     def busy(self) -> set[str]:
         return {wid for wid, t in self.tasks.items() if not t.done()}
@@ -90,18 +84,18 @@ class Calibrator:
             m = c.profile.of(wid)
             c.event("calibrated", worker=wid, speed=round(m.speed, 3), overhead_ms=round(m.overhead_s * 1e3, 3),
                     uplink_mb_s=round((m.bandwidth_bytes_per_s or 0) / 1e6, 3), reused=True)
-            self.tasks[wid] = c.spawn(self._probe_peers_locked(wid))
+            self.tasks[wid] = c.spawn(self.links.probe_peers_locked(wid))
             return
         c.emit(S.Calibrating(wid, True))
         self.tasks[wid] = c.spawn(self.calibrate(wid))
 
     def lost(self, wid: str) -> None:
-        self._accepting.pop(wid, None)
+        self.links.forget(wid)
         task = self.tasks.pop(wid, None)
         if task:
             task.cancel()
 
-    async def _probe(self, wid: str, **fields):
+    async def probe(self, wid: str, **fields):
         c = self.coord
         link = c.links[wid]
         self._probes += 1
@@ -112,70 +106,6 @@ class Calibrator:
             return await asyncio.wait_for(fut, timeout=c.settings.load_timeout_s)
         finally:
             link.probes.pop(probe, None)
-
-    # -- worker-to-worker links -------------------------------------------------------------
-    def _reachable(self, wid: str) -> bool:
-        info = self.coord.cluster.workers.get(wid)
-        return info is not None and not info.relay and bool(info.hello.get("data_url")) and wid in self.coord.links
-
-    async def probe_pair(self, src: str, dst: str) -> bool:
-        """``src`` times its data-port path to ``dst`` (``dst`` first told which probe secret to
-        accept); the result goes into the link matrix. False when either cannot be probed."""
-        c = self.coord
-        if src == dst or not (self._reachable(src) and self._reachable(dst)):
-            return False
-        try:
-            secret = self._accepting.get(dst)
-            if secret is None:
-                secret = auth.plan_secrets(1)[0]
-                if not (await self._probe(dst, kind="accept", secret=secret)).ok:
-                    return False
-                self._accepting[dst] = secret
-            target = c.cluster.workers[dst].hello
-            reply = await self._probe(src, kind="peer", url=target["data_url"], secret=secret,
-                                      fingerprint=target.get("data_fingerprint"), bytes=PEER_PROBE_BYTES)
-        except (asyncio.TimeoutError, ChannelClosed, KeyError) as exc:
-            c.event("link_probe_failed", src=src, dst=dst, error=str(exc) or type(exc).__name__)
-            return False
-        if not (reply.ok and reply.rtt_s is not None and reply.bandwidth_bytes_per_s):
-            c.event("link_probe_failed", src=src, dst=dst, error=getattr(reply, "error", None) or "no figures")
-            return False
-        c.profile.peer_measured(src, dst, reply.rtt_s, reply.bandwidth_bytes_per_s)
-        c.event("link_measured", src=src, dst=dst, rtt_ms=round(reply.rtt_s * 1e3, 3),
-                mb_s=round(reply.bandwidth_bytes_per_s / 1e6, 4))
-        return True
-
-    async def _probe_peers(self, wid: str) -> None:
-        """The newcomer and up to ``MAX_PEERS_AT_JOIN`` calibrated workers measure each other."""
-        c = self.coord
-        peers = [p for p in sorted(c.cluster.workers) if p != wid and c.profile.of(p).calibrated and p not in self.busy()]
-        for peer in peers[:MAX_PEERS_AT_JOIN]:
-            await self.probe_pair(wid, peer)
-            await self.probe_pair(peer, wid)
-
-    async def _probe_peers_locked(self, wid: str) -> None:
-        try:
-            async with self.lock:
-                await self._probe_peers(wid)
-        finally:
-            self.coord.replan_wanted.set()
-
-    async def probe_neighbours(self, stages) -> None:
-        """After a deployment: each stage measures the link to its successor if nobody has yet
-        (pools larger than ``MAX_PEERS_AT_JOIN``); a re-plan follows when anything was learnt."""
-        c = self.coord
-        if not c.settings.calibrate:
-            return
-        pairs = [(a.worker_id, b.worker_id) for a, b in zip(stages, stages[1:])
-                 if (a.worker_id, b.worker_id) not in c.profile.peer_links]
-        if not pairs:
-            return
-        learnt = False
-        async with self.lock:
-            for src, dst in pairs:
-                learnt |= await self.probe_pair(src, dst)
-        if learnt:
-            c.replan_wanted.set()
 
     # -- the first plan's own ranges ---------------------------------------------------------
     async def time_stages(self, dep) -> None:
@@ -194,9 +124,9 @@ class Calibrator:
                     rounds = []
                     for _ in range(MAX_ROUNDS):
                         t0 = c.clock()
-                        timing = await self._probe(s.worker_id, plan=dep.plan_id, reps=STAGE_REPS, context=32)
+                        timing = await self.probe(s.worker_id, plan=dep.plan_id, reps=STAGE_REPS, context=32)
                         t1 = c.clock()
-                        await self._probe(s.worker_id, plan=dep.plan_id, reps=2, context=32)
+                        await self.probe(s.worker_id, plan=dep.plan_id, reps=2, context=32)
                         times, _ = trusted_step_times((timing.times or [])[2:], t1 - t0, c.clock() - t1, STAGE_REPS - 2)
                         if not times:
                             break
@@ -227,9 +157,9 @@ class Calibrator:
             if not result.ok:
                 raise RuntimeError(result.error)
             t0 = c.clock()
-            timing = await self._probe(wid, plan=plan_id, reps=PROBE_REPS, context=32)
+            timing = await self.probe(wid, plan=plan_id, reps=PROBE_REPS, context=32)
             t1 = c.clock()
-            await self._probe(wid, plan=plan_id, reps=2, context=32)
+            await self.probe(wid, plan=plan_id, reps=2, context=32)
             times, overruled = trusted_step_times((timing.times or [])[2:], t1 - t0, c.clock() - t1, PROBE_REPS - 2)
             if overruled:
                 c.profile.of(wid).trusted = False  # nor are its step timings believed from now on
@@ -262,14 +192,14 @@ class Calibrator:
                 timings = {}
                 for size in (1 << 12, 1 << 18):
                     t0 = c.clock()
-                    await self._probe(wid, kind="link", bytes=size)
+                    await self.probe(wid, kind="link", bytes=size)
                     timings[size] = c.clock() - t0
                 small, large = sorted(timings)
                 if timings[large] > timings[small]:
                     c.profile.uploaded(wid, large - small, timings[large] - timings[small], round_trip=timings[small])
                 else:  # noise left no difference (a fast link, a busy CPU): the large probe's own time bounds it from below
                     c.profile.uploaded(wid, large, timings[large], round_trip=timings[small])
-                await self._probe_peers(wid)
+                await self.links.probe_peers(wid)
             try:
                 c.profile.calibrated(wid, samples)
             except ValueError:  # noisy timings that no line fits: speed from the ratio, no overhead

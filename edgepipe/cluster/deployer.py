@@ -190,7 +190,7 @@ class Deployer:
         c.event("up", plan=dep.plan_id, prepare_s=round(c.clock() - t0, 3), paused_s=round(c.clock() - paused_at, 3), fetched_bytes=fetched,
                 predicted=dep.predicted, replaced=old.plan_id if old else None, **moved)
         c.spawn(self.prefetch_spare(dep))
-        c.spawn(c.calibrator.probe_neighbours(dep.stages))  # planned neighbours measure their links (calibration)
+        c.spawn(c.calibrator.links.probe_neighbours(dep.stages))  # planned neighbours measure their links (calibration)
         return dep
 
     async def quiesce(self) -> None:

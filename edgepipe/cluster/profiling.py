@@ -9,7 +9,7 @@ into ``edgepipe.plan`` profiles:
   refines its speed (median over a window);
 - links: RTT from heartbeats, upload bandwidth from a timed probe frame; worker-to-worker
   links as the workers measured them on their data ports (``peer_measured``: round trip and a
-  timed transfer, see ``Calibrator.probe_pair``), kept as a matrix by ordered pair. A pair
+  timed transfer, see ``LinkProber.probe_pair``), kept as a matrix by ordered pair. A pair
   nobody measured is priced as a path through both access links (star topology): the larger
   RTT and the smaller bandwidth (``plan.profiles.link_matrix``). When a browser relays
   through the coordinator, the coordinator's link is marked shared (contention, seed 002);

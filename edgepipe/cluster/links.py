@@ -1,0 +1,92 @@
+"""Measuring the links between workers, on the path the activations take (I/O).
+
+Links between workers are measured by the workers themselves, on the data-port path the
+activations take (``probe_pair``): at join, the newcomer and each calibrated worker probe each
+other (both directions, at most ``MAX_PEERS_AT_JOIN`` peers); after a deployment, each stage
+probes its planned successor if that pair was never measured (``probe_neighbours``). The
+results go into ``ClusterProfile.peer_links``, the matrix the planner's network profile uses.
+Probes share the calibration lock: two measurements at once on shared cores measure each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..net import auth
+from ..net.channel import ChannelClosed
+
+MAX_PEERS_AT_JOIN = 8  # a newcomer measures its links to at most this many workers at once (the rest when planned)
+PEER_PROBE_BYTES = 1 << 19  # largest timed transfer of a peer probe (the worker sizes it to ~0.15 s)
+
+
+class LinkProber:
+    def __init__(self, coord, calibrator):
+        self.coord = coord
+        self.calibrator = calibrator  # its probe channel, lock and busy set
+        self._accepting: dict[str, str] = {}  # worker -> the probe secret its data port accepts
+
+    def forget(self, wid: str) -> None:
+        self._accepting.pop(wid, None)
+
+    def _reachable(self, wid: str) -> bool:
+        info = self.coord.cluster.workers.get(wid)
+        return info is not None and not info.relay and bool(info.hello.get("data_url")) and wid in self.coord.links
+
+    async def probe_pair(self, src: str, dst: str) -> bool:
+        """``src`` times its data-port path to ``dst`` (``dst`` first told which probe secret to
+        accept); the result goes into the link matrix. False when either cannot be probed."""
+        c = self.coord
+        if src == dst or not (self._reachable(src) and self._reachable(dst)):
+            return False
+        try:
+            secret = self._accepting.get(dst)
+            if secret is None:
+                secret = auth.plan_secrets(1)[0]
+                if not (await self.calibrator.probe(dst, kind="accept", secret=secret)).ok:
+                    return False
+                self._accepting[dst] = secret
+            target = c.cluster.workers[dst].hello
+            reply = await self.calibrator.probe(src, kind="peer", url=target["data_url"], secret=secret,
+                                      fingerprint=target.get("data_fingerprint"), bytes=PEER_PROBE_BYTES)
+        except (asyncio.TimeoutError, ChannelClosed, KeyError) as exc:
+            c.event("link_probe_failed", src=src, dst=dst, error=str(exc) or type(exc).__name__)
+            return False
+        if not (reply.ok and reply.rtt_s is not None and reply.bandwidth_bytes_per_s):
+            c.event("link_probe_failed", src=src, dst=dst, error=getattr(reply, "error", None) or "no figures")
+            return False
+        c.profile.peer_measured(src, dst, reply.rtt_s, reply.bandwidth_bytes_per_s)
+        c.event("link_measured", src=src, dst=dst, rtt_ms=round(reply.rtt_s * 1e3, 3),
+                mb_s=round(reply.bandwidth_bytes_per_s / 1e6, 4))
+        return True
+
+    async def probe_peers(self, wid: str) -> None:
+        """The newcomer and up to ``MAX_PEERS_AT_JOIN`` calibrated workers measure each other."""
+        c = self.coord
+        peers = [p for p in sorted(c.cluster.workers) if p != wid and c.profile.of(p).calibrated and p not in self.calibrator.busy()]
+        for peer in peers[:MAX_PEERS_AT_JOIN]:
+            await self.probe_pair(wid, peer)
+            await self.probe_pair(peer, wid)
+
+    async def probe_peers_locked(self, wid: str) -> None:
+        try:
+            async with self.calibrator.lock:
+                await self.probe_peers(wid)
+        finally:
+            self.coord.replan_wanted.set()
+
+    async def probe_neighbours(self, stages) -> None:
+        """After a deployment: each stage measures the link to its successor if nobody has yet
+        (pools larger than ``MAX_PEERS_AT_JOIN``); a re-plan follows when anything was learnt."""
+        c = self.coord
+        if not c.settings.calibrate:
+            return
+        pairs = [(a.worker_id, b.worker_id) for a, b in zip(stages, stages[1:])
+                 if (a.worker_id, b.worker_id) not in c.profile.peer_links]
+        if not pairs:
+            return
+        learnt = False
+        async with self.calibrator.lock:
+            for src, dst in pairs:
+                learnt |= await self.probe_pair(src, dst)
+        if learnt:
+            c.replan_wanted.set()

@@ -67,7 +67,7 @@ def _tables(
         pricing.n,
         np.array([1 << b for b in range(len(members))], dtype=np.int64),
         stage,
-        np.where(np.isfinite(hop), hop * time_weight, INF),  # inf * 0 would be nan
+        np.where(np.isfinite(hop), np.where(np.isfinite(hop), hop, 0.0) * time_weight, INF),  # no inf * 0
         enter * time_weight,
         leave * time_weight,
         pricing.leave_partial[members] * time_weight,

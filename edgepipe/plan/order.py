@@ -506,8 +506,26 @@ def _plan(
         proven = value
     elif request.objective is Objective.LATENCY and lower is not None:
         proven = lower
+    elif request.objective is Objective.THROUGHPUT and not adjusted:
+        proven = min(_throughput_bound(ctx), value)
     gap = None if proven is None else (max(value / proven - 1, 0.0) if proven > 0 else 0.0)
     return PlanResult(plans[0], tuple(plans[1:]), strategy, lower, optimal, proven, gap)
+
+
+def _throughput_bound(ctx: _Context) -> float:
+    """A proven lower bound on 1/throughput = max(T / S, B) of any plan, replicas included.
+
+    T is at least the relaxed (device-reuse) ring time with every stage holding one KV cache
+    (a replica holds at least one; the slowest replica is no faster than any); B is at least
+    the cheapest hop from and to the coordinator, and at least W / sum of speeds: device d is
+    busy at most B per token and does at most speed_d x busy_d of the W cost units each token
+    needs."""
+    request = ctx.request
+    one = build_pricing(ctx.model, ctx.devices, ctx.network, replace(request, sequences=1))
+    ring = relaxed_split(cost_tables(one)).bound
+    work = math.fsum(u.cost for u in ctx.model.units) / math.fsum(d.speed for d in ctx.devices.values())
+    ends = min(float(one.enter.min()), float(one.leave.min()))
+    return max(ring / request.sequences, work, ends)
 
 
 def _throughput(ctx: _Context, candidates: _Candidates, tables: TableMaker, count: int) -> None:
@@ -607,9 +625,11 @@ def _energy(
                 candidates.add_stages(_to_stages(ctx, path))
             except PlanError:
                 continue
-        if ctx.strategy == "annealing":
-            return None
-        return _energy_exactly(ctx, candidates, busy, idle)
+        # Without the exact DP: period >= t_d and >= T / S, so the one-sequence bound holds with
+        # the ring bound divided by S (energy plans have no replicas).
+        fallback = energy_bound(pricing, busy, idle, ring_lower / request.sequences)
+        exact = None if ctx.strategy == "annealing" else _energy_exactly(ctx, candidates, busy, idle)
+        return fallback if exact is None else exact
     pool_bound = energy_bound(pricing, busy, idle, ring_lower)
     if ctx.strategy != "annealing" and m <= ENERGY_EXACT_DEVICES:
         return max(found.bound, pool_bound)

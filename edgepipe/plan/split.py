@@ -276,7 +276,10 @@ def cost_tables(
             stage = stage + 1e-9 * pricing.time**2 / max(float(finite.max()), 1e-300)
     hop, enter, leave = pricing.hop, pricing.enter, pricing.leave
     if hop_weight != 1.0:
-        hop, enter, leave = hop * hop_weight, enter * hop_weight, leave * hop_weight
+        # inf * 0 would be nan: an unreachable hop stays unreachable at any weight.
+        reachable = np.isfinite(hop)
+        hop = np.where(reachable, np.where(reachable, hop, 0.0) * hop_weight, INF)
+        enter, leave = enter * hop_weight, leave * hop_weight
     if bottleneck_limit < INF:
         stage = np.where(pricing.eff <= bottleneck_limit, stage, INF)
         hop = np.where(pricing.hop <= bottleneck_limit, hop, INF)

@@ -45,8 +45,12 @@ class KvMigration:
         loop = asyncio.get_running_loop()
         futures: dict[str, list[asyncio.Future]] = {}
         moved_bytes, recompute = 0, []
+        # Replays of all live sequences share the stages (one row per frame), so moving is weighed
+        # for all of them at once: every byte that changes hands against every position replayed.
+        moving = bool(copies) and self._move_is_cheaper(old, new, sum(q.kv_len for q in live.values()),
+                                                        sum(kv_per_unit[u] for cp in copies for u in range(cp.start, cp.end)))
         for rid, q in live.items():
-            if not copies or not self._move_is_cheaper(old, new, q.kv_len):
+            if not moving:
                 recompute.append(rid)
                 continue
             for copy in copies:
@@ -84,13 +88,14 @@ class KvMigration:
         bandwidth = min(self.coord.profile.link_of(w)[1] for w in old.workers)
         return min(MOVE_TIMEOUT_S + 3 * moved_bytes / max(bandwidth, 1.0), MOVE_TIMEOUT_MAX_S)
 
-    def _move_is_cheaper(self, old: Deployment, new: Deployment, length: int) -> bool:
+    def _move_is_cheaper(self, old: Deployment, new: Deployment, positions: int, moved_kv_per_token: int) -> bool:
+        """Moving the KV of ``positions`` (all live sequences) beats replaying them: a replayed
+        position is a one-row step at each stage (overhead included), not a row of a batch."""
         p = self.coord.profile
-        kv_bytes = length * sum(u.kv_bytes_per_token for u in self.coord.manifest.units)
         # a speed of 0 comes from a package imported without unit costs: no estimate, replay
-        stage_s = [p.unit_cost(s.start, s.end) / max(p.of(s.worker_id).speed, 1e-9) for s in new.stages]
-        return deploy.move_is_cheaper(kv_bytes, min(p.link_of(w)[1] for w in old.workers), max(p.link_of(w)[0] for w in old.workers),
-                                      stage_s, length)
+        stage_s = [p.unit_cost(s.start, s.end) / max(p.of(s.worker_id).speed, 1e-9) + p.of(s.worker_id).overhead_s for s in new.stages]
+        return deploy.move_is_cheaper(positions * moved_kv_per_token, min(p.link_of(w)[1] for w in old.workers),
+                                      max(p.link_of(w)[0] for w in old.workers), stage_s, positions)
 
     def moved(self, reply: Loaded) -> None:
         fut = self.moves.pop(reply.kv_received, None)

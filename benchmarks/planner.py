@@ -13,7 +13,7 @@ Cases (goals from the planner brief):
 `planner_bound_ms` is `PlanResult.lower_bound`: the optimum itself for exact searches, the
 Lagrangian / relaxed-DP bound for annealing.
 
-`--new-only` runs just the issue-16 sections (appended to the same files): every objective
+`--new-only` (add `--energy-only` to keep the brute-force rows) runs just the issue-16 sections (appended to the same files): every objective
 against the independent brute force (`edgepipe.plan.brute`) on 7 devices x 8 units, and the
 energy plan's gap to its proven bound on the 64-device pools. Run it under `nice -n 10`.
 
@@ -270,13 +270,19 @@ def main() -> None:
         out = Path(__file__).resolve().parent / "results"
         previous = json.loads((out / "planner.json").read_text())
         started = machine_line()
-        brute = brute_force_cases() + replica_cases()
+        # --energy-only: keep the brute-force rows as last measured (7-device pools are searched
+        # exactly, so changes to the annealing energy search do not move them).
+        brute = previous["brute_force_7x8"] if "--energy-only" in sys.argv else brute_force_cases() + replica_cases()
         energy = energy_64_cases()
+        brute_date = previous.get("brute_force_date", previous.get("date")) if "--energy-only" in sys.argv else None
         previous.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine_load": started + " (start) / "
                          + machine_line() + " (end)", "brute_force_7x8": brute, "energy_64x100": energy})
         (out / "planner.json").write_text(json.dumps(previous, indent=2) + "\n")
         text = (out / "planner.md").read_text().split("\n## ")[0].rstrip() + "\n"
         text += f"\n## Every objective vs brute force, 7 devices x 8 units (throughput with replicas: 7 x 6) ({previous['date']}; {previous['machine_load']})\n\n"
+        previous["brute_force_date"] = brute_date or previous["date"]
+        if brute_date:
+            text += f"Brute-force rows as measured {brute_date}; the energy section below re-run {previous['date']}.\n\n"
         text += _md(brute) + "\n"
         worst = max((r["gap_pct"] for r in brute if "gap_pct" in r), default=None)
         text += f"\nWorst gap to the brute force: {worst}%.\n"

@@ -229,6 +229,7 @@ def test_tab_with_a_wrong_or_missing_token_is_refused(pkg, home, context):
         assert [e["kind"] for e in events if e.get("worker") == tab and e["kind"].startswith("calibrat")] == ["calibrated"]
 
 
+@pytest.mark.slow  # 17 s: -m slow (a tab serving a middle stage stays in the default run)
 def test_tab_as_first_stage_relays_its_activations(pkg, home, context):
     """The tab takes token ids and its activations go to the native worker through the coordinator."""
     with Server(home, workers=0, args=("--placement", "memory", "--min-workers", "2"), wait_up=False) as server:

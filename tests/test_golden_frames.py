@@ -124,6 +124,8 @@ def compare(got: Message, want: Message, rules: dict, atol: float, rtol: float) 
             continue
         if g.dtype != w.dtype or g.shape != w.shape:
             problems.append(f"tensor {name}: {g.dtype}{list(g.shape)} != {w.dtype}{list(w.shape)}")
+        elif name in rules.get("any_bytes", ()):  # a link probe's payload is only timed: its size is what counts
+            continue
         elif w.dtype.kind == "f":
             err = np.abs(g.astype(np.float64) - w) - (atol + rtol * np.abs(w))
             if not (np.isfinite(g).all() and err.max(initial=-1) <= 0):

@@ -35,6 +35,7 @@ def client(three_workers_openai):
     return three_workers_openai
 
 
+@pytest.mark.slow  # 18 s: -m slow (greedy JSON answers stay in the default run)
 def test_twenty_sampled_answers_validate(client):
     validator = jsonschema_rs.validator_for(PERSON)
     answers = []

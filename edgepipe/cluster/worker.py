@@ -64,8 +64,9 @@ def peer_link(round_trips: list[float], small_bytes: int, small_s: float, large_
 
 
 def incompressible(nbytes: int) -> np.ndarray:
-    """Random bytes for a link probe: zeros would time a compressing path (permessage-deflate) as far faster."""
-    return np.random.default_rng().integers(0, 256, nbytes, dtype=np.uint8)
+    """Random bytes for a link probe: zeros would time a compressing path (permessage-deflate) as far
+    faster. Seeded by the size, so the same probe gets the same bytes (golden frames)."""
+    return np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
 
 
 def reconnect_delay(attempt: int, draw: float, gone_s: float = 0.0) -> float:

@@ -92,6 +92,17 @@ def energy_of(stages, model, devs, net, power: dict[str, tuple[float, float]] | 
     return p.tpot_s, p.energy_j_per_token
 
 
+def settle(cluster: Cluster, quiet_s: float = 20.0, limit_s: float = 150.0) -> None:
+    """Wait until the server's plan has stayed the same for ``quiet_s`` (at most ``limit_s``)."""
+    t0 = last_change = time.monotonic()
+    plan = cluster.stages()
+    while time.monotonic() - last_change < quiet_s and time.monotonic() - t0 < limit_s:
+        time.sleep(1.0)
+        now = cluster.stages()
+        if now != plan:
+            plan, last_change = now, time.monotonic()
+
+
 def price(named, cluster: Cluster, rtts, power) -> dict:
     """Predicted TPOT and energy (declared power) of a plan given by device names, on the
     profiles ``cluster``'s coordinator measured."""
@@ -152,6 +163,9 @@ def main() -> None:
             c.wait_up()
             if c.stages() != pure["energy"]:
                 raise RuntimeError(f"forced placement came out as {c.stages()}, wanted {pure['energy']}")
+        # A server's first plan is chosen on join calibrations; once its stages are timed it may
+        # re-plan (after its switch hysteresis): let the energy server settle before pricing.
+        settle(en)
         # What each server runs now (a server may have re-planned since it came up), right before measuring.
         plans = {k: c.stages() for k, c in clusters.items()}
         server_pred = {"latency-server": lat.status()["plan"]["predicted"], "energy-server": en.status()["plan"]["predicted"]}

@@ -417,8 +417,10 @@ def measured_profiles(cluster: Cluster, rtts: dict[str, float] | None = None, sp
     for w in status["workers"]:
         m = prof.of(w["id"])
         c = cal.get(w["id"], {})
-        m.speed = (speeds or {}).get(w["id"], c.get("speed", 1.0))
-        m.overhead_s = c.get("overhead_ms", 0.0) / 1e3
+        # the coordinator's current figures (refined by its stage timings and steps), else the join calibration
+        live = w.get("profile") or {}
+        m.speed = (speeds or {}).get(w["id"], live.get("speed") or c.get("speed", 1.0))
+        m.overhead_s = (live.get("overhead_ms") if live.get("speed") else c.get("overhead_ms", 0.0)) / 1e3
         m.bandwidth_bytes_per_s = (c.get("uplink_mb_s") or 0) * 1e6 or None
         if w["id"] in rtts:
             m.rtt = m.rtt.push(rtts[w["id"]])

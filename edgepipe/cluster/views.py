@@ -49,6 +49,14 @@ def _quarantine_left(cluster, w, now: float) -> float | None:
     return round(q.until - now, 1) if q is not None and q.until > now else None
 
 
+def _profile(coord, worker_id: str) -> dict | None:
+    """What the planner currently believes of a worker (speed relative to the import's unit costs)."""
+    m = coord.profile.devices.get(worker_id)
+    if m is None or not m.calibrated:
+        return None
+    return {"speed": round(m.speed, 4), "overhead_ms": round(m.overhead_s * 1e3, 3)}
+
+
 def status(coord) -> dict:
     """The cluster at a glance (``GET /v1/cluster/status``)."""
     dep = coord.cluster.active
@@ -68,6 +76,7 @@ def status(coord) -> dict:
             "suspected": w.suspected_since is not None, "stats": dict(w.stats),
             "quarantined_s": _quarantine_left(coord.cluster, w, coord.clock()),
             "units": next(([s.start, s.end] for s in dep.stages if s.worker_id == w.id), None) if dep else None,
+            "profile": _profile(coord, w.id),
         } for w in coord.cluster.workers.values()],
         "requests_in_flight": coord.requests_in_flight,
         "last_failure": coord.cluster.last_failure,

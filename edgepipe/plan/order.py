@@ -30,6 +30,7 @@ The K best plans on distinct device sets are kept (seed 002's top-K).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import random
@@ -559,12 +560,7 @@ def _throughput(ctx: _Context, candidates: _Candidates, tables: TableMaker, coun
         return probes[index]
 
     lo, hi = 0, len(values) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if holds(mid):
-            hi = mid
-        else:
-            lo = mid + 1
+    lo = bisect.bisect_left(range(hi), True, key=holds)  # the first value that holds (the last if none before it)
     holds(lo)
     if lo > 0:
         holds(lo - 1)

@@ -12,6 +12,7 @@ spares tried are the fastest few, in a fixed order, so the search has no randomn
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -72,12 +73,7 @@ def order_split(pricing: Pricing, sequences: int) -> tuple[float, Path]:
     lo, hi = 0, len(values) - 1
     if not probe(hi)[1]:
         return INF, ()
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if holds(mid):
-            hi = mid
-        else:
-            lo = mid + 1
+    lo = bisect.bisect_left(range(hi), True, key=holds)  # the first value that holds (the last if none before it)
     best: tuple[float, Path] = (INF, ())
     for index in (lo - 1, lo):
         if index < 0:

@@ -75,3 +75,25 @@ def test_tls_worker_with_the_wrong_pin_is_refused(tls_server, home):
     worker = subprocess.run([sys.executable, "-m", "edgepipe", "worker", "--coordinator", f"https://127.0.0.1:{port}", "--name", "mitm",
                              "--tls-fingerprint", wrong], env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert worker.returncode != 0 and "fingerprint" in worker.stderr, worker.stderr[-500:]
+
+
+def _make_and_fingerprint(directory, results):
+    cert, key = tls.make_self_signed(directory)
+    tls.server_context(cert, key)  # the key matches the certificate
+    results.put(tls.fingerprint_pem(cert.read_text()))
+
+
+def test_workers_sharing_a_home_make_one_certificate(tmp_path):
+    """Local workers start together on one home: each must serve the certificate whose
+    fingerprint it announces (a race once made two, and a neighbour's pin failed in CI)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    processes = [context.Process(target=_make_and_fingerprint, args=(tmp_path / "tls", results)) for _ in range(6)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(60)
+    fingerprints = [results.get(timeout=5) for _ in processes]
+    assert len(set(fingerprints)) == 1, fingerprints

@@ -13,6 +13,7 @@ command (no Python dependency on workers); standard library otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -44,6 +45,33 @@ def make_self_signed(directory: Path, hosts=("127.0.0.1", "localhost")) -> tuple
     if cert.is_file() and key.is_file():
         return cert, key
     directory.mkdir(parents=True, exist_ok=True)
+    # Local workers share one home and start together: without the lock two of them made a
+    # certificate each and one served its own while announcing the other's fingerprint.
+    with _exclusive(directory / ".lock"):
+        if cert.is_file() and key.is_file():
+            return cert, key
+        _make_pair(cert, key, hosts)
+    return cert, key
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An exclusive lock between processes (flock where there is one)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: one worker per home is the norm there
+        yield
+        return
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _make_pair(cert: Path, key: Path, hosts) -> None:
+    directory = cert.parent
     tmp_cert, tmp_key = directory / f".cert.{os.getpid()}", directory / f".key.{os.getpid()}"
     try:
         subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "3650",
@@ -54,7 +82,6 @@ def make_self_signed(directory: Path, hosts=("127.0.0.1", "localhost")) -> tuple
     os.chmod(tmp_key, 0o600)
     tmp_key.replace(key)
     tmp_cert.replace(cert)
-    return cert, key
 
 
 def fingerprint_pem(pem: str) -> str:

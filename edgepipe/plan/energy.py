@@ -67,11 +67,17 @@ def _tables(
         pricing.n,
         np.array([1 << b for b in range(len(members))], dtype=np.int64),
         stage,
-        np.where(np.isfinite(hop), np.where(np.isfinite(hop), hop, 0.0) * time_weight, INF),  # no inf * 0
-        enter * time_weight,
-        leave * time_weight,
-        pricing.leave_partial[members] * time_weight,
+        _scaled(hop, time_weight),
+        _scaled(enter, time_weight),
+        _scaled(leave, time_weight),
+        _scaled(pricing.leave_partial[members], time_weight),
     )
+
+
+def _scaled(values: np.ndarray, factor: float) -> np.ndarray:
+    """``values * factor`` with infinities kept infinite (no NaN from inf * 0)."""
+    finite = np.isfinite(values)
+    return np.where(finite, np.where(finite, values, 0.0) * factor, INF)
 
 
 def search_sets(

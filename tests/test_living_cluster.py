@@ -106,10 +106,14 @@ def test_forced_rebalance_moves_kv(int4_pkg, home, cut):
         def on_chunk(n):
             if n == 16 and not moved:
                 moved["reply"] = httpx.post(server.url + "/v1/cluster/rebalance", timeout=120, json={"stages": [
-                    {"worker": a, "start": 0, "end": cut}, {"worker": b, "start": cut, "end": 32}]}).json()
+                    {"worker": a, "start": 0, "end": cut}, {"worker": b, "start": cut, "end": 32}], "pin_s": 600}).json()
 
         text, _ = stream_tokens(server, 64, on_chunk)
         assert text == expected
         up = [e for e in events(server, "up") if e["plan"] == moved["reply"]["plan"]][0]
         assert up["kv_moved"] == 1 and up["kv_recomputed"] == 0 and up["kv_moved_bytes"] > 0
         assert not events(server, "pause")
+        plan = server.status()["plan"]  # pinned: the re-planner leaves the operator's plan alone
+        assert plan["id"] == moved["reply"]["plan"] and 0 < plan["pinned_s"] <= 600
+        bad = httpx.post(server.url + "/v1/cluster/rebalance", timeout=30, json={"stages": plan["stages"], "pin_s": -1})
+        assert bad.status_code == 400 and "pin_s" in bad.json()["error"]["message"]

@@ -207,8 +207,12 @@ def require_admin(request: Request) -> None:
                             "the coordinator's own machine", type_="permission_error", code="admin_only")
 
 
+MAX_PIN_S = 7 * 24 * 3600
+
+
 async def rebalance(request: Request) -> JSONResponse:
-    """Deploy a given placement now (operators; tests forcing a KV move)."""
+    """Deploy a given placement now (operators; tests forcing a KV move). ``pin_s`` keeps the
+    re-planner from replacing it for that long (it still goes if one of its workers is lost)."""
     from ..cluster.placement import StageAssignment
     from .errors import read_json
 
@@ -227,12 +231,17 @@ async def rebalance(request: Request) -> JSONResponse:
         unknown = [s.worker_id for s in stages if s.worker_id not in coord.workers]
         if unknown:
             raise ValueError(f"unknown worker {unknown[0]}")
-        dep = await coord.deploy(stages, reason="manual rebalance")
     except (KeyError, TypeError, ValueError) as exc:
         raise APIError(400, f"bad rebalance: {exc}", param="stages") from None
+    pin_s = body.get("pin_s", 0)
+    if isinstance(pin_s, bool) or not isinstance(pin_s, (int, float)) or not 0 <= pin_s <= MAX_PIN_S:
+        raise APIError(400, f"bad rebalance: 'pin_s' must be seconds from 0 to {MAX_PIN_S}", param="pin_s")
+    try:
+        dep = await coord.deploy(stages, reason="manual rebalance", pin_s=float(pin_s))
     except RuntimeError as exc:
         raise APIError(409, str(exc), code="plan_failed") from None
-    return JSONResponse(limits.json_safe({"plan": dep.plan_id, "events": [e for e in coord.events if e.get("plan") == dep.plan_id]}))
+    return JSONResponse(limits.json_safe({"plan": dep.plan_id, "pinned_s": float(pin_s),
+                                          "events": [e for e in coord.events if e.get("plan") == dep.plan_id]}))
 
 
 async def emulation(request: Request) -> JSONResponse:

@@ -253,8 +253,9 @@ class Coordinator:
     async def replan(self, force: bool = False) -> Deployment | None:
         return await self.deployer.replan(force)
 
-    async def deploy(self, stages: list[StageAssignment], reason: str = "", predicted: dict | None = None) -> Deployment:
-        return await self.deployer.deploy(stages, reason, predicted)
+    async def deploy(self, stages: list[StageAssignment], reason: str = "", predicted: dict | None = None,
+                     pin_s: float = 0.0) -> Deployment:
+        return await self.deployer.deploy(stages, reason, predicted, pin_s)
 
     # -- views ------------------------------------------------------------------------------------
     def status(self) -> dict:

@@ -95,6 +95,8 @@ class Deployer:
                 return None
             current = c.cluster.active
             if current and not force:
+                if c.cluster.pinned(c.clock()):
+                    return current  # an operator's plan (POST /v1/cluster/rebalance with pin_s)
                 if [(s.worker_id, s.start, s.end) for s in current.stages] == [(s.worker_id, s.start, s.end) for s in stages]:
                     return current
                 decision = predicted.get("switch")
@@ -120,11 +122,15 @@ class Deployer:
         finally:
             link.loads.pop(msg.plan, None)
 
-    async def deploy(self, stages: list[StageAssignment], reason: str = "", predicted: dict | None = None) -> Deployment:
+    async def deploy(self, stages: list[StageAssignment], reason: str = "", predicted: dict | None = None,
+                     pin_s: float = 0.0) -> Deployment:
         """Prepare ``stages`` beside the active plan, then swap it in (after any change under way:
-        two plans prepared at once would each move KV from a plan the other replaced)."""
+        two plans prepared at once would each move KV from a plan the other replaced). With
+        ``pin_s`` the re-planner keeps it that long, unless one of its workers is lost."""
         async with self.lock:
-            return await self._deploy(stages, reason, predicted)
+            dep = await self._deploy(stages, reason, predicted)
+            self.coord.emit(S.Pinned(dep.plan_id if pin_s > 0 else None, self.coord.clock() + pin_s))
+            return dep
 
     async def _deploy(self, stages: list[StageAssignment], reason: str = "", predicted: dict | None = None) -> Deployment:
         c = self.coord

@@ -116,6 +116,14 @@ class SpareChosen:
 
 
 @dataclass(frozen=True)
+class Pinned:
+    """An operator's plan: the re-planner keeps it until ``until`` (None: unpinned)."""
+
+    plan_id: int | None
+    until: float
+
+
+@dataclass(frozen=True)
 class RequestStarted:
     rid: str
     positions: int
@@ -143,4 +151,4 @@ class RequestEnded:
 
 
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
-         | Committing | Committed | PlanFailed | SpareChosen | RequestStarted | RequestFed | KvMoved | RequestEnded)
+         | Committing | Committed | PlanFailed | SpareChosen | Pinned | RequestStarted | RequestFed | KvMoved | RequestEnded)

@@ -22,7 +22,7 @@ from typing import Mapping
 # The event types (``events``), re-exported so callers write ``state.Heard(...)``.
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
-    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen,
+    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, Pinned,
     RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
 )
 from .placement import Deployment, StageAssignment
@@ -116,6 +116,7 @@ class ClusterState:
     joins: int = 0  # workers ever joined (numbers their ids)
     # by device identity, so that reconnecting does not clear it
     quarantine: Mapping[tuple, Quarantine] = field(default_factory=lambda: _frozen({}))
+    pin: tuple[int, float] | None = None  # (plan id, until): an operator's plan the re-planner keeps
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""
@@ -128,6 +129,11 @@ class ClusterState:
 
     def uses(self, worker_id: str) -> bool:
         return self.active is not None and worker_id in self.active.workers
+
+    def pinned(self, now: float) -> bool:
+        """The active plan is an operator's, pinned until a later time (a lost worker ends it:
+        the plan is abandoned and its successor is not pinned)."""
+        return self.active is not None and self.pin is not None and self.pin[0] == self.active.plan_id and now < self.pin[1]
 
 
 # -- the reducer --------------------------------------------------------------------------------
@@ -185,6 +191,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return replace(state, last_failure=why)
         case SpareChosen(stages):
             return replace(state, spare=stages)
+        case Pinned(plan_id, until):
+            return replace(state, pin=None if plan_id is None else (plan_id, until))
         case RequestStarted(rid, positions):
             return replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:

@@ -68,6 +68,7 @@ def status(coord) -> dict:
         "plan": None if dep is None else {
             "id": dep.plan_id, "reason": dep.reason, "predicted": dep.predicted,
             "stages": [{"worker": s.worker_id, "start": s.start, "end": s.end} for s in dep.stages],
+            "pinned_s": round(coord.cluster.pin[1] - coord.clock(), 1) if coord.cluster.pinned(coord.clock()) else None,
         },
         "workers": [{
             "id": w.id, "name": w.name, "kind": w.hello.get("kind", "native"), "memory_bytes": w.memory_bytes,

@@ -2,7 +2,8 @@
 
 ``tests/data/golden_frames/`` holds the frames a coordinator sends one worker (welcome, ping,
 two loads, forwards with float32 and float16 activations, a partial replay frame, drop,
-failing frames of each error code, activate, a prefetch, probes, emulate, a final bye) as
+failing frames of each error code (one of them a lost frame: a ``pos`` gap), activate, a
+prefetch, probes, emulate, a final bye) as
 encoded bytes, the answers a correct worker gives, and ``script.json``; ``make.py`` there
 regenerates them. Here each worker is fed the frames in order: the Python worker in process over
 ``net.channel.memory_pair`` (its real message handling; unit files over HTTP from a local server),

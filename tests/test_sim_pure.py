@@ -71,6 +71,15 @@ def test_waits_are_bounded_with_a_reason():
     assert scheduling.shortfall(S.ClusterState(), 1, 0, 0) == "no workers are connected"
     assert scheduling.shortfall(joined("a", memory=1, budget=False), 10, 0, 0) is None  # no declared budget: RAM bounds it
     assert scheduling.wait_verdict(small, 300.0, None, waits).startswith("cluster not up after waiting 300 s")
+    # A quarantined worker holds nothing for a plan (simulation seed 10494: the planner retried a
+    # plan that could not load every 0.5 s while the quarantined worker was counted as room).
+    benched = S.apply(small, S.Misbehaved("b", "dropped work", 10.0))
+    assert scheduling.shortfall(benched, 500_000_000, 0, 0, now=20.0) == (
+        "not enough memory: the 1 connected worker(s) (1 more suspected or quarantined) hold 300 MB for the model, "
+        "it needs 500 MB (500 MB weights + 0 MB KV room)")
+    assert scheduling.shortfall(benched, 500_000_000, 0, 0, now=10.0 + S.QUARANTINE_S) is None  # served its time
+    assert scheduling.shortfall(S.apply(joined("a"), S.Suspected("a", 1.0)), 1, 0, 0, now=2.0) == \
+        "no usable workers: 1 connected, all suspected or quarantined"
 
 
 def test_kv_moves_follow_switching_diff():

@@ -55,7 +55,7 @@ class Requests:
         c = self.coord
         weights = sum(c.manifest.variant(u.index, c.settings.precision).weight_bytes for u in c.manifest.units)
         kv = sum(u.kv_bytes_per_token for u in c.manifest.units) * min(KV_RESERVE_TOKENS, c.manifest.max_context)
-        return scheduling.shortfall(c.cluster, weights, kv, RUNTIME_OVERHEAD_BYTES)
+        return scheduling.shortfall(c.cluster, weights, kv, RUNTIME_OVERHEAD_BYTES, c.clock())
 
     def replay_estimate_s(self) -> float:
         """Rough time to rebuild every live sequence's KV of the active plan by replay: one frame

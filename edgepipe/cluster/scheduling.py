@@ -111,21 +111,25 @@ class WaitSettings:
     max_wait_s: float = 300.0  # not Up for any other reason: fail after this
 
 
-def shortfall(state: ClusterState, weight_bytes: int, kv_bytes: int, overhead_bytes: int) -> str | None:
+def shortfall(state: ClusterState, weight_bytes: int, kv_bytes: int, overhead_bytes: int, now: float | None = None) -> str | None:
     """One line saying why the connected workers cannot hold the model, or None if they may.
 
     A plan needs the weights, the KV room every stage keeps (``kv_bytes`` over all layers) and
-    each worker's runtime overhead; only declared budgets are counted (see below)."""
-    workers = state.live()
+    each worker's runtime overhead; only declared budgets are counted (see below). Workers a plan
+    may not use at ``now`` (suspected, quarantined) hold nothing for it."""
+    workers = state.live(now)
     if not workers:
-        return "no workers are connected"
+        benched = len(state.workers)
+        return f"no usable workers: {benched} connected, all suspected or quarantined" if benched else "no workers are connected"
     budget = [w for w in workers if (w.hello.get("emulation") or {}).get("memory_budget")]
     if len(budget) < len(workers):  # a worker without a declared budget is bounded by its host's RAM: assume it fits
         return None
     held = sum(max(0, w.memory_bytes - overhead_bytes) for w in workers)
     if held >= weight_bytes + kv_bytes:
         return None
-    return (f"not enough memory: the {len(workers)} connected worker(s) hold {held / 1e6:.0f} MB for the model, "
+    benched = len(state.workers) - len(workers)
+    return (f"not enough memory: the {len(workers)} connected worker(s){f' ({benched} more suspected or quarantined)' if benched else ''} "
+            f"hold {held / 1e6:.0f} MB for the model, "
             f"it needs {(weight_bytes + kv_bytes) / 1e6:.0f} MB ({weight_bytes / 1e6:.0f} MB weights + {kv_bytes / 1e6:.0f} MB KV room)")
 
 

@@ -6,7 +6,8 @@ clock and returns a ``Report``. Invariants: every admitted request ends with exa
 reference tokens or a one-line ``RequestFailed`` within ``bound_s`` (``REQUEST_BOUND_S`` plus
 ``PER_FAULT_S`` per fault in the schedule); no admission slot, KV reservation, pending step,
 load/probe future or KV move is left over; when the live workers can hold the model the
-cluster is Up within ``UP_BOUND_S`` of the last fault healing. Replay one seed:
+cluster is Up within ``UP_BOUND_S`` of the last fault healing, and once Up after the faults it
+serves a new request (liveness: retrying forever until the plan changes is not an answer). Replay one seed:
 ``PYTHONHASHSEED=0 python -m edgepipe.cluster.simrun SEED``.
 """
 
@@ -224,6 +225,7 @@ async def _main(schedule: Schedule) -> Report:
         else:
             healed = max(healed, await _fault(world, schedule.faults[i]))
     healed = max(healed, loop.time())
+    faults_over = healed
     coord = world.coordinator
     # A quarantine is a deliberate, bounded exclusion: only a worker that really dropped work
     # (stalled, cut off, dropping frames) may get one, and the Up bound counts from its end.
@@ -239,7 +241,8 @@ async def _main(schedule: Schedule) -> Report:
         await asyncio.sleep(0.25)
     alive = [w for w in world.workers if not w.dead and w.tasks]
     joined = {info.name: info.joined_at for info in coord.cluster.workers.values()}
-    memories = [w.memory for w in sorted(alive, key=lambda w: (joined.get(w.name, float("inf")), w.name))]
+    alive.sort(key=lambda w: (joined.get(w.name, float("inf")), w.name))  # can_hold splits in join order
+    memories = [w.memory for w in alive]
     if coord.state is Phase.UP:
         report.time_to_up = max(0.0, loop.time() - healed)
     elif can_hold(memories):
@@ -251,6 +254,18 @@ async def _main(schedule: Schedule) -> Report:
     hung = sum(not c.done() for c in clients)
     if hung:
         report.violations.append(f"{hung} request(s) still running {schedule.bound_s * 2:.0f} s after the faults")
+    # Liveness: once no fault is under way and the cluster is Up, a new request is served when the
+    # workers not sitting out a quarantine can hold the model.
+    await asyncio.sleep(max(0.0, faults_over - loop.time()))
+    while loop.time() < faults_over + UP_BOUND_S and coord.state is not Phase.UP:
+        await asyncio.sleep(0.25)
+    benched = {identity[0] for identity, q in coord.cluster.quarantine.items() if q.until > loop.time()}
+    if coord.state is Phase.UP and can_hold([w.memory for w in alive if w.name not in benched]):
+        probe = Report(schedule.seed, ())
+        await _client(world, Req(loop.time(), (1, 2, 3), 4), "probe", probe)
+        if probe.ok != 1:
+            report.violations.append(f"Up after the faults, yet a new request was not served: "
+                                     f"{(probe.errors_seen or probe.violations or ['no answer'])[0]}")
     await asyncio.sleep(SETTINGS["step_timeout_s"] + 2)  # background clean-up (KV drops) finishes
     first = [set(_leaks(c, adm)) for c, adm in world.coordinators]
     await asyncio.sleep(SETTINGS["load_timeout_s"] + 1)  # a load or move seen in flight twice, that long apart, leaked

@@ -531,6 +531,12 @@
       const problem = activationProblem(x, slot.runner.hidden, slot.runner.maxContext);
       if (problem) throw coded(`plan ${f.plan}: ${problem}`, "corrupt_input");
     }
+    for (const item of batch) { // a frame must start where the sequence's cache ends: a lost frame leaves a hole (as the native worker)
+      const held = (slot.runner.caches.get(item.seq) || { length: 0 }).length;
+      if (Number.isInteger(item.pos) && slot.runner.layers.length && item.pos !== held) {
+        throw coded(`plan ${f.plan}: ${item.seq} holds ${held} positions, the frame starts at ${item.pos} (a frame was lost)`, "corrupt_input");
+      }
+    }
     if (slot.runner.emitsTokens && !slot.runner.headControls) { // a head older than logit controls: refuse rather than ignore them
       const asked = [...new Set(batch.flatMap((item) => Object.entries(item.sampling || {})
         .filter(([k, v]) => !BASIC_SAMPLING.has(k) && v !== null && v !== undefined && v !== false && v !== 0 && !(Array.isArray(v) && !v.length))

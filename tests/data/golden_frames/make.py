@@ -133,6 +133,9 @@ def build(pkg) -> tuple[list[dict], dict]:
     step(forward(LAYER_PLAN, b, bad), (error(M.ErrorCode.CORRUPT_INPUT, b[0], f"plan {LAYER_PLAN}: non-finite activations: 1 of {hidden} values are NaN or infinite"), {"text": ["message"]}))
     b = [item("c.0", 0)]
     step(forward(LAYER_PLAN, b, xc), (relayed(LAYER_PLAN, b, layer.run("c.0", xc.astype(np.float32)), [timing(12, 1)]), {"tensors": True}))
+    b = [item("c.0", 1, pos=14)]  # c.0 holds 12 positions: a frame in between was lost
+    step(forward(LAYER_PLAN, b, x2), (error(M.ErrorCode.CORRUPT_INPUT, b[0], f"plan {LAYER_PLAN}: c.0 holds 12 positions, the frame starts at 14 "
+                                                                              "(a frame was lost)"), {"text": ["message"]}))
     b = [item("c.0", 1)]
     step(forward(LAYER_PLAN, b, xc[:, :5]), (error(M.ErrorCode.CONTEXT, b[0], f"sequence c.0 would reach 17 tokens, over the context of {MAX_CONTEXT}"), {"text": ["message"]}))
     # The layer stage is let go; its plan is then unknown here.

@@ -25,6 +25,7 @@ import math
 import socket
 import threading
 import time
+import zlib
 from dataclasses import MISSING, fields
 from pathlib import Path
 
@@ -125,7 +126,9 @@ def compare(got: Message, want: Message, rules: dict, atol: float, rtol: float) 
             continue
         if g.dtype != w.dtype or g.shape != w.shape:
             problems.append(f"tensor {name}: {g.dtype}{list(g.shape)} != {w.dtype}{list(w.shape)}")
-        elif name in rules.get("any_bytes", ()):  # a link probe's payload is only timed: its size is what counts
+        elif name in rules.get("any_bytes", ()):  # a link probe's payload is only timed: its size counts, and that
+            if len(zlib.compress(g.tobytes())) < 0.9 * g.nbytes:  # no compressing hop on the way can shrink it
+                problems.append(f"tensor {name}: a link probe's payload must be incompressible (random bytes)")
             continue
         elif w.dtype.kind == "f":
             err = np.abs(g.astype(np.float64) - w) - (atol + rtol * np.abs(w))
@@ -269,6 +272,11 @@ def test_compare_catches_what_a_worker_gets_wrong(golden):
     want = decode(golden.frames[rule["frame"]])
     uncoded = Message(M.T.ERROR, {k: v for k, v in want.fields.items() if k != "code"} | {"message": "boom"})
     assert compare(uncoded, want, rule, golden.atol, golden.rtol) == ["code: missing"]
+    step = next(s for s in golden.steps if s["answers"] and "any_bytes" in s["answers"][0])
+    rule = step["answers"][0]
+    want = decode(golden.frames[rule["frame"]])
+    zeros = Message(want.type, want.fields, {"payload": np.zeros_like(want.tensors["payload"])})
+    assert compare(zeros, want, rule, golden.atol, golden.rtol) == ["tensor payload: a link probe's payload must be incompressible (random bytes)"]
     hello = Message(M.T.HELLO, {"name": "x", "token": None, "protocol": 1, "kind": "native", "memory_bytes": 1, "threads": 1,
                                 "data_url": None, "held": []})
     got = [[decode(golden.frames[a["frame"]]) for a in s["answers"]] for s in golden.steps]

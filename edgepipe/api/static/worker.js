@@ -633,8 +633,10 @@
 
   // Time decode steps of a loaded stage (as Worker._time_slot), or send a payload to time the uplink.
   async function probe(f) {
-    if (f.kind === "link") {
-      send("probed", { probe: f.probe, ok: true }, { payload: { dtype: "uint8", shape: [Number(f.bytes || 1 << 18)], data: new Uint8Array(Number(f.bytes || 1 << 18)) } });
+    if (f.kind === "link") { // random bytes, as the native worker sends: a compressing hop cannot flatter the uplink
+      const payload = new Uint8Array(Number(f.bytes || 1 << 18));
+      for (let at = 0; at < payload.length; at += 65536) crypto.getRandomValues(payload.subarray(at, at + 65536));
+      send("probed", { probe: f.probe, ok: true }, { payload: { dtype: "uint8", shape: [payload.length], data: payload } });
       return;
     }
     const slot = worker.slots.get(f.plan);

@@ -145,7 +145,8 @@ def build(pkg) -> tuple[list[dict], dict]:
     # A spare's prefetch: files held already, nothing fetched or built.
     step(prefetch.to_message(), (M.Loaded(True, -3, fetched_bytes=0, prefetched=True).to_message(), {}))
     step(M.Probe(5, kind="link", bytes=4096).to_message(),
-         (M.Probed(5, True).to_message({"payload": np.zeros(4096, np.uint8)}), {"tensors": True, "any_bytes": ["payload"]}))
+         (M.Probed(5, True).to_message({"payload": np.random.default_rng(5).integers(0, 256, 4096, dtype=np.uint8)}),
+          {"tensors": True, "any_bytes": ["payload"]}))
     step(M.Probe(6, plan=HEAD_PLAN, reps=2, context=4).to_message(), (M.Probed(6, True, [0.0, 0.0]).to_message(), {"measured": ["times"]}))
     step(M.Emulate(1.0).to_message())
     step(M.Ping(99.25).to_message(), (M.Pong(99.25).to_message(), {"measured": ["kv_bytes", "queue", "busy_s", "computed"]}))

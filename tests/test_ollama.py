@@ -68,6 +68,19 @@ def test_generate_with_options(server, client):
     assert templated.response == client.chat(model=name, messages=QUESTION, options={"num_predict": 12}).message.content
 
 
+def test_penalties_as_openai(server, client):
+    """Ollama's presence/frequency penalties mean what OpenAI's do: the same greedy text."""
+    name = client.list().models[0].model
+    plain = client.chat(model=name, messages=QUESTION, options={"num_predict": 16}).message.content
+    penalised = client.chat(model=name, messages=QUESTION, options={"num_predict": 16, "frequency_penalty": 2.0,
+                                                                    "presence_penalty": 1.0}).message.content
+    reference = openai_chat(server, messages=QUESTION, max_tokens=16, frequency_penalty=2.0, presence_penalty=1.0)
+    assert penalised == reference["choices"][0]["message"]["content"] and penalised != plain
+    r = httpx.post(server.url + "/api/chat", headers={"Authorization": "Bearer sekrit"},
+                   json={"model": name, "messages": QUESTION, "options": {"frequency_penalty": 3}})
+    assert r.status_code == 400 and "frequency_penalty" in r.json()["error"]
+
+
 def test_errors_in_ollama_shape(server, client):
     with pytest.raises(ollama.ResponseError) as info:
         client.chat(model="llama3:8b", messages=QUESTION)

@@ -2,8 +2,10 @@
 
 ``/api/version``, ``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/chat`` and ``/api/generate``
 (NDJSON when streaming, Ollama's default; one JSON object when ``"stream": false``). Options
-honoured: temperature, num_predict, stop, seed, top_k, top_p; other options are ignored as Ollama
-ignores those a model does not use. Errors are Ollama's shape, ``{"error": "..."}``. The same
+honoured: temperature, num_predict, stop, seed, top_k, top_p, presence_penalty, frequency_penalty
+(OpenAI's meaning, as Ollama's); other options are ignored as Ollama ignores those a model does not
+use. ``repeat_penalty`` (llama.cpp's multiplicative penalty, 1.1 by default in Ollama) is not
+applied: the head samples inside the graph from additive logit adjustments only. Errors are Ollama's shape, ``{"error": "..."}``. The same
 validation, admission and cancellation as the OpenAI routes (``generation``).
 """
 
@@ -37,6 +39,8 @@ class Options(S.Strict):
     top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = None
     top_p: float | None = Field(None, gt=0, le=1)
     num_ctx: Annotated[int, Field(ge=1, le=S.MAX_WIRE_INT)] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
 
 
 class OllamaFunctionCall(S.Strict):
@@ -171,7 +175,8 @@ def params_from(options: Options | None, prompt_len: int, context: int, extra_st
         raise bad_request("num_predict 0 generates nothing: send -1 or a positive number")
     return GenerationParams(max_tokens=min(max_tokens, room), temperature=o.temperature or 0.0, top_p=o.top_p or 1.0,
                             top_k=o.top_k or 0, seed=G.random_seed() if o.seed is None else o.seed,
-                            stop=tuple(o.stop or ()) + tuple(extra_stop))
+                            stop=tuple(o.stop or ()) + tuple(extra_stop), presence_penalty=o.presence_penalty or 0.0,
+                            frequency_penalty=o.frequency_penalty or 0.0)
 
 
 @ollama_errors

@@ -231,6 +231,8 @@ def worker(
     name: Optional[str] = typer.Option(None, "--name"),
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory this worker may use, e.g. 1.5GB (a hard budget)."),
     threads: Optional[int] = typer.Option(None, "--threads"),
+    spin: Optional[bool] = typer.Option(None, "--spin/--no-spin", help="Let compute threads spin between ops (default: with 2+ threads on a machine "
+                                                                        "that is not busy; off when other compute shares the cores)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address for the data port (activations from the previous stage)."),
     port: int = typer.Option(0, "--port", help="Data port (0 = any free port)."),
     advertise: Optional[str] = typer.Option(None, "--advertise", help="Address other workers should use to reach this one."),
@@ -264,7 +266,7 @@ def worker(
             coordinator = find_coordinator(timeout=discover_timeout, cluster=cluster)
             err.print(f"found coordinator {coordinator} by mDNS", highlight=False)
         settings = WorkerSettings(coordinator=coordinator, memory_bytes=parse_bytes(memory) if memory else None, threads=threads,
-                                  slowdown=slowdown, drop_work=drop_work, misreport=misreport, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
+                                  spin=spin, slowdown=slowdown, drop_work=drop_work, misreport=misreport, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
                                   advertise_host=advertise, join_token=join_token, tls_fingerprint=tls_fingerprint,
                                   activation_dtype=activation_dtype,
                                   power_busy_w=power_busy_w, power_idle_w=power_idle_w,

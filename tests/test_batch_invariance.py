@@ -36,3 +36,16 @@ def test_batched_decode_equals_solo_decode(int4_pkg):
             g.append(int(t))
     for prompt, e, g in zip(PROMPTS, expected, got):
         assert g == e, prompt
+
+
+def test_spin_only_when_the_cores_are_free(monkeypatch):
+    """Pool threads spin between ops only with 2+ threads on a machine under half load."""
+    import os
+
+    from edgepipe.runtime.stage_runner import spin_by_default
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    assert spin_by_default(2) and spin_by_default(None) and not spin_by_default(1)
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 0.5, 0.5))
+    assert not spin_by_default(2)

@@ -33,7 +33,7 @@ from ..net import auth, limits, validate
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
 from ..net.messages import PROBE_PLAN, Bye, ErrorCode
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
-from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner
+from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner, spin_by_default
 from .blobcache import BlobCache
 
 log = logging.getLogger("edgepipe.worker")
@@ -92,6 +92,7 @@ class WorkerSettings:
     name: str = field(default_factory=socket.gethostname)
     memory_bytes: int | None = None
     threads: int | None = None
+    spin: bool | None = None  # pool threads spin between ops (None: stage_runner.spin_by_default)
     slowdown: float = 1.0
     link_delay_ms: float = 0.0
     link_rate: str | None = None
@@ -576,7 +577,8 @@ class Worker:
             reused = runner is not None
             if runner is None:  # a session already built for this graph (kept range, warm spare) is reused
                 runner = await loop.run_in_executor(
-                    None, lambda: StageRunner(self.cache.path(msg["graph"]), threads=self.s.threads, max_context=msg.get("max_context")))
+                    None, lambda: StageRunner(self.cache.path(msg["graph"]), threads=self.s.threads, max_context=msg.get("max_context"),
+                                              spin=spin_by_default(self.s.threads) if self.s.spin is None else self.s.spin))
                 self.sessions[msg["graph"]] = runner
             if msg.get("warm"):
                 self.warm = {msg["graph"]}

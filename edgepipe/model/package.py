@@ -63,13 +63,15 @@ class Package:
         self._stage_shas[key] = sha
         return sha
 
-    def runner(self, start: int, end: int, precision: str | None = None, threads: int | None = None, verify: bool = True):
+    def runner(self, start: int, end: int, precision: str | None = None, threads: int | None = None, verify: bool = True,
+               spin: bool = False):
         """A StageRunner over units ``[start, end)``, its weight files checked against their hashes."""
         from ..runtime.stage_runner import StageRunner
 
         if verify:
             self.verify(self.manifest.stage_files(start, end, precision))
-        return StageRunner(self.blob(self.stage_graph(start, end, precision)), threads=threads, max_context=self.manifest.max_context)
+        return StageRunner(self.blob(self.stage_graph(start, end, precision)), threads=threads, max_context=self.manifest.max_context,
+                           spin=spin)
 
     def pipeline(self, cuts: list[int] | tuple[int, ...] = (), precision: str | None = None, threads: int | None = None,
                  precisions: list[str | None] | None = None):
@@ -77,9 +79,12 @@ class Package:
         variant per stage (the reference for a pipeline that mixes native and browser workers)."""
         from ..runtime.local import LocalPipeline
 
+        from ..runtime.stage_runner import spin_by_default
+
         bounds = [0, *sorted(cuts), len(self.manifest.units)]
         per_stage = precisions or [precision] * (len(bounds) - 1)
-        return LocalPipeline([self.runner(a, b, p, threads) for (a, b), p in zip(zip(bounds, bounds[1:]), per_stage)])
+        spin = len(bounds) == 2 and spin_by_default(threads)  # several sessions in one process: one spinning would slow the next
+        return LocalPipeline([self.runner(a, b, p, threads, spin=spin) for (a, b), p in zip(zip(bounds, bounds[1:]), per_stage)])
 
     def reload(self) -> None:
         """Re-read the manifest (after a variant was added)."""

@@ -323,6 +323,24 @@ class _KVPool:
         return {name: a[r : r + 1, :, : kept if name in self.window_names else n].copy() for name, a in self.arrays.items()}
 
 
+def spin_by_default(threads: int | None) -> bool:
+    """Whether a lone session's pool threads should spin between ops: with two or more threads on
+    a machine that is not busy (1-minute load under half its cores) when the session is made.
+
+    Spinning won 7-8% of 2-thread decode on a quiet 2-core machine (the pool's threads wake per op
+    otherwise) and costs nothing while idle (they block after a short spin), but it takes cores
+    from other processes while decoding: several workers or stages sharing a machine turn it off
+    (``serve`` does for its local workers; ``edgepipe worker --no-spin``)."""
+    import os
+
+    cores = os.cpu_count() or 1
+    try:
+        busy = os.getloadavg()[0] >= cores / 2
+    except OSError:  # no load average on this platform
+        busy = False
+    return (threads or cores) >= 2 and not busy
+
+
 class StageRunner:
     """One ONNX Runtime session over units ``[start, end)``, plus per-sequence KV caches."""
 
@@ -332,8 +350,8 @@ class StageRunner:
         if threads:
             options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
-        # Spinning threads win ~20% on an idle machine but halve throughput when another
-        # process (or another stage's session in this process) needs the core: off by default.
+        # Spinning threads win on an idle machine but halve throughput when another process (or
+        # another stage's session in this process) needs the core: callers decide (spin_by_default).
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         self.session = ort.InferenceSession(str(graph_path), options, providers=["CPUExecutionProvider"])
         # Graphs that run a lone row's 4-bit products on two rows themselves (graphs.LONE_ROW_EXACT)

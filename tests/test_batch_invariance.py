@@ -39,13 +39,28 @@ def test_batched_decode_equals_solo_decode(int4_pkg):
 
 
 def test_spin_only_when_the_cores_are_free(monkeypatch):
-    """Pool threads spin between ops only with 2+ threads on a machine under half load."""
+    """Pool threads spin between ops only with 2+ threads on a machine with most cores free."""
     import os
+    import threading
 
-    from edgepipe.runtime.stage_runner import spin_by_default
+    from edgepipe.runtime import stage_runner
 
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
-    assert spin_by_default(2) and spin_by_default(None) and not spin_by_default(1)
-    monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 0.5, 0.5))
-    assert not spin_by_default(2)
+    monkeypatch.setattr(stage_runner, "busy_cores", lambda: 0.5)
+    assert stage_runner.spin_by_default(2) and stage_runner.spin_by_default(None) and not stage_runner.spin_by_default(1)
+    monkeypatch.setattr(stage_runner, "busy_cores", lambda: 2.0)
+    assert not stage_runner.spin_by_default(2)
+    monkeypatch.undo()
+    stop = threading.Event()
+
+    def spin() -> None:  # one busy core
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        assert stage_runner.busy_cores(0.3) >= 0.7
+    finally:
+        stop.set()
+        spinner.join()

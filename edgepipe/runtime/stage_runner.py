@@ -325,7 +325,7 @@ class _KVPool:
 
 def spin_by_default(threads: int | None) -> bool:
     """Whether a lone session's pool threads should spin between ops: with two or more threads on
-    a machine that is not busy (1-minute load under half its cores) when the session is made.
+    a machine whose cores are mostly free (under half of them busy) when the session is made.
 
     Spinning won 7-8% of 2-thread decode on a quiet 2-core machine (the pool's threads wake per op
     otherwise) and costs nothing while idle (they block after a short spin), but it takes cores
@@ -334,11 +334,32 @@ def spin_by_default(threads: int | None) -> bool:
     import os
 
     cores = os.cpu_count() or 1
+    return (threads or cores) >= 2 and busy_cores() < cores / 2
+
+
+def busy_cores(sample_s: float = 0.2) -> float:
+    """Cores busy right now, from /proc/stat over ``sample_s`` (the load average elsewhere). The
+    load average would count this process's own decoding of a minute ago."""
+    import os
+    import time
+
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return sum(values), idle
+
     try:
-        busy = os.getloadavg()[0] >= cores / 2
-    except OSError:  # no load average on this platform
-        busy = False
-    return (threads or cores) >= 2 and not busy
+        total0, idle0 = ticks()
+        time.sleep(sample_s)
+        total1, idle1 = ticks()
+    except (OSError, ValueError, IndexError):
+        try:
+            return os.getloadavg()[0]
+        except OSError:
+            return 0.0
+    spent = total1 - total0
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / spent) if spent > 0 else 0.0
 
 
 class StageRunner:

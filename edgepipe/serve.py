@@ -102,7 +102,7 @@ class LocalWorkers:
 
     def _spawn(self, name: str) -> subprocess.Popen:
         argv = [sys.executable, "-m", "edgepipe", "worker", "--coordinator", self.url, "--name", name, "--threads", str(self.threads),
-                *(["--no-spin"] if len(self.names) > 1 else []),  # workers sharing this machine's cores: none spins
+                "--no-spin",  # they share this machine with the coordinator (and maybe more workers or a tab): none spins
                 *self.extra]
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=self.env, preexec_fn=self._preexec)
 

@@ -308,7 +308,7 @@ def test_serve_restarts_a_killed_local_worker(home, int4_pkg, expected):
         for w in workers:  # the join token reaches local workers by the environment, not argv
             argv = Path(f"/proc/{w['pid']}/cmdline").read_bytes().split(b"\0")
             assert b"s3cret" not in b" ".join(argv)
-            assert b"--no-spin" in argv  # two workers share these cores: neither spins
+            assert b"--no-spin" in argv  # local workers share these cores with the coordinator: none spins
         victim = workers[1]
         os.kill(victim["pid"], signal.SIGKILL)
         restarted = wait_for(lambda: [e for e in events(server.url, "worker_restarted") if e["old_pid"] == victim["pid"]], 30,

@@ -330,7 +330,7 @@ def spin_by_default(threads: int | None) -> bool:
     Spinning won 7-8% of 2-thread decode on a quiet 2-core machine (the pool's threads wake per op
     otherwise) and costs nothing while idle (they block after a short spin), but it takes cores
     from other processes while decoding: several workers or stages sharing a machine turn it off
-    (``serve`` does for its local workers; ``edgepipe worker --no-spin``)."""
+    (``serve``'s local workers never spin; ``edgepipe worker --no-spin``)."""
     import os
 
     cores = os.cpu_count() or 1

@@ -81,6 +81,17 @@ def test_penalties_as_openai(server, client):
     assert r.status_code == 400 and "frequency_penalty" in r.json()["error"]
 
 
+def test_the_key_guards_the_openai_routes(server):
+    """--api-key on the OpenAI routes too: 401 without it or with another, the openai SDK with it."""
+    openai = pytest.importorskip("openai")
+    for headers in ({}, {"Authorization": "Bearer nope"}):
+        r = server.client.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 4}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    reply = openai.OpenAI(base_url=server.url + "/v1", api_key="sekrit").chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=4)
+    assert reply.usage.completion_tokens >= 1
+
+
 def test_errors_in_ollama_shape(server, client):
     with pytest.raises(ollama.ResponseError) as info:
         client.chat(model="llama3:8b", messages=QUESTION)

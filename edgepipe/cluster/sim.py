@@ -56,7 +56,7 @@ class _Selector(selectors.SelectSelector):
         self.vloop = loop
 
     def select(self, timeout=None):
-        ready = super().select(0)
+        ready = super().select(0) if self.get_map() and len(self.get_map()) > 1 else []
         if not ready and timeout:
             self.vloop.now += timeout
         return ready

@@ -11,15 +11,13 @@ import websockets
 
 from edgepipe.net.protocol import Message, MessageType, decode, encode
 
-from harness import Server
 
 CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24}
 
 
 @pytest.fixture(scope="module")
-def server(home, int4_pkg):
-    with Server(home, workers=2, args=("--placement", "memory")) as s:
-        yield s
+def server(three_workers):
+    return three_workers
 
 
 def assert_still_serves(server):

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -93,27 +92,34 @@ def test_faster_newcomer_mid_generation(int4_pkg, home):
                 p.wait(timeout=10)
 
 
+@pytest.fixture(scope="module")
+def two_workers(home, int4_pkg):
+    with Server(home, workers=2, args=("--placement", "memory")) as server:
+        yield server
+
+
 @pytest.mark.parametrize("cut", [8, 31], ids=["layers-move", "head-alone"])
-def test_forced_rebalance_moves_kv(int4_pkg, home, cut):
+def test_forced_rebalance_moves_kv(int4_pkg, two_workers, cut):
     """The KV of the layers that change hands moves; a stage left with the head alone keeps no
     KV and must take the next step without one (it once refused it as 'a frame was lost')."""
     expected = int4_pkg.tokenizer.decode(reference(int4_pkg, 64))
-    with Server(home, workers=2, args=("--placement", "memory")) as server:
-        stages = server.status()["plan"]["stages"]
-        a, b = stages[0]["worker"], stages[1]["worker"]
-        moved = {}
+    server = two_workers
+    # one server for both cuts: each moves from the plan in place (the second from the first's, pinned)
+    stages = server.status()["plan"]["stages"]
+    a, b = stages[0]["worker"], stages[1]["worker"]
+    moved = {}
 
-        def on_chunk(n):
-            if n == 16 and not moved:
-                moved["reply"] = httpx.post(server.url + "/v1/cluster/rebalance", timeout=120, json={"stages": [
-                    {"worker": a, "start": 0, "end": cut}, {"worker": b, "start": cut, "end": 32}], "pin_s": 600}).json()
+    def on_chunk(n):
+        if n == 16 and not moved:
+            moved["reply"] = httpx.post(server.url + "/v1/cluster/rebalance", timeout=120, json={"stages": [
+                {"worker": a, "start": 0, "end": cut}, {"worker": b, "start": cut, "end": 32}], "pin_s": 600}).json()
 
-        text, _ = stream_tokens(server, 64, on_chunk)
-        assert text == expected
-        up = [e for e in events(server, "up") if e["plan"] == moved["reply"]["plan"]][0]
-        assert up["kv_moved"] == 1 and up["kv_recomputed"] == 0 and up["kv_moved_bytes"] > 0
-        assert not events(server, "pause")
-        plan = server.status()["plan"]  # pinned: the re-planner leaves the operator's plan alone
-        assert plan["id"] == moved["reply"]["plan"] and 0 < plan["pinned_s"] <= 600
-        bad = httpx.post(server.url + "/v1/cluster/rebalance", timeout=30, json={"stages": plan["stages"], "pin_s": -1})
-        assert bad.status_code == 400 and "pin_s" in bad.json()["error"]["message"]
+    text, _ = stream_tokens(server, 64, on_chunk)
+    assert text == expected
+    up = [e for e in events(server, "up") if e["plan"] == moved["reply"]["plan"]][0]
+    assert up["kv_moved"] == 1 and up["kv_recomputed"] == 0 and up["kv_moved_bytes"] > 0
+    assert not events(server, "pause")
+    plan = server.status()["plan"]  # pinned: the re-planner leaves the operator's plan alone
+    assert plan["id"] == moved["reply"]["plan"] and 0 < plan["pinned_s"] <= 600
+    bad = httpx.post(server.url + "/v1/cluster/rebalance", timeout=30, json={"stages": plan["stages"], "pin_s": -1})
+    assert bad.status_code == 400 and "pin_s" in bad.json()["error"]["message"]

@@ -37,6 +37,16 @@ def three_workers(home, int4_pkg):
 
 
 @pytest.fixture(scope="session")
+def keyed_server(home, int4_pkg):
+    """One ``serve --workers 2 --placement memory --api-key sekrit``: the Ollama API and the
+    dashboard behind a key."""
+    from harness import Server
+
+    with Server(home, workers=2, args=("--placement", "memory", "--api-key", "sekrit")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def three_workers_openai(three_workers):
     """The ``openai`` SDK pointed at ``three_workers``."""
     import openai

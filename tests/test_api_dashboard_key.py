@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from browser import browser_context
-from harness import Server
 
 
 @pytest.mark.browser
-def test_dashboard_asks_for_the_key_and_sends_it(home, int4_pkg):
-    with Server(home, workers=1, args=("--api-key", "sekrit")) as server, browser_context() as context:
+def test_dashboard_asks_for_the_key_and_sends_it(keyed_server):
+    server = keyed_server
+    with browser_context() as context:
         page = context.new_page()
         asked = []
         page.on("dialog", lambda d: (asked.append(d.message), d.accept("sekrit")))

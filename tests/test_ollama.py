@@ -7,16 +7,14 @@ import json
 import httpx
 import pytest
 
-from harness import Server
 
 ollama = pytest.importorskip("ollama")
 QUESTION = [{"role": "user", "content": "Name three colours."}]
 
 
 @pytest.fixture(scope="module")
-def server(home, int4_pkg):
-    with Server(home, workers=2, args=("--placement", "memory", "--api-key", "sekrit")) as s:
-        yield s
+def server(keyed_server):
+    return keyed_server
 
 
 @pytest.fixture(scope="module")

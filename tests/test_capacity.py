@@ -25,7 +25,7 @@ from harness import Server
 
 PROMPT = "Name three colours."
 N_TOKENS = 12
-CAPACITY_WAIT_S = 15.0
+CAPACITY_WAIT_S = 10.0  # the worker with room must only join (not be up) within it
 MEMORY = "200MB"
 
 

@@ -60,7 +60,7 @@ def test_spin_only_when_the_cores_are_free(monkeypatch):
     spinner = threading.Thread(target=spin)
     spinner.start()
     try:
-        assert stage_runner.busy_cores(0.3) >= 0.7
+        assert stage_runner.busy_cores(0.3, reuse_s=0) >= 0.7
     finally:
         stop.set()
         spinner.join()

@@ -5,8 +5,9 @@
 honoured: temperature, num_predict, stop, seed, top_k, top_p, presence_penalty, frequency_penalty
 (OpenAI's meaning, as Ollama's); other options are ignored as Ollama ignores those a model does not
 use. ``repeat_penalty`` (llama.cpp's multiplicative penalty, 1.1 by default in Ollama) is not
-applied: the head samples inside the graph from additive logit adjustments only. Errors are Ollama's shape, ``{"error": "..."}``. The same
-validation, admission and cancellation as the OpenAI routes (``generation``).
+applied: the head samples inside the graph from additive logit adjustments only. Errors are
+Ollama's shape, ``{"error": "..."}``. The same validation, admission and cancellation as the
+OpenAI routes (``generation``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -257,7 +258,7 @@ async def _run(request: Request, req: OllamaBase, model: str, ids: list[int], ch
         return JSONResponse(final(text))
 
     async def lines():
-        full, sent = "", 0
+        full = ""
         try:
             async for _, delta in G.merged(coord, states, rid):
                 full += delta.text

@@ -56,7 +56,9 @@ class _Selector(selectors.SelectSelector):
         self.vloop = loop
 
     def select(self, timeout=None):
-        ready = super().select(0) if self.get_map() and len(self.get_map()) > 1 else []
+        # Only the loop's own wake-up pipe registered (no thread in the simulation writes to it):
+        # nothing can be ready, so no system call.
+        ready = super().select(0) if len(self.get_map()) > 1 else []
         if not ready and timeout:
             self.vloop.now += timeout
         return ready

@@ -78,7 +78,6 @@ class Package:
         """A LocalPipeline cut before each unit index in ``cuts``; ``precisions`` picks a
         variant per stage (the reference for a pipeline that mixes native and browser workers)."""
         from ..runtime.local import LocalPipeline
-
         from ..runtime.stage_runner import spin_by_default
 
         bounds = [0, *sorted(cuts), len(self.manifest.units)]

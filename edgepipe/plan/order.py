@@ -559,7 +559,7 @@ def _throughput(ctx: _Context, candidates: _Candidates, tables: TableMaker, coun
                 starts.append([g for g, _, _ in best[0][1]])
         return probes[index]
 
-    lo, hi = 0, len(values) - 1
+    hi = len(values) - 1
     lo = bisect.bisect_left(range(hi), True, key=holds)  # the first value that holds (the last if none before it)
     holds(lo)
     if lo > 0:

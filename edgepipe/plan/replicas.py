@@ -70,7 +70,7 @@ def order_split(pricing: Pricing, sequences: int) -> tuple[float, Path]:
         ring, path = probe(index)
         return bool(path) and ring / sequences <= float(values[index])
 
-    lo, hi = 0, len(values) - 1
+    hi = len(values) - 1
     if not probe(hi)[1]:
         return INF, ()
     lo = bisect.bisect_left(range(hi), True, key=holds)  # the first value that holds (the last if none before it)

@@ -15,7 +15,9 @@ Needs only ``onnxruntime`` and ``numpy`` (workers import this module).
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -331,35 +333,39 @@ def spin_by_default(threads: int | None) -> bool:
     otherwise) and costs nothing while idle (they block after a short spin), but it takes cores
     from other processes while decoding: several workers or stages sharing a machine turn it off
     (``serve``'s local workers never spin; ``edgepipe worker --no-spin``)."""
-    import os
-
     cores = os.cpu_count() or 1
     return (threads or cores) >= 2 and busy_cores() < cores / 2
 
 
-def busy_cores(sample_s: float = 0.2) -> float:
-    """Cores busy right now, from /proc/stat over ``sample_s`` (the load average elsewhere). The
-    load average would count this process's own decoding of a minute ago."""
-    import os
-    import time
+_busy_sample: tuple[float, float] = (-1e9, 0.0)  # (monotonic time, busy cores): one sample serves a few seconds
+
+
+def busy_cores(sample_s: float = 0.2, reuse_s: float = 5.0) -> float:
+    """Cores busy right now, from /proc/stat over ``sample_s`` (the load average elsewhere; it
+    would count this process's own decoding of a minute ago). A sample younger than ``reuse_s``
+    is reused: sessions made together (a pipeline, tests) do not each wait for one."""
+    global _busy_sample
+    if time.monotonic() - _busy_sample[0] < reuse_s:
+        return _busy_sample[1]
 
     def ticks() -> tuple[int, int]:
         with open("/proc/stat") as f:
             values = [int(v) for v in f.readline().split()[1:]]
-        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-        return sum(values), idle
+        return sum(values), values[3] + (values[4] if len(values) > 4 else 0)  # all, idle + iowait
 
     try:
         total0, idle0 = ticks()
         time.sleep(sample_s)
         total1, idle1 = ticks()
+        spent = total1 - total0
+        busy = (os.cpu_count() or 1) * (1 - (idle1 - idle0) / spent) if spent > 0 else 0.0
     except (OSError, ValueError, IndexError):
         try:
-            return os.getloadavg()[0]
+            busy = os.getloadavg()[0]
         except OSError:
-            return 0.0
-    spent = total1 - total0
-    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / spent) if spent > 0 else 0.0
+            busy = 0.0
+    _busy_sample = (time.monotonic(), busy)
+    return busy
 
 
 class StageRunner:

@@ -126,7 +126,7 @@ def agreement(a: list[int], b: list[int]) -> tuple[float, int]:
 
 
 def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_settings: list[int], agree_n: int,
-                has_llama: bool, budget_s: float) -> dict:
+                has_llama: bool, budget_s: float, with_invariant: bool = False) -> dict:
     print(f"\n== {path.name} ({path.stat().st_size / 1e6:.0f} MB)", flush=True)
     t0 = time.perf_counter()
     pkg = resolve(str(path), "native", home)
@@ -138,6 +138,9 @@ def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_se
     configs = []
     for threads in thread_settings:
         configs.append({"label": "edgepipe", "engine": "edgepipe", "precision": "native", "threads": threads, "bytes": ep_bytes})
+        if with_invariant:
+            configs.append({"label": "edgepipe batch-invariant", "engine": "edgepipe", "precision": "native", "threads": threads,
+                            "bytes": ep_bytes, "batch_invariant": True})
         if has_llama:
             configs.append({"label": "llama.cpp", "engine": "llama.cpp", "precision": "gguf", "threads": threads, "bytes": gguf_bytes})
     results: list[list[dict]] = [[] for _ in configs]
@@ -149,7 +152,8 @@ def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_se
             break
         for i, cfg in enumerate(configs):
             job = {"task": "time", "home": str(home), "model": str(path), "prompt": prompt, "lengths": lengths, "warmup": WARMUP_TOKENS,
-                   "n_ctx": len(prompt) + max(lengths) + 8, **{k: cfg[k] for k in ("engine", "precision", "threads")}}
+                   "n_ctx": len(prompt) + max(lengths) + 8, "batch_invariant": cfg.get("batch_invariant", False),
+                   **{k: cfg[k] for k in ("engine", "precision", "threads")}}
             out = child(job)
             results[i].append(out)
             speeds = ", ".join(f"{r['n']}: {(r['generated'] - 1) / r['decode_s']:.1f} tok/s" for r in out["runs"])
@@ -297,6 +301,7 @@ def main() -> None:
                     help="measure importing an 8B-shaped synthetic GGUF (default: on, off with --quick)")
     ap.add_argument("--home", help="edgepipe home (default $EDGEPIPE_HOME or the user data dir)")
     ap.add_argument("--budget", type=float, default=900, help="seconds of timed repetitions per model (default 900)")
+    ap.add_argument("--with-invariant", action="store_true", help="also time edgepipe batch-invariant (serve --batch-invariant's runners)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     reps = args.reps or (1 if args.quick else 3)
@@ -316,7 +321,7 @@ def main() -> None:
     bandwidth = {f"{t}_threads": float(subprocess.run([sys.executable, "-c", probe, str(t)], capture_output=True, text=True,
                                                       check=True).stdout.split()[-1]) for t in sorted(set(thread_settings) | {1})}
     print(f"memory read bandwidth (numpy): {bandwidth} GB/s", flush=True)
-    per_model = [bench_model(m, home, reps, lengths, thread_settings, 48 if args.quick else 100, has_llama, args.budget) for m in models]
+    per_model = [bench_model(m, home, reps, lengths, thread_settings, 48 if args.quick else 100, has_llama, args.budget, args.with_invariant) for m in models]
     synth = None
     if synthetic:
         work = Path(tempfile.mkdtemp(prefix="edgepipe-synth-", dir="/tmp"))

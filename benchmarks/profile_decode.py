@@ -3,13 +3,14 @@
     python benchmarks/profile_decode.py                        # bundled SmolLM2 Q4_1 + the 0.5B Qwen (if present)
     python benchmarks/profile_decode.py --model x.gguf --threads 2 --steps 48
     python benchmarks/profile_decode.py --package <dir>        # an already imported package (e.g. one built by older code)
+    python benchmarks/profile_decode.py --batch-invariant      # runners as under serve --batch-invariant
 
 Per model: the package's one-stage graph runs a chat prompt, a warm-up, then ``--steps`` greedy
 decode steps through ``StageRunner`` (IOBinding, KV in place, exactly as ``edgepipe generate``),
 first timed plainly (wall and CPU time per step), then again with ``enable_profiling``. Node
 kernel times are grouped by what the node does, named from the graph (weight names, bit width):
 the layers' MatMulNBits by bit width, the LM head, the block-offset matmuls (BlockSum + MatMul +
-Add), the lone-row Pad/Slice of 4-bit products, attention, norms, and the rest; "outside the
+Add), attention, norms, and the rest; "outside the
 session" is wall time per step minus the profile's ``model_run`` (Python, binding, feeds).
 
 Writes `benchmarks/results/profile_decode.json` and `.md` with the load average beside them
@@ -55,8 +56,6 @@ def node_groups(graph: onnx.ModelProto) -> dict[str, str]:
             groups[n.name] = "lm_head MatMulNBits" if "lm_head" in ins else f"MatMulNBits {attrs.get('bits')}-bit (layers)"
         elif ".offsets" in ins or ".blocks" in ins or (n.op_type == "ReduceSum" and ".last" in ins):
             groups[n.name] = "block offsets (BlockSum + MatMul)"
-        elif "lone_row" in ins or n.op_type == "Pad":
-            groups[n.name] = "lone-row Pad/Slice (4-bit)"
         elif n.op_type == "Add" and any(producer.get(i) is not None and producer[i].name in groups
                                         and groups[producer[i].name].startswith("block offsets") for i in n.input):
             groups[n.name] = "block offsets (BlockSum + MatMul)"
@@ -106,13 +105,13 @@ def decode_steps(runner: StageRunner, prompt: list[int], steps: int, warmup: int
     return wall, cpu, tokens
 
 
-def profile_package(pkg, threads: int, steps: int) -> dict:
+def profile_package(pkg, threads: int, steps: int, batch_invariant: bool = False) -> dict:
     m = pkg.manifest
     n_units = len(m.units)
     graph_path = pkg.blob(pkg.stage_graph(0, n_units))
     tok = pkg.tokenizer
     prompt = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
-    runner = pkg.runner(0, n_units, threads=threads)
+    runner = pkg.runner(0, n_units, threads=threads, batch_invariant=batch_invariant)
     wall, cpu, tokens = decode_steps(runner, prompt, steps)
     with tempfile.TemporaryDirectory() as tmp:
         runner.session = ort.InferenceSession(str(graph_path), session_options(threads, str(Path(tmp) / "prof")),
@@ -144,7 +143,7 @@ def profile_package(pkg, threads: int, steps: int) -> dict:
                  "share_of_wall": round((run_us - nodes_us) / wall_us, 4)})
     rows.append({"group": "outside the session (Python, binding, feeds)", "us_per_step": round(wall_us - run_us, 1), "ops_per_step": 0,
                  "share_of_wall": round((wall_us - run_us) / wall_us, 4)})
-    return {"package": pkg.root.name, "lone_row_exact": runner.lone_row_exact, "threads": threads, "steps": steps,
+    return {"package": pkg.root.name, "batch_invariant": batch_invariant, "threads": threads, "steps": steps,
             "tok_s_wall": round(1 / statistics.median(wall), 2), "tok_s_cpu": round(1 / statistics.median(cpu), 2),
             "profiled_step_us": round(wall_us, 1), "model_run_us": round(run_us, 1), "same_tokens_profiled": tokens == ptokens,
             "groups": rows, "by_op_us": {k: round(v / steps, 1) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
@@ -209,11 +208,10 @@ def markdown(report: dict) -> str:
               for r in report["lone_row_check"]]
     lines.append("")
     for r in report["results"]:
-        mode = "lone rows alone (graphs since version 3)" if r["lone_row_exact"] else "bystander row (graphs before version 3)"
+        mode = "batch-invariant (a bystander row)" if r["batch_invariant"] else "a lone row alone (M = 1)"
         lines += [f"## {r['package']}, {r['threads']} thread(s), {mode}", "",
                   f"{r['steps']} steps; {r['tok_s_wall']} tok/s wall, {r['tok_s_cpu']} tok/s by CPU time (unprofiled); profiled step "
-                  f"{r['profiled_step_us'] / 1e3:.2f} ms, of which `model_run` {r['model_run_us'] / 1e3:.2f} ms; lone rows "
-                  + ("run alone (the graph runs 4-bit/32 products on two rows)" if r["lone_row_exact"] else "take a bystander row")
+                  f"{r['profiled_step_us'] / 1e3:.2f} ms, of which `model_run` {r['model_run_us'] / 1e3:.2f} ms"
                   + f"; load1 {r['load1']}; {sum(g['ops_per_step'] for g in r['groups']):g} nodes run per step", "",
                   "| where | µs / step | ops / step | share of the step |", "| --- | ---: | ---: | ---: |"]
         lines += [f"| {g['group']} | {g['us_per_step']:.0f} | {g['ops_per_step']:g} | {g['share_of_wall']:.1%} |" for g in r["groups"]]
@@ -227,6 +225,7 @@ def main() -> None:
     ap.add_argument("--package", action="append", help="an imported package directory (repeatable)")
     ap.add_argument("--threads", default="1", help="comma-separated thread counts (default 1)")
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--batch-invariant", action="store_true", help="profile batch-invariant runners (a lone row takes a bystander)")
     ap.add_argument("--home")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -241,7 +240,7 @@ def main() -> None:
     results = []
     for pkg in pkgs:
         for threads in threads_list:
-            r = profile_package(pkg, threads, args.steps)
+            r = profile_package(pkg, threads, args.steps, args.batch_invariant)
             results.append(r)
             print(f"{r['package']} threads {threads}: {r['tok_s_wall']} tok/s", flush=True)
     report = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "load_before": load_before,

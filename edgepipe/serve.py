@@ -47,6 +47,7 @@ class ServeSettings:
     planner: bool = True  # False: split layers in proportion to memory (the exo / llama.cpp rule)
     advertise: bool = True  # announce the coordinator by mDNS
     cluster: str = "edgepipe"  # the name workers look for
+    batch_invariant: bool = False  # a sequence gets the same bits alone as batched (costs lone-stream speed)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -155,7 +156,8 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
                                                                  issue_data_secrets=settings.data_secrets != "derived",
                                                                  step_timeout_s=settings.step_timeout_s,
                                                                  capacity_wait_s=settings.capacity_wait_s,
-                                                                 calibration_file=settings.calibration_file), plan_fn=plan_fn)
+                                                                 calibration_file=settings.calibration_file,
+                                                                 batch_invariant=settings.batch_invariant), plan_fn=plan_fn)
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,
                      admission=Admission(settings.max_active, settings.max_queue), admin_token=settings.admin_token)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:

@@ -38,11 +38,11 @@ def three_workers(home, int4_pkg):
 
 @pytest.fixture(scope="session")
 def keyed_server(home, int4_pkg):
-    """One ``serve --workers 2 --placement memory --api-key sekrit``: the Ollama API and the
-    dashboard behind a key."""
+    """One ``serve --workers 2 --placement memory --api-key sekrit --batch-invariant``: the Ollama
+    API and the dashboard behind a key, and concurrent requests that must equal their solo tokens."""
     from harness import Server
 
-    with Server(home, workers=2, args=("--placement", "memory", "--api-key", "sekrit")) as server:
+    with Server(home, workers=2, args=("--placement", "memory", "--api-key", "sekrit", "--batch-invariant")) as server:
         yield server
 
 

@@ -1,8 +1,9 @@
-"""Batch invariance: a sequence decoded alone, or batched with others, gets the same greedy tokens.
+"""Batch invariance (``serve --batch-invariant``): a sequence decoded alone, or batched with
+others, gets the same greedy tokens.
 
 MLAS runs one-row 4-bit MatMulNBits calls with a kernel of their own whose sums differ in the
-last bits; the stage runner never issues one (a lone step takes a bystander row along), so
-lanes, replays and the single-process reference agree token for token."""
+last bits; an invariant stage runner never issues one (a lone step takes a bystander row along),
+so lanes and the single-process reference agree token for token whatever the batching."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ PROMPTS = ["Name a fruit.", "What is 2 + 2?", "Write one line about the sea.", "
 
 
 def test_batched_decode_equals_solo_decode(int4_pkg):
-    pipe, tok = int4_pkg.pipeline(), int4_pkg.tokenizer
+    pipe, tok = int4_pkg.pipeline(batch_invariant=True), int4_pkg.tokenizer
     ids = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in PROMPTS]
 
     def solo(i: int, n: int) -> list[int]:

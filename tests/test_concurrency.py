@@ -1,4 +1,5 @@
-"""Many sequences in flight: each gets exactly the tokens it gets alone, and stages batch."""
+"""Many sequences in flight on a ``--batch-invariant`` cluster: each gets exactly the tokens it
+gets alone, and stages batch."""
 
 from __future__ import annotations
 
@@ -30,16 +31,16 @@ def _batch_counts(server) -> tuple[float, float]:
     return alone, sum(float(x.split()[-1]) for x in lines if x.startswith("edgepipe_stage_batch_size_count"))
 
 
-def test_eight_concurrent_requests_through_three_workers(int4_pkg, three_workers):
-    alone = int4_pkg.pipeline()  # one sequence at a time: each is dropped when it ends
+def test_eight_concurrent_requests_through_two_workers(int4_pkg, keyed_server):
+    alone = int4_pkg.pipeline(batch_invariant=True)  # one sequence at a time: each is dropped when it ends
     expected = [solo_tokens(int4_pkg, p, n, alone) for p, n in PROMPTS]
-    server = three_workers  # serve --workers 3 (one thread each on two cores) --placement memory
-    assert len(server.status()["plan"]["stages"]) == 3
+    server = keyed_server  # serve --workers 2 --placement memory --api-key sekrit --batch-invariant
+    assert len(server.status()["plan"]["stages"]) == 2
     before = _batch_counts(server)
 
     def ask(item):
         prompt, n = item
-        with httpx.Client(base_url=server.url, timeout=300) as c:
+        with httpx.Client(base_url=server.url, timeout=300, headers={"Authorization": "Bearer sekrit"}) as c:
             r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}], "max_tokens": n,
                                                      "temperature": 0, "return_token_ids": True})
             assert r.status_code == 200, r.text

@@ -200,6 +200,7 @@ def test_old_head_without_controls_refuses_them_clearly():
 
 # -- through 3 real workers with the openai SDK ---------------------------------------------------------
 REPEAT = "Write the word 'apple' ten times, separated by commas."
+REPEATING = REPEAT + "\n\napple, apple,"  # greedy goes on " apple," for ever: a penalty must change that
 
 
 @pytest.fixture(scope="module")
@@ -226,14 +227,14 @@ def reference_ids(pkg, prompt: str, **params) -> list[int]:
 
 
 def test_penalties_change_the_greedy_text_as_the_reference_does(client, int4_pkg):
-    plain, plain_ids = complete(client, REPEAT)
+    plain, plain_ids = complete(client, REPEATING)
     for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"presence_penalty": 1.0, "frequency_penalty": -0.5}):
-        text, ids = complete(client, REPEAT, **kw)
-        want = reference_ids(int4_pkg, REPEAT, **kw)
+        text, ids = complete(client, REPEATING, **kw)
+        want = reference_ids(int4_pkg, REPEATING, **kw)
         assert ids == want[: len(ids)], kw  # the single-process runner, token for token
         if kw.get("presence_penalty", 0) > 0 and kw.get("frequency_penalty", 0) >= 0:
             assert text != plain, kw
-    assert plain_ids == reference_ids(int4_pkg, REPEAT)[: len(plain_ids)]
+    assert plain_ids == reference_ids(int4_pkg, REPEATING)[: len(plain_ids)]
 
 
 def test_logit_bias_forbids_and_forces(client, int4_pkg):

@@ -4,7 +4,7 @@ A tiny Gemma 3 (5 window layers of 8 tokens : 1 global layer, written as a GGUF 
 ``test_families``) decodes 40 tokens past a prompt: its window layers hold at most
 ``window_positions(8)`` positions while the global layer holds them all; the tokens equal the
 same runners with trimming switched off, at 1 and 3 stages (cuts between a window and the
-global layer, and a stage of window layers only); batched equals solo; and a sequence whose
+global layer, and a stage of window layers only); batched equals solo (batch-invariant runners); and a sequence whose
 KV moves mid-generation to runners with other cuts continues with the same tokens.
 
 The tiny random model's greedy tokens hardly move (it repeats one token), so every comparison
@@ -39,8 +39,8 @@ def gemma3(tmp_path_factory):
     return pkg
 
 
-def pipeline(pkg, cuts: list[int]):
-    return pkg.pipeline([*cuts, HEAD])
+def pipeline(pkg, cuts: list[int], batch_invariant: bool = False):
+    return pkg.pipeline([*cuts, HEAD], batch_invariant=batch_invariant)
 
 
 def decode(pipe, seq: str, feed: list[int], n: int) -> tuple[list[int], np.ndarray]:
@@ -116,7 +116,7 @@ def test_a_cache_one_position_short_is_caught(gemma3, monkeypatch):
 
 
 def test_batched_decode_equals_solo_with_trimmed_windows(gemma3):
-    pipe = pipeline(gemma3, [2, 6])
+    pipe = pipeline(gemma3, [2, 6], batch_invariant=True)
     tok = gemma3.tokenizer
     prompts = [tok.encode(PROMPT), tok.encode("Hello, world! Hello there."), tok.encode(PROMPT + " and more, more, more.")]
     expected = []

@@ -58,7 +58,7 @@ class EdgepipeEngine:
         from ..model.store import resolve
 
         self.package = resolve(job.get("model", MODEL), job["precision"], job.get("home"))
-        self.pipeline = self.package.pipeline(cuts=job.get("cuts", []), threads=job.get("threads"))
+        self.pipeline = self.package.pipeline(cuts=job.get("cuts", []), threads=job.get("threads"), batch_invariant=bool(job.get("batch_invariant")))
 
     def greedy(self, ids: list[int], n: int) -> Run:
         from ..runtime.local import generate

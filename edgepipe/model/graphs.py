@@ -33,9 +33,6 @@ IR_VERSION = 10  # the newest ONNX Runtime 1.31 and onnxruntime-web 1.30 both lo
 MS = "com.microsoft"
 
 FLOAT, INT64, INT32, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL
-# Model metadata of graphs whose rows get the same results alone (M = 1) as in a batch (see
-# ``_Graph.pad_rows``); a stage runner over an older graph keeps a bystander row instead.
-LONE_ROW_EXACT = "edgepipe.lone_row_exact"
 SAMPLING_INPUTS = ("do_sample", "temperature", "top_k", "top_p", "uniform")
 HEAD_CONTROL_INPUTS = ("logit_adjust", "num_top", "prompt_targets")
 HEAD_LOGPROB_OUTPUTS = ("token_logprob", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs")
@@ -46,7 +43,8 @@ MAX_TOP_LOGPROBS = 20
 # 4: echo's prompt logprobs computed PROMPT_CHUNK positions at a time.
 # 5: sliding-window layers rotate at position_ids, keep only their window of KV, see window keys (not window - 1).
 # 6: a lone row's 4-bit products share one pad/slice per run of row-wise ops (fewer nodes per layer).
-GRAPH_VERSION = 6
+# 7: no in-graph padding: a lone row runs every product at M = 1 (batch invariance is the stage runner's option).
+GRAPH_VERSION = 7
 
 
 def hidden_name(unit: int) -> str:
@@ -62,9 +60,6 @@ class _Graph:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: dict[str, onnx.TensorProto] = {}
         self._count = 0
-        self._lone_rows: dict[int, str] = {}  # rank -> [p, 0], p = 1 when the activations hold one row
-        self._padded: dict[str, str] = {}  # activation -> its two-row form (see pad_rows)
-        self._unpadded: dict[str, str] = {}  # two-row form -> the activation itself
 
     def name(self, base: str) -> str:
         self._count += 1
@@ -97,30 +92,20 @@ class _Graph:
         self.initializers[name] = t
         return name
 
-    def linear(self, x: str, w, base: str, bias: np.ndarray | None = None, out: str | None = None, rank: int = 3,
-               keep_padded: bool = False) -> str:
+    def linear(self, x: str, w, base: str, bias: np.ndarray | None = None, out: str | None = None, rank: int = 3) -> str:
         """``x @ w.T (+ bias)`` as MatMul (float) or MatMulNBits (quantized) plus, for blocks with
-        offsets, ``BlockSum(x) @ offsets.T``; a list of row groups runs each and concatenates.
-
-        4-bit products read ``x`` in its two-row form (``pad_rows``); with ``keep_padded`` their
-        result stays in that form (``is_padded`` says which), so that a run of row-wise ops and
-        4-bit products pads once and slices once; otherwise the result has ``x``'s rows."""
+        offsets, ``BlockSum(x) @ offsets.T``; a list of row groups runs each and concatenates."""
         if isinstance(w, list):
             parts = [self.linear(x, p, f"{base}.{i}", rank=rank) for i, p in enumerate(w)]
             y = self.op1("Concat", parts, axis=-1)
         elif isinstance(w, (BlockQuantized, StoredBlocks)):
-            x = self.pad_rows(x, rank) if w.bits == 4 else self.unpad_rows(x)
             y = self._matmul_nbits(x, w, base)
             if w.offsets is not None:
                 y = self.op1("Add", [y, self._block_offsets(x, w, base, rank)])
-            if x in self._unpadded:
-                self._unpadded[y] = ""  # two rows, no one-row form yet
         else:
-            y = self.op1("MatMul", [self.unpad_rows(x), self.const(np.ascontiguousarray(w.T), base + ".weight")])
+            y = self.op1("MatMul", [x, self.const(np.ascontiguousarray(w.T), base + ".weight")])
         if bias is not None:
-            y = self.row_wise("Add", [y, self.const(bias.astype(np.float32), base + ".bias")])
-        if not keep_padded:
-            y = self.unpad_rows(y)
+            y = self.op1("Add", [y, self.const(bias.astype(np.float32), base + ".bias")])
         if out and self.nodes and y in self.nodes[-1].output:  # name the last node's output (no Identity)
             outputs = self.nodes[-1].output
             outputs[list(outputs).index(y)] = out
@@ -144,58 +129,6 @@ class _Graph:
         # accuracy_level 4 lets MLAS quantize activations to int8 on the fly where it can.
         return self.op1("MatMulNBits", ins, domain=MS, K=k, N=n, bits=w.bits, block_size=w.block_size, accuracy_level=4)
 
-    def is_padded(self, x: str) -> bool:
-        return x in self._unpadded
-
-    def pad_rows(self, x: str, rank: int) -> str:
-        """``x`` (rank ``rank``, first axis rows) with its first row repeated in front when it holds
-        a single row (``[1, 1, K]`` or ``[1, K]``); as it is otherwise.
-
-        MLAS runs a one-row 4-bit MatMulNBits (M = 1) with a kernel of its own whose sums differ in
-        the last bits from the M >= 2 kernel's; every M >= 2 gives each row the same result, and
-        8-bit blocks and float MatMul/Gemm are the same at M = 1 (``benchmarks/profile_decode.py`` checks).
-        So 4-bit products of a lone decode step run on two rows, and the graph gives a row the
-        same logits alone or batched (``LONE_ROW_EXACT``) without a bystander row through the whole
-        stage. Row-wise ops between 4-bit products stay on the two rows (``row_wise``), so a unit
-        pads and slices a few times, not around every product."""
-        if x in self._unpadded:
-            return x
-        if x not in self._padded:
-            self._padded[x] = self.op1("Pad", [x, self._lone_row(x, rank), "", self.const(np.array([0], np.int64), "lone_row.axis")],
-                                       mode="edge")
-            self._unpadded[self._padded[x]] = x
-        return self._padded[x]
-
-    def unpad_rows(self, x: str) -> str:
-        """The rows ``x`` had before ``pad_rows`` (a Slice dropping the repeated first row)."""
-        if x not in self._unpadded:
-            return x
-        if not self._unpadded[x]:
-            rank = next(iter(self._lone_rows))  # one rank per graph's padded activations
-            self._unpadded[x] = self.op1("Slice", [x, self._lone_rows[rank], self.const(np.array([2**62, 2**62], np.int64), "lone_row.ends"),
-                                                   self.const(np.array([0, -1], np.int64), "lone_row.axes")])
-        return self._unpadded[x]
-
-    def row_wise(self, op_type: str, inputs: list[str], n_out: int = 1, out: list[str] | None = None, **kw) -> list[str] | str:
-        """A row-wise op: on the two-row forms when every activation input has one, else on plain rows."""
-        acts = [i for i in inputs if i and i not in self.initializers]
-        padded = all(i in self._unpadded for i in acts)
-        ins = [i if (padded or i not in acts) else self.unpad_rows(i) for i in inputs]
-        outs = self.op(op_type, ins, n_out=n_out, out=out, **kw)
-        if padded and acts:
-            for o in outs:
-                self._unpadded[o] = ""
-        return outs[0] if n_out == 1 else outs
-
-    def _lone_row(self, x: str, rank: int) -> str:
-        """``[p, 0]`` with ``p = 1 // (rows of x)``: 1 for a lone row, else 0 (int64 division).
-        Pad's pads on axis 0 and Slice's starts on axes (0, -1) both. Built once per graph and
-        rank: all activations of a unit share ``[B, S]``."""
-        if rank not in self._lone_rows:
-            lead = self.op1("ReduceProd", [self.op1("Shape", [x], end=rank - 1)], keepdims=1)  # [B * S]
-            self._lone_rows[rank] = self.op1("Div", [self.const(np.array([1, 0], np.int64), "lone_row.one"), lead])
-        return self._lone_rows[rank]
-
     def _block_offsets(self, x: str, w, base: str, rank: int) -> str:
         """``BlockSum(x) @ offsets.T``: each block of x summed once, times the block's offset."""
         n, k = w.shape
@@ -216,7 +149,6 @@ class _Graph:
             graph, ir_version=IR_VERSION, producer_name="edgepipe",
             opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
         )
-        helper.set_model_props(model, {LONE_ROW_EXACT: "1"})
         return model
 
 
@@ -281,11 +213,7 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
     H, D, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     eps = cfg.rms_eps
 
-    # A lone row runs 4-bit products on two rows (_Graph.pad_rows): from the layer's input when
-    # the first product is 4-bit, so the residual stream and norms stay on two rows up to the end.
-    first = w["qkv"][0] if isinstance(w["qkv"], list) else w["qkv"]
-    stream = g.pad_rows(x, 3) if getattr(first, "bits", None) == 4 else x
-    normed = g.row_wise("SimplifiedLayerNormalization", [stream, g.const(w["attn_norm"].astype(np.float32), "attn_norm")],
+    normed = g.op1("SimplifiedLayerNormalization", [x, g.const(w["attn_norm"].astype(np.float32), "attn_norm")],
                         axis=-1, epsilon=eps, stash_type=1)
     qkv = g.linear(normed, w["qkv"], "qkv", bias=w.get("qkv_bias"))
     window = cfg.window(unit - 1)
@@ -325,30 +253,25 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
         attn_in + [f"past_key.{unit}", f"past_value.{unit}", *lengths, *rope_in],
         domain=MS, out=[g.name("attn"), f"present_key.{unit}", f"present_value.{unit}"], **gqa_attrs,
     )
-    attn_out = g.linear(attn, w["attn_output"], "attn_output", keep_padded=True)
+    attn_out = g.linear(attn, w["attn_output"], "attn_output")
     if cfg.post_norms:
-        attn_out = g.row_wise("SimplifiedLayerNormalization", [attn_out, g.const(w["post_attention_norm"].astype(np.float32),
+        attn_out = g.op1("SimplifiedLayerNormalization", [attn_out, g.const(w["post_attention_norm"].astype(np.float32),
                               "post_attention_norm")], axis=-1, epsilon=eps, stash_type=1)
     if cfg.residual_scale != 1.0:
-        attn_out = g.row_wise("Mul", [attn_out, g.const(np.array(cfg.residual_scale, np.float32), "res_scale")])
+        attn_out = g.op1("Mul", [attn_out, g.const(np.array(cfg.residual_scale, np.float32), "res_scale")])
     # SkipSimplifiedLayerNormalization: residual add and the MLP's input norm in one kernel.
-    mlp_in, _, _, resid = g.row_wise("SkipSimplifiedLayerNormalization", [attn_out, stream, g.const(w["ffn_norm"].astype(np.float32), "ffn_norm")],
+    mlp_in, _, _, resid = g.op("SkipSimplifiedLayerNormalization", [attn_out, x, g.const(w["ffn_norm"].astype(np.float32), "ffn_norm")],
                                      n_out=4, domain=MS, epsilon=eps)
-    gate_up = g.linear(mlp_in, w["gate_up"], "gate_up", keep_padded=True)
-    gate, up = g.row_wise("Split", [gate_up, g.const(np.array([cfg.intermediate_size] * 2, np.int64), "gu_split")], n_out=2, axis=-1)
-    act = g.row_wise("Mul", [_activation(g, gate, cfg.ffn_activation), up])  # act(gate) * up
-    down = g.linear(act, w["ffn_down"], "ffn_down", keep_padded=True)
+    gate_up = g.linear(mlp_in, w["gate_up"], "gate_up")
+    gate, up = g.op("Split", [gate_up, g.const(np.array([cfg.intermediate_size] * 2, np.int64), "gu_split")], n_out=2, axis=-1)
+    act = g.op1("Mul", [_activation(g, gate, cfg.ffn_activation), up])  # act(gate) * up
+    down = g.linear(act, w["ffn_down"], "ffn_down")
     if cfg.post_norms:
-        down = g.row_wise("SimplifiedLayerNormalization", [down, g.const(w["post_ffw_norm"].astype(np.float32), "post_ffw_norm")],
+        down = g.op1("SimplifiedLayerNormalization", [down, g.const(w["post_ffw_norm"].astype(np.float32), "post_ffw_norm")],
                           axis=-1, epsilon=eps, stash_type=1)
     if cfg.residual_scale != 1.0:
-        down = g.row_wise("Mul", [down, g.const(np.array(cfg.residual_scale, np.float32), "res_scale2")])
-    total = g.row_wise("Add", [resid, down])
-    if g.is_padded(total):
-        g.op("Slice", [total, g._lone_rows[3], g.const(np.array([2**62, 2**62], np.int64), "lone_row.ends"),
-                       g.const(np.array([0, -1], np.int64), "lone_row.axes")], out=[out])
-    else:
-        g.nodes[-1].output[0] = out
+        down = g.op1("Mul", [down, g.const(np.array(cfg.residual_scale, np.float32), "res_scale2")])
+    g.op("Add", [resid, down], out=[out])
 
     kv_shape = ["batch", nkv, f"window_{window}" if window else "capacity", D]  # the runner reads the window here
     position_inputs = [helper.make_tensor_value_info("position_ids", INT64, ["batch", "seq"])] if window else []
@@ -367,9 +290,9 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
 
 def _activation(g: _Graph, x: str, kind: str) -> str:
     if kind == "silu":
-        return g.row_wise("Mul", [x, g.row_wise("Sigmoid", [x])])
+        return g.op1("Mul", [x, g.op1("Sigmoid", [x])])
     if kind == "gelu_tanh":
-        return g.row_wise("Gelu", [x], approximate="tanh")
+        return g.op1("Gelu", [x], approximate="tanh")
     raise ValueError(f"activation {kind!r} is not supported")
 
 

@@ -64,26 +64,27 @@ class Package:
         return sha
 
     def runner(self, start: int, end: int, precision: str | None = None, threads: int | None = None, verify: bool = True,
-               spin: bool = False):
+               spin: bool = False, batch_invariant: bool = False):
         """A StageRunner over units ``[start, end)``, its weight files checked against their hashes."""
         from ..runtime.stage_runner import StageRunner
 
         if verify:
             self.verify(self.manifest.stage_files(start, end, precision))
         return StageRunner(self.blob(self.stage_graph(start, end, precision)), threads=threads, max_context=self.manifest.max_context,
-                           spin=spin)
+                           spin=spin, batch_invariant=batch_invariant)
 
     def pipeline(self, cuts: list[int] | tuple[int, ...] = (), precision: str | None = None, threads: int | None = None,
-                 precisions: list[str | None] | None = None):
+                 precisions: list[str | None] | None = None, batch_invariant: bool = False):
         """A LocalPipeline cut before each unit index in ``cuts``; ``precisions`` picks a
-        variant per stage (the reference for a pipeline that mixes native and browser workers)."""
+        variant per stage (the reference for a pipeline that mixes native and browser workers);
+        ``batch_invariant``: as a cluster served with ``--batch-invariant`` (see StageRunner.run_batch)."""
         from ..runtime.local import LocalPipeline
         from ..runtime.stage_runner import spin_by_default
 
         bounds = [0, *sorted(cuts), len(self.manifest.units)]
         per_stage = precisions or [precision] * (len(bounds) - 1)
         spin = len(bounds) == 2 and spin_by_default(threads)  # several sessions in one process: one spinning would slow the next
-        return LocalPipeline([self.runner(a, b, p, threads, spin=spin) for (a, b), p in zip(zip(bounds, bounds[1:]), per_stage)])
+        return LocalPipeline([self.runner(a, b, p, threads, spin=spin, batch_invariant=batch_invariant) for (a, b), p in zip(zip(bounds, bounds[1:]), per_stage)])
 
     def reload(self) -> None:
         """Re-read the manifest (after a variant was added)."""

@@ -76,7 +76,7 @@ def references(pkg) -> dict[tuple[str, int], list[int]]:
     from edgepipe.runtime.local import generate
     from edgepipe.runtime.sequence import GenerationParams
 
-    tok, pipe, out = pkg.tokenizer, pkg.pipeline(), {}
+    tok, pipe, out = pkg.tokenizer, pkg.pipeline(batch_invariant=True), {}  # concurrent clients: an invariant cluster
     for prompt in PROMPTS:
         for n in TOKENS:
             out[(prompt, n)] = generate(pipe, tok.encode(prompt), GenerationParams(max_tokens=n, ignore_eos=True), tok.decode,
@@ -305,7 +305,7 @@ def run_scenario(name: str, home: Path, args, refs: dict) -> dict:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     try:
-        server = Server(home, workers=0, args=("--min-workers", str(WORKERS), "--placement", "planner"), wait_up=False, timeout=120)
+        server = Server(home, workers=0, args=("--min-workers", str(WORKERS), "--placement", "planner", "--batch-invariant"), wait_up=False, timeout=120)
     finally:
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)

@@ -1,6 +1,6 @@
 """Long streams while plans switch: every client gets exactly its solo tokens (issue 11).
 
-``edgepipe serve --workers 3`` with the bundled model; ``--clients`` streaming clients (default
+``edgepipe serve --workers 3 --batch-invariant`` with the bundled model; ``--clients`` streaming clients (default
 16, the default ``--max-active``) each ask for ``--tokens`` new tokens (default 1,800, EOS
 ignored, greedy) over a few prompts. Meanwhile a switcher moves the layer boundaries every
 ``--switch-every`` seconds through ``/v1/cluster/rebalance`` (loopback: no admin token needed),
@@ -53,7 +53,7 @@ def references(pkg, tokens: int) -> dict[str, str]:
     for prompt in PROMPTS:
         ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
         t0 = time.monotonic()
-        result = generate(pkg.pipeline(), ids, GenerationParams(max_tokens=tokens, ignore_eos=True), tok.decode, pkg.manifest.eos_ids)
+        result = generate(pkg.pipeline(batch_invariant=True), ids, GenerationParams(max_tokens=tokens, ignore_eos=True), tok.decode, pkg.manifest.eos_ids)
         out[prompt] = tok.decode(result.tokens)
         print(f"reference {prompt[:30]!r}: {len(result.tokens)} tokens in {time.monotonic() - t0:.0f} s", flush=True)
     cache.write_text(json.dumps(out))
@@ -108,7 +108,7 @@ def main() -> None:
     refs = references(pkg, args.tokens)
     results: list[dict] = []
     switches: list[dict] = []
-    with Server(home, workers=3, args=("--placement", "planner", "--max-active", str(args.clients)), timeout=300) as server:
+    with Server(home, workers=3, args=("--placement", "planner", "--max-active", str(args.clients), "--batch-invariant"), timeout=300) as server:
         status = server.status()
         workers = [s["worker"] for s in status["plan"]["stages"]]
         if len(workers) < 3:
@@ -167,7 +167,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps({**summary, "switches": switches}, indent=1))
     lines = [f"# {args.clients} streams x {args.tokens} tokens through 3 workers while plans switch", "",
-             f"{summary['date']} · {summary['machine']} · {summary['model']} · `serve --workers 3 --max-active {args.clients}` · "
+             f"{summary['date']} · {summary['machine']} · {summary['model']} · `serve --workers 3 --max-active {args.clients} --batch-invariant` · "
              f"greedy, EOS ignored · a layer-boundary switch requested every {args.switch_every:g} s · load {load_before} → {summary['load_after']}",
              "", "| clients | completed | equal to solo (text) | errors | switches ok / requested | plans up | KV moved (sequences, MB) / rebuilt | workers lost | suspected | wall s | tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|",

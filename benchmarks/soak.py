@@ -51,7 +51,7 @@ def main() -> None:
     reference = {}
     for p in PROMPTS:
         ids = tok.encode(tok.format_chat([{"role": "user", "content": p}]))
-        full = generate(pkg.pipeline(), ids, GenerationParams(max_tokens=max(LENGTHS), ignore_eos=True), tok.decode, ()).tokens
+        full = generate(pkg.pipeline(batch_invariant=True), ids, GenerationParams(max_tokens=max(LENGTHS), ignore_eos=True), tok.decode, ()).tokens
         for n in LENGTHS:
             reference[(p, n)] = tok.decode(full[:n])
     counts = {"ok": 0, "429": 0, "error": 0, "mismatch": 0, "tokens": 0}
@@ -59,7 +59,7 @@ def main() -> None:
     lock = threading.Lock()
     budget = parse_bytes(args.memory)
     with Server(home, workers=3, args=("--placement", "memory", "--worker-threads", "1", "--max-active", str(args.max_active),
-                                       "--max-queue", str(args.max_queue), "--worker-args", f"--memory {args.memory}")) as server:
+                                       "--max-queue", str(args.max_queue), "--worker-args", f"--memory {args.memory}", "--batch-invariant")) as server:
         pids = [w["pid"] for w in server.status()["workers"]]
         peak_rss = {pid: 0 for pid in pids}
         deadline = time.monotonic() + args.seconds

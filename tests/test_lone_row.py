@@ -2,10 +2,11 @@
 
 MLAS gives a one-row 4-bit MatMulNBits (M = 1) sums of its own, 20-25% faster than its M >= 2
 kernel, which gives every row the same bits in any batch. By default a lone row runs at M = 1
-(as llama.cpp and vLLM do); a batch-invariant runner takes a bystander row along instead, so a
-sequence gets the same bits alone as batched. Checked on the hidden state after the first half of
-the layers (every float bit) and on the head's tokens, for the native Q4_1 package (4-bit blocks +
-offsets, Q8_0 head) and the re-quantized int4 one.
+(as llama.cpp and vLLM do); the batch-invariant form of a stage graph (``graphs.pad_lone_rows``)
+runs a lone row's 4-bit products on two rows, so a sequence gets the same bits alone as batched.
+Checked on the hidden state after the first half of the layers (every float bit) and on the
+head's tokens, for the native Q4_1 package (4-bit blocks + offsets, Q8_0 head) and the
+re-quantized int4 one.
 """
 
 from __future__ import annotations
@@ -28,25 +29,32 @@ def test_invariant_lone_row_equals_its_row_in_a_batch_bit_for_bit(home, precisio
     for i, p in enumerate(ids):
         first.run(f"s{i}", np.array([p], np.int64))
     nxt = np.array([[ids[0][-1]], [ids[1][-1]]], np.int64)
-    alone = first.run("s0", nxt[:1])  # [1, 1, H], with a bystander row
+    alone = first.run("s0", nxt[:1])  # [1, 1, H], B = 1: the graph pads its 4-bit products
     first._pool.length["s0"] -= 1  # replay the same position, now batched with s1
     batched = first.run_batch(["s0", "s1"], nxt)
     assert alone.shape == (1, 1, pkg.manifest.config["hidden_size"])
     assert np.array_equal(alone[0].view(np.uint32), batched[0].view(np.uint32))
 
 
-def test_a_lone_row_runs_alone_by_default(home):
-    """No bystander: a single sequence's decode keeps one KV row (an invariant runner grows two)."""
+def test_only_the_invariant_graph_pads_and_only_its_4bit_products(home):
+    """The default stage graph runs a lone row as it is; the invariant one pads each 4-bit
+    product (and nothing else), and a graph without 4-bit products is its own invariant form."""
+    import onnx
+
     pkg = resolve("smollm2", "native", home)
-    tok = pkg.tokenizer
-    ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPTS[0]}]))
-    rows = {}
-    for invariant in (False, True):
-        runner = pkg.runner(0, 2, batch_invariant=invariant)
-        runner.run("s", np.array([ids], np.int64))
-        runner.run("s", np.array([[ids[-1]]], np.int64))
-        rows[invariant] = runner._pool.rows
-    assert rows == {False: 1, True: 2}
+    n = len(pkg.manifest.units)
+
+    def ops(sha: str) -> list[onnx.NodeProto]:
+        return list(onnx.load(str(pkg.blob(sha)), load_external_data=False).graph.node)
+
+    plain, invariant = ops(pkg.stage_graph(0, n)), ops(pkg.stage_graph(0, n, batch_invariant=True))
+    four_bit = [x for x in plain if x.op_type == "MatMulNBits" and any(a.name == "bits" and a.i == 4 for a in x.attribute)]
+    assert four_bit and not any(x.op_type == "Pad" for x in plain)
+    padded = {x.output[0] for x in invariant if x.op_type == "Pad"}
+    assert sum(x.input[0] in padded for x in invariant if x.op_type == "MatMulNBits") == len(four_bit)
+    assert len(invariant) > len(plain)
+    fp32 = resolve("smollm2", "fp32", home)
+    assert fp32.stage_graph(0, 3, batch_invariant=True) == fp32.stage_graph(0, 3)
 
 
 def test_invariant_lone_head_step_equals_batched_head_step(home):

@@ -60,7 +60,7 @@ class CoordinatorSettings:
     issue_data_secrets: bool = True  # False: stages derive data-port secrets from the join token (net.auth)
     max_wait_s: float = 300.0  # a request without progress for this long fails (cluster down, pipeline failing)
     calibration_file: str | None = None  # calibrations kept here survive a coordinator restart
-    batch_invariant: bool = False  # stages give a sequence the same bits alone as batched (StageRunner.run_batch)
+    batch_invariant: bool = False  # stages run graphs that give a sequence the same bits alone as batched (graphs.pad_lone_rows)
 
 
 PlanFn = Callable[["Coordinator", list[WorkerView]], tuple[list[StageAssignment], str, dict]]

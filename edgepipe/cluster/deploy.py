@@ -81,10 +81,10 @@ def next_hop(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, Wo
 def load_message(package, plan_id: int, start: int, end: int, precision: str | None, nxt: dict, keep: list[int],
                  warm: bool | None = None, data_secret: str | None = None, batch_invariant: bool = False) -> Load:
     manifest = package.manifest
-    return Load(plan=plan_id, start=start, end=end, graph=package.stage_graph(start, end, precision),
+    return Load(plan=plan_id, start=start, end=end, graph=package.stage_graph(start, end, precision, batch_invariant),
                 files=list(manifest.stage_files(start, end, precision)), next=nxt, keep=keep, max_context=manifest.max_context,
                 kv_bytes_per_token=sum(u.kv_bytes_per_token for u in manifest.units[start:end]), warm=warm,
-                data_secret=data_secret, batch_invariant=batch_invariant or None)
+                data_secret=data_secret)
 
 
 def kv_capacity(state: ClusterState, manifest, precision_of, overhead_bytes: int) -> int | None:

@@ -580,7 +580,6 @@ class Worker:
                     None, lambda: StageRunner(self.cache.path(msg["graph"]), threads=self.s.threads, max_context=msg.get("max_context"),
                                               spin=spin_by_default(self.s.threads) if self.s.spin is None else self.s.spin))
                 self.sessions[msg["graph"]] = runner
-            runner.batch_invariant = bool(msg.get("batch_invariant"))  # the cluster's choice (serve --batch-invariant)
             if msg.get("warm"):
                 self.warm = {msg["graph"]}
                 self._prune_sessions()

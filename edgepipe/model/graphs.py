@@ -481,3 +481,52 @@ def _sampling_branch(logits: str, vocab: int) -> onnx.GraphProto:
     inits = [c("s_ax1", [1]), c("s_ax1_scalar", 1), c("s_zero", 0), c("s_one", 1), c("s_vocab", vocab),
              numpy_helper.from_array(np.array(0.0, np.float32), "s_fzero")]
     return helper.make_graph(nodes, "sample", [], [helper.make_tensor_value_info("sampled_token", INT64, ["batch"])], inits)
+
+
+def pad_lone_rows(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The batch-invariant form of a graph: every 4-bit MatMulNBits runs a lone row on two rows.
+
+    MLAS computes a one-row 4-bit product (M = 1) with a kernel of its own whose sums differ in
+    the last bits from the M >= 2 kernel's, and the M >= 2 kernel gives every row the same bits
+    in any batch (8-bit blocks and float MatMul are the same at M = 1 too). So each 4-bit
+    product's input is padded with a copy of its first row when it holds a single row (``Pad``
+    by ``1 // rows`` on axis 0, edge mode) and the copy is sliced off its output: a sequence
+    gets the same bits alone as batched with others. A graph without 4-bit products comes back
+    unchanged (the same bytes, so the same sha)."""
+    targets = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == MS
+               and any(a.name == "bits" and a.i == 4 for a in n.attribute)]
+    if not targets:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = _Graph("lone_row.")
+    axis0 = g.const(np.array([0], np.int64), "axis0")
+    one = g.const(np.array([1], np.int64), "one")
+    far = g.const(np.array([2**62], np.int64), "far")
+    lone: dict[str, str] = {}  # input -> [1] when it holds one row, else [0]
+    padded_inputs: dict[str, str] = {}
+    nodes: list[onnx.NodeProto] = []
+    targets_by_name = {n.name for n in targets}
+    for node in out.graph.node:
+        if node.name not in targets_by_name:
+            nodes.append(node)
+            continue
+        x = node.input[0]
+        g.nodes = []
+        if x not in lone:
+            rows = g.op1("ReduceProd", [g.op1("Shape", [x], end=-1)], keepdims=1)
+            lone[x] = g.op1("Div", [one, rows])  # int64: 1 // rows
+            padded_inputs[x] = g.op1("Pad", [x, g.op1("Concat", [lone[x], g.const(np.array([0], np.int64), "zero")], axis=0), "", axis0],
+                                     mode="edge")
+        nodes.extend(g.nodes)
+        y = node.output[0]
+        node.input[0] = padded_inputs[x]
+        node.output[0] = g.name("two_rows")
+        nodes.append(node)
+        g.nodes = []
+        g.op("Slice", [node.output[0], lone[x], far, axis0], out=[y])
+        nodes.extend(g.nodes)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    out.graph.initializer.extend(g.initializers.values())
+    return out

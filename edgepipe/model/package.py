@@ -13,7 +13,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from .graphs import IR_VERSION, MS, OPSET
+from .graphs import IR_VERSION, MS, OPSET, pad_lone_rows
 from .manifest import Manifest, sha256_bytes, verify_blob
 from .tokenizer import TextTokenizer
 
@@ -43,18 +43,25 @@ class Package:
                 raise FileNotFoundError(f"{self.name}: blob {sha[:16]}… is missing")
             verify_blob(path, sha)
 
-    def stage_graph(self, start: int, end: int, precision: str | None = None) -> str:
-        """sha256 of the merged graph for units ``[start, end)`` (built once, then cached)."""
+    def stage_graph(self, start: int, end: int, precision: str | None = None, batch_invariant: bool = False) -> str:
+        """sha256 of the merged graph for units ``[start, end)`` (built once, then cached);
+        ``batch_invariant``: its form that runs a lone row's 4-bit products on two rows
+        (``graphs.pad_lone_rows``), for ``serve --batch-invariant``."""
         m = self.manifest
         if not 0 <= start < end <= len(m.units):
             raise ValueError(f"unit range [{start}, {end}) is outside the model's {len(m.units)} units")
-        if end - start == 1:
+        if end - start == 1 and not batch_invariant:
             return m.variant(start, precision).graph
-        key = (start, end, precision or m.precision, m.variant(start, precision).graph)
+        key = (start, end, precision or m.precision, m.variant(start, precision).graph, batch_invariant)
         if key in self._stage_shas:
             return self._stage_shas[key]
-        units = [onnx.load(self.blob(m.variant(u, precision).graph), load_external_data=False) for u in range(start, end)]
-        data = merge_units(units, f"{m.name}[{start}:{end})").SerializeToString()
+        if batch_invariant:
+            plain = self.stage_graph(start, end, precision)
+            model = pad_lone_rows(onnx.load(self.blob(plain), load_external_data=False))
+        else:
+            units = [onnx.load(self.blob(m.variant(u, precision).graph), load_external_data=False) for u in range(start, end)]
+            model = merge_units(units, f"{m.name}[{start}:{end})")
+        data = model.SerializeToString()
         sha = sha256_bytes(data)
         if not self.blob(sha).exists():
             tmp = self.blob(sha).with_suffix(".tmp")
@@ -70,14 +77,14 @@ class Package:
 
         if verify:
             self.verify(self.manifest.stage_files(start, end, precision))
-        return StageRunner(self.blob(self.stage_graph(start, end, precision)), threads=threads, max_context=self.manifest.max_context,
-                           spin=spin, batch_invariant=batch_invariant)
+        return StageRunner(self.blob(self.stage_graph(start, end, precision, batch_invariant)), threads=threads,
+                           max_context=self.manifest.max_context, spin=spin)
 
     def pipeline(self, cuts: list[int] | tuple[int, ...] = (), precision: str | None = None, threads: int | None = None,
                  precisions: list[str | None] | None = None, batch_invariant: bool = False):
         """A LocalPipeline cut before each unit index in ``cuts``; ``precisions`` picks a
         variant per stage (the reference for a pipeline that mixes native and browser workers);
-        ``batch_invariant``: as a cluster served with ``--batch-invariant`` (see StageRunner.run_batch)."""
+        ``batch_invariant``: the graphs of a cluster served with ``--batch-invariant`` (``graphs.pad_lone_rows``)."""
         from ..runtime.local import LocalPipeline
         from ..runtime.stage_runner import spin_by_default
 

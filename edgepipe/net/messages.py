@@ -92,7 +92,6 @@ class Load(Wire):
     warm: bool | None = None  # a spare: build the session too when the budget allows
     prefetch: bool | None = None  # a spare: fetch the files only
     data_secret: str | None = None  # what this stage's predecessor must present on its data port (net.auth)
-    batch_invariant: bool | None = None  # a lone decode row takes a bystander row along (serve --batch-invariant)
 
 
 @dataclass(frozen=True)

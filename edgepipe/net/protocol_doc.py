@@ -66,7 +66,6 @@ DOCS: dict[type, MessageDoc] = {
         "warm": "a spare: build the session too, when the budget allows",
         "prefetch": "a spare: fetch the files only, build nothing",
         "data_secret": "what its predecessor must present on its data port (`net.auth`)",
-        "batch_invariant": "true: a lone decode row takes a bystander row along, so a sequence gets the same bits alone as batched (`serve --batch-invariant`)",
     }),
     messages.Loaded: MessageDoc("w→c", "a stage is ready (or failed), or a KV move arrived", {
         "ok": "whether it worked",

@@ -371,8 +371,7 @@ def busy_cores(sample_s: float = 0.2, reuse_s: float = 5.0) -> float:
 class StageRunner:
     """One ONNX Runtime session over units ``[start, end)``, plus per-sequence KV caches."""
 
-    def __init__(self, graph_path: str | Path, threads: int | None = None, max_context: int | None = None, spin: bool = False,
-                 batch_invariant: bool = False):
+    def __init__(self, graph_path: str | Path, threads: int | None = None, max_context: int | None = None, spin: bool = False):
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
@@ -382,7 +381,6 @@ class StageRunner:
         # another stage's session in this process) needs the core: callers decide (spin_by_default).
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         self.session = ort.InferenceSession(str(graph_path), options, providers=["CPUExecutionProvider"])
-        self.batch_invariant = batch_invariant  # a lone decode row takes a bystander along (see run_batch)
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = [o.name for o in self.session.get_outputs()]
         self.layers = sorted(int(m.group(1)) for n in inputs if (m := re.fullmatch(r"past_key\.(\d+)", n)))
@@ -497,15 +495,6 @@ class StageRunner:
             pool.gather(seqs)
             rows = [pool.row_of[s] for s in seqs]
         lo, hi = min(rows), max(rows) + 1
-        if hi - lo == 1 and new == 1 and self.batch_invariant:
-            # MLAS runs a one-row 4-bit MatMulNBits (M = 1) with its own kernel, whose sums differ
-            # in the last bits from the M >= 2 kernel's, and every M >= 2 gives each row the same
-            # result. Invariant: a lone decode step takes a neighbouring row along as a bystander,
-            # so a sequence gets exactly the same tokens alone or batched with others. By default a
-            # lone row runs at M = 1, 20-25% faster on 4-bit models (llama.cpp and vLLM do the same).
-            if pool.rows < 2:
-                pool.grow_rows(2)
-            lo, hi = (lo, lo + 2) if lo + 1 < pool.rows else (lo - 1, hi)
         n = hi - lo
         in_order = n == len(seqs) and rows == list(range(lo, hi))  # else per-row inputs go to their rows
         if in_order:

@@ -279,11 +279,6 @@ class _KVPool:
             else:
                 del holder[src]
 
-    def grow_rows(self, rows: int) -> None:
-        """At least ``rows`` rows (idle ones hold nothing; a bystander write lands at position 0)."""
-        if rows > self.rows:
-            self._realloc(rows, max(self.capacity, KV_BLOCK), self._window_floor())
-
     def reserve(self, tokens: int, window_tokens: int = 0) -> None:
         """Room for ``tokens`` positions in every row (plus the harmless write of bystanders),
         and ``window_tokens`` in the window layers' buffers."""

@@ -503,29 +503,23 @@ def pad_lone_rows(model: onnx.ModelProto) -> onnx.ModelProto:
     axis0 = g.const(np.array([0], np.int64), "axis0")
     one = g.const(np.array([1], np.int64), "one")
     far = g.const(np.array([2**62], np.int64), "far")
-    lone: dict[str, str] = {}  # input -> [1] when it holds one row, else [0]
-    padded_inputs: dict[str, str] = {}
-    nodes: list[onnx.NodeProto] = []
+    zero = g.const(np.array([0], np.int64), "zero")
+    padded: dict[str, tuple[str, str]] = {}  # input -> ([1] if it holds one row else [0], its padded form)
     targets_by_name = {n.name for n in targets}
     for node in out.graph.node:
         if node.name not in targets_by_name:
-            nodes.append(node)
+            g.nodes.append(node)
             continue
-        x = node.input[0]
-        g.nodes = []
-        if x not in lone:
+        x, y = node.input[0], node.output[0]
+        if x not in padded:
             rows = g.op1("ReduceProd", [g.op1("Shape", [x], end=-1)], keepdims=1)
-            lone[x] = g.op1("Div", [one, rows])  # int64: 1 // rows
-            padded_inputs[x] = g.op1("Pad", [x, g.op1("Concat", [lone[x], g.const(np.array([0], np.int64), "zero")], axis=0), "", axis0],
-                                     mode="edge")
-        nodes.extend(g.nodes)
-        y = node.output[0]
-        node.input[0] = padded_inputs[x]
+            lone = g.op1("Div", [one, rows])  # int64: 1 // rows
+            padded[x] = lone, g.op1("Pad", [x, g.op1("Concat", [lone, zero], axis=0), "", axis0], mode="edge")
+        lone, node.input[0] = padded[x]
         node.output[0] = g.name("two_rows")
-        nodes.append(node)
-        g.nodes = []
-        g.op("Slice", [node.output[0], lone[x], far, axis0], out=[y])
-        nodes.extend(g.nodes)
+        g.nodes.append(node)
+        g.op("Slice", [node.output[0], lone, far, axis0], out=[y])
+    nodes = g.nodes
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     out.graph.initializer.extend(g.initializers.values())

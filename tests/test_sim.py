@@ -3,45 +3,26 @@
 Each schedule: 1-6 fake workers (some joining late), a few requests (some with out-of-range
 values), up to four faults (kill, stall, slow, partition from coordinator or neighbour,
 reconnect, coordinator restart, malformed frames, bad requests). Invariants in
-``edgepipe.cluster.simrun``. The default run plays 200 schedules (seconds); the slow one the
-issue's 2,000. A failing seed prints the command that replays it exactly.
+``edgepipe.cluster.simrun``. The default run plays the issue's 2,000 schedules, the slow one
+20,000. A failing seed prints the command that replays it exactly.
 """
 
 from __future__ import annotations
 
-import collections
-import logging
-import multiprocessing
+import json
 import os
-import time
 
 import pytest
 
+from edgepipe.cluster import simrun
 from edgepipe.cluster.sim import FAULTS
 from edgepipe.cluster.simrun import Schedule, replay_command, run
 
-
-def _one(seed: int):
-    logging.disable(logging.CRITICAL)
-    r = run(Schedule.random(seed))
-    return seed, set(r.kinds), r.violations, r.time_to_up, r.worst_error_s, r.worst_ok_s, r.ok, r.errors, r.rejected
+SIM_FIRST, SIM_SCHEDULES = 10_000, int(os.environ.get("EDGEPIPE_SIM_SCHEDULES", 2000))
 
 
 def play(first: int, count: int) -> dict:
-    t0 = time.perf_counter()
-    procs = min(2, os.cpu_count() or 1)
-    with multiprocessing.get_context("fork").Pool(procs) as pool:
-        results = pool.map(_one, range(first, first + count), chunksize=8)
-    kinds = collections.Counter(k for r in results for k in r[1])
-    failing = [(r[0], r[2]) for r in results if r[2]]
-    summary = {
-        "schedules": count, "seconds": round(time.perf_counter() - t0, 1), "processes": procs,
-        "fault_kinds": dict(sorted(kinds.items())), "without_faults": sum(not r[1] for r in results),
-        "worst_time_to_up_s": max((r[3] for r in results if r[3] is not None), default=None),
-        "worst_time_to_error_s": max(r[4] for r in results), "worst_time_to_complete_s": max(r[5] for r in results),
-        "requests_ok": sum(r[6] for r in results), "requests_failed_clearly": sum(r[7] for r in results),
-        "requests_rejected": sum(r[8] for r in results), "failing": failing,
-    }
+    summary = simrun.play(first, count)
     print(summary)
     return summary
 
@@ -51,9 +32,21 @@ def _check(summary: dict) -> None:
     assert not summary["failing"], f"{len(summary['failing'])} failing schedule(s):\n" + "\n".join(lines)
 
 
-def test_sim_2000_schedules():
-    """Issue 11: at least 2,000 seeded fault schedules in CI (66 s on 2 quiet cores)."""
-    summary = play(10_000, int(os.environ.get("EDGEPIPE_SIM_SCHEDULES", 2000)))
+def test_sim_2000_schedules(request):
+    """Issue 11: at least 2,000 seeded fault schedules in CI (66 s on 2 quiet cores). In a full run
+    they play from the session's start in a background process at the lowest CPU priority, on
+    the cores the other tests leave idle (``conftest.pytest_collection_modifyitems``: the
+    schedules run on a virtual clock, so their result does not depend on the CPU they get); this
+    test collects that process's summary, or plays them itself when it runs alone."""
+    background = getattr(request.config, "edgepipe_sim", None)
+    if background is not None:
+        proc, out = background
+        proc.wait(timeout=1800)
+        assert proc.returncode == 0, out.with_suffix(".err").read_text()[-3000:]
+        summary = json.loads(out.read_text())
+        print("background", summary)
+    else:
+        summary = play(SIM_FIRST, SIM_SCHEDULES)
     _check(summary)
     assert all(n > 0 for n in summary["fault_kinds"].values()) and len(summary["fault_kinds"]) == len(FAULTS)
 

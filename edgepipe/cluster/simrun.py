@@ -8,14 +8,21 @@ reference tokens or a one-line ``RequestFailed`` within ``bound_s`` (``REQUEST_B
 load/probe future or KV move is left over; when the live workers can hold the model the
 cluster is Up within ``UP_BOUND_S`` of the last fault healing, and once Up after the faults it
 serves a new request (liveness: retrying forever until the plan changes is not an answer). Replay one seed:
-``PYTHONHASHSEED=0 python -m edgepipe.cluster.simrun SEED``.
+``PYTHONHASHSEED=0 python -m edgepipe.cluster.simrun SEED``; play a range of seeds and print a JSON
+summary: ``python -m edgepipe.cluster.simrun --play FIRST COUNT``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import json
+import logging
+import multiprocessing
+import os
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 
 from . import sim
@@ -295,7 +302,34 @@ def replay_command(seed: int) -> str:
     return f"PYTHONHASHSEED=0 .venv/bin/python -m edgepipe.cluster.simrun {seed}"
 
 
+def _play_one(seed: int) -> tuple:
+    logging.disable(logging.CRITICAL)
+    r = run(Schedule.random(seed))
+    return seed, sorted(set(r.kinds)), r.violations, r.time_to_up, r.worst_error_s, r.worst_ok_s, r.ok, r.errors, r.rejected
+
+
+def play(first: int, count: int, processes: int | None = None) -> dict:
+    """Schedules ``first .. first + count - 1`` on up to two processes: what they covered and the
+    failing seeds with their violations (a JSON-able summary)."""
+    t0 = time.perf_counter()
+    procs = processes or min(2, os.cpu_count() or 1)
+    with multiprocessing.get_context("fork").Pool(procs) as pool:
+        results = pool.map(_play_one, range(first, first + count), chunksize=8)
+    kinds = collections.Counter(k for r in results for k in r[1])
+    return {
+        "schedules": count, "seconds": round(time.perf_counter() - t0, 1), "processes": procs,
+        "fault_kinds": dict(sorted(kinds.items())), "without_faults": sum(not r[1] for r in results),
+        "worst_time_to_up_s": max((r[3] for r in results if r[3] is not None), default=None),
+        "worst_time_to_error_s": max(r[4] for r in results), "worst_time_to_complete_s": max(r[5] for r in results),
+        "requests_ok": sum(r[6] for r in results), "requests_failed_clearly": sum(r[7] for r in results),
+        "requests_rejected": sum(r[8] for r in results), "failing": [[r[0], r[2]] for r in results if r[2]],
+    }
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--play":
+        print(json.dumps(play(int(sys.argv[2]), int(sys.argv[3]))))
+        sys.exit(0)
     r = run(Schedule.random(int(sys.argv[1])))
     print(Schedule.random(int(sys.argv[1])))
     print(r)

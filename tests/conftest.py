@@ -15,10 +15,19 @@ import pytest
 from edgepipe.model.store import resolve
 
 
+def _lowest_cpu_priority() -> None:
+    """SCHED_IDLE: runs only on a core nothing else wants, and yields at once when a test wakes."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Start ``test_sim_2000_schedules``'s schedules now, in a background process at nice 19: they
-    run on a virtual clock, so they can use whatever CPU the real-process tests leave idle (about
-    a minute of two cores) and the test only collects the summary (``tests/test_sim.py``)."""
+    """Start ``test_sim_2000_schedules``'s schedules now, in a background process at the lowest
+    CPU priority: they run on a virtual clock, so they can use whatever CPU the real-process tests
+    leave idle (about a minute of two cores) and the test only collects the summary
+    (``tests/test_sim.py``)."""
     if not any(item.nodeid.endswith("test_sim.py::test_sim_2000_schedules") for item in items):
         return
     from test_sim import SIM_FIRST, SIM_SCHEDULES
@@ -26,7 +35,7 @@ def pytest_collection_modifyitems(session, config, items):
     out = Path(tempfile.mkdtemp(prefix="edgepipe-sim-")) / "summary.json"
     with open(out, "w") as stdout, open(out.with_suffix(".err"), "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "edgepipe.cluster.simrun", "--play", str(SIM_FIRST), str(SIM_SCHEDULES)],
-                                stdout=stdout, stderr=stderr, preexec_fn=lambda: os.nice(19), start_new_session=True)
+                                stdout=stdout, stderr=stderr, preexec_fn=_lowest_cpu_priority, start_new_session=True)
     config.edgepipe_sim = (proc, out)
 
 

@@ -18,12 +18,17 @@ def reference(pkg, params, cuts=()):
     return generate(pkg.pipeline(list(cuts)), ids, params, tok.decode, eos_ids=()).tokens
 
 
+@pytest.fixture(scope="module")
+def int4_single(int4_pkg):
+    """The one-runner tokens every random cut is compared with (computed once for the module)."""
+    return reference(int4_pkg, GenerationParams(max_tokens=24))
+
+
 @pytest.mark.parametrize("stages", [2, 3, 5])
-def test_random_cuts_equal_one_runner(int4_pkg, stages):
+def test_random_cuts_equal_one_runner(int4_pkg, int4_single, stages):
     n_units = len(int4_pkg.manifest.units)
     rng = random.Random(1000 + stages)
-    params = GenerationParams(max_tokens=32)
-    single = reference(int4_pkg, params)
+    params, single = GenerationParams(max_tokens=24), int4_single
     for _ in range(2):
         cuts = sorted(rng.sample(range(1, n_units), stages - 1))
         assert reference(int4_pkg, params, cuts) == single, f"cuts {cuts}"

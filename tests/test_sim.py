@@ -34,7 +34,7 @@ def _check(summary: dict) -> None:
 
 def test_sim_2000_schedules(request):
     """Issue 11: at least 2,000 seeded fault schedules in CI (66 s on 2 quiet cores). In a full run
-    they play from the session's start in a background process at the lowest CPU priority, on
+    they play from the session's start in a background process at the lowest CPU priority (SCHED_IDLE), on
     the cores the other tests leave idle (``conftest.pytest_collection_modifyitems``: the
     schedules run on a virtual clock, so their result does not depend on the CPU they get); this
     test collects that process's summary, or plays them itself when it runs alone."""

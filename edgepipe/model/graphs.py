@@ -29,7 +29,7 @@ from .config import ModelConfig
 from .weights import BlockQuantized, Stored, StoredBlocks, Weight
 
 OPSET = 21
-IR_VERSION = 10  # the newest ONNX Runtime 1.31 and onnxruntime-web 1.30 both load
+IR_VERSION = 10  # the newest ONNX Runtime 1.32 and onnxruntime-web 1.30 both load
 MS = "com.microsoft"
 
 FLOAT, INT64, INT32, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL

@@ -33,20 +33,16 @@ def _check(summary: dict) -> None:
 
 
 def test_sim_2000_schedules(request):
-    """Issue 11: at least 2,000 seeded fault schedules in CI (66 s on 2 quiet cores). In a full run
-    they play from the session's start in a background process at the lowest CPU priority (SCHED_IDLE), on
+    """Issue 11: at least 2,000 seeded fault schedules in CI (66 s on 2 quiet cores). They play
+    from the session's start in a background process at the lowest CPU priority (SCHED_IDLE), on
     the cores the other tests leave idle (``conftest.pytest_collection_modifyitems``: the
     schedules run on a virtual clock, so their result does not depend on the CPU they get); this
-    test collects that process's summary, or plays them itself when it runs alone."""
-    background = getattr(request.config, "edgepipe_sim", None)
-    if background is not None:
-        proc, out = background
-        proc.wait(timeout=1800)
-        assert proc.returncode == 0, out.with_suffix(".err").read_text()[-3000:]
-        summary = json.loads(out.read_text())
-        print("background", summary)
-    else:
-        summary = play(SIM_FIRST, SIM_SCHEDULES)
+    test waits for that process and checks its summary."""
+    proc, out = request.config.edgepipe_sim
+    proc.wait(timeout=1800)
+    assert proc.returncode == 0, out.with_suffix(".err").read_text()[-3000:]
+    summary = json.loads(out.read_text())
+    print(summary)
     _check(summary)
     assert all(n > 0 for n in summary["fault_kinds"].values()) and len(summary["fault_kinds"]) == len(FAULTS)
 

@@ -308,11 +308,11 @@ def _play_one(seed: int) -> tuple:
     return seed, sorted(set(r.kinds)), r.violations, r.time_to_up, r.worst_error_s, r.worst_ok_s, r.ok, r.errors, r.rejected
 
 
-def play(first: int, count: int, processes: int | None = None) -> dict:
+def play(first: int, count: int) -> dict:
     """Schedules ``first .. first + count - 1`` on up to two processes: what they covered and the
     failing seeds with their violations (a JSON-able summary)."""
     t0 = time.perf_counter()
-    procs = processes or min(2, os.cpu_count() or 1)
+    procs = min(2, os.cpu_count() or 1)
     with multiprocessing.get_context("fork").Pool(procs) as pool:
         results = pool.map(_play_one, range(first, first + count), chunksize=8)
     kinds = collections.Counter(k for r in results for k in r[1])

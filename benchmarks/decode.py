@@ -125,6 +125,12 @@ def agreement(a: list[int], b: list[int]) -> tuple[float, int]:
     return (same / n if n else 0.0), prefix
 
 
+def matches(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
+    """Positions where two teacher-forced runs predict the same token, and the positions compared."""
+    pairs = [(x, y) for sa, sb in zip(a, b) for x, y in zip(sa, sb)]
+    return sum(x == y for x, y in pairs), len(pairs)
+
+
 def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_settings: list[int], agree_n: int,
                 has_llama: bool, budget_s: float, with_invariant: bool = False) -> dict:
     print(f"\n== {path.name} ({path.stat().st_size / 1e6:.0f} MB)", flush=True)
@@ -186,10 +192,14 @@ def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_se
         sequences = list(zip(agree_ids, ref))
         llama_pred = child({"task": "agree", "engine": "llama.cpp", "precision": "gguf", "sequences": sequences, **common})["predicted"]
         ep_pred = child({"task": "agree", "engine": "edgepipe", "precision": "native", "sequences": sequences, **common})["predicted"]
-        pairs = [(e, lp) for ep_seq, lp_seq in zip(ep_pred, llama_pred) for e, lp in zip(ep_seq, lp_seq)]
-        hits = sum(e == lp for e, lp in pairs)
-        quality = {"positions": len(pairs), "top1_agreement_with_llama_cpp": round(hits / len(pairs), 4)}
-        print(f"  edgepipe vs llama.cpp: {hits}/{len(pairs)} = {hits / len(pairs):.1%}", flush=True)
+        # The noise floor: llama.cpp against itself with K/V kept in f32 instead of f16.
+        f32_pred = child({"task": "agree", "engine": "llama.cpp", "precision": "gguf", "sequences": sequences, "kv_cache": "f32", **common})["predicted"]
+        hits, positions = matches(ep_pred, llama_pred)
+        quality = {"positions": positions, "top1_agreement_with_llama_cpp": round(hits / positions, 4),
+                   "llama_cpp_f32_kv_vs_llama_cpp": round(matches(f32_pred, llama_pred)[0] / positions, 4),
+                   "edgepipe_vs_llama_cpp_f32_kv": round(matches(ep_pred, f32_pred)[0] / positions, 4)}
+        print(f"  edgepipe vs llama.cpp: {hits}/{positions} = {hits / positions:.1%}; llama.cpp f32-KV vs llama.cpp: "
+              f"{quality['llama_cpp_f32_kv_vs_llama_cpp']:.1%}; edgepipe vs llama.cpp f32-KV: {quality['edgepipe_vs_llama_cpp_f32_kv']:.1%}", flush=True)
     m = pkg.manifest
     return {"model": path.name, "file_mb": round(path.stat().st_size / 1e6, 1), "architecture": m.config["architecture"],
             "package": pkg.root.name, "package_weight_mb": round(sum(pkg.blob(s).stat().st_size for s in m.stage_files(0, len(m.units))) / 1e6, 1),
@@ -340,7 +350,8 @@ def main() -> None:
             "ttft": "request start to the first sampled token (prefill of the prompt)",
             "decode_tok_s": "(generated - 1) / (time from first to last token), median over repetitions",
             "gb_s": "weight bytes streamed per token (all but the gathered embedding table) x decode tok/s",
-            "agreement": f"teacher-forced top-1, edgepipe vs llama.cpp, along llama.cpp's greedy continuations of {len(AGREE_PROMPTS)} chat prompts",
+            "agreement": f"teacher-forced top-1, edgepipe vs llama.cpp, along llama.cpp's greedy continuations of {len(AGREE_PROMPTS)} chat prompts; "
+                         "beside it llama.cpp with an f32 KV cache vs its default f16 one (how far llama.cpp moves from itself)",
             "elapsed_s": round(time.time() - started),
         },
         "models": per_model, "synthetic_import": synth,
@@ -371,7 +382,10 @@ def markdown(report: dict) -> str:
         q = mod["agreement"]
         lines += [f"## {mod['model']} ({mod['architecture']}, file {mod['file_mb']} MB, package {mod['package_weight_mb']} MB)", "",
                   f"Prompt {mod['prompt_tokens']} tokens, {mod['repetitions']} repetition(s). "
-                  + (f"Top-1 agreement with llama.cpp: **{q['top1_agreement_with_llama_cpp']:.1%}** of {q['positions']} positions." if q else ""), "",
+                  + (f"Top-1 agreement with llama.cpp: **{q['top1_agreement_with_llama_cpp']:.1%}** of {q['positions']} positions" if q else "")
+                  + (f" (llama.cpp with an f32 KV cache against its default f16 one: {q['llama_cpp_f32_kv_vs_llama_cpp']:.1%}; "
+                     f"edgepipe against llama.cpp f32-KV: {q['edgepipe_vs_llama_cpp_f32_kv']:.1%})" if q and "llama_cpp_f32_kv_vs_llama_cpp" in q else "")
+                  + ("." if q else ""), "",
                   "| threads | engine | new tokens | TTFT ms | decode tok/s (median; reps) | MB/token | GB/s | peak RSS MiB | load1 |",
                   "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for r in mod["rows"]:

@@ -12,6 +12,9 @@ A job names an engine and its settings, and a task:
 - ``reference``: greedy tokens only, for each of several prompts;
 - ``agree``: teacher-forced argmax at every position of given (prompt, continuation) pairs.
 
+A llama.cpp job may set ``"kv_cache": "f32"`` (its default keeps K and V in f16): the same
+engine with one rounding fewer, which measures how far llama.cpp moves from itself.
+
 Only the engine that a process runs is imported in it.
 
     python -m edgepipe.bench.decode_engines build-genai <out_dir> <precision> <work_dir>
@@ -137,8 +140,13 @@ class LlamaCppEngine:
 
         threads = job.get("threads") or os.cpu_count() or 1
         self.llama_cpp, self.np = llama_cpp, np
+        kv = {}
+        if job.get("kv_cache") == "f32":
+            kv = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32}
+        elif job.get("kv_cache") not in (None, "f16"):
+            raise ValueError(f"kv_cache must be f16 or f32, got {job['kv_cache']!r}")
         self.llm = llama_cpp.Llama(model_path=str(job.get("model") or bundled_gguf(MODEL)), n_ctx=job.get("n_ctx", 2048), n_threads=threads,
-                                   n_threads_batch=threads, verbose=False, logits_all=False)
+                                   n_threads_batch=threads, verbose=False, logits_all=False, **kv)
         self.vocab = self.llm.n_vocab()
 
     def _argmax(self) -> int:

@@ -1,0 +1,236 @@
+"""How far arithmetic alone moves greedy top-1: llama.cpp against itself, edgepipe against both.
+
+    python benchmarks/agreement_floor.py                 # bundled SmolLM2-135M Q4_1
+    python benchmarks/agreement_floor.py --model x.gguf  # any GGUF that edgepipe and llama.cpp both run
+
+Writes `benchmarks/results/agreement_floor.json` and `.md`.
+
+llama.cpp greedily continues the three chat prompts of `decode.py`; every engine below is then
+teacher-forced through those sequences (the same positions as `decode.py`'s agreement) and the
+argmax at each position is compared:
+
+- llama.cpp as shipped (K/V in f16) and with an f32 KV cache;
+- edgepipe's stage graph as built (``base``), and variants of it made here, in memory, for
+  measurement only (none is a product setting):
+  ``fp32-activations`` (MatMulNBits accuracy level 0: no int8 activation quantization),
+  ``q8_1-sums`` (each block-minimum term multiplies llama.cpp's Q8_1 ``s``: the block's
+  activations quantized to int8 with scale amax/127, summed, times the scale, rounded to fp16),
+  ``f16-kv`` (GroupQueryAttention on f16 q/k/v and an f16 cache, as llama.cpp keeps it),
+  and ``q8_1-sums+f16-kv``.
+
+The weights are the same in every row (edgepipe's dequantized blocks equal llama.cpp's bit for
+bit); only rounding differs. Both engines run in this one process, one thread each for llama.cpp
+and two for edgepipe (thread counts do not change either engine's results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from decode import AGREE_PROMPTS, machine, matches, version  # noqa: E402
+
+from edgepipe.model.store import bundled_gguf, home_dir, resolve  # noqa: E402
+from edgepipe.runtime import stage_runner  # noqa: E402
+
+VARIANTS = ["base", "fp32-activations", "q8_1-sums", "f16-kv", "q8_1-sums+f16-kv"]
+
+
+def llama_cpp_runs(model: Path, prompts: list[list[int]], n: int) -> tuple[list, list, list]:
+    """llama.cpp's greedy continuations, and its teacher-forced argmax with f16 and f32 KV caches."""
+    import llama_cpp
+
+    def engine(f32_kv: bool):
+        kv = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if f32_kv else {}
+        llm = llama_cpp.Llama(model_path=str(model), n_ctx=max(map(len, prompts)) + n + 8, n_threads=1, n_threads_batch=1,
+                              verbose=False, **kv)
+        vocab = llm.n_vocab()
+        return llm, lambda: int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,)).argmax())
+
+    llm, argmax = engine(False)
+    sequences = []
+    for p in prompts:
+        llm.reset()
+        llm.eval(p)
+        tokens = [argmax()]
+        while len(tokens) < n:
+            llm.eval([tokens[-1]])
+            tokens.append(argmax())
+        sequences.append((p, tokens))
+
+    def forced(llm, argmax) -> list[list[int]]:
+        out = []
+        for p, cont in sequences:
+            llm.reset()
+            llm.eval(p)
+            predicted = [argmax()]
+            for t in cont[:-1]:
+                llm.eval([t])
+                predicted.append(argmax())
+            out.append(predicted)
+        return out
+
+    default = forced(llm, argmax)
+    del llm
+    return sequences, default, forced(*engine(True))
+
+
+def q8_1_sums(g: onnx.GraphProto) -> None:
+    """Each block sum of a minimum chain (``ReduceSum`` over ``[.., blocks, size]``) becomes llama.cpp's Q8_1 ``s``."""
+    g.initializer.extend([numpy_helper.from_array(np.array(127, np.float32), "q8_127"),
+                          numpy_helper.from_array(np.array([-1], np.int64), "q8_last")])
+    nodes = []
+    for i, nd in enumerate(g.node):
+        if nd.op_type == "ReduceSum" and any(x.endswith(".last") for x in nd.input):
+            b, p = nd.input[0], f"q8s{i}_"
+            nodes += [helper.make_node("Abs", [b], [p + "abs"]), helper.make_node("ReduceMax", [p + "abs", "q8_last"], [p + "amax"], keepdims=1),
+                      helper.make_node("Div", [p + "amax", "q8_127"], [p + "d"]), helper.make_node("Div", ["q8_127", p + "amax"], [p + "id"]),
+                      helper.make_node("Mul", [b, p + "id"], [p + "scaled"]), helper.make_node("Round", [p + "scaled"], [p + "q"]),
+                      helper.make_node("ReduceSum", [p + "q", "q8_last"], [p + "isum"], keepdims=1),
+                      helper.make_node("Mul", [p + "d", p + "isum"], [p + "s"]),
+                      helper.make_node("Cast", [p + "s"], [p + "s16"], to=TensorProto.FLOAT16),
+                      helper.make_node("Cast", [p + "s16"], [p + "s32"], to=TensorProto.FLOAT),
+                      helper.make_node("Squeeze", [p + "s32", "q8_last"], [nd.output[0]])]
+        else:
+            nodes.append(nd)
+    del g.node[:]
+    g.node.extend(nodes)
+
+
+def f16_kv(g: onnx.GraphProto, base_dir: Path) -> None:
+    """GroupQueryAttention on f16 q/k/v, rotary tables and cache; its output cast back to f32."""
+    inits = {t.name: t for t in g.initializer}
+    nodes = []
+    for nd in g.node:
+        if nd.op_type != "GroupQueryAttention":
+            nodes.append(nd)
+            continue
+        for j in (0, 1, 2):
+            if nd.input[j]:
+                nodes.append(helper.make_node("Cast", [nd.input[j]], [nd.input[j] + "_f16"], to=TensorProto.FLOAT16))
+                nd.input[j] += "_f16"
+        for j in (7, 8):  # cos/sin caches (shared by every layer: converted once)
+            t = inits.get(nd.input[j]) if len(nd.input) > j else None
+            if t is not None and t.data_type == TensorProto.FLOAT:
+                t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t, base_dir=str(base_dir)).astype(np.float16), t.name))
+        out = nd.output[0]
+        nd.output[0] = out + "_f16"
+        nodes += [nd, helper.make_node("Cast", [out + "_f16"], [out], to=TensorProto.FLOAT)]
+    for value in list(g.input) + list(g.output):
+        if value.name.startswith(("past_key", "past_value", "present_key", "present_value")):
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    del g.node[:]
+    g.node.extend(nodes)
+
+
+def variant_graph(base: onnx.ModelProto, name: str, base_dir: Path) -> onnx.ModelProto:
+    m = copy.deepcopy(base)
+    for part in name.split("+"):
+        if part == "fp32-activations":
+            for nd in m.graph.node:
+                for a in nd.attribute:
+                    if nd.op_type == "MatMulNBits" and a.name == "accuracy_level":
+                        a.i = 0
+        elif part == "q8_1-sums":
+            q8_1_sums(m.graph)
+        elif part == "f16-kv":
+            f16_kv(m.graph, base_dir)
+        elif part != "base":
+            raise SystemExit(f"unknown variant {part!r} (known: {', '.join(VARIANTS)})")
+    return m
+
+
+class _F16Cache:
+    """numpy, but the stage runner's 4-D KV buffers come out f16 (for the f16-kv variants)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def zeros(self, shape, dtype=float):
+        return np.zeros(shape, np.float16 if isinstance(shape, tuple) and len(shape) == 4 and dtype is np.float32 else dtype)
+
+
+def edgepipe_forced(graph: Path, sequences: list, f16_cache: bool) -> list[list[int]]:
+    stage_runner.np = _F16Cache() if f16_cache else np
+    try:
+        runner = stage_runner.StageRunner(graph, threads=2)
+        greedy, out = stage_runner.SamplingBatch.greedy(1), []
+        for i, (prompt, cont) in enumerate(sequences):
+            seq = f"agree{i}"
+            predicted = [int(runner.run(seq, np.array([prompt], np.int64), greedy)[0])]
+            for t in cont[:-1]:
+                predicted.append(int(runner.run(seq, np.array([[t]], np.int64), greedy)[0]))
+            runner.drop(seq)
+            out.append(predicted)
+        return out
+    finally:
+        stage_runner.np = np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a GGUF file (default: the bundled SmolLM2-135M Q4_1)")
+    ap.add_argument("--tokens", type=int, default=100, help="continuation tokens per prompt (default 100, as decode.py)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated (default: {','.join(VARIANTS)})")
+    ap.add_argument("--home", help="edgepipe home (default $EDGEPIPE_HOME or the user data dir)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    model = Path(args.model) if args.model else bundled_gguf()
+    load_before = os.getloadavg()
+    pkg = resolve(str(model), "native", home_dir(args.home))
+    tok = pkg.tokenizer
+    prompts = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in AGREE_PROMPTS]
+    sequences, llama_default, llama_f32 = llama_cpp_runs(model, prompts, args.tokens)
+    rows = [{"engine": "llama.cpp, f32 KV cache", "vs_llama_cpp": matches(llama_f32, llama_default)[0], "vs_llama_cpp_f32_kv": None}]
+    graph = pkg.blob(pkg.stage_graph(0, len(pkg.manifest.units)))
+    base = onnx.load(str(graph), load_external_data=False)
+    for name in args.variants.split(","):
+        path = graph.parent / f"agreement-floor-{name}.onnx"  # beside the graph: its weights are external blobs there
+        try:
+            onnx.save(variant_graph(base, name, graph.parent), str(path))
+            predicted = edgepipe_forced(path, sequences, "f16-kv" in name)
+        finally:
+            path.unlink(missing_ok=True)
+        rows.append({"engine": f"edgepipe {name}", "vs_llama_cpp": matches(predicted, llama_default)[0],
+                     "vs_llama_cpp_f32_kv": matches(predicted, llama_f32)[0], "predicted": predicted})
+        print(f"{rows[-1]['engine']}: {rows[-1]['vs_llama_cpp']} / {rows[-1]['vs_llama_cpp_f32_kv']}", flush=True)
+    base_rows = [r for r in rows if r["engine"] == "edgepipe base"]
+    for r in rows:
+        r["vs_edgepipe_base"] = matches(r["predicted"], base_rows[0]["predicted"])[0] if base_rows and "predicted" in r else None
+    positions = sum(len(c) for _, c in sequences)
+    report = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(), "model": model.name,
+              "positions": positions, "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+              "versions": {d: version(d) for d in ("onnxruntime", "llama_cpp_python")},
+              "rows": [{k: v for k, v in r.items() if k != "predicted"} for r in rows]}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "agreement_floor" if not args.model else f"agreement_floor-{model.stem}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    pct = lambda n: "–" if n is None else f"{n / positions:.1%} ({n})"  # noqa: E731
+    lines = [f"# Top-1 agreement under different arithmetic: {model.name}", "",
+             f"- date: {report['date']}; produced by `python benchmarks/agreement_floor.py`; onnxruntime {report['versions']['onnxruntime']}, "
+             f"llama-cpp-python {report['versions']['llama_cpp_python']}",
+             f"- machine: {report['machine']['nproc']} cores, {report['machine']['cpu']}; load average {report['load_average']['before']} before, "
+             f"{report['load_average']['after']} after (results are exact, not timings)",
+             f"- {positions} teacher-forced positions along llama.cpp's greedy continuations of {len(AGREE_PROMPTS)} chat prompts", "",
+             "| engine | = llama.cpp (f16 KV, its default) | = llama.cpp f32 KV | = edgepipe as built |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {r['engine']} | {pct(r['vs_llama_cpp'])} | {pct(r['vs_llama_cpp_f32_kv'])} | {pct(r.get('vs_edgepipe_base'))} |" for r in rows]
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,9 @@ argmax at each position is compared:
   ``q8_1-sums`` (each block-minimum term multiplies llama.cpp's Q8_1 ``s``: the block's
   activations quantized to int8 with scale amax/127, summed, times the scale, rounded to fp16),
   ``f16-kv`` (GroupQueryAttention on f16 q/k/v and an f16 cache, as llama.cpp keeps it),
-  and ``q8_1-sums+f16-kv``.
+  ``q8_1-sums+f16-kv``, ``llama-q8`` (every MatMulNBits input quantized as llama.cpp quantizes it, Q8_1 per
+  32 with an fp16 scale, products in fp32, and the minimum term on llama.cpp's `s`), ``llama-attn`` (rotary
+  outside attention with ggml's f32 tables, q/k/v rounded to f16), and ``llama-q8+llama-attn``.
 
 The weights are the same in every row (edgepipe's dequantized blocks equal llama.cpp's bit for
 bit); only rounding differs. Both engines run in this one process, one thread each for llama.cpp
@@ -46,7 +48,7 @@ from decode import AGREE_PROMPTS, machine, matches, version  # noqa: E402
 from edgepipe.model.store import bundled_gguf, home_dir, resolve  # noqa: E402
 from edgepipe.runtime import stage_runner  # noqa: E402
 
-VARIANTS = ["base", "fp32-activations", "q8_1-sums", "f16-kv", "q8_1-sums+f16-kv"]
+VARIANTS = ["base", "fp32-activations", "q8_1-sums", "f16-kv", "q8_1-sums+f16-kv", "llama-q8", "llama-attn", "llama-q8+llama-attn"]
 
 
 def llama_cpp_runs(model: Path, prompts: list[list[int]], n: int) -> tuple[list, list, list]:
@@ -136,7 +138,138 @@ def f16_kv(g: onnx.GraphProto, base_dir: Path) -> None:
     g.node.extend(nodes)
 
 
-def variant_graph(base: onnx.ModelProto, name: str, base_dir: Path) -> onnx.ModelProto:
+def llama_q8(g: onnx.GraphProto, base_dir: Path) -> None:
+    """Every MatMulNBits reads its activations as llama.cpp quantizes them for Q4_0/Q4_1/Q5_x/Q8_0
+    weights (``quantize_row_q8_1``): per block of 32, ``q = round(x * 127/amax)``, value ``q * fp16(amax/127)``,
+    and MatMulNBits multiplies those in fp32 (accuracy level 0). A block-minimum chain then adds
+    ``m * s`` with llama.cpp's ``s = fp16(amax/127 * sum(q))``, and gives back the ``8 * scale`` part of its
+    offset on the exact block sums, so the total is llama.cpp's ``d_w d_a sum(q_w q_a) + m s`` per block."""
+    inits = {t.name: t for t in g.initializer}
+    g.initializer.extend([numpy_helper.from_array(np.array(127, np.float32), "l8_127"),
+                          numpy_helper.from_array(np.array(0, np.float32), "l8_0"),
+                          numpy_helper.from_array(np.array([-1], np.int64), "l8_last"),
+                          numpy_helper.from_array(np.array([-1, 32], np.int64), "l8_blocks")])
+    quantized: dict[str, tuple[str, str, str]] = {}  # activation -> (fake-quantized, exact block sums, llama's s)
+    chain_of: dict[str, str] = {}  # a chain ReduceSum's output -> its activation
+
+    def quantize(x: str, out: list) -> tuple[str, str, str]:
+        if x not in quantized:
+            p = f"l8_{len(quantized)}_"
+            out += [helper.make_node("Shape", [x], [p + "lead"], end=-1),
+                    helper.make_node("Concat", [p + "lead", "l8_blocks"], [p + "bshape"], axis=0),
+                    helper.make_node("Reshape", [x, p + "bshape"], [p + "b"]),
+                    helper.make_node("Abs", [p + "b"], [p + "abs"]),
+                    helper.make_node("ReduceMax", [p + "abs", "l8_last"], [p + "amax"], keepdims=1),
+                    helper.make_node("Div", [p + "amax", "l8_127"], [p + "d"]),
+                    helper.make_node("Div", ["l8_127", p + "amax"], [p + "id_raw"]),
+                    helper.make_node("Greater", [p + "amax", "l8_0"], [p + "nz"]),
+                    helper.make_node("Where", [p + "nz", p + "id_raw", "l8_0"], [p + "id"]),
+                    helper.make_node("Mul", [p + "b", p + "id"], [p + "scaled"]),
+                    helper.make_node("Round", [p + "scaled"], [p + "q"]),
+                    helper.make_node("Cast", [p + "d"], [p + "d16h"], to=TensorProto.FLOAT16),
+                    helper.make_node("Cast", [p + "d16h"], [p + "d16"], to=TensorProto.FLOAT),
+                    helper.make_node("Mul", [p + "q", p + "d16"], [p + "aqb"]),
+                    helper.make_node("Shape", [x], [p + "shape"]),
+                    helper.make_node("Reshape", [p + "aqb", p + "shape"], [p + "aq"]),
+                    helper.make_node("ReduceSum", [p + "q", "l8_last"], [p + "isum"], keepdims=1),
+                    helper.make_node("Mul", [p + "d16", p + "isum"], [p + "bsum_k"]),
+                    helper.make_node("Squeeze", [p + "bsum_k", "l8_last"], [p + "bsum"]),
+                    helper.make_node("Mul", [p + "d", p + "isum"], [p + "s_k"]),
+                    helper.make_node("Cast", [p + "s_k"], [p + "s16"], to=TensorProto.FLOAT16),
+                    helper.make_node("Cast", [p + "s16"], [p + "s32"], to=TensorProto.FLOAT),
+                    helper.make_node("Squeeze", [p + "s32", "l8_last"], [p + "s"])]
+            quantized[x] = (p + "aq", p + "bsum", p + "s")
+        return quantized[x]
+
+    reshaped = {nd.output[0]: nd.input[0] for nd in g.node if nd.op_type == "Reshape"}
+    nodes: list = []
+    for nd in g.node:
+        if nd.op_type == "MatMulNBits":
+            nd.input[0] = quantize(nd.input[0], nodes)[0]
+            for a in nd.attribute:
+                if a.name == "accuracy_level":
+                    a.i = 0
+            nodes.append(nd)
+        elif nd.op_type == "ReduceSum" and any(x.endswith(".last") for x in nd.input):
+            x = reshaped[nd.input[0]]
+            chain_of[nd.output[0]] = x
+            nodes.append(helper.make_node("Identity", [quantize(x, nodes)[2]], [nd.output[0]]))
+        elif nd.op_type == "MatMul" and nd.input[0] in chain_of and nd.input[1].endswith(".offsets_t"):
+            unit = nd.input[1][: -len(".offsets_t")]
+            offsets = numpy_helper.to_array(inits[nd.input[1]], base_dir=str(base_dir))
+            scales = numpy_helper.to_array(inits[unit + ".scales"], base_dir=str(base_dir)).reshape(offsets.shape[1], offsets.shape[0]).T
+            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(8 * scales, np.float32), unit + ".l8_eight_scales_t"))
+            _, bsum, s = quantized[chain_of[nd.input[0]]]
+            out, p = nd.output[0], unit + ".l8_"
+            nd.output[0] = p + "main"
+            nodes += [nd, helper.make_node("Sub", [bsum, s], [p + "diff"]),
+                      helper.make_node("MatMul", [p + "diff", unit + ".l8_eight_scales_t"], [p + "back"]),
+                      helper.make_node("Add", [p + "main", p + "back"], [out])]
+        else:
+            nodes.append(nd)
+    del g.node[:]
+    g.node.extend(nodes)
+
+
+def llama_rotary_tables(theta_base: float, head_dim: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin as ggml's rope cache builds them: ``theta *= powf(base, -2/n_dims)`` step by step in f32."""
+    theta_scale = np.float32(np.float64(theta_base) ** np.float64(np.float32(-2.0) / np.float32(head_dim)))
+    theta = np.arange(positions, dtype=np.float32)
+    cos = np.empty((positions, head_dim // 2), np.float32)
+    sin = np.empty_like(cos)
+    for i in range(head_dim // 2):
+        cos[:, i] = np.cos(theta.astype(np.float64)).astype(np.float32)
+        sin[:, i] = np.sin(theta.astype(np.float64)).astype(np.float32)
+        theta = (theta * theta_scale).astype(np.float32)
+    return cos, sin
+
+
+def llama_attn(g: onnx.GraphProto, theta_base: float, base_dir: Path) -> None:
+    """Rotary outside GroupQueryAttention with ggml's f32 tables, then q, k and v rounded to f16 (llama.cpp
+    keeps K and V in an f16 cache and converts Q to f16 for its K*Q product; the softmax's f16 rounding
+    before *V stays inside GroupQueryAttention and is not reproduced). One sequence per run."""
+    inits = {t.name: t for t in g.initializer}
+    cos = numpy_helper.to_array(inits["cos_cache"], base_dir=str(base_dir))
+    lcos, lsin = llama_rotary_tables(theta_base, 2 * cos.shape[1], cos.shape[0])
+    g.initializer.extend([numpy_helper.from_array(lcos, "la_cos"), numpy_helper.from_array(lsin, "la_sin"),
+                          numpy_helper.from_array(np.array([1], np.int64), "la_one"),
+                          numpy_helper.from_array(np.array([0], np.int64), "la_zero"),
+                          numpy_helper.from_array(np.array([2], np.int64), "la_two")])
+    nodes: list = []
+    first = True
+    for nd in g.node:
+        if nd.op_type != "GroupQueryAttention":
+            nodes.append(nd)
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in nd.attribute}
+        heads, kv_heads, dim = attrs["num_heads"], attrs["kv_num_heads"], 2 * cos.shape[1]
+        if first:  # position of the first new token: seqlens_k + 1 - S (batch of one)
+            nodes += [helper.make_node("Shape", [nd.input[0]], ["la_shape"]),
+                      helper.make_node("Slice", ["la_shape", "la_one", "la_two"], ["la_S"]),
+                      helper.make_node("Cast", [nd.input[5]], ["la_seqlens"], to=TensorProto.INT64),
+                      helper.make_node("Slice", ["la_seqlens", "la_zero", "la_one"], ["la_last"]),
+                      helper.make_node("Add", ["la_last", "la_one"], ["la_total"]),
+                      helper.make_node("Sub", ["la_total", "la_S"], ["la_start"])]
+            first = False
+        p = nd.output[0] + ".la_"
+        g.initializer.append(numpy_helper.from_array(np.array([heads * dim, kv_heads * dim, kv_heads * dim], np.int64), p + "split"))
+        nodes.append(helper.make_node("Split", [nd.input[0], p + "split"], [p + "q", p + "k", p + "v"], axis=-1))
+        for name, n in (("q", heads), ("k", kv_heads)):
+            nodes.append(helper.make_node("RotaryEmbedding", [p + name, "la_start", "la_cos", "la_sin"], [p + name + "r"],
+                                          domain="com.microsoft", interleaved=int(attrs.get("rotary_interleaved", 0)), num_heads=n))
+        for name, src in (("q", p + "qr"), ("k", p + "kr"), ("v", p + "v")):
+            nodes += [helper.make_node("Cast", [src], [p + name + "16"], to=TensorProto.FLOAT16),
+                      helper.make_node("Cast", [p + name + "16"], [p + name + "32"], to=TensorProto.FLOAT)]
+        inputs = [p + "q32", p + "k32", p + "v32"] + list(nd.input[3:7])
+        kept = [a for a in nd.attribute if a.name != "do_rotary"]
+        gqa = helper.make_node("GroupQueryAttention", inputs, list(nd.output), domain=nd.domain, name=nd.name)
+        gqa.attribute.extend(kept)
+        nodes.append(gqa)
+    del g.node[:]
+    g.node.extend(nodes)
+
+
+def variant_graph(base: onnx.ModelProto, name: str, base_dir: Path, rope_base: float) -> onnx.ModelProto:
     m = copy.deepcopy(base)
     for part in name.split("+"):
         if part == "fp32-activations":
@@ -148,6 +281,10 @@ def variant_graph(base: onnx.ModelProto, name: str, base_dir: Path) -> onnx.Mode
             q8_1_sums(m.graph)
         elif part == "f16-kv":
             f16_kv(m.graph, base_dir)
+        elif part == "llama-q8":
+            llama_q8(m.graph, base_dir)
+        elif part == "llama-attn":
+            llama_attn(m.graph, rope_base, base_dir)
         elif part != "base":
             raise SystemExit(f"unknown variant {part!r} (known: {', '.join(VARIANTS)})")
     return m
@@ -200,8 +337,8 @@ def main() -> None:
     for name in args.variants.split(","):
         path = graph.parent / f"agreement-floor-{name}.onnx"  # beside the graph: its weights are external blobs there
         try:
-            onnx.save(variant_graph(base, name, graph.parent), str(path))
-            predicted = edgepipe_forced(path, sequences, "f16-kv" in name)
+            onnx.save(variant_graph(base, name, graph.parent, float(pkg.manifest.config["rope_theta"])), str(path))
+            predicted = edgepipe_forced(path, sequences, "f16-kv" in name.split("+"))
         finally:
             path.unlink(missing_ok=True)
         rows.append({"engine": f"edgepipe {name}", "vs_llama_cpp": matches(predicted, llama_default)[0],

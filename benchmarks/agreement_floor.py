@@ -48,11 +48,13 @@ from decode import AGREE_PROMPTS, machine, matches, version  # noqa: E402
 from edgepipe.model.store import bundled_gguf, home_dir, resolve  # noqa: E402
 from edgepipe.runtime import stage_runner  # noqa: E402
 
-VARIANTS = ["base", "fp32-activations", "q8_1-sums", "f16-kv", "q8_1-sums+f16-kv", "llama-q8", "llama-attn", "llama-q8+llama-attn"]
+VARIANTS = ["base", "fp32-activations", "q8_1-sums", "f16-kv", "q8_1-sums+f16-kv", "llama-q8", "llama-attn", "llama-q8+llama-attn",
+            "llama-attn+explicit-attn", "llama-q8+llama-attn+llama-softmax"]
 
 
-def llama_cpp_runs(model: Path, prompts: list[list[int]], n: int) -> tuple[list, list, list]:
-    """llama.cpp's greedy continuations, and its teacher-forced argmax with f16 and f32 KV caches."""
+def llama_cpp_runs(model: Path, prompts: list[list[int]], n: int) -> tuple[list, list, list, list]:
+    """llama.cpp's greedy continuations, its teacher-forced argmax with f16 and f32 KV caches, and the
+    top-1 minus top-2 logit of its default run at each of those positions."""
     import llama_cpp
 
     def engine(f32_kv: bool):
@@ -60,9 +62,10 @@ def llama_cpp_runs(model: Path, prompts: list[list[int]], n: int) -> tuple[list,
         llm = llama_cpp.Llama(model_path=str(model), n_ctx=max(map(len, prompts)) + n + 8, n_threads=1, n_threads_batch=1,
                               verbose=False, **kv)
         vocab = llm.n_vocab()
-        return llm, lambda: int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,)).argmax())
+        logits = lambda: np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))  # noqa: E731
+        return llm, lambda: int(logits().argmax()), logits
 
-    llm, argmax = engine(False)
+    llm, argmax, logits = engine(False)
     sequences = []
     for p in prompts:
         llm.reset()
@@ -73,21 +76,26 @@ def llama_cpp_runs(model: Path, prompts: list[list[int]], n: int) -> tuple[list,
             tokens.append(argmax())
         sequences.append((p, tokens))
 
-    def forced(llm, argmax) -> list[list[int]]:
+    gaps: list[list[float]] = []
+
+    def forced(llm, argmax, logits, record: bool = False) -> list[list[int]]:
         out = []
         for p, cont in sequences:
             llm.reset()
-            llm.eval(p)
-            predicted = [argmax()]
-            for t in cont[:-1]:
-                llm.eval([t])
+            predicted, gap = [], []
+            for step in [p] + [[t] for t in cont[:-1]]:
+                llm.eval(step)
                 predicted.append(argmax())
+                if record:
+                    top2 = np.partition(logits(), -2)[-2:]
+                    gap.append(float(top2[1] - top2[0]))
             out.append(predicted)
+            gaps.append(gap) if record else None
         return out
 
-    default = forced(llm, argmax)
+    default = forced(llm, argmax, logits, record=True)
     del llm
-    return sequences, default, forced(*engine(True))
+    return sequences, default, forced(*engine(True)), gaps
 
 
 def q8_1_sums(g: onnx.GraphProto) -> None:
@@ -269,6 +277,67 @@ def llama_attn(g: onnx.GraphProto, theta_base: float, base_dir: Path) -> None:
     g.node.extend(nodes)
 
 
+def llama_softmax(g: onnx.GraphProto, round_probs: bool = True) -> None:
+    """Each GroupQueryAttention (after ``llama_attn``) becomes explicit ops, so that the softmax can be
+    rounded to f16 before the product with V, as llama.cpp's ``mul_mat(v, kq)`` converts it: the new K/V
+    written into the cache at the sequence's position, Q·Kᵀ times the scale, a causal mask, softmax
+    in f32, ×V. One sequence per run (batch of one); the cache keeps its capacity."""
+    c = lambda name, value: g.initializer.append(numpy_helper.from_array(np.array(value, np.int64), name))  # noqa: E731
+    c("ls_two_ax", [2]), c("ls_max", [np.iinfo(np.int64).max]), c("ls_zero_s", 0), c("ls_one_s", 1), c("ls_zero1", [0])
+    g.initializer.append(numpy_helper.from_array(np.array(-np.inf, np.float32), "ls_ninf"))
+    dim = 2 * next(t for t in g.initializer if t.name == "la_cos").dims[1]
+    nodes: list = []
+    first = True
+    for nd in g.node:
+        if nd.op_type != "GroupQueryAttention":
+            nodes.append(nd)
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in nd.attribute}
+        heads, kv_heads = attrs["num_heads"], attrs["kv_num_heads"]
+        q, k, v, past_k, past_v = nd.input[:5]
+        out, present_k, present_v = nd.output[:3]
+        p = out + ".ls_"
+        if first:  # la_start / la_total / la_S come from llama_attn: [1] int64 each
+            nodes += [helper.make_node("Squeeze", ["la_start"], ["ls_start"]), helper.make_node("Squeeze", ["la_total"], ["ls_total"]),
+                      helper.make_node("Range", ["ls_start", "ls_total", "ls_one_s"], ["ls_rows"]),
+                      helper.make_node("Unsqueeze", ["ls_rows", "ls_one1"], ["ls_rows_col"]),
+                      helper.make_node("Range", ["ls_zero_s", "ls_total", "ls_one_s"], ["ls_cols"]),
+                      helper.make_node("Greater", ["ls_cols", "ls_rows_col"], ["ls_future"])]
+            c("ls_one1", [1])
+            first = False
+        for name, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            c(p + name + "_shape", [1, -1, n, dim])
+        src = {"q": q, "k": k, "v": v}
+        for name, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            nodes += [helper.make_node("Reshape", [src[name], p + name + "_shape"], [p + name + "4"]),
+                      helper.make_node("Transpose", [p + name + "4"], [p + name + "h"], perm=[0, 2, 1, 3])]
+        for name, past, present in (("k", past_k, present_k), ("v", past_v, present_v)):
+            nodes += [helper.make_node("Slice", [past, "ls_zero1", "la_start", "ls_two_ax"], [p + name + "_before"]),
+                      helper.make_node("Slice", [past, "la_total", "ls_max", "ls_two_ax"], [p + name + "_after"]),
+                      helper.make_node("Concat", [p + name + "_before", p + name + "h", p + name + "_after"], [present], axis=2),
+                      helper.make_node("Slice", [present, "ls_zero1", "la_total", "ls_two_ax"], [p + name + "_used"])]
+        group = heads // kv_heads
+        c(p + "grouped", [1, kv_heads, -1, 0]), c(p + "tiles", [group, 1])
+        c(p + "heads", [1, heads, -1, 0]), c(p + "flat", [1, 0, -1])
+        nodes += [helper.make_node("Reshape", [p + "qh", p + "grouped"], [p + "qg"]),  # [1, kvh, group*S, D]
+                  helper.make_node("Transpose", [p + "k_used"], [p + "kt"], perm=[0, 1, 3, 2]),
+                  helper.make_node("MatMul", [p + "qg", p + "kt"], [p + "raw"])]
+        scale = attrs.get("scale") or 0.0
+        g.initializer.append(numpy_helper.from_array(np.array(scale if scale else 1 / np.sqrt(dim), np.float32), p + "scale"))
+        nodes += [helper.make_node("Mul", [p + "raw", p + "scale"], [p + "scaled"]),
+                  helper.make_node("Tile", ["ls_future", p + "tiles"], [p + "future"]),  # rows are (group, position)
+                  helper.make_node("Where", [p + "future", "ls_ninf", p + "scaled"], [p + "masked"]),
+                  helper.make_node("Softmax", [p + "masked"], [p + "probs"], axis=-1),
+                  helper.make_node("Cast", [p + "probs"], [p + "probs16"], to=TensorProto.FLOAT16 if round_probs else TensorProto.FLOAT),
+                  helper.make_node("Cast", [p + "probs16"], [p + "probs32"], to=TensorProto.FLOAT),
+                  helper.make_node("MatMul", [p + "probs32", p + "v_used"], [p + "ctx"]),  # [1, kvh, group*S, D]
+                  helper.make_node("Reshape", [p + "ctx", p + "heads"], [p + "ctx_h"]),
+                  helper.make_node("Transpose", [p + "ctx_h"], [p + "ctx_t"], perm=[0, 2, 1, 3]),
+                  helper.make_node("Reshape", [p + "ctx_t", p + "flat"], [out])]
+    del g.node[:]
+    g.node.extend(nodes)
+
+
 def variant_graph(base: onnx.ModelProto, name: str, base_dir: Path, rope_base: float) -> onnx.ModelProto:
     m = copy.deepcopy(base)
     for part in name.split("+"):
@@ -285,6 +354,8 @@ def variant_graph(base: onnx.ModelProto, name: str, base_dir: Path, rope_base: f
             llama_q8(m.graph, base_dir)
         elif part == "llama-attn":
             llama_attn(m.graph, rope_base, base_dir)
+        elif part in ("llama-softmax", "explicit-attn"):
+            llama_softmax(m.graph, round_probs=part == "llama-softmax")
         elif part != "base":
             raise SystemExit(f"unknown variant {part!r} (known: {', '.join(VARIANTS)})")
     return m
@@ -330,8 +401,15 @@ def main() -> None:
     pkg = resolve(str(model), "native", home_dir(args.home))
     tok = pkg.tokenizer
     prompts = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in AGREE_PROMPTS]
-    sequences, llama_default, llama_f32 = llama_cpp_runs(model, prompts, args.tokens)
-    rows = [{"engine": "llama.cpp, f32 KV cache", "vs_llama_cpp": matches(llama_f32, llama_default)[0], "vs_llama_cpp_f32_kv": None}]
+    sequences, llama_default, llama_f32, gaps = llama_cpp_runs(model, prompts, args.tokens)
+    flat_gaps = [g for seq in gaps for g in seq]
+
+    def flipped_gaps(predicted: list[list[int]]) -> list[float]:
+        """llama.cpp's top-2 gaps at the positions where ``predicted`` differs from its default argmax."""
+        return sorted(g for pa, pb, ga in zip(predicted, llama_default, gaps) for x, y, g in zip(pa, pb, ga) if x != y)
+
+    rows = [{"engine": "llama.cpp, f32 KV cache", "vs_llama_cpp": matches(llama_f32, llama_default)[0], "vs_llama_cpp_f32_kv": None,
+             "flipped_gaps": flipped_gaps(llama_f32)}]
     graph = pkg.blob(pkg.stage_graph(0, len(pkg.manifest.units)))
     base = onnx.load(str(graph), load_external_data=False)
     for name in args.variants.split(","):
@@ -342,14 +420,16 @@ def main() -> None:
         finally:
             path.unlink(missing_ok=True)
         rows.append({"engine": f"edgepipe {name}", "vs_llama_cpp": matches(predicted, llama_default)[0],
-                     "vs_llama_cpp_f32_kv": matches(predicted, llama_f32)[0], "predicted": predicted})
+                     "vs_llama_cpp_f32_kv": matches(predicted, llama_f32)[0], "predicted": predicted,
+                     "flipped_gaps": flipped_gaps(predicted)})
         print(f"{rows[-1]['engine']}: {rows[-1]['vs_llama_cpp']} / {rows[-1]['vs_llama_cpp_f32_kv']}", flush=True)
     base_rows = [r for r in rows if r["engine"] == "edgepipe base"]
     for r in rows:
         r["vs_edgepipe_base"] = matches(r["predicted"], base_rows[0]["predicted"])[0] if base_rows and "predicted" in r else None
     positions = sum(len(c) for _, c in sequences)
     report = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(), "model": model.name,
-              "positions": positions, "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+              "positions": positions, "near_ties": {str(t): sum(g < t for g in flat_gaps) for t in (0.05, 0.1, 0.25, 0.5)},
+              "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
               "versions": {d: version(d) for d in ("onnxruntime", "llama_cpp_python")},
               "rows": [{k: v for k, v in r.items() if k != "predicted"} for r in rows]}
     out = Path(args.out)
@@ -362,9 +442,13 @@ def main() -> None:
              f"llama-cpp-python {report['versions']['llama_cpp_python']}",
              f"- machine: {report['machine']['nproc']} cores, {report['machine']['cpu']}; load average {report['load_average']['before']} before, "
              f"{report['load_average']['after']} after (results are exact, not timings)",
-             f"- {positions} teacher-forced positions along llama.cpp's greedy continuations of {len(AGREE_PROMPTS)} chat prompts", "",
-             "| engine | = llama.cpp (f16 KV, its default) | = llama.cpp f32 KV | = edgepipe as built |", "| --- | ---: | ---: | ---: |"]
-    lines += [f"| {r['engine']} | {pct(r['vs_llama_cpp'])} | {pct(r['vs_llama_cpp_f32_kv'])} | {pct(r.get('vs_edgepipe_base'))} |" for r in rows]
+             f"- {positions} teacher-forced positions along llama.cpp's greedy continuations of {len(AGREE_PROMPTS)} chat prompts; "
+             "positions where llama.cpp's own top-1 leads its top-2 logit by less than "
+             + ", ".join(f"{t}: {n}" for t, n in report["near_ties"].items()), "",
+             "| engine | = llama.cpp (f16 KV, its default) | = llama.cpp f32 KV | = edgepipe as built | llama.cpp's top-2 gaps where it differs from llama.cpp's default |",
+             "| --- | ---: | ---: | ---: | --- |"]
+    lines += [f"| {r['engine']} | {pct(r['vs_llama_cpp'])} | {pct(r['vs_llama_cpp_f32_kv'])} | {pct(r.get('vs_edgepipe_base'))} | "
+              f"{', '.join(f'{g:.3f}' for g in r['flipped_gaps'])} |" for r in rows]
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

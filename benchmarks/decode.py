@@ -48,7 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgepipe.model.store import bundled_gguf, home_dir, resolve  # noqa: E402
+from edgepipe.model.store import bundled_gguf, home_dir, reference_gguf, resolve  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 AGREE_PROMPTS = [
@@ -57,7 +57,7 @@ AGREE_PROMPTS = [
     "Give me three tips for a job interview.",
 ]
 WARMUP_TOKENS = 16
-QWEN05 = Path("/work/models/qwen2.5-coder-0.5b-instruct.gguf")
+QWEN05 = reference_gguf("qwen05")  # scripts/fetch_qwen05.sh
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 

@@ -1,7 +1,7 @@
 """What constrained decoding (``response_format``) costs the coordinator per step.
 
 Usage: python benchmarks/json_mask.py [GGUF ...]   (default: the bundled SmolLM2 and, when
-present, /work/models/qwen2.5-coder-0.5b-instruct.gguf). For each vocabulary: the one-off index
+present: scripts/fetch_qwen05.sh). For each vocabulary: the one-off index
 build (``cluster.structured.vocabulary_for``), then a json_schema's mask for every prefix of a
 valid answer, 5 times, as the request loop computes it (``TokenMask`` + ``controls.packed_mask``):
 median, p90 and worst milliseconds per step and the bytes each step sends. Writes
@@ -21,7 +21,7 @@ import numpy as np
 
 from edgepipe.cluster.structured import Constraint, JsonFormat, vocabulary_for
 from edgepipe.model.gguf_source import GGUFSource
-from edgepipe.model.store import bundled_gguf
+from edgepipe.model.store import bundled_gguf, reference_gguf
 from edgepipe.model.tokenizer import TextTokenizer
 from edgepipe.runtime.controls import packed_mask
 
@@ -54,7 +54,7 @@ def measure(path: Path) -> dict:
 
 
 def main() -> None:
-    paths = [Path(p) for p in sys.argv[1:]] or [bundled_gguf(), Path("/work/models/qwen2.5-coder-0.5b-instruct.gguf")]
+    paths = [Path(p) for p in sys.argv[1:]] or [bundled_gguf(), reference_gguf("qwen05")]
     rows = [measure(p) for p in paths if p.is_file()]
     load = open("/proc/loadavg").read().split()[:3]
     lines = ["# JSON output: the coordinator's cost per step", "",

@@ -37,11 +37,11 @@ import onnxruntime as ort
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edgepipe.model.store import bundled_gguf, home_dir, resolve  # noqa: E402
+from edgepipe.model.store import bundled_gguf, home_dir, reference_gguf, resolve  # noqa: E402
 from edgepipe.runtime.stage_runner import SamplingBatch, StageRunner  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
-QWEN05 = Path("/work/models/qwen2.5-coder-0.5b-instruct.gguf")
+QWEN05 = reference_gguf("qwen05")  # scripts/fetch_qwen05.sh
 
 
 def node_groups(graph: onnx.ModelProto) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Stalls on a 2-core machine: does failure detection survive them, does the cluster stay Up?
 
 Two measurements, both with the real Qwen2.5-Coder 0.5B (import it first, the package goes
-under $EDGEPIPE_HOME: ``edgepipe import /work/models/qwen2.5-coder-0.5b-instruct.gguf``):
+under $EDGEPIPE_HOME: ``edgepipe import $(scripts/fetch_qwen05.sh)``):
 
 1. ``pong``: one real worker process (2 ORT threads) joins a minimal coordinator written here
    that pings it every 20 ms, while two CPU hogs keep both cores busy. The worker builds the

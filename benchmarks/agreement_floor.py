@@ -18,7 +18,12 @@ argmax at each position is compared:
   ``f16-kv`` (GroupQueryAttention on f16 q/k/v and an f16 cache, as llama.cpp keeps it),
   ``q8_1-sums+f16-kv``, ``llama-q8`` (every MatMulNBits input quantized as llama.cpp quantizes it, Q8_1 per
   32 with an fp16 scale, products in fp32, and the minimum term on llama.cpp's `s`), ``llama-attn`` (rotary
-  outside attention with ggml's f32 tables, q/k/v rounded to f16), and ``llama-q8+llama-attn``.
+  outside attention with ggml's f32 tables, q/k/v rounded to f16), ``llama-q8+llama-attn``,
+  ``llama-attn+explicit-attn`` (attention as plain ONNX ops instead of GroupQueryAttention, no
+  rounding change: how much accumulation order alone moves) and ``llama-q8+llama-attn+llama-softmax``
+  (the same, with the softmax rounded to f16 before ×V as llama.cpp's ``mul_mat(v, kq)`` does).
+
+Beside each row: llama.cpp's own top-1 lead over its runner-up at every position that row flips.
 
 The weights are the same in every row (edgepipe's dequantized blocks equal llama.cpp's bit for
 bit); only rounding differs. Both engines run in this one process, one thread each for llama.cpp

@@ -125,14 +125,21 @@ def q8_1_sums(g: onnx.GraphProto) -> None:
     g.node.extend(nodes)
 
 
+def replace_attention(g: onnx.GraphProto, rewrite) -> None:
+    """Every GroupQueryAttention node becomes the nodes ``rewrite(node)`` returns, in graph order."""
+    nodes: list = []
+    for nd in g.node:
+        nodes += rewrite(nd) if nd.op_type == "GroupQueryAttention" else [nd]
+    del g.node[:]
+    g.node.extend(nodes)
+
+
 def f16_kv(g: onnx.GraphProto, base_dir: Path) -> None:
     """GroupQueryAttention on f16 q/k/v, rotary tables and cache; its output cast back to f32."""
     inits = {t.name: t for t in g.initializer}
-    nodes = []
-    for nd in g.node:
-        if nd.op_type != "GroupQueryAttention":
-            nodes.append(nd)
-            continue
+
+    def rewrite(nd) -> list:
+        nodes = []
         for j in (0, 1, 2):
             if nd.input[j]:
                 nodes.append(helper.make_node("Cast", [nd.input[j]], [nd.input[j] + "_f16"], to=TensorProto.FLOAT16))
@@ -143,12 +150,12 @@ def f16_kv(g: onnx.GraphProto, base_dir: Path) -> None:
                 t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t, base_dir=str(base_dir)).astype(np.float16), t.name))
         out = nd.output[0]
         nd.output[0] = out + "_f16"
-        nodes += [nd, helper.make_node("Cast", [out + "_f16"], [out], to=TensorProto.FLOAT)]
+        return nodes + [nd, helper.make_node("Cast", [out + "_f16"], [out], to=TensorProto.FLOAT)]
+
+    replace_attention(g, rewrite)
     for value in list(g.input) + list(g.output):
         if value.name.startswith(("past_key", "past_value", "present_key", "present_value")):
             value.type.tensor_type.elem_type = TensorProto.FLOAT16
-    del g.node[:]
-    g.node.extend(nodes)
 
 
 def llama_q8(g: onnx.GraphProto, base_dir: Path) -> None:
@@ -248,12 +255,11 @@ def llama_attn(g: onnx.GraphProto, theta_base: float, base_dir: Path) -> None:
                           numpy_helper.from_array(np.array([1], np.int64), "la_one"),
                           numpy_helper.from_array(np.array([0], np.int64), "la_zero"),
                           numpy_helper.from_array(np.array([2], np.int64), "la_two")])
-    nodes: list = []
     first = True
-    for nd in g.node:
-        if nd.op_type != "GroupQueryAttention":
-            nodes.append(nd)
-            continue
+
+    def rewrite(nd) -> list:
+        nonlocal first
+        nodes = []
         attrs = {a.name: helper.get_attribute_value(a) for a in nd.attribute}
         heads, kv_heads, dim = attrs["num_heads"], attrs["kv_num_heads"], 2 * cos.shape[1]
         if first:  # position of the first new token: seqlens_k + 1 - S (batch of one)
@@ -277,9 +283,9 @@ def llama_attn(g: onnx.GraphProto, theta_base: float, base_dir: Path) -> None:
         kept = [a for a in nd.attribute if a.name != "do_rotary"]
         gqa = helper.make_node("GroupQueryAttention", inputs, list(nd.output), domain=nd.domain, name=nd.name)
         gqa.attribute.extend(kept)
-        nodes.append(gqa)
-    del g.node[:]
-    g.node.extend(nodes)
+        return nodes + [gqa]
+
+    replace_attention(g, rewrite)
 
 
 def llama_softmax(g: onnx.GraphProto, round_probs: bool = True) -> None:
@@ -291,12 +297,11 @@ def llama_softmax(g: onnx.GraphProto, round_probs: bool = True) -> None:
     c("ls_two_ax", [2]), c("ls_max", [np.iinfo(np.int64).max]), c("ls_zero_s", 0), c("ls_one_s", 1), c("ls_zero1", [0])
     g.initializer.append(numpy_helper.from_array(np.array(-np.inf, np.float32), "ls_ninf"))
     dim = 2 * next(t for t in g.initializer if t.name == "la_cos").dims[1]
-    nodes: list = []
     first = True
-    for nd in g.node:
-        if nd.op_type != "GroupQueryAttention":
-            nodes.append(nd)
-            continue
+
+    def rewrite(nd) -> list:
+        nonlocal first
+        nodes = []
         attrs = {a.name: helper.get_attribute_value(a) for a in nd.attribute}
         heads, kv_heads = attrs["num_heads"], attrs["kv_num_heads"]
         q, k, v, past_k, past_v = nd.input[:5]
@@ -339,8 +344,9 @@ def llama_softmax(g: onnx.GraphProto, round_probs: bool = True) -> None:
                   helper.make_node("Reshape", [p + "ctx", p + "heads"], [p + "ctx_h"]),
                   helper.make_node("Transpose", [p + "ctx_h"], [p + "ctx_t"], perm=[0, 2, 1, 3]),
                   helper.make_node("Reshape", [p + "ctx_t", p + "flat"], [out])]
-    del g.node[:]
-    g.node.extend(nodes)
+        return nodes
+
+    replace_attention(g, rewrite)
 
 
 def variant_graph(base: onnx.ModelProto, name: str, base_dir: Path, rope_base: float) -> onnx.ModelProto:

@@ -85,8 +85,8 @@ def test_reimport_is_instant_and_content_addressed(native_pkg, tmp_path):
 
 @pytest.mark.slow
 def test_qwen05_native_cut_anywhere(tmp_path):
-    if missing_reference("qwen05"):
-        pytest.fail(missing_reference("qwen05"))
+    if missing := missing_reference("qwen05"):
+        pytest.fail(missing)
     pkg = Package(import_model(QWEN, tmp_path / "models", "native", measure_cost=False))
     kinds = {json.dumps(sorted(u.variants["native"].files)) for u in pkg.manifest.units}
     assert len(kinds) == len(pkg.manifest.units)

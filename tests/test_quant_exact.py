@@ -93,8 +93,8 @@ def _sampled_rows(src: GGUFSource, name: str, count: int = 6) -> list[tuple[int,
 
 @pytest.mark.parametrize("alias", REAL_FILES.values(), ids=REAL_FILES.keys())
 def test_real_tensors_decode_exactly(alias):
-    if alias and missing_reference(alias):
-        pytest.fail(missing_reference(alias))
+    if alias and (missing := missing_reference(alias)):
+        pytest.fail(missing)
     path = reference_gguf(alias) if alias else bundled_gguf()
     src = GGUFSource(path)
     seen: set[str] = set()

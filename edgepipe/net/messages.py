@@ -69,6 +69,9 @@ class Hello(Wire):
     data_fingerprint: str | None = None  # its data port's certificate (TLS clusters)
     power_busy_w: float | None = None
     power_idle_w: float | None = None
+    device: str | None = None  # where its stages compute: "cpu" or "gpu" (absent: cpu)
+    adapter: str | None = None  # the GPU adapter (vendor, architecture, description) when device is "gpu"
+    device_note: str | None = None  # one line: why it computes on the CPU though a GPU was asked for or looked for
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,9 @@ DOCS: dict[type, MessageDoc] = {
         "data_fingerprint": "sha256 of its data port's certificate (TLS clusters)",
         "power_busy_w": "declared power when computing (energy objective)",
         "power_idle_w": "declared power when idle",
+        "device": "where its stages compute: `cpu` or `gpu` (absent: `cpu`)",
+        "adapter": "the GPU adapter it computes on (vendor, architecture, description), when `device` is `gpu`",
+        "device_note": "one line: why it computes on the CPU though a GPU was asked for or looked for",
     }),
     messages.Welcome: MessageDoc("c→w", "the worker is a member", {"worker_id": "its id for this membership"}),
     messages.Load: MessageDoc("c→w", "fetch these unit files and build this stage", {

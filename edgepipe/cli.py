@@ -173,6 +173,8 @@ def serve(
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="Serve https/wss with this certificate (PEM)."),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="The private key of --tls-cert (PEM)."),
     worker_threads: Optional[int] = typer.Option(None, "--worker-threads"),
+    local_device: str = typer.Option("auto", "--local-device", help="Where the first local worker computes: auto (a GPU when one "
+                                                                   "is found), cpu, gpu or gpu:N; the other local workers use the CPU."),
     min_workers: Optional[int] = typer.Option(None, "--min-workers", help="Workers to wait for before the first plan (default: --workers)."),
     max_active: int = typer.Option(16, "--max-active", help="Sequences decoded at once."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait; beyond this the API answers 429."),
@@ -208,7 +210,7 @@ def serve(
                              calibration_file=str(home_dir(home) / "calibrations" / f"{pkg.manifest.name}.json"),
                              max_active=max_active, max_queue=max_queue, step_timeout_s=step_timeout, capacity_wait_s=capacity_wait, objective=objective,
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
-                             cluster=cluster, advertise=advertise, batch_invariant=batch_invariant)
+                             cluster=cluster, advertise=advertise, batch_invariant=batch_invariant, local_device=local_device)
 
     def ready(bound: int, coordinator) -> None:
         if min_workers is not None:
@@ -234,6 +236,8 @@ def worker(
     name: Optional[str] = typer.Option(None, "--name"),
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory this worker may use, e.g. 1.5GB (a hard budget)."),
     threads: Optional[int] = typer.Option(None, "--threads"),
+    device: str = typer.Option("auto", "--device", help="Where stages compute: auto (a GPU when one is found), cpu, gpu or gpu:N. "
+                                                       "GPUs run through ONNX Runtime's WebGPU provider (pip install 'edgepipe[gpu]')."),
     spin: Optional[bool] = typer.Option(None, "--spin/--no-spin", help="Let compute threads spin between ops (default: with 2+ threads on a machine "
                                                                         "that is not busy; off when other compute shares the cores)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address for the data port (activations from the previous stage)."),
@@ -272,7 +276,7 @@ def worker(
                                   spin=spin, slowdown=slowdown, drop_work=drop_work, misreport=misreport, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
                                   advertise_host=advertise, join_token=join_token, tls_fingerprint=tls_fingerprint,
                                   activation_dtype=activation_dtype,
-                                  power_busy_w=power_busy_w, power_idle_w=power_idle_w,
+                                  power_busy_w=power_busy_w, power_idle_w=power_idle_w, device=device,
                                   **({"name": name} if name else {}))
         asyncio.run(Worker(settings).serve_until_terminated())
     except PermissionError as exc:

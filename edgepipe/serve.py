@@ -48,6 +48,7 @@ class ServeSettings:
     advertise: bool = True  # announce the coordinator by mDNS
     cluster: str = "edgepipe"  # the name workers look for
     batch_invariant: bool = False  # a sequence gets the same bits alone as batched (costs lone-stream speed)
+    local_device: str = "auto"  # where the first local worker computes (a GPU when found); the others use the CPU
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -87,9 +88,11 @@ class LocalWorkers:
     The join token travels in the environment (``EDGEPIPE_JOIN_TOKEN``), never in argv where
     any local user could read it."""
 
-    def __init__(self, url: str, n: int, threads: int | None, join_token: str | None, extra: list[str], on_event=None):
+    def __init__(self, url: str, n: int, threads: int | None, join_token: str | None, extra: list[str], on_event=None,
+                 first_device: str = "cpu"):
         self.threads = threads or max(1, (os.cpu_count() or 2) // max(n, 1))
         self.url, self.extra, self.on_event = url, list(extra), on_event or (lambda kind, **fields: None)
+        self.first_device = first_device
         self.env = {k: v for k, v in os.environ.items() if k != "EDGEPIPE_JOIN_TOKEN"}
         if join_token:
             self.env["EDGEPIPE_JOIN_TOKEN"] = join_token
@@ -104,6 +107,8 @@ class LocalWorkers:
     def _spawn(self, name: str) -> subprocess.Popen:
         argv = [sys.executable, "-m", "edgepipe", "worker", "--coordinator", self.url, "--name", name, "--threads", str(self.threads),
                 "--no-spin",  # they share this machine with the coordinator (and maybe more workers or a tab): none spins
+                # one machine offers its GPU (to the first) and its CPU (to the rest) as devices of their own
+                "--device", self.first_device if name == self.names[0] else "cpu",
                 *self.extra]
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=self.env, preexec_fn=self._preexec)
 
@@ -195,7 +200,7 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
             advertiser = None
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     local = LocalWorkers(f"{'https' if tls_files else 'http'}://{host}:{port}", settings.workers, settings.worker_threads, settings.join_token, settings.worker_args,
-                         on_event=coordinator.event)
+                         on_event=coordinator.event, first_device=settings.local_device)
     supervisor = asyncio.create_task(local.supervise())
     if on_ready:
         on_ready(port, coordinator)

@@ -79,9 +79,10 @@ def next_hop(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, Wo
 
 
 def load_message(package, plan_id: int, start: int, end: int, precision: str | None, nxt: dict, keep: list[int],
-                 warm: bool | None = None, data_secret: str | None = None, batch_invariant: bool = False) -> Load:
+                 warm: bool | None = None, data_secret: str | None = None, batch_invariant: bool = False, gpu: bool = False) -> Load:
+    """The LOAD frame of a stage; ``gpu``: the worker computes on a GPU (the graph's GPU form)."""
     manifest = package.manifest
-    return Load(plan=plan_id, start=start, end=end, graph=package.stage_graph(start, end, precision, batch_invariant),
+    return Load(plan=plan_id, start=start, end=end, graph=package.stage_graph(start, end, precision, batch_invariant, gpu),
                 files=list(manifest.stage_files(start, end, precision)), next=nxt, keep=keep, max_context=manifest.max_context,
                 kv_bytes_per_token=sum(u.kv_bytes_per_token for u in manifest.units[start:end]), warm=warm,
                 data_secret=data_secret)

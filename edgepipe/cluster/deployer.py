@@ -39,6 +39,11 @@ class Deployer:
         w = self.coord.cluster.workers.get(worker_id)
         return (w.hello.get("precision") if w else None) or self.coord.settings.precision
 
+    def on_gpu(self, worker_id: str) -> bool:
+        """Whether the worker computes on a GPU (it is sent the GPU form of its stage's graph)."""
+        w = self.coord.cluster.workers.get(worker_id)
+        return bool(w and w.hello.get("device") == "gpu")
+
     def kv_capacity(self) -> int | None:
         c = self.coord
         return deploy.kv_capacity(c.cluster, c.manifest, lambda w: self.precision(w.id), RUNTIME_OVERHEAD_BYTES)
@@ -147,7 +152,8 @@ class Deployer:
             self.secrets[dep.plan_id] = {s.worker_id: secret for s, secret in zip(stages, secrets) if secret}
             loads = [self.load(s.worker_id, deploy.load_message(c.package, dep.plan_id, s.start, s.end, self.precision(s.worker_id),
                                                                 deploy.next_hop(stages, i, c.cluster.workers, secrets), keep,
-                                                                data_secret=secrets[i], batch_invariant=c.settings.batch_invariant))
+                                                                data_secret=secrets[i], batch_invariant=c.settings.batch_invariant,
+                                                                gpu=self.on_gpu(s.worker_id)))
                      for i, s in enumerate(stages)]
             results = await asyncio.gather(*loads)
             failed = [f"{s.worker_id}: {r.error}" for s, r in zip(stages, results) if not r.ok]
@@ -223,7 +229,7 @@ class Deployer:
         for i, s in enumerate(stages):
             # warm: build the session too when the worker's budget allows (else it holds the files)
             msg = deploy.load_message(c.package, plan_id, s.start, s.end, self.precision(s.worker_id), {"kind": "coordinator"}, [],
-                                      warm=True, batch_invariant=c.settings.batch_invariant)
+                                      warm=True, batch_invariant=c.settings.batch_invariant, gpu=self.on_gpu(s.worker_id))
             c.spawn(_quiet(self.load(s.worker_id, msg)))
         c.event("spare", stages=[[s.worker_id, s.start, s.end] for s in stages])
 

@@ -33,6 +33,7 @@ from ..net import auth, limits, validate
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
 from ..net.messages import PROBE_PLAN, Bye, ErrorCode
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
+from ..runtime.devices import resolve as resolve_device
 from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner, spin_by_default
 from .blobcache import BlobCache
 
@@ -108,6 +109,7 @@ class WorkerSettings:
     power_idle_w: float | None = None
     drop_work: bool = False
     misreport: float = 1.0  # reported compute times are divided by this
+    device: str = "cpu"  # where stages compute: auto | cpu | gpu | gpu:N (runtime.devices.resolve)
 
     @property
     def emulated(self) -> bool:
@@ -136,6 +138,11 @@ class Slot:
 class Worker:
     def __init__(self, settings: WorkerSettings):
         self.s = settings
+        self.device = resolve_device(settings.device)
+        if self.device.note and settings.device != "cpu":
+            log.warning("computing on the CPU: %s", self.device.note)
+        elif self.device.is_gpu:
+            log.info("computing on %s", self.device.describe())
         self.cache = BlobCache(settings.cache_dir or _default_cache())
         self.slowdown = SlowdownPolicy(settings.slowdown)
         self.budget = MemoryBudget(settings.memory_bytes) if settings.memory_bytes else None
@@ -296,7 +303,9 @@ class Worker:
     def _hello(self) -> dict:
         return {
             "name": self.s.name, "token": self.s.join_token, "protocol": PROTOCOL_VERSION, "kind": "native",
-            "memory_bytes": self.s.memory_bytes or _system_memory(), "threads": self.s.threads or os.cpu_count(),
+            "memory_bytes": self.s.memory_bytes or self.device.memory_bytes or _system_memory(), "threads": self.s.threads or os.cpu_count(),
+            "device": self.device.kind, "adapter": self.device.adapter,
+            "device_note": self.device.note if self.s.device != "cpu" else None,
             "data_url": self.data_url, "held": self.cache.held(), "pid": os.getpid(), "data_fingerprint": self.data_fingerprint,
             "power_busy_w": self.s.power_busy_w, "power_idle_w": self.s.power_idle_w,
             "emulation": {"slowdown": self.s.slowdown, "link_delay_ms": self.s.link_delay_ms, "link_rate": self.s.link_rate,
@@ -578,7 +587,8 @@ class Worker:
             if runner is None:  # a session already built for this graph (kept range, warm spare) is reused
                 runner = await loop.run_in_executor(
                     None, lambda: StageRunner(self.cache.path(msg["graph"]), threads=self.s.threads, max_context=msg.get("max_context"),
-                                              spin=spin_by_default(self.s.threads) if self.s.spin is None else self.s.spin))
+                                              spin=spin_by_default(self.s.threads) if self.s.spin is None else self.s.spin,
+                                              device=self.device))
                 self.sessions[msg["graph"]] = runner
             if msg.get("warm"):
                 self.warm = {msg["graph"]}

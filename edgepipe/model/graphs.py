@@ -524,3 +524,46 @@ def pad_lone_rows(model: onnx.ModelProto) -> onnx.ModelProto:
     out.graph.node.extend(nodes)
     out.graph.initializer.extend(g.initializers.values())
     return out
+
+
+def gpu_form(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The form of a graph for GPU execution providers: block sums as a product, not a reduction.
+
+    The block-minimum term of Q4_K / Q5_K / Q4_1 weights is ``BlockSum(x) @ offsets`` (see
+    ``_Graph._block_offsets``). ONNX Runtime's WebGPU ``ReduceSum`` over the last axis of
+    ``[.., blocks, 32]`` took over half of an 8B decode step on an H100 (one small dispatch
+    per block row), while a MatMul by a column of ones — the same sum, every term times an exact
+    1.0 — runs as one tiled product. Weights and results are unchanged (only the order of the
+    32 additions may differ); a graph without block sums comes back as it was (same bytes)."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    inits = {i.name: i for i in model.graph.initializer}
+    targets = []
+    for node in model.graph.node:
+        if node.op_type != "ReduceSum" or node.domain or len(node.input) < 2:
+            continue
+        shape = producers.get(node.input[0])
+        if shape is None or shape.op_type != "Reshape" or shape.input[1] not in inits:
+            continue
+        block = int(numpy_helper.to_array(inits[shape.input[1]])[-1])
+        keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+        axes = numpy_helper.to_array(inits[node.input[1]]) if node.input[1] in inits else None
+        if keepdims == 0 and axes is not None and axes.tolist() == [-1] and block > 1:
+            targets.append((node, block))
+    if not targets:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = _Graph("gpu_form.")
+    last = g.const(np.array([-1], np.int64), "last")
+    ones = {b: g.const(np.ones((b, 1), np.float32), f"ones{b}") for b in {b for _, b in targets}}
+    by_output = {n.output[0]: b for n, b in targets}
+    for node in out.graph.node:
+        if node.output[0] not in by_output:
+            g.nodes.append(node)
+            continue
+        column = g.op1("MatMul", [node.input[0], ones[by_output[node.output[0]]]])
+        g.op("Squeeze", [column, last], out=[node.output[0]])
+    del out.graph.node[:]
+    out.graph.node.extend(g.nodes)
+    out.graph.initializer.extend(g.initializers.values())
+    return out

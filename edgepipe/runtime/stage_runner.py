@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from .devices import CPU, ExecutionDevice, add_to_session
+
 KV_BLOCK = 256
 WINDOW_SLACK = 64  # a sliding-window layer drops old positions in steps of this many (window_start)
 
@@ -200,16 +202,23 @@ class _KVPool:
     ``start .. length`` of a sequence (``window_start``) in buffers of their own capacity,
     ``window_positions`` (more only while a prefill chunk needs it); buffer index 0 holds
     position ``start``.
+
+    With ``memory_info`` (a GPU's memory) the buffers are OrtValues in that memory and stay there
+    across steps: a batch then runs over all rows (no row view exists of device memory, and the
+    bystanders' writes are harmless, as above), and the rare whole-buffer changes (growth, row
+    swaps, window shifts, export and import) pass through the host one layer's buffer at a time.
     """
 
-    def __init__(self, layers: list[int], kv_heads: int, head_dim: int, window: int = 0, window_layers: tuple[int, ...] = ()):
+    def __init__(self, layers: list[int], kv_heads: int, head_dim: int, window: int = 0, window_layers: tuple[int, ...] = (),
+                 memory_info=None):
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.memory_info = memory_info
         self.window, self.window_names = window, {f"{kind}.{u}" for u in window_layers for kind in ("key", "value")}
         self.rows = 0
         self.capacity = 0
         self.window_capacity = 0
         self.generation = 0  # bumped whenever the buffers are reallocated
-        self.arrays: dict[str, np.ndarray] = {}
+        self.arrays: dict[str, np.ndarray | ort.OrtValue] = {}
         self.row_of: dict[str, int] = {}
         self.length: dict[str, int] = {}
         self.start: dict[str, int] = {}  # first position the window layers keep
@@ -227,10 +236,30 @@ class _KVPool:
                 grown = np.zeros((rows, self.kv_heads, window_capacity if windowed else capacity, self.head_dim), np.float32)
                 if name in self.arrays and self.rows and self.capacity:
                     live = max((self.kept(s) if windowed else self.length[s] for s in self.row_of), default=0)
-                    grown[: self.rows, :, :live] = self.arrays[name][:, :, :live]
-                self.arrays[name] = grown
+                    grown[: self.rows, :, :live] = self.host(name)[:, :, :live]
+                self.arrays[name] = grown if self.memory_info is None else self._to_device(grown)
         self.rows, self.capacity, self.window_capacity = rows, capacity, window_capacity
         self.generation += 1
+
+    @property
+    def on_device(self) -> bool:
+        return self.memory_info is not None
+
+    def _to_device(self, array: np.ndarray) -> ort.OrtValue:
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), np.float32, memory_info=self.memory_info)
+        value.update_inplace(array)
+        return value
+
+    def host(self, name: str) -> np.ndarray:
+        """Buffer ``name`` as a numpy array: itself in host memory, a copy of a device buffer."""
+        a = self.arrays[name]
+        return a if isinstance(a, np.ndarray) else a.numpy()
+
+    def store(self, name: str, array: np.ndarray) -> None:
+        """Write back what :meth:`host` gave after changing it (a no-op in host memory)."""
+        a = self.arrays[name]
+        if not isinstance(a, np.ndarray):
+            a.update_inplace(np.ascontiguousarray(array))
 
     def add(self, seq: str) -> int:
         used = set(self.row_of.values())
@@ -268,8 +297,10 @@ class _KVPool:
             if holder.get(target) in seqs:
                 continue
             src = outside.pop()
-            for a in self.arrays.values():
+            for name in self.arrays:
+                a = self.host(name)
                 a[[target, src]] = a[[src, target]]
+                self.store(name, a)
             mover, other = holder[src], holder.get(target)
             self.row_of[mover] = target
             holder[target] = mover
@@ -300,24 +331,36 @@ class _KVPool:
             if drop > 0:
                 r, keep = self.row_of[seq], self.length[seq] - target
                 for name in self.window_names:
-                    a = self.arrays[name]
+                    a = self.host(name)
                     a[r, :, :keep] = a[r, :, drop : drop + keep].copy()
+                    self.store(name, a)
                 self.start[seq] = target
         floor = window_positions(self.window)
         if self.window_capacity > floor and max(map(self.kept, self.row_of), default=0) < floor:
             self._realloc(self.rows, self.capacity, floor)
 
     def view(self, lo: int, hi: int) -> dict[str, ort.OrtValue]:
+        if self.on_device:
+            if (lo, hi) != (0, self.rows):
+                raise ValueError("a device KV pool is bound whole")
+            return dict(self.arrays)
         return {name: ort.OrtValue.ortvalue_from_numpy(a[lo:hi]) for name, a in self.arrays.items()}
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
+        return sum(a.nbytes if isinstance(a, np.ndarray) else a.tensor_size_in_bytes() for a in self.arrays.values())
 
     def export(self, seq: str) -> dict[str, np.ndarray]:
         """Every layer's live positions of ``seq``: a window layer's are its last ``kept``."""
         r, n, kept = self.row_of[seq], self.length[seq], self.kept(seq)
-        return {name: a[r : r + 1, :, : kept if name in self.window_names else n].copy() for name, a in self.arrays.items()}
+        return {name: self.host(name)[r : r + 1, :, : kept if name in self.window_names else n].copy() for name in self.arrays}
+
+    def write(self, seq: str, name: str, positions: np.ndarray) -> None:
+        """Set ``seq``'s first ``positions.shape[2]`` positions of buffer ``name`` (an import)."""
+        row = self.row_of[seq]
+        a = self.host(name)
+        a[row : row + 1, :, : positions.shape[2]] = positions
+        self.store(name, a)
 
 
 def spin_by_default(threads: int | None) -> bool:
@@ -364,9 +407,15 @@ def busy_cores(sample_s: float = 0.2, reuse_s: float = 5.0) -> float:
 
 
 class StageRunner:
-    """One ONNX Runtime session over units ``[start, end)``, plus per-sequence KV caches."""
+    """One ONNX Runtime session over units ``[start, end)``, plus per-sequence KV caches.
 
-    def __init__(self, graph_path: str | Path, threads: int | None = None, max_context: int | None = None, spin: bool = False):
+    ``device``: where it computes (``devices.resolve``); on a GPU the KV pool lives in the GPU's
+    memory, so a decode step moves only the stage's input and output across (and the head's
+    token and logprobs); ``host_bytes`` counts what the latest step moved."""
+
+    def __init__(self, graph_path: str | Path, threads: int | None = None, max_context: int | None = None, spin: bool = False,
+                 device: ExecutionDevice | None = None, provider_options: dict | None = None):
+        self.device = device or CPU
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
@@ -375,7 +424,9 @@ class StageRunner:
         # Spinning threads win on an idle machine but halve throughput when another process (or
         # another stage's session in this process) needs the core: callers decide (spin_by_default).
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-        self.session = ort.InferenceSession(str(graph_path), options, providers=["CPUExecutionProvider"])
+        providers = add_to_session(options, self.device, provider_options)
+        self.session = ort.InferenceSession(str(graph_path), options, providers=providers)
+        self.host_bytes = 0
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = [o.name for o in self.session.get_outputs()]
         self.layers = sorted(int(m.group(1)) for n in inputs if (m := re.fullmatch(r"past_key\.(\d+)", n)))
@@ -388,6 +439,7 @@ class StageRunner:
         self.vocab = int(inputs["logit_adjust"].shape[1]) if self.head_controls else None
         self._extra_outputs = HEAD_EXTRA_OUTPUTS if self.head_controls else ()
         self._no_adjust = np.zeros((1, self.vocab or 0), np.float32)
+        self._no_adjust_device = None
         self.last_head: tuple[tuple, HeadOutput] | None = None  # (seqs, the head's logprobs) of the latest run_batch
         if self.layers:
             shape = inputs[f"past_key.{self.layers[0]}"].shape
@@ -400,7 +452,8 @@ class StageRunner:
             raise ValueError(f"a stage's sliding-window layers must share one window, got {sorted(set(windows.values()))}")
         self.window = max(windows.values(), default=0)
         self._full_lengths = "seqlens_k" in inputs  # a stage of window layers only has no full-cache layer
-        self._pool = _KVPool(self.layers, getattr(self, "kv_heads", 0), getattr(self, "head_dim", 0), self.window, tuple(windows))
+        self._pool = _KVPool(self.layers, getattr(self, "kv_heads", 0), getattr(self, "head_dim", 0), self.window, tuple(windows),
+                             self.device.memory_info())
         self._bound, self._bound_key = None, None
         self._outputs_shape_key = None  # what the bound outputs' shapes follow from, at the latest run
 
@@ -440,11 +493,10 @@ class StageRunner:
         if seq not in pool.row_of:
             pool.add(seq)
         pool.reserve(length + 1, length - start + 1)
-        row = pool.row_of[seq]
         for name, arr in tensors.items():
             if name in pool.window_names:  # the last length - start positions (a sender may keep more)
                 arr = arr[:, :, arr.shape[2] - (length - start):]
-            pool.arrays[name][row : row + 1, :, : arr.shape[2]] = arr
+            pool.write(seq, name, arr)
         pool.length[seq], pool.start[seq] = length, start
         pool.trim([seq])
 
@@ -487,10 +539,13 @@ class StageRunner:
             worst = seqs[int(np.argmax(totals))]
             raise ContextOverflow(f"sequence {worst} would reach {max(totals)} tokens, over the context of {self.max_context}")
         rows = [pool.row_of[s] for s in seqs]
-        if max(rows) - min(rows) + 1 != len(rows):
-            pool.gather(seqs)
-            rows = [pool.row_of[s] for s in seqs]
-        lo, hi = min(rows), max(rows) + 1
+        if pool.on_device:  # device memory is bound whole: every other row is a bystander
+            lo, hi = 0, pool.rows
+        else:
+            if max(rows) - min(rows) + 1 != len(rows):
+                pool.gather(seqs)
+                rows = [pool.row_of[s] for s in seqs]
+            lo, hi = min(rows), max(rows) + 1
         n = hi - lo
         in_order = n == len(seqs) and rows == list(range(lo, hi))  # else per-row inputs go to their rows
         if in_order:
@@ -505,7 +560,8 @@ class StageRunner:
             kept = lengths - np.array([pool.start.get(by_row.get(r, ""), 0) for r in range(lo, hi)], np.int64)
             pool.reserve(int(lengths.max()) + new, int(kept.max()) + new)
         binding = self._binding(lo, hi)
-        binding.bind_cpu_input(self.input_name, feed)
+        self.host_bytes = 0 if pool.on_device else sum(pool.host(k)[lo:hi].nbytes for k in pool.arrays) * 2  # read + written
+        self._bind_host(binding, self.input_name, feed)
         # Outputs ORT allocated at the last run are written in place when their shapes repeat
         # (every decode step of the same rows): rebinding each costs ~20 µs. What this returns is
         # copied out of them (fancy indexing), so the next run cannot change it.
@@ -516,12 +572,12 @@ class StageRunner:
         if rebind:
             binding.bind_output(self.output_name, "cpu")
         if self.layers and self._full_lengths:
-            binding.bind_cpu_input("seqlens_k", (lengths + new - 1).astype(np.int32))
-            binding.bind_cpu_input("total_sequence_length", np.array(int(lengths.max()) + new, np.int32))
+            self._bind_host(binding, "seqlens_k", (lengths + new - 1).astype(np.int32))
+            self._bind_host(binding, "total_sequence_length", np.array(int(lengths.max()) + new, np.int32))
         if self.window:  # window layers: buffer lengths, and the absolute positions to rotate at
-            binding.bind_cpu_input("window_seqlens_k", (kept + new - 1).astype(np.int32))
-            binding.bind_cpu_input("window_total_sequence_length", np.array(int(kept.max()) + new, np.int32))
-            binding.bind_cpu_input("position_ids", lengths[:, None] + np.arange(new, dtype=np.int64)[None, :])
+            self._bind_host(binding, "window_seqlens_k", (kept + new - 1).astype(np.int32))
+            self._bind_host(binding, "window_total_sequence_length", np.array(int(kept.max()) + new, np.int32))
+            self._bind_host(binding, "position_ids", lengths[:, None] + np.arange(new, dtype=np.int64)[None, :])
         if self.emits_tokens:
             batch = sampling or SamplingBatch.greedy(len(seqs))
             for name, arr in batch.feeds().items():
@@ -529,22 +585,28 @@ class StageRunner:
                     full = np.zeros(n, arr.dtype) if name != "temperature" and name != "top_p" else np.ones(n, arr.dtype)
                     full[np.array(rows) - lo] = arr
                     arr = full
-                binding.bind_cpu_input(name, arr)
+                self._bind_host(binding, name, arr)
             self._bind_head_controls(binding, batch, n, np.array(rows) - lo, new, rebind)
         self.session.run_with_iobinding(binding)
         # The pybind list, not IOBinding.get_outputs(): that wraps every bound output in a Python
         # OrtValue, the KV buffers too (61 for SmolLM2), ~150 µs a step, 1-2% of a small model's decode.
         outputs = binding._iobinding.get_outputs()
         out = outputs[0].numpy()
+        self.host_bytes += out.nbytes
         if self._extra_outputs:
             picked = np.array(rows) - lo
             head = dict(zip(self._extra_outputs, (outputs[1 + i].numpy() for i in range(len(self._extra_outputs)))))
+            self.host_bytes += sum(v.nbytes for v in head.values())
             self.last_head = tuple(seqs), HeadOutput(head["token_logprob"][picked], head["top_ids"][picked], head["top_logprobs"][picked],
                                                      *((head[k][0] for k in HEAD_EXTRA_OUTPUTS[3:]) if asked else ()))
         for seq, total in zip(seqs, totals):
             pool.length[seq] = total
         pool.trim(seqs)  # sliding-window layers drop what no later query sees
         return out[np.array(rows) - lo]
+
+    def _bind_host(self, binding, name: str, array: np.ndarray) -> None:
+        binding.bind_cpu_input(name, array)
+        self.host_bytes += array.nbytes
 
     def logprobs_field(self, batch: list[dict]) -> dict:
         """A TOKEN frame's ``logprobs`` for the batch just run: an entry per sequence that asked
@@ -565,19 +627,25 @@ class StageRunner:
                 raise ValueError(OLD_HEAD)
             return
         adjust = self._no_adjust
-        if batch.adjust is not None:
+        if batch.adjust is None and self._pool.on_device:  # the zero adjustment stays in device memory
+            if self._no_adjust_device is None:
+                self._no_adjust_device = self._pool._to_device(self._no_adjust)
+            binding.bind_ortvalue_input("logit_adjust", self._no_adjust_device)
+            adjust = None
+        elif batch.adjust is not None:
             adjust = batch.adjust
             if n != len(picked) or not np.array_equal(picked, np.arange(n)):  # bystanders, or rows not in batch order
                 adjust = np.zeros((n, self.vocab), np.float32)
                 adjust[picked] = batch.adjust
-        binding.bind_cpu_input("logit_adjust", np.ascontiguousarray(adjust, np.float32))
-        binding.bind_cpu_input("num_top", np.array([batch.num_top], np.int64))
+        if adjust is not None:
+            self._bind_host(binding, "logit_adjust", np.ascontiguousarray(adjust, np.float32))
+        self._bind_host(binding, "num_top", np.array([batch.num_top], np.int64))
         targets = np.zeros((1, 0), np.int64)
         if batch.prompt_targets is not None:
             targets = np.ascontiguousarray(batch.prompt_targets, np.int64)
             if targets.shape != (1, new) or targets.min() < 0 or targets.max() >= self.vocab:
                 raise ValueError(f"prompt targets must be one id in [0, {self.vocab}) per position of the prefill")
-        binding.bind_cpu_input("prompt_targets", targets)
+        self._bind_host(binding, "prompt_targets", targets)
         if rebind_outputs:  # fresh buffers where their shapes may change
             for name in self._extra_outputs:
                 binding.bind_output(name, "cpu")

@@ -1,0 +1,287 @@
+"""GPU stage vs CPU stage on one machine, and a pipeline that mixes them.
+
+    python benchmarks/gpu.py                                  # 1B- and 8B-shaped synthetic GGUFs
+    python benchmarks/gpu.py --shapes tiny --software         # the same path on SwiftShader (CI-sized)
+
+Writes synthetic GGUFs of Llama-3.2-1B's and Llama-3-8B's shapes on this machine (random Q4_K /
+Q6_K blocks, ``edgepipe.bench.synthetic``: no model file has to travel to a GPU machine), imports
+them, and times one stage holding the whole model, greedy, after a 128-token prompt:
+
+- the CPU worker's stage (``--threads``, 16 on the GPU machines this project is lent);
+- the same stage on the GPU through ONNX Runtime's WebGPU EP, KV pool in GPU memory, in the
+  graph form the coordinator sends GPU workers (``graphs.gpu_form``) and in the CPU form.
+
+Each configuration runs in its own process, interleaved per shape. Reported: decode tok/s (median
+step), weight GB/s (the stage's weight bytes per step), prefill time, host<->device bytes per
+decode step (``StageRunner.host_bytes``), and how many of the first greedy tokens equal the CPU's
+(random weights give near-ties, so arithmetic can flip a few; the exact contract is the single
+process on the same devices, checked by the cluster run).
+
+Then a cluster on this machine: ``edgepipe serve`` with three workers, one on the GPU and two on the
+CPU (``--placement memory``, equal budgets: a stage each), a greedy request through the API, and
+its token ids compared with ``Package.pipeline`` run in one process on the same devices and cuts.
+
+Results: ``benchmarks/results/gpu.json`` and ``.md`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SOFTWARE_ENV = {"VK_ICD_FILENAMES": "/usr/lib/chromium/vk_swiftshader_icd.json", "ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER": "1"}
+
+
+# -- one configuration, in a child process ----------------------------------------------------------
+
+def child(job: dict) -> dict:
+    import numpy as np
+
+    from edgepipe.model.package import Package
+    from edgepipe.runtime.devices import resolve
+    from edgepipe.runtime.stage_runner import SamplingBatch
+
+    pkg = Package(job["package"])
+    n = len(pkg.manifest.units)
+    device = resolve(job["device"])
+    if job["device"] != "cpu" and not device.is_gpu:
+        return {"error": f"no GPU: {device.note}"}
+    t0 = time.perf_counter()
+    gpu_form = device.is_gpu and job["form"] == "gpu"
+    runner = pkg.runner(0, n, threads=job["threads"], verify=False, device=device) if gpu_form or not device.is_gpu else None
+    if runner is None:  # the CPU form on the GPU
+        from edgepipe.runtime.stage_runner import StageRunner
+        runner = StageRunner(pkg.blob(pkg.stage_graph(0, n)), threads=job["threads"], max_context=pkg.manifest.max_context, device=device)
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(300, runner.vocab - 1, job["prompt"]).astype(np.int64)[None, :]
+    greedy = SamplingBatch.greedy(1)
+    t0 = time.perf_counter()
+    token = int(runner.run("s", prompt, greedy)[0])
+    prefill_s = time.perf_counter() - t0
+    tokens, times, moved = [token], [], []
+    deadline = time.monotonic() + job["budget_s"]
+    for _ in range(job["steps"]):
+        if time.monotonic() > deadline:
+            break
+        t0 = time.perf_counter()
+        token = int(runner.run("s", np.array([[token]], np.int64), greedy)[0])
+        times.append(time.perf_counter() - t0)
+        tokens.append(token)
+        moved.append(runner.host_bytes)
+    steady = times[2:] if len(times) > 4 else times
+    step = float(np.median(steady))
+    weights = sum(pkg.manifest.variant(u.index).weight_bytes for u in pkg.manifest.units)
+    return {"device": device.describe(), "form": job["form"] if device.is_gpu else "cpu", "threads": job["threads"],
+            "load_s": round(load_s, 2), "prefill_s": round(prefill_s, 3), "prompt": job["prompt"], "steps": len(times),
+            "step_ms": round(step * 1e3, 2), "tok_s": round(1 / step, 2), "weight_gb_s": round(weights / step / 1e9, 1),
+            "host_bytes_per_step": int(np.median(moved)) if moved else None, "kv_bytes": runner.kv_bytes,
+            "providers": runner.session.get_providers(), "tokens": tokens}
+
+
+def run_child(job: dict, env: dict, timeout: float) -> dict:
+    code = "import json, sys; sys.path.insert(0, %r); from benchmarks.gpu import child; print('RESULT', json.dumps(child(json.loads(sys.argv[1]))))" % str(ROOT)
+    try:
+        done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if done.returncode or line is None:
+        return {"error": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1][:400]}
+    return json.loads(line[7:])
+
+
+# -- the cluster check ------------------------------------------------------------------------------
+
+def cluster_check(package: Path, home: Path, env: dict, gpu_env: dict, max_tokens: int = 16) -> dict:
+    """serve + one GPU worker + two CPU workers; the API's greedy ids vs the one-process pipeline."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    base = {**env, "EDGEPIPE_HOME": str(home)}
+    procs = [subprocess.Popen([sys.executable, "-m", "edgepipe", "serve", "--model", str(package), "--workers", "0", "--port", str(port),
+                               "--no-advertise", "--placement", "memory", "--min-workers", "3"], env=base, stdin=subprocess.DEVNULL)]
+    result: dict = {}
+    try:
+        client = httpx.Client(base_url=url, timeout=600)
+        _wait(lambda: client.get("/v1/cluster/status").json(), 120)
+        for name, device, extra in (("gpu0", "gpu", gpu_env), ("cpu1", "cpu", {}), ("cpu2", "cpu", {})):
+            procs.append(subprocess.Popen([sys.executable, "-m", "edgepipe", "worker", "--coordinator", url, "--name", name, "--device", device,
+                                           "--memory", "64GB", "--threads", "4"], env={**base, **extra}, stdin=subprocess.DEVNULL))
+        status = _wait(lambda: (lambda s: s if s["state"] == "up" and len(s["plan"]["stages"]) == 3 else None)(client.get("/v1/cluster/status").json()), 400)
+        stages = status["plan"]["stages"]
+        r = client.post("/v1/completions", json={"prompt": "hello world, this is a pipeline", "max_tokens": max_tokens, "temperature": 0,
+                                                 "return_token_ids": True})
+        r.raise_for_status()
+        got = r.json()["choices"][0]["token_ids"]
+        result = {"stages": stages, "api_tokens": got}
+    except Exception as e:  # reported, not raised: the speed table is still worth keeping
+        result = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    if "error" in result:
+        return result
+    code = ("import json, sys; sys.path.insert(0, %r); from benchmarks.gpu import reference; print('RESULT', json.dumps(reference(*json.loads(sys.argv[1]))))"
+            % str(ROOT))
+    done = subprocess.run([sys.executable, "-c", code, json.dumps([str(package), result["stages"], max_tokens])],
+                          env={**base, **gpu_env}, capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        return {**result, "error": "reference failed: " + (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    result["reference_tokens"] = json.loads(line[7:])
+    result["equal"] = result["api_tokens"] == [t for t in result["reference_tokens"]][: len(result["api_tokens"])]
+    return result
+
+
+def reference(package: str, stages: list[dict], max_tokens: int) -> list[int]:
+    """The same prompt, cuts and devices in one process (what the cluster must equal)."""
+    from edgepipe.model.package import Package
+    from edgepipe.runtime.devices import resolve
+    from edgepipe.runtime.local import generate
+    from edgepipe.runtime.sequence import GenerationParams
+
+    pkg = Package(package)
+    cuts = [s["start"] for s in stages[1:]]
+    devices = [resolve("gpu" if "gpu0" in s["worker"] else "cpu") for s in stages]  # the workers are named gpu0, cpu1, cpu2
+    tok = pkg.tokenizer
+    ids = tok.encode("hello world, this is a pipeline")
+    out = generate(pkg.pipeline(cuts, threads=4, devices=devices), ids, GenerationParams(max_tokens=max_tokens), tok.decode, pkg.manifest.eos_ids)
+    return [t for t in out.tokens if t not in pkg.manifest.eos_ids]
+
+
+def _wait(probe, timeout: float):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = probe()
+            if last:
+                return last
+        except Exception:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"not ready after {timeout:.0f} s (last: {str(last)[:300]})")
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+def machine() -> dict:
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor())
+    gpu = None
+    try:
+        gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"nproc": os.cpu_count(), "cpu": cpu, "gpu": gpu, "python": platform.python_version(), "load1": round(os.getloadavg()[0], 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="llama-3.2-1b,llama-3-8b")
+    ap.add_argument("--threads", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--forms", default="gpu,cpu", help="graph forms to time on the GPU (gpu: graphs.gpu_form, cpu: as the CPU runs it)")
+    ap.add_argument("--software", action="store_true", help="use SwiftShader (Debian chromium's) as the GPU: CI-sized runs")
+    ap.add_argument("--cluster-shape", default=None, help="shape for the GPU + 2 CPU cluster check (default: the first shape; 'none' skips)")
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("GPU_BENCH_WORK", "/tmp/edgepipe-gpu-bench")))
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
+    ap.add_argument("--budget-s", type=float, default=120, help="decode time limit per configuration")
+    args = ap.parse_args()
+
+    from edgepipe.bench.synthetic import SHAPES, write_synthetic_gguf
+    from edgepipe.model.importer import import_model
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    gpu_env = dict(SOFTWARE_ENV) if args.software else {}
+    args.work.mkdir(parents=True, exist_ok=True)
+    report = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+              "software_adapter": args.software, "shapes": []}
+    packages = {}
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        gguf_path = args.work / f"{name}.gguf"
+        t0 = time.perf_counter()
+        if not gguf_path.exists():
+            write_synthetic_gguf(gguf_path, **shape)
+        written = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        package = import_model(gguf_path, args.work / "home" / "models", measure_cost=False)
+        packages[name] = package
+        entry = {"shape": name, **shape, "file_gb": round(gguf_path.stat().st_size / 1e9, 2), "write_s": round(written, 1),
+                 "import_s": round(time.perf_counter() - t0, 1), "runs": []}
+        print(f"== {name}: file {entry['file_gb']} GB, import {entry['import_s']} s", flush=True)
+        jobs = [{"device": "cpu", "form": "cpu", "threads": args.threads}]
+        jobs += [{"device": "gpu", "form": f, "threads": 2} for f in args.forms.split(",")]
+        for job in jobs:
+            job.update(package=str(package), prompt=args.prompt, steps=args.steps, budget_s=args.budget_s)
+            result = run_child(job, {**env, **(gpu_env if job["device"] == "gpu" else {})}, timeout=args.budget_s + 300)
+            result.setdefault("device", job["device"])
+            result.setdefault("form", job["form"])
+            print("  ", {k: v for k, v in result.items() if k != "tokens"}, flush=True)
+            entry["runs"].append(result)
+        cpu_tokens = entry["runs"][0].get("tokens") or []
+        for r in entry["runs"][1:]:
+            if r.get("tokens"):
+                r["same_tokens_as_cpu"] = sum(1 for _ in zip(cpu_tokens, r["tokens"]) if _[0] == _[1])
+                r["speedup_vs_cpu"] = round(r["tok_s"] / entry["runs"][0]["tok_s"], 2) if entry["runs"][0].get("tok_s") else None
+        report["shapes"].append(entry)
+        _write(report, args.out)
+    cluster_shape = args.cluster_shape or args.shapes.split(",")[0]
+    if cluster_shape != "none":
+        print(f"== cluster: 1 GPU + 2 CPU workers, {cluster_shape}", flush=True)
+        report["cluster"] = {"shape": cluster_shape, **cluster_check(packages[cluster_shape], args.work / "home", env, gpu_env)}
+        print("  ", report["cluster"], flush=True)
+    _write(report, args.out)
+
+
+def _write(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    m = report["machine"]
+    lines = [f"# GPU stage vs CPU stage ({report['date']})", "",
+             f"Machine: {m['nproc']} CPU cores ({m['cpu']}), GPU: {m['gpu'] or ('SwiftShader (software)' if report['software_adapter'] else 'none found')}, "
+             f"Python {m['python']}, load {m['load1']} at start.", "",
+             "| shape | engine | graph form | decode tok/s | x CPU | weight GB/s | prefill s | host<->device B/step | tokens = CPU's |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for s in report["shapes"]:
+        for r in s["runs"]:
+            if "error" in r:
+                lines.append(f"| {s['shape']} | {r['device']} | {r['form']} | error: {r['error'][:120]} | | | | | |")
+                continue
+            engine = f"CPU, {r['threads']} threads" if r["form"] == "cpu" and r["device"].startswith("cpu") else r["device"]
+            lines.append(f"| {s['shape']} | {engine} | {r['form']} | {r['tok_s']} | {r.get('speedup_vs_cpu', 1.0)} | {r['weight_gb_s']} | "
+                         f"{r['prefill_s']} | {r['host_bytes_per_step']} | {r.get('same_tokens_as_cpu', '-')} / {len(r['tokens'])} |")
+    c = report.get("cluster")
+    if c:
+        lines += ["", f"Cluster on this machine ({c['shape']}): " + (
+            f"stages {[(st['worker'], st['start'], st['end']) for st in c['stages']]}; "
+            f"API tokens equal the one-process pipeline on the same devices: **{c.get('equal')}** ({len(c.get('api_tokens', []))} tokens)"
+            if "error" not in c else f"error: {c['error']}")]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

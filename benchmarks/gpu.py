@@ -89,8 +89,116 @@ def child(job: dict) -> dict:
             "providers": runner.session.get_providers(), "tokens": tokens}
 
 
+def profile_child(job: dict) -> dict:
+    """Where a GPU decode step goes: the layers and the head timed as stages of their own, then
+    ONNX Runtime's profiler over a few steps of each (host-side time per op type and provider;
+    a GPU EP's waits land in its Memcpy nodes)."""
+    import collections
+
+    import numpy as np
+    import onnxruntime as ort
+
+    from edgepipe.model.package import Package
+    from edgepipe.runtime.devices import resolve
+    from edgepipe.runtime.stage_runner import SamplingBatch
+
+    pkg = Package(job["package"])
+    n = len(pkg.manifest.units)
+    device = resolve(job["device"])
+    out = {}
+    real = ort.InferenceSession
+    for name, (a, b) in (("layers", (0, n - 1)), ("head", (n - 1, n))):
+        for profiled in (False, True):
+            def make(path, options=None, providers=None, **kw):
+                if profiled:
+                    options.enable_profiling = True
+                    options.profile_file_prefix = f"/tmp/edgepipe-prof-{name}"
+                return real(path, options, providers=providers)
+            ort.InferenceSession = make
+            try:
+                runner = pkg.runner(a, b, threads=job["threads"], verify=False, device=device)
+            finally:
+                ort.InferenceSession = real
+            greedy = SamplingBatch.greedy(1) if runner.emits_tokens else None
+            hidden = pkg.manifest.units[1].out_bytes_per_token // 4
+            x = np.array([[5] * 16], np.int64) if runner.takes_token_ids else np.random.default_rng(0).random((1, 16, hidden), np.float32)
+            runner.run("s", x, greedy)
+            step = x[:, -1:]
+            times = []
+            for _ in range(12 if profiled else 24):
+                t0 = time.perf_counter()
+                runner.run("s", step, greedy)
+                times.append(time.perf_counter() - t0)
+            if not profiled:
+                out[name + "_step_ms"] = round(float(np.median(times[2:])) * 1e3, 2)
+                if name == "head":  # the same head on the CPU, for a split of layers on the GPU, head on the CPU
+                    cpu_head = pkg.runner(a, b, threads=job.get("cpu_threads", 16), verify=False)
+                    cpu_head.run("s", x, greedy)
+                    cpu_times = []
+                    for _ in range(12):
+                        t0 = time.perf_counter()
+                        cpu_head.run("s", step, greedy)
+                        cpu_times.append(time.perf_counter() - t0)
+                    out["head_on_cpu_step_ms"] = round(float(np.median(cpu_times[2:])) * 1e3, 2)
+                continue
+            events = json.load(open(runner.session.end_profiling()))
+            by_op = collections.Counter()
+            for e in events:
+                if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+                    by_op[f"{e['args'].get('op_name')}@{e['args'].get('provider', '?').replace('ExecutionProvider', '')}"] += e["dur"]
+            runs = [e["dur"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
+            out[name + "_profile"] = {"model_run_ms": round(float(np.median(runs)) / 1e3, 2) if runs else None,
+                                      "top_ops_ms_per_step": {k: round(v / 13 / 1e3, 2) for k, v in by_op.most_common(10)}}
+    return out
+
+
+def products_child(job: dict) -> dict:
+    """One ``[1, K] x [K, N]`` product per session on the GPU, as 4-bit and 8-bit MatMulNBits and as
+    a float MatMul, timed alone (median of 30 runs, output read back): which kernels a GPU form
+    should use, e.g. for the head's vocab-wide product."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edgepipe.runtime.devices import add_to_session, resolve
+
+    device = resolve(job["device"])
+    rng = np.random.default_rng(0)
+    out = {}
+    for n, k in job["shapes"]:
+        for kind in ("nbits4", "nbits8", "float32"):
+            x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])
+            y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])
+            if kind == "float32":
+                inits = [numpy_helper.from_array(rng.standard_normal((k, n), np.float32) * 0.01, "w")]
+                node = helper.make_node("MatMul", ["x", "w"], ["y"])
+            else:
+                bits = 4 if kind == "nbits4" else 8
+                blocks = k // 32
+                inits = [numpy_helper.from_array(rng.integers(0, 255, (n, blocks, 32 * bits // 8), dtype=np.uint8), "q"),
+                         numpy_helper.from_array((rng.random(n * blocks, np.float32) * 0.01), "s")]
+                node = helper.make_node("MatMulNBits", ["x", "q", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=32)
+            model = helper.make_model(helper.make_graph([node], kind, [x], [y], inits),
+                                      opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)], ir_version=10)
+            options = ort.SessionOptions()
+            session = ort.InferenceSession(model.SerializeToString(), options, providers=add_to_session(options, device))
+            feed = {"x": rng.standard_normal((1, k), np.float32)}
+            for _ in range(3):
+                session.run(None, feed)
+            times = []
+            for _ in range(30):
+                t0 = time.perf_counter()
+                session.run(None, feed)
+                times.append(time.perf_counter() - t0)
+            out[f"{kind} N={n} K={k}"] = round(float(np.median(times)) * 1e3, 3)
+    return out
+
+
 def run_child(job: dict, env: dict, timeout: float) -> dict:
-    code = "import json, sys; sys.path.insert(0, %r); from benchmarks.gpu import child; print('RESULT', json.dumps(child(json.loads(sys.argv[1]))))" % str(ROOT)
+    entry = "profile_child" if job.get("profile") else "products_child" if job.get("products") else "child"
+    code = ("import json, sys; sys.path.insert(0, %r); from benchmarks.gpu import %s; print('RESULT', json.dumps(%s(json.loads(sys.argv[1]))))"
+            % (str(ROOT), entry, entry))
     try:
         done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -208,6 +316,9 @@ def main() -> None:
     ap.add_argument("--cluster-shape", default=None, help="shape for the GPU + 2 CPU cluster check (default: the first shape; 'none' skips)")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("GPU_BENCH_WORK", "/tmp/edgepipe-gpu-bench")))
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
+    ap.add_argument("--products", action="store_true", help="time single 4-bit / 8-bit / float products on the GPU first")
+    ap.add_argument("--product-shapes", default="128256x2048,128256x4096,8192x2048,4096x4096", help="NxK, comma-separated")
+    ap.add_argument("--profile", action="store_true", help="also time the layers and the head apart on the GPU, with ONNX Runtime's profiler")
     ap.add_argument("--budget-s", type=float, default=120, help="decode time limit per configuration")
     args = ap.parse_args()
 
@@ -220,6 +331,10 @@ def main() -> None:
     report = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
               "software_adapter": args.software, "shapes": []}
     packages = {}
+    if args.products:
+        report["products_ms"] = run_child({"products": True, "device": "gpu", "shapes": [[int(v) for v in p.split("x")] for p in args.product_shapes.split(",")]},
+                                          {**env, **gpu_env}, timeout=300)
+        print("== products (ms):", report["products_ms"], flush=True)
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         gguf_path = args.work / f"{name}.gguf"
@@ -247,6 +362,10 @@ def main() -> None:
             if r.get("tokens"):
                 r["same_tokens_as_cpu"] = sum(1 for _ in zip(cpu_tokens, r["tokens"]) if _[0] == _[1])
                 r["speedup_vs_cpu"] = round(r["tok_s"] / entry["runs"][0]["tok_s"], 2) if entry["runs"][0].get("tok_s") else None
+        if args.profile:
+            entry["gpu_profile"] = run_child({"profile": True, "device": "gpu", "threads": 2, "package": str(package), "cpu_threads": args.threads},
+                                             {**env, **gpu_env}, timeout=args.budget_s + 300)
+            print("   profile:", entry["gpu_profile"], flush=True)
         report["shapes"].append(entry)
         _write(report, args.out)
     cluster_shape = args.cluster_shape or args.shapes.split(",")[0]

@@ -530,11 +530,17 @@ def gpu_form(model: onnx.ModelProto) -> onnx.ModelProto:
     """The form of a graph for GPU execution providers: block sums as a product, not a reduction.
 
     The block-minimum term of Q4_K / Q5_K / Q4_1 weights is ``BlockSum(x) @ offsets`` (see
-    ``_Graph._block_offsets``). ONNX Runtime's WebGPU ``ReduceSum`` over the last axis of
-    ``[.., blocks, 32]`` took over half of an 8B decode step on an H100 (one small dispatch
-    per block row), while a MatMul by a column of ones — the same sum, every term times an exact
-    1.0 — runs as one tiled product. Weights and results are unchanged (only the order of the
-    32 additions may differ); a graph without block sums comes back as it was (same bytes)."""
+    ``_Graph._block_offsets``): its ``ReduceSum`` over the last axis of ``[.., blocks, 32]``
+    becomes a MatMul by a column of ones — the same sum, every term times an exact 1.0 — one
+    tiled product where the WebGPU reduction dispatches per block row.
+
+    The head's ``LogSoftmax`` has no WebGPU kernel: on the CPU it split a step into two trips
+    (logits to the host, log-probabilities back for TopK / GatherElements), each a full sync,
+    18 ms of a 1B-shaped step of 28 ms on an H100. Written as ``x - max - log(sum(exp(x - max)))``
+    every op stays on the GPU and the step reads back once, at its end.
+
+    Weights are unchanged (only the order of additions may differ); a graph with neither comes
+    back as it was (same bytes)."""
     producers = {o: n for n in model.graph.node for o in n.output}
     inits = {i.name: i for i in model.graph.initializer}
     targets = []
@@ -549,7 +555,9 @@ def gpu_form(model: onnx.ModelProto) -> onnx.ModelProto:
         axes = numpy_helper.to_array(inits[node.input[1]]) if node.input[1] in inits else None
         if keepdims == 0 and axes is not None and axes.tolist() == [-1] and block > 1:
             targets.append((node, block))
-    if not targets:
+    log_softmax = {n.output[0] for n in model.graph.node if n.op_type == "LogSoftmax" and not n.domain
+                   and next((a.i for a in n.attribute if a.name == "axis"), -1) == -1}
+    if not targets and not log_softmax:
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -558,6 +566,12 @@ def gpu_form(model: onnx.ModelProto) -> onnx.ModelProto:
     ones = {b: g.const(np.ones((b, 1), np.float32), f"ones{b}") for b in {b for _, b in targets}}
     by_output = {n.output[0]: b for n, b in targets}
     for node in out.graph.node:
+        if node.output[0] in log_softmax:
+            top = g.op1("ReduceMax", [node.input[0], last], keepdims=1)
+            shifted = g.op1("Sub", [node.input[0], top])
+            total = g.op1("ReduceSum", [g.op1("Exp", [shifted]), last], keepdims=1)
+            g.op("Sub", [shifted, g.op1("Log", [total])], out=[node.output[0]])
+            continue
         if node.output[0] not in by_output:
             g.nodes.append(node)
             continue

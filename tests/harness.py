@@ -54,8 +54,8 @@ class Server:
             time.sleep(0.2)
         raise TimeoutError(f"server did not reach the expected state; last status {last}")
 
-    def worker(self, *args: str, home=None) -> subprocess.Popen:
-        env = {**os.environ}
+    def worker(self, *args: str, home=None, env: dict | None = None) -> subprocess.Popen:
+        env = {**os.environ, **(env or {})}
         env.pop("EDGEPIPE_JOIN_TOKEN", None)
         if home is not None:
             env["EDGEPIPE_HOME"] = str(home)

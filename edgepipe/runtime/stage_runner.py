@@ -531,6 +531,8 @@ class StageRunner:
         new = int(x.shape[1])
         if new > 1 and len(seqs) > 1:
             raise ValueError("multi-token steps (prefill) run one sequence at a time")
+        if pool.on_device and new > 1 and self.layers and pool.rows > (0 if seqs[0] not in pool.row_of else 1):
+            return self._prefill_alone(seqs[0], x, sampling)
         for seq in seqs:
             if seq not in pool.row_of:
                 pool.add(seq)
@@ -603,6 +605,26 @@ class StageRunner:
             pool.length[seq] = total
         pool.trim(seqs)  # sliding-window layers drop what no later query sees
         return out[np.array(rows) - lo]
+
+    def _prefill_alone(self, seq: str, x: np.ndarray, sampling: SamplingBatch | None) -> np.ndarray:
+        """A multi-token step of one sequence in a device pool of several rows: attention takes a
+        prefill one row at a time, and device memory has no row views, so the sequence's KV goes
+        through a one-row pool of its own (its positions pass through the host, once each way)."""
+        main = self._pool
+        kv, length = (self.export_kv(seq), main.length[seq]) if seq in main.row_of else ({}, 0)
+        self._pool = _KVPool(main.layers, main.kv_heads, main.head_dim, main.window, tuple(int(n.split(".")[1]) for n in main.window_names
+                                                                                           if n.startswith("key.")), main.memory_info)
+        self._bound_key = None
+        try:
+            if length:
+                self.import_kv(seq, kv, length)
+            out = self.run_batch([seq], x, sampling)
+            kv, length = self.export_kv(seq), self._pool.length[seq]
+        finally:
+            self._pool.drop(seq)
+            self._pool, self._bound_key = main, None
+        self.import_kv(seq, kv, length)
+        return out
 
     def _bind_host(self, binding, name: str, array: np.ndarray) -> None:
         binding.bind_cpu_input(name, array)

@@ -1,0 +1,179 @@
+"""GPU stages on ONNX Runtime's WebGPU EP, in CI on a software adapter (SwiftShader, from Debian's
+chromium): the device a worker resolves to, KV resident in device memory, what crosses between
+host and device per step, KV moves between device kinds, and a GPU worker serving the bundled model
+beside CPU workers with the tokens of the single process on the same devices.
+
+GPU code runs in child processes: the WebGPU EP is registered once per process, and only those
+processes may see the software adapter (a local worker of another test must not pick it up)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from edgepipe.runtime.devices import CPU, resolve
+
+SWIFTSHADER_ICD = Path("/usr/lib/chromium/vk_swiftshader_icd.json")
+SOFTWARE_GPU = {"VK_ICD_FILENAMES": str(SWIFTSHADER_ICD), "ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER": "1"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_child(code: str, env: dict, home: Path, timeout: float = 300) -> dict:
+    """Run ``code`` in a fresh interpreter; it prints ``RESULT <json>`` as its last line."""
+    full = {**os.environ, "EDGEPIPE_HOME": str(home), **env}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    line = next((ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("RESULT ")), None)
+    assert done.returncode == 0 and line, f"child failed ({done.returncode}):\n{done.stderr[-3000:]}"
+    return json.loads(line[7:])
+
+
+@pytest.fixture(scope="module")
+def software_gpu():
+    assert SWIFTSHADER_ICD.is_file(), f"{SWIFTSHADER_ICD} is missing: Debian's chromium ships SwiftShader (bootstrap.sh test installs it)"
+    return SOFTWARE_GPU
+
+
+def test_device_specs_and_the_cpu_fallback_say_why(home):
+    assert resolve("cpu") == CPU and not CPU.is_gpu
+    with pytest.raises(ValueError, match="--device must be"):
+        resolve("tpu")
+    # Without the software adapter allowed there is no GPU here: the CPU, with the reason in one line.
+    env = {k: "" for k in SOFTWARE_GPU} | {"ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER": "0"}
+    got = run_child("""
+        import json
+        from edgepipe.runtime.devices import resolve
+        d, n = resolve("gpu"), resolve("gpu:3")
+        print("RESULT", json.dumps({"kind": d.kind, "note": d.note, "n_note": n.note, "auto": resolve("auto").kind}))
+    """, env, home)
+    assert got["kind"] == "cpu" and got["auto"] == "cpu"
+    assert got["note"] and "\n" not in got["note"] and "adapter" in got["note"]
+    assert got["n_note"] and "\n" not in got["n_note"]
+
+
+def test_gpu_stage_keeps_kv_on_the_device_and_moves_only_activations(home, int4_pkg, software_gpu):
+    """Units [1, 4) of the bundled model on the software GPU: KV buffers live in device memory, a
+    decode step moves its input and output hidden rows (and lengths), a KV export from the GPU
+    imported into another GPU runner continues with the same bits, and batched rows give each
+    sequence what it gets alone."""
+    got = run_child("""
+        import json, collections
+        import numpy as np, onnxruntime as ort
+        from edgepipe.model.store import resolve as open_pkg
+        from edgepipe.runtime.devices import resolve
+        pkg = open_pkg("smollm2", "int4")
+        gpu = resolve("gpu")
+        assert gpu.is_gpu, gpu.note
+        H = pkg.manifest.config["hidden_size"]
+        rng = np.random.default_rng(0)
+        prompt = rng.standard_normal((1, 5, H)).astype(np.float32)
+        steps = rng.standard_normal((3, 1, 1, H)).astype(np.float32)
+        a = pkg.runner(1, 4, device=gpu)
+        cpu = pkg.runner(1, 4)
+        a.run("s", prompt); cpu.run("s", prompt)
+        outs, moved = [], []
+        for x in steps:
+            outs.append(a.run("s", x)); moved.append(a.host_bytes)
+        ref = [cpu.run("s", x) for x in steps]
+        devices = sorted({v.device_name() for v in a._pool.arrays.values()})
+        # KV export (host) -> a second GPU runner, then one more step on each: the same bits
+        kv = a.export_kv("s")
+        b = pkg.runner(1, 4, device=gpu)
+        b.import_kv("s", kv, a.length("s"))
+        nxt = rng.standard_normal((1, 1, H)).astype(np.float32)
+        same_after_move = bool(np.array_equal(a.run("s", nxt), b.run("s", nxt)))
+        # batched lanes on the device: t0 and t1 together, each also alone in a fresh runner
+        lanes = pkg.runner(1, 4, device=gpu)
+        alone = pkg.runner(1, 4, device=gpu)
+        p2 = rng.standard_normal((2, 1, 4, H)).astype(np.float32)
+        for i in range(2):
+            lanes.run(f"t{i}", p2[i]); alone.run(f"t{i}", p2[i])
+        y = rng.standard_normal((2, 1, H)).astype(np.float32)
+        together = lanes.run_batch(["t0", "t1"], y)
+        apart = np.concatenate([alone.run("t0", y[:1]), alone.run("t1", y[1:])])
+        print("RESULT", json.dumps({
+            "devices": devices, "moved": moved, "step_bytes": int(steps[0].nbytes),
+            "max_diff_vs_cpu": float(max(np.abs(o - r).max() for o, r in zip(outs, ref))),
+            "scale": float(np.abs(ref[0]).max()), "same_after_move": same_after_move,
+            "lanes_diff": float(np.abs(together - apart).max()), "kv_bytes": a.kv_bytes}))
+    """, software_gpu, home)
+    assert got["devices"] == ["webgpu"]
+    assert got["kv_bytes"] > 0
+    # input [1,1,H] + output [1,1,H] + seqlens_k and total length (int32): no KV crosses
+    assert all(m == 2 * got["step_bytes"] + 8 for m in got["moved"]), got["moved"]
+    assert got["max_diff_vs_cpu"] < 0.02 * got["scale"], got  # other arithmetic, the same model
+    assert got["same_after_move"]
+    assert got["lanes_diff"] < 1e-4 * got["scale"] + 1e-5, got
+
+
+def test_gpu_and_cpu_kv_move_between_device_kinds(home, int4_pkg, software_gpu):
+    """KV computed on the GPU continues on the CPU (a replay or move onto another kind of device):
+    the continuation is the CPU's arithmetic on the GPU's cache, close to the GPU's own."""
+    got = run_child("""
+        import json
+        import numpy as np
+        from edgepipe.model.store import resolve as open_pkg
+        from edgepipe.runtime.devices import resolve
+        pkg = open_pkg("smollm2", "int4")
+        H = pkg.manifest.config["hidden_size"]
+        rng = np.random.default_rng(1)
+        g = pkg.runner(1, 4, device=resolve("gpu"))
+        c = pkg.runner(1, 4)
+        g.run("s", rng.standard_normal((1, 6, H)).astype(np.float32))
+        c.import_kv("s", g.export_kv("s"), g.length("s"))
+        x = rng.standard_normal((1, 1, H)).astype(np.float32)
+        yg, yc = g.run("s", x), c.run("s", x)
+        print("RESULT", json.dumps({"diff": float(np.abs(yg - yc).max()), "scale": float(np.abs(yg).max()),
+                                    "lengths": [g.length("s"), c.length("s")]}))
+    """, software_gpu, home)
+    assert got["lengths"] == [7, 7]
+    assert got["diff"] < 0.02 * got["scale"], got
+
+
+def test_gpu_worker_serves_with_cpu_workers_exactly(home, int4_pkg, software_gpu):
+    """serve with two CPU workers, plus a worker on the software GPU holding a few units (memory
+    placement, a small budget): its hello says gpu and the adapter, it is sent the GPU form of its
+    stage, and the API's greedy tokens equal the single process on the same devices and cuts."""
+    from harness import Server
+
+    from edgepipe.runtime.local import generate
+    from edgepipe.runtime.sequence import GenerationParams
+
+    with Server(home, workers=2, args=("--placement", "memory", "--local-device", "cpu", "--worker-args", "--memory 1GB",
+                                       "--min-workers", "3"), wait_up=False) as server:
+        worker = server.worker("--name", "gpu0", "--device", "gpu", "--memory", "150MB", env=software_gpu)
+        try:
+            status = server.wait_for(lambda s: s["state"] == "up" and len(s["plan"]["stages"]) == 3, timeout=300)
+            stages = status["plan"]["stages"]
+            on_gpu = [i for i, s in enumerate(stages) if "gpu0" in s["worker"]]
+            assert len(on_gpu) == 1, stages
+            hello = next(w for w in server.status()["workers"] if "gpu0" in w["id"])
+            r = server.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Name a colour."}],
+                                                                  "max_tokens": 6, "temperature": 0, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            got = r.json()["choices"][0]["token_ids"]
+        finally:
+            worker.terminate()
+            worker.wait(30)
+    assert hello.get("device") == "gpu" and "software adapter" in (hello.get("adapter") or ""), hello
+    # The reference: the same cuts in one process, the GPU's stage on the software GPU.
+    code = f"""
+        import json
+        from edgepipe.model.store import resolve as open_pkg
+        from edgepipe.runtime.devices import resolve
+        from edgepipe.runtime.local import generate
+        from edgepipe.runtime.sequence import GenerationParams
+        pkg = open_pkg("smollm2", "int4")
+        tok = pkg.tokenizer
+        ids = tok.encode(tok.format_chat([{{"role": "user", "content": "Name a colour."}}]))
+        devices = [resolve("gpu") if i == {on_gpu[0]} else resolve("cpu") for i in range({len(stages)})]
+        out = generate(pkg.pipeline({[s["start"] for s in stages[1:]]}, devices=devices), ids, GenerationParams(max_tokens=6), tok.decode,
+                       pkg.manifest.eos_ids)
+        print("RESULT", json.dumps([t for t in out.tokens if t not in pkg.manifest.eos_ids]))
+    """
+    assert got == run_child(code, software_gpu, home)

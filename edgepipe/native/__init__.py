@@ -15,8 +15,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgepipe.native.build import BuildError, build_library
-
 DOMAIN = "edgepipe.gguf"
 MATMUL_OP = "GgufMatMul"
 
@@ -34,6 +32,8 @@ _cached: NativeLibrary | None = None
 def _locate() -> NativeLibrary:
     if os.environ.get("EDGEPIPE_NATIVE", "1") == "0":
         return NativeLibrary(None, "turned off by EDGEPIPE_NATIVE=0")
+    from edgepipe.native.build import BuildError, build_library  # here: `python -m ...build` imports this package first
+
     try:
         path = build_library()
     except BuildError as error:

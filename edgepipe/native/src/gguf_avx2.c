@@ -20,13 +20,6 @@ static inline float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline int hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm_cvtsi128_si32(s);
-}
-
 /* Sum of u8 x s8 products over 32 bytes, as 8 int32 lanes (one VNNI instruction where built for it). */
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #ifdef GGUF_USE_VNNI
@@ -122,33 +115,38 @@ static float dot_q8_0(int64_t nb, const uint8_t *w, const void *xv) {
     return hsum_ps(acc);
 }
 
-static inline void unpack_k_scales(const uint8_t *s, uint8_t *scale, uint8_t *minimum) {
-    for (int j = 0; j < 4; j++) {
-        scale[j] = s[j] & 63;
-        minimum[j] = s[j + 4] & 63;
-    }
-    for (int j = 4; j < 8; j++) {
-        scale[j] = (uint8_t)((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
-        minimum[j] = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-    }
+/* The 12 scale bytes of a Q4_K/Q5_K block -> eight 6-bit scales and eight 6-bit minimums, one
+ * byte each, by 32-bit word arithmetic: bytes 0-3 hold scales 0-3 (low 6 bits) and the top bits
+ * of scales 4-7, bytes 4-7 the same for the minimums, bytes 8-11 the low nibbles of 4-7. */
+static inline void unpack_k_scales(const uint8_t *s, uint64_t *scales, uint64_t *minimums) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    uint32_t scale_lo = a & 0x3F3F3F3Fu, scale_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
+    uint32_t min_lo = b & 0x3F3F3F3Fu, min_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+    *scales = scale_lo | ((uint64_t)scale_hi << 32);
+    *minimums = min_lo | ((uint64_t)min_hi << 32);
 }
 
-/* Sum over the eight sub-blocks of minimum[j] x (bsums[2j] + bsums[2j+1]). */
-static inline int minimum_sum(const uint8_t *minimum, const int16_t *bsums) {
+/* minimum[j] x (bsums[2j] + bsums[2j+1]) over the eight sub-blocks, as 8 int32 lanes to sum later. */
+static inline __m256i minimum_products(uint64_t minimums, const int16_t *bsums) {
     __m256i sums = _mm256_loadu_si256((const __m256i *)bsums);
-    __m128i m8 = _mm_loadl_epi64((const __m128i *)minimum);
+    __m128i m8 = _mm_cvtsi64_si128((long long)minimums);
     __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)); /* each minimum twice */
-    return hsum_epi32(_mm256_madd_epi16(sums, m16));
+    return _mm256_madd_epi16(sums, m16);
 }
+
+/* Sub-block j's scale in every int16 lane. */
+static inline __m256i scale_lanes(uint64_t scales, int j) { return _mm256_set1_epi16((short)((scales >> (8 * j)) & 0xFF)); }
 
 static float dot_q4_k(int64_t nb, const uint8_t *w, const void *xv) {
     const act_block256 *x = xv;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps();
-    float minimums = 0.0f;
+    __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 144) {
-        uint8_t scale[8], minimum[8];
-        unpack_k_scales(w + 4, scale, minimum);
+        uint64_t scale, minimum;
+        unpack_k_scales(w + 4, &scale, &minimum);
         const uint8_t *qs = w + 16;
         const int8_t *xq = x[b].qs;
         __m256i isum = _mm256_setzero_si256();
@@ -158,23 +156,23 @@ static float dot_q4_k(int64_t nb, const uint8_t *w, const void *xv) {
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * g)));
             __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * g + 32)));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_lo, _mm256_set1_epi16(scale[2 * g])));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_hi, _mm256_set1_epi16(scale[2 * g + 1])));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_lo, scale_lanes(scale, 2 * g)));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_hi, scale_lanes(scale, 2 * g + 1)));
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w)), _mm256_cvtepi32_ps(isum), acc);
-        minimums += x[b].d * half_at(w + 2) * (float)minimum_sum(minimum, x[b].bsums);
+        acc_min = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w + 2)),
+                                  _mm256_cvtepi32_ps(minimum_products(minimum, x[b].bsums)), acc_min);
     }
-    return hsum_ps(acc) - minimums;
+    return hsum_ps(_mm256_sub_ps(acc, acc_min));
 }
 
 static float dot_q5_k(int64_t nb, const uint8_t *w, const void *xv) {
     const act_block256 *x = xv;
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps();
-    float minimums = 0.0f;
+    __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 176) {
-        uint8_t scale[8], minimum[8];
-        unpack_k_scales(w + 4, scale, minimum);
+        uint64_t scale, minimum;
+        unpack_k_scales(w + 4, &scale, &minimum);
         const uint8_t *qs = w + 48;
         const int8_t *xq = x[b].qs;
         __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
@@ -188,13 +186,14 @@ static float dot_q5_k(int64_t nb, const uint8_t *w, const void *xv) {
             __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), h_hi);
             __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * g)));
             __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * g + 32)));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_lo, _mm256_set1_epi16(scale[2 * g])));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_hi, _mm256_set1_epi16(scale[2 * g + 1])));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_lo, scale_lanes(scale, 2 * g)));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_hi, scale_lanes(scale, 2 * g + 1)));
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w)), _mm256_cvtepi32_ps(isum), acc);
-        minimums += x[b].d * half_at(w + 2) * (float)minimum_sum(minimum, x[b].bsums);
+        acc_min = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w + 2)),
+                                  _mm256_cvtepi32_ps(minimum_products(minimum, x[b].bsums)), acc_min);
     }
-    return hsum_ps(acc) - minimums;
+    return hsum_ps(_mm256_sub_ps(acc, acc_min));
 }
 
 static float dot_q6_k(int64_t nb, const uint8_t *w, const void *xv) {

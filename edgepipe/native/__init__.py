@@ -17,6 +17,8 @@ from pathlib import Path
 
 DOMAIN = "edgepipe.gguf"
 MATMUL_OP = "GgufMatMul"
+# GGML type ids of the block types GgufMatMul runs (its `qtype` attribute).
+GGML_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
 @dataclass(frozen=True)
@@ -70,3 +72,20 @@ def reset_for_tests() -> None:
     global _cached
     with _lock:
         _cached = None
+
+
+def graph_needs_gguf_kernel(graph_path: str | Path) -> bool:
+    """Whether an ONNX graph file uses the `edgepipe.gguf` domain (weights are external, so the
+    file is small; a worker has no `onnx` package to parse it with)."""
+    return DOMAIN.encode() in Path(graph_path).read_bytes()
+
+
+def register_gguf_kernel(options, graph_path: str | Path) -> None:
+    """Register the library with ONNX Runtime `options` when the graph needs it; raises
+    RuntimeError with the one-line reason when it needs it and there is none."""
+    if not graph_needs_gguf_kernel(graph_path):
+        return
+    library = native_library()
+    if library.path is None:
+        raise RuntimeError(f"{Path(graph_path).name} uses {DOMAIN} ops but the GGUF kernel library is unavailable: {library.reason}")
+    options.register_custom_ops_library(str(library.path))

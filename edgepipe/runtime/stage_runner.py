@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from ..native import register_gguf_kernel
+
 KV_BLOCK = 256
 WINDOW_SLACK = 64  # a sliding-window layer drops old positions in steps of this many (window_start)
 
@@ -375,6 +377,7 @@ class StageRunner:
         # Spinning threads win on an idle machine but halve throughput when another process (or
         # another stage's session in this process) needs the core: callers decide (spin_by_default).
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+        register_gguf_kernel(options, graph_path)  # graphs of the `gguf` precision run the native kernel library
         self.session = ort.InferenceSession(str(graph_path), options, providers=["CPUExecutionProvider"])
         inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = [o.name for o in self.session.get_outputs()]

@@ -18,7 +18,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from onnx import TensorProto, helper
 
 from edgepipe.model.store import missing_reference, reference_gguf
-from edgepipe.native import DOMAIN, MATMUL_OP, gguf_kernel_library, native_library, reset_for_tests
+from edgepipe.native import DOMAIN, GATHER_OP, MATMUL_OP, gguf_kernel_library, native_library, reset_for_tests
 from edgepipe.native.build import BuildError, build_library
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
@@ -184,3 +184,25 @@ def test_library_absent_or_unbuildable_is_one_line(monkeypatch, tmp_path):
         assert built is not None and built.is_relative_to(tmp_path)
     finally:
         reset_for_tests()
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_gather_dequantizes_rows_exactly(kind, library):
+    """GgufGather's rows equal gguf's dequantize bit for bit (up to the sign of zero)."""
+    rng = np.random.default_rng(100 + TYPES.index(kind))
+    k, rows = 512, 30
+    raw = random_blocks(kind, rows, k, rng)
+    node = helper.make_node(GATHER_OP, ["table", "ids"], ["y"], domain=DOMAIN, qtype=int(gguf.GGMLQuantizationType[kind]))
+    graph = helper.make_graph([node], "gather", [helper.make_tensor_value_info("table", TensorProto.UINT8, ["rows", "bytes"]),
+                                                 helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", k])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    ids = np.array([[0, 29, 7, 7, 13]], np.int64)
+    y = session.run(None, {"table": raw, "ids": ids})[0]
+    expected = dequantized(raw, kind, k)[ids] + np.float32(0)
+    assert y.shape == (1, 5, k) and np.array_equal((y + np.float32(0)).view(np.uint32), expected.view(np.uint32))
+    with pytest.raises(Exception, match="GgufGather: id 30 is outside the table's 30 rows"):
+        session.run(None, {"table": raw, "ids": np.array([[30]], np.int64)})

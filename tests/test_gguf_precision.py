@@ -56,6 +56,10 @@ def test_layers_are_the_files_bytes_run_by_the_kernel(pkg):
     graph = onnx.load(pkg.blob(m.variant(1, "gguf").graph), load_external_data=False)
     ops = [n.op_type for n in graph.graph.node]
     assert ops.count("GgufMatMul") == 4 and "MatMulNBits" not in ops  # qkv, attn_output, gate_up, ffn_down
+    # the tied Q8_0 table: one blob of the file's bytes, gathered by the embedding, multiplied by the head
+    embed, head = m.variant(0, "gguf"), m.variant(len(m.units) - 1, "gguf")
+    assert set(embed.files) <= set(head.files) and embed.weight_bytes == file_bytes["token_embd.weight"]
+    assert "GgufGather" in [n.op_type for n in onnx.load(pkg.blob(embed.graph), load_external_data=False).graph.node]
 
 
 def test_gguf_cuts_equal_one_runner_and_agree_with_native(pkg):
@@ -75,3 +79,18 @@ def test_without_the_library_gguf_graphs_refuse_in_one_line(pkg, monkeypatch):
         assert len(tokens(pkg, "native", n=4)) == 4  # the MatMulNBits graphs need nothing native
     finally:
         reset_for_tests()
+
+
+def test_qwen_gguf_package_is_the_files_size(tmp_path):
+    """The 0.5B Qwen (Q5_0/Q8_0/Q4_K/Q6_K, untied head): every weight as stored, ~the file's size."""
+    from edgepipe.model.importer import import_model
+    from edgepipe.model.package import Package
+    from edgepipe.model.store import missing_reference, reference_gguf
+
+    if missing := missing_reference("qwen05"):
+        pytest.fail(missing)
+    package = Package(import_model(reference_gguf("qwen05"), tmp_path, "gguf", measure_cost=False))
+    m = package.manifest
+    size = sum(package.blob(s).stat().st_size for s in m.stage_files(0, len(m.units)))
+    assert size <= 1.05 * reference_gguf("qwen05").stat().st_size
+    assert len(tokens(package, "gguf", cuts=[7], n=8)) == 8

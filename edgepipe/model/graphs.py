@@ -26,6 +26,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..native import DOMAIN as GGUF_DOMAIN
+from ..native import GATHER_OP as GGUF_GATHER
 from ..native import GGML_TYPE_IDS
 from ..native import MATMUL_OP as GGUF_MATMUL
 from .config import ModelConfig
@@ -172,7 +173,10 @@ def rotary_tables(cfg: ModelConfig, max_positions: int, freq_factors: np.ndarray
 def embedding_unit(cfg: ModelConfig, table: Weight) -> onnx.ModelProto:
     g = _Graph("embed.")
     out = hidden_name(1)
-    if isinstance(table, (BlockQuantized, StoredBlocks)):
+    if isinstance(table, StoredGGUF):  # the file's blocks, dequantized per row by the kernel library
+        raw = g.external(table.raw, "table.gguf", TensorProto.UINT8, [table.shape[0], table.raw.nbytes // table.shape[0]])
+        y = g.op1(GGUF_GATHER, [raw, "input_ids"], domain=GGUF_DOMAIN, qtype=GGML_TYPE_IDS[table.kind])
+    elif isinstance(table, (BlockQuantized, StoredBlocks)):
         y = _gather_blocks(g, table)
     else:
         y = g.op1("Gather", [g.const(table, "table"), "input_ids"], axis=0)

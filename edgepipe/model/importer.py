@@ -371,7 +371,13 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str, writer: _Bl
 
 
 def _embedding_table(src, precision: str, writer: _BlobWriter | None = None, meter: _ReadMeter | None = None):
-    if precision in ("native", "gguf"):  # a gather of rows: GatherBlockQuantized on the native layout
+    if precision == "gguf":
+        from ..native import GGML_TYPE_IDS
+
+        if src.tensor("token_embd.weight").kind in GGML_TYPE_IDS:  # GgufGather rows (and a tied head's GgufMatMul)
+            return _gguf_linear(src, ["token_embd.weight"], writer, meter)
+        precision = "native"
+    if precision == "native":
         table = _native_linear(src, ["token_embd.weight"], writer, meter) if src.tensor("token_embd.weight").kind not in FLOAT_TYPES else None
         if isinstance(table, StoredBlocks) and table.zero_points is None:
             return table

@@ -51,6 +51,9 @@ void gguf_quantize_row32(const float *x, act_block32 *out, int64_t k);
 
 float gguf_half_to_float(uint16_t h);
 
+/* One row of K weights as floats, equal to gguf-py's dequantize bit for bit. */
+void gguf_dequantize_row(int qtype, const uint8_t *row, float *out, int64_t k);
+
 /* Fill `table[qtype]` with this ISA's dot products (NULL where the type is not supported). */
 void gguf_table_portable(gguf_vec_dot table[GGUF_TYPE_SLOTS]);
 void gguf_table_avx2(gguf_vec_dot table[GGUF_TYPE_SLOTS]);

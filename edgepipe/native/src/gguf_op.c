@@ -1,7 +1,9 @@
-/* ONNX Runtime custom-op library: domain `edgepipe.gguf`, op `GgufMatMul`.
+/* ONNX Runtime custom-op library: domain `edgepipe.gguf`, ops `GgufMatMul` and `GgufGather`.
  *
- *   y[..., N] = x[..., K] (fp32) . W^T, with W the GGUF tensor's raw blocks, uint8 [N, K / block
- *   x block_bytes], attribute `qtype` = the GGML type id.
+ *   GgufMatMul: y[..., N] = x[..., K] (fp32) . W^T, with W the GGUF tensor's raw blocks, uint8
+ *   [N, K / block x block_bytes], attribute `qtype` = the GGML type id.
+ *   GgufGather: y[..., K] = rows `ids[...]` (int64) of a table of raw blocks, dequantized exactly
+ *   (an embedding kept at the file's size).
  *
  * Each row of x is quantized per block to 8 bits (per 256 with 16-value sums for the k-quants, per
  * 32 with the block sum otherwise), then every output is integer block dot products scaled in
@@ -367,6 +369,85 @@ static const OrtCustomOp GGUF_MATMUL = {
     .KernelComputeV2 = compute,
 };
 
+
+/* ---- GgufGather ---- */
+
+static OrtStatus *compute_gather(void *kernel_data, OrtKernelContext *context) {
+    const gguf_kernel *kernel = kernel_data;
+    const OrtApi *api = kernel->api;
+    const OrtValue *table_value = NULL, *ids_value = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetInput)(context, 0, &table_value));
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetInput)(context, 1, &ids_value));
+    int64_t table_dims[8], ids_dims[8];
+    size_t table_rank = 0, ids_rank = 0;
+    RETURN_IF_ERROR(tensor_shape(api, table_value, table_dims, &table_rank));
+    RETURN_IF_ERROR(tensor_shape(api, ids_value, ids_dims, &ids_rank));
+    if (table_rank != 2 || ids_rank > 7) {
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT, "GgufGather: table must be [rows, row_bytes] and ids of rank <= 7");
+    }
+    const gguf_type_info *type = kernel->plan.type;
+    if (table_dims[1] <= 0 || table_dims[1] % type->block_bytes != 0) {
+        char error[256];
+        snprintf(error, sizeof error, "GgufGather: table rows of %lld bytes are not whole %d-byte blocks of type %d",
+                 (long long)table_dims[1], type->block_bytes, kernel->plan.qtype);
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
+    }
+    int64_t k = table_dims[1] / type->block_bytes * type->block_values, count = 1;
+    int64_t y_dims[8];
+    for (size_t i = 0; i < ids_rank; i++) {
+        y_dims[i] = ids_dims[i];
+        count *= ids_dims[i];
+    }
+    y_dims[ids_rank] = k;
+    OrtValue *y_value = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetOutput)(context, 0, y_dims, ids_rank + 1, &y_value));
+    void *table = NULL, *ids = NULL, *y = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)((OrtValue *)table_value, &table));
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)((OrtValue *)ids_value, &ids));
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)(y_value, &y));
+    for (int64_t i = 0; i < count; i++) {
+        int64_t id = ((const int64_t *)ids)[i];
+        if (id < 0 || id >= table_dims[0]) {
+            char error[160];
+            snprintf(error, sizeof error, "GgufGather: id %lld is outside the table's %lld rows", (long long)id,
+                     (long long)table_dims[0]);
+            return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
+        }
+        gguf_dequantize_row(kernel->plan.qtype, (const uint8_t *)table + id * table_dims[1], (float *)y + i * k, k);
+    }
+    return NULL;
+}
+
+static void compute_gather_v1(void *kernel, OrtKernelContext *context) {
+    OrtStatus *status = compute_gather(kernel, context);
+    if (status != NULL) ORT_FN(((gguf_kernel *)kernel)->api, ReleaseStatus)(status);
+}
+
+static const char *gather_name(const OrtCustomOp *op) { (void)op; return "GgufGather"; }
+static int gather_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? ORT_TENSOR_UINT8 : ORT_TENSOR_INT64; }
+
+static const OrtCustomOp GGUF_GATHER = {
+    .version = 16,
+    .CreateKernel = create_kernel_v1,
+    .GetName = gather_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = gather_input_type,
+    .GetInputTypeCount = input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelCompute = compute_gather_v1,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = default_memory,
+    .GetVariadicInputMinArity = one,
+    .GetVariadicInputHomogeneity = one,
+    .GetVariadicOutputMinArity = one,
+    .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute_gather,
+};
+
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
                                                                       const OrtApiBase *api_base) {
     const OrtApi *api = api_base->GetApi(ORT_API_VERSION_USED);
@@ -381,5 +462,6 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     OrtCustomOpDomain *domain = NULL; /* kept for the process's life: sessions refer to it */
     RETURN_IF_ERROR(ORT_FN(api, CreateCustomOpDomain)("edgepipe.gguf", &domain));
     RETURN_IF_ERROR(ORT_FN(api, CustomOpDomain_Add)(domain, &GGUF_MATMUL));
+    RETURN_IF_ERROR(ORT_FN(api, CustomOpDomain_Add)(domain, &GGUF_GATHER));
     return ORT_FN(api, AddCustomOpDomain)(options, domain);
 }

@@ -236,6 +236,80 @@ static float dot_q6_k(int64_t nb, const uint8_t *w, const void *xv) {
     return sum;
 }
 
+/* ---- dequantization of whole rows (embedding gathers): the same float operations, in the same
+ * order, as gguf-py's dequantize, so the values are equal bit for bit ---- */
+
+void gguf_dequantize_row(int qtype, const uint8_t *w, float *out, int64_t k) {
+    const gguf_type_info *type = gguf_type(qtype);
+    for (int64_t b = 0; b < k / type->block_values; b++, w += type->block_bytes) {
+        float *y = out + b * type->block_values;
+        switch (qtype) {
+        case GGUF_Q4_0:
+        case GGUF_Q4_1: {
+            int has_min = qtype == GGUF_Q4_1;
+            float d = half_at(w), m = has_min ? half_at(w + 2) : 0.0f;
+            const uint8_t *qs = w + (has_min ? 4 : 2);
+            for (int i = 0; i < 16; i++) {
+                int lo = qs[i] & 0x0F, hi = qs[i] >> 4;
+                y[i] = has_min ? d * (float)lo + m : d * (float)(lo - 8);
+                y[i + 16] = has_min ? d * (float)hi + m : d * (float)(hi - 8);
+            }
+            break;
+        }
+        case GGUF_Q5_0:
+        case GGUF_Q5_1: {
+            int has_min = qtype == GGUF_Q5_1;
+            float d = half_at(w), m = has_min ? half_at(w + 2) : 0.0f;
+            const uint8_t *qhp = w + (has_min ? 4 : 2), *qs = qhp + 4;
+            uint32_t qh = (uint32_t)qhp[0] | ((uint32_t)qhp[1] << 8) | ((uint32_t)qhp[2] << 16) | ((uint32_t)qhp[3] << 24);
+            for (int i = 0; i < 16; i++) {
+                int lo = (qs[i] & 0x0F) | (int)(((qh >> i) & 1u) << 4);
+                int hi = (qs[i] >> 4) | (int)(((qh >> (i + 16)) & 1u) << 4);
+                y[i] = has_min ? d * (float)lo + m : d * (float)(lo - 16);
+                y[i + 16] = has_min ? d * (float)hi + m : d * (float)(hi - 16);
+            }
+            break;
+        }
+        case GGUF_Q8_0: {
+            float d = half_at(w);
+            for (int i = 0; i < 32; i++) y[i] = d * (float)(int8_t)w[2 + i];
+            break;
+        }
+        case GGUF_Q4_K:
+        case GGUF_Q5_K: {
+            uint8_t scale[8], minimum[8];
+            unpack_k_scales(w + 4, scale, minimum);
+            float d = half_at(w), dmin = half_at(w + 2);
+            const uint8_t *qh = w + 16, *qs = w + (qtype == GGUF_Q4_K ? 16 : 48);
+            for (int j = 0; j < 8; j++) {
+                float dl = d * (float)scale[j], ml = dmin * (float)minimum[j];
+                const uint8_t *src = qs + 32 * (j / 2);
+                for (int l = 0; l < 32; l++) {
+                    int q = (src[l] >> (4 * (j % 2))) & 0x0F;
+                    if (qtype == GGUF_Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+                    y[32 * j + l] = dl * (float)q - ml;
+                }
+            }
+            break;
+        }
+        case GGUF_Q6_K: {
+            const uint8_t *ql = w, *qh = w + 128;
+            const int8_t *scales = (const int8_t *)(w + 192);
+            float d = half_at(w + 208);
+            for (int p = 0; p < 256; p++) {
+                int h = p / 128, r = p % 128;
+                int low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0F;
+                int high = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 0x03;
+                y[p] = (d * (float)scales[p / 16]) * (float)((low | (high << 4)) - 32);
+            }
+            break;
+        }
+        default:
+            break;
+        }
+    }
+}
+
 void gguf_table_portable(gguf_vec_dot table[GGUF_TYPE_SLOTS]) {
     memset(table, 0, sizeof(gguf_vec_dot) * GGUF_TYPE_SLOTS);
     table[GGUF_Q4_0] = dot_q4_0;

@@ -28,7 +28,7 @@ typedef struct OrtApiBase {
 } OrtApiBase;
 
 enum { ORT_ERR_FAIL = 1, ORT_ERR_INVALID_ARGUMENT = 2 };
-enum { ORT_TENSOR_FLOAT = 1, ORT_TENSOR_UINT8 = 2 };
+enum { ORT_TENSOR_FLOAT = 1, ORT_TENSOR_UINT8 = 2, ORT_TENSOR_INT64 = 7 };
 enum { ORT_IO_REQUIRED = 0 };
 
 /* Slot indices in the OrtApi function table. */

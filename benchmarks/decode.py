@@ -133,7 +133,7 @@ def matches(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
 
 
 def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_settings: list[int], agree_n: int,
-                has_llama: bool, budget_s: float, with_invariant: bool = False) -> dict:
+                has_llama: bool, budget_s: float, with_invariant: bool = False, precisions: tuple[str, ...] = ("native",)) -> dict:
     print(f"\n== {path.name} ({path.stat().st_size / 1e6:.0f} MB)", flush=True)
     t0 = time.perf_counter()
     pkg = resolve(str(path), "native", home)
@@ -142,9 +142,17 @@ def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_se
     tok = pkg.tokenizer
     prompt = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
     ep_bytes, gguf_bytes = streamed_bytes_edgepipe(pkg), streamed_bytes_gguf(path)
+    other_bytes = {}
+    for precision in precisions[1:] if precisions[0] == "native" else precisions:  # e.g. gguf: the kernel library's variant
+        other = resolve(str(path), precision, home)
+        other.stage_graph(0, len(other.manifest.units))
+        other_bytes[precision] = streamed_bytes_edgepipe(other)
     configs = []
     for threads in thread_settings:
-        configs.append({"label": "edgepipe", "engine": "edgepipe", "precision": "native", "threads": threads, "bytes": ep_bytes})
+        if "native" in precisions:
+            configs.append({"label": "edgepipe", "engine": "edgepipe", "precision": "native", "threads": threads, "bytes": ep_bytes})
+        for precision, nbytes in other_bytes.items():
+            configs.append({"label": f"edgepipe {precision}", "engine": "edgepipe", "precision": precision, "threads": threads, "bytes": nbytes})
         if with_invariant:
             configs.append({"label": "edgepipe batch-invariant", "engine": "edgepipe", "precision": "native", "threads": threads,
                             "bytes": ep_bytes, "batch_invariant": True})
@@ -180,7 +188,7 @@ def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_se
     for threads in thread_settings:
         for n in lengths:
             by = {r["engine"]: r for r in rows if r["threads"] == threads and r["new_tokens"] == n}
-            if "llama.cpp" in by:
+            if "llama.cpp" in by and "edgepipe" in by:
                 ratios.append({"threads": threads, "new_tokens": n,
                                "tok_s": round(by["edgepipe"]["decode_tok_s"] / by["llama.cpp"]["decode_tok_s"], 3),
                                "ttft": round(by["edgepipe"]["ttft_ms"] / by["llama.cpp"]["ttft_ms"], 3)})
@@ -249,6 +257,8 @@ def main() -> None:
     ap.add_argument("--home", help="edgepipe home (default $EDGEPIPE_HOME or the user data dir)")
     ap.add_argument("--budget", type=float, default=900, help="seconds of timed repetitions per model (default 900)")
     ap.add_argument("--with-invariant", action="store_true", help="also time edgepipe batch-invariant (serve --batch-invariant's runners)")
+    ap.add_argument("--precisions", nargs="+", default=["native"],
+                    help="edgepipe package variants to time, e.g. native gguf (gguf: the GGUF kernel library; default native)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     reps = args.reps or (1 if args.quick else 3)
@@ -268,7 +278,7 @@ def main() -> None:
     bandwidth = {f"{t}_threads": float(subprocess.run([sys.executable, "-c", probe, str(t)], capture_output=True, text=True,
                                                       check=True).stdout.split()[-1]) for t in sorted(set(thread_settings) | {1})}
     print(f"memory read bandwidth (numpy): {bandwidth} GB/s", flush=True)
-    per_model = [bench_model(m, home, reps, lengths, thread_settings, 48 if args.quick else 100, has_llama, args.budget, args.with_invariant) for m in models]
+    per_model = [bench_model(m, home, reps, lengths, thread_settings, 48 if args.quick else 100, has_llama, args.budget, args.with_invariant, tuple(args.precisions)) for m in models]
     synth = None
     if synthetic:
         work = Path(tempfile.mkdtemp(prefix="edgepipe-synth-", dir="/tmp"))

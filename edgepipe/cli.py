@@ -26,7 +26,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, KeyError, MemoryError, OSError)
 
 HomeOption = typer.Option(None, "--home", help="Where packages and caches live (default: $EDGEPIPE_HOME or the user data dir).")
 PrecisionOption = typer.Option("int4", "--precision", "-p", help="native (the GGUF's own blocks, exactly) | int4 | int8 | fp32 (re-quantize)")
-ImportPrecisionOption = typer.Option("native", "--precision", "-p", help="native: the GGUF's own blocks, exactly (default) | int4 | int8 | fp32: re-quantize every linear")
+ImportPrecisionOption = typer.Option("native", "--precision", "-p", help="native: the GGUF's own blocks, exactly (default) | int4 | int8 | fp32: re-quantize every linear | gguf: the file's bytes for the native kernel library")
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -90,7 +90,7 @@ def import_cmd(
     from .model.package import Package
     from .model.store import home_dir
 
-    if precision != "native" and source.suffix.lower() == ".gguf":
+    if precision not in ("native", "gguf") and source.suffix.lower() == ".gguf":
         err.print(f"re-quantizing every linear to {precision} (the default, native, keeps the file's own blocks exactly)")
     bar, report = _progress()
     try:

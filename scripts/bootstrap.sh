@@ -22,3 +22,7 @@ if [ "${1:-}" = "test" ]; then
 else
   $PIP install -e ".[server]"
 fi
+# The GGUF kernel library (edgepipe/native): built here with the system C compiler and cached by
+# source hash; without a compiler workers run the MatMulNBits graphs instead.
+.venv/bin/python -m edgepipe.native.build >/dev/null \
+  || echo "bootstrap: GGUF kernel library not built; workers will use the MatMulNBits graphs" >&2

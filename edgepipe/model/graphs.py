@@ -25,8 +25,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..native import DOMAIN as GGUF_DOMAIN
+from ..native import GATHER_OP as GGUF_GATHER
+from ..native import GGML_TYPE_IDS
+from ..native import MATMUL_OP as GGUF_MATMUL
 from .config import ModelConfig
-from .weights import BlockQuantized, Stored, StoredBlocks, Weight
+from .weights import BlockQuantized, Stored, StoredBlocks, StoredGGUF, Weight
 
 OPSET = 21
 IR_VERSION = 10  # the newest ONNX Runtime 1.32 and onnxruntime-web 1.30 both load
@@ -98,6 +102,9 @@ class _Graph:
         if isinstance(w, list):
             parts = [self.linear(x, p, f"{base}.{i}", rank=rank) for i, p in enumerate(w)]
             y = self.op1("Concat", parts, axis=-1)
+        elif isinstance(w, StoredGGUF):  # the file's blocks as stored, through the native kernel library
+            raw = self.external(w.raw, base + ".gguf", TensorProto.UINT8, [w.shape[0], w.raw.nbytes // w.shape[0]])
+            y = self.op1(GGUF_MATMUL, [x, raw], domain=GGUF_DOMAIN, qtype=GGML_TYPE_IDS[w.kind])
         elif isinstance(w, (BlockQuantized, StoredBlocks)):
             y = self._matmul_nbits(x, w, base)
             if w.offsets is not None:
@@ -149,6 +156,8 @@ class _Graph:
             graph, ir_version=IR_VERSION, producer_name="edgepipe",
             opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
         )
+        if any(n.domain == GGUF_DOMAIN for n in self.nodes):
+            model.opset_import.append(helper.make_opsetid(GGUF_DOMAIN, 1))
         return model
 
 
@@ -164,7 +173,10 @@ def rotary_tables(cfg: ModelConfig, max_positions: int, freq_factors: np.ndarray
 def embedding_unit(cfg: ModelConfig, table: Weight) -> onnx.ModelProto:
     g = _Graph("embed.")
     out = hidden_name(1)
-    if isinstance(table, (BlockQuantized, StoredBlocks)):
+    if isinstance(table, StoredGGUF):  # the file's blocks, dequantized per row by the kernel library
+        raw = g.external(table.raw, "table.gguf", TensorProto.UINT8, [table.shape[0], table.raw.nbytes // table.shape[0]])
+        y = g.op1(GGUF_GATHER, [raw, "input_ids"], domain=GGUF_DOMAIN, qtype=GGML_TYPE_IDS[table.kind])
+    elif isinstance(table, (BlockQuantized, StoredBlocks)):
         y = _gather_blocks(g, table)
     else:
         y = g.op1("Gather", [g.const(table, "table"), "input_ids"], axis=0)

@@ -32,8 +32,8 @@ from . import graphs
 from .config import ModelConfig, UnsupportedModel
 from .gguf_source import CorruptModel, GGUFSource
 from .manifest import FORMAT_VERSION, Manifest, Unit, UnitVariant, sha256_bytes, sha256_file
-from .weights import (FLOAT_TYPES, NATIVE_TYPES, PRECISIONS, BlockQuantized, Stored, StoredBlocks, concat_rows,
-                      quantize_symmetric8, to_precision)
+from .weights import (FLOAT_TYPES, NATIVE_TYPES, PRECISIONS, BlockQuantized, Stored, StoredBlocks, StoredGGUF,
+                      concat_rows, quantize_symmetric8, to_precision)
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total); phase "weights" counts bytes of the source
 INLINE_LIMIT = 1024  # tensors smaller than this stay inside the graph file
@@ -79,6 +79,8 @@ def import_model(
         raise FileNotFoundError(f"{source_path}: no such model file or folder")
     if precision == "native" and source_path.is_dir():
         precision = "int4"  # a Hugging Face folder holds float weights: no blocks of its own to keep
+    if precision == "gguf" and source_path.is_dir():
+        raise ValueError(f"{source_path.name}: precision gguf keeps a GGUF file's bytes; a model folder has none (use native or int4)")
     if source_path.is_dir():
         open_source(source_path)  # says what is supported before hashing a whole folder
     elif source_path.suffix.lower() == ".gguf":
@@ -275,6 +277,37 @@ def _native_linear(src, names: list[str], writer: _BlobWriter, meter: _ReadMeter
     return out[0] if len(out) == 1 else out
 
 
+def _gguf_linear(src, names: list[str], writer: _BlobWriter, meter: _ReadMeter):
+    """Tensors ``names`` stacked by rows, as the file stores them (precision ``gguf``): consecutive
+    tensors of one block type share one blob of raw rows; float tensors (or a type the kernel
+    library does not run) stay float; the graph concatenates the groups' outputs."""
+    from ..native import GGML_TYPE_IDS
+
+    groups: list[tuple[str, list]] = []
+    for name in names:
+        t = src.tensor(name)
+        kind = t.kind if t.kind in GGML_TYPE_IDS else "float"
+        if groups and groups[-1][0] == kind:
+            groups[-1][1].append(t)
+        else:
+            groups.append((kind, [t]))
+    out = []
+    for kind, tensors in groups:
+        if kind == "float":
+            out.append(np.concatenate([src.dense(t.name).reshape(t.rows, -1) for t in tensors]))
+        else:
+            blob, rows = writer.stream(), 0
+            for t in tensors:
+                step = max(1, CHUNK_WEIGHTS // t.shape[-1])
+                for start in range(0, t.rows, step):
+                    blob.write(src.raw_rows(t.name, start, min(start + step, t.rows)))
+                rows += t.rows
+            out.append(StoredGGUF(kind, (rows, tensors[0].shape[-1]), blob.close()))
+        for t in tensors:
+            meter.add(t.nbytes)
+    return out[0] if len(out) == 1 else out
+
+
 def _stream_blocks(src, tensors: list, writer: _BlobWriter) -> StoredBlocks:
     bits, block = _layout(tensors[0].kind)
     k = tensors[0].shape[-1]
@@ -313,6 +346,8 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str, writer: _Bl
     p = f"blk.{layer}."
     if precision == "native":
         fused = lambda *names: _native_linear(src, [p + n + ".weight" for n in names], writer, meter)  # noqa: E731
+    elif precision == "gguf":
+        fused = lambda *names: _gguf_linear(src, [p + n + ".weight" for n in names], writer, meter)  # noqa: E731
     else:
         fused = lambda *names: concat_rows([to_precision(src.linear(p + n + ".weight"), precision) for n in names])  # noqa: E731
     lin = fused
@@ -336,6 +371,12 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str, writer: _Bl
 
 
 def _embedding_table(src, precision: str, writer: _BlobWriter | None = None, meter: _ReadMeter | None = None):
+    if precision == "gguf":
+        from ..native import GGML_TYPE_IDS
+
+        if src.tensor("token_embd.weight").kind in GGML_TYPE_IDS:  # GgufGather rows (and a tied head's GgufMatMul)
+            return _gguf_linear(src, ["token_embd.weight"], writer, meter)
+        precision = "native"
     if precision == "native":
         table = _native_linear(src, ["token_embd.weight"], writer, meter) if src.tensor("token_embd.weight").kind not in FLOAT_TYPES else None
         if isinstance(table, StoredBlocks) and table.zero_points is None:
@@ -359,7 +400,7 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     ropes = rope_tables(cfg, max_context, src.dense(factors).reshape(-1) if factors else None)
     cos, sin = ropes["global"]
 
-    meter = _ReadMeter(report, sum(src.tensor(n).nbytes for n in src.tensor_names()) if precision == "native" else 0)
+    meter = _ReadMeter(report, sum(src.tensor(n).nbytes for n in src.tensor_names()) if precision in ("native", "gguf") else 0)
     shared: set[str] = set()
     unit_files: list[dict[str, tuple[str, int]]] = []
     graph_shas: list[str] = []
@@ -385,6 +426,8 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
         lm_head = table
     elif precision == "native":
         lm_head = _native_linear(src, ["output.weight"], writer, meter)
+    elif precision == "gguf":
+        lm_head = _gguf_linear(src, ["output.weight"], writer, meter)
     else:
         lm_head = src.linear("output.weight")
         lm_head = to_precision(lm_head, "fp32") if precision == "fp32" else to_precision(lm_head, "int8")

@@ -132,6 +132,9 @@ def merge_units(units: list[onnx.ModelProto], name: str) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, name, list(inputs.values()), outputs, list(inits.values()))
     model = helper.make_model(graph, ir_version=IR_VERSION, producer_name="edgepipe",
                               opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)])
+    known = {o.domain for o in model.opset_import}
+    for extra in {(o.domain, o.version) for m in units for o in m.opset_import if o.domain not in known}:
+        model.opset_import.append(helper.make_opsetid(*extra))  # e.g. edgepipe.gguf, the kernel library's ops
     props = [{p.key: p.value for p in m.metadata_props} for m in units]  # what every unit says, the stage says
     helper.set_model_props(model, {k: v for k, v in props[0].items() if all(d.get(k) == v for d in props[1:])})
     return model

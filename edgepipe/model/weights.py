@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-Precision = str  # "native" | "fp32" | "int8" | "int4"
+Precision = str  # "native" | "fp32" | "int8" | "int4" | "gguf"
 # "native" keeps the file's own blocks; the others re-quantize (or dequantize) every linear.
-PRECISIONS: tuple[str, ...] = ("native", "int4", "int8", "fp32")
+# "gguf" keeps the file's bytes as stored, for the edgepipe.gguf kernel library (edgepipe.native).
+PRECISIONS: tuple[str, ...] = ("native", "int4", "int8", "fp32", "gguf")
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,16 @@ class StoredBlocks:
     offsets: np.ndarray | None  # [N, K // block] float32
 
 
+@dataclass(frozen=True)
+class StoredGGUF:
+    """Rows of one GGUF block type, byte for byte as in the file (precision ``gguf``): the
+    ``edgepipe.gguf`` GgufMatMul op reads them as stored, so the package is the file's size."""
+
+    kind: str  # a GGUF type the kernel library runs (edgepipe.native.GGML_TYPE_IDS)
+    shape: tuple[int, int]  # [N, K]
+    raw: Stored  # uint8 [N, row_bytes(kind, K)]
+
+
 # What graphs.linear accepts: float, in-memory blocks, stored blocks, or row groups to concatenate
 # (a fused QKV whose parts have different GGUF types).
-LinearWeight = np.ndarray | BlockQuantized | StoredBlocks | list
+LinearWeight = np.ndarray | BlockQuantized | StoredBlocks | StoredGGUF | list

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from ..native import register_gguf_kernel
 from .devices import CPU, ExecutionDevice, add_to_session
 
 KV_BLOCK = 256
@@ -424,6 +425,7 @@ class StageRunner:
         # Spinning threads win on an idle machine but halve throughput when another process (or
         # another stage's session in this process) needs the core: callers decide (spin_by_default).
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+        register_gguf_kernel(options, graph_path)  # graphs of the `gguf` precision run the native kernel library
         providers = add_to_session(options, self.device, provider_options)
         self.session = ort.InferenceSession(str(graph_path), options, providers=providers)
         self.host_bytes = 0

@@ -1,0 +1,154 @@
+"""The GGUF kernel library against MatMulNBits: weight bytes streamed per second at decode (M = 1).
+
+    python benchmarks/gguf_kernel.py [--types Q4_K Q6_K Q5_0 Q8_0] [--threads 1 2] [--reps 30]
+
+For each GGUF type, one graph of `--matrices` distinct 1.5B-FFN-shaped matrices (8960x1536 and
+1536x8960 alternating, random codes with finite scales; ~90 MB for Q4_K, well past the L3 cache),
+each fed its own [1, 1, K] row, so a run streams every weight once as a decode step does:
+
+- `edgepipe.gguf` GgufMatMul on the blocks as stored (the library from `edgepipe.native`);
+- MatMulNBits as the importer builds the same matrix today (`decode_native` + the graph code's
+  `linear`, block-minimum chain included).
+
+Both at 1 and 2 intra-op threads, interleaved, median of `--reps` runs; beside them numpy's read
+bandwidth on the same threads (benchmarks/decode.py's measure). Writes
+`benchmarks/results/gguf_kernel.json` and `.md` with the machine and load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from decode import machine as machine_info, memory_bandwidth_gb_s  # noqa: E402
+from quant_layouts import random_gguf_rows  # noqa: E402
+
+from edgepipe.model.graphs import _Graph  # noqa: E402
+from edgepipe.model.weights import NATIVE_TYPES, decode_native  # noqa: E402
+from edgepipe.native import DOMAIN, MATMUL_OP, gguf_kernel_library, native_library  # noqa: E402
+
+SHAPES = [(8960, 1536), (1536, 8960)]  # [N, K]: Qwen2.5-1.5B's ffn_up and ffn_down
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+
+
+def matrices(kind: str, count: int, rng) -> list[np.ndarray]:
+    return [random_gguf_rows(kind, n, k, rng) for n, k in (SHAPES[i % 2] for i in range(count))]
+
+
+def _inputs_outputs(raws: list[np.ndarray]) -> tuple[list, list]:
+    inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, 1, SHAPES[i % 2][1]]) for i in range(len(raws))]
+    outputs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(len(raws))]
+    return inputs, outputs
+
+
+def kernel_model(kind: str, raws: list[np.ndarray]):
+    g = _Graph("k.")
+    for i, raw in enumerate(raws):
+        g.op(MATMUL_OP, [f"x{i}", g.const(raw, f"w{i}")], domain=DOMAIN, out=[f"y{i}"], qtype=QTYPES[kind])
+    inputs, outputs = _inputs_outputs(raws)
+    model = g.model(inputs, outputs, "gguf_kernel")
+    model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model
+
+
+def matmulnbits_model(kind: str, raws: list[np.ndarray]):
+    g = _Graph("m.")
+    for i, raw in enumerate(raws):
+        n, k = SHAPES[i % 2]
+        g.linear(f"x{i}", decode_native(raw, kind, k), f"w{i}", out=f"y{i}")
+    inputs, outputs = _inputs_outputs(raws)
+    return g.model(inputs, outputs, "matmulnbits")
+
+
+def session(model, threads: int, library: str | None):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    if library:
+        options.register_custom_ops_library(library)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def time_runs(sess, feeds: dict, reps: int) -> list[float]:
+    for _ in range(3):
+        sess.run(None, feeds)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q5_0", "Q8_0"], choices=list(QTYPES))
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--matrices", type=int, default=12)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    library = gguf_kernel_library()
+    if library is None:
+        sys.exit(f"no GGUF kernel library: {native_library().reason}")
+    load_before = os.getloadavg()
+    bandwidth = {t: memory_bandwidth_gb_s(t) for t in args.threads}
+    rng = np.random.default_rng(0)
+    rows = []
+    for kind in args.types:
+        raws = matrices(kind, args.matrices, rng)
+        feeds = {f"x{i}": rng.standard_normal((1, 1, SHAPES[i % 2][1])).astype(np.float32) for i in range(len(raws))}
+        kernel, nbits = kernel_model(kind, raws), matmulnbits_model(kind, raws)
+        kernel_bytes = sum(r.nbytes for r in raws)
+        nbits_bytes = sum(len(t.raw_data) for t in nbits.graph.initializer)
+        for threads in args.threads:
+            ours, theirs = session(kernel, threads, str(library)), session(nbits, threads, None)
+            ours_t, theirs_t = [], []
+            for _ in range(3):  # interleaved thirds
+                ours_t += time_runs(ours, feeds, args.reps // 3)
+                theirs_t += time_runs(theirs, feeds, args.reps // 3)
+            a, b = statistics.median(ours_t), statistics.median(theirs_t)
+            row = {"type": kind, "threads": threads, "matrices": len(raws),
+                   "kernel_ms": round(a * 1e3, 3), "kernel_mb": round(kernel_bytes / 1e6, 1), "kernel_gb_s": round(kernel_bytes / a / 1e9, 2),
+                   "matmulnbits_ms": round(b * 1e3, 3), "matmulnbits_mb": round(nbits_bytes / 1e6, 1),
+                   "matmulnbits_gb_s": round(nbits_bytes / b / 1e9, 2), "speedup": round(b / a, 2),
+                   "numpy_read_gb_s": bandwidth[threads]}
+            rows.append(row)
+            print(f"{kind:<5} {threads}t  kernel {a * 1e3:7.2f} ms {kernel_bytes / 1e6:6.1f} MB {kernel_bytes / a / 1e9:5.1f} GB/s | "
+                  f"MatMulNBits {b * 1e3:7.2f} ms {nbits_bytes / 1e6:6.1f} MB {nbits_bytes / b / 1e9:5.1f} GB/s | x{b / a:.2f} "
+                  f"(numpy {bandwidth[threads]} GB/s)", flush=True)
+    report = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine_info(),
+              "onnxruntime": ort.__version__, "library": str(library), "reps": args.reps,
+              "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+              "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gguf_kernel.json").write_text(json.dumps(report, indent=2) + "\n")
+    m = report["machine"]
+    lines = ["# GGUF kernel vs MatMulNBits: one decode step's weights (M = 1)", "",
+             f"- {report['date']}; {m['cpu']}, {m['nproc']} cores; onnxruntime {ort.__version__}; median of {args.reps}, interleaved",
+             f"- load average {report['load_average']['before']} before, {report['load_average']['after']} after",
+             f"- {args.matrices} distinct matrices per graph, 8960x1536 and 1536x8960 alternating (random codes); "
+             "`python benchmarks/gguf_kernel.py`", "",
+             "| type | threads | GgufMatMul ms | MB | GB/s | MatMulNBits ms | MB | GB/s | speed-up | numpy read GB/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['type']} | {r['threads']} | {r['kernel_ms']} | {r['kernel_mb']} | {r['kernel_gb_s']} | {r['matmulnbits_ms']} | "
+              f"{r['matmulnbits_mb']} | {r['matmulnbits_gb_s']} | {r['speedup']}x | {r['numpy_read_gb_s']} |" for r in rows]
+    (out / "gguf_kernel.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

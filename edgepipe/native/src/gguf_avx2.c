@@ -1,0 +1,246 @@
+/* AVX2 + FMA + F16C dot products (this translation unit alone is compiled with -mavx2 -mfma -mf16c;
+ * the library calls it only after cpuid says the CPU and OS support them). Same integer sums as the
+ * portable kernels: 8-bit activations times unsigned weight codes through maddubs, offsets and
+ * minimums applied from the activation block sums. */
+#include <immintrin.h>
+#include <string.h>
+
+#include "gguf_kernels.h"
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Sum of u8 x s8 products over 32 bytes, as 8 int32 lanes (one VNNI instruction where built for it). */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#ifdef GGUF_USE_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* 16 bytes of packed nibbles -> 32 codes: low nibbles first (values 0..15), then high nibbles. */
+static inline __m256i nibbles32(const uint8_t *qs) {
+    __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+/* The 32 bits of a 5-bit block's high plane -> 0x10 in each byte whose bit is set. */
+static inline __m256i high_bits32(const uint8_t *qh_bytes) {
+    uint32_t qh;
+    memcpy(&qh, qh_bytes, 4);
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                             0x0101010101010101LL, 0x0000000000000000LL);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+static float dot_q4_0(int64_t nb, const uint8_t *w, const void *xv) {
+    const act_block32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    float offset = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 18) {
+        float d = half_at(w);
+        __m256i q = nibbles32(w + 2);
+        __m256i xq = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc);
+        offset += d * x[b].ds;
+    }
+    return hsum_ps(acc) - 8.0f * offset;
+}
+
+static float dot_q4_1(int64_t nb, const uint8_t *w, const void *xv) {
+    const act_block32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    float offset = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 20) {
+        __m256i q = nibbles32(w + 4);
+        __m256i xq = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w) * x[b].d), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc);
+        offset += half_at(w + 2) * x[b].ds;
+    }
+    return hsum_ps(acc) + offset;
+}
+
+static float dot_q5_0(int64_t nb, const uint8_t *w, const void *xv) {
+    const act_block32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    float offset = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 22) {
+        float d = half_at(w);
+        __m256i q = _mm256_or_si256(nibbles32(w + 6), high_bits32(w + 2));
+        __m256i xq = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc);
+        offset += d * x[b].ds;
+    }
+    return hsum_ps(acc) - 16.0f * offset;
+}
+
+static float dot_q5_1(int64_t nb, const uint8_t *w, const void *xv) {
+    const act_block32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    float offset = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 24) {
+        __m256i q = _mm256_or_si256(nibbles32(w + 8), high_bits32(w + 4));
+        __m256i xq = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w) * x[b].d), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc);
+        offset += half_at(w + 2) * x[b].ds;
+    }
+    return hsum_ps(acc) + offset;
+}
+
+static float dot_q8_0(int64_t nb, const uint8_t *w, const void *xv) {
+    const act_block32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 34) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        __m256i xq = _mm256_loadu_si256((const __m256i *)x[b].qs);
+        /* signed x signed through maddubs: |q| times x carrying q's sign */
+        __m256i products = dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xq, q));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w) * x[b].d), _mm256_cvtepi32_ps(products), acc);
+    }
+    return hsum_ps(acc);
+}
+
+/* The 12 scale bytes of a Q4_K/Q5_K block -> eight 6-bit scales and eight 6-bit minimums, one
+ * byte each, by 32-bit word arithmetic: bytes 0-3 hold scales 0-3 (low 6 bits) and the top bits
+ * of scales 4-7, bytes 4-7 the same for the minimums, bytes 8-11 the low nibbles of 4-7. */
+static inline void unpack_k_scales(const uint8_t *s, uint64_t *scales, uint64_t *minimums) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    uint32_t scale_lo = a & 0x3F3F3F3Fu, scale_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
+    uint32_t min_lo = b & 0x3F3F3F3Fu, min_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+    *scales = scale_lo | ((uint64_t)scale_hi << 32);
+    *minimums = min_lo | ((uint64_t)min_hi << 32);
+}
+
+/* minimum[j] x (bsums[2j] + bsums[2j+1]) over the eight sub-blocks, as 8 int32 lanes to sum later. */
+static inline __m256i minimum_products(uint64_t minimums, const int16_t *bsums) {
+    __m256i sums = _mm256_loadu_si256((const __m256i *)bsums);
+    __m128i m8 = _mm_cvtsi64_si128((long long)minimums);
+    __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)); /* each minimum twice */
+    return _mm256_madd_epi16(sums, m16);
+}
+
+/* Sub-block j's scale in every int16 lane. */
+static inline __m256i scale_lanes(uint64_t scales, int j) { return _mm256_set1_epi16((short)((scales >> (8 * j)) & 0xFF)); }
+
+static float dot_q4_k(int64_t nb, const uint8_t *w, const void *xv) {
+    const act_block256 *x = xv;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 144) {
+        uint64_t scale, minimum;
+        unpack_k_scales(w + 4, &scale, &minimum);
+        const uint8_t *qs = w + 16;
+        const int8_t *xq = x[b].qs;
+        __m256i isum = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
+            __m256i lo = _mm256_and_si256(v, low);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * g)));
+            __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * g + 32)));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_lo, scale_lanes(scale, 2 * g)));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_hi, scale_lanes(scale, 2 * g + 1)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w)), _mm256_cvtepi32_ps(isum), acc);
+        acc_min = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w + 2)),
+                                  _mm256_cvtepi32_ps(minimum_products(minimum, x[b].bsums)), acc_min);
+    }
+    return hsum_ps(_mm256_sub_ps(acc, acc_min));
+}
+
+static float dot_q5_k(int64_t nb, const uint8_t *w, const void *xv) {
+    const act_block256 *x = xv;
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 176) {
+        uint64_t scale, minimum;
+        unpack_k_scales(w + 4, &scale, &minimum);
+        const uint8_t *qs = w + 48;
+        const int8_t *xq = x[b].qs;
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+        __m256i isum = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
+            __m256i h_lo = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
+            __m256i h_hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4);
+            qh = _mm256_srli_epi16(qh, 2);
+            __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), h_lo);
+            __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), h_hi);
+            __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * g)));
+            __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * g + 32)));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_lo, scale_lanes(scale, 2 * g)));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_hi, scale_lanes(scale, 2 * g + 1)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w)), _mm256_cvtepi32_ps(isum), acc);
+        acc_min = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w + 2)),
+                                  _mm256_cvtepi32_ps(minimum_products(minimum, x[b].bsums)), acc_min);
+    }
+    return hsum_ps(_mm256_sub_ps(acc, acc_min));
+}
+
+static float dot_q6_k(int64_t nb, const uint8_t *w, const void *xv) {
+    const act_block256 *x = xv;
+    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += 210) {
+        const uint8_t *ql = w, *qhp = w + 128;
+        const int8_t *scales = (const int8_t *)(w + 192);
+        const int8_t *xq = x[b].qs;
+        __m256i isum = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            __m256i c = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(qhp + 32 * h));
+            __m256i codes[4] = {
+                _mm256_and_si256(a, low),
+                _mm256_and_si256(c, low),
+                _mm256_and_si256(_mm256_srli_epi16(a, 4), low),
+                _mm256_and_si256(_mm256_srli_epi16(c, 4), low),
+            };
+            for (int k = 0; k < 4; k++) {
+                __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two);
+                __m256i q = _mm256_or_si256(codes[k], _mm256_slli_epi16(high, 4));
+                int base = 128 * h + 32 * k; /* 32 values = scale groups base/16 and base/16 + 1 */
+                __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(xq + base)));
+                __m256i sc = _mm256_set_m128i(_mm_set1_epi16(scales[base / 16 + 1]), _mm_set1_epi16(scales[base / 16]));
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, sc));
+            }
+        }
+        /* the codes are q + 32: take 32 x scale x (sum of the 16 activations) back out */
+        __m256i sums = _mm256_loadu_si256((const __m256i *)x[b].bsums);
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16), 5));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w + 208)), _mm256_cvtepi32_ps(isum), acc);
+    }
+    return hsum_ps(acc);
+}
+
+void gguf_table_avx2(gguf_vec_dot table[GGUF_TYPE_SLOTS]) {
+    memset(table, 0, sizeof(gguf_vec_dot) * GGUF_TYPE_SLOTS);
+    table[GGUF_Q4_0] = dot_q4_0;
+    table[GGUF_Q4_1] = dot_q4_1;
+    table[GGUF_Q5_0] = dot_q5_0;
+    table[GGUF_Q5_1] = dot_q5_1;
+    table[GGUF_Q8_0] = dot_q8_0;
+    table[GGUF_Q4_K] = dot_q4_k;
+    table[GGUF_Q5_K] = dot_q5_k;
+    table[GGUF_Q6_K] = dot_q6_k;
+}

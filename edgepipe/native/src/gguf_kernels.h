@@ -1,0 +1,62 @@
+/* Shared declarations of the GGUF block kernels: activation blocks, per-type dot products and the
+ * per-ISA tables. Block layouts follow the GGUF format description (gguf-py's quants.py documents
+ * them); nothing here is taken from another engine's source. */
+#ifndef EDGEPIPE_GGUF_KERNELS_H
+#define EDGEPIPE_GGUF_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* GGML type ids (the numbers stored in a GGUF tensor header). */
+enum {
+    GGUF_Q4_0 = 2,
+    GGUF_Q4_1 = 3,
+    GGUF_Q5_0 = 6,
+    GGUF_Q5_1 = 7,
+    GGUF_Q8_0 = 8,
+    GGUF_Q4_K = 12,
+    GGUF_Q5_K = 13,
+    GGUF_Q6_K = 14,
+    GGUF_TYPE_SLOTS = 16
+};
+
+/* Activations quantized per 256 for the k-quants: scale, 8-bit values, sums of each 16. */
+typedef struct {
+    float d;
+    int8_t qs[256];
+    int16_t bsums[16];
+} act_block256;
+
+/* Activations quantized per 32 for the 32-blocks: scale, scale x sum of values, 8-bit values. */
+typedef struct {
+    float d;
+    float ds;
+    int8_t qs[32];
+} act_block32;
+
+/* One weight row of `nblocks` GGUF blocks against one quantized activation row. */
+typedef float (*gguf_vec_dot)(int64_t nblocks, const uint8_t *weights, const void *activations);
+
+typedef struct {
+    int block_values; /* values per block: 32 or 256 */
+    int block_bytes;  /* bytes per block as stored */
+} gguf_type_info;
+
+/* Block geometry of a supported type, or NULL. */
+const gguf_type_info *gguf_type(int qtype);
+
+/* Quantize one row of K floats (K a multiple of the block) into the activation blocks. */
+void gguf_quantize_row256(const float *x, act_block256 *out, int64_t k);
+void gguf_quantize_row32(const float *x, act_block32 *out, int64_t k);
+
+float gguf_half_to_float(uint16_t h);
+
+/* One row of K weights as floats, equal to gguf-py's dequantize bit for bit. */
+void gguf_dequantize_row(int qtype, const uint8_t *row, float *out, int64_t k);
+
+/* Fill `table[qtype]` with this ISA's dot products (NULL where the type is not supported). */
+void gguf_table_portable(gguf_vec_dot table[GGUF_TYPE_SLOTS]);
+void gguf_table_avx2(gguf_vec_dot table[GGUF_TYPE_SLOTS]);
+void gguf_table_avx512vnni(gguf_vec_dot table[GGUF_TYPE_SLOTS]);
+
+#endif

@@ -1,0 +1,467 @@
+/* ONNX Runtime custom-op library: domain `edgepipe.gguf`, ops `GgufMatMul` and `GgufGather`.
+ *
+ *   GgufMatMul: y[..., N] = x[..., K] (fp32) . W^T, with W the GGUF tensor's raw blocks, uint8
+ *   [N, K / block x block_bytes], attribute `qtype` = the GGML type id.
+ *   GgufGather: y[..., K] = rows `ids[...]` (int64) of a table of raw blocks, dequantized exactly
+ *   (an embedding kept at the file's size).
+ *
+ * Each row of x is quantized per block to 8 bits (per 256 with 16-value sums for the k-quants, per
+ * 32 with the block sum otherwise), then every output is integer block dot products scaled in
+ * fp32. Output rows are split over ONNX Runtime's intra-op thread pool. The ISA is picked at
+ * kernel creation: the best the CPU supports, or EDGEPIPE_GGUF_ISA (portable|avx2|avx512vnni). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gguf_kernels.h"
+#include "ort_abi.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define EDGEPIPE_X86 1
+#endif
+
+#define ORT_API_VERSION_USED 20 /* ONNX Runtime 1.20+: every slot in ort_abi.h exists there */
+
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
+static const char *const ISA_NAMES[] = {"portable", "avx2", "avx512vnni"};
+
+/* ---- ISA detection ---- */
+
+#ifdef EDGEPIPE_X86
+static unsigned long long read_xcr0(void) {
+    unsigned int eax, edx;
+    __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+    return ((unsigned long long)edx << 32) | eax;
+}
+#endif
+
+static int best_isa(void) {
+    int best = ISA_PORTABLE;
+#ifdef EDGEPIPE_X86
+    unsigned int a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return best;
+    int fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, f16c = (c >> 29) & 1;
+    if (!osxsave) return best;
+    unsigned long long xcr0 = read_xcr0();
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return best;
+    int avx2 = (b >> 5) & 1;
+    int avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1, vnni = (c >> 11) & 1;
+#ifdef EDGEPIPE_HAVE_AVX2
+    if (avx2 && fma && f16c && (xcr0 & 0x6) == 0x6) best = ISA_AVX2;
+#endif
+#ifdef EDGEPIPE_HAVE_AVX512VNNI
+    if (best == ISA_AVX2 && avx512f && avx512bw && avx512vl && vnni && (xcr0 & 0xE6) == 0xE6) best = ISA_AVX512VNNI;
+#endif
+    (void)avx512f; (void)avx512bw; (void)avx512vl; (void)vnni; (void)avx2; (void)fma; (void)f16c; (void)xcr0;
+#endif
+    return best;
+}
+
+/* The ISA to use: EDGEPIPE_GGUF_ISA if set (must be supported here), else the best. -1 on error. */
+static int chosen_isa(char *error, size_t error_size) {
+    int best = best_isa();
+    const char *wanted = getenv("EDGEPIPE_GGUF_ISA");
+    if (wanted == NULL || wanted[0] == '\0') return best;
+    for (int isa = 0; isa <= ISA_AVX512VNNI; isa++) {
+        if (strcmp(wanted, ISA_NAMES[isa]) == 0) {
+            if (isa <= best) return isa;
+            snprintf(error, error_size, "EDGEPIPE_GGUF_ISA=%s: this CPU or build supports up to %s", wanted,
+                     ISA_NAMES[best]);
+            return -1;
+        }
+    }
+    snprintf(error, error_size, "EDGEPIPE_GGUF_ISA=%s: not one of portable, avx2, avx512vnni", wanted);
+    return -1;
+}
+
+static void fill_table(int isa, gguf_vec_dot table[GGUF_TYPE_SLOTS]) {
+    switch (isa) {
+#ifdef EDGEPIPE_HAVE_AVX512VNNI
+    case ISA_AVX512VNNI: gguf_table_avx512vnni(table); return;
+#endif
+#ifdef EDGEPIPE_HAVE_AVX2
+    case ISA_AVX2: gguf_table_avx2(table); return;
+#endif
+    default: gguf_table_portable(table); return;
+    }
+}
+
+/* ---- the product itself, shared by the ORT kernel and the direct entry point ---- */
+
+typedef struct {
+    gguf_vec_dot dot;
+    const gguf_type_info *type;
+    int qtype;
+} matmul_plan;
+
+typedef struct {
+    const matmul_plan *plan;
+    const float *x;
+    const uint8_t *w;
+    int64_t m, k, n, nblocks, row_bytes;
+    void *xq;
+    size_t xq_row_bytes;
+    float *y;
+    int64_t rows_per_task;
+} matmul_job;
+
+static void quantize_rows(const matmul_job *job, int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+        void *row = (char *)job->xq + m * job->xq_row_bytes;
+        if (job->plan->type->block_values == 256) {
+            gguf_quantize_row256(job->x + m * job->k, row, job->k);
+        } else {
+            gguf_quantize_row32(job->x + m * job->k, row, job->k);
+        }
+    }
+}
+
+static void quantize_task(void *data, size_t index) {
+    const matmul_job *job = data;
+    quantize_rows(job, (int64_t)index, (int64_t)index + 1);
+}
+
+static void product_rows(const matmul_job *job, int64_t n0, int64_t n1) {
+    gguf_vec_dot dot = job->plan->dot;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wrow = job->w + n * job->row_bytes;
+        for (int64_t m = 0; m < job->m; m++) {
+            job->y[m * job->n + n] = dot(job->nblocks, wrow, (const char *)job->xq + m * job->xq_row_bytes);
+        }
+    }
+}
+
+static void product_task(void *data, size_t index) {
+    const matmul_job *job = data;
+    int64_t n0 = (int64_t)index * job->rows_per_task;
+    int64_t n1 = n0 + job->rows_per_task < job->n ? n0 + job->rows_per_task : job->n;
+    product_rows(job, n0, n1);
+}
+
+/* Checks the shapes and prepares the job; returns 0 or writes a one-line error. */
+static int prepare_job(matmul_job *job, const matmul_plan *plan, int64_t k, int64_t n, int64_t row_bytes,
+                       char *error, size_t error_size) {
+    const gguf_type_info *type = plan->type;
+    if (k <= 0 || k % type->block_values != 0) {
+        snprintf(error, error_size, "GgufMatMul: K=%lld is not a positive multiple of type %d's %d-value blocks",
+                 (long long)k, plan->qtype, type->block_values);
+        return -1;
+    }
+    int64_t nblocks = k / type->block_values;
+    if (row_bytes != nblocks * type->block_bytes) {
+        snprintf(error, error_size,
+                 "GgufMatMul: weight rows have %lld bytes, type %d with K=%lld needs %lld (%lld blocks of %d)",
+                 (long long)row_bytes, plan->qtype, (long long)k, (long long)(nblocks * type->block_bytes),
+                 (long long)nblocks, type->block_bytes);
+        return -1;
+    }
+    job->plan = plan;
+    job->k = k;
+    job->n = n;
+    job->nblocks = nblocks;
+    job->row_bytes = row_bytes;
+    job->xq_row_bytes = (size_t)nblocks * (type->block_values == 256 ? sizeof(act_block256) : sizeof(act_block32));
+    /* ~4 tasks per thread on a large pool, at least 4 rows each */
+    int64_t tasks = n / 4 < 64 ? (n / 4 > 0 ? n / 4 : 1) : 64;
+    job->rows_per_task = (n + tasks - 1) / tasks;
+    return 0;
+}
+
+static int plan_for(matmul_plan *plan, int qtype, int isa, char *error, size_t error_size) {
+    plan->type = gguf_type(qtype);
+    plan->qtype = qtype;
+    if (plan->type == NULL) {
+        snprintf(error, error_size,
+                 "GgufMatMul: GGML type %d is not supported (Q4_0=2 Q4_1=3 Q5_0=6 Q5_1=7 Q8_0=8 Q4_K=12 Q5_K=13 Q6_K=14)",
+                 qtype);
+        return -1;
+    }
+    gguf_vec_dot table[GGUF_TYPE_SLOTS];
+    fill_table(isa, table);
+    plan->dot = table[qtype];
+    return 0;
+}
+
+/* ---- direct entry points (ctypes: tests and benchmarks), single-threaded ---- */
+
+__attribute__((visibility("default"))) const char *edgepipe_gguf_isa(void) {
+    char error[256];
+    int isa = chosen_isa(error, sizeof error);
+    return isa < 0 ? "invalid" : ISA_NAMES[isa];
+}
+
+__attribute__((visibility("default"))) const char *edgepipe_gguf_best_isa(void) { return ISA_NAMES[best_isa()]; }
+
+/* Returns NULL on success, else a message (static storage, not thread-safe: test use only). */
+__attribute__((visibility("default"))) const char *edgepipe_gguf_matmul(int qtype, const char *isa_name,
+                                                                         const float *x, int64_t m, int64_t k,
+                                                                         const uint8_t *w, int64_t n,
+                                                                         int64_t row_bytes, float *y) {
+    static char error[512];
+    int isa = -1;
+    for (int i = 0; i <= ISA_AVX512VNNI; i++) {
+        if (strcmp(isa_name, ISA_NAMES[i]) == 0) isa = i;
+    }
+    if (isa < 0 || isa > best_isa()) {
+        snprintf(error, sizeof error, "ISA %s not available here (best: %s)", isa_name, ISA_NAMES[best_isa()]);
+        return error;
+    }
+    matmul_plan plan;
+    matmul_job job = {0};
+    if (plan_for(&plan, qtype, isa, error, sizeof error) != 0) return error;
+    if (prepare_job(&job, &plan, k, n, row_bytes, error, sizeof error) != 0) return error;
+    job.x = x;
+    job.w = w;
+    job.m = m;
+    job.y = y;
+    job.xq = malloc(job.xq_row_bytes * (size_t)(m > 0 ? m : 1));
+    if (job.xq == NULL) return "out of memory";
+    quantize_rows(&job, 0, m);
+    product_rows(&job, 0, n);
+    free(job.xq);
+    return NULL;
+}
+
+/* ---- ONNX Runtime glue ---- */
+
+typedef struct {
+    const OrtApi *api;
+    matmul_plan plan;
+} gguf_kernel;
+
+static OrtStatus *error_status(const OrtApi *api, int code, const char *message) {
+    return ORT_FN(api, CreateStatus)(code, message);
+}
+
+#define RETURN_IF_ERROR(expr)                    \
+    do {                                         \
+        OrtStatus *status_ = (expr);             \
+        if (status_ != NULL) return status_;     \
+    } while (0)
+
+static OrtStatus *tensor_shape(const OrtApi *api, const OrtValue *value, int64_t *dims, size_t *rank) {
+    OrtTensorTypeAndShapeInfo *info = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorTypeAndShape)(value, &info));
+    OrtStatus *status = ORT_FN(api, GetDimensionsCount)(info, rank);
+    if (status == NULL && *rank > 8) status = error_status(api, ORT_ERR_INVALID_ARGUMENT, "GgufMatMul: rank above 8");
+    if (status == NULL) status = ORT_FN(api, GetDimensions)(info, dims, *rank);
+    ORT_FN(api, ReleaseTensorTypeAndShapeInfo)(info);
+    return status;
+}
+
+static OrtStatus *compute(void *kernel_data, OrtKernelContext *context) {
+    const gguf_kernel *kernel = kernel_data;
+    const OrtApi *api = kernel->api;
+    const OrtValue *x_value = NULL, *w_value = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetInput)(context, 0, &x_value));
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetInput)(context, 1, &w_value));
+    int64_t x_dims[8], w_dims[8];
+    size_t x_rank = 0, w_rank = 0;
+    RETURN_IF_ERROR(tensor_shape(api, x_value, x_dims, &x_rank));
+    RETURN_IF_ERROR(tensor_shape(api, w_value, w_dims, &w_rank));
+    if (x_rank < 1 || w_rank != 2) {
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT, "GgufMatMul: x must be [..., K] and w [N, row_bytes]");
+    }
+    char error[512];
+    matmul_job job = {0};
+    if (prepare_job(&job, &kernel->plan, x_dims[x_rank - 1], w_dims[0], w_dims[1], error, sizeof error) != 0) {
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
+    }
+    int64_t m = 1;
+    for (size_t i = 0; i + 1 < x_rank; i++) m *= x_dims[i];
+    int64_t y_dims[8];
+    memcpy(y_dims, x_dims, sizeof(int64_t) * x_rank);
+    y_dims[x_rank - 1] = job.n;
+    OrtValue *y_value = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetOutput)(context, 0, y_dims, x_rank, &y_value));
+    void *x_data = NULL, *w_data = NULL, *y_data = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)((OrtValue *)x_value, &x_data));
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)((OrtValue *)w_value, &w_data));
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)(y_value, &y_data));
+    if (m == 0 || job.n == 0) return NULL;
+    job.x = x_data;
+    job.w = w_data;
+    job.y = y_data;
+    job.m = m;
+    job.xq = malloc(job.xq_row_bytes * (size_t)m);
+    if (job.xq == NULL) return error_status(api, ORT_ERR_FAIL, "GgufMatMul: out of memory for activations");
+    OrtStatus *status = NULL;
+    if (m >= 4) {
+        status = ORT_FN(api, KernelContext_ParallelFor)(context, quantize_task, (size_t)m, 0, &job);
+    } else {
+        quantize_rows(&job, 0, m);
+    }
+    if (status == NULL) {
+        size_t tasks = (size_t)((job.n + job.rows_per_task - 1) / job.rows_per_task);
+        status = ORT_FN(api, KernelContext_ParallelFor)(context, product_task, tasks, 0, &job);
+    }
+    free(job.xq);
+    return status;
+}
+
+static OrtStatus *create_kernel(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {
+    (void)op;
+    int64_t qtype = -1;
+    OrtStatus *status = ORT_FN(api, KernelInfoGetAttribute_int64)(info, "qtype", &qtype);
+    if (status != NULL) {
+        ORT_FN(api, ReleaseStatus)(status);
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT, "GgufMatMul: missing int attribute `qtype`");
+    }
+    char error[512];
+    int isa = chosen_isa(error, sizeof error);
+    if (isa < 0) return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
+    gguf_kernel *kernel = calloc(1, sizeof *kernel);
+    if (kernel == NULL) return error_status(api, ORT_ERR_FAIL, "GgufMatMul: out of memory");
+    kernel->api = api;
+    if (plan_for(&kernel->plan, (int)qtype, isa, error, sizeof error) != 0) {
+        free(kernel);
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
+    }
+    *out = kernel;
+    return NULL;
+}
+
+/* The pre-V2 entry points: the runtime uses the V2 ones for version >= 16; these only exist so no
+ * slot it might read is NULL. */
+static void *create_kernel_v1(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info) {
+    void *kernel = NULL;
+    OrtStatus *status = create_kernel(op, api, info, &kernel);
+    if (status != NULL) ORT_FN(api, ReleaseStatus)(status);
+    return kernel;
+}
+
+static void compute_v1(void *kernel, OrtKernelContext *context) {
+    OrtStatus *status = compute(kernel, context);
+    if (status != NULL) ORT_FN(((gguf_kernel *)kernel)->api, ReleaseStatus)(status);
+}
+
+static void destroy_kernel(void *kernel) { free(kernel); }
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "GgufMatMul"; }
+static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? ORT_TENSOR_FLOAT : ORT_TENSOR_UINT8; }
+static size_t input_count(const OrtCustomOp *op) { (void)op; return 2; }
+static int output_type(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return ORT_TENSOR_FLOAT; }
+static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
+static int required(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return ORT_IO_REQUIRED; }
+static int default_memory(const OrtCustomOp *op, size_t i) { (void)op; (void)i; return 0; /* OrtMemTypeDefault */ }
+static int one(const OrtCustomOp *op) { (void)op; return 1; }
+
+static const OrtCustomOp GGUF_MATMUL = {
+    .version = 16,
+    .CreateKernel = create_kernel_v1,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = input_type,
+    .GetInputTypeCount = input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelCompute = compute_v1,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = default_memory,
+    .GetVariadicInputMinArity = one, /* not variadic: the runtime may still ask */
+    .GetVariadicInputHomogeneity = one,
+    .GetVariadicOutputMinArity = one,
+    .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+};
+
+
+/* ---- GgufGather ---- */
+
+static OrtStatus *compute_gather(void *kernel_data, OrtKernelContext *context) {
+    const gguf_kernel *kernel = kernel_data;
+    const OrtApi *api = kernel->api;
+    const OrtValue *table_value = NULL, *ids_value = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetInput)(context, 0, &table_value));
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetInput)(context, 1, &ids_value));
+    int64_t table_dims[8], ids_dims[8];
+    size_t table_rank = 0, ids_rank = 0;
+    RETURN_IF_ERROR(tensor_shape(api, table_value, table_dims, &table_rank));
+    RETURN_IF_ERROR(tensor_shape(api, ids_value, ids_dims, &ids_rank));
+    if (table_rank != 2 || ids_rank > 7) {
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT, "GgufGather: table must be [rows, row_bytes] and ids of rank <= 7");
+    }
+    const gguf_type_info *type = kernel->plan.type;
+    if (table_dims[1] <= 0 || table_dims[1] % type->block_bytes != 0) {
+        char error[256];
+        snprintf(error, sizeof error, "GgufGather: table rows of %lld bytes are not whole %d-byte blocks of type %d",
+                 (long long)table_dims[1], type->block_bytes, kernel->plan.qtype);
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
+    }
+    int64_t k = table_dims[1] / type->block_bytes * type->block_values, count = 1;
+    int64_t y_dims[8];
+    for (size_t i = 0; i < ids_rank; i++) {
+        y_dims[i] = ids_dims[i];
+        count *= ids_dims[i];
+    }
+    y_dims[ids_rank] = k;
+    OrtValue *y_value = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetOutput)(context, 0, y_dims, ids_rank + 1, &y_value));
+    void *table = NULL, *ids = NULL, *y = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)((OrtValue *)table_value, &table));
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)((OrtValue *)ids_value, &ids));
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)(y_value, &y));
+    for (int64_t i = 0; i < count; i++) {
+        int64_t id = ((const int64_t *)ids)[i];
+        if (id < 0 || id >= table_dims[0]) {
+            char error[160];
+            snprintf(error, sizeof error, "GgufGather: id %lld is outside the table's %lld rows", (long long)id,
+                     (long long)table_dims[0]);
+            return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
+        }
+        gguf_dequantize_row(kernel->plan.qtype, (const uint8_t *)table + id * table_dims[1], (float *)y + i * k, k);
+    }
+    return NULL;
+}
+
+static void compute_gather_v1(void *kernel, OrtKernelContext *context) {
+    OrtStatus *status = compute_gather(kernel, context);
+    if (status != NULL) ORT_FN(((gguf_kernel *)kernel)->api, ReleaseStatus)(status);
+}
+
+static const char *gather_name(const OrtCustomOp *op) { (void)op; return "GgufGather"; }
+static int gather_input_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? ORT_TENSOR_UINT8 : ORT_TENSOR_INT64; }
+
+static const OrtCustomOp GGUF_GATHER = {
+    .version = 16,
+    .CreateKernel = create_kernel_v1,
+    .GetName = gather_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = gather_input_type,
+    .GetInputTypeCount = input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelCompute = compute_gather_v1,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = default_memory,
+    .GetVariadicInputMinArity = one,
+    .GetVariadicInputHomogeneity = one,
+    .GetVariadicOutputMinArity = one,
+    .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute_gather,
+};
+
+__attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
+                                                                      const OrtApiBase *api_base) {
+    const OrtApi *api = api_base->GetApi(ORT_API_VERSION_USED);
+    if (api == NULL) {
+        const OrtApi *oldest = api_base->GetApi(1);
+        return oldest ? error_status(oldest, ORT_ERR_FAIL, "edgepipe.gguf needs ONNX Runtime 1.20 or newer") : NULL;
+    }
+    const char *build_info = ORT_FN(api, GetBuildInfoString)();
+    if (build_info == NULL || strncmp(build_info, "ORT Build Info", 14) != 0) {
+        return error_status(api, ORT_ERR_FAIL, "edgepipe.gguf: this ONNX Runtime's C API table is not the expected one");
+    }
+    OrtCustomOpDomain *domain = NULL; /* kept for the process's life: sessions refer to it */
+    RETURN_IF_ERROR(ORT_FN(api, CreateCustomOpDomain)("edgepipe.gguf", &domain));
+    RETURN_IF_ERROR(ORT_FN(api, CustomOpDomain_Add)(domain, &GGUF_MATMUL));
+    RETURN_IF_ERROR(ORT_FN(api, CustomOpDomain_Add)(domain, &GGUF_GATHER));
+    return ORT_FN(api, AddCustomOpDomain)(options, domain);
+}

@@ -1,0 +1,96 @@
+"""Precision `gguf`: linears as the file's bytes, run by the native kernel library's GgufMatMul.
+
+The bundled SmolLM2 (Q4_1 layers, tied Q8_0 table) gets a `gguf` variant beside its `native`
+one: its layers are the file's size, cuts stay exact, it agrees with the MatMulNBits graphs up to
+the activation rounding, and without the library it says so in one line while `native` still runs.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import onnx
+import pytest
+
+from edgepipe.model.importer import add_variant
+from edgepipe.model.store import bundled_gguf, resolve
+from edgepipe.native import reset_for_tests
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
+from edgepipe.runtime.stage_runner import SamplingBatch
+
+PROMPT = "List three facts about the Moon."
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    package = resolve("smollm2", "native", tmp_path_factory.mktemp("kernel-home"))
+    add_variant(package.root, "gguf")
+    package.reload()
+    return package
+
+
+def tokens(pkg, precision, cuts=(), n=24):
+    tok = pkg.tokenizer
+    ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
+    return generate(pkg.pipeline(list(cuts), precision=precision), ids, GenerationParams(max_tokens=n), tok.decode, eos_ids=()).tokens
+
+
+def teacher_forced(pkg, ids, precision):
+    pipe, greedy = pkg.pipeline([], precision=precision), SamplingBatch.greedy(1)
+    out = [pipe.step("tf", ids[:8], greedy)]
+    out += [pipe.step("tf", [t], greedy) for t in ids[8:-1]]
+    pipe.drop("tf")
+    return out
+
+
+def test_layers_are_the_files_bytes_run_by_the_kernel(pkg):
+    reader = gguf.GGUFReader(bundled_gguf())
+    file_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    m = pkg.manifest
+    for unit in m.units[1:-1]:
+        layer = unit.index - 1
+        in_file = sum(b for name, b in file_bytes.items() if name.startswith(f"blk.{layer}."))
+        assert in_file <= unit.variants["gguf"].weight_bytes <= 1.01 * in_file  # + nothing but the norms
+        assert unit.variants["gguf"].weight_bytes < 0.85 * unit.variants["native"].weight_bytes
+    graph = onnx.load(pkg.blob(m.variant(1, "gguf").graph), load_external_data=False)
+    ops = [n.op_type for n in graph.graph.node]
+    assert ops.count("GgufMatMul") == 4 and "MatMulNBits" not in ops  # qkv, attn_output, gate_up, ffn_down
+    # the tied Q8_0 table: one blob of the file's bytes, gathered by the embedding, multiplied by the head
+    embed, head = m.variant(0, "gguf"), m.variant(len(m.units) - 1, "gguf")
+    assert set(embed.files) <= set(head.files) and embed.weight_bytes == file_bytes["token_embd.weight"]
+    assert "GgufGather" in [n.op_type for n in onnx.load(pkg.blob(embed.graph), load_external_data=False).graph.node]
+
+
+def test_gguf_cuts_equal_one_runner_and_agree_with_native(pkg):
+    single = tokens(pkg, "gguf")
+    assert tokens(pkg, "gguf", cuts=[5, 20]) == single
+    ids = pkg.tokenizer.encode(PROMPT) + tokens(pkg, "native", n=48)
+    agree = np.mean(np.array(teacher_forced(pkg, ids, "gguf")) == np.array(teacher_forced(pkg, ids, "native")))
+    assert agree >= 0.9, agree  # same weights; 8-bit activations per block in both, rounded differently
+
+
+def test_without_the_library_gguf_graphs_refuse_in_one_line(pkg, monkeypatch):
+    monkeypatch.setenv("EDGEPIPE_NATIVE", "0")
+    reset_for_tests()
+    try:
+        with pytest.raises(RuntimeError, match="uses edgepipe.gguf ops but the GGUF kernel library is unavailable: turned off"):
+            pkg.runner(1, 2, "gguf")
+        assert len(tokens(pkg, "native", n=4)) == 4  # the MatMulNBits graphs need nothing native
+    finally:
+        reset_for_tests()
+
+
+def test_qwen_gguf_package_is_the_files_size(tmp_path):
+    """The 0.5B Qwen (Q5_0/Q8_0/Q4_K/Q6_K, untied head): every weight as stored, ~the file's size."""
+    from edgepipe.model.importer import import_model
+    from edgepipe.model.package import Package
+    from edgepipe.model.store import missing_reference, reference_gguf
+
+    if missing := missing_reference("qwen05"):
+        pytest.fail(missing)
+    package = Package(import_model(reference_gguf("qwen05"), tmp_path, "gguf", measure_cost=False))
+    m = package.manifest
+    size = sum(package.blob(s).stat().st_size for s in m.stage_files(0, len(m.units)))
+    assert size <= 1.05 * reference_gguf("qwen05").stat().st_size
+    assert len(tokens(package, "gguf", cuts=[7], n=8)) == 8

@@ -93,19 +93,36 @@ def test_tab_on_webgpu_serves_the_reference_tokens(cluster, int4_pkg):
     assert int4_pkg.manifest.precision != "fp32"
 
 
-def test_tab_keeps_its_kv_in_gpu_buffers(cluster):
-    """Two steps of a sequence in the tab's stage: every past/present tensor it holds is a GPU buffer."""
+def test_tab_keeps_its_kv_in_gpu_buffers_and_grows_it_exactly(cluster):
+    """Steps of a sequence in the tab's stage: every past/present tensor it holds is a GPU buffer,
+    also after the cache grew past its first block of 256 positions (read back through the host);
+    the steps after the growth give what they give on a cache that had room from the start."""
     _, page, _ = cluster
     held = page.evaluate("""async () => {
-        const w = edgepipeWorker, slot = [...w.worker.slots.values()].find((s) => s.plan > 0), r = slot.runner;
+        const w = edgepipeWorker, r = [...w.worker.slots.values()].find((s) => s.plan > 0).runner;
+        const ids = (from, n) => ({ dtype: "int64", shape: [1, n], data: BigInt64Array.from({ length: n }, (_, i) => BigInt((from + i) * 7 % 1000)) });
+        const where = (seq) => [...new Set(Object.values(r.caches.get(seq).kv).map((t) => t.location))];
+        const steps = async (seq) => {
+            await r.run(seq, ids(0, 250), null);
+            const out = [];
+            for (let p = 250; p < 260; p++) out.push(...(await r.run(seq, ids(p, 1), null)).data);
+            return out;
+        };
         return await w.serial(async () => {
             try {
-                await r.run("kv-check", w.randomInput(r, 5), null);
-                await r.run("kv-check", w.randomInput(r, 1), null);
-                const cache = r.caches.get("kv-check");
-                return { length: cache.length, onGpu: r.onGpu, locations: Object.values(cache.kv).map((t) => t.location) };
-            } finally { r.drop("kv-check"); }
+                const roomy = { length: 0, capacity: 0, kv: {} };
+                r.caches.set("kv-roomy", roomy);
+                await r.reserve(roomy, 512);
+                const want = await steps("kv-roomy");
+                const got = await steps("kv-grown");
+                const grown = r.caches.get("kv-grown");
+                let diff = 0, scale = 0;
+                for (let i = 0; i < want.length; i++) { diff = Math.max(diff, Math.abs(got[i] - want[i])); scale = Math.max(scale, Math.abs(want[i])); }
+                return { onGpu: r.onGpu, layers: r.layers.length, capacity: grown.capacity, length: grown.length,
+                         where: where("kv-grown"), roomyWhere: where("kv-roomy"), diff, scale };
+            } finally { r.drop("kv-roomy"); r.drop("kv-grown"); }
         });
     }""")
-    assert held["onGpu"] is True and held["length"] == 6
-    assert held["locations"] and set(held["locations"]) == {"gpu-buffer"}, held
+    assert held["onGpu"] is True and held["layers"] == TAB_UNITS - 1, held
+    assert (held["capacity"], held["length"], held["where"], held["roomyWhere"]) == (512, 260, ["gpu-buffer"], ["gpu-buffer"]), held
+    assert held["scale"] > 0.1 and held["diff"] <= 1e-5 * held["scale"], held

@@ -46,10 +46,16 @@ def remember_tab(home, manifest, name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(int4_pkg, home):
+def context():
+    """One headless chromium with WebGPU for the module (Playwright's sync API allows one at a time)."""
+    with browser_context(webgpu=True) as context:
+        yield context
+
+
+@pytest.fixture(scope="module")
+def cluster(int4_pkg, home, context):
     remember_tab(home, int4_pkg.manifest, "gputab")
-    with browser_context(webgpu=True) as context, \
-            Server(home, workers=0, args=("--placement", "memory", "--min-workers", "2"), wait_up=False) as server:
+    with Server(home, workers=0, args=("--placement", "memory", "--min-workers", "2"), wait_up=False) as server:
         page = context.new_page()
         page.goto(f"{server.url}/worker?memory={TAB_MEMORY}&threads=1&name=gputab")
         page.wait_for_selector("body[data-state='joined']", timeout=30000)
@@ -126,3 +132,48 @@ def test_tab_keeps_its_kv_in_gpu_buffers_and_grows_it_exactly(cluster):
     assert held["onGpu"] is True and held["layers"] == TAB_UNITS - 1, held
     assert (held["capacity"], held["length"], held["where"], held["roomyWhere"]) == (512, 260, ["gpu-buffer"], ["gpu-buffer"]), held
     assert held["scale"] > 0.1 and held["diff"] <= 1e-5 * held["scale"], held
+
+
+# A WebGPU session that cannot be built (injected: onnxruntime-web's create refuses the webgpu provider).
+REFUSE_WEBGPU = """
+;(() => { const create = ort.InferenceSession.create.bind(ort.InferenceSession);
+  ort.InferenceSession.create = (model, options) => options.executionProviders.includes("webgpu")
+    ? Promise.reject(new Error("no kernel for this test")) : create(model, options); })();
+"""
+
+
+@pytest.mark.slow  # ~25 s: a second cluster, and the fp32 variant built if no test made it yet
+def test_tab_whose_webgpu_session_fails_joins_again_on_webassembly(int4_pkg, home, context):
+    """The tab says why it left the GPU, joins again asking for fp32 as any WebAssembly tab, and its
+    stage gives the reference tokens (that tab's stage in fp32, the native worker's in the package's variant)."""
+    remember_tab(home, int4_pkg.manifest, "failtab")
+    with Server(home, workers=0, args=("--placement", "memory", "--min-workers", "2"), wait_up=False) as server:
+        page = context.new_page()
+
+        def refuse_webgpu(route):
+            response = route.fetch()
+            route.fulfill(response=response, body=response.text() + REFUSE_WEBGPU)
+
+        page.route("**/static/vendor/ort.webgpu.min.js", refuse_webgpu)
+        page.goto(f"{server.url}/worker?memory={TAB_MEMORY}&threads=1&name=failtab")
+        native = server.worker("--name", "native", "--memory", str(NATIVE_MEMORY), "--threads", "1")
+        try:
+            status = server.wait_for(lambda s: s["state"] == "up" and s["plan"] is not None and len(s["plan"]["stages"]) == 2, 240)
+            tab = next(w for w in status["workers"] if w["kind"] == "browser")
+            assert (tab["device"], tab["adapter"]) == ("cpu", None)
+            assert tab["device_note"] == "WebGPU session failed: no kernel for this test"
+            stages = status["plan"]["stages"]
+            assert tab["id"] in [s["worker"] for s in stages]
+            assert page.locator("#device").inner_text() == "CPU (WebAssembly): WebGPU session failed: no kernel for this test"
+            r = server.client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": PROMPT}], "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            tok = int4_pkg.tokenizer
+            ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
+            int4_pkg.reload()  # the coordinator added the fp32 variant for this tab
+            pipeline = int4_pkg.pipeline(cuts=[stages[1]["start"]], precisions=["fp32" if s["worker"] == tab["id"] else None for s in stages])
+            want = generate(pipeline, ids, GenerationParams(max_tokens=TOKENS), tok.decode, int4_pkg.manifest.eos_ids).tokens
+            assert r.json()["choices"][0]["token_ids"] == [t for t in want if t not in int4_pkg.manifest.eos_ids]
+        finally:
+            native.terminate()
+            native.wait(timeout=15)

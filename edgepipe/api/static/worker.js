@@ -739,14 +739,14 @@
 
   // -- start ---------------------------------------------------------------------------------------
   async function start() {
+    worker.device = await findDevice();
+    showDevice();
     $("token").value = worker.token;
     $("join").addEventListener("submit", (ev) => {
       ev.preventDefault();
       worker.token = $("token").value.trim();
       connect();
     });
-    worker.device = await findDevice();
-    showDevice();
     ort.env.wasm.wasmPaths = new URL("/static/vendor/", location.href).href;
     ort.env.wasm.numThreads = worker.threads;
     // On WebAssembly onnxruntime runs in its own thread, so this one keeps answering pings. The proxy

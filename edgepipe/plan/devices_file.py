@@ -24,6 +24,8 @@ every bandwidth an int/float of bytes per second or a string such as "100Mbit/s"
         prefill_speed: 6.0      # cost units/s on prompt tokens (default: 6 x speed, see profiles.py)
         precision: fp32         # weight variant it runs (browsers: fp32); default: the package's
         activation_dtype: float16   # what it sends on the wire (default float32)
+        kind: gpu               # where it computes: cpu (default) or gpu (memory: the GPU's)
+        adapter: NVIDIA RTX 4060  # the GPU, for reports
     network:                    # optional
       default: {rtt_ms: 2, bandwidth: 100Mbit/s}   # pairs not listed below
       links:                    # one direction; the reverse is assumed equal unless listed
@@ -67,7 +69,7 @@ _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]*)\
 
 _DEVICE_KEYS = {
     "id", "memory", "speed", "overhead_s", "overhead_ms", "power_busy_w", "power_idle_w",
-    "held_units", "relay", "emulated", "prefill_speed", "precision", "activation_dtype",
+    "held_units", "relay", "emulated", "prefill_speed", "precision", "activation_dtype", "kind", "adapter",
 }
 _PRECISIONS = ("int4", "int8", "fp32", "native")
 _DTYPES = ("float32", "float16")
@@ -276,6 +278,8 @@ def parse_devices(data: Mapping[str, Any], units: int | None = None) -> DevicesF
                 precision=None if entry.get("precision") is None
                 else _choice(entry["precision"], at("precision"), _PRECISIONS),
                 activation_dtype=_choice(entry.get("activation_dtype", "float32"), at("activation_dtype"), _DTYPES),
+                kind=_choice(entry.get("kind", "cpu"), at("kind"), ("cpu", "gpu")),
+                adapter=None if entry.get("adapter") is None else str(entry["adapter"]),
             )
         except DevicesFileError as error:
             raise DevicesFileError(f"device {device_id!r}: {error}", error.path) from None

@@ -215,7 +215,8 @@ class DeviceProfile:
     Optional, with defaults that keep older callers' meaning: `prefill_speed` (cost units per
     second for prompt tokens; None: `speed * model.prefill_efficiency`), `precision` (the
     weight variant it runs, e.g. "fp32" for a browser; None: the model profile's own) and
-    `activation_dtype` ("float16" halves the activations it sends).
+    `activation_dtype` ("float16" halves the activations it sends); `kind` where it computes
+    ("cpu" or "gpu", with the GPU's `adapter`: its memory is the GPU's, its speed measured there).
     """
 
     id: str
@@ -230,6 +231,8 @@ class DeviceProfile:
     prefill_speed: float | None = None
     precision: str | None = None
     activation_dtype: str = "float32"
+    kind: str = "cpu"
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "held_units", frozenset(self.held_units))

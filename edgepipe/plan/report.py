@@ -60,6 +60,8 @@ def render(
             for device_id in stage.device_ids:
                 device = devs.get(device_id)
                 label = device_id + (" (emulated)" if device is not None and device.emulated else "")
+                if device is not None and device.kind == "gpu":
+                    label += f" [gpu{': ' + device.adapter if device.adapter else ''}]"
                 names.append(label)
             mem = " / ".join(
                 f"{memory[d] / MIB:.0f}" + (f" of {devs[d].memory_bytes / MIB:.0f}" if d in devs else "")

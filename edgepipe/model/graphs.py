@@ -539,56 +539,66 @@ def pad_lone_rows(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def gpu_form(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The form of a graph for GPU execution providers: block sums as a product, not a reduction.
+    """The form of a graph for GPU execution providers: fewer kernels, no CPU round trip.
 
-    The block-minimum term of Q4_K / Q5_K / Q4_1 weights is ``BlockSum(x) @ offsets`` (see
-    ``_Graph._block_offsets``): its ``ReduceSum`` over the last axis of ``[.., blocks, 32]``
-    becomes a MatMul by a column of ones — the same sum, every term times an exact 1.0 — one
-    tiled product where the WebGPU reduction dispatches per block row.
+    A GPU step through ONNX Runtime's WebGPU EP is bound by dispatches, not bytes: on an H100 each
+    kernel costs ~30 us of host time whatever its size, and the GPU idles between them. So:
 
-    The head's ``LogSoftmax`` has no WebGPU kernel: on the CPU it split a step into two trips
-    (logits to the host, log-probabilities back for TopK / GatherElements), each a full sync,
-    18 ms of a 1B-shaped step of 28 ms on an H100. Written as ``x - max - log(sum(exp(x - max)))``
-    every op stays on the GPU and the step reads back once, at its end.
+    - The block sums of the block-minimum term of Q4_K / Q5_K / Q4_1 weights, ``BlockSum(x) @
+      offsets`` (``_Graph._block_offsets``: Reshape, ReduceSum, MatMul), become one MatMul of ``x``
+      by a 0/1 block-indicator matrix ``[K, K / block]``: the same sums, each term times an exact
+      1.0, one tiled product where the WebGPU reduction dispatched per block row (over half of an
+      8B step, measured). The indicator is one constant per ``K``, shared by every layer.
+    - The head's ``LogSoftmax`` has no WebGPU kernel: on the CPU it split a step into two trips
+      (logits to the host, log-probabilities back for TopK / GatherElements), each a full sync.
+      Written as ``x - max - log(sum(exp(x - max)))`` every op stays on the GPU.
 
-    Weights are unchanged (only the order of additions may differ); a graph with neither comes
-    back as it was (same bytes)."""
+    Weights are unchanged and only the order of additions may differ from the CPU form; a graph
+    with neither pattern comes back as it was (same bytes)."""
     producers = {o: n for n in model.graph.node for o in n.output}
+    readers: dict[str, int] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers[i] = readers.get(i, 0) + 1
     inits = {i.name: i for i in model.graph.initializer}
-    targets = []
+    sums: dict[str, tuple[str, int, int]] = {}  # ReduceSum output -> (x, K, block)
     for node in model.graph.node:
         if node.op_type != "ReduceSum" or node.domain or len(node.input) < 2:
             continue
         shape = producers.get(node.input[0])
-        if shape is None or shape.op_type != "Reshape" or shape.input[1] not in inits:
+        if shape is None or shape.op_type != "Reshape" or shape.input[1] not in inits or readers.get(shape.output[0]) != 1:
             continue
-        block = int(numpy_helper.to_array(inits[shape.input[1]])[-1])
+        dims = numpy_helper.to_array(inits[shape.input[1]])
         keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
         axes = numpy_helper.to_array(inits[node.input[1]]) if node.input[1] in inits else None
-        if keepdims == 0 and axes is not None and axes.tolist() == [-1] and block > 1:
-            targets.append((node, block))
+        if keepdims == 0 and axes is not None and axes.tolist() == [-1] and dims[-1] > 1 and dims[-2] > 0:
+            sums[node.output[0]] = (shape.input[0], int(dims[-2] * dims[-1]), int(dims[-1]))
     log_softmax = {n.output[0] for n in model.graph.node if n.op_type == "LogSoftmax" and not n.domain
                    and next((a.i for a in n.attribute if a.name == "axis"), -1) == -1}
-    if not targets and not log_softmax:
+    if not sums and not log_softmax:
         return model
+    reshapes = {producers[producers[o].input[0]].output[0] for o in sums}
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = _Graph("gpu_form.")
     last = g.const(np.array([-1], np.int64), "last")
-    ones = {b: g.const(np.ones((b, 1), np.float32), f"ones{b}") for b in {b for _, b in targets}}
-    by_output = {n.output[0]: b for n, b in targets}
+    indicators: dict[tuple[int, int], str] = {}
     for node in out.graph.node:
-        if node.output[0] in log_softmax:
+        if node.output[0] in reshapes:
+            continue
+        if node.output[0] in sums:
+            x, k, block = sums[node.output[0]]
+            if (k, block) not in indicators:
+                ind = (np.arange(k)[:, None] // block == np.arange(k // block)[None, :]).astype(np.float32)
+                indicators[k, block] = g.const(ind, f"blocks{k}x{block}")
+            g.op("MatMul", [x, indicators[k, block]], out=[node.output[0]])
+        elif node.output[0] in log_softmax:
             top = g.op1("ReduceMax", [node.input[0], last], keepdims=1)
             shifted = g.op1("Sub", [node.input[0], top])
             total = g.op1("ReduceSum", [g.op1("Exp", [shifted]), last], keepdims=1)
             g.op("Sub", [shifted, g.op1("Log", [total])], out=[node.output[0]])
-            continue
-        if node.output[0] not in by_output:
+        else:
             g.nodes.append(node)
-            continue
-        column = g.op1("MatMul", [node.input[0], ones[by_output[node.output[0]]]])
-        g.op("Squeeze", [column, last], out=[node.output[0]])
     del out.graph.node[:]
     out.graph.node.extend(g.nodes)
     out.graph.initializer.extend(g.initializers.values())

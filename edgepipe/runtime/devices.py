@@ -105,25 +105,40 @@ def resolve(spec: str = "auto") -> ExecutionDevice:
     return ExecutionDevice("gpu", index, adapter, memory, None, d)
 
 
+PCI_VENDORS = {0x10DE: "NVIDIA", 0x1002: "AMD", 0x8086: "Intel", 0x13B5: "ARM", 0x5143: "Qualcomm", 0x106B: "Apple"}
+
+
 def _adapter_name(ep_device, software: bool) -> str:
     meta = dict(ep_device.device.metadata)
     name = meta.get("Description") or meta.get("description") or meta.get("DeviceName") or ""
-    vendor = ep_device.device.vendor or f"vendor {ep_device.device.vendor_id:#06x}"
+    vendor = ep_device.device.vendor or PCI_VENDORS.get(ep_device.device.vendor_id) or f"vendor {ep_device.device.vendor_id:#06x}"
     if software:
         return f"software adapter on the {vendor} CPU ({SOFTWARE_ENV}=1)"
+    if not name and ep_device.device.vendor_id == 0x10DE:
+        name = _nvidia_smi("name", ep_device.device.device_id) or ""
     return f"{vendor} {name}".strip() + " (WebGPU)"
+
+
+def _nvidia_smi(field: str, index: int = 0) -> str | None:
+    """One field of ``nvidia-smi --query-gpu`` for GPU ``index`` (None without the tool)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        rows = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rows[index].strip() if index < len(rows) else None
 
 
 def gpu_memory_bytes(index: int) -> int | None:
     """The GPU's own memory, read from the vendor's tools (WebGPU does not report it): NVIDIA's
     ``nvidia-smi``, AMD's sysfs ``mem_info_vram_total``; None when neither answers."""
-    if shutil.which("nvidia-smi"):
+    mib = _nvidia_smi("memory.total", index)
+    if mib:
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10).stdout.split()
-            if index < len(out):
-                return int(float(out[index]) * (1 << 20))
-        except (OSError, ValueError, subprocess.SubprocessError):
+            return int(float(mib) * (1 << 20))
+        except ValueError:
             pass
     totals = []
     try:

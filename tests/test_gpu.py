@@ -240,3 +240,61 @@ def test_gpu_form_agrees_with_the_cpu_on_qwen(home, software_gpu, gpu_units):
     got = run_child(code, software_gpu, home, timeout=600)
     assert got["positions"] >= 100
     assert got["agree"] >= 0.99, got
+
+
+def test_gpu_sliding_windows_logprobs_and_masks_work_as_on_the_cpu(home, int4_pkg, software_gpu, tmp_path):
+    """On the GPU, as on the CPU: a tiny Gemma 3's window layers keep only their window in device
+    memory and give the tokens of the same runners never trimmed; the head's logprobs are the
+    CPU's within float tolerance, and a token mask (structured output) is obeyed."""
+    got = run_child(f"""
+        import json, sys
+        sys.path.insert(0, "tests")
+        import numpy as np
+        from edgepipe.model.importer import import_model
+        from edgepipe.model.package import Package
+        from edgepipe.model.store import resolve as open_pkg
+        from edgepipe.runtime import stage_runner
+        from edgepipe.runtime.devices import resolve
+        from edgepipe.runtime.stage_runner import RowControls, SamplingBatch, logit_adjust, window_positions
+        from test_families import PROMPT, write_tiny_gguf
+        gpu = resolve("gpu")
+        path = write_tiny_gguf({str(tmp_path / "gemma3.gguf")!r}, "gemma3", seed=11)
+        pkg = Package(import_model(path, {str(tmp_path / "models")!r}, "fp32", max_context=256, measure_cost=False))
+        ids = pkg.tokenizer.encode(PROMPT)
+        def decode(n=24):
+            pipe = pkg.pipeline([], devices=[gpu])
+            feed, out = ids, []
+            for _ in range(n):
+                out.append(pipe.step("s", feed, SamplingBatch.greedy(1)))
+                feed = out[-1:]
+            return out, pipe.runners[0]
+        trimmed, runner = decode()
+        window_buffers = max(v.shape()[2] for k, v in runner._pool.arrays.items() if k in runner._pool.window_names)
+        stage_runner.window_start = lambda length, window: 0
+        untrimmed, _ = decode()
+        # the head: logprobs and a mask, GPU vs CPU
+        pkg2 = open_pkg("smollm2", "int4")
+        n = len(pkg2.manifest.units)
+        x = np.random.default_rng(3).standard_normal((1, 1, pkg2.manifest.config["hidden_size"])).astype(np.float32)
+        allowed = np.zeros(pkg2.manifest.config["vocab_size"], bool); allowed[[17, 400, 4000]] = True
+        mask = np.packbits(allowed, bitorder="little").tobytes()
+        heads = {{}}
+        for name in ("cpu", "gpu"):
+            head = pkg2.runner(n - 1, n, device=resolve(name))
+            g = SamplingBatch.greedy(1)
+            plain = SamplingBatch(g.do_sample, g.temperature, g.top_k, g.top_p, g.uniform, None, 5)
+            token = int(head.run("a", x, plain)[0])
+            out = head.last_head[1]
+            masked = SamplingBatch(g.do_sample, g.temperature, g.top_k, g.top_p, g.uniform,
+                                   logit_adjust([RowControls(mask=mask)], len(allowed)), 5)
+            heads[name] = {{"token": token, "top_ids": out.top_ids[0].tolist(), "top_logprobs": out.top_logprobs[0].tolist(),
+                           "masked": int(head.run("b", x, masked)[0])}}
+        print("RESULT", json.dumps({{"trimmed": trimmed, "untrimmed": untrimmed, "window_buffers": window_buffers,
+                                    "window_limit": window_positions(8), "heads": heads}}))
+    """, software_gpu, home)
+    assert got["trimmed"] == got["untrimmed"]
+    assert got["window_buffers"] <= got["window_limit"]
+    cpu, gpu = got["heads"]["cpu"], got["heads"]["gpu"]
+    assert gpu["token"] == cpu["token"] and gpu["top_ids"][:3] == cpu["top_ids"][:3]
+    assert max(abs(a - b) for a, b in zip(gpu["top_logprobs"], cpu["top_logprobs"])) < 0.05
+    assert gpu["masked"] in (17, 400, 4000) and gpu["masked"] == cpu["masked"]

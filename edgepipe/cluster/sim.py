@@ -127,8 +127,8 @@ class FakePackage:
     def __init__(self):
         self.manifest = FakeManifest()
 
-    def stage_graph(self, start, end, precision=None, batch_invariant=False) -> str:
-        return f"graph-{start}-{end}" + ("-invariant" if batch_invariant else "")
+    def stage_graph(self, start, end, precision=None, batch_invariant=False, gpu=False) -> str:
+        return f"graph-{start}-{end}" + ("-invariant" if batch_invariant else "") + ("-gpu" if gpu else "")
 
 
 # -- the simulated network -----------------------------------------------------------------------------

@@ -75,7 +75,7 @@ static int chosen_isa(char *error, size_t error_size) {
     return -1;
 }
 
-static void fill_table(int isa, gguf_vec_dot table[GGUF_TYPE_SLOTS]) {
+static void fill_table(int isa, gguf_kernel_table *table) {
     switch (isa) {
 #ifdef EDGEPIPE_HAVE_AVX512VNNI
     case ISA_AVX512VNNI: gguf_table_avx512vnni(table); return;
@@ -90,7 +90,7 @@ static void fill_table(int isa, gguf_vec_dot table[GGUF_TYPE_SLOTS]) {
 /* ---- the product itself, shared by the ORT kernel and the direct entry point ---- */
 
 typedef struct {
-    gguf_vec_dot dot;
+    gguf_rows_dot rows;
     const gguf_type_info *type;
     int qtype;
 } matmul_plan;
@@ -122,12 +122,18 @@ static void quantize_task(void *data, size_t index) {
     quantize_rows(job, (int64_t)index, (int64_t)index + 1);
 }
 
+/* Outputs n0..n1 of every row, a tile of GGUF_TILE_ROWS activation rows at a time against each
+ * weight row of the range: the kernels unpack a weight block once per tile, the tile's activations
+ * stay in the nearest cache while the range's weight rows pass (from L2 after the first tile), and
+ * a row's result does not depend on its tile. */
 static void product_rows(const matmul_job *job, int64_t n0, int64_t n1) {
-    gguf_vec_dot dot = job->plan->dot;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *wrow = job->w + n * job->row_bytes;
-        for (int64_t m = 0; m < job->m; m++) {
-            job->y[m * job->n + n] = dot(job->nblocks, wrow, (const char *)job->xq + m * job->xq_row_bytes);
+    gguf_rows_dot rows_dot = job->plan->rows;
+    for (int64_t m = 0; m < job->m; m += GGUF_TILE_ROWS) {
+        int rows = job->m - m < GGUF_TILE_ROWS ? (int)(job->m - m) : GGUF_TILE_ROWS;
+        const char *xq = (const char *)job->xq + m * job->xq_row_bytes;
+        for (int64_t n = n0; n < n1; n++) {
+            rows_dot(job->nblocks, job->w + n * job->row_bytes, xq, job->xq_row_bytes, rows, job->y + m * job->n + n,
+                     (size_t)job->n);
         }
     }
 }
@@ -177,9 +183,9 @@ static int plan_for(matmul_plan *plan, int qtype, int isa, char *error, size_t e
                  qtype);
         return -1;
     }
-    gguf_vec_dot table[GGUF_TYPE_SLOTS];
-    fill_table(isa, table);
-    plan->dot = table[qtype];
+    gguf_kernel_table table;
+    fill_table(isa, &table);
+    plan->rows = table.rows[qtype];
     return 0;
 }
 

@@ -295,7 +295,11 @@ TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
         case 1: tile_##name(nb, w, x, xs, 1, y, ys); break;                                            \
         case 2: tile_##name(nb, w, x, xs, 2, y, ys); break;                                            \
         case 3: tile_##name(nb, w, x, xs, 3, y, ys); break;                                            \
-        default: tile_##name(nb, w, x, xs, 4, y, ys); break;                                           \
+        case 4: tile_##name(nb, w, x, xs, 4, y, ys); break;                                            \
+        case 5: tile_##name(nb, w, x, xs, 5, y, ys); break;                                            \
+        case 6: tile_##name(nb, w, x, xs, 6, y, ys); break;                                            \
+        case 7: tile_##name(nb, w, x, xs, 7, y, ys); break;                                            \
+        default: tile_##name(nb, w, x, xs, 8, y, ys); break;                                           \
         }                                                                                              \
     }
 KERNELS(q4_0)

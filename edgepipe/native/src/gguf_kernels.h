@@ -35,7 +35,7 @@ typedef struct {
 } act_block32;
 
 /* Most activation rows one call of a `gguf_rows_dot` takes. */
-#define GGUF_TILE_ROWS 4
+#define GGUF_TILE_ROWS 8
 
 /* One weight row of `nblocks` GGUF blocks against `rows` (1..GGUF_TILE_ROWS) quantized
  * activation rows `activation_stride` bytes apart: y[r * y_stride] = the dot product with row r. Each weight block is unpacked once for all rows,

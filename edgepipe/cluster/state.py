@@ -74,9 +74,11 @@ class WorkerInfo:
 
     @property
     def identity(self) -> tuple:
-        """Name and declared hardware: a device that comes back with these is the same device."""
+        """Name and declared hardware: a device that comes back with these is the same device
+        (with or without the GGUF kernel library it runs another form: timed again)."""
         h = self.hello
-        return (self.name, h.get("kind"), h.get("memory_bytes"), h.get("threads"), repr(h.get("emulation")), h.get("precision"))
+        return (self.name, h.get("kind"), h.get("memory_bytes"), h.get("threads"), repr(h.get("emulation")), h.get("precision"),
+                h.get("native_kernel"))
 
 
 @dataclass(frozen=True)

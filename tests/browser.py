@@ -10,6 +10,8 @@ import pytest
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-quic"]
+# WebGPU on SwiftShader, Chromium's software Vulkan (no GPU needed); without these flags a tab finds no adapter.
+WEBGPU_ARGS = ["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader"]
 
 
 def chromium_path() -> str:
@@ -20,11 +22,13 @@ def chromium_path() -> str:
 
 
 @contextmanager
-def browser_context(**kwargs):
+def browser_context(webgpu: bool = False, **kwargs):
+    """``webgpu``: tabs find a WebGPU adapter (SwiftShader); else they compute on WebAssembly."""
     from playwright.sync_api import sync_playwright
 
+    args = CHROMIUM_ARGS + (WEBGPU_ARGS if webgpu else [])
     with sync_playwright() as p, tempfile.TemporaryDirectory() as profile:
-        context = p.chromium.launch_persistent_context(profile, executable_path=chromium_path(), args=CHROMIUM_ARGS, headless=True, **kwargs)
+        context = p.chromium.launch_persistent_context(profile, executable_path=chromium_path(), args=args, headless=True, **kwargs)
         try:
             yield context
         finally:

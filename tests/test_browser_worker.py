@@ -1,7 +1,7 @@
 """A browser tab as a worker: it serves a stage exactly, caches its unit files, and needs the token.
 
 One native worker (int4) and one headless-chromium tab on ``/worker`` (onnxruntime-web,
-WebAssembly, the fp32 variant) share the model; ``--placement memory`` and the declared memory
+WebAssembly, the fp32 variant: this chromium offers no WebGPU adapter; test_browser_webgpu.py has one) share the model; ``--placement memory`` and the declared memory
 put ``BROWSER_UNITS`` units in the tab: the last ones (layers + head, the tab returns token ids)
 or the first ones (embedding + layers, the tab's activations are relayed to the native worker).
 The reference is the single-process pipeline with the same cut and the same variant per stage.
@@ -108,7 +108,11 @@ def test_tab_serves_a_stage_with_the_reference_tokens(cluster, pkg):
     tab = cluster.browser_id()
     assert [(s["start"], s["end"]) for s in status["plan"]["stages"]] == [(0, 32 - BROWSER_UNITS), (32 - BROWSER_UNITS, 32)]
     assert {w["kind"] for w in status["workers"]} == {"native", "browser"}
+    browser = next(w for w in status["workers"] if w["kind"] == "browser")
+    # This chromium has no WebGPU (no --enable-unsafe-webgpu): the tab computes on WebAssembly and says why.
+    assert (browser["device"], browser["adapter"], browser["device_note"]) == ("cpu", None, "no WebGPU adapter")
     page = cluster.page
+    assert page.locator("#device").inner_text() == "CPU (WebAssembly): no WebGPU adapter"
     assert page.locator("#worker-id").inner_text() == tab
     assert page.evaluate("crossOriginIsolated") is True  # COOP + COEP: WebAssembly threads are available
 

@@ -305,15 +305,21 @@ def test_python_worker_answers_the_golden_frames(pkg, golden, tmp_path):
 
 # -- the browser worker ----------------------------------------------------------------------------
 @pytest.mark.browser
-def test_browser_worker_answers_the_golden_frames_as_the_python_worker(pkg, golden):
+@pytest.mark.parametrize("webgpu", [False, pytest.param(True, marks=pytest.mark.slow, id="webgpu")])  # SwiftShader: ~45 s more
+def test_browser_worker_answers_the_golden_frames_as_the_python_worker(pkg, golden, webgpu):
+    """On WebAssembly, and on WebGPU (SwiftShader): the frames load fp32 units, which a WebGPU tab runs too."""
     from browser import browser_context
 
-    with GoldenServer(pkg, golden) as server, browser_context() as context:
+    with GoldenServer(pkg, golden) as server, browser_context(webgpu=webgpu) as context:
         page = context.new_page()
         page.goto(f"{server.url}/worker?name=golden&memory=2GB")
+        # The socket closes 0.5 s after the final bye and the tab then shows 'disconnected': note 'stopped' when it is shown.
+        page.evaluate("""() => new MutationObserver(() => { if (document.body.dataset.state === "stopped") self.saidBye = true; })
+                              .observe(document.body, { attributes: true, attributeFilter: ["data-state"] })""")
         assert server.done.wait(300), "the tab did not get through the golden frames in 300 s"
         assert server.error is None, f"playing the frames failed: {server.error!r}"
         hello, got, extra = server.result
-        page.wait_for_selector("body[data-state='stopped']", timeout=10000)  # a final bye stops the tab
+        page.wait_for_function("self.saidBye === true", timeout=10000)  # a final bye stops the tab
+        assert hello.get("device") == ("gpu" if webgpu else "cpu")
     problems = verdict(golden, hello, got, extra, "browser")
     assert problems == [], "\n".join(problems)

@@ -1,6 +1,7 @@
 """The browser worker: ``GET /worker`` turns a tab into a worker; ``/static/...`` serves its code.
 
-The page runs its stage with onnxruntime-web (WebAssembly) and speaks the same protocol as a
+The page runs its stage with onnxruntime-web (WebGPU where the browser has an adapter, else
+WebAssembly) and speaks the same protocol as a
 native worker over ``/v1/worker``. WebAssembly threads need a cross-origin isolated page, so
 every response here carries COOP ``same-origin`` + COEP ``require-corp``, and CORP
 ``same-origin`` on the scripts and the ``.wasm`` (same-origin fetches, such as the unit files

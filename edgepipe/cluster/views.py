@@ -73,6 +73,7 @@ def status(coord) -> dict:
         },
         "workers": [{
             "id": w.id, "name": w.name, "kind": w.hello.get("kind", "native"), "memory_bytes": w.memory_bytes,
+            "device": w.hello.get("device") or "cpu", "adapter": w.hello.get("adapter"), "device_note": w.hello.get("device_note"),
             "data_url": w.hello.get("data_url"), "pid": w.hello.get("pid"),
             "native_kernel": w.hello.get("native_kernel"), "native_kernel_note": w.hello.get("native_kernel_note"),
             "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2), "emulation": w.hello.get("emulation"),

@@ -64,7 +64,7 @@ class Hello(Wire):
     data_url: str | None  # None for a browser (it cannot accept connections)
     held: list  # sha256s in its cache
     emulation: dict | None = None  # {slowdown, link_delay_ms, link_rate, memory_budget[, drop_work]}, labelled emulation
-    precision: str | None = None  # the weight variant it wants (a browser: fp32)
+    precision: str | None = None  # the weight variant it wants (a WebAssembly tab: fp32; absent: the package's own)
     pid: int | None = None
     data_fingerprint: str | None = None  # its data port's certificate (TLS clusters)
     power_busy_w: float | None = None

@@ -46,7 +46,7 @@ DOCS: dict[type, MessageDoc] = {
         "data_url": "`ws(s)://` address of its data port (null for a browser)",
         "held": "sha256s of the unit files in its cache",
         "emulation": "null, or `{slowdown, link_delay_ms, link_rate, memory_budget[, drop_work, misreport]}`: labelled emulation",
-        "precision": "weight variant it wants (a browser: `fp32`)",
+        "precision": "weight variant it wants (a tab on WebAssembly: `fp32`; absent, as from a tab on WebGPU: the package's own)",
         "pid": "its process id (local workers)",
         "data_fingerprint": "sha256 of its data port's certificate (TLS clusters)",
         "power_busy_w": "declared power when computing (energy objective)",

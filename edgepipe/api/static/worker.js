@@ -1,5 +1,6 @@
 // edgepipe browser worker: this tab holds one stage of the pipeline and runs it with
-// onnxruntime-web (WebAssembly). It speaks the wire protocol of docs/protocol.md over one
+// onnxruntime-web: on WebGPU when the browser gives an adapter (the package's own weight variant,
+// MatMulNBits), on WebAssembly otherwise (the fp32 variant). It speaks the wire protocol of docs/protocol.md over one
 // WebSocket to the coordinator (/v1/worker). A tab cannot accept connections, so it says
 // kind "browser" in its hello: the coordinator relays activations to it, and it sends its own
 // outputs back over the same socket (`forward` with `relay_to`, or `token` from the head).
@@ -194,9 +195,13 @@
   }
 
   // -- a stage: one onnxruntime-web session over units [start, end) + per-sequence KV ------------
+  // On WebGPU the KV cache stays in GPU memory across steps: present_* come back as GPU buffers
+  // (preferredOutputLocation) and are fed as past_* of the next step; only growing the capacity
+  // (every KV_BLOCK positions) passes the live prefix through the host.
   class StageRunner {
-    constructor(session, maxContext) {
+    constructor(session, maxContext, onGpu = false) {
       this.session = session;
+      this.onGpu = onGpu;
       const inputs = session.inputNames, outputs = session.outputNames;
       const meta = Object.fromEntries((session.inputMetadata || []).map((m) => [m.name, m]));
       this.layers = inputs.map((n) => /^past_key\.(\d+)$/.exec(n)).filter(Boolean).map((m) => Number(m[1])).sort((a, b) => a - b);
@@ -220,7 +225,11 @@
       this.caches = new Map(); // seq -> {length, capacity, kv: {"key.u": ort.Tensor [1, kv_heads, capacity, head_dim]}}
     }
 
-    drop(seq) { this.caches.delete(seq); }
+    drop(seq) {
+      const cache = this.caches.get(seq);
+      if (cache) disposeAll(cache.kv);
+      this.caches.delete(seq);
+    }
 
     get kvBytes() {
       let n = 0;
@@ -228,8 +237,9 @@
       return n;
     }
 
-    // Grow the KV buffers to hold `tokens` positions: a bigger zeroed buffer with the live prefix copied in.
-    reserve(cache, tokens) {
+    // Grow the KV buffers to hold `tokens` positions: a bigger zeroed buffer with the live prefix copied in
+    // (a GPU buffer is read back, one layer at a time, and released; the next run uploads the grown one).
+    async reserve(cache, tokens) {
       if (tokens <= cache.capacity) return;
       const capacity = Math.ceil(tokens / KV_BLOCK) * KV_BLOCK;
       const rows = this.headDim;
@@ -239,10 +249,13 @@
           const grown = new Float32Array(this.kvHeads * capacity * rows);
           const old = cache.kv[name];
           if (old && cache.length) {
+            const data = old.location === "gpu-buffer" ? await old.getData(true) : old.data;
             for (let h = 0; h < this.kvHeads; h++) {
               const from = h * cache.capacity * rows;
-              grown.set(old.data.subarray(from, from + cache.length * rows), h * capacity * rows);
+              grown.set(data.subarray(from, from + cache.length * rows), h * capacity * rows);
             }
+          } else if (old) {
+            old.dispose();
           }
           cache.kv[name] = new ort.Tensor("float32", grown, [1, this.kvHeads, capacity, rows]);
         }
@@ -259,7 +272,7 @@
       if (this.maxContext && total > this.maxContext) throw coded(`sequence ${seq} would reach ${total} tokens, over the context of ${this.maxContext}`, "context");
       const feeds = { [this.inputName]: new ort.Tensor(x.dtype, x.data, x.shape) };
       if (this.layers.length) {
-        this.reserve(cache, total);
+        await this.reserve(cache, total);
         const lengths = { seqlens_k: Int32Array.of(total - 1), total_sequence_length: Int32Array.of(total) };
         // Sliding-window layers (graphs.layer_unit) read window_* lengths and rotate at position_ids; this
         // tab keeps every position of every layer (buffer index = position), so their lengths are the same.
@@ -288,11 +301,12 @@
       const out = await this.session.run(feeds);
       if (this.emitsTokens) this.lastOut = out; // the head's logprobs (logprobsEntry)
       // Past and present cannot share one buffer here: present (same capacity, past + the new
-      // rows) becomes the sequence's buffer for the next step.
+      // rows) becomes the sequence's buffer for the next step, and past's GPU buffer is released.
       for (const u of this.layers) {
         for (const kind of ["key", "value"]) {
-          const present = out[`present_${kind}.${u}`];
+          const present = out[`present_${kind}.${u}`], past = cache.kv[`${kind}.${u}`];
           if (Number(present.dims[2]) < total) throw new Error(`present_${kind}.${u} holds ${present.dims[2]} positions, need ${total}`);
+          if (past !== present && past.location === "gpu-buffer") past.dispose();
           cache.kv[`${kind}.${u}`] = present;
         }
       }
@@ -303,9 +317,15 @@
 
     // Free the session once the compute queue reaches this point (a step may still be running on it).
     release() {
-      this.caches.clear();
-      serial(() => this.session.release()).catch(() => {});
+      serial(() => {
+        for (const seq of [...this.caches.keys()]) this.drop(seq);
+        return this.session.release();
+      }).catch(() => {});
     }
+  }
+
+  function disposeAll(tensors) {
+    for (const t of Object.values(tensors)) if (t.location === "gpu-buffer") t.dispose();
   }
 
   // -- the worker ----------------------------------------------------------------------------------
@@ -329,7 +349,40 @@
     compute: Promise.resolve(), // forwards and probes run one at a time, in arrival order
     refused: false,
     retry: null,
+    device: { kind: "cpu", adapter: null, note: "not looked for yet" }, // see findDevice
   };
+
+  // Where this tab computes: WebGPU when the browser gives an adapter (?device=cpu opts out),
+  // else WebAssembly, with one line saying why.
+  async function findDevice() {
+    if (params.get("device") === "cpu") return { kind: "cpu", adapter: null, note: "the page asked for the CPU (?device=cpu)" };
+    if (!navigator.gpu) return { kind: "cpu", adapter: null, note: `no navigator.gpu${self.isSecureContext ? "" : " (not a secure context)"}` };
+    let adapter;
+    try {
+      adapter = await navigator.gpu.requestAdapter();
+    } catch (e) {
+      return { kind: "cpu", adapter: null, note: `requestAdapter failed: ${firstLine(e)}` };
+    }
+    if (!adapter) return { kind: "cpu", adapter: null, note: "no WebGPU adapter" };
+    const info = adapter.info || {};
+    const name = [info.vendor, info.architecture, info.description].filter(Boolean).join(" ") || "unnamed adapter";
+    return { kind: "gpu", adapter: name, note: null };
+  }
+
+  // A WebGPU session could not be built: from now on this tab computes on WebAssembly, and it joins
+  // again so that the coordinator learns the device and sends the fp32 variant.
+  function leaveTheGpu(reason) {
+    worker.device = { kind: "cpu", adapter: null, note: `WebGPU session failed: ${reason}` };
+    log(`${worker.device.note}; joining again on WebAssembly`);
+    showDevice();
+    setTimeout(connect, 0);
+  }
+
+  function showDevice() {
+    const d = worker.device;
+    $("device").textContent = d.kind === "gpu" ? `GPU (WebGPU): ${d.adapter}` : `CPU (WebAssembly): ${d.note}`;
+    $("device").dataset.kind = d.kind;
+  }
 
   function serial(fn) {
     worker.queued++;
@@ -361,9 +414,13 @@
     const ws = (worker.ws = new WebSocket(url));
     ws.binaryType = "arraybuffer";
     show("connecting", `connecting to ${url}…`);
+    const d = worker.device;
     ws.onopen = () => send("hello", {
-      name: worker.name, token: worker.token || null, protocol: PROTOCOL, kind: "browser", precision: "fp32",
+      name: worker.name, token: worker.token || null, protocol: PROTOCOL, kind: "browser",
+      // On WebGPU no precision: the package's own variant (MatMulNBits runs there); WebAssembly runs fp32 fastest.
+      ...(d.kind === "gpu" ? {} : { precision: "fp32" }),
       memory_bytes: worker.memoryBytes, threads: worker.threads, data_url: null, held, emulation: null,
+      device: d.kind, adapter: d.adapter, device_note: d.note,
     });
     ws.onmessage = (ev) => onFrame(ev.data);
     ws.onclose = (ev) => {
@@ -422,8 +479,8 @@
         render();
         break;
       }
-      case "drop":
-        for (const slot of worker.slots.values()) slot.runner.drop(f.seq);
+      case "drop": // after the steps queued before it: a running step may still read the sequence's GPU buffers
+        await serial(() => { for (const slot of worker.slots.values()) slot.runner.drop(f.seq); });
         break;
       case "forward":
         await serial(() => forward(f, tensors)).catch((e) => {
@@ -502,11 +559,22 @@
         log(`plan ${f.plan}: prefetched units [${f.start}, ${f.end}), ${fmtBytes(fetched)}`);
         return;
       }
-      const session = await serial(() => ort.InferenceSession.create(graph.bytes, {
-        executionProviders: ["wasm"], graphOptimizationLevel: "all", externalData }));
+      const onGpu = worker.device.kind === "gpu";
+      let session;
+      try {
+        session = await serial(() => ort.InferenceSession.create(graph.bytes, onGpu ? {
+          executionProviders: ["webgpu"], graphOptimizationLevel: "all", externalData, preferredOutputLocation: kvOnGpu(f.start, f.end),
+        } : { executionProviders: ["wasm"], graphOptimizationLevel: "all", externalData }));
+      } catch (e) {
+        if (onGpu) {
+          leaveTheGpu(firstLine(e));
+          return;
+        }
+        throw e;
+      }
       const old = worker.slots.get(f.plan);
       if (old) old.runner.release();
-      worker.slots.set(f.plan, { plan: f.plan, start: f.start, end: f.end, runner: new StageRunner(session, f.max_context), next: f.next, weightBytes });
+      worker.slots.set(f.plan, { plan: f.plan, start: f.start, end: f.end, runner: new StageRunner(session, f.max_context, onGpu), next: f.next, weightBytes });
       reply = { plan: f.plan, ok: true, load_s: (performance.now() - t0) / 1000, fetched_bytes: fetched, weight_bytes: weightBytes };
       log(`plan ${f.plan}: units [${f.start}, ${f.end}) ready in ${reply.load_s.toFixed(2)} s, fetched ${fmtBytes(fetched)}`);
     } catch (e) {
@@ -515,6 +583,13 @@
     }
     send("loaded", reply);
     render();
+  }
+
+  // present_* of units [start, end) stay on the GPU (names a graph lacks are ignored).
+  function kvOnGpu(start, end) {
+    const where = {};
+    for (let u = start; u < end; u++) for (const kind of ["key", "value"]) where[`present_${kind}.${u}`] = "gpu-buffer";
+    return where;
   }
 
   // A forward frame carries one lane of sequences (`batch`, one row of x each); a tab runs
@@ -664,6 +739,8 @@
 
   // -- start ---------------------------------------------------------------------------------------
   async function start() {
+    worker.device = await findDevice();
+    showDevice();
     $("token").value = worker.token;
     $("join").addEventListener("submit", (ev) => {
       ev.preventDefault();
@@ -672,9 +749,12 @@
     });
     ort.env.wasm.wasmPaths = new URL("/static/vendor/", location.href).href;
     ort.env.wasm.numThreads = worker.threads;
-    ort.env.wasm.proxy = params.get("proxy") !== "0"; // onnxruntime in its own thread: this one keeps answering pings
+    // On WebAssembly onnxruntime runs in its own thread, so this one keeps answering pings. The proxy
+    // cannot hand out GPU buffers (the KV kept on the GPU), and a WebGPU step mostly waits on the GPU.
+    ort.env.wasm.proxy = worker.device.kind === "cpu" && params.get("proxy") !== "0";
     ort.env.logLevel = "error";
-    $("backend").textContent = `onnxruntime-web ${ort.env.versions ? ort.env.versions.web || "" : ""} WebAssembly, ` +
+    $("backend").textContent = `onnxruntime-web ${ort.env.versions ? ort.env.versions.web || "" : ""} ` +
+      `${worker.device.kind === "gpu" ? "WebGPU" : "WebAssembly"}, ` +
       `${self.crossOriginIsolated ? "cross-origin isolated" : "not cross-origin isolated (1 thread)"}`;
     $("resources").textContent = `${fmtBytes(worker.memoryBytes)} / ${worker.threads} thread${worker.threads > 1 ? "s" : ""}`;
     try {
@@ -693,6 +773,6 @@
   }
 
   // For tests and benchmarks (the page's own view of what it did).
-  self.edgepipeWorker = { worker, stats, sha256, sha256Fallback, encodeFrame, decodeFrame, connect };
+  self.edgepipeWorker = { worker, stats, sha256, sha256Fallback, encodeFrame, decodeFrame, connect, serial, randomInput };
   start();
 })();

@@ -1,0 +1,179 @@
+"""A browser tab on WebGPU: headless chromium on SwiftShader serves the first stage next to a CPU worker.
+
+The tab finds a WebGPU adapter (``--enable-unsafe-webgpu``; SwiftShader, Chromium's software
+Vulkan: no GPU needed), says so in its hello (``device`` gpu, ``adapter``), asks for no
+``precision`` and so runs the package's own variant (MatMulNBits) on onnxruntime-web's WebGPU
+provider, keeping its KV cache in GPU buffers between steps. Its activations are relayed to the
+native worker, which runs the rest on the CPU. Greedy tokens equal the single-process pipeline
+with the same cut on the CPU: the GPU's float arithmetic differs from the CPU's in the last bits,
+which holds for the few tokens asked here (SwiftShader is slow), not as a contract for long runs.
+
+SwiftShader takes ~350 ms per layer a step on two shared cores, so the join calibration (two
+ranges of 34 steps, up to three rounds) would take minutes: the tab's calibration is given as
+one a coordinator saved earlier (``calibration_file``, recalled by identity). The first plan's
+stages are still timed on their own ranges before it serves.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
+
+from browser import browser_context
+from harness import Server
+
+pytestmark = pytest.mark.browser
+
+TAB_UNITS = 2  # the embedding + 1 decoder layer run in the tab
+TAB_MEMORY, NATIVE_MEMORY = 2**30, 15 * 2**30  # memory placement: 2 of 32 units in the tab
+PROMPT = "What is the tallest mountain on Earth?"
+TOKENS = 6
+
+
+def remember_tab(home, manifest, name: str) -> None:
+    """A calibration for the tab (identity as ``WorkerInfo.identity``), merged into the home's file."""
+    path = home / "calibrations" / f"{manifest.name}.json"
+    data = json.loads(path.read_text()) if path.is_file() else {"model": manifest.name, "devices": []}
+    identity = [name, "browser", TAB_MEMORY, 1, "None", None, "gpu", "google swiftshader"]
+    data["devices"] = [row for row in data["devices"] if row["identity"] != identity]
+    data["devices"].append({"identity": identity, "speed": 0.05, "overhead_s": 0.05, "bandwidth_bytes_per_s": None, "trusted": True})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+@pytest.fixture(scope="module")
+def context():
+    """One headless chromium with WebGPU for the module (Playwright's sync API allows one at a time)."""
+    with browser_context(webgpu=True) as context:
+        yield context
+
+
+@pytest.fixture(scope="module")
+def cluster(int4_pkg, home, context):
+    remember_tab(home, int4_pkg.manifest, "gputab")
+    with Server(home, workers=0, args=("--placement", "memory", "--min-workers", "2"), wait_up=False) as server:
+        page = context.new_page()
+        page.goto(f"{server.url}/worker?memory={TAB_MEMORY}&threads=1&name=gputab")
+        page.wait_for_selector("body[data-state='joined']", timeout=30000)
+        tab = page.locator("#worker-id").inner_text()
+        native = server.worker("--name", "native", "--memory", str(NATIVE_MEMORY), "--threads", "1")
+        try:
+            server.wait_for(lambda s: s["state"] == "up" and s["plan"] is not None and len(s["plan"]["stages"]) == 2, 240)
+            yield server, page, tab
+        finally:
+            native.terminate()
+            native.wait(timeout=15)
+
+
+def test_tab_on_webgpu_serves_the_reference_tokens(cluster, int4_pkg):
+    server, page, tab = cluster
+    status = server.status()
+    workers = {w["id"]: w for w in status["workers"]}
+    assert workers[tab]["kind"] == "browser" and workers[tab]["device"] == "gpu", workers[tab]
+    assert "swiftshader" in workers[tab]["adapter"] and workers[tab]["device_note"] is None
+    native = next(w for w in workers.values() if w["kind"] == "native")
+    assert native["device"] == "cpu"
+    assert page.locator("#device").inner_text().startswith("GPU (WebGPU): google swiftshader")
+    stages = status["plan"]["stages"]
+    n_units = len(int4_pkg.manifest.units)
+    assert [(s["worker"], s["start"], s["end"]) for s in stages] == [(tab, 0, TAB_UNITS), (stages[1]["worker"], TAB_UNITS, n_units)]
+    assert [e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == "calibrated" and e["worker"] == tab][0]["reused"]
+
+    r = server.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": PROMPT}], "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["token_ids"]
+    tok = int4_pkg.tokenizer
+    ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
+    pipeline = int4_pkg.pipeline(cuts=[stages[1]["start"]])  # both stages in the package's own variant, as the tab asked
+    want = generate(pipeline, ids, GenerationParams(max_tokens=TOKENS), tok.decode, int4_pkg.manifest.eos_ids).tokens
+    assert got == [t for t in want if t not in int4_pkg.manifest.eos_ids]
+    assert int(page.locator("#computed").inner_text()) >= TOKENS  # the prompt and every step went through the tab
+    # It holds its stage's files in the package's own variant (a WebAssembly tab would have asked for fp32).
+    held = set(page.evaluate("edgepipeWorker.worker.store.held()"))
+    assert set(int4_pkg.manifest.stage_files(0, TAB_UNITS)) <= held
+    assert int4_pkg.manifest.precision != "fp32"
+
+
+def test_tab_keeps_its_kv_in_gpu_buffers_and_grows_it_exactly(cluster):
+    """Steps of a sequence in the tab's stage: every past/present tensor it holds is a GPU buffer,
+    also after the cache grew past its first block of 256 positions (read back through the host);
+    the steps after the growth give what they give on a cache that had room from the start."""
+    _, page, _ = cluster
+    held = page.evaluate("""async () => {
+        const w = edgepipeWorker, r = [...w.worker.slots.values()].find((s) => s.plan > 0).runner;
+        const ids = (from, n) => ({ dtype: "int64", shape: [1, n], data: BigInt64Array.from({ length: n }, (_, i) => BigInt((from + i) * 7 % 1000)) });
+        const where = (seq) => [...new Set(Object.values(r.caches.get(seq).kv).map((t) => t.location))];
+        const steps = async (seq) => {
+            await r.run(seq, ids(0, 250), null);
+            const out = [];
+            for (let p = 250; p < 260; p++) out.push(...(await r.run(seq, ids(p, 1), null)).data);
+            return out;
+        };
+        return await w.serial(async () => {
+            try {
+                const roomy = { length: 0, capacity: 0, kv: {} };
+                r.caches.set("kv-roomy", roomy);
+                await r.reserve(roomy, 512);
+                const want = await steps("kv-roomy");
+                const got = await steps("kv-grown");
+                const grown = r.caches.get("kv-grown");
+                let diff = 0, scale = 0;
+                for (let i = 0; i < want.length; i++) { diff = Math.max(diff, Math.abs(got[i] - want[i])); scale = Math.max(scale, Math.abs(want[i])); }
+                return { onGpu: r.onGpu, layers: r.layers.length, capacity: grown.capacity, length: grown.length,
+                         where: where("kv-grown"), roomyWhere: where("kv-roomy"), diff, scale };
+            } finally { r.drop("kv-roomy"); r.drop("kv-grown"); }
+        });
+    }""")
+    assert held["onGpu"] is True and held["layers"] == TAB_UNITS - 1, held
+    assert (held["capacity"], held["length"], held["where"], held["roomyWhere"]) == (512, 260, ["gpu-buffer"], ["gpu-buffer"]), held
+    assert held["scale"] > 0.1 and held["diff"] <= 1e-5 * held["scale"], held
+
+
+# A WebGPU session that cannot be built (injected: onnxruntime-web's create refuses the webgpu provider).
+REFUSE_WEBGPU = """
+;(() => { const create = ort.InferenceSession.create.bind(ort.InferenceSession);
+  ort.InferenceSession.create = (model, options) => options.executionProviders.includes("webgpu")
+    ? Promise.reject(new Error("no kernel for this test")) : create(model, options); })();
+"""
+
+
+@pytest.mark.slow  # ~25 s: a second cluster, and the fp32 variant built if no test made it yet
+def test_tab_whose_webgpu_session_fails_joins_again_on_webassembly(int4_pkg, home, context):
+    """The tab says why it left the GPU, joins again asking for fp32 as any WebAssembly tab, and its
+    stage gives the reference tokens (that tab's stage in fp32, the native worker's in the package's variant)."""
+    remember_tab(home, int4_pkg.manifest, "failtab")
+    with Server(home, workers=0, args=("--placement", "memory", "--min-workers", "2"), wait_up=False) as server:
+        page = context.new_page()
+
+        def refuse_webgpu(route):
+            response = route.fetch()
+            route.fulfill(response=response, body=response.text() + REFUSE_WEBGPU)
+
+        page.route("**/static/vendor/ort.webgpu.min.js", refuse_webgpu)
+        page.goto(f"{server.url}/worker?memory={TAB_MEMORY}&threads=1&name=failtab")
+        native = server.worker("--name", "native", "--memory", str(NATIVE_MEMORY), "--threads", "1")
+        try:
+            status = server.wait_for(lambda s: s["state"] == "up" and s["plan"] is not None and len(s["plan"]["stages"]) == 2, 240)
+            tab = next(w for w in status["workers"] if w["kind"] == "browser")
+            assert (tab["device"], tab["adapter"]) == ("cpu", None)
+            assert tab["device_note"] == "WebGPU session failed: no kernel for this test"
+            stages = status["plan"]["stages"]
+            assert tab["id"] in [s["worker"] for s in stages]
+            assert page.locator("#device").inner_text() == "CPU (WebAssembly): WebGPU session failed: no kernel for this test"
+            r = server.client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": PROMPT}], "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            tok = int4_pkg.tokenizer
+            ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
+            int4_pkg.reload()  # the coordinator added the fp32 variant for this tab
+            pipeline = int4_pkg.pipeline(cuts=[stages[1]["start"]], precisions=["fp32" if s["worker"] == tab["id"] else None for s in stages])
+            want = generate(pipeline, ids, GenerationParams(max_tokens=TOKENS), tok.decode, int4_pkg.manifest.eos_ids).tokens
+            assert r.json()["choices"][0]["token_ids"] == [t for t in want if t not in int4_pkg.manifest.eos_ids]
+        finally:
+            native.terminate()
+            native.wait(timeout=15)

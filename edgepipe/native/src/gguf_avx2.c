@@ -59,92 +59,75 @@ static inline __m256i high_bits32(const uint8_t *qh_bytes) {
 /* Activation row r of a tile: `x` rows `stride` bytes apart. */
 #define ACT_ROW(type, x, stride, r) ((const type *)((const char *)(x) + (size_t)(r) * (stride)))
 
-/* 32-blocks: code vector q (built once per block), 8-bit activations per row; `offset` collects
- * d x (scale x sum of activations) for the types whose codes carry an offset or a minimum. */
-TILE_KERNEL tile_q4_0(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const int rows, float *y, size_t ys) {
-    const act_block32 *x[GGUF_TILE_ROWS];
-    __m256 acc[GGUF_TILE_ROWS];
-    float offset[GGUF_TILE_ROWS];
-    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = _mm256_setzero_ps(), offset[r] = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 18) {
-        float d = half_at(w);
-        __m256i q = nibbles32(w + 2);
-        for (int r = 0; r < rows; r++) {
-            __m256i xq = _mm256_loadu_si256((const __m256i *)x[r][b].qs);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r][b].d), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc[r]);
-            offset[r] += d * x[r][b].ds;
-        }
-    }
-    for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(acc[r]) - 8.0f * offset[r];
-}
+#if GGUF_TILE_ROWS != 8
+#error "the 32-block tiles keep one row per lane of an 8-float vector"
+#endif
 
-TILE_KERNEL tile_q4_1(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const int rows, float *y, size_t ys) {
+/* 32-blocks, specialised per type (`qtype` is a constant at every call): the code vector q is
+ * built once per block; the block's float work for the whole tile is one vector op per block on
+ * the tile's scales (lane r: row r), so a row's operations are the same whether it is alone or
+ * in a tile — d x_r.d as the scale of its integer sum, and `offset` collecting d x (x_r.d x sum of
+ * its activations) (m for the types with a minimum) for the types whose codes carry an offset. */
+TILE_KERNEL tile_32(const int qtype, int64_t nb, const uint8_t *w, const void *xv, size_t xs,
+                    const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    const int block_bytes = qtype == GGUF_Q4_0 ? 18 : qtype == GGUF_Q4_1 ? 20 : qtype == GGUF_Q5_0 ? 22 : qtype == GGUF_Q5_1 ? 24 : 34;
+    const int has_min = qtype == GGUF_Q4_1 || qtype == GGUF_Q5_1;
     const act_block32 *x[GGUF_TILE_ROWS];
-    __m256 acc[GGUF_TILE_ROWS];
-    float offset[GGUF_TILE_ROWS];
-    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = _mm256_setzero_ps(), offset[r] = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 20) {
-        float d = half_at(w), m = half_at(w + 2);
-        __m256i q = nibbles32(w + 4);
-        for (int r = 0; r < rows; r++) {
-            __m256i xq = _mm256_loadu_si256((const __m256i *)x[r][b].qs);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r][b].d), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc[r]);
-            offset[r] += m * x[r][b].ds;
-        }
-    }
-    for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(acc[r]) + offset[r];
-}
-
-TILE_KERNEL tile_q5_0(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const int rows, float *y, size_t ys) {
-    const act_block32 *x[GGUF_TILE_ROWS];
-    __m256 acc[GGUF_TILE_ROWS];
-    float offset[GGUF_TILE_ROWS];
-    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = _mm256_setzero_ps(), offset[r] = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 22) {
-        float d = half_at(w);
-        __m256i q = _mm256_or_si256(nibbles32(w + 6), high_bits32(w + 2));
-        for (int r = 0; r < rows; r++) {
-            __m256i xq = _mm256_loadu_si256((const __m256i *)x[r][b].qs);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r][b].d), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc[r]);
-            offset[r] += d * x[r][b].ds;
-        }
-    }
-    for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(acc[r]) - 16.0f * offset[r];
-}
-
-TILE_KERNEL tile_q5_1(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const int rows, float *y, size_t ys) {
-    const act_block32 *x[GGUF_TILE_ROWS];
-    __m256 acc[GGUF_TILE_ROWS];
-    float offset[GGUF_TILE_ROWS];
-    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = _mm256_setzero_ps(), offset[r] = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 24) {
-        float d = half_at(w), m = half_at(w + 2);
-        __m256i q = _mm256_or_si256(nibbles32(w + 8), high_bits32(w + 4));
-        for (int r = 0; r < rows; r++) {
-            __m256i xq = _mm256_loadu_si256((const __m256i *)x[r][b].qs);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r][b].d), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc[r]);
-            offset[r] += m * x[r][b].ds;
-        }
-    }
-    for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(acc[r]) + offset[r];
-}
-
-TILE_KERNEL tile_q8_0(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const int rows, float *y, size_t ys) {
-    const act_block32 *x[GGUF_TILE_ROWS];
-    __m256 acc[GGUF_TILE_ROWS];
+    __m256 acc[GGUF_TILE_ROWS], offset = _mm256_setzero_ps(), scale = _mm256_setzero_ps();
+    float offset_one = 0.0f, scale_one = 0.0f; /* rows = 1 (a decode step): the same operations in scalars */
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 34) {
+    for (int64_t b = 0; b < nb; b++, w += block_bytes) {
         float d = half_at(w);
-        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        if (rows == 1) {
+            scale_one = d * x[0][b].d;
+            if (qtype != GGUF_Q8_0) offset_one += (has_min ? half_at(w + 2) : d) * x[0][b].ds;
+        } else {
+            scale = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(sc[b].d));
+            if (qtype != GGUF_Q8_0) {
+                __m256 factor = _mm256_set1_ps(has_min ? half_at(w + 2) : d);
+                offset = _mm256_add_ps(offset, _mm256_mul_ps(factor, _mm256_loadu_ps(sc[b].ds)));
+            }
+        }
+        __m256i q;
+        switch (qtype) {
+        case GGUF_Q4_0: q = nibbles32(w + 2); break;
+        case GGUF_Q4_1: q = nibbles32(w + 4); break;
+        case GGUF_Q5_0: q = _mm256_or_si256(nibbles32(w + 6), high_bits32(w + 2)); break;
+        case GGUF_Q5_1: q = _mm256_or_si256(nibbles32(w + 8), high_bits32(w + 4)); break;
+        default: q = _mm256_loadu_si256((const __m256i *)(w + 2)); break;
+        }
         __m256i q_abs = _mm256_sign_epi8(q, q);
         for (int r = 0; r < rows; r++) {
             __m256i xq = _mm256_loadu_si256((const __m256i *)x[r][b].qs);
-            /* signed x signed through maddubs: |q| times x carrying q's sign */
-            __m256i products = dot_u8s8(q_abs, _mm256_sign_epi8(xq, q));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r][b].d), _mm256_cvtepi32_ps(products), acc[r]);
+            /* Q8_0: signed x signed through the unsigned product, |q| times x carrying q's sign */
+            __m256i products = qtype == GGUF_Q8_0 ? dot_u8s8(q_abs, _mm256_sign_epi8(xq, q)) : dot_u8s8(q, xq);
+            __m256 row_scale = rows == 1 ? _mm256_set1_ps(scale_one) : _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(r));
+            acc[r] = _mm256_fmadd_ps(row_scale, _mm256_cvtepi32_ps(products), acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(acc[r]);
+    float off[GGUF_TILE_ROWS];
+    _mm256_storeu_ps(off, offset);
+    if (rows == 1) off[0] = offset_one;
+    for (int r = 0; r < rows; r++) {
+        float sum = hsum_ps(acc[r]);
+        y[r * ys] = qtype == GGUF_Q4_0 ? sum - 8.0f * off[r] : qtype == GGUF_Q5_0 ? sum - 16.0f * off[r] : has_min ? sum + off[r] : sum;
+    }
+}
+
+TILE_KERNEL tile_q4_0(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    tile_32(GGUF_Q4_0, nb, w, x, xs, sc, rows, y, ys);
+}
+TILE_KERNEL tile_q4_1(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    tile_32(GGUF_Q4_1, nb, w, x, xs, sc, rows, y, ys);
+}
+TILE_KERNEL tile_q5_0(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    tile_32(GGUF_Q5_0, nb, w, x, xs, sc, rows, y, ys);
+}
+TILE_KERNEL tile_q5_1(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    tile_32(GGUF_Q5_1, nb, w, x, xs, sc, rows, y, ys);
+}
+TILE_KERNEL tile_q8_0(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    tile_32(GGUF_Q8_0, nb, w, x, xs, sc, rows, y, ys);
 }
 
 /* The 12 scale bytes of a Q4_K/Q5_K block -> eight 6-bit scales and eight 6-bit minimums, one
@@ -172,7 +155,9 @@ static inline __m256i minimum_products(uint64_t minimums, const int16_t *bsums) 
 /* Sub-block j's scale in every int16 lane. */
 static inline __m256i scale_lanes(uint64_t scales, int j) { return _mm256_set1_epi16((short)((scales >> (8 * j)) & 0xFF)); }
 
-TILE_KERNEL tile_q4_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const int rows, float *y, size_t ys) {
+TILE_KERNEL tile_q4_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const act_tile_scales32 *sc, const int rows,
+                      float *y, size_t ys) {
+    (void)sc; /* 256-blocks read their scales from the rows */
     const __m256i low = _mm256_set1_epi8(0x0F);
     const act_block256 *x[GGUF_TILE_ROWS];
     __m256 acc[GGUF_TILE_ROWS], acc_min[GGUF_TILE_ROWS];
@@ -206,7 +191,9 @@ TILE_KERNEL tile_q4_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
     for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(_mm256_sub_ps(acc[r], acc_min[r]));
 }
 
-TILE_KERNEL tile_q5_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const int rows, float *y, size_t ys) {
+TILE_KERNEL tile_q5_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const act_tile_scales32 *sc, const int rows,
+                      float *y, size_t ys) {
+    (void)sc; /* 256-blocks read their scales from the rows */
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const act_block256 *x[GGUF_TILE_ROWS];
     __m256 acc[GGUF_TILE_ROWS], acc_min[GGUF_TILE_ROWS];
@@ -244,7 +231,9 @@ TILE_KERNEL tile_q5_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
     for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(_mm256_sub_ps(acc[r], acc_min[r]));
 }
 
-TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const int rows, float *y, size_t ys) {
+TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const act_tile_scales32 *sc, const int rows,
+                      float *y, size_t ys) {
+    (void)sc; /* 256-blocks read their scales from the rows */
     const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
     const act_block256 *x[GGUF_TILE_ROWS];
     __m256 acc[GGUF_TILE_ROWS];
@@ -290,16 +279,17 @@ TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
 /* The tile entry point of each type: constant row counts, so each tile is compiled with its loops
  * unrolled and its accumulators in registers (rows = 1 is the decode step's one-row dot). */
 #define KERNELS(name)                                                                                  \
-    static void rows_##name(int64_t nb, const uint8_t *w, const void *x, size_t xs, int rows, float *y, size_t ys) { \
+    static void rows_##name(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, \
+                            int rows, float *y, size_t ys) {                                           \
         switch (rows) {                                                                                \
-        case 1: tile_##name(nb, w, x, xs, 1, y, ys); break;                                            \
-        case 2: tile_##name(nb, w, x, xs, 2, y, ys); break;                                            \
-        case 3: tile_##name(nb, w, x, xs, 3, y, ys); break;                                            \
-        case 4: tile_##name(nb, w, x, xs, 4, y, ys); break;                                            \
-        case 5: tile_##name(nb, w, x, xs, 5, y, ys); break;                                            \
-        case 6: tile_##name(nb, w, x, xs, 6, y, ys); break;                                            \
-        case 7: tile_##name(nb, w, x, xs, 7, y, ys); break;                                            \
-        default: tile_##name(nb, w, x, xs, 8, y, ys); break;                                           \
+        case 1: tile_##name(nb, w, x, xs, sc, 1, y, ys); break;                                        \
+        case 2: tile_##name(nb, w, x, xs, sc, 2, y, ys); break;                                        \
+        case 3: tile_##name(nb, w, x, xs, sc, 3, y, ys); break;                                        \
+        case 4: tile_##name(nb, w, x, xs, sc, 4, y, ys); break;                                        \
+        case 5: tile_##name(nb, w, x, xs, sc, 5, y, ys); break;                                        \
+        case 6: tile_##name(nb, w, x, xs, sc, 6, y, ys); break;                                        \
+        case 7: tile_##name(nb, w, x, xs, sc, 7, y, ys); break;                                        \
+        default: tile_##name(nb, w, x, xs, sc, 8, y, ys); break;                                       \
         }                                                                                              \
     }
 KERNELS(q4_0)

@@ -102,9 +102,26 @@ typedef struct {
     int64_t m, k, n, nblocks, row_bytes;
     void *xq;
     size_t xq_row_bytes;
+    act_tile_scales32 *scales; /* 32-block types: nblocks per tile of rows, lanes past the last row 0 */
     float *y;
     int64_t rows_per_task;
 } matmul_job;
+
+/* Room for m quantized rows (and their tile scales); 0 or -1 when out of memory. */
+static int alloc_activations(matmul_job *job, int64_t m) {
+    job->xq = malloc(job->xq_row_bytes * (size_t)(m > 0 ? m : 1));
+    job->scales = NULL;
+    if (job->plan->type->block_values == 32) {
+        size_t tiles = (size_t)((m + GGUF_TILE_ROWS - 1) / GGUF_TILE_ROWS);
+        job->scales = calloc(tiles > 0 ? tiles * (size_t)job->nblocks : 1, sizeof(act_tile_scales32));
+    }
+    return job->xq == NULL || (job->plan->type->block_values == 32 && job->scales == NULL) ? -1 : 0;
+}
+
+static void free_activations(matmul_job *job) {
+    free(job->xq);
+    free(job->scales);
+}
 
 static void quantize_rows(const matmul_job *job, int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++) {
@@ -113,6 +130,12 @@ static void quantize_rows(const matmul_job *job, int64_t m0, int64_t m1) {
             gguf_quantize_row256(job->x + m * job->k, row, job->k);
         } else {
             gguf_quantize_row32(job->x + m * job->k, row, job->k);
+            const act_block32 *blocks = row;
+            act_tile_scales32 *tile = job->scales + (m / GGUF_TILE_ROWS) * job->nblocks;
+            for (int64_t b = 0; b < job->nblocks; b++) {
+                tile[b].d[m % GGUF_TILE_ROWS] = blocks[b].d;
+                tile[b].ds[m % GGUF_TILE_ROWS] = blocks[b].ds;
+            }
         }
     }
 }
@@ -131,8 +154,9 @@ static void product_rows(const matmul_job *job, int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < job->m; m += GGUF_TILE_ROWS) {
         int rows = job->m - m < GGUF_TILE_ROWS ? (int)(job->m - m) : GGUF_TILE_ROWS;
         const char *xq = (const char *)job->xq + m * job->xq_row_bytes;
+        const act_tile_scales32 *scales = job->scales ? job->scales + (m / GGUF_TILE_ROWS) * job->nblocks : NULL;
         for (int64_t n = n0; n < n1; n++) {
-            rows_dot(job->nblocks, job->w + n * job->row_bytes, xq, job->xq_row_bytes, rows, job->y + m * job->n + n,
+            rows_dot(job->nblocks, job->w + n * job->row_bytes, xq, job->xq_row_bytes, scales, rows, job->y + m * job->n + n,
                      (size_t)job->n);
         }
     }
@@ -221,11 +245,13 @@ __attribute__((visibility("default"))) const char *edgepipe_gguf_matmul(int qtyp
     job.w = w;
     job.m = m;
     job.y = y;
-    job.xq = malloc(job.xq_row_bytes * (size_t)(m > 0 ? m : 1));
-    if (job.xq == NULL) return "out of memory";
+    if (alloc_activations(&job, m) != 0) {
+        free_activations(&job);
+        return "out of memory";
+    }
     quantize_rows(&job, 0, m);
     product_rows(&job, 0, n);
-    free(job.xq);
+    free_activations(&job);
     return NULL;
 }
 
@@ -290,8 +316,10 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *context) {
     job.w = w_data;
     job.y = y_data;
     job.m = m;
-    job.xq = malloc(job.xq_row_bytes * (size_t)m);
-    if (job.xq == NULL) return error_status(api, ORT_ERR_FAIL, "GgufMatMul: out of memory for activations");
+    if (alloc_activations(&job, m) != 0) {
+        free_activations(&job);
+        return error_status(api, ORT_ERR_FAIL, "GgufMatMul: out of memory for activations");
+    }
     OrtStatus *status = NULL;
     if (m >= 4) {
         status = ORT_FN(api, KernelContext_ParallelFor)(context, quantize_task, (size_t)m, 0, &job);
@@ -302,7 +330,7 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *context) {
         size_t tasks = (size_t)((job.n + job.rows_per_task - 1) / job.rows_per_task);
         status = ORT_FN(api, KernelContext_ParallelFor)(context, product_task, tasks, 0, &job);
     }
-    free(job.xq);
+    free_activations(&job);
     return status;
 }
 

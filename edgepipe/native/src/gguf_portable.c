@@ -312,8 +312,9 @@ void gguf_dequantize_row(int qtype, const uint8_t *w, float *out, int64_t k) {
 
 /* The portable path runs a tile row by row: the same arithmetic, no shared unpacking. */
 #define ROWS_BY_DOT(name)                                                                               \
-    static void rows_##name(int64_t nb, const uint8_t *w, const void *x, size_t x_stride, int rows, float *y, \
-                            size_t y_stride) {                                                          \
+    static void rows_##name(int64_t nb, const uint8_t *w, const void *x, size_t x_stride,                \
+                            const act_tile_scales32 *scales, int rows, float *y, size_t y_stride) {    \
+        (void)scales;                                                                                  \
         for (int r = 0; r < rows; r++) y[r * y_stride] = dot_##name(nb, w, (const char *)x + r * x_stride);   \
     }
 ROWS_BY_DOT(q4_0)

@@ -1,12 +1,14 @@
 """Prefill time (TTFT) of the `gguf` precision against `native`, in one process, interleaved.
 
-    python benchmarks/gguf_prefill.py [--model x.gguf] [--threads 1] [--reps 7] [--library old=/path/lib.so ...]
+    python benchmarks/gguf_prefill.py [--model x.gguf] [--threads 1] [--reps 7] [--decode 32] [--library old=/path/lib.so ...]
 
 Runs the decode benchmark's chat prompt (benchmarks/decode.py's PROMPT) through the one-stage
 pipeline of each variant and times the prefill step (prompt in, first token sampled) — `native`
 (MatMulNBits graphs), `gguf` with this checkout's kernel library, and `gguf` with each
 `--library LABEL=PATH` (another build, e.g. main's, to compare kernels on the same load). Reports
-median and min per variant, the first token (all must agree on it) and the load average.
+median and min per variant, the first token (all must agree on it) and the load average; with
+`--decode N`, also N greedy decode steps after each prefill (tokens per second, median), so a
+kernel change is seen not to cost the one-row path.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(reference_gguf("qwen05")))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--decode", type=int, default=0, help="also time this many decode steps after each prefill")
     ap.add_argument("--library", action="append", default=[], help="LABEL=PATH of another kernel library build")
     args = ap.parse_args()
     if native.gguf_kernel_library() is None:
@@ -49,20 +52,29 @@ def main() -> None:
         pipes[label] = packages["gguf"].pipeline([], precision="gguf", threads=args.threads)
     native.reset_for_tests()
     greedy, times, first = SamplingBatch.greedy(1), {label: [] for label in pipes}, {}
+    decode_rates = {label: [] for label in pipes}
     load_before = os.getloadavg()
     for rep in range(args.reps + 1):  # the first round warms up
         for label, pipe in pipes.items():
             start = time.perf_counter()
             token = pipe.step(f"r{rep}", ids, greedy)
             elapsed = time.perf_counter() - start
+            decode_start = time.perf_counter()
+            for _ in range(args.decode):
+                token = pipe.step(f"r{rep}", [token], greedy)
+            decode_s = time.perf_counter() - decode_start
             pipe.drop(f"r{rep}")
             first.setdefault(label, token)
             if rep:
                 times[label].append(elapsed)
+                if args.decode:
+                    decode_rates[label].append(args.decode / decode_s)
     print(f"{Path(args.model).name}: prompt {len(ids)} tokens, {args.threads} thread(s), {args.reps} reps; "
           f"load average {[round(x, 2) for x in load_before]} before, {[round(x, 2) for x in os.getloadavg()]} after")
     for label, spent in times.items():
-        print(f"  {label:<14} TTFT median {statistics.median(spent) * 1e3:7.1f} ms  min {min(spent) * 1e3:7.1f} ms  first token {first[label]}")
+        decode = f"  decode {statistics.median(decode_rates[label]):5.1f} tok/s" if args.decode else ""
+        print(f"  {label:<14} TTFT median {statistics.median(spent) * 1e3:7.1f} ms  min {min(spent) * 1e3:7.1f} ms{decode}  "
+              f"{'last' if args.decode else 'first'} token {first[label]}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
  * Each type is one tile kernel: a weight row against `rows` activation rows, each weight block
  * unpacked once and applied to every row, each row keeping its own accumulators. The one-row dot
  * is the tile with rows = 1, so every row's float operations are the same whatever the tile
- * size (batch invariance), and independent rows hide the accumulators' latency at prefill. */
+ * size (batch invariance: where a tile does a row's scalar work in a vector lane, the lane's IEEE
+ * operation is the scalar one), and independent rows hide the accumulators' latency at prefill. */
 #include <immintrin.h>
 #include <string.h>
 

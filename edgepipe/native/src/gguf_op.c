@@ -7,7 +7,9 @@
  *
  * Each row of x is quantized per block to 8 bits (per 256 with 16-value sums for the k-quants, per
  * 32 with the block sum otherwise), then every output is integer block dot products scaled in
- * fp32. Output rows are split over ONNX Runtime's intra-op thread pool. The ISA is picked at
+ * fp32. Output rows are split over ONNX Runtime's intra-op thread pool; within a task each weight
+ * row meets the activation rows a tile of GGUF_TILE_ROWS at a time (a row's result does not depend
+ * on the tile: batch-invariant bit for bit). The ISA is picked at
  * kernel creation: the best the CPU supports, or EDGEPIPE_GGUF_ISA (portable|avx2|avx512vnni). */
 #include <stdio.h>
 #include <stdlib.h>

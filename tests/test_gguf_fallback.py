@@ -171,3 +171,26 @@ def test_a_kernel_worker_beside_a_fallback_worker_serves_the_same_mix_exactly(tm
     assert got == mixed
     assert mixed != [reference(pkg, prompt, cut, ["native", "native"], 24) for prompt in PROMPTS]
     assert mixed != [reference(pkg, prompt, cut, ["gguf", "gguf"], 24) for prompt in PROMPTS]
+
+
+def test_a_coordinator_without_the_library_keeps_the_native_form(tmp_path_factory, monkeypatch):
+    """The `gguf` form is added only where the coordinator's own library builds: with it turned
+    off there, a kernel worker's join says why the form was skipped, and the worker is sent the
+    MatMulNBits graphs and serves the single-process `native` tokens."""
+    home = tmp_path_factory.mktemp("gguf-nolib-home")
+    pkg = resolve("smollm2", "native", home)
+    monkeypatch.setenv("EDGEPIPE_NATIVE", "0")  # the coordinator's process inherits it; the worker is given 1
+    with Server(home, workers=0, args=("--precision", "native", "--placement", "memory", "--min-workers", "1"),
+                wait_up=False) as server:
+        worker = start_worker(server, "kernel", home, kernel=True)
+        try:
+            status = server.wait_for(lambda s: s["state"] == "up" and s.get("plan"), timeout=180)
+            skipped = [e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == "variant"]
+            got = served(server, PROMPTS[0], 24)
+        finally:
+            stop(worker)
+    assert [s["precision"] for s in status["plan"]["stages"]] == ["native"]
+    assert [(e["precision"], e["status"], e["reason"]) for e in skipped] == [
+        ("gguf", "skipped", "the coordinator has no GGUF kernel library: turned off by EDGEPIPE_NATIVE=0")], skipped
+    assert "gguf" not in resolve("smollm2", "native", home).manifest.units[1].variants
+    assert got == reference(pkg, PROMPTS[0], [], ["native"], 24)

@@ -53,7 +53,7 @@ class Connections:
         elif form := deploy.form_to_add(hello.fields, c.manifest, c.settings.precision):
             try:  # the file's own model in the form this worker runs (`gguf` with the kernel library, else `native`)
                 await c.calibrator.add_variant(form)
-            except (ValueError, OSError, RuntimeError) as exc:
+            except Exception as exc:  # an import that fails for any reason: the worker is refused or runs the other form
                 if form == deploy.FALLBACK_FORM:  # nothing else it could run
                     await self._refuse(channel, f"cannot provide the {form} variant: {exc}")
                     return

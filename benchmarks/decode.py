@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from edgepipe.model.store import bundled_gguf, home_dir, reference_gguf, resolve  # noqa: E402
 from edgepipe.bench.synthetic import LLAMA3_8B, write_synthetic_gguf  # noqa: E402
+from edgepipe.native import native_library  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 AGREE_PROMPTS = [
@@ -110,6 +111,12 @@ def streamed_bytes_edgepipe(pkg) -> int:
     return sum(pkg.blob(s).stat().st_size for s in files)
 
 
+def package_weight_mb(pkg, precision: str) -> float:
+    """MB of the weight files of one variant of a package."""
+    m = pkg.manifest
+    return round(sum(pkg.blob(s).stat().st_size for s in m.stage_files(0, len(m.units), precision)) / 1e6, 1)
+
+
 def streamed_bytes_gguf(path: Path) -> int:
     from edgepipe.model.gguf_source import read_gguf_header
 
@@ -142,11 +149,12 @@ def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_se
     tok = pkg.tokenizer
     prompt = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
     ep_bytes, gguf_bytes = streamed_bytes_edgepipe(pkg), streamed_bytes_gguf(path)
-    other_bytes = {}
+    other_bytes, package_mb = {}, {"native": package_weight_mb(pkg, "native")}
     for precision in precisions[1:] if precisions[0] == "native" else precisions:  # e.g. gguf: the kernel library's variant
         other = resolve(str(path), precision, home)
         other.stage_graph(0, len(other.manifest.units))
         other_bytes[precision] = streamed_bytes_edgepipe(other)
+        package_mb[precision] = package_weight_mb(other, precision)
     configs = []
     for threads in thread_settings:
         if "native" in precisions:
@@ -211,7 +219,7 @@ def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_se
               f"{quality['llama_cpp_f32_kv_vs_llama_cpp']:.1%}; edgepipe vs llama.cpp f32-KV: {quality['edgepipe_vs_llama_cpp_f32_kv']:.1%}", flush=True)
     m = pkg.manifest
     return {"model": path.name, "file_mb": round(path.stat().st_size / 1e6, 1), "architecture": m.config["architecture"],
-            "package": pkg.root.name, "package_weight_mb": round(sum(pkg.blob(s).stat().st_size for s in m.stage_files(0, len(m.units))) / 1e6, 1),
+            "package": pkg.root.name, "package_weight_mb": package_mb["native"], "package_weight_mb_by_precision": package_mb,
             "import_s_in_benchmark": round(import_s, 1), "prompt_tokens": len(prompt),
             "rows": rows, "ratios": ratios, "agreement": quality, "repetitions": len(results[0])}
 
@@ -273,6 +281,11 @@ def main() -> None:
     has_llama = importlib.util.find_spec("llama_cpp") is not None
     if not has_llama:
         print("llama.cpp: not installed (pip install -e '.[bench]'); its columns are skipped")
+    if "gguf" in args.precisions and (library := native_library()).path is None:
+        args.precisions = [p for p in args.precisions if p != "gguf"]
+        print(f"gguf: no GGUF kernel library ({library.reason}); its rows are skipped")
+        if not args.precisions:
+            sys.exit("nothing to time: pass --precisions native (the MatMulNBits form runs everywhere)")
     # In a child: a 1 GiB array here would raise the peak RSS every engine process inherits.
     probe = "import sys; sys.path.insert(0, %r); import decode; print(decode.memory_bandwidth_gb_s(int(sys.argv[1])))" % str(ROOT / "benchmarks")
     bandwidth = {f"{t}_threads": float(subprocess.run([sys.executable, "-c", probe, str(t)], capture_output=True, text=True,
@@ -327,7 +340,9 @@ def markdown(report: dict) -> str:
     ]
     for mod in report["models"]:
         q = mod["agreement"]
-        lines += [f"## {mod['model']} ({mod['architecture']}, file {mod['file_mb']} MB, package {mod['package_weight_mb']} MB)", "",
+        sizes = mod.get("package_weight_mb_by_precision") or {"native": mod["package_weight_mb"]}
+        lines += [f"## {mod['model']} ({mod['architecture']}, file {mod['file_mb']} MB, package "
+                  + ", ".join(f"{mb} MB {precision}" for precision, mb in sizes.items()) + ")", "",
                   f"Prompt {mod['prompt_tokens']} tokens, {mod['repetitions']} repetition(s). "
                   + (f"Top-1 agreement with llama.cpp: **{q['top1_agreement_with_llama_cpp']:.1%}** of {q['positions']} positions" if q else "")
                   + (f" (llama.cpp with an f32 KV cache against its default f16 one: {q['llama_cpp_f32_kv_vs_llama_cpp']:.1%}; "

@@ -1,10 +1,12 @@
-"""The GGUF kernel library against MatMulNBits: weight bytes streamed per second at decode (M = 1).
+"""The GGUF kernel library against MatMulNBits: weight bytes streamed per second at decode (M = 1),
+and multiply-accumulates per second at prefill (`--rows M`: M activation rows per matrix).
 
-    python benchmarks/gguf_kernel.py [--types Q4_K Q6_K Q5_0 Q8_0] [--threads 1 2] [--reps 30]
+    python benchmarks/gguf_kernel.py [--types Q4_K Q6_K Q5_0 Q8_0] [--threads 1 2] [--reps 30] [--rows 1 42]
 
 For each GGUF type, one graph of `--matrices` distinct 1.5B-FFN-shaped matrices (8960x1536 and
 1536x8960 alternating, random codes with finite scales; ~90 MB for Q4_K, well past the L3 cache),
-each fed its own [1, 1, K] row, so a run streams every weight once as a decode step does:
+each fed its own [1, M, K] rows (M = 1: a decode step, streaming every weight once; M > 1: a prefill
+of M tokens, where the arithmetic rather than the memory sets the time):
 
 - `edgepipe.gguf` GgufMatMul on the blocks as stored (the library from `edgepipe.native`);
 - MatMulNBits as the importer builds the same matrix today (`decode_native` + the graph code's
@@ -50,7 +52,7 @@ def matrices(kind: str, count: int, rng) -> list[np.ndarray]:
 
 
 def _inputs_outputs(raws: list[np.ndarray]) -> tuple[list, list]:
-    inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, 1, SHAPES[i % 2][1]]) for i in range(len(raws))]
+    inputs = [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, "rows", SHAPES[i % 2][1]]) for i in range(len(raws))]
     outputs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(len(raws))]
     return inputs, outputs
 
@@ -99,7 +101,9 @@ def main() -> None:
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--matrices", type=int, default=12)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rows", nargs="+", type=int, default=[1], help="activation rows per product (1: decode; more: prefill)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--name", default="gguf_kernel", help="results file stem")
     args = ap.parse_args()
     library = gguf_kernel_library()
     if library is None:
@@ -110,44 +114,47 @@ def main() -> None:
     rows = []
     for kind in args.types:
         raws = matrices(kind, args.matrices, rng)
-        feeds = {f"x{i}": rng.standard_normal((1, 1, SHAPES[i % 2][1])).astype(np.float32) for i in range(len(raws))}
         kernel, nbits = kernel_model(kind, raws), matmulnbits_model(kind, raws)
         kernel_bytes = sum(r.nbytes for r in raws)
         nbits_bytes = sum(len(t.raw_data) for t in nbits.graph.initializer)
-        for threads in args.threads:
+        macs = sum(SHAPES[i % 2][0] * SHAPES[i % 2][1] for i in range(len(raws)))  # per activation row
+        for m_rows, threads in ((m, t) for m in args.rows for t in args.threads):
+            feeds = {f"x{i}": rng.standard_normal((1, m_rows, SHAPES[i % 2][1])).astype(np.float32) for i in range(len(raws))}
             ours, theirs = session(kernel, threads, str(library)), session(nbits, threads, None)
             ours_t, theirs_t = [], []
             for _ in range(3):  # interleaved thirds
-                ours_t += time_runs(ours, feeds, args.reps // 3)
-                theirs_t += time_runs(theirs, feeds, args.reps // 3)
+                ours_t += time_runs(ours, feeds, max(1, args.reps // 3))
+                theirs_t += time_runs(theirs, feeds, max(1, args.reps // 3))
             a, b = statistics.median(ours_t), statistics.median(theirs_t)
-            row = {"type": kind, "threads": threads, "matrices": len(raws),
+            row = {"type": kind, "rows": m_rows, "threads": threads, "matrices": len(raws),
                    "kernel_ms": round(a * 1e3, 3), "kernel_mb": round(kernel_bytes / 1e6, 1), "kernel_gb_s": round(kernel_bytes / a / 1e9, 2),
+                   "kernel_gmac_s": round(macs * m_rows / a / 1e9, 1),
                    "matmulnbits_ms": round(b * 1e3, 3), "matmulnbits_mb": round(nbits_bytes / 1e6, 1),
-                   "matmulnbits_gb_s": round(nbits_bytes / b / 1e9, 2), "speedup": round(b / a, 2),
-                   "numpy_read_gb_s": bandwidth[threads]}
+                   "matmulnbits_gb_s": round(nbits_bytes / b / 1e9, 2), "matmulnbits_gmac_s": round(macs * m_rows / b / 1e9, 1),
+                   "speedup": round(b / a, 2), "numpy_read_gb_s": bandwidth[threads]}
             rows.append(row)
-            print(f"{kind:<5} {threads}t  kernel {a * 1e3:7.2f} ms {kernel_bytes / 1e6:6.1f} MB {kernel_bytes / a / 1e9:5.1f} GB/s | "
-                  f"MatMulNBits {b * 1e3:7.2f} ms {nbits_bytes / 1e6:6.1f} MB {nbits_bytes / b / 1e9:5.1f} GB/s | x{b / a:.2f} "
-                  f"(numpy {bandwidth[threads]} GB/s)", flush=True)
+            print(f"{kind:<5} M={m_rows:<3} {threads}t  kernel {a * 1e3:7.2f} ms {kernel_bytes / a / 1e9:5.1f} GB/s "
+                  f"{row['kernel_gmac_s']:6.1f} GMAC/s | MatMulNBits {b * 1e3:7.2f} ms {nbits_bytes / b / 1e9:5.1f} GB/s "
+                  f"{row['matmulnbits_gmac_s']:6.1f} GMAC/s | x{b / a:.2f} (numpy {bandwidth[threads]} GB/s)", flush=True)
     report = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine_info(),
               "onnxruntime": ort.__version__, "library": str(library), "reps": args.reps,
               "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
               "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gguf_kernel.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
     m = report["machine"]
-    lines = ["# GGUF kernel vs MatMulNBits: one decode step's weights (M = 1)", "",
+    lines = ["# GGUF kernel vs MatMulNBits: one decode step's weights (M = 1), a prefill's (M > 1)", "",
              f"- {report['date']}; {m['cpu']}, {m['nproc']} cores; onnxruntime {ort.__version__}; median of {args.reps}, interleaved",
              f"- load average {report['load_average']['before']} before, {report['load_average']['after']} after",
              f"- {args.matrices} distinct matrices per graph, 8960x1536 and 1536x8960 alternating (random codes); "
              "`python benchmarks/gguf_kernel.py`", "",
-             "| type | threads | GgufMatMul ms | MB | GB/s | MatMulNBits ms | MB | GB/s | speed-up | numpy read GB/s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['type']} | {r['threads']} | {r['kernel_ms']} | {r['kernel_mb']} | {r['kernel_gb_s']} | {r['matmulnbits_ms']} | "
-              f"{r['matmulnbits_mb']} | {r['matmulnbits_gb_s']} | {r['speedup']}x | {r['numpy_read_gb_s']} |" for r in rows]
-    (out / "gguf_kernel.md").write_text("\n".join(lines) + "\n")
+             "| type | rows M | threads | GgufMatMul ms | MB | GB/s | GMAC/s | MatMulNBits ms | MB | GB/s | GMAC/s | speed-up | numpy read GB/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['type']} | {r['rows']} | {r['threads']} | {r['kernel_ms']} | {r['kernel_mb']} | {r['kernel_gb_s']} | {r['kernel_gmac_s']} | "
+              f"{r['matmulnbits_ms']} | {r['matmulnbits_mb']} | {r['matmulnbits_gb_s']} | {r['matmulnbits_gmac_s']} | {r['speedup']}x | "
+              f"{r['numpy_read_gb_s']} |" for r in rows]
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

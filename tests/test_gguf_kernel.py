@@ -125,6 +125,25 @@ def test_every_type_and_isa_matches_the_quantized_product(kind, library, isas, m
         np.testing.assert_allclose(y, outputs["portable"], rtol=1e-5, atol=1e-5 * np.abs(y).max(), err_msg=isa)
 
 
+@pytest.mark.parametrize("kind", TYPES)
+def test_a_row_gives_the_same_bits_alone_or_in_a_batch(kind, library, isas, monkeypatch):
+    """Batch invariance: the multi-row path (one weight block unpacked for a tile of rows) keeps
+    each row's arithmetic that of the one-row path, so a row's output does not depend on how many
+    rows share the call or where in a tile it falls (11 rows: tiles of 8 and 3; rows 1-9: 8 and 1)."""
+    rng = np.random.default_rng(200 + TYPES.index(kind))
+    k, n = 512, 24
+    raw = random_blocks(kind, n, k, rng)
+    x = rng.standard_normal((1, 11, k)).astype(np.float32)
+    x[0, 2, :256] = 0.0  # an all-zero activation block inside a tile
+    for isa in isas:
+        monkeypatch.setenv("EDGEPIPE_GGUF_ISA", isa)
+        batched = run_op(library, kind, x, raw)
+        alone = np.concatenate([run_op(library, kind, x[:, i:i + 1], raw) for i in range(11)], axis=1)
+        shifted = run_op(library, kind, x[:, 1:10], raw)  # every row at another place in its tile
+        assert np.array_equal(batched.view(np.uint32), alone.view(np.uint32)), f"{kind} {isa}: batch of 11 vs one by one"
+        assert np.array_equal(batched[:, 1:10].view(np.uint32), shifted.view(np.uint32)), f"{kind} {isa}: rows 1-9"
+
+
 def test_two_threads_give_the_same_bits(library):
     rng = np.random.default_rng(7)
     k, n = 1024, 300

@@ -50,6 +50,7 @@ async def plan(request: Request) -> JSONResponse:
     return JSONResponse({
         "state": coord.state.value, "plan": dep.plan_id, "reason": dep.reason,
         "stages": [{"worker": s.worker_id, "start": s.start, "end": s.end,
+                    "precision": coord.deployer.precision(s.worker_id) or coord.manifest.precision,
                     "predicted_s": (predicted.get("stage_times_s") or [None] * len(dep.stages))[i], "measured_s": measured_stages[i],
                     "speed": coord.profile.of(s.worker_id).speed, "overhead_s": coord.profile.of(s.worker_id).overhead_s}
                    for i, s in enumerate(dep.stages)],

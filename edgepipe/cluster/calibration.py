@@ -231,6 +231,12 @@ class Calibrator:
         async with self._variant_lock:
             if all(precision in u.variants for u in c.manifest.units):
                 return
+            if precision == deploy.KERNEL_FORM:  # offered only where this machine's own library builds and loads
+                from ..native import native_library
+
+                library = await asyncio.get_running_loop().run_in_executor(None, native_library)
+                if library.path is None:
+                    raise RuntimeError(f"the coordinator has no GGUF kernel library: {library.reason}")
             c.event("variant", precision=precision, status="building")
             await asyncio.get_running_loop().run_in_executor(None, add_variant, c.package.root, precision)
             c.package.reload()

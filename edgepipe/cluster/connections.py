@@ -16,7 +16,7 @@ from ..net import auth, validate
 from ..net.channel import Channel, ChannelClosed
 from ..net.messages import ErrorCode, Ping, Welcome, parse
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, error_frame
-from . import membership, state as S
+from . import deploy, membership, state as S
 from .steps import PipelineBroken
 from .views import Link
 
@@ -50,6 +50,14 @@ class Connections:
             except (ValueError, OSError) as exc:
                 await self._refuse(channel, f"cannot provide the {wanted} variant: {exc}")
                 return
+        elif form := deploy.form_to_add(hello.fields, c.manifest, c.settings.precision):
+            try:  # the file's own model in the form this worker runs (`gguf` with the kernel library, else `native`)
+                await c.calibrator.add_variant(form)
+            except Exception as exc:  # an import that fails for any reason: the worker is refused or runs the other form
+                if form == deploy.FALLBACK_FORM:  # nothing else it could run
+                    await self._refuse(channel, f"cannot provide the {form} variant: {exc}")
+                    return
+                c.event("variant", precision=form, status="skipped", reason=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         name = str(hello.get("name", "worker"))[:32]
         wid = f"w{c.cluster.joins + 1}-{name}"[:40]
         link = c.links[wid] = Link(channel)

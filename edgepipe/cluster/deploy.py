@@ -78,6 +78,43 @@ def next_hop(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, Wo
     return hop
 
 
+KERNEL_FORM, FALLBACK_FORM = "gguf", "native"  # the file's own model: run by the GGUF kernel library, or by MatMulNBits
+
+
+def has_gguf_kernel(hello: Mapping) -> bool:
+    """Whether a worker can run the `gguf` form: its kernel library loaded and it computes on the
+    CPU (a GPU stage runs on ONNX Runtime's WebGPU provider, which has no custom ops; a browser
+    never has the library)."""
+    return hello.get("native_kernel") == KERNEL_FORM and hello.get("device") != "gpu" and hello.get("kind") != "browser"
+
+
+def _everywhere(manifest, precision: str) -> bool:
+    return all(precision in getattr(u, "variants", ()) for u in manifest.units)
+
+
+def worker_variant(hello: Mapping, manifest, serving: str | None) -> str | None:
+    """The weight variant a worker is sent: the one it asks for, else the one the cluster serves
+    (``serving``; None: the package's own). Where that is the file's own model (`native` or
+    `gguf`) and the package carries both forms, a worker with the kernel library on the CPU gets
+    `gguf` and every other worker the MatMulNBits `native` form (the fallback)."""
+    if hello.get("precision"):
+        return hello["precision"]
+    if (serving or manifest.precision) not in (KERNEL_FORM, FALLBACK_FORM) or not (
+            _everywhere(manifest, KERNEL_FORM) and _everywhere(manifest, FALLBACK_FORM)):
+        return serving
+    return KERNEL_FORM if has_gguf_kernel(hello) else FALLBACK_FORM
+
+
+def form_to_add(hello: Mapping, manifest, serving: str | None) -> str | None:
+    """The variant the package lacks before this worker can get its form of the file's own model
+    (``worker_variant``): `gguf` for a worker with the kernel where the package holds `native`
+    only, `native` for one without where it holds `gguf` only; None when nothing is missing."""
+    if hello.get("precision") or (serving or manifest.precision) not in (KERNEL_FORM, FALLBACK_FORM):
+        return None
+    wanted = KERNEL_FORM if has_gguf_kernel(hello) else FALLBACK_FORM
+    return None if _everywhere(manifest, wanted) else wanted
+
+
 def load_message(package, plan_id: int, start: int, end: int, precision: str | None, nxt: dict, keep: list[int],
                  warm: bool | None = None, data_secret: str | None = None, batch_invariant: bool = False, gpu: bool = False) -> Load:
     """The LOAD frame of a stage; ``gpu``: the worker computes on a GPU (the graph's GPU form)."""

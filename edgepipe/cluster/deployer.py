@@ -36,8 +36,12 @@ class Deployer:
 
     # -- values ----------------------------------------------------------------------------------
     def precision(self, worker_id: str) -> str | None:
+        """The weight variant the worker is sent (``deploy.worker_variant``: `gguf` or the
+        MatMulNBits fallback by whether it has the kernel library; None: the package's own)."""
         w = self.coord.cluster.workers.get(worker_id)
-        return (w.hello.get("precision") if w else None) or self.coord.settings.precision
+        if w is None:
+            return self.coord.settings.precision
+        return deploy.worker_variant(w.hello, self.coord.manifest, self.coord.settings.precision)
 
     def on_gpu(self, worker_id: str) -> bool:
         """Whether the worker computes on a GPU (it is sent the GPU form of its stage's graph)."""

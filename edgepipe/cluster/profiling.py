@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 from ..plan import COORDINATOR, failure_rate, DeviceProfile, ModelProfile, NetworkProfile, RollingMedian, UnitProfile, fit_speed_overhead
 from ..plan.profiles import DEFAULT_LINK, DEFAULT_POWER_BUSY_W, DEFAULT_POWER_IDLE_W, link_matrix
+from .deploy import worker_variant
 
 LOOPBACK_BANDWIDTH = 1e9  # bytes/s assumed until a probe says otherwise
 RUNTIME_OVERHEAD_BYTES = 64 << 20  # a session's own buffers and the shared rotary tables (2 MiB)
@@ -238,7 +239,7 @@ class ClusterProfile:
         held = set(w.hello.get("held") or ())
         if not held:
             return set()
-        precision = w.hello.get("precision") or self.manifest.precision  # the variant this worker runs
+        precision = worker_variant(w.hello, self.manifest, None) or self.manifest.precision  # the variant this worker runs
         return {u.index for u in self.manifest.units
                 if precision in u.variants and all(f in held for f in self.manifest.variant(u.index, precision).files)}
 

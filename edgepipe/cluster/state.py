@@ -75,10 +75,11 @@ class WorkerInfo:
     @property
     def identity(self) -> tuple:
         """Name and declared hardware: a device that comes back with these is the same device (a tab
-        that found a GPU this time is not the one that computed on the CPU last time)."""
+        that found a GPU this time is not the one that computed on the CPU last time; with or without
+        the GGUF kernel library a worker runs another form: timed again)."""
         h = self.hello
         return (self.name, h.get("kind"), h.get("memory_bytes"), h.get("threads"), repr(h.get("emulation")), h.get("precision"),
-                h.get("device") or "cpu", h.get("adapter"))
+                h.get("device") or "cpu", h.get("adapter"), h.get("native_kernel"))
 
 
 @dataclass(frozen=True)

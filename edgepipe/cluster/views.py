@@ -67,13 +67,15 @@ def status(coord) -> dict:
         "units": [{"index": u.index, "name": u.name, "kind": u.kind} for u in coord.manifest.units],
         "plan": None if dep is None else {
             "id": dep.plan_id, "reason": dep.reason, "predicted": dep.predicted,
-            "stages": [{"worker": s.worker_id, "start": s.start, "end": s.end} for s in dep.stages],
+            "stages": [{"worker": s.worker_id, "start": s.start, "end": s.end,
+                        "precision": coord.deployer.precision(s.worker_id) or coord.manifest.precision} for s in dep.stages],
             "pinned_s": round(coord.cluster.pin[1] - coord.clock(), 1) if coord.cluster.pinned(coord.clock()) else None,
         },
         "workers": [{
             "id": w.id, "name": w.name, "kind": w.hello.get("kind", "native"), "memory_bytes": w.memory_bytes,
             "device": w.hello.get("device") or "cpu", "adapter": w.hello.get("adapter"), "device_note": w.hello.get("device_note"),
             "data_url": w.hello.get("data_url"), "pid": w.hello.get("pid"),
+            "native_kernel": w.hello.get("native_kernel"), "native_kernel_note": w.hello.get("native_kernel_note"),
             "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2), "emulation": w.hello.get("emulation"),
             "suspected": w.suspected_since is not None, "stats": dict(w.stats),
             "quarantined_s": _quarantine_left(coord.cluster, w, coord.clock()),

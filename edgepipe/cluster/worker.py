@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import PROTOCOL_VERSION
 from ..emulate.slowdown import MemoryBudget, MemoryBudgetExceeded, SlowdownPolicy
+from ..native import native_library
 from ..net import auth, limits, validate
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
 from ..net.messages import PROBE_PLAN, Bye, ErrorCode
@@ -143,6 +144,7 @@ class Worker:
             log.warning("computing on the CPU: %s", self.device.note)
         elif self.device.is_gpu:
             log.info("computing on %s", self.device.describe())
+        self.native_kernel, self.native_kernel_note = _gguf_kernel(self.device.is_gpu)
         self.cache = BlobCache(settings.cache_dir or _default_cache())
         self.slowdown = SlowdownPolicy(settings.slowdown)
         self.budget = MemoryBudget(settings.memory_bytes) if settings.memory_bytes else None
@@ -306,6 +308,7 @@ class Worker:
             "memory_bytes": self.s.memory_bytes or self.device.memory_bytes or _system_memory(), "threads": self.s.threads or os.cpu_count(),
             "device": self.device.kind, "adapter": self.device.adapter,
             "device_note": self.device.note if self.s.device != "cpu" else None,
+            "native_kernel": self.native_kernel, "native_kernel_note": self.native_kernel_note,
             "data_url": self.data_url, "held": self.cache.held(), "pid": os.getpid(), "data_fingerprint": self.data_fingerprint,
             "power_busy_w": self.s.power_busy_w, "power_idle_w": self.s.power_idle_w,
             "emulation": {"slowdown": self.s.slowdown, "link_delay_ms": self.s.link_delay_ms, "link_rate": self.s.link_rate,
@@ -861,6 +864,19 @@ def _default_cache() -> Path:
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("edgepipe")) / "blobs"
+
+
+def _gguf_kernel(on_gpu: bool) -> tuple[str | None, str | None]:
+    """What the hello says of the GGUF kernel library: ("gguf", None) when it loaded here,
+    (None, why) when not (the worker is then sent the MatMulNBits graphs), (None, None) on a GPU
+    (its stages run on ONNX Runtime's WebGPU provider, which runs no custom ops)."""
+    if on_gpu:
+        return None, None
+    library = native_library()  # built on first use where bootstrap did not build it
+    if library.path is None:
+        log.warning("no GGUF kernel library (%s): falling back to the MatMulNBits graphs", library.reason)
+        return None, library.reason
+    return "gguf", None
 
 
 def _system_memory() -> int:

@@ -72,6 +72,8 @@ class Hello(Wire):
     device: str | None = None  # where its stages compute: "cpu" or "gpu" (absent: cpu)
     adapter: str | None = None  # the GPU adapter (vendor, architecture, description) when device is "gpu"
     device_note: str | None = None  # one line: why it computes on the CPU though a GPU was asked for or looked for
+    native_kernel: str | None = None  # "gguf" when its GGUF kernel library loaded (CPU workers only: it runs the `gguf` form)
+    native_kernel_note: str | None = None  # one line: why it has no kernel library (it runs the MatMulNBits form)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ DOCS: dict[type, MessageDoc] = {
         "device": "where its stages compute: `cpu` or `gpu` (absent: `cpu`)",
         "adapter": "the GPU adapter it computes on (vendor, architecture, description), when `device` is `gpu`",
         "device_note": "one line: why it computes on the CPU though a GPU was asked for or looked for",
+        "native_kernel": "`gguf` when its GGUF kernel library (`edgepipe.native`) loaded: a CPU worker is then sent the `gguf` form "
+                         "of the file's own model; absent for browsers and GPU workers",
+        "native_kernel_note": "one line: why it has no kernel library (it is sent the MatMulNBits `native` form)",
     }),
     messages.Welcome: MessageDoc("c→w", "the worker is a member", {"worker_id": "its id for this membership"}),
     messages.Load: MessageDoc("c→w", "fetch these unit files and build this stage", {

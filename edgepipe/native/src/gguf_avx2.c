@@ -1,7 +1,13 @@
 /* AVX2 + FMA + F16C dot products (this translation unit alone is compiled with -mavx2 -mfma -mf16c;
  * the library calls it only after cpuid says the CPU and OS support them). Same integer sums as the
  * portable kernels: 8-bit activations times unsigned weight codes through maddubs, offsets and
- * minimums applied from the activation block sums. */
+ * minimums applied from the activation block sums.
+ *
+ * Each type is one tile kernel: a weight row against `rows` activation rows, each weight block
+ * unpacked once and applied to every row, each row keeping its own accumulators. The one-row dot
+ * is the tile with rows = 1, so every row's float operations are the same whatever the tile
+ * size (batch invariance: where a tile does a row's scalar work in a vector lane, the lane's IEEE
+ * operation is the scalar one), and independent rows hide the accumulators' latency at prefill. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -48,71 +54,81 @@ static inline __m256i high_bits32(const uint8_t *qh_bytes) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-static float dot_q4_0(int64_t nb, const uint8_t *w, const void *xv) {
-    const act_block32 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    float offset = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 18) {
+
+#define TILE_KERNEL static inline __attribute__((always_inline)) void
+
+/* Activation row r of a tile: `x` rows `stride` bytes apart. */
+#define ACT_ROW(type, x, stride, r) ((const type *)((const char *)(x) + (size_t)(r) * (stride)))
+
+#if GGUF_TILE_ROWS != 8
+#error "the 32-block tiles keep one row per lane of an 8-float vector"
+#endif
+
+/* 32-blocks, specialised per type (`qtype` is a constant at every call): the code vector q is
+ * built once per block; the block's float work for the whole tile is one vector op per block on
+ * the tile's scales (lane r: row r), so a row's operations are the same whether it is alone or
+ * in a tile — d x_r.d as the scale of its integer sum, and `offset` collecting d x (x_r.d x sum of
+ * its activations) (m for the types with a minimum) for the types whose codes carry an offset. */
+TILE_KERNEL tile_32(const int qtype, int64_t nb, const uint8_t *w, const void *xv, size_t xs,
+                    const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    const int block_bytes = qtype == GGUF_Q4_0 ? 18 : qtype == GGUF_Q4_1 ? 20 : qtype == GGUF_Q5_0 ? 22 : qtype == GGUF_Q5_1 ? 24 : 34;
+    const int has_min = qtype == GGUF_Q4_1 || qtype == GGUF_Q5_1;
+    const act_block32 *x[GGUF_TILE_ROWS];
+    __m256 acc[GGUF_TILE_ROWS], offset = _mm256_setzero_ps(), scale = _mm256_setzero_ps();
+    float offset_one = 0.0f, scale_one = 0.0f; /* rows = 1 (a decode step): the same operations in scalars */
+    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += block_bytes) {
         float d = half_at(w);
-        __m256i q = nibbles32(w + 2);
-        __m256i xq = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc);
-        offset += d * x[b].ds;
+        if (rows == 1) {
+            scale_one = d * x[0][b].d;
+            if (qtype != GGUF_Q8_0) offset_one += (has_min ? half_at(w + 2) : d) * x[0][b].ds;
+        } else {
+            scale = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(sc[b].d));
+            if (qtype != GGUF_Q8_0) {
+                __m256 factor = _mm256_set1_ps(has_min ? half_at(w + 2) : d);
+                offset = _mm256_add_ps(offset, _mm256_mul_ps(factor, _mm256_loadu_ps(sc[b].ds)));
+            }
+        }
+        __m256i q;
+        switch (qtype) {
+        case GGUF_Q4_0: q = nibbles32(w + 2); break;
+        case GGUF_Q4_1: q = nibbles32(w + 4); break;
+        case GGUF_Q5_0: q = _mm256_or_si256(nibbles32(w + 6), high_bits32(w + 2)); break;
+        case GGUF_Q5_1: q = _mm256_or_si256(nibbles32(w + 8), high_bits32(w + 4)); break;
+        default: q = _mm256_loadu_si256((const __m256i *)(w + 2)); break;
+        }
+        __m256i q_abs = _mm256_sign_epi8(q, q);
+        for (int r = 0; r < rows; r++) {
+            __m256i xq = _mm256_loadu_si256((const __m256i *)x[r][b].qs);
+            /* Q8_0: signed x signed through the unsigned product, |q| times x carrying q's sign */
+            __m256i products = qtype == GGUF_Q8_0 ? dot_u8s8(q_abs, _mm256_sign_epi8(xq, q)) : dot_u8s8(q, xq);
+            __m256 row_scale = rows == 1 ? _mm256_set1_ps(scale_one) : _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(r));
+            acc[r] = _mm256_fmadd_ps(row_scale, _mm256_cvtepi32_ps(products), acc[r]);
+        }
     }
-    return hsum_ps(acc) - 8.0f * offset;
+    float off[GGUF_TILE_ROWS];
+    _mm256_storeu_ps(off, offset);
+    if (rows == 1) off[0] = offset_one;
+    for (int r = 0; r < rows; r++) {
+        float sum = hsum_ps(acc[r]);
+        y[r * ys] = qtype == GGUF_Q4_0 ? sum - 8.0f * off[r] : qtype == GGUF_Q5_0 ? sum - 16.0f * off[r] : has_min ? sum + off[r] : sum;
+    }
 }
 
-static float dot_q4_1(int64_t nb, const uint8_t *w, const void *xv) {
-    const act_block32 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    float offset = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 20) {
-        __m256i q = nibbles32(w + 4);
-        __m256i xq = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w) * x[b].d), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc);
-        offset += half_at(w + 2) * x[b].ds;
-    }
-    return hsum_ps(acc) + offset;
+TILE_KERNEL tile_q4_0(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    tile_32(GGUF_Q4_0, nb, w, x, xs, sc, rows, y, ys);
 }
-
-static float dot_q5_0(int64_t nb, const uint8_t *w, const void *xv) {
-    const act_block32 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    float offset = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 22) {
-        float d = half_at(w);
-        __m256i q = _mm256_or_si256(nibbles32(w + 6), high_bits32(w + 2));
-        __m256i xq = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * x[b].d), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc);
-        offset += d * x[b].ds;
-    }
-    return hsum_ps(acc) - 16.0f * offset;
+TILE_KERNEL tile_q4_1(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    tile_32(GGUF_Q4_1, nb, w, x, xs, sc, rows, y, ys);
 }
-
-static float dot_q5_1(int64_t nb, const uint8_t *w, const void *xv) {
-    const act_block32 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    float offset = 0.0f;
-    for (int64_t b = 0; b < nb; b++, w += 24) {
-        __m256i q = _mm256_or_si256(nibbles32(w + 8), high_bits32(w + 4));
-        __m256i xq = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w) * x[b].d), _mm256_cvtepi32_ps(dot_u8s8(q, xq)), acc);
-        offset += half_at(w + 2) * x[b].ds;
-    }
-    return hsum_ps(acc) + offset;
+TILE_KERNEL tile_q5_0(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    tile_32(GGUF_Q5_0, nb, w, x, xs, sc, rows, y, ys);
 }
-
-static float dot_q8_0(int64_t nb, const uint8_t *w, const void *xv) {
-    const act_block32 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, w += 34) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
-        __m256i xq = _mm256_loadu_si256((const __m256i *)x[b].qs);
-        /* signed x signed through maddubs: |q| times x carrying q's sign */
-        __m256i products = dot_u8s8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xq, q));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(half_at(w) * x[b].d), _mm256_cvtepi32_ps(products), acc);
-    }
-    return hsum_ps(acc);
+TILE_KERNEL tile_q5_1(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    tile_32(GGUF_Q5_1, nb, w, x, xs, sc, rows, y, ys);
+}
+TILE_KERNEL tile_q8_0(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    tile_32(GGUF_Q8_0, nb, w, x, xs, sc, rows, y, ys);
 }
 
 /* The 12 scale bytes of a Q4_K/Q5_K block -> eight 6-bit scales and eight 6-bit minimums, one
@@ -140,43 +156,56 @@ static inline __m256i minimum_products(uint64_t minimums, const int16_t *bsums) 
 /* Sub-block j's scale in every int16 lane. */
 static inline __m256i scale_lanes(uint64_t scales, int j) { return _mm256_set1_epi16((short)((scales >> (8 * j)) & 0xFF)); }
 
-static float dot_q4_k(int64_t nb, const uint8_t *w, const void *xv) {
-    const act_block256 *x = xv;
+TILE_KERNEL tile_q4_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const act_tile_scales32 *sc, const int rows,
+                      float *y, size_t ys) {
+    (void)sc; /* 256-blocks read their scales from the rows */
     const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+    const act_block256 *x[GGUF_TILE_ROWS];
+    __m256 acc[GGUF_TILE_ROWS], acc_min[GGUF_TILE_ROWS];
+    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 144) {
         uint64_t scale, minimum;
         unpack_k_scales(w + 4, &scale, &minimum);
         const uint8_t *qs = w + 16;
-        const int8_t *xq = x[b].qs;
-        __m256i isum = _mm256_setzero_si256();
+        __m256i isum[GGUF_TILE_ROWS];
+        for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
         for (int g = 0; g < 4; g++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
             __m256i lo = _mm256_and_si256(v, low);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * g)));
-            __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * g + 32)));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_lo, scale_lanes(scale, 2 * g)));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_hi, scale_lanes(scale, 2 * g + 1)));
+            __m256i scale_lo = scale_lanes(scale, 2 * g), scale_hi = scale_lanes(scale, 2 * g + 1);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xq = x[r][b].qs;
+                __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * g)));
+                __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * g + 32)));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p_lo, scale_lo));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p_hi, scale_hi));
+            }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w)), _mm256_cvtepi32_ps(isum), acc);
-        acc_min = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w + 2)),
-                                  _mm256_cvtepi32_ps(minimum_products(minimum, x[b].bsums)), acc_min);
+        float d = half_at(w), dmin = half_at(w + 2);
+        for (int r = 0; r < rows; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][b].d * d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][b].d * dmin),
+                                         _mm256_cvtepi32_ps(minimum_products(minimum, x[r][b].bsums)), acc_min[r]);
+        }
     }
-    return hsum_ps(_mm256_sub_ps(acc, acc_min));
+    for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(_mm256_sub_ps(acc[r], acc_min[r]));
 }
 
-static float dot_q5_k(int64_t nb, const uint8_t *w, const void *xv) {
-    const act_block256 *x = xv;
+TILE_KERNEL tile_q5_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const act_tile_scales32 *sc, const int rows,
+                      float *y, size_t ys) {
+    (void)sc; /* 256-blocks read their scales from the rows */
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();
+    const act_block256 *x[GGUF_TILE_ROWS];
+    __m256 acc[GGUF_TILE_ROWS], acc_min[GGUF_TILE_ROWS];
+    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 176) {
         uint64_t scale, minimum;
         unpack_k_scales(w + 4, &scale, &minimum);
         const uint8_t *qs = w + 48;
-        const int8_t *xq = x[b].qs;
         __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
-        __m256i isum = _mm256_setzero_si256();
+        __m256i isum[GGUF_TILE_ROWS];
+        for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
         for (int g = 0; g < 4; g++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
             __m256i h_lo = _mm256_slli_epi16(_mm256_and_si256(qh, one), 4);
@@ -184,27 +213,37 @@ static float dot_q5_k(int64_t nb, const uint8_t *w, const void *xv) {
             qh = _mm256_srli_epi16(qh, 2);
             __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), h_lo);
             __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), h_hi);
-            __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * g)));
-            __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * g + 32)));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_lo, scale_lanes(scale, 2 * g)));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p_hi, scale_lanes(scale, 2 * g + 1)));
+            __m256i scale_lo = scale_lanes(scale, 2 * g), scale_hi = scale_lanes(scale, 2 * g + 1);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xq = x[r][b].qs;
+                __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * g)));
+                __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * g + 32)));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p_lo, scale_lo));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p_hi, scale_hi));
+            }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w)), _mm256_cvtepi32_ps(isum), acc);
-        acc_min = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w + 2)),
-                                  _mm256_cvtepi32_ps(minimum_products(minimum, x[b].bsums)), acc_min);
+        float d = half_at(w), dmin = half_at(w + 2);
+        for (int r = 0; r < rows; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][b].d * d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][b].d * dmin),
+                                         _mm256_cvtepi32_ps(minimum_products(minimum, x[r][b].bsums)), acc_min[r]);
+        }
     }
-    return hsum_ps(_mm256_sub_ps(acc, acc_min));
+    for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(_mm256_sub_ps(acc[r], acc_min[r]));
 }
 
-static float dot_q6_k(int64_t nb, const uint8_t *w, const void *xv) {
-    const act_block256 *x = xv;
+TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const act_tile_scales32 *sc, const int rows,
+                      float *y, size_t ys) {
+    (void)sc; /* 256-blocks read their scales from the rows */
     const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
-    __m256 acc = _mm256_setzero_ps();
+    const act_block256 *x[GGUF_TILE_ROWS];
+    __m256 acc[GGUF_TILE_ROWS];
+    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210) {
         const uint8_t *ql = w, *qhp = w + 128;
         const int8_t *scales = (const int8_t *)(w + 192);
-        const int8_t *xq = x[b].qs;
-        __m256i isum = _mm256_setzero_si256();
+        __m256i isum[GGUF_TILE_ROWS];
+        for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m256i a = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
             __m256i c = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
@@ -219,28 +258,60 @@ static float dot_q6_k(int64_t nb, const uint8_t *w, const void *xv) {
                 __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two);
                 __m256i q = _mm256_or_si256(codes[k], _mm256_slli_epi16(high, 4));
                 int base = 128 * h + 32 * k; /* 32 values = scale groups base/16 and base/16 + 1 */
-                __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(xq + base)));
                 __m256i sc = _mm256_set_m128i(_mm_set1_epi16(scales[base / 16 + 1]), _mm_set1_epi16(scales[base / 16]));
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, sc));
+                for (int r = 0; r < rows; r++) {
+                    __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x[r][b].qs + base)));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, sc));
+                }
             }
         }
         /* the codes are q + 32: take 32 x scale x (sum of the 16 activations) back out */
-        __m256i sums = _mm256_loadu_si256((const __m256i *)x[b].bsums);
         __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
-        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16), 5));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x[b].d * half_at(w + 208)), _mm256_cvtepi32_ps(isum), acc);
+        float d = half_at(w + 208);
+        for (int r = 0; r < rows; r++) {
+            __m256i sums = _mm256_loadu_si256((const __m256i *)x[r][b].bsums);
+            isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16), 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][b].d * d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+        }
     }
-    return hsum_ps(acc);
+    for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(acc[r]);
 }
 
-void gguf_table_avx2(gguf_vec_dot table[GGUF_TYPE_SLOTS]) {
-    memset(table, 0, sizeof(gguf_vec_dot) * GGUF_TYPE_SLOTS);
-    table[GGUF_Q4_0] = dot_q4_0;
-    table[GGUF_Q4_1] = dot_q4_1;
-    table[GGUF_Q5_0] = dot_q5_0;
-    table[GGUF_Q5_1] = dot_q5_1;
-    table[GGUF_Q8_0] = dot_q8_0;
-    table[GGUF_Q4_K] = dot_q4_k;
-    table[GGUF_Q5_K] = dot_q5_k;
-    table[GGUF_Q6_K] = dot_q6_k;
+/* The tile entry point of each type: constant row counts, so each tile is compiled with its loops
+ * unrolled and its accumulators in registers (rows = 1 is the decode step's one-row dot). */
+#define KERNELS(name)                                                                                  \
+    static void rows_##name(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, \
+                            int rows, float *y, size_t ys) {                                           \
+        switch (rows) {                                                                                \
+        case 1: tile_##name(nb, w, x, xs, sc, 1, y, ys); break;                                        \
+        case 2: tile_##name(nb, w, x, xs, sc, 2, y, ys); break;                                        \
+        case 3: tile_##name(nb, w, x, xs, sc, 3, y, ys); break;                                        \
+        case 4: tile_##name(nb, w, x, xs, sc, 4, y, ys); break;                                        \
+        case 5: tile_##name(nb, w, x, xs, sc, 5, y, ys); break;                                        \
+        case 6: tile_##name(nb, w, x, xs, sc, 6, y, ys); break;                                        \
+        case 7: tile_##name(nb, w, x, xs, sc, 7, y, ys); break;                                        \
+        default: tile_##name(nb, w, x, xs, sc, 8, y, ys); break;                                       \
+        }                                                                                              \
+    }
+KERNELS(q4_0)
+KERNELS(q4_1)
+KERNELS(q5_0)
+KERNELS(q5_1)
+KERNELS(q8_0)
+KERNELS(q4_k)
+KERNELS(q5_k)
+KERNELS(q6_k)
+
+void gguf_table_avx2(gguf_kernel_table *table) {
+    memset(table, 0, sizeof *table);
+#define ENTRY(type, name) table->rows[type] = rows_##name
+    ENTRY(GGUF_Q4_0, q4_0);
+    ENTRY(GGUF_Q4_1, q4_1);
+    ENTRY(GGUF_Q5_0, q5_0);
+    ENTRY(GGUF_Q5_1, q5_1);
+    ENTRY(GGUF_Q8_0, q8_0);
+    ENTRY(GGUF_Q4_K, q4_k);
+    ENTRY(GGUF_Q5_K, q5_k);
+    ENTRY(GGUF_Q6_K, q6_k);
+#undef ENTRY
 }

@@ -34,8 +34,30 @@ typedef struct {
     int8_t qs[32];
 } act_block32;
 
-/* One weight row of `nblocks` GGUF blocks against one quantized activation row. */
-typedef float (*gguf_vec_dot)(int64_t nblocks, const uint8_t *weights, const void *activations);
+/* Most activation rows one call of a `gguf_rows_dot` takes. */
+#define GGUF_TILE_ROWS 8
+
+/* The scales of one 32-block across a tile's activation rows, lane r for row r (0 past the last
+ * row): the per-block float work of a tile in one vector operation per block. */
+typedef struct {
+    float d[GGUF_TILE_ROWS];
+    float ds[GGUF_TILE_ROWS];
+} act_tile_scales32;
+
+/* One weight row of `nblocks` GGUF blocks against `rows` (1..GGUF_TILE_ROWS) quantized
+ * activation rows `activation_stride` bytes apart: y[r * y_stride] = the dot product with row r.
+ * `tile_scales` (32-block types: nblocks entries; NULL for the 256-block types) repeats the rows'
+ * block scales by block; a kernel may read them there instead of from the rows (same values). Each weight block is unpacked once for all rows,
+ * and each row's float arithmetic is exactly the one-row dot's, so a row's result does not
+ * depend on how many rows share the call (batch invariance, bit for bit). */
+typedef void (*gguf_rows_dot)(int64_t nblocks, const uint8_t *weights, const void *activations,
+                              size_t activation_stride, const act_tile_scales32 *tile_scales, int rows, float *y,
+                              size_t y_stride);
+
+/* One ISA's kernels, indexed by GGML type id (NULL where the type is not supported). */
+typedef struct {
+    gguf_rows_dot rows[GGUF_TYPE_SLOTS];
+} gguf_kernel_table;
 
 typedef struct {
     int block_values; /* values per block: 32 or 256 */
@@ -54,9 +76,9 @@ float gguf_half_to_float(uint16_t h);
 /* One row of K weights as floats, equal to gguf-py's dequantize bit for bit. */
 void gguf_dequantize_row(int qtype, const uint8_t *row, float *out, int64_t k);
 
-/* Fill `table[qtype]` with this ISA's dot products (NULL where the type is not supported). */
-void gguf_table_portable(gguf_vec_dot table[GGUF_TYPE_SLOTS]);
-void gguf_table_avx2(gguf_vec_dot table[GGUF_TYPE_SLOTS]);
-void gguf_table_avx512vnni(gguf_vec_dot table[GGUF_TYPE_SLOTS]);
+/* Fill `table` with this ISA's kernels. */
+void gguf_table_portable(gguf_kernel_table *table);
+void gguf_table_avx2(gguf_kernel_table *table);
+void gguf_table_avx512vnni(gguf_kernel_table *table);
 
 #endif

@@ -7,7 +7,9 @@
  *
  * Each row of x is quantized per block to 8 bits (per 256 with 16-value sums for the k-quants, per
  * 32 with the block sum otherwise), then every output is integer block dot products scaled in
- * fp32. Output rows are split over ONNX Runtime's intra-op thread pool. The ISA is picked at
+ * fp32. Output rows are split over ONNX Runtime's intra-op thread pool; within a task each weight
+ * row meets the activation rows a tile of GGUF_TILE_ROWS at a time (a row's result does not depend
+ * on the tile: batch-invariant bit for bit). The ISA is picked at
  * kernel creation: the best the CPU supports, or EDGEPIPE_GGUF_ISA (portable|avx2|avx512vnni). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,7 +77,7 @@ static int chosen_isa(char *error, size_t error_size) {
     return -1;
 }
 
-static void fill_table(int isa, gguf_vec_dot table[GGUF_TYPE_SLOTS]) {
+static void fill_table(int isa, gguf_kernel_table *table) {
     switch (isa) {
 #ifdef EDGEPIPE_HAVE_AVX512VNNI
     case ISA_AVX512VNNI: gguf_table_avx512vnni(table); return;
@@ -90,7 +92,7 @@ static void fill_table(int isa, gguf_vec_dot table[GGUF_TYPE_SLOTS]) {
 /* ---- the product itself, shared by the ORT kernel and the direct entry point ---- */
 
 typedef struct {
-    gguf_vec_dot dot;
+    gguf_rows_dot rows;
     const gguf_type_info *type;
     int qtype;
 } matmul_plan;
@@ -102,9 +104,26 @@ typedef struct {
     int64_t m, k, n, nblocks, row_bytes;
     void *xq;
     size_t xq_row_bytes;
+    act_tile_scales32 *scales; /* 32-block types: nblocks per tile of rows, lanes past the last row 0 */
     float *y;
     int64_t rows_per_task;
 } matmul_job;
+
+/* Room for m quantized rows (and their tile scales); 0 or -1 when out of memory. */
+static int alloc_activations(matmul_job *job, int64_t m) {
+    job->xq = malloc(job->xq_row_bytes * (size_t)(m > 0 ? m : 1));
+    job->scales = NULL;
+    if (job->plan->type->block_values == 32) {
+        size_t tiles = (size_t)((m + GGUF_TILE_ROWS - 1) / GGUF_TILE_ROWS);
+        job->scales = calloc(tiles > 0 ? tiles * (size_t)job->nblocks : 1, sizeof(act_tile_scales32));
+    }
+    return job->xq == NULL || (job->plan->type->block_values == 32 && job->scales == NULL) ? -1 : 0;
+}
+
+static void free_activations(matmul_job *job) {
+    free(job->xq);
+    free(job->scales);
+}
 
 static void quantize_rows(const matmul_job *job, int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++) {
@@ -113,6 +132,12 @@ static void quantize_rows(const matmul_job *job, int64_t m0, int64_t m1) {
             gguf_quantize_row256(job->x + m * job->k, row, job->k);
         } else {
             gguf_quantize_row32(job->x + m * job->k, row, job->k);
+            const act_block32 *blocks = row;
+            act_tile_scales32 *tile = job->scales + (m / GGUF_TILE_ROWS) * job->nblocks;
+            for (int64_t b = 0; b < job->nblocks; b++) {
+                tile[b].d[m % GGUF_TILE_ROWS] = blocks[b].d;
+                tile[b].ds[m % GGUF_TILE_ROWS] = blocks[b].ds;
+            }
         }
     }
 }
@@ -122,12 +147,19 @@ static void quantize_task(void *data, size_t index) {
     quantize_rows(job, (int64_t)index, (int64_t)index + 1);
 }
 
+/* Outputs n0..n1 of every row, a tile of GGUF_TILE_ROWS activation rows at a time against each
+ * weight row of the range: the kernels unpack a weight block once per tile, the tile's activations
+ * stay in the nearest cache while the range's weight rows pass (from L2 after the first tile), and
+ * a row's result does not depend on its tile. */
 static void product_rows(const matmul_job *job, int64_t n0, int64_t n1) {
-    gguf_vec_dot dot = job->plan->dot;
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *wrow = job->w + n * job->row_bytes;
-        for (int64_t m = 0; m < job->m; m++) {
-            job->y[m * job->n + n] = dot(job->nblocks, wrow, (const char *)job->xq + m * job->xq_row_bytes);
+    gguf_rows_dot rows_dot = job->plan->rows;
+    for (int64_t m = 0; m < job->m; m += GGUF_TILE_ROWS) {
+        int rows = job->m - m < GGUF_TILE_ROWS ? (int)(job->m - m) : GGUF_TILE_ROWS;
+        const char *xq = (const char *)job->xq + m * job->xq_row_bytes;
+        const act_tile_scales32 *scales = job->scales ? job->scales + (m / GGUF_TILE_ROWS) * job->nblocks : NULL;
+        for (int64_t n = n0; n < n1; n++) {
+            rows_dot(job->nblocks, job->w + n * job->row_bytes, xq, job->xq_row_bytes, scales, rows, job->y + m * job->n + n,
+                     (size_t)job->n);
         }
     }
 }
@@ -177,9 +209,9 @@ static int plan_for(matmul_plan *plan, int qtype, int isa, char *error, size_t e
                  qtype);
         return -1;
     }
-    gguf_vec_dot table[GGUF_TYPE_SLOTS];
-    fill_table(isa, table);
-    plan->dot = table[qtype];
+    gguf_kernel_table table;
+    fill_table(isa, &table);
+    plan->rows = table.rows[qtype];
     return 0;
 }
 
@@ -215,11 +247,13 @@ __attribute__((visibility("default"))) const char *edgepipe_gguf_matmul(int qtyp
     job.w = w;
     job.m = m;
     job.y = y;
-    job.xq = malloc(job.xq_row_bytes * (size_t)(m > 0 ? m : 1));
-    if (job.xq == NULL) return "out of memory";
+    if (alloc_activations(&job, m) != 0) {
+        free_activations(&job);
+        return "out of memory";
+    }
     quantize_rows(&job, 0, m);
     product_rows(&job, 0, n);
-    free(job.xq);
+    free_activations(&job);
     return NULL;
 }
 
@@ -284,8 +318,10 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *context) {
     job.w = w_data;
     job.y = y_data;
     job.m = m;
-    job.xq = malloc(job.xq_row_bytes * (size_t)m);
-    if (job.xq == NULL) return error_status(api, ORT_ERR_FAIL, "GgufMatMul: out of memory for activations");
+    if (alloc_activations(&job, m) != 0) {
+        free_activations(&job);
+        return error_status(api, ORT_ERR_FAIL, "GgufMatMul: out of memory for activations");
+    }
     OrtStatus *status = NULL;
     if (m >= 4) {
         status = ORT_FN(api, KernelContext_ParallelFor)(context, quantize_task, (size_t)m, 0, &job);
@@ -296,7 +332,7 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *context) {
         size_t tasks = (size_t)((job.n + job.rows_per_task - 1) / job.rows_per_task);
         status = ORT_FN(api, KernelContext_ParallelFor)(context, product_task, tasks, 0, &job);
     }
-    free(job.xq);
+    free_activations(&job);
     return status;
 }
 

@@ -310,14 +310,32 @@ void gguf_dequantize_row(int qtype, const uint8_t *w, float *out, int64_t k) {
     }
 }
 
-void gguf_table_portable(gguf_vec_dot table[GGUF_TYPE_SLOTS]) {
-    memset(table, 0, sizeof(gguf_vec_dot) * GGUF_TYPE_SLOTS);
-    table[GGUF_Q4_0] = dot_q4_0;
-    table[GGUF_Q4_1] = dot_q4_1;
-    table[GGUF_Q5_0] = dot_q5_0;
-    table[GGUF_Q5_1] = dot_q5_1;
-    table[GGUF_Q8_0] = dot_q8_0;
-    table[GGUF_Q4_K] = dot_q4_k;
-    table[GGUF_Q5_K] = dot_q5_k;
-    table[GGUF_Q6_K] = dot_q6_k;
+/* The portable path runs a tile row by row: the same arithmetic, no shared unpacking. */
+#define ROWS_BY_DOT(name)                                                                               \
+    static void rows_##name(int64_t nb, const uint8_t *w, const void *x, size_t x_stride,                \
+                            const act_tile_scales32 *scales, int rows, float *y, size_t y_stride) {    \
+        (void)scales;                                                                                  \
+        for (int r = 0; r < rows; r++) y[r * y_stride] = dot_##name(nb, w, (const char *)x + r * x_stride);   \
+    }
+ROWS_BY_DOT(q4_0)
+ROWS_BY_DOT(q4_1)
+ROWS_BY_DOT(q5_0)
+ROWS_BY_DOT(q5_1)
+ROWS_BY_DOT(q8_0)
+ROWS_BY_DOT(q4_k)
+ROWS_BY_DOT(q5_k)
+ROWS_BY_DOT(q6_k)
+
+void gguf_table_portable(gguf_kernel_table *table) {
+    memset(table, 0, sizeof *table);
+#define ENTRY(type, name) table->rows[type] = rows_##name
+    ENTRY(GGUF_Q4_0, q4_0);
+    ENTRY(GGUF_Q4_1, q4_1);
+    ENTRY(GGUF_Q5_0, q5_0);
+    ENTRY(GGUF_Q5_1, q5_1);
+    ENTRY(GGUF_Q8_0, q8_0);
+    ENTRY(GGUF_Q4_K, q4_k);
+    ENTRY(GGUF_Q5_K, q5_k);
+    ENTRY(GGUF_Q6_K, q6_k);
+#undef ENTRY
 }

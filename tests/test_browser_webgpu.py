@@ -36,7 +36,7 @@ TOKENS = 6
 
 def remember_tab(home, manifest, name: str) -> None:
     """A calibration for the tab (identity as ``WorkerInfo.identity``)."""
-    remember_device(home, manifest, [name, "browser", TAB_MEMORY, 1, "None", None, "gpu", "google swiftshader"])
+    remember_device(home, manifest, [name, "browser", TAB_MEMORY, 1, "None", None, "gpu", "google swiftshader", None])
 
 
 @pytest.fixture(scope="module")

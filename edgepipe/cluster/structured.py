@@ -12,6 +12,11 @@ Output is compact (``", "`` and ``": "`` separators, no other whitespace between
 JSON): a small model given free whitespace at temperature 1 tends to spend its tokens on it.
 ``strict`` (OpenAI's flag) refuses schema keywords the grammar cannot enforce; without it they
 are ignored (the output is JSON but may not meet them).
+
+An object schema that declares ``properties`` and says nothing of ``additionalProperties`` takes
+no other properties (:func:`closed_objects`): as llama.cpp's and xgrammar's converters do and
+OpenAI's strict mode requires, since a small model left free to add keys may never close the
+object. A schema allows more with ``"additionalProperties": true`` (or a schema for them).
 """
 
 from __future__ import annotations
@@ -52,10 +57,41 @@ class JsonFormat:
             raise SchemaError("the schema is `false`: no output can satisfy it")
         if not isinstance(schema, dict):
             raise SchemaError("the schema must be a JSON object")
-        text = json.dumps(schema)
+        text = json.dumps(closed_objects(schema))
         if len(text) > MAX_SCHEMA_CHARS:
             raise SchemaError(f"the schema is {len(text)} characters long (at most {MAX_SCHEMA_CHARS})")
         return text
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_OPEN_KEYS = ("additionalProperties", "unevaluatedProperties", "allOf")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` added to every object schema that declares
+    ``properties`` and does not say whether others are allowed (a copy; the client's is untouched).
+
+    Left as they are: objects without ``properties`` (``{"type": "object"}`` is any object), and
+    ``allOf`` and its members, whose properties combine (closing one member would refuse the
+    properties the others declare).
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_VALUES:
+        if key in out:
+            out[key] = [closed_objects(sub) for sub in out[key]] if isinstance(out[key], list) else closed_objects(out[key])
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
 
 
 @dataclass(frozen=True)

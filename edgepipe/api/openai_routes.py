@@ -6,7 +6,8 @@ after the first byte is sent as one ``data: {"error": ...}`` event. ``n`` > 1 ru
 sequences (seeds following the request's); a request without a seed gets a random one, reported
 back as ``seed`` beside ``system_fingerprint``. Tools go through the model's chat template and
 come back as ``tool_calls`` (``tools``). ``logprobs``/``top_logprobs`` (chat), ``logprobs``/``echo``
-(completions), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` run in the last
+(completions; ``max_tokens: 0`` with ``echo`` scores the prompt only, as the legacy OpenAI API and
+vLLM allow: the prefill runs, the one token it samples is dropped), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` run in the last
 stage's head graph (``runtime.controls``); logprobs are of the model's raw logits.
 """
 
@@ -147,6 +148,8 @@ async def completions(request: Request):
     bad = next((t for ids in prompts for t in ids if t >= vocab), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary of {vocab}", param="prompt")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens 0 generates nothing: it needs echo: true (the prompt and its logprobs)", param="max_tokens")
     echo = [t for t in texts] if texts is not None else [tok.decode(ids) for ids in prompts]
     return await _run(request, req, model, prompts, req.max_tokens, chat=None, echo=echo if req.echo else None)
 
@@ -156,7 +159,9 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
     app = request.app.state
     coord, tok = app.coordinator, app.package.tokenizer
     context = coord.manifest.max_context
-    params = params_for(req, max_tokens, max(len(p) for p in prompts), context, chat.stop if chat else (), _vocab(request))
+    prompt_only = max_tokens == 0  # echo only: the prefill's one sampled token is dropped
+    params = params_for(req, 1 if prompt_only else max_tokens, max(len(p) for p in prompts), context, chat.stop if chat else (),
+                        _vocab(request))
     n = req.n or 1
     fmt = req.response_format
     constraint = await json_constraint(request, fmt and fmt.type, fmt and fmt.json_schema, bool(req.ignore_eos),
@@ -170,11 +175,11 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
             "system_fingerprint": G.fingerprint(app.package), "seed": params.seed}
     use_tools = chat is not None and bool(chat.tool_names)
     texts_of = G.token_texts(tok)
-    views = [_Logprobs(state, texts_of, chat is not None, echo is not None) for state in states]
+    views = [_Logprobs(state, texts_of, chat is not None, echo is not None, prompt_only) for state in states]
 
     def usage() -> dict:
         prompt_tokens = sum(len(p) for p in prompts)
-        completion = sum(len(s.generated) for s in states)
+        completion = 0 if prompt_only else sum(len(s.generated) for s in states)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
     ticket = await G.admit(request, positions)
@@ -192,7 +197,9 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
         app.metrics.requests.labels("ok").inc()
         choices = []
         for i, (state, text) in enumerate(zip(states, texts)):
-            choice = {"index": i, "finish_reason": state.finish_reason, "logprobs": views[i].take()}
+            if prompt_only:
+                text = ""
+            choice = {"index": i, "finish_reason": "length" if prompt_only else state.finish_reason, "logprobs": views[i].take()}
             if chat:
                 parsed = tools.parse(text, chat) if use_tools else tools.ParsedOutput(text)
                 message = {"role": "assistant", "content": parsed.content if parsed.tool_calls else (parsed.content or "")}
@@ -203,7 +210,7 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
             else:
                 choice["text"] = (echo[i // n] if echo else "") + text
             if req.return_token_ids:  # an extension (as in vLLM) so clients can compare token for token
-                choice["token_ids"] = list(state.generated)
+                choice["token_ids"] = [] if prompt_only else list(state.generated)
             choices.append(choice)
         return JSONResponse({**head, "choices": choices, "usage": usage()})
 
@@ -211,7 +218,7 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         kind = head["object"] + (".chunk" if chat else "")
         events = _events(app, coord, states, rid, {**head, "object": kind}, chat, use_tools, include_usage, usage, views,
-                         [echo[i // n] for i in range(len(states))] if echo else None)
+                         [echo[i // n] for i in range(len(states))] if echo else None, prompt_only)
         return G.ReleasingStream(events, on_close=lambda: app.admission.release(ticket), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     except BaseException:
@@ -223,15 +230,15 @@ class _Logprobs:
     """One choice's logprobs in OpenAI's shape, handed out as they arrive (each streamed chunk
     carries the tokens since the previous one) or all at once; None when not asked for."""
 
-    def __init__(self, state, texts: G.TokenTexts, chat: bool, echo: bool):
-        self.state, self.texts, self.chat = state, texts, chat
+    def __init__(self, state, texts: G.TokenTexts, chat: bool, echo: bool, prompt_only: bool = False):
+        self.state, self.texts, self.chat, self.prompt_only = state, texts, chat, prompt_only
         self.sent, self.offset, self.echoed = 0, 0, not echo
 
     def take(self) -> dict | None:
         state = self.state
         if not state.params.logprobs:
             return None
-        new = state.logprobs[self.sent:]
+        new = [] if self.prompt_only else state.logprobs[self.sent:]
         self.sent += len(new)
         if self.chat:
             return G.chat_logprobs(new, self.texts)
@@ -248,7 +255,7 @@ def _sse(obj: dict) -> str:
     return "data: " + json.dumps(obj) + "\n\n"
 
 
-async def _events(app, coord, states, rid, head, chat, use_tools, include_usage, usage, views, echo):
+async def _events(app, coord, states, rid, head, chat, use_tools, include_usage, usage, views, echo, prompt_only=False):
     def chunk(i: int, finish: str | None, text: str | None = None, role: bool = False, tool_calls: list | None = None) -> str:
         logprobs = None if role else views[i].take()
         if chat:
@@ -273,6 +280,10 @@ async def _events(app, coord, states, rid, head, chat, use_tools, include_usage,
             for i in range(len(states)):
                 yield chunk(i, None, role=True)
         async for i, delta in G.merged(coord, states, rid):
+            if prompt_only:  # the echoed prompt and its logprobs, once the prefill is done
+                if delta.finished:
+                    yield chunk(i, "length")
+                continue
             full[i] += delta.text
             if not use_tools:
                 if delta.text or delta.finished:

@@ -27,7 +27,7 @@ from ..cluster.coordinator import RequestFailed
 from ..runtime.sequence import GenerationParams
 from . import generation as G, schemas as S, tools
 from .errors import APIError, bad_request
-from .openai_routes import json_constraint, parse_body
+from .openai_routes import json_constraint, parse_body, tool_constraint
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API level these routes follow (clients compare it to enable features)
 
@@ -226,6 +226,8 @@ async def _run(request: Request, req: OllamaBase, model: str, ids: list[int], ch
     fmt = req.format or None
     constraint = await json_constraint(request, fmt and ("json_object" if fmt == "json" else "json_schema"),
                                        {"schema": fmt} if isinstance(fmt, dict) else None, tools_on=bool(chat and chat.tool_names))
+    if constraint is None and chat is not None and chat.tool_names:  # calls the model starts follow their schemas
+        constraint = await tool_constraint(request, req.tools, chat, parallel=True)
     states = G.build(coord, [ids], params, 1, tok.decode)
     state = states[0]
     state.token_mask = constraint.token_mask() if constraint else None

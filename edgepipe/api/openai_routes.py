@@ -5,7 +5,7 @@ responses are server-sent events in OpenAI's chunk format, ending with ``data: [
 after the first byte is sent as one ``data: {"error": ...}`` event. ``n`` > 1 runs separate
 sequences (seeds following the request's); a request without a seed gets a random one, reported
 back as ``seed`` beside ``system_fingerprint``. Tools go through the model's chat template and
-come back as ``tool_calls`` (``tools``). ``logprobs``/``top_logprobs`` (chat), ``logprobs``/``echo``
+come back as ``tool_calls`` (``tools``), generated under their parameter schemas. ``logprobs``/``top_logprobs`` (chat), ``logprobs``/``echo``
 (completions; ``max_tokens: 0`` with ``echo`` scores the prompt only, as the legacy OpenAI API and
 vLLM allow: the prefill runs, the one token it samples is dropped), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` run in the last
 stage's head graph (``runtime.controls``); logprobs are of the model's raw logits.
@@ -105,7 +105,8 @@ async def chat_completions(request: Request):
     except Exception as exc:  # noqa: BLE001 (a template that breaks on these messages)
         raise bad_request(f"the chat template cannot render these messages: {type(exc).__name__}", param="messages") from None
     ids = tok.encode(prompt.text)
-    return await _run(request, req, model, [ids], req.max_completion_tokens or req.max_tokens, chat=prompt)
+    calls = await tool_constraint(request, req.tools, prompt, bool(req.parallel_tool_calls), bool(req.ignore_eos))
+    return await _run(request, req, model, [ids], req.max_completion_tokens or req.max_tokens, chat=prompt, constraint=calls)
 
 
 async def json_constraint(request: Request, kind: str | None, json_schema=None, ignore_eos: bool = False,
@@ -120,6 +121,21 @@ async def json_constraint(request: Request, kind: str | None, json_schema=None, 
         return await asyncio.to_thread(structured.constraint_for, request.app.state.package.tokenizer, _vocab(request), fmt)
     except structured.SchemaError as exc:
         raise bad_request(f"response_format: {exc}", param="response_format") from None
+
+
+async def tool_constraint(request: Request, tool_list, prompt: tools.ChatPrompt, parallel: bool,
+                          ignore_eos: bool = False) -> structured.Constraint | None:
+    """The grammar that holds ``prompt``'s tool calls to their schemas (``tools.call_grammar``),
+    compiled before admission: a 400 naming ``tools`` when a schema cannot be used."""
+    if prompt.mode == "none":
+        return None
+    if ignore_eos and prompt.mode in ("named", "required"):
+        raise bad_request(f"a {prompt.mode} tool call cannot be combined with ignore_eos (the call ends the answer)", param="ignore_eos")
+    try:
+        lark, trigger = tools.call_grammar(tool_list, prompt, parallel)
+        return await asyncio.to_thread(structured.lark_constraint_for, request.app.state.package.tokenizer, _vocab(request), lark, trigger)
+    except structured.SchemaError as exc:
+        raise bad_request(f"tools: {exc}", param="tools") from None
 
 
 def _vocab(request: Request) -> int:
@@ -155,7 +171,7 @@ async def completions(request: Request):
 
 
 async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list[int]], max_tokens: int | None,
-               chat: tools.ChatPrompt | None, echo: list[str] | None = None):
+               chat: tools.ChatPrompt | None, echo: list[str] | None = None, constraint: structured.Constraint | None = None):
     app = request.app.state
     coord, tok = app.coordinator, app.package.tokenizer
     context = coord.manifest.max_context
@@ -165,7 +181,7 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
     n = req.n or 1
     fmt = req.response_format
     constraint = await json_constraint(request, fmt and fmt.type, fmt and fmt.json_schema, bool(req.ignore_eos),
-                                       bool(chat and chat.tool_names))
+                                       bool(chat and chat.tool_names)) or constraint
     states = G.build(coord, prompts, params, n, tok.decode)
     for state in states if constraint else ():
         state.token_mask = constraint.token_mask()
@@ -205,7 +221,8 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
                 message = {"role": "assistant", "content": parsed.content if parsed.tool_calls else (parsed.content or "")}
                 if parsed.tool_calls:
                     message["tool_calls"] = parsed.tool_calls
-                    choice["finish_reason"] = "tool_calls"
+                    if state.finish_reason == "stop":  # a call cut by max_tokens stays "length"
+                        choice["finish_reason"] = "tool_calls"
                 choice["message"] = message
             else:
                 choice["text"] = (echo[i // n] if echo else "") + text
@@ -301,7 +318,7 @@ async def _events(app, coord, states, rid, head, chat, use_tools, include_usage,
                 if parsed.tool_calls:
                     calls = [{"index": k, **c} for k, c in enumerate(parsed.tool_calls)]
                     yield chunk(i, None, tool_calls=calls)
-                    yield chunk(i, "tool_calls")
+                    yield chunk(i, "tool_calls" if delta.finish_reason == "stop" else delta.finish_reason)
                 else:
                     rest = (chat.forced if held[i] and chat.forced else "") + full[i][sent[i]:]
                     yield chunk(i, delta.finish_reason, rest)

@@ -91,6 +91,13 @@ async def get_model(request: Request) -> JSONResponse:
 async def chat_completions(request: Request):
     req = await parse_body(request, S.ChatRequest)
     model = check_model(request, req.model)
+    prompt, ids, calls = await render_chat(request, req)
+    return await _run(request, req, model, [ids], req.max_completion_tokens or req.max_tokens, chat=prompt, constraint=calls)
+
+
+async def render_chat(request: Request, req: S.ChatRequest) -> tuple[tools.ChatPrompt, list[int], structured.Constraint | None]:
+    """A chat request's prompt, its token ids and the grammar of its tool calls (None without
+    tools), after the checks every chat-shaped route shares (400s naming the field)."""
     refuse_unsupported(req)
     tool_names = {t.function.name for t in req.tools or []}
     if isinstance(req.tool_choice, S.NamedToolChoice) and req.tool_choice.function.name not in tool_names:
@@ -104,9 +111,8 @@ async def chat_completions(request: Request):
         raise bad_request(str(exc).splitlines()[0][:300], param="messages") from None
     except Exception as exc:  # noqa: BLE001 (a template that breaks on these messages)
         raise bad_request(f"the chat template cannot render these messages: {type(exc).__name__}", param="messages") from None
-    ids = tok.encode(prompt.text)
     calls = await tool_constraint(request, req.tools, prompt, bool(req.parallel_tool_calls), bool(req.ignore_eos))
-    return await _run(request, req, model, [ids], req.max_completion_tokens or req.max_tokens, chat=prompt, constraint=calls)
+    return prompt, tok.encode(prompt.text), calls
 
 
 async def json_constraint(request: Request, kind: str | None, json_schema=None, ignore_eos: bool = False,

@@ -160,6 +160,8 @@ def test_auto_is_free_until_a_call_opens_then_held_until_it_closes(tok):
     assert all(m is None for end, (_, m) in zip(ends, steps) if end < opened)
     assert all(m is not None for end, (_, m) in zip(ends, steps) if opened <= end < closed)
     assert all(m is None for end, (_, m) in zip(ends, steps) if end >= closed)  # free again: another call may follow
+    long_before = "The weather depends on the city. " * 20 + '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Oslo"}}'
+    assert refused(masks_along(tok, "auto", long_before))  # found after a long free stretch too
     assert refused(masks_along(tok, "auto", 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"town": "Oslo"}}'))
     assert refused(masks_along(tok, "auto", 'Hi <tool_call>\n{"name": "weather", "arguments": {}}'))
 

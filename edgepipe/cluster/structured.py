@@ -245,7 +245,10 @@ class TriggeredMask:
         return self.matcher.allowed() if self.matcher is not None else None
 
     def _start_if_triggered(self) -> None:
-        text = self.vocab.ll.decode_str(self.seen[self.free_from:])
+        # Checked after every token, so a new trigger ends in the newest one: the last few tokens
+        # hold it (each decodes to at least one character), whatever the length of the answer.
+        window = max(self.free_from, len(self.seen) - len(self.trigger) - 8)
+        text = self.vocab.ll.decode_str(self.seen[window:])
         at = text.find(self.trigger)
         if at == -1:
             return

@@ -127,6 +127,14 @@ def test_messages_tool_use_and_result(claude):
     assert jsonschema_rs.validator_for(WEATHER).is_valid(streamed[0].input), streamed[0].input
 
 
+def test_messages_output_format_json_schema(claude):
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    m = claude.messages.create(model="smollm2", max_tokens=48, messages=[{"role": "user", "content": "Invent a person."}],
+                               output_config={"format": {"type": "json_schema", "schema": person}})
+    assert m.stop_reason == "end_turn" and jsonschema_rs.validator_for(person).is_valid(json.loads(m.content[0].text)), m.content
+
+
 def test_errors_in_each_apis_shape(server, claude):
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model="smollm2", max_tokens=0, messages=[{"role": "user", "content": "hi"}])

@@ -4,7 +4,8 @@
 ``tool_use`` in assistant turns, ``tool_result`` in user turns), ``tools`` (``input_schema``),
 ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``; calls held to their schemas as in chat;
 several calls only with ``disable_parallel_tool_use: false``, as chat's ``required``),
-``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``. The answer
+``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
+``output_config.format`` (a JSON schema the text is held to, as chat's response_format). The answer
 is ``text`` and ``tool_use`` blocks with ``stop_reason`` ``end_turn``, ``max_tokens``,
 ``stop_sequence`` or ``tool_use``. Streaming sends the API's events (``message_start``,
 ``content_block_start``/``_delta``/``_stop``, ``message_delta``, ``message_stop``). Errors are
@@ -73,6 +74,16 @@ class ToolChoice(S.Strict):
     disable_parallel_tool_use: bool | None = None
 
 
+class OutputFormat(S.Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(S.Strict):
+    format: OutputFormat | None = None
+    effort: str | None = Field(None, max_length=16, description="Ignored (no reasoning model).")
+
+
 class MessagesRequest(S.Strict):
     model: str = Field(max_length=256)
     max_tokens: S.PositiveTokens
@@ -86,6 +97,7 @@ class MessagesRequest(S.Strict):
     top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessageObject(S.Loose):
@@ -156,6 +168,9 @@ def chat_request(req: MessagesRequest) -> S.ChatRequest:
         "tools": [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.input_schema}}
                   for t in req.tools] if req.tools else None,
     }
+    fmt = req.output_config.format if req.output_config else None
+    if fmt is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
     try:
         return S.ChatRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:

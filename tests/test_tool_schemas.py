@@ -3,7 +3,9 @@
 On the bundled 135M model, which left to itself echoes a schema back as the arguments or drops
 required fields: forced (named) and required calls sampled at temperature 1 with 20 seeds each
 all parse and validate against their tool's schema; with "auto" every call the model starts
-validates too; parallel calls only where the request allows them. The strings have a
+validates too; parallel calls only where the request allows them; the SDK's own structured-output
+helpers (``parse`` with a pydantic model, as response format and as a tool) get validated
+objects, on chat and on the Responses API. The strings have a
 ``maxLength``: the grammar holds a call's shape, but at temperature 1 the 135M model sometimes
 writes a name for 200 tokens, and a call cut by ``max_tokens`` cannot be valid (it ends "length").
 """
@@ -123,3 +125,25 @@ def test_unusable_tool_schema_is_a_400_naming_tools(three_workers):
     r = three_workers.client.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "tool_choice": "required",
                                                                "ignore_eos": True, "max_tokens": 8})
     assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos", r.text
+
+
+def test_openai_sdk_pydantic_helpers_return_validated_objects(client):
+    """The SDK's structured-output helpers (``parse``: a pydantic model as a strict JSON schema, as
+    response format and as a function tool) get objects that validate into the model."""
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+        population_millions: float
+
+    for seed in (1, 2):
+        r = client.chat.completions.parse(model="smollm2", messages=ASK, response_format=City, max_tokens=96, temperature=1.0, seed=seed)
+        assert isinstance(r.choices[0].message.parsed, City), r.choices[0].message.content
+    tool = openai.pydantic_function_tool(City, name="record_city")
+    r = client.chat.completions.parse(model="smollm2", messages=ASK, tools=[tool], max_tokens=96, temperature=1.0, seed=3,
+                                      tool_choice={"type": "function", "function": {"name": "record_city"}})
+    assert isinstance(r.choices[0].message.tool_calls[0].function.parsed_arguments, City)
+    parsed = client.responses.parse(model="smollm2", input=ASK, text_format=City, max_output_tokens=96, temperature=1.0,
+                                    extra_body={"seed": 4})
+    assert isinstance(parsed.output_parsed, City), parsed.output_text

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from edgepipe.api import schemas as S, tools
 from edgepipe.cluster.structured import Constraint, SchemaError, vocabulary_for
 from edgepipe.model.gguf_source import GGUFSource
-from edgepipe.model.store import bundled_gguf
+from edgepipe.model.store import bundled_gguf, missing_reference, reference_gguf
 from edgepipe.model.tokenizer import TextTokenizer
 
 TOOLS = [S.Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}),
@@ -102,14 +102,14 @@ def tok():
     return TextTokenizer.from_json(src.tokenizer_json(), info.chat_template, info.eos_ids, info.bos_id, info.add_bos)
 
 
-def masks_along(tok, choice, text: str, parallel: bool = False) -> list:
+def masks_along(tok, choice, text: str | list[int], parallel: bool = False) -> list:
     """(token, the mask before it) along ``text`` (None: free), as the coordinator asks for them; the
     last entry's token is None after the end, or the first token the mask refuses (nothing after it)."""
     prompt = tools.render(None, plain, USER, CALL_TOOLS, choice)
-    lark, trigger = tools.call_grammar(CALL_TOOLS, prompt, parallel)
+    lark, trigger = tools.call_grammar(CALL_TOOLS, prompt, parallel, tools.special_markers(tok))
     vocab = vocabulary_for(tok)
     mask = Constraint(vocab, vocab.compile_lark(lark), trigger).token_mask()
-    ids, out = tok.encode(text), []
+    ids, out = (tok.encode(text) if isinstance(text, str) else text), []
     for k in range(len(ids) + 1):
         out.append((ids[k] if k < len(ids) else None, mask(ids[:k])))
         if k < len(ids) and not allows(out[-1][1], ids[k]):
@@ -172,3 +172,35 @@ def test_unusable_tool_schema_is_a_schema_error(tok):
     vocab = vocabulary_for(tok)
     with pytest.raises(SchemaError, match="Invalid type"):
         vocab.compile_lark(tools.call_grammar([broken], prompt, False)[0])
+
+
+@pytest.fixture(scope="module")
+def qwen_tok():
+    path = reference_gguf("qwen05")
+    if not path.is_file():
+        pytest.fail(missing_reference("qwen05"))
+    src = GGUFSource(path)
+    info = src.tokenizer_info()
+    return TextTokenizer.from_json(src.tokenizer_json(), info.chat_template, info.eos_ids, info.bos_id, info.add_bos)
+
+
+def test_special_token_markers_are_written_and_accepted(tok, qwen_tok):
+    """Qwen2.5 writes <tool_call> and </tool_call> as single special tokens its decode drops: the
+    turn's decode writes them, and the grammar takes the token as well as the spelled-out text."""
+    assert tools.special_markers(tok) == {}  # SmolLM2: ordinary text
+    markers = tools.special_markers(qwen_tok)
+    assert sorted(markers.values()) == ["</tool_call>", "<tool_call>"]
+    opening, closing = (next(t for t, m in markers.items() if m == text) for text in ("<tool_call>", "</tool_call>"))
+    call = qwen_tok.encode('\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n')
+    ids = qwen_tok.encode("Sure.") + [opening] + call + [closing]
+    auto = tools.render(None, plain, USER, CALL_TOOLS, "auto")
+    assert qwen_tok.decode(ids).count("tool_call") == 0  # what the model's own decode shows
+    text = tools.decoder(qwen_tok, auto)(ids)
+    assert text == 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert [c["function"]["name"] for c in tools.parse(text, auto).tool_calls] == ["get_weather"]
+    steps = masks_along(qwen_tok, "auto", ids)
+    assert not refused(steps) and steps[-1][1] is None  # held through the call, free after its closing token
+    assert refused(masks_along(qwen_tok, "auto", ids[:-len(call) - 1] + qwen_tok.encode('\n{"name": "get_time", "arguments": {"x": 1}}')))
+    second = qwen_tok.encode('get_weather", "arguments": {"city": "Oslo"}}\n') + [closing] + qwen_tok.encode("\n") + [opening] + \
+        qwen_tok.encode('\n{"name": "get_weather", "arguments": {"city": "Rome"}}')
+    assert not refused(masks_along(qwen_tok, "required", second, parallel=True))

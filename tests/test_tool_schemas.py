@@ -5,7 +5,10 @@ required fields: forced (named) and required calls sampled at temperature 1 with
 all parse and validate against their tool's schema; with "auto" every call the model starts
 validates too; parallel calls only where the request allows them; the SDK's own structured-output
 helpers (``parse`` with a pydantic model, as response format and as a tool) get validated
-objects, on chat and on the Responses API. The strings have a
+objects, on chat and on the Responses API. On Qwen2.5-Coder-0.5B (slow), whose template renders
+the tools and whose call markers are special tokens, forced and required calls validate too
+(it answers "auto" with JSON in a code block rather than a call, so there is nothing to hold there).
+The strings have a
 ``maxLength``: the grammar holds a call's shape, but at temperature 1 the 135M model sometimes
 writes a name for 200 tokens, and a call cut by ``max_tokens`` cannot be valid (it ends "length").
 """
@@ -16,6 +19,9 @@ import json
 
 import jsonschema_rs
 import pytest
+
+from edgepipe.model.store import missing_reference, reference_gguf
+from harness import Server
 
 
 openai = pytest.importorskip("openai")
@@ -147,3 +153,27 @@ def test_openai_sdk_pydantic_helpers_return_validated_objects(client):
     parsed = client.responses.parse(model="smollm2", input=ASK, text_format=City, max_output_tokens=96, temperature=1.0,
                                     extra_body={"seed": 4})
     assert isinstance(parsed.output_parsed, City), parsed.output_text
+
+
+# -- Qwen2.5-Coder-0.5B: its template renders the tools, its markers are special tokens -----------------
+@pytest.fixture(scope="module")
+def qwen(home):
+    path = reference_gguf("qwen05")
+    if not path.is_file():
+        pytest.fail(missing_reference("qwen05"))
+    with Server(home, workers=3, args=("--model", str(path), "--placement", "memory"), timeout=600) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        yield client, client.models.list().data[0].id
+
+
+@pytest.mark.slow  # 3 minutes on two cores (importing the model, then 40 sampled answers)
+def test_qwen_forced_and_required_calls_validate_across_twenty_seeds(qwen):
+    client, model = qwen
+    for choice in ({"type": "function", "function": {"name": "record_city"}}, "required"):
+        calls = []
+        for seed in (100, 200):
+            r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, n=10, max_tokens=200,
+                                               tool_choice=choice)
+            calls += calls_of(r)
+        assert len(calls) == 20
+        assert_valid(calls)

@@ -320,7 +320,7 @@ async def _run(request: Request, req: OllamaBase, model: str, ids: list[int], ch
                                        {"schema": fmt} if isinstance(fmt, dict) else None, tools_on=bool(chat and chat.tool_names))
     if constraint is None and chat is not None and chat.tool_names:  # calls the model starts follow their schemas
         constraint = await tool_constraint(request, req.tools, chat, parallel=True)
-    states = G.build(coord, [ids], params, 1, tok.decode)
+    states = G.build(coord, [ids], params, 1, tools.decoder(tok, chat))
     state = states[0]
     state.token_mask = constraint.token_mask() if constraint else None
     rid = "ollama-" + __import__("uuid").uuid4().hex[:24]

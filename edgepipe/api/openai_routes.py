@@ -138,7 +138,8 @@ async def tool_constraint(request: Request, tool_list, prompt: tools.ChatPrompt,
     if ignore_eos and prompt.mode in ("named", "required"):
         raise bad_request(f"a {prompt.mode} tool call cannot be combined with ignore_eos (the call ends the answer)", param="ignore_eos")
     try:
-        lark, trigger = tools.call_grammar(tool_list, prompt, parallel)
+        tok = request.app.state.package.tokenizer
+        lark, trigger = tools.call_grammar(tool_list, prompt, parallel, tools.special_markers(tok))
         return await asyncio.to_thread(structured.lark_constraint_for, request.app.state.package.tokenizer, _vocab(request), lark, trigger)
     except structured.SchemaError as exc:
         raise bad_request(f"tools: {exc}", param="tools") from None
@@ -188,7 +189,7 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
     fmt = req.response_format
     constraint = await json_constraint(request, fmt and fmt.type, fmt and fmt.json_schema, bool(req.ignore_eos),
                                        bool(chat and chat.tool_names)) or constraint
-    states = G.build(coord, prompts, params, n, tok.decode)
+    states = G.build(coord, prompts, params, n, tools.decoder(tok, chat))
     for state in states if constraint else ():
         state.token_mask = constraint.token_mask()
     positions = sum(len(s.prompt_ids) + params.max_tokens for s in states)

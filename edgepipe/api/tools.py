@@ -15,6 +15,10 @@ starting where the model opens a call (``<tool_call>``). Several calls in one an
 the model write as many as it likes; "required" only with ``parallel_tool_calls: true`` (the
 default, as llama-server's, is one call: a small model left free to go on calling may be cut by
 ``max_tokens`` inside its last call).
+
+Where the markers are single special tokens (Qwen2.5's ``<tool_call>``, ``</tool_call>``), the
+tokenizer's decode drops them; :func:`decoder` writes them as their text so that streaming and
+parsing see the calls, and the grammar accepts the token as well as the spelled-out text.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from ..cluster.structured import embedded_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL_START, CALL_MIDDLE = '{"name": "', '", "arguments": '  # a call's JSON up to its name, and from the name to the arguments
-BETWEEN_CALLS = f"\n{CLOSE}\n{OPEN}\n"
 
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -109,10 +112,45 @@ def render(chat_template: str | None, format_chat, messages, tools, tool_choice)
     return ChatPrompt(text + forced, forced, names, mode=mode, named=named)
 
 
-def call_grammar(tools, prompt: ChatPrompt, parallel: bool) -> tuple[str, str | None] | None:
+def special_markers(tok) -> dict[int, str]:
+    """Token id -> text of the markers that are one special token of ``tok`` (a ``TextTokenizer``),
+    which its decode drops (Qwen2.5's); empty when they are ordinary text (SmolLM2's)."""
+    out = {}
+    for text in (OPEN, CLOSE):
+        token = tok.tokenizer.token_to_id(text)
+        if token is not None and tok.decode([token]) == "":
+            out[token] = text
+    return out
+
+
+def decoder(tok, prompt: ChatPrompt | None):
+    """The decode for a sequence of this turn: ``tok.decode``, writing special-token markers as their text when tools are on."""
+    markers = special_markers(tok) if prompt is not None and prompt.tool_names else {}
+    if not markers:
+        return tok.decode
+
+    def decode(ids: list[int]) -> str:
+        parts, start = [], 0
+        for k, token in enumerate(ids):
+            if token in markers:
+                parts += [tok.decode(ids[start:k]), markers[token]]
+                start = k + 1
+        parts.append(tok.decode(ids[start:]))
+        return "".join(parts)
+
+    return decode
+
+
+def call_grammar(tools, prompt: ChatPrompt, parallel: bool, markers: dict[int, str] | None = None) -> tuple[str, str | None] | None:
     """(Lark grammar, trigger) holding ``prompt``'s tool calls to the ``tools``' (pydantic ``Tool``)
     parameter schemas, continuing from ``prompt.forced``; the trigger (``<tool_call>``) makes it
-    lazy ("auto"). None when the turn has no tools. ``SchemaError`` names a schema that cannot be used."""
+    lazy ("auto"). ``markers`` (:func:`special_markers`): the markers' special tokens, accepted
+    beside their text. None when the turn has no tools. ``SchemaError`` names a schema that cannot be used."""
+    special = {text: token for token, text in (markers or {}).items()}
+
+    def marker(text: str) -> str:
+        return f"({_lit(text)} | <[{special[text]}]>)" if text in special else _lit(text)
+
     if prompt.mode == "none":
         return None
     by_name = {t.function.name: t.function for t in tools}
@@ -128,9 +166,10 @@ def call_grammar(tools, prompt: ChatPrompt, parallel: bool) -> tuple[str, str | 
     if prompt.mode == "named":
         start = f"args_{order.index(prompt.named)} {_lit('}')}"
     elif prompt.mode == "required":
-        start = f"fns ({_lit(BETWEEN_CALLS)} call)*" if parallel else "fns"
+        between = f"{_lit(chr(10))} {marker(CLOSE)} {_lit(chr(10))} {marker(OPEN)} {_lit(chr(10))}"
+        start = f"fns ({between} call)*" if parallel else "fns"
     else:  # after the trigger, as the Hermes convention writes a call
-        start = f"{_lit(chr(10))}? call {_lit(chr(10))}? {_lit(CLOSE)}"
+        start = f"{_lit(chr(10))}? call {_lit(chr(10))}? {marker(CLOSE)}"
     return "\n".join([f"start: {start}", *rules]) + "\n", (OPEN if prompt.mode == "auto" else None)
 
 

@@ -72,7 +72,7 @@ async def prepare(request: Request, req: S.ChatRequest, rid: str) -> Turn:
     fmt = req.response_format
     constraint = await json_constraint(request, fmt and fmt.type, fmt and fmt.json_schema, bool(req.ignore_eos),
                                        bool(prompt.tool_names)) or calls
-    (state,) = G.build(coord, [ids], params, 1, request.app.state.package.tokenizer.decode)
+    (state,) = G.build(coord, [ids], params, 1, tools.decoder(request.app.state.package.tokenizer, prompt))
     state.token_mask = constraint.token_mask() if constraint else None
     return Turn(model, prompt, state, rid)
 

@@ -67,6 +67,9 @@ def test_responses_streamed_equals_chat(oai, chat_text):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat_text
     assert events[-1].response.output_text == chat_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    with oai.responses.stream(model="smollm2", instructions=SYSTEM, input=QUESTION, max_output_tokens=24, temperature=0) as stream:
+        final = stream.get_final_response()  # the SDK's own accumulation of the events
+    assert final.output_text == chat_text
 
 
 def test_responses_function_tool_and_its_output(oai):

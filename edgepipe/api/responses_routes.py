@@ -212,25 +212,24 @@ async def create_response(request: Request):
         start = response_object(req, rid, created, turn.model, "in_progress", [], None)
         yield event("response.created", response=start)
         yield event("response.in_progress", response=start)
+        def open_message() -> list[str]:
+            return [event("response.output_item.added", output_index=0, item=message_item(message_id, "", "in_progress")),
+                    event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                          part={"type": "output_text", "text": "", "annotations": []})]
+
         text, opened = "", False
         try:
             async for piece in pieces:
-                if isinstance(piece, turns.TextPiece):
-                    if not opened:
-                        opened = True
-                        yield event("response.output_item.added", output_index=0, item=message_item(message_id, "", "in_progress"))
-                        yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                                    part={"type": "output_text", "text": "", "annotations": []})
+                answer = piece if isinstance(piece, turns.Answer) else None
+                if not opened and (answer is None or not answer.tool_calls):  # an empty answer still has its message
+                    opened = True
+                    for line in open_message():
+                        yield line
+                if answer is None:
                     text += piece.text
                     yield event("response.output_text.delta", item_id=message_id, output_index=0, content_index=0, delta=piece.text,
                                 logprobs=[])
                     continue
-                answer: turns.Answer = piece
-                if not opened and not answer.tool_calls:  # an empty answer still has its message
-                    opened = True
-                    yield event("response.output_item.added", output_index=0, item=message_item(message_id, "", "in_progress"))
-                    yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                                part={"type": "output_text", "text": "", "annotations": []})
                 output = []
                 if opened:
                     part = {"type": "output_text", "text": text, "annotations": []}

@@ -67,9 +67,11 @@ def test_responses_streamed_equals_chat(oai, chat_text):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat_text
     assert events[-1].response.output_text == chat_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    with oai.responses.stream(model="smollm2", instructions=SYSTEM, input=QUESTION, max_output_tokens=24, temperature=0) as stream:
-        final = stream.get_final_response()  # the SDK's own accumulation of the events
-    assert final.output_text == chat_text
+    # the SDK's own accumulation of the events (it needs response.completed: an answer that ends before max_output_tokens)
+    plain = oai.responses.create(model="smollm2", input="Say hello.", max_output_tokens=64, temperature=0)
+    with oai.responses.stream(model="smollm2", input="Say hello.", max_output_tokens=64, temperature=0) as stream:
+        final = stream.get_final_response()
+    assert plain.status == final.status == "completed" and final.output_text == plain.output_text
 
 
 def test_responses_function_tool_and_its_output(oai):

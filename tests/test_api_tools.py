@@ -204,3 +204,17 @@ def test_special_token_markers_are_written_and_accepted(tok, qwen_tok):
     second = qwen_tok.encode('get_weather", "arguments": {"city": "Oslo"}}\n') + [closing] + qwen_tok.encode("\n") + [opening] + \
         qwen_tok.encode('\n{"name": "get_weather", "arguments": {"city": "Rome"}}')
     assert not refused(masks_along(qwen_tok, "required", second, parallel=True))
+
+
+def test_held_calls_send_text_until_a_call_opens():
+    auto = tools.render(None, plain, USER, TOOLS, "auto")
+    held = tools.HeldCalls(auto)
+    sent = [held.feed(piece) for piece in ("It is ", "sunny <tool", '_call>\n{"name": "get_time", ', '"arguments": {}}\n</tool_call>')]
+    assert sent == ["It is ", "sunny ", "", ""]  # "<tool" waited until it turned out to be a call
+    parsed, rest = held.finish()
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_time"] and rest == ""
+    plain_text = tools.HeldCalls(auto)
+    assert plain_text.feed("a <tool") == "a " and plain_text.finish() == (tools.ParsedOutput("a <tool"), "<tool")
+    named = S.NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_time"}})
+    forced = tools.HeldCalls(tools.render(None, plain, USER, TOOLS, named))
+    assert forced.feed("{}}") == "" and forced.finish()[0].tool_calls

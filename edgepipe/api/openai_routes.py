@@ -295,9 +295,7 @@ async def _events(app, coord, states, rid, head, chat, use_tools, include_usage,
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         return _sse({**head, "choices": [choice]})
 
-    full = [""] * len(states)  # everything the model wrote, per choice
-    sent = [0] * len(states)  # characters of it sent as content
-    held = [bool(chat and chat.forced)] * len(states)  # a tool call has started: hold the rest back
+    held = [tools.HeldCalls(chat) for _ in states] if use_tools else []
     outcome = "cancelled"
     try:
         if chat:
@@ -308,26 +306,20 @@ async def _events(app, coord, states, rid, head, chat, use_tools, include_usage,
                 if delta.finished:
                     yield chunk(i, "length")
                 continue
-            full[i] += delta.text
             if not use_tools:
                 if delta.text or delta.finished:
                     yield chunk(i, delta.finish_reason if delta.finished else None, delta.text)
                 continue
-            if not held[i]:
-                at = full[i].find(tools.OPEN)
-                end = at if at != -1 else len(full[i]) - tools.holdback(full[i])
-                held[i] = at != -1
-                if end > sent[i]:
-                    yield chunk(i, None, full[i][sent[i]:end])
-                    sent[i] = end
+            content = held[i].feed(delta.text)
+            if content:
+                yield chunk(i, None, content)
             if delta.finished:
-                parsed = tools.parse(full[i], chat)
+                parsed, rest = held[i].finish()
                 if parsed.tool_calls:
                     calls = [{"index": k, **c} for k, c in enumerate(parsed.tool_calls)]
                     yield chunk(i, None, tool_calls=calls)
                     yield chunk(i, "tool_calls" if delta.finish_reason == "stop" else delta.finish_reason)
                 else:
-                    rest = (chat.forced if held[i] and chat.forced else "") + full[i][sent[i]:]
                     yield chunk(i, delta.finish_reason, rest)
         if include_usage:
             yield _sse({**head, "choices": [], "usage": usage()})

@@ -292,6 +292,41 @@ def _as_object(arguments: str):
     return value
 
 
+@dataclass
+class HeldCalls:
+    """A streamed answer with tools: what may go out as content as it comes (everything before a
+    call opens; text that may be the start of ``<tool_call>`` waits until it is known not to be),
+    and at the end the parsed calls with whatever content was still held."""
+
+    prompt: ChatPrompt
+    full: str = ""  # everything the model wrote
+    sent: int = 0  # characters of it sent as content
+    held: bool = False  # a call has started: the rest waits for the end
+
+    def __post_init__(self) -> None:
+        self.held = bool(self.prompt.forced)
+
+    def feed(self, text: str) -> str:
+        """Take the next piece of output; the content that may be sent now ("" when none)."""
+        self.full += text
+        if self.held:
+            return ""
+        at = self.full.find(OPEN)
+        end = at if at != -1 else len(self.full) - holdback(self.full)
+        self.held = at != -1
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.full[self.sent:end], end
+        return out
+
+    def finish(self) -> tuple[ParsedOutput, str]:
+        """The parsed answer, and the content not sent yet ("" when the answer holds calls)."""
+        parsed = parse(self.full, self.prompt)
+        if parsed.tool_calls:
+            return parsed, ""
+        return parsed, (self.prompt.forced if self.held else "") + self.full[self.sent:]
+
+
 def holdback(text: str) -> int:
     """How many characters at the end of streamed ``text`` may be the start of ``<tool_call>`` (not sent yet)."""
     for k in range(min(len(OPEN) - 1, len(text)), 0, -1):

@@ -112,25 +112,18 @@ async def answer(request: Request, turn: Turn) -> Answer:
 
 async def pieces(app, turn: Turn) -> AsyncIterator[TextPiece | Answer]:
     """The turn's text as it comes (never any part of a tool call), then its :class:`Answer`."""
-    full, sent = "", 0
-    held = bool(turn.prompt.forced)  # a call has started: the rest is held back
+    full = ""
+    held = tools.HeldCalls(turn.prompt) if turn.prompt.tool_names else None
     async for _, delta in G.merged(app.coordinator, [turn.state], turn.rid):
         full += delta.text
-        if not turn.prompt.tool_names:
-            if delta.text:
-                yield TextPiece(delta.text)
-        elif not held:
-            at = full.find(tools.OPEN)
-            end = at if at != -1 else len(full) - tools.holdback(full)
-            held = at != -1
-            if end > sent:
-                yield TextPiece(full[sent:end])
-                sent = end
+        content = held.feed(delta.text) if held else delta.text
+        if content:
+            yield TextPiece(content)
         if delta.finished:
-            done = finish(turn, full)
-            if turn.prompt.tool_names and not done.tool_calls and full[sent:]:  # held back, and no call after all
-                yield TextPiece((turn.prompt.forced if held else "") + full[sent:])
-            yield done
+            rest = held.finish()[1] if held else ""
+            if rest:  # held back, and no call after all
+                yield TextPiece(rest)
+            yield finish(turn, full)
 
 
 async def stream(request: Request, turn: Turn, body: Callable[[AsyncIterator[TextPiece | Answer]], AsyncIterator[str]],

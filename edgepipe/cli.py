@@ -7,7 +7,9 @@
     edgepipe worker --coordinator URL   join a coordinator from this device
     edgepipe plan --devices devices.yaml
 
-Every failure a user can cause ends in one line on stderr and a non-zero exit status.
+Every failure a user can cause ends in one line on stderr and a non-zero exit status. On a
+worker-only install (``pip install edgepipe``, no extras) the commands that need the coordinator's
+extras say which and how to install them, and exit with status 2.
 """
 
 from __future__ import annotations
@@ -30,8 +32,43 @@ ImportPrecisionOption = typer.Option("native", "--precision", "-p", help="native
 
 
 def fail(message: str, code: int = 1) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # brackets in a message are text
     raise typer.Exit(code)
+
+
+SERVER_EXTRA = "server"
+
+
+def missing_extra(extra: str = SERVER_EXTRA) -> list[str]:
+    """The distributions of edgepipe's ``extra`` that are not installed (none when edgepipe runs
+    from a source tree without metadata: nothing to compare with)."""
+    import re
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    try:
+        requirements = requires("edgepipe") or []
+    except PackageNotFoundError:
+        return []
+    missing = []
+    for req in requirements:
+        spec, _, marker = req.partition(";")
+        if re.search(rf"extra\s*==\s*['\"]{extra}['\"]", marker):
+            name = re.split(r"[\s<>=!~\[(]", spec.strip(), maxsplit=1)[0]
+            try:
+                version(name)
+            except PackageNotFoundError:
+                missing.append(name)
+    return missing
+
+
+def require_server(command: str) -> None:
+    """One line and exit status 2 when ``command`` cannot run on this install (a worker-only one)."""
+    missing = missing_extra()
+    if missing:
+        fail(f"`edgepipe {command}` runs on a coordinator and needs the '{SERVER_EXTRA}' extra ({', '.join(missing[:4])}"
+             f"{', ...' if len(missing) > 4 else ''} missing): pip install 'edgepipe[{SERVER_EXTRA}]'", code=2)
 
 
 def _progress():
@@ -86,6 +123,7 @@ def import_cmd(
     home: Optional[Path] = HomeOption,
 ):
     """Import a model into a package of per-unit ONNX graphs and hashed weight files."""
+    require_server("import")
     from .model.importer import import_model
     from .model.package import Package
     from .model.store import home_dir
@@ -108,6 +146,7 @@ def import_cmd(
 @app.command("models")
 def models_cmd(home: Optional[Path] = HomeOption):
     """List imported model packages."""
+    require_server("models")
     from .model.store import list_packages
 
     for pkg in list_packages(home):
@@ -132,6 +171,7 @@ def generate(
     home: Optional[Path] = HomeOption,
 ):
     """Generate text in this process, streaming it to the terminal."""
+    require_server("generate")
     from .runtime.local import generate as run_generation
     from .runtime.sequence import GenerationParams
     from .runtime.stage_runner import ContextOverflow
@@ -195,6 +235,7 @@ def serve(
     home: Optional[Path] = HomeOption,
 ):
     """Start the coordinator (API, dashboard, metrics) and local workers."""
+    require_server("serve")
     import asyncio
 
     from .serve import ServeSettings, run_server
@@ -312,6 +353,7 @@ def plan(
     """Place the model on the devices of a devices.yaml and print the plan with its runners-up.
 
     Exit status 2: no complete plan (the partial one is printed, without throughput or energy)."""
+    require_server("plan")
     import json
 
     from .plan import Objective, PlanRequest, load_devices, render, to_json

@@ -219,7 +219,8 @@ def test_stream_n2_carries_both_indexes(server):
 def test_openapi_document(server):
     doc = server.client.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.")
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models/{model}", "/api/chat", "/api/generate"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models/{model}", "/api/chat",
+                 "/api/generate"):
         assert path in doc["paths"], path
     chat_schema = doc["components"]["schemas"]["ChatRequest"]["properties"]
     assert chat_schema["top_k"]["anyOf"][0]["maximum"] == 2**31 - 1

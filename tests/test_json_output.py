@@ -68,6 +68,21 @@ def test_completions_take_response_format_and_length_ends_early(client):
     assert short.choices[0].finish_reason == "length" and short.choices[0].message.content.startswith("{")
 
 
+def test_two_field_schema_without_additional_properties_closes(client):
+    """The schema says nothing of additionalProperties: the object still closes after its two fields."""
+    two = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+           "required": ["name", "age"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": two}}
+    for temperature in (0.0, 1.0):
+        r = client.chat.completions.create(model="smollm2", messages=ASK, temperature=temperature, seed=7, n=4 if temperature else 1,
+                                           max_tokens=60, response_format=fmt, extra_body={"return_token_ids": True})
+        for choice in r.choices:
+            text = choice.message.content
+            assert choice.finish_reason == "stop", text
+            assert len(choice.model_extra["token_ids"]) <= 40, text  # well within 60
+            assert set(json.loads(text)) == {"name", "age"}, text
+
+
 @pytest.mark.parametrize("fmt,words", [
     ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}, "Unsatisfiable"),
     ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"not": {}}, "strict": True}}, "Unimplemented"),

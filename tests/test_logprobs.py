@@ -145,6 +145,26 @@ def test_token_id_prompt_echo_and_loglikelihood_shape(client, int4_pkg, referenc
     assert sum(got) < 0 and all(isinstance(v, float) for v in got)
 
 
+def test_max_tokens_zero_with_echo_scores_the_prompt_only(client, server, int4_pkg, reference):
+    """As the legacy OpenAI API and vLLM: the prompt and its logprobs, nothing generated."""
+    ids = int4_pkg.tokenizer.encode(PROMPT)
+    ref = reference(ids, max_tokens=1, logprobs=True, top_logprobs=2, prompt_logprobs=True)
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2,
+                                  extra_body={"return_token_ids": True})
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    assert choice.text == PROMPT and choice.finish_reason == "length" and choice.model_extra["token_ids"] == []
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) and lp.token_logprobs[0] is None
+    assert all(abs(a - b.logprob) < TOL for a, b in zip(lp.token_logprobs[1:], ref.prompt_logprobs[1:]))
+    chunks = list(client.completions.create(model="smollm2", prompt=[ids, ids], max_tokens=0, echo=True, logprobs=1, stream=True))
+    by_choice = {c.choices[0].index: c.choices[0] for c in chunks if c.choices}
+    assert sorted(by_choice) == [0, 1]
+    for ch in by_choice.values():
+        assert ch.text == PROMPT and ch.finish_reason == "length" and len(ch.logprobs.tokens) == len(ids)
+    r = server.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens" and "echo" in r.json()["error"]["message"], r.text
+
+
 def test_n3_each_choice_has_its_logprobs(client):
     r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=6, n=3,
                                        temperature=0.9, seed=11, logprobs=True, extra_body={"return_token_ids": True})

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 
 import httpx
+import jsonschema_rs
 import pytest
+
+from edgepipe.api.ollama_routes import parameter_count
 
 
 ollama = pytest.importorskip("ollama")
@@ -51,7 +55,8 @@ def test_chat_streaming_and_not_match_openai(server, client):
 def test_generate_with_options(server, client):
     name = client.list().models[0].model
     raw = client.generate(model=name, prompt="The sky is", raw=True, options={"num_predict": 6})
-    assert raw.response and raw.eval_count == 6 and raw.context[-6:] and raw.done_reason == "length"
+    assert raw.response and raw.eval_count == 6 and raw.done_reason == "length"
+    assert raw.context is None  # as Ollama: raw mode returns no context
     streamed = "".join(p.response for p in client.generate(model=name, prompt="The sky is", raw=True, stream=True,
                                                            options={"num_predict": 6}))
     assert streamed == raw.response
@@ -64,6 +69,7 @@ def test_generate_with_options(server, client):
     assert words[-1] not in stopped.response and stopped.done_reason == "stop"
     templated = client.generate(model=name, prompt="Name three colours.", options={"num_predict": 12})
     assert templated.response == client.chat(model=name, messages=QUESTION, options={"num_predict": 12}).message.content
+    assert len(templated.context) == templated.prompt_eval_count + templated.eval_count
 
 
 def test_penalties_as_openai(server, client):
@@ -99,3 +105,67 @@ def test_errors_in_ollama_shape(server, client):
     assert r.status_code == 400 and "top_k" in r.json()["error"]
     r = httpx.post(server.url + "/api/chat", headers={"Authorization": "Bearer sekrit"}, content=b"{nope")
     assert r.status_code == 400 and json.loads(r.text)["error"]
+
+
+def test_raw_sends_the_prompt_as_it_is(server, client, int4_pkg):
+    """raw: the prompt is not wrapped in the template: the template's own text sent raw gives the templated answer."""
+    name = client.list().models[0].model
+    templated = client.generate(model=name, prompt="Name three colours.", options={"num_predict": 10})
+    rendered = int4_pkg.tokenizer.format_chat([{"role": "user", "content": "Name three colours."}])
+    raw = client.generate(model=name, prompt=rendered, raw=True, options={"num_predict": 10})
+    assert raw.response == templated.response and raw.context is None and templated.context
+    unwrapped = client.generate(model=name, prompt="Name three colours.", raw=True, options={"num_predict": 10})
+    assert unwrapped.prompt_eval_count < templated.prompt_eval_count  # no template around it
+
+
+def test_format_schema_with_the_client(client):
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    name = client.list().models[0].model
+    for seed in (1, 2, 3):
+        r = client.chat(model=name, messages=[{"role": "user", "content": "Invent a person."}], format=person,
+                        options={"num_predict": 48, "temperature": 1.0, "seed": seed})
+        assert r.done_reason == "stop" and jsonschema_rs.validator_for(person).is_valid(json.loads(r.message.content)), r.message.content
+    r = client.generate(model=name, prompt="A JSON object:", format="json", options={"num_predict": 48})
+    assert isinstance(json.loads(r.response), dict)
+
+
+def test_show_gives_ollamas_fields(client, int4_pkg):
+    name = client.list().models[0].model
+    info = client.show(name)
+    config = int4_pkg.manifest.config
+    assert info.details.parameter_size == "134.52M"  # what Ollama shows for smollm2:135m
+    assert parameter_count(config) == info.modelinfo["general.parameter_count"]
+    assert info.details.family == "llama" and info.details.format == "gguf" and info.details.quantization_level
+    for key, value in (("llama.context_length", int4_pkg.manifest.max_context), ("llama.embedding_length", 576),
+                       ("llama.block_count", 30), ("llama.attention.head_count", 9), ("llama.attention.head_count_kv", 3),
+                       ("llama.feed_forward_length", 1536), ("llama.vocab_size", 49152)):
+        assert info.modelinfo[key] == value, key
+    assert "completion" in info.capabilities and "tools" in info.capabilities
+    assert 'stop' in info.parameters and "<|im_end|>" in info.parameters and info.modelfile.startswith("# Modelfile")
+    assert info.template == int4_pkg.tokenizer.chat_template
+
+
+def test_keep_alive_and_ps(client):
+    name = client.list().models[0].model
+
+    def expires_in() -> float | None:
+        models = client.ps().models
+        assert len(models) <= 1
+        return (models[0].expires_at - datetime.now(timezone.utc)).total_seconds() if models else None
+
+    client.generate(model=name, prompt="hi", options={"num_predict": 2}, keep_alive="10m")
+    running = client.ps().models[0]
+    assert running.model == name and running.context_length and running.details.parameter_size == "134.52M"
+    assert 540 < expires_in() <= 600
+    assert client.generate(model=name, keep_alive=0).done_reason == "unload"
+    assert expires_in() is None  # unloaded: not running
+    assert client.generate(model=name, keep_alive=-1).done_reason == "load"
+    assert expires_in() > 100 * 365 * 86400  # for ever
+    client.chat(model=name, messages=QUESTION, options={"num_predict": 2}, keep_alive=90)
+    assert 30 < expires_in() <= 90
+    client.chat(model=name, messages=QUESTION, options={"num_predict": 2})  # the default: 5 minutes
+    assert 240 < expires_in() <= 300
+    with pytest.raises(ollama.ResponseError) as info:
+        client.generate(model=name, prompt="hi", keep_alive="soon")
+    assert info.value.status_code == 400 and "keep_alive" in info.value.error

@@ -43,7 +43,7 @@ def shrink(node):
 
 def served_model_only(doc: dict) -> dict:
     """Ollama bodies name the served model (valid cases), so generation runs rather than a 404 for a random name."""
-    for name in ("OllamaChatRequest", "OllamaGenerateRequest", "OllamaShowRequest"):
+    for name in ("OllamaChatRequest", "OllamaGenerateRequest", "OllamaShowRequest", "MessagesRequest"):
         doc["components"]["schemas"][name]["properties"]["model"] = {"type": "string", "enum": ["smollm2", "smollm2:latest"]}
     return doc
 
@@ -51,9 +51,9 @@ def served_model_only(doc: dict) -> dict:
 schema = schemathesis.openapi.from_dict(served_model_only(shrink(copy.deepcopy(DOC))))
 schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], deterministic=True, database="none")
 schema.config.phases.update(phases=["examples", "fuzzing"])  # the coverage phase alone sends ~1,000 requests
-EXAMPLES = int(os.environ.get("EDGEPIPE_FUZZ_EXAMPLES", "40"))  # per operation: 10 operations, a few hundred requests in all
+EXAMPLES = int(os.environ.get("EDGEPIPE_FUZZ_EXAMPLES", "40"))  # per operation: 12 operations, a few hundred requests in all
 SENT: list[int] = []  # status of every fuzzed request
-LENGTH_FIELDS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "best_of": 2}
+LENGTH_FIELDS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 2, "best_of": 2}
 
 
 def tame(body):
@@ -69,6 +69,8 @@ def tame(body):
             body["max_tokens"] = 2
         if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 3:
             body["prompt"] = body["prompt"][:3]
+    if "input" in body and body.get("max_output_tokens") is None:  # Responses: absent or null is 256
+        body["max_output_tokens"] = 2
     if "model" in body and ("messages" in body or "prompt" in body):  # Ollama bodies: num_predict
         if body.get("options") is None:
             body["options"] = {"num_predict": 2}

@@ -14,7 +14,7 @@ import jsonschema_rs
 import numpy as np
 import pytest
 
-from edgepipe.cluster.structured import Constraint, JsonFormat, SchemaError, from_openai, vocabulary_for
+from edgepipe.cluster.structured import Constraint, JsonFormat, SchemaError, closed_objects, from_openai, vocabulary_for
 from edgepipe.model.gguf_source import GGUFSource
 from edgepipe.model.store import bundled_gguf, missing_reference, reference_gguf
 from edgepipe.model.tokenizer import TextTokenizer
@@ -158,6 +158,40 @@ def test_openai_response_formats_are_checked(kind, json_schema, words):
 def test_openai_response_formats_map_to_json_formats():
     assert from_openai("text") is None and from_openai("json_object") == JsonFormat("json_object")
     assert from_openai("json_schema", {"name": "p", "schema": PERSON, "strict": True}) == JsonFormat("json_schema", PERSON, True)
+
+
+TWO_FIELDS = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+
+
+def test_declared_properties_close_the_object_unless_the_schema_opens_it(model):
+    tok, vocab, _ = model
+    comma, brace = tok.encode(",")[0], tok.encode("}")[0]
+
+    def after_two_fields(schema) -> set[int]:
+        m = vocab.matcher(vocab.compile(JsonFormat("json_schema", schema)))
+        for t in tok.encode('{"name": "Ann", "age": 41'):
+            m.advance(t)
+        return set(m.allowed_ids().tolist())
+
+    closed = after_two_fields(TWO_FIELDS)
+    assert brace in closed and comma not in closed  # no third property
+    assert comma in after_two_fields({**TWO_FIELDS, "additionalProperties": True})
+    assert comma in after_two_fields({**TWO_FIELDS, "additionalProperties": {"type": "string"}})
+
+
+def test_closed_objects_adds_false_only_where_the_schema_is_silent():
+    nested = {"type": "object", "properties": {"pet": {"type": "object", "properties": {"kind": {"type": "string"}}},
+                                                "tags": {"type": "array", "items": {"properties": {"x": {}}}},
+                                                "any": {"type": "object"}},
+              "$defs": {"d": {"properties": {"y": {}}, "additionalProperties": True}},
+              "anyOf": [{"properties": {"z": {}}}], "allOf": [{"properties": {"w": {}}}]}
+    out = closed_objects(nested)
+    props = out["properties"]
+    assert props["pet"]["additionalProperties"] is False and props["tags"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["any"]  # no properties declared: any object
+    assert out["$defs"]["d"]["additionalProperties"] is True and out["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in out and "additionalProperties" not in out["allOf"][0]  # allOf combines members
+    assert "additionalProperties" not in nested["properties"]["pet"]  # the client's schema is not changed
 
 
 def test_each_row_gets_its_own_mask_when_a_batch_is_not_in_row_order(int4_pkg):

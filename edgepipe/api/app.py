@@ -12,27 +12,30 @@ from starlette.responses import FileResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import browser_routes, cluster_routes, ollama_routes, openai_routes, openapi
+from . import browser_routes, cluster_routes, messages_routes, ollama_routes, openai_routes, openapi, responses_routes
 from .admission import Admission
-from ..net.auth import bearer_matches
+from ..net.auth import bearer_matches, same_secret
 from ..net.limits import EventLog, control_frame_limit, hello_frame_limit
 from .errors import APIError
 from .metrics import Metrics
 
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = ("/", "/worker", "/metrics", "/health")
+GUARDED = ("/v1/chat", "/v1/completions", "/v1/models", "/v1/responses", "/v1/messages", "/v1/cluster", "/api/")
 
 
 class APIKeyMiddleware:
-    """Checks ``Authorization: Bearer <key>`` on the OpenAI routes when a key is set."""
+    """Checks ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) on the API routes when a key is set."""
 
     def __init__(self, app: ASGIApp, api_key: str | None):
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.api_key and scope["type"] == "http" and scope["path"].startswith(("/v1/chat", "/v1/completions", "/v1/models", "/v1/cluster", "/api/")):
+        if self.api_key and scope["type"] == "http" and scope["path"].startswith(GUARDED):
             headers = dict(scope.get("headers") or [])
-            if not bearer_matches(headers.get(b"authorization"), self.api_key):  # constant time, raw bytes (never a 500)
+            key = headers.get(b"x-api-key")
+            if not (bearer_matches(headers.get(b"authorization"), self.api_key)  # constant time, raw bytes (never a 500)
+                    or (key is not None and same_secret(key, self.api_key.encode("utf-8")))):
                 response = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                     type_="authentication_error", code="invalid_api_key").response()
                 await response(scope, receive, send)
@@ -106,7 +109,8 @@ def create_app(coordinator, package, api_key: str | None = None, join_token: str
     async def method_not_allowed(request, exc):
         return APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
 
-    routes = [Route("/", dashboard), Route("/health", health), *openai_routes.routes, *ollama_routes.routes, *openapi.routes, *cluster_routes.routes, *browser_routes.routes,
+    routes = [Route("/", dashboard), Route("/health", health), *openai_routes.routes, *responses_routes.routes,
+              *messages_routes.routes, *ollama_routes.routes, *openapi.routes, *cluster_routes.routes, *browser_routes.routes,
               *(extra_routes or [])]
     app = Starlette(routes=routes, middleware=[Middleware(BodyLimitMiddleware), Middleware(APIKeyMiddleware, api_key=api_key)],
                     exception_handlers={APIError: api_error, 404: not_found, 405: method_not_allowed, Exception: internal_error})

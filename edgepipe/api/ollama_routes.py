@@ -5,17 +5,27 @@
 honoured: temperature, num_predict, stop, seed, top_k, top_p, presence_penalty, frequency_penalty
 (OpenAI's meaning, as Ollama's); other options are ignored as Ollama ignores those a model does not
 use. ``repeat_penalty`` (llama.cpp's multiplicative penalty, 1.1 by default in Ollama) is not
-applied: the head samples inside the graph from additive logit adjustments only. Errors are
-Ollama's shape, ``{"error": "..."}``. The same validation, admission and cancellation as the
-OpenAI routes (``generation``).
+applied: the head samples inside the graph from additive logit adjustments only. ``format``
+(``"json"`` or a JSON Schema) holds the output to it, as ``response_format``; tool calls are held
+to their schemas. ``raw`` sends the prompt as it is and, as Ollama, returns no ``context``.
+
+``keep_alive`` (seconds, or a Go duration such as ``"5m"``, ``"1h30m"``; negative: for ever; 0:
+unload; default 5 minutes) is kept as Ollama keeps it and reported by ``/api/ps``
+(``expires_at``); a request with no prompt loads (``done_reason: "load"``) or, with 0, unloads
+(``"unload"``: the model leaves ``/api/ps``). The cluster itself keeps the weights on its workers
+whatever a client asks: a plan is the coordinator's, not a client's, to tear down. ``/api/show``
+gives Ollama's fields (``details.parameter_size`` counted from the model's shapes,
+``model_info`` with the GGUF-style keys). Errors are Ollama's shape, ``{"error": "..."}``. The
+same validation, admission and cancellation as the OpenAI routes (``generation``).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -27,9 +37,36 @@ from ..cluster.coordinator import RequestFailed
 from ..runtime.sequence import GenerationParams
 from . import generation as G, schemas as S, tools
 from .errors import APIError, bad_request
-from .openai_routes import json_constraint, parse_body
+from .openai_routes import json_constraint, parse_body, tool_constraint
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API level these routes follow (clients compare it to enable features)
+DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default (OLLAMA_KEEP_ALIVE=5m)
+FOREVER_S = 292 * 365 * 86400.0  # what Ollama's "for ever" (Go's longest duration) comes to
+_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value) -> float:
+    """Ollama's ``keep_alive`` in seconds: a number (seconds) or a Go duration string (``"5m"``,
+    ``"1h30m"``, ``"-1"``); negative means for ever (:data:`FOREVER_S`); None is the default. 400 otherwise."""
+    if value is None:
+        return DEFAULT_KEEP_ALIVE_S
+    if isinstance(value, bool):
+        raise bad_request("keep_alive must be a number of seconds or a duration such as '5m'")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        try:
+            seconds = sign * float(body)  # a bare number is seconds
+        except ValueError:
+            parts = _DURATION.findall(body)
+            if not parts or "".join(n + u for n, u in parts) != body:
+                raise bad_request(f"keep_alive {text[:40]!r} is not a duration (e.g. '5m', '1h30m', '-1', 0)") from None
+            seconds = sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
+    return FOREVER_S if seconds < 0 else min(seconds, FOREVER_S)
 
 
 class Options(S.Strict):
@@ -66,7 +103,8 @@ class OllamaBase(S.Strict):
     stream: bool | None = True
     options: Options | None = None
     format: Literal["", "json"] | dict[str, Any] | None = Field(None, description='"json" or a JSON Schema: the output follows it.')
-    keep_alive: str | int | float | None = None
+    keep_alive: Annotated[str, Field(max_length=64)] | int | float | None = Field(
+        None, description="Seconds or a duration ('5m'); negative: for ever; 0: unload. Default 5m.")
 
 
 class OllamaChatRequest(OllamaBase):
@@ -85,6 +123,7 @@ class OllamaGenerateRequest(OllamaBase):
 class OllamaShowRequest(S.Strict):
     model: str | None = Field(None, max_length=256)
     name: str | None = Field(None, max_length=256)
+    verbose: bool | None = None
 
 
 def ollama_errors(route):
@@ -118,11 +157,33 @@ def served_name(request: Request, model: str) -> str:
     raise APIError(404, f"model '{model[:100]}' not found", code="model_not_found")
 
 
+def parameter_count(config: dict) -> int:
+    """The model's parameters, counted from its shapes (embeddings, attention, MLP, norms; the
+    output matrix again when it is not tied)."""
+    hidden, vocab, layers = config.get("hidden_size", 0), config.get("vocab_size", 0), config.get("n_layers", 0)
+    heads, kv_heads = config.get("n_heads", 0), config.get("n_kv_heads") or config.get("n_heads", 0)
+    head_dim = config.get("head_dim") or (hidden // heads if heads else 0)
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    if config.get("attention_bias"):
+        attention += heads * head_dim + 2 * kv_heads * head_dim
+    norms = 2 * hidden * (2 if config.get("post_norms") else 1) + (2 * head_dim if config.get("qk_norm") else 0)
+    per_layer = attention + 3 * hidden * config.get("intermediate_size", 0) + norms
+    embeddings = vocab * hidden * (1 if config.get("tie_embeddings", True) else 2)
+    return embeddings + layers * per_layer + hidden
+
+
+def parameter_size(count: int) -> str:
+    """As Ollama writes it: ``134.52M``, ``7.6B``."""
+    if count >= 1e9:
+        return f"{count / 1e9:.1f}B"
+    return f"{count / 1e6:.2f}M"
+
+
 def details(package) -> dict:
     m = package.manifest
     arch = m.config.get("architecture", "")
     return {"parent_model": "", "format": "gguf" if (m.source or {}).get("kind") == "gguf" else "onnx", "family": arch,
-            "families": [arch], "parameter_size": "", "quantization_level": m.precision}
+            "families": [arch], "parameter_size": parameter_size(parameter_count(m.config)), "quantization_level": m.precision}
 
 
 def model_entry(request: Request) -> dict:
@@ -145,10 +206,29 @@ async def tags(request: Request) -> JSONResponse:
     return JSONResponse({"models": [model_entry(request)]})
 
 
+def loaded_until(request: Request) -> float:
+    """When the model leaves ``/api/ps`` (a time.time() value): ``keep_alive`` after the last request."""
+    state = request.app.state
+    return getattr(state, "ollama_expires", state.started + DEFAULT_KEEP_ALIVE_S)
+
+
+def keep(request: Request, keep_alive) -> float:
+    """Note a request's ``keep_alive`` (400 when it is not one); the new expiry."""
+    seconds = keep_alive_seconds(keep_alive)
+    request.app.state.ollama_expires = time.time() + seconds
+    return seconds
+
+
 @ollama_errors
 async def ps(request: Request) -> JSONResponse:
+    until = loaded_until(request)
+    if until <= time.time():
+        return JSONResponse({"models": []})
     entry = model_entry(request)
-    return JSONResponse({"models": [{**entry, "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]})
+    expires = (datetime.fromtimestamp(request.app.state.started, timezone.utc) + timedelta(seconds=until - request.app.state.started))
+    return JSONResponse({"models": [{**{k: v for k, v in entry.items() if k != "modified_at"},
+                                     "expires_at": expires.isoformat().replace("+00:00", "Z"), "size_vram": 0,
+                                     "context_length": request.app.state.package.manifest.max_context}]})
 
 
 @ollama_errors
@@ -158,11 +238,20 @@ async def show(request: Request) -> JSONResponse:
     pkg = request.app.state.package
     m, cfg = pkg.manifest, pkg.manifest.config
     arch = cfg.get("architecture", "")
-    info = {"general.architecture": arch, f"{arch}.context_length": m.max_context, f"{arch}.embedding_length": cfg.get("hidden_size"),
-            f"{arch}.block_count": cfg.get("n_layers"), f"{arch}.vocab_size": cfg.get("vocab_size")}
-    template = pkg.tokenizer.chat_template or ""
-    return JSONResponse({"modelfile": f"FROM {m.name}\n", "parameters": "", "template": template, "details": details(pkg),
-                         "model_info": info, "capabilities": ["completion", *(["tools"] if "tools" in template else [])],
+    info = {"general.architecture": arch, "general.basename": cfg.get("name") or m.name, "general.parameter_count": parameter_count(cfg),
+            f"{arch}.context_length": m.max_context, f"{arch}.embedding_length": cfg.get("hidden_size"),
+            f"{arch}.block_count": cfg.get("n_layers"), f"{arch}.feed_forward_length": cfg.get("intermediate_size"),
+            f"{arch}.attention.head_count": cfg.get("n_heads"), f"{arch}.attention.head_count_kv": cfg.get("n_kv_heads"),
+            f"{arch}.attention.layer_norm_rms_epsilon": cfg.get("rms_eps"), f"{arch}.rope.freq_base": cfg.get("rope_theta"),
+            f"{arch}.rope.dimension_count": cfg.get("rotary_dim") or cfg.get("head_dim"), f"{arch}.vocab_size": cfg.get("vocab_size")}
+    tok = pkg.tokenizer
+    template = tok.chat_template or ""
+    stops = [tok.tokenizer.id_to_token(i) for i in m.eos_ids]
+    parameters = "\n".join(f'{"stop":<31}"{s}"' for s in stops if s)
+    modelfile = f"# Modelfile generated by edgepipe\nFROM {m.name}\nTEMPLATE {json.dumps(template)}\n" + \
+        "".join(f'PARAMETER stop "{s}"\n' for s in stops if s)
+    return JSONResponse({"modelfile": modelfile, "parameters": parameters, "template": template, "license": "", "details": details(pkg),
+                         "model_info": info, "capabilities": ["completion", "tools"],  # every model gets tools (api.tools)
                          "modified_at": datetime.fromtimestamp(request.app.state.started, timezone.utc).isoformat()})
 
 
@@ -184,9 +273,10 @@ def params_from(options: Options | None, prompt_len: int, context: int, extra_st
 async def chat(request: Request):
     req = await parse_body(request, OllamaChatRequest)
     model = served_name(request, req.model)
-    if not req.messages:  # Ollama: an empty chat loads the model
+    loaded = keep(request, req.keep_alive)
+    if not req.messages:  # Ollama: an empty chat loads the model (or with keep_alive 0 unloads it)
         return JSONResponse({"model": model, "created_at": now(), "message": {"role": "assistant", "content": ""}, "done": True,
-                             "done_reason": "load"})
+                             "done_reason": "load" if loaded > 0 else "unload"})
     messages = [S.ChatMessage(role=m.role, content=m.content or "", name=m.tool_name,
                               tool_calls=[S.ToolCall(id=f"call_{i}", function=S.FunctionCall(name=c.function.name,
                                                                                               arguments=json.dumps(c.function.arguments)))
@@ -204,8 +294,10 @@ async def chat(request: Request):
 async def generate(request: Request):
     req = await parse_body(request, OllamaGenerateRequest)
     model = served_name(request, req.model)
-    if not req.prompt and not req.context:
-        return JSONResponse({"model": model, "created_at": now(), "response": "", "done": True, "done_reason": "load"})
+    loaded = keep(request, req.keep_alive)
+    if not req.prompt and not req.context:  # Ollama: an empty prompt loads the model (or with keep_alive 0 unloads it)
+        return JSONResponse({"model": model, "created_at": now(), "response": "", "done": True,
+                             "done_reason": "load" if loaded > 0 else "unload"})
     tok = request.app.state.package.tokenizer
     if req.raw:
         text = req.prompt or ""
@@ -216,17 +308,19 @@ async def generate(request: Request):
     vocab = request.app.state.package.manifest.config.get("vocab_size") or (1 << 31)
     if any(t >= vocab for t in ids):
         raise bad_request(f"a context token id is outside the vocabulary of {vocab}")
-    return await _run(request, req, model, ids, chat=None)
+    return await _run(request, req, model, ids, chat=None, raw=bool(req.raw))
 
 
-async def _run(request: Request, req: OllamaBase, model: str, ids: list[int], chat: tools.ChatPrompt | None):
+async def _run(request: Request, req: OllamaBase, model: str, ids: list[int], chat: tools.ChatPrompt | None, raw: bool = False):
     app = request.app.state
     coord, tok = app.coordinator, app.package.tokenizer
     params = params_from(req.options, len(ids), coord.manifest.max_context, chat.stop if chat else ())
     fmt = req.format or None
     constraint = await json_constraint(request, fmt and ("json_object" if fmt == "json" else "json_schema"),
                                        {"schema": fmt} if isinstance(fmt, dict) else None, tools_on=bool(chat and chat.tool_names))
-    states = G.build(coord, [ids], params, 1, tok.decode)
+    if constraint is None and chat is not None and chat.tool_names:  # calls the model starts follow their schemas
+        constraint = await tool_constraint(request, req.tools, chat, parallel=True)
+    states = G.build(coord, [ids], params, 1, tools.decoder(tok, chat))
     state = states[0]
     state.token_mask = constraint.token_mask() if constraint else None
     rid = "ollama-" + __import__("uuid").uuid4().hex[:24]
@@ -238,8 +332,8 @@ async def _run(request: Request, req: OllamaBase, model: str, ids: list[int], ch
         out = {"model": model, "created_at": now(), "done": True, "done_reason": state.finish_reason or "stop",
                "total_duration": elapsed, "load_duration": 0, "prompt_eval_count": len(ids), "prompt_eval_duration": 0,
                "eval_count": len(state.generated), "eval_duration": elapsed}
-        if chat is None:
-            return {**out, "response": text, "context": ids + list(state.generated)}
+        if chat is None:  # as Ollama: no context in raw mode (the prompt was not the model's template)
+            return {**out, "response": text, **({} if raw else {"context": ids + list(state.generated)})}
         parsed = tools.parse(text, chat) if use_tools else tools.ParsedOutput(text)
         message = {"role": "assistant", "content": parsed.content or ""}
         if parsed.tool_calls:

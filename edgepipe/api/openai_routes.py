@@ -5,8 +5,9 @@ responses are server-sent events in OpenAI's chunk format, ending with ``data: [
 after the first byte is sent as one ``data: {"error": ...}`` event. ``n`` > 1 runs separate
 sequences (seeds following the request's); a request without a seed gets a random one, reported
 back as ``seed`` beside ``system_fingerprint``. Tools go through the model's chat template and
-come back as ``tool_calls`` (``tools``). ``logprobs``/``top_logprobs`` (chat), ``logprobs``/``echo``
-(completions), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` run in the last
+come back as ``tool_calls`` (``tools``), generated under their parameter schemas. ``logprobs``/``top_logprobs`` (chat), ``logprobs``/``echo``
+(completions; ``max_tokens: 0`` with ``echo`` scores the prompt only, as the legacy OpenAI API and
+vLLM allow: the prefill runs, the one token it samples is dropped), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` run in the last
 stage's head graph (``runtime.controls``); logprobs are of the model's raw logits.
 """
 
@@ -90,6 +91,13 @@ async def get_model(request: Request) -> JSONResponse:
 async def chat_completions(request: Request):
     req = await parse_body(request, S.ChatRequest)
     model = check_model(request, req.model)
+    prompt, ids, calls = await render_chat(request, req)
+    return await _run(request, req, model, [ids], req.max_completion_tokens or req.max_tokens, chat=prompt, constraint=calls)
+
+
+async def render_chat(request: Request, req: S.ChatRequest) -> tuple[tools.ChatPrompt, list[int], structured.Constraint | None]:
+    """A chat request's prompt, its token ids and the grammar of its tool calls (None without
+    tools), after the checks every chat-shaped route shares (400s naming the field)."""
     refuse_unsupported(req)
     tool_names = {t.function.name for t in req.tools or []}
     if isinstance(req.tool_choice, S.NamedToolChoice) and req.tool_choice.function.name not in tool_names:
@@ -103,8 +111,8 @@ async def chat_completions(request: Request):
         raise bad_request(str(exc).splitlines()[0][:300], param="messages") from None
     except Exception as exc:  # noqa: BLE001 (a template that breaks on these messages)
         raise bad_request(f"the chat template cannot render these messages: {type(exc).__name__}", param="messages") from None
-    ids = tok.encode(prompt.text)
-    return await _run(request, req, model, [ids], req.max_completion_tokens or req.max_tokens, chat=prompt)
+    calls = await tool_constraint(request, req.tools, prompt, bool(req.parallel_tool_calls), bool(req.ignore_eos))
+    return prompt, tok.encode(prompt.text), calls
 
 
 async def json_constraint(request: Request, kind: str | None, json_schema=None, ignore_eos: bool = False,
@@ -119,6 +127,22 @@ async def json_constraint(request: Request, kind: str | None, json_schema=None, 
         return await asyncio.to_thread(structured.constraint_for, request.app.state.package.tokenizer, _vocab(request), fmt)
     except structured.SchemaError as exc:
         raise bad_request(f"response_format: {exc}", param="response_format") from None
+
+
+async def tool_constraint(request: Request, tool_list, prompt: tools.ChatPrompt, parallel: bool,
+                          ignore_eos: bool = False) -> structured.Constraint | None:
+    """The grammar that holds ``prompt``'s tool calls to their schemas (``tools.call_grammar``),
+    compiled before admission: a 400 naming ``tools`` when a schema cannot be used."""
+    if prompt.mode == "none":
+        return None
+    if ignore_eos and prompt.mode in ("named", "required"):
+        raise bad_request(f"a {prompt.mode} tool call cannot be combined with ignore_eos (the call ends the answer)", param="ignore_eos")
+    try:
+        tok = request.app.state.package.tokenizer
+        lark, trigger = tools.call_grammar(tool_list, prompt, parallel, tools.special_markers(tok))
+        return await asyncio.to_thread(structured.lark_constraint_for, request.app.state.package.tokenizer, _vocab(request), lark, trigger)
+    except structured.SchemaError as exc:
+        raise bad_request(f"tools: {exc}", param="tools") from None
 
 
 def _vocab(request: Request) -> int:
@@ -147,21 +171,25 @@ async def completions(request: Request):
     bad = next((t for ids in prompts for t in ids if t >= vocab), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary of {vocab}", param="prompt")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens 0 generates nothing: it needs echo: true (the prompt and its logprobs)", param="max_tokens")
     echo = [t for t in texts] if texts is not None else [tok.decode(ids) for ids in prompts]
     return await _run(request, req, model, prompts, req.max_tokens, chat=None, echo=echo if req.echo else None)
 
 
 async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list[int]], max_tokens: int | None,
-               chat: tools.ChatPrompt | None, echo: list[str] | None = None):
+               chat: tools.ChatPrompt | None, echo: list[str] | None = None, constraint: structured.Constraint | None = None):
     app = request.app.state
     coord, tok = app.coordinator, app.package.tokenizer
     context = coord.manifest.max_context
-    params = params_for(req, max_tokens, max(len(p) for p in prompts), context, chat.stop if chat else (), _vocab(request))
+    prompt_only = max_tokens == 0  # echo only: the prefill's one sampled token is dropped
+    params = params_for(req, 1 if prompt_only else max_tokens, max(len(p) for p in prompts), context, chat.stop if chat else (),
+                        _vocab(request))
     n = req.n or 1
     fmt = req.response_format
     constraint = await json_constraint(request, fmt and fmt.type, fmt and fmt.json_schema, bool(req.ignore_eos),
-                                       bool(chat and chat.tool_names))
-    states = G.build(coord, prompts, params, n, tok.decode)
+                                       bool(chat and chat.tool_names)) or constraint
+    states = G.build(coord, prompts, params, n, tools.decoder(tok, chat))
     for state in states if constraint else ():
         state.token_mask = constraint.token_mask()
     positions = sum(len(s.prompt_ids) + params.max_tokens for s in states)
@@ -170,11 +198,11 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
             "system_fingerprint": G.fingerprint(app.package), "seed": params.seed}
     use_tools = chat is not None and bool(chat.tool_names)
     texts_of = G.token_texts(tok)
-    views = [_Logprobs(state, texts_of, chat is not None, echo is not None) for state in states]
+    views = [_Logprobs(state, texts_of, chat is not None, echo is not None, prompt_only) for state in states]
 
     def usage() -> dict:
         prompt_tokens = sum(len(p) for p in prompts)
-        completion = sum(len(s.generated) for s in states)
+        completion = 0 if prompt_only else sum(len(s.generated) for s in states)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
     ticket = await G.admit(request, positions)
@@ -192,18 +220,21 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
         app.metrics.requests.labels("ok").inc()
         choices = []
         for i, (state, text) in enumerate(zip(states, texts)):
-            choice = {"index": i, "finish_reason": state.finish_reason, "logprobs": views[i].take()}
+            if prompt_only:
+                text = ""
+            choice = {"index": i, "finish_reason": "length" if prompt_only else state.finish_reason, "logprobs": views[i].take()}
             if chat:
                 parsed = tools.parse(text, chat) if use_tools else tools.ParsedOutput(text)
                 message = {"role": "assistant", "content": parsed.content if parsed.tool_calls else (parsed.content or "")}
                 if parsed.tool_calls:
                     message["tool_calls"] = parsed.tool_calls
-                    choice["finish_reason"] = "tool_calls"
+                    if state.finish_reason == "stop":  # a call cut by max_tokens stays "length"
+                        choice["finish_reason"] = "tool_calls"
                 choice["message"] = message
             else:
                 choice["text"] = (echo[i // n] if echo else "") + text
             if req.return_token_ids:  # an extension (as in vLLM) so clients can compare token for token
-                choice["token_ids"] = list(state.generated)
+                choice["token_ids"] = [] if prompt_only else list(state.generated)
             choices.append(choice)
         return JSONResponse({**head, "choices": choices, "usage": usage()})
 
@@ -211,7 +242,7 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         kind = head["object"] + (".chunk" if chat else "")
         events = _events(app, coord, states, rid, {**head, "object": kind}, chat, use_tools, include_usage, usage, views,
-                         [echo[i // n] for i in range(len(states))] if echo else None)
+                         [echo[i // n] for i in range(len(states))] if echo else None, prompt_only)
         return G.ReleasingStream(events, on_close=lambda: app.admission.release(ticket), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     except BaseException:
@@ -223,15 +254,15 @@ class _Logprobs:
     """One choice's logprobs in OpenAI's shape, handed out as they arrive (each streamed chunk
     carries the tokens since the previous one) or all at once; None when not asked for."""
 
-    def __init__(self, state, texts: G.TokenTexts, chat: bool, echo: bool):
-        self.state, self.texts, self.chat = state, texts, chat
+    def __init__(self, state, texts: G.TokenTexts, chat: bool, echo: bool, prompt_only: bool = False):
+        self.state, self.texts, self.chat, self.prompt_only = state, texts, chat, prompt_only
         self.sent, self.offset, self.echoed = 0, 0, not echo
 
     def take(self) -> dict | None:
         state = self.state
         if not state.params.logprobs:
             return None
-        new = state.logprobs[self.sent:]
+        new = [] if self.prompt_only else state.logprobs[self.sent:]
         self.sent += len(new)
         if self.chat:
             return G.chat_logprobs(new, self.texts)
@@ -248,7 +279,7 @@ def _sse(obj: dict) -> str:
     return "data: " + json.dumps(obj) + "\n\n"
 
 
-async def _events(app, coord, states, rid, head, chat, use_tools, include_usage, usage, views, echo):
+async def _events(app, coord, states, rid, head, chat, use_tools, include_usage, usage, views, echo, prompt_only=False):
     def chunk(i: int, finish: str | None, text: str | None = None, role: bool = False, tool_calls: list | None = None) -> str:
         logprobs = None if role else views[i].take()
         if chat:
@@ -264,35 +295,31 @@ async def _events(app, coord, states, rid, head, chat, use_tools, include_usage,
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         return _sse({**head, "choices": [choice]})
 
-    full = [""] * len(states)  # everything the model wrote, per choice
-    sent = [0] * len(states)  # characters of it sent as content
-    held = [bool(chat and chat.forced)] * len(states)  # a tool call has started: hold the rest back
+    held = [tools.HeldCalls(chat) for _ in states] if use_tools else []
     outcome = "cancelled"
     try:
         if chat:
             for i in range(len(states)):
                 yield chunk(i, None, role=True)
         async for i, delta in G.merged(coord, states, rid):
-            full[i] += delta.text
+            if prompt_only:  # the echoed prompt and its logprobs, once the prefill is done
+                if delta.finished:
+                    yield chunk(i, "length")
+                continue
             if not use_tools:
                 if delta.text or delta.finished:
                     yield chunk(i, delta.finish_reason if delta.finished else None, delta.text)
                 continue
-            if not held[i]:
-                at = full[i].find(tools.OPEN)
-                end = at if at != -1 else len(full[i]) - tools.holdback(full[i])
-                held[i] = at != -1
-                if end > sent[i]:
-                    yield chunk(i, None, full[i][sent[i]:end])
-                    sent[i] = end
+            content = held[i].feed(delta.text)
+            if content:
+                yield chunk(i, None, content)
             if delta.finished:
-                parsed = tools.parse(full[i], chat)
+                parsed, rest = held[i].finish()
                 if parsed.tool_calls:
                     calls = [{"index": k, **c} for k, c in enumerate(parsed.tool_calls)]
                     yield chunk(i, None, tool_calls=calls)
-                    yield chunk(i, "tool_calls")
+                    yield chunk(i, "tool_calls" if delta.finish_reason == "stop" else delta.finish_reason)
                 else:
-                    rest = (chat.forced if held[i] and chat.forced else "") + full[i][sent[i]:]
                     yield chunk(i, delta.finish_reason, rest)
         if include_usage:
             yield _sse({**head, "choices": [], "usage": usage()})

@@ -1,4 +1,4 @@
-"""``/openapi.json``: the OpenAPI 3.1 document of the OpenAI and Ollama routes, generated from the pydantic schemas."""
+"""``/openapi.json``: the OpenAPI 3.1 document of the OpenAI, Anthropic and Ollama routes, generated from the pydantic schemas."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from . import ollama_routes as O, schemas as S
+from . import messages_routes as M, ollama_routes as O, responses_routes as R, schemas as S
 from .generation import VERSION
 
 # (method, path, request model or None, response model or None, summary)
@@ -17,6 +17,8 @@ OPERATIONS: list[tuple[str, str, type[BaseModel] | None, type[BaseModel] | None,
     ("get", "/v1/models/{model}", None, S.Model, "One model"),
     ("post", "/v1/chat/completions", S.ChatRequest, S.ChatCompletion, "Chat completion (SSE when stream is true)"),
     ("post", "/v1/completions", S.CompletionRequest, S.Completion, "Text completion (SSE when stream is true)"),
+    ("post", "/v1/responses", R.ResponsesRequest, R.ResponseObject, "OpenAI Responses (SSE events when stream is true)"),
+    ("post", "/v1/messages", M.MessagesRequest, M.MessageObject, "Anthropic Messages (SSE events when stream is true)"),
     ("get", "/api/version", None, None, "Ollama: API version"),
     ("get", "/api/tags", None, None, "Ollama: local models"),
     ("get", "/api/ps", None, None, "Ollama: running models"),

@@ -136,6 +136,8 @@ class CompletionRequest(Sampling):
     prompt: Union[PromptText, Annotated[list[PromptText], Field(min_length=1, max_length=64)], PromptIds,
                   Annotated[list[PromptIds], Field(min_length=1, max_length=64)]] = Field(
         description="A string, a list of strings, a list of token ids, or a list of token-id lists.")
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_WIRE_INT)] | None = Field(
+        None, description="Tokens to generate at most; 0 with echo: the prompt (and its logprobs) only.")
     echo: bool | None = Field(False, description="Return the prompt before the completion (with its logprobs when logprobs is set).")
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
         None, description="Return each token's log-probability and the N best alternatives (plus the chosen one).")

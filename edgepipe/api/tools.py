@@ -7,6 +7,18 @@ templates use: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A t
 system message in the same convention. ``tool_choice`` "required" or a named function is honoured by
 starting the assistant's turn with the opening of the call (so the model only writes the rest);
 "none" leaves the tools out.
+
+:func:`call_grammar` holds the calls to the tools' ``parameters`` schemas (compiled by
+``cluster.structured``, as ``response_format``): a named or required call is generated under it
+from its first token, so its arguments always parse and validate; with "auto" the grammar is lazy,
+starting where the model opens a call (``<tool_call>``). Several calls in one answer: "auto" lets
+the model write as many as it likes; "required" only with ``parallel_tool_calls: true`` (the
+default, as llama-server's, is one call: a small model left free to go on calling may be cut by
+``max_tokens`` inside its last call).
+
+Where the markers are single special tokens (Qwen2.5's ``<tool_call>``, ``</tool_call>``), the
+tokenizer's decode drops them; :func:`decoder` writes them as their text so that streaming and
+parsing see the calls, and the grammar accepts the token as well as the spelled-out text.
 """
 
 from __future__ import annotations
@@ -15,8 +27,15 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from datetime import date
+from typing import Literal
+
+from ..cluster.structured import embedded_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+CALL_START, CALL_MIDDLE = '{"name": "', '", "arguments": '  # a call's JSON up to its name, and from the name to the arguments
+
+
+ToolMode = Literal["none", "auto", "required", "named"]
 
 
 @dataclass(frozen=True)
@@ -24,7 +43,9 @@ class ChatPrompt:
     text: str  # the rendered prompt, ending where the model starts writing
     forced: str = ""  # what the assistant's turn was started with (part of the output, not yet a call)
     tool_names: tuple[str, ...] = ()
-    stop: tuple[str, ...] = ()  # extra stop strings (the end of a forced call)
+    stop: tuple[str, ...] = ()  # extra stop strings
+    mode: ToolMode = "none"  # how tool_choice shaped the turn (``call_grammar``)
+    named: str | None = None  # the function a named tool_choice forces
 
 
 @dataclass(frozen=True)
@@ -82,12 +103,79 @@ def render(chat_template: str | None, format_chat, messages, tools, tool_choice)
                 msgs.insert(0, {"role": "system", "content": system})
         text = format_chat(msgs)
     names = tuple(t["function"]["name"] for t in tool_dicts)
-    forced = ""
+    forced, mode, named = "", "auto" if tool_dicts else "none", None
     if tool_dicts and not isinstance(tool_choice, str) and tool_choice is not None:
-        forced = f'{OPEN}\n{{"name": {json.dumps(tool_choice.function.name)}, "arguments": '
+        named, mode = tool_choice.function.name, "named"
+        forced = f'{OPEN}\n{{"name": {json.dumps(named)}, "arguments": '
     elif tool_dicts and tool_choice == "required":
-        forced = f'{OPEN}\n{{"name": "'
-    return ChatPrompt(text + forced, forced, names, (CLOSE,) if forced else ())
+        forced, mode = f'{OPEN}\n{{"name": "', "required"
+    return ChatPrompt(text + forced, forced, names, mode=mode, named=named)
+
+
+def special_markers(tok) -> dict[int, str]:
+    """Token id -> text of the markers that are one special token of ``tok`` (a ``TextTokenizer``),
+    which its decode drops (Qwen2.5's); empty when they are ordinary text (SmolLM2's)."""
+    out = {}
+    for text in (OPEN, CLOSE):
+        token = tok.tokenizer.token_to_id(text)
+        if token is not None and tok.decode([token]) == "":
+            out[token] = text
+    return out
+
+
+def decoder(tok, prompt: ChatPrompt | None):
+    """The decode for a sequence of this turn: ``tok.decode``, writing special-token markers as their text when tools are on."""
+    markers = special_markers(tok) if prompt is not None and prompt.tool_names else {}
+    if not markers:
+        return tok.decode
+
+    def decode(ids: list[int]) -> str:
+        parts, start = [], 0
+        for k, token in enumerate(ids):
+            if token in markers:
+                parts += [tok.decode(ids[start:k]), markers[token]]
+                start = k + 1
+        parts.append(tok.decode(ids[start:]))
+        return "".join(parts)
+
+    return decode
+
+
+def call_grammar(tools, prompt: ChatPrompt, parallel: bool, markers: dict[int, str] | None = None) -> tuple[str, str | None] | None:
+    """(Lark grammar, trigger) holding ``prompt``'s tool calls to the ``tools``' (pydantic ``Tool``)
+    parameter schemas, continuing from ``prompt.forced``; the trigger (``<tool_call>``) makes it
+    lazy ("auto"). ``markers`` (:func:`special_markers`): the markers' special tokens, accepted
+    beside their text. None when the turn has no tools. ``SchemaError`` names a schema that cannot be used."""
+    special = {text: token for token, text in (markers or {}).items()}
+
+    def marker(text: str) -> str:
+        return f"({_lit(text)} | <[{special[text]}]>)" if text in special else _lit(text)
+
+    if prompt.mode == "none":
+        return None
+    by_name = {t.function.name: t.function for t in tools}
+    order = [name for name in prompt.tool_names if name in by_name]
+    rules = []
+    for i, name in enumerate(order):
+        fn = by_name[name]
+        schema = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
+        rules.append(f"args_{i}: %json {embedded_schema(schema, bool(fn.strict))}")
+        rules.append(f"fn_{i}: {_lit(name + CALL_MIDDLE)} args_{i} {_lit('}')}")
+    rules.append("fns: " + " | ".join(f"fn_{i}" for i in range(len(order))))
+    rules.append(f"call: {_lit(CALL_START)} fns")
+    if prompt.mode == "named":
+        start = f"args_{order.index(prompt.named)} {_lit('}')}"
+    elif prompt.mode == "required":
+        between = f"{_lit(chr(10))} {marker(CLOSE)} {_lit(chr(10))} {marker(OPEN)} {_lit(chr(10))}"
+        start = f"fns ({between} call)*" if parallel else "fns"
+    else:  # after the trigger, as the Hermes convention writes a call
+        start = f"{_lit(chr(10))}? call {_lit(chr(10))}? {marker(CLOSE)}"
+    return "\n".join([f"start: {start}", *rules]) + "\n", (OPEN if prompt.mode == "auto" else None)
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal (the names and markers are ASCII; JSON's escapes are Lark's)."""
+    return json.dumps(text)
 
 
 def _render(chat_template: str, messages: list[dict], tools: list[dict]) -> str:
@@ -112,7 +200,13 @@ def parse(output: str, prompt: ChatPrompt) -> ParsedOutput:
     while OPEN in rest:
         before, _, after = rest.partition(OPEN)
         content.append(before)
-        body, closed, rest = after.partition(CLOSE)
+        obj, source = _first_object(after.lstrip())
+        if isinstance(obj, dict):  # the call's JSON (whatever its strings hold), then its closing tag if written
+            body, rest = source, after.lstrip()[len(source):]
+            closed = CLOSE if rest.lstrip().startswith(CLOSE) else ""
+            rest = rest.lstrip()[len(CLOSE):] if closed else rest
+        else:
+            body, closed, rest = after.partition(CLOSE)
         call = _call(body, prompt.tool_names)
         if call is None:  # not a call after all: keep it as text
             content.append(OPEN + body + closed)
@@ -196,6 +290,41 @@ def _as_object(arguments: str):
     except json.JSONDecodeError:
         return arguments
     return value
+
+
+@dataclass
+class HeldCalls:
+    """A streamed answer with tools: what may go out as content as it comes (everything before a
+    call opens; text that may be the start of ``<tool_call>`` waits until it is known not to be),
+    and at the end the parsed calls with whatever content was still held."""
+
+    prompt: ChatPrompt
+    full: str = ""  # everything the model wrote
+    sent: int = 0  # characters of it sent as content
+    held: bool = False  # a call has started: the rest waits for the end
+
+    def __post_init__(self) -> None:
+        self.held = bool(self.prompt.forced)
+
+    def feed(self, text: str) -> str:
+        """Take the next piece of output; the content that may be sent now ("" when none)."""
+        self.full += text
+        if self.held:
+            return ""
+        at = self.full.find(OPEN)
+        end = at if at != -1 else len(self.full) - holdback(self.full)
+        self.held = at != -1
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.full[self.sent:end], end
+        return out
+
+    def finish(self) -> tuple[ParsedOutput, str]:
+        """The parsed answer, and the content not sent yet ("" when the answer holds calls)."""
+        parsed = parse(self.full, self.prompt)
+        if parsed.tool_calls:
+            return parsed, ""
+        return parsed, (self.prompt.forced if self.held else "") + self.full[self.sent:]
 
 
 def holdback(text: str) -> int:

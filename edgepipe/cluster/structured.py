@@ -12,6 +12,16 @@ Output is compact (``", "`` and ``": "`` separators, no other whitespace between
 JSON): a small model given free whitespace at temperature 1 tends to spend its tokens on it.
 ``strict`` (OpenAI's flag) refuses schema keywords the grammar cannot enforce; without it they
 are ignored (the output is JSON but may not meet them).
+
+An object schema that declares ``properties`` and says nothing of ``additionalProperties`` takes
+no other properties (:func:`closed_objects`): as llama.cpp's and xgrammar's converters do and
+OpenAI's strict mode requires, since a small model left free to add keys may never close the
+object. A schema allows more with ``"additionalProperties": true`` (or a schema for them).
+
+Beside JSON formats, a Lark grammar with JSON Schemas embedded (:func:`embedded_schema`) compiles
+the same way (tool calls: ``api.tools.call_grammar``), and a :class:`Constraint` with a
+``trigger`` is lazy, as llama.cpp's lazy grammars: the output is free until the trigger text
+appears, held to the grammar from just after it until the grammar completes, then free again.
 """
 
 from __future__ import annotations
@@ -41,8 +51,12 @@ class JsonFormat:
     strict: bool = False
 
     def schema_text(self) -> str:
+        return json.dumps(self.schema_value())
+
+    def schema_value(self) -> dict:
+        """The schema the grammar enforces (objects closed, :func:`closed_objects`); :class:`SchemaError` when unusable."""
         if self.kind == "json_object":
-            return json.dumps({"type": "object"})
+            return {"type": "object"}
         if self.kind != "json_schema":
             raise SchemaError(f"unknown response format {self.kind!r}")
         schema = self.schema
@@ -55,7 +69,45 @@ class JsonFormat:
         text = json.dumps(schema)
         if len(text) > MAX_SCHEMA_CHARS:
             raise SchemaError(f"the schema is {len(text)} characters long (at most {MAX_SCHEMA_CHARS})")
-        return text
+        return closed_objects(schema)
+
+
+def embedded_schema(schema: Any, strict: bool = False) -> str:
+    """``schema`` as llguidance's ``%json { ... }`` takes it inside a Lark grammar: objects closed,
+    the compact separators, ``strict`` as for ``response_format``. :class:`SchemaError` when unusable."""
+    value = JsonFormat("json_schema", schema, strict).schema_value()
+    return json.dumps({**value, "x-guidance": {**SEPARATORS, "lenient": not strict}})
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_OPEN_KEYS = ("additionalProperties", "unevaluatedProperties", "allOf")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` added to every object schema that declares
+    ``properties`` and does not say whether others are allowed (a copy; the client's is untouched).
+
+    Left as they are: objects without ``properties`` (``{"type": "object"}`` is any object), and
+    ``allOf`` and its members, whose properties combine (closing one member would refuse the
+    properties the others declare).
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_VALUES:
+        if key in out:
+            out[key] = [closed_objects(sub) for sub in out[key]] if isinstance(out[key], list) else closed_objects(out[key])
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
 
 
 @dataclass(frozen=True)
@@ -81,8 +133,15 @@ class Vocabulary:
         """The grammar for ``fmt``; :class:`SchemaError` (one line) when it is not a usable schema."""
         text = fmt.schema_text()
         options = {**SEPARATORS, "lenient": not fmt.strict}
+        return self._validated(lambda: self._llg.LLMatcher.grammar_from_json_schema(text, overrides=options))
+
+    def compile_lark(self, lark: str) -> Grammar:
+        """A Lark grammar (llguidance's dialect: ``%json {schema}`` embeds a JSON Schema); :class:`SchemaError` (one line)."""
+        return self._validated(lambda: self._llg.grammar_from("lark", lark))
+
+    def _validated(self, make) -> Grammar:
         try:
-            grammar = self._llg.LLMatcher.grammar_from_json_schema(text, overrides=options)
+            grammar = make()
             is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
         except Exception as exc:  # noqa: BLE001 (whatever the engine says of a client's schema is a 400)
             raise SchemaError(f"invalid schema: {_one_line(str(exc)) or type(exc).__name__}") from None
@@ -94,7 +153,7 @@ class Vocabulary:
         m = self._llg.LLMatcher(self.ll, grammar.text, log_level=0)
         if m.is_error():
             raise SchemaError(f"invalid schema: {_one_line(m.get_error())}")
-        return JsonMatcher(m, self.size, self.eos_ids)
+        return JsonMatcher(m, self.size, self.eos_ids, self.ll)
 
 
 @dataclass
@@ -104,6 +163,7 @@ class JsonMatcher:
     _m: Any  # llguidance.LLMatcher
     vocab_size: int
     eos_ids: tuple[int, ...]
+    _vocab_ll: Any = None  # llguidance.LLTokenizer (advance_text)
     tokens: list[int] = field(default_factory=list)
 
     def allowed(self) -> np.ndarray:
@@ -115,6 +175,14 @@ class JsonMatcher:
 
     def allowed_ids(self) -> np.ndarray:
         return np.flatnonzero(np.unpackbits(self.allowed(), bitorder="little")[: self.vocab_size])
+
+    def advance_text(self, text: str) -> bool:
+        """Take ``text`` (tokenized by the grammar engine); False, the matcher left in error, when it breaks the grammar."""
+        ids = self._vocab_ll.tokenize_str(text) if text else []
+        if not self._m.consume_tokens(ids):
+            return False
+        self.tokens.extend(int(t) for t in ids)
+        return True
 
     def advance(self, token: int) -> None:
         """Take the sampled ``token``; ``ValueError`` when the grammar forbids it (the mask was not applied)."""
@@ -149,14 +217,60 @@ class TokenMask:
         return self.matcher.allowed()
 
 
-@dataclass(frozen=True)
-class Constraint:
-    """A request's compiled response format; one :class:`TokenMask` per sequence."""
+@dataclass
+class TriggeredMask:
+    """A ``SequenceState.token_mask`` that is free (None) until ``trigger`` appears in the output,
+    then the grammar's mask from just after the trigger until the grammar completes, then free
+    again (each later trigger starts a fresh matcher). When the text already written after a
+    trigger cannot start the grammar (it arrived in the same token), that occurrence stays free."""
 
     vocab: Vocabulary
     grammar: Grammar
+    trigger: str
+    seen: list[int] = field(default_factory=list)  # the generated ids taken so far
+    free_from: int = 0  # where in ``seen`` the current free stretch starts
+    matcher: JsonMatcher | None = None
 
-    def token_mask(self) -> TokenMask:
+    def __call__(self, generated: list[int]) -> np.ndarray | None:
+        if len(generated) < len(self.seen) or (self.seen and generated[len(self.seen) - 1] != self.seen[-1]):
+            raise ValueError("the generated tokens no longer follow the grammar's matcher")
+        for token in generated[len(self.seen):]:
+            self.seen.append(int(token))
+            if self.matcher is not None:
+                self.matcher.advance(token)
+                if self.matcher.is_finished:
+                    self.matcher, self.free_from = None, len(self.seen)
+            else:
+                self._start_if_triggered()
+        return self.matcher.allowed() if self.matcher is not None else None
+
+    def _start_if_triggered(self) -> None:
+        # Checked after every token, so a new trigger ends in the newest one: the last few tokens
+        # hold it (each decodes to at least one character), whatever the length of the answer.
+        window = max(self.free_from, len(self.seen) - len(self.trigger) - 8)
+        text = self.vocab.ll.decode_str(self.seen[window:])
+        at = text.find(self.trigger)
+        if at == -1:
+            return
+        matcher = self.vocab.matcher(self.grammar)
+        if matcher.advance_text(text[at + len(self.trigger):]) and not matcher.is_finished:
+            self.matcher = matcher
+        else:
+            self.free_from = len(self.seen)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A request's compiled format; one mask per sequence (:class:`TokenMask`, or with a
+    ``trigger`` a :class:`TriggeredMask`)."""
+
+    vocab: Vocabulary
+    grammar: Grammar
+    trigger: str | None = None
+
+    def token_mask(self) -> TokenMask | TriggeredMask:
+        if self.trigger is not None:
+            return TriggeredMask(self.vocab, self.grammar, self.trigger)
         return TokenMask(self.vocab.matcher(self.grammar))
 
 
@@ -187,6 +301,12 @@ def constraint_for(text_tokenizer, vocab_size: int | None, fmt: JsonFormat) -> C
     run it in a thread). :class:`SchemaError` (one line) when the format cannot be used."""
     vocab = vocabulary_for(text_tokenizer, vocab_size)
     return Constraint(vocab, vocab.compile(fmt))
+
+
+def lark_constraint_for(text_tokenizer, vocab_size: int | None, lark: str, trigger: str | None = None) -> Constraint:
+    """As :func:`constraint_for`, for a Lark grammar (lazy when ``trigger`` is given)."""
+    vocab = vocabulary_for(text_tokenizer, vocab_size)
+    return Constraint(vocab, vocab.compile_lark(lark), trigger)
 
 
 _VOCABS: dict[int, tuple[weakref.ref, Vocabulary]] = {}

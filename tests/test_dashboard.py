@@ -1,6 +1,9 @@
-"""The dashboard, seen in a real browser: devices, the layer bar, and a chat round trip."""
+"""The dashboard, seen in a real browser: devices, the layer bar, a chat round trip, the speed
+charts moving while requests run, and event lines in words (no raw JSON)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -27,3 +30,19 @@ def test_dashboard_renders_devices_bar_and_chat(three_workers, tmp_path):
         assert log.startswith("you: Say hello.\nmodel: ") and len(log.split("model: ", 1)[1].strip()) > 0
         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
         assert float(page.locator("#tps").inner_text()) >= 0
+        # The charts gain a point a second, and show the tokens the chat just streamed.
+        points = int(page.locator("#chart-tps").get_attribute("data-points"))
+        page.wait_for_function(f"Number(document.querySelector('#chart-tps').dataset.points) >= {points + 2}", timeout=10000)
+        peaks = page.locator("#chart-tps polyline").get_attribute("points").split()
+        assert min(float(p.split(",")[1]) for p in peaks) < 49  # some second had tokens/s above zero
+        assert page.locator("#chart-tps-max").inner_text().startswith("max ")
+        assert page.locator("#chart-inflight").get_attribute("data-points") is not None
+        # Per-device memory in use (weights + KV of its stage) and utilisation are shown.
+        assert all(" of " in t for t in page.locator("tr.device td.mem").all_inner_texts())
+        assert page.locator("tr.device td.busy").count() == 3
+        # Event lines are sentences: no JSON braces, no quoted keys, no raw floats with long tails.
+        lines = page.locator("#events .event").all_inner_texts()
+        assert lines, "no events shown"
+        for line in lines:
+            assert "{" not in line and '":' not in line and "=" not in line, line
+            assert not re.search(r"\d\.\d{5,}", line), line

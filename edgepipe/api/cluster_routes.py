@@ -17,6 +17,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from ..cluster.narrate import describe
 from ..net import auth, limits
 from ..net.channel import ChannelClosed, StarletteChannel
 from ..net.protocol import MessageType, ProtocolError, decode, error_frame
@@ -30,6 +31,8 @@ async def status(request: Request) -> JSONResponse:
     app = request.app.state
     body = app.coordinator.status()
     body["tokens_per_s"] = round(app.metrics.live_tokens_per_s(), 2)
+    ttft = app.metrics.recent_ttft_s()
+    body["ttft_s"] = None if ttft is None else round(ttft, 4)
     body["admission"] = {"active": app.admission.active, "queued": app.admission.queued, "max_active": app.admission.max_active,
                          "limit": app.admission.limit}
     return JSONResponse(body)
@@ -65,7 +68,8 @@ async def plan(request: Request) -> JSONResponse:
 
 async def events(request: Request) -> JSONResponse:
     log = request.app.state.coordinator.events
-    return JSONResponse(limits.json_safe({"events": list(log), "dropped": getattr(log, "dropped", {})}))
+    events = [{**e, "text": describe(e)} for e in log]  # each with its line in words (cluster.narrate)
+    return JSONResponse(limits.json_safe({"events": events, "dropped": getattr(log, "dropped", {})}))
 
 
 async def blob(request: Request) -> Response:

@@ -32,6 +32,7 @@ class Metrics:
         self.workers = Gauge("edgepipe_workers", "Connected workers", registry=r)
         self.in_flight = Gauge("edgepipe_requests_in_flight", "Requests in flight", registry=r)
         self._recent: deque[float] = deque(maxlen=4096)
+        self._recent_ttft: deque[tuple[float, float]] = deque(maxlen=256)  # (when, prefill step seconds)
 
     def on_step(self, record) -> None:
         now = time.monotonic()
@@ -40,6 +41,7 @@ class Metrics:
         if record.tokens_in > 1:
             self.prompt_tokens.inc(record.tokens_in)
             self.ttft.observe(record.wall_s)
+            self._recent_ttft.append((now, record.wall_s))
         else:
             self.tpot.observe(record.wall_s)
         self.coordinator_s.inc(record.coordinator_s)
@@ -56,6 +58,12 @@ class Metrics:
         now = time.monotonic()
         n = sum(1 for t in self._recent if now - t <= window)
         return n / window
+
+    def recent_ttft_s(self, window: float = 60.0) -> float | None:
+        """Mean time to first token (the prefill step) over the last ``window`` seconds, or None."""
+        now = time.monotonic()
+        recent = [s for t, s in self._recent_ttft if now - t <= window]
+        return sum(recent) / len(recent) if recent else None
 
     def render(self, coordinator) -> bytes:
         self.tokens_per_s.set(self.live_tokens_per_s())

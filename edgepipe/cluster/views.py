@@ -57,6 +57,18 @@ def _profile(coord, worker_id: str) -> dict | None:
     return {"speed": round(m.speed, 4), "overhead_ms": round(m.overhead_s * 1e3, 3)}
 
 
+def _stage_weights(coord, dep, worker_id: str) -> int | None:
+    """Bytes of the weights the worker's stage in the active plan holds (None: no stage)."""
+    stage = next((s for s in dep.stages if s.worker_id == worker_id), None) if dep else None
+    if stage is None:
+        return None
+    precision = coord.deployer.precision(worker_id)
+    try:
+        return sum(coord.manifest.variant(u, precision).weight_bytes for u in range(stage.start, stage.end))
+    except KeyError:  # the variant is still being added
+        return None
+
+
 def status(coord) -> dict:
     """The cluster at a glance (``GET /v1/cluster/status``)."""
     dep = coord.cluster.active
@@ -80,6 +92,7 @@ def status(coord) -> dict:
             "suspected": w.suspected_since is not None, "stats": dict(w.stats),
             "quarantined_s": _quarantine_left(coord.cluster, w, coord.clock()),
             "units": next(([s.start, s.end] for s in dep.stages if s.worker_id == w.id), None) if dep else None,
+            "weights_bytes": _stage_weights(coord, dep, w.id),
             "profile": _profile(coord, w.id),
         } for w in coord.cluster.workers.values()],
         "requests_in_flight": coord.requests_in_flight,

@@ -157,7 +157,6 @@ def products_child(job: dict) -> dict:
     a float MatMul, timed alone (median of 30 runs, output read back): which kernels a GPU form
     should use, e.g. for the head's vocab-wide product."""
     import numpy as np
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 

@@ -238,6 +238,27 @@ async def collect(coord, states: list[SequenceState], rid: str) -> list[str]:
     return ["".join(t) for t in texts]
 
 
+async def answer(request: Request, ticket: int, states: list[SequenceState], rid: str) -> list[str]:
+    """A whole (not streamed) answer for admitted sequences: their texts, the admission released
+    however it ends; a failed pipeline is a 503, a client that left cancels the work. Counted in
+    the requests metric by outcome."""
+    from ..cluster.coordinator import RequestFailed
+
+    app = request.app.state
+    try:
+        texts = await until_disconnect(request, collect(app.coordinator, states, rid))
+    except RequestFailed as exc:
+        app.metrics.requests.labels("error").inc()
+        raise APIError(503, str(exc), type_="server_error", code="pipeline_failed") from None
+    except ClientGone:
+        app.metrics.requests.labels("cancelled").inc()
+        raise
+    finally:
+        app.admission.release(ticket)
+    app.metrics.requests.labels("ok").inc()
+    return texts
+
+
 class ReleasingStream(StreamingResponse):
     """A streaming response that calls ``on_close`` once it ends, however it ends (even never iterated)."""
 

@@ -343,12 +343,7 @@ async def _run(request: Request, req: OllamaBase, model: str, ids: list[int], ch
 
     ticket = await G.admit(request, len(ids) + params.max_tokens)
     if not req.stream:
-        try:
-            (text,) = await G.until_disconnect(request, G.collect(coord, states, rid))
-        except RequestFailed as exc:
-            raise APIError(503, str(exc), type_="server_error", code="pipeline_failed") from None
-        finally:
-            app.admission.release(ticket)
+        (text,) = await G.answer(request, ticket, states, rid)
         return JSONResponse(final(text))
 
     async def lines():

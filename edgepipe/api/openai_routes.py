@@ -207,17 +207,7 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
 
     ticket = await G.admit(request, positions)
     if not req.stream:
-        try:
-            texts = await G.until_disconnect(request, G.collect(coord, states, rid))
-        except RequestFailed as exc:
-            app.metrics.requests.labels("error").inc()
-            raise APIError(503, str(exc), type_="server_error", code="pipeline_failed") from None
-        except G.ClientGone:
-            app.metrics.requests.labels("cancelled").inc()
-            raise
-        finally:
-            app.admission.release(ticket)
-        app.metrics.requests.labels("ok").inc()
+        texts = await G.answer(request, ticket, states, rid)
         choices = []
         for i, (state, text) in enumerate(zip(states, texts)):
             if prompt_only:

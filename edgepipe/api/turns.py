@@ -19,10 +19,8 @@ from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
 
-from ..cluster.coordinator import RequestFailed
 from ..runtime.sequence import SequenceState
 from . import generation as G, schemas as S, tools
-from .errors import APIError
 from .openai_routes import _vocab, check_model, json_constraint, params_for, render_chat
 
 
@@ -94,19 +92,8 @@ def finish(turn: Turn, text: str) -> Answer:
 
 async def answer(request: Request, turn: Turn) -> Answer:
     """Admit and run the turn to its end (cancelled if the client leaves)."""
-    app = request.app.state
     ticket = await G.admit(request, len(turn.state.prompt_ids) + turn.state.params.max_tokens)
-    try:
-        (text,) = await G.until_disconnect(request, G.collect(app.coordinator, [turn.state], turn.rid))
-    except RequestFailed as exc:
-        app.metrics.requests.labels("error").inc()
-        raise APIError(503, str(exc), type_="server_error", code="pipeline_failed") from None
-    except G.ClientGone:
-        app.metrics.requests.labels("cancelled").inc()
-        raise
-    finally:
-        app.admission.release(ticket)
-    app.metrics.requests.labels("ok").inc()
+    (text,) = await G.answer(request, ticket, [turn.state], turn.rid)
     return finish(turn, text)
 
 

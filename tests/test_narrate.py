@@ -29,3 +29,10 @@ def test_any_event_is_flattened_without_json():
     assert "12.3 s" in line and "123 MB" in line and "0.333" in line
     # a known kind that lacks its fields falls back to the generic line
     assert describe({"kind": "join"}) == "join"
+
+
+def test_units_follow_the_key():
+    line = describe({"kind": "probe_x", "rtt_ms": 0.1984, "uplink_mb_s": 133.2, "bandwidth_bytes_per_s": 12_500_000, "wait_s": 0.25})
+    assert line == "probe x: rtt 0.198 ms; uplink 133 MB/s; bandwidth 12.5 MB/s; wait 250 ms"
+    assert describe({"kind": "link_measured", "src": "a", "dst": "b", "rtt_ms": 0.198, "mb_s": 1220.4}) == \
+        "link a to b measured: rtt 0.198 ms, 1220 MB/s"

@@ -35,6 +35,12 @@ def value(v: object, key: str = "") -> str:
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, (int, float)):
+        if key == "mb_s" or key.endswith("_mb_s"):
+            return f"{number(v)} MB/s"
+        if key.endswith("bytes_per_s"):
+            return size(float(v)) + "/s"
+        if key.endswith("_ms"):
+            return f"{number(v)} ms"
         if key.endswith("_s") or key in ("tpot", "ttft"):
             return seconds(float(v))
         if key.endswith("bytes") or key.endswith("_b"):
@@ -69,7 +75,7 @@ def size(b: float) -> str:
 
 def label(key: str) -> str:
     """A field's name in words: its unit suffix goes (the value carries the unit)."""
-    for suffix in ("_bytes", "_s", "_b"):
+    for suffix in ("_bytes_per_s", "_mb_s", "_bytes", "_ms", "_s", "_b"):
         if key.endswith(suffix) and len(key) > len(suffix):
             key = key[: -len(suffix)]
             break
@@ -113,5 +119,7 @@ SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
     "quarantine": lambda f: f"{f['worker']} quarantined" + (f" for {seconds(float(f['for_s']))}" if f.get("for_s") is not None else "") + _why(f),
     "suspect": lambda f: f"{f['worker']} suspected" + _why(f),
     "plan_failed": lambda f: "a plan failed to deploy" + _why(f),
+    "link_measured": lambda f: f"link {f['src']} to {f['dst']} measured: rtt {value(f.get('rtt_ms'), 'rtt_ms')}, "
+                               f"{value(f.get('mb_s'), 'mb_s')}",
     "spare": lambda f: f"spare plan ready: {value(f.get('stages'))}",
 }

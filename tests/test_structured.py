@@ -218,3 +218,22 @@ def test_each_row_gets_its_own_mask_when_a_batch_is_not_in_row_order(int4_pkg):
     finally:
         pipe.drop("a")
         pipe.drop("b")
+
+
+def test_numbers_without_bounds_get_a_length():
+    """A number or integer without bounds of its own is held to |x| <= 1e15 (numbers to 9 decimals);
+    a client's own bounds, multipleOf, enum and what sits under ``not`` are left alone."""
+    from edgepipe.cluster.structured import NUMBER_LIMIT, bounded_numbers
+
+    schema = {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "integer"}, "c": {"type": ["number", "null"]},
+                                               "d": {"type": "number", "maximum": 5}, "e": {"type": "number", "enum": [1.5, 2]},
+                                               "f": {"not": {"type": "number"}}, "g": {"type": "array", "items": {"type": "number"}}}}
+    out = bounded_numbers(schema)["properties"]
+    assert out["a"] == {"type": "number", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT, "multipleOf": 1e-9}
+    assert out["b"] == {"type": "integer", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT}
+    assert out["c"]["multipleOf"] == 1e-9
+    assert out["d"] == {"type": "number", "maximum": 5}
+    assert out["e"] == {"type": "number", "enum": [1.5, 2]}
+    assert out["f"] == {"not": {"type": "number"}}
+    assert out["g"]["items"]["maximum"] == NUMBER_LIMIT
+    assert schema["properties"]["a"] == {"type": "number"}  # the client's schema is not touched

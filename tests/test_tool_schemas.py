@@ -155,6 +155,28 @@ def test_openai_sdk_pydantic_helpers_return_validated_objects(client):
     assert isinstance(parsed.output_parsed, City), parsed.output_text
 
 
+def test_instructor_returns_validated_objects_in_its_tool_and_json_schema_modes(client):
+    """instructor (a widely used structured-output library on top of the openai client) gets
+    objects that validate into its pydantic model from the bundled model, in its function-calling
+    mode (a named tool call, held to the tool's schema) and its JSON-schema mode (response_format),
+    at temperature 1 with no retries: a malformed or runaway answer fails the test. (Before numbers
+    were bounded, ``structured.bounded_numbers``, both modes ran digits to ``max_tokens`` here.)"""
+    import instructor
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+        population_millions: float
+
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        patched = instructor.from_openai(client, mode=mode)
+        for seed in (5, 6):
+            city = patched.chat.completions.create(model="smollm2", messages=ASK, response_model=City, max_retries=0, max_tokens=96,
+                                                   temperature=1.0, seed=seed)
+            assert isinstance(city, City), (mode, city)
+
+
 # -- Qwen2.5-Coder-0.5B: its template renders the tools, its markers are special tokens -----------------
 @pytest.fixture(scope="module")
 def qwen(home):

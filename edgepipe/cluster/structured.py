@@ -69,7 +69,7 @@ class JsonFormat:
         text = json.dumps(schema)
         if len(text) > MAX_SCHEMA_CHARS:
             raise SchemaError(f"the schema is {len(text)} characters long (at most {MAX_SCHEMA_CHARS})")
-        return closed_objects(schema)
+        return bounded_numbers(closed_objects(schema))
 
 
 def embedded_schema(schema: Any, strict: bool = False) -> str:
@@ -107,6 +107,41 @@ def closed_objects(schema: Any) -> Any:
             out[key] = [closed_objects(sub) for sub in out[key]] if isinstance(out[key], list) else closed_objects(out[key])
     if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
         out["additionalProperties"] = False
+    return out
+
+
+NUMBER_LIMIT = 1e15  # |x| below this: at most 16 integral digits (llama.cpp's converter allows 16)
+NUMBER_STEP = 1e-9  # at most 9 decimals, no exponent
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """``schema`` with every number and integer that sets no bounds of its own held to
+    ``|x| <= NUMBER_LIMIT`` (numbers also to multiples of ``NUMBER_STEP``): a copy.
+
+    JSON's numbers have no length, and a small model constrained to one writes digits until
+    ``max_tokens`` ("population_millions": 14000000000000… or 14.5559999999…, measured on the
+    bundled model with instructor's schemas); llama.cpp's converter bounds the digits the same
+    way. A schema that gives any bound or ``multipleOf`` of its own, or ``enum``/``const``, is kept
+    as it is; ``not`` is not entered (a bound there would widen what it refuses)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: bounded_numbers(sub) for name, sub in out[key].items()}
+    for key in (*_SCHEMA_LISTS, "allOf"):
+        if isinstance(out.get(key), list):
+            out[key] = [bounded_numbers(sub) for sub in out[key]]
+    for key in _SCHEMA_VALUES:
+        if key in out and key != "not":
+            out[key] = [bounded_numbers(sub) for sub in out[key]] if isinstance(out[key], list) else bounded_numbers(out[key])
+    types = out.get("type")
+    types = set(types) if isinstance(types, list) else {types}
+    if types & {"number", "integer"} and not any(k in out for k in ("enum", "const")):
+        if not any(k in out for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "multipleOf")):
+            out["minimum"], out["maximum"] = -NUMBER_LIMIT, NUMBER_LIMIT
+            if "integer" not in types:
+                out["multipleOf"] = NUMBER_STEP
     return out
 
 

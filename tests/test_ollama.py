@@ -85,6 +85,29 @@ def test_penalties_as_openai(server, client):
     assert r.status_code == 400 and "frequency_penalty" in r.json()["error"]
 
 
+def test_repeat_penalty_is_llama_cpps_and_exact_through_the_workers(server, client, int4_pkg):
+    """repeat_penalty / repeat_last_n (llama.cpp's multiplicative penalty, applied in the head graph)
+    change the greedy answer, and the cluster gives the single process's tokens for them; 1.0 is
+    the plain answer; out-of-range values are a 400 in Ollama's shape."""
+    from edgepipe.runtime.local import generate
+    from edgepipe.runtime.sequence import GenerationParams
+
+    name = client.list().models[0].model
+    plain = client.generate(model=name, prompt="Say cat cat cat cat cat cat.", options={"num_predict": 20})
+    penalised = client.generate(model=name, prompt="Say cat cat cat cat cat cat.", options={"num_predict": 20, "repeat_penalty": 1.5,
+                                                                                          "repeat_last_n": 32})
+    same = client.generate(model=name, prompt="Say cat cat cat cat cat cat.", options={"num_predict": 20, "repeat_penalty": 1.0})
+    assert penalised.response != plain.response and same.response == plain.response
+    tok = int4_pkg.tokenizer
+    ids = tok.encode(tok.format_chat([{"role": "user", "content": "Say cat cat cat cat cat cat."}]))
+    want = generate(int4_pkg.pipeline(), ids, GenerationParams(max_tokens=20, repeat_penalty=1.5, repeat_last_n=32), tok.decode,
+                    int4_pkg.manifest.eos_ids)
+    assert penalised.context[len(ids):] == [t for t in want.tokens if t not in int4_pkg.manifest.eos_ids]
+    r = httpx.post(server.url + "/api/generate", headers={"Authorization": "Bearer sekrit"},
+                   json={"model": name, "prompt": "hi", "options": {"repeat_penalty": 0}})
+    assert r.status_code == 400 and "repeat_penalty" in r.json()["error"]
+
+
 def test_the_key_guards_the_openai_routes(server):
     """--api-key on the OpenAI routes too: 401 without it or with another, the openai SDK with it."""
     openai = pytest.importorskip("openai")

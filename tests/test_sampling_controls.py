@@ -75,7 +75,8 @@ def feeds(x, do_sample=False, temperature=1.0, top_k=0, top_p=1.0, uniform=0.5, 
             "top_k": np.full(B, top_k, np.int64), "top_p": np.full(B, top_p, np.float32),
             "uniform": np.full(B, uniform, np.float32) if np.isscalar(uniform) else np.asarray(uniform, np.float32),
             "logit_adjust": np.zeros((1, V), np.float32) if adjust is None else adjust.astype(np.float32),
-            "num_top": np.array([top], np.int64), "prompt_targets": np.zeros((1, 0), np.int64) if targets is None else targets}
+            "num_top": np.array([top], np.int64), "prompt_targets": np.zeros((1, 0), np.int64) if targets is None else targets,
+            "repeat_ids": np.zeros((B, 0), np.int64), "repeat_penalty": np.ones(B, np.float32)}
 
 
 def run(sess, f: dict) -> dict:
@@ -297,3 +298,29 @@ def test_package_with_older_graphs_is_rebuilt(tmp_path):
     (path / "manifest.json").write_text(json.dumps(manifest))
     import_model(bundled_gguf(), tmp_path, "int4", name="pkg", measure_cost=False)
     assert json.loads((path / "manifest.json").read_text())["source"]["graphs"] == graphs.GRAPH_VERSION
+
+
+def test_repeat_penalty_in_the_head(int4_pkg):
+    """The head's repeat penalty (llama.cpp's): a penalised argmax token loses to the runner-up when
+    the factor is large; a factor of 1 changes nothing; logprobs stay the model's own (raw logits)."""
+    import numpy as np
+
+    from edgepipe.runtime.stage_runner import SamplingBatch
+
+    n = len(int4_pkg.manifest.units)
+    head = int4_pkg.runner(n - 1, n)
+    x = np.random.default_rng(0).standard_normal((1, 1, int4_pkg.manifest.config["hidden_size"])).astype(np.float32)
+
+    def run(**extra):
+        entry = {"sampling": {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "uniform": 0.0, "top": 3, **extra}}
+        token = int(head.run("s", x, SamplingBatch.from_wire([entry], head.vocab))[0])
+        head.drop("s")
+        return token, head.last_head[1].top_ids[0].tolist(), head.last_head[1].top_logprobs[0].tolist()
+
+    token, top, logprobs = run()
+    assert token == top[0]
+    assert run(repeat_ids=[token], repeat_penalty=100.0) == (top[1], top, logprobs)
+    assert run(repeat_ids=[token, top[1]], repeat_penalty=1.0) == (token, top, logprobs)
+    with pytest.raises(ValueError, match="repeat_penalty"):
+        SamplingBatch.from_wire([{"sampling": {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "uniform": 0.0,
+                                               "repeat_ids": [1], "repeat_penalty": -1}}], head.vocab)

@@ -3,9 +3,11 @@
 ``/api/version``, ``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/chat`` and ``/api/generate``
 (NDJSON when streaming, Ollama's default; one JSON object when ``"stream": false``). Options
 honoured: temperature, num_predict, stop, seed, top_k, top_p, presence_penalty, frequency_penalty
-(OpenAI's meaning, as Ollama's); other options are ignored as Ollama ignores those a model does not
-use. ``repeat_penalty`` (llama.cpp's multiplicative penalty, 1.1 by default in Ollama) is not
-applied: the head samples inside the graph from additive logit adjustments only. ``format``
+(OpenAI's meaning, as Ollama's), ``repeat_penalty`` and ``repeat_last_n`` (llama.cpp's
+multiplicative penalty over the last N tokens of prompt and output, applied in the head graph:
+positive logits divided by it, negative ones multiplied; it is applied when given — Ollama's own
+default of 1.1 is not assumed, so an options-free request stays greedy and exact); other options
+are ignored as Ollama ignores those a model does not use. ``format``
 (``"json"`` or a JSON Schema) holds the output to it, as ``response_format``; tool calls are held
 to their schemas. ``raw`` sends the prompt as it is and, as Ollama, returns no ``context``.
 
@@ -79,6 +81,8 @@ class Options(S.Strict):
     num_ctx: Annotated[int, Field(ge=1, le=S.MAX_WIRE_INT)] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repeat_penalty: float | None = Field(None, gt=0, le=100, description="llama.cpp's multiplicative repeat penalty (1: off).")
+    repeat_last_n: Annotated[int, Field(ge=-1, le=S.MAX_WIRE_INT)] | None = Field(None, description="Tokens it looks back (-1: all, 0: none; 64).")
 
 
 class OllamaFunctionCall(S.Strict):
@@ -266,7 +270,8 @@ def params_from(options: Options | None, prompt_len: int, context: int, extra_st
     return GenerationParams(max_tokens=min(max_tokens, room), temperature=o.temperature or 0.0, top_p=o.top_p or 1.0,
                             top_k=o.top_k or 0, seed=G.random_seed() if o.seed is None else o.seed,
                             stop=tuple(o.stop or ()) + tuple(extra_stop), presence_penalty=o.presence_penalty or 0.0,
-                            frequency_penalty=o.frequency_penalty or 0.0)
+                            frequency_penalty=o.frequency_penalty or 0.0, repeat_penalty=o.repeat_penalty or 1.0,
+                            repeat_last_n=64 if o.repeat_last_n is None else o.repeat_last_n)
 
 
 @ollama_errors

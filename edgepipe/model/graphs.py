@@ -48,7 +48,7 @@ MAX_TOP_LOGPROBS = 20
 # 5: sliding-window layers rotate at position_ids, keep only their window of KV, see window keys (not window - 1).
 # 6: a lone row's 4-bit products share one pad/slice per run of row-wise ops (fewer nodes per layer).
 # 7: no in-graph padding: a lone row runs every product at M = 1 (batch invariance is the stage runner's option).
-GRAPH_VERSION = 7
+GRAPH_VERSION = 8
 
 
 def hidden_name(unit: int) -> str:
@@ -338,7 +338,7 @@ def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weig
     x = hidden_name(unit)
     last = g.op1("Gather", [x, g.const(np.array(-1, np.int64), "last")], axis=1)  # [B, H]
     logits = _head_logits(g, cfg, last, final_norm, lm_head)
-    adjusted = g.op1("Add", [logits, "logit_adjust"])
+    adjusted = g.op1("Add", [_repeat_penalised(g, logits), "logit_adjust"])
 
     greedy = helper.make_graph(
         [helper.make_node("ArgMax", [adjusted], ["greedy_token"], axis=-1, keepdims=0)],
@@ -365,7 +365,9 @@ def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weig
          helper.make_tensor_value_info("uniform", FLOAT, ["batch"]),
          helper.make_tensor_value_info("logit_adjust", FLOAT, ["adjust_rows", cfg.vocab_size]),
          helper.make_tensor_value_info("num_top", INT64, [1]),
-         helper.make_tensor_value_info("prompt_targets", INT64, ["target_rows", "targets"])],
+         helper.make_tensor_value_info("prompt_targets", INT64, ["target_rows", "targets"]),
+         helper.make_tensor_value_info("repeat_ids", INT64, ["batch", "repeat"]),
+         helper.make_tensor_value_info("repeat_penalty", FLOAT, ["batch"])],
         [helper.make_tensor_value_info("next_token", INT64, ["batch"]),
          helper.make_tensor_value_info("token_logprob", FLOAT, ["batch"]),
          helper.make_tensor_value_info("top_ids", INT64, ["batch", "top"]),
@@ -375,6 +377,17 @@ def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weig
          helper.make_tensor_value_info("prompt_top_logprobs", FLOAT, None)],
         "head",
     )
+
+
+def _repeat_penalised(g: _Graph, logits: str) -> str:
+    """llama.cpp's repeat penalty on ``logits [B, V]``: the ids in ``repeat_ids [B, R]`` have their
+    logit divided by ``repeat_penalty [B]`` when positive, multiplied when negative (an empty
+    ``[B, 0]``, or a penalty of 1, leaves every logit as it was)."""
+    picked = g.op1("GatherElements", [logits, "repeat_ids"], axis=1)
+    penalty = g.op1("Unsqueeze", ["repeat_penalty", g.const(np.array([1], np.int64), "rp_axis")])
+    positive = g.op1("Greater", [picked, g.const(np.array(0.0, np.float32), "rp_zero")])
+    scaled = g.op1("Where", [positive, g.op1("Div", [picked, penalty]), g.op1("Mul", [picked, penalty])])
+    return g.op1("ScatterElements", [logits, "repeat_ids", scaled], axis=1)
 
 
 def _head_logits(g: _Graph, cfg: ModelConfig, rows: str, final_norm: np.ndarray, lm_head: Weight) -> str:

@@ -6,6 +6,9 @@ the last stage):
 
 - ``adjust_ids`` / ``adjust``: one value per token id, ``logit_bias`` plus OpenAI's penalties
   ``-(presence * (count > 0) + frequency * count)`` over the tokens generated so far;
+- ``repeat_ids`` / ``repeat_penalty``: llama.cpp's repeat penalty, the distinct ids among the
+  last ``repeat_last_n`` tokens (prompt and output) and the factor; the head divides their
+  positive logits by it and multiplies their negative ones (before ``adjust``), as Ollama does;
 - ``mask``: the allowed-token bitmask from ``SequenceState.token_mask`` (``ceil(V/8)`` bytes,
   little bit order: token ``i`` is bit ``i % 8`` of byte ``i // 8``), disallowed = -inf;
 - ``top``: how many alternatives to return; ``logprobs``: return the chosen token's logprob;
@@ -56,6 +59,15 @@ def adjustment(state: SequenceState) -> tuple[list[int], list[float]]:
     return ids, [values[t] for t in ids]
 
 
+def repeat_window(state: SequenceState) -> list[int]:
+    """The distinct ids the repeat penalty applies to next step (empty when it is off)."""
+    p = state.params
+    if p.repeat_penalty == 1.0 or p.repeat_last_n == 0:
+        return []
+    tokens = list(state.prompt_ids) + list(state.generated)
+    return sorted(set(tokens if p.repeat_last_n < 0 else tokens[-p.repeat_last_n:]))
+
+
 def packed_mask(mask, vocab: int) -> bytes:
     """A provider's mask as exactly ``ceil(V/8)`` bytes (bits past V cleared); ValueError if it allows nothing."""
     arr = np.asarray(mask) if not isinstance(mask, (bytes, bytearray)) else np.frombuffer(mask, np.uint8)
@@ -86,6 +98,9 @@ def step_fields(state: SequenceState, vocab: int, prefill: bool) -> dict:
     ids, values = adjustment(state)
     if ids:
         out["adjust_ids"], out["adjust"] = ids, values
+    repeat = repeat_window(state)
+    if repeat:
+        out["repeat_ids"], out["repeat_penalty"] = repeat, p.repeat_penalty
     if state.token_mask is not None:
         mask = state.token_mask(list(state.generated))
         if mask is not None:

@@ -32,6 +32,11 @@ class GenerationParams:
     logprobs: bool = False  # return each sampled token's logprob
     top_logprobs: int = 0  # and its N best alternatives (0..20)
     prompt_logprobs: bool = False  # and the prompt's (echo): position i's logprob of token i + 1
+    # llama.cpp's / Ollama's repeat penalty, multiplicative: each id among the last repeat_last_n
+    # tokens (prompt and output; -1 = all, 0 = none) has its logit divided by it when positive,
+    # multiplied when negative. 1.0 = off.
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -46,6 +51,8 @@ class GenerationParams:
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if any(not -100 <= v <= 100 for _, v in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if not (0 < self.repeat_penalty <= 100 and self.repeat_last_n >= -1):
+            raise ValueError("repeat_penalty must be in (0, 100] and repeat_last_n >= -1")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
 

@@ -135,6 +135,8 @@ class SamplingBatch:
     adjust: np.ndarray | None = None  # [B, V] float32
     num_top: int = 0
     prompt_targets: np.ndarray | None = None  # [1, S] int64
+    repeat_ids: np.ndarray | None = None  # [B, R] int64: each row's repeat-penalised ids (padded with its own first id)
+    repeat_penalty: np.ndarray | None = None  # [B] float32 (1.0: a row without it)
 
     @classmethod
     def greedy(cls, batch: int) -> "SamplingBatch":
@@ -156,19 +158,45 @@ class SamplingBatch:
             if not vocab:
                 raise ValueError(OLD_HEAD)
             adjust = logit_adjust(controls, vocab)
+        repeat_ids, repeat_penalty = repeat_rows(s, vocab)
         return cls(any(bool(v["do_sample"]) for v in s),
                    np.array([v["temperature"] for v in s], np.float32),
                    np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
                    np.array([v["top_p"] for v in s], np.float32), np.array([v["uniform"] for v in s], np.float32),
-                   adjust, num_top, None if targets[0] is None else np.array([targets[0]], np.int64))
+                   adjust, num_top, None if targets[0] is None else np.array([targets[0]], np.int64), repeat_ids, repeat_penalty)
 
     @property
     def wants_head_extras(self) -> bool:
-        return self.adjust is not None or self.num_top > 0 or self.prompt_targets is not None
+        return self.adjust is not None or self.num_top > 0 or self.prompt_targets is not None or self.repeat_ids is not None
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {"do_sample": np.array(self.do_sample), "temperature": self.temperature, "top_k": self.top_k,
                 "top_p": self.top_p, "uniform": self.uniform}
+
+
+def repeat_rows(entries: list[dict], vocab: int | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The head's ``repeat_ids [B, R]`` and ``repeat_penalty [B]`` from wire ``sampling`` entries
+    (None, None when no row asks). A row's ids are padded with its own first id (a repeated id is
+    penalised once: every copy writes the same value), a row without any gets penalty 1."""
+    asked = [e.get("repeat_ids") for e in entries]
+    if not any(asked):
+        return None, None
+    if not vocab:
+        raise ValueError(OLD_HEAD)
+    width = max(len(a) for a in asked if a)
+    ids = np.zeros((len(entries), width), np.int64)
+    penalty = np.ones(len(entries), np.float32)
+    for i, (row, entry) in enumerate(zip(asked, entries)):
+        if not row:
+            continue
+        if not (isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in row)):
+            raise ValueError(f"repeat_ids must be a list of token ids in [0, {vocab})")
+        p = entry.get("repeat_penalty")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 100:
+            raise ValueError("repeat_penalty must be a number in (0, 100]")
+        ids[i] = row + [row[0]] * (width - len(row))
+        penalty[i] = p
+    return ids, penalty
 
 
 def window_start(length: int, window: int) -> int:
@@ -438,6 +466,7 @@ class StageRunner:
         self.output_name = "next_token" if self.emits_tokens else next(n for n in outputs if n.startswith("hidden."))
         # A head built before logprobs/controls (GRAPH_VERSION 1) lacks these: plain requests still run on it.
         self.head_controls = self.emits_tokens and "logit_adjust" in inputs
+        self.head_repeat = self.emits_tokens and "repeat_ids" in inputs  # GRAPH_VERSION 8 heads
         self.vocab = int(inputs["logit_adjust"].shape[1]) if self.head_controls else None
         self._extra_outputs = HEAD_EXTRA_OUTPUTS if self.head_controls else ()
         self._no_adjust = np.zeros((1, self.vocab or 0), np.float32)
@@ -670,6 +699,16 @@ class StageRunner:
             if targets.shape != (1, new) or targets.min() < 0 or targets.max() >= self.vocab:
                 raise ValueError(f"prompt targets must be one id in [0, {self.vocab}) per position of the prefill")
         self._bind_host(binding, "prompt_targets", targets)
+        if self.head_repeat:
+            ids, penalty = np.zeros((n, 0), np.int64), np.ones(n, np.float32)
+            if batch.repeat_ids is not None:
+                ids = np.zeros((n, batch.repeat_ids.shape[1]), np.int64)
+                penalty[picked] = batch.repeat_penalty
+                ids[picked] = batch.repeat_ids
+            self._bind_host(binding, "repeat_ids", ids)
+            self._bind_host(binding, "repeat_penalty", penalty)
+        elif batch.repeat_ids is not None:
+            raise ValueError(OLD_HEAD)
         if rebind_outputs:  # fresh buffers where their shapes may change
             for name in self._extra_outputs:
                 binding.bind_output(name, "cpu")

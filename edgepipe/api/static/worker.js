@@ -219,7 +219,8 @@
       // entry (headFeeds), new tensors for every run (with the proxy, a run's input buffers move to its thread).
       if (this.emitsTokens && inputs.includes("logit_adjust")) {
         const vocab = Number(meta.logit_adjust.shape[1]);
-        this.headControls = (s, added) => headFeeds(s, vocab, added);
+        const repeat = inputs.includes("repeat_ids"); // graphs.py version 8: the repeat penalty
+        this.headControls = (s, added) => headFeeds(s, vocab, added, repeat);
       }
       this.maxContext = maxContext;
       this.caches = new Map(); // seq -> {length, capacity, kv: {"key.u": ort.Tensor [1, kv_heads, capacity, head_dim]}}
@@ -648,7 +649,7 @@
 
   // The head's logit_adjust / num_top / prompt_targets from a sampling entry (runtime/controls.py):
   // sparse adjust_ids/adjust, an allowed-token bitmask (bit t % 8 of byte t >> 3), top N, echo targets.
-  function headFeeds(s, vocab, added) {
+  function headFeeds(s, vocab, added, repeat) {
     s = s || {};
     const adjust = new Float32Array(vocab);
     const ids = s.adjust_ids || [], values = s.adjust || [];
@@ -672,8 +673,19 @@
     if (!Number.isInteger(top) || top < 0 || top > 20) throw coded(`top logprobs must be in [0, 20], got ${s.top}`, "bad_input");
     const targets = s.targets ? BigInt64Array.from(s.targets, (t) => BigInt(t)) : new BigInt64Array(0);
     if (s.targets && (targets.length !== added || s.targets.some((t) => !(t >= 0 && t < vocab)))) throw coded("prompt targets must be one id in the vocabulary per position of the prefill", "bad_input");
-    return { logit_adjust: new ort.Tensor("float32", adjust, [1, vocab]), num_top: new ort.Tensor("int64", BigInt64Array.of(BigInt(top)), [1]),
-             prompt_targets: new ort.Tensor("int64", targets, [1, targets.length]) };
+    const feeds = { logit_adjust: new ort.Tensor("float32", adjust, [1, vocab]), num_top: new ort.Tensor("int64", BigInt64Array.of(BigInt(top)), [1]),
+                    prompt_targets: new ort.Tensor("int64", targets, [1, targets.length]) };
+    if (!repeat) {
+      if (s.repeat_ids && s.repeat_ids.length) throw coded("this model package's head predates the repeat penalty: re-import the model", "bad_input");
+      return feeds;
+    }
+    // The repeat penalty (runtime/controls.py): distinct ids and a factor, as stage_runner.repeat_rows.
+    const rids = s.repeat_ids || [], penalty = rids.length ? Number(s.repeat_penalty) : 1;
+    if (!Array.isArray(rids) || rids.some((t) => !(Number.isInteger(Number(t)) && t >= 0 && t < vocab))) throw coded(`repeat_ids must be token ids in [0, ${vocab})`, "bad_input");
+    if (!(penalty > 0 && penalty <= 100)) throw coded("repeat_penalty must be a number in (0, 100]", "bad_input");
+    feeds.repeat_ids = new ort.Tensor("int64", BigInt64Array.from(rids, (t) => BigInt(t)), [1, rids.length]);
+    feeds.repeat_penalty = new ort.Tensor("float32", Float32Array.of(penalty), [1]);
+    return feeds;
   }
 
   // A TOKEN frame's logprobs entry from the head's outputs (stage_runner.HeadOutput.wire).

@@ -199,3 +199,24 @@ def test_qwen_forced_and_required_calls_validate_across_twenty_seeds(qwen):
             calls += calls_of(r)
         assert len(calls) == 20
         assert_valid(calls)
+
+
+@pytest.mark.slow  # shares the Qwen cluster above
+def test_qwen_instructor_modes_return_validated_objects(qwen):
+    """instructor's tool and JSON-schema modes on Qwen2.5-Coder-0.5B through 3 workers: validated
+    objects, no retries, temperature 1."""
+    import instructor
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+        population_millions: float
+
+    client, model = qwen
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        patched = instructor.from_openai(client, mode=mode)
+        for seed in (7, 8):
+            city = patched.chat.completions.create(model=model, messages=ASK, response_model=City, max_retries=0, max_tokens=128,
+                                                   temperature=1.0, seed=seed)
+            assert isinstance(city, City), (mode, city)

@@ -54,6 +54,15 @@ def test_device_specs_and_the_cpu_fallback_say_why(home):
     assert got["kind"] == "cpu" and got["auto"] == "cpu"
     assert got["note"] and "\n" not in got["note"] and "adapter" in got["note"]
     assert got["n_note"] and "\n" not in got["n_note"]
+    # Without the provider package (a worker installed without the gpu extra): the CPU, and the pip line.
+    missing = run_child("""
+        import json, sys
+        sys.modules["onnxruntime_ep_webgpu"] = None  # import fails as if not installed
+        from edgepipe.runtime.devices import resolve
+        d = resolve("gpu")
+        print("RESULT", json.dumps({"kind": d.kind, "note": d.note}))
+    """, SOFTWARE_GPU, home)
+    assert missing["kind"] == "cpu" and "pip install 'edgepipe[gpu]'" in missing["note"], missing
 
 
 def test_gpu_stage_keeps_kv_on_the_device_and_moves_only_activations(home, int4_pkg, software_gpu):

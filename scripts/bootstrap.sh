@@ -19,6 +19,10 @@ vulkan_loader() {
 }
 if [ "${1:-}" = "test" ]; then
   $PIP install -e ".[server,gpu,test]"
+  # instructor (a structured-output library the tests use) pins jiter < 0.15 and rich < 15, which
+  # the pinned openai client (jiter >= 0.16) and our rich 15 exclude; it runs with both (its
+  # tests pass), so it is installed without its pins, with tenacity (docstring-parser comes with anthropic).
+  $PIP install --no-deps "instructor==1.17.0" "tenacity==9.2.1"
   # chromium: the browser tests' browser, and SwiftShader, the software GPU the GPU tests run on
   if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \

@@ -616,3 +616,46 @@ def gpu_form(model: onnx.ModelProto) -> onnx.ModelProto:
     out.graph.node.extend(g.nodes)
     out.graph.initializer.extend(g.initializers.values())
     return out
+
+
+DECODE_ROWS_KEY = "edgepipe.decode_rows"  # metadata of a stage graph in the verify form: a decode step runs on this many positions
+HEAD_POSITIONS = "head_positions"
+
+
+def verify_form(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The form of a stage graph for speculative decoding: a verify pass of k drafted tokens is
+    bit-identical, position by position, to one decode step per token.
+
+    Why a form is needed: GroupQueryAttention on the CPU multiplies a single query row with MLAS's
+    one-row kernels and several query rows with the general ones, whose sums differ in the last
+    bits (measured: every form, fp32 included, differs at one query row and agrees from two on).
+    So a stage in this form runs each decode step on two positions (the runner appends a copy of
+    the step's input as a scratch position whose KV the next step overwrites) and a verify pass of
+    ``k + 1`` positions sees the same kernels at every row. The head gets an input
+    ``head_positions [P]`` (positions of the sequence axis to run the LM head and the sampler on;
+    ``[-1]`` is the plain head), its per-row inputs and outputs then holding ``B * P`` rows
+    (sequence-major). The runner reads ``edgepipe.decode_rows = 2`` from the metadata."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    gather = next((n for n in out.graph.node if n.op_type == "Gather" and not n.domain and len(n.input) == 2 and n.input[1] == "head.last"),
+                  None)
+    if gather is not None:
+        g = _Graph("verify.")
+        picked = gather.output[0]
+        gather.input[1] = HEAD_POSITIONS
+        gather.output[0] = g.name("positions")  # [B, P, H]
+        width = g.op1("Slice", [g.op1("Shape", [gather.output[0]]), g.const(np.array([2], np.int64), "two"),
+                                g.const(np.array([3], np.int64), "three")])
+        rows = g.op1("Concat", [g.const(np.array([-1], np.int64), "all"), width], axis=0)
+        g.op("Reshape", [gather.output[0], rows], out=[picked])  # [B * P, H]
+        at = list(out.graph.node).index(gather) + 1
+        for i, node in enumerate(g.nodes):
+            out.graph.node.insert(at + i, node)
+        out.graph.initializer.extend(g.initializers.values())
+        if not any("head.last" in n.input for n in out.graph.node):
+            unused = next(i for i, t in enumerate(out.graph.initializer) if t.name == "head.last")
+            del out.graph.initializer[unused]
+        out.graph.input.append(helper.make_tensor_value_info(HEAD_POSITIONS, INT64, ["positions"]))
+    props = {p.key: p.value for p in out.metadata_props}
+    helper.set_model_props(out, {**props, DECODE_ROWS_KEY: "2"})
+    return out

@@ -32,6 +32,7 @@ from .deployer import Deployer
 from .placement import Deployment, StageAssignment, proportional_split
 from .profiling import ClusterProfile
 from .requests import Requests
+from .speculation import Speculation
 from .steps import PipelineBroken, RequestFailed, StepRecord, Steps
 from .state import ClusterState, Phase
 from .views import Link, WorkerView
@@ -61,6 +62,7 @@ class CoordinatorSettings:
     max_wait_s: float = 300.0  # a request without progress for this long fails (cluster down, pipeline failing)
     calibration_file: str | None = None  # calibrations kept here survive a coordinator restart
     batch_invariant: bool = False  # stages run graphs that give a sequence the same bits alone as batched (graphs.pad_lone_rows)
+    speculative: bool = False  # stages run the verify form (graphs.verify_form): decode steps may carry drafted tokens
 
 
 PlanFn = Callable[["Coordinator", list[WorkerView]], tuple[list[StageAssignment], str, dict]]
@@ -73,13 +75,17 @@ def memory_proportional_plan(coord: "Coordinator", workers: list[WorkerView]):
 
 class Coordinator:
     def __init__(self, package, settings: CoordinatorSettings | None = None, plan_fn: PlanFn | None = None,
-                 on_step: Callable[[StepRecord], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 on_step: Callable[[StepRecord], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 speculation: Speculation | None = None):
         self.package = package
         self.manifest = package.manifest
         self.settings = settings or CoordinatorSettings()
         self.plan_fn = plan_fn or memory_proportional_plan
         self.on_step = on_step or (lambda record: None)
         self.clock = clock  # every time the control plane reads (the simulation injects a virtual one)
+        self.speculation = speculation  # the drafter of speculative decoding (needs settings.speculative)
+        if speculation is not None and not self.settings.speculative:
+            raise ValueError("a drafter needs CoordinatorSettings(speculative=True): the stages must run the verify form")
         self.cluster = ClusterState(phase_since=clock())
         self.links: dict[str, Link] = {}
         self.events = limits.EventLog()  # bounded per kind: one noisy kind cannot flush the others

@@ -728,8 +728,13 @@ class Worker:
             problem = validate.activation_problem(x, hidden or None, slot.max_context)
             if problem:
                 raise CorruptInput(f"plan {plan}: {problem}")
+        verify = any(item.get("verify") for item in batch)
+        if verify and len(batch) != 1:
+            raise ValueError("a verify frame holds one sequence")
         for item in batch:  # a frame must start where the sequence's cache ends: a lost frame leaves a hole
             pos = item.get("pos")
+            if item.get("rewind") and isinstance(pos, int) and not isinstance(pos, bool) and pos >= 0:
+                slot.runner.rewind(item["seq"], pos)  # drafts the target rejected (speculative decoding)
             # A stage without decoder layers (embedding or head alone) keeps no KV: nothing to check
             # (and no KV moves to it, so after a switch it has not heard of the sequence).
             if isinstance(pos, int) and slot.runner.layers and pos != slot.runner.length(item["seq"]):
@@ -749,7 +754,7 @@ class Worker:
             # so the loop stays free to answer heartbeats.
             out, cpu = self._run_timed(slot.runner, seqs, x, sampling)
         else:
-            out, cpu = await loop.run_in_executor(self.pool, self._run_timed, slot.runner, seqs, x, sampling)
+            out, cpu = await loop.run_in_executor(self.pool, self._run_timed, slot.runner, seqs, x, sampling, verify)
         compute = time.perf_counter() - t0
         if x.shape[1] == 1:
             self._step_s[id(slot.runner)] = compute
@@ -765,7 +770,9 @@ class Worker:
                   "timings": list(msg.get("timings", [])) + [[self.id, (compute + extra) / self.s.misreport, int(x.shape[1]), elem, len(batch)]]}
         if slot.next["kind"] == "coordinator":
             if not all(item.get("partial") for item in batch):  # replay frames before the last: no token wanted
-                await self._send_control(Message(T.TOKEN, {**fields, "tokens": [int(t) for t in out], **slot.runner.logprobs_field(batch)}))
+                tokens = [int(t) for t in out]
+                extra = {"tokens": tokens[-1:], "verified": [tokens]} if verify else {"tokens": tokens}
+                await self._send_control(Message(T.TOKEN, {**fields, **extra, **slot.runner.logprobs_field(batch, verify)}))
             return
         y = out.astype(np.float16) if self.s.activation_dtype == "float16" else out
         if slot.next.get("relay"):
@@ -774,10 +781,11 @@ class Worker:
             await self._send_peer(slot.next["url"], encode(Message(T.FORWARD, fields, {"x": y})), plan,
                                   self._data_secret(slot.next["url"], plan, slot.next.get("secret")), slot.next.get("fingerprint"))
 
-    def _run_timed(self, runner: StageRunner, seqs: list[str], x: np.ndarray, sampling) -> tuple[np.ndarray, float | None]:
+    def _run_timed(self, runner: StageRunner, seqs: list[str], x: np.ndarray, sampling,
+                   verify: bool = False) -> tuple[np.ndarray, float | None]:
         """Run a batch; with one ORT thread (it is the calling one) also return its CPU time."""
         c0 = time.thread_time()
-        out = runner.run_batch(seqs, x, sampling)
+        out = runner.run_batch(seqs, x, sampling, verify)
         return out, (time.thread_time() - c0 if self.s.threads == 1 else None)
 
     async def _send_peer(self, url: str, frame: bytes, plan: int, secret: str | None, fingerprint: str | None = None) -> None:

@@ -703,15 +703,19 @@ class StageRunner:
         binding.bind_cpu_input(name, array)
         self.host_bytes += array.nbytes
 
-    def logprobs_field(self, batch: list[dict]) -> dict:
+    def logprobs_field(self, batch: list[dict], verify: bool = False) -> dict:
         """A TOKEN frame's ``logprobs`` for the batch just run: an entry per sequence that asked
-        (``sampling.logprobs``), None for the others; nothing when none asked."""
+        (``sampling.logprobs``), None for the others; nothing when none asked. A verify run (one
+        sequence) gives its entry as a list, one per position."""
         wanted = [bool(item["sampling"].get("logprobs")) for item in batch]
         if not any(wanted):
             return {}
         seqs, head = self.last_head or ((), None)
         if head is None or seqs != tuple(item["seq"] for item in batch):
             raise RuntimeError("the head's logprobs of this batch are gone")
+        if verify:
+            top = int(batch[0]["sampling"].get("top") or 0)
+            return {"logprobs": [[head.wire(i, top) for i in range(len(head.token_logprob))]]}
         return {"logprobs": [head.wire(i, int(item["sampling"].get("top") or 0)) if w else None
                              for i, (item, w) in enumerate(zip(batch, wanted))]}
 

@@ -1,0 +1,92 @@
+"""Speculative decoding in the coordinator: which requests draft, how many tokens, and the drafter's thread.
+
+The arithmetic is ``runtime.speculative``'s (acceptance, draft length, the drafters); this shell
+runs a model drafter on a thread of its own (its steps are compute, the event loop must keep
+answering heartbeats), keeps a draft length per request, and counts what was drafted and kept.
+
+Which requests speculate: greedy ones whose head controls are the same at every position
+(``logprobs`` and ``top`` are). Sampled requests, and requests with a token mask (structured
+output), logit bias, presence/frequency or repeat penalties, decode one token per step: their
+controls change with every token (a mask per verified position would need the mask provider to
+look ahead over the drafts). Verify passes travel alone, beside the lanes of other sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..runtime.sequence import SequenceState
+from ..runtime.speculative import DraftLength, Drafter, NgramDrafter
+
+PER_POSITION_CONTROLS = ("adjust_ids", "mask", "repeat_ids", "targets")
+
+
+@dataclass
+class SpeculationStats:
+    passes: int = 0  # verify passes
+    drafted: int = 0  # tokens drafted into them
+    kept: int = 0  # drafted tokens the target kept
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / self.drafted if self.drafted else 0.0
+
+
+class Speculation:
+    """A drafter for the coordinator's requests. ``k_max``: most drafts per pass; ``worth``: see
+    ``DraftLength`` (a free n-gram draft is worth trying further than a model's)."""
+
+    def __init__(self, drafter: Drafter, k_max: int = 8, worth: float | None = None):
+        self.drafter = drafter
+        self.k_max = k_max
+        self.worth = worth if worth is not None else (0.1 if isinstance(drafter, NgramDrafter) else 0.3)
+        self.lengths: dict[str, DraftLength] = {}
+        self.stats = SpeculationStats()
+        self._pool = None if isinstance(drafter, NgramDrafter) else ThreadPoolExecutor(1, thread_name_prefix="draft")
+
+    @staticmethod
+    def eligible(state: SequenceState, head: dict) -> bool:
+        return state.params.greedy and state.token_mask is None and not any(key in head for key in PER_POSITION_CONTROLS)
+
+    async def propose(self, rid: str, state: SequenceState, room: int) -> list[int]:
+        """Up to ``room`` drafted tokens to follow ``state``'s ids (none: decode one token)."""
+        length = self.lengths.setdefault(rid, DraftLength(k_max=self.k_max, worth=self.worth))
+        k = min(length.k, room)
+        if k <= 0:
+            return []
+        ids = list(state.all_ids)
+        if self._pool is None:
+            return self.drafter.draft(rid, ids, k)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.drafter.draft, rid, ids, k)
+
+    def learn(self, rid: str, drafted: int, kept: int) -> None:
+        self.stats.passes += 1
+        self.stats.drafted += drafted
+        self.stats.kept += kept
+        if rid in self.lengths:
+            self.lengths[rid].update(drafted, kept)
+
+    def forget(self, rid: str) -> None:
+        self.lengths.pop(rid, None)
+        if self._pool is None:
+            self.drafter.forget(rid)
+        else:
+            self._pool.submit(self.drafter.forget, rid)
+
+
+def build_speculation(draft: str, target, k_max: int = 8, threads: int | None = None, home=None) -> Speculation:
+    """``draft``: ``"ngram"`` (prompt lookup) or a model (package name, directory or GGUF path) whose
+    tokenizer is the target package's; the model runs whole in this process. ``ValueError`` (one
+    line) when the pair cannot work."""
+    from ..model.store import resolve
+    from ..runtime.speculative import ModelDrafter
+
+    if draft == "ngram":
+        return Speculation(NgramDrafter(), k_max)
+    package = resolve(draft, home=home) if home is not None else resolve(draft)
+    if package.manifest.tokenizer != target.manifest.tokenizer:
+        raise ValueError(f"draft model {package.name} has another tokenizer than {target.name}: drafts would be other tokens")
+    runner = package.runner(0, len(package.manifest.units), threads=threads)
+    return Speculation(ModelDrafter(runner, package.name), k_max)

@@ -135,6 +135,7 @@ class Requests:
                     tokens = accept_greedy(drafts, record.verified)
                     entries = record.logprobs[:len(tokens)] if isinstance(record.logprobs, list) else [None] * len(tokens)
                     spec.learn(rid, len(drafts), len(tokens) - 1)
+                    record.tokens_out = len(tokens)
                 rewind = bool(drafts) and len(tokens) < len(drafts) + 1  # the stages hold rejected drafts
                 c.emit(S.RequestFed(rid, seq, dep.plan_id, len(state.all_ids) + len(tokens) - 1))
                 if head.get("logprobs") and record.logprobs is None:

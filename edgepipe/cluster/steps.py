@@ -54,6 +54,7 @@ class StepRecord:
     first_in_batch: bool = True  # the batch's other sequences carry the same timings: count stage times once
     logprobs: dict | list | None = None  # the head's logprobs entry for this token, when asked (see runtime.controls); a verify: one per position
     verified: list[int] | None = None  # a verify step: the token the target chose after each position fed
+    tokens_out: int = 1  # tokens the step yielded (a verify pass: the drafts kept + 1)
 
 
 @dataclass

@@ -99,3 +99,10 @@ def test_model_drafter_follows_the_sequence(int4_pkg):
     assert drafter.draft("d", diverged, 3) == fresh.draft("d", diverged, 3)
     drafter.forget("d")
     assert drafter.runner.sequences() == []
+
+
+def test_the_verify_forms_names_agree():
+    from edgepipe.model import graphs
+    from edgepipe.runtime import stage_runner
+
+    assert (graphs.DECODE_ROWS_KEY, graphs.HEAD_POSITIONS) == (stage_runner.DECODE_ROWS_KEY, stage_runner.HEAD_POSITIONS)

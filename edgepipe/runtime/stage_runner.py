@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from ..model.graphs import DECODE_ROWS_KEY, HEAD_POSITIONS
 from ..native import register_gguf_kernel
 from .devices import CPU, ExecutionDevice, add_to_session
 
@@ -39,6 +38,9 @@ class ContextOverflow(ValueError):
 HEAD_EXTRA_OUTPUTS = ("token_logprob", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs")
 MAX_TOP = 20
 OLD_HEAD = "this model package's head graph predates logprobs and logit controls: re-import the model (edgepipe import)"
+# The verify form's names (graphs.verify_form; written twice so that workers need not import onnx)
+DECODE_ROWS_KEY = "edgepipe.decode_rows"
+HEAD_POSITIONS = "head_positions"
 
 
 @dataclass(frozen=True)

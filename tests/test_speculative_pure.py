@@ -121,7 +121,7 @@ def test_accept_sampled_replaces_a_draft_the_target_rules_out():
 
 
 def test_draft_length_follows_the_acceptance_rate():
-    length = DraftLength(k_max=8, worth=0.25, smoothing=0.5, rate=0.7)
+    length = DraftLength(k_max=8, worth=0.25, smoothing=0.5, rate=0.7)  # the j-th draft kept with 0.7 ** j
     start = length.k
     assert start == int(np.log(0.25) / np.log(0.7))  # 3
     for _ in range(6):

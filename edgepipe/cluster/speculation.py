@@ -41,7 +41,7 @@ class Speculation:
     def __init__(self, drafter: Drafter, k_max: int = 8, worth: float | None = None):
         self.drafter = drafter
         self.k_max = k_max
-        self.worth = worth if worth is not None else (0.1 if isinstance(drafter, NgramDrafter) else 0.3)
+        self.worth = worth if worth is not None else (0.15 if isinstance(drafter, NgramDrafter) else 0.3)
         self.lengths: dict[str, DraftLength] = {}
         self.stats = SpeculationStats()
         self._pool = None if isinstance(drafter, NgramDrafter) else ThreadPoolExecutor(1, thread_name_prefix="draft")

@@ -77,7 +77,7 @@ class DraftLength:
     k_min: int = 1
     worth: float = 0.25
     smoothing: float = 0.3  # weight of the latest pass in the moving average
-    rate: float = 0.7  # a start that drafts a few tokens
+    rate: float = 0.6  # a start that drafts a few tokens
     k: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -118,7 +118,7 @@ class NgramDrafter:
     and right often where the output copies its input (code editing, quoting, refactoring)."""
 
     max_n: int = 4
-    min_n: int = 2
+    min_n: int = 3  # two tokens repeat all the time in prose (", the"): what follows them rarely does
     name: str = "ngram"
 
     def draft(self, seq: str, ids: list[int], k: int) -> list[int]:

@@ -1,0 +1,155 @@
+"""Speculative decoding through a pipeline: one stream, 3 local workers, user-space link delay per hop.
+
+Qwen2.5-Coder-1.5B-Instruct Q4_K_M as the target, Qwen2.5-Coder-0.5B-Instruct drafting for it in
+the coordinator's process, and n-gram self-drafting (prompt lookup), against the same cluster
+decoding one token per step; on a chat and a code-editing workload, at 2 ms and 10 ms per hop.
+The delay is EMULATED (``--link-delay-ms``: every frame a worker sends waits that long in user
+space; the coordinator's frame to the first stage is not delayed, so 3 of the 4 hops of a step
+are). Each request is greedy; a mode's text must equal the baseline's (the verify form's decode
+steps are the baseline's bits, see ``graphs.verify_form``), else the row says so.
+
+    python benchmarks/speculative.py [--tokens 128] [--delays 2 10] [--modes plain draft ngram]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+from edgepipe.model.store import home_dir
+
+try:  # the benchmarks' shared harness (issue 28); tests/harness.py until it lands
+    from edgepipe.bench.cluster import Server
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from harness import Server  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+TARGET = "qwen2-5-coder-1-5b-instruct-q4_k_m-gguf"
+DRAFT = "qwen2-5-coder-0-5b-instruct-gguf"
+
+CODE = '''def summarize(orders):
+    totals = {}
+    for order in orders:
+        customer = order["customer"]
+        amount = order["amount"]
+        if customer not in totals:
+            totals[customer] = 0
+        totals[customer] += amount
+    best = None
+    for customer, amount in totals.items():
+        if best is None or amount > totals[best]:
+            best = customer
+    return totals, best
+
+
+def report(orders):
+    totals, best = summarize(orders)
+    lines = []
+    for customer in sorted(totals):
+        lines.append(f"{customer}: {totals[customer]:.2f}")
+    lines.append(f"best customer: {best}")
+    return "\\n".join(lines)
+'''
+WORKLOADS = {
+    "chat": "Explain in a few paragraphs how a hash table works and when it is a poor choice.",
+    "code-edit": "Rename the variable `totals` to `spent_by_customer` everywhere in this Python code. "
+                 f"Reply with the whole updated code only.\n\n```python\n{CODE}```",
+}
+
+
+def stream(url: str, prompt: str, tokens: int) -> dict:
+    """One greedy chat stream: time to first token, decode tokens/s (first to last token), text."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0, "stream": True}
+    pieces, times = [], []
+    t0 = time.perf_counter()
+    with httpx.Client(base_url=url, timeout=900) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices", []):
+                    text = choice.get("delta", {}).get("content")
+                    if text:
+                        pieces.append(text)
+                        times.append(time.perf_counter())
+    n = len(times)
+    return {"ttft_s": times[0] - t0, "tokens": n, "decode_tok_s": (n - 1) / (times[-1] - times[0]) if n > 1 else 0.0,
+            "wall_s": times[-1] - t0, "text": "".join(pieces)}
+
+
+def run_mode(home: Path, mode: str, delay_ms: float, args) -> dict:
+    extra = () if mode == "plain" else ("--speculative", "ngram" if mode == "ngram" else args.draft, "--draft-k", str(args.draft_k))
+    worker_args = f"--link-delay-ms {delay_ms:g} --threads {args.threads}"
+    with Server(home, workers=args.workers, timeout=900,
+                args=("--model", args.target, "--placement", "memory", "--worker-args", worker_args, *extra)) as server:
+        stream(server.url, "Say hello.", 8)  # warm-up: sessions built, first frames sent
+        out = {}
+        for name, prompt in WORKLOADS.items():
+            before = server.status().get("speculation") or {}
+            result = stream(server.url, prompt, args.tokens)
+            after = server.status().get("speculation") or {}
+            drafted = after.get("drafted", 0) - before.get("drafted", 0)
+            kept = after.get("kept", 0) - before.get("kept", 0)
+            result.update(passes=after.get("passes", 0) - before.get("passes", 0), drafted=drafted, kept=kept,
+                          acceptance=kept / drafted if drafted else None)
+            out[name] = result
+            print(f"{delay_ms:g} ms {mode:6s} {name:9s} {result['decode_tok_s']:6.2f} tok/s  ttft {result['ttft_s']:.2f} s  "
+                  f"tokens {result['tokens']}  acceptance {result['acceptance']}", flush=True)
+        return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=TARGET)
+    p.add_argument("--draft", default=DRAFT)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--delays", type=float, nargs="+", default=[2.0, 10.0])
+    p.add_argument("--modes", nargs="+", default=["plain", "draft", "ngram"], choices=["plain", "draft", "ngram"])
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="threads per worker")
+    p.add_argument("--draft-k", type=int, default=8)
+    p.add_argument("--out", default="speculative")
+    args = p.parse_args()
+    home = home_dir()
+    started = datetime.now(timezone.utc)
+    load_before = os.getloadavg()
+    results = {delay: {mode: run_mode(home, mode, delay, args) for mode in args.modes} for delay in args.delays}
+    load_after = os.getloadavg()
+    data = {"date": started.isoformat(timespec="minutes"), "machine": {"nproc": os.cpu_count(), "platform": platform.platform()},
+            "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]},
+            "args": vars(args), "results": {f"{d:g}": r for d, r in results.items()}}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(data, indent=1))
+    lines = [f"# Speculative decoding through 3 stages ({started:%Y-%m-%d %H:%M} UTC)", "",
+             f"{os.cpu_count()} cores, {platform.platform()}; load average before {data['load_average']['before']}, "
+             f"after {data['load_average']['after']}. Target {args.target}, draft {args.draft} (coordinator process), "
+             f"{args.workers} local workers x {args.threads} thread, {args.tokens} tokens greedy, one stream. "
+             "Link delay per hop is EMULATED (user-space, worker-sent frames).", "",
+             "| hop delay | workload | mode | decode tok/s | x plain | acceptance | tokens/pass | TTFT s | text = plain |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for delay, modes in results.items():
+        for name in WORKLOADS:
+            base = modes.get("plain", {}).get(name)
+            for mode, out in modes.items():
+                r = out[name]
+                speedup = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base and base["decode_tok_s"] else "-"
+                per_pass = f"{1 + r['kept'] / r['passes']:.2f}" if r["passes"] else "-"
+                acceptance = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
+                same = "-" if base is None or mode == "plain" else ("yes" if r["text"] == base["text"] else "NO")
+                lines.append(f"| {delay:g} ms | {name} | {mode} | {r['decode_tok_s']:.2f} | {speedup} | {acceptance} | {per_pass} | "
+                             f"{r['ttft_s']:.2f} | {same} |")
+    (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

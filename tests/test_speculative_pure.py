@@ -146,3 +146,36 @@ def test_draft_length_follows_the_acceptance_rate():
 ])
 def test_ngram_drafts(ids, k, expected):
     assert NgramDrafter(max_n=3, min_n=2).draft("s", ids, k) == expected
+
+
+def test_which_requests_speculate():
+    """Greedy requests whose head controls are the same at every position; not sampled ones, nor
+    masks (structured output), logit bias or penalties, which change with every token."""
+    from edgepipe.cluster.speculation import Speculation
+    from edgepipe.runtime import controls
+    from edgepipe.runtime.sequence import GenerationParams, SequenceState
+
+    def state(**params) -> SequenceState:
+        return SequenceState([1, 2, 3], GenerationParams(**params), lambda ids: "", (0,))
+
+    def eligible(s: SequenceState) -> bool:
+        return Speculation.eligible(s, controls.step_fields(s, 16, prefill=False))
+
+    assert eligible(state()) and eligible(state(logprobs=True, top_logprobs=3))
+    assert not eligible(state(temperature=0.7, seed=1))
+    assert not eligible(state(logit_bias=((5, -3.0),)))
+    assert not eligible(state(repeat_penalty=1.1))
+    masked = state()
+    masked.token_mask = lambda generated: None
+    assert not eligible(masked)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(int4_pkg):
+    from types import SimpleNamespace
+
+    from edgepipe.cluster.speculation import build_speculation
+
+    target = SimpleNamespace(name="other-model", manifest=SimpleNamespace(tokenizer="0" * 64))
+    with pytest.raises(ValueError, match="another tokenizer"):
+        build_speculation(str(int4_pkg.root), target)
+    assert build_speculation("ngram", target).drafter.name == "ngram"

@@ -124,10 +124,15 @@ def test_draft_length_follows_the_acceptance_rate():
     length = DraftLength(k_max=8, worth=0.25, smoothing=0.5, rate=0.7)  # the j-th draft kept with 0.7 ** j
     start = length.k
     assert start == int(np.log(0.25) / np.log(0.7))  # 3
+    length.update(length.k, 0)  # nothing kept: fewer
+    assert 1 <= length.k < start
     for _ in range(6):
-        length.update(length.k, 0)  # nothing kept: down to k_min
-    assert length.k == 1
-    for _ in range(12):
+        length.update(max(length.k, 1), 0)  # still nothing: the first draft is not worth it, drafting pauses
+    assert length.k == 0
+    for _ in range(length.retry_after - 1):
+        assert length.update(0, 0) == 0  # plain decode steps
+    assert length.update(0, 0) == length.k_min  # then one more try
+    for _ in range(20):
         length.update(length.k, length.k)  # everything kept: up by one each pass, to k_max
     assert length.k == 8
     length.update(8, 4)

@@ -41,7 +41,8 @@ class Speculation:
     def __init__(self, drafter: Drafter, k_max: int = 8, worth: float | None = None):
         self.drafter = drafter
         self.k_max = k_max
-        self.worth = worth if worth is not None else (0.15 if isinstance(drafter, NgramDrafter) else 0.3)
+        # a model's draft costs a step of the draft model: each must be likelier to be kept
+        self.worth = worth if worth is not None else (0.15 if isinstance(drafter, NgramDrafter) else 0.5)
         self.lengths: dict[str, DraftLength] = {}
         self.stats = SpeculationStats()
         self._pool = None if isinstance(drafter, NgramDrafter) else ThreadPoolExecutor(1, thread_name_prefix="draft")
@@ -55,6 +56,7 @@ class Speculation:
         length = self.lengths.setdefault(rid, DraftLength(k_max=self.k_max, worth=self.worth))
         k = min(length.k, room)
         if k <= 0:
+            length.update(0, 0)  # a step without drafts (drafting paused, or no room)
             return []
         ids = list(state.all_ids)
         if self._pool is None:

@@ -70,31 +70,40 @@ class DraftLength:
     ``rate`` is a moving average of the share of drafts the target kept. With a share ``a`` the
     ``j``-th draft survives with probability ``a ** j``; drafting stops where that falls below
     ``worth`` (a draft that costs compute, a model's, is worth less than a free n-gram one):
-    ``k = floor(log(worth) / log(a))`` within ``[k_min, k_max]``. A pass that keeps every draft
-    lets the next one try one more (the average alone would take several passes to get there)."""
+    ``k = floor(log(worth) / log(a))``, at most ``k_max``. A pass that keeps every draft lets the
+    next one try one more (the average alone would take several passes to get there). Where not
+    even the first draft is worth it (``a < worth``) drafting pauses (``k = 0``: plain decode
+    steps) and tries ``k_min`` again after ``retry_after`` steps."""
 
     k_max: int = 8
     k_min: int = 1
     worth: float = 0.25
     smoothing: float = 0.3  # weight of the latest pass in the moving average
     rate: float = 0.6  # a start that drafts a few tokens
+    retry_after: int = 16  # decode steps without drafting before trying again
     k: int = field(init=False, default=0)
+    paused: int = field(init=False, default=0)  # steps decoded without drafts since drafting paused
 
     def __post_init__(self) -> None:
-        if not (1 <= self.k_min <= self.k_max and 0 < self.worth < 1 and 0 < self.smoothing <= 1 and 0 <= self.rate <= 1):
-            raise ValueError("DraftLength needs 1 <= k_min <= k_max, 0 < worth < 1, 0 < smoothing <= 1, 0 <= rate <= 1")
+        if not (1 <= self.k_min <= self.k_max and 0 < self.worth < 1 and 0 < self.smoothing <= 1 and 0 <= self.rate <= 1
+                and self.retry_after >= 1):
+            raise ValueError("DraftLength needs 1 <= k_min <= k_max, 0 < worth < 1, 0 < smoothing <= 1, 0 <= rate <= 1, retry_after >= 1")
         self.k = self._from_rate()
 
     def _from_rate(self) -> int:
         if self.rate >= 1.0:
             return self.k_max
-        if self.rate <= 0.0:
-            return self.k_min
+        if self.rate < self.worth:
+            return 0
         return max(self.k_min, min(self.k_max, int(math.log(self.worth) / math.log(self.rate))))
 
     def update(self, drafted: int, kept: int) -> int:
-        """Take one pass's outcome (``kept`` of ``drafted``); returns the next ``k``."""
+        """Take one step's outcome (``kept`` of ``drafted``; 0 of 0: a step without drafts); returns the next ``k``."""
         if drafted <= 0:
+            if self.k == 0:
+                self.paused += 1
+                if self.paused >= self.retry_after:  # try again: the text may have become predictable
+                    self.paused, self.k = 0, self.k_min
             return self.k
         self.rate = (1 - self.smoothing) * self.rate + self.smoothing * (kept / drafted)
         self.k = min(self.k_max, self.k + 1) if kept == drafted and drafted >= self.k else self._from_rate()

@@ -111,3 +111,26 @@ def test_worker_killed_mid_stream_is_replayed_exactly(int4_pkg, home):
         assert server.status()["speculation"]["kept"] > 0
         kinds = [e["kind"] for e in server.client.get("/v1/cluster/events").json()["events"]]
         assert "leave" in kinds and "recovered" in kinds
+
+
+@pytest.mark.slow
+def test_forced_rebalance_mid_stream_moves_kv_with_drafts(int4_pkg, home):
+    """A plan switch mid-stream moves the sequence's KV, rejected drafts' positions included: the
+    next frame's ``rewind`` drops them on the new stages, and the text is unchanged."""
+    expected = int4_pkg.tokenizer.decode(without_eos(int4_pkg, reference(int4_pkg, EDIT, max_tokens=80, ignore_eos=True).tokens))
+    with Server(home, workers=2, args=("--placement", "memory", "--speculative", "ngram")) as server:
+        stages = server.status()["plan"]["stages"]
+        a, b = stages[0]["worker"], stages[1]["worker"]
+        moved, pieces = {}, []
+        body = {"messages": [{"role": "user", "content": EDIT}], "max_tokens": 80, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.Client(base_url=server.url, timeout=300) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    pieces += [choice["delta"].get("content", "") for choice in json.loads(line[6:])["choices"]]
+                    if len(pieces) >= 20 and not moved:
+                        moved["reply"] = httpx.post(server.url + "/v1/cluster/rebalance", timeout=120, json={"stages": [
+                            {"worker": a, "start": 0, "end": 10}, {"worker": b, "start": 10, "end": 32}], "pin_s": 600}).json()
+        assert "".join(pieces) == expected
+        up = [e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == "up" and e["plan"] == moved["reply"]["plan"]]
+        assert up and up[0]["kv_moved"] == 1
+        assert server.status()["speculation"]["kept"] > 0

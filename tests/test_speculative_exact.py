@@ -106,3 +106,32 @@ def test_the_verify_forms_names_agree():
     from edgepipe.runtime import stage_runner
 
     assert (graphs.DECODE_ROWS_KEY, graphs.HEAD_POSITIONS) == (stage_runner.DECODE_ROWS_KEY, stage_runner.HEAD_POSITIONS)
+
+
+def test_sampled_verify_pass_equals_sampled_steps(int4_pkg, verify_pipe):
+    """Each position of a verify pass samples with its own token's seeded draw (a list of draws in
+    the frame): the target's samples are the ones decoding one step at a time gives."""
+    from edgepipe.runtime import controls
+    from edgepipe.runtime.sequence import GenerationParams, uniform_draw
+
+    params = GenerationParams(temperature=0.9, top_p=0.95, seed=11)
+    prompt = _prompt(int4_pkg)
+    head = verify_pipe.runners[-1]
+
+    def sampling(step: int, positions: int = 0) -> SamplingBatch:
+        wire = controls.wire_sampling(params, step)
+        if positions:
+            wire["uniform"] = [uniform_draw(params.seed, step + i) for i in range(positions)]
+        return SamplingBatch.from_wire([{"seq": "x", "sampling": wire}], head.vocab)
+
+    tokens = [verify_pipe.step("one", prompt, sampling(0))]
+    for step in range(1, 10):
+        tokens.append(verify_pipe.step("one", tokens[-1:], sampling(step)))
+    verify_pipe.drop("one")
+    assert verify_pipe.step("v", prompt, sampling(0)) == tokens[0]
+    x = np.array([tokens[:9]], np.int64)
+    for runner in verify_pipe.runners:
+        x = runner.run("v", x, sampling(1, 9) if runner.emits_tokens else None, verify=runner.emits_tokens)
+    verify_pipe.drop("v")
+    assert [int(t) for t in x] == tokens[1:10]
+    assert len(set(tokens)) > 3  # sampled, not one repeated token

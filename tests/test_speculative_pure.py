@@ -154,8 +154,8 @@ def test_ngram_drafts(ids, k, expected):
 
 
 def test_which_requests_speculate():
-    """Greedy requests whose head controls are the same at every position; not sampled ones, nor
-    masks (structured output), logit bias or penalties, which change with every token."""
+    """Requests whose head controls are the same at every position (greedy or sampled); not masks
+    (structured output), logit bias or penalties, which change with every token."""
     from edgepipe.cluster.speculation import Speculation
     from edgepipe.runtime import controls
     from edgepipe.runtime.sequence import GenerationParams, SequenceState
@@ -166,8 +166,7 @@ def test_which_requests_speculate():
     def eligible(s: SequenceState) -> bool:
         return Speculation.eligible(s, controls.step_fields(s, 16, prefill=False))
 
-    assert eligible(state()) and eligible(state(logprobs=True, top_logprobs=3))
-    assert not eligible(state(temperature=0.7, seed=1))
+    assert eligible(state()) and eligible(state(logprobs=True, top_logprobs=3)) and eligible(state(temperature=0.7, seed=1))
     assert not eligible(state(logit_bias=((5, -3.0),)))
     assert not eligible(state(repeat_penalty=1.1))
     masked = state()

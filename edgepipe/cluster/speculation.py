@@ -4,9 +4,10 @@ The arithmetic is ``runtime.speculative``'s (acceptance, draft length, the draft
 runs a model drafter on a thread of its own (its steps are compute, the event loop must keep
 answering heartbeats), keeps a draft length per request, and counts what was drafted and kept.
 
-Which requests speculate: greedy ones whose head controls are the same at every position
-(``logprobs`` and ``top`` are). Sampled requests, and requests with a token mask (structured
-output), logit bias, presence/frequency or repeat penalties, decode one token per step: their
+Which requests speculate: those whose head controls are the same at every position (``logprobs``
+and ``top`` are), greedy or sampled (a sampled one's drafts are kept where they equal the
+target's seeded sample: see ``runtime.speculative``). Requests with a token mask (structured
+output), logit bias, presence/frequency or repeat penalties decode one token per step: their
 controls change with every token (a mask per verified position would need the mask provider to
 look ahead over the drafts). Verify passes travel alone, beside the lanes of other sequences.
 """
@@ -49,7 +50,7 @@ class Speculation:
 
     @staticmethod
     def eligible(state: SequenceState, head: dict) -> bool:
-        return state.params.greedy and state.token_mask is None and not any(key in head for key in PER_POSITION_CONTROLS)
+        return state.token_mask is None and not any(key in head for key in PER_POSITION_CONTROLS)
 
     async def propose(self, rid: str, state: SequenceState, room: int) -> list[int]:
         """Up to ``room`` drafted tokens to follow ``state``'s ids (none: decode one token)."""
@@ -58,10 +59,10 @@ class Speculation:
         if k <= 0:
             length.update(0, 0)  # a step without drafts (drafting paused, or no room)
             return []
-        ids = list(state.all_ids)
+        ids, params, step = list(state.all_ids), state.params, len(state.generated)
         if self._pool is None:
-            return self.drafter.draft(rid, ids, k)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.drafter.draft, rid, ids, k)
+            return self.drafter.draft(rid, ids, k, params, step)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.drafter.draft, rid, ids, k, params, step)
 
     def learn(self, rid: str, drafted: int, kept: int) -> None:
         self.stats.passes += 1

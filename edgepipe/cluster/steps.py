@@ -19,7 +19,7 @@ from ..net.channel import ChannelClosed
 from ..net.messages import Drop, Error, ErrorCode, Forward, Token
 from ..net.protocol import Message
 from ..runtime import controls
-from ..runtime.sequence import GenerationParams
+from ..runtime.sequence import GenerationParams, uniform_draw
 from . import membership
 from .batching import LaneItem, Lanes
 from .placement import Deployment
@@ -94,6 +94,8 @@ class Steps:
         fut = asyncio.get_running_loop().create_future()
         self.pending[seq] = (step, dep.plan_id, fut)
         sampling = {**controls.wire_sampling(params, step), **(head or {})}
+        if verify and not params.greedy:  # position i samples token step + i: its own seeded draw, as one step each would
+            sampling["uniform"] = [uniform_draw(params.seed, step + i) for i in range(len(feed))]
         item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling, **({"verify": True} if verify else {}),
                 **({"rewind": True} if rewind and kv_start is not None else {})}
         # A replay rebuilds KV exactly as first computed: the prompt as one prefill, then each later

@@ -6,8 +6,13 @@ and gets back, per position ``i``, the token the target chooses after ``t, d1 ..
 keep drafts while they equal the target's choice, then the target's own token (at the first
 mismatch, or the bonus after all ``k``): ``accepted + 1`` tokens per pass, exactly the tokens
 one decode step each would give (the stages run ``graphs.verify_form``, whose verify rows are
-bit-identical to decode steps). Sampled: the speculative-sampling rule (Leviathan et al. 2023;
-Chen et al. 2023) in :func:`accept_sampled` keeps the target's distribution unchanged.
+bit-identical to decode steps). Sampled, in the pipeline: each position samples with the seeded
+draw its token would get decoding one step at a time (``uniform_draw(seed, index)``), the drafter
+samples with the same draws, and a draft is kept when it equals the target's sample: the output
+is then the non-speculative seeded output token for token, so its distribution is the target's
+(no distribution crosses the wire; a coupling by common draws keeps fewer drafts than the optimal
+one). The speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023), for a drafter and
+target whose distributions are at hand, is :func:`accept_sampled`.
 """
 
 from __future__ import annotations
@@ -115,7 +120,9 @@ class Drafter(Protocol):
 
     name: str
 
-    def draft(self, seq: str, ids: list[int], k: int) -> list[int]: ...
+    def draft(self, seq: str, ids: list[int], k: int, params=None, step: int = 0) -> list[int]:
+        """``params`` (``GenerationParams``) of a sampled request: draft ``j`` samples with
+        ``uniform_draw(params.seed, step + j)``, the target's draw for that token; None: greedy."""
 
     def forget(self, seq: str) -> None: ...
 
@@ -130,7 +137,7 @@ class NgramDrafter:
     min_n: int = 3  # two tokens repeat all the time in prose (", the"): what follows them rarely does
     name: str = "ngram"
 
-    def draft(self, seq: str, ids: list[int], k: int) -> list[int]:
+    def draft(self, seq: str, ids: list[int], k: int, params=None, step: int = 0) -> list[int]:
         if k <= 0:
             return []
         arr = np.asarray(ids, np.int64)
@@ -160,8 +167,15 @@ class ModelDrafter:
         self.name = name
         self.fed: dict[str, list[int]] = {}  # per sequence: the ids whose KV the runner holds
 
-    def draft(self, seq: str, ids: list[int], k: int) -> list[int]:
+    def draft(self, seq: str, ids: list[int], k: int, params=None, step: int = 0) -> list[int]:
+        from .sequence import uniform_draw
         from .stage_runner import SamplingBatch
+
+        def sampling(j: int) -> SamplingBatch:
+            if params is None or params.greedy:
+                return SamplingBatch.greedy(1)
+            return SamplingBatch(True, np.array([params.temperature], np.float32), np.array([params.top_k], np.int64),
+                                 np.array([params.top_p], np.float32), np.array([uniform_draw(params.seed, step + j)], np.float32))
 
         if k <= 0 or not ids:
             return []
@@ -174,8 +188,8 @@ class ModelDrafter:
         out: list[int] = []
         feed = ids[common:]
         try:
-            for _ in range(k):
-                token = int(self.runner.run(seq, np.array([feed], np.int64), SamplingBatch.greedy(1))[0])
+            for j in range(k):
+                token = int(self.runner.run(seq, np.array([feed], np.int64), sampling(j))[0])
                 fed += feed
                 out.append(token)
                 feed = [token]

@@ -134,7 +134,7 @@ class SamplingBatch:
     temperature: np.ndarray  # [B] float32
     top_k: np.ndarray  # [B] int64, 0 = no limit
     top_p: np.ndarray  # [B] float32
-    uniform: np.ndarray  # [B] float32 in [0, 1)
+    uniform: np.ndarray  # [B] float32 in [0, 1); a verify entry may carry one per position: [P]
     adjust: np.ndarray | None = None  # [B, V] float32
     num_top: int = 0
     prompt_targets: np.ndarray | None = None  # [1, S] int64
@@ -165,7 +165,8 @@ class SamplingBatch:
         return cls(any(bool(v["do_sample"]) for v in s),
                    np.array([v["temperature"] for v in s], np.float32),
                    np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
-                   np.array([v["top_p"] for v in s], np.float32), np.array([v["uniform"] for v in s], np.float32),
+                   np.array([v["top_p"] for v in s], np.float32),
+                   np.array([u for v in s for u in (v["uniform"] if isinstance(v["uniform"], list) else [v["uniform"]])], np.float32),
                    adjust, num_top, None if targets[0] is None else np.array([targets[0]], np.int64), repeat_ids, repeat_penalty)
 
     @property
@@ -652,7 +653,9 @@ class StageRunner:
                     full = np.zeros(n, arr.dtype) if name != "temperature" and name != "top_p" else np.ones(n, arr.dtype)
                     full[np.array(rows) - lo] = arr
                     arr = full
-                self._bind_host(binding, name, np.repeat(arr, per_seq) if arr.ndim else arr)  # a row per head position
+                if arr.ndim and not (name == "uniform" and per_seq > 1 and arr.size == n * per_seq):  # (a draw per position: as sent)
+                    arr = np.repeat(arr, per_seq)  # a row per head position
+                self._bind_host(binding, name, arr)
             if self.head_positions:
                 self._bind_host(binding, HEAD_POSITIONS, positions)
             self._bind_head_controls(binding, batch, n, np.array(rows) - lo, new, rebind, per_seq)

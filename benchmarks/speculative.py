@@ -8,7 +8,7 @@ space; the coordinator's frame to the first stage is not delayed, so 3 of the 4 
 are). Each request is greedy; a mode's text must equal the baseline's (the verify form's decode
 steps are the baseline's bits, see ``graphs.verify_form``), else the row says so.
 
-    python benchmarks/speculative.py [--tokens 128] [--delays 2 10] [--modes plain draft ngram]
+    python benchmarks/speculative.py [--tokens 64] [--rounds 3] [--delays 2 10] [--modes plain draft ngram]
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -86,32 +88,62 @@ def stream(url: str, prompt: str, tokens: int) -> dict:
             "wall_s": times[-1] - t0, "text": "".join(pieces)}
 
 
-def run_mode(home: Path, mode: str, delay_ms: float, args) -> dict:
-    extra = () if mode == "plain" else ("--speculative", "ngram" if mode == "ngram" else args.draft, "--draft-k", str(args.draft_k))
+def start(home: Path, mode: str, delay_ms: float, args) -> Server:
+    extra = () if mode == "plain" else ("--speculative", "ngram" if mode == "ngram" else args.draft, "--draft-k", str(args.draft_k),
+                                        "--draft-threads", "1")
     worker_args = f"--link-delay-ms {delay_ms:g} --threads {args.threads}"
-    with Server(home, workers=args.workers, timeout=900,
-                args=("--model", args.target, "--placement", "memory", "--worker-args", worker_args, *extra)) as server:
-        stream(server.url, "Say hello.", 8)  # warm-up: sessions built, first frames sent
-        out = {}
-        for name, prompt in WORKLOADS.items():
-            before = server.status().get("speculation") or {}
-            result = stream(server.url, prompt, args.tokens)
-            after = server.status().get("speculation") or {}
-            drafted = after.get("drafted", 0) - before.get("drafted", 0)
-            kept = after.get("kept", 0) - before.get("kept", 0)
-            result.update(passes=after.get("passes", 0) - before.get("passes", 0), drafted=drafted, kept=kept,
-                          acceptance=kept / drafted if drafted else None)
-            out[name] = result
-            print(f"{delay_ms:g} ms {mode:6s} {name:9s} {result['decode_tok_s']:6.2f} tok/s  ttft {result['ttft_s']:.2f} s  "
-                  f"tokens {result['tokens']}  acceptance {result['acceptance']}", flush=True)
-        return out
+    return Server(home, workers=args.workers, timeout=900,
+                  args=("--model", args.target, "--placement", "memory", "--worker-args", worker_args, *extra))
+
+
+def one(server: Server, prompt: str, tokens: int) -> dict:
+    before = server.status().get("speculation") or {}
+    result = stream(server.url, prompt, tokens)
+    after = server.status().get("speculation") or {}
+    result.update({key: after.get(key, 0) - before.get(key, 0) for key in ("passes", "drafted", "kept")})
+    return result
+
+
+def run_delay(home: Path, delay_ms: float, args) -> dict:
+    """All modes' clusters up at once; each round streams every workload on each in turn, so a
+    change in the machine's load falls on every mode alike. Medians over the rounds."""
+    servers: dict[str, Server] = {}
+    try:
+        with ThreadPoolExecutor(len(args.modes)) as pool:  # the clusters start side by side
+            for mode, server in zip(args.modes, pool.map(lambda m: start(home, m, delay_ms, args), args.modes)):
+                servers[mode] = server
+        for server in servers.values():
+            stream(server.url, "Say hello.", 8)  # warm-up: sessions built, first frames sent
+        runs: dict[str, dict[str, list[dict]]] = {mode: {name: [] for name in WORKLOADS} for mode in servers}
+        for r in range(args.rounds):
+            for name, prompt in WORKLOADS.items():
+                for mode, server in servers.items():
+                    result = one(server, prompt, args.tokens)
+                    runs[mode][name].append(result)
+                    print(f"{delay_ms:g} ms round {r} {mode:6s} {name:9s} {result['decode_tok_s']:6.2f} tok/s  tokens {result['tokens']}  "
+                          f"kept {result['kept']}/{result['drafted']}  load {os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        for server in servers.values():
+            server.close()
+    out = {}
+    for mode, by_name in runs.items():
+        out[mode] = {}
+        for name, results in by_name.items():
+            drafted, kept, passes = (sum(r[key] for r in results) for key in ("drafted", "kept", "passes"))
+            out[mode][name] = {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in results),
+                               "decode_tok_s_all": [round(r["decode_tok_s"], 3) for r in results],
+                               "ttft_s": statistics.median(r["ttft_s"] for r in results), "tokens": results[0]["tokens"],
+                               "passes": passes, "drafted": drafted, "kept": kept, "acceptance": kept / drafted if drafted else None,
+                               "texts": [r["text"] for r in results]}
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=TARGET)
     p.add_argument("--draft", default=DRAFT)
-    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--delays", type=float, nargs="+", default=[2.0, 10.0])
     p.add_argument("--modes", nargs="+", default=["plain", "draft", "ngram"], choices=["plain", "draft", "ngram"])
     p.add_argument("--workers", type=int, default=3)
@@ -122,19 +154,20 @@ def main() -> None:
     home = home_dir()
     started = datetime.now(timezone.utc)
     load_before = os.getloadavg()
-    results = {delay: {mode: run_mode(home, mode, delay, args) for mode in args.modes} for delay in args.delays}
+    results = {delay: run_delay(home, delay, args) for delay in args.delays}
     load_after = os.getloadavg()
     data = {"date": started.isoformat(timespec="minutes"), "machine": {"nproc": os.cpu_count(), "platform": platform.platform()},
             "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]},
             "args": vars(args), "results": {f"{d:g}": r for d, r in results.items()}}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(data, indent=1))
-    lines = [f"# Speculative decoding through 3 stages ({started:%Y-%m-%d %H:%M} UTC)", "",
+    lines = [f"# Speculative decoding through {args.workers} stages ({started:%Y-%m-%d %H:%M} UTC)", "",
              f"{os.cpu_count()} cores, {platform.platform()}; load average before {data['load_average']['before']}, "
-             f"after {data['load_average']['after']}. Target {args.target}, draft {args.draft} (coordinator process), "
-             f"{args.workers} local workers x {args.threads} thread, {args.tokens} tokens greedy, one stream. "
-             "Link delay per hop is EMULATED (user-space, worker-sent frames).", "",
-             "| hop delay | workload | mode | decode tok/s | x plain | acceptance | tokens/pass | TTFT s | text = plain |",
+             f"after {data['load_average']['after']}. Target {args.target}, draft {args.draft} (coordinator process, 1 thread), "
+             f"{args.workers} local workers x {args.threads} thread, {args.tokens} tokens greedy, one stream at a time; the modes' "
+             f"clusters up side by side, {args.rounds} rounds each measuring every mode in turn, medians. Link delay per hop is "
+             "EMULATED (user-space, worker-sent frames).", "",
+             "| hop delay | workload | mode | decode tok/s (median) | x plain | acceptance | tokens/pass | TTFT s | text = plain |",
              "|---|---|---|---|---|---|---|---|---|"]
     for delay, modes in results.items():
         for name in WORKLOADS:
@@ -144,7 +177,7 @@ def main() -> None:
                 speedup = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base and base["decode_tok_s"] else "-"
                 per_pass = f"{1 + r['kept'] / r['passes']:.2f}" if r["passes"] else "-"
                 acceptance = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
-                same = "-" if base is None or mode == "plain" else ("yes" if r["text"] == base["text"] else "NO")
+                same = "-" if base is None or mode == "plain" else ("yes" if r["texts"] == base["texts"] else "NO")
                 lines.append(f"| {delay:g} ms | {name} | {mode} | {r['decode_tok_s']:.2f} | {speedup} | {acceptance} | {per_pass} | "
                              f"{r['ttft_s']:.2f} | {same} |")
     (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")

@@ -235,6 +235,7 @@ def serve(
                                               help="Speculative decoding: 'ngram' (prompt lookup) or a draft model with the same "
                                                    "tokenizer (package name or GGUF path), run in this process."),
     draft_k: int = typer.Option(8, "--draft-k", min=1, max=32, help="Most drafted tokens per verify pass."),
+    draft_threads: Optional[int] = typer.Option(None, "--draft-threads", min=1, help="Threads of the draft model in this process."),
     precision: str = PrecisionOption,
     home: Optional[Path] = HomeOption,
 ):
@@ -256,7 +257,7 @@ def serve(
                              max_active=max_active, max_queue=max_queue, step_timeout_s=step_timeout, capacity_wait_s=capacity_wait, objective=objective,
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
                              cluster=cluster, advertise=advertise, batch_invariant=batch_invariant, local_device=local_device,
-                             speculative=speculative, draft_k=draft_k)
+                             speculative=speculative, draft_k=draft_k, draft_threads=draft_threads)
 
     def ready(bound: int, coordinator) -> None:
         if min_workers is not None:

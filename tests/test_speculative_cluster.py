@@ -70,6 +70,17 @@ def test_greedy_tokens_and_logprobs_equal_one_token_per_step(int4_pkg, spec_serv
     assert "edgepipe_speculative_kept_tokens_total" in metrics
 
 
+def test_sampled_tokens_equal_seeded_sampling_one_token_per_step(int4_pkg, spec_server):
+    """A sampled request speculates too: the drafter samples with the target's seeded draws and a
+    draft stays where it equals the target's sample, so the tokens are the non-speculative ones."""
+    before = spec_server.status()["speculation"]
+    choice = ask(spec_server, CHAT, max_tokens=40, temperature=0.8, top_p=0.95, seed=5)
+    assert choice["token_ids"] == without_eos(int4_pkg, reference(int4_pkg, CHAT, max_tokens=40, temperature=0.8, top_p=0.95,
+                                                                  seed=5).tokens)
+    after = spec_server.status()["speculation"]
+    assert after["passes"] > before["passes"] and after["kept"] > before["kept"]
+
+
 def test_beside_other_requests(int4_pkg, spec_server):
     """A speculating request, a sampled one and one with a logit bias (these two decode a token per
     step, batched in lanes) at once: each gets its solo tokens."""

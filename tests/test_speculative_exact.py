@@ -135,3 +135,13 @@ def test_sampled_verify_pass_equals_sampled_steps(int4_pkg, verify_pipe):
     verify_pipe.drop("v")
     assert [int(t) for t in x] == tokens[1:10]
     assert len(set(tokens)) > 3  # sampled, not one repeated token
+
+
+def test_primed_drafter_drafts_the_same(int4_pkg):
+    primed = ModelDrafter(int4_pkg.runner(0, len(int4_pkg.manifest.units), threads=1))
+    cold = ModelDrafter(int4_pkg.runner(0, len(int4_pkg.manifest.units), threads=1))
+    prompt = _prompt(int4_pkg)
+    primed.prime("p", prompt)
+    assert primed.runner.length("p") == len(prompt)
+    first = cold.draft("c", prompt, 1)
+    assert primed.draft("p", prompt + first, 3) == cold.draft("c", prompt + first, 3)

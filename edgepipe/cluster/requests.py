@@ -103,6 +103,8 @@ class Requests:
                     raise RequestFailed(str(exc).splitlines()[0] if str(exc) else "bad token mask") from None
                 kv_start = len(state.all_ids) - len(feed)
                 drafts: list[int] = []
+                if spec is not None and not state.generated and spec.eligible(state, head):
+                    spec.prime(rid, state)  # the drafter prefills beside the pipeline
                 if spec is not None and replay_from is None and len(feed) == 1 and spec.eligible(state, head):
                     room = min(state.params.max_tokens - len(state.generated) - 1, c.manifest.max_context - len(state.all_ids) - 2)
                     drafts = await spec.propose(rid, state, room)

@@ -64,6 +64,12 @@ class Speculation:
             return self.drafter.draft(rid, ids, k, params, step)
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.drafter.draft, rid, ids, k, params, step)
 
+    def prime(self, rid: str, state: SequenceState) -> None:
+        """Let a model drafter take in the prompt on its thread while the pipeline prefills it
+        (its first draft would otherwise begin with that prefill)."""
+        if self._pool is not None:
+            self._pool.submit(self.drafter.prime, rid, list(state.prompt_ids))
+
     def learn(self, rid: str, drafted: int, kept: int) -> None:
         self.stats.passes += 1
         self.stats.drafted += drafted

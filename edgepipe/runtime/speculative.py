@@ -124,6 +124,9 @@ class Drafter(Protocol):
         """``params`` (``GenerationParams``) of a sampled request: draft ``j`` samples with
         ``uniform_draw(params.seed, step + j)``, the target's draw for that token; None: greedy."""
 
+    def prime(self, seq: str, ids: list[int]) -> None:
+        """Take in ``ids`` ahead of the first draft (a prompt, while the target prefills it)."""
+
     def forget(self, seq: str) -> None: ...
 
 
@@ -150,6 +153,9 @@ class NgramDrafter:
                 start = int(hits[-1]) + n  # the latest occurrence: nearest context
                 return [int(t) for t in arr[start:start + k]]
         return []
+
+    def prime(self, seq: str, ids: list[int]) -> None:
+        pass
 
     def forget(self, seq: str) -> None:
         pass
@@ -196,6 +202,14 @@ class ModelDrafter:
         finally:
             self.fed[seq] = fed
         return out
+
+    def prime(self, seq: str, ids: list[int]) -> None:
+        from .stage_runner import SamplingBatch
+
+        self.forget(seq)
+        if ids:
+            self.runner.run(seq, np.array([ids], np.int64), SamplingBatch.greedy(1))
+            self.fed[seq] = list(ids)
 
     def forget(self, seq: str) -> None:
         self.fed.pop(seq, None)

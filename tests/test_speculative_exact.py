@@ -145,3 +145,17 @@ def test_primed_drafter_drafts_the_same(int4_pkg):
     assert primed.runner.length("p") == len(prompt)
     first = cold.draft("c", prompt, 1)
     assert primed.draft("p", prompt + first, 3) == cold.draft("c", prompt + first, 3)
+
+
+def test_verify_pass_equals_decode_steps_in_fp32(fp32_pkg):
+    """The float form too (its attention alone took the one-row kernels)."""
+    pipe = fp32_pkg.pipeline(CUTS, verify_form=True, threads=1)
+    prompt = _prompt(fp32_pkg)
+    tokens = [pipe.step("one", prompt, SamplingBatch.greedy(1))]
+    for _ in range(6):
+        tokens.append(pipe.step("one", tokens[-1:], SamplingBatch.greedy(1)))
+    assert pipe.step("v", prompt, SamplingBatch.greedy(1)) == tokens[0]
+    x = np.array([tokens[:6]], np.int64)
+    for runner in pipe.runners:
+        x = runner.run("v", x, SamplingBatch.greedy(1) if runner.emits_tokens else None, verify=runner.emits_tokens)
+    assert [int(t) for t in x] == tokens[1:7]

@@ -49,9 +49,9 @@ class Package:
         ``batch_invariant``: its form that runs a lone row's 4-bit products on two rows
         (``graphs.pad_lone_rows``), for ``serve --batch-invariant``; ``gpu``: its form for a GPU
         stage (``graphs.gpu_form``; batch invariance is a CPU kernel's property, not asked there);
-        ``verify``: its form for speculative decoding (``graphs.verify_form``: decode steps on two
-        positions, a head that runs at chosen positions), which every product sees at two rows or
-        more, so it is batch-invariant too."""
+        ``verify``: its form for speculative decoding (``graphs.verify_form``: attention on two query
+        positions at least, 4-bit products on two rows at least, a head that runs at chosen
+        positions), batch-invariant too."""
         m = self.manifest
         if not 0 <= start < end <= len(m.units):
             raise ValueError(f"unit range [{start}, {end}) is outside the model's {len(m.units)} units")

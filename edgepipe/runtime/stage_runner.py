@@ -487,7 +487,7 @@ class StageRunner:
             raise ValueError(f"a stage's sliding-window layers must share one window, got {sorted(set(windows.values()))}")
         self.window = max(windows.values(), default=0)
         self._full_lengths = "seqlens_k" in inputs  # a stage of window layers only has no full-cache layer
-        # The verify form (graphs.verify_form): decode steps run on two positions, the head at chosen ones.
+        # The verify form (graphs.verify_form): decode steps attend on two positions, the head runs at chosen ones.
         self.decode_rows = int(self.session.get_modelmeta().custom_metadata_map.get(DECODE_ROWS_KEY, "1"))
         self.head_positions = self.emits_tokens and HEAD_POSITIONS in inputs
         self._pool = _KVPool(self.layers, getattr(self, "kv_heads", 0), getattr(self, "head_dim", 0), self.window, tuple(windows),
@@ -589,12 +589,10 @@ class StageRunner:
             raise ValueError("this stage's graph cannot verify drafted tokens (not the verify form: serve --speculative sends it)")
         if pool.on_device and new > 1 and self.layers and pool.rows > (0 if seqs[0] not in pool.row_of else 1):
             return self._prefill_alone(seqs[0], x, sampling, verify)
-        # A decode step in the verify form runs on two positions (see graphs.verify_form): the
-        # second, a copy of the first, is scratch that the sequence's next step overwrites.
+        # A decode step in the verify form attends on two positions (see graphs.verify_form): the
+        # second, a copy of the first made in the graph, is scratch that the sequence's next step overwrites.
         scratch = 1 if self.decode_rows == 2 and new == 1 else 0
-        if scratch:
-            x = np.repeat(x, 2, axis=1)
-        width = new + scratch  # positions the graph runs
+        width = new + scratch  # positions attention writes
         for seq in seqs:
             if seq not in pool.row_of:
                 pool.add(seq)
@@ -630,9 +628,8 @@ class StageRunner:
         # (every decode step of the same rows): rebinding each costs ~20 µs. What this returns is
         # copied out of them (fancy indexing), so the next run cannot change it.
         asked = sampling is not None and sampling.prompt_targets is not None
-        # head positions: every one (verify), the real one and the scratch (a decode step: every
-        # product of the head at two rows, as in a verify pass), else the last (a prefill)
-        positions = (np.arange(width) if verify else np.arange(2) if scratch else np.array([-1])).astype(np.int64)
+        # head positions: every one (verify), else the last
+        positions = (np.arange(new) if verify else np.array([-1])).astype(np.int64)
         per_seq = len(positions) if self.head_positions else 1
         shape_key = (n, width, per_seq, sampling.num_top if sampling is not None else 0)
         rebind = asked or shape_key != self._outputs_shape_key
@@ -645,7 +642,7 @@ class StageRunner:
         if self.window:  # window layers: buffer lengths, and the absolute positions to rotate at
             self._bind_host(binding, "window_seqlens_k", (kept + width - 1).astype(np.int32))
             self._bind_host(binding, "window_total_sequence_length", np.array(int(kept.max()) + width, np.int32))
-            self._bind_host(binding, "position_ids", lengths[:, None] + np.arange(width, dtype=np.int64)[None, :])
+            self._bind_host(binding, "position_ids", lengths[:, None] + np.arange(new, dtype=np.int64)[None, :])
         if self.emits_tokens:
             batch = sampling or SamplingBatch.greedy(len(seqs))
             for name, arr in batch.feeds().items():
@@ -667,7 +664,7 @@ class StageRunner:
         self.host_bytes += out.nbytes
         # The head's rows are sequence-major, ``per_seq`` each: a verify keeps them all (B = 1), a
         # decode step its first (the real position), a prefill its only one.
-        keep = slice(None) if verify else 0 if scratch else -1
+        keep = slice(None) if verify else -1
         if self._extra_outputs:
             picked = np.array(rows) - lo
             head = dict(zip(self._extra_outputs, (outputs[1 + i].numpy() for i in range(len(self._extra_outputs)))))
@@ -682,7 +679,7 @@ class StageRunner:
         if self.emits_tokens:
             tokens = out.reshape(n, per_seq)
             return tokens[rows[0] - lo] if verify else tokens[np.array(rows) - lo, keep]
-        return out[np.array(rows) - lo, :new] if scratch else out[np.array(rows) - lo]
+        return out[np.array(rows) - lo]
 
     def _prefill_alone(self, seq: str, x: np.ndarray, sampling: SamplingBatch | None, verify: bool = False) -> np.ndarray:
         """A multi-token step of one sequence in a device pool of several rows: attention takes a

@@ -159,3 +159,16 @@ def test_verify_pass_equals_decode_steps_in_fp32(fp32_pkg):
     for runner in pipe.runners:
         x = runner.run("v", x, SamplingBatch.greedy(1) if runner.emits_tokens else None, verify=runner.emits_tokens)
     assert [int(t) for t in x] == tokens[1:7]
+
+
+def test_steps_and_verify_passes_of_every_width_alternate(verify_pipe, reference):
+    """Decode steps and verify passes of 1 and 2 drafts on the same runners (bound outputs are
+    reused between runs of one shape, never of another)."""
+    prompt, tokens, _ = reference
+    out = _run(verify_pipe, "w", prompt)[0]
+    for drafts in (0, 1, 0, 2, 1, 0, 1):
+        fed = out[-1:] + tokens[len(out):len(out) + drafts]
+        got = _run(verify_pipe, "w", fed, verify=drafts > 0)[0]
+        out += got
+    verify_pipe.drop("w")
+    assert out == tokens  # 1 + 7 passes + 5 drafts kept

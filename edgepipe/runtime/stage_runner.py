@@ -631,7 +631,7 @@ class StageRunner:
         # head positions: every one (verify), else the last
         positions = (np.arange(new) if verify else np.array([-1])).astype(np.int64)
         per_seq = len(positions) if self.head_positions else 1
-        shape_key = (n, width, per_seq, sampling.num_top if sampling is not None else 0)
+        shape_key = (n, new, per_seq, sampling.num_top if sampling is not None else 0)  # what the outputs' shapes follow from
         rebind = asked or shape_key != self._outputs_shape_key
         self._outputs_shape_key = None if asked else shape_key
         if rebind:

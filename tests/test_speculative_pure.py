@@ -183,3 +183,47 @@ def test_a_draft_model_with_another_tokenizer_is_refused(int4_pkg):
     with pytest.raises(ValueError, match="another tokenizer"):
         build_speculation(str(int4_pkg.root), target)
     assert build_speculation("ngram", target).drafter.name == "ngram"
+
+
+def test_drafts_for_the_next_pass_are_made_during_this_one():
+    """A model drafter whose drafts are kept drafts the next pass while this one is verified; its
+    guess is used only where the target kept every draft and chose the drafter's next token."""
+    import asyncio
+
+    from edgepipe.cluster.speculation import Speculation
+    from edgepipe.runtime.sequence import GenerationParams, SequenceState
+
+    class Counting:  # drafts "the next integers": right until the target says otherwise
+        name = "counting"
+
+        def __init__(self):
+            self.calls = []
+
+        def draft(self, seq, ids, k, params=None, step=0):
+            self.calls.append(len(ids))
+            return [ids[-1] + 1 + j for j in range(k)]
+
+        def prime(self, seq, ids):
+            pass
+
+        def forget(self, seq):
+            pass
+
+    async def run():
+        drafter = Counting()
+        spec = Speculation(drafter, k_max=4)
+        spec.lengths["r"] = DraftLength(k_max=4, rate=0.9)
+        state = SequenceState([1, 2, 3], GenerationParams(max_tokens=64), lambda ids: "", (0,))
+        state.generated.append(4)
+        first = await spec.propose("r", state, 64)
+        state.generated += first + [first[-1] + 1]  # all kept, and the target's bonus is the drafter's guess
+        spec.learn("r", len(first), len(first))
+        second = await spec.propose("r", state, 64)
+        assert second == [state.all_ids[-1] + 1 + j for j in range(len(second))] and spec.ahead_used == 1
+        state.generated += second[:1] + [99]  # one kept, then the target disagrees: the guess is not used
+        spec.learn("r", len(second), 1)
+        third = await spec.propose("r", state, 64)
+        assert third[0] == 100 and spec.ahead_used == 1
+        spec.forget("r")
+
+    asyncio.run(run())

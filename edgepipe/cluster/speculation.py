@@ -3,6 +3,10 @@
 The arithmetic is ``runtime.speculative``'s (acceptance, draft length, the drafters); this shell
 runs a model drafter on a thread of its own (its steps are compute, the event loop must keep
 answering heartbeats), keeps a draft length per request, and counts what was drafted and kept.
+While a verify pass travels the stages, a model drafter whose drafts are mostly kept drafts on
+(``AHEAD_RATE``) as if the pass kept them all: when it did and the target's own next token is the
+drafter's first guess, the next pass's drafts are ready (the draft model and the stages then
+compute at the same time instead of taking turns).
 
 Which requests speculate: those whose head controls are the same at every position (``logprobs``
 and ``top`` are), greedy or sampled (a sampled one's drafts are kept where they equal the
@@ -15,13 +19,14 @@ look ahead over the drafts). Verify passes travel alone, beside the lanes of oth
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..runtime.sequence import SequenceState
 from ..runtime.speculative import DraftLength, Drafter, NgramDrafter
 
 PER_POSITION_CONTROLS = ("adjust_ids", "mask", "repeat_ids", "targets")
+AHEAD_RATE = 0.8  # draft the next pass during this one once this share of drafts is kept
 
 
 @dataclass
@@ -47,6 +52,8 @@ class Speculation:
         self.lengths: dict[str, DraftLength] = {}
         self.stats = SpeculationStats()
         self._pool = None if isinstance(drafter, NgramDrafter) else ThreadPoolExecutor(1, thread_name_prefix="draft")
+        self._ahead: dict[str, tuple[list[int], Future]] = {}  # rid -> (ids it assumed, drafts after them)
+        self.ahead_used = 0  # passes whose drafts were drafted during the pass before
 
     @staticmethod
     def eligible(state: SequenceState, head: dict) -> bool:
@@ -62,7 +69,20 @@ class Speculation:
         ids, params, step = list(state.all_ids), state.params, len(state.generated)
         if self._pool is None:
             return self.drafter.draft(rid, ids, k, params, step)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.drafter.draft, rid, ids, k, params, step)
+        drafts: list[int] = []
+        ahead = self._ahead.pop(rid, None)
+        if ahead is not None:
+            assumed, future = ahead
+            guess = await asyncio.wrap_future(future)
+            if guess and ids == assumed + guess[:1]:  # every draft kept, and the target's next token guessed
+                drafts = guess[1:k + 1]
+                self.ahead_used += 1
+        if not drafts:
+            drafts = await asyncio.get_running_loop().run_in_executor(self._pool, self.drafter.draft, rid, ids, k, params, step)
+        if drafts and length.rate >= AHEAD_RATE:
+            assumed = ids + drafts
+            self._ahead[rid] = assumed, self._pool.submit(self.drafter.draft, rid, assumed, k + 1, params, step + len(drafts))
+        return drafts
 
     def prime(self, rid: str, state: SequenceState) -> None:
         """Let a model drafter take in the prompt on its thread while the pipeline prefills it
@@ -79,6 +99,7 @@ class Speculation:
 
     def forget(self, rid: str) -> None:
         self.lengths.pop(rid, None)
+        self._ahead.pop(rid, None)
         if self._pool is None:
             self.drafter.forget(rid)
         else:

@@ -100,13 +100,14 @@ def one(server: Server, prompt: str, tokens: int) -> dict:
     before = server.status().get("speculation") or {}
     result = stream(server.url, prompt, tokens)
     after = server.status().get("speculation") or {}
-    result.update({key: after.get(key, 0) - before.get(key, 0) for key in ("passes", "drafted", "kept")})
+    result.update({key: after.get(key, 0) - before.get(key, 0) for key in ("passes", "drafted", "kept", "drafted_ahead")})
     return result
 
 
 def run_delay(home: Path, delay_ms: float, args) -> dict:
-    """All modes' clusters up at once; each round streams every workload on each in turn, so a
-    change in the machine's load falls on every mode alike. Medians over the rounds."""
+    """All modes' clusters up at once; each round streams every workload on each in turn (each
+    round starting with another mode), so a change in the machine's load falls on every mode
+    alike. Medians over the rounds."""
     servers: dict[str, Server] = {}
     try:
         with ThreadPoolExecutor(len(args.modes)) as pool:  # the clusters start side by side
@@ -117,8 +118,9 @@ def run_delay(home: Path, delay_ms: float, args) -> dict:
         runs: dict[str, dict[str, list[dict]]] = {mode: {name: [] for name in WORKLOADS} for mode in servers}
         for r in range(args.rounds):
             for name, prompt in WORKLOADS.items():
-                for mode, server in servers.items():
-                    result = one(server, prompt, args.tokens)
+                order = list(servers)[r % len(servers):] + list(servers)[:r % len(servers)]
+                for mode in order:
+                    result = one(servers[mode], prompt, args.tokens)
                     runs[mode][name].append(result)
                     print(f"{delay_ms:g} ms round {r} {mode:6s} {name:9s} {result['decode_tok_s']:6.2f} tok/s  tokens {result['tokens']}  "
                           f"kept {result['kept']}/{result['drafted']}  load {os.getloadavg()[0]:.1f}", flush=True)
@@ -129,11 +131,12 @@ def run_delay(home: Path, delay_ms: float, args) -> dict:
     for mode, by_name in runs.items():
         out[mode] = {}
         for name, results in by_name.items():
-            drafted, kept, passes = (sum(r[key] for r in results) for key in ("drafted", "kept", "passes"))
+            drafted, kept, passes, ahead = (sum(r[key] for r in results) for key in ("drafted", "kept", "passes", "drafted_ahead"))
             out[mode][name] = {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in results),
                                "decode_tok_s_all": [round(r["decode_tok_s"], 3) for r in results],
                                "ttft_s": statistics.median(r["ttft_s"] for r in results), "tokens": results[0]["tokens"],
                                "passes": passes, "drafted": drafted, "kept": kept, "acceptance": kept / drafted if drafted else None,
+                               "passes_drafted_ahead": ahead,
                                "texts": [r["text"] for r in results]}
     return out
 

@@ -58,7 +58,7 @@ def machine_line(info: dict | None = None) -> str:
 
 
 def load_text(load: list[float]) -> str:
-    return " ".join(f"{x:g}" for x in load)
+    return " ".join(f"{x:.2f}" for x in load)
 
 
 def now_utc() -> str:

@@ -53,6 +53,7 @@ import httpx
 from edgepipe.bench.cluster import Server, bench_home
 from edgepipe.bench.machine import Conditions, load_average, load_text, machine_line
 from edgepipe.bench.results import RESULTS, write_results
+
 SCENARIOS = {"one": {"memory": "500MB", "needed": 1, "seed_availability": 93.87, "goal": 97.0},
              "three": {"memory": "170MB", "needed": 3, "seed_availability": 28.17, "goal": 80.0}}
 SEED_TABLE = {"one": {"down": 0.77, "preparing": 1.18, "committing": 34.81, "up": 563.23},

@@ -11,6 +11,7 @@ attacker got back, and whether a greedy request afterwards returns the same text
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import threading
@@ -96,6 +97,7 @@ def send_big(url: str, nbytes: int, headers: dict | None = None) -> dict:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     home = bench_home()
     resolve("smollm2", "int4", home)
     run = Conditions.start()

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as dt
 from pathlib import Path
 
 import numpy as np

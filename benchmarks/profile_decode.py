@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from edgepipe.bench.machine import Conditions
+from edgepipe.bench.machine import Conditions, load_average
 from edgepipe.bench.results import write_results
 from edgepipe.model.store import bundled_gguf, home_dir, reference_gguf, resolve
 from edgepipe.runtime.stage_runner import SamplingBatch, StageRunner
@@ -144,7 +144,7 @@ def profile_package(pkg, threads: int, steps: int, batch_invariant: bool = False
             "tok_s_wall": round(1 / statistics.median(wall), 2), "tok_s_cpu": round(1 / statistics.median(cpu), 2),
             "profiled_step_us": round(wall_us, 1), "model_run_us": round(run_us, 1), "same_tokens_profiled": tokens == ptokens,
             "groups": rows, "by_op_us": {k: round(v / steps, 1) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
-            "load1": round(os.getloadavg()[0], 2)}
+            "load1": load_average()[0]}
 
 
 def lone_row_check(threads: int, reps: int = 200) -> list[dict]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
 import tempfile
 import time

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 from ..cluster.placement import proportional_split
 from ..cluster.profiling import ClusterProfile
+from ..net.messages import Hello
 from ..plan import DeviceProfile, LinkProfile, NetworkProfile, PlanRequest, Stage, evaluate
 from .cluster import Cluster, bench_home
 from .machine import Conditions
@@ -81,11 +82,11 @@ def measured_profiles(cluster: Cluster, rtts: dict[str, float] | None = None, sp
         m.bandwidth_bytes_per_s = (c.get("uplink_mb_s") or 0) * 1e6 or None
         if w["id"] in rtts:
             m.rtt = m.rtt.push(rtts[w["id"]])
-        hello = {"kind": w.get("kind", "native"), "emulation": w.get("emulation")}
-        if power and w["name"] in power:
-            hello["power_busy_w"], hello["power_idle_w"] = power[w["name"]]
+        busy, idle = (power or {}).get(w["name"], (None, None))
         mem = (memory or {}).get(w["name"], w["memory_bytes"])
-        workers.append(SimpleNamespace(id=w["id"], hello=hello, memory_bytes=mem, relay=w.get("kind") == "browser"))
+        hello = Hello.from_fields({"name": w["name"], "kind": w.get("kind", "native"), "memory_bytes": mem, "emulation": w.get("emulation"),
+                                   "device": w.get("device"), "adapter": w.get("adapter"), "power_busy_w": busy, "power_idle_w": idle})
+        workers.append(SimpleNamespace(id=w["id"], hello=hello, memory_bytes=mem, relay=hello.relay))
     return prof.model_profile(), prof.device_profiles(workers), prof.network_profile(workers)
 
 

@@ -32,7 +32,7 @@ from ..emulate.slowdown import MemoryBudget, MemoryBudgetExceeded, SlowdownPolic
 from ..native import native_library
 from ..net import auth, limits, validate
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
-from ..net.messages import PROBE_PLAN, Bye, ErrorCode
+from ..net.messages import PROBE_PLAN, Bye, ErrorCode, Hello
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
 from ..runtime.devices import resolve as resolve_device
 from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner, spin_by_default
@@ -250,7 +250,7 @@ class Worker:
         True when the coordinator said a final bye (the worker should exit)."""
         self.control = self._shape(channel)
         try:
-            await self.control.send(encode(Message(T.HELLO, self._hello())))
+            await self.control.send(encode(self._hello().to_message()))
             reply = decode(await asyncio.wait_for(self.control.recv(), timeout=WELCOME_TIMEOUT_S))
         except (ChannelClosed, ProtocolError, asyncio.TimeoutError) as exc:
             log.warning("no welcome from the coordinator: %s", str(exc) or type(exc).__name__)
@@ -302,20 +302,20 @@ class Worker:
             if getattr(ws, "transport", None) is not None:
                 ws.transport.abort()
 
-    def _hello(self) -> dict:
-        return {
-            "name": self.s.name, "token": self.s.join_token, "protocol": PROTOCOL_VERSION, "kind": "native",
-            "memory_bytes": self.s.memory_bytes or self.device.memory_bytes or _system_memory(), "threads": self.s.threads or os.cpu_count(),
-            "device": self.device.kind, "adapter": self.device.adapter,
-            "device_note": self.device.note if self.s.device != "cpu" else None,
-            "native_kernel": self.native_kernel, "native_kernel_note": self.native_kernel_note,
-            "data_url": self.data_url, "held": self.cache.held(), "pid": os.getpid(), "data_fingerprint": self.data_fingerprint,
-            "power_busy_w": self.s.power_busy_w, "power_idle_w": self.s.power_idle_w,
-            "emulation": {"slowdown": self.s.slowdown, "link_delay_ms": self.s.link_delay_ms, "link_rate": self.s.link_rate,
-                          **({"drop_work": True} if self.s.drop_work else {}),
-                          **({"misreport": self.s.misreport} if self.s.misreport != 1.0 else {}),
-                          "memory_budget": self.s.memory_bytes} if self.s.emulated or self.s.memory_bytes else None,
-        }
+    def _hello(self) -> Hello:
+        return Hello(
+            name=self.s.name, token=self.s.join_token, protocol=PROTOCOL_VERSION, kind="native",
+            memory_bytes=self.s.memory_bytes or self.device.memory_bytes or _system_memory(), threads=self.s.threads or os.cpu_count(),
+            device=self.device.kind, adapter=self.device.adapter,
+            device_note=self.device.note if self.s.device != "cpu" else None,
+            native_kernel=self.native_kernel, native_kernel_note=self.native_kernel_note,
+            data_url=self.data_url, held=tuple(self.cache.held()), pid=os.getpid(), data_fingerprint=self.data_fingerprint,
+            power_busy_w=self.s.power_busy_w, power_idle_w=self.s.power_idle_w,
+            emulation={"slowdown": self.s.slowdown, "link_delay_ms": self.s.link_delay_ms, "link_rate": self.s.link_rate,
+                       **({"drop_work": True} if self.s.drop_work else {}),
+                       **({"misreport": self.s.misreport} if self.s.misreport != 1.0 else {}),
+                       "memory_budget": self.s.memory_bytes} if self.s.emulated or self.s.memory_bytes else None,
+        )
 
     async def _connect_control(self) -> Channel:
         import websockets

@@ -11,6 +11,7 @@ into the state). The heartbeat loop pings every worker and turns ``membership``'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from ..net import auth, validate
 from ..net.channel import Channel, ChannelClosed
@@ -66,7 +67,8 @@ class Connections:
         name = declared.name[:32]
         wid = f"w{c.cluster.joins + 1}-{name}"[:40]
         link = c.links[wid] = Link(channel)
-        c.emit(S.WorkerJoined(wid, name, declared, c.clock()))
+        # the join token was for admission only: the declaration kept in the state (and its event log) goes without it
+        c.emit(S.WorkerJoined(wid, name, dataclasses.replace(declared, token=None), c.clock()))
         await link.send(Welcome(wid).to_message())
         info = c.cluster.workers[wid]
         c.event("join", worker=wid, memory=info.memory_bytes, emulation=None if declared.emulation is None else dict(declared.emulation),

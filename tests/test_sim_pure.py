@@ -116,6 +116,8 @@ def test_hello_is_one_typed_message_both_ways():
     assert got.memory_budget == GB and not got.relay and got.with_slowdown(3).emulation["slowdown"] == 3.0
     with pytest.raises(TypeError):
         got.emulation["slowdown"] = 9  # the declaration kept in the state is read-only
+    slowed = S.apply(joined("a"), S.EmulationChanged("a", 4.0)).workers["a"].hello  # the dashboard's slowdown control
+    assert dict(slowed.emulation) == {"memory_budget": GB, "slowdown": 4.0} and slowed.memory_budget == GB
     old = parse(Message(T.HELLO, {"name": "old", "kind": "browser"}))  # absent fields take their defaults
     assert (old.kind, old.memory_bytes, old.threads, old.held, old.data_url, old.relay) == ("browser", 0, 1, (), None, True)
     for bad, field in (({"kind": "toaster"}, "kind"), ({"memory_bytes": "lots"}, "memory_bytes"), ({"memory_bytes": math.inf}, "memory_bytes"),

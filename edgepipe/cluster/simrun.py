@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import sim
+from .planning import PlannerPolicy
 from .sim import (FAULTS, QUARANTINE_FAULTS, REQUEST_BOUND_S, SETTINGS, UP_BOUND_S, UNIT_BYTES, UNIT_KV_ROOM, Admission, Coordinator, CoordinatorSettings,
                   FakePackage, FakeWorker, GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
 from .profiling import RUNTIME_OVERHEAD_BYTES
@@ -115,7 +116,9 @@ class World:
         return task
 
     async def start_coordinator(self) -> None:
-        coord = Coordinator(FakePackage(), CoordinatorSettings(**SETTINGS), clock=asyncio.get_running_loop().time)
+        # As ``edgepipe serve`` runs it: calibration (stage timings, uplink and peer-link probes),
+        # the planner's policy (objective, switch-or-stay, churn) and its spare plan for recovery.
+        coord = Coordinator(FakePackage(), CoordinatorSettings(**SETTINGS), plan_fn=PlannerPolicy(), clock=asyncio.get_running_loop().time)
         await coord.start()
         self.coordinators.append((coord, Admission(max_active=4, max_queue=8, capacity=lambda: coord.kv_capacity)))
 

@@ -7,8 +7,8 @@ reference tokens or a one-line ``RequestFailed`` within ``bound_s`` (``REQUEST_B
 ``PER_FAULT_S`` per fault in the schedule); no admission slot, KV reservation, pending step,
 load/probe future or KV move is left over; when the live workers can hold the model the
 cluster is Up within ``UP_BOUND_S`` of the last fault healing, and once Up after the faults it
-serves a new request (liveness: retrying forever until the plan changes is not an answer). Replay one seed:
-``PYTHONHASHSEED=0 python -m edgepipe.cluster.simrun SEED``; play a range of seeds and print a JSON
+serves a new request (liveness: retrying forever until the plan changes is not an answer). Replay one seed
+(under any hash seed): ``python -m edgepipe.cluster.simrun SEED``; play a range of seeds and print a JSON
 summary: ``python -m edgepipe.cluster.simrun --play FIRST COUNT``.
 """
 
@@ -302,7 +302,7 @@ def run(schedule: Schedule) -> Report:
 
 
 def replay_command(seed: int) -> str:
-    return f"PYTHONHASHSEED=0 .venv/bin/python -m edgepipe.cluster.simrun {seed}"
+    return f".venv/bin/python -m edgepipe.cluster.simrun {seed}"  # any hash seed (test_sim)
 
 
 def _play_one(seed: int) -> tuple:

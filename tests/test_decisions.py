@@ -62,3 +62,29 @@ def test_on_any_other_plan_it_replays_everything_under_a_new_epoch():
 def test_after_a_broken_step_it_replays_even_on_the_same_plan():
     nxt = next_feed(-1, 3, None, PROMPT, GENERATED)
     assert nxt.new_epoch and nxt.feed == PROMPT + GENERATED and nxt.replay_from == 3
+
+
+def test_the_event_log_replays_into_the_state_the_coordinator_holds(monkeypatch):
+    """Every state change is an event kept in an indexed, bounded log: folding ``apply`` over it
+    from the state before its oldest event gives the coordinator's state, after seeded fault
+    schedules (kills, partitions, restarts, ...) and with the log far shorter than the run."""
+    from edgepipe.cluster import state as S
+    from edgepipe.cluster.coordinator import Coordinator
+    from edgepipe.cluster.simrun import Schedule, run
+
+    monkeypatch.setattr(S.EventLog.__init__, "__defaults__", (64,))
+    checked = []
+    stop = Coordinator.stop
+
+    async def checking_stop(self):
+        checked.append((self.history.replay() == self.cluster, self.history.first, len(self.history.events)))
+        await stop(self)
+
+    monkeypatch.setattr(Coordinator, "stop", checking_stop)
+    for seed in range(10_000, 10_006):
+        assert not run(Schedule.random(seed)).violations
+    assert checked and all(same for same, _, _ in checked), checked
+    assert any(first > 0 for _, first, _ in checked)  # the bound was reached and the base moved on
+    log = S.EventLog(S.ClusterState(), size=2)
+    assert [log.append(S.PlanFailed("a")), log.append(S.PlanFailed("b")), log.append(S.PlanFailed("c"))] == [0, 1, 2]
+    assert [i for i, _ in log.since(0)] == [1, 2] and log.replay() == S.apply(S.ClusterState(), S.PlanFailed("c"))

@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/json_mask.py [GGUF ...]   (default: the bundled SmolLM2 and, when
 present: scripts/fetch_qwen05.sh). For each vocabulary: the one-off index
-build (``cluster.structured.vocabulary_for``), then a json_schema's mask for every prefix of a
+build (``api.structured.vocabulary_for``), then a json_schema's mask for every prefix of a
 valid answer, 5 times, as the request loop computes it (``TokenMask`` + ``controls.packed_mask``):
 median, p90 and worst milliseconds per step and the bytes each step sends. Writes
 benchmarks/results/json_mask.md.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from edgepipe.api.structured import Constraint, JsonFormat, vocabulary_for
 from edgepipe.bench.machine import Conditions
 from edgepipe.bench.results import write_results
-from edgepipe.cluster.structured import Constraint, JsonFormat, vocabulary_for
 from edgepipe.model.gguf_source import GGUFSource
 from edgepipe.model.store import bundled_gguf, reference_gguf
 from edgepipe.model.tokenizer import TextTokenizer

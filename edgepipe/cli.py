@@ -302,7 +302,7 @@ def worker(
     import asyncio
     import logging
 
-    from .cluster.worker import Worker, WorkerSettings
+    from .worker import Worker, WorkerSettings
     from .emulate.slowdown import parse_bytes
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -16,7 +16,7 @@ import logging
 import pytest
 
 from edgepipe.cluster import deploy
-from edgepipe.cluster.worker import _gguf_kernel
+from edgepipe.worker.settings import gguf_kernel as _gguf_kernel
 from edgepipe.model.importer import add_variant
 from edgepipe.model.store import resolve
 from edgepipe.native import reset_for_tests

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from edgepipe.cluster.profiling import ClusterProfile
-from edgepipe.cluster.worker import peer_link
+from edgepipe.worker.links import peer_link
 from edgepipe.plan import COORDINATOR, DeviceProfile, LinkProfile, NetworkProfile, PlanRequest, Stage, evaluate
 from edgepipe.plan.brute import layouts, price
 from edgepipe.plan.profiles import link_matrix

@@ -81,6 +81,7 @@ class Coordinator:
         self.on_step = on_step or (lambda record: None)
         self.clock = clock  # every time the control plane reads (the simulation injects a virtual one)
         self.cluster = ClusterState(phase_since=clock())
+        self.history = S.EventLog(self.cluster)  # every state event, indexed (bounded): replays into ``cluster``
         self.links: dict[str, Link] = {}
         self.events = limits.EventLog()  # bounded per kind: one noisy kind cannot flush the others
         self.up = asyncio.Event()  # set exactly while the phase is Up
@@ -102,6 +103,7 @@ class Coordinator:
     def emit(self, event: S.Event) -> ClusterState:
         """The one way the cluster state changes."""
         self.cluster = S.apply(self.cluster, event)
+        self.history.append(event)
         if self.cluster.phase is Phase.UP and self.cluster.active is not None:
             self.up.set()
         else:

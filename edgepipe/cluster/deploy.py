@@ -63,6 +63,22 @@ def move_is_cheaper(kv_bytes: int, bandwidth: float, latency_s: float, stage_s: 
     return move_s < recompute_s
 
 
+def stay_reason(current: Deployment | None, stages: Sequence[StageAssignment], pinned: bool, decision: Mapping | None) -> str | None:
+    """Why the running plan stays instead of switching to ``stages`` (None: switch).
+
+    ``decision`` is the plan function's switch verdict (``planning.PlannerPolicy``: margin, switch
+    cost over a horizon, hysteresis), absent for plan functions that do not weigh one."""
+    if current is None:
+        return None
+    if pinned:
+        return "pinned"  # an operator's plan (POST /v1/cluster/rebalance with pin_s)
+    if [(s.worker_id, s.start, s.end) for s in current.stages] == [(s.worker_id, s.start, s.end) for s in stages]:
+        return "same plan"
+    if decision is not None and not decision["switch"]:
+        return f"not worth its switch cost yet: {decision.get('reason', '')}".rstrip(": ")
+    return None
+
+
 def next_hop(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, WorkerInfo],
              secrets: Sequence[str] | None = None) -> dict:
     """Where stage ``i`` sends its output, with the next stage's data-port secret (``net.auth``)."""

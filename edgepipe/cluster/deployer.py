@@ -103,14 +103,8 @@ class Deployer:
                 c.event("plan_failed", error=reason)
                 return None
             current = c.cluster.active
-            if current and not force:
-                if c.cluster.pinned(c.clock()):
-                    return current  # an operator's plan (POST /v1/cluster/rebalance with pin_s)
-                if [(s.worker_id, s.start, s.end) for s in current.stages] == [(s.worker_id, s.start, s.end) for s in stages]:
-                    return current
-                decision = predicted.get("switch")
-                if decision is not None and not decision["switch"]:
-                    return current  # not worth its switch cost yet (hysteresis)
+            if not force and deploy.stay_reason(current, stages, c.cluster.pinned(c.clock()), predicted.get("switch")) is not None:
+                return current
             try:
                 return await self._deploy(stages, reason, {k: v for k, v in predicted.items() if k != "switch"})
             except Exception:

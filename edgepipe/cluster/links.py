@@ -14,6 +14,7 @@ import asyncio
 
 from ..net import auth
 from ..net.channel import ChannelClosed
+from .steps import PipelineBroken
 
 MAX_PEERS_AT_JOIN = 8  # a newcomer measures its links to at most this many workers at once (the rest when planned)
 PEER_PROBE_BYTES = 1 << 19  # largest timed transfer of a peer probe (the worker sizes it to ~0.15 s)
@@ -48,7 +49,7 @@ class LinkProber:
             target = c.cluster.workers[dst].hello
             reply = await self.calibrator.probe(src, kind="peer", url=target.data_url, secret=secret,
                                       fingerprint=target.data_fingerprint, bytes=PEER_PROBE_BYTES)
-        except (asyncio.TimeoutError, ChannelClosed, KeyError) as exc:
+        except (asyncio.TimeoutError, ChannelClosed, KeyError, PipelineBroken) as exc:  # PipelineBroken: it left meanwhile
             c.event("link_probe_failed", src=src, dst=dst, error=str(exc) or type(exc).__name__)
             return False
         if not (reply.ok and reply.rtt_s is not None and reply.bandwidth_bytes_per_s):

@@ -80,17 +80,12 @@ class Requests:
                 step = len(state.generated)
                 dep = await self.wait_up(last_progress)
                 moved_to = c.cluster.requests[rid].migrated_to if rid in c.cluster.requests else None
-                if fed_plan != dep.plan_id and moved_to == dep.plan_id:
-                    fed_plan = dep.plan_id  # its KV moved with its layers: carry on
-                if fed_plan != dep.plan_id:
-                    if fed_plan is not None:  # the plan changed under us: rebuild KV by replay
-                        await self.steps.drop(seq, fed_plan)
-                        epoch += 1
-                        seq, sent_plan = f"{rid}.{epoch}", None
-                    feed = state.all_ids
-                else:
-                    feed = state.generated[-1:]
-                replay_from = len(state.prompt_ids) if len(feed) > len(state.prompt_ids) else None
+                nxt = scheduling.next_feed(fed_plan, dep.plan_id, moved_to, state.prompt_ids, state.generated)
+                if nxt.new_epoch:  # the plan changed under us: rebuild KV by replay
+                    await self.steps.drop(seq, fed_plan)
+                    epoch += 1
+                    seq, sent_plan = f"{rid}.{epoch}", None
+                fed_plan, feed, replay_from = nxt.fed_plan, nxt.feed, nxt.replay_from
                 try:
                     head = controls.step_fields(state, self.coord.manifest.config.get("vocab_size") or 0, len(feed) > 1)
                 except ValueError as exc:  # the token mask provider's answer cannot be used

@@ -7,8 +7,8 @@ reference tokens or a one-line ``RequestFailed`` within ``bound_s`` (``REQUEST_B
 ``PER_FAULT_S`` per fault in the schedule); no admission slot, KV reservation, pending step,
 load/probe future or KV move is left over; when the live workers can hold the model the
 cluster is Up within ``UP_BOUND_S`` of the last fault healing, and once Up after the faults it
-serves a new request (liveness: retrying forever until the plan changes is not an answer). Replay one seed:
-``PYTHONHASHSEED=0 python -m edgepipe.cluster.simrun SEED``; play a range of seeds and print a JSON
+serves a new request (liveness: retrying forever until the plan changes is not an answer). Replay one seed
+(under any hash seed): ``python -m edgepipe.cluster.simrun SEED``; play a range of seeds and print a JSON
 summary: ``python -m edgepipe.cluster.simrun --play FIRST COUNT``.
 """
 
@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import sim
+from .planning import PlannerPolicy
 from .sim import (FAULTS, QUARANTINE_FAULTS, REQUEST_BOUND_S, SETTINGS, UP_BOUND_S, UNIT_BYTES, UNIT_KV_ROOM, Admission, Coordinator, CoordinatorSettings,
                   FakePackage, FakeWorker, GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
 from .profiling import RUNTIME_OVERHEAD_BYTES
@@ -115,7 +116,9 @@ class World:
         return task
 
     async def start_coordinator(self) -> None:
-        coord = Coordinator(FakePackage(), CoordinatorSettings(**SETTINGS), clock=asyncio.get_running_loop().time)
+        # As ``edgepipe serve`` runs it: calibration (stage timings, uplink and peer-link probes),
+        # the planner's policy (objective, switch-or-stay, churn) and its spare plan for recovery.
+        coord = Coordinator(FakePackage(), CoordinatorSettings(**SETTINGS), plan_fn=PlannerPolicy(), clock=asyncio.get_running_loop().time)
         await coord.start()
         self.coordinators.append((coord, Admission(max_active=4, max_queue=8, capacity=lambda: coord.kv_capacity)))
 
@@ -299,7 +302,7 @@ def run(schedule: Schedule) -> Report:
 
 
 def replay_command(seed: int) -> str:
-    return f"PYTHONHASHSEED=0 .venv/bin/python -m edgepipe.cluster.simrun {seed}"
+    return f".venv/bin/python -m edgepipe.cluster.simrun {seed}"  # any hash seed (test_sim)
 
 
 def _play_one(seed: int) -> tuple:

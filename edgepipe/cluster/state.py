@@ -245,3 +245,33 @@ def _phase(state: ClusterState, phase: Phase, now: float) -> ClusterState:
             outages = (outages + (now - down_since,))[-OUTAGE_WINDOW:]
             down_since = None
     return _replace(state, phase=phase, phase_since=now, phase_time=_frozen(spent), down_since=down_since, outages=outages)
+
+
+class EventLog:
+    """The last ``size`` events applied, numbered from 0, and the state before the oldest kept:
+    ``replay()`` folds ``apply`` over them from there and gives the state they produced, so what
+    the planner decided from can be rebuilt from the log (and a test checks that it is)."""
+
+    def __init__(self, initial: ClusterState, size: int = 4096):
+        from collections import deque
+
+        self.base, self.first, self.size = initial, 0, size  # the state before event number ``first``
+        self.events: deque[Event] = deque()
+
+    def append(self, event: Event) -> int:
+        """Record an applied event; its index."""
+        self.events.append(event)
+        if len(self.events) > self.size:
+            self.base, self.first = apply(self.base, self.events.popleft()), self.first + 1
+        return self.first + len(self.events) - 1
+
+    def since(self, index: int) -> list[tuple[int, Event]]:
+        """The kept events numbered ``index`` and later (the earliest kept if those are gone)."""
+        start = max(index, self.first)
+        return [(i, e) for i, e in enumerate(self.events, self.first) if i >= start]
+
+    def replay(self) -> ClusterState:
+        state = self.base
+        for event in self.events:
+            state = apply(state, event)
+        return state

@@ -51,9 +51,44 @@ class Wire:
 def _plain(v):
     if isinstance(v, Enum):
         return v.value
+    if isinstance(v, NextHop):
+        return v.wire()
     if isinstance(v, Mapping):
         return dict(v)
     return list(v) if isinstance(v, tuple) else v
+
+
+@dataclass(frozen=True)
+class NextHop:
+    """Where a stage's output goes: the coordinator (the last stage), or the next stage's worker,
+    at its data port ``url`` or, for a ``relay``, through the coordinator."""
+
+    kind: str  # "coordinator" | "worker"
+    id: str | None = None
+    url: str | None = None
+    relay: bool = False
+    secret: str | None = None  # the next stage's data-port secret (net.auth)
+    fingerprint: str | None = None  # its data port's certificate (TLS clusters)
+
+    @classmethod
+    def of(cls, wire) -> "NextHop":
+        if isinstance(wire, NextHop):
+            return wire
+        if not isinstance(wire, dict) or wire.get("kind") not in ("coordinator", "worker"):
+            raise ProtocolError("load: next must be {kind: coordinator} or {kind: worker, id, url, relay}")
+        if wire["kind"] == "coordinator":
+            return cls("coordinator")
+        url, relay = wire.get("url"), bool(wire.get("relay"))
+        if not isinstance(wire.get("id"), str) or not (relay or isinstance(url, str) and url):
+            raise ProtocolError("load: a worker hop needs an id and a url (or relay)")
+        opt = lambda k: wire.get(k) if isinstance(wire.get(k), str) else None  # noqa: E731
+        return cls("worker", wire["id"], url if isinstance(url, str) else None, relay, opt("secret"), opt("fingerprint"))
+
+    def wire(self) -> dict:
+        if self.kind == "coordinator":
+            return {"kind": "coordinator"}
+        hop = {"kind": "worker", "id": self.id, "url": self.url, "relay": self.relay}
+        return {**hop, **{k: v for k, v in (("secret", self.secret), ("fingerprint", self.fingerprint)) if v is not None}}
 
 
 @dataclass(frozen=True)
@@ -161,7 +196,7 @@ class Load(Wire):
     end: int
     graph: str
     files: list
-    next: dict
+    next: NextHop
     keep: list
     max_context: int | None = None
     kv_bytes_per_token: int | None = None
@@ -325,11 +360,20 @@ class Error(Wire):
 
 
 def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
-    """The typed message a worker sent, checked (``ProtocolError`` says what is wrong)."""
+    """The typed message, checked (``ProtocolError`` says what is wrong): what a worker sends
+    and what the coordinator sends a worker. KV comes back as the ``Message`` itself (its tensors
+    are read where they are used), checked."""
     f = msg.fields
     try:
         if msg.type is T.HELLO:
             return Hello.from_fields(f)
+        to_worker = _TO_WORKER.get(msg.type)
+        if to_worker is not None:
+            return to_worker(f)
+        if msg.type is T.KV:
+            if not (isinstance(f["seq"], str) and _int(f["plan"]) and _int(f["move"]) and (f.get("length") is None or _int(f["length"]))):
+                raise ProtocolError("kv: seq, plan, move (and length) must be a string and integers")
+            return msg
         if msg.type is T.TOKEN:
             batch, tokens = f["batch"], f["tokens"]
             if not (isinstance(batch, list) and isinstance(tokens, list) and len(batch) == len(tokens)):
@@ -376,12 +420,76 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
             return Error(text[0] if text else "worker error", code, f.get("seq") if isinstance(f.get("seq"), str) else None,
                          f.get("step") if _int(f.get("step")) else None, f.get("rid") if isinstance(f.get("rid"), str) else None)
         if msg.type is T.FORWARD:
-            if not isinstance(f.get("batch"), list):
-                raise ProtocolError("forward: batch must be a list")
+            if not isinstance(f.get("batch"), list) or not all(isinstance(i, dict) and isinstance(i.get("seq"), str) for i in f["batch"]):
+                raise ProtocolError("forward: batch must be a list of entries with a seq")
             return Forward(_need_int(f["plan"], "plan"), f["batch"], f.get("timings"), f.get("relay_to"))
     except KeyError as exc:
         raise ProtocolError(f"{msg.type.value}: missing field {exc.args[0]!r}") from None
     return msg  # types without a payload the coordinator reads (bye, ...)
+
+
+def _str(v, name: str) -> str:
+    if not isinstance(v, str):
+        raise ProtocolError(f"field {name!r} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _opt_str(v, name: str) -> str | None:
+    return None if v is None else _str(v, name)
+
+
+def _ints(v, name: str) -> list:
+    if not (isinstance(v, list) and all(_int(x) for x in v)):
+        raise ProtocolError(f"field {name!r} must be a list of integers")
+    return v
+
+
+def _load(f: dict) -> Load:
+    files = f["files"]
+    if not (isinstance(files, list) and all(isinstance(x, str) for x in files)):
+        raise ProtocolError("load: files must be a list of sha256 strings")
+    start, end = _need_int(f["start"], "start"), _need_int(f["end"], "end")
+    if not 0 <= start < end:
+        raise ProtocolError(f"load: bad unit range [{start}, {end})")
+    return Load(_need_int(f["plan"], "plan"), start, end, _str(f["graph"], "graph"), files, NextHop.of(f["next"]), _ints(f["keep"], "keep"),
+                _opt_int(f.get("max_context"), "max_context"), _opt_int(f.get("kv_bytes_per_token"), "kv_bytes_per_token"),
+                bool(f["warm"]) if f.get("warm") is not None else None, bool(f["prefetch"]) if f.get("prefetch") is not None else None,
+                _opt_str(f.get("data_secret"), "data_secret"))
+
+
+def _probe(f: dict) -> Probe:
+    kind = f.get("kind")
+    if kind not in (None, "link", "accept", "peer"):
+        raise ProtocolError(f"probe: unknown kind {kind!r}"[:200])
+    return Probe(_need_int(f["probe"], "probe"), _opt_int(f.get("plan"), "plan"), _opt_int(f.get("reps"), "reps"),
+                 _opt_int(f.get("context"), "context"), kind, _opt_int(f.get("bytes"), "bytes"), _opt_str(f.get("url"), "url"),
+                 _opt_str(f.get("secret"), "secret"), _opt_str(f.get("fingerprint"), "fingerprint"))
+
+
+def _kv_export(f: dict) -> KvExport:
+    return KvExport(_str(f["seq"], "seq"), _need_int(f["plan"], "plan"), _need_int(f["start"], "start"), _need_int(f["end"], "end"),
+                    _need_int(f["to_plan"], "to_plan"), _opt_str(f.get("url"), "url"), _need_int(f["move"], "move"),
+                    _opt_str(f.get("secret"), "secret"), _opt_str(f.get("fingerprint"), "fingerprint"))
+
+
+def _emulate(f: dict) -> Emulate:
+    slowdown = f["slowdown"]
+    if not (_finite(slowdown) and slowdown >= 1):
+        raise ProtocolError("emulate: slowdown must be a finite number >= 1")
+    return Emulate(float(slowdown))
+
+
+_TO_WORKER = {
+    T.WELCOME: lambda f: Welcome(_str(f["worker_id"], "worker_id")),
+    T.LOAD: _load,
+    T.ACTIVATE: lambda f: Activate(_ints(f["keep"], "keep")),
+    T.DROP: lambda f: Drop(_str(f["seq"], "seq")),
+    T.PING: lambda f: Ping(_num(f.get("t"))),
+    T.PROBE: _probe,
+    T.KV_EXPORT: _kv_export,
+    T.EMULATE: _emulate,
+    T.BYE: lambda f: Bye(bool(f["final"]) if f.get("final") is not None else None),
+}
 
 
 def _logprob_entry(entry, vocab_size: int) -> None:

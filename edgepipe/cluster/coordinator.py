@@ -25,7 +25,7 @@ from typing import Callable
 from ..net import limits
 from ..net.channel import Channel, ChannelClosed
 from ..net.messages import Bye, Emulate
-from . import state as S, views
+from . import measurements, state as S, views
 from .calibration import Calibrator
 from .connections import Connections
 from .deployer import Deployer
@@ -81,13 +81,14 @@ class Coordinator:
         self.on_step = on_step or (lambda record: None)
         self.clock = clock  # every time the control plane reads (the simulation injects a virtual one)
         self.cluster = ClusterState(phase_since=clock())
-        self.history = S.EventLog(self.cluster)  # every state event, indexed (bounded): replays into ``cluster``
         self.links: dict[str, Link] = {}
         self.events = limits.EventLog()  # bounded per kind: one noisy kind cannot flush the others
         self.up = asyncio.Event()  # set exactly while the phase is Up
         self.profile = ClusterProfile(self.manifest)
         if self.settings.calibration_file:
             self.profile.load_known(Path(self.settings.calibration_file))
+        # every state event and measurement, indexed (bounded): replays into ``cluster`` and ``profile``
+        self.history = S.EventLog(self.cluster, self.profile)
         self.recent_steps: deque[tuple[int, float]] = deque(maxlen=256)  # (positions fed, wall seconds)
         self.replan_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -109,6 +110,11 @@ class Coordinator:
         else:
             self.up.clear()
         return self.cluster
+
+    def measure(self, m: measurements.Measurement) -> None:
+        """The one way the profile changes: a measurement, applied and logged."""
+        self.profile.apply(m)
+        self.history.append(m)
 
     def event(self, kind: str, **fields) -> None:
         """A line for the dashboard and the log (not state)."""
@@ -212,8 +218,7 @@ class Coordinator:
             return
         info = self.cluster.workers.get(wid)
         if info is not None:
-            self.profile.forget(wid, info.identity)
-            self.profile.left(info.name, self.clock(), failure)
+            self.measure(measurements.DeviceLeft(wid, info.name, info.identity, self.clock(), failure))
         self.calibrator.lost(wid)
         broken = PipelineBroken(f"worker {wid} {why}")
         for fut in list(link.loads.values()) + list(link.probes.values()):

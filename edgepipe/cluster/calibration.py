@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from ..net.channel import ChannelClosed
@@ -109,14 +110,14 @@ class Calibrator:
             link.probes.pop(probe, None)
 
     # -- the first plan's own ranges ---------------------------------------------------------
-    async def time_stages(self, dep) -> None:
+    async def time_stages(self, dep):
         """Time each stage of the first deployment on its own range (one stage at a time,
         rounds repeated while their spread is above ``STABLE_SPREAD``), set each device's
-        speed from it, and price the plan again (``dep.predicted`` updated in place; the
-        calibration-only figure is kept as ``calibrated_tpot_s``)."""
+        speed from it, and price the plan again (a ``Repriced`` event; the calibration-only
+        figure is kept as ``calibrated_tpot_s``)."""
         c = self.coord
         if not c.settings.calibrate or c.cluster.ever_up or not dep.predicted:
-            return
+            return dep
         timed = {}
         try:
             async with self.lock:
@@ -140,12 +141,15 @@ class Calibrator:
                         timed[s.worker_id] = round(seconds * 1e3, 3)
         except (asyncio.TimeoutError, ChannelClosed, KeyError) as exc:
             c.event("stage_timing_failed", plan=dep.plan_id, error=str(exc) or type(exc).__name__)
-            return
+            return dep
         repriced = reprice(c, dep)
         if repriced:
-            dep.predicted.update({"calibrated_tpot_s": dep.predicted.get("tpot_s"), **repriced})
+            event = S.Repriced(dep.plan_id, {**dep.predicted, "calibrated_tpot_s": dep.predicted.get("tpot_s"), **repriced})
+            c.emit(event)
+            dep = replace(dep, predicted=dict(event.predicted))
         c.event("stages_timed", plan=dep.plan_id, step_ms=timed, tpot_ms=round(dep.predicted["tpot_s"] * 1e3, 3))
         c.replan_wanted.set()  # the speeds moved: the policy decides whether another plan is now better
+        return dep
 
     async def _round(self, wid: str, ranges) -> list[tuple[float, float]]:
         c = self.coord

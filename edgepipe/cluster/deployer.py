@@ -160,7 +160,7 @@ class Deployer:
         except BaseException as exc:
             c.emit(S.PrepareFailed(dep.plan_id, str(exc).splitlines()[0] if str(exc) else type(exc).__name__, c.clock()))
             raise
-        await c.calibrator.time_stages(dep)  # the first plan timed on its own ranges (calibration)
+        dep = await c.calibrator.time_stages(dep)  # the first plan timed on its own ranges (calibration)
         c.emit(S.Committing(c.clock()))
         moved: dict = {}
         paused_at = c.clock()

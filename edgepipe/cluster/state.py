@@ -22,7 +22,7 @@ from typing import Mapping
 # The event types (``events``), re-exported so callers write ``state.Heard(...)``.
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
-    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, Pinned,
+    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, Pinned, Repriced,
     RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
 )
 from . import measurements
@@ -197,6 +197,10 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _replace(state, spare=stages)
         case Pinned(plan_id, until):
             return _replace(state, pin=None if plan_id is None else (plan_id, until))
+        case Repriced(plan_id, predicted):
+            repriced = {slot: _replace(dep, predicted=dict(predicted)) for slot in ("active", "preparing")
+                        if (dep := getattr(state, slot)) is not None and dep.plan_id == plan_id}
+            return _replace(state, **repriced) if repriced else state
         case RequestStarted(rid, positions):
             return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:

@@ -260,7 +260,8 @@ def reprice(c, dep) -> dict | None:
     workers = [views[w] for w in dep.workers if w in views]
     if len(workers) != len(dep.workers):
         return None
-    model, request = policy.model(c), policy.request(c)
+    ctx = c.plan_context(workers)
+    model, request = policy.model(ctx), policy.request(ctx)
     try:
         p = evaluate(running_plan(dep, model, request).stages, model, c.profile.device_profiles(workers),
                      c.profile.network_profile(workers), request)

@@ -29,7 +29,8 @@ from . import measurements, state as S, views
 from .calibration import Calibrator
 from .connections import Connections
 from .deployer import Deployer
-from .placement import Deployment, StageAssignment, proportional_split
+from .placement import Deployment, StageAssignment
+from .planning import MemoryProportional, PlanContext, PlanPolicy
 from .profiling import ClusterProfile
 from .requests import Requests
 from .steps import PipelineBroken, RequestFailed, StepRecord, Steps
@@ -63,21 +64,13 @@ class CoordinatorSettings:
     batch_invariant: bool = False  # stages run graphs that give a sequence the same bits alone as batched (graphs.pad_lone_rows)
 
 
-PlanFn = Callable[["Coordinator", list[WorkerView]], tuple[list[StageAssignment], str, dict]]
-
-
-def memory_proportional_plan(coord: "Coordinator", workers: list[WorkerView]):
-    stages = proportional_split(coord.n_units, [(w.id, w.memory_bytes) for w in sorted(workers, key=lambda w: w.joined_at)])
-    return stages, "layers split in proportion to declared memory", {}
-
-
 class Coordinator:
-    def __init__(self, package, settings: CoordinatorSettings | None = None, plan_fn: PlanFn | None = None,
+    def __init__(self, package, settings: CoordinatorSettings | None = None, plan_fn: PlanPolicy | None = None,
                  on_step: Callable[[StepRecord], None] | None = None, clock: Callable[[], float] = time.monotonic):
         self.package = package
         self.manifest = package.manifest
         self.settings = settings or CoordinatorSettings()
-        self.plan_fn = plan_fn or memory_proportional_plan
+        self.plan_fn = plan_fn or MemoryProportional()
         self.on_step = on_step or (lambda record: None)
         self.clock = clock  # every time the control plane reads (the simulation injects a virtual one)
         self.cluster = ClusterState(phase_since=clock())
@@ -163,7 +156,11 @@ class Coordinator:
 
     @property
     def running_prediction(self) -> dict | None:
-        return getattr(self.plan_fn, "running_prediction", None)
+        return self.plan_fn.running_prediction
+
+    def plan_context(self, workers: list[WorkerView]) -> PlanContext:
+        """What the plan function decides from (it is given no more than this)."""
+        return PlanContext(self.cluster, self.profile, workers, self.clock(), self.kv_plan_positions(), self.recovery_s())
 
     @property
     def kv_capacity(self) -> int | None:

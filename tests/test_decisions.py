@@ -3,8 +3,12 @@ switch or stay, resume or replay. (Abandon and blame: ``membership``, in test_si
 
 from __future__ import annotations
 
+import pytest
+
 from edgepipe.cluster import deploy
 from edgepipe.cluster.placement import Deployment, StageAssignment as A
+
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
 
 RUNNING = Deployment(3, (A("w1", 0, 4), A("w2", 4, 8)))
 OTHER = [A("w1", 0, 5), A("w2", 5, 8)]

@@ -6,6 +6,10 @@ import re
 
 from edgepipe.cluster.narrate import describe
 
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
+
 RAW_JSON = re.compile(r'[{}]|":|\d\.\d{5,}')
 
 

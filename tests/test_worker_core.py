@@ -11,6 +11,8 @@ from edgepipe.net.messages import Activate, Drop, ErrorCode, KvExport, Load, Nex
 from edgepipe.net.protocol import Message, MessageType as T, ProtocolError, decode, encode
 from edgepipe.worker import core
 
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
+
 NEXT = NextHop("worker", "w9", "ws://10.0.0.9:7000", False, "s3cret")
 HEAD = NextHop("coordinator")
 

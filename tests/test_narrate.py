@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-from edgepipe.cluster.narrate import describe
+import pytest
 
-import pytest  # noqa: E402
+from edgepipe.cluster.narrate import describe
 
 pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
 

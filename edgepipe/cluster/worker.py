@@ -35,6 +35,7 @@ from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChanne
 from ..net.messages import PROBE_PLAN, Bye, ErrorCode
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode, error_frame
 from ..runtime.devices import resolve as resolve_device
+from ..runtime.prefix_store import PrefixMiss, PrefixStore, prefix_entry
 from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner, spin_by_default
 from .blobcache import BlobCache
 
@@ -134,6 +135,7 @@ class Slot:
     secret: str | None = None  # what this stage's predecessor must present on the data port
     frame_limit: int = limits.HEADER_SLACK_BYTES  # largest frame accepted on the data port for this plan
     max_context: int | None = None
+    prefix: PrefixStore = field(default_factory=PrefixStore)  # cached prompt blocks of this plan's stage (cluster.prefix)
 
 
 class Worker:
@@ -707,7 +709,7 @@ class Worker:
         except (ContextOverflow, KeyError, ValueError, RuntimeError) as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             code = {ContextOverflow: ErrorCode.CONTEXT, KeyError: ErrorCode.NO_STAGE,
-                    CorruptInput: ErrorCode.CORRUPT_INPUT}.get(type(exc), ErrorCode.BAD_INPUT)
+                    CorruptInput: ErrorCode.CORRUPT_INPUT, PrefixMiss: ErrorCode.PREFIX_MISS}.get(type(exc), ErrorCode.BAD_INPUT)
         except Exception as exc:  # noqa: BLE001 - onnxruntime errors must not kill the worker
             text, code = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", ErrorCode.INTERNAL
         else:
@@ -728,6 +730,9 @@ class Worker:
             problem = validate.activation_problem(x, hidden or None, slot.max_context)
             if problem:
                 raise CorruptInput(f"plan {plan}: {problem}")
+        prefixes = [(item["seq"], entry) for item in batch if (entry := prefix_entry(item)) is not None]
+        for seq, entry in prefixes:  # install cached prompt blocks first: the frame starts after them
+            await loop.run_in_executor(self.pool, slot.prefix.before, slot.runner, seq, entry)
         for item in batch:  # a frame must start where the sequence's cache ends: a lost frame leaves a hole
             pos = item.get("pos")
             # A stage without decoder layers (embedding or head alone) keeps no KV: nothing to check
@@ -753,6 +758,8 @@ class Worker:
         compute = time.perf_counter() - t0
         if x.shape[1] == 1:
             self._step_s[id(slot.runner)] = compute
+        for seq, entry in prefixes:
+            await loop.run_in_executor(self.pool, slot.prefix.after, slot.runner, seq, entry)
         if self.joins != membership:  # rejoined meanwhile: that step belonged to the previous membership
             return
         extra = self.slowdown.extra_wait(compute, cpu)
@@ -855,7 +862,7 @@ class Worker:
         return task
 
     def _kv_bytes(self) -> int:
-        return sum(s.runner.kv_bytes for s in self.slots.values())
+        return sum(s.runner.kv_bytes + s.prefix.nbytes for s in self.slots.values())
 
 
 def _default_cache() -> Path:

@@ -32,9 +32,10 @@ class ErrorCode(str, Enum):
     INTERNAL = "internal"  # anything else on the worker: the request fails
     CORRUPT_INPUT = "corrupt_input"  # the stage's input was unusable (non-finite, wrong shape): the sender is at fault, retry
     REFUSED = "refused"  # the coordinator refuses this worker (join token, bad frame, ...)
+    PREFIX_MISS = "prefix_miss"  # the stage lacks a cached prefix block the frame reuses: the plan's cache is dropped, retry
 
 
-RETRYABLE = frozenset({ErrorCode.UNREACHABLE, ErrorCode.NO_STAGE, ErrorCode.CORRUPT_INPUT})
+RETRYABLE = frozenset({ErrorCode.UNREACHABLE, ErrorCode.NO_STAGE, ErrorCode.CORRUPT_INPUT, ErrorCode.PREFIX_MISS})
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ class Kv(Wire):
 class Token(Wire):
     TYPE = T.TOKEN
     plan: int
-    batch: list  # [{seq, step, rid, sampling[, partial][, pos]}], as sent
+    batch: list  # [{seq, step, rid, sampling[, partial][, pos][, prefix]}], as sent
     tokens: list  # one id per batch entry
     timings: list  # [[worker_id, seconds, positions, bytes/elem, batch], ...]
     # per batch entry that asked (sampling.logprobs), else None: {logprob, top_ids, top_logprobs[,

@@ -1,0 +1,96 @@
+"""The prefix cache through real worker processes: a multi-turn chat whose later turns start from
+cached blocks gives exactly the tokens of a whole prefill (single-process reference), with 1 and
+3 workers; prompt logprobs reuse nothing; hits show in the status and /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from edgepipe.model.store import missing_reference, reference_gguf
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
+
+from harness import Server
+
+SYSTEM = "You are a patient tutor. You answer in short, plain sentences and never use lists. " * 8
+QUESTIONS = ["What is a prime number?", "Is 91 one of them?", "Why?"]
+
+
+def reference_tokens(pkg, messages: list[dict], max_tokens: int) -> list[int]:
+    tok = pkg.tokenizer
+    ids = tok.encode(tok.format_chat(messages))
+    out = generate(pkg.pipeline(), ids, GenerationParams(max_tokens=max_tokens), tok.decode, pkg.manifest.eos_ids).tokens
+    return [t for t in out if t not in pkg.manifest.eos_ids]
+
+
+def chat(server, messages: list[dict], max_tokens: int, **extra) -> dict:
+    r = server.client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                                                          "return_token_ids": True, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def play_turns(server, max_tokens: int) -> list[tuple[list[dict], list[int]]]:
+    """Each turn resends the whole history; returns (messages, token ids) per turn."""
+    messages, turns = [{"role": "system", "content": SYSTEM}], []
+    for q in QUESTIONS:
+        messages = messages + [{"role": "user", "content": q}]
+        choice = chat(server, messages, max_tokens)["choices"][0]
+        turns.append((messages, choice["token_ids"]))
+        messages = messages + [{"role": "assistant", "content": choice["message"]["content"]}]
+    return turns
+
+
+@contextlib.contextmanager
+def _server(request, home, workers: int):
+    if workers == 3:
+        yield request.getfixturevalue("three_workers")
+    else:
+        with Server(home, workers=workers, args=("--placement", "memory")) as server:
+            yield server
+
+
+@pytest.mark.parametrize("workers", [3, 1])
+def test_cached_turns_give_the_tokens_of_a_whole_prefill(int4_pkg, home, workers, request):
+    with _server(request, home, workers) as server:
+        before = server.status()["prefix_cache"]
+        assert before["on"], before
+        turns = play_turns(server, 16)
+        after = server.status()["prefix_cache"]
+        # Every later turn starts with the earlier turn's prompt: at least the system prompt is reused.
+        assert after["hits"] - before["hits"] >= len(QUESTIONS) - 1, (before, after)
+        assert after["reused_positions"] - before["reused_positions"] >= 2 * 128
+        for messages, got in turns:
+            assert got == reference_tokens(int4_pkg, messages, 16), messages[-1]
+        metrics = server.client.get("/metrics").text
+        hits = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("edgepipe_prefix_hits_total"))
+        assert hits >= len(QUESTIONS) - 1
+        # Prompt logprobs need every position's logits: that prefill reuses nothing, and still agrees.
+        messages = turns[-1][0]
+        seen = server.status()["prefix_cache"]["hits"]
+        r = server.client.post("/v1/completions", json={"prompt": int4_pkg.tokenizer.format_chat(messages), "max_tokens": 4,
+                                                         "temperature": 0, "echo": True, "logprobs": 1})
+        assert r.status_code == 200, r.text
+        assert server.status()["prefix_cache"]["hits"] == seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 3])
+def test_cached_prefix_is_exact_on_qwen(home, workers):
+    """Qwen2.5-Coder-0.5B (its own blocks, native): a prompt from cached blocks equals the same
+    prompt computed whole on the same cluster, with 1 and 3 workers."""
+    if missing := missing_reference("qwen05"):
+        pytest.fail(missing)
+    args = ("--model", str(reference_gguf("qwen05")), "--precision", "native", "--placement", "memory")
+    with Server(home, workers=workers, args=args, timeout=600) as server:
+        question = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Write a Python function that adds two numbers."}]
+        whole = chat(server, question, 24)["choices"][0]["token_ids"]  # cold: every position computed
+        other = chat(server, [question[0], {"role": "user", "content": "And one that multiplies them?"}], 8)
+        assert other["choices"][0]["token_ids"]
+        before = server.status()["prefix_cache"]
+        again = chat(server, question, 24)["choices"][0]["token_ids"]
+        after = server.status()["prefix_cache"]
+        assert after["hits"] == before["hits"] + 1 and after["reused_positions"] - before["reused_positions"] >= 128
+        assert again == whole

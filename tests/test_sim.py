@@ -77,3 +77,21 @@ def test_an_injected_leak_fails_the_simulation(monkeypatch):
     caught = [r for r in (run(Schedule.random(seed)) for seed in range(10_000, 10_030)) if r.violations]
     assert caught, "30 schedules did not notice a leaked reservation"
     assert any("KV reservations left" in v for r in caught for v in r.violations)
+
+
+def test_lost_prefix_blocks_and_plan_switches_keep_tokens_exact():
+    """The prefix cache under the simulation: prompts sharing a start reuse blocks; a worker that
+    lost its blocks (``forget_prefixes``) makes the next reuse miss, the coordinator drops the
+    cache and the request replays; a worker joining later switches the plan (the cache of the old
+    plan is dropped). Every answer is the reference's."""
+    from edgepipe.cluster.simrun import Fault, Req
+    from edgepipe.cluster.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM
+
+    stem = (11, 12, 13, 14, 15, 16)
+    memory = 9 * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES
+    requests = tuple(Req(at, stem + tail, 6) for at, tail in ((2.0, (1, 2)), (4.0, (3, 4, 5)), (8.0, (6, 7)), (20.0, (8, 9)), (24.0, (1, 2))))
+    schedule = Schedule(4242, (memory, memory), (0.0, 15.0), requests, (Fault("forget_prefixes", 6.0, 0), Fault("join_late", 15.0, 1)))
+    report = run(schedule)
+    assert not report.violations, report.violations
+    assert report.ok == len(requests)
+    assert report.prefix_hits >= 3 and report.prefix_dropped >= 2, report

@@ -40,11 +40,11 @@ N_UNITS = 8
 UNIT_BYTES = 100_000_000
 UNIT_KV_ROOM = 1000 * 256  # a unit's KV room as a real worker keeps it: kv_bytes_per_token x min(KV_RESERVE_TOKENS, max_context)
 SETTINGS = dict(heartbeat_s=1.0, dead_after_s=2.0, lose_after_s=6.0, step_timeout_s=8.0, load_timeout_s=6.0,
-                capacity_wait_s=10.0, max_wait_s=30.0, replan_every_s=5.0, calibrate=False)
+                capacity_wait_s=10.0, max_wait_s=30.0, replan_every_s=5.0, calibrate=False, prefix_block=2, prefix_cache_positions=24)
 REQUEST_BOUND_S = SETTINGS["max_wait_s"] + SETTINGS["step_timeout_s"] + 12.0  # admitted -> tokens or a clear error
 UP_BOUND_S = 30.0  # last fault healed -> Up, when the live workers can hold the model
 FAULTS = ("kill", "stall", "slow", "partition_coord", "partition_peer", "reconnect", "join_late", "restart", "malformed", "bad_request",
-          "drop_work")
+          "drop_work", "forget_prefixes")
 # Faults after which a worker may rightly be quarantined (it took work and computed nothing).
 QUARANTINE_FAULTS = ("stall", "partition_coord", "drop_work")
 
@@ -209,6 +209,7 @@ class FakeWorker:
         self.computed = 0
         self.slots: dict[int, tuple[int, int, dict]] = {}  # plan -> (start, end, next hop)
         self.runners: dict[tuple[int, int], dict[str, list[int]]] = {}  # range -> seq -> per-unit state + [positions held]
+        self.prefixes: dict[int, tuple[int, dict[str, list[int]]]] = {}  # plan -> (epoch, block name -> state after the block)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.control: SimChannel | None = None
         self.tasks: list[asyncio.Task] = []
@@ -243,6 +244,7 @@ class FakeWorker:
             self.world.spawn(self.world.coordinator.attach(theirs))
             self.slots.clear()
             self.runners.clear()
+            self.prefixes.clear()
             try:
                 await mine.send(encode(Message(T.HELLO, {"name": self.name, "kind": "native", "memory_bytes": self.memory, "threads": 1,
                                                          "data_url": self.url, "emulation": {"memory_budget": self.memory}})))
@@ -272,6 +274,7 @@ class FakeWorker:
                 self.slots = {p: s for p, s in self.slots.items() if p in keep}
                 used = {(s[0], s[1]) for s in self.slots.values()}
                 self.runners = {r: kv for r, kv in self.runners.items() if r in used}
+                self.prefixes = {p: s for p, s in self.prefixes.items() if p in keep}
             elif msg.type is T.PROBE:
                 await ch.send(encode(Message(T.PROBED, {"probe": msg["probe"], "ok": True, "times": [0.01 * self.slowdown] * 10})))
             elif msg.type in (T.FORWARD, T.DROP, T.KV_EXPORT):
@@ -325,6 +328,14 @@ class FakeWorker:
         await asyncio.sleep(0.002 * x.shape[1] * (end - start) * len(batch) * self.slowdown)
         await self._stall()
         kv = self.runners.setdefault((start, end), {})
+        saves = {}
+        for item in batch:  # cached prompt blocks first, as the real stage (runtime.prefix_store)
+            entry = item.get("prefix")
+            if entry:
+                missing = self._prefix_before(msg["plan"], kv, item["seq"], entry)
+                if missing:
+                    return await self._error(ch, batch, ErrorCode.PREFIX_MISS, missing)
+                saves[item["seq"]] = entry
         for item in batch:  # as the real stage: a frame must start where the sequence's cache ends
             held = kv.get(item["seq"], [0] * (end - start + 1))[-1]
             if item.get("pos") is not None and item["pos"] != held:
@@ -333,12 +344,17 @@ class FakeWorker:
         y = np.zeros_like(x)
         for row, item in enumerate(batch):
             h = kv.setdefault(item["seq"], [0] * (end - start + 1))
-            h[-1] += x.shape[1]
+            entry = saves.get(item["seq"])
+            epoch, held = self.prefixes.get(msg["plan"], (0, {}))
+            keep = {i: name for i, name in entry["save"]} if entry and entry["epoch"] == epoch else {}
             for col in range(x.shape[1]):
                 v = int(x[row, col])
                 for k, u in enumerate(range(start, end)):
                     h[k], v = _unit(h[k], v, u)
                 y[row, col] = v
+                h[-1] += 1
+                if keep and h[-1] % entry["block"] == 0 and h[-1] // entry["block"] - 1 in keep:
+                    held[keep[h[-1] // entry["block"] - 1]] = list(h)
         self.computed += len(batch)
         timings = list(msg.get("timings", [])) + [[self.name, 0.002 * self.slowdown, int(x.shape[1]), 4, len(batch)]]
         if nxt["kind"] == "coordinator":
@@ -352,6 +368,22 @@ class FakeWorker:
             return await self._error(ch, batch, ErrorCode.UNREACHABLE, f"next hop unreachable: {nxt['url']}")
         frame = Message(T.FORWARD, {"plan": msg["plan"], "batch": batch, "timings": timings}, {"x": y})
         target.data.put(asyncio.get_running_loop().time() + 0.001, (target.control, frame))
+
+    def _prefix_before(self, plan: int, kv: dict, seq: str, entry: dict) -> str | None:
+        """A decision's epoch, install and evict, as ``runtime.prefix_store``; a miss says why."""
+        epoch, held = self.prefixes.get(plan, (0, {}))
+        if entry["epoch"] > epoch:
+            epoch, held = entry["epoch"], {}
+            self.prefixes[plan] = (epoch, held)
+        if entry["epoch"] < epoch:
+            return f"{seq}: prefix epoch {entry['epoch']} is gone" if entry["reuse"] else None
+        if entry["reuse"]:
+            if any(name not in held for name in entry["reuse"]):
+                return f"{seq}: {self.name} lacks a prefix block"
+            kv[seq] = list(held[entry["reuse"][-1]])
+        for name in entry["evict"]:
+            held.pop(name, None)
+        return None
 
     async def _error(self, ch, batch, code: ErrorCode, text: str) -> None:
         for item in batch:

@@ -94,3 +94,46 @@ def test_cached_prefix_is_exact_on_qwen(home, workers):
         after = server.status()["prefix_cache"]
         assert after["hits"] == before["hits"] + 1 and after["reused_positions"] - before["reused_positions"] >= 128
         assert again == whole
+
+
+def test_plan_switch_and_lost_worker_drop_the_cache_and_tokens_stay_exact(int4_pkg, home):
+    """A rebalance (every stage's range changes) and a killed worker (recovery on the survivor)
+    each start the cache afresh on the new plan; the answers before, across and after are the
+    single-process tokens, and the new plan caches and reuses again."""
+    import os
+    import signal
+
+    import httpx
+
+    def ask(server, q: str) -> list[int]:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        got = chat(server, messages, 8)["choices"][0]["token_ids"]
+        assert got == reference_tokens(int4_pkg, messages, 8), q
+        return got
+
+    with Server(home, workers=2, args=("--placement", "memory")) as server:
+        ask(server, QUESTIONS[0])
+        ask(server, QUESTIONS[1])
+        first = server.status()["prefix_cache"]
+        assert first["hits"] >= 1 and first["blocks"] > 0
+        stages = server.status()["plan"]["stages"]
+        a, b = stages[0]["worker"], stages[1]["worker"]
+        cut = 20 if stages[0]["end"] != 20 else 12
+        moved = httpx.post(server.url + "/v1/cluster/rebalance", timeout=120, json={"stages": [
+            {"worker": a, "start": 0, "end": cut}, {"worker": b, "start": cut, "end": 32}], "pin_s": 600}).json()
+        server.wait_for(lambda s: s["state"] == "up" and s["plan"]["id"] == moved["plan"])
+        ask(server, QUESTIONS[2])  # the new plan holds nothing yet: computed whole, and cached
+        switched = server.status()["prefix_cache"]
+        assert switched["hits"] == first["hits"] and switched["dropped"] >= 1
+        ask(server, QUESTIONS[0])
+        assert server.status()["prefix_cache"]["hits"] == first["hits"] + 1
+        victim = next(w for w in server.status()["workers"] if w["id"] == b)
+        os.kill(victim["pid"], signal.SIGKILL)
+        server.wait_for(lambda s: s["state"] == "up" and b not in [st["worker"] for st in s["plan"]["stages"]], timeout=180)
+        before = server.status()
+        ask(server, QUESTIONS[1])
+        ask(server, QUESTIONS[2])
+        after = server.status()
+        assert after["prefix_cache"]["dropped"] > switched["dropped"]  # the plan that lost a worker took its cache along
+        if after["plan"]["id"] == before["plan"]["id"]:  # (serve restarts its killed local worker, which may re-plan again)
+            assert after["prefix_cache"]["hits"] == before["prefix_cache"]["hits"] + 1  # the first computes, the second reuses

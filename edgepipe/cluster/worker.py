@@ -536,7 +536,8 @@ class Worker:
             await self._send_control(Message(T.PONG, {"t": msg.get("t"), "kv_bytes": self._kv_bytes(), "queue": self.queue.qsize(),
                                                       "busy_s": self.busy_s, "computed": self.computed,
                                                       "fetched_bytes": self.fetched_bytes, "joins": self.joins,
-                                                      "loop_lag_s": round(self.loop_lag_s, 3)}))
+                                                      "loop_lag_s": round(self.loop_lag_s, 3),
+                                                      "prefix_bytes": sum(s.prefix.nbytes for s in self.slots.values())}))
             self.loop_lag_s = 0.0
         elif msg.type is T.LOAD:
             self._spawn(self._load(msg))
@@ -862,7 +863,7 @@ class Worker:
         return task
 
     def _kv_bytes(self) -> int:
-        return sum(s.runner.kv_bytes + s.prefix.nbytes for s in self.slots.values())
+        return sum(s.runner.kv_bytes for s in self.slots.values())
 
 
 def _default_cache() -> Path:

@@ -208,6 +208,7 @@ class Pong(Wire):
     fetched_bytes: int | None = None  # blob bytes this process downloaded so far
     joins: int | None = None  # memberships of this process (1 + rejoins)
     loop_lag_s: float | None = None  # worst event-loop hold-up since the last pong
+    prefix_bytes: int | None = None  # KV of cached prompt blocks it holds (beside kv_bytes, the sequences' KV)
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,8 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
                         _logprob_entry(entry, vocab_size)
             return Token(_need_int(f["plan"], "plan"), batch, tokens, _timings(f.get("timings", [])), logprobs)
         if msg.type is T.PONG:
-            return Pong(_num(f.get("t")), f.get("kv_bytes"), f.get("queue"), f.get("busy_s"), f.get("computed"))
+            return Pong(_num(f.get("t")), f.get("kv_bytes"), f.get("queue"), f.get("busy_s"), f.get("computed"),
+                        prefix_bytes=f["prefix_bytes"] if _int(f.get("prefix_bytes")) and f["prefix_bytes"] >= 0 else None)
         if msg.type is T.LOADED:
             return Loaded(bool(f.get("ok")), _opt_int(f.get("plan"), "plan"), _opt_int(f.get("kv_received"), "kv_received"),
                           None if f.get("error") is None else str(f["error"]).splitlines()[0] if str(f["error"]) else "error",

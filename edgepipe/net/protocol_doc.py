@@ -119,6 +119,7 @@ DOCS: dict[type, MessageDoc] = {
         "fetched_bytes": "unit-file bytes this process downloaded so far",
         "joins": "memberships of this process (1 + rejoins)",
         "loop_lag_s": "worst event-loop hold-up since the last pong",
+        "prefix_bytes": "KV of the cached prompt blocks it holds (prefix cache), beside `kv_bytes` (the sequences' KV)",
     }),
     messages.Probe: MessageDoc("c→w; w→w on a data port (kind `echo`, plan 0)", "time decode steps of a slot, the uplink, or a worker-to-worker link", {
         "probe": "probe id",

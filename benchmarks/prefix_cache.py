@@ -108,7 +108,7 @@ def main() -> None:
               "tokens_identical": identical, "cache_status": {str(w): runs[(w, "status")] for w in args.workers}}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=1))
-    lines = [f"# Prefix cache: multi-turn chat, time to first token with and without", "",
+    lines = ["# Prefix cache: multi-turn chat, time to first token with and without", "",
              f"- when: {report['when']}; model {report['model']} (int4), local workers on this machine, `--placement memory`",
              f"- machine: {machine['nproc']} cores, {machine['cpu']}; load average {report['load_average']['before']} before, "
              f"{report['load_average']['after']} after (a shared machine: compare the columns of one row, measured minutes apart)",

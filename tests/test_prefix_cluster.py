@@ -137,3 +137,46 @@ def test_plan_switch_and_lost_worker_drop_the_cache_and_tokens_stay_exact(int4_p
         assert after["prefix_cache"]["dropped"] > switched["dropped"]  # the plan that lost a worker took its cache along
         if after["plan"]["id"] == before["plan"]["id"]:  # (serve restarts its killed local worker, which may re-plan again)
             assert after["prefix_cache"]["hits"] == before["prefix_cache"]["hits"] + 1  # the first computes, the second reuses
+
+
+def test_concurrent_and_structured_requests_on_cached_blocks(int4_pkg, keyed_server):
+    """On a ``--batch-invariant`` cluster, prompts that share a cached system prompt and run
+    together (their decode steps batched in lanes) each get their solo tokens; a JSON-schema
+    request on cached blocks gives the answer it gave computed whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    server = keyed_server
+    alone = int4_pkg.pipeline(batch_invariant=True)
+    headers = {"Authorization": "Bearer sekrit"}
+
+    def ask(body: dict) -> dict:
+        with httpx.Client(base_url=server.url, timeout=300, headers=headers) as c:
+            r = c.post("/v1/chat/completions", json={"temperature": 0, "return_token_ids": True, **body})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]
+
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}, "sure": {"type": "boolean"}},
+              "required": ["answer", "sure"], "additionalProperties": False}
+    structured = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is 7 prime? Reply in JSON."}],
+                  "max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}}
+    whole = ask(structured)  # the first prompt with this system prompt on this server: computed whole
+    before = server.status()["prefix_cache"]
+    questions = ["Name a fruit.", "What is 2 + 2?", "Say hi.", "Give me a colour."]
+    bodies = [{"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}], "max_tokens": 12} for q in questions]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        got = list(pool.map(ask, bodies))
+    for body, choice in zip(bodies, got):
+        assert choice["token_ids"] == reference_tokens_with(int4_pkg, alone, body["messages"], 12), body["messages"][-1]
+    again = ask(structured)
+    after = server.status()["prefix_cache"]
+    assert after["hits"] - before["hits"] >= len(bodies) + 1
+    assert again["token_ids"] == whole["token_ids"] and again["message"]["content"] == whole["message"]["content"]
+
+
+def reference_tokens_with(pkg, pipeline, messages: list[dict], max_tokens: int) -> list[int]:
+    tok = pkg.tokenizer
+    ids = tok.encode(tok.format_chat(messages))
+    out = generate(pipeline, ids, GenerationParams(max_tokens=max_tokens), tok.decode, pkg.manifest.eos_ids, seq="ref").tokens
+    return [t for t in out if t not in pkg.manifest.eos_ids]

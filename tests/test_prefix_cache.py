@@ -162,3 +162,19 @@ def check_reuse_is_exact(pkg, cuts):
 @pytest.mark.parametrize("cuts", [(), (10, 21)])
 def test_reused_kv_is_bit_identical_to_recomputing_it(int4_pkg, cuts):
     check_reuse_is_exact(int4_pkg, cuts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["native", "gguf"])
+def test_reused_kv_is_bit_identical_on_qwen(home, precision):
+    """Qwen2.5-Coder-0.5B: its own blocks (MatMulNBits) and the GGUF kernel library's form."""
+    from edgepipe.model.store import missing_reference, reference_gguf, resolve
+
+    if missing := missing_reference("qwen05"):
+        pytest.fail(missing)
+    check_reuse_is_exact(resolve(str(reference_gguf("qwen05")), precision, home), (8, 17))
+
+
+@pytest.mark.slow
+def test_reused_kv_is_bit_identical_in_fp32(fp32_pkg):
+    check_reuse_is_exact(fp32_pkg, (10, 21))

@@ -43,6 +43,25 @@ def play_turns(server, max_tokens: int) -> list[tuple[list[dict], list[int]]]:
     return turns
 
 
+def stream_text(server, messages: list[dict], n: int, on_chunk) -> str:
+    """A streamed greedy chat answer of ``n`` tokens; ``on_chunk(count)`` after each chunk."""
+    import json
+
+    import httpx
+
+    pieces = []
+    body = {"messages": messages, "max_tokens": n, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=300) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                pieces += [choice["delta"].get("content", "") for choice in chunk["choices"]]
+                on_chunk(len(pieces))
+    return "".join(pieces)
+
+
 @contextlib.contextmanager
 def _server(request, home, workers: int):
     if workers == 3:
@@ -119,14 +138,29 @@ def test_plan_switch_and_lost_worker_drop_the_cache_and_tokens_stay_exact(int4_p
         stages = server.status()["plan"]["stages"]
         a, b = stages[0]["worker"], stages[1]["worker"]
         cut = 20 if stages[0]["end"] != 20 else 12
-        moved = httpx.post(server.url + "/v1/cluster/rebalance", timeout=120, json={"stages": [
-            {"worker": a, "start": 0, "end": cut}, {"worker": b, "start": cut, "end": 32}], "pin_s": 600}).json()
-        server.wait_for(lambda s: s["state"] == "up" and s["plan"]["id"] == moved["plan"])
+        moved = {}
+
+        def rebalance(n: int) -> None:
+            if n == 8 and not moved:
+                moved.update(httpx.post(server.url + "/v1/cluster/rebalance", timeout=120, json={"stages": [
+                    {"worker": a, "start": 0, "end": cut}, {"worker": b, "start": cut, "end": 32}], "pin_s": 600}).json())
+
+        # A stream that starts from cached blocks, the plan switched under it: its KV (the reused
+        # positions with the rest) moves or is rebuilt, and its tokens stay the reference's.
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[2]}]
+        text = stream_text(server, messages, 32, rebalance)
+        tok = int4_pkg.tokenizer
+        want = generate(int4_pkg.pipeline(), tok.encode(tok.format_chat(messages)), GenerationParams(max_tokens=32, ignore_eos=True),
+                        tok.decode, int4_pkg.manifest.eos_ids).tokens
+        assert text == tok.decode(want)
+        up = [e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == "up" and e.get("plan") == moved["plan"]]
+        assert up and up[0]["kv_moved"] + up[0]["kv_recomputed"] == 1
+        assert server.status()["prefix_cache"]["hits"] == first["hits"] + 1
         ask(server, QUESTIONS[2])  # the new plan holds nothing yet: computed whole, and cached
         switched = server.status()["prefix_cache"]
-        assert switched["hits"] == first["hits"] and switched["dropped"] >= 1
+        assert switched["hits"] == first["hits"] + 1 and switched["dropped"] >= 1
         ask(server, QUESTIONS[0])
-        assert server.status()["prefix_cache"]["hits"] == first["hits"] + 1
+        assert server.status()["prefix_cache"]["hits"] == first["hits"] + 2
         victim = next(w for w in server.status()["workers"] if w["id"] == b)
         os.kill(victim["pid"], signal.SIGKILL)
         server.wait_for(lambda s: s["state"] == "up" and b not in [st["worker"] for st in s["plan"]["stages"]], timeout=180)

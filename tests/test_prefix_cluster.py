@@ -71,7 +71,8 @@ def _server(request, home, workers: int):
             yield server
 
 
-@pytest.mark.parametrize("workers", [3, 1])
+# 3 workers in the default run (the shared server; one stage is covered by tests/test_prefix_cache.py), 1 with -m slow
+@pytest.mark.parametrize("workers", [3, pytest.param(1, marks=pytest.mark.slow)])
 def test_cached_turns_give_the_tokens_of_a_whole_prefill(int4_pkg, home, workers, request):
     with _server(request, home, workers) as server:
         before = server.status()["prefix_cache"]

@@ -5,8 +5,8 @@ A prompt is cut into blocks of ``block`` token ids; block ``i`` is named by a ha
 blocks ``0..i`` (as vLLM and llama-server do), so one name stands for the whole prefix that ends
 with it. Every stage of a plan must hold the same blocks, so the coordinator decides for all of
 them: the prefill frame that travels through every stage carries a :class:`PrefillDecision`
-(install these blocks first, keep those after computing, evict these), and each stage applies it
-in frame order. The stages never report what they hold; the coordinator's :class:`PrefixCache`
+(install these blocks, evict those, keep these once computed), and each stage applies it in
+frame order. The stages never report what they hold; the coordinator's :class:`PrefixCache`
 is the truth, and whenever it might not be (a frame carrying a decision failed or was cancelled
 part-way down the pipeline) the whole cache of the plan is dropped: a new ``epoch``, which each
 stage sees in the next decision and clears its store for. A plan switch drops it too (a stage's

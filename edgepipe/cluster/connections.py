@@ -112,7 +112,7 @@ class Connections:
             if rtt is not None:
                 c.measure(M.HeartbeatRtt(wid, rtt))
             c.emit(S.Ponged(wid, rtt, {"kv_bytes": typed.kv_bytes, "queue": typed.queue, "busy_s": typed.busy_s,
-                                          "computed": typed.computed}, c.clock()))
+                                          "computed": typed.computed, "prefix_bytes": typed.prefix_bytes}, c.clock()))
         elif msg.type is T.LOADED:
             if typed.kv_received is not None:
                 c.deployer.migration.moved(typed)

@@ -31,6 +31,7 @@ from .connections import Connections
 from .deployer import Deployer
 from .placement import Deployment, StageAssignment
 from .planning import MemoryProportional, PlanContext, PlanPolicy
+from .prefix_cache import PrefixCaching
 from .profiling import ClusterProfile
 from .requests import Requests
 from .steps import PipelineBroken, RequestFailed, StepRecord, Steps
@@ -62,6 +63,8 @@ class CoordinatorSettings:
     max_wait_s: float = 300.0  # a request without progress for this long fails (cluster down, pipeline failing)
     calibration_file: str | None = None  # calibrations kept here survive a coordinator restart
     batch_invariant: bool = False  # stages run graphs that give a sequence the same bits alone as batched (graphs.pad_lone_rows)
+    prefix_cache_positions: int = 4096  # KV positions each stage may keep of cached prompt prefixes (0: no prefix cache)
+    prefix_block: int = 32  # token ids per cached block (cluster.prefix)
 
 
 class Coordinator:
@@ -87,6 +90,7 @@ class Coordinator:
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.stopped = False
+        self.prefix = PrefixCaching(self)
         self.steps = Steps(self)
         self.requests = Requests(self, self.steps)
         self.deployer = Deployer(self)

@@ -109,6 +109,7 @@ class Pinged:
     kv_bytes: int
     queue: int
     loop_lag_s: float
+    prefix_bytes: int = 0  # KV of cached prompt blocks (beside the sequences' KV)
 
 
 @dataclass(frozen=True)
@@ -236,9 +237,10 @@ class BuildSession:
 
 @dataclass(frozen=True)
 class KeepSessions:
-    """Release every built session but these graphs."""
+    """Release every built session but these graphs, and the prefix blocks of every plan but these."""
 
     graphs: frozenset[str]
+    plans: frozenset[int] | None = None  # None: every plan's blocks stay
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,7 @@ class RunStage:
     seqs: list[str]
     x: np.ndarray
     inline: bool  # a fast decode step: run on the event loop
+    prefixes: tuple[tuple[str, dict], ...] = ()  # (seq, prefix entry): cached blocks installed before, saved after (cluster.prefix)
 
 
 @dataclass(frozen=True)
@@ -330,7 +333,7 @@ def _joined(state: WorkerState, event: Joined) -> tuple[WorkerState, list[Comman
 def _pinged(state: WorkerState, event: Pinged) -> tuple[WorkerState, list[Command]]:
     return state, [SendControl(Message(T.PONG, {"t": event.t, "kv_bytes": event.kv_bytes, "queue": event.queue, "busy_s": state.busy_s,
                                                 "computed": state.computed, "fetched_bytes": state.fetched_bytes, "joins": state.joins,
-                                                "loop_lag_s": round(event.loop_lag_s, 3)}))]
+                                                "loop_lag_s": round(event.loop_lag_s, 3), "prefix_bytes": event.prefix_bytes}))]
 
 
 def _load(state: WorkerState, load: Load) -> tuple[WorkerState, list[Command]]:
@@ -406,7 +409,7 @@ def _forget_sessions(state: WorkerState) -> WorkerState:
 def _activate(state: WorkerState, event: Activate) -> tuple[WorkerState, list[Command]]:
     keep = set(event.keep)
     state = _forget_sessions(replace(state, stages={p: s for p, s in state.stages.items() if p in keep}))
-    return state, [KeepSessions(_used_graphs(state))]
+    return state, [KeepSessions(_used_graphs(state), frozenset(state.stages))]
 
 
 def _drop(state: WorkerState, event: Drop) -> tuple[WorkerState, list[Command]]:
@@ -464,10 +467,18 @@ def forward_problem(state: WorkerState, msg: Message) -> tuple[ErrorCode, str] |
     for item in batch:  # a frame must start where the sequence's cache ends: a lost frame leaves a hole
         if not isinstance(item, dict) or not isinstance(item.get("seq"), str):
             return ErrorCode.BAD_INPUT, "forward frame: a batch entry lacks seq"
+        try:
+            entry = validate.prefix_entry(item)
+        except ValueError as exc:
+            return ErrorCode.BAD_INPUT, str(exc)
         pos = item.get("pos")
         # A stage without decoder layers (embedding or head alone) keeps no KV: nothing to check
         # (and no KV moves to it, so after a switch it has not heard of the sequence).
         held = state.length(stage.graph, item["seq"])
+        if entry and entry.get("reuse") and session.layers:  # cached blocks become the sequence's first positions
+            if held:
+                return ErrorCode.BAD_INPUT, f"{item['seq']} already holds {held} positions: a prefix is installed into a new sequence only"
+            held = len(entry["reuse"]) * entry["block"]
         if isinstance(pos, int) and session.layers and pos != held:
             return ErrorCode.CORRUPT_INPUT, f"plan {plan}: {item['seq']} holds {held} positions, the frame starts at {pos} (a frame was lost)"
     return None
@@ -487,7 +498,8 @@ def _forward(state: WorkerState, msg: Message) -> tuple[WorkerState, list[Comman
     # waits at most one such step). Slow steps and prefills use the thread, so the loop stays
     # free to answer heartbeats.
     inline = x.shape[1] == 1 and state.step_s.get(stage.graph, 0.0) < INLINE_STEP_S
-    return state, [RunStage(msg, stage.graph, [item["seq"] for item in msg["batch"]], x, inline)]
+    prefixes = tuple((item["seq"], item["prefix"]) for item in msg["batch"] if item.get("prefix") is not None)
+    return state, [RunStage(msg, stage.graph, [item["seq"] for item in msg["batch"]], x, inline and not prefixes, prefixes)]
 
 
 def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Command]]:

@@ -12,6 +12,8 @@ from edgepipe.cluster.placement import Deployment, StageAssignment as A
 from edgepipe.net.messages import Error, ErrorCode, Token, parse
 from edgepipe.net.protocol import Message, MessageType as T, ProtocolError
 
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
+
 GB = 1 << 30
 
 

@@ -52,7 +52,7 @@ def test_benchmarks_use_the_harness_not_sys_path():
     for path in BENCHMARKS:
         text = path.read_text()
         assert "sys.path" not in text, f"{path.name} edits sys.path"
-        assert not re.search(r"^\s*(from|import) (harness|browser|placement|decode|quant_layouts)\b", text, re.M), \
+        assert not re.search(r"^\s*(from|import) (tests|harness|browser|placement|decode|quant_layouts)\b", text, re.M), \
             f"{path.name} imports tests/ or another script"
     for path in (ROOT / "edgepipe" / "bench").glob("*.py"):
         assert not re.search(r"^\s*(from|import) (tests|harness)\b", path.read_text(), re.M), f"edgepipe/bench/{path.name} imports tests/"

@@ -3,8 +3,12 @@ switch or stay, resume or replay. (Abandon and blame: ``membership``, in test_si
 
 from __future__ import annotations
 
+import pytest
+
 from edgepipe.cluster import deploy
 from edgepipe.cluster.placement import Deployment, StageAssignment as A
+
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
 
 RUNNING = Deployment(3, (A("w1", 0, 4), A("w2", 4, 8)))
 OTHER = [A("w1", 0, 5), A("w2", 5, 8)]
@@ -65,19 +69,22 @@ def test_after_a_broken_step_it_replays_even_on_the_same_plan():
 
 
 def test_the_event_log_replays_into_the_state_the_coordinator_holds(monkeypatch):
-    """Every state change is an event kept in an indexed, bounded log: folding ``apply`` over it
-    from the state before its oldest event gives the coordinator's state, after seeded fault
-    schedules (kills, partitions, restarts, ...) and with the log far shorter than the run."""
+    """Every state change and every measurement is an event kept in an indexed, bounded log:
+    folding them over the state and profile before its oldest event gives the coordinator's
+    state and profile (what the planner decides from), after seeded fault schedules (kills,
+    partitions, restarts, ...; calibration and link probes on) with the log far shorter than the run."""
     from edgepipe.cluster import state as S
     from edgepipe.cluster.coordinator import Coordinator
     from edgepipe.cluster.simrun import Schedule, run
 
-    monkeypatch.setattr(S.EventLog.__init__, "__defaults__", (64,))
+    monkeypatch.setattr(S.EventLog.__init__, "__defaults__", (None, 64))
     checked = []
     stop = Coordinator.stop
 
     async def checking_stop(self):
-        checked.append((self.history.replay() == self.cluster, self.history.first, len(self.history.events)))
+        state, profile = self.history.replay()
+        same = state == self.cluster and profile.snapshot() == self.profile.snapshot() and profile.snapshot()["devices"]
+        checked.append((bool(same), self.history.first, len(self.history.events)))
         await stop(self)
 
     monkeypatch.setattr(Coordinator, "stop", checking_stop)
@@ -85,6 +92,6 @@ def test_the_event_log_replays_into_the_state_the_coordinator_holds(monkeypatch)
         assert not run(Schedule.random(seed)).violations
     assert checked and all(same for same, _, _ in checked), checked
     assert any(first > 0 for _, first, _ in checked)  # the bound was reached and the base moved on
-    log = S.EventLog(S.ClusterState(), size=2)
+    log = S.EventLog(S.ClusterState(), None, size=2)
     assert [log.append(S.PlanFailed("a")), log.append(S.PlanFailed("b")), log.append(S.PlanFailed("c"))] == [0, 1, 2]
-    assert [i for i, _ in log.since(0)] == [1, 2] and log.replay() == S.apply(S.ClusterState(), S.PlanFailed("c"))
+    assert [i for i, _ in log.since(0)] == [1, 2] and log.replay()[0] == S.apply(S.ClusterState(), S.PlanFailed("c"))

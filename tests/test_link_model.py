@@ -17,6 +17,8 @@ from edgepipe.plan.brute import layouts, price
 from edgepipe.plan.profiles import link_matrix
 from test_plan_search import random_instance
 
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
+
 MB = 1 << 20
 
 

@@ -13,6 +13,8 @@ from edgepipe.cluster.placement import Deployment, StageAssignment as A
 from edgepipe.net.messages import Error, ErrorCode, Hello, Token, parse
 from edgepipe.net.protocol import Message, MessageType as T, ProtocolError, decode, encode
 
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
+
 GB = 1 << 30
 
 

@@ -11,6 +11,8 @@ from edgepipe.net.messages import Activate, Drop, ErrorCode, KvExport, Load, Nex
 from edgepipe.net.protocol import Message, MessageType as T, ProtocolError, decode, encode
 from edgepipe.worker import core
 
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
+
 NEXT = NextHop("worker", "w9", "ws://10.0.0.9:7000", False, "s3cret")
 HEAD = NextHop("coordinator")
 
@@ -131,7 +133,7 @@ def test_activate_releases_sessions_no_kept_plan_uses():
     state = _with_stage()
     state = _with_stage(state, _load(plan=2, start=2, end=4, graph="g-2-4", keep=(1, 2)), _session("g-2-4", first=False, layers=(2, 3)))
     state, cmds = core.handle(state, Activate([2]))
-    assert set(state.stages) == {2} and set(state.sessions) == {"g-2-4"} and cmds == [core.KeepSessions(frozenset({"g-2-4"}))]
+    assert set(state.stages) == {2} and set(state.sessions) == {"g-2-4"} and cmds == [core.KeepSessions(frozenset({"g-2-4"}), frozenset({2}))]
 
 
 def test_drop_forgets_the_sequence_everywhere():
@@ -191,3 +193,15 @@ def test_every_coordinator_frame_parses_to_its_type_and_bad_ones_say_why():
     with pytest.raises(ProtocolError, match="missing field"):
         parse(Message(T.KV_EXPORT, {"seq": "a"}))
     assert parse(Message(T.DROP, {"seq": "a"})) == Drop("a")
+
+
+def test_a_prefix_reuse_starts_the_frame_after_the_cached_blocks():
+    state = _with_stage()
+    entry = {"epoch": 1, "block": 4, "reuse": ["b0", "b1"], "save": [], "evict": []}
+    fwd = Message(T.FORWARD, {"plan": 1, "batch": [{"seq": "a", "step": 0, "pos": 8, "prefix": entry}]}, {"x": np.zeros((1, 3), np.int64)})
+    _, cmds = core.handle(state, fwd)
+    assert isinstance(cmds[0], core.RunStage) and cmds[0].prefixes == (("a", entry),) and not cmds[0].inline
+    wrong = Message(T.FORWARD, {"plan": 1, "batch": [{"seq": "a", "step": 0, "pos": 0, "prefix": entry}]}, {"x": np.zeros((1, 3), np.int64)})
+    assert _errors(core.handle(state, wrong)[1]) == [("corrupt_input", "a")]
+    bad = Message(T.FORWARD, {"plan": 1, "batch": [{"seq": "a", "step": 0, "prefix": {"epoch": -1}}]}, {"x": np.zeros((1, 3), np.int64)})
+    assert _errors(core.handle(state, bad)[1]) == [("bad_input", "a")]

@@ -17,7 +17,7 @@ from ..net import auth, validate
 from ..net.channel import Channel, ChannelClosed
 from ..net.messages import ErrorCode, Hello, Ping, Welcome, parse
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, error_frame
-from . import deploy, membership, state as S
+from . import deploy, measurements as M, membership, state as S
 from .steps import PipelineBroken
 from .views import Link
 
@@ -73,7 +73,7 @@ class Connections:
         info = c.cluster.workers[wid]
         c.event("join", worker=wid, memory=info.memory_bytes, emulation=None if declared.emulation is None else dict(declared.emulation),
                 device_kind=declared.kind)
-        c.profile.joined(name, c.clock())
+        c.measure(M.DeviceJoined(name, c.clock()))
         c.calibrator.joined(wid)
         c.replan_wanted.set()
         try:
@@ -118,9 +118,9 @@ class Connections:
         elif msg.type is T.PONG:
             rtt = c.clock() - typed.t if typed.t is not None and typed.t <= c.clock() else None
             if rtt is not None:
-                c.profile.heartbeat(wid, rtt)
+                c.measure(M.HeartbeatRtt(wid, rtt))
             c.emit(S.Ponged(wid, rtt, {"kv_bytes": typed.kv_bytes, "queue": typed.queue, "busy_s": typed.busy_s,
-                                          "computed": typed.computed}, c.clock()))
+                                          "computed": typed.computed, "prefix_bytes": typed.prefix_bytes}, c.clock()))
         elif msg.type is T.LOADED:
             if typed.kv_received is not None:
                 c.deployer.migration.moved(typed)

@@ -97,7 +97,7 @@ class Deployer:
                 stages, reason, predicted = list(spare), "spare plan (recovery)", {}
                 c.replan_wanted.set()
             else:
-                stages, reason, predicted = c.plan_fn(c, workers)
+                stages, reason, predicted = c.plan_fn(c.plan_context(workers))
             if not stages:
                 c.emit(S.PlanFailed(reason))
                 c.event("plan_failed", error=reason)
@@ -160,7 +160,7 @@ class Deployer:
         except BaseException as exc:
             c.emit(S.PrepareFailed(dep.plan_id, str(exc).splitlines()[0] if str(exc) else type(exc).__name__, c.clock()))
             raise
-        await c.calibrator.time_stages(dep)  # the first plan timed on its own ranges (calibration)
+        dep = await c.calibrator.time_stages(dep)  # the first plan timed on its own ranges (calibration)
         c.emit(S.Committing(c.clock()))
         moved: dict = {}
         paused_at = c.clock()
@@ -212,11 +212,9 @@ class Deployer:
     async def prefetch_spare(self, dep: Deployment) -> None:
         """Fetch the files of the spare plan ahead of a failure (000's shadow assignment)."""
         c = self.coord
-        spare = getattr(c.plan_fn, "spare", None)
-        if spare is None:
-            return
+        live = {w.id for w in c.cluster.live(c.clock())}
         try:
-            stages = spare(c, dep)
+            stages = c.plan_fn.spare(c.plan_context([w for w in c.workers.values() if w.id in live]), dep)
         except Exception as exc:  # a spare is an optimisation: never let it disturb serving
             c.event("spare_failed", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return

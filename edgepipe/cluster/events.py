@@ -125,6 +125,14 @@ class Pinned:
 
 
 @dataclass(frozen=True)
+class Repriced:
+    """A plan (active or being prepared) priced again with measured speeds (its stages timed on their own ranges)."""
+
+    plan_id: int
+    predicted: dict
+
+
+@dataclass(frozen=True)
 class RequestStarted:
     rid: str
     positions: int
@@ -152,4 +160,4 @@ class RequestEnded:
 
 
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
-         | Committing | Committed | PlanFailed | SpareChosen | Pinned | RequestStarted | RequestFed | KvMoved | RequestEnded)
+         | Committing | Committed | PlanFailed | SpareChosen | Pinned | Repriced | RequestStarted | RequestFed | KvMoved | RequestEnded)

@@ -14,6 +14,7 @@ import asyncio
 
 from ..net import auth
 from ..net.channel import ChannelClosed
+from .measurements import PeerLink
 from .steps import PipelineBroken
 
 MAX_PEERS_AT_JOIN = 8  # a newcomer measures its links to at most this many workers at once (the rest when planned)
@@ -55,7 +56,7 @@ class LinkProber:
         if not (reply.ok and reply.rtt_s is not None and reply.bandwidth_bytes_per_s):
             c.event("link_probe_failed", src=src, dst=dst, error=getattr(reply, "error", None) or "no figures")
             return False
-        c.profile.peer_measured(src, dst, reply.rtt_s, reply.bandwidth_bytes_per_s)
+        c.measure(PeerLink(src, dst, reply.rtt_s, reply.bandwidth_bytes_per_s))
         c.event("link_measured", src=src, dst=dst, rtt_ms=round(reply.rtt_s * 1e3, 3),
                 mb_s=round(reply.bandwidth_bytes_per_s / 1e6, 4))
         return True

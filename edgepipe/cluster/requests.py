@@ -18,7 +18,7 @@ from typing import AsyncIterator
 from ..net.limits import KV_RESERVE_TOKENS
 from ..runtime import controls
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta
-from . import scheduling, state as S
+from . import measurements as M, scheduling, state as S
 from .placement import Deployment
 from .profiling import RUNTIME_OVERHEAD_BYTES
 from .steps import PipelineBroken, RequestFailed, StepRecord, Steps, stop_if_cancelled
@@ -158,7 +158,8 @@ class Requests:
             worker, compute, positions = entry[0], entry[1], entry[2]
             batch = entry[4] if len(entry) > 4 else 1
             if positions == 1 and worker in ranges:
-                self.coord.profile.step(worker, *ranges[worker], compute, batch)
+                self.coord.measure(M.StageStep(worker, *ranges[worker], compute, batch))
         if record.first_in_batch and record.tokens_in == 1 and self.coord.requests_in_flight == 1:  # what hops took (profiling)
-            self.coord.profile.step_observed([(s.worker_id, s.start, s.end) for s in dep.stages], record.wall_s, record.timings)
+            self.coord.measure(M.StepObserved(tuple((s.worker_id, s.start, s.end) for s in dep.stages), record.wall_s,
+                                              tuple(map(tuple, record.timings))))
         self.coord.recent_steps.append((record.tokens_in, record.wall_s))

@@ -36,6 +36,7 @@ class FakeWorker:
         # the fake model's slowness is in its compute; the core adds no emulated wait of its own
         self.state = core.WorkerState(name, budget_bytes=memory, data_url=self.url)
         self.kv: dict[str, dict[str, list[int]]] = {}  # graph -> seq -> per-unit state + [positions held]
+        self.prefixes: dict[int, tuple[int, dict[str, list[int]]]] = {}  # plan -> (epoch, block name -> state after the block)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.control = None
         self.tasks: list[asyncio.Task] = []
@@ -160,10 +161,13 @@ class FakeWorker:
                 self.kv.get(graph, {}).pop(cmd.seq, None)
         elif isinstance(cmd, core.KeepSessions):
             self.kv = {g: kv for g, kv in self.kv.items() if g in cmd.graphs}
+            if cmd.plans is not None:
+                self.prefixes = {p: s for p, s in self.prefixes.items() if p in cmd.plans}
         elif isinstance(cmd, core.Forget):
             while not self.queue.empty():
                 self.queue.get_nowait()
             self.kv = {g: {} for g in self.kv}
+            self.prefixes.clear()
         elif isinstance(cmd, core.FetchFiles):
             await asyncio.sleep(0.2 * self.slowdown)
             await self._stall()
@@ -203,18 +207,45 @@ class FakeWorker:
         await asyncio.sleep(compute_s)
         await self._stall()
         kv = self.kv.setdefault(cmd.graph, {})
+        plan = cmd.forward["plan"]
+        saves = dict(cmd.prefixes)
+        for seq, entry in cmd.prefixes:  # cached prompt blocks first, as the real stage (runtime.prefix_store)
+            missing = self._prefix_before(plan, kv, seq, entry)
+            if missing:
+                return core.Failed(cmd.forward, ErrorCode.PREFIX_MISS, missing, {s: kv[s][-1] for s in cmd.seqs if s in kv})
         y = np.zeros_like(x)
         for row, item in enumerate(batch):
             h = kv.setdefault(item["seq"], [0] * (end - start + 1))
-            h[-1] += x.shape[1]
+            entry = saves.get(item["seq"])
+            epoch, held = self.prefixes.get(plan, (0, {}))
+            keep = {i: name for i, name in entry["save"]} if entry and entry["epoch"] == epoch else {}
             for col in range(x.shape[1]):
                 v = int(x[row, col])
                 for k, u in enumerate(range(start, end)):
                     h[k], v = _unit(h[k], v, u)
                 y[row, col] = v
+                h[-1] += 1
+                if keep and h[-1] % entry["block"] == 0 and h[-1] // entry["block"] - 1 in keep:
+                    held[keep[h[-1] // entry["block"] - 1]] = list(h)
         out = np.array([int(y[r, -1]) % VOCAB for r in range(len(batch))], np.int64) if end == N_UNITS else y
         lengths = {item["seq"]: kv[item["seq"]][-1] for item in batch}
         return core.Computed(cmd.forward, out, 0.002 * self.slowdown, None, int(x.shape[1]), self.state.joins, lengths)
+
+    def _prefix_before(self, plan: int, kv: dict, seq: str, entry: dict) -> str | None:
+        """A decision's epoch, install and evict, as ``runtime.prefix_store``; a miss says why."""
+        epoch, held = self.prefixes.get(plan, (0, {}))
+        if entry["epoch"] > epoch:
+            epoch, held = entry["epoch"], {}
+            self.prefixes[plan] = (epoch, held)
+        if entry["epoch"] < epoch:
+            return f"{seq}: prefix epoch {entry['epoch']} is gone" if entry.get("reuse") else None
+        if entry.get("reuse"):
+            if any(name not in held for name in entry["reuse"]):
+                return f"{seq}: {self.name} lacks a prefix block"
+            kv[seq] = list(held[entry["reuse"][-1]])
+        for name in entry.get("evict") or ():
+            held.pop(name, None)
+        return None
 
     async def _export(self, cmd: core.ExportKv) -> None:
         e = cmd.export

@@ -72,9 +72,12 @@ class Schedule:
                                 round(rng.uniform(2, 10), 2)))
         join_at = tuple(next((f.at for f in faults if f.kind == "join_late" and f.worker == i), 0.0) for i in range(n))
         requests = []
+        # Prompts often share a start (a system prompt), so the prefix cache reuses blocks.
+        stems = [tuple(rng.randrange(sim.VOCAB) for _ in range(rng.randint(2, 7))) for _ in range(2)]
         for _ in range(rng.randint(1, 6)):
             bad = rng.choice(("top_k", "max_tokens", "context")) if any(f.kind == "bad_request" for f in faults) and rng.random() < 0.4 else None
-            requests.append(Req(round(rng.uniform(0, 30), 3), tuple(rng.randrange(sim.VOCAB) for _ in range(rng.randint(1, 6))),
+            stem = rng.choice(stems) if rng.random() < 0.7 else ()
+            requests.append(Req(round(rng.uniform(0, 30), 3), stem + tuple(rng.randrange(sim.VOCAB) for _ in range(rng.randint(1, 6))),
                                 rng.randint(1, 12), bad))
         return Schedule(seed, memories, join_at, tuple(sorted(requests, key=lambda r: r.at)), tuple(sorted(faults, key=lambda f: f.at)))
 
@@ -95,6 +98,8 @@ class Report:
     worst_ok_s: float = 0.0
     worst_error_s: float = 0.0
     errors_seen: list[str] = field(default_factory=list)
+    prefix_hits: int = 0  # prompt prefills that started from cached blocks
+    prefix_dropped: int = 0  # times a coordinator dropped its whole prefix cache (plan switch, failed frame, miss)
 
 
 class World:
@@ -196,6 +201,8 @@ async def _fault(world: World, f: Fault) -> float:
         await old.stop()
     elif f.kind == "malformed" and not w.dead:
         w.malformed = 1 + f.worker % 4
+    elif f.kind == "forget_prefixes":  # its cached blocks are gone, unknown to the coordinator
+        w.prefixes.clear()
     return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work") else 0.0)
 
 
@@ -213,6 +220,8 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
         out.append(f"KV moves left: {sorted(coord.deployer.migration.moves)}")
     if coord.steps.lanes.lane_of or any(l.members or l.waiting or l.flying for l in coord.steps.lanes.lanes):
         out.append("lane members left")
+    if coord.prefix.cache.pending:
+        out.append(f"prefix decisions never committed or dropped: {sorted(coord.prefix.cache.pending)}")
     return out
 
 
@@ -281,6 +290,8 @@ async def _main(schedule: Schedule) -> Report:
     await asyncio.sleep(SETTINGS["load_timeout_s"] + 1)  # a load or move seen in flight twice, that long apart, leaked
     for i, (c, adm) in enumerate(world.coordinators):
         report.violations += [f"coordinator {i}: {leak}" for leak in _leaks(c, adm) if leak in first[i]]
+    report.prefix_hits = sum(c.prefix.counts.hits for c, _ in world.coordinators)
+    report.prefix_dropped = sum(c.prefix.counts.dropped for c, _ in world.coordinators)
     for w in world.workers:
         w.kill()
     for c, _ in world.coordinators:
@@ -308,7 +319,7 @@ def replay_command(seed: int) -> str:
 def _play_one(seed: int) -> tuple:
     logging.disable(logging.CRITICAL)
     r = run(Schedule.random(seed))
-    return seed, sorted(set(r.kinds)), r.violations, r.time_to_up, r.worst_error_s, r.worst_ok_s, r.ok, r.errors, r.rejected
+    return seed, sorted(set(r.kinds)), r.violations, r.time_to_up, r.worst_error_s, r.worst_ok_s, r.ok, r.errors, r.rejected, r.prefix_hits
 
 
 def play(first: int, count: int) -> dict:
@@ -325,7 +336,8 @@ def play(first: int, count: int) -> dict:
         "worst_time_to_up_s": max((r[3] for r in results if r[3] is not None), default=None),
         "worst_time_to_error_s": max(r[4] for r in results), "worst_time_to_complete_s": max(r[5] for r in results),
         "requests_ok": sum(r[6] for r in results), "requests_failed_clearly": sum(r[7] for r in results),
-        "requests_rejected": sum(r[8] for r in results), "failing": [[r[0], r[2]] for r in results if r[2]],
+        "requests_rejected": sum(r[8] for r in results), "prefix_hits": sum(r[9] for r in results),
+        "failing": [[r[0], r[2]] for r in results if r[2]],
     }
 
 

@@ -22,10 +22,11 @@ from typing import Mapping
 # The event types (``events``), re-exported so callers write ``state.Heard(...)``.
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
-    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, Pinned,
+    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, Pinned, Repriced,
     RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
 )
 from ..net.messages import Hello
+from . import measurements
 from .placement import Deployment, StageAssignment
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
@@ -195,6 +196,10 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _replace(state, spare=stages)
         case Pinned(plan_id, until):
             return _replace(state, pin=None if plan_id is None else (plan_id, until))
+        case Repriced(plan_id, predicted):
+            repriced = {slot: _replace(dep, predicted=dict(predicted)) for slot in ("active", "preparing")
+                        if (dep := getattr(state, slot)) is not None and dep.plan_id == plan_id}
+            return _replace(state, **repriced) if repriced else state
         case RequestStarted(rid, positions):
             return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
@@ -248,30 +253,50 @@ def _phase(state: ClusterState, phase: Phase, now: float) -> ClusterState:
 
 
 class EventLog:
-    """The last ``size`` events applied, numbered from 0, and the state before the oldest kept:
-    ``replay()`` folds ``apply`` over them from there and gives the state they produced, so what
-    the planner decided from can be rebuilt from the log (and a test checks that it is)."""
+    """The last ``size`` events, numbered from 0: the state events (applied with ``apply``) and
+    the measurements (``cluster.measurements``, applied to the profile), with the state and the
+    profile as they stood before the oldest kept. ``replay()`` folds the kept events over those
+    and gives the state and profile they produced, so what the planner decided from can be
+    rebuilt from the log (and a test checks that it is)."""
 
-    def __init__(self, initial: ClusterState, size: int = 4096):
+    def __init__(self, initial: ClusterState, profile=None, size: int = 4096):
+        import copy
         from collections import deque
 
         self.base, self.first, self.size = initial, 0, size  # the state before event number ``first``
-        self.events: deque[Event] = deque()
+        self.base_profile = copy.deepcopy(profile)  # the profile before it (advanced in place as events drop off)
+        self.events: deque = deque()
 
-    def append(self, event: Event) -> int:
-        """Record an applied event; its index."""
+    def append(self, event) -> int:
+        """Record an applied event or measurement; its index."""
         self.events.append(event)
         if len(self.events) > self.size:
-            self.base, self.first = apply(self.base, self.events.popleft()), self.first + 1
+            self.base = self._fold(self.base, self.base_profile, self.events.popleft())
+            self.first += 1
         return self.first + len(self.events) - 1
 
-    def since(self, index: int) -> list[tuple[int, Event]]:
+    def since(self, index: int) -> list[tuple[int, object]]:
         """The kept events numbered ``index`` and later (the earliest kept if those are gone)."""
         start = max(index, self.first)
         return [(i, e) for i, e in enumerate(self.events, self.first) if i >= start]
 
-    def replay(self) -> ClusterState:
-        state = self.base
+    def replay(self):
+        """(state, profile) after the kept events."""
+        import copy
+
+        state, profile = self.base, copy.deepcopy(self.base_profile)
         for event in self.events:
-            state = apply(state, event)
-        return state
+            state = self._fold(state, profile, event)
+        return state, profile
+
+    @staticmethod
+    def _fold(state: ClusterState, profile, event) -> ClusterState:
+        if isinstance(event, MEASUREMENTS):
+            if profile is not None:
+                profile.apply(event)
+            return state
+        return apply(state, event)
+
+
+MEASUREMENTS = tuple(getattr(measurements, n) for n in measurements.__dict__ if isinstance(getattr(measurements, n), type)
+                     and getattr(measurements, n).__module__ == measurements.__name__)

@@ -96,4 +96,5 @@ def status(coord) -> dict:
         "last_failure": coord.cluster.last_failure,
         "capacity": coord.requests.lacking(),
         "state_seconds": {k: round(v, 3) for k, v in coord.state_durations().items()},
+        "prefix_cache": coord.prefix.view(),
     }

@@ -34,9 +34,10 @@ class ErrorCode(str, Enum):
     INTERNAL = "internal"  # anything else on the worker: the request fails
     CORRUPT_INPUT = "corrupt_input"  # the stage's input was unusable (non-finite, wrong shape): the sender is at fault, retry
     REFUSED = "refused"  # the coordinator refuses this worker (join token, bad frame, ...)
+    PREFIX_MISS = "prefix_miss"  # the stage lacks a cached prefix block the frame reuses: the plan's cache is dropped, retry
 
 
-RETRYABLE = frozenset({ErrorCode.UNREACHABLE, ErrorCode.NO_STAGE, ErrorCode.CORRUPT_INPUT})
+RETRYABLE = frozenset({ErrorCode.UNREACHABLE, ErrorCode.NO_STAGE, ErrorCode.CORRUPT_INPUT, ErrorCode.PREFIX_MISS})
 
 
 @dataclass(frozen=True)
@@ -294,7 +295,7 @@ class Kv(Wire):
 class Token(Wire):
     TYPE = T.TOKEN
     plan: int
-    batch: list  # [{seq, step, rid, sampling[, partial][, pos]}], as sent
+    batch: list  # [{seq, step, rid, sampling[, partial][, pos][, prefix]}], as sent
     tokens: list  # one id per batch entry
     timings: list  # [[worker_id, seconds, positions, bytes/elem, batch], ...]
     # per batch entry that asked (sampling.logprobs), else None: {logprob, top_ids, top_logprobs[,
@@ -313,6 +314,7 @@ class Pong(Wire):
     fetched_bytes: int | None = None  # blob bytes this process downloaded so far
     joins: int | None = None  # memberships of this process (1 + rejoins)
     loop_lag_s: float | None = None  # worst event-loop hold-up since the last pong
+    prefix_bytes: int | None = None  # KV of cached prompt blocks it holds (beside kv_bytes, the sequences' KV)
 
 
 @dataclass(frozen=True)
@@ -393,7 +395,8 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
                         _logprob_entry(entry, vocab_size)
             return Token(_need_int(f["plan"], "plan"), batch, tokens, _timings(f.get("timings", [])), logprobs)
         if msg.type is T.PONG:
-            return Pong(_num(f.get("t")), f.get("kv_bytes"), f.get("queue"), f.get("busy_s"), f.get("computed"))
+            return Pong(_num(f.get("t")), f.get("kv_bytes"), f.get("queue"), f.get("busy_s"), f.get("computed"),
+                        prefix_bytes=f["prefix_bytes"] if _int(f.get("prefix_bytes")) and f["prefix_bytes"] >= 0 else None)
         if msg.type is T.LOADED:
             return Loaded(bool(f.get("ok")), _opt_int(f.get("plan"), "plan"), _opt_int(f.get("kv_received"), "kv_received"),
                           None if f.get("error") is None else str(f["error"]).splitlines()[0] if str(f["error"]) else "error",

@@ -16,294 +16,22 @@ stands when its turn comes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Union
+from dataclasses import replace
 
 import numpy as np
 
 from ..emulate.slowdown import MemoryBudget, MemoryBudgetExceeded, SlowdownPolicy
 from ..net import limits, validate
-from ..net.messages import PROBE_PLAN, Activate, Drop, Emulate, ErrorCode, KvExport, Load, NextHop, Probe
+from ..net.messages import PROBE_PLAN, Activate, Drop, Emulate, ErrorCode, KvExport, Load, Probe
 from ..net.protocol import Message, MessageType as T
+
+from .data import (  # noqa: F401 - the core's vocabulary, used as core.X by the shells and tests
+    Session, Stage, WorkerState, Joined, Pinged, Fetched, Built, LoadFailed, Computed, Failed, Imported, ExportFailed,
+    StageTimed, PeerMeasured, SendControl, SendPeer, Forget, FetchFiles, BuildSession, KeepSessions, RunStage, Wait,
+    DropSequence, ExportKv, ImportKv, SendLinkPayload, MeasurePeer, TimeStage, Event, Command)
 
 KV_RESERVE_TOKENS = limits.KV_RESERVE_TOKENS  # KV room a stage must leave for at least one sequence this long
 INLINE_STEP_S = 0.02  # decode steps faster than this run on the event loop (no thread hand-off)
-
-
-# -- state --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Session:
-    """What the core knows of a built stage graph: enough to check the frames it is given."""
-
-    graph: str
-    takes_token_ids: bool  # first stage: token ids in
-    emits_tokens: bool  # last stage: token ids out
-    hidden: int  # width of the activations in (0: token ids or unknown)
-    layers: tuple[int, ...]  # decoder layers it holds KV for (none: embedding or head alone)
-    vocab: int | None = None
-
-
-@dataclass(frozen=True)
-class Stage:
-    """A stage of one plan: units ``[start, end)`` run by ``graph``'s session, output to ``next``."""
-
-    plan: int
-    start: int
-    end: int
-    graph: str
-    next: NextHop
-    weight_bytes: int
-    secret: str | None = None  # what this stage's predecessor must present on the data port
-    frame_limit: int = limits.HEADER_SLACK_BYTES  # largest frame accepted on the data port for this plan
-    max_context: int | None = None
-
-
-@dataclass(frozen=True)
-class WorkerState:
-    name: str
-    join_token: str | None = None
-    budget_bytes: int | None = None  # emulated memory budget (weights + KV), None: none
-    slowdown: float = 1.0
-    misreport: float = 1.0  # reported compute times are divided by this (a faulty device, emulated)
-    drop_work: bool = False  # a faulty device that drops every activation frame (emulated)
-    activation_dtype: str = "float32"  # "float16" halves the bytes on the wire
-    data_url: str | None = None
-    worker_id: str | None = None
-    joins: int = 0  # memberships so far (1 + rejoins)
-    stages: dict[int, Stage] = field(default_factory=dict)  # plan -> stage
-    sessions: dict[str, Session] = field(default_factory=dict)  # built sessions by graph sha
-    warm: frozenset[str] = frozenset()  # sessions kept as a warm spare (or from the previous membership)
-    held: dict[str, dict[str, int]] = field(default_factory=dict)  # graph -> seq -> positions in its KV
-    step_s: dict[str, float] = field(default_factory=dict)  # graph -> last decode step's seconds
-    probe_secret: str | None = None  # what a peer timing this data port presents (probe kind "accept")
-    computed: int = 0
-    busy_s: float = 0.0
-    fetched_bytes: int = 0
-
-    def stage_of(self, plan: int) -> Stage | None:
-        return self.stages.get(plan)
-
-    def length(self, graph: str, seq: str) -> int:
-        return self.held.get(graph, {}).get(seq, 0)
-
-    def in_use(self, keep: list | tuple, warm: bool, graph: str) -> int:
-        """Weight bytes that stay beside a stage of ``graph``: the sessions of the stages kept (a
-        warm spare: of every stage), each counted once, ``graph``'s own not at all (it is reused)."""
-        kept = {s.graph: s.weight_bytes for p, s in self.stages.items() if warm or p in keep}
-        return sum(b for g, b in kept.items() if g != graph)
-
-
-# -- events from the shell (besides the typed wire messages) -------------------------------------------------
-@dataclass(frozen=True)
-class Joined:
-    """The coordinator welcomed this worker (a first join or a rejoin)."""
-
-    worker_id: str
-
-
-@dataclass(frozen=True)
-class Pinged:
-    """A PING, with what only the shell can see (KV bytes of its runners, queue, loop lag)."""
-
-    t: float | None
-    kv_bytes: int
-    queue: int
-    loop_lag_s: float
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """A LOAD's files are in the blob cache (``fetched_bytes`` of them were downloaded now)."""
-
-    load: Load
-    fetched_bytes: int
-    weight_bytes: int
-    repaired: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Built:
-    """A LOAD's session is built (or was already: ``reused``)."""
-
-    load: Load
-    session: Session
-    weight_bytes: int
-    fetched_bytes: int
-    load_s: float
-    reused: bool
-    repaired: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class LoadFailed:
-    load: Load
-    error: str  # one line
-
-
-@dataclass(frozen=True)
-class Computed:
-    """A FORWARD ran: ``out`` is the stage's output (hidden rows, or token ids from a head)."""
-
-    forward: Message
-    out: np.ndarray
-    compute_s: float
-    cpu_s: float | None  # the call's CPU time when single-threaded (see SlowdownPolicy)
-    positions: int
-    joins: int  # the membership it started in
-    lengths: dict = field(default_factory=dict)  # seq -> positions its KV holds now (the runner's count)
-    logprobs: dict = field(default_factory=dict)  # the head's logprobs field, when asked
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Work on a frame failed (compute, or sending its result): each sequence of it is told."""
-
-    msg: Message
-    code: ErrorCode
-    text: str
-    lengths: dict = field(default_factory=dict)  # seq -> positions its KV holds after the failure (the runner's count)
-
-
-@dataclass(frozen=True)
-class Imported:
-    """Moved KV is installed; ``length`` is what the sequence's KV now holds."""
-
-    kv: Message
-    graph: str
-    length: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class ExportFailed:
-    export: KvExport
-    error: str
-
-
-@dataclass(frozen=True)
-class StageTimed:
-    probe: int
-    times: list[float]
-
-
-@dataclass(frozen=True)
-class PeerMeasured:
-    probe: int
-    rtt_s: float | None = None
-    bandwidth_bytes_per_s: float | None = None
-    error: str | None = None
-
-
-Event = Union[Joined, Pinged, Fetched, Built, LoadFailed, Computed, Failed, Imported, ExportFailed, StageTimed, PeerMeasured,
-              Load, Activate, Drop, Emulate, Probe, KvExport, Message]  # Message: a FORWARD or KV frame, checked by net.messages.parse
-
-
-# -- commands for the shell ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SendControl:
-    msg: Message
-
-
-@dataclass(frozen=True)
-class SendPeer:
-    """A frame to another worker's data port for ``plan`` (presenting ``secret``)."""
-
-    url: str
-    plan: int
-    msg: Message
-    secret: str | None
-    fingerprint: str | None
-    about: Message | None = None  # the frame whose result this is: a failed send fails its sequences
-
-
-@dataclass(frozen=True)
-class Forget:
-    """A new membership: drop every sequence's KV, queued frames and peer connections."""
-
-
-@dataclass(frozen=True)
-class FetchFiles:
-    load: Load
-
-
-@dataclass(frozen=True)
-class BuildSession:
-    load: Load
-    fetched_bytes: int
-    weight_bytes: int
-    repaired: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class KeepSessions:
-    """Release every built session but these graphs."""
-
-    graphs: frozenset[str]
-
-
-@dataclass(frozen=True)
-class RunStage:
-    forward: Message
-    graph: str
-    seqs: list[str]
-    x: np.ndarray
-    inline: bool  # a fast decode step: run on the event loop
-
-
-@dataclass(frozen=True)
-class Wait:
-    seconds: float
-
-
-@dataclass(frozen=True)
-class DropSequence:
-    graphs: tuple[str, ...]
-    seq: str
-
-
-@dataclass(frozen=True)
-class ExportKv:
-    export: KvExport
-    graph: str
-    secret: str | None
-
-
-@dataclass(frozen=True)
-class ImportKv:
-    kv: Message
-    graph: str
-    layers: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SendLinkPayload:
-    probe: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class MeasurePeer:
-    probe: int
-    url: str
-    secret: str | None
-    fingerprint: str | None
-    most_bytes: int
-
-
-@dataclass(frozen=True)
-class TimeStage:
-    probe: int
-    graph: str
-    reps: int
-    context: int
-
-
-Command = Union[SendControl, SendPeer, Forget, FetchFiles, BuildSession, KeepSessions, RunStage, Wait, DropSequence, ExportKv, ImportKv,
-                SendLinkPayload, MeasurePeer, TimeStage]
-
-
-class CorruptInput(ValueError):
-    """What a predecessor sent this stage cannot be used (non-finite, wrong shape)."""
 
 
 # -- the transition ------------------------------------------------------------------------------------------
@@ -330,7 +58,7 @@ def _joined(state: WorkerState, event: Joined) -> tuple[WorkerState, list[Comman
 def _pinged(state: WorkerState, event: Pinged) -> tuple[WorkerState, list[Command]]:
     return state, [SendControl(Message(T.PONG, {"t": event.t, "kv_bytes": event.kv_bytes, "queue": event.queue, "busy_s": state.busy_s,
                                                 "computed": state.computed, "fetched_bytes": state.fetched_bytes, "joins": state.joins,
-                                                "loop_lag_s": round(event.loop_lag_s, 3)}))]
+                                                "loop_lag_s": round(event.loop_lag_s, 3), "prefix_bytes": event.prefix_bytes}))]
 
 
 def _load(state: WorkerState, load: Load) -> tuple[WorkerState, list[Command]]:
@@ -406,7 +134,7 @@ def _forget_sessions(state: WorkerState) -> WorkerState:
 def _activate(state: WorkerState, event: Activate) -> tuple[WorkerState, list[Command]]:
     keep = set(event.keep)
     state = _forget_sessions(replace(state, stages={p: s for p, s in state.stages.items() if p in keep}))
-    return state, [KeepSessions(_used_graphs(state))]
+    return state, [KeepSessions(_used_graphs(state), frozenset(state.stages))]
 
 
 def _drop(state: WorkerState, event: Drop) -> tuple[WorkerState, list[Command]]:
@@ -464,10 +192,18 @@ def forward_problem(state: WorkerState, msg: Message) -> tuple[ErrorCode, str] |
     for item in batch:  # a frame must start where the sequence's cache ends: a lost frame leaves a hole
         if not isinstance(item, dict) or not isinstance(item.get("seq"), str):
             return ErrorCode.BAD_INPUT, "forward frame: a batch entry lacks seq"
+        try:
+            entry = validate.prefix_entry(item)
+        except ValueError as exc:
+            return ErrorCode.BAD_INPUT, str(exc)
         pos = item.get("pos")
         # A stage without decoder layers (embedding or head alone) keeps no KV: nothing to check
         # (and no KV moves to it, so after a switch it has not heard of the sequence).
         held = state.length(stage.graph, item["seq"])
+        if entry and entry.get("reuse") and session.layers:  # cached blocks become the sequence's first positions
+            if held:
+                return ErrorCode.BAD_INPUT, f"{item['seq']} already holds {held} positions: a prefix is installed into a new sequence only"
+            held = len(entry["reuse"]) * entry["block"]
         if isinstance(pos, int) and session.layers and pos != held:
             return ErrorCode.CORRUPT_INPUT, f"plan {plan}: {item['seq']} holds {held} positions, the frame starts at {pos} (a frame was lost)"
     return None
@@ -487,7 +223,8 @@ def _forward(state: WorkerState, msg: Message) -> tuple[WorkerState, list[Comman
     # waits at most one such step). Slow steps and prefills use the thread, so the loop stays
     # free to answer heartbeats.
     inline = x.shape[1] == 1 and state.step_s.get(stage.graph, 0.0) < INLINE_STEP_S
-    return state, [RunStage(msg, stage.graph, [item["seq"] for item in msg["batch"]], x, inline)]
+    prefixes = tuple((item["seq"], item["prefix"]) for item in msg["batch"] if item.get("prefix") is not None)
+    return state, [RunStage(msg, stage.graph, [item["seq"] for item in msg["batch"]], x, inline and not prefixes, prefixes)]
 
 
 def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Command]]:

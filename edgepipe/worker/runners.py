@@ -15,6 +15,7 @@ import numpy as np
 from ..emulate.slowdown import SlowdownPolicy
 from ..net.messages import ErrorCode
 from ..net.protocol import Message, MessageType as T, encode
+from ..runtime.prefix_store import PrefixMiss, PrefixStore
 from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner, spin_by_default
 from . import core
 
@@ -23,7 +24,8 @@ def failure(exc: BaseException) -> tuple[ErrorCode, str]:
     """The error code and one line for an exception raised by a stage run."""
     if isinstance(exc, (ContextOverflow, KeyError, ValueError, RuntimeError)):
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        code = {ContextOverflow: ErrorCode.CONTEXT, KeyError: ErrorCode.NO_STAGE}.get(type(exc), ErrorCode.BAD_INPUT)
+        code = {ContextOverflow: ErrorCode.CONTEXT, KeyError: ErrorCode.NO_STAGE, PrefixMiss: ErrorCode.PREFIX_MISS}.get(type(exc),
+                                                                                                                    ErrorCode.BAD_INPUT)
         return code, text
     return ErrorCode.INTERNAL, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
@@ -38,6 +40,7 @@ class Runners:
     def __init__(self, threads: int | None, spin: bool | None, device):
         self.threads, self.spin, self.device = threads, spin, device
         self.by_graph: dict[str, StageRunner] = {}
+        self.prefix: dict[int, PrefixStore] = {}  # plan -> its stage's cached prompt blocks (cluster.prefix decides)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="compute")
 
     def build(self, graph: str, path, max_context: int | None) -> core.Session:
@@ -46,14 +49,21 @@ class Runners:
         self.by_graph[graph] = runner
         return session_of(graph, runner)
 
-    def keep(self, graphs: frozenset[str]) -> None:
-        for graph in [g for g in self.by_graph if g not in graphs]:
+    def keep(self, cmd: core.KeepSessions) -> None:
+        for graph in [g for g in self.by_graph if g not in cmd.graphs]:
             del self.by_graph[graph]  # its memory goes back
+        if cmd.plans is not None:
+            self.prefix = {p: store for p, store in self.prefix.items() if p in cmd.plans}
 
     def forget_sequences(self) -> None:
         for runner in self.by_graph.values():
             for seq in runner.sequences():
                 runner.drop(seq)
+        self.prefix.clear()
+
+    @property
+    def prefix_bytes(self) -> int:
+        return sum(store.nbytes for store in self.prefix.values())
 
     def drop(self, cmd: core.DropSequence) -> None:
         for graph in cmd.graphs:
@@ -68,10 +78,17 @@ class Runners:
         runner = self.by_graph[cmd.graph]
         sampling = SamplingBatch.from_wire(cmd.forward["batch"], runner.vocab) if runner.emits_tokens else None
 
+        store = self.prefix.setdefault(cmd.forward["plan"], PrefixStore()) if cmd.prefixes else None
+
         def timed():
+            for seq, entry in cmd.prefixes:  # install cached prompt blocks first: the frame starts after them
+                store.before(runner, seq, entry)
             c0 = time.thread_time()
             out = runner.run_batch(cmd.seqs, cmd.x, sampling)
-            return out, (time.thread_time() - c0 if single_thread else None)
+            cpu = time.thread_time() - c0 if single_thread else None
+            for seq, entry in cmd.prefixes:
+                store.after(runner, seq, entry)
+            return out, cpu
 
         t0 = time.perf_counter()
         try:

@@ -91,7 +91,7 @@ class Worker:
         elif isinstance(cmd, core.DropSequence):
             self.runners.drop(cmd)
         elif isinstance(cmd, core.KeepSessions):
-            self.runners.keep(cmd.graphs)
+            self.runners.keep(cmd)
         elif isinstance(cmd, core.Forget):
             self._forget()
         elif isinstance(cmd, core.FetchFiles):
@@ -368,7 +368,7 @@ class Worker:
             await self.queue.put(msg)  # in order with the forwards: a DROP never while that sequence computes
         elif msg.type is T.PING:
             kv = self.runners.kv_bytes(s.graph for s in self.state.stages.values())
-            await self.feed(core.Pinged(typed.t, kv, self.queue.qsize(), self.loop_lag_s))
+            await self.feed(core.Pinged(typed.t, kv, self.queue.qsize(), self.loop_lag_s, self.runners.prefix_bytes))
             self.loop_lag_s = 0.0
         elif msg.type is T.ERROR:
             log.warning("coordinator: %s", msg.get("message"))

@@ -14,17 +14,13 @@ Run from the repository root (``tests.harness`` starts the servers). Uses the bu
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
+from edgepipe.bench.cluster import Server
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
 from edgepipe.model.store import home_dir, resolve
-from tests.harness import Server
 
-RESULTS = Path(__file__).parent / "results"
 TOPICS = ["the water cycle", "how bridges carry loads", "why the sky is blue", "what a compiler does", "how vaccines train the body",
           "the history of the printing press", "how a heat pump moves heat", "what makes a good password"]
 QUESTIONS = ["Give me one sentence on the water cycle.", "Now one on bridges.", "Which of the two is older as a topic?",
@@ -77,7 +73,7 @@ def main() -> None:
     home = home_dir(None)
     pkg = resolve("smollm2", "int4", home)
     system = system_prompt(pkg.tokenizer)
-    load_before = os.getloadavg()
+    run = Conditions.start()
     runs = {}
     for workers in args.workers:
         for mode, flags in (("cache", ()), ("no cache", ("--no-prefix-cache",))):
@@ -86,7 +82,7 @@ def main() -> None:
                 runs[(workers, mode)] = play(server, system, args.turns, args.max_tokens)
                 if mode == "cache":
                     runs[(workers, "status")] = server.status()["prefix_cache"]
-    load_after = os.getloadavg()
+    run.finish()
     rows, identical = [], True
     for workers in args.workers:
         on, off = runs[(workers, "cache")], runs[(workers, "no cache")]
@@ -97,21 +93,11 @@ def main() -> None:
                          "ttft_cache_s": round(a["ttft_s"], 3), "ttft_no_cache_s": round(b["ttft_s"], 3),
                          "speedup": round(b["ttft_s"] / a["ttft_s"], 2) if a["ttft_s"] > 0 else None,
                          "wall_cache_s": round(a["wall_s"], 3), "wall_no_cache_s": round(b["wall_s"], 3), "tokens_identical": same})
-    machine = {"cpu": platform.processor() or platform.machine(), "nproc": os.cpu_count(), "python": platform.python_version()}
-    try:
-        machine["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    report = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "model": pkg.manifest.name, "machine": machine,
-              "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]},
-              "max_tokens": args.max_tokens, "system_prompt_tokens": len(pkg.tokenizer.encode(system)), "rows": rows,
+    report = {**run.as_dict(), "model": pkg.manifest.name, "max_tokens": args.max_tokens, "system_prompt_tokens": len(pkg.tokenizer.encode(system)), "rows": rows,
               "tokens_identical": identical, "cache_status": {str(w): runs[(w, "status")] for w in args.workers}}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=1))
     lines = ["# Prefix cache: multi-turn chat, time to first token with and without", "",
-             f"- when: {report['when']}; model {report['model']} (int4), local workers on this machine, `--placement memory`",
-             f"- machine: {machine['nproc']} cores, {machine['cpu']}; load average {report['load_average']['before']} before, "
-             f"{report['load_average']['after']} after (a shared machine: compare the columns of one row, measured minutes apart)",
+             f"- {run.line()} (a shared machine: compare the columns of one row, measured minutes apart)",
+             f"- model {report['model']} (int4), local workers on this machine, `--placement memory`",
              f"- system prompt {report['system_prompt_tokens']} tokens; each turn resends the whole history and asks for "
              f"{args.max_tokens} tokens (greedy); one cluster with the cache, one with `--no-prefix-cache`, same turns",
              "- TTFT: the prefill step's wall time as the coordinator timed it (FORWARD out to the first token back, "
@@ -125,7 +111,7 @@ def main() -> None:
     lines += ["", "Turn 1 finds nothing cached (its system prompt is new to the cluster): it computes every position and keeps the "
               "prompt's full blocks of 32 tokens. Each later turn reuses the blocks of the turn before (system prompt, earlier "
               "questions, and the answers as the chat template wrote them back), computing only the new tail.", ""]
-    (RESULTS / f"{args.out}.md").write_text("\n".join(lines))
+    write_results(args.out, report, "\n".join(lines))
     print("\n".join(lines))
 
 

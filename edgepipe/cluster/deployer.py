@@ -46,7 +46,7 @@ class Deployer:
     def on_gpu(self, worker_id: str) -> bool:
         """Whether the worker computes on a GPU (it is sent the GPU form of its stage's graph)."""
         w = self.coord.cluster.workers.get(worker_id)
-        return bool(w and w.hello.get("device") == "gpu")
+        return bool(w and w.hello.device == "gpu")
 
     def kv_capacity(self) -> int | None:
         c = self.coord

@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..net.messages import Hello
 from .placement import Deployment, StageAssignment
 
 @dataclass(frozen=True)
 class WorkerJoined:
     worker_id: str
     name: str
-    hello: Mapping
+    hello: Hello  # what it declared, parsed
     now: float
 
 

@@ -32,7 +32,7 @@ class LinkProber:
 
     def _reachable(self, wid: str) -> bool:
         info = self.coord.cluster.workers.get(wid)
-        return info is not None and not info.relay and bool(info.hello.get("data_url")) and wid in self.coord.links
+        return info is not None and not info.relay and bool(info.hello.data_url) and wid in self.coord.links
 
     async def probe_pair(self, src: str, dst: str) -> bool:
         """``src`` times its data-port path to ``dst`` (``dst`` first told which probe secret to
@@ -48,8 +48,8 @@ class LinkProber:
                     return False
                 self._accepting[dst] = secret
             target = c.cluster.workers[dst].hello
-            reply = await self.calibrator.probe(src, kind="peer", url=target["data_url"], secret=secret,
-                                      fingerprint=target.get("data_fingerprint"), bytes=PEER_PROBE_BYTES)
+            reply = await self.calibrator.probe(src, kind="peer", url=target.data_url, secret=secret,
+                                      fingerprint=target.data_fingerprint, bytes=PEER_PROBE_BYTES)
         except (asyncio.TimeoutError, ChannelClosed, KeyError, PipelineBroken) as exc:  # PipelineBroken: it left meanwhile
             c.event("link_probe_failed", src=src, dst=dst, error=str(exc) or type(exc).__name__)
             return False

@@ -43,9 +43,8 @@ class PrefixCaching:
             return "sliding-window layers"
         for s in dep.stages:
             w = c.cluster.workers.get(s.worker_id)
-            hello = w.hello if w is not None else {}
-            if hello.get("kind") == "browser" or hello.get("device") == "gpu":
-                return f"stage on {s.worker_id} ({hello.get('kind') if hello.get('kind') == 'browser' else 'gpu'})"
+            if w is not None and (w.hello.kind == "browser" or w.hello.device == "gpu"):
+                return f"stage on {s.worker_id} ({'browser' if w.hello.kind == 'browser' else 'gpu'})"
         return None
 
     def decide(self, dep: Deployment, rid: str, ids: list[int], reuse: bool) -> prefix.PrefillDecision | None:

@@ -270,18 +270,18 @@ class ClusterProfile:
         out = []
         for w in sorted(workers, key=lambda w: w.id):
             m = self.of(w.id)
-            emu = w.hello.get("emulation") or {}
+            emu = w.hello.emulation or {}
             out.append(DeviceProfile(
                 id=w.id, memory_bytes=w.memory_bytes, speed=m.speed, overhead_s=m.overhead_s,
-                power_busy_w=_declared(w.hello.get("power_busy_w"), DEFAULT_POWER_BUSY_W),
-                power_idle_w=_declared(w.hello.get("power_idle_w"), DEFAULT_POWER_IDLE_W),
+                power_busy_w=_declared(w.hello.power_busy_w, DEFAULT_POWER_BUSY_W),
+                power_idle_w=_declared(w.hello.power_idle_w, DEFAULT_POWER_IDLE_W),
                 held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=bool(emu),
-                kind=w.hello.get("device") or "cpu", adapter=w.hello.get("adapter"),
+                kind=w.hello.device or "cpu", adapter=w.hello.adapter,
             ))
         return out
 
     def _held_units(self, w) -> set[int]:
-        held = set(w.hello.get("held") or ())
+        held = set(w.hello.held)
         if not held:
             return set()
         precision = worker_variant(w.hello, self.manifest, None) or self.manifest.precision  # the variant this worker runs

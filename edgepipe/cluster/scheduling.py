@@ -121,7 +121,7 @@ def shortfall(state: ClusterState, weight_bytes: int, kv_bytes: int, overhead_by
     if not workers:
         benched = len(state.workers)
         return f"no usable workers: {benched} connected, all suspected or quarantined" if benched else "no workers are connected"
-    budget = [w for w in workers if (w.hello.get("emulation") or {}).get("memory_budget")]
+    budget = [w for w in workers if w.hello.memory_budget]
     if len(budget) < len(workers):  # a worker without a declared budget is bounded by its host's RAM: assume it fits
         return None
     held = sum(max(0, w.memory_bytes - overhead_bytes) for w in workers)

@@ -25,6 +25,7 @@ from .events import (
     EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, Pinned, Repriced,
     RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
 )
+from ..net.messages import Hello
 from . import measurements
 from .placement import Deployment, StageAssignment
 
@@ -51,7 +52,7 @@ def _frozen(d: Mapping) -> Mapping:
 class WorkerInfo:
     id: str
     name: str
-    hello: Mapping  # what the worker declared (read-only view)
+    hello: Hello  # what the worker declared
     joined_at: float
     last_seen: float
     intervals: tuple[float, ...] = ()  # recent gaps between frames heard from it (seconds)
@@ -66,12 +67,11 @@ class WorkerInfo:
 
     @property
     def memory_bytes(self) -> int:
-        value = self.hello.get("memory_bytes")
-        return int(value) if isinstance(value, (int, float)) and value > 0 else 0
+        return self.hello.memory_bytes
 
     @property
     def relay(self) -> bool:
-        return self.hello.get("kind") == "browser"
+        return self.hello.relay
 
     @property
     def identity(self) -> tuple:
@@ -79,8 +79,8 @@ class WorkerInfo:
         that found a GPU this time is not the one that computed on the CPU last time; with or without
         the GGUF kernel library a worker runs another form: timed again)."""
         h = self.hello
-        return (self.name, h.get("kind"), h.get("memory_bytes"), h.get("threads"), repr(h.get("emulation")), h.get("precision"),
-                h.get("device") or "cpu", h.get("adapter"), h.get("native_kernel"))
+        emulation = None if h.emulation is None else dict(h.emulation)  # repr'd as the plain map it was sent as
+        return (self.name, h.kind, h.memory_bytes, h.threads, repr(emulation), h.precision, h.device or "cpu", h.adapter, h.native_kernel)
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
     """The state after ``event`` (pure; unknown workers/requests leave it unchanged)."""
     match event:
         case WorkerJoined(wid, name, hello, now):
-            info = WorkerInfo(wid, name, _frozen(hello), joined_at=now, last_seen=now)
+            info = WorkerInfo(wid, name, hello, joined_at=now, last_seen=now)
             return _replace(state, workers=_with(state.workers, wid, info), joins=state.joins + 1)
         case Heard(wid, now) if wid in state.workers:
             w = state.workers[wid]
@@ -176,8 +176,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _worker(state, _replace(state.workers[wid], calibrating=busy))
         case EmulationChanged(wid, slowdown) if wid in state.workers:
             w = state.workers[wid]
-            emulation = {**(w.hello.get("emulation") or {}), "slowdown": float(slowdown)}
-            return _worker(state, _replace(w, hello=_frozen({**w.hello, "emulation": emulation})))
+            return _worker(state, _replace(w, hello=w.hello.with_slowdown(slowdown)))
         case Preparing(dep, now):
             state = _replace(state, preparing=dep)
             return _phase(state, Phase.PREPARING, now) if state.active is None else state

@@ -13,8 +13,10 @@ and ``tests/test_golden_frames.py`` checks both workers against recorded frames.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from enum import Enum
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import numpy as np
@@ -52,7 +54,9 @@ def _plain(v):
         return v.value
     if isinstance(v, NextHop):
         return v.wire()
-    return v
+    if isinstance(v, Mapping):
+        return dict(v)
+    return list(v) if isinstance(v, tuple) else v
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,8 @@ class NextHop:
 
 @dataclass(frozen=True)
 class Hello(Wire):
-    """A worker's first frame (the coordinator reads it as a map: unknown keys are ignored)."""
+    """A worker's first frame: who it is and what it can hold. The coordinator keeps it, parsed
+    (``Hello.from_fields``), as the worker's declaration; unknown keys are ignored."""
 
     TYPE = T.HELLO
     name: str
@@ -100,8 +105,8 @@ class Hello(Wire):
     memory_bytes: int
     threads: int
     data_url: str | None  # None for a browser (it cannot accept connections)
-    held: list  # sha256s in its cache
-    emulation: dict | None = None  # {slowdown, link_delay_ms, link_rate, memory_budget[, drop_work]}, labelled emulation
+    held: tuple[str, ...]  # sha256s in its cache
+    emulation: Mapping | None = None  # {slowdown, link_delay_ms, link_rate, memory_budget[, drop_work]}, labelled emulation
     precision: str | None = None  # the weight variant it wants (a WebAssembly tab: fp32; absent: the package's own)
     pid: int | None = None
     data_fingerprint: str | None = None  # its data port's certificate (TLS clusters)
@@ -112,6 +117,70 @@ class Hello(Wire):
     device_note: str | None = None  # one line: why it computes on the CPU though a GPU was asked for or looked for
     native_kernel: str | None = None  # "gguf" when its GGUF kernel library loaded (CPU workers only: it runs the `gguf` form)
     native_kernel_note: str | None = None  # one line: why it has no kernel library (it runs the MatMulNBits form)
+
+    KINDS: ClassVar[frozenset] = frozenset({"native", "browser"})
+    DEVICES: ClassVar[frozenset] = frozenset({"cpu", "gpu"})
+
+    def to_message(self, tensors: dict | None = None) -> Message:
+        """Every field, null ones too (as both workers have always sent them)."""
+        return Message(self.TYPE, {f.name: _plain(getattr(self, f.name)) for f in fields(self)}, tensors or {})
+
+    @property
+    def relay(self) -> bool:
+        """A browser: it cannot accept connections, so its activations travel through the coordinator."""
+        return self.kind == "browser"
+
+    @property
+    def memory_budget(self):
+        """The EMULATED memory budget it declared (None: no budget)."""
+        return (self.emulation or {}).get("memory_budget")
+
+    def with_slowdown(self, slowdown: float) -> Hello:
+        """The same declaration with its emulated slowdown changed (the dashboard's emulation control)."""
+        return replace(self, emulation=MappingProxyType({**(self.emulation or {}), "slowdown": float(slowdown)}))
+
+    @classmethod
+    def from_fields(cls, f: Mapping) -> Hello:
+        """A received hello's fields, checked (``ProtocolError`` names the field). An absent field
+        takes its default (old or minimal workers); a field of the wrong type is refused."""
+        def opt_str(name: str, limit: int = 4096) -> str | None:
+            v = f.get(name)
+            if v is not None and not isinstance(v, str):
+                raise ProtocolError(f"hello: {name} must be a string or null")
+            return None if v is None else v[:limit]
+
+        def count(name: str, default: int) -> int:
+            v = f.get(name, default)
+            if v is None:
+                return default
+            if not (_finite(v) and v >= 0):
+                raise ProtocolError(f"hello: {name} must be a number >= 0, got {str(v)[:40]!r}")
+            return int(v)
+
+        def power(name: str) -> float | None:
+            v = f.get(name)
+            if v is not None and not (_finite(v) and v >= 0):
+                raise ProtocolError(f"hello: {name} must be finite watts >= 0")
+            return None if v is None else float(v)
+
+        kind, device = f.get("kind") or "native", f.get("device")
+        if kind not in cls.KINDS:
+            raise ProtocolError(f"hello: kind must be one of {sorted(cls.KINDS)}, got {str(kind)[:40]!r}")
+        if device is not None and device not in cls.DEVICES:
+            raise ProtocolError(f"hello: device must be one of {sorted(cls.DEVICES)}, got {str(device)[:40]!r}")
+        held, emulation = f.get("held") or (), f.get("emulation")
+        if not (isinstance(held, (list, tuple)) and all(isinstance(h, str) for h in held)):
+            raise ProtocolError("hello: held must be a list of sha256 strings")
+        if emulation is not None and not isinstance(emulation, Mapping):
+            raise ProtocolError("hello: emulation must be a map or null")
+        pid = f.get("pid")
+        return cls(name=opt_str("name", 256) or "worker", token=opt_str("token"), protocol=count("protocol", 0), kind=kind,
+                   memory_bytes=count("memory_bytes", 0), threads=count("threads", 1), data_url=opt_str("data_url"), held=tuple(held),
+                   emulation=None if emulation is None else MappingProxyType(dict(emulation)), precision=opt_str("precision", 64),
+                   pid=pid if _int(pid) else None, data_fingerprint=opt_str("data_fingerprint", 256),
+                   power_busy_w=power("power_busy_w"), power_idle_w=power("power_idle_w"), device=device,
+                   adapter=opt_str("adapter", 512), device_note=opt_str("device_note", 512), native_kernel=opt_str("native_kernel", 64),
+                   native_kernel_note=opt_str("native_kernel_note", 512))
 
 
 @dataclass(frozen=True)
@@ -298,6 +367,8 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
     are read where they are used), checked."""
     f = msg.fields
     try:
+        if msg.type is T.HELLO:
+            return Hello.from_fields(f)
         to_worker = _TO_WORKER.get(msg.type)
         if to_worker is not None:
             return to_worker(f)

@@ -194,7 +194,7 @@ def _type(annotation, required: bool) -> str:
     text = str(annotation)
     nullable = "None" in text.split(" | ")
     base = " | ".join(t for t in text.split(" | ") if t != "None")
-    base = {"str": "string", "float": "number", "dict": "map", "NextHop": "map"}.get(base, base)
+    base = {"str": "string", "float": "number", "dict": "map", "NextHop": "map", "Mapping": "map", "tuple[str, ...]": "list"}.get(base, base)
     return f"{base} or null" if nullable and required else base
 
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from .. import PROTOCOL_VERSION
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
-from ..net.messages import PROBE_PLAN, Bye, ErrorCode, parse
+from ..net.messages import PROBE_PLAN, Bye, ErrorCode, Hello, parse
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode
 from ..runtime.devices import resolve as resolve_device
 from . import core, links
@@ -257,7 +257,7 @@ class Worker:
         True when the coordinator said a final bye (the worker should exit)."""
         self.control = self._shape(channel)
         try:
-            await self.control.send(encode(Message(T.HELLO, self.hello())))
+            await self.control.send(encode(self.hello().to_message()))
             reply = decode(await asyncio.wait_for(self.control.recv(), timeout=WELCOME_TIMEOUT_S))
             if reply.type is T.ERROR:
                 raise PermissionError(f"coordinator refused this worker: {reply.get('message')}")
@@ -294,16 +294,16 @@ class Worker:
             if getattr(ws, "transport", None) is not None:
                 ws.transport.abort()
 
-    def hello(self) -> dict:
-        return {
-            "name": self.s.name, "token": self.s.join_token, "protocol": PROTOCOL_VERSION, "kind": "native",
-            "memory_bytes": self.s.memory_bytes or self.device.memory_bytes or system_memory(), "threads": self.s.threads or os.cpu_count(),
-            "device": self.device.kind, "adapter": self.device.adapter,
-            "device_note": self.device.note if self.s.device != "cpu" else None,
-            "native_kernel": self.native_kernel, "native_kernel_note": self.native_kernel_note,
-            "data_url": self.data_port.url, "held": self.cache.held(), "pid": os.getpid(), "data_fingerprint": self.data_port.fingerprint,
-            "power_busy_w": self.s.power_busy_w, "power_idle_w": self.s.power_idle_w, "emulation": self.s.emulation(),
-        }
+    def hello(self) -> Hello:
+        return Hello(
+            name=self.s.name, token=self.s.join_token, protocol=PROTOCOL_VERSION, kind="native",
+            memory_bytes=self.s.memory_bytes or self.device.memory_bytes or system_memory(), threads=self.s.threads or os.cpu_count(),
+            device=self.device.kind, adapter=self.device.adapter,
+            device_note=self.device.note if self.s.device != "cpu" else None,
+            native_kernel=self.native_kernel, native_kernel_note=self.native_kernel_note,
+            data_url=self.data_port.url, held=tuple(self.cache.held()), pid=os.getpid(), data_fingerprint=self.data_port.fingerprint,
+            power_busy_w=self.s.power_busy_w, power_idle_w=self.s.power_idle_w, emulation=self.s.emulation(),
+        )
 
     async def _connect_control(self) -> Channel:
         import websockets

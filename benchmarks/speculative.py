@@ -16,25 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
-from pathlib import Path
 
 import httpx
 
+from edgepipe.bench.cluster import Server
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
 from edgepipe.model.store import home_dir
 
-try:  # the benchmarks' shared harness (issue 28); tests/harness.py until it lands
-    from edgepipe.bench.cluster import Server
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from harness import Server  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 TARGET = "qwen2-5-coder-1-5b-instruct-q4_k_m-gguf"
 DRAFT = "qwen2-5-coder-0-5b-instruct-gguf"
 
@@ -155,18 +147,12 @@ def main() -> None:
     p.add_argument("--out", default="speculative")
     args = p.parse_args()
     home = home_dir()
-    started = datetime.now(timezone.utc)
-    load_before = os.getloadavg()
+    run = Conditions.start()
     results = {delay: run_delay(home, delay, args) for delay in args.delays}
-    load_after = os.getloadavg()
-    data = {"date": started.isoformat(timespec="minutes"), "machine": {"nproc": os.cpu_count(), "platform": platform.platform()},
-            "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]},
-            "args": vars(args), "results": {f"{d:g}": r for d, r in results.items()}}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(data, indent=1))
-    lines = [f"# Speculative decoding through {args.workers} stages ({started:%Y-%m-%d %H:%M} UTC)", "",
-             f"{os.cpu_count()} cores, {platform.platform()}; load average before {data['load_average']['before']}, "
-             f"after {data['load_average']['after']}. Target {args.target}, draft {args.draft} (coordinator process, 1 thread), "
+    run.finish()
+    data = {**run.as_dict(), "args": vars(args), "results": {f"{d:g}": r for d, r in results.items()}}
+    lines = [f"# Speculative decoding through {args.workers} stages", "",
+             f"{run.line()}. Target {args.target}, draft {args.draft} (coordinator process, 1 thread), "
              f"{args.workers} local workers x {args.threads} thread, {args.tokens} tokens greedy, one stream at a time; the modes' "
              f"clusters up side by side, {args.rounds} rounds each measuring every mode in turn, medians. Link delay per hop is "
              "EMULATED (user-space, worker-sent frames).", "",
@@ -183,7 +169,7 @@ def main() -> None:
                 same = "-" if base is None or mode == "plain" else ("yes" if r["texts"] == base["texts"] else "NO")
                 lines.append(f"| {delay:g} ms | {name} | {mode} | {r['decode_tok_s']:.2f} | {speedup} | {acceptance} | {per_pass} | "
                              f"{r['ttft_s']:.2f} | {same} |")
-    (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
+    write_results(args.out, data, "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -236,6 +236,10 @@ def serve(
                                                    "tokenizer (package name or GGUF path), run in this process."),
     draft_k: int = typer.Option(8, "--draft-k", min=1, max=32, help="Most drafted tokens per verify pass."),
     draft_threads: Optional[int] = typer.Option(None, "--draft-threads", min=1, help="Threads of the draft model in this process."),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache",
+                                      help="Keep the KV of prompt prefixes on every stage and reuse it for prompts that start the same."),
+    prefix_cache_positions: int = typer.Option(4096, "--prefix-cache-positions", min=0,
+                                               help="KV positions of cached prefixes each stage may keep (within its KV budget)."),
     precision: str = PrecisionOption,
     home: Optional[Path] = HomeOption,
 ):
@@ -257,7 +261,8 @@ def serve(
                              max_active=max_active, max_queue=max_queue, step_timeout_s=step_timeout, capacity_wait_s=capacity_wait, objective=objective,
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
                              cluster=cluster, advertise=advertise, batch_invariant=batch_invariant, local_device=local_device,
-                             speculative=speculative, draft_k=draft_k, draft_threads=draft_threads)
+                             speculative=speculative, draft_k=draft_k, draft_threads=draft_threads,
+                             prefix_cache_positions=prefix_cache_positions if prefix_cache else 0)
 
     def ready(bound: int, coordinator) -> None:
         if min_workers is not None:
@@ -310,7 +315,7 @@ def worker(
     import asyncio
     import logging
 
-    from .cluster.worker import Worker, WorkerSettings
+    from .worker import Worker, WorkerSettings
     from .emulate.slowdown import parse_bytes
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -34,6 +34,10 @@ class Metrics:
         self.drafted = Counter("edgepipe_speculative_drafted_tokens", "Tokens drafted into verify passes (speculative decoding)", registry=r)
         self.kept = Counter("edgepipe_speculative_kept_tokens", "Drafted tokens the target kept", registry=r)
         self.verify_passes = Counter("edgepipe_speculative_verify_passes", "Verify passes through the pipeline", registry=r)
+        self.prefix_hits = Counter("edgepipe_prefix_hits", "Prompt prefills that started from cached prefix blocks", registry=r)
+        self.prefix_reused = Counter("edgepipe_prefix_reused_positions", "Prompt positions taken from the prefix cache (computed by no stage)",
+                                     registry=r)
+        self.prefix_positions = Gauge("edgepipe_prefix_cached_positions", "Positions each stage holds in cached prefix blocks", registry=r)
         self._recent: deque[float] = deque(maxlen=4096)
         self._recent_ttft: deque[tuple[float, float]] = deque(maxlen=256)  # (when, prefill step seconds)
 
@@ -49,6 +53,9 @@ class Metrics:
             self.tpot.observe(record.wall_s / out)
         elif record.tokens_in > 1:
             self.prompt_tokens.inc(record.tokens_in)
+            if record.prefix_reused:
+                self.prefix_hits.inc()
+                self.prefix_reused.inc(record.prefix_reused)
             self.ttft.observe(record.wall_s)
             self._recent_ttft.append((now, record.wall_s))
         else:
@@ -78,4 +85,5 @@ class Metrics:
         self.tokens_per_s.set(self.live_tokens_per_s())
         self.workers.set(len(coordinator.workers))
         self.in_flight.set(coordinator.requests_in_flight)
+        self.prefix_positions.set(coordinator.prefix.view()["positions"])
         return generate_latest(self.registry)

@@ -172,3 +172,14 @@ def test_steps_and_verify_passes_of_every_width_alternate(verify_pipe, reference
         out += got
     verify_pipe.drop("w")
     assert out == tokens  # 1 + 7 passes + 5 drafts kept
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(int4_pkg):
+    from types import SimpleNamespace
+
+    from edgepipe.cluster.speculation import build_speculation
+
+    target = SimpleNamespace(name="other-model", manifest=SimpleNamespace(tokenizer="0" * 64))
+    with pytest.raises(ValueError, match="another tokenizer"):
+        build_speculation(str(int4_pkg.root), target)
+    assert build_speculation("ngram", target).drafter.name == "ngram"

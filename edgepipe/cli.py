@@ -231,6 +231,11 @@ def serve(
     batch_invariant: bool = typer.Option(False, "--batch-invariant",
                                          help="Give a sequence the same tokens whatever it is batched with (a lone stream runs "
                                               "its 4-bit products on two rows: ~20% slower on 4-bit models)."),
+    speculative: Optional[str] = typer.Option(None, "--speculative",
+                                              help="Speculative decoding: 'ngram' (prompt lookup) or a draft model with the same "
+                                                   "tokenizer (package name or GGUF path), run in this process."),
+    draft_k: int = typer.Option(8, "--draft-k", min=1, max=32, help="Most drafted tokens per verify pass."),
+    draft_threads: Optional[int] = typer.Option(None, "--draft-threads", min=1, help="Threads of the draft model in this process."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache",
                                       help="Keep the KV of prompt prefixes on every stage and reuse it for prompts that start the same."),
     prefix_cache_positions: int = typer.Option(4096, "--prefix-cache-positions", min=0,
@@ -256,6 +261,7 @@ def serve(
                              max_active=max_active, max_queue=max_queue, step_timeout_s=step_timeout, capacity_wait_s=capacity_wait, objective=objective,
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
                              cluster=cluster, advertise=advertise, batch_invariant=batch_invariant, local_device=local_device,
+                             speculative=speculative, draft_k=draft_k, draft_threads=draft_threads,
                              prefix_cache_positions=prefix_cache_positions if prefix_cache else 0)
 
     def ready(bound: int, coordinator) -> None:
@@ -270,6 +276,8 @@ def serve(
 
     try:
         asyncio.run(run_server(pkg, settings, on_ready=ready))
+    except (ValueError, FileNotFoundError) as exc:  # e.g. a draft model that cannot draft for this one
+        fail(str(exc).splitlines()[0])
     except OSError as exc:
         fail(f"cannot serve on {host}:{port}: {exc.strerror or exc}")
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ from .api.admission import Admission
 from .api.app import create_app
 from .net.limits import control_frame_limit
 from .cluster.coordinator import Coordinator, CoordinatorSettings
+from .cluster.speculation import build_speculation
 
 
 @dataclass
@@ -49,6 +50,9 @@ class ServeSettings:
     cluster: str = "edgepipe"  # the name workers look for
     batch_invariant: bool = False  # a sequence gets the same bits alone as batched (costs lone-stream speed)
     local_device: str = "auto"  # where the first local worker computes (a GPU when found); the others use the CPU
+    speculative: str | None = None  # speculative decoding: "ngram" (prompt lookup) or a draft model with the same tokenizer
+    draft_k: int = 8  # most drafted tokens per verify pass (fewer while the target rejects them)
+    draft_threads: int | None = None  # the draft model's threads in this process
     prefix_cache_positions: int = 4096  # KV positions of cached prompt prefixes per stage (0: no prefix cache)
 
 
@@ -164,7 +168,10 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
                                                                  capacity_wait_s=settings.capacity_wait_s,
                                                                  calibration_file=settings.calibration_file,
                                                                  batch_invariant=settings.batch_invariant,
-                                                                 prefix_cache_positions=settings.prefix_cache_positions), plan_fn=plan_fn)
+                                                                 speculative=settings.speculative is not None,
+                                                                 prefix_cache_positions=settings.prefix_cache_positions), plan_fn=plan_fn,
+                              speculation=build_speculation(settings.speculative, package, settings.draft_k, settings.draft_threads)
+                              if settings.speculative else None)
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,
                      admission=Admission(settings.max_active, settings.max_queue), admin_token=settings.admin_token)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:

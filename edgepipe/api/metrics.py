@@ -31,6 +31,9 @@ class Metrics:
         self.wall_s = Counter("edgepipe_step_wall_seconds", "Wall time of steps", registry=r)
         self.workers = Gauge("edgepipe_workers", "Connected workers", registry=r)
         self.in_flight = Gauge("edgepipe_requests_in_flight", "Requests in flight", registry=r)
+        self.drafted = Counter("edgepipe_speculative_drafted_tokens", "Tokens drafted into verify passes (speculative decoding)", registry=r)
+        self.kept = Counter("edgepipe_speculative_kept_tokens", "Drafted tokens the target kept", registry=r)
+        self.verify_passes = Counter("edgepipe_speculative_verify_passes", "Verify passes through the pipeline", registry=r)
         self.prefix_hits = Counter("edgepipe_prefix_hits", "Prompt prefills that started from cached prefix blocks", registry=r)
         self.prefix_reused = Counter("edgepipe_prefix_reused_positions", "Prompt positions taken from the prefix cache (computed by no stage)",
                                      registry=r)
@@ -40,9 +43,15 @@ class Metrics:
 
     def on_step(self, record) -> None:
         now = time.monotonic()
-        self._recent.append(now)
-        self.tokens.inc()
-        if record.tokens_in > 1:
+        out = getattr(record, "tokens_out", 1)
+        self._recent.extend([now] * out)
+        self.tokens.inc(out)
+        if getattr(record, "verified", None) is not None:  # a verify pass: a decode step that yielded ``out`` tokens
+            self.verify_passes.inc()
+            self.drafted.inc(len(record.verified) - 1)
+            self.kept.inc(out - 1)
+            self.tpot.observe(record.wall_s / out)
+        elif record.tokens_in > 1:
             self.prompt_tokens.inc(record.tokens_in)
             if record.prefix_reused:
                 self.prefix_hits.inc()

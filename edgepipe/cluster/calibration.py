@@ -158,7 +158,8 @@ class Calibrator:
             plan_id = -(10_000 + self._probes)
             self._probes += 1
             msg = deploy.load_message(c.package, plan_id, start, end, c.deployer.precision(wid), {"kind": "coordinator"}, keep=[],
-                                      batch_invariant=c.settings.batch_invariant, gpu=c.deployer.on_gpu(wid))
+                                      batch_invariant=c.settings.batch_invariant, gpu=c.deployer.on_gpu(wid),
+                                      verify=c.settings.speculative)
             result = await c.deployer.load(wid, msg)
             if not result.ok:
                 raise RuntimeError(result.error)

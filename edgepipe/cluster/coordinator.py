@@ -34,6 +34,7 @@ from .planning import MemoryProportional, PlanContext, PlanPolicy
 from .prefix_cache import PrefixCaching
 from .profiling import ClusterProfile
 from .requests import Requests
+from .speculation import Speculation
 from .steps import PipelineBroken, RequestFailed, StepRecord, Steps
 from .state import ClusterState, Phase
 from .views import Link, WorkerView
@@ -63,19 +64,24 @@ class CoordinatorSettings:
     max_wait_s: float = 300.0  # a request without progress for this long fails (cluster down, pipeline failing)
     calibration_file: str | None = None  # calibrations kept here survive a coordinator restart
     batch_invariant: bool = False  # stages run graphs that give a sequence the same bits alone as batched (graphs.pad_lone_rows)
+    speculative: bool = False  # stages run the verify form (graphs.verify_form): decode steps may carry drafted tokens
     prefix_cache_positions: int = 4096  # KV positions each stage may keep of cached prompt prefixes (0: no prefix cache)
     prefix_block: int = 32  # token ids per cached block (cluster.prefix)
 
 
 class Coordinator:
     def __init__(self, package, settings: CoordinatorSettings | None = None, plan_fn: PlanPolicy | None = None,
-                 on_step: Callable[[StepRecord], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 on_step: Callable[[StepRecord], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 speculation: Speculation | None = None):
         self.package = package
         self.manifest = package.manifest
         self.settings = settings or CoordinatorSettings()
         self.plan_fn = plan_fn or MemoryProportional()
         self.on_step = on_step or (lambda record: None)
         self.clock = clock  # every time the control plane reads (the simulation injects a virtual one)
+        self.speculation = speculation  # the drafter of speculative decoding (needs settings.speculative)
+        if speculation is not None and not self.settings.speculative:
+            raise ValueError("a drafter needs CoordinatorSettings(speculative=True): the stages must run the verify form")
         self.cluster = ClusterState(phase_since=clock())
         self.links: dict[str, Link] = {}
         self.events = limits.EventLog()  # bounded per kind: one noisy kind cannot flush the others

@@ -132,10 +132,14 @@ def form_to_add(hello: Hello, manifest, serving: str | None) -> str | None:
 
 
 def load_message(package, plan_id: int, start: int, end: int, precision: str | None, nxt: dict, keep: list[int],
-                 warm: bool | None = None, data_secret: str | None = None, batch_invariant: bool = False, gpu: bool = False) -> Load:
-    """The LOAD frame of a stage; ``gpu``: the worker computes on a GPU (the graph's GPU form)."""
+                 warm: bool | None = None, data_secret: str | None = None, batch_invariant: bool = False, gpu: bool = False,
+                 verify: bool = False) -> Load:
+    """The LOAD frame of a stage; ``gpu``: the worker computes on a GPU (the graph's GPU form);
+    ``verify``: the cluster decodes speculatively (the graph's verify form, ``graphs.verify_form``)."""
     manifest = package.manifest
-    return Load(plan=plan_id, start=start, end=end, graph=package.stage_graph(start, end, precision, batch_invariant, gpu),
+    graph = package.stage_graph(start, end, precision, batch_invariant, gpu, verify=True) if verify else \
+        package.stage_graph(start, end, precision, batch_invariant, gpu)
+    return Load(plan=plan_id, start=start, end=end, graph=graph,
                 files=list(manifest.stage_files(start, end, precision)), next=nxt, keep=keep, max_context=manifest.max_context,
                 kv_bytes_per_token=sum(u.kv_bytes_per_token for u in manifest.units[start:end]), warm=warm,
                 data_secret=data_secret)

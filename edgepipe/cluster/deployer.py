@@ -151,7 +151,7 @@ class Deployer:
             loads = [self.load(s.worker_id, deploy.load_message(c.package, dep.plan_id, s.start, s.end, self.precision(s.worker_id),
                                                                 deploy.next_hop(stages, i, c.cluster.workers, secrets), keep,
                                                                 data_secret=secrets[i], batch_invariant=c.settings.batch_invariant,
-                                                                gpu=self.on_gpu(s.worker_id)))
+                                                                gpu=self.on_gpu(s.worker_id), verify=c.settings.speculative))
                      for i, s in enumerate(stages)]
             results = await asyncio.gather(*loads)
             failed = [f"{s.worker_id}: {r.error}" for s, r in zip(stages, results) if not r.ok]
@@ -225,7 +225,8 @@ class Deployer:
         for i, s in enumerate(stages):
             # warm: build the session too when the worker's budget allows (else it holds the files)
             msg = deploy.load_message(c.package, plan_id, s.start, s.end, self.precision(s.worker_id), {"kind": "coordinator"}, [],
-                                      warm=True, batch_invariant=c.settings.batch_invariant, gpu=self.on_gpu(s.worker_id))
+                                      warm=True, batch_invariant=c.settings.batch_invariant, gpu=self.on_gpu(s.worker_id),
+                                      verify=c.settings.speculative)
             c.spawn(_quiet(self.load(s.worker_id, msg)))
         c.event("spare", stages=[[s.worker_id, s.start, s.end] for s in stages])
 

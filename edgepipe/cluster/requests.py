@@ -3,7 +3,10 @@
 Per decode step the coordinator sends a sequence's token ids to the first stage and waits for
 the sampled id that the last stage returns (``steps`` carries a step over the wire, in lanes). When the plan changes under a sequence and its KV was not
 moved, it is rebuilt by replay (prompt as one prefill, then each generated token as its own
-step) under a new sequence id ``<rid>.<epoch>``, so no token is lost. Waits are bounded: a
+step) under a new sequence id ``<rid>.<epoch>``, so no token is lost. With speculative decoding
+(``coord.speculation``) a decode step may carry drafted tokens: one verify pass through the
+stages keeps the drafts the target agrees with plus its own next token, and the next frame tells
+the stages to forget the rejected drafts' KV (``rewind``). Waits are bounded: a
 request without progress for ``max_wait_s`` (or ``capacity_wait_s`` while the connected
 workers cannot hold the model) fails with a one-line :class:`RequestFailed`.
 """
@@ -18,6 +21,7 @@ from typing import AsyncIterator
 from ..net.limits import KV_RESERVE_TOKENS
 from ..runtime import controls
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta
+from ..runtime.speculative import accept_greedy
 from . import measurements as M, scheduling, state as S
 from .placement import Deployment
 from .profiling import RUNTIME_OVERHEAD_BYTES
@@ -73,6 +77,8 @@ class Requests:
         epoch, fed_plan = 0, None  # fed_plan: plan whose workers hold this sequence's KV
         sent_plan = None  # plan the current seq's latest step went to (its KV is there, token or not)
         seq = f"{rid}.{epoch}"
+        spec = getattr(c, "speculation", None)
+        rewind = False  # the stages hold drafts the last verify rejected
         c.emit(S.RequestStarted(rid, len(state.prompt_ids) + state.params.max_tokens))
         try:
             paused_at, broken, last_progress, why = None, 0, c.clock(), ""
@@ -86,14 +92,23 @@ class Requests:
                     epoch += 1
                     seq, sent_plan = f"{rid}.{epoch}", None
                 fed_plan, feed, replay_from = nxt.fed_plan, nxt.feed, nxt.replay_from
+                if len(feed) > 1:  # a prefill or a replay: a sequence whose stages hold no rejected drafts
+                    rewind = False
                 try:
                     head = controls.step_fields(state, self.coord.manifest.config.get("vocab_size") or 0, len(feed) > 1)
                 except ValueError as exc:  # the token mask provider's answer cannot be used
                     raise RequestFailed(str(exc).splitlines()[0] if str(exc) else "bad token mask") from None
+                kv_start = len(state.all_ids) - len(feed)
+                drafts: list[int] = []
+                if spec is not None and not state.generated and spec.eligible(state, head):
+                    spec.prime(rid, state)  # the drafter prefills beside the pipeline
+                if spec is not None and replay_from is None and len(feed) == 1 and spec.eligible(state, head):
+                    room = min(state.params.max_tokens - len(state.generated) - 1, c.manifest.max_context - len(state.all_ids) - 2)
+                    drafts = await spec.propose(rid, state, room)
                 sent_plan = dep.plan_id
                 try:
-                    token, record = await self.steps.step(dep, seq, step, feed, state.params, rid, replay_from, head,
-                                                    kv_start=len(state.all_ids) - len(feed))
+                    token, record = await self.steps.step(dep, seq, step, feed + drafts, state.params, rid, replay_from, head,
+                                                          kv_start=kv_start, verify=bool(drafts), rewind=rewind)
                 except PipelineBroken as exc:
                     why = str(exc)
                     if c.clock() - last_progress >= c.settings.max_wait_s:
@@ -114,18 +129,29 @@ class Requests:
                     c.event("recovered", request=rid, step=step, seconds=round(c.clock() - paused_at, 3), plan=dep.plan_id)
                     paused_at = None
                 fed_plan = dep.plan_id
-                c.emit(S.RequestFed(rid, seq, dep.plan_id, len(state.all_ids)))
+                tokens, entries = [token], [record.logprobs]
+                if drafts:
+                    tokens = accept_greedy(drafts, record.verified)
+                    entries = record.logprobs[:len(tokens)] if isinstance(record.logprobs, list) else [None] * len(tokens)
+                    spec.learn(rid, len(drafts), len(tokens) - 1)
+                    record.tokens_out = len(tokens)
+                rewind = bool(drafts) and len(tokens) < len(drafts) + 1  # the stages hold rejected drafts
+                c.emit(S.RequestFed(rid, seq, dep.plan_id, len(state.all_ids) + len(tokens) - 1))
                 if head.get("logprobs") and record.logprobs is None:
                     raise RequestFailed("the last stage returned no logprobs (a worker older than logprobs)")
                 if "targets" in head:
                     state.prompt_logprobs = controls.prompt_from_wire(state.prompt_ids, record.logprobs, state.params.top_logprobs)
                 elif state.params.prompt_logprobs and state.prompt_logprobs is None:
                     state.prompt_logprobs = [None] * len(state.prompt_ids[:1])  # a one-token prompt: nothing before it
-                delta = state.push(token, controls.from_wire(token, record.logprobs, state.params.top_logprobs))
                 self._learn(dep, record)
                 c.on_step(record)
-                yield delta
+                for token, entry in zip(tokens, entries):
+                    yield state.push(token, controls.from_wire(token, entry, state.params.top_logprobs))
+                    if state.finished:
+                        break
         finally:
+            if spec is not None:
+                spec.forget(rid)
             c.emit(S.RequestEnded(rid))
             self.steps.leave(rid)
             # Cancelled callers cannot await, so clean up in a task of its own.

@@ -19,7 +19,7 @@ from ..net.channel import ChannelClosed
 from ..net.messages import Drop, Error, ErrorCode, Forward, Token
 from ..net.protocol import Message
 from ..runtime import controls
-from ..runtime.sequence import GenerationParams
+from ..runtime.sequence import GenerationParams, uniform_draw
 from . import membership
 from .batching import LaneItem, Lanes
 from .placement import Deployment
@@ -52,8 +52,10 @@ class StepRecord:
     timings: list  # [[worker_id, compute_s, positions, bytes/elem, batch], ...]: one per stage, shared by a batch
     coordinator_s: float
     first_in_batch: bool = True  # the batch's other sequences carry the same timings: count stage times once
-    logprobs: dict | None = None  # the head's logprobs entry for this token, when asked (see runtime.controls)
+    logprobs: dict | list | None = None  # the head's logprobs entry for this token, when asked (see runtime.controls); a verify: one per position
     prefix_reused: int = 0  # prompt positions taken from the prefix cache (no stage computed them)
+    verified: list[int] | None = None  # a verify step: the token the target chose after each position fed
+    tokens_out: int = 1  # tokens the step yielded (a verify pass: the drafts kept + 1)
 
 
 @dataclass
@@ -75,13 +77,16 @@ class Steps:
         self.lanes = Lanes(arm=self._arm_lane)
 
     async def step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str,
-                   replay_from: int | None = None, head: dict | None = None, kv_start: int | None = None):
+                   replay_from: int | None = None, head: dict | None = None, kv_start: int | None = None,
+                   verify: bool = False, rewind: bool = False):
         """One step of one sequence: a decode step goes out with its lane, a prefill alone.
 
         ``head``: the step's logit controls and logprob requests (``controls.step_fields``).
         ``kv_start``: positions the stages must already hold for this sequence; each frame says
         where it starts (``pos``), so a stage that missed a frame refuses the next instead of
-        computing on a cache with a hole in it."""
+        computing on a cache with a hole in it. ``verify``: ``feed`` is the last token and drafts,
+        and the head returns a token per position (``StepRecord.verified``); ``rewind``: stages
+        holding more than ``kv_start`` positions (drafts the last verify rejected) forget them."""
         c = self.coord
         t0 = c.clock()
         computed_before = membership.computed_counts(c.cluster, dep.workers)
@@ -90,7 +95,10 @@ class Steps:
         fut = asyncio.get_running_loop().create_future()
         self.pending[seq] = (step, dep.plan_id, fut)
         sampling = {**controls.wire_sampling(params, step), **(head or {})}
-        item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling}
+        if verify and not params.greedy:  # position i samples token step + i: its own seeded draw, as one step each would
+            sampling["uniform"] = [uniform_draw(params.seed, step + i) for i in range(len(feed))]
+        item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling, **({"verify": True} if verify else {}),
+                **({"rewind": True} if rewind and kv_start is not None else {})}
         # A replay rebuilds KV exactly as first computed: the prompt as one prefill, then each later
         # token as its own decode step (one prefill over everything takes other kernel paths and
         # can flip a near-tie). Sent as separate frames, the stages work on them as a pipeline;
@@ -138,7 +146,9 @@ class Steps:
         stop_if_cancelled()  # the token was taken, but its client is gone: the caller's finally drops the KV
         record = StepRecord(rid, len(feed), c.clock() - t0, reply.get("timings", []),
                             coordinator_s=out.sent_at - t0 if out.sent_at else 0.0, first_in_batch=reply.get("first", True),
-                            logprobs=reply.get("logprobs"), prefix_reused=reused)
+                            logprobs=reply.get("logprobs"), prefix_reused=reused, verified=reply.get("verified"))
+        if verify and (record.verified is None or len(record.verified) != len(feed)):
+            raise RequestFailed("the last stage did not verify the drafted tokens (a worker without speculative decoding)")
         return int(reply["token"]), record
 
     # -- replies ----------------------------------------------------------------------------------
@@ -148,9 +158,10 @@ class Steps:
             self.coord.event("ignored", worker=worker_id, why=f"token frame for plan {msg.plan} from a stage that is not its last")
             return
         logprobs = msg.logprobs or [None] * len(msg.tokens)
+        verified = msg.verified or [None] * len(msg.tokens)
         for i, (item, token) in enumerate(zip(msg.batch, msg.tokens)):
             self._resolve(item["seq"], item["step"], msg.plan,
-                          {"token": token, "timings": msg.timings, "first": i == 0, "logprobs": logprobs[i]})
+                          {"token": token, "timings": msg.timings, "first": i == 0, "logprobs": logprobs[i], "verified": verified[i]})
 
     def worker_error(self, worker_id: str, err: Error) -> None:
         entry = self.pending.get(err.seq) if err.seq else None

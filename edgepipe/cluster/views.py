@@ -96,5 +96,9 @@ def status(coord) -> dict:
         "last_failure": coord.cluster.last_failure,
         "capacity": coord.requests.lacking(),
         "state_seconds": {k: round(v, 3) for k, v in coord.state_durations().items()},
+        "speculation": None if coord.speculation is None else {
+            "drafter": coord.speculation.drafter.name, "passes": coord.speculation.stats.passes,
+            "drafted": coord.speculation.stats.drafted, "kept": coord.speculation.stats.kept,
+            "acceptance": round(coord.speculation.stats.acceptance, 4), "drafted_ahead": coord.speculation.ahead_used},
         "prefix_cache": coord.prefix.view(),
     }

@@ -616,3 +616,69 @@ def gpu_form(model: onnx.ModelProto) -> onnx.ModelProto:
     out.graph.node.extend(g.nodes)
     out.graph.initializer.extend(g.initializers.values())
     return out
+
+
+DECODE_ROWS_KEY = "edgepipe.decode_rows"  # metadata of a stage graph in the verify form: a decode step runs on this many positions
+HEAD_POSITIONS = "head_positions"
+
+
+def verify_form(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The form of a stage graph for speculative decoding: a verify pass of k drafted tokens is
+    bit-identical, position by position, to one decode step per token.
+
+    Why a form is needed: GroupQueryAttention on the CPU multiplies a single query row with MLAS's
+    one-row kernels and several query rows with the general ones, whose sums differ in the last
+    bits (measured: every form, fp32 included, differs at one query row and agrees from two on).
+    So in this form each GroupQueryAttention pads a lone query position with a copy of itself
+    (``Pad`` by ``1 // S`` on the sequence axis, edge mode; its output sliced back): the copy's K/V
+    land one position past the sequence, scratch that the next step overwrites (the runner
+    reserves it and counts it in ``seqlens_k``, told by ``edgepipe.decode_rows = 2`` in the
+    metadata). The 4-bit products pad a lone row as ``pad_lone_rows`` does; every other product
+    (float, 8-bit, the GGUF kernel's) gives a row the same bits at one row as at several. The head
+    gets an input ``head_positions [P]`` (positions of the sequence axis to run the LM head and
+    the sampler on; ``[-1]`` is the plain head), its per-row inputs and outputs then holding
+    ``B * P`` rows (sequence-major)."""
+    out = pad_lone_rows(model)
+    if out is model:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+    g = _Graph("verify.")
+    one, zero = g.const(np.array([1], np.int64), "one"), g.const(np.array([0], np.int64), "zero")
+    seq_axis, two = g.const(np.array([1], np.int64), "seq_axis"), g.const(np.array([2], np.int64), "two")
+    padded: dict[str, str] = {}
+    for node in out.graph.node:
+        if node.op_type == "GroupQueryAttention" and node.domain == MS:
+            length = g.op1("Slice", [g.op1("Shape", [node.input[0]]), one, two])  # [S]
+            pads = g.op1("Concat", [zero, g.op1("Div", [one, length])], axis=0)  # [0, 1 // S]
+            for i in range(3):  # query, key, value
+                if node.input[i] and node.input[i] not in padded:
+                    padded[node.input[i]] = g.op1("Pad", [node.input[i], pads, "", seq_axis], mode="edge")
+                if node.input[i]:
+                    node.input[i] = padded[node.input[i]]
+            result = node.output[0]
+            node.output[0] = g.name("attention_padded")
+            g.nodes.append(node)
+            g.op("Slice", [node.output[0], zero, length, seq_axis], out=[result])
+            continue
+        if node.op_type == "Gather" and not node.domain and len(node.input) == 2 and node.input[1] == "head.last":
+            picked = node.output[0]
+            node.input[1] = HEAD_POSITIONS
+            node.output[0] = g.name("positions")  # [B, P, H]
+            g.nodes.append(node)
+            width = g.op1("Slice", [g.op1("Shape", [node.output[0]]), two, g.const(np.array([3], np.int64), "three")])
+            g.op("Reshape", [node.output[0], g.op1("Concat", [g.const(np.array([-1], np.int64), "all"), width], axis=0)],
+                 out=[picked])  # [B * P, H]
+            continue
+        g.nodes.append(node)
+    del out.graph.node[:]
+    out.graph.node.extend(g.nodes)
+    out.graph.initializer.extend(g.initializers.values())
+    if not any("head.last" in n.input for n in out.graph.node):
+        unused = [i for i, t in enumerate(out.graph.initializer) if t.name == "head.last"]
+        for i in reversed(unused):
+            del out.graph.initializer[i]
+    if any(n.op_type == "Gather" and HEAD_POSITIONS in n.input for n in out.graph.node):
+        out.graph.input.append(helper.make_tensor_value_info(HEAD_POSITIONS, INT64, ["positions"]))
+    props = {p.key: p.value for p in out.metadata_props}
+    helper.set_model_props(out, {**props, DECODE_ROWS_KEY: "2"})
+    return out

@@ -13,7 +13,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from .graphs import IR_VERSION, MS, OPSET, gpu_form, pad_lone_rows
+from .graphs import IR_VERSION, MS, OPSET, gpu_form, pad_lone_rows, verify_form
 from .manifest import Manifest, sha256_bytes, verify_blob
 from .tokenizer import TextTokenizer
 
@@ -43,21 +43,29 @@ class Package:
                 raise FileNotFoundError(f"{self.name}: blob {sha[:16]}… is missing")
             verify_blob(path, sha)
 
-    def stage_graph(self, start: int, end: int, precision: str | None = None, batch_invariant: bool = False, gpu: bool = False) -> str:
+    def stage_graph(self, start: int, end: int, precision: str | None = None, batch_invariant: bool = False, gpu: bool = False,
+                    verify: bool = False) -> str:
         """sha256 of the merged graph for units ``[start, end)`` (built once, then cached);
         ``batch_invariant``: its form that runs a lone row's 4-bit products on two rows
         (``graphs.pad_lone_rows``), for ``serve --batch-invariant``; ``gpu``: its form for a GPU
-        stage (``graphs.gpu_form``; batch invariance is a CPU kernel's property, not asked there)."""
+        stage (``graphs.gpu_form``; batch invariance is a CPU kernel's property, not asked there);
+        ``verify``: its form for speculative decoding (``graphs.verify_form``: attention on two query
+        positions at least, 4-bit products on two rows at least, a head that runs at chosen
+        positions), batch-invariant too."""
         m = self.manifest
         if not 0 <= start < end <= len(m.units):
             raise ValueError(f"unit range [{start}, {end}) is outside the model's {len(m.units)} units")
-        if end - start == 1 and not batch_invariant and not gpu:
+        if end - start == 1 and not batch_invariant and not gpu and not verify:
             return m.variant(start, precision).graph
-        batch_invariant = batch_invariant and not gpu
-        key = (start, end, precision or m.precision, m.variant(start, precision).graph, batch_invariant, gpu)
+        if verify and gpu:
+            raise ValueError("speculative decoding's verify form is CPU-only (its exactness is the CPU kernels')")
+        batch_invariant = batch_invariant and not gpu and not verify
+        key = (start, end, precision or m.precision, m.variant(start, precision).graph, batch_invariant, gpu, verify)
         if key in self._stage_shas:
             return self._stage_shas[key]
-        if gpu:
+        if verify:
+            model = verify_form(onnx.load(self.blob(self.stage_graph(start, end, precision)), load_external_data=False))
+        elif gpu:
             model = gpu_form(onnx.load(self.blob(self.stage_graph(start, end, precision)), load_external_data=False))
         elif batch_invariant:
             plain = self.stage_graph(start, end, precision)
@@ -75,24 +83,27 @@ class Package:
         return sha
 
     def runner(self, start: int, end: int, precision: str | None = None, threads: int | None = None, verify: bool = True,
-               spin: bool = False, batch_invariant: bool = False, device=None):
+               spin: bool = False, batch_invariant: bool = False, device=None, verify_form: bool = False):
         """A StageRunner over units ``[start, end)``, its weight files checked against their hashes;
-        ``device`` (``runtime.devices``): where it computes, a GPU with the graph's GPU form."""
+        ``device`` (``runtime.devices``): where it computes, a GPU with the graph's GPU form;
+        ``verify_form``: the graph's form for speculative decoding (``graphs.verify_form``)."""
         from ..runtime.stage_runner import StageRunner
 
         if verify:
             self.verify(self.manifest.stage_files(start, end, precision))
         gpu = device is not None and device.is_gpu
-        return StageRunner(self.blob(self.stage_graph(start, end, precision, batch_invariant, gpu)), threads=threads,
+        return StageRunner(self.blob(self.stage_graph(start, end, precision, batch_invariant, gpu, verify_form)), threads=threads,
                            max_context=self.manifest.max_context, spin=spin, device=device)
 
     def pipeline(self, cuts: list[int] | tuple[int, ...] = (), precision: str | None = None, threads: int | None = None,
-                 precisions: list[str | None] | None = None, batch_invariant: bool = False, devices: list | None = None):
+                 precisions: list[str | None] | None = None, batch_invariant: bool = False, devices: list | None = None,
+                 verify_form: bool = False):
         """A LocalPipeline cut before each unit index in ``cuts``; ``precisions`` picks a
         variant per stage (the reference for a pipeline that mixes native and browser workers);
         ``batch_invariant``: the graphs of a cluster served with ``--batch-invariant`` (``graphs.pad_lone_rows``);
         ``devices``: where each stage computes (``runtime.devices``; default the CPU), the
-        single-process reference of a cluster that mixes CPU and GPU workers."""
+        single-process reference of a cluster that mixes CPU and GPU workers; ``verify_form``: the
+        graphs of a cluster that decodes speculatively (``graphs.verify_form``)."""
         from ..runtime.local import LocalPipeline
         from ..runtime.stage_runner import spin_by_default
 
@@ -100,7 +111,7 @@ class Package:
         per_stage = precisions or [precision] * (len(bounds) - 1)
         spin = len(bounds) == 2 and spin_by_default(threads)  # several sessions in one process: one spinning would slow the next
         per_device = devices or [None] * (len(bounds) - 1)
-        return LocalPipeline([self.runner(a, b, p, threads, spin=spin, batch_invariant=batch_invariant, device=d)
+        return LocalPipeline([self.runner(a, b, p, threads, spin=spin, batch_invariant=batch_invariant, device=d, verify_form=verify_form)
                               for (a, b), p, d in zip(zip(bounds, bounds[1:]), per_stage, per_device)])
 
     def reload(self) -> None:

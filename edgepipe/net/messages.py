@@ -295,12 +295,16 @@ class Kv(Wire):
 class Token(Wire):
     TYPE = T.TOKEN
     plan: int
-    batch: list  # [{seq, step, rid, sampling[, partial][, pos][, prefix]}], as sent
-    tokens: list  # one id per batch entry
+    batch: list  # [{seq, step, rid, sampling[, partial][, pos][, prefix][, verify][, rewind]}], as sent
+    tokens: list  # one id per batch entry (a verify entry: the token after its last position)
     timings: list  # [[worker_id, seconds, positions, bytes/elem, batch], ...]
     # per batch entry that asked (sampling.logprobs), else None: {logprob, top_ids, top_logprobs[,
-    # prompt: [logprobs [S], top ids [S][N], top logprobs [S][N]]]} (see runtime.controls)
+    # prompt: [logprobs [S], top ids [S][N], top logprobs [S][N]]]} (see runtime.controls); a
+    # verify entry: a list of such entries, one per position
     logprobs: list | None = None
+    # per batch entry: for a verify entry (speculative decoding), the token the head chose after
+    # each of its positions; None for the others (see runtime.speculative)
+    verified: list | None = None
 
 
 @dataclass(frozen=True)
@@ -391,9 +395,15 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
                 if not (isinstance(logprobs, list) and len(logprobs) == len(batch)):
                     raise ProtocolError("token: logprobs must be a list with one entry per batch entry")
                 for entry in logprobs:
-                    if entry is not None:
-                        _logprob_entry(entry, vocab_size)
-            return Token(_need_int(f["plan"], "plan"), batch, tokens, _timings(f.get("timings", [])), logprobs)
+                    for one in entry if isinstance(entry, list) and len(entry) <= 1 << 12 else [entry]:
+                        if one is not None:
+                            _logprob_entry(one, vocab_size)
+            verified = f.get("verified")
+            if verified is not None:
+                if not (isinstance(verified, list) and len(verified) == len(batch)
+                        and all(v is None or (isinstance(v, list) and all(_int(t) and 0 <= t < vocab_size for t in v)) for v in verified)):
+                    raise ProtocolError("token: verified must be a list with one entry per batch entry, each None or token ids")
+            return Token(_need_int(f["plan"], "plan"), batch, tokens, _timings(f.get("timings", [])), logprobs, verified)
         if msg.type is T.PONG:
             return Pong(_num(f.get("t")), f.get("kv_bytes"), f.get("queue"), f.get("busy_s"), f.get("computed"),
                         prefix_bytes=f["prefix_bytes"] if _int(f.get("prefix_bytes")) and f["prefix_bytes"] >= 0 else None)

@@ -93,11 +93,13 @@ DOCS: dict[type, MessageDoc] = {
                  "`logprobs`, `top` (alternatives wanted), `adjust_ids`/`adjust` (logit bias and penalties), `mask` "
                  "(allowed-token bitmask bytes), `targets` (prompt logprobs of a prefill); optional `partial: true` "
                  "(a replay frame whose token is not wanted) and `pos` (positions the stage must already hold for "
-                 "`seq`; a stage holding another count refuses the frame with `corrupt_input`: a frame was lost) and "
+                 "`seq`; a stage holding another count refuses the frame with `corrupt_input`: a frame was lost), "
                  "`prefix` (a prompt prefill's prefix-cache decision, applied by every stage in frame order: "
                  "`{epoch, block, reuse: [names], save: [[block index, name]], evict: [names]}`; a newer `epoch` clears "
                  "the stage's blocks, `reuse` blocks become the sequence's first positions before `pos` is checked, "
-                 "`evict` blocks go, and after computing the `save` blocks are kept; see `cluster/prefix.py`)",
+                 "`evict` blocks go, and after computing the `save` blocks are kept; see `cluster/prefix.py`); "
+                 "speculative decoding: `verify: true` (the head returns a token per position: `verified`) and "
+                 "`rewind: true` (a stage holding more than `pos` positions first forgets those after `pos`: rejected drafts)",
         "timings": "`[worker_id, seconds, positions, bytes/elem, batch]` appended by each stage",
         "relay_to": "worker id the coordinator passes the frame on to (from a stage before or after a browser)",
     }, "`x`: `int64 [B, S]` token ids into the first stage, else `float32`/`float16 [B, S, H]`; `S > 1` only with `B = 1`"),
@@ -106,7 +108,9 @@ DOCS: dict[type, MessageDoc] = {
         "batch": "as received",
         "tokens": "one token id per batch entry",
         "timings": "as in `forward`, this stage's entry included",
-        "logprobs": "per batch entry that asked for them, else null: `{logprob, top_ids, top_logprobs[, prompt]}`",
+        "logprobs": "per batch entry that asked for them, else null: `{logprob, top_ids, top_logprobs[, prompt]}` "
+                    "(a `verify` entry: a list of them, one per position)",
+        "verified": "per batch entry: the token chosen after each position of a `verify` entry, else null",
     }),
     messages.Drop: MessageDoc("c→w", "free a sequence's KV", {"seq": "the sequence id"}),
     messages.Ping: MessageDoc("c→w", "heartbeat, every 0.5 s", {"t": "coordinator clock, echoed in the pong"}),

@@ -38,6 +38,9 @@ class ContextOverflow(ValueError):
 HEAD_EXTRA_OUTPUTS = ("token_logprob", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs")
 MAX_TOP = 20
 OLD_HEAD = "this model package's head graph predates logprobs and logit controls: re-import the model (edgepipe import)"
+# The verify form's names (graphs.verify_form; written twice so that workers need not import onnx)
+DECODE_ROWS_KEY = "edgepipe.decode_rows"
+HEAD_POSITIONS = "head_positions"
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ class SamplingBatch:
     temperature: np.ndarray  # [B] float32
     top_k: np.ndarray  # [B] int64, 0 = no limit
     top_p: np.ndarray  # [B] float32
-    uniform: np.ndarray  # [B] float32 in [0, 1)
+    uniform: np.ndarray  # [B] float32 in [0, 1); a verify entry may carry one per position: [P]
     adjust: np.ndarray | None = None  # [B, V] float32
     num_top: int = 0
     prompt_targets: np.ndarray | None = None  # [1, S] int64
@@ -162,7 +165,8 @@ class SamplingBatch:
         return cls(any(bool(v["do_sample"]) for v in s),
                    np.array([v["temperature"] for v in s], np.float32),
                    np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
-                   np.array([v["top_p"] for v in s], np.float32), np.array([v["uniform"] for v in s], np.float32),
+                   np.array([v["top_p"] for v in s], np.float32),
+                   np.array([u for v in s for u in (v["uniform"] if isinstance(v["uniform"], list) else [v["uniform"]])], np.float32),
                    adjust, num_top, None if targets[0] is None else np.array([targets[0]], np.int64), repeat_ids, repeat_penalty)
 
     @property
@@ -483,6 +487,9 @@ class StageRunner:
             raise ValueError(f"a stage's sliding-window layers must share one window, got {sorted(set(windows.values()))}")
         self.window = max(windows.values(), default=0)
         self._full_lengths = "seqlens_k" in inputs  # a stage of window layers only has no full-cache layer
+        # The verify form (graphs.verify_form): decode steps attend on two positions, the head runs at chosen ones.
+        self.decode_rows = int(self.session.get_modelmeta().custom_metadata_map.get(DECODE_ROWS_KEY, "1"))
+        self.head_positions = self.emits_tokens and HEAD_POSITIONS in inputs
         self._pool = _KVPool(self.layers, getattr(self, "kv_heads", 0), getattr(self, "head_dim", 0), self.window, tuple(windows),
                              self.device.memory_info())
         self._bound, self._bound_key = None, None
@@ -494,6 +501,19 @@ class StageRunner:
 
     def drop(self, seq: str) -> None:
         self._pool.drop(seq)
+
+    def rewind(self, seq: str, length: int) -> None:
+        """Forget ``seq``'s positions from ``length`` on (a verify pass's rejected drafts): the
+        next step writes over them. ``ValueError`` when a sliding-window layer already dropped a
+        position the shorter sequence still needs."""
+        pool = self._pool
+        if seq not in pool.row_of or length >= pool.length[seq]:
+            return
+        if length < 0:
+            raise ValueError(f"cannot rewind {seq} to {length} positions")
+        if pool.window_names and pool.start[seq] > window_start(length, self.window):
+            raise ValueError(f"{seq}: the sliding-window layers no longer hold what {length} positions need")
+        pool.length[seq] = length
 
     def sequences(self) -> list[str]:
         return list(self._pool.row_of)
@@ -532,9 +552,10 @@ class StageRunner:
         pool.trim([seq])
 
     # -- compute ----------------------------------------------------------------------------
-    def run(self, seq: str, x: np.ndarray, sampling: SamplingBatch | None = None) -> np.ndarray:
-        """Feed ``S`` new positions of one sequence; returns hidden ``[1, S, H]`` or token ``[1]``."""
-        return self.run_batch([seq], x, sampling)
+    def run(self, seq: str, x: np.ndarray, sampling: SamplingBatch | None = None, verify: bool = False) -> np.ndarray:
+        """Feed ``S`` new positions of one sequence; returns hidden ``[1, S, H]`` or token ``[1]``
+        (``verify``, on a head in the verify form: the token after each position, ``[S]``)."""
+        return self.run_batch([seq], x, sampling, verify)
 
     def _binding(self, lo: int, hi: int):
         """An IOBinding with rows ``[lo, hi)`` of the KV pool bound in place, reused until the
@@ -553,22 +574,30 @@ class StageRunner:
             self._bound, self._bound_key, self._outputs_shape_key = binding, key, None
         return self._bound
 
-    def run_batch(self, seqs: list[str], x: np.ndarray, sampling: SamplingBatch | None = None) -> np.ndarray:
+    def run_batch(self, seqs: list[str], x: np.ndarray, sampling: SamplingBatch | None = None, verify: bool = False) -> np.ndarray:
         """One step for several sequences: ``x`` is ``[B, S, ...]``; ``S > 1`` needs ``B == 1``.
 
-        Returns hidden ``[B, S, H]`` or next tokens ``[B]``, in the order of ``seqs``.
+        Returns hidden ``[B, S, H]`` or next tokens ``[B]``, in the order of ``seqs``; a head in
+        the verify form with ``verify`` returns the token after every position, ``[S]`` (B = 1).
         """
         pool = self._pool
         new = int(x.shape[1])
         if new > 1 and len(seqs) > 1:
             raise ValueError("multi-token steps (prefill) run one sequence at a time")
+        verify = verify and self.emits_tokens
+        if verify and not self.head_positions:
+            raise ValueError("this stage's graph cannot verify drafted tokens (not the verify form: serve --speculative sends it)")
         if pool.on_device and new > 1 and self.layers and pool.rows > (0 if seqs[0] not in pool.row_of else 1):
-            return self._prefill_alone(seqs[0], x, sampling)
+            return self._prefill_alone(seqs[0], x, sampling, verify)
+        # A decode step in the verify form attends on two positions (see graphs.verify_form): the
+        # second, a copy of the first made in the graph, is scratch that the sequence's next step overwrites.
+        scratch = 1 if self.decode_rows == 2 and new == 1 else 0
+        width = new + scratch  # positions attention writes
         for seq in seqs:
             if seq not in pool.row_of:
                 pool.add(seq)
         totals = [pool.length[s] + new for s in seqs]
-        if self.max_context and max(totals) > self.max_context:
+        if self.max_context and max(totals) + scratch > self.max_context:
             worst = seqs[int(np.argmax(totals))]
             raise ContextOverflow(f"sequence {worst} would reach {max(totals)} tokens, over the context of {self.max_context}")
         rows = [pool.row_of[s] for s in seqs]
@@ -591,7 +620,7 @@ class StageRunner:
             lengths = np.array([pool.length.get(by_row.get(r, ""), 0) for r in range(lo, hi)], np.int64)
             lengths[np.array(rows) - lo] = np.array(totals) - new
             kept = lengths - np.array([pool.start.get(by_row.get(r, ""), 0) for r in range(lo, hi)], np.int64)
-            pool.reserve(int(lengths.max()) + new, int(kept.max()) + new)
+            pool.reserve(int(lengths.max()) + width, int(kept.max()) + width)
         binding = self._binding(lo, hi)
         self.host_bytes = 0 if pool.on_device else sum(pool.host(k)[lo:hi].nbytes for k in pool.arrays) * 2  # read + written
         self._bind_host(binding, self.input_name, feed)
@@ -599,17 +628,20 @@ class StageRunner:
         # (every decode step of the same rows): rebinding each costs ~20 µs. What this returns is
         # copied out of them (fancy indexing), so the next run cannot change it.
         asked = sampling is not None and sampling.prompt_targets is not None
-        shape_key = (n, new, sampling.num_top if sampling is not None else 0)
+        # head positions: every one (verify), else the last
+        positions = (np.arange(new) if verify else np.array([-1])).astype(np.int64)
+        per_seq = len(positions) if self.head_positions else 1
+        shape_key = (n, new, per_seq, sampling.num_top if sampling is not None else 0)  # what the outputs' shapes follow from
         rebind = asked or shape_key != self._outputs_shape_key
         self._outputs_shape_key = None if asked else shape_key
         if rebind:
             binding.bind_output(self.output_name, "cpu")
         if self.layers and self._full_lengths:
-            self._bind_host(binding, "seqlens_k", (lengths + new - 1).astype(np.int32))
-            self._bind_host(binding, "total_sequence_length", np.array(int(lengths.max()) + new, np.int32))
+            self._bind_host(binding, "seqlens_k", (lengths + width - 1).astype(np.int32))
+            self._bind_host(binding, "total_sequence_length", np.array(int(lengths.max()) + width, np.int32))
         if self.window:  # window layers: buffer lengths, and the absolute positions to rotate at
-            self._bind_host(binding, "window_seqlens_k", (kept + new - 1).astype(np.int32))
-            self._bind_host(binding, "window_total_sequence_length", np.array(int(kept.max()) + new, np.int32))
+            self._bind_host(binding, "window_seqlens_k", (kept + width - 1).astype(np.int32))
+            self._bind_host(binding, "window_total_sequence_length", np.array(int(kept.max()) + width, np.int32))
             self._bind_host(binding, "position_ids", lengths[:, None] + np.arange(new, dtype=np.int64)[None, :])
         if self.emits_tokens:
             batch = sampling or SamplingBatch.greedy(len(seqs))
@@ -618,26 +650,38 @@ class StageRunner:
                     full = np.zeros(n, arr.dtype) if name != "temperature" and name != "top_p" else np.ones(n, arr.dtype)
                     full[np.array(rows) - lo] = arr
                     arr = full
+                if arr.ndim and not (name == "uniform" and per_seq > 1 and arr.size == n * per_seq):  # (a draw per position: as sent)
+                    arr = np.repeat(arr, per_seq)  # a row per head position
                 self._bind_host(binding, name, arr)
-            self._bind_head_controls(binding, batch, n, np.array(rows) - lo, new, rebind)
+            if self.head_positions:
+                self._bind_host(binding, HEAD_POSITIONS, positions)
+            self._bind_head_controls(binding, batch, n, np.array(rows) - lo, new, rebind, per_seq)
         self.session.run_with_iobinding(binding)
         # The pybind list, not IOBinding.get_outputs(): that wraps every bound output in a Python
         # OrtValue, the KV buffers too (61 for SmolLM2), ~150 µs a step, 1-2% of a small model's decode.
         outputs = binding._iobinding.get_outputs()
         out = outputs[0].numpy()
         self.host_bytes += out.nbytes
+        # The head's rows are sequence-major, ``per_seq`` each: a verify keeps them all (B = 1), a
+        # decode step its first (the real position), a prefill its only one.
+        keep = slice(None) if verify else -1
         if self._extra_outputs:
             picked = np.array(rows) - lo
             head = dict(zip(self._extra_outputs, (outputs[1 + i].numpy() for i in range(len(self._extra_outputs)))))
             self.host_bytes += sum(v.nbytes for v in head.values())
-            self.last_head = tuple(seqs), HeadOutput(head["token_logprob"][picked], head["top_ids"][picked], head["top_logprobs"][picked],
+            first = (lambda a: a.reshape(n, per_seq, *a.shape[1:])[picked[0], keep]) if verify else (
+                lambda a: a.reshape(n, per_seq, *a.shape[1:])[picked, keep])
+            self.last_head = tuple(seqs), HeadOutput(first(head["token_logprob"]), first(head["top_ids"]), first(head["top_logprobs"]),
                                                      *((head[k][0] for k in HEAD_EXTRA_OUTPUTS[3:]) if asked else ()))
         for seq, total in zip(seqs, totals):
             pool.length[seq] = total
         pool.trim(seqs)  # sliding-window layers drop what no later query sees
+        if self.emits_tokens:
+            tokens = out.reshape(n, per_seq)
+            return tokens[rows[0] - lo] if verify else tokens[np.array(rows) - lo, keep]
         return out[np.array(rows) - lo]
 
-    def _prefill_alone(self, seq: str, x: np.ndarray, sampling: SamplingBatch | None) -> np.ndarray:
+    def _prefill_alone(self, seq: str, x: np.ndarray, sampling: SamplingBatch | None, verify: bool = False) -> np.ndarray:
         """A multi-token step of one sequence in a device pool of several rows: attention takes a
         prefill one row at a time, and device memory has no row views, so the sequence's KV goes
         through a one-row pool of its own (its positions pass through the host, once each way)."""
@@ -649,7 +693,7 @@ class StageRunner:
         try:
             if length:
                 self.import_kv(seq, kv, length)
-            out = self.run_batch([seq], x, sampling)
+            out = self.run_batch([seq], x, sampling, verify)
             kv, length = self.export_kv(seq), self._pool.length[seq]
         finally:
             self._pool.drop(seq)
@@ -661,20 +705,27 @@ class StageRunner:
         binding.bind_cpu_input(name, array)
         self.host_bytes += array.nbytes
 
-    def logprobs_field(self, batch: list[dict]) -> dict:
+    def logprobs_field(self, batch: list[dict], verify: bool = False) -> dict:
         """A TOKEN frame's ``logprobs`` for the batch just run: an entry per sequence that asked
-        (``sampling.logprobs``), None for the others; nothing when none asked."""
+        (``sampling.logprobs``), None for the others; nothing when none asked. A verify run (one
+        sequence) gives its entry as a list, one per position."""
         wanted = [bool(item["sampling"].get("logprobs")) for item in batch]
         if not any(wanted):
             return {}
         seqs, head = self.last_head or ((), None)
         if head is None or seqs != tuple(item["seq"] for item in batch):
             raise RuntimeError("the head's logprobs of this batch are gone")
+        if verify:
+            top = int(batch[0]["sampling"].get("top") or 0)
+            return {"logprobs": [[head.wire(i, top) for i in range(len(head.token_logprob))]]}
         return {"logprobs": [head.wire(i, int(item["sampling"].get("top") or 0)) if w else None
                              for i, (item, w) in enumerate(zip(batch, wanted))]}
 
-    def _bind_head_controls(self, binding, batch: SamplingBatch, n: int, picked: np.ndarray, new: int, rebind_outputs: bool = True) -> None:
-        """The head's logit_adjust / num_top / prompt_targets (bystander rows get no adjustment)."""
+    def _bind_head_controls(self, binding, batch: SamplingBatch, n: int, picked: np.ndarray, new: int, rebind_outputs: bool = True,
+                            per_seq: int = 1) -> None:
+        """The head's logit_adjust / num_top / prompt_targets (bystander rows get no adjustment);
+        ``per_seq``: head rows per sequence (the verify form's head positions), each row's
+        controls repeated over them."""
         if not self.head_controls:
             if batch.wants_head_extras:
                 raise ValueError(OLD_HEAD)
@@ -691,6 +742,8 @@ class StageRunner:
                 adjust = np.zeros((n, self.vocab), np.float32)
                 adjust[picked] = batch.adjust
         if adjust is not None:
+            if per_seq > 1 and adjust.shape[0] > 1:
+                adjust = np.repeat(adjust, per_seq, axis=0)
             self._bind_host(binding, "logit_adjust", np.ascontiguousarray(adjust, np.float32))
         self._bind_host(binding, "num_top", np.array([batch.num_top], np.int64))
         targets = np.zeros((1, 0), np.int64)
@@ -705,8 +758,8 @@ class StageRunner:
                 ids = np.zeros((n, batch.repeat_ids.shape[1]), np.int64)
                 penalty[picked] = batch.repeat_penalty
                 ids[picked] = batch.repeat_ids
-            self._bind_host(binding, "repeat_ids", ids)
-            self._bind_host(binding, "repeat_penalty", penalty)
+            self._bind_host(binding, "repeat_ids", np.repeat(ids, per_seq, axis=0))
+            self._bind_host(binding, "repeat_penalty", np.repeat(penalty, per_seq))
         elif batch.repeat_ids is not None:
             raise ValueError(OLD_HEAD)
         if rebind_outputs:  # fresh buffers where their shapes may change

@@ -204,8 +204,12 @@ def forward_problem(state: WorkerState, msg: Message) -> tuple[ErrorCode, str] |
             if held:
                 return ErrorCode.BAD_INPUT, f"{item['seq']} already holds {held} positions: a prefix is installed into a new sequence only"
             held = len(entry["reuse"]) * entry["block"]
+        if item.get("rewind") and isinstance(pos, int) and 0 <= pos < held:
+            held = pos  # speculative decoding: the stage forgets the drafts the last verify rejected (runners.run)
         if isinstance(pos, int) and session.layers and pos != held:
             return ErrorCode.CORRUPT_INPUT, f"plan {plan}: {item['seq']} holds {held} positions, the frame starts at {pos} (a frame was lost)"
+    if any(item.get("verify") for item in batch) and len(batch) != 1:
+        return ErrorCode.BAD_INPUT, "a verify frame holds one sequence"
     return None
 
 
@@ -247,7 +251,9 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
                                                              len(batch)]]}
     if stage.next.kind == "coordinator":
         if not all(item.get("partial") for item in batch):  # replay frames before the last: no token wanted
-            commands.append(SendControl(Message(T.TOKEN, {**fields, "tokens": [int(t) for t in event.out], **event.logprobs})))
+            tokens = [int(t) for t in event.out]  # a verify entry: the target's token after each of its positions
+            chosen = {"tokens": tokens[-1:], "verified": [tokens]} if batch[0].get("verify") else {"tokens": tokens}
+            commands.append(SendControl(Message(T.TOKEN, {**fields, **chosen, **event.logprobs})))
         return state, commands
     if stage.next.relay:
         commands.append(SendControl(Message(T.FORWARD, {**fields, "relay_to": stage.next.id}, {"x": out})))

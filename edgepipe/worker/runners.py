@@ -80,11 +80,16 @@ class Runners:
 
         store = self.prefix.setdefault(cmd.forward["plan"], PrefixStore()) if cmd.prefixes else None
 
+        verify = any(item.get("verify") for item in cmd.forward["batch"])
+
         def timed():
+            for item in cmd.forward["batch"]:  # speculative decoding: drafts the last verify rejected are forgotten
+                if item.get("rewind") and isinstance(item.get("pos"), int) and not isinstance(item.get("pos"), bool):
+                    runner.rewind(item["seq"], item["pos"])
             for seq, entry in cmd.prefixes:  # install cached prompt blocks first: the frame starts after them
                 store.before(runner, seq, entry)
             c0 = time.thread_time()
-            out = runner.run_batch(cmd.seqs, cmd.x, sampling)
+            out = runner.run_batch(cmd.seqs, cmd.x, sampling, verify)
             cpu = time.thread_time() - c0 if single_thread else None
             for seq, entry in cmd.prefixes:
                 store.after(runner, seq, entry)
@@ -96,7 +101,7 @@ class Runners:
         except Exception as exc:  # noqa: BLE001 - onnxruntime errors must not kill the worker
             return core.Failed(cmd.forward, *failure(exc), lengths=self._lengths(runner, cmd.seqs))
         return core.Computed(cmd.forward, out, time.perf_counter() - t0, cpu, int(cmd.x.shape[1]), joins,
-                             self._lengths(runner, cmd.seqs), runner.logprobs_field(cmd.forward["batch"]) if runner.emits_tokens else {})
+                             self._lengths(runner, cmd.seqs), runner.logprobs_field(cmd.forward["batch"], verify) if runner.emits_tokens else {})
 
     @staticmethod
     def _lengths(runner: StageRunner, seqs: list[str]) -> dict:

@@ -1,0 +1,122 @@
+"""Speculative decoding in the coordinator: which requests draft, how many tokens, and the drafter's thread.
+
+The arithmetic is ``runtime.speculative``'s (acceptance, draft length, the drafters); this shell
+runs a model drafter on a thread of its own (its steps are compute, the event loop must keep
+answering heartbeats), keeps a draft length per request, and counts what was drafted and kept.
+While a verify pass travels the stages, a model drafter whose drafts are mostly kept drafts on
+(``AHEAD_RATE``) as if the pass kept them all: when it did and the target's own next token is the
+drafter's first guess, the next pass's drafts are ready (the draft model and the stages then
+compute at the same time instead of taking turns).
+
+Which requests speculate: those whose head controls are the same at every position (``logprobs``
+and ``top`` are), greedy or sampled (a sampled one's drafts are kept where they equal the
+target's seeded sample: see ``runtime.speculative``). Requests with a token mask (structured
+output), logit bias, presence/frequency or repeat penalties decode one token per step: their
+controls change with every token (a mask per verified position would need the mask provider to
+look ahead over the drafts). Verify passes travel alone, beside the lanes of other sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..runtime.sequence import SequenceState
+from ..runtime.speculative import DraftLength, Drafter, NgramDrafter
+
+PER_POSITION_CONTROLS = ("adjust_ids", "mask", "repeat_ids", "targets")
+AHEAD_RATE = 0.8  # draft the next pass during this one once this share of drafts is kept
+
+
+@dataclass
+class SpeculationStats:
+    passes: int = 0  # verify passes
+    drafted: int = 0  # tokens drafted into them
+    kept: int = 0  # drafted tokens the target kept
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / self.drafted if self.drafted else 0.0
+
+
+class Speculation:
+    """A drafter for the coordinator's requests. ``k_max``: most drafts per pass; ``worth``: see
+    ``DraftLength`` (a free n-gram draft is worth trying further than a model's)."""
+
+    def __init__(self, drafter: Drafter, k_max: int = 8, worth: float | None = None):
+        self.drafter = drafter
+        self.k_max = k_max
+        # a model's draft costs a step of the draft model: each must be likelier to be kept
+        self.worth = worth if worth is not None else (0.15 if isinstance(drafter, NgramDrafter) else 0.5)
+        self.lengths: dict[str, DraftLength] = {}
+        self.stats = SpeculationStats()
+        self._pool = None if isinstance(drafter, NgramDrafter) else ThreadPoolExecutor(1, thread_name_prefix="draft")
+        self._ahead: dict[str, tuple[list[int], Future]] = {}  # rid -> (ids it assumed, drafts after them)
+        self.ahead_used = 0  # passes whose drafts were drafted during the pass before
+
+    @staticmethod
+    def eligible(state: SequenceState, head: dict) -> bool:
+        return state.token_mask is None and not any(key in head for key in PER_POSITION_CONTROLS)
+
+    async def propose(self, rid: str, state: SequenceState, room: int) -> list[int]:
+        """Up to ``room`` drafted tokens to follow ``state``'s ids (none: decode one token)."""
+        length = self.lengths.setdefault(rid, DraftLength(k_max=self.k_max, worth=self.worth))
+        k = min(length.k, room)
+        if k <= 0:
+            length.update(0, 0)  # a step without drafts (drafting paused, or no room)
+            return []
+        ids, params, step = list(state.all_ids), state.params, len(state.generated)
+        if self._pool is None:
+            return self.drafter.draft(rid, ids, k, params, step)
+        drafts: list[int] = []
+        ahead = self._ahead.pop(rid, None)
+        if ahead is not None:
+            assumed, future = ahead
+            guess = await asyncio.wrap_future(future)
+            if guess and ids == assumed + guess[:1]:  # every draft kept, and the target's next token guessed
+                drafts = guess[1:k + 1]
+                self.ahead_used += 1
+        if not drafts:
+            drafts = await asyncio.get_running_loop().run_in_executor(self._pool, self.drafter.draft, rid, ids, k, params, step)
+        if drafts and length.rate >= AHEAD_RATE:
+            assumed = ids + drafts
+            self._ahead[rid] = assumed, self._pool.submit(self.drafter.draft, rid, assumed, k + 1, params, step + len(drafts))
+        return drafts
+
+    def prime(self, rid: str, state: SequenceState) -> None:
+        """Let a model drafter take in the prompt on its thread while the pipeline prefills it
+        (its first draft would otherwise begin with that prefill)."""
+        if self._pool is not None:
+            self._pool.submit(self.drafter.prime, rid, list(state.prompt_ids))
+
+    def learn(self, rid: str, drafted: int, kept: int) -> None:
+        self.stats.passes += 1
+        self.stats.drafted += drafted
+        self.stats.kept += kept
+        if rid in self.lengths:
+            self.lengths[rid].update(drafted, kept)
+
+    def forget(self, rid: str) -> None:
+        self.lengths.pop(rid, None)
+        self._ahead.pop(rid, None)
+        if self._pool is None:
+            self.drafter.forget(rid)
+        else:
+            self._pool.submit(self.drafter.forget, rid)
+
+
+def build_speculation(draft: str, target, k_max: int = 8, threads: int | None = None, home=None) -> Speculation:
+    """``draft``: ``"ngram"`` (prompt lookup) or a model (package name, directory or GGUF path) whose
+    tokenizer is the target package's; the model runs whole in this process. ``ValueError`` (one
+    line) when the pair cannot work."""
+    from ..model.store import resolve
+    from ..runtime.speculative import ModelDrafter
+
+    if draft == "ngram":
+        return Speculation(NgramDrafter(), k_max)
+    package = resolve(draft, home=home) if home is not None else resolve(draft)
+    if package.manifest.tokenizer != target.manifest.tokenizer:
+        raise ValueError(f"draft model {package.name} has another tokenizer than {target.name}: drafts would be other tokens")
+    runner = package.runner(0, len(package.manifest.units), threads=threads)
+    return Speculation(ModelDrafter(runner, package.name), k_max)

@@ -1,0 +1,147 @@
+"""Speculative decoding through real worker processes: greedy tokens (and logprobs) equal decoding
+one token per step in the same graph form, alone and beside other requests; a worker killed
+mid-stream is replayed to the same tokens (``-m slow``).
+
+The drafter is SmolLM2's fp32 package drafting for the int4 target (one tokenizer, other weights:
+it agrees often, not always, so passes keep some drafts and rewind others)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
+
+from harness import Server
+
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
+EDIT = f"Rename every function in this code to start with 'calc_' and output the whole code:\n{CODE}"
+CHAT = "Count from one to twenty in words, separated by commas."
+
+
+def chat_ids(pkg, prompt: str) -> list[int]:
+    tok = pkg.tokenizer
+    return tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
+
+
+def reference(pkg, prompt: str, **params):
+    """Decoding one token per step, single process, in the verify form the cluster's stages run."""
+    tok = pkg.tokenizer
+    return generate(pkg.pipeline(verify_form=True, threads=1), chat_ids(pkg, prompt), GenerationParams(**params), tok.decode,
+                    pkg.manifest.eos_ids)
+
+
+def without_eos(pkg, tokens: list[int]) -> list[int]:
+    return [t for t in tokens if t not in pkg.manifest.eos_ids]
+
+
+def ask(server, prompt: str, **body) -> dict:
+    r = server.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}], "return_token_ids": True,
+                                                         **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+@pytest.fixture(scope="module")
+def spec_server(home, int4_pkg, fp32_pkg):
+    with Server(home, workers=3, args=("--placement", "memory", "--speculative", str(fp32_pkg.root), "--draft-k", "6")) as server:
+        yield server
+
+
+def test_greedy_tokens_and_logprobs_equal_one_token_per_step(int4_pkg, spec_server):
+    for prompt in (EDIT, CHAT):
+        choice = ask(spec_server, prompt, max_tokens=48, temperature=0, logprobs=True, top_logprobs=2)
+        ref = reference(int4_pkg, prompt, max_tokens=48, logprobs=True, top_logprobs=2)
+        assert choice["token_ids"] == without_eos(int4_pkg, ref.tokens)
+        got = [(e["logprob"], [t["logprob"] for t in e["top_logprobs"]]) for e in choice["logprobs"]["content"]]
+        want = [(w.logprob, [lp for _, lp in w.top]) for w in ref.logprobs]
+        assert got == want  # the verify rows are the decode steps' bits: the same floats
+    spec = spec_server.status()["speculation"]
+    assert spec["drafter"] == "smollm2-135m-instruct-fp32" and spec["passes"] > 0
+    assert 0 < spec["kept"] < spec["drafted"], spec  # drafts kept, and some rejected (rewound on every stage)
+    metrics = spec_server.client.get("/metrics").text
+    assert "edgepipe_speculative_kept_tokens_total" in metrics
+
+
+def test_sampled_tokens_equal_seeded_sampling_one_token_per_step(int4_pkg, spec_server):
+    """A sampled request speculates too: the drafter samples with the target's seeded draws and a
+    draft stays where it equals the target's sample, so the tokens are the non-speculative ones."""
+    before = spec_server.status()["speculation"]
+    choice = ask(spec_server, CHAT, max_tokens=40, temperature=0.8, top_p=0.95, seed=5)
+    assert choice["token_ids"] == without_eos(int4_pkg, reference(int4_pkg, CHAT, max_tokens=40, temperature=0.8, top_p=0.95,
+                                                                  seed=5).tokens)
+    after = spec_server.status()["speculation"]
+    assert after["passes"] > before["passes"] and after["kept"] > before["kept"]
+
+
+def test_beside_other_requests(int4_pkg, spec_server):
+    """A speculating request, a sampled one and one with a logit bias (these two decode a token per
+    step, batched in lanes) at once: each gets its solo tokens."""
+    bias = {str(int4_pkg.tokenizer.encode(" the")[0]): -5}
+    jobs = [(EDIT, dict(max_tokens=40, temperature=0)),
+            (CHAT, dict(max_tokens=24, temperature=0.8, seed=7)),
+            (CHAT, dict(max_tokens=24, temperature=0, logit_bias=bias))]
+    before = spec_server.status()["speculation"]["passes"]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        choices = list(pool.map(lambda job: ask(spec_server, job[0], **job[1]), jobs))
+    expected = [reference(int4_pkg, EDIT, max_tokens=40),
+                reference(int4_pkg, CHAT, max_tokens=24, temperature=0.8, seed=7),
+                reference(int4_pkg, CHAT, max_tokens=24, logit_bias=tuple((int(k), float(v)) for k, v in bias.items()))]
+    for choice, ref in zip(choices, expected):
+        assert choice["token_ids"] == without_eos(int4_pkg, ref.tokens)
+    assert spec_server.status()["speculation"]["passes"] > before
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_stream_is_replayed_exactly(int4_pkg, home):
+    """n-gram drafting on a code edit; a stage is SIGKILLed mid-stream: the replay rebuilds the KV one
+    token per step, and the accepted tokens come out the same."""
+    expected = int4_pkg.tokenizer.decode(without_eos(int4_pkg, reference(int4_pkg, EDIT, max_tokens=80, ignore_eos=True).tokens))
+    with Server(home, workers=2, args=("--placement", "memory", "--speculative", "ngram")) as server:
+        victim = server.status()["workers"][1]
+        killed = threading.Event()
+        pieces = []
+        body = {"messages": [{"role": "user", "content": EDIT}], "max_tokens": 80, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.Client(base_url=server.url, timeout=300) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    pieces += [choice["delta"].get("content", "") for choice in json.loads(line[6:])["choices"]]
+                    if len(pieces) >= 20 and not killed.is_set():
+                        os.kill(victim["pid"], signal.SIGKILL)
+                        killed.set()
+        assert killed.is_set()
+        assert "".join(pieces) == expected
+        assert server.status()["speculation"]["kept"] > 0
+        kinds = [e["kind"] for e in server.client.get("/v1/cluster/events").json()["events"]]
+        assert "leave" in kinds and "recovered" in kinds
+
+
+@pytest.mark.slow
+def test_forced_rebalance_mid_stream_moves_kv_with_drafts(int4_pkg, home):
+    """A plan switch mid-stream moves the sequence's KV, rejected drafts' positions included: the
+    next frame's ``rewind`` drops them on the new stages, and the text is unchanged."""
+    expected = int4_pkg.tokenizer.decode(without_eos(int4_pkg, reference(int4_pkg, EDIT, max_tokens=80, ignore_eos=True).tokens))
+    with Server(home, workers=2, args=("--placement", "memory", "--speculative", "ngram")) as server:
+        stages = server.status()["plan"]["stages"]
+        a, b = stages[0]["worker"], stages[1]["worker"]
+        moved, pieces = {}, []
+        body = {"messages": [{"role": "user", "content": EDIT}], "max_tokens": 80, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.Client(base_url=server.url, timeout=300) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    pieces += [choice["delta"].get("content", "") for choice in json.loads(line[6:])["choices"]]
+                    if len(pieces) >= 20 and not moved:
+                        moved["reply"] = httpx.post(server.url + "/v1/cluster/rebalance", timeout=120, json={"stages": [
+                            {"worker": a, "start": 0, "end": 10}, {"worker": b, "start": 10, "end": 32}], "pin_s": 600}).json()
+        assert "".join(pieces) == expected
+        up = [e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == "up" and e["plan"] == moved["reply"]["plan"]]
+        assert up and up[0]["kv_moved"] == 1
+        assert server.status()["speculation"]["kept"] > 0

@@ -39,13 +39,14 @@ from edgepipe.bench.results import write_results
 PROMPT = "Tell me a long story about a lighthouse keeper who finds a message in a bottle."
 
 
-def reference_text(pkg, n: int) -> str:
+def reference_text(pkg, n: int, verify_form: bool = False) -> str:
     from edgepipe.runtime.local import generate
     from edgepipe.runtime.sequence import GenerationParams
 
     tok = pkg.tokenizer
     ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
-    result = generate(pkg.pipeline(), ids, GenerationParams(max_tokens=n, ignore_eos=True), tok.decode, pkg.manifest.eos_ids)
+    result = generate(pkg.pipeline(verify_form=verify_form), ids, GenerationParams(max_tokens=n, ignore_eos=True), tok.decode,
+                      pkg.manifest.eos_ids)
     return tok.decode(result.tokens)
 
 
@@ -77,9 +78,11 @@ def stream(url: str, n: int, on_chunk, timeout: float) -> tuple[str, list[float]
     return "".join(pieces), times
 
 
-def trial(home: Path, args, expected: str, index: int, kill_at: int) -> dict:
+def trial(home: Path, args, expected: str, index: int, kill_at: int, replay: str = "steps") -> dict:
     worker_flags = f"--memory {args.memory}" if args.placement == "planner" and args.memory else ""
     sargs = ("--placement", args.placement, "--worker-threads", str(args.threads), "--max-active", "1")
+    if replay == "chunk":  # the verify form: a replay is one prefill (graphs.verify_form)
+        sargs += ("--verify-form",)
     if worker_flags:
         sargs += ("--worker-args", worker_flags)
     with Server(home, workers=3, args=sargs, timeout=240) as server:
@@ -120,7 +123,7 @@ def trial(home: Path, args, expected: str, index: int, kill_at: int) -> dict:
         gaps = [b - a for a, b in zip(times, times[1:])]
         normal = [g for i, g in enumerate(gaps) if i not in (k - 1,)]
         row = {
-            "trial": index, "kill_at": kill_at, "placement": args.placement, "plan_stages": [[s["worker"], s["start"], s["end"]] for s in stages],
+            "trial": index, "kill_at": kill_at, "replay": replay, "placement": args.placement, "plan_stages": [[s["worker"], s["start"], s["end"]] for s in stages],
             "victim": victim_id, "victim_units": [[s["start"], s["end"]] for s in stages if s["worker"] == victim_id][0],
             "spare_before_kill": bool(spare and spare["t"] < kill.get("wall", 0)),
             "spare_stages": spare["stages"] if spare else None,
@@ -171,37 +174,40 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def report(rows: list[dict], args, run: Conditions) -> None:
-    positions = sorted({r["kill_at"] for r in rows})
+    positions = sorted({(r["replay"], r["kill_at"]) for r in rows})
     conditions = (f"{run.line()} · SmolLM2-135M int4 · 3 local workers, {args.threads} thread each, "
                   f"placement {args.placement}" + (f", EMULATED memory budget {args.memory}/worker" if args.placement == "planner" else "") +
-                  f" · greedy chat, {args.tokens} tokens, victim SIGKILLed after chunk {'/'.join(map(str, positions))} · {len(rows)} trials, "
+                  f" · greedy chat, {args.tokens} tokens, victim SIGKILLed after chunk {'/'.join(sorted({str(k) for _, k in positions}))} · "
+                  f"{len(rows)} trials, "
                   f"fresh cluster each · loopback · shared noisy machine")
-    summary = {str(k): summarise([r for r in rows if r["kill_at"] == k]) for k in positions}
+    summary = {f"{m} {k}": summarise([r for r in rows if (r["replay"], r["kill_at"]) == (m, k)]) for m, k in positions}
     summary["all"] = summarise(rows)
 
     def f(x, d=3):
         return "–" if x is None else f"{x:.{d}f}"
 
     lines = [f"# Recovery after a worker is SIGKILLed mid-stream", "", conditions, "",
-             "| trial | kill after chunk | plan (worker units) | victim | spare before kill | gap before/after kill s | kill → next chunk s | coordinator recovered s | new plan prepare s | detect / plan / load / replay+step s | tokens match |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| trial | replay | kill after chunk | plan (worker units) | victim | spare before kill | gap before/after kill s | kill → next chunk s | coordinator recovered s | new plan prepare s | detect / plan / load / replay+step s | tokens match |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         plan = " ".join(f"{w}[{a},{b})" for w, a, b in r["plan_stages"])
-        lines.append(f"| {r['trial']} | {r['kill_at']} | {plan} | {r['victim']} | {'yes' if r['spare_before_kill'] else 'no'} | {f(r['gap_s'])} | "
+        lines.append(f"| {r['trial']} | {r['replay']} | {r['kill_at']} | {plan} | {r['victim']} | {'yes' if r['spare_before_kill'] else 'no'} | {f(r['gap_s'])} | "
                      f"{f(r['kill_to_next_chunk_s'])} | {f(r['recovered_s'])} | {f(r['new_plan_prepare_s'])} | "
                      f"{' / '.join(f(v, 2) for v in r['phases_s'].values()) if r['phases_s'] else '–'} | {'yes' if r['tokens_match'] else 'NO'} |")
-    lines += ["", "| killed after chunk (tokens to replay) | trials | client gap around the kill s, median / max | kill → next chunk s, median / max | "
+    lines += ["", "| replay, killed after chunk (tokens to replay) | trials | client gap around the kill s, median / max | kill → next chunk s, median / max | "
               "coordinator `recovered.seconds`, median / max | new plan prepare s (median) | normal chunk gap s | tokens match | spare before kill | < 1 s |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    for key in [str(k) for k in positions] + (["all"] if len(positions) > 1 else []):
+    for key in [f"{m} {k}" for m, k in positions] + (["all"] if len(positions) > 1 else []):
         m = summary[key]
         lines.append(f"| {key} | {m['trials']} | {f(m['gap_s_median'])} / {f(m['gap_s_max'])} | {f(m['kill_to_next_chunk_s_median'])} / "
                      f"{f(m['kill_to_next_chunk_s_max'])} | {f(m['recovered_s_median'])} / {f(m['recovered_s_max'])} | "
                      f"{f(m['new_plan_prepare_s_median'])} | {f(m['median_chunk_gap_s'])} | {'all' if m['all_tokens_match'] else 'NO'} | "
                      f"{m['spare_before_kill']}/{m['trials']} | {'yes' if m['goal_met'] else 'no'} |")
     lines += ["", "Goal (issue): death → next token under 1 s for the default model; seed 000 reports 7 s. "
-              "The coordinator rebuilds a paused request's KV by replaying prompt + generated tokens step by step on the new plan, "
-              "so the time grows with the tokens generated before the kill; the table reports each kill position separately."]
+              "The coordinator rebuilds a paused request's KV by replaying prompt + generated tokens on the new plan: `steps` "
+              "(the plain graphs) replays each generated token as a decode step, so the time grows with the tokens generated before "
+              "the kill; `chunk` (`serve --verify-form`: every position of a chunk has a decode step's bits) replays them in one "
+              "prefill. Each replay's text is checked against the single-process reference of its own graph form."]
     if args.placement == "planner":
         lines.append("Memory budgets are emulation (a worker refuses a stage above its budget); compute is not slowed.")
     text = "\n".join(lines)
@@ -220,6 +226,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--request-timeout", type=float, default=180)
     ap.add_argument("--smoke", action="store_true", help="2 trials of 64 tokens, kill after chunk 16")
+    ap.add_argument("--replay", default="steps", help="comma list of steps (plain graphs: a decode step per generated token) "
+                                                        "and chunk (--verify-form: one prefill); trials rotate")
     args = ap.parse_args()
     if args.smoke:
         args.trials, args.tokens, args.kill_at = 2, 64, "16"
@@ -229,13 +237,18 @@ def main() -> None:
     from edgepipe.model.store import resolve
 
     run = Conditions.start()
-    expected = reference_text(resolve("smollm2", "int4", home), args.tokens)
+    replays = args.replay.split(",")
+    if set(replays) - {"steps", "chunk"}:
+        ap.error("--replay takes steps and/or chunk")
+    expected = {m: reference_text(resolve("smollm2", "int4", home), args.tokens, verify_form=m == "chunk") for m in replays}
     rows = []
     positions = [int(k) for k in str(args.kill_at).split(",")]
     if max(positions) >= args.tokens:
         ap.error("--kill-at must be below --tokens")
-    for i in range(args.trials * len(positions)):
-        rows.append(trial(home, args, expected, i + 1, positions[i % len(positions)]))
+    cells = [(m, k) for k in positions for m in replays]  # interleaved: each replay mode beside the other at every position
+    for i in range(args.trials * len(cells)):
+        m, k = cells[i % len(cells)]
+        rows.append(trial(home, args, expected[m], i + 1, k, m))
     report(rows, args, run.finish())
 
 

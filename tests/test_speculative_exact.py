@@ -183,3 +183,24 @@ def test_a_draft_model_with_another_tokenizer_is_refused(int4_pkg):
     with pytest.raises(ValueError, match="another tokenizer"):
         build_speculation(str(int4_pkg.root), target)
     assert build_speculation("ngram", target).drafter.name == "ngram"
+
+
+def test_a_replay_in_one_chunk_rebuilds_the_same_kv_in_the_verify_form(verify_pipe, reference):
+    """Recovery (issue 30): in the verify form every position of a chunk has a decode step's bits,
+    so a sequence's KV is rebuilt by one prefill of prompt + generated tokens instead of one
+    decode step per generated token; the KV and the next token are those of the original run."""
+    prompt, tokens, entries = reference
+    x = np.array([prompt], np.int64)
+    for runner in verify_pipe.runners:  # the original run again: prompt prefill, then decode steps
+        x = runner.run("orig", x, SamplingBatch.greedy(1) if runner.emits_tokens else None)
+    for t in tokens[:11]:
+        x = np.array([[t]], np.int64)
+        for runner in verify_pipe.runners:
+            x = runner.run("orig", x, SamplingBatch.greedy(1) if runner.emits_tokens else None)
+    replayed, _ = _run(verify_pipe, "replay", prompt + tokens[:11])  # one chunk
+    assert replayed == tokens[11:12] == [int(np.atleast_1d(x)[0])]
+    for runner in verify_pipe.runners:
+        a, b = runner.export_kv("orig"), runner.export_kv("replay")
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), "the rebuilt KV differs"
+    verify_pipe.drop("orig")
+    verify_pipe.drop("replay")

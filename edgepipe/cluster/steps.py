@@ -102,8 +102,10 @@ class Steps:
         # A replay rebuilds KV exactly as first computed: the prompt as one prefill, then each later
         # token as its own decode step (one prefill over everything takes other kernel paths and
         # can flip a near-tie). Sent as separate frames, the stages work on them as a pipeline;
-        # only the last frame's token comes back.
-        chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if replay_from else [feed]
+        # only the last frame's token comes back. In the verify form every position of a chunk
+        # has a decode step's bits (graphs.verify_form), so the whole replay is one prefill.
+        one_by_one = replay_from and not c.settings.speculative
+        chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if one_by_one else [feed]
         # A prompt prefill from position 0 may start from cached blocks (cluster.prefix). Prompt
         # logprobs need every position's logits: such a prefill saves blocks but reuses none.
         decision = c.prefix.decide(dep, rid, chunks[0], reuse="targets" not in (head or {})) if kv_start == 0 and len(feed) > 1 else None

@@ -80,5 +80,7 @@ void gguf_dequantize_row(int qtype, const uint8_t *row, float *out, int64_t k);
 void gguf_table_portable(gguf_kernel_table *table);
 void gguf_table_avx2(gguf_kernel_table *table);
 void gguf_table_avx512vnni(gguf_kernel_table *table);
+void gguf_table_neon(gguf_kernel_table *table);
+void gguf_table_neon_dotprod(gguf_kernel_table *table);
 
 #endif

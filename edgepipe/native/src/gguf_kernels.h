@@ -20,12 +20,13 @@ enum {
     GGUF_TYPE_SLOTS = 16
 };
 
-/* Activations quantized per 256 for the k-quants: scale, 8-bit values, sums of each 16. */
+/* Activations quantized per 256 for the k-quants: 8-bit values, sums of each 16, scale. 64-byte
+ * aligned and sized (the buffers are), so no 32-byte load of the values straddles a cache line. */
 typedef struct {
-    float d;
     int8_t qs[256];
     int16_t bsums[16];
-} act_block256;
+    float d;
+} __attribute__((aligned(64))) act_block256;
 
 /* Activations quantized per 32 for the 32-blocks: scale, scale x sum of values, 8-bit values. */
 typedef struct {

@@ -139,7 +139,8 @@ typedef struct {
 
 /* Room for m quantized rows (and their tile scales); 0 or -1 when out of memory. */
 static int alloc_activations(matmul_job *job, int64_t m) {
-    job->xq = malloc(job->xq_row_bytes * (size_t)(m > 0 ? m : 1));
+    size_t bytes = job->xq_row_bytes * (size_t)(m > 0 ? m : 1);
+    job->xq = aligned_alloc(64, (bytes + 63) / 64 * 64); /* 64-byte blocks of 256 values start on cache lines */
     job->scales = NULL;
     if (job->plan->type->block_values == 32) {
         size_t tiles = (size_t)((m + GGUF_TILE_ROWS - 1) / GGUF_TILE_ROWS);

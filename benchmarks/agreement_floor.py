@@ -2,6 +2,7 @@
 
     python benchmarks/agreement_floor.py                 # bundled SmolLM2-135M Q4_1
     python benchmarks/agreement_floor.py --model x.gguf  # any GGUF that edgepipe and llama.cpp both run
+    python benchmarks/agreement_floor.py --model x.gguf --precision gguf  # the GGUF kernel library's form
 
 Writes `benchmarks/results/agreement_floor.json` and `.md`.
 
@@ -404,12 +405,19 @@ def main() -> None:
     ap.add_argument("--model", help="a GGUF file (default: the bundled SmolLM2-135M Q4_1)")
     ap.add_argument("--tokens", type=int, default=100, help="continuation tokens per prompt (default 100, as decode.py)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated (default: {','.join(VARIANTS)})")
+    ap.add_argument("--precision", default="native", choices=["native", "gguf"],
+                    help="edgepipe's form of the file: native (MatMulNBits) or gguf (the kernel library; its graphs have "
+                         "no MatMulNBits, so only variants that leave the products alone apply: base, f16-kv, llama-attn, ...)")
     ap.add_argument("--home", help="edgepipe home (default $EDGEPIPE_HOME or the user data dir)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
+    if args.precision == "gguf" and any(p in ("fp32-activations", "q8_1-sums", "llama-q8") for v in args.variants.split(",") for p in v.split("+")):
+        if args.variants != ",".join(VARIANTS):
+            sys.exit("--precision gguf: fp32-activations, q8_1-sums and llama-q8 rewrite MatMulNBits nodes, which its graphs do not have")
+        args.variants = "base"
     model = Path(args.model) if args.model else bundled_gguf()
     load_before = os.getloadavg()
-    pkg = resolve(str(model), "native", home_dir(args.home))
+    pkg = resolve(str(model), args.precision, home_dir(args.home))
     tok = pkg.tokenizer
     prompts = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in AGREE_PROMPTS]
     sequences, llama_default, llama_f32, gaps = llama_cpp_runs(model, prompts, args.tokens)
@@ -439,16 +447,17 @@ def main() -> None:
         r["vs_edgepipe_base"] = matches(r["predicted"], base_rows[0]["predicted"])[0] if base_rows and "predicted" in r else None
     positions = sum(len(c) for _, c in sequences)
     report = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(), "model": model.name,
+              "precision": args.precision,
               "positions": positions, "near_ties": {str(t): sum(g < t for g in flat_gaps) for t in (0.05, 0.1, 0.25, 0.5)},
               "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
               "versions": {d: version(d) for d in ("onnxruntime", "llama_cpp_python")},
               "rows": [{k: v for k, v in r.items() if k != "predicted"} for r in rows]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "agreement_floor" if not args.model else f"agreement_floor-{model.stem}"
+    stem = ("agreement_floor" if not args.model else f"agreement_floor-{model.stem}") + ("-gguf" if args.precision == "gguf" else "")
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     pct = lambda n: "–" if n is None else f"{n / positions:.1%} ({n})"  # noqa: E731
-    lines = [f"# Top-1 agreement under different arithmetic: {model.name}", "",
+    lines = [f"# Top-1 agreement under different arithmetic: {model.name}" + (" (edgepipe's gguf form: the kernel library)" if args.precision == "gguf" else ""), "",
              f"- date: {report['date']}; produced by `python benchmarks/agreement_floor.py`; onnxruntime {report['versions']['onnxruntime']}, "
              f"llama-cpp-python {report['versions']['llama_cpp_python']}",
              f"- machine: {report['machine']['nproc']} cores, {report['machine']['cpu']}; load average {report['load_average']['before']} before, "

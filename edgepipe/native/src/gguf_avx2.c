@@ -61,8 +61,11 @@ static inline __m256i high_bits32(const uint8_t *qh_bytes) {
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2048
 #endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T1 /* into L2: the L1 miss slots stay free for the loads themselves */
+#endif
 static inline void prefetch_ahead(const uint8_t *w, int block_bytes) {
-    for (int offset = 0; offset < block_bytes; offset += 64) _mm_prefetch((const char *)w + PREFETCH_AHEAD + offset, _MM_HINT_T0);
+    for (int offset = 0; offset < block_bytes; offset += 64) _mm_prefetch((const char *)w + PREFETCH_AHEAD + offset, PREFETCH_HINT);
 }
 
 #define TILE_KERNEL static inline __attribute__((always_inline)) void

@@ -55,19 +55,6 @@ static inline __m256i high_bits32(const uint8_t *qh_bytes) {
 }
 
 
-/* Weights stream once per decode step: ask for the lines PREFETCH_AHEAD bytes on (this row's
- * later blocks or the next rows') while this block computes. The hardware prefetcher alone
- * leaves a single core short of the memory's bandwidth. */
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2048
-#endif
-#ifndef PREFETCH_HINT
-#define PREFETCH_HINT _MM_HINT_T1 /* into L2: the L1 miss slots stay free for the loads themselves */
-#endif
-static inline void prefetch_ahead(const uint8_t *w, int block_bytes) {
-    for (int offset = 0; offset < block_bytes; offset += 64) _mm_prefetch((const char *)w + PREFETCH_AHEAD + offset, PREFETCH_HINT);
-}
-
 #define TILE_KERNEL static inline __attribute__((always_inline)) void
 
 /* Activation row r of a tile: `x` rows `stride` bytes apart. */
@@ -91,7 +78,6 @@ TILE_KERNEL tile_32(const int qtype, int64_t nb, const uint8_t *w, const void *x
     float offset_one = 0.0f, scale_one = 0.0f; /* rows = 1 (a decode step): the same operations in scalars */
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += block_bytes) {
-        prefetch_ahead(w, block_bytes);
         float d = half_at(w);
         if (rows == 1) {
             scale_one = d * x[0][b].d;
@@ -202,7 +188,6 @@ TILE_KERNEL tile_q4_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
     __m256 acc[GGUF_TILE_ROWS], acc_min[GGUF_TILE_ROWS];
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 144) {
-        prefetch_ahead(w, 144);
         uint64_t scale, minimum;
         unpack_k_scales(w + 4, &scale, &minimum);
         const __m256i scales16 = k_scales16(scale);
@@ -247,7 +232,6 @@ TILE_KERNEL tile_q5_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
     __m256 acc[GGUF_TILE_ROWS], acc_min[GGUF_TILE_ROWS];
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 176) {
-        prefetch_ahead(w, 176);
         uint64_t scale, minimum;
         unpack_k_scales(w + 4, &scale, &minimum);
         const __m256i scales16 = k_scales16(scale);
@@ -296,7 +280,6 @@ TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
     __m256 acc[GGUF_TILE_ROWS];
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210) {
-        prefetch_ahead(w, 210);
         const uint8_t *ql = w, *qhp = w + 128;
         const int8_t *scales = (const int8_t *)(w + 192);
         const __m128i scale_bytes = _mm_loadu_si128((const __m128i *)scales);

@@ -45,15 +45,17 @@ typedef struct {
     float ds[GGUF_TILE_ROWS];
 } act_tile_scales32;
 
-/* One weight row of `nblocks` GGUF blocks against `rows` (1..GGUF_TILE_ROWS) quantized
- * activation rows `activation_stride` bytes apart: y[r * y_stride] = the dot product with row r.
- * `tile_scales` (32-block types: nblocks entries; NULL for the 256-block types) repeats the rows'
- * block scales by block; a kernel may read them there instead of from the rows (same values). Each weight block is unpacked once for all rows,
- * and each row's float arithmetic is exactly the one-row dot's, so a row's result does not
- * depend on how many rows share the call (batch invariance, bit for bit). */
-typedef void (*gguf_rows_dot)(int64_t nblocks, const uint8_t *weights, const void *activations,
-                              size_t activation_stride, const act_tile_scales32 *tile_scales, int rows, float *y,
-                              size_t y_stride);
+/* `weight_rows` consecutive weight rows (`row_bytes` apart) of `nblocks` GGUF blocks each against
+ * `rows` (1..GGUF_TILE_ROWS) quantized activation rows `activation_stride` bytes apart:
+ * y[r * y_stride + i] = the dot product of weight row i with activation row r. `tile_scales`
+ * (32-block types: nblocks entries; NULL for the 256-block types) repeats the rows' block scales
+ * by block; a kernel may read them there instead of from the rows (same values). Each weight
+ * block is unpacked once for all rows, and each row's float arithmetic is exactly the one-row
+ * dot's, so a row's result does not depend on how many rows share the call (batch invariance,
+ * bit for bit). Several weight rows per call let a kernel set up its constants once. */
+typedef void (*gguf_rows_dot)(int64_t nblocks, const uint8_t *weights, int64_t weight_rows, int64_t row_bytes,
+                              const void *activations, size_t activation_stride, const act_tile_scales32 *tile_scales,
+                              int rows, float *y, size_t y_stride);
 
 /* One ISA's kernels, indexed by GGML type id (NULL where the type is not supported). */
 typedef struct {

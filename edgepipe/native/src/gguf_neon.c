@@ -173,18 +173,18 @@ TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
 
 /* Tile entry points: constant row counts, so each tile's loops unroll (rows = 1: a decode step). */
 #define KERNELS(name)                                                                                              \
-    static void rows_##name(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc,  \
-                            int rows, float *y, size_t ys) {                                                       \
+    static void rows_##name(int64_t nb, const uint8_t *w, int64_t weight_rows, int64_t row_bytes, const void *x,  \
+                            size_t xs, const act_tile_scales32 *sc, int rows, float *y, size_t ys) {              \
         (void)sc;                                                                                                  \
         switch (rows) {                                                                                            \
-        case 1: tile_##name(nb, w, x, xs, 1, y, ys); break;                                                        \
-        case 2: tile_##name(nb, w, x, xs, 2, y, ys); break;                                                        \
-        case 3: tile_##name(nb, w, x, xs, 3, y, ys); break;                                                        \
-        case 4: tile_##name(nb, w, x, xs, 4, y, ys); break;                                                        \
-        case 5: tile_##name(nb, w, x, xs, 5, y, ys); break;                                                        \
-        case 6: tile_##name(nb, w, x, xs, 6, y, ys); break;                                                        \
-        case 7: tile_##name(nb, w, x, xs, 7, y, ys); break;                                                        \
-        default: tile_##name(nb, w, x, xs, 8, y, ys); break;                                                       \
+        case 1: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, 1, y + i, ys); break; \
+        case 2: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, 2, y + i, ys); break; \
+        case 3: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, 3, y + i, ys); break; \
+        case 4: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, 4, y + i, ys); break; \
+        case 5: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, 5, y + i, ys); break; \
+        case 6: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, 6, y + i, ys); break; \
+        case 7: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, 7, y + i, ys); break; \
+        default: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, 8, y + i, ys); break; \
         }                                                                                                          \
     }
 KERNELS(q4_0)

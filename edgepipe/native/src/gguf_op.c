@@ -186,10 +186,8 @@ static void product_rows(const matmul_job *job, int64_t n0, int64_t n1) {
         int rows = job->m - m < GGUF_TILE_ROWS ? (int)(job->m - m) : GGUF_TILE_ROWS;
         const char *xq = (const char *)job->xq + m * job->xq_row_bytes;
         const act_tile_scales32 *scales = job->scales ? job->scales + (m / GGUF_TILE_ROWS) * job->nblocks : NULL;
-        for (int64_t n = n0; n < n1; n++) {
-            rows_dot(job->nblocks, job->w + n * job->row_bytes, xq, job->xq_row_bytes, scales, rows, job->y + m * job->n + n,
-                     (size_t)job->n);
-        }
+        rows_dot(job->nblocks, job->w + n0 * job->row_bytes, n1 - n0, job->row_bytes, xq, job->xq_row_bytes, scales, rows,
+                 job->y + m * job->n + n0, (size_t)job->n);
     }
 }
 

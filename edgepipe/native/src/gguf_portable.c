@@ -312,10 +312,13 @@ void gguf_dequantize_row(int qtype, const uint8_t *w, float *out, int64_t k) {
 
 /* The portable path runs a tile row by row: the same arithmetic, no shared unpacking. */
 #define ROWS_BY_DOT(name)                                                                               \
-    static void rows_##name(int64_t nb, const uint8_t *w, const void *x, size_t x_stride,                \
-                            const act_tile_scales32 *scales, int rows, float *y, size_t y_stride) {    \
+    static void rows_##name(int64_t nb, const uint8_t *w, int64_t weight_rows, int64_t row_bytes,       \
+                            const void *x, size_t x_stride, const act_tile_scales32 *scales, int rows, \
+                            float *y, size_t y_stride) {                                               \
         (void)scales;                                                                                  \
-        for (int r = 0; r < rows; r++) y[r * y_stride] = dot_##name(nb, w, (const char *)x + r * x_stride);   \
+        for (int64_t i = 0; i < weight_rows; i++)                                                      \
+            for (int r = 0; r < rows; r++)                                                             \
+                y[r * y_stride + i] = dot_##name(nb, w + i * row_bytes, (const char *)x + r * x_stride); \
     }
 ROWS_BY_DOT(q4_0)
 ROWS_BY_DOT(q4_1)

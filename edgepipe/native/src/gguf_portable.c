@@ -51,7 +51,13 @@ static float quantize_span(const float *x, int8_t *q, int n) {
         return 0.0f;
     }
     float inverse = 127.0f / amax;
-    for (int i = 0; i < n; i++) q[i] = (int8_t)nearbyintf(x[i] * inverse);
+    /* rint by the 1.5 x 2^23 addition: for |v| <= 127 the sum's last place is 1, so the addition
+     * rounds v to an integer half to even, as nearbyintf does, without a libm call per value */
+    const float shift = 12582912.0f;
+    for (int i = 0; i < n; i++) {
+        float v = x[i] * inverse;
+        q[i] = (int8_t)(int)((v + shift) - shift);
+    }
     return amax / 127.0f;
 }
 

@@ -283,8 +283,8 @@ TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
         const uint8_t *ql = w, *qhp = w + 128;
         const int8_t *scales = (const int8_t *)(w + 192);
         const __m128i scale_bytes = _mm_loadu_si128((const __m128i *)scales);
-        __m256i isum[GGUF_TILE_ROWS];
-        for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
+        __m256i isum[GGUF_TILE_ROWS], isum_odd[GGUF_TILE_ROWS]; /* two integer chains: k even, k odd */
+        for (int r = 0; r < rows; r++) isum[r] = isum_odd[r] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m256i a = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
             __m256i c = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
@@ -301,7 +301,8 @@ TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
                 __m256i scale = _mm256_shuffle_epi8(half_scales, spread[k]);
                 for (int r = 0; r < rows; r++) {
                     __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(x[r][b].qs + 128 * h + 32 * k)));
-                    isum[r] = add_scaled_pairs(isum[r], p, scale);
+                    if (k & 1) isum_odd[r] = add_scaled_pairs(isum_odd[r], p, scale);
+                    else isum[r] = add_scaled_pairs(isum[r], p, scale);
                 }
             }
         }
@@ -310,7 +311,7 @@ TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
         float d = half_at(w + 208);
         for (int r = 0; r < rows; r++) {
             __m256i sums = _mm256_loadu_si256((const __m256i *)x[r][b].bsums);
-            isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16), 5));
+            isum[r] = _mm256_sub_epi32(_mm256_add_epi32(isum[r], isum_odd[r]), _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16), 5));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][b].d * d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
         }
     }

@@ -35,9 +35,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as dt
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -45,14 +42,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from decode import AGREE_PROMPTS, machine, matches, version  # noqa: E402
-
-from edgepipe.model.store import bundled_gguf, home_dir, resolve  # noqa: E402
-from edgepipe.runtime import stage_runner  # noqa: E402
+from edgepipe.bench.decode_engines import AGREE_PROMPTS, matches
+from edgepipe.bench.machine import Conditions, package_version as version
+from edgepipe.bench.results import write_results
+from edgepipe.model.store import bundled_gguf, home_dir, resolve
+from edgepipe.runtime import stage_runner
 
 VARIANTS = ["base", "fp32-activations", "q8_1-sums", "f16-kv", "q8_1-sums+f16-kv", "llama-q8", "llama-attn", "llama-q8+llama-attn",
             "llama-attn+explicit-attn", "llama-q8+llama-attn+llama-softmax"]
@@ -409,14 +403,14 @@ def main() -> None:
                     help="edgepipe's form of the file: native (MatMulNBits) or gguf (the kernel library; its graphs have "
                          "no MatMulNBits, so only variants that leave the products alone apply: base, f16-kv, llama-attn, ...)")
     ap.add_argument("--home", help="edgepipe home (default $EDGEPIPE_HOME or the user data dir)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
     if args.precision == "gguf" and any(p in ("fp32-activations", "q8_1-sums", "llama-q8") for v in args.variants.split(",") for p in v.split("+")):
         if args.variants != ",".join(VARIANTS):
             sys.exit("--precision gguf: fp32-activations, q8_1-sums and llama-q8 rewrite MatMulNBits nodes, which its graphs do not have")
         args.variants = "base"
     model = Path(args.model) if args.model else bundled_gguf()
-    load_before = os.getloadavg()
+    run = Conditions.start()
     pkg = resolve(str(model), args.precision, home_dir(args.home))
     tok = pkg.tokenizer
     prompts = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in AGREE_PROMPTS]
@@ -446,22 +440,16 @@ def main() -> None:
     for r in rows:
         r["vs_edgepipe_base"] = matches(r["predicted"], base_rows[0]["predicted"])[0] if base_rows and "predicted" in r else None
     positions = sum(len(c) for _, c in sequences)
-    report = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(), "model": model.name,
-              "precision": args.precision,
+    report = {**run.finish().as_dict(), "model": model.name, "precision": args.precision,
               "positions": positions, "near_ties": {str(t): sum(g < t for g in flat_gaps) for t in (0.05, 0.1, 0.25, 0.5)},
-              "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
               "versions": {d: version(d) for d in ("onnxruntime", "llama_cpp_python")},
               "rows": [{k: v for k, v in r.items() if k != "predicted"} for r in rows]}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = ("agreement_floor" if not args.model else f"agreement_floor-{model.stem}") + ("-gguf" if args.precision == "gguf" else "")
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     pct = lambda n: "–" if n is None else f"{n / positions:.1%} ({n})"  # noqa: E731
     lines = [f"# Top-1 agreement under different arithmetic: {model.name}" + (" (edgepipe's gguf form: the kernel library)" if args.precision == "gguf" else ""), "",
              f"- date: {report['date']}; produced by `python benchmarks/agreement_floor.py`; onnxruntime {report['versions']['onnxruntime']}, "
              f"llama-cpp-python {report['versions']['llama_cpp_python']}",
-             f"- machine: {report['machine']['nproc']} cores, {report['machine']['cpu']}; load average {report['load_average']['before']} before, "
-             f"{report['load_average']['after']} after (results are exact, not timings)",
+             f"- {run.line()} (results are exact, not timings)",
              f"- {positions} teacher-forced positions along llama.cpp's greedy continuations of {len(AGREE_PROMPTS)} chat prompts; "
              "positions where llama.cpp's own top-1 leads its top-2 logit by less than "
              + ", ".join(f"{t}: {n}" for t, n in report["near_ties"].items()), "",
@@ -469,7 +457,7 @@ def main() -> None:
              "| --- | ---: | ---: | ---: | --- |"]
     lines += [f"| {r['engine']} | {pct(r['vs_llama_cpp'])} | {pct(r['vs_llama_cpp_f32_kv'])} | {pct(r.get('vs_edgepipe_base'))} | "
               f"{', '.join(f'{g:.3f}' for g in r['flipped_gaps'])} |" for r in rows]
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    write_results(stem, report, "\n".join(lines), args.out)
     print("\n".join(lines))
 
 

@@ -11,14 +11,11 @@ attacker got back, and whether a greedy request afterwards returns the same text
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
-import os
-import platform
-import sys
 import threading
 import time
-from datetime import date
 from pathlib import Path
 
 import numpy as np
@@ -27,14 +24,13 @@ import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import Server  # noqa: E402
+from edgepipe.bench.cluster import Server, bench_home
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
+from edgepipe.model.store import resolve
+from edgepipe.net import auth
+from edgepipe.net.protocol import Message, MessageType, encode
 
-from edgepipe.model.store import resolve  # noqa: E402
-from edgepipe.net import auth  # noqa: E402
-from edgepipe.net.protocol import Message, MessageType, encode  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 TOKEN, ADMIN = "bench-join-token", "bench-admin-token"
 PROMPT = "The three primary colours are"
 
@@ -101,10 +97,11 @@ def send_big(url: str, nbytes: int, headers: dict | None = None) -> dict:
 
 
 def main() -> None:
-    home = Path(os.environ.get("EDGEPIPE_HOME", Path.home() / ".cache" / "edgepipe-bench"))
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    home = bench_home()
     resolve("smollm2", "int4", home)
-    out: dict = {"date": str(date.today()), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                 f"{psutil.virtual_memory().total / 2**30:.0f} GiB", "loadavg_before": Path("/proc/loadavg").read_text().strip()}
+    run = Conditions.start()
+    out: dict = run.as_dict()
     with Server(home, workers=2, args=("--join-token", TOKEN, "--admin-token", ADMIN, "--placement", "memory",
                                         "--data-secrets", "derived")) as server:  # derived: this script may act as a predecessor
         reference = complete(server)
@@ -187,10 +184,8 @@ def main() -> None:
         out["after"] = {"same_text_as_before": after == reference, "state": s["state"], "workers": len(s["workers"]),
                         "workers_lost_during_attacks": kinds_all.count("leave"), "workers_restarted": kinds_all.count("worker_restarted")}
     out["6_misbehaving_workers"] = misbehaving_workers(home, reference)
-    out["loadavg_after"] = Path("/proc/loadavg").read_text().strip()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "attacks.json").write_text(json.dumps(out, indent=1))
-    write_markdown(out)
+    out.update(run.finish().as_dict())
+    write_results("attacks", out, markdown(out))
     print(json.dumps(out, indent=1))
 
 
@@ -240,7 +235,7 @@ def misbehaving_workers(home: Path, reference: str) -> dict:
     return out
 
 
-def write_markdown(o: dict) -> None:
+def markdown(o: dict) -> str:
     a1, a2, a5, a7 = o["1_big_frame_to_coordinator"], o["2_data_port"], o["5_cluster_control"], o["7_join_flood"]
     a6 = o["6_misbehaving_workers"]
     rows = [
@@ -279,14 +274,13 @@ def write_markdown(o: dict) -> None:
          f"kinds kept: {', '.join(a7['event_kinds_kept'])}"),
         ("7. join token of local workers in ps", "visible in argv", f"in argv of {a7['token_in_argv_of_workers']} workers"),
     ]
-    text = [f"{o['date']} · {o['machine']} · SmolLM2-135M int4 · 2 local workers, join token + admin token · "
-            f"load before {o['loadavg_before']}, after {o['loadavg_after']}", "",
+    text = [f"{Conditions.from_dict(o).line()} · SmolLM2-135M int4 · 2 local workers, join token + admin token", "",
             "| attack | before (issue 12) | after (measured here) |", "|---|---|---|"]
     text += [f"| {a} | {b} | {c} |".replace("<img", "&lt;img") for a, b, c in rows]
     text += ["", f"A greedy request after all attacks: same text as before: {o['after']['same_text_as_before']}; "
              f"state {o['after']['state']} with {o['after']['workers']} workers; workers lost during the attacks: "
              f"{o['after']['workers_lost_during_attacks']} (restarted: {o['after']['workers_restarted']})."]
-    (RESULTS / "attacks.md").write_text("\n".join(text) + "\n")
+    return "\n".join(text) + "\n"
 
 
 if __name__ == "__main__":

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -34,27 +32,23 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import date
 from pathlib import Path
 
 import httpx
 
+from edgepipe.api import browser_routes
+from edgepipe.api.app import create_app
+from edgepipe.bench.browser import browser_context
 from edgepipe.bench.client import stream_once
+from edgepipe.bench.cluster import Server
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
+from edgepipe.cluster.coordinator import Coordinator, CoordinatorSettings
+from edgepipe.model.importer import add_variant
+from edgepipe.model.store import resolve
+from edgepipe.net.protocol import Message, MessageType as T
+from edgepipe.serve import bind_socket
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from browser import browser_context  # noqa: E402
-from harness import Server  # noqa: E402
-
-from edgepipe.api import browser_routes  # noqa: E402
-from edgepipe.api.app import create_app  # noqa: E402
-from edgepipe.cluster.coordinator import Coordinator, CoordinatorSettings  # noqa: E402
-from edgepipe.serve import bind_socket  # noqa: E402
-from edgepipe.model.importer import add_variant  # noqa: E402
-from edgepipe.model.store import resolve  # noqa: E402
-from edgepipe.net.protocol import Message, MessageType as T  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 ORT_WEB = "1.30.0"  # scripts/vendor_js.sh
 RANGES = {"1 layer": (1, 2), "8 layers": (1, 9), "tail: 7 layers + head": (24, 32)}
 CONFIGS = [  # (device, precision, ranges)
@@ -255,12 +249,9 @@ def run_pipelines(home: Path, args) -> list[dict]:
 
 # -- report ---------------------------------------------------------------------------------------------
 def write(result: dict) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "browser_stage.json").write_text(json.dumps(result, indent=2) + "\n")
     a = result["args"]
-    lines = [f"{result['date']} · {result['machine']} · SmolLM2-135M · {result['browser']} headless · "
-             f"cross-origin isolated: {result['cross_origin_isolated']} · "
-             f"load average {result['load_average'][0]} → {result['load_average'][1]}", "",
+    lines = [f"{Conditions.from_dict(result).line()} · SmolLM2-135M · {result['browser']} headless · "
+             f"cross-origin isolated: {result['cross_origin_isolated']}", "",
              "## Per decode step, same units (protocol `probe`: compute inside the worker, context "
              f"{a['context']}, {a['rounds']} interleaved rounds)", "",
              "| device | engine | weights | threads | 1 layer ms | 8 layers ms | tail (7 layers + head) ms | per layer ms | per-call overhead ms | tail steps/s |",
@@ -281,7 +272,7 @@ def write(result: dict) -> None:
               "cache from step to step while eight layers' do not, so the fit can put the overhead below zero. "
               "`not compute` = TPOT minus the mean compute per call of each stage (prefill calls included): hops, the coordinator relay "
               "a tab needs, and framing. Minimums and sample counts are in browser_stage.json.", ""]
-    (RESULTS / "browser_stage.md").write_text("\n".join(lines))
+    write_results("browser_stage", result, "\n".join(lines))
     print("\n".join(lines))
 
 
@@ -300,11 +291,10 @@ def main() -> None:
     pkg = resolve("smollm2", "int4", home)
     add_variant(pkg.root, "fp32")
     pkg.reload()
-    load_before = os.getloadavg()[0]
+    run = Conditions.start()
     probe = run_probes(pkg, home, args)
     pipeline = [] if args.skip_pipeline else run_pipelines(home, args)
-    write({"date": date.today().isoformat(), "machine": f"{os.cpu_count()} cores ({platform.processor() or platform.machine()})",
-           "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    write({**run.finish().as_dict(),
            "browser": f"chromium {probe['browser']}", "cross_origin_isolated": probe["cross_origin_isolated"],
            "onnxruntime_web": ORT_WEB, "args": vars(args), "probe": probe, "pipeline": pipeline})
 

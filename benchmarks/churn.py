@@ -38,7 +38,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import signal
 import statistics
@@ -47,15 +46,14 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import Server  # noqa: E402
+from edgepipe.bench.cluster import Server, bench_home
+from edgepipe.bench.machine import Conditions, load_average, load_text, machine_line
+from edgepipe.bench.results import RESULTS, write_results
 
-RESULTS = Path(__file__).parent / "results"
 SCENARIOS = {"one": {"memory": "500MB", "needed": 1, "seed_availability": 93.87, "goal": 97.0},
              "three": {"memory": "170MB", "needed": 3, "seed_availability": 28.17, "goal": 80.0}}
 SEED_TABLE = {"one": {"down": 0.77, "preparing": 1.18, "committing": 34.81, "up": 563.23},
@@ -65,11 +63,6 @@ PROMPTS = ["Once upon a time in a small village,", "The three most important thi
 TOKENS = (32, 48, 64)
 WORKERS = 5
 STATES = ("down", "preparing", "committing", "up")
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    return f"{os.cpu_count()} cores ({cpu})"
 
 
 def references(pkg) -> dict[tuple[str, int], list[int]]:
@@ -298,19 +291,8 @@ def run_scenario(name: str, home: Path, args, refs: dict) -> dict:
     spec = SCENARIOS[name]
     logdir = Path(tempfile.mkdtemp(prefix=f"edgepipe-churn-{name}-"))
     # the coordinator's own output goes to a log file beside the workers' (a stalled coordinator can log a lot)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(logdir / "coordinator.log", "ab") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-    try:
-        server = Server(home, workers=0, args=("--min-workers", str(WORKERS), "--placement", "planner", "--batch-invariant"), wait_up=False, timeout=120)
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        os.close(saved[0])
-        os.close(saved[1])
+    server = Server(home, workers=0, args=("--min-workers", str(WORKERS), "--placement", "planner", "--batch-invariant"), wait_up=False,
+                    timeout=120, log=logdir / "coordinator.log")
     churn = Churn(server.url, spec["memory"], args.duration, args.mttf_end, tuple(args.reconnect), args.seed, logdir, args.fault)
     watcher = Watcher(server.url)
     clients = Clients(server.url, refs, args.concurrency, args.request_timeout, args.seed)
@@ -402,11 +384,13 @@ def run_scenario(name: str, home: Path, args, refs: dict) -> dict:
     return result
 
 
-def report(results: list[dict], args, started: str) -> None:
+def report(results: list[dict], args, run: Conditions, started: str | None = None) -> None:
+    """Write the report; ``started``: the start dates of scenarios run separately (``--report-from``)."""
     def f(x, d=1):
         return "–" if x is None else f"{x:.{d}f}"
 
-    conditions = (f"{started} · {machine()} · SmolLM2-135M int4 · coordinator + {WORKERS} workers (1 thread each) on loopback, planner "
+    where = f"{started} · {machine_line(run.machine)}" if started else run.line()
+    conditions = (f"{where} · SmolLM2-135M int4 · coordinator + {WORKERS} workers (1 thread each) on loopback, planner "
                   f"placement · EMULATED memory budgets per worker · churn: "
                   f"{'SIGSTOP (frozen; SIGCONT later and the same process reconnects by itself)' if getattr(args, 'fault', 'kill') == 'freeze' else 'SIGKILL'} "
                   f"with exponential lives, hazard ramping linearly "
@@ -455,11 +439,8 @@ def report(results: list[dict], args, started: str) -> None:
               "Seed 003 ran 10 workers on separate machines; here 5 processes share 2 cores, so a restart's CPU slows everyone."]
     text = "\n".join(lines)
     print(text)
-    out = Path(args.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    name = args.out or ("churn-smoke" if args.smoke else "churn")
-    (out / f"{name}.md").write_text(text + "\n")
-    (out / f"{name}.json").write_text(json.dumps({"conditions": conditions, "scenarios": results}, indent=1))
+    write_results(args.out or ("churn-smoke" if args.smoke else "churn"), {"conditions": conditions, **run.as_dict(), "scenarios": results},
+                  text, args.results_dir)
 
 
 def main() -> None:
@@ -483,7 +464,7 @@ def main() -> None:
     if args.smoke:
         args.duration = 60.0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: every process we started ends
-    home = Path(os.environ.get("EDGEPIPE_HOME", Path.home() / ".cache" / "edgepipe-bench"))
+    home = bench_home()
     os.environ["EDGEPIPE_HOME"] = str(home)
     from edgepipe.model.store import resolve
 
@@ -493,17 +474,17 @@ def main() -> None:
             data = json.loads((Path(args.results_dir) / f"{name}.json").read_text())
             starts.append(data["conditions"].split(" · ")[0])
             results += data["scenarios"]
-        report(results, args, " / ".join(starts))
+        report(results, args, Conditions.from_dict(data) if "machine" in data else Conditions.start(), " / ".join(starts))
         return
-    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    run = Conditions.start()
     refs = references(resolve("smollm2", "int4", home))
     results = []
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
     try:
         for name in args.scenarios.split(","):
             results.append(run_scenario(name, home, args, refs))
-            results[-1]["loadavg_after"] = Path("/proc/loadavg").read_text().strip()
-            report(results, args, started)  # after each scenario, so a partial run leaves its results
+            results[-1]["loadavg_after"] = load_text(load_average())
+            report(results, args, run.finish())  # after each scenario, so a partial run leaves its results
     finally:
         for h in hogs:
             h.kill()

@@ -12,21 +12,15 @@ All four servers are up at once and each concurrency level is measured on each i
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import date
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import Server  # noqa: E402
+from edgepipe.bench.cluster import Server, bench_home
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
 
-RESULTS = Path(__file__).parent / "results"
 PROMPTS = ["Tell me about rivers.", "Write a poem about stars.", "Explain gravity.", "Describe a forest.",
            "What is music?", "Tell me about the ocean.", "Describe a city at night.", "What are clouds?"]
 
@@ -53,7 +47,8 @@ def main() -> None:
     ap.add_argument("--slowdown", type=float, default=8.0)
     ap.add_argument("--levels", default="1,2,4,8,16")
     args = ap.parse_args()
-    home = Path(os.environ.get("EDGEPIPE_HOME", Path.home() / ".cache" / "edgepipe-bench"))
+    home = bench_home()
+    run = Conditions.start()
     levels = [int(x) for x in args.levels.split(",")]
     configs = {
         ("raw", 1): ("--worker-threads", "2"),
@@ -75,12 +70,11 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.close()
-    report(results, levels, args)
+    report(results, levels, args, run.finish())
 
 
-def report(results, levels, args) -> None:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    head = (f"{date.today()} · {os.cpu_count()} cores ({cpu}) · SmolLM2-135M int4 · {args.tokens} tokens/stream greedy · "
+def report(results, levels, args, run: Conditions) -> None:
+    head = (f"{run.line()} · SmolLM2-135M int4 · {args.tokens} tokens/stream greedy · "
             f"emulated = every worker slowed {args.slowdown}x (EMULATION: a decode call lasts f x its CPU time, so "
             f"sharing 2 cores is not multiplied) · loopback")
     lines = [head, "", "| mode | workers | " + " | ".join(f"{n} streams" for n in levels) + f" | best / 1 stream |",
@@ -93,10 +87,8 @@ def report(results, levels, args) -> None:
                  "stage); each stage runs a lane's frame as one batch.")
     text = "\n".join(lines)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "concurrency.md").write_text(text + "\n")
-    (RESULTS / "concurrency.json").write_text(json.dumps({"conditions": head, "results": {f"{m}-{w}": {str(k): v for k, v in r.items()}
-                                                                                          for (m, w), r in results.items()}}, indent=1))
+    write_results("concurrency", {"conditions": head, **run.as_dict(),
+                                  "results": {f"{m}-{w}": {str(k): v for k, v in r.items()} for (m, w), r in results.items()}}, text)
 
 
 if __name__ == "__main__":

@@ -28,36 +28,25 @@ runs `edgepipe import` on it in a child process, records its wall time and peak 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
+from edgepipe.bench.decode_engines import AGREE_PROMPTS, PROMPT, matches
+from edgepipe.bench.machine import Conditions, package_version as version
+from edgepipe.bench.results import write_results
+from edgepipe.bench.synthetic import LLAMA3_8B, write_synthetic_gguf
+from edgepipe.model.store import bundled_gguf, home_dir, reference_gguf, resolve
+from edgepipe.native import native_library
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from edgepipe.model.store import bundled_gguf, home_dir, reference_gguf, resolve  # noqa: E402
-from edgepipe.bench.synthetic import LLAMA3_8B, write_synthetic_gguf  # noqa: E402
-from edgepipe.native import native_library  # noqa: E402
-
-PROMPT = "Write a long story about a dragon who learns to bake bread."
-AGREE_PROMPTS = [
-    "Why is the sky blue?",
-    "Write a Python function that checks whether a number is prime, and explain it.",
-    "Give me three tips for a job interview.",
-]
 WARMUP_TOKENS = 16
 QWEN05 = reference_gguf("qwen05")  # scripts/fetch_qwen05.sh
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -69,37 +58,6 @@ def child(job: dict, timeout: float = 900) -> dict:
     if done.returncode:
         raise RuntimeError(f"{job['engine']} ({job['task']}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def machine() -> dict:
-    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor())
-    mem = next((int(line.split()[1]) // 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                if line.startswith("MemTotal")), None) if Path("/proc/meminfo").exists() else None
-    return {"nproc": os.cpu_count(), "cpu": cpu, "memory_mib": mem, "os": platform.platform(), "python": platform.python_version()}
-
-
-def memory_bandwidth_gb_s(threads: int, gib: float = 1.0, reps: int = 5) -> float:
-    """Best read bandwidth of ``threads`` numpy threads summing disjoint parts of one array."""
-    data = np.ones(int(gib * (1 << 30)) // 8, np.float64)
-    parts = np.array_split(data, threads)
-    best = 0.0
-    for _ in range(reps):
-        workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]  # numpy releases the GIL
-        t0 = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        best = max(best, data.nbytes / (time.perf_counter() - t0) / 1e9)
-    return round(best, 2)
 
 
 def streamed_bytes_edgepipe(pkg) -> int:
@@ -132,11 +90,6 @@ def agreement(a: list[int], b: list[int]) -> tuple[float, int]:
     prefix = next((i for i in range(n) if a[i] != b[i]), n)
     return (same / n if n else 0.0), prefix
 
-
-def matches(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
-    """Positions where two teacher-forced runs predict the same token, and the positions compared."""
-    pairs = [(x, y) for sa, sb in zip(a, b) for x, y in zip(sa, sb)]
-    return sum(x == y for x, y in pairs), len(pairs)
 
 
 def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_settings: list[int], agree_n: int,
@@ -267,7 +220,7 @@ def main() -> None:
     ap.add_argument("--with-invariant", action="store_true", help="also time edgepipe batch-invariant (serve --batch-invariant's runners)")
     ap.add_argument("--precisions", nargs="+", default=["native"],
                     help="edgepipe package variants to time, e.g. native gguf (gguf: the GGUF kernel library; default native)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
     reps = args.reps or (1 if args.quick else 3)
     ints = lambda values: [int(v) for arg in values for v in arg.split(",") if v]  # noqa: E731
@@ -276,7 +229,7 @@ def main() -> None:
     synthetic = (not args.quick) if args.synthetic is None else args.synthetic
     models = [Path(m) for m in args.model] if args.model else [bundled_gguf()] + ([QWEN05] if QWEN05.is_file() else [])
 
-    started, load_before = time.time(), os.getloadavg()
+    started, run = time.time(), Conditions.start()
     home = home_dir(args.home)
     has_llama = importlib.util.find_spec("llama_cpp") is not None
     if not has_llama:
@@ -287,8 +240,8 @@ def main() -> None:
         if not args.precisions:
             sys.exit("nothing to time: pass --precisions native (the MatMulNBits form runs everywhere)")
     # In a child: a 1 GiB array here would raise the peak RSS every engine process inherits.
-    probe = "import sys; sys.path.insert(0, %r); import decode; print(decode.memory_bandwidth_gb_s(int(sys.argv[1])))" % str(ROOT / "benchmarks")
-    bandwidth = {f"{t}_threads": float(subprocess.run([sys.executable, "-c", probe, str(t)], capture_output=True, text=True,
+    probe = [sys.executable, "-m", "edgepipe.bench.machine"]
+    bandwidth = {f"{t}_threads": float(subprocess.run([*probe, str(t)], capture_output=True, text=True, env=ENV,
                                                       check=True).stdout.split()[-1]) for t in sorted(set(thread_settings) | {1})}
     print(f"memory read bandwidth (numpy): {bandwidth} GB/s", flush=True)
     per_model = [bench_model(m, home, reps, lengths, thread_settings, 48 if args.quick else 100, has_llama, args.budget, args.with_invariant, tuple(args.precisions)) for m in models]
@@ -300,8 +253,7 @@ def main() -> None:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     report = {
-        "quick": args.quick, "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(),
-        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+        "quick": args.quick, **run.finish().as_dict(),
         "versions": {d: version(d) for d in ("edgepipe", "onnxruntime", "llama_cpp_python", "gguf", "numpy")},
         "memory_bandwidth_gb_s": bandwidth, "lengths": lengths, "threads": thread_settings,
         "conditions": {
@@ -317,22 +269,18 @@ def main() -> None:
         "models": per_model, "synthetic_import": synth,
         "llama_cpp": version("llama_cpp_python") if has_llama else "not installed: its columns and the agreement are missing",
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = "decode-quick" if args.quick else "decode"  # a smoke run never overwrites the full results
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(markdown(report))
+    written = write_results(stem, report, markdown(report), args.out)
     print("\n" + markdown(report))
-    print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'} ({report['conditions']['elapsed_s']} s)")
+    print(f"wrote {' and '.join(map(str, written))} ({report['conditions']['elapsed_s']} s)")
 
 
 def markdown(report: dict) -> str:
-    m, c, bw = report["machine"], report["conditions"], report["memory_bandwidth_gb_s"]
+    c, bw = report["conditions"], report["memory_bandwidth_gb_s"]
     lines = [
         "# Decode benchmark: edgepipe vs llama.cpp on the same GGUF", "",
         f"- date: {report['date']}; produced by `python benchmarks/decode.py{' --quick' if report['quick'] else ''}` in {c['elapsed_s']} s",
-        f"- machine: {m['nproc']} cores, {m['cpu']}, {m['memory_mib']} MiB RAM; load average {report['load_average']['before']} before, "
-        f"{report['load_average']['after']} after (`/proc/loadavg`; a shared machine: compare engines only within one run)",
+        f"- {Conditions.from_dict(report).line()} (`/proc/loadavg`; a shared machine: compare engines only within one run)",
         f"- memory read bandwidth measured here (numpy): " + ", ".join(f"{k.replace('_', ' ')}: {v} GB/s" for k, v in bw.items()),
         "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v) + f"; llama.cpp: {report.get('llama_cpp')}",
         f"- {c['decoding']}; {c['process']}; TTFT: {c['ttft']}; tok/s: {c['decode_tok_s']}; GB/s: {c['gb_s']}",

@@ -27,7 +27,6 @@ Writes ``benchmarks/results/energy.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -38,28 +37,23 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from placement import (  # noqa: E402
-    HOME,
-    RESULTS,
-    Cluster,
-    Device,
+from edgepipe.bench.cluster import Cluster, Device, bench_home
+from edgepipe.bench.emulated import (
     calibrations,
     forced_memory,
     header,
     interleave,
-    machine,
     measured_profiles,
     predict,
     prewarm,
     sample_rtts,
     summary,
 )
-
-from edgepipe.plan import Objective, PlanRequest, plan  # noqa: E402
-from edgepipe.plan.brute import best_values  # noqa: E402
-from edgepipe.plan.profiles import DEFAULT_POWER_BUSY_W, DEFAULT_POWER_IDLE_W  # noqa: E402
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
+from edgepipe.plan import Objective, PlanRequest, plan
+from edgepipe.plan.brute import best_values
+from edgepipe.plan.profiles import DEFAULT_POWER_BUSY_W, DEFAULT_POWER_IDLE_W
 
 # name, slowdown, memory, declared busy W, declared idle W
 SPEC = [("laptop", 1.0, "220MB", 28.0, 6.0), ("phone", 2.0, "180MB", 3.5, 0.6), ("sbc", 2.5, "400MB", 5.0, 2.0)]
@@ -67,7 +61,7 @@ POWER = {n: (b, i) for n, _, _, b, i in SPEC}
 
 
 def worker_has_power_flags() -> bool:
-    env = {**os.environ, "EDGEPIPE_HOME": str(HOME)}
+    env = {**os.environ, "EDGEPIPE_HOME": str(bench_home())}
     text = subprocess.run([sys.executable, "-m", "edgepipe", "worker", "--help"], capture_output=True, text=True, env=env).stdout
     return "--power-busy-w" in text and "--power-idle-w" in text
 
@@ -123,7 +117,7 @@ def main() -> None:
     if args.quick:
         args.rounds, args.tokens = 2, 16
     logdir = Path(tempfile.mkdtemp(prefix="edgepipe-energy-"))
-    info = machine()
+    run = Conditions.start()
     flags = worker_has_power_flags()
     devs_spec = devices(flags)
     prewarm()
@@ -204,23 +198,20 @@ def main() -> None:
     for v in verdicts.values():
         v["met"] = v["less_energy"] and v["meets_target_predicted"] and v["meets_target_measured"]
         v["met_paired"] = v["less_energy"] and v["meets_target_predicted"] and v["meets_relative_target_paired"]
-    out = {"machine": info, "rounds": args.rounds, "tokens": args.tokens, "quick": args.quick, "power_flags": flags,
+    out = {**run.finish().as_dict(), "rounds": args.rounds, "tokens": args.tokens, "quick": args.quick, "power_flags": flags,
            "devices": [{"name": n, "label": d.label(), "declared_power_w": POWER[n]} for n, d in zip(POWER, devs_spec)],
            "calibrated": cal, "target_ms": target_ms, "target_factor": args.target_factor,
            "latency_tpot_ms_for_target": lat_tpot * 1e3, "priced": priced, "server_predicted": server_pred,
            "plans_after_measurement": plans_after, "measured": measured, "verdicts": verdicts, "brute_force": brute, "logs": str(logdir),
-           "wall_s": round(time.monotonic() - t0, 1), "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+           "wall_s": round(time.monotonic() - t0, 1)}
     text = report(out)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
-    stem = "energy-quick" if args.quick else "energy"
-    (RESULTS / f"{stem}.md").write_text(text)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(out, indent=1, default=str))
+    write_results("energy-quick" if args.quick else "energy", out, text)
 
 
 def report(out: dict) -> str:
     fmt = lambda st: " · ".join(f"{n}[{s},{e})" for n, s, e in st)  # noqa: E731
-    lines = header("Energy objective under a time-per-token target (emulated cluster)", out["machine"],
+    lines = header("Energy objective under a time-per-token target (emulated cluster)", Conditions.from_dict(out),
                    f"{out['tokens']} tokens per request, {out['rounds']} rounds interleaved, greedy, `ignore_eos`, 1 thread per worker")
     lines += ["| device | emulation | declared power busy / idle W | calibrated speed: latency server / energy server |",
               "|---|---|---|---|"]

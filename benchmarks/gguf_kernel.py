@@ -13,35 +13,27 @@ of M tokens, where the arithmetic rather than the memory sets the time):
   `linear`, block-minimum chain included).
 
 Both at 1 and 2 intra-op threads, interleaved, median of `--reps` runs; beside them numpy's read
-bandwidth on the same threads (benchmarks/decode.py's measure). Writes
+bandwidth on the same threads (``edgepipe.bench.machine.memory_bandwidth_gb_s``). Writes
 `benchmarks/results/gguf_kernel.json` and `.md` with the machine and load average.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from decode import machine as machine_info, memory_bandwidth_gb_s  # noqa: E402
-from quant_layouts import random_gguf_rows  # noqa: E402
-
-from edgepipe.model.graphs import _Graph  # noqa: E402
-from edgepipe.model.weights import NATIVE_TYPES, decode_native  # noqa: E402
-from edgepipe.native import DOMAIN, MATMUL_OP, gguf_kernel_library, native_library  # noqa: E402
+from edgepipe.bench.machine import Conditions, memory_bandwidth_gb_s
+from edgepipe.bench.results import write_results
+from edgepipe.bench.synthetic import random_gguf_rows
+from edgepipe.model.graphs import _Graph
+from edgepipe.model.weights import NATIVE_TYPES, decode_native
+from edgepipe.native import DOMAIN, MATMUL_OP, gguf_kernel_library, native_library
 
 SHAPES = [(8960, 1536), (1536, 8960)]  # [N, K]: Qwen2.5-1.5B's ffn_up and ffn_down
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -102,13 +94,13 @@ def main() -> None:
     ap.add_argument("--matrices", type=int, default=12)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rows", nargs="+", type=int, default=[1], help="activation rows per product (1: decode; more: prefill)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--name", default="gguf_kernel", help="results file stem")
     args = ap.parse_args()
     library = gguf_kernel_library()
     if library is None:
         sys.exit(f"no GGUF kernel library: {native_library().reason}")
-    load_before = os.getloadavg()
+    run = Conditions.start()
     bandwidth = {t: memory_bandwidth_gb_s(t) for t in args.threads}
     rng = np.random.default_rng(0)
     rows = []
@@ -136,17 +128,10 @@ def main() -> None:
             print(f"{kind:<5} M={m_rows:<3} {threads}t  kernel {a * 1e3:7.2f} ms {kernel_bytes / a / 1e9:5.1f} GB/s "
                   f"{row['kernel_gmac_s']:6.1f} GMAC/s | MatMulNBits {b * 1e3:7.2f} ms {nbits_bytes / b / 1e9:5.1f} GB/s "
                   f"{row['matmulnbits_gmac_s']:6.1f} GMAC/s | x{b / a:.2f} (numpy {bandwidth[threads]} GB/s)", flush=True)
-    report = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine_info(),
-              "onnxruntime": ort.__version__, "library": str(library), "reps": args.reps,
-              "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
-              "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    m = report["machine"]
+    report = {**run.finish().as_dict(), "onnxruntime": ort.__version__, "library": str(library), "reps": args.reps, "rows": rows}
     lines = ["# GGUF kernel vs MatMulNBits: one decode step's weights (M = 1), a prefill's (M > 1)", "",
-             f"- {report['date']}; {m['cpu']}, {m['nproc']} cores; onnxruntime {ort.__version__}; median of {args.reps}, interleaved",
-             f"- load average {report['load_average']['before']} before, {report['load_average']['after']} after",
+             f"- {run.line()}",
+             f"- onnxruntime {ort.__version__}; median of {args.reps}, interleaved",
              f"- {args.matrices} distinct matrices per graph, 8960x1536 and 1536x8960 alternating (random codes); "
              "`python benchmarks/gguf_kernel.py`", "",
              "| type | rows M | threads | GgufMatMul ms | MB | GB/s | GMAC/s | MatMulNBits ms | MB | GB/s | GMAC/s | speed-up | numpy read GB/s |",
@@ -154,7 +139,7 @@ def main() -> None:
     lines += [f"| {r['type']} | {r['rows']} | {r['threads']} | {r['kernel_ms']} | {r['kernel_mb']} | {r['kernel_gb_s']} | {r['kernel_gmac_s']} | "
               f"{r['matmulnbits_ms']} | {r['matmulnbits_mb']} | {r['matmulnbits_gb_s']} | {r['matmulnbits_gmac_s']} | {r['speedup']}x | "
               f"{r['numpy_read_gb_s']} |" for r in rows]
-    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    write_results(args.name, report, "\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python benchmarks/gguf_prefill.py [--model x.gguf] [--threads 1] [--reps 7] [--decode 32] [--library old=/path/lib.so ...]
 
-Runs the decode benchmark's chat prompt (benchmarks/decode.py's PROMPT) through the one-stage
+Runs the decode benchmark's chat prompt (``edgepipe.bench.decode_engines.PROMPT``) through the one-stage
 pipeline of each variant and times the prefill step (prompt in, first token sampled) — `native`
 (MatMulNBits graphs), `gguf` with this checkout's kernel library, and `gguf` with each
 `--library LABEL=PATH` (another build, e.g. main's, to compare kernels on the same load). Reports
@@ -14,20 +14,16 @@ kernel change is seen not to cost the one-row path.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import edgepipe.native as native  # noqa: E402
-from decode import PROMPT  # noqa: E402
-from edgepipe.model.store import home_dir, reference_gguf, resolve  # noqa: E402
-from edgepipe.runtime.stage_runner import SamplingBatch  # noqa: E402
+import edgepipe.native as native
+from edgepipe.bench.decode_engines import PROMPT
+from edgepipe.bench.machine import Conditions
+from edgepipe.model.store import home_dir, reference_gguf, resolve
+from edgepipe.runtime.stage_runner import SamplingBatch
 
 
 def main() -> None:
@@ -53,7 +49,7 @@ def main() -> None:
     native.reset_for_tests()
     greedy, times, first = SamplingBatch.greedy(1), {label: [] for label in pipes}, {}
     decode_rates = {label: [] for label in pipes}
-    load_before = os.getloadavg()
+    run = Conditions.start()
     for rep in range(args.reps + 1):  # the first round warms up
         for label, pipe in pipes.items():
             start = time.perf_counter()
@@ -69,8 +65,7 @@ def main() -> None:
                 times[label].append(elapsed)
                 if args.decode:
                     decode_rates[label].append(args.decode / decode_s)
-    print(f"{Path(args.model).name}: prompt {len(ids)} tokens, {args.threads} thread(s), {args.reps} reps; "
-          f"load average {[round(x, 2) for x in load_before]} before, {[round(x, 2) for x in os.getloadavg()]} after")
+    print(f"{Path(args.model).name}: prompt {len(ids)} tokens, {args.threads} thread(s), {args.reps} reps; {run.finish().line()}")
     for label, spent in times.items():
         decode = f"  decode {statistics.median(decode_rates[label]):5.1f} tok/s" if args.decode else ""
         print(f"  {label:<14} TTFT median {statistics.median(spent) * 1e3:7.1f} ms  min {min(spent) * 1e3:7.1f} ms{decode}  "

@@ -27,17 +27,17 @@ Results: ``benchmarks/results/gpu.json`` and ``.md`` (or ``--out``).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import RESULTS, write_results
+
+ROOT = Path(__file__).resolve().parents[1]  # children import ``benchmarks.gpu`` from here (their working directory)
 
 SOFTWARE_ENV = {"VK_ICD_FILENAMES": "/usr/lib/chromium/vk_swiftshader_icd.json", "ORT_WEBGPU_EP_ALLOW_SOFTWARE_ADAPTER": "1"}
 
@@ -196,10 +196,9 @@ def products_child(job: dict) -> dict:
 
 def run_child(job: dict, env: dict, timeout: float) -> dict:
     entry = "profile_child" if job.get("profile") else "products_child" if job.get("products") else "child"
-    code = ("import json, sys; sys.path.insert(0, %r); from benchmarks.gpu import %s; print('RESULT', json.dumps(%s(json.loads(sys.argv[1]))))"
-            % (str(ROOT), entry, entry))
+    code = "import json, sys; from benchmarks.gpu import %s; print('RESULT', json.dumps(%s(json.loads(sys.argv[1]))))" % (entry, entry)
     try:
-        done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], env=env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -212,28 +211,20 @@ def run_child(job: dict, env: dict, timeout: float) -> dict:
 
 def cluster_check(package: Path, home: Path, env: dict, gpu_env: dict, max_tokens: int = 16) -> dict:
     """serve + one GPU worker + two CPU workers; the API's greedy ids vs the one-process pipeline."""
-    import socket
+    from edgepipe.bench.cluster import Server
 
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    base = {**env, "EDGEPIPE_HOME": str(home)}
-    procs = [subprocess.Popen([sys.executable, "-m", "edgepipe", "serve", "--model", str(package), "--workers", "0", "--port", str(port),
-                               "--no-advertise", "--placement", "memory", "--min-workers", "3"], env=base, stdin=subprocess.DEVNULL)]
+    server, procs = None, []
     result: dict = {}
     try:
-        client = httpx.Client(base_url=url, timeout=600)
-        _wait(lambda: client.get("/v1/cluster/status").json(), 120)
+        server = Server(home, workers=0, args=("--model", str(package), "--placement", "memory", "--min-workers", "3"), wait_up=False,
+                        timeout=120, env=env, client_timeout=600)
         for name, device, extra in (("gpu0", "gpu", gpu_env), ("cpu1", "cpu", {}), ("cpu2", "cpu", {})):
-            procs.append(subprocess.Popen([sys.executable, "-m", "edgepipe", "worker", "--coordinator", url, "--name", name, "--device", device,
-                                           "--memory", "64GB", "--threads", "4"], env={**base, **extra}, stdin=subprocess.DEVNULL))
-        status = _wait(lambda: (lambda s: s if s["state"] == "up" and len(s["plan"]["stages"]) == 3 else None)(client.get("/v1/cluster/status").json()), 400)
+            procs.append(server.worker("--name", name, "--device", device, "--memory", "64GB", "--threads", "4", home=home,
+                                       env={**env, **extra}, log=home / f"worker-{name}.log"))
+        status = server.wait_for(lambda s: s["state"] == "up" and bool(s["plan"]) and len(s["plan"]["stages"]) == 3, 400)
         stages = status["plan"]["stages"]
-        r = client.post("/v1/completions", json={"prompt": "hello world, this is a pipeline", "max_tokens": max_tokens, "temperature": 0,
-                                                 "return_token_ids": True})
+        r = server.client.post("/v1/completions", json={"prompt": "hello world, this is a pipeline", "max_tokens": max_tokens, "temperature": 0,
+                                                        "return_token_ids": True})
         r.raise_for_status()
         got = r.json()["choices"][0]["token_ids"]
         result = {"stages": stages, "api_tokens": got}
@@ -247,12 +238,13 @@ def cluster_check(package: Path, home: Path, env: dict, gpu_env: dict, max_token
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if server is not None:
+            server.close()
     if "error" in result:
         return result
-    code = ("import json, sys; sys.path.insert(0, %r); from benchmarks.gpu import reference; print('RESULT', json.dumps(reference(*json.loads(sys.argv[1]))))"
-            % str(ROOT))
+    code = "import json, sys; from benchmarks.gpu import reference; print('RESULT', json.dumps(reference(*json.loads(sys.argv[1]))))"
     done = subprocess.run([sys.executable, "-c", code, json.dumps([str(package), result["stages"], max_tokens])],
-                          env={**base, **gpu_env}, capture_output=True, text=True, timeout=600)
+                          env={**env, "EDGEPIPE_HOME": str(home), **gpu_env}, capture_output=True, text=True, timeout=600, cwd=ROOT)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         return {**result, "error": "reference failed: " + (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
@@ -277,31 +269,14 @@ def reference(package: str, stages: list[dict], max_tokens: int) -> list[int]:
     return [t for t in out.tokens if t not in pkg.manifest.eos_ids]
 
 
-def _wait(probe, timeout: float):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-            if last:
-                return last
-        except Exception:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"not ready after {timeout:.0f} s (last: {str(last)[:300]})")
-
-
 # -- the run ------------------------------------------------------------------------------------
 
-def machine() -> dict:
-    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), platform.processor())
-    gpu = None
+def gpu_names() -> str | None:
+    """The GPUs ``nvidia-smi -L`` lists, None without one."""
     try:
-        gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout.strip() or None
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
-        pass
-    return {"nproc": os.cpu_count(), "cpu": cpu, "gpu": gpu, "python": platform.python_version(), "load1": round(os.getloadavg()[0], 2)}
+        return None
 
 
 def main() -> None:
@@ -314,7 +289,7 @@ def main() -> None:
     ap.add_argument("--software", action="store_true", help="use SwiftShader (Debian chromium's) as the GPU: CI-sized runs")
     ap.add_argument("--cluster-shape", default=None, help="shape for the GPU + 2 CPU cluster check (default: the first shape; 'none' skips)")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("GPU_BENCH_WORK", "/tmp/edgepipe-gpu-bench")))
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
+    ap.add_argument("--out", type=Path, default=RESULTS / "gpu", help="results path without suffix (default benchmarks/results/gpu)")
     ap.add_argument("--products", action="store_true", help="time single 4-bit / 8-bit / float products on the GPU first")
     ap.add_argument("--product-shapes", default="128256x2048,128256x4096,8192x2048,4096x4096", help="NxK, comma-separated")
     ap.add_argument("--profile", action="store_true", help="also time the layers and the head apart on the GPU, with ONNX Runtime's profiler")
@@ -327,7 +302,9 @@ def main() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     gpu_env = dict(SOFTWARE_ENV) if args.software else {}
     args.work.mkdir(parents=True, exist_ok=True)
-    report = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+    run = Conditions.start()
+    run.machine["gpu"] = gpu_names()
+    report = {**run.as_dict(), "args": {k: str(v) for k, v in vars(args).items()},
               "software_adapter": args.software, "shapes": []}
     packages = {}
     if args.products:
@@ -366,22 +343,22 @@ def main() -> None:
                                              {**env, **gpu_env}, timeout=args.budget_s + 300)
             print("   profile:", entry["gpu_profile"], flush=True)
         report["shapes"].append(entry)
-        _write(report, args.out)
+        _write(report, args.out, run)
     cluster_shape = args.cluster_shape or args.shapes.split(",")[0]
     if cluster_shape != "none":
         print(f"== cluster: 1 GPU + 2 CPU workers, {cluster_shape}", flush=True)
         report["cluster"] = {"shape": cluster_shape, **cluster_check(packages[cluster_shape], args.work / "home", env, gpu_env)}
         print("  ", report["cluster"], flush=True)
-    _write(report, args.out)
+    _write(report, args.out, run)
 
 
-def _write(report: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+def _write(report: dict, out: Path, run: Conditions) -> None:
+    """Write (and rewrite after each shape) ``out``.json and .md, with the load at the time of writing."""
+    report.update(run.finish().as_dict())
     m = report["machine"]
     lines = [f"# GPU stage vs CPU stage ({report['date']})", "",
-             f"Machine: {m['nproc']} CPU cores ({m['cpu']}), GPU: {m['gpu'] or ('SwiftShader (software)' if report['software_adapter'] else 'none found')}, "
-             f"Python {m['python']}, load {m['load1']} at start.", "",
+             f"{run.line()} · GPU: {m['gpu'] or ('SwiftShader (software)' if report['software_adapter'] else 'none found')} · "
+             f"Python {m['python']}", "",
              "| shape | engine | graph form | decode tok/s | x CPU | weight GB/s | prefill s | host<->device B/step | tokens = CPU's |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for s in report["shapes"]:
@@ -398,7 +375,7 @@ def _write(report: dict, out: Path) -> None:
             f"stages {[(st['worker'], st['start'], st['end']) for st in c['stages']]}; "
             f"API tokens equal the one-process pipeline on the same devices: **{c.get('equal')}** ({len(c.get('api_tokens', []))} tokens)"
             if "error" not in c else f"error: {c['error']}")]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results(out.name, report, "\n".join(lines), out.parent)
 
 
 if __name__ == "__main__":

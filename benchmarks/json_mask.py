@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/json_mask.py [GGUF ...]   (default: the bundled SmolLM2 and, when
 present: scripts/fetch_qwen05.sh). For each vocabulary: the one-off index
-build (``cluster.structured.vocabulary_for``), then a json_schema's mask for every prefix of a
+build (``api.structured.vocabulary_for``), then a json_schema's mask for every prefix of a
 valid answer, 5 times, as the request loop computes it (``TokenMask`` + ``controls.packed_mask``):
 median, p90 and worst milliseconds per step and the bytes each step sends. Writes
 benchmarks/results/json_mask.md.
@@ -10,16 +10,15 @@ benchmarks/results/json_mask.md.
 
 from __future__ import annotations
 
-import datetime
-import os
-import platform
-import sys
+import argparse
 import time
 from pathlib import Path
 
 import numpy as np
 
-from edgepipe.cluster.structured import Constraint, JsonFormat, vocabulary_for
+from edgepipe.api.structured import Constraint, JsonFormat, vocabulary_for
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
 from edgepipe.model.gguf_source import GGUFSource
 from edgepipe.model.store import bundled_gguf, reference_gguf
 from edgepipe.model.tokenizer import TextTokenizer
@@ -54,12 +53,14 @@ def measure(path: Path) -> dict:
 
 
 def main() -> None:
-    paths = [Path(p) for p in sys.argv[1:]] or [bundled_gguf(), reference_gguf("qwen05")]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("gguf", nargs="*", type=Path, help="GGUF files (default: the bundled SmolLM2 and the 0.5B Qwen if present)")
+    args = ap.parse_args()
+    paths = args.gguf or [bundled_gguf(), reference_gguf("qwen05")]
+    run = Conditions.start()
     rows = [measure(p) for p in paths if p.is_file()]
-    load = open("/proc/loadavg").read().split()[:3]
     lines = ["# JSON output: the coordinator's cost per step", "",
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
-             f"{os.cpu_count()} cores, load average {' '.join(load)} (`python benchmarks/json_mask.py`)", "",
+             f"{run.finish().line()} (`python benchmarks/json_mask.py`)", "",
              "| model file | vocabulary | index build (once) | mask per step: median | p90 | worst | bytes per step |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -67,8 +68,7 @@ def main() -> None:
                      f"{r['max_ms']:.2f} ms | {r['bytes']} |")
     lines += ["", f"{rows[0]['steps'] if rows else 0} steps per model: every prefix of a {len(ANSWER)}-character answer to a "
               "5-property json_schema, 5 times (llguidance 1.9.1 mask, then packed to ceil(V/8) bytes)."]
-    out = Path(__file__).parent / "results" / "json_mask.md"
-    out.write_text("\n".join(lines) + "\n")
+    write_results("json_mask", None, "\n".join(lines))
     print("\n".join(lines))
 
 

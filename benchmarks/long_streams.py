@@ -20,24 +20,20 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import signal
 import sys
 import threading
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import Server  # noqa: E402
+from edgepipe.bench.cluster import Server, bench_home
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
+from edgepipe.model.store import resolve
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
 
-from edgepipe.model.store import resolve  # noqa: E402
-from edgepipe.runtime.local import generate  # noqa: E402
-from edgepipe.runtime.sequence import GenerationParams  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 PROMPTS = ["Tell me a long story about a lighthouse keeper.", "Explain how a compiler works, step by step.",
            "Write a travel guide to the Alps.", "Describe the history of mathematics."]
 
@@ -101,10 +97,10 @@ def main() -> None:
     ap.add_argument("--out", default="long_streams")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: the server and workers end too
-    home = Path(os.environ.get("EDGEPIPE_HOME", Path.home() / ".cache" / "edgepipe-bench"))
+    home = bench_home()
     os.environ["EDGEPIPE_HOME"] = str(home)
     pkg = resolve("smollm2", "int4", home)
-    load_before = Path("/proc/loadavg").read_text().strip()
+    run = Conditions.start()
     refs = references(pkg, args.tokens)
     results: list[dict] = []
     switches: list[dict] = []
@@ -143,14 +139,12 @@ def main() -> None:
             t.join()
         done.set()
         wall = time.monotonic() - t0
-        events = server.client.get("/v1/cluster/events").json()["events"]
+        events = server.events()
         final = server.status()
     kinds = [e["kind"] for e in events]
     summary = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": pkg.manifest.name,
+        **run.finish().as_dict(), "model": pkg.manifest.name,
         "clients": args.clients, "tokens": args.tokens, "switch_every_s": args.switch_every,
-        "load_before": load_before, "load_after": Path("/proc/loadavg").read_text().strip(),
         "wall_s": round(wall, 1), "completed": sum(r["ok"] for r in results), "equal_to_solo": sum(r["equal"] for r in results),
         "errors": [r["error"] for r in results if not r["ok"]][:5],
         "aggregate_tokens_per_s": round(sum(r["ok"] for r in results) * args.tokens / wall, 1),
@@ -164,11 +158,9 @@ def main() -> None:
         "event_kinds": {k: kinds.count(k) for k in sorted(set(kinds))},
         "clients_detail": sorted(results, key=lambda r: r["client"]),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps({**summary, "switches": switches}, indent=1))
     lines = [f"# {args.clients} streams x {args.tokens} tokens through 3 workers while plans switch", "",
-             f"{summary['date']} · {summary['machine']} · {summary['model']} · `serve --workers 3 --max-active {args.clients} --batch-invariant` · "
-             f"greedy, EOS ignored · a layer-boundary switch requested every {args.switch_every:g} s · load {load_before} → {summary['load_after']}",
+             f"{run.line()} · {summary['model']} · `serve --workers 3 --max-active {args.clients} --batch-invariant` · "
+             f"greedy, EOS ignored · a layer-boundary switch requested every {args.switch_every:g} s",
              "", "| clients | completed | equal to solo (text) | errors | switches ok / requested | plans up | KV moved (sequences, MB) / rebuilt | workers lost | suspected | wall s | tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|",
              f"| {args.clients} | {summary['completed']} | {summary['equal_to_solo']} | {len(results) - summary['completed']} | "
@@ -176,7 +168,7 @@ def main() -> None:
              f"{summary['kv_moved']}, {summary['kv_moved_mb']} / {summary['kv_recomputed']} | {summary['workers_lost']} | {summary['suspected']} | "
              f"{summary['wall_s']} | {summary['aggregate_tokens_per_s']} |", "",
              f"Events seen: {summary['event_kinds']}. Errors: {summary['errors'] or 'none'}."]
-    (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
+    write_results(args.out, {**summary, "switches": switches}, "\n".join(lines))
     print(json.dumps({k: v for k, v in summary.items() if k != "clients_detail"}, indent=1))
 
 

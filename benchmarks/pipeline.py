@@ -11,24 +11,17 @@ before a frame leaves), and activation bytes per decoded token per hop (from /me
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
-from datetime import date
-from pathlib import Path
 
 import httpx
 
-from edgepipe.bench.client import stream_once
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import Server  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
+from edgepipe.bench.client import stream_once
+from edgepipe.bench.cluster import Server, bench_home
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
 
 
 def metric(text: str, name: str) -> float:
@@ -49,7 +42,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="threads per worker (one sequence: one stage busy at a time)")
     ap.add_argument("--activation-dtype", default="float32")
     args = ap.parse_args()
-    home = Path(os.environ.get("EDGEPIPE_HOME", Path.home() / ".cache" / "edgepipe-bench"))
+    home = bench_home()
+    run = Conditions.start()
     counts = [int(x) for x in args.workers.split(",")]
     servers = {n: Server(home, workers=n, args=("--placement", "memory", "--worker-threads", str(args.threads), "--max-active", "1",
                                                  "--worker-args", f"--activation-dtype {args.activation_dtype}")) for n in counts}
@@ -84,15 +78,14 @@ def main() -> None:
         base = rows[0]["decode_tokens_per_s"]
         for r in rows:
             r["vs_1_worker"] = r["decode_tokens_per_s"] / base
-        report(rows, args)
+        report(rows, args, run.finish())
     finally:
         for s in servers.values():
             s.close()
 
 
-def report(rows: list[dict], args) -> None:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    head = f"{date.today()} · {os.cpu_count()} cores ({cpu}) · SmolLM2-135M int4 · {args.tokens} tokens greedy · {args.rounds} rounds interleaved · " \
+def report(rows: list[dict], args, run: Conditions) -> None:
+    head = f"{run.line()} · SmolLM2-135M int4 · {args.tokens} tokens greedy · {args.rounds} rounds interleaved · " \
            f"{args.threads} threads/worker · activations {args.activation_dtype} · loopback"
     lines = [head, "", "| workers | decode tok/s | vs 1 worker | TPOT ms | TTFT ms | coordinator CPU / wall | coordinator per-step / wall | bytes/token/hop |",
              "|---|---|---|---|---|---|---|---|"]
@@ -101,9 +94,7 @@ def report(rows: list[dict], args) -> None:
                      f"{100 * r['coordinator_cpu_share']:.2f}% | {100 * r['coordinator_step_share']:.3f}% | {r['bytes_per_token_per_hop']:.0f} |")
     text = "\n".join(lines)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pipeline.md").write_text(text + "\n")
-    (RESULTS / "pipeline.json").write_text(json.dumps({"conditions": head, "rows": rows}, indent=1))
+    write_results("pipeline", {"conditions": head, **run.as_dict(), "rows": rows}, text)
 
 
 if __name__ == "__main__":

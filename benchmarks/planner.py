@@ -23,17 +23,14 @@ median of several runs, on whatever machine runs this.
 
 from __future__ import annotations
 
-import json
-import platform
+import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from edgepipe.plan import (  # noqa: E402
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import RESULTS, read_results, write_results
+from edgepipe.plan import (
     COORDINATOR,
     DeviceProfile,
     LinkProfile,
@@ -257,28 +254,24 @@ def energy_64_cases(pools=(3, 4, 5, 6, 7), milp_s: float = 45.0) -> list[dict]:
     return rows
 
 
-def machine_line() -> str:
-    import os
-
-    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"]
-    return f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}; load average {' '.join(load)}"
-
-
 def main() -> None:
-    if "--new-only" in sys.argv:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-only", action="store_true", help="only the brute-force and energy sections, appended to the last results")
+    ap.add_argument("--energy-only", action="store_true", help="with --new-only: keep the brute-force rows as last measured")
+    args = ap.parse_args()
+    run = Conditions.start()
+    if args.new_only:
         # Only the brute-force and energy sections; the latency table is kept as last measured.
-        out = Path(__file__).resolve().parent / "results"
-        previous = json.loads((out / "planner.json").read_text())
-        started = machine_line()
+        previous = read_results("planner")
+        if previous is None:
+            ap.error("--new-only needs an earlier benchmarks/results/planner.json")
         # --energy-only: keep the brute-force rows as last measured (7-device pools are searched
         # exactly, so changes to the annealing energy search do not move them).
-        brute = previous["brute_force_7x8"] if "--energy-only" in sys.argv else brute_force_cases() + replica_cases()
+        brute = previous["brute_force_7x8"] if args.energy_only else brute_force_cases() + replica_cases()
         energy = energy_64_cases()
-        brute_date = previous.get("brute_force_date", previous.get("date")) if "--energy-only" in sys.argv else None
-        previous.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine_load": started + " (start) / "
-                         + machine_line() + " (end)", "brute_force_7x8": brute, "energy_64x100": energy})
-        (out / "planner.json").write_text(json.dumps(previous, indent=2) + "\n")
-        text = (out / "planner.md").read_text().split("\n## ")[0].rstrip() + "\n"
+        brute_date = previous.get("brute_force_date", previous.get("date")) if args.energy_only else None
+        previous.update({"date": run.date, "machine_load": run.finish().line(), "brute_force_7x8": brute, "energy_64x100": energy})
+        text = (RESULTS / "planner.md").read_text().split("\n## ")[0].rstrip() + "\n"
         text += f"\n## Every objective vs brute force, 7 devices x 8 units (throughput with replicas: 7 x 6) ({previous['date']}; {previous['machine_load']})\n\n"
         previous["brute_force_date"] = brute_date or previous["date"]
         if brute_date:
@@ -291,7 +284,7 @@ def main() -> None:
                  "(separable hops; stopped at its time limit, so a bound, not an optimum).\n\n" + _md(energy) + "\n")
         worst = max((r["gap_pct"] for r in energy if r["gap_pct"] is not None), default=None)
         text += f"\nWorst energy gap to the bound: {worst}%.\n"
-        (out / "planner.md").write_text(text)
+        write_results("planner", previous, text)
         print(text)
         return
     rows = []
@@ -317,18 +310,15 @@ def main() -> None:
         row["gap_to_long_annealing_pct"] = round(gap, 3) + 0.0
         rows.append(row)
 
-    info = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor()}
-    out = Path(__file__).resolve().parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "planner.json").write_text(json.dumps({"machine": info, "cases": rows}, indent=2) + "\n")
+    run.finish()
     columns = list(dict.fromkeys(key for r in rows for key in r))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
     table = "\n".join(lines)
-    (out / "planner.md").write_text(
+    write_results("planner", {**run.as_dict(), "cases": rows},
         "# Planner benchmark\n\n"
-        f"Python {info['python']} on {info['machine']}; median wall time of `plan()`.\n"
+        f"{run.line()} · Python {run.machine['python']}; median wall time of `plan()`.\n"
         "Gaps are the plan's ring time over the best lower bound (planner's bound, MILP dual bound).\n"
         "The machine is shared with other work, so wall times are noisy.\n\n"
         + table

@@ -30,36 +30,20 @@ Writes ``benchmarks/results/predict.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from placement import (  # noqa: E402
-    RESULTS,
-    Cluster,
-    Device,
-    KernelLink,
-    calibrations,
-    header,
-    machine,
-    manifest,
-    measured_profiles,
-    predict,
-    prewarm,
-    sample_rtts,
-)
-
-from edgepipe.plan import COORDINATOR, NetworkProfile, mape  # noqa: E402
-from edgepipe.plan.profiles import link_matrix  # noqa: E402
+from edgepipe.bench.cluster import Cluster, Device, KernelLink, bench_home
+from edgepipe.bench.emulated import calibrations, header, manifest, measured_profiles, predict, prewarm, sample_rtts
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
+from edgepipe.plan import COORDINATOR, NetworkProfile, mape
+from edgepipe.plan.profiles import link_matrix
 
 
 WIRE_MTU = 576  # the shaped veths' MTU: a 2.3 KB activation is several packets, paced at the rate
@@ -117,51 +101,32 @@ class PeerShapedLink(KernelLink):
 
 
 class PredictCluster(Cluster):
-    """``placement.Cluster`` whose ``PeerShaped`` devices get a per-port link (the others as there),
+    """A ``Cluster`` whose ``PeerShaped`` devices get a per-port link (the others as there),
     and whose coordinator starts with no remembered calibrations: each configuration calibrates
     its devices afresh (the shared calibration file keys devices by name and flags, which do not
     see kernel links, so a device "a" would otherwise bring the uplink of another configuration's
     "a", or of another benchmark's)."""
 
-    def _launch(self, attempt: int) -> None:
-        if getattr(self, "home", None) is None:
-            from placement import HOME
-
-            self.home = Path(tempfile.mkdtemp(prefix="edgepipe-predict-home-"))
-            for shared in ("models", "worker-cache", "cache"):  # the package and the workers' blobs stay shared
-                if (HOME / shared).exists():
-                    (self.home / shared).symlink_to(HOME / shared)
-            self.env = {**self.env, "EDGEPIPE_HOME": str(self.home)}
-        super()._launch(attempt)
+    def __init__(self, *args, **kwargs):
+        shared_home = bench_home()
+        home = Path(tempfile.mkdtemp(prefix="edgepipe-predict-home-"))
+        for shared in ("models", "worker-cache", "cache"):  # the package and the workers' blobs stay shared
+            if (shared_home / shared).exists():
+                (home / shared).symlink_to(shared_home / shared)
+        try:
+            super().__init__(*args, home=home, **kwargs)
+        except BaseException:
+            shutil.rmtree(home, ignore_errors=True)
+            raise
 
     def close(self) -> None:
         super().close()
-        if getattr(self, "home", None) is not None:
-            shutil.rmtree(self.home, ignore_errors=True)  # symlinks are removed, never followed
-            self.home = None
+        shutil.rmtree(self.home, ignore_errors=True)  # symlinks are removed, never followed
 
-    def _start_workers(self) -> None:
-        shaped = [d for d in self.devices if isinstance(d, PeerShaped)]
-        if not shaped:
-            return super()._start_workers()
-        self.links = [PeerShapedLink(d, self.port).__enter__() for d in shaped]
-        advertise = self.links[0].host.peer_ip
-        for i, d in enumerate(self.devices):
-            log = open(self.logdir / f"{self.tag}-{d.name}.log", "a")
-            self._logs.append(log)
-            if isinstance(d, PeerShaped):
-                link = self.links[shaped.index(d)]
-                argv = [sys.executable, "-m", "edgepipe", "worker", "--coordinator", f"http://{link.host.peer_ip}:{self.port}",
-                        "--host", link.host.ip, "--join-token", self.token, *d.flags()]
-                proc = link.host.popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-            else:
-                argv = [sys.executable, "-m", "edgepipe", "worker", "--coordinator", self.url, "--join-token", self.token,
-                        *d.flags(), "--host", "0.0.0.0", "--advertise", advertise]
-                proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-            self.workers.append(proc)
-            self.wait_for(lambda s, n=i + 1: len(s["workers"]) >= n, 120)
-            self.wait_for(lambda s, n=i + 1: self._calibrated() >= n, 180)
-        self.kernel = True
+    def _link_for(self, device: Device) -> KernelLink | None:
+        if isinstance(device, PeerShaped):
+            return PeerShapedLink(device, self.port).__enter__()
+        return super()._link_for(device)
 
 
 def peer_links(cluster: Cluster) -> dict[tuple[str, str], tuple[float, float]]:
@@ -333,7 +298,7 @@ def run_config(name: str, devices: list[Device], requests: int, tokens: int, log
 
 def report(out: dict) -> str:
     rows = out["configs"]
-    lines = header("Cost model: predicted vs measured time per output token (emulated clusters)", out["machine"],
+    lines = header("Cost model: predicted vs measured time per output token (emulated clusters)", Conditions.from_dict(out),
                    f"{out['tokens']} tokens per request, {out['requests']} requests per configuration (on the longest stretch "
                    "run on one plan: the first teaches, the rest are measured), greedy, "
                    "`ignore_eos`, 1 thread per worker, `--placement planner --objective latency`")
@@ -357,8 +322,7 @@ def report(out: dict) -> str:
     s = out["summary"]
     lines += ["", f"**MAPE over {s['n']} configurations: initial {s['mape_initial']:.1f}%, running {s['mape_running']:.1f}%** "
               f"(goals: initial < 15%, running < 8%; seed 000: 12.6% initial, 8.4% running) → initial "
-              f"**{'met' if s['mape_initial'] < 15 else 'NOT met'}**, running **{'met' if s['mape_running'] < 8 else 'NOT met'}**. "
-              f"Load average at the end {out['loadavg_end']}.",
+              f"**{'met' if s['mape_initial'] < 15 else 'NOT met'}**, running **{'met' if s['mape_running'] < 8 else 'NOT met'}**.",
               f"Error by part (MAPE of the part against its measured counterpart): compute initial {s['mape_compute_initial']:.1f}%, "
               f"running {s['mape_compute_running']:.1f}%; rest (hops, queues, coordinator) as a share of measured TPOT: "
               f"initial {s['rest_err_share_initial']:.1f}%, running {s['rest_err_share_running']:.1f}%.", "",
@@ -429,7 +393,8 @@ def main() -> None:
     if args.quick:
         names, args.requests, args.tokens = QUICK, 3, 16
     logdir = Path(tempfile.mkdtemp(prefix="edgepipe-predict-"))
-    out = {"machine": machine(), "requests": args.requests, "tokens": args.tokens, "quick": args.quick,
+    run = Conditions.start()
+    out = {**run.as_dict(), "requests": args.requests, "tokens": args.tokens, "quick": args.quick,
            "prewarmed_files": prewarm(), "configs": {}, "notes": NOTES, "logs": str(logdir)}
     t0 = time.monotonic()
     for name in names:
@@ -454,13 +419,10 @@ def main() -> None:
         "rest_err_share_running": 100 * statistics.mean(abs(r["running"]["hops_ms"] - r["measured_rest_ms"]) / r["measured_tpot_ms"] for r in ok),
     }
     out["wall_s"] = round(time.monotonic() - t0, 1)
-    out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    out.update(run.finish().as_dict())
     text = report(out)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
-    stem = args.stem or ("predict-quick" if args.quick else "predict")
-    (RESULTS / f"{stem}.md").write_text(text)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(out, indent=1, default=str))
+    write_results(args.stem or ("predict-quick" if args.quick else "predict"), out, text)
 
 
 if __name__ == "__main__":

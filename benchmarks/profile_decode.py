@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime as dt
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,11 +31,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from edgepipe.model.store import bundled_gguf, home_dir, reference_gguf, resolve  # noqa: E402
-from edgepipe.runtime.stage_runner import SamplingBatch, StageRunner  # noqa: E402
+from edgepipe.bench.machine import Conditions, load_average
+from edgepipe.bench.results import write_results
+from edgepipe.model.store import bundled_gguf, home_dir, reference_gguf, resolve
+from edgepipe.runtime.stage_runner import SamplingBatch, StageRunner
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 QWEN05 = reference_gguf("qwen05")  # scripts/fetch_qwen05.sh
@@ -147,7 +143,7 @@ def profile_package(pkg, threads: int, steps: int, batch_invariant: bool = False
             "tok_s_wall": round(1 / statistics.median(wall), 2), "tok_s_cpu": round(1 / statistics.median(cpu), 2),
             "profiled_step_us": round(wall_us, 1), "model_run_us": round(run_us, 1), "same_tokens_profiled": tokens == ptokens,
             "groups": rows, "by_op_us": {k: round(v / steps, 1) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
-            "load1": round(os.getloadavg()[0], 2)}
+            "load1": load_average()[0]}
 
 
 def lone_row_check(threads: int, reps: int = 200) -> list[dict]:
@@ -198,9 +194,8 @@ def lone_row_check(threads: int, reps: int = 200) -> list[dict]:
 
 def markdown(report: dict) -> str:
     lines = ["# Decode step profile (ONNX Runtime node times)", "",
-             f"- date: {report['date']}; produced by `python benchmarks/profile_decode.py`; onnxruntime {ort.__version__}",
-             f"- machine: {os.cpu_count()} cores; load average {report['load_before']} before, {report['load_after']} after "
-             "(shared machine: shares within one run are meaningful, absolute times are not)",
+             f"- {Conditions.from_dict(report).line()} (shared machine: shares within one run are meaningful, absolute times are not)",
+             f"- produced by `python benchmarks/profile_decode.py`; onnxruntime {ort.__version__}",
              "- single-stage runner (IOBinding, KV in place), greedy decode steps after a prompt and 8 warm-up steps", ""]
     lines += [f"## Batch invariance of one {report['lone_row_check_shape']} product ({report['lone_row_check_threads']} thread(s))", "",
               "| layout | M=1 bits equal M=2 | M=2 equal M=4 | CPU µs at M=1 | at M=2 |", "| --- | --- | --- | ---: | ---: |"]
@@ -227,10 +222,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--batch-invariant", action="store_true", help="profile batch-invariant runners (a lone row takes a bystander)")
     ap.add_argument("--home")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
     home = home_dir(args.home)
-    load_before = [round(x, 2) for x in os.getloadavg()]
+    run = Conditions.start()
     pkgs = [resolve(p) for p in args.package or []]
     if args.model or not pkgs:
         specs = args.model or [str(bundled_gguf())] + ([str(QWEN05)] if QWEN05.is_file() else [])
@@ -243,14 +238,10 @@ def main() -> None:
             r = profile_package(pkg, threads, args.steps, args.batch_invariant)
             results.append(r)
             print(f"{r['package']} threads {threads}: {r['tok_s_wall']} tok/s", flush=True)
-    report = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "load_before": load_before,
-              "load_after": [round(x, 2) for x in os.getloadavg()], "onnxruntime": ort.__version__,
+    report = {**run.finish().as_dict(), "onnxruntime": ort.__version__,
               "lone_row_check_shape": "1536x576 (SmolLM2 ffn_up)", "lone_row_check_threads": threads_list[0], "lone_row_check": check,
               "results": results}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile_decode.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "profile_decode.md").write_text(markdown(report))
+    write_results("profile_decode", report, markdown(report), args.out)
     print("\n" + markdown(report))
 
 

@@ -17,11 +17,7 @@ Writes `benchmarks/results/quant_layouts.json` and `.md`, with the load average 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,24 +26,13 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from edgepipe.model.graphs import _Graph  # noqa: E402
-from edgepipe.model.weights import NATIVE_TYPES, BlockQuantized, decode_native, quantize_blocks  # noqa: E402
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
+from edgepipe.bench.synthetic import random_gguf_rows
+from edgepipe.model.graphs import _Graph
+from edgepipe.model.weights import NATIVE_TYPES, BlockQuantized, decode_native, quantize_blocks
 
 SHAPES = {"0.5B ffn_up 4864x896": (4864, 896), "1.5B ffn_up 8960x1536": (8960, 1536)}  # k-quants need K % 256 == 0
-
-
-def random_gguf_rows(kind: str, n: int, k: int, rng) -> np.ndarray:
-    t = NATIVE_TYPES[kind]
-    raw = rng.integers(0, 256, (n, k // t.block_elems, t.block_bytes), dtype=np.uint8)
-    scales = (rng.uniform(0.5, 1.5, raw.shape[:2] + (2,)) * 1e-3).astype(np.float16).view(np.uint8)
-    if kind == "Q6_K":
-        raw[..., 208:210] = scales[..., :2]
-    else:
-        raw[..., 0:4] = scales.reshape(*raw.shape[:2], 4)
-    return raw.reshape(n, -1)
 
 
 def time_linear(w, k: int, threads: int, reps: int) -> tuple[float, int]:
@@ -92,9 +77,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=300)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
-    load_before = os.getloadavg()
+    run = Conditions.start()
     rng = np.random.default_rng(0)
     rows = []
     for shape_name, (n, k) in SHAPES.items():
@@ -107,19 +92,14 @@ def main() -> None:
                 rows.append({"shape": shape_name, "type": kind, "layout": label, "us": round(sec * 1e6, 1),
                              "mb": round(nbytes / 1e6, 2), "gguf_mb": round(raw.nbytes / 1e6, 2), "gb_s": round(nbytes / sec / 1e9, 1)})
                 print(f"{shape_name:<24} {kind:<5} {label:<32} {sec * 1e6:8.1f} us  {nbytes / 1e6:6.2f} MB (file {raw.nbytes / 1e6:.2f})", flush=True)
-    report = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "threads": args.threads, "reps": args.reps,
-              "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
-              "onnxruntime": ort.__version__, "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quant_layouts.json").write_text(json.dumps(report, indent=2) + "\n")
+    report = {**run.finish().as_dict(), "threads": args.threads, "reps": args.reps, "onnxruntime": ort.__version__, "rows": rows}
     lines = ["# One decode-step linear per GGUF type and layout", "",
-             f"- date: {report['date']}; {args.threads} thread(s), median of {args.reps}; onnxruntime {ort.__version__}; "
-             f"load average {report['load_average']['before']} before, {report['load_average']['after']} after (shared machine)",
+             f"- {run.line()} (shared machine)",
+             f"- {args.threads} thread(s), median of {args.reps}; onnxruntime {ort.__version__}",
              "- produced by `python benchmarks/quant_layouts.py`", "",
              "| matrix | GGUF type | layout | µs | MB read | MB in the GGUF | GB/s |", "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['shape']} | {r['type']} | {r['layout']} | {r['us']} | {r['mb']} | {r['gguf_mb']} | {r['gb_s']} |" for r in rows]
-    (out / "quant_layouts.md").write_text("\n".join(lines) + "\n")
+    write_results("quant_layouts", report, "\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

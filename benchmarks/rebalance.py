@@ -30,26 +30,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import Server  # noqa: E402
+from edgepipe.bench.cluster import Server, bench_home
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
 
-RESULTS = Path(__file__).parent / "results"
 PROMPT = "Once upon a time in a small village by the sea,"
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    return f"{os.cpu_count()} cores ({cpu})"
 
 
 def reference_text(pkg, n: int) -> str:
@@ -120,11 +112,11 @@ def main() -> None:
     if args.smoke:
         args.rounds, args.tokens = 3, 48
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks (servers closed)
-    home = Path(os.environ.get("EDGEPIPE_HOME", Path.home() / ".cache" / "edgepipe-bench"))
+    home = bench_home()
     os.environ["EDGEPIPE_HOME"] = str(home)
     from edgepipe.model.store import resolve
 
-    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    run = Conditions.start()
     expected = reference_text(resolve("smollm2", "int4", home), args.tokens)
     sargs = ("--placement", "planner", "--worker-threads", "1", "--max-active", "1", "--worker-args", f"--memory {args.memory}")
     servers: dict[str, Server] = {}
@@ -200,7 +192,9 @@ def main() -> None:
         "A_plans_deployed_after_slowdown": len(a_plans_during_after), "B_repins": pin.repins, "B_planner_moves": len(b_planner_moves),
         "B_samples_discarded": discarded_b, "wrong_text": wrong, "A_plan_view": a_pred, "events": plan_events,
     }
-    conditions = (f"{started} · {machine()} · SmolLM2-135M int4 · 2 clusters side by side, 3 local workers each (1 thread), planner "
+    run.finish()
+    result.update(run.as_dict())
+    conditions = (f"{run.line()} · SmolLM2-135M int4 · 2 clusters side by side, 3 local workers each (1 thread), planner "
                   f"placement, EMULATED memory budget {args.memory}/worker · one busiest-stage worker per cluster slowed x{args.slowdown:g} "
                   f"(EMULATION) mid-run · greedy streamed completions of {args.tokens} tokens, A/B interleaved one at a time, "
                   f"{args.rounds} rounds before and after · B pinned to its original plan by re-posting it via /v1/cluster/rebalance · "
@@ -232,10 +226,8 @@ def main() -> None:
               "", "Slowdown and memory budgets are emulation."]
     text = "\n".join(lines)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
     name = ("rebalance-smoke" if args.smoke else "rebalance") + ("" if args.memory == "250MB" else f"-{args.memory}")
-    (RESULTS / f"{name}.md").write_text(text + "\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
+    write_results(name, result, text)
 
 
 if __name__ == "__main__":

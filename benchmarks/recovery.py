@@ -24,26 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import Server  # noqa: E402
+from edgepipe.bench.cluster import Server, bench_home
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
 
-RESULTS = Path(__file__).parent / "results"
 PROMPT = "Tell me a long story about a lighthouse keeper who finds a message in a bottle."
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    return f"{os.cpu_count()} cores ({cpu})"
 
 
 def reference_text(pkg, n: int) -> str:
@@ -57,7 +50,7 @@ def reference_text(pkg, n: int) -> str:
 
 
 def events(server: Server) -> list[dict]:
-    return server.client.get("/v1/cluster/events").json()["events"]
+    return server.events()
 
 
 def stream(url: str, n: int, on_chunk, timeout: float) -> tuple[str, list[float]]:
@@ -177,9 +170,9 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
-def report(rows: list[dict], args, started: str) -> None:
+def report(rows: list[dict], args, run: Conditions) -> None:
     positions = sorted({r["kill_at"] for r in rows})
-    conditions = (f"{started} · {machine()} · SmolLM2-135M int4 · 3 local workers, {args.threads} thread each, "
+    conditions = (f"{run.line()} · SmolLM2-135M int4 · 3 local workers, {args.threads} thread each, "
                   f"placement {args.placement}" + (f", EMULATED memory budget {args.memory}/worker" if args.placement == "planner" else "") +
                   f" · greedy chat, {args.tokens} tokens, victim SIGKILLed after chunk {'/'.join(map(str, positions))} · {len(rows)} trials, "
                   f"fresh cluster each · loopback · shared noisy machine")
@@ -213,10 +206,8 @@ def report(rows: list[dict], args, started: str) -> None:
         lines.append("Memory budgets are emulation (a worker refuses a stage above its budget); compute is not slowed.")
     text = "\n".join(lines)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
     name = "recovery" + ("-smoke" if args.smoke else "") + ("" if args.placement == "planner" else f"-{args.placement}")
-    (RESULTS / f"{name}.md").write_text(text + "\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps({"conditions": conditions, "summary": summary, "trials": rows}, indent=1))
+    write_results(name, {"conditions": conditions, **run.as_dict(), "summary": summary, "trials": rows}, text)
 
 
 def main() -> None:
@@ -233,11 +224,11 @@ def main() -> None:
     if args.smoke:
         args.trials, args.tokens, args.kill_at = 2, 64, "16"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks (servers closed)
-    home = Path(os.environ.get("EDGEPIPE_HOME", Path.home() / ".cache" / "edgepipe-bench"))
+    home = bench_home()
     os.environ["EDGEPIPE_HOME"] = str(home)
     from edgepipe.model.store import resolve
 
-    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    run = Conditions.start()
     expected = reference_text(resolve("smollm2", "int4", home), args.tokens)
     rows = []
     positions = [int(k) for k in str(args.kill_at).split(",")]
@@ -245,7 +236,7 @@ def main() -> None:
         ap.error("--kill-at must be below --tokens")
     for i in range(args.trials * len(positions)):
         rows.append(trial(home, args, expected, i + 1, positions[i % len(positions)]))
-    report(rows, args, started)
+    report(rows, args, run.finish())
 
 
 if __name__ == "__main__":

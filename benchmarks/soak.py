@@ -12,27 +12,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import sys
 import threading
 import time
-from datetime import date
-from pathlib import Path
 
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import Server  # noqa: E402
+from edgepipe.bench.cluster import Server, bench_home
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
+from edgepipe.emulate.slowdown import parse_bytes
+from edgepipe.model.store import resolve
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
 
-from edgepipe.emulate.slowdown import parse_bytes  # noqa: E402
-from edgepipe.model.store import resolve  # noqa: E402
-from edgepipe.runtime.local import generate  # noqa: E402
-from edgepipe.runtime.sequence import GenerationParams  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 PROMPTS = ["Name a bird.", "What is rain?", "Say something kind.", "Count to five.", "What is a cat?", "Describe the sun."]
 LENGTHS = [16, 32, 48]
 
@@ -45,7 +40,7 @@ def main() -> None:
     ap.add_argument("--max-active", type=int, default=16)
     ap.add_argument("--max-queue", type=int, default=24)
     args = ap.parse_args()
-    home = Path(os.environ.get("EDGEPIPE_HOME", Path.home() / ".cache" / "edgepipe-bench"))
+    home = bench_home()
     pkg = resolve("smollm2", "int4", home)
     tok = pkg.tokenizer
     reference = {}
@@ -58,6 +53,7 @@ def main() -> None:
     errors: list[str] = []
     lock = threading.Lock()
     budget = parse_bytes(args.memory)
+    run = Conditions.start()
     with Server(home, workers=3, args=("--placement", "memory", "--worker-threads", "1", "--max-active", str(args.max_active),
                                        "--max-queue", str(args.max_queue), "--worker-args", f"--memory {args.memory}", "--batch-invariant")) as server:
         pids = [w["pid"] for w in server.status()["workers"]]
@@ -122,17 +118,14 @@ def main() -> None:
            "peak_worker_rss_mb": {str(k): round(v / 1e6, 1) for k, v in peak_rss.items()}, "budget_mb": budget / 1e6,
            "kv_after_mb": [round((w["stats"] or {}).get("kv_bytes", 0) / 1e6, 1) for w in status["workers"]],
            "errors_sample": errors[:5]}
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
-    head = (f"{date.today()} · {os.cpu_count()} cores ({cpu}) · SmolLM2-135M int4 · 3 workers, --memory {args.memory} each (EMULATION: "
+    head = (f"{run.finish().line()} · SmolLM2-135M int4 · 3 workers, --memory {args.memory} each (EMULATION: "
             f"hard budget) · max-active {args.max_active}, queue {args.max_queue} · {args.clients} streaming clients for {args.seconds:.0f} s")
     text = "\n".join([head, "", "| completed | 429 | other errors | lost/repeated (mismatch) | tokens/s | peak worker RSS MB (budget) |",
                       "|---|---|---|---|---|---|",
                       f"| {counts['ok']} | {counts['429']} | {counts['error']} | {counts['mismatch']} | {row['tokens_per_s']:.1f} | "
                       f"{', '.join(f'{v:.0f}' for v in row['peak_worker_rss_mb'].values())} ({budget / 1e6:.0f}) |"])
     print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "soak.md").write_text(text + "\n")
-    (RESULTS / "soak.json").write_text(json.dumps({"conditions": head, **row}, indent=1))
+    write_results("soak", {"conditions": head, **run.as_dict(), **row}, text)
     if counts["error"] or counts["mismatch"] or max(peak_rss.values()) > budget:
         sys.exit(1)
 

@@ -23,26 +23,22 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from harness import free_port  # noqa: E402
+from edgepipe.bench.cluster import Server, free_port
+from edgepipe.bench.machine import Conditions, load_average, load_text
+from edgepipe.bench.results import read_results, write_results
+from edgepipe.model.store import list_packages
+from edgepipe.net.protocol import Message, MessageType as T, decode, encode
 
-from edgepipe.model.store import list_packages  # noqa: E402
-from edgepipe.net.protocol import Message, MessageType as T, decode, encode  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 PING_EVERY_S = 0.02
 
 
@@ -163,26 +159,12 @@ async def pong_under_build(pkg, threads: int, busy: int, home: Path) -> dict:
 
 # -- 2. serve --workers 3 --worker-threads 2 under steady requests ---------------------------------
 def serve_stress(pkg, minutes: float, clients: int, max_tokens: int, home: Path) -> dict:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / "edgepipe-stall-serve.log", "w")  # not in the repo: it grows
-    proc = subprocess.Popen([sys.executable, "-m", "edgepipe", "serve", "--model", str(pkg.root), "--workers", "3", "--worker-threads", "2",
-                             "--port", str(port), "--no-advertise"], env={**os.environ, "EDGEPIPE_HOME": str(home)},
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     t_start = time.monotonic()
-    status = None
+    server = Server(home, workers=3, args=("--model", str(pkg.root), "--worker-threads", "2"), wait_up=False, timeout=600,
+                    log=Path(os.environ.get("TMPDIR", "/tmp")) / "edgepipe-stall-serve.log")  # not in the repo: it grows
+    url = server.url
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {proc.returncode}")
-            try:
-                status = httpx.get(url + "/v1/cluster/status", timeout=5).json()
-                if status["state"] == "up":
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
+        server.wait_for(lambda s: s["state"] == "up", 600)
         up_after = time.monotonic() - t_start
         stats = {"ok": 0, "errors": [], "latencies": [], "tokens": 0}
         lock = threading.Lock()
@@ -217,20 +199,14 @@ def serve_stress(pkg, minutes: float, clients: int, max_tokens: int, home: Path)
                 states.append((round(time.monotonic() - t_start, 1), httpx.get(url + "/v1/cluster/status", timeout=10).json()["state"]))
             except (httpx.HTTPError, ValueError) as exc:
                 states.append((round(time.monotonic() - t_start, 1), f"unreachable: {type(exc).__name__}"))
-            loads.append([float(x) for x in open("/proc/loadavg").read().split()[:3]])
+            loads.append(load_average())
             time.sleep(5)
         for t in threads:
             t.join(timeout=200)
         events = httpx.get(url + "/v1/cluster/events", timeout=10).json()["events"]
         final = httpx.get(url + "/v1/cluster/status", timeout=10).json()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        server.close()
     kinds: dict[str, int] = {}
     for e in events:
         kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
@@ -256,27 +232,26 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
-    RESULTS.mkdir(exist_ok=True)
     pkg = find_package(args.model)
     home = Path(os.environ.get("EDGEPIPE_HOME", "/tmp/edgepipe-stall"))
-    out = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": f"{platform.processor() or platform.machine()}, "
-           f"{os.cpu_count()} cores", "loadavg_before": open("/proc/loadavg").read().strip(), "model": pkg.manifest.name}
-    previous = RESULTS / "stall.json"
-    if args.only and previous.exists():
-        out = {**json.loads(previous.read_text()), **{k: v for k, v in out.items()}}
+    run = Conditions.start()
+    out = {**run.as_dict(), "model": pkg.manifest.name}
+    previous = read_results("stall")
+    if args.only and previous:
+        out = {**previous, **out}
     if args.only in (None, "pong"):
         out["pong"] = asyncio.run(pong_under_build(pkg, threads=2, busy=2, home=Path(f"/tmp/edgepipe-stall-{os.getpid()}")))
-        out["loadavg_after_pong"] = open("/proc/loadavg").read().strip()
+        out["loadavg_after_pong"] = load_text(load_average())
     if args.only in (None, "serve"):
         out["serve"] = serve_stress(pkg, args.minutes, args.clients, args.max_tokens, home)
-        out["loadavg_after_serve"] = open("/proc/loadavg").read().strip()
-    (RESULTS / "stall.json").write_text(json.dumps(out, indent=1))
-    (RESULTS / "stall.md").write_text(render(out))
+        out["loadavg_after_serve"] = load_text(load_average())
+    out.update(run.finish().as_dict())
+    write_results("stall", out, render(out))
     print(render(out))
 
 
 def render(r: dict) -> str:
-    lines = [f"# Stalls on {r['machine']} ({r['model']})", "", f"{r['date']}; load average before: {r['loadavg_before']}", ""]
+    lines = [f"# Stalls ({r['model']})", "", Conditions.from_dict(r).line(), ""]
     if "pong" in r:
         p = r["pong"]
         lines += ["## PING -> PONG while a worker builds the whole model and runs a prefill", "",

@@ -9,12 +9,11 @@ Writes benchmarks/results/window_kv.md.
 
 from __future__ import annotations
 
-import datetime
-import os
-import platform
-import sys
+import argparse
 from pathlib import Path
 
+from edgepipe.bench.machine import Conditions
+from edgepipe.bench.results import write_results
 from edgepipe.model.package import Package
 from edgepipe.plan import ModelProfile, UnitProfile
 from edgepipe.runtime import stage_runner
@@ -37,8 +36,12 @@ def run(pkg: Package, tokens: int) -> dict:
 
 
 def main() -> None:
-    pkg = Package(Path(sys.argv[1]))
-    tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("package", type=Path, help="an imported package folder with sliding-window layers (e.g. Gemma 3 270M)")
+    ap.add_argument("tokens", type=int, nargs="?", default=1024)
+    args = ap.parse_args()
+    pkg, tokens = Package(args.package), args.tokens
+    run = Conditions.start()
     trimmed = run(pkg, tokens)
     stage_runner.window_start = lambda length, window: 0  # keep every position
     full = run(pkg, tokens)
@@ -47,12 +50,11 @@ def main() -> None:
                            context_tokens=tokens, runtime_overhead_bytes=0)
     planned = profile.stage_bytes(0, len(m.units), 1)
     planned_full = tokens * sum(u.kv_bytes_per_token for u in m.units)
-    load = Path("/proc/loadavg").read_text().split()[:3]
     lines = [
         f"# KV per sequence, sliding-window layers trimmed vs kept whole ({m.name})",
         "",
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} {os.cpu_count()} cores, load {' '.join(load)}; "
-        f"`python benchmarks/window_kv.py {sys.argv[1]} {tokens}`; windows {sorted(set(m.config['layer_windows']))}, "
+        f"{run.finish().line()}; "
+        f"`python benchmarks/window_kv.py {args.package} {tokens}`; windows {sorted(set(m.config['layer_windows']))}, "
         f"{sum(1 for w in m.config['layer_windows'] if w)} of {m.config['n_layers']} layers windowed.",
         "",
         "| at position | live KV (a move sends) | pool allocation (KV rows) | planner's figure |",
@@ -61,8 +63,7 @@ def main() -> None:
         f"| whole, {full['length']} | {full['live'] / MiB:.2f} MiB | {full['pool'] / MiB:.2f} MiB ({full['rows']} row{'s' if full['rows'] > 1 else ''}) | {planned_full / MiB:.2f} MiB |",
         "",
     ]
-    out = Path(__file__).parent / "results" / "window_kv.md"
-    out.write_text("\n".join(lines))
+    write_results("window_kv", None, "\n".join(lines))
     print("\n".join(lines))
 
 

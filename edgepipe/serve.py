@@ -49,6 +49,7 @@ class ServeSettings:
     cluster: str = "edgepipe"  # the name workers look for
     batch_invariant: bool = False  # a sequence gets the same bits alone as batched (costs lone-stream speed)
     local_device: str = "auto"  # where the first local worker computes (a GPU when found); the others use the CPU
+    prefix_cache_positions: int = 4096  # KV positions of cached prompt prefixes per stage (0: no prefix cache)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -162,7 +163,8 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
                                                                  step_timeout_s=settings.step_timeout_s,
                                                                  capacity_wait_s=settings.capacity_wait_s,
                                                                  calibration_file=settings.calibration_file,
-                                                                 batch_invariant=settings.batch_invariant), plan_fn=plan_fn)
+                                                                 batch_invariant=settings.batch_invariant,
+                                                                 prefix_cache_positions=settings.prefix_cache_positions), plan_fn=plan_fn)
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,
                      admission=Admission(settings.max_active, settings.max_queue), admin_token=settings.admin_token)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:

@@ -1,35 +1,25 @@
-"""Headless Debian chromium driven by Playwright (no browser download: executable_path)."""
+"""Headless Debian chromium for tests: ``edgepipe.bench.browser``, with a missing chromium
+reported as a test failure (never a skip)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from contextlib import contextmanager
 
 import pytest
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-quic"]
-# WebGPU on SwiftShader, Chromium's software Vulkan (no GPU needed); without these flags a tab finds no adapter.
-WEBGPU_ARGS = ["--enable-unsafe-webgpu", "--use-webgpu-adapter=swiftshader"]
+from edgepipe.bench import browser as _browser
 
 
 def chromium_path() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if not path:
-        pytest.fail("Debian's chromium is not installed (scripts/bootstrap.sh test installs it)")
-    return path
+    try:
+        return _browser.chromium_path()
+    except _browser.ChromiumMissing as exc:
+        pytest.fail(str(exc))
 
 
 @contextmanager
 def browser_context(webgpu: bool = False, **kwargs):
     """``webgpu``: tabs find a WebGPU adapter (SwiftShader); else they compute on WebAssembly."""
-    from playwright.sync_api import sync_playwright
-
-    args = CHROMIUM_ARGS + (WEBGPU_ARGS if webgpu else [])
-    with sync_playwright() as p, tempfile.TemporaryDirectory() as profile:
-        context = p.chromium.launch_persistent_context(profile, executable_path=chromium_path(), args=args, headless=True, **kwargs)
-        try:
-            yield context
-        finally:
-            context.close()
+    chromium_path()
+    with _browser.browser_context(webgpu, **kwargs) as context:
+        yield context

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from edgepipe.api import schemas as S, tools
-from edgepipe.cluster.structured import Constraint, SchemaError, vocabulary_for
+from edgepipe.api.structured import Constraint, SchemaError, vocabulary_for
 from edgepipe.model.gguf_source import GGUFSource
 from edgepipe.model.store import bundled_gguf, missing_reference, reference_gguf
 from edgepipe.model.tokenizer import TextTokenizer

@@ -70,7 +70,7 @@ def test_a_bye_drops_the_worker_at_once_and_a_final_one_is_no_failure(final):
 
 
 def test_a_worker_stopped_in_process_says_a_final_bye(tmp_path):
-    from edgepipe.cluster.worker import Worker, WorkerSettings
+    from edgepipe.worker import Worker, WorkerSettings
 
     async def main():
         coordinator_end, worker_end = memory_pair("coordinator", "worker")

@@ -62,7 +62,7 @@ def wait_for(predicate, timeout: float, what: str):
 
 
 def test_reconnect_backoff_is_jittered_exponential_and_capped():
-    from edgepipe.cluster.worker import reconnect_delay
+    from edgepipe.worker import reconnect_delay
 
     assert reconnect_delay(0, 0.0) == pytest.approx(0.1) and reconnect_delay(0, 0.999) < 0.2  # 0.2 s, jittered over its upper half
     assert reconnect_delay(2, 0.999, gone_s=0) < reconnect_delay(3, 0.999, gone_s=0) <= 1.0  # early on: at most 1 s between tries

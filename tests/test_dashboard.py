@@ -37,6 +37,9 @@ def test_dashboard_renders_devices_bar_and_chat(three_workers, tmp_path):
         assert min(float(p.split(",")[1]) for p in peaks) < 49  # some second had tokens/s above zero
         assert page.locator("#chart-tps-max").inner_text().startswith("max ")
         assert page.locator("#chart-inflight").get_attribute("data-points") is not None
+        # The prefix cache: prompts that reused cached blocks out of those it was on for.
+        page.wait_for_function(r"/^\d+ \/ [1-9]\d*$/.test(document.querySelector('#prefix-hits').textContent)", timeout=10000)
+        assert re.fullmatch(r"\d+", page.locator("#prefix-saved").inner_text())
         # Per-device memory in use (weights + KV of its stage) and utilisation are shown.
         assert all(" of " in t for t in page.locator("tr.device td.mem").all_inner_texts())
         assert page.locator("tr.device td.busy").count() == 3

@@ -16,21 +16,22 @@ import logging
 import pytest
 
 from edgepipe.cluster import deploy
-from edgepipe.cluster.worker import _gguf_kernel
+from edgepipe.worker.settings import gguf_kernel as _gguf_kernel
 from edgepipe.model.importer import add_variant
 from edgepipe.model.store import resolve
 from edgepipe.native import reset_for_tests
+from edgepipe.net.messages import Hello
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
 from harness import Server
 
 PROMPTS = ["Name three planets.", "Write a haiku about rain.", "What is 17 times 23?"]
-KERNEL = {"kind": "native", "device": "cpu", "native_kernel": "gguf"}
-NO_LIBRARY = {"kind": "native", "device": "cpu", "native_kernel_note": "turned off by EDGEPIPE_NATIVE=0"}
-GPU = {"kind": "native", "device": "gpu", "native_kernel": "gguf"}  # a GPU stage runs on WebGPU: no custom ops
-BROWSER = {"kind": "browser", "precision": "fp32"}
-OLD_WORKER = {"kind": "native"}  # a hello from before the field: no library assumed
+KERNEL = Hello.from_fields({"kind": "native", "device": "cpu", "native_kernel": "gguf"})
+NO_LIBRARY = Hello.from_fields({"kind": "native", "device": "cpu", "native_kernel_note": "turned off by EDGEPIPE_NATIVE=0"})
+GPU = Hello.from_fields({"kind": "native", "device": "gpu", "native_kernel": "gguf"})  # a GPU stage runs on WebGPU: no custom ops
+BROWSER = Hello.from_fields({"kind": "browser", "precision": "fp32"})
+OLD_WORKER = Hello.from_fields({"kind": "native"})  # a hello from before the field: no library assumed
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def without(manifest, precision: str):
     (OLD_WORKER, None, "native"),
     (GPU, None, "native"),
     (BROWSER, None, "fp32"),  # what it asks for
-    ({**KERNEL, "precision": "native"}, None, "native"),
+    (dataclasses.replace(KERNEL, precision="native"), None, "native"),
     (KERNEL, "int4", "int4"),  # not the file's own model: as asked
 ])
 def test_each_worker_is_sent_the_form_it_can_run(both_forms, hello, serving, expected):

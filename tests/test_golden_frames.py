@@ -287,7 +287,7 @@ def test_compare_catches_what_a_worker_gets_wrong(golden):
 
 # -- the Python worker -----------------------------------------------------------------------------
 def test_python_worker_answers_the_golden_frames(pkg, golden, tmp_path):
-    from edgepipe.cluster.worker import Worker, WorkerSettings
+    from edgepipe.worker import Worker, WorkerSettings
 
     async def main(url: str):
         coordinator_end, worker_end = memory_pair("coordinator", "worker")
@@ -323,3 +323,14 @@ def test_browser_worker_answers_the_golden_frames_as_the_python_worker(pkg, gold
         assert hello.get("device") == ("gpu" if webgpu else "cpu")
     problems = verdict(golden, hello, got, extra, "browser")
     assert problems == [], "\n".join(problems)
+
+
+def test_every_recorded_frame_parses_both_ways_and_round_trips(golden):
+    """One ``parse`` types every frame, the coordinator's and the worker's answers: a field
+    renamed or retyped in ``net.messages`` breaks here (and the workers' answers above), not
+    silently in one worker. A typed frame the coordinator sent encodes back to the same fields."""
+    for name, raw in sorted(golden.frames.items()):
+        msg = decode(raw)
+        typed = M.parse(msg)
+        if not name.split(".")[-2].startswith("answer") and isinstance(typed, M.Wire):
+            assert typed.to_message().fields == msg.fields, name

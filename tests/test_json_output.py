@@ -1,6 +1,6 @@
 """JSON output (``response_format``) through 3 real workers with the openai SDK (issue 15, must-show 2).
 
-The coordinator builds the allowed-token mask per step (``cluster.structured``, llguidance) and
+The coordinator builds the allowed-token mask per step (``api.structured``, llguidance) and
 the last stage's head graph applies it, so sampled answers always parse: 20 answers sampled at
 temperature 1 with different seeds all validate against a json_schema; json_object (chat,
 streaming, completions, Ollama's ``format``) parses; an invalid schema is a 400 before admission;

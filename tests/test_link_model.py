@@ -11,11 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 from edgepipe.cluster.profiling import ClusterProfile
-from edgepipe.cluster.worker import peer_link
+from edgepipe.worker.links import peer_link
 from edgepipe.plan import COORDINATOR, DeviceProfile, LinkProfile, NetworkProfile, PlanRequest, Stage, evaluate
 from edgepipe.plan.brute import layouts, price
 from edgepipe.plan.profiles import link_matrix
 from test_plan_search import random_instance
+
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
 
 MB = 1 << 20
 

@@ -10,6 +10,7 @@ import pytest
 
 from edgepipe.cluster import membership, state as S
 from edgepipe.cluster.state import ClusterState, apply
+from edgepipe.net.messages import Hello
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
@@ -19,7 +20,7 @@ from harness import Server
 def _cluster(*names: str) -> ClusterState:
     state = ClusterState()
     for i, name in enumerate(names):
-        state = apply(state, S.WorkerJoined(f"w{i}", name, {"kind": "native", "memory_bytes": 10**9, "threads": 1}, now=0.0))
+        state = apply(state, S.WorkerJoined(f"w{i}", name, Hello.from_fields({"kind": "native", "memory_bytes": 10**9, "threads": 1}), now=0.0))
     return state
 
 
@@ -54,7 +55,7 @@ def test_quarantine_survives_reconnecting_doubles_and_ends():
     state = apply(state, S.Misbehaved("w1", "dropped a step", now=100.0))
     state = apply(state, S.WorkerLost("w1", "quarantined", now=100.0))
     # the same device reconnects under a new id: still out of new plans
-    state = apply(state, S.WorkerJoined("w9", "b", {"kind": "native", "memory_bytes": 10**9, "threads": 1}, now=101.0))
+    state = apply(state, S.WorkerJoined("w9", "b", Hello.from_fields({"kind": "native", "memory_bytes": 10**9, "threads": 1}), now=101.0))
     assert [w.id for w in state.live(now=101.0)] == ["w0"]
     until = state.quarantine[state.workers["w9"].identity].until
     assert until == 100.0 + S.QUARANTINE_S

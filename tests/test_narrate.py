@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from edgepipe.cluster.narrate import describe
+
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
 
 RAW_JSON = re.compile(r'[{}]|":|\d\.\d{5,}')
 
@@ -18,6 +22,8 @@ def test_known_events_read_as_sentences():
         "preparing plan 4: w1 [0, 10), w2 [10, 32) (w3 joined)"
     cal = describe({"kind": "calibrated", "worker": "w1", "speed": 1.23456789, "overhead_s": 0.00123456, "reused": True})
     assert cal == "w1 calibrated (recalled): speed 1.23; overhead 1.23 ms"
+    dropped = describe({"kind": "prefix_dropped", "blocks": 12, "why": "the prefill of r3 failed part-way"})
+    assert dropped == "prefix cache dropped (12 blocks) (the prefill of r3 failed part-way)"
 
 
 def test_any_event_is_flattened_without_json():

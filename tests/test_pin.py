@@ -13,7 +13,9 @@ from edgepipe.cluster.sim import SETTINGS, UNIT_BYTES, UNIT_KV_ROOM, FakeWorker,
 from edgepipe.cluster.simrun import Schedule, World
 from edgepipe.cluster.profiling import RUNTIME_OVERHEAD_BYTES
 
-MEMORY = 9 * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES  # each can hold the whole model
+# Each can hold the whole model, and its stage of the plan being replaced beside the new one
+# (a worker keeps the active plan's stage until the switch: the worker core counts both).
+MEMORY = 16 * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES
 
 
 async def _until(predicate, limit_s: float) -> None:

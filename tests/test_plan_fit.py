@@ -8,6 +8,8 @@ import pytest
 
 from edgepipe.plan import RollingMedian, fit_speed_overhead, mape
 
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
+
 
 def timings(speed: float, overhead: float, costs, repeats: int, noise: float, seed: int, warmup_extra: float):
     rng = random.Random(seed)

@@ -26,6 +26,8 @@ from edgepipe.plan import (
     switch_cost,
 )
 
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
+
 MB = 1_000_000
 NET = NetworkProfile(default=LinkProfile("*", "*", 0.001, 1e9))
 

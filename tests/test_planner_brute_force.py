@@ -17,6 +17,8 @@ from edgepipe.plan import DeviceProfile, NetworkProfile, PlanRequest, evaluate, 
 from edgepipe.plan.brute import best_values, price
 from test_plan_search import random_instance
 
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
+
 SHAPES = [(3, 8), (4, 7), (5, 6), (3, 10)]
 
 

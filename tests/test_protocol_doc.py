@@ -53,7 +53,8 @@ def test_every_message_type_is_listed_with_exactly_its_fields():
         for f in fields(cls):
             required = f.default is MISSING and f.default_factory is MISSING
             parts = [t for t in str(f.type).split(" | ") if t != "None"]
-            base = {"str": "string", "float": "number", "dict": "map"}.get(parts[0], parts[0])
+            base = {"str": "string", "float": "number", "dict": "map", "NextHop": "map", "Mapping": "map",  # NextHop travels as a map
+                    "tuple[str, ...]": "list"}.get(parts[0], parts[0])
             nullable = "None" in str(f.type).split(" | ")
             want[f.name] = (f"{base} or null" if nullable and required else base, "required" if required else "optional")
         assert tables[name] == want, f"{name}: doc {tables[name]} != dataclass {want}"

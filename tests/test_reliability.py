@@ -7,6 +7,8 @@ from edgepipe.cluster.profiling import ClusterProfile
 from edgepipe.plan import (COORDINATOR, DeviceProfile, LinkProfile, NetworkProfile, Objective, PlanRequest, availability,
                            expected_goodput, failure_rate, plan, transformer_profile)
 
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
+
 
 def test_availability_falls_with_every_device_a_plan_relies_on():
     one, two = availability([0.1], 1.0), availability([0.1, 0.1], 1.0)

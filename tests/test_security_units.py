@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from starlette.testclient import TestClient
 
-from edgepipe.cluster.blobcache import BlobCache
+from edgepipe.worker.blobcache import BlobCache
 from edgepipe.net import auth, limits, validate
 from edgepipe.net.validate import InvalidWorkerFrame
 

@@ -6,6 +6,8 @@ import pytest
 
 from edgepipe.runtime.sequence import GenerationParams, SequenceState, uniform_draw
 
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
+
 VOCAB = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 6: "\n", 7: "EN", 8: "D"}
 
 

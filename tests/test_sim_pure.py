@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,8 +10,10 @@ import pytest
 from edgepipe.cluster import membership, scheduling, state as S
 from edgepipe.cluster.deploy import KvCopy, kv_moves
 from edgepipe.cluster.placement import Deployment, StageAssignment as A
-from edgepipe.net.messages import Error, ErrorCode, Token, parse
-from edgepipe.net.protocol import Message, MessageType as T, ProtocolError
+from edgepipe.net.messages import Error, ErrorCode, Hello, Token, parse
+from edgepipe.net.protocol import Message, MessageType as T, ProtocolError, decode, encode
+
+pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
 
 GB = 1 << 30
 
@@ -18,7 +21,8 @@ GB = 1 << 30
 def joined(*names, memory=GB, budget=True) -> S.ClusterState:
     st = S.ClusterState()
     for i, n in enumerate(names):
-        st = S.apply(st, S.WorkerJoined(n, n, {"memory_bytes": memory, "emulation": {"memory_budget": memory} if budget else None}, float(i)))
+        hello = Hello.from_fields({"memory_bytes": memory, "emulation": {"memory_budget": memory} if budget else None})
+        st = S.apply(st, S.WorkerJoined(n, n, hello, float(i)))
     return st
 
 
@@ -102,3 +106,24 @@ def test_wire_types_check_ranges_and_codes():
     assert err == Error("next hop gone", ErrorCode.UNREACHABLE, "r.0") and err.retryable
     assert not parse(Message(T.ERROR, {"message": "x", "code": "bad_input"})).retryable
     assert parse(Message(T.ERROR, {"message": "next hop unreachable: ws://x"})).retryable  # an older worker without codes
+
+
+def test_hello_is_one_typed_message_both_ways():
+    sent = Hello(name="a", token=None, protocol=1, kind="native", memory_bytes=2 * GB, threads=2, data_url="ws://127.0.0.1:9/",
+                 held=("ab" * 32,), emulation={"slowdown": 2.0, "memory_budget": GB}, native_kernel="gguf")
+    msg = decode(encode(sent.to_message()))
+    assert set(msg.fields) == {f.name for f in dataclasses.fields(Hello)}  # nulls included, as both workers send them
+    got = parse(msg)
+    assert got == dataclasses.replace(sent, emulation=got.emulation) and dict(got.emulation) == sent.emulation
+    assert got.memory_budget == GB and not got.relay and got.with_slowdown(3).emulation["slowdown"] == 3.0
+    with pytest.raises(TypeError):
+        got.emulation["slowdown"] = 9  # the declaration kept in the state is read-only
+    slowed = S.apply(joined("a"), S.EmulationChanged("a", 4.0)).workers["a"].hello  # the dashboard's slowdown control
+    assert dict(slowed.emulation) == {"memory_budget": GB, "slowdown": 4.0} and slowed.memory_budget == GB
+    old = parse(Message(T.HELLO, {"name": "old", "kind": "browser"}))  # absent fields take their defaults
+    assert (old.kind, old.memory_bytes, old.threads, old.held, old.data_url, old.relay) == ("browser", 0, 1, (), None, True)
+    for bad, field in (({"kind": "toaster"}, "kind"), ({"memory_bytes": "lots"}, "memory_bytes"), ({"memory_bytes": math.inf}, "memory_bytes"),
+                       ({"held": [1, 2]}, "held"), ({"emulation": [1]}, "emulation"), ({"device": "tpu"}, "device"),
+                       ({"power_busy_w": -1}, "power_busy_w"), ({"name": 7}, "name")):
+        with pytest.raises(ProtocolError, match=f"hello: {field}"):
+            parse(Message(T.HELLO, {"name": "x", **bad}))

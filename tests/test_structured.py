@@ -14,7 +14,7 @@ import jsonschema_rs
 import numpy as np
 import pytest
 
-from edgepipe.cluster.structured import Constraint, JsonFormat, SchemaError, closed_objects, from_openai, vocabulary_for
+from edgepipe.api.structured import Constraint, JsonFormat, SchemaError, closed_objects, from_openai, vocabulary_for
 from edgepipe.model.gguf_source import GGUFSource
 from edgepipe.model.store import bundled_gguf, missing_reference, reference_gguf
 from edgepipe.model.tokenizer import TextTokenizer
@@ -223,7 +223,7 @@ def test_each_row_gets_its_own_mask_when_a_batch_is_not_in_row_order(int4_pkg):
 def test_numbers_without_bounds_get_a_length():
     """A number or integer without bounds of its own is held to |x| <= 1e15 (numbers to 9 decimals);
     a client's own bounds, multipleOf, enum and what sits under ``not`` are left alone."""
-    from edgepipe.cluster.structured import NUMBER_LIMIT, bounded_numbers
+    from edgepipe.api.structured import NUMBER_LIMIT, bounded_numbers
 
     schema = {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "integer"}, "c": {"type": ["number", "null"]},
                                                "d": {"type": "number", "maximum": 5}, "e": {"type": "number", "enum": [1.5, 2]},

@@ -10,7 +10,7 @@ HEAVY = ("onnx", "torch", "tokenizers", "starlette", "uvicorn", "transformers", 
 
 
 def test_worker_imports_only_light_modules():
-    code = ("import sys, edgepipe.cluster.worker, edgepipe.cli; "
+    code = ("import sys, edgepipe.worker, edgepipe.cli; "
             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]", f"the worker imported heavy modules: {out}"

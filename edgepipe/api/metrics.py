@@ -31,6 +31,10 @@ class Metrics:
         self.wall_s = Counter("edgepipe_step_wall_seconds", "Wall time of steps", registry=r)
         self.workers = Gauge("edgepipe_workers", "Connected workers", registry=r)
         self.in_flight = Gauge("edgepipe_requests_in_flight", "Requests in flight", registry=r)
+        self.prefix_hits = Counter("edgepipe_prefix_hits", "Prompt prefills that started from cached prefix blocks", registry=r)
+        self.prefix_reused = Counter("edgepipe_prefix_reused_positions", "Prompt positions taken from the prefix cache (computed by no stage)",
+                                     registry=r)
+        self.prefix_positions = Gauge("edgepipe_prefix_cached_positions", "Positions each stage holds in cached prefix blocks", registry=r)
         self._recent: deque[float] = deque(maxlen=4096)
         self._recent_ttft: deque[tuple[float, float]] = deque(maxlen=256)  # (when, prefill step seconds)
 
@@ -40,6 +44,9 @@ class Metrics:
         self.tokens.inc()
         if record.tokens_in > 1:
             self.prompt_tokens.inc(record.tokens_in)
+            if record.prefix_reused:
+                self.prefix_hits.inc()
+                self.prefix_reused.inc(record.prefix_reused)
             self.ttft.observe(record.wall_s)
             self._recent_ttft.append((now, record.wall_s))
         else:
@@ -69,4 +76,5 @@ class Metrics:
         self.tokens_per_s.set(self.live_tokens_per_s())
         self.workers.set(len(coordinator.workers))
         self.in_flight.set(coordinator.requests_in_flight)
+        self.prefix_positions.set(coordinator.prefix.view()["positions"])
         return generate_latest(self.registry)

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ..cluster import structured
+from . import structured
 from ..cluster.coordinator import RequestFailed
 from ..runtime.sequence import GenerationParams
 from . import generation as G, schemas as S, tools

@@ -113,7 +113,7 @@ class NamedToolChoice(Strict):
 
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = Field(None, description="With json_schema: {name, schema, strict} (cluster.structured).")
+    json_schema: dict[str, Any] | None = Field(None, description="With json_schema: {name, schema, strict} (api.structured).")
 
 
 class ChatRequest(Sampling):

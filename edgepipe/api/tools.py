@@ -9,7 +9,7 @@ starting the assistant's turn with the opening of the call (so the model only wr
 "none" leaves the tools out.
 
 :func:`call_grammar` holds the calls to the tools' ``parameters`` schemas (compiled by
-``cluster.structured``, as ``response_format``): a named or required call is generated under it
+``api.structured``, as ``response_format``): a named or required call is generated under it
 from its first token, so its arguments always parse and validate; with "auto" the grammar is lazy,
 starting where the model opens a call (``<tool_call>``). Several calls in one answer: "auto" lets
 the model write as many as it likes; "required" only with ``parallel_tool_calls: true`` (the
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from typing import Literal
 
-from ..cluster.structured import embedded_schema
+from .structured import embedded_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CALL_START, CALL_MIDDLE = '{"name": "', '", "arguments": '  # a call's JSON up to its name, and from the name to the arguments

@@ -38,6 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODEL = "smollm2"
+PROMPT = "Write a long story about a dragon who learns to bake bread."  # the timed chat prompt of the decode benchmarks
+AGREE_PROMPTS = [  # chat prompts whose greedy continuations the agreement checks teacher-force
+    "Why is the sky blue?",
+    "Write a Python function that checks whether a number is prime, and explain it.",
+    "Give me three tips for a job interview.",
+]
 # onnxruntime-genai has no "ignore EOS" switch (min_length masks EOS, which changes the argmax),
 # so its EOS is moved to a special token that the chat model does not emit: <gh_stars>. A run
 # that still stops early shows up as fewer generated tokens in the results.
@@ -172,6 +178,12 @@ class LlamaCppEngine:
             self.llm.eval([token])
             predicted.append(self._argmax())
         return predicted
+
+
+def matches(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
+    """Positions where two teacher-forced runs predict the same token, and the positions compared."""
+    pairs = [(x, y) for sa, sb in zip(a, b) for x, y in zip(sa, sb)]
+    return sum(x == y for x, y in pairs), len(pairs)
 
 
 ENGINES = {"edgepipe": EdgepipeEngine, "genai": GenaiEngine, "llama.cpp": LlamaCppEngine}

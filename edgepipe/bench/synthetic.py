@@ -77,3 +77,18 @@ def write_synthetic_gguf(path: Path, n_layers: int, hidden: int, ffn: int, heads
     return path.stat().st_size
 
 
+
+
+def random_gguf_rows(kind: str, n: int, k: int, rng) -> np.ndarray:
+    """``n`` rows of ``k`` weights as random GGUF blocks of type ``kind`` (``[n, k / block * block_bytes]``
+    uint8), each block's scales set to small float16 values so that the decoded weights are finite."""
+    from ..model.weights import NATIVE_TYPES
+
+    t = NATIVE_TYPES[kind]
+    raw = rng.integers(0, 256, (n, k // t.block_elems, t.block_bytes), dtype=np.uint8)
+    scales = (rng.uniform(0.5, 1.5, raw.shape[:2] + (2,)) * 1e-3).astype(np.float16).view(np.uint8)
+    if kind == "Q6_K":
+        raw[..., 208:210] = scales[..., :2]
+    else:
+        raw[..., 0:4] = scales.reshape(*raw.shape[:2], 4)
+    return raw.reshape(n, -1)

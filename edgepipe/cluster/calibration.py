@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from ..net.channel import ChannelClosed
 from ..net.messages import Activate, Probe
-from . import deploy, state as S
+from . import deploy, measurements as M, state as S
 from .links import LinkProber
 
 TRUST_RATIO = 0.25  # reported probe times below this fraction of the wall-clock measure are not believed
@@ -80,7 +81,8 @@ class Calibrator:
         info = c.cluster.workers[wid]
         if not c.settings.calibrate:
             return
-        if c.profile.recall(wid, info.identity):
+        if info.identity in c.profile.known:
+            c.measure(M.Recalled(wid, info.identity))
             m = c.profile.of(wid)
             c.event("calibrated", worker=wid, speed=round(m.speed, 3), overhead_ms=round(m.overhead_s * 1e3, 3),
                     uplink_mb_s=round((m.bandwidth_bytes_per_s or 0) / 1e6, 3), reused=True)
@@ -108,14 +110,14 @@ class Calibrator:
             link.probes.pop(probe, None)
 
     # -- the first plan's own ranges ---------------------------------------------------------
-    async def time_stages(self, dep) -> None:
+    async def time_stages(self, dep):
         """Time each stage of the first deployment on its own range (one stage at a time,
         rounds repeated while their spread is above ``STABLE_SPREAD``), set each device's
-        speed from it, and price the plan again (``dep.predicted`` updated in place; the
-        calibration-only figure is kept as ``calibrated_tpot_s``)."""
+        speed from it, and price the plan again (a ``Repriced`` event; the calibration-only
+        figure is kept as ``calibrated_tpot_s``)."""
         c = self.coord
         if not c.settings.calibrate or c.cluster.ever_up or not dep.predicted:
-            return
+            return dep
         timed = {}
         try:
             async with self.lock:
@@ -135,16 +137,19 @@ class Calibrator:
                             break
                     if rounds:
                         seconds = statistics.median(min(rounds, key=lambda r: r[0])[1])
-                        c.profile.range_timed(s.worker_id, s.start, s.end, seconds)
+                        c.measure(M.RangeTimed(s.worker_id, s.start, s.end, seconds))
                         timed[s.worker_id] = round(seconds * 1e3, 3)
         except (asyncio.TimeoutError, ChannelClosed, KeyError) as exc:
             c.event("stage_timing_failed", plan=dep.plan_id, error=str(exc) or type(exc).__name__)
-            return
+            return dep
         repriced = reprice(c, dep)
         if repriced:
-            dep.predicted.update({"calibrated_tpot_s": dep.predicted.get("tpot_s"), **repriced})
+            event = S.Repriced(dep.plan_id, {**dep.predicted, "calibrated_tpot_s": dep.predicted.get("tpot_s"), **repriced})
+            c.emit(event)
+            dep = replace(dep, predicted=dict(event.predicted))
         c.event("stages_timed", plan=dep.plan_id, step_ms=timed, tpot_ms=round(dep.predicted["tpot_s"] * 1e3, 3))
         c.replan_wanted.set()  # the speeds moved: the policy decides whether another plan is now better
+        return dep
 
     async def _round(self, wid: str, ranges) -> list[tuple[float, float]]:
         c = self.coord
@@ -163,7 +168,7 @@ class Calibrator:
             await self.probe(wid, plan=plan_id, reps=2, context=32)
             times, overruled = trusted_step_times((timing.times or [])[2:], t1 - t0, c.clock() - t1, PROBE_REPS - 2)
             if overruled:
-                c.profile.of(wid).trusted = False  # nor are its step timings believed from now on
+                c.measure(M.Distrusted(wid))  # nor are its step timings believed from now on
                 c.event("probe_overruled", worker=wid, units=[start, end], reported_ms=round(statistics.median(timing.times[2:]) * 1e3, 3),
                         measured_ms=round(times[0] * 1e3, 3))
             cost = c.profile.unit_cost(start, end)
@@ -197,19 +202,16 @@ class Calibrator:
                     timings[size] = c.clock() - t0
                 small, large = sorted(timings)
                 if timings[large] > timings[small]:
-                    c.profile.uploaded(wid, large - small, timings[large] - timings[small], round_trip=timings[small])
+                    c.measure(M.Uploaded(wid, large - small, timings[large] - timings[small], round_trip=timings[small]))
                 else:  # noise left no difference (a fast link, a busy CPU): the large probe's own time bounds it from below
-                    c.profile.uploaded(wid, large, timings[large], round_trip=timings[small])
+                    c.measure(M.Uploaded(wid, large, timings[large], round_trip=timings[small]))
                 await self.links.probe_peers(wid)
-            try:
-                c.profile.calibrated(wid, samples)
-            except ValueError:  # noisy timings that no line fits: speed from the ratio, no overhead
-                c.profile.calibrated_by_ratio(wid, samples)
+            info = c.cluster.workers.get(wid)
+            c.measure(M.Calibrated(wid, tuple(samples), info.identity if info is not None else None))
             m = c.profile.of(wid)
             c.event("calibrated", worker=wid, speed=round(m.speed, 3), overhead_ms=round(m.overhead_s * 1e3, 3),
                     uplink_mb_s=round((m.bandwidth_bytes_per_s or 0) / 1e6, 3), rounds=len(rounds), spread=round(spread_kept, 3))
-            if wid in c.cluster.workers:
-                c.profile.remember(wid, c.cluster.workers[wid].identity)
+            if info is not None:
                 if c.settings.calibration_file:
                     try:
                         c.profile.save_known(Path(c.settings.calibration_file))
@@ -258,7 +260,8 @@ def reprice(c, dep) -> dict | None:
     workers = [views[w] for w in dep.workers if w in views]
     if len(workers) != len(dep.workers):
         return None
-    model, request = policy.model(c), policy.request(c)
+    ctx = c.plan_context(workers)
+    model, request = policy.model(ctx), policy.request(ctx)
     try:
         p = evaluate(running_plan(dep, model, request).stages, model, c.profile.device_profiles(workers),
                      c.profile.network_profile(workers), request)

@@ -11,12 +11,13 @@ into the state). The heartbeat loop pings every worker and turns ``membership``'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from ..net import auth, validate
 from ..net.channel import Channel, ChannelClosed
-from ..net.messages import ErrorCode, Ping, Welcome, parse
+from ..net.messages import ErrorCode, Hello, Ping, Welcome, parse
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, error_frame
-from . import deploy, membership, state as S
+from . import deploy, measurements as M, membership, state as S
 from .steps import PipelineBroken
 from .views import Link
 
@@ -43,14 +44,19 @@ class Connections:
         if c.settings.join_token and not auth.same_secret(hello.get("token"), c.settings.join_token):
             await self._refuse(channel, "wrong or missing join token" if hello.get("token") else "missing join token")
             return
-        wanted = hello.get("precision")
+        try:
+            declared = Hello.from_fields(hello.fields)
+        except ProtocolError as exc:
+            await self._refuse(channel, str(exc))
+            return
+        wanted = declared.precision
         if wanted and any(wanted not in u.variants for u in c.manifest.units):
             try:
                 await c.calibrator.add_variant(wanted)
             except (ValueError, OSError) as exc:
                 await self._refuse(channel, f"cannot provide the {wanted} variant: {exc}")
                 return
-        elif form := deploy.form_to_add(hello.fields, c.manifest, c.settings.precision):
+        elif form := deploy.form_to_add(declared, c.manifest, c.settings.precision):
             try:  # the file's own model in the form this worker runs (`gguf` with the kernel library, else `native`)
                 await c.calibrator.add_variant(form)
             except Exception as exc:  # an import that fails for any reason: the worker is refused or runs the other form
@@ -58,14 +64,16 @@ class Connections:
                     await self._refuse(channel, f"cannot provide the {form} variant: {exc}")
                     return
                 c.event("variant", precision=form, status="skipped", reason=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        name = str(hello.get("name", "worker"))[:32]
+        name = declared.name[:32]
         wid = f"w{c.cluster.joins + 1}-{name}"[:40]
         link = c.links[wid] = Link(channel)
-        c.emit(S.WorkerJoined(wid, name, hello.fields, c.clock()))
+        # the join token was for admission only: the declaration kept in the state (and its event log) goes without it
+        c.emit(S.WorkerJoined(wid, name, dataclasses.replace(declared, token=None), c.clock()))
         await link.send(Welcome(wid).to_message())
         info = c.cluster.workers[wid]
-        c.event("join", worker=wid, memory=info.memory_bytes, emulation=hello.get("emulation"), device_kind=hello.get("kind"))
-        c.profile.joined(name, c.clock())
+        c.event("join", worker=wid, memory=info.memory_bytes, emulation=None if declared.emulation is None else dict(declared.emulation),
+                device_kind=declared.kind)
+        c.measure(M.DeviceJoined(name, c.clock()))
         c.calibrator.joined(wid)
         c.replan_wanted.set()
         try:
@@ -110,9 +118,9 @@ class Connections:
         elif msg.type is T.PONG:
             rtt = c.clock() - typed.t if typed.t is not None and typed.t <= c.clock() else None
             if rtt is not None:
-                c.profile.heartbeat(wid, rtt)
+                c.measure(M.HeartbeatRtt(wid, rtt))
             c.emit(S.Ponged(wid, rtt, {"kv_bytes": typed.kv_bytes, "queue": typed.queue, "busy_s": typed.busy_s,
-                                          "computed": typed.computed}, c.clock()))
+                                          "computed": typed.computed, "prefix_bytes": typed.prefix_bytes}, c.clock()))
         elif msg.type is T.LOADED:
             if typed.kv_received is not None:
                 c.deployer.migration.moved(typed)

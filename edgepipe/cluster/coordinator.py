@@ -25,11 +25,13 @@ from typing import Callable
 from ..net import limits
 from ..net.channel import Channel, ChannelClosed
 from ..net.messages import Bye, Emulate
-from . import state as S, views
+from . import measurements, state as S, views
 from .calibration import Calibrator
 from .connections import Connections
 from .deployer import Deployer
-from .placement import Deployment, StageAssignment, proportional_split
+from .placement import Deployment, StageAssignment
+from .planning import MemoryProportional, PlanContext, PlanPolicy
+from .prefix_cache import PrefixCaching
 from .profiling import ClusterProfile
 from .requests import Requests
 from .steps import PipelineBroken, RequestFailed, StepRecord, Steps
@@ -61,23 +63,17 @@ class CoordinatorSettings:
     max_wait_s: float = 300.0  # a request without progress for this long fails (cluster down, pipeline failing)
     calibration_file: str | None = None  # calibrations kept here survive a coordinator restart
     batch_invariant: bool = False  # stages run graphs that give a sequence the same bits alone as batched (graphs.pad_lone_rows)
-
-
-PlanFn = Callable[["Coordinator", list[WorkerView]], tuple[list[StageAssignment], str, dict]]
-
-
-def memory_proportional_plan(coord: "Coordinator", workers: list[WorkerView]):
-    stages = proportional_split(coord.n_units, [(w.id, w.memory_bytes) for w in sorted(workers, key=lambda w: w.joined_at)])
-    return stages, "layers split in proportion to declared memory", {}
+    prefix_cache_positions: int = 4096  # KV positions each stage may keep of cached prompt prefixes (0: no prefix cache)
+    prefix_block: int = 32  # token ids per cached block (cluster.prefix)
 
 
 class Coordinator:
-    def __init__(self, package, settings: CoordinatorSettings | None = None, plan_fn: PlanFn | None = None,
+    def __init__(self, package, settings: CoordinatorSettings | None = None, plan_fn: PlanPolicy | None = None,
                  on_step: Callable[[StepRecord], None] | None = None, clock: Callable[[], float] = time.monotonic):
         self.package = package
         self.manifest = package.manifest
         self.settings = settings or CoordinatorSettings()
-        self.plan_fn = plan_fn or memory_proportional_plan
+        self.plan_fn = plan_fn or MemoryProportional()
         self.on_step = on_step or (lambda record: None)
         self.clock = clock  # every time the control plane reads (the simulation injects a virtual one)
         self.cluster = ClusterState(phase_since=clock())
@@ -87,11 +83,14 @@ class Coordinator:
         self.profile = ClusterProfile(self.manifest)
         if self.settings.calibration_file:
             self.profile.load_known(Path(self.settings.calibration_file))
+        # every state event and measurement, indexed (bounded): replays into ``cluster`` and ``profile``
+        self.history = S.EventLog(self.cluster, self.profile)
         self.recent_steps: deque[tuple[int, float]] = deque(maxlen=256)  # (positions fed, wall seconds)
         self.replan_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.stopped = False
+        self.prefix = PrefixCaching(self)
         self.steps = Steps(self)
         self.requests = Requests(self, self.steps)
         self.deployer = Deployer(self)
@@ -102,11 +101,17 @@ class Coordinator:
     def emit(self, event: S.Event) -> ClusterState:
         """The one way the cluster state changes."""
         self.cluster = S.apply(self.cluster, event)
+        self.history.append(event)
         if self.cluster.phase is Phase.UP and self.cluster.active is not None:
             self.up.set()
         else:
             self.up.clear()
         return self.cluster
+
+    def measure(self, m: measurements.Measurement) -> None:
+        """The one way the profile changes: a measurement, applied and logged."""
+        self.profile.apply(m)
+        self.history.append(m)
 
     def event(self, kind: str, **fields) -> None:
         """A line for the dashboard and the log (not state)."""
@@ -155,7 +160,11 @@ class Coordinator:
 
     @property
     def running_prediction(self) -> dict | None:
-        return getattr(self.plan_fn, "running_prediction", None)
+        return self.plan_fn.running_prediction
+
+    def plan_context(self, workers: list[WorkerView]) -> PlanContext:
+        """What the plan function decides from (it is given no more than this)."""
+        return PlanContext(self.cluster, self.profile, workers, self.clock(), self.kv_plan_positions(), self.recovery_s())
 
     @property
     def kv_capacity(self) -> int | None:
@@ -210,8 +219,7 @@ class Coordinator:
             return
         info = self.cluster.workers.get(wid)
         if info is not None:
-            self.profile.forget(wid, info.identity)
-            self.profile.left(info.name, self.clock(), failure)
+            self.measure(measurements.DeviceLeft(wid, info.name, info.identity, self.clock(), failure))
         self.calibrator.lost(wid)
         broken = PipelineBroken(f"worker {wid} {why}")
         for fut in list(link.loads.values()) + list(link.probes.values()):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..net.messages import Load
+from ..net.messages import Hello, Load
 from ..plan import Plan, Stage
 from ..plan.switching import LoadStage, MoveKV, diff
 from .placement import Deployment, StageAssignment
@@ -63,6 +63,22 @@ def move_is_cheaper(kv_bytes: int, bandwidth: float, latency_s: float, stage_s: 
     return move_s < recompute_s
 
 
+def stay_reason(current: Deployment | None, stages: Sequence[StageAssignment], pinned: bool, decision: Mapping | None) -> str | None:
+    """Why the running plan stays instead of switching to ``stages`` (None: switch).
+
+    ``decision`` is the plan function's switch verdict (``planning.PlannerPolicy``: margin, switch
+    cost over a horizon, hysteresis), absent for plan functions that do not weigh one."""
+    if current is None:
+        return None
+    if pinned:
+        return "pinned"  # an operator's plan (POST /v1/cluster/rebalance with pin_s)
+    if [(s.worker_id, s.start, s.end) for s in current.stages] == [(s.worker_id, s.start, s.end) for s in stages]:
+        return "same plan"
+    if decision is not None and not decision["switch"]:
+        return f"not worth its switch cost yet: {decision.get('reason', '')}".rstrip(": ")
+    return None
+
+
 def next_hop(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, WorkerInfo],
              secrets: Sequence[str] | None = None) -> dict:
     """Where stage ``i`` sends its output, with the next stage's data-port secret (``net.auth``)."""
@@ -70,46 +86,46 @@ def next_hop(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, Wo
         return {"kind": "coordinator"}
     nxt = workers[stages[i + 1].worker_id]
     relay = nxt.relay or workers[stages[i].worker_id].relay
-    hop = {"kind": "worker", "id": nxt.id, "url": nxt.hello.get("data_url"), "relay": relay}
+    hop = {"kind": "worker", "id": nxt.id, "url": nxt.hello.data_url, "relay": relay}
     if secrets is not None and secrets[i + 1]:
         hop["secret"] = secrets[i + 1]
-    if nxt.hello.get("data_fingerprint"):
-        hop["fingerprint"] = nxt.hello["data_fingerprint"]
+    if nxt.hello.data_fingerprint:
+        hop["fingerprint"] = nxt.hello.data_fingerprint
     return hop
 
 
 KERNEL_FORM, FALLBACK_FORM = "gguf", "native"  # the file's own model: run by the GGUF kernel library, or by MatMulNBits
 
 
-def has_gguf_kernel(hello: Mapping) -> bool:
+def has_gguf_kernel(hello: Hello) -> bool:
     """Whether a worker can run the `gguf` form: its kernel library loaded and it computes on the
     CPU (a GPU stage runs on ONNX Runtime's WebGPU provider, which has no custom ops; a browser
     never has the library)."""
-    return hello.get("native_kernel") == KERNEL_FORM and hello.get("device") != "gpu" and hello.get("kind") != "browser"
+    return hello.native_kernel == KERNEL_FORM and hello.device != "gpu" and hello.kind != "browser"
 
 
 def _everywhere(manifest, precision: str) -> bool:
     return all(precision in getattr(u, "variants", ()) for u in manifest.units)
 
 
-def worker_variant(hello: Mapping, manifest, serving: str | None) -> str | None:
+def worker_variant(hello: Hello, manifest, serving: str | None) -> str | None:
     """The weight variant a worker is sent: the one it asks for, else the one the cluster serves
     (``serving``; None: the package's own). Where that is the file's own model (`native` or
     `gguf`) and the package carries both forms, a worker with the kernel library on the CPU gets
     `gguf` and every other worker the MatMulNBits `native` form (the fallback)."""
-    if hello.get("precision"):
-        return hello["precision"]
+    if hello.precision:
+        return hello.precision
     if (serving or manifest.precision) not in (KERNEL_FORM, FALLBACK_FORM) or not (
             _everywhere(manifest, KERNEL_FORM) and _everywhere(manifest, FALLBACK_FORM)):
         return serving
     return KERNEL_FORM if has_gguf_kernel(hello) else FALLBACK_FORM
 
 
-def form_to_add(hello: Mapping, manifest, serving: str | None) -> str | None:
+def form_to_add(hello: Hello, manifest, serving: str | None) -> str | None:
     """The variant the package lacks before this worker can get its form of the file's own model
     (``worker_variant``): `gguf` for a worker with the kernel where the package holds `native`
     only, `native` for one without where it holds `gguf` only; None when nothing is missing."""
-    if hello.get("precision") or (serving or manifest.precision) not in (KERNEL_FORM, FALLBACK_FORM):
+    if hello.precision or (serving or manifest.precision) not in (KERNEL_FORM, FALLBACK_FORM):
         return None
     wanted = KERNEL_FORM if has_gguf_kernel(hello) else FALLBACK_FORM
     return None if _everywhere(manifest, wanted) else wanted
@@ -134,7 +150,7 @@ def kv_capacity(state: ClusterState, manifest, precision_of, overhead_bytes: int
     caps = []
     for s in dep.stages:
         w = state.workers.get(s.worker_id)
-        if w is None or not (w.hello.get("emulation") or {}).get("memory_budget"):
+        if w is None or not w.hello.memory_budget:
             continue
         units = manifest.units[s.start:s.end]
         weights = sum(manifest.variant(u.index, precision_of(w)).weight_bytes for u in units)

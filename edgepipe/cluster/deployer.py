@@ -46,7 +46,7 @@ class Deployer:
     def on_gpu(self, worker_id: str) -> bool:
         """Whether the worker computes on a GPU (it is sent the GPU form of its stage's graph)."""
         w = self.coord.cluster.workers.get(worker_id)
-        return bool(w and w.hello.get("device") == "gpu")
+        return bool(w and w.hello.device == "gpu")
 
     def kv_capacity(self) -> int | None:
         c = self.coord
@@ -97,20 +97,14 @@ class Deployer:
                 stages, reason, predicted = list(spare), "spare plan (recovery)", {}
                 c.replan_wanted.set()
             else:
-                stages, reason, predicted = c.plan_fn(c, workers)
+                stages, reason, predicted = c.plan_fn(c.plan_context(workers))
             if not stages:
                 c.emit(S.PlanFailed(reason))
                 c.event("plan_failed", error=reason)
                 return None
             current = c.cluster.active
-            if current and not force:
-                if c.cluster.pinned(c.clock()):
-                    return current  # an operator's plan (POST /v1/cluster/rebalance with pin_s)
-                if [(s.worker_id, s.start, s.end) for s in current.stages] == [(s.worker_id, s.start, s.end) for s in stages]:
-                    return current
-                decision = predicted.get("switch")
-                if decision is not None and not decision["switch"]:
-                    return current  # not worth its switch cost yet (hysteresis)
+            if not force and deploy.stay_reason(current, stages, c.cluster.pinned(c.clock()), predicted.get("switch")) is not None:
+                return current
             try:
                 return await self._deploy(stages, reason, {k: v for k, v in predicted.items() if k != "switch"})
             except Exception:
@@ -166,7 +160,7 @@ class Deployer:
         except BaseException as exc:
             c.emit(S.PrepareFailed(dep.plan_id, str(exc).splitlines()[0] if str(exc) else type(exc).__name__, c.clock()))
             raise
-        await c.calibrator.time_stages(dep)  # the first plan timed on its own ranges (calibration)
+        dep = await c.calibrator.time_stages(dep)  # the first plan timed on its own ranges (calibration)
         c.emit(S.Committing(c.clock()))
         moved: dict = {}
         paused_at = c.clock()
@@ -218,11 +212,9 @@ class Deployer:
     async def prefetch_spare(self, dep: Deployment) -> None:
         """Fetch the files of the spare plan ahead of a failure (000's shadow assignment)."""
         c = self.coord
-        spare = getattr(c.plan_fn, "spare", None)
-        if spare is None:
-            return
+        live = {w.id for w in c.cluster.live(c.clock())}
         try:
-            stages = spare(c, dep)
+            stages = c.plan_fn.spare(c.plan_context([w for w in c.workers.values() if w.id in live]), dep)
         except Exception as exc:  # a spare is an optimisation: never let it disturb serving
             c.event("spare_failed", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return

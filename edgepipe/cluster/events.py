@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..net.messages import Hello
 from .placement import Deployment, StageAssignment
 
 @dataclass(frozen=True)
 class WorkerJoined:
     worker_id: str
     name: str
-    hello: Mapping
+    hello: Hello  # what it declared, parsed
     now: float
 
 
@@ -124,6 +125,14 @@ class Pinned:
 
 
 @dataclass(frozen=True)
+class Repriced:
+    """A plan (active or being prepared) priced again with measured speeds (its stages timed on their own ranges)."""
+
+    plan_id: int
+    predicted: dict
+
+
+@dataclass(frozen=True)
 class RequestStarted:
     rid: str
     positions: int
@@ -151,4 +160,4 @@ class RequestEnded:
 
 
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
-         | Committing | Committed | PlanFailed | SpareChosen | Pinned | RequestStarted | RequestFed | KvMoved | RequestEnded)
+         | Committing | Committed | PlanFailed | SpareChosen | Pinned | Repriced | RequestStarted | RequestFed | KvMoved | RequestEnded)

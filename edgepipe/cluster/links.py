@@ -14,6 +14,8 @@ import asyncio
 
 from ..net import auth
 from ..net.channel import ChannelClosed
+from .measurements import PeerLink
+from .steps import PipelineBroken
 
 MAX_PEERS_AT_JOIN = 8  # a newcomer measures its links to at most this many workers at once (the rest when planned)
 PEER_PROBE_BYTES = 1 << 19  # largest timed transfer of a peer probe (the worker sizes it to ~0.15 s)
@@ -30,7 +32,7 @@ class LinkProber:
 
     def _reachable(self, wid: str) -> bool:
         info = self.coord.cluster.workers.get(wid)
-        return info is not None and not info.relay and bool(info.hello.get("data_url")) and wid in self.coord.links
+        return info is not None and not info.relay and bool(info.hello.data_url) and wid in self.coord.links
 
     async def probe_pair(self, src: str, dst: str) -> bool:
         """``src`` times its data-port path to ``dst`` (``dst`` first told which probe secret to
@@ -46,15 +48,15 @@ class LinkProber:
                     return False
                 self._accepting[dst] = secret
             target = c.cluster.workers[dst].hello
-            reply = await self.calibrator.probe(src, kind="peer", url=target["data_url"], secret=secret,
-                                      fingerprint=target.get("data_fingerprint"), bytes=PEER_PROBE_BYTES)
-        except (asyncio.TimeoutError, ChannelClosed, KeyError) as exc:
+            reply = await self.calibrator.probe(src, kind="peer", url=target.data_url, secret=secret,
+                                      fingerprint=target.data_fingerprint, bytes=PEER_PROBE_BYTES)
+        except (asyncio.TimeoutError, ChannelClosed, KeyError, PipelineBroken) as exc:  # PipelineBroken: it left meanwhile
             c.event("link_probe_failed", src=src, dst=dst, error=str(exc) or type(exc).__name__)
             return False
         if not (reply.ok and reply.rtt_s is not None and reply.bandwidth_bytes_per_s):
             c.event("link_probe_failed", src=src, dst=dst, error=getattr(reply, "error", None) or "no figures")
             return False
-        c.profile.peer_measured(src, dst, reply.rtt_s, reply.bandwidth_bytes_per_s)
+        c.measure(PeerLink(src, dst, reply.rtt_s, reply.bandwidth_bytes_per_s))
         c.event("link_measured", src=src, dst=dst, rtt_ms=round(reply.rtt_s * 1e3, 3),
                 mb_s=round(reply.bandwidth_bytes_per_s / 1e6, 4))
         return True

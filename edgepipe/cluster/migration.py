@@ -59,9 +59,9 @@ class KvMigration:
                 futures.setdefault(rid, []).append(fut)
                 moved_bytes += q.kv_len * sum(kv_per_unit[copy.start:copy.end])
                 link = c.links.get(copy.src)
-                msg = KvExport(q.seq, old.plan_id, copy.start, copy.end, new.plan_id, infos[copy.dst].hello.get("data_url"), move,
+                msg = KvExport(q.seq, old.plan_id, copy.start, copy.end, new.plan_id, infos[copy.dst].hello.data_url, move,
                                secret=self.deployer.secrets.get(new.plan_id, {}).get(copy.dst),
-                               fingerprint=infos[copy.dst].hello.get("data_fingerprint"))
+                               fingerprint=infos[copy.dst].hello.data_fingerprint)
                 if link is None or not await _sent(link, msg):
                     fut.cancel()
         # All moves run at once; whatever has not arrived within the bound is rebuilt by replay.

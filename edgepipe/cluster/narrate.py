@@ -122,4 +122,5 @@ SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
     "link_measured": lambda f: f"link {f['src']} to {f['dst']} measured: rtt {value(f.get('rtt_ms'), 'rtt_ms')}, "
                                f"{value(f.get('mb_s'), 'mb_s')}",
     "spare": lambda f: f"spare plan ready: {value(f.get('stages'))}",
+    "prefix_dropped": lambda f: f"prefix cache dropped ({number(f['blocks'])} blocks)" + _why(f),
 }

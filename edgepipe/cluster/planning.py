@@ -11,17 +11,58 @@ churn, every extra device a plan relies on is one more way for it to go down.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ..plan import (Objective, Plan, PlanError, PlanRequest, Stage, evaluate, expected_goodput, objective_value, plan, should_switch,
                     spare_plan, switch_cost)
-from .placement import StageAssignment
+from .placement import Deployment, StageAssignment, proportional_split
+from .profiling import ClusterProfile
+from .state import ClusterState
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What a plan function decides from: the cluster state, the measured profile, the workers a
+    new plan may use (views: what they declared, their links), the time, and two figures the
+    coordinator derives from its state (the KV the running sequences need, a typical outage)."""
+
+    state: ClusterState
+    profile: ClusterProfile
+    workers: list  # cluster.views.WorkerView
+    now: float
+    kv_positions: int  # deploy.kv_plan_positions: what the running sequences may grow to
+    recovery_s: float  # median seconds from losing the running plan to the next one up
+
+    @property
+    def sequences(self) -> int:
+        return len(self.state.requests)
+
+
+class PlanPolicy:
+    """A plan function: ``policy(ctx) -> (stages, reason, predicted)``; ``predicted["switch"]``,
+    where present, is its switch-or-stay verdict (``deploy.stay_reason``). ``spare`` proposes
+    a fallback plan for recovery (None: none), ``running_prediction`` prices the live plan."""
+
+    running_prediction: dict | None = None
+
+    def __call__(self, ctx: PlanContext) -> tuple[list[StageAssignment], str, dict]:
+        raise NotImplementedError
+
+    def spare(self, ctx: PlanContext, dep: Deployment) -> list[StageAssignment] | None:
+        return None
+
+
+class MemoryProportional(PlanPolicy):
+    """Layers in proportion to each worker's declared memory, in join order (no measurements)."""
+
+    def __call__(self, ctx: PlanContext):
+        n_units = len(ctx.profile.manifest.units)
+        stages = proportional_split(n_units, [(w.id, w.memory_bytes) for w in sorted(ctx.workers, key=lambda w: w.joined_at)])
+        return stages, "layers split in proportion to declared memory", {}
 
 
 @dataclass
-class PlannerPolicy:
+class PlannerPolicy(PlanPolicy):
     objective: Objective = Objective.LATENCY
     tpot_target_s: float | None = None
     horizon_tokens: int = 2000
@@ -29,37 +70,37 @@ class PlannerPolicy:
     last_result: object = None
     running_prediction: dict | None = None  # the live plan priced with today's profiles (a view)
 
-    def request(self, coord) -> PlanRequest:
+    def request(self, ctx: PlanContext) -> PlanRequest:
         objective = self.objective
-        sequences = max(1, coord.requests_in_flight)
+        sequences = max(1, ctx.sequences)
         if objective is Objective.LATENCY and sequences >= self.throughput_above:
             objective = Objective.THROUGHPUT
         # The runtime runs one device per stage: replicated stages would be collapsed.
         return PlanRequest(objective=objective, sequences=sequences, tpot_target_s=self.tpot_target_s, replicas=False)
 
-    def model(self, coord):
-        """The model profile with KV sized for what is running (``Coordinator.kv_plan_positions``),
+    def model(self, ctx: PlanContext):
+        """The model profile with KV sized for what is running (``PlanContext.kv_positions``),
         spread over the sequences the request counts: not every sequence at full context."""
-        sequences = self.request(coord).sequences
-        return coord.profile.model_profile(context_tokens=-(-coord.kv_plan_positions() // sequences))
+        sequences = self.request(ctx).sequences
+        return ctx.profile.model_profile(context_tokens=-(-ctx.kv_positions // sequences))
 
-    def __call__(self, coord, workers):
-        prof = coord.profile
-        model = self.model(coord)
+    def __call__(self, ctx: PlanContext):
+        prof, workers = ctx.profile, ctx.workers
+        model = self.model(ctx)
         devices = prof.device_profiles(workers)
         network = prof.network_profile(workers)
-        request = self.request(coord)
+        request = self.request(ctx)
         result = plan(model, devices, network, request)
         self.last_result = (result, model, devices, network, request)
         best = result.best
         if not best.complete:
             return [], best.reason, {}
-        rates = {w.id: prof.failure_rate(w.name, coord.clock()) for w in workers}
+        rates = {w.id: prof.failure_rate(w.name, ctx.now) for w in workers}
         if request.objective is Objective.THROUGHPUT and any(rates.values()):
-            best = self._weigh_churn(best, model, devices, network, request, rates, coord.recovery_s())
+            best = self._weigh_churn(best, model, devices, network, request, rates, ctx.recovery_s)
         stages = [StageAssignment(s.device_ids[0], s.start, s.end) for s in best.stages]
         predicted = prediction_dict(best)
-        current = coord.active
+        current = ctx.state.active
         alive = {d.id for d in devices}
         if current is not None and set(current.workers) <= alive:
             running = running_plan(current, model, request)
@@ -69,9 +110,9 @@ class PlannerPolicy:
                 return stages, f"{request.objective.value}: {best.reason} (running plan no longer fits)", predicted
             unit_bytes = [u.weight_bytes for u in model.units]
             bandwidths = {d.id: prof.link_of(d.id)[1] for d in devices}
-            cost_s = switch_cost(running, best, devices, unit_bytes, bandwidths) + self._kv_pause_s(coord, running, best, bandwidths)
+            cost_s = switch_cost(running, best, devices, unit_bytes, bandwidths) + self._kv_pause_s(ctx, running, best, bandwidths)
             decision = should_switch(objective_value(running_pred, request), objective_value(best.predicted, request), cost_s,
-                                     coord.clock() - coord.last_switch, self.horizon_tokens)
+                                     ctx.now - ctx.state.last_switch, self.horizon_tokens)
             predicted["switch"] = {"switch": decision.switch, "reason": decision.reason, "switch_cost_s": cost_s,
                                    "running_tpot_s": running_pred.tpot_s}
             self.running_prediction = {"tpot_s": running_pred.tpot_s, "stage_times_s": list(running_pred.stage_times_s),
@@ -80,14 +121,14 @@ class PlannerPolicy:
 
 
     @staticmethod
-    def _kv_pause_s(coord, running: Plan, best: Plan, bandwidths: dict) -> float:
+    def _kv_pause_s(ctx: PlanContext, running: Plan, best: Plan, bandwidths: dict) -> float:
         """Seconds every sequence pauses while the KV of the layers that change hands moves (the
         deploy itself runs beside the live plan; this does not): 16 long streams make a switch
         cost seconds, so a noisy small gain is not worth it."""
         before = {u: d for s in running.stages for d in s.device_ids for u in range(s.start, s.end)}
         after = {u: d for s in best.stages for d in s.device_ids for u in range(s.start, s.end)}
-        per_token = sum(coord.manifest.units[u].kv_bytes_per_token for u in after if before.get(u) != after[u])
-        positions = sum(q.kv_len for q in coord.cluster.requests.values())
+        per_token = sum(ctx.profile.manifest.units[u].kv_bytes_per_token for u in after if before.get(u) != after[u])
+        positions = sum(q.kv_len for q in ctx.state.requests.values())
         slowest = min((bandwidths[d] for d in set(before.values()) if d in bandwidths), default=0.0)
         return per_token * positions / slowest if slowest > 0 else 0.0
 
@@ -109,17 +150,16 @@ class PlannerPolicy:
                        reason=f"{len(lean.stages)} device(s) instead of {len(best.stages)}: expected {compact:.1f} vs "
                               f"{spread:.1f} tok/s with churn (recovery {recovery_s:.2f} s)")
 
-    def spare(self, coord, dep) -> list[StageAssignment] | None:
+    def spare(self, ctx: PlanContext, dep: Deployment) -> list[StageAssignment] | None:
         """A complete plan to fall back on, avoiding the running plan's devices where possible
         (then any single failure leaves it intact), over as few devices as the latency
         objective needs: a spare is for getting back up fast."""
-        live = {w.id for w in coord.cluster.live(coord.clock())}
-        workers = [w for w in coord.workers.values() if w.id in live]
+        workers = ctx.workers
         if len(workers) < 2:
             return None
-        prof = coord.profile
-        model, devices, network = self.model(coord), prof.device_profiles(workers), prof.network_profile(workers)
-        request = replace(self.request(coord), objective=Objective.LATENCY)
+        prof = ctx.profile
+        model, devices, network = self.model(ctx), prof.device_profiles(workers), prof.network_profile(workers)
+        request = replace(self.request(ctx), objective=Objective.LATENCY)
         running = running_plan(dep, model, request)
         spare = spare_plan(model, devices, network, request, running, set(dep.workers))
         if spare is None:

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 from ..plan import COORDINATOR, failure_rate, DeviceProfile, ModelProfile, NetworkProfile, RollingMedian, UnitProfile, fit_speed_overhead
 from ..plan.profiles import DEFAULT_LINK, DEFAULT_POWER_BUSY_W, DEFAULT_POWER_IDLE_W, link_matrix
+from . import measurements
 from .deploy import worker_variant
 
 LOOPBACK_BANDWIDTH = 1e9  # bytes/s assumed until a probe says otherwise
@@ -117,6 +118,50 @@ class ClusterProfile:
         except (OSError, ValueError, KeyError, TypeError):
             return 0
         return len(self.known)
+
+    # -- the one way measurements come in ------------------------------------------------------
+    def apply(self, m: "measurements.Measurement") -> None:
+        """Take one measurement (``cluster.measurements``) into the profile."""
+        M = measurements
+        match m:
+            case M.DeviceJoined(name, now):
+                self.joined(name, now)
+            case M.DeviceLeft(wid, name, identity, now, failure):
+                self.forget(wid, identity)
+                self.left(name, now, failure)
+            case M.Recalled(wid, identity):
+                self.recall(wid, identity)
+            case M.Calibrated(wid, samples, identity):
+                try:
+                    self.calibrated(wid, list(samples))
+                except ValueError:  # noisy timings that no line fits: speed from the ratio, no overhead
+                    self.calibrated_by_ratio(wid, list(samples))
+                if identity is not None:
+                    self.remember(wid, identity)
+            case M.Distrusted(wid):
+                self.of(wid).trusted = False
+            case M.RangeTimed(wid, start, end, seconds):
+                self.range_timed(wid, start, end, seconds)
+            case M.Uploaded(wid, nbytes, seconds, round_trip):
+                self.uploaded(wid, nbytes, seconds, round_trip)
+            case M.HeartbeatRtt(wid, rtt):
+                self.heartbeat(wid, rtt)
+            case M.PeerLink(src, dst, rtt, bandwidth):
+                self.peer_measured(src, dst, rtt, bandwidth)
+            case M.StageStep(wid, start, end, compute_s, batch):
+                self.step(wid, start, end, compute_s, batch)
+            case M.StepObserved(stages, wall_s, timings):
+                self.step_observed(list(stages), wall_s, list(timings))
+
+    def snapshot(self) -> dict:
+        """Everything measured, as plain values (equal snapshots: equal profiles)."""
+        def device(m: DeviceMeasurements) -> tuple:
+            medians = lambda d: {k: tuple(v.values) for k, v in d.items()}  # noqa: E731
+            return (m.speed, m.overhead_s, m.calibrated, tuple(m.rtt.values), m.bandwidth_bytes_per_s, medians(m.stage_times),
+                    medians(m.batched_times), dict(m.anchors), m.trusted)
+        return {"devices": {w: device(m) for w, m in self.devices.items()}, "known": {k: device(m) for k, m in self.known.items()},
+                "lives": {n: (l.alive_s, l.failures, l.joined_at) for n, l in self.lives.items()}, "peer_links": dict(self.peer_links),
+                "hop_excess": tuple(self.hop_excess.values)}
 
     # -- lives ----------------------------------------------------------------------------------
     def joined(self, name: str, now: float) -> None:
@@ -225,18 +270,18 @@ class ClusterProfile:
         out = []
         for w in sorted(workers, key=lambda w: w.id):
             m = self.of(w.id)
-            emu = w.hello.get("emulation") or {}
+            emu = w.hello.emulation or {}
             out.append(DeviceProfile(
                 id=w.id, memory_bytes=w.memory_bytes, speed=m.speed, overhead_s=m.overhead_s,
-                power_busy_w=_declared(w.hello.get("power_busy_w"), DEFAULT_POWER_BUSY_W),
-                power_idle_w=_declared(w.hello.get("power_idle_w"), DEFAULT_POWER_IDLE_W),
+                power_busy_w=_declared(w.hello.power_busy_w, DEFAULT_POWER_BUSY_W),
+                power_idle_w=_declared(w.hello.power_idle_w, DEFAULT_POWER_IDLE_W),
                 held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=bool(emu),
-                kind=w.hello.get("device") or "cpu", adapter=w.hello.get("adapter"),
+                kind=w.hello.device or "cpu", adapter=w.hello.adapter,
             ))
         return out
 
     def _held_units(self, w) -> set[int]:
-        held = set(w.hello.get("held") or ())
+        held = set(w.hello.held)
         if not held:
             return set()
         precision = worker_variant(w.hello, self.manifest, None) or self.manifest.precision  # the variant this worker runs

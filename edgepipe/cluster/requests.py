@@ -18,7 +18,7 @@ from typing import AsyncIterator
 from ..net.limits import KV_RESERVE_TOKENS
 from ..runtime import controls
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta
-from . import scheduling, state as S
+from . import measurements as M, scheduling, state as S
 from .placement import Deployment
 from .profiling import RUNTIME_OVERHEAD_BYTES
 from .steps import PipelineBroken, RequestFailed, StepRecord, Steps, stop_if_cancelled
@@ -80,17 +80,12 @@ class Requests:
                 step = len(state.generated)
                 dep = await self.wait_up(last_progress)
                 moved_to = c.cluster.requests[rid].migrated_to if rid in c.cluster.requests else None
-                if fed_plan != dep.plan_id and moved_to == dep.plan_id:
-                    fed_plan = dep.plan_id  # its KV moved with its layers: carry on
-                if fed_plan != dep.plan_id:
-                    if fed_plan is not None:  # the plan changed under us: rebuild KV by replay
-                        await self.steps.drop(seq, fed_plan)
-                        epoch += 1
-                        seq, sent_plan = f"{rid}.{epoch}", None
-                    feed = state.all_ids
-                else:
-                    feed = state.generated[-1:]
-                replay_from = len(state.prompt_ids) if len(feed) > len(state.prompt_ids) else None
+                nxt = scheduling.next_feed(fed_plan, dep.plan_id, moved_to, state.prompt_ids, state.generated)
+                if nxt.new_epoch:  # the plan changed under us: rebuild KV by replay
+                    await self.steps.drop(seq, fed_plan)
+                    epoch += 1
+                    seq, sent_plan = f"{rid}.{epoch}", None
+                fed_plan, feed, replay_from = nxt.fed_plan, nxt.feed, nxt.replay_from
                 try:
                     head = controls.step_fields(state, self.coord.manifest.config.get("vocab_size") or 0, len(feed) > 1)
                 except ValueError as exc:  # the token mask provider's answer cannot be used
@@ -163,7 +158,8 @@ class Requests:
             worker, compute, positions = entry[0], entry[1], entry[2]
             batch = entry[4] if len(entry) > 4 else 1
             if positions == 1 and worker in ranges:
-                self.coord.profile.step(worker, *ranges[worker], compute, batch)
+                self.coord.measure(M.StageStep(worker, *ranges[worker], compute, batch))
         if record.first_in_batch and record.tokens_in == 1 and self.coord.requests_in_flight == 1:  # what hops took (profiling)
-            self.coord.profile.step_observed([(s.worker_id, s.start, s.end) for s in dep.stages], record.wall_s, record.timings)
+            self.coord.measure(M.StepObserved(tuple((s.worker_id, s.start, s.end) for s in dep.stages), record.wall_s,
+                                              tuple(map(tuple, record.timings))))
         self.coord.recent_steps.append((record.tokens_in, record.wall_s))

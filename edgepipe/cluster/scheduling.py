@@ -121,7 +121,7 @@ def shortfall(state: ClusterState, weight_bytes: int, kv_bytes: int, overhead_by
     if not workers:
         benched = len(state.workers)
         return f"no usable workers: {benched} connected, all suspected or quarantined" if benched else "no workers are connected"
-    budget = [w for w in workers if (w.hello.get("emulation") or {}).get("memory_budget")]
+    budget = [w for w in workers if w.hello.memory_budget]
     if len(budget) < len(workers):  # a worker without a declared budget is bounded by its host's RAM: assume it fits
         return None
     held = sum(max(0, w.memory_bytes - overhead_bytes) for w in workers)
@@ -143,3 +143,28 @@ def wait_verdict(state: ClusterState, waited_s: float, lacking: str | None, sett
         why = f": {state.last_failure}" if state.last_failure else ""
         return f"cluster not up after waiting {waited_s:.0f} s{why}"
     return None
+
+
+@dataclass(frozen=True)
+class NextFeed:
+    """What a sequence's next step feeds, and on which footing (``next_feed``)."""
+
+    fed_plan: int | None  # the plan whose workers hold its KV once this step is fed
+    new_epoch: bool  # its KV on the old plan is void: drop it there and replay under a new sequence id
+    feed: list[int]  # the token ids to send
+    replay_from: int | None  # a replay: positions before this go as one prefill frame, the rest one by one
+
+
+def next_feed(fed_plan: int | None, active_plan: int, moved_to: int | None, prompt_ids: list[int], generated: list[int]) -> NextFeed:
+    """Resume or replay: where the sequence's KV was last fed (``fed_plan``; -1 after a broken
+    step, None before the first), the active plan, and where a KV move brought it (``moved_to``).
+
+    On the plan that holds its KV, or the one its KV moved to with its layers, it resumes with the
+    last token; on any other plan it replays every token so far (the prompt as a prefill, each
+    generated token as a decode step, so the rebuilt KV is exactly the one it had)."""
+    if fed_plan != active_plan and moved_to == active_plan:
+        fed_plan = active_plan  # its KV moved with its layers: carry on
+    if fed_plan == active_plan:
+        return NextFeed(fed_plan, False, generated[-1:], None)
+    feed = prompt_ids + generated
+    return NextFeed(fed_plan, fed_plan is not None, feed, len(prompt_ids) if len(feed) > len(prompt_ids) else None)

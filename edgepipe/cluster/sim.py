@@ -2,8 +2,8 @@
 
 Everything runs on one asyncio loop whose clock is virtual (``VirtualLoop``: when nothing is
 ready, time jumps to the next timer), so a 60 s fault schedule takes milliseconds and a seed
-replays exactly. Fake workers speak the real wire protocol over in-memory channels whose
-frames take a simulated latency and are held while a partition lasts. They compute a fake
+replays exactly. Fake workers run the shipped worker core (``sim_worker``) and speak the real wire protocol over
+in-memory channels whose frames take a simulated latency and are held while a partition lasts. They compute a fake
 model that behaves like a real one where it matters: each unit keeps per-sequence state (its
 "KV"), a token depends on every earlier position through every unit, and splitting the units
 over stages does not change the result, so ``reference`` gives the exact tokens and a lost or
@@ -21,11 +21,9 @@ import selectors
 import struct
 from dataclasses import dataclass
 
-import numpy as np
 
 from ..net.channel import ChannelClosed
-from ..net.messages import ErrorCode
-from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode
+from ..net.protocol import Message, MessageType as T, ProtocolError, encode
 from ..runtime.sequence import GenerationParams
 from .coordinator import Coordinator, CoordinatorSettings
 from .placement import proportional_split
@@ -40,11 +38,11 @@ N_UNITS = 8
 UNIT_BYTES = 100_000_000
 UNIT_KV_ROOM = 1000 * 256  # a unit's KV room as a real worker keeps it: kv_bytes_per_token x min(KV_RESERVE_TOKENS, max_context)
 SETTINGS = dict(heartbeat_s=1.0, dead_after_s=2.0, lose_after_s=6.0, step_timeout_s=8.0, load_timeout_s=6.0,
-                capacity_wait_s=10.0, max_wait_s=30.0, replan_every_s=5.0, calibrate=False)
+                capacity_wait_s=10.0, max_wait_s=30.0, replan_every_s=5.0, calibrate=True, prefix_block=2, prefix_cache_positions=24)
 REQUEST_BOUND_S = SETTINGS["max_wait_s"] + SETTINGS["step_timeout_s"] + 12.0  # admitted -> tokens or a clear error
 UP_BOUND_S = 30.0  # last fault healed -> Up, when the live workers can hold the model
 FAULTS = ("kill", "stall", "slow", "partition_coord", "partition_peer", "reconnect", "join_late", "restart", "malformed", "bad_request",
-          "drop_work")
+          "drop_work", "forget_prefixes")
 # Faults after which a worker may rightly be quarantined (it took work and computed nothing).
 QUARANTINE_FAULTS = ("stall", "partition_coord", "drop_work")
 
@@ -102,11 +100,13 @@ class _Unit:
     out_bytes_per_token: int = 100
     cost_s: float = 0.01
     variants: tuple = ("fp32",)
+    kv_window: int = 0
 
 
 @dataclass
 class _Variant:
     weight_bytes: int
+    files: tuple = ()
 
 
 class FakeManifest:
@@ -117,7 +117,7 @@ class FakeManifest:
         self.units = [_Unit(i, f"u{i}", "layer") for i in range(N_UNITS)]
 
     def variant(self, index, precision=None) -> _Variant:
-        return _Variant(UNIT_BYTES)
+        return _Variant(UNIT_BYTES, (f"file{index}",))
 
     def stage_files(self, start, end, precision=None):
         return [f"file{u}" for u in range(start, end)]
@@ -196,199 +196,6 @@ def sim_pair(net: Net, worker: str) -> tuple[SimChannel, SimChannel]:
     return a, b  # (worker's end, coordinator's end)
 
 
-# -- a fake worker ------------------------------------------------------------------------------------------
-class FakeWorker:
-    """Speaks the worker protocol over a ``SimChannel``; computes the fake model per unit."""
-
-    def __init__(self, world, name: str, memory: int, slowdown: float = 1.0):
-        self.world, self.name, self.memory, self.slowdown = world, name, memory, slowdown
-        self.url = f"sim://{name}"
-        self.dead = False
-        self.stalled_until = 0.0
-        self.dropping_until = 0.0  # answers pings but drops activation frames until then
-        self.computed = 0
-        self.slots: dict[int, tuple[int, int, dict]] = {}  # plan -> (start, end, next hop)
-        self.runners: dict[tuple[int, int], dict[str, list[int]]] = {}  # range -> seq -> per-unit state + [positions held]
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.control: SimChannel | None = None
-        self.tasks: list[asyncio.Task] = []
-        self.malformed = 0  # malformed frames still to send
-        self.data = Pipe(lambda item: self.queue.put_nowait(item))  # frames from other workers' data ports
-
-    def start(self) -> None:
-        self.world.net.ports[self.url] = self
-        self.tasks = [asyncio.get_running_loop().create_task(self._life()), asyncio.get_running_loop().create_task(self._compute())]
-
-    def kill(self) -> None:
-        self.dead = True
-        for t in self.tasks:
-            t.cancel()
-        if self.control is not None:
-            self.control.closed = True
-            self.control._told = True
-            self.control._deliver(None)
-
-    async def _stall(self) -> None:
-        loop = asyncio.get_running_loop()
-        while loop.time() < self.stalled_until:
-            await asyncio.sleep(self.stalled_until - loop.time())
-
-    async def _life(self) -> None:
-        """Join, serve until the channel closes, then reconnect with jittered backoff (forever)."""
-        rng = random.Random(f"{self.world.seed}-{self.name}")
-        backoff = 0.2
-        while not self.dead:
-            mine, theirs = sim_pair(self.world.net, self.name)
-            self.control = mine
-            self.world.spawn(self.world.coordinator.attach(theirs))
-            self.slots.clear()
-            self.runners.clear()
-            try:
-                await mine.send(encode(Message(T.HELLO, {"name": self.name, "kind": "native", "memory_bytes": self.memory, "threads": 1,
-                                                         "data_url": self.url, "emulation": {"memory_budget": self.memory}})))
-                reply = decode(await mine.recv())
-                if reply.type is T.WELCOME:
-                    backoff = 0.2
-                    await self._serve(mine)
-            except ChannelClosed:
-                pass
-            await asyncio.sleep(backoff * (1 + rng.random()))
-            backoff = min(backoff * 2, 2.0)
-
-    async def _serve(self, ch: SimChannel) -> None:
-        while True:
-            await self._stall()
-            if self.malformed:
-                self.malformed -= 1
-                await ch.send(bad_frame(self.malformed))
-            msg = decode(await ch.recv())
-            await self._stall()
-            if msg.type is T.PING:
-                await ch.send(encode(Message(T.PONG, {"t": msg["t"], "kv_bytes": 0, "queue": self.queue.qsize(), "busy_s": 0.0, "computed": self.computed})))
-            elif msg.type is T.LOAD:
-                self.world.spawn(self._load(ch, msg))
-            elif msg.type is T.ACTIVATE:
-                keep = set(msg["keep"])
-                self.slots = {p: s for p, s in self.slots.items() if p in keep}
-                used = {(s[0], s[1]) for s in self.slots.values()}
-                self.runners = {r: kv for r, kv in self.runners.items() if r in used}
-            elif msg.type is T.PROBE:
-                await ch.send(encode(Message(T.PROBED, {"probe": msg["probe"], "ok": True, "times": [0.01 * self.slowdown] * 10})))
-            elif msg.type in (T.FORWARD, T.DROP, T.KV_EXPORT):
-                self.queue.put_nowait((ch, msg))
-            elif msg.type is T.BYE:
-                return
-
-    async def _load(self, ch: SimChannel, msg: Message) -> None:
-        await asyncio.sleep(0.2 * self.slowdown)
-        await self._stall()
-        start, end = msg["start"], msg["end"]
-        need = (end - start) * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES
-        ok = msg.get("warm") or need <= self.memory
-        if ok and not msg.get("warm"):
-            self.slots[msg["plan"]] = (start, end, msg["next"])
-            self.runners.setdefault((start, end), {})
-        reply = {"plan": msg["plan"], "ok": bool(ok), "fetched_bytes": 0}
-        if not ok:
-            reply["error"] = f"units [{start}, {end}) need {need} bytes, {self.name} holds {self.memory}"
-        try:
-            await ch.send(encode(Message(T.LOADED, reply)))
-        except ChannelClosed:
-            pass
-
-    async def _compute(self) -> None:
-        while True:
-            ch, msg = await self.queue.get()
-            await self._stall()
-            try:
-                if msg.type is T.FORWARD and asyncio.get_running_loop().time() < self.dropping_until:
-                    pass
-                elif msg.type is T.FORWARD:
-                    await self._forward(ch, msg)
-                elif msg.type is T.DROP:
-                    for kv in self.runners.values():
-                        kv.pop(msg["seq"], None)
-                elif msg.type is T.KV_EXPORT:
-                    await self._export(ch, msg)
-                elif msg.type is T.KV:
-                    self._import(ch, msg)
-            except ChannelClosed:
-                pass
-
-    async def _forward(self, ch: SimChannel, msg: Message) -> None:
-        slot = self.slots.get(msg["plan"])
-        batch = msg["batch"]
-        if slot is None:
-            return await self._error(ch, batch, ErrorCode.NO_STAGE, f"{self.name} holds no stage for plan {msg['plan']}")
-        start, end, nxt = slot
-        x = np.array(msg.tensors["x"], dtype=np.int64)
-        await asyncio.sleep(0.002 * x.shape[1] * (end - start) * len(batch) * self.slowdown)
-        await self._stall()
-        kv = self.runners.setdefault((start, end), {})
-        for item in batch:  # as the real stage: a frame must start where the sequence's cache ends
-            held = kv.get(item["seq"], [0] * (end - start + 1))[-1]
-            if item.get("pos") is not None and item["pos"] != held:
-                return await self._error(ch, batch, ErrorCode.CORRUPT_INPUT,
-                                         f"{item['seq']} holds {held} positions, the frame starts at {item['pos']}")
-        y = np.zeros_like(x)
-        for row, item in enumerate(batch):
-            h = kv.setdefault(item["seq"], [0] * (end - start + 1))
-            h[-1] += x.shape[1]
-            for col in range(x.shape[1]):
-                v = int(x[row, col])
-                for k, u in enumerate(range(start, end)):
-                    h[k], v = _unit(h[k], v, u)
-                y[row, col] = v
-        self.computed += len(batch)
-        timings = list(msg.get("timings", [])) + [[self.name, 0.002 * self.slowdown, int(x.shape[1]), 4, len(batch)]]
-        if nxt["kind"] == "coordinator":
-            if not all(item.get("partial") for item in batch):
-                await ch.send(encode(Message(T.TOKEN, {"plan": msg["plan"], "batch": batch, "timings": timings,
-                                                       "tokens": [int(y[r, -1]) % VOCAB for r in range(len(batch))]})))
-            return
-        target = self.world.net.ports.get(nxt["url"])
-        cut = self.world.net.peer_cut_until.get(self.name, 0.0) > asyncio.get_running_loop().time()
-        if target is None or target.dead or cut:
-            return await self._error(ch, batch, ErrorCode.UNREACHABLE, f"next hop unreachable: {nxt['url']}")
-        frame = Message(T.FORWARD, {"plan": msg["plan"], "batch": batch, "timings": timings}, {"x": y})
-        target.data.put(asyncio.get_running_loop().time() + 0.001, (target.control, frame))
-
-    async def _error(self, ch, batch, code: ErrorCode, text: str) -> None:
-        for item in batch:
-            await ch.send(encode(Message(T.ERROR, {"message": text, "code": code.value, "seq": item.get("seq"), "step": item.get("step")})))
-
-    async def _export(self, ch: SimChannel, msg: Message) -> None:
-        slot = self.slots.get(msg["plan"])
-        target = self.world.net.ports.get(msg["url"])
-        if slot is None or target is None or target.dead or msg["seq"] not in self.runners.get(slot[:2], {}):
-            await ch.send(encode(Message(T.LOADED, {"kv_received": msg["move"], "ok": False, "error": "cannot export"})))
-            return
-        state = self.runners[slot[:2]][msg["seq"]]
-        units = {u: state[u - slot[0]] for u in range(msg["start"], msg["end"])}
-        frame = Message(T.KV, {"seq": msg["seq"], "plan": msg["to_plan"], "move": msg["move"], "units": units, "length": state[-1]})
-        target.data.put(asyncio.get_running_loop().time() + 0.001, (target.control, frame))
-
-    def _import(self, ch, msg: Message) -> None:
-        slot = self.slots.get(msg["plan"])
-        if slot is None:
-            reply = {"kv_received": msg["move"], "ok": False, "error": "no such plan"}
-        else:
-            h = self.runners[slot[:2]].setdefault(msg["seq"], [0] * (slot[1] - slot[0] + 1))
-            for u, value in msg["units"].items():
-                h[int(u) - slot[0]] = value
-            h[-1] = msg["length"]
-            reply = {"kv_received": msg["move"], "plan": msg["plan"], "ok": True}
-        self.world.spawn(_quiet_send(self.control, encode(Message(T.LOADED, reply))))
-
-
-async def _quiet_send(ch, frame) -> None:
-    try:
-        if ch is not None:
-            await ch.send(frame)
-    except ChannelClosed:
-        pass
-
-
 def bad_frame(kind: int) -> bytes:
     """A frame a broken or hostile worker might send (each must be refused or ignored, never crash)."""
     if kind % 4 == 0:
@@ -407,6 +214,8 @@ def can_hold(memories: list[int]) -> bool:
     stages = proportional_split(N_UNITS, [(str(i), float(m)) for i, m in enumerate(memories)])
     return all((s.end - s.start) * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES <= memories[int(s.worker_id)] for s in stages)
 
+
+from .sim_worker import FakeWorker  # noqa: E402 - it uses the fake model and the network above
 
 __all__ = ["Admission", "Coordinator", "CoordinatorSettings", "FakePackage", "FakeWorker", "GenerationParams", "Net", "Phase",
            "ProtocolError", "RequestFailed", "VirtualLoop", "bad_frame", "can_hold", "reference"]

@@ -7,8 +7,8 @@ reference tokens or a one-line ``RequestFailed`` within ``bound_s`` (``REQUEST_B
 ``PER_FAULT_S`` per fault in the schedule); no admission slot, KV reservation, pending step,
 load/probe future or KV move is left over; when the live workers can hold the model the
 cluster is Up within ``UP_BOUND_S`` of the last fault healing, and once Up after the faults it
-serves a new request (liveness: retrying forever until the plan changes is not an answer). Replay one seed:
-``PYTHONHASHSEED=0 python -m edgepipe.cluster.simrun SEED``; play a range of seeds and print a JSON
+serves a new request (liveness: retrying forever until the plan changes is not an answer). Replay one seed
+(under any hash seed): ``python -m edgepipe.cluster.simrun SEED``; play a range of seeds and print a JSON
 summary: ``python -m edgepipe.cluster.simrun --play FIRST COUNT``.
 """
 
@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import sim
+from .planning import PlannerPolicy
 from .sim import (FAULTS, QUARANTINE_FAULTS, REQUEST_BOUND_S, SETTINGS, UP_BOUND_S, UNIT_BYTES, UNIT_KV_ROOM, Admission, Coordinator, CoordinatorSettings,
                   FakePackage, FakeWorker, GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
 from .profiling import RUNTIME_OVERHEAD_BYTES
@@ -71,9 +72,12 @@ class Schedule:
                                 round(rng.uniform(2, 10), 2)))
         join_at = tuple(next((f.at for f in faults if f.kind == "join_late" and f.worker == i), 0.0) for i in range(n))
         requests = []
+        # Prompts often share a start (a system prompt), so the prefix cache reuses blocks.
+        stems = [tuple(rng.randrange(sim.VOCAB) for _ in range(rng.randint(2, 7))) for _ in range(2)]
         for _ in range(rng.randint(1, 6)):
             bad = rng.choice(("top_k", "max_tokens", "context")) if any(f.kind == "bad_request" for f in faults) and rng.random() < 0.4 else None
-            requests.append(Req(round(rng.uniform(0, 30), 3), tuple(rng.randrange(sim.VOCAB) for _ in range(rng.randint(1, 6))),
+            stem = rng.choice(stems) if rng.random() < 0.7 else ()
+            requests.append(Req(round(rng.uniform(0, 30), 3), stem + tuple(rng.randrange(sim.VOCAB) for _ in range(rng.randint(1, 6))),
                                 rng.randint(1, 12), bad))
         return Schedule(seed, memories, join_at, tuple(sorted(requests, key=lambda r: r.at)), tuple(sorted(faults, key=lambda f: f.at)))
 
@@ -94,6 +98,8 @@ class Report:
     worst_ok_s: float = 0.0
     worst_error_s: float = 0.0
     errors_seen: list[str] = field(default_factory=list)
+    prefix_hits: int = 0  # prompt prefills that started from cached blocks
+    prefix_dropped: int = 0  # times a coordinator dropped its whole prefix cache (plan switch, failed frame, miss)
 
 
 class World:
@@ -115,7 +121,9 @@ class World:
         return task
 
     async def start_coordinator(self) -> None:
-        coord = Coordinator(FakePackage(), CoordinatorSettings(**SETTINGS), clock=asyncio.get_running_loop().time)
+        # As ``edgepipe serve`` runs it: calibration (stage timings, uplink and peer-link probes),
+        # the planner's policy (objective, switch-or-stay, churn) and its spare plan for recovery.
+        coord = Coordinator(FakePackage(), CoordinatorSettings(**SETTINGS), plan_fn=PlannerPolicy(), clock=asyncio.get_running_loop().time)
         await coord.start()
         self.coordinators.append((coord, Admission(max_active=4, max_queue=8, capacity=lambda: coord.kv_capacity)))
 
@@ -193,6 +201,8 @@ async def _fault(world: World, f: Fault) -> float:
         await old.stop()
     elif f.kind == "malformed" and not w.dead:
         w.malformed = 1 + f.worker % 4
+    elif f.kind == "forget_prefixes":  # its cached blocks are gone, unknown to the coordinator
+        w.prefixes.clear()
     return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work") else 0.0)
 
 
@@ -210,6 +220,8 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
         out.append(f"KV moves left: {sorted(coord.deployer.migration.moves)}")
     if coord.steps.lanes.lane_of or any(l.members or l.waiting or l.flying for l in coord.steps.lanes.lanes):
         out.append("lane members left")
+    if coord.prefix.cache.pending:
+        out.append(f"prefix decisions never committed or dropped: {sorted(coord.prefix.cache.pending)}")
     return out
 
 
@@ -278,6 +290,8 @@ async def _main(schedule: Schedule) -> Report:
     await asyncio.sleep(SETTINGS["load_timeout_s"] + 1)  # a load or move seen in flight twice, that long apart, leaked
     for i, (c, adm) in enumerate(world.coordinators):
         report.violations += [f"coordinator {i}: {leak}" for leak in _leaks(c, adm) if leak in first[i]]
+    report.prefix_hits = sum(c.prefix.counts.hits for c, _ in world.coordinators)
+    report.prefix_dropped = sum(c.prefix.counts.dropped for c, _ in world.coordinators)
     for w in world.workers:
         w.kill()
     for c, _ in world.coordinators:
@@ -299,13 +313,13 @@ def run(schedule: Schedule) -> Report:
 
 
 def replay_command(seed: int) -> str:
-    return f"PYTHONHASHSEED=0 .venv/bin/python -m edgepipe.cluster.simrun {seed}"
+    return f".venv/bin/python -m edgepipe.cluster.simrun {seed}"  # any hash seed (test_sim)
 
 
 def _play_one(seed: int) -> tuple:
     logging.disable(logging.CRITICAL)
     r = run(Schedule.random(seed))
-    return seed, sorted(set(r.kinds)), r.violations, r.time_to_up, r.worst_error_s, r.worst_ok_s, r.ok, r.errors, r.rejected
+    return seed, sorted(set(r.kinds)), r.violations, r.time_to_up, r.worst_error_s, r.worst_ok_s, r.ok, r.errors, r.rejected, r.prefix_hits
 
 
 def play(first: int, count: int) -> dict:
@@ -322,7 +336,8 @@ def play(first: int, count: int) -> dict:
         "worst_time_to_up_s": max((r[3] for r in results if r[3] is not None), default=None),
         "worst_time_to_error_s": max(r[4] for r in results), "worst_time_to_complete_s": max(r[5] for r in results),
         "requests_ok": sum(r[6] for r in results), "requests_failed_clearly": sum(r[7] for r in results),
-        "requests_rejected": sum(r[8] for r in results), "failing": [[r[0], r[2]] for r in results if r[2]],
+        "requests_rejected": sum(r[8] for r in results), "prefix_hits": sum(r[9] for r in results),
+        "failing": [[r[0], r[2]] for r in results if r[2]],
     }
 
 

@@ -22,9 +22,11 @@ from typing import Mapping
 # The event types (``events``), re-exported so callers write ``state.Heard(...)``.
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
-    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, Pinned,
+    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, Pinned, Repriced,
     RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
 )
+from ..net.messages import Hello
+from . import measurements
 from .placement import Deployment, StageAssignment
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
@@ -50,7 +52,7 @@ def _frozen(d: Mapping) -> Mapping:
 class WorkerInfo:
     id: str
     name: str
-    hello: Mapping  # what the worker declared (read-only view)
+    hello: Hello  # what the worker declared
     joined_at: float
     last_seen: float
     intervals: tuple[float, ...] = ()  # recent gaps between frames heard from it (seconds)
@@ -65,12 +67,11 @@ class WorkerInfo:
 
     @property
     def memory_bytes(self) -> int:
-        value = self.hello.get("memory_bytes")
-        return int(value) if isinstance(value, (int, float)) and value > 0 else 0
+        return self.hello.memory_bytes
 
     @property
     def relay(self) -> bool:
-        return self.hello.get("kind") == "browser"
+        return self.hello.relay
 
     @property
     def identity(self) -> tuple:
@@ -78,8 +79,8 @@ class WorkerInfo:
         that found a GPU this time is not the one that computed on the CPU last time; with or without
         the GGUF kernel library a worker runs another form: timed again)."""
         h = self.hello
-        return (self.name, h.get("kind"), h.get("memory_bytes"), h.get("threads"), repr(h.get("emulation")), h.get("precision"),
-                h.get("device") or "cpu", h.get("adapter"), h.get("native_kernel"))
+        emulation = None if h.emulation is None else dict(h.emulation)  # repr'd as the plain map it was sent as
+        return (self.name, h.kind, h.memory_bytes, h.threads, repr(emulation), h.precision, h.device or "cpu", h.adapter, h.native_kernel)
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
     """The state after ``event`` (pure; unknown workers/requests leave it unchanged)."""
     match event:
         case WorkerJoined(wid, name, hello, now):
-            info = WorkerInfo(wid, name, _frozen(hello), joined_at=now, last_seen=now)
+            info = WorkerInfo(wid, name, hello, joined_at=now, last_seen=now)
             return _replace(state, workers=_with(state.workers, wid, info), joins=state.joins + 1)
         case Heard(wid, now) if wid in state.workers:
             w = state.workers[wid]
@@ -175,8 +176,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _worker(state, _replace(state.workers[wid], calibrating=busy))
         case EmulationChanged(wid, slowdown) if wid in state.workers:
             w = state.workers[wid]
-            emulation = {**(w.hello.get("emulation") or {}), "slowdown": float(slowdown)}
-            return _worker(state, _replace(w, hello=_frozen({**w.hello, "emulation": emulation})))
+            return _worker(state, _replace(w, hello=w.hello.with_slowdown(slowdown)))
         case Preparing(dep, now):
             state = _replace(state, preparing=dep)
             return _phase(state, Phase.PREPARING, now) if state.active is None else state
@@ -196,6 +196,10 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _replace(state, spare=stages)
         case Pinned(plan_id, until):
             return _replace(state, pin=None if plan_id is None else (plan_id, until))
+        case Repriced(plan_id, predicted):
+            repriced = {slot: _replace(dep, predicted=dict(predicted)) for slot in ("active", "preparing")
+                        if (dep := getattr(state, slot)) is not None and dep.plan_id == plan_id}
+            return _replace(state, **repriced) if repriced else state
         case RequestStarted(rid, positions):
             return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
@@ -246,3 +250,53 @@ def _phase(state: ClusterState, phase: Phase, now: float) -> ClusterState:
             outages = (outages + (now - down_since,))[-OUTAGE_WINDOW:]
             down_since = None
     return _replace(state, phase=phase, phase_since=now, phase_time=_frozen(spent), down_since=down_since, outages=outages)
+
+
+class EventLog:
+    """The last ``size`` events, numbered from 0: the state events (applied with ``apply``) and
+    the measurements (``cluster.measurements``, applied to the profile), with the state and the
+    profile as they stood before the oldest kept. ``replay()`` folds the kept events over those
+    and gives the state and profile they produced, so what the planner decided from can be
+    rebuilt from the log (and a test checks that it is)."""
+
+    def __init__(self, initial: ClusterState, profile=None, size: int = 4096):
+        import copy
+        from collections import deque
+
+        self.base, self.first, self.size = initial, 0, size  # the state before event number ``first``
+        self.base_profile = copy.deepcopy(profile)  # the profile before it (advanced in place as events drop off)
+        self.events: deque = deque()
+
+    def append(self, event) -> int:
+        """Record an applied event or measurement; its index."""
+        self.events.append(event)
+        if len(self.events) > self.size:
+            self.base = self._fold(self.base, self.base_profile, self.events.popleft())
+            self.first += 1
+        return self.first + len(self.events) - 1
+
+    def since(self, index: int) -> list[tuple[int, object]]:
+        """The kept events numbered ``index`` and later (the earliest kept if those are gone)."""
+        start = max(index, self.first)
+        return [(i, e) for i, e in enumerate(self.events, self.first) if i >= start]
+
+    def replay(self):
+        """(state, profile) after the kept events."""
+        import copy
+
+        state, profile = self.base, copy.deepcopy(self.base_profile)
+        for event in self.events:
+            state = self._fold(state, profile, event)
+        return state, profile
+
+    @staticmethod
+    def _fold(state: ClusterState, profile, event) -> ClusterState:
+        if isinstance(event, MEASUREMENTS):
+            if profile is not None:
+                profile.apply(event)
+            return state
+        return apply(state, event)
+
+
+MEASUREMENTS = tuple(getattr(measurements, n) for n in measurements.__dict__ if isinstance(getattr(measurements, n), type)
+                     and getattr(measurements, n).__module__ == measurements.__name__)

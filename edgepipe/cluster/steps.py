@@ -53,6 +53,7 @@ class StepRecord:
     coordinator_s: float
     first_in_batch: bool = True  # the batch's other sequences carry the same timings: count stage times once
     logprobs: dict | None = None  # the head's logprobs entry for this token, when asked (see runtime.controls)
+    prefix_reused: int = 0  # prompt positions taken from the prefix cache (no stage computed them)
 
 
 @dataclass
@@ -95,23 +96,33 @@ class Steps:
         # can flip a near-tie). Sent as separate frames, the stages work on them as a pipeline;
         # only the last frame's token comes back.
         chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if replay_from else [feed]
+        # A prompt prefill from position 0 may start from cached blocks (cluster.prefix). Prompt
+        # logprobs need every position's logits: such a prefill saves blocks but reuses none.
+        decision = c.prefix.decide(dep, rid, chunks[0], reuse="targets" not in (head or {})) if kv_start == 0 and len(feed) > 1 else None
+        reused = decision.reused_positions if decision else 0
+        if reused:
+            chunks[0], kv_start = chunks[0][reused:], reused
         starts = [] if kv_start is None else [kv_start + sum(map(len, chunks[:i])) for i in range(len(chunks))]
 
         def at(i: int) -> dict:
-            return {"pos": starts[i]} if starts else {}
+            return {**({"pos": starts[i]} if starts else {}), **({"prefix": decision.wire()} if decision and i == 0 else {})}
 
         out = _OutStep(dep, {**item, **at(len(chunks) - 1)}, chunks[-1], fut)
-        if len(feed) == 1:
-            self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out), len(dep.stages)))
-        else:
-            self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
-            for i, chunk in enumerate(chunks[:-1]):
-                await self._send_forward([_OutStep(dep, {**item, "partial": True, **at(i)}, chunk, fut)])
-            await self._send_forward([out])
         try:
+            if len(feed) == 1:
+                self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out), len(dep.stages)))
+            else:
+                self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
+                for i, chunk in enumerate(chunks[:-1]):
+                    await self._send_forward([_OutStep(dep, {**item, "partial": True, **at(i)}, chunk, fut)])
+                await self._send_forward([out])
             # shield: a cancelled caller must leave the future for _finish to wait on
             reply = await asyncio.wait_for(asyncio.shield(fut), timeout=c.settings.step_timeout_s)
-        except asyncio.TimeoutError:
+        except BaseException as exc:
+            if decision:  # some stages may have applied it and others not
+                c.prefix.done(rid, ok=False)
+            if not isinstance(exc, asyncio.TimeoutError):
+                raise
             if self.pending.get(seq, (0, 0, None))[2] is fut:
                 del self.pending[seq]
             alone = not others_in_flight and self.sent_on.get(dep.plan_id) == sent_before
@@ -122,10 +133,12 @@ class Steps:
             raise PipelineBroken(f"no token for {seq} step {step} within {c.settings.step_timeout_s} s") from None
         finally:
             self._go(self.lanes.returned(rid))
+        if decision:
+            c.prefix.done(rid, ok=True)
         stop_if_cancelled()  # the token was taken, but its client is gone: the caller's finally drops the KV
         record = StepRecord(rid, len(feed), c.clock() - t0, reply.get("timings", []),
                             coordinator_s=out.sent_at - t0 if out.sent_at else 0.0, first_in_batch=reply.get("first", True),
-                            logprobs=reply.get("logprobs"))
+                            logprobs=reply.get("logprobs"), prefix_reused=reused)
         return int(reply["token"]), record
 
     # -- replies ----------------------------------------------------------------------------------

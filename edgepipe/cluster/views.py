@@ -32,10 +32,6 @@ class WorkerView:
         return getattr(self.info, name)
 
     @property
-    def hello(self) -> dict:
-        return dict(self.info.hello)
-
-    @property
     def channel(self) -> Channel:
         return self.link.channel
 
@@ -84,11 +80,12 @@ def status(coord) -> dict:
             "pinned_s": round(coord.cluster.pin[1] - coord.clock(), 1) if coord.cluster.pinned(coord.clock()) else None,
         },
         "workers": [{
-            "id": w.id, "name": w.name, "kind": w.hello.get("kind", "native"), "memory_bytes": w.memory_bytes,
-            "device": w.hello.get("device") or "cpu", "adapter": w.hello.get("adapter"), "device_note": w.hello.get("device_note"),
-            "data_url": w.hello.get("data_url"), "pid": w.hello.get("pid"),
-            "native_kernel": w.hello.get("native_kernel"), "native_kernel_note": w.hello.get("native_kernel_note"),
-            "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2), "emulation": w.hello.get("emulation"),
+            "id": w.id, "name": w.name, "kind": w.hello.kind, "memory_bytes": w.memory_bytes,
+            "device": w.hello.device or "cpu", "adapter": w.hello.adapter, "device_note": w.hello.device_note,
+            "data_url": w.hello.data_url, "pid": w.hello.pid,
+            "native_kernel": w.hello.native_kernel, "native_kernel_note": w.hello.native_kernel_note,
+            "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2),
+            "emulation": None if w.hello.emulation is None else dict(w.hello.emulation),
             "suspected": w.suspected_since is not None, "stats": dict(w.stats),
             "quarantined_s": _quarantine_left(coord.cluster, w, coord.clock()),
             "units": next(([s.start, s.end] for s in dep.stages if s.worker_id == w.id), None) if dep else None,
@@ -99,4 +96,5 @@ def status(coord) -> dict:
         "last_failure": coord.cluster.last_failure,
         "capacity": coord.requests.lacking(),
         "state_seconds": {k: round(v, 3) for k, v in coord.state_durations().items()},
+        "prefix_cache": coord.prefix.view(),
     }

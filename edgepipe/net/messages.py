@@ -13,8 +13,10 @@ and ``tests/test_golden_frames.py`` checks both workers against recorded frames.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from enum import Enum
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import numpy as np
@@ -32,9 +34,10 @@ class ErrorCode(str, Enum):
     INTERNAL = "internal"  # anything else on the worker: the request fails
     CORRUPT_INPUT = "corrupt_input"  # the stage's input was unusable (non-finite, wrong shape): the sender is at fault, retry
     REFUSED = "refused"  # the coordinator refuses this worker (join token, bad frame, ...)
+    PREFIX_MISS = "prefix_miss"  # the stage lacks a cached prefix block the frame reuses: the plan's cache is dropped, retry
 
 
-RETRYABLE = frozenset({ErrorCode.UNREACHABLE, ErrorCode.NO_STAGE, ErrorCode.CORRUPT_INPUT})
+RETRYABLE = frozenset({ErrorCode.UNREACHABLE, ErrorCode.NO_STAGE, ErrorCode.CORRUPT_INPUT, ErrorCode.PREFIX_MISS})
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,52 @@ class Wire:
 
 
 def _plain(v):
-    return v.value if isinstance(v, Enum) else v
+    if isinstance(v, Enum):
+        return v.value
+    if isinstance(v, NextHop):
+        return v.wire()
+    if isinstance(v, Mapping):
+        return dict(v)
+    return list(v) if isinstance(v, tuple) else v
+
+
+@dataclass(frozen=True)
+class NextHop:
+    """Where a stage's output goes: the coordinator (the last stage), or the next stage's worker,
+    at its data port ``url`` or, for a ``relay``, through the coordinator."""
+
+    kind: str  # "coordinator" | "worker"
+    id: str | None = None
+    url: str | None = None
+    relay: bool = False
+    secret: str | None = None  # the next stage's data-port secret (net.auth)
+    fingerprint: str | None = None  # its data port's certificate (TLS clusters)
+
+    @classmethod
+    def of(cls, wire) -> "NextHop":
+        if isinstance(wire, NextHop):
+            return wire
+        if not isinstance(wire, dict) or wire.get("kind") not in ("coordinator", "worker"):
+            raise ProtocolError("load: next must be {kind: coordinator} or {kind: worker, id, url, relay}")
+        if wire["kind"] == "coordinator":
+            return cls("coordinator")
+        url, relay = wire.get("url"), bool(wire.get("relay"))
+        if not isinstance(wire.get("id"), str) or not (relay or isinstance(url, str) and url):
+            raise ProtocolError("load: a worker hop needs an id and a url (or relay)")
+        opt = lambda k: wire.get(k) if isinstance(wire.get(k), str) else None  # noqa: E731
+        return cls("worker", wire["id"], url if isinstance(url, str) else None, relay, opt("secret"), opt("fingerprint"))
+
+    def wire(self) -> dict:
+        if self.kind == "coordinator":
+            return {"kind": "coordinator"}
+        hop = {"kind": "worker", "id": self.id, "url": self.url, "relay": self.relay}
+        return {**hop, **{k: v for k, v in (("secret", self.secret), ("fingerprint", self.fingerprint)) if v is not None}}
 
 
 @dataclass(frozen=True)
 class Hello(Wire):
-    """A worker's first frame (the coordinator reads it as a map: unknown keys are ignored)."""
+    """A worker's first frame: who it is and what it can hold. The coordinator keeps it, parsed
+    (``Hello.from_fields``), as the worker's declaration; unknown keys are ignored."""
 
     TYPE = T.HELLO
     name: str
@@ -62,8 +105,8 @@ class Hello(Wire):
     memory_bytes: int
     threads: int
     data_url: str | None  # None for a browser (it cannot accept connections)
-    held: list  # sha256s in its cache
-    emulation: dict | None = None  # {slowdown, link_delay_ms, link_rate, memory_budget[, drop_work]}, labelled emulation
+    held: tuple[str, ...]  # sha256s in its cache
+    emulation: Mapping | None = None  # {slowdown, link_delay_ms, link_rate, memory_budget[, drop_work]}, labelled emulation
     precision: str | None = None  # the weight variant it wants (a WebAssembly tab: fp32; absent: the package's own)
     pid: int | None = None
     data_fingerprint: str | None = None  # its data port's certificate (TLS clusters)
@@ -74,6 +117,70 @@ class Hello(Wire):
     device_note: str | None = None  # one line: why it computes on the CPU though a GPU was asked for or looked for
     native_kernel: str | None = None  # "gguf" when its GGUF kernel library loaded (CPU workers only: it runs the `gguf` form)
     native_kernel_note: str | None = None  # one line: why it has no kernel library (it runs the MatMulNBits form)
+
+    KINDS: ClassVar[frozenset] = frozenset({"native", "browser"})
+    DEVICES: ClassVar[frozenset] = frozenset({"cpu", "gpu"})
+
+    def to_message(self, tensors: dict | None = None) -> Message:
+        """Every field, null ones too (as both workers have always sent them)."""
+        return Message(self.TYPE, {f.name: _plain(getattr(self, f.name)) for f in fields(self)}, tensors or {})
+
+    @property
+    def relay(self) -> bool:
+        """A browser: it cannot accept connections, so its activations travel through the coordinator."""
+        return self.kind == "browser"
+
+    @property
+    def memory_budget(self):
+        """The EMULATED memory budget it declared (None: no budget)."""
+        return (self.emulation or {}).get("memory_budget")
+
+    def with_slowdown(self, slowdown: float) -> Hello:
+        """The same declaration with its emulated slowdown changed (the dashboard's emulation control)."""
+        return replace(self, emulation=MappingProxyType({**(self.emulation or {}), "slowdown": float(slowdown)}))
+
+    @classmethod
+    def from_fields(cls, f: Mapping) -> Hello:
+        """A received hello's fields, checked (``ProtocolError`` names the field). An absent field
+        takes its default (old or minimal workers); a field of the wrong type is refused."""
+        def opt_str(name: str, limit: int = 4096) -> str | None:
+            v = f.get(name)
+            if v is not None and not isinstance(v, str):
+                raise ProtocolError(f"hello: {name} must be a string or null")
+            return None if v is None else v[:limit]
+
+        def count(name: str, default: int) -> int:
+            v = f.get(name, default)
+            if v is None:
+                return default
+            if not (_finite(v) and v >= 0):
+                raise ProtocolError(f"hello: {name} must be a number >= 0, got {str(v)[:40]!r}")
+            return int(v)
+
+        def power(name: str) -> float | None:
+            v = f.get(name)
+            if v is not None and not (_finite(v) and v >= 0):
+                raise ProtocolError(f"hello: {name} must be finite watts >= 0")
+            return None if v is None else float(v)
+
+        kind, device = f.get("kind") or "native", f.get("device")
+        if kind not in cls.KINDS:
+            raise ProtocolError(f"hello: kind must be one of {sorted(cls.KINDS)}, got {str(kind)[:40]!r}")
+        if device is not None and device not in cls.DEVICES:
+            raise ProtocolError(f"hello: device must be one of {sorted(cls.DEVICES)}, got {str(device)[:40]!r}")
+        held, emulation = f.get("held") or (), f.get("emulation")
+        if not (isinstance(held, (list, tuple)) and all(isinstance(h, str) for h in held)):
+            raise ProtocolError("hello: held must be a list of sha256 strings")
+        if emulation is not None and not isinstance(emulation, Mapping):
+            raise ProtocolError("hello: emulation must be a map or null")
+        pid = f.get("pid")
+        return cls(name=opt_str("name", 256) or "worker", token=opt_str("token"), protocol=count("protocol", 0), kind=kind,
+                   memory_bytes=count("memory_bytes", 0), threads=count("threads", 1), data_url=opt_str("data_url"), held=tuple(held),
+                   emulation=None if emulation is None else MappingProxyType(dict(emulation)), precision=opt_str("precision", 64),
+                   pid=pid if _int(pid) else None, data_fingerprint=opt_str("data_fingerprint", 256),
+                   power_busy_w=power("power_busy_w"), power_idle_w=power("power_idle_w"), device=device,
+                   adapter=opt_str("adapter", 512), device_note=opt_str("device_note", 512), native_kernel=opt_str("native_kernel", 64),
+                   native_kernel_note=opt_str("native_kernel_note", 512))
 
 
 @dataclass(frozen=True)
@@ -90,7 +197,7 @@ class Load(Wire):
     end: int
     graph: str
     files: list
-    next: dict
+    next: NextHop
     keep: list
     max_context: int | None = None
     kv_bytes_per_token: int | None = None
@@ -188,7 +295,7 @@ class Kv(Wire):
 class Token(Wire):
     TYPE = T.TOKEN
     plan: int
-    batch: list  # [{seq, step, rid, sampling[, partial][, pos]}], as sent
+    batch: list  # [{seq, step, rid, sampling[, partial][, pos][, prefix]}], as sent
     tokens: list  # one id per batch entry
     timings: list  # [[worker_id, seconds, positions, bytes/elem, batch], ...]
     # per batch entry that asked (sampling.logprobs), else None: {logprob, top_ids, top_logprobs[,
@@ -207,6 +314,7 @@ class Pong(Wire):
     fetched_bytes: int | None = None  # blob bytes this process downloaded so far
     joins: int | None = None  # memberships of this process (1 + rejoins)
     loop_lag_s: float | None = None  # worst event-loop hold-up since the last pong
+    prefix_bytes: int | None = None  # KV of cached prompt blocks it holds (beside kv_bytes, the sequences' KV)
 
 
 @dataclass(frozen=True)
@@ -254,9 +362,20 @@ class Error(Wire):
 
 
 def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
-    """The typed message a worker sent, checked (``ProtocolError`` says what is wrong)."""
+    """The typed message, checked (``ProtocolError`` says what is wrong): what a worker sends
+    and what the coordinator sends a worker. KV comes back as the ``Message`` itself (its tensors
+    are read where they are used), checked."""
     f = msg.fields
     try:
+        if msg.type is T.HELLO:
+            return Hello.from_fields(f)
+        to_worker = _TO_WORKER.get(msg.type)
+        if to_worker is not None:
+            return to_worker(f)
+        if msg.type is T.KV:
+            if not (isinstance(f["seq"], str) and _int(f["plan"]) and _int(f["move"]) and (f.get("length") is None or _int(f["length"]))):
+                raise ProtocolError("kv: seq, plan, move (and length) must be a string and integers")
+            return msg
         if msg.type is T.TOKEN:
             batch, tokens = f["batch"], f["tokens"]
             if not (isinstance(batch, list) and isinstance(tokens, list) and len(batch) == len(tokens)):
@@ -276,7 +395,8 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
                         _logprob_entry(entry, vocab_size)
             return Token(_need_int(f["plan"], "plan"), batch, tokens, _timings(f.get("timings", [])), logprobs)
         if msg.type is T.PONG:
-            return Pong(_num(f.get("t")), f.get("kv_bytes"), f.get("queue"), f.get("busy_s"), f.get("computed"))
+            return Pong(_num(f.get("t")), f.get("kv_bytes"), f.get("queue"), f.get("busy_s"), f.get("computed"),
+                        prefix_bytes=f["prefix_bytes"] if _int(f.get("prefix_bytes")) and f["prefix_bytes"] >= 0 else None)
         if msg.type is T.LOADED:
             return Loaded(bool(f.get("ok")), _opt_int(f.get("plan"), "plan"), _opt_int(f.get("kv_received"), "kv_received"),
                           None if f.get("error") is None else str(f["error"]).splitlines()[0] if str(f["error"]) else "error",
@@ -303,12 +423,76 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
             return Error(text[0] if text else "worker error", code, f.get("seq") if isinstance(f.get("seq"), str) else None,
                          f.get("step") if _int(f.get("step")) else None, f.get("rid") if isinstance(f.get("rid"), str) else None)
         if msg.type is T.FORWARD:
-            if not isinstance(f.get("batch"), list):
-                raise ProtocolError("forward: batch must be a list")
+            if not isinstance(f.get("batch"), list) or not all(isinstance(i, dict) and isinstance(i.get("seq"), str) for i in f["batch"]):
+                raise ProtocolError("forward: batch must be a list of entries with a seq")
             return Forward(_need_int(f["plan"], "plan"), f["batch"], f.get("timings"), f.get("relay_to"))
     except KeyError as exc:
         raise ProtocolError(f"{msg.type.value}: missing field {exc.args[0]!r}") from None
     return msg  # types without a payload the coordinator reads (bye, ...)
+
+
+def _str(v, name: str) -> str:
+    if not isinstance(v, str):
+        raise ProtocolError(f"field {name!r} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _opt_str(v, name: str) -> str | None:
+    return None if v is None else _str(v, name)
+
+
+def _ints(v, name: str) -> list:
+    if not (isinstance(v, list) and all(_int(x) for x in v)):
+        raise ProtocolError(f"field {name!r} must be a list of integers")
+    return v
+
+
+def _load(f: dict) -> Load:
+    files = f["files"]
+    if not (isinstance(files, list) and all(isinstance(x, str) for x in files)):
+        raise ProtocolError("load: files must be a list of sha256 strings")
+    start, end = _need_int(f["start"], "start"), _need_int(f["end"], "end")
+    if not 0 <= start < end:
+        raise ProtocolError(f"load: bad unit range [{start}, {end})")
+    return Load(_need_int(f["plan"], "plan"), start, end, _str(f["graph"], "graph"), files, NextHop.of(f["next"]), _ints(f["keep"], "keep"),
+                _opt_int(f.get("max_context"), "max_context"), _opt_int(f.get("kv_bytes_per_token"), "kv_bytes_per_token"),
+                bool(f["warm"]) if f.get("warm") is not None else None, bool(f["prefetch"]) if f.get("prefetch") is not None else None,
+                _opt_str(f.get("data_secret"), "data_secret"))
+
+
+def _probe(f: dict) -> Probe:
+    kind = f.get("kind")
+    if kind not in (None, "link", "accept", "peer"):
+        raise ProtocolError(f"probe: unknown kind {kind!r}"[:200])
+    return Probe(_need_int(f["probe"], "probe"), _opt_int(f.get("plan"), "plan"), _opt_int(f.get("reps"), "reps"),
+                 _opt_int(f.get("context"), "context"), kind, _opt_int(f.get("bytes"), "bytes"), _opt_str(f.get("url"), "url"),
+                 _opt_str(f.get("secret"), "secret"), _opt_str(f.get("fingerprint"), "fingerprint"))
+
+
+def _kv_export(f: dict) -> KvExport:
+    return KvExport(_str(f["seq"], "seq"), _need_int(f["plan"], "plan"), _need_int(f["start"], "start"), _need_int(f["end"], "end"),
+                    _need_int(f["to_plan"], "to_plan"), _opt_str(f.get("url"), "url"), _need_int(f["move"], "move"),
+                    _opt_str(f.get("secret"), "secret"), _opt_str(f.get("fingerprint"), "fingerprint"))
+
+
+def _emulate(f: dict) -> Emulate:
+    slowdown = f["slowdown"]
+    if not (_finite(slowdown) and slowdown >= 1):
+        raise ProtocolError("emulate: slowdown must be a finite number >= 1")
+    return Emulate(float(slowdown))
+
+
+_TO_WORKER = {
+    T.WELCOME: lambda f: Welcome(_str(f["worker_id"], "worker_id")),
+    T.LOAD: _load,
+    T.ACTIVATE: lambda f: Activate(_ints(f["keep"], "keep")),
+    T.DROP: lambda f: Drop(_str(f["seq"], "seq")),
+    T.PING: lambda f: Ping(_num(f.get("t"))),
+    T.PROBE: _probe,
+    T.KV_EXPORT: _kv_export,
+    T.EMULATE: _emulate,
+    T.BYE: lambda f: Bye(bool(f["final"]) if f.get("final") is not None else None),
+}
 
 
 def _logprob_entry(entry, vocab_size: int) -> None:

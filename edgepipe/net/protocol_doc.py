@@ -93,7 +93,11 @@ DOCS: dict[type, MessageDoc] = {
                  "`logprobs`, `top` (alternatives wanted), `adjust_ids`/`adjust` (logit bias and penalties), `mask` "
                  "(allowed-token bitmask bytes), `targets` (prompt logprobs of a prefill); optional `partial: true` "
                  "(a replay frame whose token is not wanted) and `pos` (positions the stage must already hold for "
-                 "`seq`; a stage holding another count refuses the frame with `corrupt_input`: a frame was lost)",
+                 "`seq`; a stage holding another count refuses the frame with `corrupt_input`: a frame was lost) and "
+                 "`prefix` (a prompt prefill's prefix-cache decision, applied by every stage in frame order: "
+                 "`{epoch, block, reuse: [names], save: [[block index, name]], evict: [names]}`; a newer `epoch` clears "
+                 "the stage's blocks, `reuse` blocks become the sequence's first positions before `pos` is checked, "
+                 "`evict` blocks go, and after computing the `save` blocks are kept; see `cluster/prefix.py`)",
         "timings": "`[worker_id, seconds, positions, bytes/elem, batch]` appended by each stage",
         "relay_to": "worker id the coordinator passes the frame on to (from a stage before or after a browser)",
     }, "`x`: `int64 [B, S]` token ids into the first stage, else `float32`/`float16 [B, S, H]`; `S > 1` only with `B = 1`"),
@@ -115,6 +119,7 @@ DOCS: dict[type, MessageDoc] = {
         "fetched_bytes": "unit-file bytes this process downloaded so far",
         "joins": "memberships of this process (1 + rejoins)",
         "loop_lag_s": "worst event-loop hold-up since the last pong",
+        "prefix_bytes": "KV of the cached prompt blocks it holds (prefix cache), beside `kv_bytes` (the sequences' KV)",
     }),
     messages.Probe: MessageDoc("c→w; w→w on a data port (kind `echo`, plan 0)", "time decode steps of a slot, the uplink, or a worker-to-worker link", {
         "probe": "probe id",
@@ -175,6 +180,7 @@ CODES: dict[ErrorCode, str] = {
     ErrorCode.CONTEXT: "the sequence outgrew the KV the stage holds",
     ErrorCode.INTERNAL: "anything else on the worker",
     ErrorCode.REFUSED: "the coordinator will not take this worker (join token, bad frame, ...)",
+    ErrorCode.PREFIX_MISS: "the stage lacks a prefix-cache block the frame reuses: the coordinator drops the plan's cache",
 }
 
 
@@ -188,7 +194,7 @@ def _type(annotation, required: bool) -> str:
     text = str(annotation)
     nullable = "None" in text.split(" | ")
     base = " | ".join(t for t in text.split(" | ") if t != "None")
-    base = {"str": "string", "float": "number", "dict": "map"}.get(base, base)
+    base = {"str": "string", "float": "number", "dict": "map", "NextHop": "map", "Mapping": "map", "tuple[str, ...]": "list"}.get(base, base)
     return f"{base} or null" if nullable and required else base
 
 

@@ -155,3 +155,23 @@ def activation_problem(x: np.ndarray, hidden: int | None = None, max_positions: 
         bad = int(x.size - np.count_nonzero(np.isfinite(x)))
         return f"non-finite activations: {bad} of {x.size} values are NaN or infinite"
     return None
+
+
+def prefix_entry(item: dict) -> dict | None:
+    """A FORWARD item's ``prefix`` entry (``cluster.prefix``), checked (None: it has none); ``ValueError`` in one line."""
+    entry = item.get("prefix")
+    if entry is None:
+        return None
+
+    def names(v) -> bool:
+        return isinstance(v, list) and all(isinstance(n, str) and 0 < len(n) <= 64 for n in v)
+
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not (isinstance(entry, dict) and count(entry.get("epoch")) and count(entry.get("block")) and entry["block"] > 0
+            and names(entry.get("reuse", [])) and names(entry.get("evict", []))
+            and isinstance(entry.get("save", []), list)
+            and all(isinstance(s, list) and len(s) == 2 and count(s[0]) and names(s[1:]) for s in entry.get("save", []))):
+        raise ValueError("prefix entry must be {epoch, block > 0, reuse: [names], save: [[index, name]], evict: [names]}")
+    return entry

@@ -1,0 +1,275 @@
+"""The simulation's worker: the shipped worker core (``worker.core``) with a fake model and
+in-memory channels in place of ONNX Runtime and sockets.
+
+It carries out the core's commands as the real shell does, except that a stage computes the
+fake model of ``cluster.sim`` (per-unit integer state standing in for KV) and frames travel
+through the simulated network. Faults are injected here: a stalled worker, one that drops
+activation frames for a while, malformed frames, a killed process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import numpy as np
+
+from ..net.channel import ChannelClosed
+from ..net.messages import ErrorCode, parse
+from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode
+from ..worker import core
+from .profiling import RUNTIME_OVERHEAD_BYTES
+
+log = logging.getLogger("edgepipe.sim")
+IN_ORDER = (T.FORWARD, T.KV, T.DROP, T.KV_EXPORT)
+
+
+class FakeWorker:
+    """Speaks the worker protocol over a ``SimChannel`` through the real worker core."""
+
+    def __init__(self, world, name: str, memory: int, slowdown: float = 1.0):
+        self.world, self.name, self.memory, self.slowdown = world, name, memory, slowdown
+        self.url = f"sim://{name}"
+        self.dead = False
+        self.stalled_until = 0.0
+        self.dropping_until = 0.0  # answers pings but drops activation frames until then
+        # the fake model's slowness is in its compute; the core adds no emulated wait of its own
+        self.state = core.WorkerState(name, budget_bytes=memory, data_url=self.url)
+        self.kv: dict[str, dict[str, list[int]]] = {}  # graph -> seq -> per-unit state + [positions held]
+        self.prefixes: dict[int, tuple[int, dict[str, list[int]]]] = {}  # plan -> (epoch, block name -> state after the block)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.control = None
+        self.tasks: list[asyncio.Task] = []
+        self.malformed = 0  # malformed frames still to send
+        from .sim import Pipe
+
+        self.data = Pipe(lambda item: self.queue.put_nowait(item))  # frames from other workers' data ports
+
+    @property
+    def computed(self) -> int:
+        return self.state.computed
+
+    def start(self) -> None:
+        self.world.net.ports[self.url] = self
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self._life()), loop.create_task(self._compute())]
+
+    def kill(self) -> None:
+        self.dead = True
+        for t in self.tasks:
+            t.cancel()
+        if self.control is not None:
+            self.control.closed = True
+            self.control._told = True
+            self.control._deliver(None)
+
+    async def _stall(self) -> None:
+        loop = asyncio.get_running_loop()
+        while loop.time() < self.stalled_until:
+            await asyncio.sleep(self.stalled_until - loop.time())
+
+    async def _life(self) -> None:
+        """Join, serve until the channel closes, then reconnect with jittered backoff (forever)."""
+        from .sim import sim_pair
+
+        rng = random.Random(f"{self.world.seed}-{self.name}")
+        backoff = 0.2
+        while not self.dead:
+            mine, theirs = sim_pair(self.world.net, self.name)
+            self.control = mine
+            self.world.spawn(self.world.coordinator.attach(theirs))
+            try:
+                await mine.send(encode(Message(T.HELLO, {"name": self.name, "kind": "native", "memory_bytes": self.memory, "threads": 1,
+                                                         "data_url": self.url, "emulation": {"memory_budget": self.memory}})))
+                reply = decode(await mine.recv())
+                if reply.type is T.WELCOME:
+                    backoff = 0.2
+                    await self.feed(core.Joined(parse(reply).worker_id))
+                    await self._serve(mine)
+            except ChannelClosed:
+                pass
+            await asyncio.sleep(backoff * (1 + rng.random()))
+            backoff = min(backoff * 2, 2.0)
+
+    async def _serve(self, ch) -> None:
+        from .sim import bad_frame
+
+        while True:
+            await self._stall()
+            if self.malformed:
+                self.malformed -= 1
+                await ch.send(bad_frame(self.malformed))
+            msg = decode(await ch.recv())
+            await self._stall()
+            try:
+                typed = parse(msg)
+            except ProtocolError as exc:  # the coordinator sent what the worker core cannot read: a bug
+                log.error("%s: bad frame from the coordinator: %s", self.name, exc)
+                continue
+            if msg.type is T.BYE:
+                return
+            if msg.type in IN_ORDER:
+                self.queue.put_nowait(msg)
+            elif msg.type is T.PING:
+                await self.feed(core.Pinged(typed.t, 0, self.queue.qsize(), 0.0))
+            elif msg.type is T.LOAD:
+                self.world.spawn(self._quietly(typed))
+            elif not isinstance(typed, Message):
+                await self.feed(typed)
+
+    async def _compute(self) -> None:
+        while True:
+            msg = await self.queue.get()
+            await self._stall()
+            if msg.type is T.FORWARD and asyncio.get_running_loop().time() < self.dropping_until:
+                continue
+            try:
+                await self.feed(msg if msg.type in (T.FORWARD, T.KV) else parse(msg))
+            except (ChannelClosed, ProtocolError):
+                pass
+
+    async def _quietly(self, event) -> None:
+        try:
+            await self.feed(event)
+        except ChannelClosed:
+            pass
+
+    # -- carrying out the core's commands -----------------------------------------------------------
+    async def feed(self, event) -> None:
+        self.state, commands = core.handle(self.state, event)
+        for cmd in commands:
+            await self._execute(cmd)
+
+    async def _execute(self, cmd) -> None:
+        loop = asyncio.get_running_loop()
+        if isinstance(cmd, core.SendControl):
+            await self._send(cmd.msg)
+        elif isinstance(cmd, core.SendPeer):
+            target = self.world.net.ports.get(cmd.url)
+            cut = self.world.net.peer_cut_until.get(self.name, 0.0) > loop.time()
+            if target is None or target.dead or cut:
+                if cmd.about is not None:
+                    await self.feed(core.Failed(cmd.about, ErrorCode.UNREACHABLE, f"next hop unreachable: {cmd.url}"))
+                return
+            target.data.put(loop.time() + 0.001, cmd.msg)
+        elif isinstance(cmd, core.RunStage):
+            await self.feed(await self._run(cmd))
+        elif isinstance(cmd, core.Wait):
+            await asyncio.sleep(cmd.seconds)
+        elif isinstance(cmd, core.DropSequence):
+            for graph in cmd.graphs:
+                self.kv.get(graph, {}).pop(cmd.seq, None)
+        elif isinstance(cmd, core.KeepSessions):
+            self.kv = {g: kv for g, kv in self.kv.items() if g in cmd.graphs}
+            if cmd.plans is not None:
+                self.prefixes = {p: s for p, s in self.prefixes.items() if p in cmd.plans}
+        elif isinstance(cmd, core.Forget):
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.kv = {g: {} for g in self.kv}
+            self.prefixes.clear()
+        elif isinstance(cmd, core.FetchFiles):
+            await asyncio.sleep(0.2 * self.slowdown)
+            await self._stall()
+            units = cmd.load.end - cmd.load.start
+            await self.feed(core.Fetched(cmd.load, 0, units * _unit_bytes() + RUNTIME_OVERHEAD_BYTES))
+        elif isinstance(cmd, core.BuildSession):
+            load = cmd.load
+            self.kv.setdefault(load.graph, {})
+            from .sim import N_UNITS, VOCAB
+
+            # The fake model passes integers between stages: every stage takes "token ids".
+            session = core.Session(load.graph, True, load.end == N_UNITS, 0, tuple(range(load.start, load.end)), VOCAB)
+            await self.feed(core.Built(load, session, cmd.weight_bytes, cmd.fetched_bytes, 0.2 * self.slowdown, False))
+        elif isinstance(cmd, core.ExportKv):
+            await self._export(cmd)
+        elif isinstance(cmd, core.ImportKv):
+            await self.feed(self._import(cmd))
+        elif isinstance(cmd, core.TimeStage):
+            await self.feed(core.StageTimed(cmd.probe, [0.01 * self.slowdown] * cmd.reps))
+        elif isinstance(cmd, core.SendLinkPayload):
+            await self._send(Message(T.PROBED, {"probe": cmd.probe, "ok": True}, {"payload": np.zeros(cmd.nbytes, np.uint8)}))
+        elif isinstance(cmd, core.MeasurePeer):
+            await self.feed(core.PeerMeasured(cmd.probe, 0.001, 1e8))
+
+    async def _send(self, msg: Message) -> None:
+        if self.control is not None:
+            await self.control.send(encode(msg))
+
+    async def _run(self, cmd: core.RunStage):
+        from .sim import N_UNITS, VOCAB, _unit
+
+        stage = next(s for s in self.state.stages.values() if s.graph == cmd.graph)
+        start, end = stage.start, stage.end
+        x = np.asarray(cmd.x, dtype=np.int64)
+        batch = cmd.forward["batch"]
+        compute_s = 0.002 * x.shape[1] * (end - start) * len(batch) * self.slowdown
+        await asyncio.sleep(compute_s)
+        await self._stall()
+        kv = self.kv.setdefault(cmd.graph, {})
+        plan = cmd.forward["plan"]
+        saves = dict(cmd.prefixes)
+        for seq, entry in cmd.prefixes:  # cached prompt blocks first, as the real stage (runtime.prefix_store)
+            missing = self._prefix_before(plan, kv, seq, entry)
+            if missing:
+                return core.Failed(cmd.forward, ErrorCode.PREFIX_MISS, missing, {s: kv[s][-1] for s in cmd.seqs if s in kv})
+        y = np.zeros_like(x)
+        for row, item in enumerate(batch):
+            h = kv.setdefault(item["seq"], [0] * (end - start + 1))
+            entry = saves.get(item["seq"])
+            epoch, held = self.prefixes.get(plan, (0, {}))
+            keep = {i: name for i, name in entry["save"]} if entry and entry["epoch"] == epoch else {}
+            for col in range(x.shape[1]):
+                v = int(x[row, col])
+                for k, u in enumerate(range(start, end)):
+                    h[k], v = _unit(h[k], v, u)
+                y[row, col] = v
+                h[-1] += 1
+                if keep and h[-1] % entry["block"] == 0 and h[-1] // entry["block"] - 1 in keep:
+                    held[keep[h[-1] // entry["block"] - 1]] = list(h)
+        out = np.array([int(y[r, -1]) % VOCAB for r in range(len(batch))], np.int64) if end == N_UNITS else y
+        lengths = {item["seq"]: kv[item["seq"]][-1] for item in batch}
+        return core.Computed(cmd.forward, out, 0.002 * self.slowdown, None, int(x.shape[1]), self.state.joins, lengths)
+
+    def _prefix_before(self, plan: int, kv: dict, seq: str, entry: dict) -> str | None:
+        """A decision's epoch, install and evict, as ``runtime.prefix_store``; a miss says why."""
+        epoch, held = self.prefixes.get(plan, (0, {}))
+        if entry["epoch"] > epoch:
+            epoch, held = entry["epoch"], {}
+            self.prefixes[plan] = (epoch, held)
+        if entry["epoch"] < epoch:
+            return f"{seq}: prefix epoch {entry['epoch']} is gone" if entry.get("reuse") else None
+        if entry.get("reuse"):
+            if any(name not in held for name in entry["reuse"]):
+                return f"{seq}: {self.name} lacks a prefix block"
+            kv[seq] = list(held[entry["reuse"][-1]])
+        for name in entry.get("evict") or ():
+            held.pop(name, None)
+        return None
+
+    async def _export(self, cmd: core.ExportKv) -> None:
+        e = cmd.export
+        target = self.world.net.ports.get(e.url)
+        held = self.kv.get(cmd.graph, {}).get(e.seq)
+        if target is None or target.dead or held is None:
+            await self.feed(core.ExportFailed(e, "cannot export"))
+            return
+        start = next(s.start for s in self.state.stages.values() if s.graph == cmd.graph)
+        units = {u: held[u - start] for u in range(e.start, e.end)}
+        frame = Message(T.KV, {"seq": e.seq, "plan": e.to_plan, "move": e.move, "units": units, "length": held[-1]})
+        target.data.put(asyncio.get_running_loop().time() + 0.001, frame)
+
+    def _import(self, cmd: core.ImportKv) -> core.Imported:
+        msg = cmd.kv
+        start, end = cmd.layers[0], cmd.layers[-1] + 1
+        h = self.kv.setdefault(cmd.graph, {}).setdefault(msg["seq"], [0] * (end - start + 1))
+        for u, value in msg["units"].items():
+            h[int(u) - start] = value
+        h[-1] = msg["length"]
+        return core.Imported(msg, cmd.graph, h[-1], 0)
+
+
+def _unit_bytes() -> int:
+    from .sim import UNIT_BYTES
+
+    return UNIT_BYTES

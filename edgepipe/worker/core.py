@@ -1,0 +1,349 @@
+"""The worker's decisions as data (sans-IO): ``handle(state, event) -> (state, commands)``.
+
+A worker holds stages (a unit range of one plan each), built sessions (a stage graph loaded
+into a runner, shared by plans that cut the same range) and, per session, how many positions of
+each sequence its KV holds. Everything that changes that — a frame from the coordinator or a
+predecessor, a finished download, build, compute, KV import, probe — is an event; ``handle``
+returns the new state and the commands the shell must carry out (send a frame, fetch files,
+build a session, run a stage, move KV, time a probe). The shell (``worker.shell``) executes
+them over sockets, threads and ONNX Runtime; the simulation (``cluster.sim``) executes them
+with a fake model, so the simulation runs this core, the one the real worker ships.
+
+Compute-ordered events (FORWARD, DROP, KV, KV_EXPORT) reach ``handle`` in arrival order, one at
+a time, after the previous one's commands are done: a frame is checked against the KV as it
+stands when its turn comes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ..emulate.slowdown import MemoryBudget, MemoryBudgetExceeded, SlowdownPolicy
+from ..net import limits, validate
+from ..net.messages import PROBE_PLAN, Activate, Drop, Emulate, ErrorCode, KvExport, Load, Probe
+from ..net.protocol import Message, MessageType as T
+
+from .data import (  # noqa: F401 - the core's vocabulary, used as core.X by the shells and tests
+    Session, Stage, WorkerState, Joined, Pinged, Fetched, Built, LoadFailed, Computed, Failed, Imported, ExportFailed,
+    StageTimed, PeerMeasured, SendControl, SendPeer, Forget, FetchFiles, BuildSession, KeepSessions, RunStage, Wait,
+    DropSequence, ExportKv, ImportKv, SendLinkPayload, MeasurePeer, TimeStage, Event, Command)
+
+KV_RESERVE_TOKENS = limits.KV_RESERVE_TOKENS  # KV room a stage must leave for at least one sequence this long
+INLINE_STEP_S = 0.02  # decode steps faster than this run on the event loop (no thread hand-off)
+
+
+# -- the transition ------------------------------------------------------------------------------------------
+def handle(state: WorkerState, event: Event) -> tuple[WorkerState, list[Command]]:
+    """The state after ``event`` and what the shell must do about it."""
+    for kind, on in _HANDLERS:
+        if isinstance(event, kind):
+            return on(state, event)
+    if isinstance(event, Message) and event.type is T.FORWARD:
+        return _forward(state, event)
+    if isinstance(event, Message) and event.type is T.KV:
+        return _import(state, event)
+    return state, []
+
+
+def _joined(state: WorkerState, event: Joined) -> tuple[WorkerState, list[Command]]:
+    """Forget what belonged to the previous membership: plan ids are the coordinator's (a
+    restarted one counts from 1 again) and its sequences are rebuilt elsewhere by replay.
+    Built sessions stay, as warm spares, so a rejoin that gets the same range builds nothing."""
+    warm = state.warm | {s.graph for s in state.stages.values()}
+    return replace(state, worker_id=event.worker_id, joins=state.joins + 1, stages={}, warm=frozenset(warm), held={}), [Forget()]
+
+
+def _pinged(state: WorkerState, event: Pinged) -> tuple[WorkerState, list[Command]]:
+    return state, [SendControl(Message(T.PONG, {"t": event.t, "kv_bytes": event.kv_bytes, "queue": event.queue, "busy_s": state.busy_s,
+                                                "computed": state.computed, "fetched_bytes": state.fetched_bytes, "joins": state.joins,
+                                                "loop_lag_s": round(event.loop_lag_s, 3), "prefix_bytes": event.prefix_bytes}))]
+
+
+def _load(state: WorkerState, load: Load) -> tuple[WorkerState, list[Command]]:
+    return state, [FetchFiles(load)]
+
+
+def _loaded(plan: int, **fields) -> SendControl:
+    return SendControl(Message(T.LOADED, {"plan": plan, **fields}))
+
+
+def _fetched(state: WorkerState, event: Fetched) -> tuple[WorkerState, list[Command]]:
+    load = event.load
+    state = replace(state, fetched_bytes=state.fetched_bytes + event.fetched_bytes)
+    if load.prefetch:  # a spare plan: hold the files, build nothing yet
+        return state, [_loaded(load.plan, ok=True, prefetched=True, fetched_bytes=event.fetched_bytes)]
+    if state.budget_bytes is not None:
+        reserve = min(KV_RESERVE_TOKENS, load.max_context or KV_RESERVE_TOKENS)  # as the planner counts it
+        kv = (load.kv_bytes_per_token or 0) * reserve
+        try:
+            MemoryBudget(state.budget_bytes).check(event.weight_bytes + kv, f"units [{load.start}, {load.end}) weights + KV for "
+                                                   f"{reserve} tokens", state.in_use(load.keep, bool(load.warm), load.graph))
+        except MemoryBudgetExceeded as exc:
+            return state, [_loaded(load.plan, ok=False, error=str(exc).splitlines()[0])]
+    commands: list[Command] = []
+    if not load.warm and load.plan >= 0 and load.graph not in state.warm:
+        # The real stage takes the memory a warm spare held (calibration's small ranges, with
+        # negative plan ids, leave it: it may be this worker's stage again).
+        state = replace(state, warm=frozenset())
+        commands.append(KeepSessions(_used_graphs(state)))
+        state = _forget_sessions(state)
+    if load.graph in state.sessions:  # a session already built for this graph (kept range, warm spare) is reused
+        built = Built(load, state.sessions[load.graph], event.weight_bytes, event.fetched_bytes, 0.0, True, event.repaired)
+        more_state, more = _built(state, built)
+        return more_state, commands + more
+    return state, commands + [BuildSession(load, event.fetched_bytes, event.weight_bytes, event.repaired)]
+
+
+def _built(state: WorkerState, event: Built) -> tuple[WorkerState, list[Command]]:
+    load, session = event.load, event.session
+    state = replace(state, sessions={**state.sessions, load.graph: session})
+    commands: list[Command] = []
+    if load.warm:
+        state = _forget_sessions(replace(state, warm=frozenset({load.graph})))
+        commands.append(KeepSessions(_used_graphs(state)))
+    else:
+        stage = Stage(load.plan, load.start, load.end, load.graph, load.next, event.weight_bytes,
+                      secret=data_secret(state, state.data_url, load.plan, load.data_secret),
+                      frame_limit=limits.data_frame_limit(int(load.max_context or 4096), session.hidden, int(load.kv_bytes_per_token or 0)),
+                      max_context=load.max_context)
+        state = replace(state, stages={**state.stages, load.plan: stage})
+    reply = {"ok": True, "load_s": event.load_s, "fetched_bytes": event.fetched_bytes, "weight_bytes": event.weight_bytes,
+             "reused_session": event.reused}
+    if event.repaired:  # cached files that failed their hash and were fetched again
+        reply["repaired"] = list(event.repaired)
+    return state, commands + [_loaded(load.plan, **reply)]
+
+
+def _load_failed(state: WorkerState, event: LoadFailed) -> tuple[WorkerState, list[Command]]:
+    return state, [_loaded(event.load.plan, ok=False, error=event.error)]
+
+
+def _used_graphs(state: WorkerState) -> frozenset[str]:
+    return frozenset({s.graph for s in state.stages.values()}) | state.warm
+
+
+def _forget_sessions(state: WorkerState) -> WorkerState:
+    """Keep only sessions a stage uses or the warm spare (the shell releases the rest)."""
+    used = _used_graphs(state)
+    return replace(state, sessions={g: s for g, s in state.sessions.items() if g in used},
+                   held={g: h for g, h in state.held.items() if g in used}, step_s={g: t for g, t in state.step_s.items() if g in used})
+
+
+def _activate(state: WorkerState, event: Activate) -> tuple[WorkerState, list[Command]]:
+    keep = set(event.keep)
+    state = _forget_sessions(replace(state, stages={p: s for p, s in state.stages.items() if p in keep}))
+    return state, [KeepSessions(_used_graphs(state), frozenset(state.stages))]
+
+
+def _drop(state: WorkerState, event: Drop) -> tuple[WorkerState, list[Command]]:
+    graphs = tuple(sorted({s.graph for s in state.stages.values()}))
+    held = {g: {s: n for s, n in h.items() if s != event.seq} for g, h in state.held.items()}
+    return replace(state, held=held), [DropSequence(graphs, event.seq)]
+
+
+def _emulate(state: WorkerState, event: Emulate) -> tuple[WorkerState, list[Command]]:
+    SlowdownPolicy(event.slowdown)  # a bad factor raises here, before it is taken
+    return replace(state, slowdown=event.slowdown), []
+
+
+def _probe(state: WorkerState, probe: Probe) -> tuple[WorkerState, list[Command]]:
+    if probe.kind == "link":
+        return state, [SendLinkPayload(probe.probe, int(probe.bytes or 1 << 18))]
+    if probe.kind == "accept":  # peers presenting this secret on PROBE_PLAN may time this data port
+        secret = probe.secret if isinstance(probe.secret, str) and probe.secret else None
+        return replace(state, probe_secret=secret), [SendControl(Message(T.PROBED, {"probe": probe.probe, "ok": secret is not None}))]
+    if probe.kind == "peer":
+        if not (isinstance(probe.url, str) and probe.url.startswith(("ws://", "wss://"))):
+            return state, [SendControl(Message(T.PROBED, {"probe": probe.probe, "ok": False, "error": f"peer probe: bad url {probe.url!r}"[:200]}))]
+        return state, [MeasurePeer(probe.probe, probe.url, probe.secret, probe.fingerprint, int(probe.bytes or 1 << 18))]
+    stage = state.stages.get(probe.plan) if probe.plan is not None else None
+    if stage is None:
+        return state, [SendControl(Message(T.PROBED, {"probe": probe.probe, "ok": False}))]
+    return state, [TimeStage(probe.probe, stage.graph, int(probe.reps or 8), int(probe.context or 64))]
+
+
+def _stage_timed(state: WorkerState, event: StageTimed) -> tuple[WorkerState, list[Command]]:
+    return state, [SendControl(Message(T.PROBED, {"probe": event.probe, "ok": True, "times": [t / state.misreport for t in event.times]}))]
+
+
+def _peer_measured(state: WorkerState, event: PeerMeasured) -> tuple[WorkerState, list[Command]]:
+    if event.error is not None:
+        return state, [SendControl(Message(T.PROBED, {"probe": event.probe, "ok": False, "error": event.error.splitlines()[0][:200]}))]
+    return state, [SendControl(Message(T.PROBED, {"probe": event.probe, "ok": True, "rtt_s": event.rtt_s,
+                                                  "bandwidth_bytes_per_s": event.bandwidth_bytes_per_s}))]
+
+
+# -- the data path -------------------------------------------------------------------------------------------
+def forward_problem(state: WorkerState, msg: Message) -> tuple[ErrorCode, str] | None:
+    """Why a FORWARD frame cannot run on this worker now, or None."""
+    plan, batch, x = msg["plan"], msg["batch"], msg.tensors.get("x")
+    stage = state.stages.get(plan)
+    if stage is None:
+        return ErrorCode.NO_STAGE, f"worker {state.worker_id} holds no stage for plan {plan}"
+    if x is None or not isinstance(batch, list) or x.ndim < 2 or x.shape[0] != len(batch) or not batch:
+        return ErrorCode.BAD_INPUT, f"forward frame: x has {0 if x is None else x.shape[0]} rows for {len(batch) if isinstance(batch, list) else 0} sequences"
+    session = state.sessions[stage.graph]
+    if not session.takes_token_ids:  # a stage checks what its predecessor sent before using it
+        problem = validate.activation_problem(x, session.hidden or None, stage.max_context)
+        if problem:
+            return ErrorCode.CORRUPT_INPUT, f"plan {plan}: {problem}"
+    for item in batch:  # a frame must start where the sequence's cache ends: a lost frame leaves a hole
+        if not isinstance(item, dict) or not isinstance(item.get("seq"), str):
+            return ErrorCode.BAD_INPUT, "forward frame: a batch entry lacks seq"
+        try:
+            entry = validate.prefix_entry(item)
+        except ValueError as exc:
+            return ErrorCode.BAD_INPUT, str(exc)
+        pos = item.get("pos")
+        # A stage without decoder layers (embedding or head alone) keeps no KV: nothing to check
+        # (and no KV moves to it, so after a switch it has not heard of the sequence).
+        held = state.length(stage.graph, item["seq"])
+        if entry and entry.get("reuse") and session.layers:  # cached blocks become the sequence's first positions
+            if held:
+                return ErrorCode.BAD_INPUT, f"{item['seq']} already holds {held} positions: a prefix is installed into a new sequence only"
+            held = len(entry["reuse"]) * entry["block"]
+        if isinstance(pos, int) and session.layers and pos != held:
+            return ErrorCode.CORRUPT_INPUT, f"plan {plan}: {item['seq']} holds {held} positions, the frame starts at {pos} (a frame was lost)"
+    return None
+
+
+def _forward(state: WorkerState, msg: Message) -> tuple[WorkerState, list[Command]]:
+    if state.drop_work:
+        return state, []
+    problem = forward_problem(state, msg)
+    if problem is not None:
+        return state, errors_for(msg, *problem)
+    stage = state.stages[msg["plan"]]
+    x = msg.tensors["x"]
+    if x.dtype == np.float16:
+        x = x.astype(np.float32)
+    # A fast decode step runs on the loop, skipping two thread hand-offs per hop (a heartbeat
+    # waits at most one such step). Slow steps and prefills use the thread, so the loop stays
+    # free to answer heartbeats.
+    inline = x.shape[1] == 1 and state.step_s.get(stage.graph, 0.0) < INLINE_STEP_S
+    prefixes = tuple((item["seq"], item["prefix"]) for item in msg["batch"] if item.get("prefix") is not None)
+    return state, [RunStage(msg, stage.graph, [item["seq"] for item in msg["batch"]], x, inline and not prefixes, prefixes)]
+
+
+def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Command]]:
+    msg, batch, plan = event.forward, event.forward["batch"], event.forward["plan"]
+    if event.joins != state.joins:  # rejoined meanwhile: that step belonged to the previous membership
+        return state, []
+    stage = state.stages.get(plan)
+    graph = stage.graph if stage is not None else None
+    step_s = {**state.step_s, graph: event.compute_s} if graph and event.positions == 1 else state.step_s
+    extra = SlowdownPolicy(state.slowdown).extra_wait(event.compute_s, event.cpu_s)
+    state = replace(_with_lengths(state, graph, event.lengths), step_s=step_s, busy_s=state.busy_s + event.compute_s + extra,
+                    computed=state.computed + len(batch))
+    commands: list[Command] = [Wait(extra)] if extra > 0 else []
+    if stage is None:  # the plan was replaced while it computed: nobody waits for the result
+        return state, commands
+    out = event.out.astype(np.float16) if state.activation_dtype == "float16" and stage.next.kind == "worker" else event.out
+    elem = 2 if state.activation_dtype == "float16" else 4
+    fields = {"plan": plan, "batch": batch,
+              "timings": list(msg.get("timings") or []) + [[state.worker_id, (event.compute_s + extra) / state.misreport, event.positions, elem,
+                                                             len(batch)]]}
+    if stage.next.kind == "coordinator":
+        if not all(item.get("partial") for item in batch):  # replay frames before the last: no token wanted
+            commands.append(SendControl(Message(T.TOKEN, {**fields, "tokens": [int(t) for t in event.out], **event.logprobs})))
+        return state, commands
+    if stage.next.relay:
+        commands.append(SendControl(Message(T.FORWARD, {**fields, "relay_to": stage.next.id}, {"x": out})))
+    else:
+        commands.append(SendPeer(stage.next.url, plan, Message(T.FORWARD, fields, {"x": out}),
+                                 data_secret(state, stage.next.url, plan, stage.next.secret), stage.next.fingerprint, about=msg))
+    return state, commands
+
+
+def errors_for(msg: Message, code: ErrorCode, text: str) -> list[Command]:
+    """An ERROR to the coordinator for each sequence of a failed FORWARD (other frames: none)."""
+    if msg.type is not T.FORWARD:
+        return []
+    batch = msg.get("batch")
+    out: list[Command] = []
+    for item in batch if isinstance(batch, list) else [{}]:
+        item = item if isinstance(item, dict) else {}
+        out.append(SendControl(Message(T.ERROR, {"message": text, "code": code.value, "seq": item.get("seq"), "step": item.get("step"),
+                                                 "rid": item.get("rid")})))
+    return out
+
+
+def _failed(state: WorkerState, event: Failed) -> tuple[WorkerState, list[Command]]:
+    stage = state.stages.get(event.msg.get("plan")) if event.msg.type is T.FORWARD else None
+    if stage is not None:
+        state = _with_lengths(state, stage.graph, event.lengths)
+    if event.msg.type is T.KV:  # the mover waits for this move's answer
+        return state, [_kv_ack(event.msg.get("move"), ok=False, error=event.text)]
+    return state, errors_for(event.msg, event.code, event.text)
+
+
+def _with_lengths(state: WorkerState, graph: str | None, lengths: dict) -> WorkerState:
+    """The KV positions the runner now holds for these sequences (a session without decoder
+    layers holds none: nothing to track)."""
+    if graph is None or not lengths or not state.sessions.get(graph, Session(graph, False, False, 0, ())).layers:
+        return state
+    return replace(state, held={**state.held, graph: {**state.held.get(graph, {}), **lengths}})
+
+
+def _export(state: WorkerState, export: KvExport) -> tuple[WorkerState, list[Command]]:
+    stage = state.stages.get(export.plan)
+    if stage is None or export.seq not in state.held.get(stage.graph, {}) or not export.url:
+        why = f"no stage for plan {export.plan}" if stage is None else "no destination" if not export.url else f"{export.seq} is not held here"
+        return state, [_kv_ack(export.move, ok=False, error=why)]
+    return state, [ExportKv(export, stage.graph, data_secret(state, export.url, export.to_plan, export.secret))]
+
+
+def _export_failed(state: WorkerState, event: ExportFailed) -> tuple[WorkerState, list[Command]]:
+    return state, [_kv_ack(event.export.move, ok=False, error=event.error)]
+
+
+def _kv_ack(move: int, **fields) -> SendControl:
+    return SendControl(Message(T.LOADED, {"kv_received": move, **fields}))
+
+
+def _import(state: WorkerState, msg: Message) -> tuple[WorkerState, list[Command]]:
+    stage = state.stages.get(msg.get("plan"))
+    if stage is None:
+        return state, [_kv_ack(msg.get("move"), ok=False, error=f"no stage for plan {msg.get('plan')}")]
+    return state, [ImportKv(msg, stage.graph, state.sessions[stage.graph].layers)]
+
+
+def _imported(state: WorkerState, event: Imported) -> tuple[WorkerState, list[Command]]:
+    held = {**state.held.get(event.graph, {}), event.kv["seq"]: event.length}
+    return replace(state, held={**state.held, event.graph: held}), [
+        _kv_ack(event.kv["move"], plan=event.kv["plan"], ok=True, bytes=event.nbytes)]
+
+
+_HANDLERS = (
+    (Joined, _joined), (Pinged, _pinged), (Load, _load), (Fetched, _fetched), (Built, _built), (LoadFailed, _load_failed),
+    (Activate, _activate), (Drop, _drop), (Emulate, _emulate), (Probe, _probe), (StageTimed, _stage_timed),
+    (PeerMeasured, _peer_measured), (Computed, _computed), (Failed, _failed), (KvExport, _export), (ExportFailed, _export_failed),
+    (Imported, _imported),
+)
+
+
+# -- pure helpers the shell uses -----------------------------------------------------------------------------
+def data_secret(state: WorkerState, url: str | None, plan: int, given: str | None) -> str | None:
+    """The secret of the stage at ``url`` for ``plan``: as issued by the coordinator, else derived
+    from the join token, else none (a cluster without a join token is open)."""
+    from ..net import auth
+
+    if given:
+        return given
+    return auth.derived_secret(state.join_token, url, plan) if state.join_token and url else None
+
+
+def admit_data(state: WorkerState, plan: int | None, bearer_ok) -> int | None:
+    """The frame limit for a data-port connection that names ``plan`` (``bearer_ok(secret)``
+    says whether its Authorization presents ``secret``), or None to refuse it."""
+    if plan == PROBE_PLAN and bearer_ok(state.probe_secret):
+        return PROBE_PLAN_FRAME_LIMIT
+    stage = state.stages.get(plan) if plan is not None else None
+    if stage is not None and (stage.secret is None or bearer_ok(stage.secret)):
+        return stage.frame_limit
+    return None
+
+
+PROBE_PLAN_FRAME_LIMIT = (1 << 20) + limits.HEADER_SLACK_BYTES  # largest frame a probe connection may send

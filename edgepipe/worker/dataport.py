@@ -1,0 +1,96 @@
+"""A worker's data port: the WebSocket server its predecessor sends activations (and KV movers
+send KV) to. Nothing is read from a peer before its handshake names a plan this worker holds
+and presents that stage's secret (``core.admit_data``); only then is its frame limit raised to
+the plan's. Frames are checked with ``net.messages.parse`` and handed to the worker."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..net import auth, limits
+from ..net.channel import Channel, ChannelClosed, WebSocketChannel
+from ..net.messages import PROBE_PLAN, parse
+from ..net.protocol import MessageType as T, ProtocolError, decode, error_frame
+from . import core, links
+
+log = logging.getLogger("edgepipe.worker")
+
+
+class DataPort:
+    def __init__(self, worker):
+        self.worker = worker  # its state decides admission; its ``receive`` takes the frames
+        self.url: str | None = None
+        self.fingerprint: str | None = None  # sha256 of this port's certificate (TLS clusters)
+        self._plans: dict[int, int] = {}  # connection -> the plan its handshake was admitted for
+        self._refusals = limits.RateLimiter(rate_per_s=2.0, burst=20)
+
+    async def start(self):
+        import websockets
+
+        s = self.worker.s
+        server_tls = None
+        if s.tls_fingerprint:  # a cluster on TLS: activations go over wss too, with this worker's own certificate
+            from ..net import tls
+
+            cert, key = tls.make_self_signed(self.worker.cache.root / ".tls", ("127.0.0.1", "localhost", s.data_host,
+                                                                               s.advertise_host or s.data_host))
+            server_tls, self.fingerprint = tls.server_context(cert, key), tls.fingerprint_pem(cert.read_text())
+        # compression=None here and on every connection: activations and KV are float tensors that
+        # permessage-deflate (the library default) cannot shrink, and it ran at 5 MB/s on a loaded core.
+        server = await websockets.serve(self._handler, s.data_host, s.data_port, max_size=limits.HEADER_SLACK_BYTES, compression=None,
+                                        ping_interval=None, process_request=self._authorize, ssl=server_tls,
+                                        close_timeout=1)  # a peer cut for an oversized frame is dropped, not drained
+        port = server.sockets[0].getsockname()[1]
+        self.url = f"{'wss' if server_tls else 'ws'}://{s.advertise_host or s.data_host}:{port}"
+        return server
+
+    async def _handler(self, ws) -> None:
+        plan = self._plans.pop(id(ws), None)
+        if plan == PROBE_PLAN:  # a peer timing this link: answers leave through this worker's own (shaped) link
+            await links.echo_loop(self.worker._shape(WebSocketChannel(ws)))
+        elif plan is not None:
+            await self._data_loop(WebSocketChannel(ws), plan)
+
+    def _authorize(self, connection, request):
+        """Handshake check: the plan's stage secret, else 401 (or 429 once an address has been
+        refused too often); on success the frame limit becomes the plan's."""
+        peer = str((connection.remote_address or ("?",))[0])
+        try:
+            plan = int(request.headers.get(auth.PLAN_HEADER, ""))
+        except ValueError:
+            plan = None
+        limit = core.admit_data(self.worker.state, plan, lambda secret: auth.bearer_matches(request.headers.get("Authorization"), secret))
+        if limit is not None:
+            connection.protocol.max_message_size = limit
+            self._plans[id(connection)] = plan
+            return None
+        if not self._refusals.allow(peer, time.monotonic()):
+            return connection.respond(429, "too many refused connections\n")
+        log.warning("data port: refused %s (no valid credentials for a plan this worker holds)", peer)
+        return connection.respond(401, "data port: this stage's credentials are required\n")
+
+    async def _data_loop(self, channel: Channel, plan: int) -> None:
+        """Frames from the authenticated predecessor (or KV mover) of ``plan``: only FORWARD and
+        KV, and only for that plan."""
+        while True:
+            try:
+                raw = await channel.recv()
+            except ChannelClosed:
+                return
+            try:
+                msg = decode(raw)
+                if msg.type not in (T.FORWARD, T.KV):
+                    raise ProtocolError(f"{msg.type.value} is not accepted on the data port")
+                if msg.get("plan") != plan:
+                    raise ProtocolError(f"frame for plan {msg.get('plan')!r} on a connection for plan {plan}")
+                typed = parse(msg)
+            except ProtocolError as exc:
+                log.warning("rejected frame from %s: %s", channel.peer, exc)
+                try:
+                    await channel.send(error_frame(str(exc)))
+                    await channel.close("protocol error")
+                except ChannelClosed:
+                    pass
+                return
+            await self.worker.receive(msg, typed)

@@ -1,0 +1,146 @@
+"""The built stage sessions of a worker (ONNX Runtime), and the compute commands run on them.
+
+Each method carries out one of the core's commands and returns the event that reports it back
+(``core.Computed``, ``core.Imported``, ...). Compute runs in one thread so the event loop stays
+free for heartbeats and I/O; fast decode steps may run on the loop (the core decides)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ..emulate.slowdown import SlowdownPolicy
+from ..net.messages import ErrorCode
+from ..net.protocol import Message, MessageType as T, encode
+from ..runtime.prefix_store import PrefixMiss, PrefixStore
+from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner, spin_by_default
+from . import core
+
+
+def failure(exc: BaseException) -> tuple[ErrorCode, str]:
+    """The error code and one line for an exception raised by a stage run."""
+    if isinstance(exc, (ContextOverflow, KeyError, ValueError, RuntimeError)):
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        code = {ContextOverflow: ErrorCode.CONTEXT, KeyError: ErrorCode.NO_STAGE, PrefixMiss: ErrorCode.PREFIX_MISS}.get(type(exc),
+                                                                                                                    ErrorCode.BAD_INPUT)
+        return code, text
+    return ErrorCode.INTERNAL, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def session_of(graph: str, runner: StageRunner) -> core.Session:
+    shape = next(i for i in runner.session.get_inputs() if i.name == runner.input_name).shape
+    hidden = 0 if runner.takes_token_ids else (int(shape[-1]) if isinstance(shape[-1], int) else 0)
+    return core.Session(graph, runner.takes_token_ids, runner.emits_tokens, hidden, tuple(runner.layers), runner.vocab)
+
+
+class Runners:
+    def __init__(self, threads: int | None, spin: bool | None, device):
+        self.threads, self.spin, self.device = threads, spin, device
+        self.by_graph: dict[str, StageRunner] = {}
+        self.prefix: dict[int, PrefixStore] = {}  # plan -> its stage's cached prompt blocks (cluster.prefix decides)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="compute")
+
+    def build(self, graph: str, path, max_context: int | None) -> core.Session:
+        runner = StageRunner(path, threads=self.threads, max_context=max_context,
+                             spin=spin_by_default(self.threads) if self.spin is None else self.spin, device=self.device)
+        self.by_graph[graph] = runner
+        return session_of(graph, runner)
+
+    def keep(self, cmd: core.KeepSessions) -> None:
+        for graph in [g for g in self.by_graph if g not in cmd.graphs]:
+            del self.by_graph[graph]  # its memory goes back
+        if cmd.plans is not None:
+            self.prefix = {p: store for p, store in self.prefix.items() if p in cmd.plans}
+
+    def forget_sequences(self) -> None:
+        for runner in self.by_graph.values():
+            for seq in runner.sequences():
+                runner.drop(seq)
+        self.prefix.clear()
+
+    @property
+    def prefix_bytes(self) -> int:
+        return sum(store.nbytes for store in self.prefix.values())
+
+    def drop(self, cmd: core.DropSequence) -> None:
+        for graph in cmd.graphs:
+            if graph in self.by_graph:
+                self.by_graph[graph].drop(cmd.seq)
+
+    def kv_bytes(self, graphs) -> int:
+        return sum(self.by_graph[g].kv_bytes for g in set(graphs) if g in self.by_graph)
+
+    async def run(self, cmd: core.RunStage, joins: int, single_thread: bool) -> core.Computed | core.Failed:
+        """Run a FORWARD's batch; with one ORT thread (it is the calling one) also time its CPU."""
+        runner = self.by_graph[cmd.graph]
+        sampling = SamplingBatch.from_wire(cmd.forward["batch"], runner.vocab) if runner.emits_tokens else None
+
+        store = self.prefix.setdefault(cmd.forward["plan"], PrefixStore()) if cmd.prefixes else None
+
+        def timed():
+            for seq, entry in cmd.prefixes:  # install cached prompt blocks first: the frame starts after them
+                store.before(runner, seq, entry)
+            c0 = time.thread_time()
+            out = runner.run_batch(cmd.seqs, cmd.x, sampling)
+            cpu = time.thread_time() - c0 if single_thread else None
+            for seq, entry in cmd.prefixes:
+                store.after(runner, seq, entry)
+            return out, cpu
+
+        t0 = time.perf_counter()
+        try:
+            out, cpu = timed() if cmd.inline else await asyncio.get_running_loop().run_in_executor(self.pool, timed)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime errors must not kill the worker
+            return core.Failed(cmd.forward, *failure(exc), lengths=self._lengths(runner, cmd.seqs))
+        return core.Computed(cmd.forward, out, time.perf_counter() - t0, cpu, int(cmd.x.shape[1]), joins,
+                             self._lengths(runner, cmd.seqs), runner.logprobs_field(cmd.forward["batch"]) if runner.emits_tokens else {})
+
+    @staticmethod
+    def _lengths(runner: StageRunner, seqs: list[str]) -> dict:
+        return {s: runner.length(s) for s in seqs if s in runner.sequences()}
+
+    async def export(self, cmd: core.ExportKv) -> bytes:
+        """The KV frame for the move (copies and encodes hundreds of MB for long sequences: off the loop)."""
+        runner, e = self.by_graph[cmd.graph], cmd.export
+
+        def pack() -> bytes:
+            tensors = {k: v for k, v in runner.export_kv(e.seq).items() if e.start <= int(k.split(".")[1]) < e.end}
+            return encode(Message(T.KV, {"seq": e.seq, "plan": e.to_plan, "length": runner.length(e.seq), "move": e.move}, tensors))
+
+        return await asyncio.get_running_loop().run_in_executor(self.pool, pack)
+
+    async def import_kv(self, cmd: core.ImportKv) -> core.Imported:
+        runner, msg = self.by_graph[cmd.graph], cmd.kv
+        mine = {k: v for k, v in msg.tensors.items() if int(k.split(".")[1]) in cmd.layers}
+        length = msg.get("length")  # window layers' KV travels trimmed: the length says where it ends
+        await asyncio.get_running_loop().run_in_executor(  # a copy into the pool, maybe a regrowth: off the loop
+            self.pool, runner.import_kv, msg["seq"], mine, int(length) if isinstance(length, int) else None)
+        return core.Imported(msg, cmd.graph, runner.length(msg["seq"]), int(sum(v.nbytes for v in mine.values())))
+
+    async def time_stage(self, cmd: core.TimeStage, session: core.Session, slowdown: float) -> core.StageTimed:
+        """Decode steps of a built stage after a ``context``-position prefill, each as the device
+        (emulated slowdown included) takes it."""
+        runner, seq = self.by_graph[cmd.graph], f"probe-{time.monotonic_ns()}"
+        rng = np.random.default_rng(0)
+        make = (lambda n: rng.integers(0, 1000, (1, n))) if runner.takes_token_ids else (
+            lambda n: rng.standard_normal((1, n, session.hidden)).astype(np.float32))
+        sampling = SamplingBatch.greedy(1) if runner.emits_tokens else None
+        policy = SlowdownPolicy(slowdown)
+
+        def timed() -> list[float]:
+            times = []
+            try:
+                runner.run(seq, make(cmd.context), sampling)
+                for _ in range(cmd.reps):
+                    t0 = time.perf_counter()
+                    runner.run(seq, make(1), sampling)
+                    time.sleep(policy.extra_wait(time.perf_counter() - t0))
+                    times.append(time.perf_counter() - t0)
+            finally:
+                runner.drop(seq)
+            return times
+
+        return core.StageTimed(cmd.probe, await asyncio.get_running_loop().run_in_executor(self.pool, timed))

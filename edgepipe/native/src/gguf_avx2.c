@@ -153,38 +153,64 @@ static inline __m256i minimum_products(uint64_t minimums, const int16_t *bsums) 
     return _mm256_madd_epi16(sums, m16);
 }
 
-/* Sub-block j's scale in every int16 lane. */
-static inline __m256i scale_lanes(uint64_t scales, int j) { return _mm256_set1_epi16((short)((scales >> (8 * j)) & 0xFF)); }
+/* isum + the int16 pairs of `products` times `scales`, summed to int32 lanes (one VNNI
+ * instruction where built for it). */
+static inline __m256i add_scaled_pairs(__m256i isum, __m256i products, __m256i scales) {
+#ifdef GGUF_USE_VNNI
+    return _mm256_dpwssd_epi32(isum, products, scales);
+#else
+    return _mm256_add_epi32(isum, _mm256_madd_epi16(products, scales));
+#endif
+}
+
+/* Byte shuffles that spread one int16 of a 128-bit lane over the whole lane: SPREAD16(j) takes
+ * int16 j (bytes 2j, 2j+1) into all eight int16 lanes. */
+#define SPREAD16(j) ((char)(2 * (j))), ((char)(2 * (j) + 1))
+#define SPREAD16x8(j) SPREAD16(j), SPREAD16(j), SPREAD16(j), SPREAD16(j), SPREAD16(j), SPREAD16(j), SPREAD16(j), SPREAD16(j)
+
+/* Eight sub-block scales (bytes of `scales`) as int16 in both 128-bit lanes: a shuffle by
+ * `spread_k_scale(j)` then gives sub-block j's scale in every int16 lane. */
+static inline __m256i k_scales16(uint64_t scales) {
+    return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scales)));
+}
 
 TILE_KERNEL tile_q4_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const act_tile_scales32 *sc, const int rows,
                       float *y, size_t ys) {
     (void)sc; /* 256-blocks read their scales from the rows */
     const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i spread[8] = {
+        _mm256_setr_epi8(SPREAD16x8(0), SPREAD16x8(0)), _mm256_setr_epi8(SPREAD16x8(1), SPREAD16x8(1)),
+        _mm256_setr_epi8(SPREAD16x8(2), SPREAD16x8(2)), _mm256_setr_epi8(SPREAD16x8(3), SPREAD16x8(3)),
+        _mm256_setr_epi8(SPREAD16x8(4), SPREAD16x8(4)), _mm256_setr_epi8(SPREAD16x8(5), SPREAD16x8(5)),
+        _mm256_setr_epi8(SPREAD16x8(6), SPREAD16x8(6)), _mm256_setr_epi8(SPREAD16x8(7), SPREAD16x8(7)),
+    };
     const act_block256 *x[GGUF_TILE_ROWS];
     __m256 acc[GGUF_TILE_ROWS], acc_min[GGUF_TILE_ROWS];
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 144) {
         uint64_t scale, minimum;
         unpack_k_scales(w + 4, &scale, &minimum);
+        const __m256i scales16 = k_scales16(scale);
         const uint8_t *qs = w + 16;
-        __m256i isum[GGUF_TILE_ROWS];
-        for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
+        __m256i isum[GGUF_TILE_ROWS], isum_hi[GGUF_TILE_ROWS];
+        for (int r = 0; r < rows; r++) isum[r] = isum_hi[r] = _mm256_setzero_si256();
         for (int g = 0; g < 4; g++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
             __m256i lo = _mm256_and_si256(v, low);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            __m256i scale_lo = scale_lanes(scale, 2 * g), scale_hi = scale_lanes(scale, 2 * g + 1);
+            __m256i scale_lo = _mm256_shuffle_epi8(scales16, spread[2 * g]);
+            __m256i scale_hi = _mm256_shuffle_epi8(scales16, spread[2 * g + 1]);
             for (int r = 0; r < rows; r++) {
                 const int8_t *xq = x[r][b].qs;
                 __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * g)));
                 __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * g + 32)));
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p_lo, scale_lo));
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p_hi, scale_hi));
+                isum[r] = add_scaled_pairs(isum[r], p_lo, scale_lo);
+                isum_hi[r] = add_scaled_pairs(isum_hi[r], p_hi, scale_hi);
             }
         }
         float d = half_at(w), dmin = half_at(w + 2);
         for (int r = 0; r < rows; r++) {
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][b].d * d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][b].d * d), _mm256_cvtepi32_ps(_mm256_add_epi32(isum[r], isum_hi[r])), acc[r]);
             acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][b].d * dmin),
                                          _mm256_cvtepi32_ps(minimum_products(minimum, x[r][b].bsums)), acc_min[r]);
         }
@@ -196,12 +222,19 @@ TILE_KERNEL tile_q5_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
                       float *y, size_t ys) {
     (void)sc; /* 256-blocks read their scales from the rows */
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i spread[8] = {
+        _mm256_setr_epi8(SPREAD16x8(0), SPREAD16x8(0)), _mm256_setr_epi8(SPREAD16x8(1), SPREAD16x8(1)),
+        _mm256_setr_epi8(SPREAD16x8(2), SPREAD16x8(2)), _mm256_setr_epi8(SPREAD16x8(3), SPREAD16x8(3)),
+        _mm256_setr_epi8(SPREAD16x8(4), SPREAD16x8(4)), _mm256_setr_epi8(SPREAD16x8(5), SPREAD16x8(5)),
+        _mm256_setr_epi8(SPREAD16x8(6), SPREAD16x8(6)), _mm256_setr_epi8(SPREAD16x8(7), SPREAD16x8(7)),
+    };
     const act_block256 *x[GGUF_TILE_ROWS];
     __m256 acc[GGUF_TILE_ROWS], acc_min[GGUF_TILE_ROWS];
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 176) {
         uint64_t scale, minimum;
         unpack_k_scales(w + 4, &scale, &minimum);
+        const __m256i scales16 = k_scales16(scale);
         const uint8_t *qs = w + 48;
         __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
         __m256i isum[GGUF_TILE_ROWS];
@@ -213,13 +246,14 @@ TILE_KERNEL tile_q5_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
             qh = _mm256_srli_epi16(qh, 2);
             __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), h_lo);
             __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), h_hi);
-            __m256i scale_lo = scale_lanes(scale, 2 * g), scale_hi = scale_lanes(scale, 2 * g + 1);
+            __m256i scale_lo = _mm256_shuffle_epi8(scales16, spread[2 * g]);
+            __m256i scale_hi = _mm256_shuffle_epi8(scales16, spread[2 * g + 1]);
             for (int r = 0; r < rows; r++) {
                 const int8_t *xq = x[r][b].qs;
                 __m256i p_lo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * g)));
                 __m256i p_hi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * g + 32)));
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p_lo, scale_lo));
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p_hi, scale_hi));
+                isum[r] = add_scaled_pairs(isum[r], p_lo, scale_lo);
+                isum[r] = add_scaled_pairs(isum[r], p_hi, scale_hi);
             }
         }
         float d = half_at(w), dmin = half_at(w + 2);
@@ -232,45 +266,52 @@ TILE_KERNEL tile_q5_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
     for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(_mm256_sub_ps(acc[r], acc_min[r]));
 }
 
+/* Q6_K: 32 values (h, k) take scale 8h + 2k in the low 128-bit lane and 8h + 2k + 1 in the high
+ * one; with one half's eight scales as int16 in both lanes, SPREAD16 of 2k (low) and 2k + 1 (high). */
 TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const act_tile_scales32 *sc, const int rows,
                       float *y, size_t ys) {
     (void)sc; /* 256-blocks read their scales from the rows */
-    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+    const __m256i low = _mm256_set1_epi8(0x0F), high_mask = _mm256_set1_epi8(0x30);
+    const __m256i spread[4] = {
+        _mm256_setr_epi8(SPREAD16x8(0), SPREAD16x8(1)), _mm256_setr_epi8(SPREAD16x8(2), SPREAD16x8(3)),
+        _mm256_setr_epi8(SPREAD16x8(4), SPREAD16x8(5)), _mm256_setr_epi8(SPREAD16x8(6), SPREAD16x8(7)),
+    };
     const act_block256 *x[GGUF_TILE_ROWS];
     __m256 acc[GGUF_TILE_ROWS];
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210) {
         const uint8_t *ql = w, *qhp = w + 128;
         const int8_t *scales = (const int8_t *)(w + 192);
-        __m256i isum[GGUF_TILE_ROWS];
-        for (int r = 0; r < rows; r++) isum[r] = _mm256_setzero_si256();
+        const __m128i scale_bytes = _mm_loadu_si128((const __m128i *)scales);
+        __m256i isum[GGUF_TILE_ROWS], isum_odd[GGUF_TILE_ROWS]; /* two integer chains: k even, k odd */
+        for (int r = 0; r < rows; r++) isum[r] = isum_odd[r] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m256i a = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
             __m256i c = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
             __m256i qh = _mm256_loadu_si256((const __m256i *)(qhp + 32 * h));
-            __m256i codes[4] = {
-                _mm256_and_si256(a, low),
-                _mm256_and_si256(c, low),
-                _mm256_and_si256(_mm256_srli_epi16(a, 4), low),
-                _mm256_and_si256(_mm256_srli_epi16(c, 4), low),
+            __m256i half_scales = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(h ? _mm_srli_si128(scale_bytes, 8) : scale_bytes));
+            /* code k: a nibble, and bits 2k, 2k+1 of qh moved to bits 4, 5 */
+            __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(a, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), high_mask)),
+                _mm256_or_si256(_mm256_and_si256(c, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), high_mask)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low), _mm256_and_si256(qh, high_mask)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low), _mm256_and_si256(_mm256_srli_epi16(qh, 2), high_mask)),
             };
             for (int k = 0; k < 4; k++) {
-                __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), two);
-                __m256i q = _mm256_or_si256(codes[k], _mm256_slli_epi16(high, 4));
-                int base = 128 * h + 32 * k; /* 32 values = scale groups base/16 and base/16 + 1 */
-                __m256i sc = _mm256_set_m128i(_mm_set1_epi16(scales[base / 16 + 1]), _mm_set1_epi16(scales[base / 16]));
+                __m256i scale = _mm256_shuffle_epi8(half_scales, spread[k]);
                 for (int r = 0; r < rows; r++) {
-                    __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x[r][b].qs + base)));
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, sc));
+                    __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i *)(x[r][b].qs + 128 * h + 32 * k)));
+                    if (k & 1) isum_odd[r] = add_scaled_pairs(isum_odd[r], p, scale);
+                    else isum[r] = add_scaled_pairs(isum[r], p, scale);
                 }
             }
         }
         /* the codes are q + 32: take 32 x scale x (sum of the 16 activations) back out */
-        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scales));
+        __m256i sc16 = _mm256_cvtepi8_epi16(scale_bytes);
         float d = half_at(w + 208);
         for (int r = 0; r < rows; r++) {
             __m256i sums = _mm256_loadu_si256((const __m256i *)x[r][b].bsums);
-            isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16), 5));
+            isum[r] = _mm256_sub_epi32(_mm256_add_epi32(isum[r], isum_odd[r]), _mm256_slli_epi32(_mm256_madd_epi16(sums, sc16), 5));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][b].d * d), _mm256_cvtepi32_ps(isum[r]), acc[r]);
         }
     }
@@ -280,17 +321,17 @@ TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
 /* The tile entry point of each type: constant row counts, so each tile is compiled with its loops
  * unrolled and its accumulators in registers (rows = 1 is the decode step's one-row dot). */
 #define KERNELS(name)                                                                                  \
-    static void rows_##name(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, \
-                            int rows, float *y, size_t ys) {                                           \
+    static void rows_##name(int64_t nb, const uint8_t *w, int64_t weight_rows, int64_t row_bytes, const void *x, \
+                            size_t xs, const act_tile_scales32 *sc, int rows, float *y, size_t ys) {   \
         switch (rows) {                                                                                \
-        case 1: tile_##name(nb, w, x, xs, sc, 1, y, ys); break;                                        \
-        case 2: tile_##name(nb, w, x, xs, sc, 2, y, ys); break;                                        \
-        case 3: tile_##name(nb, w, x, xs, sc, 3, y, ys); break;                                        \
-        case 4: tile_##name(nb, w, x, xs, sc, 4, y, ys); break;                                        \
-        case 5: tile_##name(nb, w, x, xs, sc, 5, y, ys); break;                                        \
-        case 6: tile_##name(nb, w, x, xs, sc, 6, y, ys); break;                                        \
-        case 7: tile_##name(nb, w, x, xs, sc, 7, y, ys); break;                                        \
-        default: tile_##name(nb, w, x, xs, sc, 8, y, ys); break;                                       \
+        case 1: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, sc, 1, y + i, ys); break; \
+        case 2: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, sc, 2, y + i, ys); break; \
+        case 3: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, sc, 3, y + i, ys); break; \
+        case 4: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, sc, 4, y + i, ys); break; \
+        case 5: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, sc, 5, y + i, ys); break; \
+        case 6: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, sc, 6, y + i, ys); break; \
+        case 7: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, sc, 7, y + i, ys); break; \
+        default: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, sc, 8, y + i, ys); break; \
         }                                                                                              \
     }
 KERNELS(q4_0)

@@ -20,12 +20,13 @@ enum {
     GGUF_TYPE_SLOTS = 16
 };
 
-/* Activations quantized per 256 for the k-quants: scale, 8-bit values, sums of each 16. */
+/* Activations quantized per 256 for the k-quants: 8-bit values, sums of each 16, scale. 64-byte
+ * aligned and sized (the buffers are), so no 32-byte load of the values straddles a cache line. */
 typedef struct {
-    float d;
     int8_t qs[256];
     int16_t bsums[16];
-} act_block256;
+    float d;
+} __attribute__((aligned(64))) act_block256;
 
 /* Activations quantized per 32 for the 32-blocks: scale, scale x sum of values, 8-bit values. */
 typedef struct {
@@ -44,15 +45,17 @@ typedef struct {
     float ds[GGUF_TILE_ROWS];
 } act_tile_scales32;
 
-/* One weight row of `nblocks` GGUF blocks against `rows` (1..GGUF_TILE_ROWS) quantized
- * activation rows `activation_stride` bytes apart: y[r * y_stride] = the dot product with row r.
- * `tile_scales` (32-block types: nblocks entries; NULL for the 256-block types) repeats the rows'
- * block scales by block; a kernel may read them there instead of from the rows (same values). Each weight block is unpacked once for all rows,
- * and each row's float arithmetic is exactly the one-row dot's, so a row's result does not
- * depend on how many rows share the call (batch invariance, bit for bit). */
-typedef void (*gguf_rows_dot)(int64_t nblocks, const uint8_t *weights, const void *activations,
-                              size_t activation_stride, const act_tile_scales32 *tile_scales, int rows, float *y,
-                              size_t y_stride);
+/* `weight_rows` consecutive weight rows (`row_bytes` apart) of `nblocks` GGUF blocks each against
+ * `rows` (1..GGUF_TILE_ROWS) quantized activation rows `activation_stride` bytes apart:
+ * y[r * y_stride + i] = the dot product of weight row i with activation row r. `tile_scales`
+ * (32-block types: nblocks entries; NULL for the 256-block types) repeats the rows' block scales
+ * by block; a kernel may read them there instead of from the rows (same values). Each weight
+ * block is unpacked once for all rows, and each row's float arithmetic is exactly the one-row
+ * dot's, so a row's result does not depend on how many rows share the call (batch invariance,
+ * bit for bit). Several weight rows per call let a kernel set up its constants once. */
+typedef void (*gguf_rows_dot)(int64_t nblocks, const uint8_t *weights, int64_t weight_rows, int64_t row_bytes,
+                              const void *activations, size_t activation_stride, const act_tile_scales32 *tile_scales,
+                              int rows, float *y, size_t y_stride);
 
 /* One ISA's kernels, indexed by GGML type id (NULL where the type is not supported). */
 typedef struct {
@@ -80,5 +83,7 @@ void gguf_dequantize_row(int qtype, const uint8_t *row, float *out, int64_t k);
 void gguf_table_portable(gguf_kernel_table *table);
 void gguf_table_avx2(gguf_kernel_table *table);
 void gguf_table_avx512vnni(gguf_kernel_table *table);
+void gguf_table_neon(gguf_kernel_table *table);
+void gguf_table_neon_dotprod(gguf_kernel_table *table);
 
 #endif

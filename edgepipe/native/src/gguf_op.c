@@ -10,7 +10,8 @@
  * fp32. Output rows are split over ONNX Runtime's intra-op thread pool; within a task each weight
  * row meets the activation rows a tile of GGUF_TILE_ROWS at a time (a row's result does not depend
  * on the tile: batch-invariant bit for bit). The ISA is picked at
- * kernel creation: the best the CPU supports, or EDGEPIPE_GGUF_ISA (portable|avx2|avx512vnni). */
+ * kernel creation: the best the CPU supports, or EDGEPIPE_GGUF_ISA (portable|avx2|avx512vnni on
+ * x86-64, portable|neon|neon_dotprod on ARM64). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,11 +23,17 @@
 #include <cpuid.h>
 #define EDGEPIPE_X86 1
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#endif
 
 #define ORT_API_VERSION_USED 20 /* ONNX Runtime 1.20+: every slot in ort_abi.h exists there */
 
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
-static const char *const ISA_NAMES[] = {"portable", "avx2", "avx512vnni"};
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, ISA_NEON = 3, ISA_NEON_DOTPROD = 4, ISA_COUNT = 5 };
+static const char *const ISA_NAMES[] = {"portable", "avx2", "avx512vnni", "neon", "neon_dotprod"};
 
 /* ---- ISA detection ---- */
 
@@ -57,7 +64,22 @@ static int best_isa(void) {
 #endif
     (void)avx512f; (void)avx512bw; (void)avx512vl; (void)vnni; (void)avx2; (void)fma; (void)f16c; (void)xcr0;
 #endif
+#ifdef EDGEPIPE_HAVE_NEON
+    best = ISA_NEON; /* Advanced SIMD is part of every ARMv8-A CPU */
+#endif
+#if defined(EDGEPIPE_HAVE_NEON_DOTPROD) && defined(__linux__)
+    if (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) best = ISA_NEON_DOTPROD;
+#endif
     return best;
+}
+
+/* Whether `isa` runs here: the ISAs of one architecture form a ladder up to the best one. */
+static int isa_available(int isa) {
+    int best = best_isa();
+    if (isa == ISA_PORTABLE || isa == best) return 1;
+    if (best == ISA_AVX512VNNI) return isa == ISA_AVX2;
+    if (best == ISA_NEON_DOTPROD) return isa == ISA_NEON;
+    return 0;
 }
 
 /* The ISA to use: EDGEPIPE_GGUF_ISA if set (must be supported here), else the best. -1 on error. */
@@ -65,15 +87,15 @@ static int chosen_isa(char *error, size_t error_size) {
     int best = best_isa();
     const char *wanted = getenv("EDGEPIPE_GGUF_ISA");
     if (wanted == NULL || wanted[0] == '\0') return best;
-    for (int isa = 0; isa <= ISA_AVX512VNNI; isa++) {
+    for (int isa = 0; isa < ISA_COUNT; isa++) {
         if (strcmp(wanted, ISA_NAMES[isa]) == 0) {
-            if (isa <= best) return isa;
+            if (isa_available(isa)) return isa;
             snprintf(error, error_size, "EDGEPIPE_GGUF_ISA=%s: this CPU or build supports up to %s", wanted,
                      ISA_NAMES[best]);
             return -1;
         }
     }
-    snprintf(error, error_size, "EDGEPIPE_GGUF_ISA=%s: not one of portable, avx2, avx512vnni", wanted);
+    snprintf(error, error_size, "EDGEPIPE_GGUF_ISA=%s: not one of portable, avx2, avx512vnni, neon, neon_dotprod", wanted);
     return -1;
 }
 
@@ -84,6 +106,12 @@ static void fill_table(int isa, gguf_kernel_table *table) {
 #endif
 #ifdef EDGEPIPE_HAVE_AVX2
     case ISA_AVX2: gguf_table_avx2(table); return;
+#endif
+#ifdef EDGEPIPE_HAVE_NEON
+    case ISA_NEON: gguf_table_neon(table); return;
+#endif
+#ifdef EDGEPIPE_HAVE_NEON_DOTPROD
+    case ISA_NEON_DOTPROD: gguf_table_neon_dotprod(table); return;
 #endif
     default: gguf_table_portable(table); return;
     }
@@ -111,7 +139,8 @@ typedef struct {
 
 /* Room for m quantized rows (and their tile scales); 0 or -1 when out of memory. */
 static int alloc_activations(matmul_job *job, int64_t m) {
-    job->xq = malloc(job->xq_row_bytes * (size_t)(m > 0 ? m : 1));
+    size_t bytes = job->xq_row_bytes * (size_t)(m > 0 ? m : 1);
+    job->xq = aligned_alloc(64, (bytes + 63) / 64 * 64); /* 64-byte blocks of 256 values start on cache lines */
     job->scales = NULL;
     if (job->plan->type->block_values == 32) {
         size_t tiles = (size_t)((m + GGUF_TILE_ROWS - 1) / GGUF_TILE_ROWS);
@@ -157,10 +186,8 @@ static void product_rows(const matmul_job *job, int64_t n0, int64_t n1) {
         int rows = job->m - m < GGUF_TILE_ROWS ? (int)(job->m - m) : GGUF_TILE_ROWS;
         const char *xq = (const char *)job->xq + m * job->xq_row_bytes;
         const act_tile_scales32 *scales = job->scales ? job->scales + (m / GGUF_TILE_ROWS) * job->nblocks : NULL;
-        for (int64_t n = n0; n < n1; n++) {
-            rows_dot(job->nblocks, job->w + n * job->row_bytes, xq, job->xq_row_bytes, scales, rows, job->y + m * job->n + n,
-                     (size_t)job->n);
-        }
+        rows_dot(job->nblocks, job->w + n0 * job->row_bytes, n1 - n0, job->row_bytes, xq, job->xq_row_bytes, scales, rows,
+                 job->y + m * job->n + n0, (size_t)job->n);
     }
 }
 
@@ -232,10 +259,10 @@ __attribute__((visibility("default"))) const char *edgepipe_gguf_matmul(int qtyp
                                                                          int64_t row_bytes, float *y) {
     static char error[512];
     int isa = -1;
-    for (int i = 0; i <= ISA_AVX512VNNI; i++) {
+    for (int i = 0; i < ISA_COUNT; i++) {
         if (strcmp(isa_name, ISA_NAMES[i]) == 0) isa = i;
     }
-    if (isa < 0 || isa > best_isa()) {
+    if (isa < 0 || !isa_available(isa)) {
         snprintf(error, sizeof error, "ISA %s not available here (best: %s)", isa_name, ISA_NAMES[best_isa()]);
         return error;
     }

@@ -41,17 +41,27 @@ static inline float half_at(const uint8_t *p) { return gguf_half_to_float((uint1
 
 /* d = amax / 127 and q = rint(x * (127 / amax)): the rule the numpy reference in the tests repeats. */
 static float quantize_span(const float *x, int8_t *q, int n) {
-    float amax = 0.0f;
-    for (int i = 0; i < n; i++) {
-        float a = fabsf(x[i]);
-        if (a > amax) amax = a;
+    float lane_max[8] = {0}; /* n is a multiple of 32: eight independent maxima, then theirs (the same value) */
+    for (int i = 0; i < n; i += 8) {
+        for (int j = 0; j < 8; j++) {
+            float a = fabsf(x[i + j]);
+            lane_max[j] = a > lane_max[j] ? a : lane_max[j];
+        }
     }
+    float amax = 0.0f;
+    for (int j = 0; j < 8; j++) amax = lane_max[j] > amax ? lane_max[j] : amax;
     if (amax == 0.0f) {
         memset(q, 0, (size_t)n);
         return 0.0f;
     }
     float inverse = 127.0f / amax;
-    for (int i = 0; i < n; i++) q[i] = (int8_t)nearbyintf(x[i] * inverse);
+    /* rint by the 1.5 x 2^23 addition: for |v| <= 127 the sum's last place is 1, so the addition
+     * rounds v to an integer half to even, as nearbyintf does, without a libm call per value */
+    const float shift = 12582912.0f;
+    for (int i = 0; i < n; i++) {
+        float v = x[i] * inverse;
+        q[i] = (int8_t)(int)((v + shift) - shift);
+    }
     return amax / 127.0f;
 }
 
@@ -312,10 +322,13 @@ void gguf_dequantize_row(int qtype, const uint8_t *w, float *out, int64_t k) {
 
 /* The portable path runs a tile row by row: the same arithmetic, no shared unpacking. */
 #define ROWS_BY_DOT(name)                                                                               \
-    static void rows_##name(int64_t nb, const uint8_t *w, const void *x, size_t x_stride,                \
-                            const act_tile_scales32 *scales, int rows, float *y, size_t y_stride) {    \
+    static void rows_##name(int64_t nb, const uint8_t *w, int64_t weight_rows, int64_t row_bytes,       \
+                            const void *x, size_t x_stride, const act_tile_scales32 *scales, int rows, \
+                            float *y, size_t y_stride) {                                               \
         (void)scales;                                                                                  \
-        for (int r = 0; r < rows; r++) y[r * y_stride] = dot_##name(nb, w, (const char *)x + r * x_stride);   \
+        for (int64_t i = 0; i < weight_rows; i++)                                                      \
+            for (int r = 0; r < rows; r++)                                                             \
+                y[r * y_stride + i] = dot_##name(nb, w + i * row_bytes, (const char *)x + r * x_stride); \
     }
 ROWS_BY_DOT(q4_0)
 ROWS_BY_DOT(q4_1)

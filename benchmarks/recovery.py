@@ -212,7 +212,7 @@ def report(rows: list[dict], args, run: Conditions) -> None:
         lines.append("Memory budgets are emulation (a worker refuses a stage above its budget); compute is not slowed.")
     text = "\n".join(lines)
     print(text)
-    name = "recovery" + ("-smoke" if args.smoke else "") + ("" if args.placement == "planner" else f"-{args.placement}")
+    name = "recovery" + ("-chunk" if "chunk" in args.replay.split(",") else "") + ("-smoke" if args.smoke else "") + ("" if args.placement == "planner" else f"-{args.placement}")
     write_results(name, {"conditions": conditions, **run.as_dict(), "summary": summary, "trials": rows}, text)
 
 

@@ -96,25 +96,34 @@ def trial(home: Path, args, expected: str, index: int, kill_at: int, replay: str
             time.sleep(0.2)
         # a short warm-up request so that the first timed steps are not first-run steps
         server.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True}).raise_for_status()
-        status = server.status()
-        stages = status["plan"]["stages"]
-        stage_workers = [s["worker"] for s in stages]
-        spare_workers = {w for w, _, _ in spare["stages"]} if spare else set()
-        candidates = [w for w in stage_workers if w not in spare_workers] if spare else []
-        victim_id = candidates[0] if candidates else stage_workers[-1]
-        victim = next(w for w in status["workers"] if w["id"] == victim_id)
-        kill = {}
+        kill, chosen = {}, {}
+
+        def choose() -> None:
+            """The victim from the plan serving now (the planner may have moved it since the warm-up)."""
+            status = server.status()
+            stages = status["plan"]["stages"]
+            spare = next((e for e in reversed(events(server)) if e["kind"] == "spare"), None)
+            spare_workers = {w for w, _, _ in spare["stages"]} if spare else set()
+            stage_workers = [s["worker"] for s in stages]
+            candidates = [w for w in stage_workers if w not in spare_workers] if spare else []
+            victim_id = candidates[0] if candidates else stage_workers[-1]
+            chosen.update(stages=stages, spare=spare, spare_workers=spare_workers, victim_id=victim_id,
+                          victim=next(w for w in status["workers"] if w["id"] == victim_id))
+
+        choose()
 
         def on_chunk(n: int) -> None:
             if n == kill_at and not kill:
+                choose()
                 kill["wall"] = time.time()
                 kill["t"] = time.monotonic()
-                os.kill(victim["pid"], signal.SIGKILL)
+                os.kill(chosen["victim"]["pid"], signal.SIGKILL)
 
         t0 = time.monotonic()
         text, times = stream(server.url, args.tokens, on_chunk, timeout=args.request_timeout)
         total_s = time.monotonic() - t0
         evs = events(server)
+        stages, spare, spare_workers, victim_id = chosen["stages"], chosen["spare"], chosen["spare_workers"], chosen["victim_id"]
         after = [e for e in evs if e["t"] >= kill.get("wall", float("inf")) - 0.001]
         recovered = [e for e in after if e["kind"] == "recovered"]
         ups = [e for e in after if e["kind"] == "up"]
@@ -186,7 +195,7 @@ def report(rows: list[dict], args, run: Conditions) -> None:
     def f(x, d=3):
         return "–" if x is None else f"{x:.{d}f}"
 
-    lines = [f"# Recovery after a worker is SIGKILLed mid-stream", "", conditions, "",
+    lines = ["# Recovery after a worker is SIGKILLed mid-stream", "", conditions, "",
              "| trial | replay | kill after chunk | plan (worker units) | victim | spare before kill | gap before/after kill s | kill → next chunk s | coordinator recovered s | new plan prepare s | detect / plan / load / replay+step s | tokens match |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -235,9 +235,9 @@ def serve(
                                               help="Speculative decoding: 'ngram' (prompt lookup) or a draft model with the same "
                                                    "tokenizer (package name or GGUF path), run in this process."),
     verify_form: bool = typer.Option(False, "--verify-form",
-                                     help="Stages run the verify form (implied by --speculative): every position of a chunk has a "
-                                          "decode step's bits, so a lost worker's sequences are rebuilt by one prefill each, not one "
-                                          "step per generated token. CPU workers only; ~20%% slower decode on 4-bit MatMulNBits stages."),
+                                     help="Stages run the verify form and a lost worker's sequences are rebuilt by one prefill each, "
+                                          "not one step per generated token (experimental: 1 of 18 measured recoveries streamed other "
+                                          "text). CPU workers only; ~20%% slower decode on 4-bit MatMulNBits stages."),
     draft_k: int = typer.Option(8, "--draft-k", min=1, max=32, help="Most drafted tokens per verify pass."),
     draft_threads: Optional[int] = typer.Option(None, "--draft-threads", min=1, help="Threads of the draft model in this process."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache",

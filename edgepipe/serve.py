@@ -53,7 +53,7 @@ class ServeSettings:
     speculative: str | None = None  # speculative decoding: "ngram" (prompt lookup) or a draft model with the same tokenizer
     draft_k: int = 8  # most drafted tokens per verify pass (fewer while the target rejects them)
     draft_threads: int | None = None  # the draft model's threads in this process
-    verify_form: bool = False  # stages run the verify form without a drafter: exact one-prefill replay (implied by speculative)
+    verify_form: bool = False  # stages run the verify form and a lost sequence is rebuilt by one prefill (experimental)
     prefix_cache_positions: int = 4096  # KV positions of cached prompt prefixes per stage (0: no prefix cache)
 
 
@@ -170,6 +170,7 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
                                                                  calibration_file=settings.calibration_file,
                                                                  batch_invariant=settings.batch_invariant,
                                                                  speculative=settings.speculative is not None or settings.verify_form,
+                                                                 replay_in_one_prefill=settings.verify_form,
                                                                  prefix_cache_positions=settings.prefix_cache_positions), plan_fn=plan_fn,
                               speculation=build_speculation(settings.speculative, package, settings.draft_k, settings.draft_threads)
                               if settings.speculative else None)

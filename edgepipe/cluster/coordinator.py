@@ -64,7 +64,8 @@ class CoordinatorSettings:
     max_wait_s: float = 300.0  # a request without progress for this long fails (cluster down, pipeline failing)
     calibration_file: str | None = None  # calibrations kept here survive a coordinator restart
     batch_invariant: bool = False  # stages run graphs that give a sequence the same bits alone as batched (graphs.pad_lone_rows)
-    speculative: bool = False  # stages run the verify form (graphs.verify_form): decode steps may carry drafted tokens, a replay is one prefill
+    speculative: bool = False  # stages run the verify form (graphs.verify_form): decode steps may carry drafted tokens
+    replay_in_one_prefill: bool = False  # with the verify form: a lost sequence's KV is rebuilt by one prefill (serve --verify-form)
     prefix_cache_positions: int = 4096  # KV positions each stage may keep of cached prompt prefixes (0: no prefix cache)
     prefix_block: int = 32  # token ids per cached block (cluster.prefix)
 

@@ -104,7 +104,7 @@ class Steps:
         # can flip a near-tie). Sent as separate frames, the stages work on them as a pipeline;
         # only the last frame's token comes back. In the verify form every position of a chunk
         # has a decode step's bits (graphs.verify_form), so the whole replay is one prefill.
-        one_by_one = replay_from and not c.settings.speculative
+        one_by_one = replay_from and not (c.settings.speculative and c.settings.replay_in_one_prefill)
         chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if one_by_one else [feed]
         # A prompt prefill from position 0 may start from cached blocks (cluster.prefix). Prompt
         # logprobs need every position's logits: such a prefill saves blocks but reuses none.

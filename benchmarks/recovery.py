@@ -83,6 +83,7 @@ def trial(home: Path, args, expected: str, index: int, kill_at: int, replay: str
     sargs = ("--placement", args.placement, "--worker-threads", str(args.threads), "--max-active", "1")
     if replay == "chunk":  # the verify form: a replay is one prefill (graphs.verify_form)
         sargs += ("--verify-form",)
+    sargs += tuple(args.serve_args.split())
     if worker_flags:
         sargs += ("--worker-args", worker_flags)
     with Server(home, workers=3, args=sargs, timeout=240) as server:
@@ -139,6 +140,8 @@ def trial(home: Path, args, expected: str, index: int, kill_at: int, replay: str
             "spare_stages": spare["stages"] if spare else None,
             "spare_avoids_victim": bool(spare) and victim_id not in spare_workers,
             "tokens_match": text == expected, "chunks": len(times),
+            "first_difference": next((i for i, (a, b) in enumerate(zip(text, expected)) if a != b), None if text == expected else min(len(text), len(expected))),
+            "text_at_difference": None if text == expected else text[max(0, len(text[:next((i for i, (a, b) in enumerate(zip(text, expected)) if a != b), 0)]) - 40):][:120],
             "gap_s": times[k] - times[k - 1] if len(times) > k else None,
             "kill_to_next_chunk_s": times[k] - kill["t"] if len(times) > k and kill else None,
             "median_chunk_gap_s": statistics.median(normal) if normal else None,
@@ -236,6 +239,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--request-timeout", type=float, default=180)
     ap.add_argument("--smoke", action="store_true", help="2 trials of 64 tokens, kill after chunk 16")
+    ap.add_argument("--serve-args", default="", help="more serve flags for every trial (e.g. --no-prefix-cache)")
     ap.add_argument("--replay", default="steps", help="comma list of steps (plain graphs: a decode step per generated token) "
                                                         "and chunk (--verify-form: one prefill); trials rotate")
     args = ap.parse_args()

@@ -20,7 +20,7 @@ from ..runtime.devices import resolve as resolve_device
 from . import core, links
 from .blobcache import BlobCache
 from .dataport import DataPort
-from .runners import Runners
+from .runners import Runners, failure
 from .settings import WorkerSettings, default_cache, gguf_kernel, reconnect_delay, system_memory
 
 log = logging.getLogger("edgepipe.worker")
@@ -104,8 +104,6 @@ class Worker:
             try:
                 event = await self.runners.import_kv(cmd)
             except Exception as exc:  # noqa: BLE001 - a bad KV frame must not kill the worker
-                from .runners import failure
-
                 event = core.Failed(cmd.kv, *failure(exc))
             await self.feed(event)
         elif isinstance(cmd, core.SendLinkPayload):

@@ -27,7 +27,10 @@ err = Console(stderr=True)
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError, MemoryError, OSError)
 
 HomeOption = typer.Option(None, "--home", help="Where packages and caches live (default: $EDGEPIPE_HOME or the user data dir).")
-PrecisionOption = typer.Option("int4", "--precision", "-p", help="native (the GGUF's own blocks, exactly) | int4 | int8 | fp32 (re-quantize)")
+PrecisionOption = typer.Option("native", "--precision", "-p",
+                               help="native: the file's own model, exactly (default; run by the GGUF kernel library where it builds and "
+                                    "loads, else as MatMulNBits graphs, said in one line) | int4 | int8 | fp32: a re-quantization of every "
+                                    "linear, only when asked for")
 ImportPrecisionOption = typer.Option("native", "--precision", "-p", help="native: the GGUF's own blocks, exactly (default) | int4 | int8 | fp32: re-quantize every linear | gguf: the file's bytes for the native kernel library")
 
 
@@ -114,6 +117,27 @@ def open_model(model: Optional[str], precision: str, home: Optional[Path]):
             bar.stop()
 
 
+def open_runnable_model(model: Optional[str], precision: str, home: Optional[Path]):
+    """The package of ``model`` and the variant this process (and a CPU worker beside it) runs:
+    the file's own model in the GGUF kernel library's form where it loads, else as MatMulNBits
+    graphs, each said in one line on stderr when it is not the default."""
+    from .model.store import REQUANTIZED, prepare_local_form
+
+    pkg = open_model(model, precision, home)
+    if pkg.manifest.precision in REQUANTIZED and pkg.manifest.source.get("kind") == "gguf":
+        err.print(f"running a re-quantization to {pkg.manifest.precision} (the default, native, is the file's own blocks exactly)",
+                  highlight=False, soft_wrap=True)
+    bar, report = _progress()
+    try:
+        form, note = prepare_local_form(pkg, progress=report)
+    finally:
+        if bar.live.is_started:
+            bar.stop()
+    if note:
+        err.print(note, highlight=False, soft_wrap=True)
+    return pkg, form
+
+
 @app.command("import")
 def import_cmd(
     source: Path = typer.Argument(..., help="A .gguf file or a local Hugging Face model folder."),
@@ -178,7 +202,7 @@ def generate(
 
     try:
         params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop))
-        pkg = open_model(model, precision, home)
+        pkg, form = open_runnable_model(model, precision, home)
         tok = pkg.tokenizer
         text = tok.format_chat([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tok.encode(text)
@@ -186,7 +210,7 @@ def generate(
         if len(ids) + max_tokens > limit:
             raise ContextOverflow(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context of {limit} tokens")
         cut_points = [int(c) for c in cuts.split(",") if c.strip()]
-        pipeline = pkg.pipeline(cut_points, threads=threads)
+        pipeline = pkg.pipeline(cut_points, precision=form, threads=threads)
         result = run_generation(pipeline, ids, params, tok.decode, pkg.manifest.eos_ids,
                                 on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     except USER_ERRORS as exc:
@@ -255,7 +279,7 @@ def serve(
     from .model.store import home_dir
 
     try:
-        pkg = open_model(model, precision, home)
+        pkg, _ = open_runnable_model(model, precision, home)  # the local workers' form is in the package before they join
     except USER_ERRORS as exc:
         fail(str(exc))
     settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,

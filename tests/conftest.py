@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edgepipe.model.store import resolve
+from edgepipe.model.store import prepare_local_form, resolve
 
 
 def _lowest_cpu_priority() -> None:
@@ -58,7 +58,18 @@ def home(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def native_pkg(home):
+    """The bundled model as `edgepipe serve` and `edgepipe generate` run it by default: the file's
+    own blocks, holding the form this machine's CPU workers are sent (`gguf` where the kernel
+    library loads, else `native`: ``store.local_form`` names it for single-process references)."""
+    pkg = resolve("smollm2", "native", home)
+    prepare_local_form(pkg)
+    return pkg
+
+
+@pytest.fixture(scope="session")
 def int4_pkg(home):
+    """The bundled model re-quantized to int4 MatMulNBits, for tests about that kernel only."""
     return resolve("smollm2", "int4", home)
 
 
@@ -68,7 +79,7 @@ def fp32_pkg(home):
 
 
 @pytest.fixture(scope="session")
-def three_workers(home, int4_pkg):
+def three_workers(home, native_pkg):
     """One ``serve --workers 3 --placement memory`` shared by the API test modules (each start of
     a coordinator and three workers costs 20-40 s on two cores)."""
     from harness import Server
@@ -78,7 +89,7 @@ def three_workers(home, int4_pkg):
 
 
 @pytest.fixture(scope="session")
-def keyed_server(home, int4_pkg):
+def keyed_server(home, native_pkg):
     """One ``serve --workers 2 --placement memory --api-key sekrit --batch-invariant``: the Ollama
     API and the dashboard behind a key, and concurrent requests that must equal their solo tokens."""
     from harness import Server

@@ -156,7 +156,7 @@ def test_prompts_as_lists_and_token_ids(server):
     assert both["choices"][0]["text"] == text["choices"][0]["text"]
     from edgepipe.model.store import resolve
 
-    tok = resolve("smollm2", "int4").tokenizer
+    tok = resolve("smollm2", "native").tokenizer
     prompt_ids = tok.encode("The sky is")
     by_ids = c.post("/v1/completions", json={"prompt": prompt_ids, "max_tokens": 5}).json()
     assert by_ids["choices"][0]["text"] == text["choices"][0]["text"]
@@ -228,7 +228,7 @@ def test_openapi_document(server):
 
 # -- clients that go away, on a server that runs one request at a time -----------------------------
 @pytest.fixture(scope="module")
-def single(home, int4_pkg):
+def single(home, native_pkg):
     with Server(home, workers=1, args=("--max-active", "1")) as s:
         yield s
 

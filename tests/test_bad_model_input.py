@@ -14,7 +14,7 @@ from edgepipe.model.importer import import_model
 from edgepipe.model.manifest import HashMismatch
 from edgepipe.model.config import UnsupportedModel
 from edgepipe.model.package import Package
-from edgepipe.model.store import bundled_gguf
+from edgepipe.model.store import bundled_gguf, local_form
 
 
 def cli(*args, home):
@@ -74,21 +74,22 @@ def test_unsupported_architecture(tmp_path):
     assert no_leftovers(tmp_path / "models")
 
 
-def test_weight_file_with_wrong_hash(int4_pkg, tmp_path):
+def test_weight_file_with_wrong_hash(native_pkg, tmp_path):
     copy = tmp_path / "damaged"
-    shutil.copytree(int4_pkg.root, copy)
+    shutil.copytree(native_pkg.root, copy)
     pkg = Package(copy)
-    victim = pkg.blob(pkg.manifest.variant(5).files[0])
+    form = local_form(pkg)  # what `generate` runs: its files are the ones checked
+    victim = pkg.blob(pkg.manifest.variant(5, form).files[0])
     data = bytearray(victim.read_bytes())
     data[100] ^= 0xFF
     victim.write_bytes(bytes(data))
     with pytest.raises(HashMismatch, match="sha256"):
-        pkg.pipeline()
+        pkg.pipeline(precision=form)
     assert_one_line_error(cli("generate", "hi", "--model", str(copy), home=tmp_path), "sha256")
 
 
-def test_prompt_longer_than_context(int4_pkg, home):
-    import_model(bundled_gguf(), home / "models", "int4", name="smollm2-ctx64", max_context=64, measure_cost=False)
+def test_prompt_longer_than_context(native_pkg, home):
+    import_model(bundled_gguf(), home / "models", "native", name="smollm2-ctx64", max_context=64, measure_cost=False)
     result = cli("generate", "word " * 80, "--model", "smollm2-ctx64", "-n", "4", home=home)
     assert_one_line_error(result, "exceeds the context of 64")
     result = cli("generate", "hi", "-n", "100000", home=home)

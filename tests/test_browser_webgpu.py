@@ -4,8 +4,8 @@ The tab finds a WebGPU adapter (``--enable-unsafe-webgpu``; SwiftShader, Chromiu
 Vulkan: no GPU needed), says so in its hello (``device`` gpu, ``adapter``), asks for no
 ``precision`` and so runs the package's own variant (MatMulNBits) on onnxruntime-web's WebGPU
 provider, keeping its KV cache in GPU buffers between steps. Its activations are relayed to the
-native worker, which runs the rest on the CPU. Greedy tokens equal the single-process pipeline
-with the same cut on the CPU: the GPU's float arithmetic differs from the CPU's in the last bits,
+native worker, which runs the rest on the CPU (in the GGUF kernel library's form where it loads).
+Greedy tokens equal the single-process pipeline with the same cut and variants on the CPU: the GPU's float arithmetic differs from the CPU's in the last bits,
 which holds for the few tokens asked here (SwiftShader is slow), not as a contract for long runs.
 
 SwiftShader takes ~350 ms per layer a step on two shared cores, so the join calibration (two
@@ -20,6 +20,7 @@ import json
 
 import pytest
 
+from edgepipe.model.store import local_form
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
@@ -47,8 +48,8 @@ def context():
 
 
 @pytest.fixture(scope="module")
-def cluster(int4_pkg, home, context):
-    remember_tab(home, int4_pkg.manifest, "gputab")
+def cluster(native_pkg, home, context):
+    remember_tab(home, native_pkg.manifest, "gputab")
     with Server(home, workers=0, args=("--placement", "memory", "--min-workers", "2"), wait_up=False) as server:
         page = context.new_page()
         page.goto(f"{server.url}/worker?memory={TAB_MEMORY}&threads=1&name=gputab")
@@ -63,7 +64,7 @@ def cluster(int4_pkg, home, context):
             native.wait(timeout=15)
 
 
-def test_tab_on_webgpu_serves_the_reference_tokens(cluster, int4_pkg):
+def test_tab_on_webgpu_serves_the_reference_tokens(cluster, native_pkg):
     server, page, tab = cluster
     status = server.status()
     workers = {w["id"]: w for w in status["workers"]}
@@ -73,7 +74,7 @@ def test_tab_on_webgpu_serves_the_reference_tokens(cluster, int4_pkg):
     assert native["device"] == "cpu"
     assert page.locator("#device").inner_text().startswith("GPU (WebGPU): google swiftshader")
     stages = status["plan"]["stages"]
-    n_units = len(int4_pkg.manifest.units)
+    n_units = len(native_pkg.manifest.units)
     assert [(s["worker"], s["start"], s["end"]) for s in stages] == [(tab, 0, TAB_UNITS), (stages[1]["worker"], TAB_UNITS, n_units)]
     assert [e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == "calibrated" and e["worker"] == tab][0]["reused"]
 
@@ -81,16 +82,19 @@ def test_tab_on_webgpu_serves_the_reference_tokens(cluster, int4_pkg):
         "messages": [{"role": "user", "content": PROMPT}], "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True})
     assert r.status_code == 200, r.text
     got = r.json()["choices"][0]["token_ids"]
-    tok = int4_pkg.tokenizer
+    tok = native_pkg.tokenizer
     ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
-    pipeline = int4_pkg.pipeline(cuts=[stages[1]["start"]])  # both stages in the package's own variant, as the tab asked
-    want = generate(pipeline, ids, GenerationParams(max_tokens=TOKENS), tok.decode, int4_pkg.manifest.eos_ids).tokens
-    assert got == [t for t in want if t not in int4_pkg.manifest.eos_ids]
+    # Each stage in the variant it was sent: the tab the package's own (it asked for none), the CPU
+    # worker the form of the file's own model this machine runs (`gguf` where the kernel library loads).
+    assert [s["precision"] for s in stages] == [native_pkg.manifest.precision, local_form(native_pkg)]
+    pipeline = native_pkg.pipeline(cuts=[stages[1]["start"]], precisions=[s["precision"] for s in stages])
+    want = generate(pipeline, ids, GenerationParams(max_tokens=TOKENS), tok.decode, native_pkg.manifest.eos_ids).tokens
+    assert got == [t for t in want if t not in native_pkg.manifest.eos_ids]
     assert int(page.locator("#computed").inner_text()) >= TOKENS  # the prompt and every step went through the tab
     # It holds its stage's files in the package's own variant (a WebAssembly tab would have asked for fp32).
     held = set(page.evaluate("edgepipeWorker.worker.store.held()"))
-    assert set(int4_pkg.manifest.stage_files(0, TAB_UNITS)) <= held
-    assert int4_pkg.manifest.precision != "fp32"
+    assert set(native_pkg.manifest.stage_files(0, TAB_UNITS)) <= held
+    assert native_pkg.manifest.precision != "fp32"
 
 
 def test_tab_keeps_its_kv_in_gpu_buffers_and_grows_it_exactly(cluster):
@@ -137,10 +141,10 @@ REFUSE_WEBGPU = """
 
 
 @pytest.mark.slow  # ~25 s: a second cluster, and the fp32 variant built if no test made it yet
-def test_tab_whose_webgpu_session_fails_joins_again_on_webassembly(int4_pkg, home, context):
+def test_tab_whose_webgpu_session_fails_joins_again_on_webassembly(native_pkg, home, context):
     """The tab says why it left the GPU, joins again asking for fp32 as any WebAssembly tab, and its
     stage gives the reference tokens (that tab's stage in fp32, the native worker's in the package's variant)."""
-    remember_tab(home, int4_pkg.manifest, "failtab")
+    remember_tab(home, native_pkg.manifest, "failtab")
     with Server(home, workers=0, args=("--placement", "memory", "--min-workers", "2"), wait_up=False) as server:
         page = context.new_page()
 
@@ -162,12 +166,12 @@ def test_tab_whose_webgpu_session_fails_joins_again_on_webassembly(int4_pkg, hom
             r = server.client.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": PROMPT}], "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True})
             assert r.status_code == 200, r.text
-            tok = int4_pkg.tokenizer
+            tok = native_pkg.tokenizer
             ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
-            int4_pkg.reload()  # the coordinator added the fp32 variant for this tab
-            pipeline = int4_pkg.pipeline(cuts=[stages[1]["start"]], precisions=["fp32" if s["worker"] == tab["id"] else None for s in stages])
-            want = generate(pipeline, ids, GenerationParams(max_tokens=TOKENS), tok.decode, int4_pkg.manifest.eos_ids).tokens
-            assert r.json()["choices"][0]["token_ids"] == [t for t in want if t not in int4_pkg.manifest.eos_ids]
+            native_pkg.reload()  # the coordinator added the fp32 variant for this tab
+            pipeline = native_pkg.pipeline(cuts=[stages[1]["start"]], precisions=[s["precision"] for s in stages])
+            want = generate(pipeline, ids, GenerationParams(max_tokens=TOKENS), tok.decode, native_pkg.manifest.eos_ids).tokens
+            assert r.json()["choices"][0]["token_ids"] == [t for t in want if t not in native_pkg.manifest.eos_ids]
         finally:
             native.terminate()
             native.wait(timeout=15)

@@ -1,6 +1,6 @@
 """A browser tab as a worker: it serves a stage exactly, caches its unit files, and needs the token.
 
-One native worker (int4) and one headless-chromium tab on ``/worker`` (onnxruntime-web,
+One native worker (the file's own model) and one headless-chromium tab on ``/worker`` (onnxruntime-web,
 WebAssembly, the fp32 variant: this chromium offers no WebGPU adapter; test_browser_webgpu.py has one) share the model; ``--placement memory`` and the declared memory
 put ``BROWSER_UNITS`` units in the tab: the last ones (layers + head, the tab returns token ids)
 or the first ones (embedding + layers, the tab's activations are relayed to the native worker).
@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from edgepipe.model.importer import add_variant
+from edgepipe.model.store import local_form
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
@@ -36,11 +37,11 @@ JOIN_TOKEN = "tab-secret"
 
 
 @pytest.fixture(scope="module")
-def pkg(int4_pkg):
-    """The int4 package with its fp32 variant (what a browser asks for) added on disk."""
-    add_variant(int4_pkg.root, "fp32")
-    int4_pkg.reload()
-    return int4_pkg
+def pkg(native_pkg):
+    """The bundled package (the file's own model) with its fp32 variant (what a browser asks for) added on disk."""
+    add_variant(native_pkg.root, "fp32")
+    native_pkg.reload()
+    return native_pkg
 
 
 @dataclass
@@ -84,11 +85,11 @@ def cluster(pkg, home, context):
         yield c
 
 
-def reference_tokens(pkg, status: dict, prompt: str, max_tokens: int) -> list[int]:
-    """Single-process tokens with the plan's cuts and each stage's variant (browser: fp32, native: the package's)."""
-    kinds = {w["id"]: w["kind"] for w in status["workers"]}
+def reference_tokens(pkg, status: dict, prompt: str, max_tokens: int, precisions: list[str] | None = None) -> list[int]:
+    """Single-process tokens with the plan's cuts and each stage's variant as the plan says (browser:
+    fp32, native: the form of the file's own model this machine runs), or ``precisions``."""
     stages = status["plan"]["stages"]
-    precisions = ["fp32" if kinds[s["worker"]] == "browser" else None for s in stages]
+    precisions = precisions or [s["precision"] for s in stages]
     tok = pkg.tokenizer
     ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
     pipeline = pkg.pipeline(cuts=[s["start"] for s in stages[1:]], precisions=precisions)
@@ -117,10 +118,11 @@ def test_tab_serves_a_stage_with_the_reference_tokens(cluster, pkg):
     assert page.evaluate("crossOriginIsolated") is True  # COOP + COEP: WebAssembly threads are available
 
     got = chat(cluster.server, PROMPT, 24)
+    assert [s["precision"] for s in status["plan"]["stages"]] == [local_form(pkg), "fp32"]
     expected = reference_tokens(pkg, status, PROMPT, 24)
     assert got == expected
-    # The all-int4 pipeline says something else here, so the tab really ran its fp32 stage.
-    assert got != reference_tokens(pkg, {**status, "workers": [{**w, "kind": "native"} for w in status["workers"]]}, PROMPT, 24)
+    # The pipeline without fp32 says something else here, so the tab really ran its fp32 stage.
+    assert got != reference_tokens(pkg, status, PROMPT, 24, precisions=[local_form(pkg)] * 2)
     page.wait_for_function(f"document.getElementById('tokens').textContent === '{len(got)}'", timeout=10000)
     assert page.locator("#units").inner_text().startswith(f"[{32 - BROWSER_UNITS}, 32)")
     # The page's SHA-256 fallback (pages outside a secure context have no crypto.subtle) is right.
@@ -135,7 +137,7 @@ def test_tab_as_last_stage_applies_logit_controls_and_returns_logprobs(cluster, 
     kinds = {w["id"]: w["kind"] for w in status["workers"]}
     stages = status["plan"]["stages"]
     assert kinds[stages[-1]["worker"]] == "browser"
-    pipeline = pkg.pipeline(cuts=[s["start"] for s in stages[1:]], precisions=["fp32" if kinds[s["worker"]] == "browser" else None for s in stages])
+    pipeline = pkg.pipeline(cuts=[s["start"] for s in stages[1:]], precisions=[s["precision"] for s in stages])
     tok = pkg.tokenizer
     ids = tok.encode("The capital of France is")
     first = generate(pipeline, ids, GenerationParams(max_tokens=1), tok.decode, pkg.manifest.eos_ids).tokens[0]

@@ -20,6 +20,7 @@ import httpx
 
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
+from edgepipe.model.store import local_form
 
 from harness import Server
 
@@ -41,11 +42,11 @@ def _worker(server: Server, name: str, home, log) -> subprocess.Popen:
                              "--threads", "1", "--memory", MEMORY], env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
 
-def test_a_lost_worker_that_leaves_too_little_memory_gives_a_503_then_room_brings_service_back(int4_pkg, home, tmp_path):
-    tok = int4_pkg.tokenizer
+def test_a_lost_worker_that_leaves_too_little_memory_gives_a_503_then_room_brings_service_back(native_pkg, home, tmp_path):
+    tok = native_pkg.tokenizer
     ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
-    reference = generate(int4_pkg.pipeline(), ids, GenerationParams(max_tokens=N_TOKENS, ignore_eos=True), tok.decode,
-                         int4_pkg.manifest.eos_ids).tokens
+    reference = generate(native_pkg.pipeline(precision=local_form(native_pkg)), ids, GenerationParams(max_tokens=N_TOKENS, ignore_eos=True), tok.decode,
+                         native_pkg.manifest.eos_ids).tokens
     procs: list[subprocess.Popen] = []
     with open(tmp_path / "workers.log", "w") as log, \
             Server(home, workers=0, args=("--min-workers", "2", "--capacity-wait", str(CAPACITY_WAIT_S), "--placement", "memory"),

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def test_every_request_completes_correctly_under_churn(int4_pkg, home, tmp_path):
+def test_every_request_completes_correctly_under_churn(native_pkg, home, tmp_path):
     env = {**os.environ, "EDGEPIPE_HOME": str(home)}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "churn.py"), "--duration", "30", "--scenarios", "one",
            "--mttf-end", "5", "--reconnect", "1", "3", "--out", "churn-test", "--results-dir", str(tmp_path)]

@@ -19,6 +19,7 @@ import pytest
 
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
+from edgepipe.model.store import local_form
 
 from harness import Server, free_port
 
@@ -28,11 +29,11 @@ DOWNLOADED = re.compile(r"plan -?\d+: downloaded \d+ bytes")  # the worker's log
 
 
 @pytest.fixture(scope="module")
-def expected(int4_pkg) -> list[int]:
-    tok = int4_pkg.tokenizer
+def expected(native_pkg) -> list[int]:
+    tok = native_pkg.tokenizer
     ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
-    return generate(int4_pkg.pipeline(), ids, GenerationParams(max_tokens=N_TOKENS, ignore_eos=True), tok.decode,
-                    int4_pkg.manifest.eos_ids).tokens
+    return generate(native_pkg.pipeline(precision=local_form(native_pkg)), ids, GenerationParams(max_tokens=N_TOKENS, ignore_eos=True), tok.decode,
+                    native_pkg.manifest.eos_ids).tokens
 
 
 def ask(url: str, timeout: float = 60, headers: dict | None = None) -> list[int]:
@@ -124,7 +125,7 @@ def since_last_join(log: Path) -> str:
     return text[text.rfind("joined as"):]
 
 
-def test_coordinator_killed_and_restarted(home, int4_pkg, expected, tmp_path):
+def test_coordinator_killed_and_restarted(home, native_pkg, expected, tmp_path):
     port = free_port()
     coord = Coordinator(home, port, tmp_path / "coordinator.log")
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
@@ -269,7 +270,7 @@ class Relay:
         self.thread.join(5)
 
 
-def test_worker_link_cut_for_5s_comes_back_same_process(home, int4_pkg, expected, tmp_path):
+def test_worker_link_cut_for_5s_comes_back_same_process(home, native_pkg, expected, tmp_path):
     with Server(home, workers=0, args=("--min-workers", "2", "--placement", "memory"), wait_up=False) as server:
         relay = Relay(server.port)
         log = tmp_path / "cut.log"
@@ -302,7 +303,7 @@ def test_worker_link_cut_for_5s_comes_back_same_process(home, int4_pkg, expected
             relay.close()
 
 
-def test_serve_restarts_a_killed_local_worker(home, int4_pkg, expected):
+def test_serve_restarts_a_killed_local_worker(home, native_pkg, expected):
     with Server(home, workers=2, args=("--placement", "memory", "--join-token", "s3cret")) as server:
         workers = server.status()["workers"]
         for w in workers:  # the join token reaches local workers by the environment, not argv
@@ -321,11 +322,11 @@ def test_serve_restarts_a_killed_local_worker(home, int4_pkg, expected):
         assert up[-1]["fetched_bytes"] == 0  # the new process found every file in the shared cache
 
 
-def test_calibrations_saved_by_one_coordinator_are_recalled_by_the_next(int4_pkg, tmp_path):
+def test_calibrations_saved_by_one_coordinator_are_recalled_by_the_next(native_pkg, tmp_path):
     from edgepipe.cluster.profiling import ClusterProfile
 
     path = tmp_path / "calibrations" / "m.json"
-    first = ClusterProfile(int4_pkg.manifest)
+    first = ClusterProfile(native_pkg.manifest)
     first.calibrated("w1", [(1.0, 0.011), (2.0, 0.021), (4.0, 0.041)])
     first.of("w1").bandwidth_bytes_per_s = 5e7
     identity = ("laptop", "native", 10**9, 2, "None", None)
@@ -334,12 +335,12 @@ def test_calibrations_saved_by_one_coordinator_are_recalled_by_the_next(int4_pkg
     first.remember("w2", ("other",))
     first.save_known(path)
 
-    second = ClusterProfile(int4_pkg.manifest)
+    second = ClusterProfile(native_pkg.manifest)
     assert second.load_known(path) == 1
     assert second.recall("w7", identity) and not second.recall("w8", ("other",))
     m = second.of("w7")
     assert m.speed == pytest.approx(first.of("w1").speed) and m.bandwidth_bytes_per_s == 5e7 and m.trusted
-    path.write_text(path.read_text().replace(int4_pkg.manifest.name, "another-model"))
-    assert ClusterProfile(int4_pkg.manifest).load_known(path) == 0  # another model's unit costs: not comparable
+    path.write_text(path.read_text().replace(native_pkg.manifest.name, "another-model"))
+    assert ClusterProfile(native_pkg.manifest).load_known(path) == 0  # another model's unit costs: not comparable
     path.write_text("{not json")
-    assert ClusterProfile(int4_pkg.manifest).load_known(path) == 0
+    assert ClusterProfile(native_pkg.manifest).load_known(path) == 0

@@ -9,6 +9,7 @@ import httpx
 
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
+from edgepipe.model.store import local_form
 
 
 PROMPTS = [
@@ -20,7 +21,7 @@ PROMPTS = [
 def solo_tokens(pkg, prompt: str, max_tokens: int, pipeline=None) -> list[int]:
     tok = pkg.tokenizer
     ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
-    out = generate(pipeline or pkg.pipeline(), ids, GenerationParams(max_tokens=max_tokens), tok.decode, pkg.manifest.eos_ids).tokens
+    out = generate(pipeline or pkg.pipeline(precision=local_form(pkg)), ids, GenerationParams(max_tokens=max_tokens), tok.decode, pkg.manifest.eos_ids).tokens
     return [t for t in out if t not in pkg.manifest.eos_ids]
 
 
@@ -31,9 +32,9 @@ def _batch_counts(server) -> tuple[float, float]:
     return alone, sum(float(x.split()[-1]) for x in lines if x.startswith("edgepipe_stage_batch_size_count"))
 
 
-def test_eight_concurrent_requests_through_two_workers(int4_pkg, keyed_server):
-    alone = int4_pkg.pipeline(batch_invariant=True)  # one sequence at a time: each is dropped when it ends
-    expected = [solo_tokens(int4_pkg, p, n, alone) for p, n in PROMPTS]
+def test_eight_concurrent_requests_through_two_workers(native_pkg, keyed_server):
+    alone = native_pkg.pipeline(batch_invariant=True, precision=local_form(native_pkg))  # one sequence at a time: each is dropped when it ends
+    expected = [solo_tokens(native_pkg, p, n, alone) for p, n in PROMPTS]
     server = keyed_server  # serve --workers 2 --placement memory --api-key sekrit --batch-invariant
     assert len(server.status()["plan"]["stages"]) == 2
     before = _batch_counts(server)

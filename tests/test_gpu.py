@@ -160,7 +160,7 @@ def test_gpu_worker_serves_with_cpu_workers_exactly(home, int4_pkg, software_gpu
     memory = 150 * 10**6
     emulation = {"slowdown": 1.0, "link_delay_ms": 0.0, "link_rate": None, "memory_budget": memory}
     remember_device(home, int4_pkg.manifest, ["gpu0", "native", memory, 1, repr(emulation), None, "gpu", adapter, None])
-    with Server(home, workers=2, args=("--placement", "memory", "--local-device", "cpu", "--worker-args", "--memory 1GB",
+    with Server(home, workers=2, args=("--precision", "int4", "--placement", "memory", "--local-device", "cpu", "--worker-args", "--memory 1GB",
                                        "--min-workers", "3"), wait_up=False) as server:
         worker = server.worker("--name", "gpu0", "--device", "gpu", "--memory", str(memory), "--threads", "1", env=software_gpu)
         try:

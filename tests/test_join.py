@@ -12,7 +12,7 @@ from harness import Server
 
 
 @pytest.mark.slow
-def test_native_worker_finds_coordinator_by_mdns(home, int4_pkg):
+def test_native_worker_finds_coordinator_by_mdns(home, native_pkg):
     cluster = f"test-{os.getpid()}"  # other coordinators may be announcing on this host
     with Server(home, workers=0, args=("--min-workers", "1", "--cluster", cluster), wait_up=False) as server:
         finder = subprocess.Popen([sys.executable, "-m", "edgepipe", "worker", "--name", "finder", "--discover-timeout", "20",
@@ -29,7 +29,7 @@ def test_native_worker_finds_coordinator_by_mdns(home, int4_pkg):
 
 
 @pytest.fixture(scope="module")
-def guarded(home, int4_pkg):
+def guarded(home, native_pkg):
     with Server(home, workers=1, args=("--join-token", "letmein")) as server:
         yield server
 

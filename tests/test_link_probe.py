@@ -29,7 +29,7 @@ def _events(server: Server) -> list[dict]:
     return server.client.get("/v1/cluster/events").json()["events"]
 
 
-def test_workers_report_measured_neighbour_links(home, int4_pkg):
+def test_workers_report_measured_neighbour_links(home, native_pkg):
     token = secrets.token_hex(8)
     with Server(home, workers=0, wait_up=False, args=("--join-token", token, "--min-workers", "2")) as server:
         procs = [server.worker("--join-token", token, "--name", "plain", "--threads", "1"),
@@ -67,7 +67,7 @@ _NETNS_UNAVAILABLE = netns.unavailable_reason()
 
 @pytest.mark.netns
 @pytest.mark.skipif(_NETNS_UNAVAILABLE is not None, reason=f"netns emulation: {_NETNS_UNAVAILABLE}")
-def test_kernel_shaped_worker_links_measure_their_own_rate(home, int4_pkg):
+def test_kernel_shaped_worker_links_measure_their_own_rate(home, native_pkg):
     """Coordinator link 4 MB/s, worker links 256 KB/s (wire rates; a TCP payload gets 524/590 of
     them through MTU 576): the workers' probes and the coordinator's uplink probe each see theirs."""
     token = secrets.token_hex(8)

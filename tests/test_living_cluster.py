@@ -12,6 +12,7 @@ import pytest
 
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
+from edgepipe.model.store import local_form
 
 from harness import Server
 
@@ -22,7 +23,7 @@ def reference(pkg, n: int) -> list[int]:
     tok = pkg.tokenizer
     ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
     params = GenerationParams(max_tokens=n, ignore_eos=True)
-    return generate(pkg.pipeline(), ids, params, tok.decode, pkg.manifest.eos_ids).tokens
+    return generate(pkg.pipeline(precision=local_form(pkg)), ids, params, tok.decode, pkg.manifest.eos_ids).tokens
 
 
 def stream_tokens(server, n: int, on_chunk=None) -> tuple[str, list[str]]:
@@ -47,8 +48,8 @@ def events(server, kind):
     return [e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == kind]
 
 
-def test_worker_killed_mid_stream(int4_pkg, home):
-    expected = int4_pkg.tokenizer.decode(reference(int4_pkg, 48))
+def test_worker_killed_mid_stream(native_pkg, home):
+    expected = native_pkg.tokenizer.decode(reference(native_pkg, 48))
     with Server(home, workers=2, args=("--placement", "memory")) as server:
         victim = server.status()["workers"][1]
         killed = threading.Event()
@@ -67,8 +68,8 @@ def test_worker_killed_mid_stream(int4_pkg, home):
 
 
 @pytest.mark.slow
-def test_faster_newcomer_mid_generation(int4_pkg, home):
-    expected = int4_pkg.tokenizer.decode(reference(int4_pkg, 200))
+def test_faster_newcomer_mid_generation(native_pkg, home):
+    expected = native_pkg.tokenizer.decode(reference(native_pkg, 200))
     # slow enough that the newcomer starts, calibrates and is switched in while the request runs
     with Server(home, workers=1, args=("--worker-args", "--slowdown 8")) as server:
         slow = server.status()["workers"][0]["id"]
@@ -93,16 +94,16 @@ def test_faster_newcomer_mid_generation(int4_pkg, home):
 
 
 @pytest.fixture(scope="module")
-def two_workers(home, int4_pkg):
+def two_workers(home, native_pkg):
     with Server(home, workers=2, args=("--placement", "memory")) as server:
         yield server
 
 
 @pytest.mark.parametrize("cut", [8, 31], ids=["layers-move", "head-alone"])
-def test_forced_rebalance_moves_kv(int4_pkg, two_workers, cut):
+def test_forced_rebalance_moves_kv(native_pkg, two_workers, cut):
     """The KV of the layers that change hands moves; a stage left with the head alone keeps no
     KV and must take the next step without one (it once refused it as 'a frame was lost')."""
-    expected = int4_pkg.tokenizer.decode(reference(int4_pkg, 64))
+    expected = native_pkg.tokenizer.decode(reference(native_pkg, 64))
     server = two_workers
     # one server for both cuts: each moves from the plan in place (the second from the first's, pinned)
     stages = server.status()["plan"]["stages"]

@@ -20,6 +20,7 @@ import pytest
 
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
+from edgepipe.model.store import local_form
 
 
 TASKS = Path(__file__).parent / "data" / "lm_eval"
@@ -51,20 +52,20 @@ def server(three_workers):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer_dir(int4_pkg, tmp_path_factory) -> Path:
+def hf_tokenizer_dir(native_pkg, tmp_path_factory) -> Path:
     """The package's tokenizer as a Hugging Face folder (what lm_eval loads to count context tokens)."""
-    tok = int4_pkg.tokenizer
+    tok = native_pkg.tokenizer
     path = tmp_path_factory.mktemp("hf-tokenizer")
     (path / "tokenizer.json").write_text(tok.tokenizer.to_str())
     eos = tok.tokenizer.id_to_token(tok.eos_ids[0])
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
-                                                            "model_max_length": int4_pkg.manifest.max_context}))
+                                                            "model_max_length": native_pkg.manifest.max_context}))
     return path
 
 
 @pytest.fixture(scope="module")
-def reference(int4_pkg):
-    pipe, tok, eos = int4_pkg.pipeline(), int4_pkg.tokenizer, int4_pkg.manifest.eos_ids
+def reference(native_pkg):
+    pipe, tok, eos = native_pkg.pipeline(precision=local_form(native_pkg)), native_pkg.tokenizer, native_pkg.manifest.eos_ids
 
     def loglikelihood(context: str, continuation: str) -> float:
         """lm_eval's split (TemplateLM._encode_pair), scored from the prompt's logprobs of one prefill."""

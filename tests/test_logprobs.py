@@ -17,6 +17,7 @@ from edgepipe.api import tools
 from edgepipe.api.schemas import ChatMessage
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
+from edgepipe.model.store import local_form
 
 
 openai = pytest.importorskip("openai")
@@ -37,13 +38,13 @@ def client(three_workers_openai):
 
 
 @pytest.fixture(scope="module")
-def reference(int4_pkg):
+def reference(native_pkg):
     """Single-process generation over the whole model (one stage)."""
-    pipe = int4_pkg.pipeline()
-    tok = int4_pkg.tokenizer
+    pipe = native_pkg.pipeline(precision=local_form(native_pkg))
+    tok = native_pkg.tokenizer
 
     def run(ids: list[int], **params):
-        return generate(pipe, ids, GenerationParams(**params), tok.decode, int4_pkg.manifest.eos_ids)
+        return generate(pipe, ids, GenerationParams(**params), tok.decode, native_pkg.manifest.eos_ids)
 
     return run
 
@@ -54,16 +55,16 @@ def chat_ids(pkg, question: str) -> list[int]:
     return tok.encode(prompt.text)
 
 
-def test_chat_logprobs_equal_single_process(client, int4_pkg, reference):
+def test_chat_logprobs_equal_single_process(client, native_pkg, reference):
     r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=12,
                                        temperature=0, logprobs=True, top_logprobs=5, extra_body={"return_token_ids": True})
     choice = r.choices[0]
     ids = choice.model_extra["token_ids"]
-    ref = reference(chat_ids(int4_pkg, QUESTION), max_tokens=12, logprobs=True, top_logprobs=5)
+    ref = reference(chat_ids(native_pkg, QUESTION), max_tokens=12, logprobs=True, top_logprobs=5)
     assert ids == ref.tokens[: len(ids)] and len(ids) == len(ref.logprobs)
     content = choice.logprobs.content
     assert len(content) == len(ids)
-    tok = int4_pkg.tokenizer
+    tok = native_pkg.tokenizer
     for entry, want, token in zip(content, ref.logprobs, ids):
         assert abs(entry.logprob - want.logprob) < TOL, (entry, want)
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 5
@@ -101,8 +102,8 @@ def test_chat_without_logprobs_has_none(client):
     assert r.choices[0].logprobs is None
 
 
-def test_completion_echo_logprobs_equal_single_process(client, int4_pkg, reference):
-    ids = int4_pkg.tokenizer.encode(PROMPT)
+def test_completion_echo_logprobs_equal_single_process(client, native_pkg, reference):
+    ids = native_pkg.tokenizer.encode(PROMPT)
     r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=3,
                                   extra_body={"return_token_ids": True})
     choice = r.choices[0]
@@ -110,7 +111,7 @@ def test_completion_echo_logprobs_equal_single_process(client, int4_pkg, referen
     generated = choice.model_extra["token_ids"]
     ref = reference(ids, max_tokens=3, logprobs=True, top_logprobs=3, prompt_logprobs=True)
     assert generated == ref.tokens[: len(generated)]
-    assert choice.text.startswith(PROMPT) and choice.text == PROMPT + int4_pkg.tokenizer.decode(generated)
+    assert choice.text.startswith(PROMPT) and choice.text == PROMPT + native_pkg.tokenizer.decode(generated)
     assert len(lp.tokens) == len(ids) + len(generated) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing before the first token
     want = [e.logprob for e in ref.prompt_logprobs[1:]] + [e.logprob for e in ref.logprobs]
@@ -123,8 +124,8 @@ def test_completion_echo_logprobs_equal_single_process(client, int4_pkg, referen
         assert abs(max(lp.top_logprobs[k].values()) - lp.token_logprobs[k]) < 1e-6
 
 
-def test_completion_echo_streams_prompt_first(client, int4_pkg):
-    ids = int4_pkg.tokenizer.encode(PROMPT)
+def test_completion_echo_streams_prompt_first(client, native_pkg):
+    ids = native_pkg.tokenizer.encode(PROMPT)
     chunks = list(client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=1,
                                             stream=True))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -134,9 +135,9 @@ def test_completion_echo_streams_prompt_first(client, int4_pkg):
     assert len(tokens) >= len(ids) + 1 and lps[0] is None and all(v is not None for v in lps[1:])
 
 
-def test_token_id_prompt_echo_and_loglikelihood_shape(client, int4_pkg, reference):
+def test_token_id_prompt_echo_and_loglikelihood_shape(client, native_pkg, reference):
     """lm-evaluation-harness' loglikelihood request: token ids, echo, logprobs=1, max_tokens=1."""
-    ids = int4_pkg.tokenizer.encode("Paris is the capital of France")
+    ids = native_pkg.tokenizer.encode("Paris is the capital of France")
     r = client.completions.create(model="smollm2", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1)
     lp = r.choices[0].logprobs
     ref = reference(ids, max_tokens=1, logprobs=True, top_logprobs=1, prompt_logprobs=True)
@@ -145,9 +146,9 @@ def test_token_id_prompt_echo_and_loglikelihood_shape(client, int4_pkg, referenc
     assert sum(got) < 0 and all(isinstance(v, float) for v in got)
 
 
-def test_max_tokens_zero_with_echo_scores_the_prompt_only(client, server, int4_pkg, reference):
+def test_max_tokens_zero_with_echo_scores_the_prompt_only(client, server, native_pkg, reference):
     """As the legacy OpenAI API and vLLM: the prompt and its logprobs, nothing generated."""
-    ids = int4_pkg.tokenizer.encode(PROMPT)
+    ids = native_pkg.tokenizer.encode(PROMPT)
     ref = reference(ids, max_tokens=1, logprobs=True, top_logprobs=2, prompt_logprobs=True)
     r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2,
                                   extra_body={"return_token_ids": True})

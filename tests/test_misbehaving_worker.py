@@ -13,6 +13,7 @@ from edgepipe.cluster.state import ClusterState, apply
 from edgepipe.net.messages import Hello
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
+from edgepipe.model.store import local_form
 
 from harness import Server
 
@@ -72,7 +73,7 @@ def test_quarantine_survives_reconnecting_doubles_and_ends():
     assert state.workers["w0"].identity not in state.quarantine
 
 
-def test_a_worker_that_drops_work_is_quarantined_and_the_request_completes(int4_pkg, home):
+def test_a_worker_that_drops_work_is_quarantined_and_the_request_completes(native_pkg, home):
     """Two honest workers and one that answers heartbeats but drops every activation frame
     (``--drop-work``, emulation). The request that meets it pauses for one step timeout, the
     dropper is quarantined, the plan moves to the honest two, and the answer is exactly the
@@ -88,10 +89,10 @@ def test_a_worker_that_drops_work_is_quarantined_and_the_request_completes(int4_
             assert dropper_id in [s["worker"] for s in status["plan"]["stages"]]
 
             prompt = "Name three primary colors."
-            tok = int4_pkg.tokenizer
+            tok = native_pkg.tokenizer
             ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
-            expected = generate(int4_pkg.pipeline(), ids, GenerationParams(max_tokens=12), tok.decode, int4_pkg.manifest.eos_ids).tokens
-            expected = [t for t in expected if t not in int4_pkg.manifest.eos_ids]
+            expected = generate(native_pkg.pipeline(precision=local_form(native_pkg)), ids, GenerationParams(max_tokens=12), tok.decode, native_pkg.manifest.eos_ids).tokens
+            expected = [t for t in expected if t not in native_pkg.manifest.eos_ids]
             t0 = time.monotonic()
             r = server.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}],
                                                                   "max_tokens": 12, "temperature": 0, "return_token_ids": True})
@@ -127,7 +128,7 @@ def test_probe_times_a_worker_underreports_are_overruled_by_the_coordinators_clo
 
 
 @pytest.mark.slow
-def test_a_worker_claiming_to_be_20x_faster_is_calibrated_by_what_it_takes(int4_pkg, home):
+def test_a_worker_claiming_to_be_20x_faster_is_calibrated_by_what_it_takes(native_pkg, home):
     with Server(home, workers=1, args=("--placement", "planner", "--min-workers", "2", "--worker-threads", "1"), wait_up=False) as server:
         liar = server.worker("--misreport", "20", "--name", "liar", "--threads", "1")
         try:

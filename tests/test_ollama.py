@@ -10,6 +10,7 @@ import jsonschema_rs
 import pytest
 
 from edgepipe.api.ollama_routes import parameter_count
+from edgepipe.model.store import local_form
 
 
 ollama = pytest.importorskip("ollama")
@@ -85,7 +86,7 @@ def test_penalties_as_openai(server, client):
     assert r.status_code == 400 and "frequency_penalty" in r.json()["error"]
 
 
-def test_repeat_penalty_is_llama_cpps_and_exact_through_the_workers(server, client, int4_pkg):
+def test_repeat_penalty_is_llama_cpps_and_exact_through_the_workers(server, client, native_pkg):
     """repeat_penalty / repeat_last_n (llama.cpp's multiplicative penalty, applied in the head graph)
     change the greedy answer, and the cluster gives the single process's tokens for them; 1.0 is
     the plain answer; out-of-range values are a 400 in Ollama's shape."""
@@ -98,11 +99,11 @@ def test_repeat_penalty_is_llama_cpps_and_exact_through_the_workers(server, clie
                                                                                           "repeat_last_n": 32})
     same = client.generate(model=name, prompt="Say cat cat cat cat cat cat.", options={"num_predict": 20, "repeat_penalty": 1.0})
     assert penalised.response != plain.response and same.response == plain.response
-    tok = int4_pkg.tokenizer
+    tok = native_pkg.tokenizer
     ids = tok.encode(tok.format_chat([{"role": "user", "content": "Say cat cat cat cat cat cat."}]))
-    want = generate(int4_pkg.pipeline(), ids, GenerationParams(max_tokens=20, repeat_penalty=1.5, repeat_last_n=32), tok.decode,
-                    int4_pkg.manifest.eos_ids)
-    assert penalised.context[len(ids):] == [t for t in want.tokens if t not in int4_pkg.manifest.eos_ids]
+    want = generate(native_pkg.pipeline(precision=local_form(native_pkg)), ids, GenerationParams(max_tokens=20, repeat_penalty=1.5, repeat_last_n=32), tok.decode,
+                    native_pkg.manifest.eos_ids)
+    assert penalised.context[len(ids):] == [t for t in want.tokens if t not in native_pkg.manifest.eos_ids]
     r = httpx.post(server.url + "/api/generate", headers={"Authorization": "Bearer sekrit"},
                    json={"model": name, "prompt": "hi", "options": {"repeat_penalty": 0}})
     assert r.status_code == 400 and "repeat_penalty" in r.json()["error"]
@@ -130,11 +131,11 @@ def test_errors_in_ollama_shape(server, client):
     assert r.status_code == 400 and json.loads(r.text)["error"]
 
 
-def test_raw_sends_the_prompt_as_it_is(server, client, int4_pkg):
+def test_raw_sends_the_prompt_as_it_is(server, client, native_pkg):
     """raw: the prompt is not wrapped in the template: the template's own text sent raw gives the templated answer."""
     name = client.list().models[0].model
     templated = client.generate(model=name, prompt="Name three colours.", options={"num_predict": 10})
-    rendered = int4_pkg.tokenizer.format_chat([{"role": "user", "content": "Name three colours."}])
+    rendered = native_pkg.tokenizer.format_chat([{"role": "user", "content": "Name three colours."}])
     raw = client.generate(model=name, prompt=rendered, raw=True, options={"num_predict": 10})
     assert raw.response == templated.response and raw.context is None and templated.context
     unwrapped = client.generate(model=name, prompt="Name three colours.", raw=True, options={"num_predict": 10})
@@ -153,20 +154,20 @@ def test_format_schema_with_the_client(client):
     assert isinstance(json.loads(r.response), dict)
 
 
-def test_show_gives_ollamas_fields(client, int4_pkg):
+def test_show_gives_ollamas_fields(client, native_pkg):
     name = client.list().models[0].model
     info = client.show(name)
-    config = int4_pkg.manifest.config
+    config = native_pkg.manifest.config
     assert info.details.parameter_size == "134.52M"  # what Ollama shows for smollm2:135m
     assert parameter_count(config) == info.modelinfo["general.parameter_count"]
     assert info.details.family == "llama" and info.details.format == "gguf" and info.details.quantization_level
-    for key, value in (("llama.context_length", int4_pkg.manifest.max_context), ("llama.embedding_length", 576),
+    for key, value in (("llama.context_length", native_pkg.manifest.max_context), ("llama.embedding_length", 576),
                        ("llama.block_count", 30), ("llama.attention.head_count", 9), ("llama.attention.head_count_kv", 3),
                        ("llama.feed_forward_length", 1536), ("llama.vocab_size", 49152)):
         assert info.modelinfo[key] == value, key
     assert "completion" in info.capabilities and "tools" in info.capabilities
     assert 'stop' in info.parameters and "<|im_end|>" in info.parameters and info.modelfile.startswith("# Modelfile")
-    assert info.template == int4_pkg.tokenizer.chat_template
+    assert info.template == native_pkg.tokenizer.chat_template
 
 
 def test_keep_alive_and_ps(client):

@@ -83,7 +83,7 @@ def tame(body):
 
 
 @pytest.fixture(scope="module")
-def server(home, int4_pkg):
+def server(home, native_pkg):
     with Server(home, workers=1) as s:
         assert s.client.get("/openapi.json").json() == json.loads(json.dumps(DOC))
         yield s

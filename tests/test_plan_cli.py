@@ -14,7 +14,7 @@ def run(*args, home):
                           env={"EDGEPIPE_HOME": str(home), "PATH": "/usr/bin:/bin", "COLUMNS": "200"})
 
 
-def test_plan_table_with_runners_up(home, int4_pkg):
+def test_plan_table_with_runners_up(home, native_pkg):
     r = run("--devices", str(EXAMPLE), "--top-k", "3", home=home)
     assert r.returncode == 0, r.stderr
     assert "best:" in r.stdout and "rank" in r.stdout and "desktop" in r.stdout
@@ -22,7 +22,7 @@ def test_plan_table_with_runners_up(home, int4_pkg):
     assert len(ranks) >= 2  # the best plan and at least one runner-up
 
 
-def test_energy_objective_reports_target(home, int4_pkg):
+def test_energy_objective_reports_target(home, native_pkg):
     r = run("--devices", str(EXAMPLE), "--objective", "energy", "--tpot-target-ms", "30", home=home)
     assert r.returncode == 0, r.stderr
     assert "meets target" in r.stdout
@@ -37,7 +37,7 @@ def test_bad_devices_file(home, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error:")
 
 
-def test_json_output(home, int4_pkg):
+def test_json_output(home, native_pkg):
     import json
 
     r = run("--devices", str(EXAMPLE), "--json", "--objective", "energy", "--tpot-target-ms", "30", home=home)
@@ -49,13 +49,13 @@ def test_json_output(home, int4_pkg):
     assert doc["gap"] is None or doc["gap"] >= 0
 
 
-def test_gap_printed(home, int4_pkg):
+def test_gap_printed(home, native_pkg):
     r = run("--devices", str(EXAMPLE), home=home)
     assert r.returncode == 0, r.stderr
     assert "gap to bound 0.000%" in r.stdout
 
 
-def test_partial_plan_exit_2_without_throughput(home, int4_pkg, tmp_path):
+def test_partial_plan_exit_2_without_throughput(home, native_pkg, tmp_path):
     small = tmp_path / "small.yaml"
     small.write_text("devices:\n  - id: a\n    memory: 100MB\n    speed: 1\n")
     r = run("--devices", str(small), home=home)
@@ -69,11 +69,11 @@ def test_partial_plan_exit_2_without_throughput(home, int4_pkg, tmp_path):
     assert best["complete"] is False and "predicted" not in best
 
 
-def test_flags_that_do_not_apply_are_refused(home, int4_pkg, tmp_path):
+def test_flags_that_do_not_apply_are_refused(home, native_pkg, tmp_path):
     for args, needle in [
         (("--tpot-target-ms", "30"), "--tpot-target-ms applies to the energy objective only"),
         (("--sequences", "4"), "--sequences applies to the throughput and energy objectives"),
-        (("--model", int4_pkg.manifest.name, "--precision", "int8"), "--precision int8 does not apply"),
+        (("--model", native_pkg.manifest.name, "--precision", "int8"), "--precision int8 does not apply"),
         (("--objective", "fastest"), "--objective 'fastest' is not one of"),
     ]:
         r = run("--devices", str(EXAMPLE), *args, home=home)
@@ -82,7 +82,7 @@ def test_flags_that_do_not_apply_are_refused(home, int4_pkg, tmp_path):
         assert len(lines) == 1 and needle in lines[0], (args, r.stderr)
 
 
-def test_devices_file_error_names_line(home, int4_pkg, tmp_path):
+def test_devices_file_error_names_line(home, native_pkg, tmp_path):
     bad = tmp_path / "devices.yaml"
     bad.write_text('devices:\n  - id: x\n    memory: 1GiB\n    speed: 1\n    relay: "false"\n')
     r = run("--devices", str(bad), home=home)

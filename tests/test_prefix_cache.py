@@ -10,6 +10,7 @@ from edgepipe.cluster import prefix as P
 from edgepipe.net.validate import prefix_entry
 from edgepipe.runtime.prefix_store import PrefixMiss, PrefixStore
 from edgepipe.runtime.stage_runner import SamplingBatch
+from edgepipe.model.store import local_form
 
 B = 4
 
@@ -140,7 +141,7 @@ def check_reuse_is_exact(pkg, cuts):
     system = "You are a terse assistant who answers in one line. " * 6
     a = tok.encode(tok.format_chat([{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]))
     b = tok.encode(tok.format_chat([{"role": "system", "content": system}, {"role": "user", "content": "Name a colour, please."}]))
-    pipe = pkg.pipeline(cuts=cuts)
+    pipe = pkg.pipeline(cuts=cuts, precision=local_form(pkg))
     stores = [PrefixStore() for _ in pipe.runners]
     cache = P.for_plan(P.PrefixCache(), 1)
     cache, first = P.prefill(cache, a, "a", 1000, 16)
@@ -161,8 +162,8 @@ def check_reuse_is_exact(pkg, cuts):
 
 
 @pytest.mark.parametrize("cuts", [(), (10, 21)])
-def test_reused_kv_is_bit_identical_to_recomputing_it(int4_pkg, cuts):
-    check_reuse_is_exact(int4_pkg, cuts)
+def test_reused_kv_is_bit_identical_to_recomputing_it(native_pkg, cuts):
+    check_reuse_is_exact(native_pkg, cuts)
 
 
 @pytest.mark.slow

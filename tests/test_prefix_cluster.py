@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 
-from edgepipe.model.store import missing_reference, reference_gguf
+from edgepipe.model.store import local_form, missing_reference, reference_gguf
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
@@ -21,7 +21,7 @@ QUESTIONS = ["What is a prime number?", "Is 91 one of them?", "Why?"]
 def reference_tokens(pkg, messages: list[dict], max_tokens: int) -> list[int]:
     tok = pkg.tokenizer
     ids = tok.encode(tok.format_chat(messages))
-    out = generate(pkg.pipeline(), ids, GenerationParams(max_tokens=max_tokens), tok.decode, pkg.manifest.eos_ids).tokens
+    out = generate(pkg.pipeline(precision=local_form(pkg)), ids, GenerationParams(max_tokens=max_tokens), tok.decode, pkg.manifest.eos_ids).tokens
     return [t for t in out if t not in pkg.manifest.eos_ids]
 
 
@@ -73,7 +73,7 @@ def _server(request, home, workers: int):
 
 # 3 workers in the default run (the shared server; one stage is covered by tests/test_prefix_cache.py), 1 with -m slow
 @pytest.mark.parametrize("workers", [3, pytest.param(1, marks=pytest.mark.slow)])
-def test_cached_turns_give_the_tokens_of_a_whole_prefill(int4_pkg, home, workers, request):
+def test_cached_turns_give_the_tokens_of_a_whole_prefill(native_pkg, home, workers, request):
     with _server(request, home, workers) as server:
         before = server.status()["prefix_cache"]
         assert before["on"], before
@@ -83,14 +83,14 @@ def test_cached_turns_give_the_tokens_of_a_whole_prefill(int4_pkg, home, workers
         assert after["hits"] - before["hits"] >= len(QUESTIONS) - 1, (before, after)
         assert after["reused_positions"] - before["reused_positions"] >= 2 * 128
         for messages, got in turns:
-            assert got == reference_tokens(int4_pkg, messages, 16), messages[-1]
+            assert got == reference_tokens(native_pkg, messages, 16), messages[-1]
         metrics = server.client.get("/metrics").text
         hits = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("edgepipe_prefix_hits_total"))
         assert hits >= len(QUESTIONS) - 1
         # Prompt logprobs need every position's logits: that prefill reuses nothing, and still agrees.
         messages = turns[-1][0]
         seen = server.status()["prefix_cache"]["hits"]
-        r = server.client.post("/v1/completions", json={"prompt": int4_pkg.tokenizer.format_chat(messages), "max_tokens": 4,
+        r = server.client.post("/v1/completions", json={"prompt": native_pkg.tokenizer.format_chat(messages), "max_tokens": 4,
                                                          "temperature": 0, "echo": True, "logprobs": 1})
         assert r.status_code == 200, r.text
         assert server.status()["prefix_cache"]["hits"] == seen
@@ -116,7 +116,7 @@ def test_cached_prefix_is_exact_on_qwen(home, workers):
         assert again == whole
 
 
-def test_plan_switch_and_lost_worker_drop_the_cache_and_tokens_stay_exact(int4_pkg, home):
+def test_plan_switch_and_lost_worker_drop_the_cache_and_tokens_stay_exact(native_pkg, home):
     """A rebalance (every stage's range changes) and a killed worker (recovery on the survivor)
     each start the cache afresh on the new plan; the answers before, across and after are the
     single-process tokens, and the new plan caches and reuses again."""
@@ -128,7 +128,7 @@ def test_plan_switch_and_lost_worker_drop_the_cache_and_tokens_stay_exact(int4_p
     def ask(server, q: str) -> list[int]:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
         got = chat(server, messages, 8)["choices"][0]["token_ids"]
-        assert got == reference_tokens(int4_pkg, messages, 8), q
+        assert got == reference_tokens(native_pkg, messages, 8), q
         return got
 
     with Server(home, workers=2, args=("--placement", "memory")) as server:
@@ -150,9 +150,9 @@ def test_plan_switch_and_lost_worker_drop_the_cache_and_tokens_stay_exact(int4_p
         # positions with the rest) moves or is rebuilt, and its tokens stay the reference's.
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[2]}]
         text = stream_text(server, messages, 32, rebalance)
-        tok = int4_pkg.tokenizer
-        want = generate(int4_pkg.pipeline(), tok.encode(tok.format_chat(messages)), GenerationParams(max_tokens=32, ignore_eos=True),
-                        tok.decode, int4_pkg.manifest.eos_ids).tokens
+        tok = native_pkg.tokenizer
+        want = generate(native_pkg.pipeline(precision=local_form(native_pkg)), tok.encode(tok.format_chat(messages)), GenerationParams(max_tokens=32, ignore_eos=True),
+                        tok.decode, native_pkg.manifest.eos_ids).tokens
         assert text == tok.decode(want)
         up = [e for e in server.client.get("/v1/cluster/events").json()["events"] if e["kind"] == "up" and e.get("plan") == moved["plan"]]
         assert up and up[0]["kv_moved"] + up[0]["kv_recomputed"] == 1
@@ -174,7 +174,7 @@ def test_plan_switch_and_lost_worker_drop_the_cache_and_tokens_stay_exact(int4_p
             assert after["prefix_cache"]["hits"] == before["prefix_cache"]["hits"] + 1  # the first computes, the second reuses
 
 
-def test_concurrent_and_structured_requests_on_cached_blocks(int4_pkg, keyed_server):
+def test_concurrent_and_structured_requests_on_cached_blocks(native_pkg, keyed_server):
     """On a ``--batch-invariant`` cluster, prompts that share a cached system prompt and run
     together (their decode steps batched in lanes) each get their solo tokens; a JSON-schema
     request on cached blocks gives the answer it gave computed whole."""
@@ -183,7 +183,7 @@ def test_concurrent_and_structured_requests_on_cached_blocks(int4_pkg, keyed_ser
     import httpx
 
     server = keyed_server
-    alone = int4_pkg.pipeline(batch_invariant=True)
+    alone = native_pkg.pipeline(batch_invariant=True, precision=local_form(native_pkg))
     headers = {"Authorization": "Bearer sekrit"}
 
     def ask(body: dict) -> dict:
@@ -203,7 +203,7 @@ def test_concurrent_and_structured_requests_on_cached_blocks(int4_pkg, keyed_ser
     with ThreadPoolExecutor(len(bodies)) as pool:
         got = list(pool.map(ask, bodies))
     for body, choice in zip(bodies, got):
-        assert choice["token_ids"] == reference_tokens_with(int4_pkg, alone, body["messages"], 12), body["messages"][-1]
+        assert choice["token_ids"] == reference_tokens_with(native_pkg, alone, body["messages"], 12), body["messages"][-1]
     again = ask(structured)
     after = server.status()["prefix_cache"]
     assert after["hits"] - before["hits"] >= len(bodies) + 1

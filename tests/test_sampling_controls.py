@@ -22,6 +22,7 @@ from edgepipe.runtime import controls
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 from edgepipe.runtime.stage_runner import RowControls, SamplingBatch, logit_adjust
+from edgepipe.model.store import local_form
 
 
 H, V, EPS = 16, 50, 1e-5
@@ -169,10 +170,10 @@ def test_penalties_fold_with_bias_per_generated_token():
     assert dict(zip(ids, values)) == {3: 10.0 - 0.75, 5: -(0.5 + 0.75), 8: -100.0}  # prompt tokens do not count
 
 
-def test_token_mask_on_the_real_model(int4_pkg):
+def test_token_mask_on_the_real_model(native_pkg):
     """The wire path a worker runs (``SamplingBatch.from_wire``) with a mask provider: only digits."""
-    tok = int4_pkg.tokenizer
-    pipe = int4_pkg.pipeline([12])
+    tok = native_pkg.tokenizer
+    pipe = native_pkg.pipeline([12], precision=local_form(native_pkg))
     vocab = pipe.runners[-1].vocab
     digits = np.array([tok.decode([t]).strip() in {str(d) for d in range(10)} for t in range(vocab)])
     calls = []
@@ -182,13 +183,13 @@ def test_token_mask_on_the_real_model(int4_pkg):
         return np.packbits(digits, bitorder="little")
 
     ids = tok.encode("The capital of France is")
-    r = generate(pipe, ids, GenerationParams(max_tokens=5), tok.decode, int4_pkg.manifest.eos_ids, token_mask=provider)
+    r = generate(pipe, ids, GenerationParams(max_tokens=5), tok.decode, native_pkg.manifest.eos_ids, token_mask=provider)
     assert len(r.tokens) == 5 and all(digits[t] for t in r.tokens)
     assert calls == [r.tokens[:k] for k in range(5)]  # once per step, with the ids so far
-    free = generate(pipe, ids, GenerationParams(max_tokens=5), tok.decode, int4_pkg.manifest.eos_ids)
+    free = generate(pipe, ids, GenerationParams(max_tokens=5), tok.decode, native_pkg.manifest.eos_ids)
     assert not all(digits[t] for t in free.tokens)
     with pytest.raises(ValueError, match="allows no token"):
-        generate(pipe, ids, GenerationParams(max_tokens=2), tok.decode, int4_pkg.manifest.eos_ids,
+        generate(pipe, ids, GenerationParams(max_tokens=2), tok.decode, native_pkg.manifest.eos_ids,
                  token_mask=lambda generated: np.zeros(vocab, bool))
 
 
@@ -222,31 +223,31 @@ def complete(client, prompt: str, **kw):
 
 def reference_ids(pkg, prompt: str, **params) -> list[int]:
     tok = pkg.tokenizer
-    r = generate(pkg.pipeline(), tok.encode(prompt), GenerationParams(max_tokens=params.pop("max_tokens", 16), **params),
+    r = generate(pkg.pipeline(precision=local_form(pkg)), tok.encode(prompt), GenerationParams(max_tokens=params.pop("max_tokens", 16), **params),
                  tok.decode, pkg.manifest.eos_ids)
     return r.tokens
 
 
-def test_penalties_change_the_greedy_text_as_the_reference_does(client, int4_pkg):
+def test_penalties_change_the_greedy_text_as_the_reference_does(client, native_pkg):
     plain, plain_ids = complete(client, REPEATING)
     for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"presence_penalty": 1.0, "frequency_penalty": -0.5}):
         text, ids = complete(client, REPEATING, **kw)
-        want = reference_ids(int4_pkg, REPEATING, **kw)
+        want = reference_ids(native_pkg, REPEATING, **kw)
         assert ids == want[: len(ids)], kw  # the single-process runner, token for token
         if kw.get("presence_penalty", 0) > 0 and kw.get("frequency_penalty", 0) >= 0:
             assert text != plain, kw
-    assert plain_ids == reference_ids(int4_pkg, REPEATING)[: len(plain_ids)]
+    assert plain_ids == reference_ids(native_pkg, REPEATING)[: len(plain_ids)]
 
 
-def test_logit_bias_forbids_and_forces(client, int4_pkg):
+def test_logit_bias_forbids_and_forces(client, native_pkg):
     prompt = "The capital of France is"
     text, greedy = complete(client, prompt, max_tokens=4)
     first = greedy[0]
     assert text.startswith(" Paris")
     banned_text, banned = complete(client, prompt, max_tokens=4, logit_bias={str(first): -100})
     assert banned and banned[0] != first and first not in banned and "Paris" not in banned_text
-    assert banned == reference_ids(int4_pkg, prompt, max_tokens=4, logit_bias=((first, -100.0),))[: len(banned)]
-    forced = int4_pkg.tokenizer.encode(" banana")[0]
+    assert banned == reference_ids(native_pkg, prompt, max_tokens=4, logit_bias=((first, -100.0),))[: len(banned)]
+    forced = native_pkg.tokenizer.encode(" banana")[0]
     _, ids = complete(client, prompt, max_tokens=4, logit_bias={str(forced): 100})
     assert ids == [forced] * 4
 
@@ -291,25 +292,25 @@ def test_package_with_older_graphs_is_rebuilt(tmp_path):
     from edgepipe.model.importer import import_model
     from edgepipe.model.store import bundled_gguf
 
-    path = import_model(bundled_gguf(), tmp_path, "int4", name="pkg", measure_cost=False)
+    path = import_model(bundled_gguf(), tmp_path, "native", name="pkg", measure_cost=False)
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["source"]["graphs"] == graphs.GRAPH_VERSION
     del manifest["source"]["graphs"]  # as written before versions were recorded
     (path / "manifest.json").write_text(json.dumps(manifest))
-    import_model(bundled_gguf(), tmp_path, "int4", name="pkg", measure_cost=False)
+    import_model(bundled_gguf(), tmp_path, "native", name="pkg", measure_cost=False)
     assert json.loads((path / "manifest.json").read_text())["source"]["graphs"] == graphs.GRAPH_VERSION
 
 
-def test_repeat_penalty_in_the_head(int4_pkg):
+def test_repeat_penalty_in_the_head(native_pkg):
     """The head's repeat penalty (llama.cpp's): a penalised argmax token loses to the runner-up when
     the factor is large; a factor of 1 changes nothing; logprobs stay the model's own (raw logits)."""
     import numpy as np
 
     from edgepipe.runtime.stage_runner import SamplingBatch
 
-    n = len(int4_pkg.manifest.units)
-    head = int4_pkg.runner(n - 1, n)
-    x = np.random.default_rng(0).standard_normal((1, 1, int4_pkg.manifest.config["hidden_size"])).astype(np.float32)
+    n = len(native_pkg.manifest.units)
+    head = native_pkg.runner(n - 1, n, precision=local_form(native_pkg))
+    x = np.random.default_rng(0).standard_normal((1, 1, native_pkg.manifest.config["hidden_size"])).astype(np.float32)
 
     def run(**extra):
         entry = {"sampling": {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "uniform": 0.0, "top": 3, **extra}}

@@ -26,7 +26,7 @@ ADMIN = "admin-s3cret"
 
 
 @pytest.fixture(scope="module")
-def cluster(home, int4_pkg):
+def cluster(home, native_pkg):
     # derived data-port secrets: the test holds the join token, so it can act as a stage's
     # predecessor (with issued secrets only the coordinator and that predecessor know them)
     with Server(home, workers=2, args=("--join-token", TOKEN, "--admin-token", ADMIN, "--placement", "memory",
@@ -34,7 +34,7 @@ def cluster(home, int4_pkg):
         yield server
 
 
-def test_issued_data_secrets_are_known_only_to_the_predecessor(home, int4_pkg):
+def test_issued_data_secrets_are_known_only_to_the_predecessor(home, native_pkg):
     """By default each stage's secret is random per plan and given only to its predecessor: even
     the join token does not open a data port, while the pipeline itself still runs."""
     with Server(home, workers=2, args=("--join-token", TOKEN, "--placement", "memory")) as server:

@@ -22,7 +22,7 @@ HOSTILE_TENSOR = "<img src=x onerror=__xss2=1>"
 
 
 @pytest.mark.browser
-def test_attack4_dashboard_renders_hostile_names_and_events_as_text(home, int4_pkg):
+def test_attack4_dashboard_renders_hostile_names_and_events_as_text(home, native_pkg):
     with Server(home, workers=1, args=("--placement", "memory")) as server:
         hostile = server.worker("--name", HOSTILE_NAME, "--threads", "1")
         try:

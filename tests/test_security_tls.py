@@ -21,7 +21,7 @@ PROMPT = "Explain recursion in one sentence."
 
 
 @pytest.fixture(scope="module")
-def tls_server(home, int4_pkg):
+def tls_server(home, native_pkg):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "EDGEPIPE_TLS_FINGERPRINT"}
     env["EDGEPIPE_HOME"] = str(home)
@@ -54,7 +54,7 @@ def tls_server(home, int4_pkg):
             proc.wait()
 
 
-def test_tls_three_workers_serve_exactly_the_single_process_tokens(tls_server, int4_pkg):
+def test_tls_three_workers_serve_exactly_the_single_process_tokens(tls_server, native_pkg):
     client, port, _ = tls_server
     status = client.get("/v1/cluster/status").json()
     assert len(status["plan"]["stages"]) == 3
@@ -62,7 +62,7 @@ def test_tls_three_workers_serve_exactly_the_single_process_tokens(tls_server, i
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32, "temperature": 0,
                                                   "return_token_ids": True})
     assert r.status_code == 200, r.text
-    expected = [t for t in reference_tokens(int4_pkg, PROMPT, 32) if t not in int4_pkg.manifest.eos_ids]
+    expected = [t for t in reference_tokens(native_pkg, PROMPT, 32) if t not in native_pkg.manifest.eos_ids]
     assert r.json()["choices"][0]["token_ids"] == expected
     with pytest.raises(httpx.HTTPError):  # nothing in the clear
         httpx.get(f"http://127.0.0.1:{port}/v1/cluster/status", timeout=5)

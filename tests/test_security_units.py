@@ -190,12 +190,12 @@ def test_attack3_corrupt_cached_blob_is_deleted_and_fetched_again(tmp_path, blob
 
 # -- attacks 5 and 7 at the HTTP edge ----------------------------------------------------------
 @pytest.fixture
-def app_factory(int4_pkg):
+def app_factory(native_pkg):
     from edgepipe.api.app import create_app
     from edgepipe.cluster.coordinator import Coordinator
 
     def make(**kwargs):
-        return create_app(Coordinator(int4_pkg), int4_pkg, **kwargs)
+        return create_app(Coordinator(native_pkg), native_pkg, **kwargs)
 
     return make
 

@@ -2,7 +2,7 @@
 one token per step in the same graph form, alone and beside other requests; a worker killed
 mid-stream is replayed to the same tokens (``-m slow``).
 
-The drafter is SmolLM2's fp32 package drafting for the int4 target (one tokenizer, other weights:
+The drafter is SmolLM2's fp32 package drafting for the file's own model (the target `serve` runs by default) (one tokenizer, other weights:
 it agrees often, not always, so passes keep some drafts and rewind others)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
+from edgepipe.model.store import local_form
 
 from harness import Server
 
@@ -34,7 +35,7 @@ def chat_ids(pkg, prompt: str) -> list[int]:
 def reference(pkg, prompt: str, **params):
     """Decoding one token per step, single process, in the verify form the cluster's stages run."""
     tok = pkg.tokenizer
-    return generate(pkg.pipeline(verify_form=True, threads=1), chat_ids(pkg, prompt), GenerationParams(**params), tok.decode,
+    return generate(pkg.pipeline(verify_form=True, threads=1, precision=local_form(pkg)), chat_ids(pkg, prompt), GenerationParams(**params), tok.decode,
                     pkg.manifest.eos_ids)
 
 
@@ -50,16 +51,16 @@ def ask(server, prompt: str, **body) -> dict:
 
 
 @pytest.fixture(scope="module")
-def spec_server(home, int4_pkg, fp32_pkg):
+def spec_server(home, native_pkg, fp32_pkg):
     with Server(home, workers=3, args=("--placement", "memory", "--speculative", str(fp32_pkg.root), "--draft-k", "6")) as server:
         yield server
 
 
-def test_greedy_tokens_and_logprobs_equal_one_token_per_step(int4_pkg, spec_server):
+def test_greedy_tokens_and_logprobs_equal_one_token_per_step(native_pkg, spec_server):
     for prompt in (EDIT, CHAT):
         choice = ask(spec_server, prompt, max_tokens=48, temperature=0, logprobs=True, top_logprobs=2)
-        ref = reference(int4_pkg, prompt, max_tokens=48, logprobs=True, top_logprobs=2)
-        assert choice["token_ids"] == without_eos(int4_pkg, ref.tokens)
+        ref = reference(native_pkg, prompt, max_tokens=48, logprobs=True, top_logprobs=2)
+        assert choice["token_ids"] == without_eos(native_pkg, ref.tokens)
         got = [(e["logprob"], [t["logprob"] for t in e["top_logprobs"]]) for e in choice["logprobs"]["content"]]
         want = [(w.logprob, [lp for _, lp in w.top]) for w in ref.logprobs]
         assert got == want  # the verify rows are the decode steps' bits: the same floats
@@ -70,40 +71,40 @@ def test_greedy_tokens_and_logprobs_equal_one_token_per_step(int4_pkg, spec_serv
     assert "edgepipe_speculative_kept_tokens_total" in metrics
 
 
-def test_sampled_tokens_equal_seeded_sampling_one_token_per_step(int4_pkg, spec_server):
+def test_sampled_tokens_equal_seeded_sampling_one_token_per_step(native_pkg, spec_server):
     """A sampled request speculates too: the drafter samples with the target's seeded draws and a
     draft stays where it equals the target's sample, so the tokens are the non-speculative ones."""
     before = spec_server.status()["speculation"]
     choice = ask(spec_server, CHAT, max_tokens=40, temperature=0.8, top_p=0.95, seed=5)
-    assert choice["token_ids"] == without_eos(int4_pkg, reference(int4_pkg, CHAT, max_tokens=40, temperature=0.8, top_p=0.95,
+    assert choice["token_ids"] == without_eos(native_pkg, reference(native_pkg, CHAT, max_tokens=40, temperature=0.8, top_p=0.95,
                                                                   seed=5).tokens)
     after = spec_server.status()["speculation"]
     assert after["passes"] > before["passes"] and after["kept"] > before["kept"]
 
 
-def test_beside_other_requests(int4_pkg, spec_server):
+def test_beside_other_requests(native_pkg, spec_server):
     """A speculating request, a sampled one and one with a logit bias (these two decode a token per
     step, batched in lanes) at once: each gets its solo tokens."""
-    bias = {str(int4_pkg.tokenizer.encode(" the")[0]): -5}
+    bias = {str(native_pkg.tokenizer.encode(" the")[0]): -5}
     jobs = [(EDIT, dict(max_tokens=40, temperature=0)),
             (CHAT, dict(max_tokens=24, temperature=0.8, seed=7)),
             (CHAT, dict(max_tokens=24, temperature=0, logit_bias=bias))]
     before = spec_server.status()["speculation"]["passes"]
     with ThreadPoolExecutor(len(jobs)) as pool:
         choices = list(pool.map(lambda job: ask(spec_server, job[0], **job[1]), jobs))
-    expected = [reference(int4_pkg, EDIT, max_tokens=40),
-                reference(int4_pkg, CHAT, max_tokens=24, temperature=0.8, seed=7),
-                reference(int4_pkg, CHAT, max_tokens=24, logit_bias=tuple((int(k), float(v)) for k, v in bias.items()))]
+    expected = [reference(native_pkg, EDIT, max_tokens=40),
+                reference(native_pkg, CHAT, max_tokens=24, temperature=0.8, seed=7),
+                reference(native_pkg, CHAT, max_tokens=24, logit_bias=tuple((int(k), float(v)) for k, v in bias.items()))]
     for choice, ref in zip(choices, expected):
-        assert choice["token_ids"] == without_eos(int4_pkg, ref.tokens)
+        assert choice["token_ids"] == without_eos(native_pkg, ref.tokens)
     assert spec_server.status()["speculation"]["passes"] > before
 
 
 @pytest.mark.slow
-def test_worker_killed_mid_stream_is_replayed_exactly(int4_pkg, home):
+def test_worker_killed_mid_stream_is_replayed_exactly(native_pkg, home):
     """n-gram drafting on a code edit; a stage is SIGKILLed mid-stream: the replay rebuilds the KV one
     token per step, and the accepted tokens come out the same."""
-    expected = int4_pkg.tokenizer.decode(without_eos(int4_pkg, reference(int4_pkg, EDIT, max_tokens=80, ignore_eos=True).tokens))
+    expected = native_pkg.tokenizer.decode(without_eos(native_pkg, reference(native_pkg, EDIT, max_tokens=80, ignore_eos=True).tokens))
     with Server(home, workers=2, args=("--placement", "memory", "--speculative", "ngram")) as server:
         victim = server.status()["workers"][1]
         killed = threading.Event()
@@ -125,10 +126,10 @@ def test_worker_killed_mid_stream_is_replayed_exactly(int4_pkg, home):
 
 
 @pytest.mark.slow
-def test_forced_rebalance_mid_stream_moves_kv_with_drafts(int4_pkg, home):
+def test_forced_rebalance_mid_stream_moves_kv_with_drafts(native_pkg, home):
     """A plan switch mid-stream moves the sequence's KV, rejected drafts' positions included: the
     next frame's ``rewind`` drops them on the new stages, and the text is unchanged."""
-    expected = int4_pkg.tokenizer.decode(without_eos(int4_pkg, reference(int4_pkg, EDIT, max_tokens=80, ignore_eos=True).tokens))
+    expected = native_pkg.tokenizer.decode(without_eos(native_pkg, reference(native_pkg, EDIT, max_tokens=80, ignore_eos=True).tokens))
     with Server(home, workers=2, args=("--placement", "memory", "--speculative", "ngram")) as server:
         stages = server.status()["plan"]["stages"]
         a, b = stages[0]["worker"], stages[1]["worker"]

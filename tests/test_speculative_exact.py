@@ -9,6 +9,7 @@ import pytest
 
 from edgepipe.runtime.speculative import ModelDrafter, accept_greedy
 from edgepipe.runtime.stage_runner import SamplingBatch
+from edgepipe.model.store import local_form
 
 CUTS = [11, 22]
 WANT = [{"seq": "s", "sampling": {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "uniform": 0.0,
@@ -32,14 +33,14 @@ def _run(pipe, seq: str, ids: list[int], verify: bool = False):
 
 
 @pytest.fixture(scope="module")
-def verify_pipe(int4_pkg):
-    return int4_pkg.pipeline(CUTS, verify_form=True, threads=1)
+def verify_pipe(native_pkg):
+    return native_pkg.pipeline(CUTS, verify_form=True, threads=1, precision=local_form(native_pkg))
 
 
 @pytest.fixture(scope="module")
-def reference(int4_pkg, verify_pipe):
+def reference(native_pkg, verify_pipe):
     """Decode steps one token at a time: tokens and logprob entries."""
-    prompt = _prompt(int4_pkg)
+    prompt = _prompt(native_pkg)
     tokens, entries = _run(verify_pipe, "ref", prompt)
     for _ in range(12):
         t, e = _run(verify_pipe, "ref", tokens[-1:])
@@ -77,25 +78,25 @@ def test_rejected_drafts_are_rewound(verify_pipe, reference):
     assert out == tokens
 
 
-def test_plain_stage_refuses_to_verify(int4_pkg):
-    head = int4_pkg.runner(CUTS[-1], len(int4_pkg.manifest.units), threads=1)
+def test_plain_stage_refuses_to_verify(native_pkg):
+    head = native_pkg.runner(CUTS[-1], len(native_pkg.manifest.units), threads=1, precision=local_form(native_pkg))
     with pytest.raises(ValueError, match="verify form"):
-        head.run("x", np.zeros((1, 3, int4_pkg.manifest.hidden_size), np.float32), SamplingBatch.greedy(1), verify=True)
+        head.run("x", np.zeros((1, 3, native_pkg.manifest.hidden_size), np.float32), SamplingBatch.greedy(1), verify=True)
 
 
-def test_model_drafter_follows_the_sequence(int4_pkg):
+def test_model_drafter_follows_the_sequence(native_pkg):
     """SmolLM2 drafting for itself (plain form, one runner): its drafts are its own greedy tokens,
     and after the target diverges its KV is rewound to what both share."""
-    pipe = int4_pkg.pipeline(threads=1)
-    prompt = _prompt(int4_pkg)
+    pipe = native_pkg.pipeline(threads=1, precision=local_form(native_pkg))
+    prompt = _prompt(native_pkg)
     greedy = [pipe.step("g", prompt, SamplingBatch.greedy(1))]
     for _ in range(9):
         greedy.append(pipe.step("g", greedy[-1:], SamplingBatch.greedy(1)))
-    drafter = ModelDrafter(int4_pkg.runner(0, len(int4_pkg.manifest.units), threads=1))
+    drafter = ModelDrafter(native_pkg.runner(0, len(native_pkg.manifest.units), threads=1, precision=local_form(native_pkg)))
     assert drafter.draft("d", prompt, 4) == greedy[:4]
     assert drafter.draft("d", prompt + greedy[:3], 4) == greedy[3:7]  # kept three: fed, drafting goes on
     diverged = prompt + greedy[:2] + [greedy[2] + 1]
-    fresh = ModelDrafter(int4_pkg.runner(0, len(int4_pkg.manifest.units), threads=1))
+    fresh = ModelDrafter(native_pkg.runner(0, len(native_pkg.manifest.units), threads=1, precision=local_form(native_pkg)))
     assert drafter.draft("d", diverged, 3) == fresh.draft("d", diverged, 3)
     drafter.forget("d")
     assert drafter.runner.sequences() == []
@@ -108,14 +109,14 @@ def test_the_verify_forms_names_agree():
     assert (graphs.DECODE_ROWS_KEY, graphs.HEAD_POSITIONS) == (stage_runner.DECODE_ROWS_KEY, stage_runner.HEAD_POSITIONS)
 
 
-def test_sampled_verify_pass_equals_sampled_steps(int4_pkg, verify_pipe):
+def test_sampled_verify_pass_equals_sampled_steps(native_pkg, verify_pipe):
     """Each position of a verify pass samples with its own token's seeded draw (a list of draws in
     the frame): the target's samples are the ones decoding one step at a time gives."""
     from edgepipe.runtime import controls
     from edgepipe.runtime.sequence import GenerationParams, uniform_draw
 
     params = GenerationParams(temperature=0.9, top_p=0.95, seed=11)
-    prompt = _prompt(int4_pkg)
+    prompt = _prompt(native_pkg)
     head = verify_pipe.runners[-1]
 
     def sampling(step: int, positions: int = 0) -> SamplingBatch:
@@ -137,10 +138,10 @@ def test_sampled_verify_pass_equals_sampled_steps(int4_pkg, verify_pipe):
     assert len(set(tokens)) > 3  # sampled, not one repeated token
 
 
-def test_primed_drafter_drafts_the_same(int4_pkg):
-    primed = ModelDrafter(int4_pkg.runner(0, len(int4_pkg.manifest.units), threads=1))
-    cold = ModelDrafter(int4_pkg.runner(0, len(int4_pkg.manifest.units), threads=1))
-    prompt = _prompt(int4_pkg)
+def test_primed_drafter_drafts_the_same(native_pkg):
+    primed = ModelDrafter(native_pkg.runner(0, len(native_pkg.manifest.units), threads=1, precision=local_form(native_pkg)))
+    cold = ModelDrafter(native_pkg.runner(0, len(native_pkg.manifest.units), threads=1, precision=local_form(native_pkg)))
+    prompt = _prompt(native_pkg)
     primed.prime("p", prompt)
     assert primed.runner.length("p") == len(prompt)
     first = cold.draft("c", prompt, 1)
@@ -174,14 +175,14 @@ def test_steps_and_verify_passes_of_every_width_alternate(verify_pipe, reference
     assert out == tokens  # 1 + 7 passes + 5 drafts kept
 
 
-def test_a_draft_model_with_another_tokenizer_is_refused(int4_pkg):
+def test_a_draft_model_with_another_tokenizer_is_refused(native_pkg):
     from types import SimpleNamespace
 
     from edgepipe.cluster.speculation import build_speculation
 
     target = SimpleNamespace(name="other-model", manifest=SimpleNamespace(tokenizer="0" * 64))
     with pytest.raises(ValueError, match="another tokenizer"):
-        build_speculation(str(int4_pkg.root), target)
+        build_speculation(str(native_pkg.root), target)
     assert build_speculation("ngram", target).drafter.name == "ngram"
 
 

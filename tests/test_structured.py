@@ -16,7 +16,7 @@ import pytest
 
 from edgepipe.api.structured import Constraint, JsonFormat, SchemaError, closed_objects, from_openai, vocabulary_for
 from edgepipe.model.gguf_source import GGUFSource
-from edgepipe.model.store import bundled_gguf, missing_reference, reference_gguf
+from edgepipe.model.store import bundled_gguf, local_form, missing_reference, reference_gguf
 from edgepipe.model.tokenizer import TextTokenizer
 from edgepipe.runtime.stage_runner import SamplingBatch
 
@@ -194,11 +194,11 @@ def test_closed_objects_adds_false_only_where_the_schema_is_silent():
     assert "additionalProperties" not in nested["properties"]["pet"]  # the client's schema is not changed
 
 
-def test_each_row_gets_its_own_mask_when_a_batch_is_not_in_row_order(int4_pkg):
+def test_each_row_gets_its_own_mask_when_a_batch_is_not_in_row_order(native_pkg):
     """A decode batch whose sequences hold their KV rows in another order (b, a on rows 1, 0) must
     still apply each sequence's mask and sampling draw to that sequence's row (they went to the
     batch position's row, so n > 1 JSON answers through a worker broke their grammar)."""
-    pipe, tok = int4_pkg.pipeline(), int4_pkg.tokenizer
+    pipe, tok = native_pkg.pipeline(precision=local_form(native_pkg)), native_pkg.tokenizer
     vocab = pipe.runners[-1].vocab
     only = {name: tok.encode(text)[0] for name, text in (("a", "{"), ("b", "["))}
     prompt = np.array([tok.encode("Once upon a time")], np.int64)

@@ -117,10 +117,11 @@ def open_model(model: Optional[str], precision: str, home: Optional[Path]):
             bar.stop()
 
 
-def open_runnable_model(model: Optional[str], precision: str, home: Optional[Path]):
+def open_runnable_model(model: Optional[str], precision: str, home: Optional[Path], add_missing: bool = True):
     """The package of ``model`` and the variant this process (and a CPU worker beside it) runs:
     the file's own model in the GGUF kernel library's form where it loads, else as MatMulNBits
-    graphs, each said in one line on stderr when it is not the default."""
+    graphs (``store.prepare_local_form``; ``add_missing``: that form is added to the package when
+    it lacks it), each said in one line on stderr when it is not the default."""
     from .model.store import REQUANTIZED, prepare_local_form
 
     pkg = open_model(model, precision, home)
@@ -129,7 +130,7 @@ def open_runnable_model(model: Optional[str], precision: str, home: Optional[Pat
                   highlight=False, soft_wrap=True)
     bar, report = _progress()
     try:
-        form, note = prepare_local_form(pkg, progress=report)
+        form, note = prepare_local_form(pkg, progress=report, add_missing=add_missing)
     finally:
         if bar.live.is_started:
             bar.stop()
@@ -279,7 +280,8 @@ def serve(
     from .model.store import home_dir
 
     try:
-        pkg, _ = open_runnable_model(model, precision, home)  # the local workers' form is in the package before they join
+        # local workers find their form in the package when they join; remote ones get theirs added as they join
+        pkg, _ = open_runnable_model(model, precision, home, add_missing=workers > 0)
     except USER_ERRORS as exc:
         fail(str(exc))
     settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,

@@ -37,6 +37,8 @@ def test_api_greedy_equals_single_process(native_pkg, home, workers, request):
     with _server(request, home, workers) as server:
         stages = server.status()["plan"]["stages"]
         assert len(stages) == workers
+        # serve's default: the file's own model, in the kernel library's form where it loads here
+        assert [s["precision"] for s in stages] == [local_form(native_pkg)] * workers
         for prompt in PROMPTS:
             r = server.client.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "temperature": 0, "return_token_ids": True})

@@ -195,3 +195,35 @@ def test_a_coordinator_without_the_library_keeps_the_native_form(tmp_path_factor
         ("gguf", "skipped", "the coordinator has no GGUF kernel library: turned off by EDGEPIPE_NATIVE=0")], skipped
     assert "gguf" not in resolve("smollm2", "native", home).manifest.units[1].variants
     assert got == reference(pkg, PROMPTS[0], [], ["native"], 24)
+
+
+def test_generate_runs_the_files_own_model_by_default_and_says_when_it_falls_back(tmp_path_factory):
+    """`edgepipe generate` with no --precision: the file's own model. Without the kernel library it
+    runs the MatMulNBits graphs, says so in one line and adds no `gguf` form; with it, the `gguf`
+    form is added and run, silently. Each prints the single-process tokens of its form."""
+    import os
+    import subprocess
+    import sys
+
+    from edgepipe.model.package import Package
+
+    home = tmp_path_factory.mktemp("gguf-cli-home")
+
+    def cli_generate(kernel: bool) -> subprocess.CompletedProcess:
+        env = {**os.environ, "EDGEPIPE_NATIVE": "1" if kernel else "0"}
+        return subprocess.run([sys.executable, "-m", "edgepipe", "generate", PROMPTS[0], "-n", "24", "--home", str(home)], env=env,
+                              capture_output=True, text=True, timeout=180)
+
+    fallback = cli_generate(kernel=False)
+    assert fallback.returncode == 0, fallback.stderr
+    assert [line for line in fallback.stderr.splitlines() if line][0] == "no GGUF kernel library (turned off by EDGEPIPE_NATIVE=0): running the MatMulNBits graphs"
+    pkg = Package(home / "models" / "smollm2-135m-instruct-native")
+    assert pkg.manifest.precision == "native" and "gguf" not in pkg.manifest.units[1].variants
+    kernel = cli_generate(kernel=True)
+    assert kernel.returncode == 0, kernel.stderr
+    assert "GGUF kernel library" not in kernel.stderr and "re-quantization" not in kernel.stderr, kernel.stderr
+    pkg.reload()
+    assert all("gguf" in u.variants for u in pkg.manifest.units)
+    want = {form: pkg.tokenizer.decode(reference(pkg, PROMPTS[0], [], [form], 24)) for form in ("native", "gguf")}
+    assert want["native"] != want["gguf"]  # the forms are told apart on this prompt
+    assert (fallback.stdout, kernel.stdout) == (want["native"] + "\n", want["gguf"] + "\n")

@@ -111,12 +111,12 @@ def local_form(package: Package) -> str:
     return FALLBACK_FORM if _holds(package, FALLBACK_FORM) else own
 
 
-def prepare_local_form(package: Package, progress: Progress | None = None) -> tuple[str, str | None]:
+def prepare_local_form(package: Package, progress: Progress | None = None, add_missing: bool = True) -> tuple[str, str | None]:
     """Add the form of the file's own model that this process runs to ``package`` when it lacks
-    it (``gguf`` where the kernel library builds and loads, else ``native``), and return
-    ``(local_form(package), note)``: ``note`` is one line when the kernel library is not there
-    (the MatMulNBits graphs run instead), else None. Packages of a re-quantized precision are left
-    as they are, without a note."""
+    it (``gguf`` where the kernel library builds and loads, else ``native``; ``add_missing=False``:
+    add nothing), and return ``(local_form(package), note)``: ``note`` is one line when the kernel
+    library is not there (the MatMulNBits graphs run instead), else None. Packages of a
+    re-quantized precision are left as they are, without a note."""
     from ..native import native_library
     from .importer import add_variant
 
@@ -124,7 +124,7 @@ def prepare_local_form(package: Package, progress: Progress | None = None) -> tu
         return package.manifest.precision, None
     library = native_library()  # built on first use where bootstrap did not build it
     wanted = KERNEL_FORM if library.path is not None else FALLBACK_FORM
-    if not _holds(package, wanted):
+    if add_missing and not _holds(package, wanted):
         add_variant(package.root, wanted, progress)
         package.reload()
     note = None if library.path is not None else f"no GGUF kernel library ({library.reason}): running the MatMulNBits graphs"

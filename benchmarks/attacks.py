@@ -102,7 +102,7 @@ def main() -> None:
     resolve("smollm2", "int4", home)
     run = Conditions.start()
     out: dict = run.as_dict()
-    with Server(home, workers=2, args=("--join-token", TOKEN, "--admin-token", ADMIN, "--placement", "memory",
+    with Server(home, workers=2, args=("--precision", "int4", "--join-token", TOKEN, "--admin-token", ADMIN, "--placement", "memory",
                                         "--data-secrets", "derived")) as server:  # derived: this script may act as a predecessor
         reference = complete(server)
         ws_url = server.url.replace("http://", "ws://") + "/v1/worker"
@@ -193,7 +193,7 @@ def misbehaving_workers(home: Path, reference: str) -> dict:
     """A worker that answers pings but drops every activation frame (default 60 s step timeout),
     and one that reports its compute times 20x too short; plus a 1,000 MB request body."""
     out: dict = {}
-    with Server(home, workers=2, args=("--placement", "memory", "--min-workers", "3", "--join-token", TOKEN), wait_up=False) as server:
+    with Server(home, workers=2, args=("--precision", "int4", "--placement", "memory", "--min-workers", "3", "--join-token", TOKEN), wait_up=False) as server:
         dropper = server.worker("--drop-work", "--name", "dropper", "--join-token", TOKEN)
         liar = None
         try:

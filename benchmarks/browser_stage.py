@@ -193,7 +193,7 @@ def stage_compute(metrics: str) -> dict[str, tuple[float, float]]:
 
 
 def start_pipeline(home: Path, tail: str, context, args):
-    server = Server(home, workers=0, args=("--placement", "memory", "--min-workers", "2", "--max-active", "1"), wait_up=False)
+    server = Server(home, workers=0, args=("--precision", "int4", "--placement", "memory", "--min-workers", "2", "--max-active", "1"), wait_up=False)
     procs = [server.worker("--name", "head", "--memory", "3GB", "--threads", str(args.threads))]
     server.wait_for(lambda s: len(s["workers"]) == 1, 60)
     page = None

@@ -291,7 +291,7 @@ def run_scenario(name: str, home: Path, args, refs: dict) -> dict:
     spec = SCENARIOS[name]
     logdir = Path(tempfile.mkdtemp(prefix=f"edgepipe-churn-{name}-"))
     # the coordinator's own output goes to a log file beside the workers' (a stalled coordinator can log a lot)
-    server = Server(home, workers=0, args=("--min-workers", str(WORKERS), "--placement", "planner", "--batch-invariant"), wait_up=False,
+    server = Server(home, workers=0, args=("--precision", "int4", "--min-workers", str(WORKERS), "--placement", "planner", "--batch-invariant"), wait_up=False,
                     timeout=120, log=logdir / "coordinator.log")
     churn = Churn(server.url, spec["memory"], args.duration, args.mttf_end, tuple(args.reconnect), args.seed, logdir, args.fault)
     watcher = Watcher(server.url)

@@ -104,7 +104,7 @@ def main() -> None:
     refs = references(pkg, args.tokens)
     results: list[dict] = []
     switches: list[dict] = []
-    with Server(home, workers=3, args=("--placement", "planner", "--max-active", str(args.clients), "--batch-invariant"), timeout=300) as server:
+    with Server(home, workers=3, args=("--precision", "int4", "--placement", "planner", "--max-active", str(args.clients), "--batch-invariant"), timeout=300) as server:
         status = server.status()
         workers = [s["worker"] for s in status["plan"]["stages"]]
         if len(workers) < 3:

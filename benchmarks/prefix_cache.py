@@ -77,7 +77,7 @@ def main() -> None:
     runs = {}
     for workers in args.workers:
         for mode, flags in (("cache", ()), ("no cache", ("--no-prefix-cache",))):
-            with Server(home, workers=workers, args=("--placement", "memory", *flags), timeout=300) as server:
+            with Server(home, workers=workers, args=("--precision", "int4", "--placement", "memory", *flags), timeout=300) as server:
                 play(server, " ".join(reversed(system.split()))[:2000], 1, 4)  # warm-up on an unrelated prompt (first-call costs)
                 runs[(workers, mode)] = play(server, system, args.turns, args.max_tokens)
                 if mode == "cache":

@@ -118,7 +118,7 @@ def main() -> None:
 
     run = Conditions.start()
     expected = reference_text(resolve("smollm2", "int4", home), args.tokens)
-    sargs = ("--placement", "planner", "--worker-threads", "1", "--max-active", "1", "--worker-args", f"--memory {args.memory}")
+    sargs = ("--precision", "int4", "--placement", "planner", "--worker-threads", "1", "--max-active", "1", "--worker-args", f"--memory {args.memory}")
     servers: dict[str, Server] = {}
     try:
         for name in ("A", "B"):

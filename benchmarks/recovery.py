@@ -80,7 +80,7 @@ def stream(url: str, n: int, on_chunk, timeout: float) -> tuple[str, list[float]
 
 def trial(home: Path, args, expected: str, index: int, kill_at: int, replay: str = "steps") -> dict:
     worker_flags = f"--memory {args.memory}" if args.placement == "planner" and args.memory else ""
-    sargs = ("--placement", args.placement, "--worker-threads", str(args.threads), "--max-active", "1")
+    sargs = ("--precision", "int4", "--placement", args.placement, "--worker-threads", str(args.threads), "--max-active", "1")
     if replay == "chunk":  # the verify form: a replay is one prefill (graphs.verify_form)
         sargs += ("--verify-form",)
     sargs += tuple(args.serve_args.split())

@@ -54,7 +54,7 @@ def main() -> None:
     lock = threading.Lock()
     budget = parse_bytes(args.memory)
     run = Conditions.start()
-    with Server(home, workers=3, args=("--placement", "memory", "--worker-threads", "1", "--max-active", str(args.max_active),
+    with Server(home, workers=3, args=("--precision", "int4", "--placement", "memory", "--worker-threads", "1", "--max-active", str(args.max_active),
                                        "--max-queue", str(args.max_queue), "--worker-args", f"--memory {args.memory}", "--batch-invariant")) as server:
         pids = [w["pid"] for w in server.status()["workers"]]
         peak_rss = {pid: 0 for pid in pids}

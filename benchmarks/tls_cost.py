@@ -23,7 +23,7 @@ from edgepipe.model.store import resolve
 def start(home: Path, use_tls: bool, workers: int = 3) -> Server:
     """A 3-worker cluster, over TLS or not (a TLS fingerprint pinned in the environment is dropped)."""
     env = {k: v for k, v in os.environ.items() if k != "EDGEPIPE_TLS_FINGERPRINT"}
-    return Server(home, workers=workers, args=("--placement", "memory", *(["--tls"] if use_tls else [])), timeout=300, env=env,
+    return Server(home, workers=workers, args=("--precision", "int4", "--placement", "memory", *(["--tls"] if use_tls else [])), timeout=300, env=env,
                   client_timeout=300, log=Path(tempfile.mkdtemp(prefix="edgepipe-tls-")) / "serve.log")
 
 

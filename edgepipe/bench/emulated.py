@@ -26,7 +26,7 @@ BLIND_BANDWIDTH = 1e12  # bytes/s: "bandwidth ignored"
 
 def header(title: str, run: Conditions, conditions: str) -> list[str]:
     """The title, the machine line and the EMULATION notice of an emulated-cluster report."""
-    return [f"# {title}", "", f"{run.line()} · SmolLM2-135M-Instruct int4 · {conditions}", "",
+    return [f"# {title}", "", f"{run.line()} · SmolLM2-135M-Instruct, the file's own Q4_1 (`serve`'s default) · {conditions}", "",
             "**All devices are EMULATED** on this one machine: worker processes on loopback; `slowdown F` = the worker "
             "waits (F-1) x its measured compute time after each call; `memory` = a hard budget the worker refuses to "
             "exceed; links as labelled (`tbf` = kernel token bucket in a network namespace; `user-space` = the "

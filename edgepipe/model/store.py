@@ -124,8 +124,13 @@ def prepare_local_form(package: Package, progress: Progress | None = None, add_m
         return package.manifest.precision, None
     library = native_library()  # built on first use where bootstrap did not build it
     wanted = KERNEL_FORM if library.path is not None else FALLBACK_FORM
-    if add_missing and not _holds(package, wanted):
-        add_variant(package.root, wanted, progress)
-        package.reload()
     note = None if library.path is not None else f"no GGUF kernel library ({library.reason}): running the MatMulNBits graphs"
+    if add_missing and not _holds(package, wanted):
+        try:
+            add_variant(package.root, wanted, progress)
+        except OSError as exc:  # e.g. the source file moved since the import: run the form the package holds
+            if not any(_holds(package, form) for form in (KERNEL_FORM, FALLBACK_FORM) if form != wanted):
+                raise
+            note = f"cannot add the {wanted} form ({exc}): running the {local_form(package)} form the package holds"
+        package.reload()
     return local_form(package), note

@@ -128,9 +128,9 @@ def prepare_local_form(package: Package, progress: Progress | None = None, add_m
     if add_missing and not _holds(package, wanted):
         try:
             add_variant(package.root, wanted, progress)
-        except OSError as exc:  # e.g. the source file moved since the import: run the form the package holds
-            if not any(_holds(package, form) for form in (KERNEL_FORM, FALLBACK_FORM) if form != wanted):
-                raise
-            note = f"cannot add the {wanted} form ({exc}): running the {local_form(package)} form the package holds"
+        except (OSError, ValueError) as exc:  # e.g. the source file moved since the import
+            if wanted != KERNEL_FORM or not _holds(package, FALLBACK_FORM):
+                raise  # nothing else this process could run
+            note = f"cannot add the {KERNEL_FORM} form ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): running the MatMulNBits graphs"
         package.reload()
     return local_form(package), note

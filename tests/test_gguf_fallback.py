@@ -181,8 +181,8 @@ def test_a_coordinator_without_the_library_keeps_the_native_form(tmp_path_factor
     home = tmp_path_factory.mktemp("gguf-nolib-home")
     pkg = resolve("smollm2", "native", home)
     monkeypatch.setenv("EDGEPIPE_NATIVE", "0")  # the coordinator's process inherits it; the worker is given 1
-    with Server(home, workers=0, args=("--precision", "native", "--placement", "memory", "--min-workers", "1"),
-                wait_up=False) as server:
+    log = home / "serve.log"
+    with Server(home, workers=0, args=("--placement", "memory", "--min-workers", "1"), wait_up=False, log=log) as server:
         worker = start_worker(server, "kernel", home, kernel=True)
         try:
             status = server.wait_for(lambda s: s["state"] == "up" and s.get("plan"), timeout=180)
@@ -191,6 +191,8 @@ def test_a_coordinator_without_the_library_keeps_the_native_form(tmp_path_factor
         finally:
             stop(worker)
     assert [s["precision"] for s in status["plan"]["stages"]] == ["native"]
+    # serve's default is the file's own model, and it says in one line that it has no library
+    assert "no GGUF kernel library (turned off by EDGEPIPE_NATIVE=0): running the MatMulNBits graphs" in log.read_text().splitlines()
     assert [(e["precision"], e["status"], e["reason"]) for e in skipped] == [
         ("gguf", "skipped", "the coordinator has no GGUF kernel library: turned off by EDGEPIPE_NATIVE=0")], skipped
     assert "gguf" not in resolve("smollm2", "native", home).manifest.units[1].variants

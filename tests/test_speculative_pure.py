@@ -22,14 +22,17 @@ pytestmark = pytest.mark.pure  # no process, no model
     ([1, 2, 3], [1, 9, 3, 4], [1, 9]),  # the first mismatch ends the pass with the target's token
     ([1, 2, 3], [5, 2, 3, 4], [5]),  # nothing kept: still one token
     ([1, 2, 3], [1, 2, 8, 4], [1, 2, 8]),
+    ([1, 2, 3], [1, 2, 8], [1, 2, 8]),  # a last stage that applied the sampling rule stops at its first rejection
+    ([1, 2, 3], [5], [5]),
 ])
 def test_accept_greedy(drafts, targets, expected):
     assert accept_greedy(drafts, targets) == expected
 
 
-def test_accept_greedy_needs_one_target_per_position():
-    with pytest.raises(ValueError, match="returns 3 tokens"):
-        accept_greedy([1, 2], [1, 2])
+@pytest.mark.parametrize("drafts, targets", [([1, 2], [1, 2]), ([1, 2], []), ([1, 2], [1, 2, 3, 4])])
+def test_accept_greedy_needs_a_target_up_to_the_first_rejection(drafts, targets):
+    with pytest.raises(ValueError, match="returns"):
+        accept_greedy(drafts, targets)
 
 
 V, LENGTH, RUNS = 5, 3, 8_000

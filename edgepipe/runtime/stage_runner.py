@@ -41,6 +41,7 @@ OLD_HEAD = "this model package's head graph predates logprobs and logit controls
 # The verify form's names (graphs.verify_form; written twice so that workers need not import onnx)
 DECODE_ROWS_KEY = "edgepipe.decode_rows"
 HEAD_POSITIONS = "head_positions"
+SAMPLER_OUTPUTS = ("sampler_probs", "sampler_ids")  # graphs.sampler_form
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,17 @@ class HeadOutput:
             out["prompt"] = [[float(v) for v in self.prompt_logprobs], [[int(t) for t in r[:top]] for r in self.prompt_top_ids],
                              [[float(v) for v in r[:top]] for r in self.prompt_top_logprobs]]
         return out
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """The sampler's distribution of the latest run (``graphs.sampler_form``): per head row (a
+    verify run: per position of its one sequence) token ids in the sampler's order and their kept,
+    unnormalised probabilities (zero past the kept prefix)."""
+
+    seqs: tuple[str, ...]
+    probs: np.ndarray  # [rows, N] float32
+    ids: np.ndarray  # [rows, N] int64
 
 
 @dataclass(frozen=True)
@@ -476,6 +488,9 @@ class StageRunner:
         self._no_adjust = np.zeros((1, self.vocab or 0), np.float32)
         self._no_adjust_device = None
         self.last_head: tuple[tuple, HeadOutput] | None = None  # (seqs, the head's logprobs) of the latest run_batch
+        # graphs.sampler_form: the sampler's distribution (a draft model's head, a verify-form head)
+        self._sampler_outputs = SAMPLER_OUTPUTS if self.emits_tokens and set(SAMPLER_OUTPUTS) <= set(outputs) else ()
+        self.last_sampler: SamplerOutput | None = None
         if self.layers:
             shape = inputs[f"past_key.{self.layers[0]}"].shape
             self.kv_heads, self.head_dim = int(shape[1]), int(shape[3])
@@ -565,7 +580,7 @@ class StageRunner:
         if self._bound_key != key:
             binding = self.session.io_binding()
             binding.bind_output(self.output_name, "cpu")  # first, so get_outputs()[0] is always it
-            for name in self._extra_outputs:  # then the head's logprobs, in this order
+            for name in (*self._extra_outputs, *self._sampler_outputs):  # then the head's logprobs and sampler, in this order
                 binding.bind_output(name, "cpu")
             for name, value in self._pool.view(lo, hi).items():
                 kind, unit = name.split(".")
@@ -636,6 +651,8 @@ class StageRunner:
         self._outputs_shape_key = None if asked else shape_key
         if rebind:
             binding.bind_output(self.output_name, "cpu")
+        for name in self._sampler_outputs:  # their width follows the batch's top_k and do_sample
+            binding.bind_output(name, "cpu")
         if self.layers and self._full_lengths:
             self._bind_host(binding, "seqlens_k", (lengths + width - 1).astype(np.int32))
             self._bind_host(binding, "total_sequence_length", np.array(int(lengths.max()) + width, np.int32))
@@ -673,6 +690,13 @@ class StageRunner:
                 lambda a: a.reshape(n, per_seq, *a.shape[1:])[picked, keep])
             self.last_head = tuple(seqs), HeadOutput(first(head["token_logprob"]), first(head["top_ids"]), first(head["top_logprobs"]),
                                                      *((head[k][0] for k in HEAD_EXTRA_OUTPUTS[3:]) if asked else ()))
+        if self._sampler_outputs:
+            picked = np.array(rows) - lo
+            at = len(self._extra_outputs) + 1
+            probs, ids = (outputs[at + i].numpy() for i in range(2))
+            self.host_bytes += probs.nbytes + ids.nbytes
+            rows_of = (lambda a: a.reshape(n, per_seq, -1)[picked[0]]) if verify else (lambda a: a.reshape(n, per_seq, -1)[picked, -1])
+            self.last_sampler = SamplerOutput(tuple(seqs), rows_of(probs), rows_of(ids))
         for seq, total in zip(seqs, totals):
             pool.length[seq] = total
         pool.trim(seqs)  # sliding-window layers drop what no later query sees

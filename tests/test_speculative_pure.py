@@ -209,14 +209,14 @@ def test_drafts_for_the_next_pass_are_made_during_this_one():
         spec.lengths["r"] = DraftLength(k_max=4, rate=0.9)
         state = SequenceState([1, 2, 3], GenerationParams(max_tokens=64), lambda ids: "", (0,))
         state.generated.append(4)
-        first = await spec.propose("r", state, 64)
+        first = (await spec.propose("r", state, 64)).tokens
         state.generated += first + [first[-1] + 1]  # all kept, and the target's bonus is the drafter's guess
         spec.learn("r", len(first), len(first))
-        second = await spec.propose("r", state, 64)
+        second = (await spec.propose("r", state, 64)).tokens
         assert second == [state.all_ids[-1] + 1 + j for j in range(len(second))] and spec.ahead_used == 1
         state.generated += second[:1] + [99]  # one kept, then the target disagrees: the guess is not used
         spec.learn("r", len(second), 1)
-        third = await spec.propose("r", state, 64)
+        third = (await spec.propose("r", state, 64)).tokens
         assert third[0] == 100 and spec.ahead_used == 1
         spec.forget("r")
 

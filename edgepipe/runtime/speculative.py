@@ -180,6 +180,18 @@ def head_verdict(sampling: dict, probs: np.ndarray, ids: np.ndarray, sampled: li
     return accept_drawn(drafts, q, p, accept, replace, sampled[k])
 
 
+def head_tokens(runner, entry: dict, sampled: np.ndarray) -> np.ndarray:
+    """A last stage's tokens for a verify entry: its sampler's choice at every position, or, for
+    an entry with :func:`rule_fields`, the rule's tokens (``runner``: the head's ``StageRunner``
+    right after the pass, its sampler's distribution in ``last_sampler``)."""
+    if "drafts" not in entry.get("sampling", {}):
+        return sampled
+    if runner.last_sampler is None:
+        raise ValueError("this head does not state its sampler's distribution (not the verify form)")
+    return np.array(head_verdict(entry["sampling"], runner.last_sampler.probs, runner.last_sampler.ids, [int(t) for t in sampled],
+                                 runner.vocab or 0), np.int64)
+
+
 def _ids_in(row, vocab: int) -> bool:
     return isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in row)
 
@@ -279,8 +291,10 @@ class NgramDrafter:
 
 class ModelDrafter:
     """A small model with the target's tokenizer, whole in one stage runner of this process,
-    drafting greedily. Keeps each sequence's KV between passes: what the target rejected is
-    rewound (``StageRunner.rewind``), what it accepted is fed on the next call."""
+    drafting greedily or sampling. Keeps each sequence's KV between passes: what the target
+    rejected is rewound (``StageRunner.rewind``), what it accepted is fed on the next call. A
+    runner whose head states its sampler's distribution (``graphs.sampler_form``) can also draft
+    for the sampling rule (:meth:`draft_sampled`)."""
 
     def __init__(self, runner, name: str = "draft"):
         if not (runner.takes_token_ids and runner.emits_tokens):
@@ -289,7 +303,30 @@ class ModelDrafter:
         self.name = name
         self.fed: dict[str, list[int]] = {}  # per sequence: the ids whose KV the runner holds
 
+    @property
+    def states_distributions(self) -> bool:
+        return bool(getattr(self.runner, "_sampler_outputs", ()))
+
     def draft(self, seq: str, ids: list[int], k: int, params=None, step: int = 0) -> list[int]:
+        """Greedy drafts, or (``params`` sampled) each sampled with the target's draw for its token."""
+        return self._draft(seq, ids, k, params, step, None)
+
+    def draft_sampled(self, seq: str, ids: list[int], k: int, params, step: int = 0) -> tuple[list[int], list[Distribution]]:
+        """Drafts for the sampling rule: draft ``j`` is drawn at ``uniform_draw(params.seed, step + j)``
+        from the draft model's sampler cut to its ``DRAFT_SUPPORT`` likeliest tokens, and that
+        distribution (the rule's ``q``) comes with it."""
+        if not self.states_distributions:
+            raise ValueError("this draft runner does not state its sampler's distribution (graphs.sampler_form)")
+        stated: list[Distribution] = []
+
+        def choose(j: int, u: float) -> int:
+            out = self.runner.last_sampler
+            stated.append(Distribution(out.ids[0], out.probs[0].astype(np.float64)).head(DRAFT_SUPPORT))
+            return stated[-1].draw(u)
+
+        return self._draft(seq, ids, k, params, step, choose), stated
+
+    def _draft(self, seq: str, ids: list[int], k: int, params, step: int, choose) -> list[int]:
         from .sequence import uniform_draw
         from .stage_runner import SamplingBatch
 
@@ -311,7 +348,10 @@ class ModelDrafter:
         feed = ids[common:]
         try:
             for j in range(k):
-                token = int(self.runner.run(seq, np.array([feed], np.int64), sampling(j))[0])
+                batch = sampling(j)
+                token = int(self.runner.run(seq, np.array([feed], np.int64), batch)[0])
+                if choose is not None:
+                    token = choose(j, float(batch.uniform[0]))
                 fed += feed
                 out.append(token)
                 feed = [token]

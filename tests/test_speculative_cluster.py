@@ -96,6 +96,11 @@ def test_sampled_tokens_follow_the_sampling_rule(int4_pkg, fp32_pkg, spec_server
     after = spec_server.status()["speculation"]
     assert after["by_rule"] > before["by_rule"] and after["kept"] > before["kept"]
     assert ask(spec_server, CHAT, max_tokens=40, temperature=0.8, top_p=0.95, seed=5)["token_ids"] == choice["token_ids"]
+    metrics = {line.split()[0]: float(line.split()[1]) for line in spec_server.client.get("/metrics").text.splitlines()
+               if line.startswith("edgepipe_speculative_")}
+    status = spec_server.status()["speculation"]  # a pass the rule cut short still counts every draft it carried
+    assert (metrics["edgepipe_speculative_drafted_tokens_total"], metrics["edgepipe_speculative_kept_tokens_total"]) == (
+        status["drafted"], status["kept"])
 
 
 def test_sampled_with_logprobs_keeps_the_seeded_tokens(int4_pkg, spec_server):

@@ -137,9 +137,10 @@ def test_draft_length_follows_the_acceptance_rate():
     for _ in range(length.retry_after - 1):
         assert length.update(0, 0) == 0  # plain decode steps
     assert length.update(0, 0) == length.k_min  # then one more try
-    for _ in range(20):
-        length.update(length.k, length.k)  # everything kept: up by one each pass, to k_max
-    assert length.k == 8
+    seen = []
+    for _ in range(5):
+        seen.append(length.update(length.k, length.k))  # everything kept: twice as many each pass, to k_max
+    assert seen == [2, 4, 8, 8, 8]
     length.update(8, 4)
     assert 1 <= length.k < 8
     with pytest.raises(ValueError):
@@ -205,8 +206,8 @@ def test_drafts_for_the_next_pass_are_made_during_this_one():
 
     async def run():
         drafter = Counting()
-        spec = Speculation(drafter, k_max=4)
-        spec.lengths["r"] = DraftLength(k_max=4, rate=0.9)
+        spec = Speculation(drafter, k_max=8)
+        spec.lengths["r"] = DraftLength(k_max=8, worth=0.5, rate=0.9)  # 6 drafts
         state = SequenceState([1, 2, 3], GenerationParams(max_tokens=64), lambda ids: "", (0,))
         state.generated.append(4)
         first = (await spec.propose("r", state, 64)).tokens
@@ -214,6 +215,7 @@ def test_drafts_for_the_next_pass_are_made_during_this_one():
         spec.learn("r", len(first), len(first))
         second = (await spec.propose("r", state, 64)).tokens
         assert second == [state.all_ids[-1] + 1 + j for j in range(len(second))] and spec.ahead_used == 1
+        assert len(first) == 6 and len(second) == 8  # all kept: 8 now, the guess's 6 then 2 drafted on after them
         state.generated += second[:1] + [99]  # one kept, then the target disagrees: the guess is not used
         spec.learn("r", len(second), 1)
         third = (await spec.propose("r", state, 64)).tokens

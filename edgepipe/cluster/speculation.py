@@ -6,7 +6,8 @@ answering heartbeats), keeps a draft length per request, and counts what was dra
 While a verify pass travels the stages, a model drafter whose drafts are mostly kept drafts on
 (``AHEAD_RATE``) as if the pass kept them all: when it did and the target's own next token is the
 drafter's first guess, the next pass's drafts are ready (the draft model and the stages then
-compute at the same time instead of taking turns).
+compute at the same time instead of taking turns; where the draft length grew meanwhile, it drafts
+on after them).
 
 Which requests speculate: those whose head controls are the same at every position (``logprobs``
 and ``top`` are), greedy or sampled. A sampled one's drafts from a model drafter whose head
@@ -45,6 +46,10 @@ class Proposal:
     def after(self, n: int, k: int) -> "Proposal":
         """Drafts ``n .. n + k`` of this one."""
         return Proposal(self.tokens[n:n + k], None if self.q is None else self.q[n:n + k])
+
+    def then(self, more: "Proposal") -> "Proposal":
+        """These drafts, then ``more`` (drafted after them)."""
+        return Proposal(self.tokens + more.tokens, None if self.q is None or more.q is None else self.q + more.q)
 
 
 @dataclass
@@ -109,6 +114,10 @@ class Speculation:
             if guess.tokens and ids == assumed + guess.tokens[:1] and (guess.q is not None) == rule:
                 drafts = guess.after(1, k)
                 self.ahead_used += 1
+                if 0 < len(drafts) < k:  # the draft length grew since (every draft kept): draft on after the guess
+                    more = await asyncio.get_running_loop().run_in_executor(
+                        self._pool, self._draft, rid, ids + drafts.tokens, k - len(drafts), params, step + len(drafts), rule)
+                    drafts = drafts.then(more)
         if not drafts:
             drafts = await asyncio.get_running_loop().run_in_executor(self._pool, self._draft, rid, ids, k, params, step, rule)
         if drafts and length.rate >= AHEAD_RATE:

@@ -204,7 +204,8 @@ class DraftLength:
     ``j``-th draft survives with probability ``a ** j``; drafting stops where that falls below
     ``worth`` (a draft that costs compute, a model's, is worth less than a free n-gram one):
     ``k = floor(log(worth) / log(a))``, at most ``k_max``. A pass that keeps every draft lets the
-    next one try one more (the average alone would take several passes to get there). Where not
+    next one try twice as many (the average alone would take several passes to get there, and a
+    ramp of one more per pass spends most of a short answer's passes below ``k_max``). Where not
     even the first draft is worth it (``a < worth``) drafting pauses (``k = 0``: plain decode
     steps) and tries ``k_min`` again after ``retry_after`` steps."""
 
@@ -239,7 +240,7 @@ class DraftLength:
                     self.paused, self.k = 0, self.k_min
             return self.k
         self.rate = (1 - self.smoothing) * self.rate + self.smoothing * (kept / drafted)
-        self.k = min(self.k_max, self.k + 1) if kept == drafted and drafted >= self.k else self._from_rate()
+        self.k = min(self.k_max, 2 * self.k) if kept == drafted and drafted >= self.k else self._from_rate()
         return self.k
 
 

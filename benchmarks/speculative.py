@@ -1,14 +1,15 @@
 """Speculative decoding through a pipeline: one stream, 3 local workers, user-space link delay per hop.
 
 Qwen2.5-Coder-1.5B-Instruct Q4_K_M as the target, Qwen2.5-Coder-0.5B-Instruct drafting for it in
-the coordinator's process, and n-gram self-drafting (prompt lookup), against the same cluster
+the coordinator's process, n-gram self-drafting (prompt lookup), and both (``hybrid``: the lookup
+where it matches, the model elsewhere), against the same cluster
 decoding one token per step; on a chat and a code-editing workload, at 2 ms and 10 ms per hop.
 The delay is EMULATED (``--link-delay-ms``: every frame a worker sends waits that long in user
 space; the coordinator's frame to the first stage is not delayed, so 3 of the 4 hops of a step
 are). Each request is greedy; a mode's text must equal the baseline's (the verify form's decode
 steps are the baseline's bits, see ``graphs.verify_form``), else the row says so.
 
-    python benchmarks/speculative.py [--tokens 64] [--rounds 3] [--delays 2 10] [--modes plain draft ngram]
+    python benchmarks/speculative.py [--tokens 64] [--rounds 3] [--delays 2 10] [--modes plain draft ngram hybrid]
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def stream(url: str, prompt: str, tokens: int) -> dict:
 
 
 def start(home: Path, mode: str, delay_ms: float, args) -> Server:
-    extra = () if mode == "plain" else ("--speculative", "ngram" if mode == "ngram" else args.draft, "--draft-k", str(args.draft_k),
-                                        "--draft-threads", "1")
+    drafter = {"ngram": "ngram", "draft": args.draft, "hybrid": f"ngram+{args.draft}"}.get(mode)
+    extra = () if mode == "plain" else ("--speculative", drafter, "--draft-k", str(args.draft_k), "--draft-threads", "1")
     worker_args = f"--link-delay-ms {delay_ms:g} --threads {args.threads}"
     return Server(home, workers=args.workers, timeout=900,
                   args=("--model", args.target, "--placement", "memory", "--worker-args", worker_args, *extra))
@@ -141,7 +142,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--delays", type=float, nargs="+", default=[2.0, 10.0])
-    p.add_argument("--modes", nargs="+", default=["plain", "draft", "ngram"], choices=["plain", "draft", "ngram"])
+    p.add_argument("--modes", nargs="+", default=["plain", "draft", "ngram"], choices=["plain", "draft", "ngram", "hybrid"],
+                   help="hybrid: prompt lookup where it matches, the draft model elsewhere (--speculative ngram+DRAFT)")
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="threads per worker")
     p.add_argument("--draft-k", type=int, default=8)

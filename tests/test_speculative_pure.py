@@ -223,3 +223,35 @@ def test_drafts_for_the_next_pass_are_made_during_this_one():
         spec.forget("r")
 
     asyncio.run(run())
+
+
+def test_lookup_then_model_drafts_for_free_where_the_lookup_finds_a_match():
+    """Prompt lookup first; the model only where it finds nothing. For the sampling rule a lookup
+    draft's distribution is its one token (it is certain given the ids)."""
+    from edgepipe.runtime.sequence import GenerationParams
+    from edgepipe.runtime.speculative import Distribution, LookupThenModel
+
+    class Model:  # stands in for ModelDrafter: records what it was asked
+        name, states_distributions = "model", True
+
+        def __init__(self):
+            self.asked = []
+
+        def draft(self, seq, ids, k, params=None, step=0):
+            self.asked.append(len(ids))
+            return [7] * k
+
+        def draft_sampled(self, seq, ids, k, params, step=0):
+            self.asked.append(len(ids))
+            return [7] * k, [Distribution.of([7, 8], [0.5, 0.5])] * k
+
+    model = Model()
+    drafter = LookupThenModel(NgramDrafter(max_n=3, min_n=2), model)
+    repeating = [1, 2, 3, 4, 9, 1, 2, 3]
+    assert drafter.draft("s", repeating, 3) == [4, 9, 1] and model.asked == []
+    assert drafter.draft("s", [1, 2, 3, 4], 2) == [7, 7] and model.asked == [4]
+    tokens, q = drafter.draft_sampled("s", repeating, 2, GenerationParams(temperature=1.0))
+    assert tokens == [4, 9] and [(d.prob(t), len(d.ids)) for d, t in zip(q, tokens)] == [(1.0, 1), (1.0, 1)]
+    tokens, q = drafter.draft_sampled("s", [5, 6], 2, GenerationParams(temperature=1.0))
+    assert tokens == [7, 7] and q[0].prob(8) == 0.5
+    assert drafter.name == "ngram+model" and drafter.states_distributions

@@ -149,16 +149,25 @@ class Speculation:
 
 
 def build_speculation(draft: str, target, k_max: int = 8, threads: int | None = None, home=None) -> Speculation:
-    """``draft``: ``"ngram"`` (prompt lookup) or a model (package name, directory or GGUF path) whose
-    tokenizer is the target package's; the model runs whole in this process. ``ValueError`` (one
-    line) when the pair cannot work."""
-    from ..model.store import resolve
-    from ..runtime.speculative import ModelDrafter
+    """``draft``: ``"ngram"`` (prompt lookup), a model (package name, directory or GGUF path) whose
+    tokenizer is the target package's, run whole in this process, or ``"ngram+MODEL"`` (prompt
+    lookup where it finds a match, the model elsewhere). ``ValueError`` (one line) when the pair
+    cannot work."""
+    from ..runtime.speculative import LookupThenModel
 
     if draft == "ngram":
         return Speculation(NgramDrafter(), k_max)
+    if draft.startswith("ngram+"):
+        return Speculation(LookupThenModel(NgramDrafter(), _model_drafter(draft.removeprefix("ngram+"), target, threads, home)), k_max)
+    return Speculation(_model_drafter(draft, target, threads, home), k_max)
+
+
+def _model_drafter(draft: str, target, threads: int | None, home):
+    from ..model.store import resolve
+    from ..runtime.speculative import ModelDrafter
+
     package = resolve(draft, home=home) if home is not None else resolve(draft)
     if package.manifest.tokenizer != target.manifest.tokenizer:
         raise ValueError(f"draft model {package.name} has another tokenizer than {target.name}: drafts would be other tokens")
     runner = package.runner(0, len(package.manifest.units), threads=threads, sampler=True)  # its distribution: the rule's q
-    return Speculation(ModelDrafter(runner, package.name), k_max)
+    return ModelDrafter(runner, package.name)

@@ -379,3 +379,33 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+class LookupThenModel:
+    """Prompt lookup first, the draft model where the lookup finds nothing: free drafts where the
+    output copies its input (code editing), the model's everywhere else. A lookup draft is
+    certain given the ids, so for the sampling rule its distribution is that one token
+    (``q(d) = 1``: kept with probability ``p(d)``, as common draws would keep it)."""
+
+    def __init__(self, lookup: NgramDrafter, model: ModelDrafter):
+        self.lookup, self.model = lookup, model
+        self.name = f"{lookup.name}+{model.name}"
+
+    @property
+    def states_distributions(self) -> bool:
+        return self.model.states_distributions
+
+    def draft(self, seq: str, ids: list[int], k: int, params=None, step: int = 0) -> list[int]:
+        return self.lookup.draft(seq, ids, k) or self.model.draft(seq, ids, k, params, step)
+
+    def draft_sampled(self, seq: str, ids: list[int], k: int, params, step: int = 0) -> tuple[list[int], list[Distribution]]:
+        found = self.lookup.draft(seq, ids, k)
+        if found:
+            return found, [Distribution.of([t], [1.0]) for t in found]
+        return self.model.draft_sampled(seq, ids, k, params, step)
+
+    def prime(self, seq: str, ids: list[int]) -> None:
+        self.model.prime(seq, ids)
+
+    def forget(self, seq: str) -> None:
+        self.model.forget(seq)

@@ -114,6 +114,29 @@ def test_sampled_with_logprobs_keeps_the_seeded_tokens(int4_pkg, spec_server):
     assert after["passes"] > before["passes"] and after["by_rule"] == before["by_rule"]
 
 
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "numbers": {"type": "array", "items": {"type": "integer"}}},
+          "required": ["name", "numbers"]}
+
+
+def test_a_response_format_speculates_with_a_mask_per_position(int4_pkg, spec_server):
+    """Structured output: drafts as far as the grammar allows them, verified against a mask per
+    position; the JSON is the one decoding one token per step under the same mask gives."""
+    from edgepipe.api import structured
+
+    prompt = "Give a JSON object with your name and the numbers one to twelve."
+    vocab = int4_pkg.manifest.config["vocab_size"]
+    constraint = structured.constraint_for(int4_pkg.tokenizer, vocab, structured.from_openai("json_schema", {"name": "n", "schema": SCHEMA}))
+    tok = int4_pkg.tokenizer
+    ref = generate(int4_pkg.pipeline(verify_form=True, threads=1), chat_ids(int4_pkg, prompt), GenerationParams(max_tokens=60),
+                   tok.decode, int4_pkg.manifest.eos_ids, token_mask=constraint.token_mask())
+    before = spec_server.status()["speculation"]
+    choice = ask(spec_server, prompt, max_tokens=60, temperature=0,
+                 response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}})
+    assert choice["token_ids"] == without_eos(int4_pkg, ref.tokens)
+    after = spec_server.status()["speculation"]
+    assert after["passes"] > before["passes"] and after["kept"] > before["kept"]
+
+
 def test_beside_other_requests(int4_pkg, fp32_pkg, spec_server):
     """A greedy speculating request, a sampled one (speculating by the rule) and one with a logit
     bias (decoding a token per step in a lane) at once: each gets its solo tokens."""

@@ -105,6 +105,7 @@ class Requests:
                 if spec is not None and replay_from is None and len(feed) == 1 and spec.eligible(state, head):
                     room = min(state.params.max_tokens - len(state.generated) - 1, c.manifest.max_context - len(state.all_ids) - 2)
                     proposal = await spec.propose(rid, state, room, rule=spec.by_rule(state, head))
+                    proposal, head = spec.masked(state, head, proposal, self.coord.manifest.config.get("vocab_size") or 0)
                 drafts = proposal.tokens if proposal else []
                 sent_plan = dep.plan_id
                 try:

@@ -13,10 +13,12 @@ Which requests speculate: those whose head controls are the same at every positi
 and ``top`` are), greedy or sampled. A sampled one's drafts from a model drafter whose head
 states its distribution go with that distribution, and the last stage applies the
 speculative-sampling rule (``Proposal.q``); n-gram drafts, and requests that want logprobs, are
-kept where they equal the target's seeded sample (see ``runtime.speculative``). Requests with a token mask (structured
-output), logit bias, presence/frequency or repeat penalties decode one token per step: their
-controls change with every token (a mask per verified position would need the mask provider to
-look ahead over the drafts). Verify passes travel alone, beside the lanes of other sequences.
+kept where they equal the target's seeded sample (see ``runtime.speculative``). A request with a
+response format (a token mask whose provider can look ahead, ``api.structured.TokenMask``)
+speculates with a mask per verified position (``masked``: the drafts as far as the grammar allows
+them). Lazy grammars (tool calls), logit bias, presence/frequency or repeat penalties decode one
+token per step: their controls change with every token in ways not looked ahead. Verify passes
+travel alone, beside the lanes of other sequences.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ import asyncio
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..runtime import controls
 from ..runtime.sequence import SequenceState
 from ..runtime.speculative import DraftLength, Drafter, Distribution, NgramDrafter
 
-PER_POSITION_CONTROLS = ("adjust_ids", "mask", "repeat_ids", "targets")
+PER_POSITION_CONTROLS = ("adjust_ids", "repeat_ids", "targets")
 AHEAD_RATE = 0.8  # draft the next pass during this one once this share of drafts is kept
 
 
@@ -81,7 +84,22 @@ class Speculation:
 
     @staticmethod
     def eligible(state: SequenceState, head: dict) -> bool:
-        return state.token_mask is None and not any(key in head for key in PER_POSITION_CONTROLS)
+        masked = state.token_mask is not None
+        return (not masked or hasattr(state.token_mask, "lookahead")) and not any(key in head for key in PER_POSITION_CONTROLS)
+
+    @staticmethod
+    def masked(state: SequenceState, head: dict, proposal: Proposal, vocab: int) -> tuple[Proposal, dict]:
+        """A request with a response format: its drafts as far as the grammar allows them, and the
+        head's fields with a mask per verified position (``masks``: the step's mask, then the one
+        after each draft) in place of the step's one ``mask``."""
+        if state.token_mask is None or not proposal or "mask" not in head:
+            return proposal, head
+        after = state.token_mask.lookahead(list(state.generated), proposal.tokens)
+        proposal = proposal.after(0, len(after))
+        if not proposal:
+            return proposal, head
+        fields = {key: value for key, value in head.items() if key != "mask"}
+        return proposal, {**fields, "masks": [head["mask"]] + [controls.packed_mask(m, vocab) for m in after]}
 
     def by_rule(self, state: SequenceState, head: dict) -> bool:
         """Whether a sampled request's drafts go with their distribution (the sampling rule): a

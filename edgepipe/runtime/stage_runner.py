@@ -88,6 +88,17 @@ def logit_adjust(rows: list[RowControls | None], vocab: int) -> np.ndarray | Non
     return dense
 
 
+def position_controls(sampling: dict) -> list[RowControls | None]:
+    """A verify entry's controls per position: ``masks`` (a mask per position, speculative
+    decoding with a response format) with the entry's other controls; else its one row."""
+    masks = sampling.get("masks")
+    if masks is None:
+        return [row_controls(sampling)]
+    if not (isinstance(masks, list) and masks and all(isinstance(m, (bytes, bytearray)) for m in masks)) or "mask" in sampling:
+        raise ValueError("masks must be a non-empty list of bytes (one mask per position), without mask")
+    return [row_controls({**sampling, "masks": None, "mask": m}) for m in masks]
+
+
 def row_controls(sampling: dict) -> RowControls | None:
     """A wire ``sampling`` entry's controls: ``adjust_ids``/``adjust`` lists, ``mask`` bytes."""
     ids, values, mask = sampling.get("adjust_ids"), sampling.get("adjust"), sampling.get("mask")
@@ -147,11 +158,12 @@ class SamplingBatch:
     top_k: np.ndarray  # [B] int64, 0 = no limit
     top_p: np.ndarray  # [B] float32
     uniform: np.ndarray  # [B] float32 in [0, 1); a verify entry may carry one per position: [P]
-    adjust: np.ndarray | None = None  # [B, V] float32
+    adjust: np.ndarray | None = None  # [B, V] float32; a verify entry's with a mask per position: [P, V]
     num_top: int = 0
     prompt_targets: np.ndarray | None = None  # [1, S] int64
     repeat_ids: np.ndarray | None = None  # [B, R] int64: each row's repeat-penalised ids (padded with its own first id)
     repeat_penalty: np.ndarray | None = None  # [B] float32 (1.0: a row without it)
+    adjust_per_position: bool = False  # ``adjust`` has a row per head position of the one (verify) sequence
 
     @classmethod
     def greedy(cls, batch: int) -> "SamplingBatch":
@@ -161,7 +173,10 @@ class SamplingBatch:
     def from_wire(cls, items: list[dict], vocab: int | None) -> "SamplingBatch":
         """The batch for a forward frame's entries (``item["sampling"]`` as the coordinator sent it)."""
         s = [item["sampling"] for item in items]
-        controls = [row_controls(v) for v in s]
+        per_position = any(v.get("masks") is not None for v in s)
+        if per_position and (len(items) != 1 or not items[0].get("verify")):
+            raise ValueError("masks (a mask per position) come with a verify entry, one sequence at a time")
+        controls = [c for v in s for c in position_controls(v)]
         targets = [v.get("targets") for v in s]
         if any(t is not None for t in targets) and len(items) != 1:
             raise ValueError("prompt targets come with a prefill, one sequence at a time")
@@ -179,7 +194,8 @@ class SamplingBatch:
                    np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
                    np.array([v["top_p"] for v in s], np.float32),
                    np.array([u for v in s for u in (v["uniform"] if isinstance(v["uniform"], list) else [v["uniform"]])], np.float32),
-                   adjust, num_top, None if targets[0] is None else np.array([targets[0]], np.int64), repeat_ids, repeat_penalty)
+                   adjust, num_top, None if targets[0] is None else np.array([targets[0]], np.int64), repeat_ids, repeat_penalty,
+                   per_position)
 
     @property
     def wants_head_extras(self) -> bool:
@@ -766,7 +782,10 @@ class StageRunner:
                 adjust = np.zeros((n, self.vocab), np.float32)
                 adjust[picked] = batch.adjust
         if adjust is not None:
-            if per_seq > 1 and adjust.shape[0] > 1:
+            if batch.adjust_per_position:
+                if adjust.shape[0] != n * per_seq:
+                    raise ValueError(f"a verify pass of {per_seq} positions needs as many masks, got {adjust.shape[0]}")
+            elif per_seq > 1 and adjust.shape[0] > 1:
                 adjust = np.repeat(adjust, per_seq, axis=0)
             self._bind_host(binding, "logit_adjust", np.ascontiguousarray(adjust, np.float32))
         self._bind_host(binding, "num_top", np.array([batch.num_top], np.int64))

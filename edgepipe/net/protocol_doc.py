@@ -102,7 +102,8 @@ DOCS: dict[type, MessageDoc] = {
                  "`rewind: true` (a stage holding more than `pos` positions first forgets those after `pos`: rejected drafts); "
                  "a sampled `verify` entry's `sampling` has `uniform` as a list (a draw per position) and, for the "
                  "speculative-sampling rule, `drafts` (k ids), `draft_ids`/`draft_probs` (per draft the distribution it was "
-                 "drawn from, sparse) and `accept`/`replace` (k draws each): the head then decides (`runtime.speculative.head_verdict`)",
+                 "drawn from, sparse) and `accept`/`replace` (k draws each): the head then decides (`runtime.speculative.head_verdict`); "
+                 "a `verify` entry of a request with a response format has `masks` (a mask per position) instead of `mask`",
         "timings": "`[worker_id, seconds, positions, bytes/elem, batch]` appended by each stage",
         "relay_to": "worker id the coordinator passes the frame on to (from a stage before or after a browser)",
     }, "`x`: `int64 [B, S]` token ids into the first stage, else `float32`/`float16 [B, S, H]`; `S > 1` only with `B = 1`"),

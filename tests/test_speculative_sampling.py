@@ -15,6 +15,7 @@ that same loop run in one process, token for token.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -106,8 +107,9 @@ def _exact(pipe, prompt: list[int]) -> dict[tuple[int, ...], float]:
         grown = {}
         for prefix, prob in out.items():
             x = np.array([prompt + list(prefix)], np.int64)
+            wanted = replace(SamplingBatch.from_wire([{"seq": "exact", "sampling": sampling}], head.vocab), want_sampler=True)
             for r in pipe.runners:
-                x = r.run("exact", x, SamplingBatch.from_wire([{"seq": "exact", "sampling": sampling}], head.vocab) if r.emits_tokens else None)
+                x = r.run("exact", x, wanted if r.emits_tokens else None)
             pipe.drop("exact")
             probs, ids = head.last_sampler.probs[0].astype(np.float64), head.last_sampler.ids[0]
             for token, weight in zip(ids, probs / probs.sum()):

@@ -335,7 +335,8 @@ class ModelDrafter:
             if params is None or params.greedy:
                 return SamplingBatch.greedy(1)
             return SamplingBatch(True, np.array([params.temperature], np.float32), np.array([params.top_k], np.int64),
-                                 np.array([params.top_p], np.float32), np.array([uniform_draw(params.seed, step + j)], np.float32))
+                                 np.array([params.top_p], np.float32), np.array([uniform_draw(params.seed, step + j)], np.float32),
+                                 want_sampler=choose is not None)
 
         if k <= 0 or not ids:
             return []

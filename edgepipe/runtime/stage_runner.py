@@ -164,6 +164,7 @@ class SamplingBatch:
     repeat_ids: np.ndarray | None = None  # [B, R] int64: each row's repeat-penalised ids (padded with its own first id)
     repeat_penalty: np.ndarray | None = None  # [B] float32 (1.0: a row without it)
     adjust_per_position: bool = False  # ``adjust`` has a row per head position of the one (verify) sequence
+    want_sampler: bool = False  # keep the sampler's distribution (``StageRunner.last_sampler``): the sampling rule's p or q
 
     @classmethod
     def greedy(cls, batch: int) -> "SamplingBatch":
@@ -195,7 +196,7 @@ class SamplingBatch:
                    np.array([v["top_p"] for v in s], np.float32),
                    np.array([u for v in s for u in (v["uniform"] if isinstance(v["uniform"], list) else [v["uniform"]])], np.float32),
                    adjust, num_top, None if targets[0] is None else np.array([targets[0]], np.int64), repeat_ids, repeat_penalty,
-                   per_position)
+                   per_position, any("drafts" in v for v in s))
 
     @property
     def wants_head_extras(self) -> bool:
@@ -706,7 +707,8 @@ class StageRunner:
                 lambda a: a.reshape(n, per_seq, *a.shape[1:])[picked, keep])
             self.last_head = tuple(seqs), HeadOutput(first(head["token_logprob"]), first(head["top_ids"]), first(head["top_logprobs"]),
                                                      *((head[k][0] for k in HEAD_EXTRA_OUTPUTS[3:]) if asked else ()))
-        if self._sampler_outputs:
+        self.last_sampler = None
+        if self._sampler_outputs and sampling is not None and sampling.want_sampler:  # [rows, V] each: copied only when asked
             picked = np.array(rows) - lo
             at = len(self._extra_outputs) + 1
             probs, ids = (outputs[at + i].numpy() for i in range(2))

@@ -75,9 +75,10 @@ def test_the_event_log_replays_into_the_state_the_coordinator_holds(monkeypatch)
     partitions, restarts, ...; calibration and link probes on) with the log far shorter than the run."""
     from edgepipe.cluster import state as S
     from edgepipe.cluster.coordinator import Coordinator
+    from edgepipe.cluster.event_log import EventLog
     from edgepipe.cluster.simrun import Schedule, run
 
-    monkeypatch.setattr(S.EventLog.__init__, "__defaults__", (None, 64))
+    monkeypatch.setattr(EventLog.__init__, "__defaults__", (None, 64))
     checked = []
     stop = Coordinator.stop
 
@@ -92,6 +93,6 @@ def test_the_event_log_replays_into_the_state_the_coordinator_holds(monkeypatch)
         assert not run(Schedule.random(seed)).violations
     assert checked and all(same for same, _, _ in checked), checked
     assert any(first > 0 for _, first, _ in checked)  # the bound was reached and the base moved on
-    log = S.EventLog(S.ClusterState(), None, size=2)
+    log = EventLog(S.ClusterState(), None, size=2)
     assert [log.append(S.PlanFailed("a")), log.append(S.PlanFailed("b")), log.append(S.PlanFailed("c"))] == [0, 1, 2]
     assert [i for i, _ in log.since(0)] == [1, 2] and log.replay()[0] == S.apply(S.ClusterState(), S.PlanFailed("c"))

@@ -26,6 +26,7 @@ from ..net import limits
 from ..net.channel import Channel, ChannelClosed
 from ..net.messages import Bye, Emulate
 from . import measurements, state as S, views
+from .event_log import EventLog
 from .calibration import Calibrator
 from .connections import Connections
 from .deployer import Deployer
@@ -91,7 +92,7 @@ class Coordinator:
         if self.settings.calibration_file:
             self.profile.load_known(Path(self.settings.calibration_file))
         # every state event and measurement, indexed (bounded): replays into ``cluster`` and ``profile``
-        self.history = S.EventLog(self.cluster, self.profile)
+        self.history = EventLog(self.cluster, self.profile)
         self.recent_steps: deque[tuple[int, float]] = deque(maxlen=256)  # (positions fed, wall seconds)
         self.replan_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task] = []

@@ -9,7 +9,7 @@ Channels, futures and tasks are I/O and stay in the coordinator's shell.
 ``apply(state, event) -> state`` is pure and total: an event about a worker or request that is
 not (or no longer) known leaves the state as it was, so a late or duplicated event is harmless.
 Every event carries the time it happened (``now``), so replaying events rebuilds the state; the
-event types are defined in ``events``.
+event types are defined in ``events``, the log that keeps and replays them in ``event_log``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from .events import (
     RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
 )
 from ..net.messages import Hello
-from . import measurements
 from .placement import Deployment, StageAssignment
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
@@ -250,53 +249,3 @@ def _phase(state: ClusterState, phase: Phase, now: float) -> ClusterState:
             outages = (outages + (now - down_since,))[-OUTAGE_WINDOW:]
             down_since = None
     return _replace(state, phase=phase, phase_since=now, phase_time=_frozen(spent), down_since=down_since, outages=outages)
-
-
-class EventLog:
-    """The last ``size`` events, numbered from 0: the state events (applied with ``apply``) and
-    the measurements (``cluster.measurements``, applied to the profile), with the state and the
-    profile as they stood before the oldest kept. ``replay()`` folds the kept events over those
-    and gives the state and profile they produced, so what the planner decided from can be
-    rebuilt from the log (and a test checks that it is)."""
-
-    def __init__(self, initial: ClusterState, profile=None, size: int = 4096):
-        import copy
-        from collections import deque
-
-        self.base, self.first, self.size = initial, 0, size  # the state before event number ``first``
-        self.base_profile = copy.deepcopy(profile)  # the profile before it (advanced in place as events drop off)
-        self.events: deque = deque()
-
-    def append(self, event) -> int:
-        """Record an applied event or measurement; its index."""
-        self.events.append(event)
-        if len(self.events) > self.size:
-            self.base = self._fold(self.base, self.base_profile, self.events.popleft())
-            self.first += 1
-        return self.first + len(self.events) - 1
-
-    def since(self, index: int) -> list[tuple[int, object]]:
-        """The kept events numbered ``index`` and later (the earliest kept if those are gone)."""
-        start = max(index, self.first)
-        return [(i, e) for i, e in enumerate(self.events, self.first) if i >= start]
-
-    def replay(self):
-        """(state, profile) after the kept events."""
-        import copy
-
-        state, profile = self.base, copy.deepcopy(self.base_profile)
-        for event in self.events:
-            state = self._fold(state, profile, event)
-        return state, profile
-
-    @staticmethod
-    def _fold(state: ClusterState, profile, event) -> ClusterState:
-        if isinstance(event, MEASUREMENTS):
-            if profile is not None:
-                profile.apply(event)
-            return state
-        return apply(state, event)
-
-
-MEASUREMENTS = tuple(getattr(measurements, n) for n in measurements.__dict__ if isinstance(getattr(measurements, n), type)
-                     and getattr(measurements, n).__module__ == measurements.__name__)

@@ -1,0 +1,59 @@
+"""The coordinator's indexed, bounded event log: every state event and measurement, in order.
+
+``EventLog`` keeps the last ``size`` of them with the state and the profile as they stood before
+the oldest kept, so ``replay()`` rebuilds what the planner decided from (a test checks that it
+does), and ``since(index)`` hands a reader (the dashboard) what it has not yet seen.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+
+from . import measurements
+from .state import ClusterState, apply
+
+
+class EventLog:
+    """The last ``size`` events, numbered from 0: the state events (applied with ``apply``) and
+    the measurements (``cluster.measurements``, applied to the profile), with the state and the
+    profile as they stood before the oldest kept. ``replay()`` folds the kept events over those
+    and gives the state and profile they produced, so what the planner decided from can be
+    rebuilt from the log (and a test checks that it is)."""
+
+    def __init__(self, initial: ClusterState, profile=None, size: int = 4096):
+        self.base, self.first, self.size = initial, 0, size  # the state before event number ``first``
+        self.base_profile = copy.deepcopy(profile)  # the profile before it (advanced in place as events drop off)
+        self.events: deque = deque()
+
+    def append(self, event) -> int:
+        """Record an applied event or measurement; its index."""
+        self.events.append(event)
+        if len(self.events) > self.size:
+            self.base = self._fold(self.base, self.base_profile, self.events.popleft())
+            self.first += 1
+        return self.first + len(self.events) - 1
+
+    def since(self, index: int) -> list[tuple[int, object]]:
+        """The kept events numbered ``index`` and later (the earliest kept if those are gone)."""
+        start = max(index, self.first)
+        return [(i, e) for i, e in enumerate(self.events, self.first) if i >= start]
+
+    def replay(self):
+        """(state, profile) after the kept events."""
+        state, profile = self.base, copy.deepcopy(self.base_profile)
+        for event in self.events:
+            state = self._fold(state, profile, event)
+        return state, profile
+
+    @staticmethod
+    def _fold(state: ClusterState, profile, event) -> ClusterState:
+        if isinstance(event, MEASUREMENTS):
+            if profile is not None:
+                profile.apply(event)
+            return state
+        return apply(state, event)
+
+
+MEASUREMENTS = tuple(getattr(measurements, n) for n in measurements.__dict__ if isinstance(getattr(measurements, n), type)
+                     and getattr(measurements, n).__module__ == measurements.__name__)

@@ -25,13 +25,15 @@ from typing import Callable
 from ..net import limits
 from ..net.channel import Channel, ChannelClosed
 from ..net.messages import Bye, Emulate
-from . import measurements, state as S, views
+from . import deploy, measurements, narrate, state as S, views
 from .event_log import EventLog
 from .calibration import Calibrator
 from .connections import Connections
 from .deployer import Deployer
+from .migration import KvMigration
 from .placement import Deployment, StageAssignment
 from .planning import MemoryProportional, PlanContext, PlanPolicy
+from .ports import Ports
 from .prefix_cache import PrefixCaching
 from .profiling import ClusterProfile
 from .requests import Requests
@@ -76,7 +78,6 @@ class Coordinator:
                  on_step: Callable[[StepRecord], None] | None = None, clock: Callable[[], float] = time.monotonic,
                  speculation: Speculation | None = None):
         self.package = package
-        self.manifest = package.manifest
         self.settings = settings or CoordinatorSettings()
         self.plan_fn = plan_fn or MemoryProportional()
         self.on_step = on_step or (lambda record: None)
@@ -88,6 +89,8 @@ class Coordinator:
         self.links: dict[str, Link] = {}
         self.events = limits.EventLog()  # bounded per kind: one noisy kind cannot flush the others
         self.up = asyncio.Event()  # set exactly while the phase is Up
+        self.gate = asyncio.Event()  # set exactly while no plan is being swapped in (sequences may step)
+        self.gate.set()
         self.profile = ClusterProfile(self.manifest)
         if self.settings.calibration_file:
             self.profile.load_known(Path(self.settings.calibration_file))
@@ -101,30 +104,53 @@ class Coordinator:
         self.prefix = PrefixCaching(self)
         self.steps = Steps(self)
         self.requests = Requests(self, self.steps)
-        self.deployer = Deployer(self)
-        self.calibrator = Calibrator(self)
+        ports = Ports(state=lambda: self.cluster, emit=self.emit, measure=self.measure, note=self.event, clock=self.clock, spawn=self.spawn,
+                      links=lambda: self.links, replan_wanted=self.replan_wanted, settings=self.settings, package=package,
+                      profile=self.profile)
+        views = lambda: self.workers  # noqa: E731 - the worker views as they stand when asked
+        self.calibrator = Calibrator(ports, self.plan_fn, self.plan_context, views)
+        self.deployer = Deployer(ports, self.calibrator, self.plan_fn, self.plan_context, views, self.requests.lacking,
+                                 lambda: bool(self.steps.pending), self.gate)
+        self.deployer.migration = KvMigration(self, self.deployer)
         self.connections = Connections(self)
 
     # -- state ------------------------------------------------------------------------------------
     def emit(self, event: S.Event) -> ClusterState:
         """The one way the cluster state changes."""
         self.cluster = S.apply(self.cluster, event)
-        self.history.append(event)
+        self._logged(event)
         if self.cluster.phase is Phase.UP and self.cluster.active is not None:
             self.up.set()
         else:
             self.up.clear()
+        if deploy.steps_may_start(self.cluster):
+            self.gate.set()
+        else:
+            self.gate.clear()
         return self.cluster
 
     def measure(self, m: measurements.Measurement) -> None:
         """The one way the profile changes: a measurement, applied and logged."""
         self.profile.apply(m)
-        self.history.append(m)
+        self._logged(m)
 
     def event(self, kind: str, **fields) -> None:
-        """A line for the dashboard and the log (not state)."""
-        self.events.append(limits.json_safe({"t": time.time(), "kind": kind, **fields}))
-        log.info("%s %s", kind, fields)
+        """A dashboard line that changes no state: logged as a ``Noted`` event like every other."""
+        self.emit(S.Noted(kind, fields, self.clock()))
+
+    def _logged(self, event) -> None:
+        """Into the event log; the dashboard's line, if the event has one, derived from it (``narrate.entry``)."""
+        wall = time.time()
+        self.history.append(event, wall)
+        line = narrate.entry(event, self.cluster, self.profile, wall)
+        if line is not None:
+            self.events.append(line)
+            log.info("%s %s", line["kind"], {k: v for k, v in line.items() if k not in ("t", "kind")})
+
+    @property
+    def manifest(self):
+        """The package's manifest (a variant added at a join reloads it)."""
+        return self.package.manifest
 
     @property
     def n_units(self) -> int:
@@ -235,8 +261,7 @@ class Coordinator:
                 fut.set_exception(broken)
         self.deployer.migration.abort_moves(broken)  # those sequences are rebuilt by replay instead
         plan = self.cluster.active.plan_id if self.cluster.uses(wid) else None
-        self.emit(S.WorkerLost(wid, why, self.clock()))
-        self.event("leave", worker=wid, why=why)
+        self.emit(S.WorkerLost(wid, why, self.clock()))  # its dashboard line: narrate.entry
         if plan is not None:
             self.steps.fail_plan(plan, broken)
         self.replan_wanted.set()
@@ -250,15 +275,12 @@ class Coordinator:
         if wid not in self.cluster.workers:
             return  # already taken out (several steps may blame it at once)
         self.emit(S.Misbehaved(wid, why, self.clock()))
-        q = self.cluster.quarantine.get(self.cluster.workers[wid].identity)
-        self.event("quarantine", worker=wid, why=why, seconds=round(q.until - self.clock(), 1), strikes=q.strikes)
         await self.lose(wid, f"quarantined: {why}")
 
     async def set_emulation(self, worker_id: str, slowdown: float) -> None:
         """Change a worker's emulated slowdown (labelled emulation; benchmarks)."""
         await self.links[worker_id].send(Emulate(float(slowdown)).to_message())
         self.emit(S.EmulationChanged(worker_id, slowdown))
-        self.event("emulation", worker=worker_id, slowdown=float(slowdown))
 
     # -- requests and planning (see requests.py, deployer.py) ---------------------------------------
     def new_sequence(self, prompt_ids, params, decode_fn):

@@ -25,12 +25,15 @@ class EventLog:
         self.base, self.first, self.size = initial, 0, size  # the state before event number ``first``
         self.base_profile = copy.deepcopy(profile)  # the profile before it (advanced in place as events drop off)
         self.events: deque = deque()
+        self.walls: deque = deque()  # the wall-clock time each was logged at (what the dashboard shows)
 
-    def append(self, event) -> int:
+    def append(self, event, wall: float = 0.0) -> int:
         """Record an applied event or measurement; its index."""
         self.events.append(event)
+        self.walls.append(wall)
         if len(self.events) > self.size:
             self.base = self._fold(self.base, self.base_profile, self.events.popleft())
+            self.walls.popleft()
             self.first += 1
         return self.first + len(self.events) - 1
 
@@ -45,6 +48,14 @@ class EventLog:
         for event in self.events:
             state = self._fold(state, profile, event)
         return state, profile
+
+    def walk(self):
+        """Each kept event with its wall time and the state and profile right after it, folded
+        from the base (the profile is one copy, advanced in place: read it before the next)."""
+        state, profile = self.base, copy.deepcopy(self.base_profile)
+        for event, wall in zip(self.events, self.walls):
+            state = self._fold(state, profile, event)
+            yield event, wall, state, profile
 
     @staticmethod
     def _fold(state: ClusterState, profile, event) -> ClusterState:

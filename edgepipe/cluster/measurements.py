@@ -39,6 +39,7 @@ class Calibrated:
     worker_id: str
     samples: tuple[tuple[float, float], ...]  # (unit cost, seconds) of timed ranges
     identity: tuple | None = None  # remembered under it (a reconnect with the same hardware is not timed again)
+    rounds: int = 1  # timing rounds it took (the steadiest was kept: ``samples``)
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ class ClusterProfile:
                 self.left(name, now, failure)
             case M.Recalled(wid, identity):
                 self.recall(wid, identity)
-            case M.Calibrated(wid, samples, identity):
+            case M.Calibrated(wid, samples, identity, _):
                 try:
                     self.calibrated(wid, list(samples))
                 except ValueError:  # noisy timings that no line fits: speed from the ratio, no overhead

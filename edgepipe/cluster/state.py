@@ -23,7 +23,7 @@ from typing import Mapping
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
     EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, Pinned, Repriced,
-    RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
+    SecretsIssued, SwitchStarted, SwitchEnded, Noted, RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
 )
 from ..net.messages import Hello
 from .placement import Deployment, StageAssignment
@@ -60,7 +60,7 @@ class WorkerInfo:
     rtt_s: float | None = None
     stats: Mapping = field(default_factory=lambda: _frozen({}))
     stats_at: float | None = None  # when ``stats`` arrived (the last pong)
-    calibrating: bool = False
+    calibrating: bool = False  # the calibrator holds it (timing it or measuring its links): not planned meanwhile
 
     alive = True  # a lost worker leaves the state; kept for views that still ask
 
@@ -120,6 +120,8 @@ class ClusterState:
     # by device identity, so that reconnecting does not clear it
     quarantine: Mapping[tuple, Quarantine] = field(default_factory=lambda: _frozen({}))
     pin: tuple[int, float] | None = None  # (plan id, until): an operator's plan the re-planner keeps
+    switching: int | None = None  # the plan being swapped in while sequences pause between steps (None: they step)
+    secrets: Mapping[int, Mapping[str, str]] = field(default_factory=lambda: _frozen({}))  # plan -> worker -> data-port secret
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""
@@ -187,9 +189,18 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case Committing(now) if state.active is None:
             return _phase(state, Phase.COMMITTING, now)
         case Committed(dep, now):
-            state = _replace(state, active=dep, preparing=None, ever_up=True, last_switch=now, last_failure=None)
+            # the secrets of the new plan and of the one it replaces are kept, those of other (failed) plans go
+            kept = {dep.plan_id} | ({state.active.plan_id} if state.active is not None else set())
+            secrets = _frozen({p: s for p, s in state.secrets.items() if p in kept})
+            state = _replace(state, active=dep, preparing=None, ever_up=True, last_switch=now, last_failure=None, secrets=secrets)
             return _phase(state, Phase.UP, now)
-        case PlanFailed(why):
+        case SecretsIssued(plan_id, secrets):
+            return _replace(state, secrets=_with(state.secrets, plan_id, _frozen(secrets)))
+        case SwitchStarted(plan_id, _):
+            return _replace(state, switching=plan_id)
+        case SwitchEnded(plan_id, _) if state.switching == plan_id:
+            return _replace(state, switching=None)
+        case PlanFailed(why, _):
             return _replace(state, last_failure=why)
         case SpareChosen(stages):
             return _replace(state, spare=stages)
@@ -199,6 +210,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             repriced = {slot: _replace(dep, predicted=dict(predicted)) for slot in ("active", "preparing")
                         if (dep := getattr(state, slot)) is not None and dep.plan_id == plan_id}
             return _replace(state, **repriced) if repriced else state
+        case Noted():
+            return state  # a dashboard line: logged, changes nothing
         case RequestStarted(rid, positions):
             return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:

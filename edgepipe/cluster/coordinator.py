@@ -5,8 +5,11 @@ It never touches activations. The parts, one concern per file:
 lose decisions), ``scheduling`` (admission, bounded waits), ``deploy`` (plan change as
 actions, pure), ``deployer`` (carries out re-planning, loads, KV moves, the spare),
 ``requests`` (the token loop of every request, replay), ``steps`` (one step on the wire, lanes,
-timeouts), ``connections`` (worker channels in, heartbeats out), ``calibration``. This file holds
-the state, applies events to it, takes workers out, and offers the public views.
+timeouts), ``connections`` (worker channels in, heartbeats out), ``calibration``, ``event_log``
+(every event and measurement, indexed) and ``narrate`` (the dashboard's line of a logged event).
+The deployer and the calibrator are lent ``ports.Ports`` (read and change the state, send to a
+worker), never the coordinator. This file holds the state, applies events to it (and logs them:
+the dashboard's lines come only from that log), takes workers out, and offers the public views.
 States follow Down -> Preparing -> Committing -> Up (see ``deployer``); a worker that dies
 pauses the sequences that need it, and they continue on the next plan, losing no token.
 """
@@ -18,7 +21,6 @@ import logging
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +38,7 @@ from .planning import MemoryProportional, PlanContext, PlanPolicy
 from .ports import Ports
 from .prefix_cache import PrefixCaching
 from .profiling import ClusterProfile
+from .settings import CoordinatorSettings
 from .requests import Requests
 from .speculation import Speculation
 from .steps import PipelineBroken, RequestFailed, StepRecord, Steps
@@ -47,30 +50,6 @@ DEFAULT_RECOVERY_S = 1.0  # assumed outage per failure until one is measured
 State = Phase  # the name the HTTP views and tests know
 
 __all__ = ["Coordinator", "CoordinatorSettings", "PipelineBroken", "RequestFailed", "State", "StepRecord", "WorkerView"]
-
-
-@dataclass
-class CoordinatorSettings:
-    min_workers: int = 1
-    join_token: str | None = None
-    heartbeat_s: float = 0.5
-    dead_after_s: float = 2.0  # silence before a worker may be suspected (then probed; lost after lose_after_s)
-    lose_after_s: float = 10.0  # a suspected worker is lost after this much silence (or 3x its longest gap)
-    load_timeout_s: float = 120.0
-    step_timeout_s: float = 60.0
-    precision: str | None = None
-    calibrate: bool = True  # time two unit ranges on each joining worker
-    replan_every_s: float = 10.0  # periodic check for drift
-    lane_wait_s: float = 0.005  # how long a micro-batch waits for a member that is late
-    capacity_wait_s: float = 30.0  # a request waits this long for workers that can hold the model, then fails
-    issue_data_secrets: bool = True  # False: stages derive data-port secrets from the join token (net.auth)
-    max_wait_s: float = 300.0  # a request without progress for this long fails (cluster down, pipeline failing)
-    calibration_file: str | None = None  # calibrations kept here survive a coordinator restart
-    batch_invariant: bool = False  # stages run graphs that give a sequence the same bits alone as batched (graphs.pad_lone_rows)
-    speculative: bool = False  # stages run the verify form (graphs.verify_form): decode steps may carry drafted tokens
-    replay_in_one_prefill: bool = False  # with the verify form: a lost sequence's KV is rebuilt by one prefill (serve --verify-form)
-    prefix_cache_positions: int = 4096  # KV positions each stage may keep of cached prompt prefixes (0: no prefix cache)
-    prefix_block: int = 32  # token ids per cached block (cluster.prefix)
 
 
 class Coordinator:

@@ -2,7 +2,10 @@
 
 ``EventLog`` keeps the last ``size`` of them with the state and the profile as they stood before
 the oldest kept, so ``replay()`` rebuilds what the planner decided from (a test checks that it
-does), and ``since(index)`` hands a reader (the dashboard) what it has not yet seen.
+does), and ``since(index)`` hands a reader what it has not yet seen. Each event is kept with the
+wall-clock time it was logged at: ``walk()`` gives every event with that time and the state and
+profile right after it, from which the dashboard's lines are derived (``narrate.entry``; a test
+checks a walk gives the lines the coordinator showed).
 """
 
 from __future__ import annotations

@@ -141,8 +141,10 @@ def entry(event, state, profile, wall: float) -> dict | None:
     return None if fields is None else json_safe({"t": wall, **fields})
 
 
-def _calibrated(worker_id: str, profile) -> dict:
-    m = profile.of(worker_id)
+def _calibrated(worker_id: str, profile) -> dict | None:
+    m = profile.devices.get(worker_id)
+    if m is None:
+        return None
     return {"kind": "calibrated", "worker": worker_id, "speed": round(m.speed, 3), "overhead_ms": round(m.overhead_s * 1e3, 3),
             "uplink_mb_s": round((m.bandwidth_bytes_per_s or 0) / 1e6, 3)}
 
@@ -175,8 +177,8 @@ def _fields(event, state, profile) -> dict | None:
             return {"kind": "spare", "stages": [[s.worker_id, s.start, s.end] for s in stages]}
         case M.PeerLink(src, dst, rtt, bandwidth):
             return {"kind": "link_measured", "src": src, "dst": dst, "rtt_ms": round(rtt * 1e3, 3), "mb_s": round(bandwidth / 1e6, 4)}
-        case M.Recalled(wid, _) if profile is not None:
-            return {**_calibrated(wid, profile), "reused": True}
-        case M.Calibrated(wid, samples, _, rounds) if profile is not None:
-            return {**_calibrated(wid, profile), "rounds": rounds, "spread": round(spread(list(samples)), 3)}
+        case M.Recalled(wid, _) if profile is not None and (line := _calibrated(wid, profile)):
+            return {**line, "reused": True}
+        case M.Calibrated(wid, samples, _, rounds) if profile is not None and (line := _calibrated(wid, profile)):
+            return {**line, "rounds": rounds, "spread": round(spread(list(samples)), 3)}
     return None

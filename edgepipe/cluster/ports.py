@@ -16,6 +16,7 @@ from typing import Any, Callable, Coroutine, Mapping
 from ..net.protocol import Message
 from .events import Event
 from .measurements import Measurement
+from .settings import CoordinatorSettings
 from .state import ClusterState
 from .views import Link
 
@@ -30,7 +31,7 @@ class Ports:
     spawn: Callable[[Coroutine], asyncio.Task]  # a background task the coordinator keeps (and cancels when it stops)
     links: Callable[[], Mapping[str, Link]]  # the workers' channels and the replies they owe
     replan_wanted: asyncio.Event  # set: the re-planner looks again
-    settings: Any  # CoordinatorSettings (read only)
+    settings: CoordinatorSettings  # read only
     package: Any  # the model package (its manifest: ``package.manifest``)
     profile: Any  # profiling.ClusterProfile: read here, changed only through ``measure``
 

@@ -122,7 +122,8 @@ def test_sequences_pause_only_while_their_plan_is_swapped_in():
 def test_a_commit_keeps_the_secrets_of_the_new_plan_and_of_the_one_it_replaces():
     st = _joined("w1", "w2")
     one, three = Deployment(1, (A("w1", 0, 8),)), Deployment(3, (A("w1", 0, 4), A("w2", 4, 8)))
-    st = S.apply(st, S.SecretsIssued(1, {"w1": "s1"}))
+    st = S.apply(st, S.SecretsIssued(1, {"w1": "sekret-1"}))
+    assert "sekret-1" not in repr(st) + repr(S.SecretsIssued(1, {"w1": "sekret-1"}))  # kept out of logs and assertion messages
     st = S.apply(S.apply(st, S.Preparing(one, 1.0)), S.Committed(one, 2.0))
     st = S.apply(st, S.SecretsIssued(2, {"w2": "s2"}))  # plan 2 fails to load: its secrets wait for the next commit
     st = S.apply(st, S.PrepareFailed(2, "no", 3.0))

@@ -7,7 +7,7 @@ decisions are in ``membership``, ``scheduling`` and ``deploy``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..net.messages import Hello
@@ -142,7 +142,7 @@ class SecretsIssued:
     commit replaces the plans they belong to."""
 
     plan_id: int
-    secrets: Mapping[str, str]
+    secrets: Mapping[str, str] = field(repr=False)
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,8 @@ class ClusterState:
     quarantine: Mapping[tuple, Quarantine] = field(default_factory=lambda: _frozen({}))
     pin: tuple[int, float] | None = None  # (plan id, until): an operator's plan the re-planner keeps
     switching: int | None = None  # the plan being swapped in while sequences pause between steps (None: they step)
-    secrets: Mapping[int, Mapping[str, str]] = field(default_factory=lambda: _frozen({}))  # plan -> worker -> data-port secret
+    # plan -> worker -> data-port secret (``net.auth``); kept out of reprs (logs, assertion messages)
+    secrets: Mapping[int, Mapping[str, str]] = field(default_factory=lambda: _frozen({}), repr=False)
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""

@@ -9,7 +9,7 @@ Channels, futures and tasks are I/O and stay in the coordinator's shell.
 ``apply(state, event) -> state`` is pure and total: an event about a worker or request that is
 not (or no longer) known leaves the state as it was, so a late or duplicated event is harmless.
 Every event carries the time it happened (``now``), so replaying events rebuilds the state; the
-event types are defined in ``events``.
+event types are defined in ``events``, the log that keeps and replays them in ``event_log``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from typing import Mapping
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
     EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, Pinned, Repriced,
-    RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
+    SecretsIssued, SwitchStarted, SwitchEnded, Noted, RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
 )
 from ..net.messages import Hello
-from . import measurements
 from .placement import Deployment, StageAssignment
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
@@ -61,7 +60,7 @@ class WorkerInfo:
     rtt_s: float | None = None
     stats: Mapping = field(default_factory=lambda: _frozen({}))
     stats_at: float | None = None  # when ``stats`` arrived (the last pong)
-    calibrating: bool = False
+    calibrating: bool = False  # the calibrator holds it (timing it or measuring its links): not planned meanwhile
 
     alive = True  # a lost worker leaves the state; kept for views that still ask
 
@@ -121,6 +120,9 @@ class ClusterState:
     # by device identity, so that reconnecting does not clear it
     quarantine: Mapping[tuple, Quarantine] = field(default_factory=lambda: _frozen({}))
     pin: tuple[int, float] | None = None  # (plan id, until): an operator's plan the re-planner keeps
+    switching: int | None = None  # the plan being swapped in while sequences pause between steps (None: they step)
+    # plan -> worker -> data-port secret (``net.auth``); kept out of reprs (logs, assertion messages)
+    secrets: Mapping[int, Mapping[str, str]] = field(default_factory=lambda: _frozen({}), repr=False)
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""
@@ -188,9 +190,18 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case Committing(now) if state.active is None:
             return _phase(state, Phase.COMMITTING, now)
         case Committed(dep, now):
-            state = _replace(state, active=dep, preparing=None, ever_up=True, last_switch=now, last_failure=None)
+            # the secrets of the new plan and of the one it replaces are kept, those of other (failed) plans go
+            kept = {dep.plan_id} | ({state.active.plan_id} if state.active is not None else set())
+            secrets = _frozen({p: s for p, s in state.secrets.items() if p in kept})
+            state = _replace(state, active=dep, preparing=None, ever_up=True, last_switch=now, last_failure=None, secrets=secrets)
             return _phase(state, Phase.UP, now)
-        case PlanFailed(why):
+        case SecretsIssued(plan_id, secrets):
+            return _replace(state, secrets=_with(state.secrets, plan_id, _frozen(secrets)))
+        case SwitchStarted(plan_id, _):
+            return _replace(state, switching=plan_id)
+        case SwitchEnded(plan_id, _) if state.switching == plan_id:
+            return _replace(state, switching=None)
+        case PlanFailed(why, _):
             return _replace(state, last_failure=why)
         case SpareChosen(stages):
             return _replace(state, spare=stages)
@@ -200,6 +211,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             repriced = {slot: _replace(dep, predicted=dict(predicted)) for slot in ("active", "preparing")
                         if (dep := getattr(state, slot)) is not None and dep.plan_id == plan_id}
             return _replace(state, **repriced) if repriced else state
+        case Noted():
+            return state  # a dashboard line: logged, changes nothing
         case RequestStarted(rid, positions):
             return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
@@ -250,53 +263,3 @@ def _phase(state: ClusterState, phase: Phase, now: float) -> ClusterState:
             outages = (outages + (now - down_since,))[-OUTAGE_WINDOW:]
             down_since = None
     return _replace(state, phase=phase, phase_since=now, phase_time=_frozen(spent), down_since=down_since, outages=outages)
-
-
-class EventLog:
-    """The last ``size`` events, numbered from 0: the state events (applied with ``apply``) and
-    the measurements (``cluster.measurements``, applied to the profile), with the state and the
-    profile as they stood before the oldest kept. ``replay()`` folds the kept events over those
-    and gives the state and profile they produced, so what the planner decided from can be
-    rebuilt from the log (and a test checks that it is)."""
-
-    def __init__(self, initial: ClusterState, profile=None, size: int = 4096):
-        import copy
-        from collections import deque
-
-        self.base, self.first, self.size = initial, 0, size  # the state before event number ``first``
-        self.base_profile = copy.deepcopy(profile)  # the profile before it (advanced in place as events drop off)
-        self.events: deque = deque()
-
-    def append(self, event) -> int:
-        """Record an applied event or measurement; its index."""
-        self.events.append(event)
-        if len(self.events) > self.size:
-            self.base = self._fold(self.base, self.base_profile, self.events.popleft())
-            self.first += 1
-        return self.first + len(self.events) - 1
-
-    def since(self, index: int) -> list[tuple[int, object]]:
-        """The kept events numbered ``index`` and later (the earliest kept if those are gone)."""
-        start = max(index, self.first)
-        return [(i, e) for i, e in enumerate(self.events, self.first) if i >= start]
-
-    def replay(self):
-        """(state, profile) after the kept events."""
-        import copy
-
-        state, profile = self.base, copy.deepcopy(self.base_profile)
-        for event in self.events:
-            state = self._fold(state, profile, event)
-        return state, profile
-
-    @staticmethod
-    def _fold(state: ClusterState, profile, event) -> ClusterState:
-        if isinstance(event, MEASUREMENTS):
-            if profile is not None:
-                profile.apply(event)
-            return state
-        return apply(state, event)
-
-
-MEASUREMENTS = tuple(getattr(measurements, n) for n in measurements.__dict__ if isinstance(getattr(measurements, n), type)
-                     and getattr(measurements, n).__module__ == measurements.__name__)

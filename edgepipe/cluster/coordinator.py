@@ -27,6 +27,7 @@ from ..net.channel import Channel, ChannelClosed
 from ..net.messages import Bye, Emulate
 from . import measurements, state as S, views
 from .calibration import Calibrator
+from .checkpoints import Checkpoints, CheckpointSettings
 from .connections import Connections
 from .deployer import Deployer
 from .placement import Deployment, StageAssignment
@@ -68,6 +69,8 @@ class CoordinatorSettings:
     replay_in_one_prefill: bool = False  # with the verify form: a lost sequence's KV is rebuilt by one prefill (serve --verify-form)
     prefix_cache_positions: int = 4096  # KV positions each stage may keep of cached prompt prefixes (0: no prefix cache)
     prefix_block: int = 32  # token ids per cached block (cluster.prefix)
+    kv_checkpoint_tokens: int = 64  # copy a live sequence's KV to the spare plan every this many tokens (0: never; cluster.checkpoints)
+    kv_checkpoint_in_flight: int = 2  # sequences whose checkpoint is being copied at once
 
 
 class Coordinator:
@@ -101,6 +104,7 @@ class Coordinator:
         self.steps = Steps(self)
         self.requests = Requests(self, self.steps)
         self.deployer = Deployer(self)
+        self.checkpoints = Checkpoints(self, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
         self.calibrator = Calibrator(self)
         self.connections = Connections(self)
 

@@ -222,13 +222,21 @@ class Deployer:
             return
         c.emit(S.SpareChosen(tuple(stages)))
         plan_id = -next(self._ids)
+        c.checkpoints.spare_chosen(plan_id, stages)
         for i, s in enumerate(stages):
             # warm: build the session too when the worker's budget allows (else it holds the files)
             msg = deploy.load_message(c.package, plan_id, s.start, s.end, self.precision(s.worker_id), {"kind": "coordinator"}, [],
                                       warm=True, batch_invariant=c.settings.batch_invariant, gpu=self.on_gpu(s.worker_id),
                                       verify=c.settings.speculative)
-            c.spawn(_quiet(self.load(s.worker_id, msg)))
+            c.spawn(self._spare_load(plan_id, s.worker_id, msg))
         c.event("spare", stages=[[s.worker_id, s.start, s.end] for s in stages])
+
+    async def _spare_load(self, plan_id: int, worker_id: str, msg) -> None:
+        try:
+            reply = await self.load(worker_id, msg)
+        except Exception:  # noqa: BLE001 - the loss of that worker is handled where it is noticed
+            return
+        self.coord.checkpoints.spare_loaded(plan_id, worker_id, reply)
 
 
 def deploy_error(text: str) -> Exception:

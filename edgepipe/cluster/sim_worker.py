@@ -256,7 +256,7 @@ class FakeWorker:
             return
         start = next(s.start for s in self.state.stages.values() if s.graph == cmd.graph)
         units = {u: held[u - start] for u in range(e.start, e.end)}
-        frame = Message(T.KV, {"seq": e.seq, "plan": e.to_plan, "move": e.move, "units": units, "length": held[-1]})
+        frame = Message(T.KV, {"seq": e.as_seq or e.seq, "plan": e.to_plan, "move": e.move, "units": units, "length": held[-1]})
         target.data.put(asyncio.get_running_loop().time() + 0.001, frame)
 
     def _import(self, cmd: core.ImportKv) -> core.Imported:

@@ -26,7 +26,8 @@ from .events import (
     RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
 )
 from ..net.messages import Hello
-from . import measurements
+from . import checkpoints as K, measurements
+from .checkpoints import Checkpoint, CheckpointStored, CheckpointVoid, Resume  # noqa: F401 - events and values, as state.X
 from .placement import Deployment, StageAssignment
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
@@ -91,6 +92,7 @@ class RequestInfo:
     plan: int | None = None  # plan whose workers hold its KV (None: none yet / lost)
     kv_len: int = 0  # tokens in that KV
     migrated_to: int | None = None  # a plan that received its KV by a move (resume there without replay)
+    resume: Resume | None = None  # a committed plan that holds a checkpoint of its KV (replay only what came after it)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class ClusterState:
     # by device identity, so that reconnecting does not clear it
     quarantine: Mapping[tuple, Quarantine] = field(default_factory=lambda: _frozen({}))
     pin: tuple[int, float] | None = None  # (plan id, until): an operator's plan the re-planner keeps
+    checkpoints: Mapping[str, Checkpoint] = field(default_factory=lambda: _frozen({}))  # rid -> what the spare holds of its KV
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""
@@ -160,7 +163,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case WorkerLost(wid, why, now) if wid in state.workers:
             state = _replace(state, workers=_without(state.workers, wid))
             if state.spare and any(s.worker_id == wid for s in state.spare):
-                state = _replace(state, spare=None)
+                state = _replace(state, spare=None, checkpoints=_frozen({}))  # a holder is gone: no checkpoint is whole
             if state.preparing is not None and wid in state.preparing.workers:
                 state = _replace(state, preparing=None)
             return _down(state, now) if state.uses(wid) else state
@@ -188,12 +191,16 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case Committing(now) if state.active is None:
             return _phase(state, Phase.COMMITTING, now)
         case Committed(dep, now):
+            resumes = K.resumable(state.checkpoints, state.spare, dep.stages, dep.plan_id)
+            if resumes:  # the spare plan came up: its workers hold these sequences' checkpoints
+                state = _replace(state, requests=_frozen({r: _replace(q, resume=resumes[r]) if r in resumes else q
+                                                          for r, q in state.requests.items()}))
             state = _replace(state, active=dep, preparing=None, ever_up=True, last_switch=now, last_failure=None)
             return _phase(state, Phase.UP, now)
         case PlanFailed(why):
             return _replace(state, last_failure=why)
         case SpareChosen(stages):
-            return _replace(state, spare=stages)
+            return _replace(state, spare=stages, checkpoints=_frozen({}))  # checkpoints are of the spare they were copied to
         case Pinned(plan_id, until):
             return _replace(state, pin=None if plan_id is None else (plan_id, until))
         case Repriced(plan_id, predicted):
@@ -203,12 +210,18 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case RequestStarted(rid, positions):
             return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
-            q = _replace(state.requests[rid], seq=seq, plan=plan, kv_len=kv_len, migrated_to=None)
+            q = _replace(state.requests[rid], seq=seq, plan=plan, kv_len=kv_len, migrated_to=None, resume=None)
             return _replace(state, requests=_with(state.requests, rid, q))
+        case CheckpointStored() if event.rid in state.requests:
+            return _replace(state, checkpoints=K.stored(state.checkpoints, state.spare, event))
+        case CheckpointVoid(rid) if rid in state.requests:
+            q = state.requests[rid]
+            return _replace(state, checkpoints=_without(state.checkpoints, rid),
+                            requests=_with(state.requests, rid, _replace(q, resume=None)) if q.resume else state.requests)
         case KvMoved(rid, plan) if rid in state.requests:
             return _replace(state, requests=_with(state.requests, rid, _replace(state.requests[rid], migrated_to=plan)))
         case RequestEnded(rid) if rid in state.requests:
-            return _replace(state, requests=_without(state.requests, rid))
+            return _replace(state, requests=_without(state.requests, rid), checkpoints=_without(state.checkpoints, rid))
     return state
 
 

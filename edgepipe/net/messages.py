@@ -254,6 +254,8 @@ class KvExport(Wire):
     move: int
     secret: str | None = None  # the destination stage's data-port secret for ``to_plan``
     fingerprint: str | None = None  # the destination's data-port certificate (TLS clusters)
+    upto: int | None = None  # a checkpoint: the sender must hold exactly this many positions (else it refuses)
+    as_seq: str | None = None  # a checkpoint: the name the receiver stores the KV under (None: ``seq``)
 
 
 @dataclass(frozen=True)
@@ -482,7 +484,8 @@ def _probe(f: dict) -> Probe:
 def _kv_export(f: dict) -> KvExport:
     return KvExport(_str(f["seq"], "seq"), _need_int(f["plan"], "plan"), _need_int(f["start"], "start"), _need_int(f["end"], "end"),
                     _need_int(f["to_plan"], "to_plan"), _opt_str(f.get("url"), "url"), _need_int(f["move"], "move"),
-                    _opt_str(f.get("secret"), "secret"), _opt_str(f.get("fingerprint"), "fingerprint"))
+                    _opt_str(f.get("secret"), "secret"), _opt_str(f.get("fingerprint"), "fingerprint"), _opt_int(f.get("upto"), "upto"),
+                    _opt_str(f.get("as_seq"), "as_seq"))
 
 
 def _emulate(f: dict) -> Emulate:

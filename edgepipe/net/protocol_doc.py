@@ -155,6 +155,8 @@ DOCS: dict[type, MessageDoc] = {
         "move": "move id (acknowledged by the receiver's `loaded`)",
         "secret": "the receiver stage's data-port secret for `to_plan`",
         "fingerprint": "the receiver's data-port certificate (TLS clusters)",
+        "upto": "a KV checkpoint: positions the sender must hold now (it refuses otherwise)",
+        "as_seq": "a KV checkpoint: the name the receiver stores the KV under",
     }),
     messages.Kv: MessageDoc("w→w", "a sequence's KV", {
         "seq": "the sequence",

@@ -113,7 +113,7 @@ class Runners:
 
         def pack() -> bytes:
             tensors = {k: v for k, v in runner.export_kv(e.seq).items() if e.start <= int(k.split(".")[1]) < e.end}
-            return encode(Message(T.KV, {"seq": e.seq, "plan": e.to_plan, "length": runner.length(e.seq), "move": e.move}, tensors))
+            return encode(Message(T.KV, {"seq": e.as_seq or e.seq, "plan": e.to_plan, "length": runner.length(e.seq), "move": e.move}, tensors))
 
         return await asyncio.get_running_loop().run_in_executor(self.pool, pack)
 

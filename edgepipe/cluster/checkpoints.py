@@ -1,0 +1,285 @@
+"""KV checkpoints for recovery: live sequences' KV copied, in the background, to the spare plan.
+
+While serving, the workers of the active plan copy a sequence's KV (the layers each spare stage
+will hold, ``deploy.kv_moves`` from the active plan to the spare) to the spare plan's workers,
+every ``interval`` generated positions, at most ``max_in_flight`` sequences at a time. The copy is taken
+between two steps of the sequence, when every stage holds exactly ``kv_len`` positions of it
+(``KvExport.upto``: a stage that holds another count refuses, and that checkpoint is void), and
+is stored under a name of its own (``KvExport.as_seq``), so nothing done to the live sequence
+touches it.
+
+The state records, per sequence, which positions each spare stage holds (``Checkpoint``); a
+checkpoint counts only when every spare stage that keeps KV holds the same position ``p``. When
+the spare plan is committed (recovery), each sequence with such a checkpoint resumes at ``p`` and
+replays only the tokens after it (``RequestInfo.resume``, set by ``state.apply``); any other
+sequence, and one whose resumed step fails, is rebuilt by full replay. A new spare, a lost
+holder, a failed copy or a finished sequence void the checkpoint; ``Checkpoints.sweep`` drops
+KV no longer referenced from the workers that hold it.
+
+The decisions (``due``, ``Checkpoint.position``, ``resume_point``, the reducer ``stored``) are
+pure; ``Checkpoints`` is the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Sequence
+
+from .placement import StageAssignment
+
+MOVE_TIMEOUT_S = 30.0  # a checkpoint copy not acknowledged by then is void
+
+
+# -- the state ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Checkpoint:
+    """What the spare plan holds of one sequence: KV stored as ``seq`` on each holder."""
+
+    seq: str  # the name it is stored under on the spare's workers
+    spare: tuple[StageAssignment, ...]  # the spare plan it was copied to
+    needs: frozenset[str]  # the spare's workers that keep KV (each must hold it)
+    held: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # worker -> positions it holds
+
+    def position(self) -> int | None:
+        """The position every holder holds (None: some holder lacks it or they differ)."""
+        ps = {self.held.get(w) for w in self.needs}
+        return ps.pop() if len(ps) == 1 and None not in ps and self.needs else None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a sequence resumes on plan ``plan``: its KV up to ``position`` is held as ``seq``."""
+
+    plan: int
+    seq: str
+    position: int
+
+
+# -- events -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointStored:
+    """``worker`` of the spare plan ``spare`` holds ``rid``'s KV as ``seq`` up to ``position``."""
+
+    rid: str
+    seq: str
+    spare: tuple[StageAssignment, ...]
+    needs: frozenset[str]
+    worker: str
+    position: int
+
+
+@dataclass(frozen=True)
+class CheckpointVoid:
+    """``rid``'s checkpoint cannot be trusted (a copy failed, its resumed step failed)."""
+
+    rid: str
+    why: str
+
+
+def stored(checkpoints: Mapping[str, Checkpoint], spare, event: CheckpointStored) -> Mapping[str, Checkpoint]:
+    """The checkpoints after a holder's acknowledgement (ignored when the spare changed since)."""
+    if spare != event.spare:
+        return checkpoints
+    ck = checkpoints.get(event.rid)
+    if ck is None or ck.seq != event.seq or ck.spare != event.spare:
+        ck = Checkpoint(event.seq, event.spare, event.needs)
+    ck = Checkpoint(ck.seq, ck.spare, ck.needs, MappingProxyType({**ck.held, event.worker: event.position}))
+    return MappingProxyType({**checkpoints, event.rid: ck})
+
+
+def resumable(checkpoints: Mapping[str, Checkpoint], spare, stages: Sequence[StageAssignment], plan: int) -> dict[str, Resume]:
+    """At the commit of ``stages`` as ``plan``: the sequences that resume from their checkpoint
+    (the committed plan is the spare they were copied to, every holder at the same position)."""
+    if spare is None or _key(spare) != _key(stages):
+        return {}
+    out = {}
+    for rid, ck in checkpoints.items():
+        p = ck.position()
+        if p is not None and ck.spare == spare:
+            out[rid] = Resume(plan, ck.seq, p)
+    return out
+
+
+def _key(stages) -> list:
+    return [(s.worker_id, s.start, s.end) for s in stages]
+
+
+# -- decisions ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointSettings:
+    interval: int = 64  # positions generated since the last checkpoint before the next (0: off)
+    max_in_flight: int = 2  # sequences being copied at once (bounds the bandwidth and compute checkpoints take)
+
+
+def due(settings: CheckpointSettings, kv_len: int, prompt_len: int, held: int | None, in_flight: int, rid_in_flight: bool) -> bool:
+    """Whether to checkpoint a sequence now: ``kv_len`` positions in its KV, ``held`` of them
+    checkpointed (None: none), ``in_flight`` sequences being copied (``rid_in_flight``: this one)."""
+    if settings.interval <= 0 or rid_in_flight or in_flight >= settings.max_in_flight:
+        return False
+    generated = kv_len - prompt_len
+    return generated >= settings.interval and kv_len - (held or 0) >= settings.interval
+
+
+def resume_point(resume: Resume | None, plan: int, prompt_len: int, total: int) -> Resume | None:
+    """The checkpoint a sequence of ``total`` tokens (``prompt_len`` of them the prompt) resumes
+    from on ``plan``, or None to replay it whole: the checkpoint must be for this plan and hold
+    the whole prompt and at most the tokens before the last (which the next step feeds)."""
+    if resume is None or resume.plan != plan or not prompt_len <= resume.position < total:
+        return None
+    return resume
+
+
+# -- the shell ----------------------------------------------------------------------------------
+@dataclass
+class CheckpointCounts:
+    sent: int = 0  # checkpoints whose every copy was acknowledged
+    copies: int = 0  # copies sent (one per source stage and spare stage)
+    failed: int = 0  # checkpoints voided (a copy failed or timed out)
+    bytes: int = 0  # KV bytes the acknowledged copies installed
+    resumed: int = 0  # sequences that resumed from a checkpoint after a recovery
+    positions_saved: int = 0  # positions those did not replay
+
+
+class Checkpoints:
+    """Sends the copies ``due`` asks for, records the acknowledgements, drops unreferenced KV."""
+
+    def __init__(self, coord, settings: CheckpointSettings):
+        self.coord = coord
+        self.settings = settings
+        self.counts = CheckpointCounts()
+        self.spare_plan: int | None = None  # the plan id the spare's stages were loaded under
+        self.spare_stages: tuple[StageAssignment, ...] | None = None
+        self.ready: set[str] = set()  # the spare's workers that built their stage (they can take KV)
+        self.flying: dict[str, str] = {}  # rid -> the checkpoint name its copies in flight go to
+        self.placed: dict[str, set[str]] = {}  # checkpoint seq -> workers that may hold it
+        self._names = itertools.count(1)
+
+    @property
+    def enabled(self) -> bool:
+        # Speculative decoding leaves rejected drafts in a stage's KV between steps: not copied.
+        return self.settings.interval > 0 and not self.coord.settings.speculative
+
+    # -- the spare ------------------------------------------------------------------------------
+    def spare_chosen(self, plan: int, stages: Sequence[StageAssignment]) -> None:
+        self.spare_plan, self.spare_stages, self.ready = plan, tuple(stages), set()
+        self.sweep()
+
+    def spare_loaded(self, plan: int, worker_id: str, reply) -> None:
+        """A spare stage's LOAD answered: it takes KV once its session is built."""
+        if plan == self.spare_plan and reply is not None and reply.ok and not reply.prefetched:
+            self.ready.add(worker_id)
+
+    # -- after a step ---------------------------------------------------------------------------
+    async def after_step(self, rid: str, seq: str, dep, prompt_len: int) -> None:
+        """Between two steps of ``rid`` (none in flight): send a checkpoint if one is due. Only
+        the KV_EXPORT frames are sent here (before the next step, so stage 0 exports first)."""
+        c = self.coord
+        q = c.cluster.requests.get(rid)
+        spare = c.cluster.spare
+        if not self.enabled or q is None or spare is None or spare != self.spare_stages or q.plan != dep.plan_id:
+            return
+        ck = c.cluster.checkpoints.get(rid)
+        held = ck.position() if ck is not None and ck.spare == spare else None
+        if not due(self.settings, q.kv_len, prompt_len, held, len(self.flying), rid in self.flying):
+            return
+        from . import deploy
+        from .placement import Deployment
+
+        kv_per_unit = [u.kv_bytes_per_token for u in c.manifest.units]
+        copies = deploy.kv_moves(dep, Deployment(self.spare_plan or 0, spare, "spare"), c.n_units, kv_per_unit)
+        needs = frozenset(cp.dst for cp in copies)
+        workers = c.cluster.workers
+        involved = needs | {cp.src for cp in copies}
+        # a relayed or browser worker has no data port of its own to take or send checkpoints
+        if not copies or not needs <= self.ready or any(w not in workers or workers[w].relay or workers[w].hello.kind == "browser"
+                                                        for w in involved):
+            return
+        name = ck.seq if ck is not None and ck.spare == spare and held is not None else f"{rid}.c{next(self._names)}"
+        futures = []
+        from ..net.messages import KvExport
+
+        migration = c.deployer.migration
+        self.placed.setdefault(name, set()).update(needs)
+        nbytes = 0
+        for cp in copies:
+            move, fut = migration.expect()
+            futures.append((cp.dst, fut))
+            nbytes += q.kv_len * sum(kv_per_unit[cp.start:cp.end])
+            link = c.links.get(cp.src)
+            dst = workers[cp.dst].hello
+            msg = KvExport(seq, dep.plan_id, cp.start, cp.end, self.spare_plan, dst.data_url, move,
+                           fingerprint=dst.data_fingerprint, upto=q.kv_len, as_seq=name)
+            try:
+                if link is None:
+                    raise ConnectionError(cp.src)
+                await link.send(msg.to_message())
+                self.counts.copies += 1
+            except Exception:  # noqa: BLE001 - that worker's loss is handled where it is noticed
+                fut.cancel()
+        self.flying[rid] = name
+        c.spawn(self._acknowledged(rid, name, spare, needs, q.kv_len, futures, nbytes))
+
+    async def _acknowledged(self, rid: str, name: str, spare, needs: frozenset[str], position: int, futures, nbytes: int) -> None:
+        from . import state as S
+
+        migration = self.coord.deployer.migration
+        try:
+            await asyncio.wait([f for _, f in futures], timeout=MOVE_TIMEOUT_S)
+        finally:
+            migration.forget([f for _, f in futures])
+            self.flying.pop(rid, None)
+        ok = [f.done() and not f.cancelled() and f.exception() is None and f.result().ok for _, f in futures]
+        for dst, f in futures:
+            if not f.done():
+                f.cancel()
+            elif not f.cancelled() and f.exception() is None and (f.result().error or "").startswith("no stage for plan"):
+                self.ready.discard(dst)  # its spare stage is gone (it took a stage of a new plan): send it no more
+        if all(ok):
+            for worker in sorted(needs):
+                self.coord.emit(S.CheckpointStored(rid, name, spare, needs, worker, position))
+            self.counts.sent += 1
+            self.counts.bytes += nbytes
+        else:
+            self.coord.emit(S.CheckpointVoid(rid, "a checkpoint copy failed"))
+            self.counts.failed += 1
+        self.sweep()
+
+    def resumed(self, resume: Resume) -> None:
+        self.counts.resumed += 1
+        self.counts.positions_saved += resume.position
+
+    # -- clean-up -------------------------------------------------------------------------------
+    def referenced(self) -> set[str]:
+        """Checkpoint names still in use: a checkpoint of a running sequence, a resume not yet
+        taken, or a live sequence that resumed from one."""
+        c = self.coord.cluster
+        names = {ck.seq for ck in c.checkpoints.values()}
+        for q in c.requests.values():
+            names.add(q.seq)
+            if q.resume is not None:
+                names.add(q.resume.seq)
+        return names
+
+    def sweep(self) -> None:
+        """Drop checkpoint KV nobody refers to from the workers that may hold it (not while a copy
+        of it is in flight: its import would create it again)."""
+        from ..net.messages import Drop
+
+        c = self.coord
+        keep = self.referenced()
+        busy = set(self.flying.values())
+        for name in [n for n in self.placed if n not in keep and n not in busy]:
+            for wid in sorted(self.placed.pop(name)):
+                link = c.links.get(wid)
+                if link is not None:
+                    c.spawn(_quiet(link.send(Drop(name).to_message())))
+
+
+async def _quiet(aw) -> None:
+    try:
+        await aw
+    except Exception:  # noqa: BLE001 - a worker that left holds nothing any more
+        pass

@@ -197,7 +197,9 @@ class Checkpoints:
         if not copies or not needs <= self.ready or any(w not in workers or workers[w].relay or workers[w].hello.kind == "browser"
                                                         for w in involved):
             return
-        name = ck.seq if ck is not None and ck.spare == spare and held is not None else f"{rid}.c{next(self._names)}"
+        # The holders hold ``held`` positions under the same name: send only what came since.
+        since = held if ck is not None and held is not None and held <= q.kv_len else 0
+        name = ck.seq if since else f"{rid}.c{next(self._names)}"
         futures = []
         from ..net.messages import KvExport
 
@@ -207,11 +209,11 @@ class Checkpoints:
         for cp in copies:
             move, fut = migration.expect()
             futures.append((cp.dst, fut))
-            nbytes += q.kv_len * sum(kv_per_unit[cp.start:cp.end])
+            nbytes += (q.kv_len - since) * sum(kv_per_unit[cp.start:cp.end])
             link = c.links.get(cp.src)
             dst = workers[cp.dst].hello
             msg = KvExport(seq, dep.plan_id, cp.start, cp.end, self.spare_plan, dst.data_url, move,
-                           fingerprint=dst.data_fingerprint, upto=q.kv_len, as_seq=name)
+                           fingerprint=dst.data_fingerprint, upto=q.kv_len, as_seq=name, since=since or None)
             try:
                 if link is None:
                     raise ConnectionError(cp.src)
@@ -242,6 +244,7 @@ class Checkpoints:
                 self.coord.emit(S.CheckpointStored(rid, name, spare, needs, worker, position))
             self.counts.sent += 1
             self.counts.bytes += nbytes
+            self.coord.event("checkpoint", request=rid, position=position, bytes=nbytes)
         else:
             self.coord.emit(S.CheckpointVoid(rid, "a checkpoint copy failed"))
             self.counts.failed += 1

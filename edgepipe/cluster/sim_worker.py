@@ -33,6 +33,7 @@ class FakeWorker:
         self.dead = False
         self.stalled_until = 0.0
         self.dropping_until = 0.0  # answers pings but drops activation frames until then
+        self.refusing_kv_until = 0.0  # fails every KV frame it is sent until then (a KV move or checkpoint that fails)
         # the fake model's slowness is in its compute; the core adds no emulated wait of its own
         self.state = core.WorkerState(name, budget_bytes=memory, data_url=self.url)
         self.kv: dict[str, dict[str, list[int]]] = {}  # graph -> seq -> per-unit state + [positions held]
@@ -184,7 +185,10 @@ class FakeWorker:
         elif isinstance(cmd, core.ExportKv):
             await self._export(cmd)
         elif isinstance(cmd, core.ImportKv):
-            await self.feed(self._import(cmd))
+            if loop.time() < self.refusing_kv_until:
+                await self.feed(core.Failed(cmd.kv, ErrorCode.INTERNAL, f"{self.name} refuses KV (a fault)"))
+            else:
+                await self.feed(self._import(cmd))
         elif isinstance(cmd, core.TimeStage):
             await self.feed(core.StageTimed(cmd.probe, [0.01 * self.slowdown] * cmd.reps))
         elif isinstance(cmd, core.SendLinkPayload):

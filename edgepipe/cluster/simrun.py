@@ -102,6 +102,7 @@ class Report:
     prefix_dropped: int = 0  # times a coordinator dropped its whole prefix cache (plan switch, failed frame, miss)
     checkpoints: int = 0  # KV checkpoints every spare holder acknowledged
     resumed: int = 0  # sequences that resumed from a checkpoint after a recovery (the rest replayed whole)
+    checkpoints_failed: int = 0  # checkpoints voided because a copy failed
 
 
 class World:
@@ -205,7 +206,9 @@ async def _fault(world: World, f: Fault) -> float:
         w.malformed = 1 + f.worker % 4
     elif f.kind == "forget_prefixes":  # its cached blocks are gone, unknown to the coordinator
         w.prefixes.clear()
-    return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work") else 0.0)
+    elif f.kind == "refuse_kv":  # KV sent to it fails (targeted schedules only: not among the random FAULTS)
+        w.refusing_kv_until = now + f.seconds
+    return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work", "refuse_kv") else 0.0)
 
 
 def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
@@ -304,6 +307,7 @@ async def _main(schedule: Schedule) -> Report:
         report.violations.append(f"checkpoint KV still held by workers: {held}")
     report.checkpoints = sum(c.checkpoints.counts.sent for c, _ in world.coordinators)
     report.resumed = sum(c.checkpoints.counts.resumed for c, _ in world.coordinators)
+    report.checkpoints_failed = sum(c.checkpoints.counts.failed for c, _ in world.coordinators)
     report.prefix_hits = sum(c.prefix.counts.hits for c, _ in world.coordinators)
     report.prefix_dropped = sum(c.prefix.counts.dropped for c, _ in world.coordinators)
     for w in world.workers:

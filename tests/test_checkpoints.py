@@ -1,0 +1,260 @@
+"""KV checkpoints for recovery (``cluster.checkpoints``): the decisions as pure functions, the state
+they leave, the worker core's part, a runner's increments, the simulation (a checkpoint resumed,
+lost with its holder, left partial by a failed copy) and a real cluster whose worker is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from edgepipe.cluster import checkpoints as K, state as S
+from edgepipe.cluster.checkpoints import CheckpointSettings, Resume, due, resume_point
+from edgepipe.cluster.placement import Deployment, StageAssignment as A
+from edgepipe.net.messages import Hello, KvExport, Load, NextHop
+from edgepipe.worker import core
+
+GB = 1 << 30
+ACTIVE = Deployment(1, (A("a", 0, 2), A("b", 2, 4)))
+SPARE = (A("c", 0, 3), A("d", 3, 4))
+OTHER_SPARE = (A("d", 0, 4),)
+
+
+def serving() -> S.ClusterState:
+    """Workers a..d, ACTIVE up with SPARE chosen, requests r (prompt 4) and s fed on it."""
+    st = S.ClusterState()
+    for i, n in enumerate("abcd"):
+        st = S.apply(st, S.WorkerJoined(n, n, Hello.from_fields({"memory_bytes": GB}), float(i)))
+    st = S.apply(st, S.Committed(ACTIVE, 1.0))
+    st = S.apply(st, S.SpareChosen(SPARE))
+    for rid in ("r", "s"):
+        st = S.apply(st, S.RequestStarted(rid, 100))
+        st = S.apply(st, S.RequestFed(rid, f"{rid}.0", 1, 70))
+    return st
+
+
+def stored(st, rid: str, worker: str, position: int, spare=SPARE, seq: str | None = None):
+    return S.apply(st, S.CheckpointStored(rid, seq or f"{rid}.c1", spare, frozenset({"c", "d"}), worker, position))
+
+
+# -- decisions ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_len, held, in_flight, mine, want", [
+    (70, None, 0, False, True),  # 66 generated, none checkpointed
+    (60, None, 0, False, False),  # 56 generated < 64
+    (70, 10, 0, False, False),  # 60 since the last checkpoint
+    (140, 70, 0, False, True),
+    (140, 70, 2, False, False),  # two sequences already being copied: bandwidth bounded
+    (140, 70, 1, True, False),  # its own copy is still in flight
+])
+def test_a_checkpoint_is_due_every_interval_within_the_bound(kv_len, held, in_flight, mine, want):
+    assert due(CheckpointSettings(64, 2), kv_len, 4, held, in_flight, mine) is want
+
+
+def test_checkpoints_off():
+    assert not due(CheckpointSettings(0, 2), 1000, 4, None, 0, False)
+
+
+def test_a_checkpoint_counts_only_when_every_holder_holds_the_same_position():
+    st = stored(serving(), "r", "c", 40)
+    assert st.checkpoints["r"].position() is None  # d holds nothing yet: partial
+    st = stored(st, "r", "d", 48)
+    assert st.checkpoints["r"].position() is None  # they differ
+    st = stored(st, "r", "c", 48)
+    assert st.checkpoints["r"].position() == 48
+
+
+def test_committing_the_spare_resumes_complete_checkpoints_only():
+    st = stored(stored(serving(), "r", "c", 64), "r", "d", 64)
+    st = stored(st, "s", "c", 64)  # partial: d never acknowledged s
+    st = S.apply(st, S.WorkerLost("b", "killed", 2.0))
+    assert st.phase is S.Phase.DOWN and st.spare == SPARE  # the spare's holders are all alive
+    recovery = Deployment(2, SPARE, "spare plan (recovery)")
+    st = S.apply(st, S.Committed(recovery, 2.5))
+    assert st.requests["r"].resume == Resume(2, "r.c1", 64)
+    assert st.requests["s"].resume is None  # partial: full replay
+    fed = S.apply(st, S.RequestFed("r", "r.c1", 2, 71))
+    assert fed.requests["r"].resume is None  # taken
+    void = S.apply(st, S.CheckpointVoid("r", "its resumed step failed"))
+    assert void.requests["r"].resume is None and "r" not in void.checkpoints
+
+
+def test_a_lost_holder_a_new_spare_or_the_end_voids_checkpoints():
+    st = stored(stored(serving(), "r", "c", 64), "r", "d", 64)
+    assert "r" not in S.apply(st, S.WorkerLost("c", "killed", 2.0)).checkpoints  # lost with its holder
+    replaced = S.apply(st, S.SpareChosen(OTHER_SPARE))
+    assert not replaced.checkpoints  # stale: held by the spare before this one
+    late = stored(replaced, "r", "c", 80)  # an acknowledgement from the old spare, arriving late
+    assert not late.checkpoints
+    assert "r" not in S.apply(st, S.RequestEnded("r")).checkpoints
+    # committing another plan than the spare resumes nothing
+    down = S.apply(st, S.WorkerLost("b", "killed", 2.0))
+    other = S.apply(down, S.Committed(Deployment(3, (A("a", 0, 4),)), 3.0))
+    assert other.requests["r"].resume is None
+
+
+@pytest.mark.parametrize("resume, plan, total, want", [
+    (Resume(2, "r.c1", 64), 2, 80, 64),
+    (Resume(2, "r.c1", 64), 3, 80, None),  # another plan came up
+    (Resume(2, "r.c1", 80), 2, 80, None),  # the last token must still be fed
+    (Resume(2, "r.c1", 3), 2, 80, None),  # inside the prompt
+    (None, 2, 80, None),
+])
+def test_resume_point(resume, plan, total, want):
+    got = resume_point(resume, plan, 4, total)
+    assert (got.position if got else None) == want
+
+
+# -- the worker core ------------------------------------------------------------------------------
+def _spare_worker() -> core.WorkerState:
+    st = core.WorkerState("w", data_url="ws://10.0.0.5:7000")
+    load = Load(plan=-3, start=2, end=4, graph="g-spare", files=[], next=NextHop("coordinator"), keep=[], max_context=64,
+                kv_bytes_per_token=8, warm=True)
+    session = core.Session("g-spare", False, True, 16, (2, 3))
+    st, _ = core.handle(st, core.Built(load, session, 100, 0, 0.1, False))
+    return st
+
+
+def test_a_warm_spare_stage_takes_checkpoints_and_goes_with_a_real_stage():
+    st = _spare_worker()
+    assert st.spare == -3 and st.stages[-3].graph == "g-spare"
+    assert core.admit_data(st, -3, lambda secret: True) is not None  # peers may send it KV
+    assert st.in_use([], True, "other") == 0  # its weights are the warm spare's, not a kept stage's
+    kv = core.Message(core.T.KV, {"seq": "r.c1", "plan": -3, "length": 5, "move": 9})
+    _, commands = core.handle(st, kv)
+    assert isinstance(commands[0], core.ImportKv) and commands[0].graph == "g-spare"
+    real = Load(plan=4, start=0, end=2, graph="g-real", files=[], next=NextHop("coordinator"), keep=[4], max_context=64)
+    st, _ = core.handle(st, core.Fetched(real, 0, 100))
+    assert -3 not in st.stages and st.spare is None  # the real stage takes the memory: the checkpoints go
+
+
+def test_a_checkpoint_export_is_refused_unless_the_stage_holds_exactly_upto():
+    st = core.WorkerState("w", data_url="ws://10.0.0.5:7000")
+    load = Load(plan=1, start=0, end=2, graph="g", files=[], next=NextHop("coordinator"), keep=[1], max_context=64)
+    st, _ = core.handle(st, core.Built(load, core.Session("g", True, False, 0, (0, 1)), 100, 0, 0.1, False))
+    st = core._with_lengths(st, "g", {"r.0": 12})
+    ask = lambda upto: KvExport("r.0", 1, 0, 2, -3, "ws://10.0.0.9:7000", 7, upto=upto, as_seq="r.c1")  # noqa: E731
+    _, refused = core.handle(st, ask(11))  # a step of it ran meanwhile: the stages would disagree
+    assert refused[0].msg["ok"] is False and "holds 12 positions, not 11" in refused[0].msg["error"]
+    _, ok = core.handle(st, ask(12))
+    assert isinstance(ok[0], core.ExportKv)
+
+
+# -- a runner's increments ------------------------------------------------------------------------
+def test_increments_appended_on_the_receiver_equal_the_senders_kv(int4_pkg):
+    """A full checkpoint, decode steps, then only the positions since: the receiver holds exactly
+    the sender's KV, and decodes on from it to the sender's token."""
+    from edgepipe.runtime.stage_runner import SamplingBatch
+
+    n = len(int4_pkg.manifest.units)
+    sender, receiver = int4_pkg.runner(0, n, threads=1), int4_pkg.runner(0, n, threads=1)
+    greedy = SamplingBatch.greedy(1)
+    token = sender.run("s", np.array([[1, 2, 3, 4, 5, 6]], np.int64), greedy)
+    receiver.import_kv("s.c1", sender.export_kv("s"), sender.length("s"))
+    for _ in range(5):
+        token = sender.run("s", np.array([[int(token[0])]], np.int64), greedy)
+    since = receiver.length("s.c1")
+    delta = sender.export_kv("s", since)
+    assert all(v.shape[2] == 5 for v in delta.values())
+    with pytest.raises(ValueError, match="cannot be appended"):
+        receiver.import_kv("nobody", delta, sender.length("s"), since)
+    receiver.import_kv("s.c1", delta, sender.length("s"), since)
+    full, got = sender.export_kv("s"), receiver.export_kv("s.c1")
+    assert receiver.length("s.c1") == sender.length("s") == 11
+    assert all(np.array_equal(full[k], got[k]) for k in full)
+    nxt = np.array([[int(token[0])]], np.int64)
+    assert int(receiver.run("s.c1", nxt, greedy)[0]) == int(sender.run("s", nxt, greedy)[0])
+
+
+# -- the simulation -------------------------------------------------------------------------------
+def _schedule(memory_units: int, workers: int, faults):
+    from edgepipe.cluster.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM
+    from edgepipe.cluster.simrun import Req, Schedule
+
+    memory = memory_units * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES
+    return Schedule(7, (memory,) * workers, (0.0,) * workers, (Req(7.8, (1, 2, 3), 40), Req(8.0, (4, 5), 40)), tuple(faults))
+
+
+def test_sim_a_fresh_checkpoint_resumes_and_tokens_stay_exact():
+    """One worker serves (slowed, so the requests are long), another holds the spare; the server
+    is killed mid-stream: both sequences resume from their checkpoint on the spare."""
+    from edgepipe.cluster.simrun import Fault, run
+
+    report = run(_schedule(9, 3, [Fault("slow", 7.0, 0, factor=10.0), Fault("kill", 11.0, 0)]))
+    assert not report.violations, report.violations  # every token equals the reference
+    assert report.ok == 2 and report.checkpoints >= 2 and report.resumed == 2, report
+
+
+def test_sim_a_checkpoint_lost_with_its_holder_replays_whole():
+    from edgepipe.cluster.simrun import Fault, run
+
+    report = run(_schedule(9, 3, [Fault("slow", 7.0, 0, factor=10.0), Fault("kill", 10.5, 2), Fault("kill", 11.0, 0)]))
+    assert not report.violations, report.violations
+    assert report.ok == 2 and report.checkpoints >= 1 and report.resumed == 0, report
+
+
+def test_sim_a_partial_checkpoint_replays_whole():
+    """Two workers serve, two hold the spare; one holder refuses KV for a while (its copies
+    fail): the checkpoints are void, and the sequences replay whole after the kill."""
+    from edgepipe.cluster.simrun import Fault, run
+
+    report = run(_schedule(5, 4, [Fault("slow", 7.0, 0, factor=10.0), Fault("refuse_kv", 10.0, 3, seconds=5.0), Fault("kill", 11.0, 0)]))
+    assert not report.violations, report.violations
+    assert report.ok == 2 and report.checkpoints >= 1 and report.checkpoints_failed >= 1 and report.resumed == 0, report
+
+
+# -- a real cluster ---------------------------------------------------------------------------------
+PROMPT = "Tell me a long story about a lighthouse keeper."
+
+
+def test_a_killed_worker_resumes_from_the_checkpoint_with_exact_tokens(home, int4_pkg):
+    """Three workers under a memory budget (the plan needs two, the spare reuses one of them on
+    another range); a stage worker the spare avoids is SIGKILLed mid-stream. The request resumes
+    from its last checkpoint (the ``resume`` event: replayed fewer tokens than it had generated)
+    and streams exactly the single-process reference."""
+    import httpx
+
+    from harness import Server
+    from edgepipe.runtime.local import generate
+    from edgepipe.runtime.sequence import GenerationParams
+
+    tokens, kill_at, interval = 96, 72, 16
+    tok = int4_pkg.tokenizer
+    ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
+    expected = tok.decode(generate(int4_pkg.pipeline(), ids, GenerationParams(max_tokens=tokens, ignore_eos=True), tok.decode,
+                                   int4_pkg.manifest.eos_ids).tokens)
+    args = ("--placement", "planner", "--worker-threads", "1", "--max-active", "1", "--kv-checkpoint-tokens", str(interval),
+            "--worker-args", "--memory 250MB")
+    with Server(home, workers=3, args=args, timeout=240) as server:
+        server.wait_for(lambda s: any(e["kind"] == "spare" for e in server.events()), timeout=60)
+        server.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0}).raise_for_status()
+        status = server.status()
+        spare = next(e for e in reversed(server.events()) if e["kind"] == "spare")
+        victim_id = next(s["worker"] for s in status["plan"]["stages"] if s["worker"] not in {w for w, _, _ in spare["stages"]})
+        pid = next(w["pid"] for w in status["workers"] if w["id"] == victim_id)
+        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+        pieces, killed_at = [], None
+        with httpx.Client(base_url=server.url, timeout=120) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text = "".join(ch.get("delta", {}).get("content", "") for ch in chunk["choices"])
+                if text:
+                    pieces.append(text)
+                if len(pieces) == kill_at and killed_at is None:
+                    killed_at = time.time()
+                    os.kill(pid, signal.SIGKILL)
+        events = server.events()
+        metrics = server.client.get("/metrics").text
+    assert "".join(pieces) == expected
+    checkpoints = [e for e in events if e["kind"] == "checkpoint" and e["t"] < killed_at]
+    assert checkpoints, "no checkpoint reached the spare before the kill"
+    resume = next(e for e in events if e["kind"] == "resume" and e["t"] >= killed_at)
+    # from a checkpoint at most two intervals old (one may have been in flight): not the whole sequence
+    assert resume["position"] >= len(ids) + interval and resume["replayed"] <= 2 * interval + 8, resume
+    assert "edgepipe_kv_checkpoint_resumes 1.0" in metrics

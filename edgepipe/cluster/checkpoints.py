@@ -6,7 +6,9 @@ every ``interval`` generated positions, at most ``max_in_flight`` sequences at a
 between two steps of the sequence, when every stage holds exactly ``kv_len`` positions of it
 (``KvExport.upto``: a stage that holds another count refuses, and that checkpoint is void), and
 is stored under a name of its own (``KvExport.as_seq``), so nothing done to the live sequence
-touches it.
+touches it. Once the holders hold a checkpoint at ``p``, the next copies only positions from
+``p`` on (``KvExport.since``), appended on the receiver; a void checkpoint starts over whole
+under a new name.
 
 The state records, per sequence, which positions each spare stage holds (``Checkpoint``); a
 checkpoint counts only when every spare stage that keeps KV holds the same position ``p``. When

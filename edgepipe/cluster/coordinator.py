@@ -5,7 +5,8 @@ It never touches activations. The parts, one concern per file:
 lose decisions), ``scheduling`` (admission, bounded waits), ``deploy`` (plan change as
 actions, pure), ``deployer`` (carries out re-planning, loads, KV moves, the spare),
 ``requests`` (the token loop of every request, replay), ``steps`` (one step on the wire, lanes,
-timeouts), ``connections`` (worker channels in, heartbeats out), ``calibration``. This file holds
+timeouts), ``connections`` (worker channels in, heartbeats out), ``calibration``, ``checkpoints``
+(live sequences' KV copied to the spare plan, so a recovery replays less). This file holds
 the state, applies events to it, takes workers out, and offers the public views.
 States follow Down -> Preparing -> Committing -> Up (see ``deployer``); a worker that dies
 pauses the sequences that need it, and they continue on the next plan, losing no token.

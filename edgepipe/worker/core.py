@@ -150,7 +150,8 @@ def _activate(state: WorkerState, event: Activate) -> tuple[WorkerState, list[Co
 
 
 def _drop(state: WorkerState, event: Drop) -> tuple[WorkerState, list[Command]]:
-    graphs = tuple(sorted({s.graph for s in state.stages.values()}))
+    # the warm spare's session too: it may hold KV checkpoints while its stage is not (yet) there
+    graphs = tuple(sorted({s.graph for s in state.stages.values()} | state.warm))
     held = {g: {s: n for s, n in h.items() if s != event.seq} for g, h in state.held.items()}
     return replace(state, held=held), [DropSequence(graphs, event.seq)]
 

@@ -253,7 +253,7 @@ def main() -> None:
     ap.add_argument("--replay", default="steps", help="comma list of steps (plain graphs: a decode step per generated token), "
                                                         "chunk (--verify-form: one prefill) and checkpoint (KV checkpoints on the "
                                                         "spare: only the tokens since the last are replayed); trials rotate")
-    ap.add_argument("--checkpoint-tokens", type=int, default=64, help="checkpoint: serve --kv-checkpoint-tokens")
+    ap.add_argument("--checkpoint-tokens", type=int, default=32, help="checkpoint: serve --kv-checkpoint-tokens")
     args = ap.parse_args()
     if args.smoke:
         args.trials, args.tokens, args.kill_at = 2, 64, "16"

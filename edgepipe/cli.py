@@ -244,7 +244,7 @@ def serve(
                                       help="Keep the KV of prompt prefixes on every stage and reuse it for prompts that start the same."),
     prefix_cache_positions: int = typer.Option(4096, "--prefix-cache-positions", min=0,
                                                help="KV positions of cached prefixes each stage may keep (within its KV budget)."),
-    kv_checkpoint_tokens: int = typer.Option(64, "--kv-checkpoint-tokens", min=0,
+    kv_checkpoint_tokens: int = typer.Option(32, "--kv-checkpoint-tokens", min=0,
                                              help="Copy each live sequence's KV to the spare plan's workers every this many generated "
                                                   "tokens, so a recovery replays only the tokens since (0: off; not with speculative "
                                                   "decoding)."),

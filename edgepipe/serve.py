@@ -55,7 +55,7 @@ class ServeSettings:
     draft_threads: int | None = None  # the draft model's threads in this process
     verify_form: bool = False  # stages run the verify form and a lost sequence is rebuilt by one prefill (experimental)
     prefix_cache_positions: int = 4096  # KV positions of cached prompt prefixes per stage (0: no prefix cache)
-    kv_checkpoint_tokens: int = 64  # copy live sequences' KV to the spare plan every this many tokens (0: off)
+    kv_checkpoint_tokens: int = 32  # copy live sequences' KV to the spare plan every this many tokens (0: off)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

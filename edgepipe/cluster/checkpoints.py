@@ -112,7 +112,7 @@ def _key(stages) -> list:
 # -- decisions ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CheckpointSettings:
-    interval: int = 64  # positions generated since the last checkpoint before the next (0: off)
+    interval: int = 32  # positions generated since the last checkpoint before the next (0: off)
     max_in_flight: int = 2  # sequences being copied at once (bounds the bandwidth and compute checkpoints take)
 
 

@@ -33,6 +33,8 @@ from typing import Mapping, Sequence
 from .placement import StageAssignment
 
 MOVE_TIMEOUT_S = 30.0  # a checkpoint copy not acknowledged by then is void
+FIRST_MOVE_ID = 1 << 40  # copy ids above the ids of a switch's KV moves (both are acknowledged by LOADED kv_received)
+LOST_SOURCE_GRACE_S = 2.0  # a copy whose sender left fails after this (a frame it sent whole has landed by then)
 
 
 # -- the state ----------------------------------------------------------------------------------
@@ -157,7 +159,9 @@ class Checkpoints:
         self.ready: set[str] = set()  # the spare's workers that built their stage (they can take KV)
         self.flying: dict[str, str] = {}  # rid -> the checkpoint name its copies in flight go to
         self.placed: dict[str, set[str]] = {}  # checkpoint seq -> workers that may hold it
+        self.moves: dict[int, tuple[str, str, asyncio.Future]] = {}  # copy id -> (its source, its destination, its acknowledgement)
         self._names = itertools.count(1)
+        self._moves = itertools.count(FIRST_MOVE_ID)
 
     @property
     def enabled(self) -> bool:
@@ -205,11 +209,12 @@ class Checkpoints:
         futures = []
         from ..net.messages import KvExport
 
-        migration = c.deployer.migration
+        loop = asyncio.get_running_loop()
         self.placed.setdefault(name, set()).update(needs)
         nbytes = 0
         for cp in copies:
-            move, fut = migration.expect()
+            move, fut = next(self._moves), loop.create_future()
+            self.moves[move] = (cp.src, cp.dst, fut)
             futures.append((cp.dst, fut))
             nbytes += (q.kv_len - since) * sum(kv_per_unit[cp.start:cp.end])
             link = c.links.get(cp.src)
@@ -229,11 +234,13 @@ class Checkpoints:
     async def _acknowledged(self, rid: str, name: str, spare, needs: frozenset[str], position: int, futures, nbytes: int) -> None:
         from . import state as S
 
-        migration = self.coord.deployer.migration
+        # Until every copy is acknowledged (or lost with its destination), a KV frame may still
+        # land: the name stays in ``flying``, so ``sweep`` does not drop it before that.
         try:
             await asyncio.wait([f for _, f in futures], timeout=MOVE_TIMEOUT_S)
         finally:
-            migration.forget([f for _, f in futures])
+            mine = {id(f) for _, f in futures}
+            self.moves = {m: entry for m, entry in self.moves.items() if id(entry[2]) not in mine}
             self.flying.pop(rid, None)
         ok = [f.done() and not f.cancelled() and f.exception() is None and f.result().ok for _, f in futures]
         for dst, f in futures:
@@ -251,6 +258,25 @@ class Checkpoints:
             self.coord.emit(S.CheckpointVoid(rid, "a checkpoint copy failed"))
             self.counts.failed += 1
         self.sweep()
+
+    def moved(self, reply) -> None:
+        """A copy's acknowledgement (LOADED ``kv_received``), from its destination or, refused,
+        from its source."""
+        entry = self.moves.get(reply.kv_received)
+        if entry is not None and not entry[2].done():
+            entry[2].set_result(reply)
+
+    def lost(self, worker_id: str) -> None:
+        """A worker left: copies to it fail now (its KV went with it); copies from it fail after
+        ``LOST_SOURCE_GRACE_S`` unless acknowledged meanwhile (a frame it sent whole still lands,
+        and its name must not be dropped before that: ``sweep``)."""
+        gone = ConnectionError(f"worker {worker_id} left")
+        for src, dst, fut in self.moves.values():
+            if dst == worker_id and not fut.done():
+                fut.set_exception(gone)
+            elif src == worker_id and not fut.done():
+                asyncio.get_running_loop().call_later(LOST_SOURCE_GRACE_S, lambda f=fut: f.done() or f.set_exception(gone))
+        self.ready.discard(worker_id)
 
     def resumed(self, resume: Resume) -> None:
         self.counts.resumed += 1

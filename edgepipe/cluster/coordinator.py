@@ -238,6 +238,7 @@ class Coordinator:
             if not fut.done():
                 fut.set_exception(broken)
         self.deployer.migration.abort_moves(broken)  # those sequences are rebuilt by replay instead
+        self.checkpoints.lost(wid)
         plan = self.cluster.active.plan_id if self.cluster.uses(wid) else None
         self.emit(S.WorkerLost(wid, why, self.clock()))
         self.event("leave", worker=wid, why=why)

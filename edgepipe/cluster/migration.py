@@ -97,22 +97,11 @@ class KvMigration:
         return deploy.move_is_cheaper(positions * moved_kv_per_token, min(p.link_of(w)[1] for w in old.workers),
                                       max(p.link_of(w)[0] for w in old.workers), stage_s, positions)
 
-    def expect(self) -> tuple[int, asyncio.Future]:
-        """A new move's id and the future its acknowledgement (``moved``) resolves (KV
-        checkpoints, ``checkpoints``, share the ids and the acknowledgements)."""
-        move = next(self._ids)
-        fut = self.moves[move] = asyncio.get_running_loop().create_future()
-        return move, fut
-
-    def forget(self, futures) -> None:
-        """Stop waiting for these moves (done, or given up)."""
-        gone = {id(f) for f in futures}
-        for move in [m for m, f in self.moves.items() if id(f) in gone]:
-            del self.moves[move]
-
     def moved(self, reply: Loaded) -> None:
         fut = self.moves.pop(reply.kv_received, None)
-        if fut and not fut.done():
+        if fut is None:  # not a move of a switch: a KV checkpoint's copy (``checkpoints``)
+            self.coord.checkpoints.moved(reply)
+        elif not fut.done():
             fut.set_result(reply)
 
     def abort_moves(self, exc: Exception) -> None:

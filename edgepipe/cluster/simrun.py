@@ -227,7 +227,7 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
         out.append("lane members left")
     if coord.prefix.cache.pending:
         out.append(f"prefix decisions never committed or dropped: {sorted(coord.prefix.cache.pending)}")
-    if coord.checkpoints.placed or coord.checkpoints.flying or coord.cluster.checkpoints:
+    if coord.checkpoints.placed or coord.checkpoints.flying or coord.checkpoints.moves or coord.cluster.checkpoints:
         out.append(f"KV checkpoints left: {sorted(coord.checkpoints.placed)} placed, {sorted(coord.checkpoints.flying)} in flight")
     return out
 

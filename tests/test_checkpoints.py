@@ -264,10 +264,15 @@ def test_a_killed_worker_resumes_from_the_checkpoint_with_exact_tokens(home, int
     with Server(home, workers=3, args=args, timeout=240) as server:
         server.wait_for(lambda s: any(e["kind"] == "spare" for e in server.events()), timeout=60)
         server.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0}).raise_for_status()
-        status = server.status()
-        spare = next(e for e in reversed(server.events()) if e["kind"] == "spare")
-        victim_id = next(s["worker"] for s in status["plan"]["stages"] if s["worker"] not in {w for w, _, _ in spare["stages"]})
-        pid = next(w["pid"] for w in status["workers"] if w["id"] == victim_id)
+
+        def victim() -> tuple[str, int]:
+            """A worker of the plan serving now that the spare avoids (the planner may have moved
+            the plan since the warm-up)."""
+            status = server.status()
+            spare = next(e for e in reversed(server.events()) if e["kind"] == "spare")
+            wid = next(s["worker"] for s in status["plan"]["stages"] if s["worker"] not in {w for w, _, _ in spare["stages"]})
+            return wid, next(w["pid"] for w in status["workers"] if w["id"] == wid)
+
         body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
         pieces, killed_at = [], None
         with httpx.Client(base_url=server.url, timeout=120) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -279,15 +284,24 @@ def test_a_killed_worker_resumes_from_the_checkpoint_with_exact_tokens(home, int
                 text = "".join(ch.get("delta", {}).get("content", "") for ch in chunk["choices"])
                 if text:
                     pieces.append(text)
+                if len(pieces) == kill_at - 4:  # a few chunks before: the status request must not delay the kill
+                    victim_id, pid = victim()
                 if len(pieces) == kill_at and killed_at is None:
                     killed_at = time.time()
                     os.kill(pid, signal.SIGKILL)
         events = server.events()
         metrics = server.client.get("/metrics").text
+        # once the request ended, no worker holds KV (its checkpoints on the spare included), as
+        # the workers themselves count it (PONG kv_bytes, beside the prefix cache's blocks)
+        held = server.wait_for(lambda st: all((w["stats"] or {}).get("kv_bytes") == 0 for w in st["workers"]), timeout=20)
+    assert all(w["stats"]["kv_bytes"] == 0 for w in held["workers"])
     assert "".join(pieces) == expected
     checkpoints = [e for e in events if e["kind"] == "checkpoint" and e["t"] < killed_at]
-    assert checkpoints, "no checkpoint reached the spare before the kill"
-    resume = next(e for e in events if e["kind"] == "resume" and e["t"] >= killed_at)
+    assert checkpoints, ("no checkpoint reached the spare before the kill", victim_id,
+                         [e for e in events if e["kind"] in ("prepare", "up", "spare", "leave", "spare_failed", "plan_failed")])
+    after = [e for e in events if e["t"] >= killed_at and e["kind"] in ("leave", "prepare", "up", "resume", "recovered", "spare", "checkpoint")]
+    resume = next((e for e in after if e["kind"] == "resume"), None)
+    assert resume is not None, after
     # from a checkpoint at most two intervals old (one may have been in flight): not the whole sequence
     assert resume["position"] >= len(ids) + interval and resume["replayed"] <= 2 * interval + 8, resume
     assert "edgepipe_kv_checkpoint_resumes 1.0" in metrics

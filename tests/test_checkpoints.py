@@ -37,8 +37,17 @@ def serving() -> S.ClusterState:
     return st
 
 
+def sending(st, rid: str, position: int, spare=SPARE, seq: str | None = None):
+    return S.apply(st, S.CheckpointSending(rid, seq or f"{rid}.c1", spare, frozenset({"c", "d"}), position))
+
+
 def stored(st, rid: str, worker: str, position: int, spare=SPARE, seq: str | None = None):
     return S.apply(st, S.CheckpointStored(rid, seq or f"{rid}.c1", spare, frozenset({"c", "d"}), worker, position))
+
+
+def checkpointed(st, rid: str, position: int):
+    """A whole round: sent, then acknowledged by both holders."""
+    return stored(stored(sending(st, rid, position), rid, "c", position), rid, "d", position)
 
 
 # -- decisions ------------------------------------------------------------------------------------
@@ -59,7 +68,7 @@ def test_checkpoints_off():
 
 
 def test_a_checkpoint_counts_only_when_every_holder_holds_the_same_position():
-    st = stored(serving(), "r", "c", 40)
+    st = stored(sending(serving(), "r", 40), "r", "c", 40)
     assert st.checkpoints["r"].position() is None  # d holds nothing yet: partial
     st = stored(st, "r", "d", 48)
     assert st.checkpoints["r"].position() is None  # they differ
@@ -68,8 +77,9 @@ def test_a_checkpoint_counts_only_when_every_holder_holds_the_same_position():
 
 
 def test_committing_the_spare_resumes_complete_checkpoints_only():
-    st = stored(stored(serving(), "r", "c", 64), "r", "d", 64)
-    st = stored(st, "s", "c", 64)  # partial: d never acknowledged s
+    st = checkpointed(serving(), "r", 64)
+    assert st.checkpoints["r"].sending is None
+    st = stored(sending(st, "s", 64), "s", "c", 64)  # partial: d never acknowledged s
     st = S.apply(st, S.WorkerLost("b", "killed", 2.0))
     assert st.phase is S.Phase.DOWN and st.spare == SPARE  # the spare's holders are all alive
     recovery = Deployment(2, SPARE, "spare plan (recovery)")
@@ -82,8 +92,20 @@ def test_committing_the_spare_resumes_complete_checkpoints_only():
     assert void.requests["r"].resume is None and "r" not in void.checkpoints
 
 
+def test_a_round_under_way_at_the_commit_resumes_nothing():
+    """A holder may have taken one sender's part of the round (its length moved on) and not
+    another's: no position is whole on all its layers, so the sequence replays whole."""
+    st = checkpointed(serving(), "r", 64)
+    st = stored(sending(st, "r", 96), "r", "c", 96)  # d's copy of the round to 96 never came back
+    assert st.checkpoints["r"].position() is None and st.checkpoints["r"].sending == 96
+    st = sending(checkpointed(serving(), "r", 64), "r", 96)  # nothing acknowledged yet
+    assert st.checkpoints["r"].position() == 64  # what the next increment starts from
+    st = S.apply(S.apply(st, S.WorkerLost("b", "killed", 2.0)), S.Committed(Deployment(2, SPARE), 2.5))
+    assert st.requests["r"].resume is None
+
+
 def test_a_lost_holder_a_new_spare_or_the_end_voids_checkpoints():
-    st = stored(stored(serving(), "r", "c", 64), "r", "d", 64)
+    st = checkpointed(serving(), "r", 64)
     assert "r" not in S.apply(st, S.WorkerLost("c", "killed", 2.0)).checkpoints  # lost with its holder
     replaced = S.apply(st, S.SpareChosen(OTHER_SPARE))
     assert not replaced.checkpoints  # stale: held by the spare before this one

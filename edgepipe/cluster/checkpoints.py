@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
@@ -46,9 +46,13 @@ class Checkpoint:
     spare: tuple[StageAssignment, ...]  # the spare plan it was copied to
     needs: frozenset[str]  # the spare's workers that keep KV (each must hold it)
     held: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # worker -> positions it holds
+    # A round of copies to this position is under way: a holder may have taken part of it (some
+    # layers, from one sender, with its length moved on) and not the rest, so until every holder
+    # acknowledged it no position is known to be whole on every layer.
+    sending: int | None = None
 
     def position(self) -> int | None:
-        """The position every holder holds (None: some holder lacks it or they differ)."""
+        """The position every holder acknowledged (None: some holder lacks it or they differ)."""
         ps = {self.held.get(w) for w in self.needs}
         return ps.pop() if len(ps) == 1 and None not in ps and self.needs else None
 
@@ -63,6 +67,17 @@ class Resume:
 
 
 # -- events -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointSending:
+    """Copies of ``rid``'s KV up to ``position`` are on their way to the spare's holders as ``seq``."""
+
+    rid: str
+    seq: str
+    spare: tuple[StageAssignment, ...]
+    needs: frozenset[str]
+    position: int
+
+
 @dataclass(frozen=True)
 class CheckpointStored:
     """``worker`` of the spare plan ``spare`` holds ``rid``'s KV as ``seq`` up to ``position``."""
@@ -83,26 +98,39 @@ class CheckpointVoid:
     why: str
 
 
-def stored(checkpoints: Mapping[str, Checkpoint], spare, event: CheckpointStored) -> Mapping[str, Checkpoint]:
-    """The checkpoints after a holder's acknowledgement (ignored when the spare changed since)."""
+def sending(checkpoints: Mapping[str, Checkpoint], spare, event: CheckpointSending) -> Mapping[str, Checkpoint]:
+    """The checkpoints once a round of copies started (ignored when the spare changed since)."""
     if spare != event.spare:
         return checkpoints
     ck = checkpoints.get(event.rid)
     if ck is None or ck.seq != event.seq or ck.spare != event.spare:
         ck = Checkpoint(event.seq, event.spare, event.needs)
-    ck = Checkpoint(ck.seq, ck.spare, ck.needs, MappingProxyType({**ck.held, event.worker: event.position}))
-    return MappingProxyType({**checkpoints, event.rid: ck})
+    return MappingProxyType({**checkpoints, event.rid: replace(ck, sending=event.position)})
+
+
+def stored(checkpoints: Mapping[str, Checkpoint], spare, event: CheckpointStored) -> Mapping[str, Checkpoint]:
+    """The checkpoints after a holder's acknowledgement (ignored when the spare changed since);
+    the round is over once every holder acknowledged its position."""
+    if spare != event.spare:
+        return checkpoints
+    ck = checkpoints.get(event.rid)
+    if ck is None or ck.seq != event.seq or ck.spare != event.spare:
+        ck = Checkpoint(event.seq, event.spare, event.needs)
+    held = MappingProxyType({**ck.held, event.worker: event.position})
+    done = ck.sending is not None and all(held.get(w) == ck.sending for w in ck.needs)
+    return MappingProxyType({**checkpoints, event.rid: replace(ck, held=held, sending=None if done else ck.sending)})
 
 
 def resumable(checkpoints: Mapping[str, Checkpoint], spare, stages: Sequence[StageAssignment], plan: int) -> dict[str, Resume]:
     """At the commit of ``stages`` as ``plan``: the sequences that resume from their checkpoint
-    (the committed plan is the spare they were copied to, every holder at the same position)."""
+    (the committed plan is the spare they were copied to, every holder at the same position, no
+    round of copies under way)."""
     if spare is None or _key(spare) != _key(stages):
         return {}
     out = {}
     for rid, ck in checkpoints.items():
         p = ck.position()
-        if p is not None and ck.spare == spare:
+        if p is not None and ck.spare == spare and ck.sending is None:
             out[rid] = Resume(plan, ck.seq, p)
     return out
 
@@ -208,9 +236,12 @@ class Checkpoints:
         name = ck.seq if since else f"{rid}.c{next(self._names)}"
         futures = []
         from ..net.messages import KvExport
+        from . import state as S
 
         loop = asyncio.get_running_loop()
         self.placed.setdefault(name, set()).update(needs)
+        self.flying[rid] = name
+        c.emit(S.CheckpointSending(rid, name, spare, needs, q.kv_len))  # from the first frame on, a holder may be part-way
         nbytes = 0
         for cp in copies:
             move, fut = next(self._moves), loop.create_future()
@@ -228,7 +259,6 @@ class Checkpoints:
                 self.counts.copies += 1
             except Exception:  # noqa: BLE001 - that worker's loss is handled where it is noticed
                 fut.cancel()
-        self.flying[rid] = name
         c.spawn(self._acknowledged(rid, name, spare, needs, q.kv_len, futures, nbytes))
 
     async def _acknowledged(self, rid: str, name: str, spare, needs: frozenset[str], position: int, futures, nbytes: int) -> None:

@@ -27,7 +27,7 @@ from .events import (
 )
 from ..net.messages import Hello
 from . import checkpoints as K, measurements
-from .checkpoints import Checkpoint, CheckpointStored, CheckpointVoid, Resume  # noqa: F401 - events and values, as state.X
+from .checkpoints import Checkpoint, CheckpointSending, CheckpointStored, CheckpointVoid, Resume  # noqa: F401 - events and values, as state.X
 from .placement import Deployment, StageAssignment
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
@@ -212,6 +212,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
             q = _replace(state.requests[rid], seq=seq, plan=plan, kv_len=kv_len, migrated_to=None, resume=None)
             return _replace(state, requests=_with(state.requests, rid, q))
+        case CheckpointSending() if event.rid in state.requests:
+            return _replace(state, checkpoints=K.sending(state.checkpoints, state.spare, event))
         case CheckpointStored() if event.rid in state.requests:
             return _replace(state, checkpoints=K.stored(state.checkpoints, state.spare, event))
         case CheckpointVoid(rid) if rid in state.requests:

@@ -92,16 +92,18 @@ def test_committing_the_spare_resumes_complete_checkpoints_only():
     assert void.requests["r"].resume is None and "r" not in void.checkpoints
 
 
-def test_a_round_under_way_at_the_commit_resumes_nothing():
+def test_a_round_under_way_at_the_commit_resumes_from_the_last_whole_one():
     """A holder may have taken one sender's part of the round (its length moved on) and not
-    another's: no position is whole on all its layers, so the sequence replays whole."""
-    st = checkpointed(serving(), "r", 64)
-    st = stored(sending(st, "r", 96), "r", "c", 96)  # d's copy of the round to 96 never came back
-    assert st.checkpoints["r"].position() is None and st.checkpoints["r"].sending == 96
+    another's: the sequence resumes at the position every holder acknowledged (the resumed step
+    rewinds the rest); a holder that acknowledged the new round alone leaves none."""
     st = sending(checkpointed(serving(), "r", 64), "r", 96)  # nothing acknowledged yet
-    assert st.checkpoints["r"].position() == 64  # what the next increment starts from
-    st = S.apply(S.apply(st, S.WorkerLost("b", "killed", 2.0)), S.Committed(Deployment(2, SPARE), 2.5))
-    assert st.requests["r"].resume is None
+    assert st.checkpoints["r"].position() == 64 and st.checkpoints["r"].sending == 96
+    up = S.apply(S.apply(st, S.WorkerLost("b", "killed", 2.0)), S.Committed(Deployment(2, SPARE), 2.5))
+    assert up.requests["r"].resume == Resume(2, "r.c1", 64)
+    st = stored(st, "r", "c", 96)  # d's copy of the round to 96 never came back
+    assert st.checkpoints["r"].position() is None
+    up = S.apply(S.apply(st, S.WorkerLost("b", "killed", 2.0)), S.Committed(Deployment(2, SPARE), 2.5))
+    assert up.requests["r"].resume is None
 
 
 def test_a_lost_holder_a_new_spare_or_the_end_voids_checkpoints():
@@ -320,7 +322,7 @@ def test_a_killed_worker_resumes_from_the_checkpoint_with_exact_tokens(home, int
     assert "".join(pieces) == expected
     checkpoints = [e for e in events if e["kind"] == "checkpoint" and e["t"] < killed_at]
     assert checkpoints, ("no checkpoint reached the spare before the kill", victim_id,
-                         [e for e in events if e["kind"] in ("prepare", "up", "spare", "leave", "spare_failed", "plan_failed")])
+                         [(e["kind"], e.get("stages"), e.get("error")) for e in events if e["kind"] in ("prepare", "up", "spare", "leave", "spare_failed", "plan_failed", "checkpoint")])
     after = [e for e in events if e["t"] >= killed_at and e["kind"] in ("leave", "prepare", "up", "resume", "recovered", "spare", "checkpoint")]
     resume = next((e for e in after if e["kind"] == "resume"), None)
     assert resume is not None, after

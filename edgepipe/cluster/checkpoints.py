@@ -14,7 +14,9 @@ The state records, per sequence, which positions each spare stage holds (``Check
 checkpoint counts only when every spare stage that keeps KV holds the same position ``p``. When
 the spare plan is committed (recovery), each sequence with such a checkpoint resumes at ``p`` and
 replays only the tokens after it (``RequestInfo.resume``, set by ``state.apply``); any other
-sequence, and one whose resumed step fails, is rebuilt by full replay. A new spare, a lost
+sequence, and one whose resumed step fails, is rebuilt by full replay. A resumed step tells the
+stages to forget positions beyond ``p`` (``rewind``): a round of copies under way at the failure
+may have moved some holders on, on some layers. A new spare, a lost
 holder, a failed copy or a finished sequence void the checkpoint; ``Checkpoints.sweep`` drops
 KV no longer referenced from the workers that hold it.
 
@@ -47,8 +49,9 @@ class Checkpoint:
     needs: frozenset[str]  # the spare's workers that keep KV (each must hold it)
     held: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # worker -> positions it holds
     # A round of copies to this position is under way: a holder may have taken part of it (some
-    # layers, from one sender, with its length moved on) and not the rest, so until every holder
-    # acknowledged it no position is known to be whole on every layer.
+    # layers, from one sender, its length moved on) and not the rest. What every holder
+    # acknowledged (``position``) is whole on every layer all the same: a sequence resuming there
+    # tells the stages to forget what they hold beyond it (``rewind``).
     sending: int | None = None
 
     def position(self) -> int | None:
@@ -123,14 +126,13 @@ def stored(checkpoints: Mapping[str, Checkpoint], spare, event: CheckpointStored
 
 def resumable(checkpoints: Mapping[str, Checkpoint], spare, stages: Sequence[StageAssignment], plan: int) -> dict[str, Resume]:
     """At the commit of ``stages`` as ``plan``: the sequences that resume from their checkpoint
-    (the committed plan is the spare they were copied to, every holder at the same position, no
-    round of copies under way)."""
+    (the committed plan is the spare they were copied to, every holder at the same position)."""
     if spare is None or _key(spare) != _key(stages):
         return {}
     out = {}
     for rid, ck in checkpoints.items():
         p = ck.position()
-        if p is not None and ck.spare == spare and ck.sending is None:
+        if p is not None and ck.spare == spare:
             out[rid] = Resume(plan, ck.seq, p)
     return out
 

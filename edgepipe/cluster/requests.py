@@ -103,6 +103,8 @@ class Requests:
                     replay_from = 1 if len(feed) > 1 else None  # every token after it as its own decode step
                 if len(feed) > 1:  # a prefill or a replay: a sequence whose stages hold no rejected drafts
                     rewind = False
+                if resume is not None:  # a holder may hold more of it (a round of copies was under way): forget the rest
+                    rewind = True
                 try:
                     head = controls.step_fields(state, self.coord.manifest.config.get("vocab_size") or 0, len(feed) > 1)
                 except ValueError as exc:  # the token mask provider's answer cannot be used

@@ -37,6 +37,9 @@ class FakeWorker:
         # the fake model's slowness is in its compute; the core adds no emulated wait of its own
         self.state = core.WorkerState(name, budget_bytes=memory, data_url=self.url)
         self.kv: dict[str, dict[str, list[int]]] = {}  # graph -> seq -> per-unit state + [positions held]
+        # (graph, seq) -> positions -> its state after an import left it that long: what a rewind of
+        # an imported sequence goes back to (the fake state is a running hash, not per position)
+        self.imported: dict[tuple[str, str], dict[int, list[int]]] = {}
         self.prefixes: dict[int, tuple[int, dict[str, list[int]]]] = {}  # plan -> (epoch, block name -> state after the block)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.control = None
@@ -160,14 +163,17 @@ class FakeWorker:
         elif isinstance(cmd, core.DropSequence):
             for graph in cmd.graphs:
                 self.kv.get(graph, {}).pop(cmd.seq, None)
+                self.imported.pop((graph, cmd.seq), None)
         elif isinstance(cmd, core.KeepSessions):
             self.kv = {g: kv for g, kv in self.kv.items() if g in cmd.graphs}
+            self.imported = {k: v for k, v in self.imported.items() if k[0] in cmd.graphs}
             if cmd.plans is not None:
                 self.prefixes = {p: s for p, s in self.prefixes.items() if p in cmd.plans}
         elif isinstance(cmd, core.Forget):
             while not self.queue.empty():
                 self.queue.get_nowait()
             self.kv = {g: {} for g in self.kv}
+            self.imported.clear()
             self.prefixes.clear()
         elif isinstance(cmd, core.FetchFiles):
             await asyncio.sleep(0.2 * self.slowdown)
@@ -217,6 +223,14 @@ class FakeWorker:
             missing = self._prefix_before(plan, kv, seq, entry)
             if missing:
                 return core.Failed(cmd.forward, ErrorCode.PREFIX_MISS, missing, {s: kv[s][-1] for s in cmd.seqs if s in kv})
+        for item in batch:  # rewind (as runner.rewind): only to a length an import left (else the stage refuses)
+            h, pos = kv.get(item["seq"]), item.get("pos")
+            if item.get("rewind") and isinstance(pos, int) and h is not None and pos < h[-1]:
+                back = self.imported.get((cmd.graph, item["seq"]), {}).get(pos)
+                if back is None:
+                    return core.Failed(cmd.forward, ErrorCode.BAD_INPUT, f"{item['seq']}: cannot rewind to {pos}",
+                                       {s: kv[s][-1] for s in cmd.seqs if s in kv})
+                kv[item["seq"]] = list(back)
         y = np.zeros_like(x)
         for row, item in enumerate(batch):
             h = kv.setdefault(item["seq"], [0] * (end - start + 1))
@@ -270,6 +284,10 @@ class FakeWorker:
         for u, value in msg["units"].items():
             h[int(u) - start] = value
         h[-1] = msg["length"]
+        kept = self.imported.setdefault((cmd.graph, msg["seq"]), {})
+        kept[h[-1]] = list(h)
+        for old in sorted(kept)[:-4]:  # a few recent lengths are enough
+            del kept[old]
         return core.Imported(msg, cmd.graph, h[-1], 0)
 
 

@@ -155,42 +155,45 @@ def test_a_warm_spare_stage_takes_checkpoints_and_goes_with_a_real_stage():
     assert -3 not in st.stages and st.spare is None  # the real stage takes the memory: the checkpoints go
 
 
-def test_a_checkpoint_export_is_refused_unless_the_stage_holds_exactly_upto():
+def test_a_checkpoint_export_is_refused_when_the_stage_holds_fewer_than_upto():
     st = core.WorkerState("w", data_url="ws://10.0.0.5:7000")
     load = Load(plan=1, start=0, end=2, graph="g", files=[], next=NextHop("coordinator"), keep=[1], max_context=64)
     st, _ = core.handle(st, core.Built(load, core.Session("g", True, False, 0, (0, 1)), 100, 0, 0.1, False))
     st = core._with_lengths(st, "g", {"r.0": 12})
     ask = lambda upto: KvExport("r.0", 1, 0, 2, -3, "ws://10.0.0.9:7000", 7, upto=upto, as_seq="r.c1")  # noqa: E731
-    _, refused = core.handle(st, ask(11))  # a step of it ran meanwhile: the stages would disagree
-    assert refused[0].msg["ok"] is False and "holds 12 positions, not 11" in refused[0].msg["error"]
-    _, ok = core.handle(st, ask(12))
-    assert isinstance(ok[0], core.ExportKv)
+    _, refused = core.handle(st, ask(13))  # a frame was lost: it never held what the others hold
+    assert refused[0].msg["ok"] is False and "holds 12 positions, not 13" in refused[0].msg["error"]
+    for upto in (12, 11):  # a step of it may have run since the coordinator asked: exported as it was then
+        _, ok = core.handle(st, ask(upto))
+        assert isinstance(ok[0], core.ExportKv) and ok[0].export.upto == upto
 
 
 # -- a runner's increments ------------------------------------------------------------------------
 def test_increments_appended_on_the_receiver_equal_the_senders_kv(int4_pkg):
-    """A full checkpoint, decode steps, then only the positions since: the receiver holds exactly
-    the sender's KV, and decodes on from it to the sender's token."""
+    """A full checkpoint, decode steps, then only the positions since, as they were ``upto``
+    positions long although the sender ran on meanwhile: the receiver holds exactly the sender's
+    KV of then, and decodes on from it to the sender's token."""
     from edgepipe.runtime.stage_runner import SamplingBatch
 
     n = len(int4_pkg.manifest.units)
     sender, receiver = int4_pkg.runner(0, n, threads=1), int4_pkg.runner(0, n, threads=1)
     greedy = SamplingBatch.greedy(1)
-    token = sender.run("s", np.array([[1, 2, 3, 4, 5, 6]], np.int64), greedy)
+    fed, out = [], [int(sender.run("s", np.array([[1, 2, 3, 4, 5, 6]], np.int64), greedy)[0])]
     receiver.import_kv("s.c1", sender.export_kv("s"), sender.length("s"))
-    for _ in range(5):
-        token = sender.run("s", np.array([[int(token[0])]], np.int64), greedy)
-    since = receiver.length("s.c1")
-    delta = sender.export_kv("s", since)
-    assert all(v.shape[2] == 5 for v in delta.values())
+    for _ in range(7):
+        fed.append(out[-1])
+        out.append(int(sender.run("s", np.array([[fed[-1]]], np.int64), greedy)[0]))
+    since, upto = receiver.length("s.c1"), 11  # the sender holds 13 by now
+    delta = sender.export_kv("s", since, upto)
+    assert sender.length("s") == 13 and all(v.shape[2] == upto - since for v in delta.values())
     with pytest.raises(ValueError, match="cannot be appended"):
-        receiver.import_kv("nobody", delta, sender.length("s"), since)
-    receiver.import_kv("s.c1", delta, sender.length("s"), since)
-    full, got = sender.export_kv("s"), receiver.export_kv("s.c1")
-    assert receiver.length("s.c1") == sender.length("s") == 11
-    assert all(np.array_equal(full[k], got[k]) for k in full)
-    nxt = np.array([[int(token[0])]], np.int64)
-    assert int(receiver.run("s.c1", nxt, greedy)[0]) == int(sender.run("s", nxt, greedy)[0])
+        receiver.import_kv("nobody", delta, upto, since)
+    receiver.import_kv("s.c1", delta, upto, since)
+    then, got = sender.export_kv("s", 0, upto), receiver.export_kv("s.c1")
+    assert receiver.length("s.c1") == upto
+    assert all(np.array_equal(then[k], got[k]) for k in then)
+    # position 11 was fed fed[5] and gave out[6]: the receiver, resumed there, gives the same
+    assert int(receiver.run("s.c1", np.array([[fed[5]]], np.int64), greedy)[0]) == out[6]
 
 
 # -- the simulation -------------------------------------------------------------------------------
@@ -286,8 +289,16 @@ def test_a_killed_worker_resumes_from_the_checkpoint_with_exact_tokens(home, int
     args = ("--placement", "planner", "--worker-threads", "1", "--max-active", "1", "--kv-checkpoint-tokens", str(interval),
             "--worker-args", "--memory 250MB")
     with Server(home, workers=3, args=args, timeout=240) as server:
-        server.wait_for(lambda s: any(e["kind"] == "spare" for e in server.events()), timeout=60)
         server.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0}).raise_for_status()
+
+        def settled(_) -> bool:
+            """The plan timed on its own stages may be replaced once: the spare chosen after the
+            last plan came up, and no plan change for 3 s."""
+            evs = server.events()
+            up = max((e["t"] for e in evs if e["kind"] in ("up", "prepare")), default=None)
+            return up is not None and time.time() - up > 3 and any(e["kind"] == "spare" and e["t"] >= up for e in evs)
+
+        server.wait_for(settled, timeout=90)
 
         def victim() -> tuple[str, int]:
             """A worker of the plan serving now that the spare avoids (the planner may have moved

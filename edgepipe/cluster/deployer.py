@@ -237,6 +237,8 @@ class Deployer:
         except Exception:  # noqa: BLE001 - the loss of that worker is handled where it is noticed
             return
         self.coord.checkpoints.spare_loaded(plan_id, worker_id, reply)
+        if not reply.ok:  # it holds the files at most: no session built, no KV checkpoints taken
+            self.coord.event("spare_unbuilt", worker=worker_id, plan=plan_id, error=reply.error)
 
 
 def deploy_error(text: str) -> Exception:

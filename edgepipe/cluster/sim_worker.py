@@ -37,9 +37,10 @@ class FakeWorker:
         # the fake model's slowness is in its compute; the core adds no emulated wait of its own
         self.state = core.WorkerState(name, budget_bytes=memory, data_url=self.url)
         self.kv: dict[str, dict[str, list[int]]] = {}  # graph -> seq -> per-unit state + [positions held]
-        # (graph, seq) -> positions -> its state after an import left it that long: what a rewind of
-        # an imported sequence goes back to (the fake state is a running hash, not per position)
-        self.imported: dict[tuple[str, str], dict[int, list[int]]] = {}
+        # (graph, seq) -> length -> its state when it was that long (computed or imported), the last
+        # few: what a rewind goes back to and what a checkpoint's ``upto`` exports (the fake state
+        # is a running hash, not per position as a real KV cache)
+        self.lengths: dict[tuple[str, str], dict[int, list[int]]] = {}
         self.prefixes: dict[int, tuple[int, dict[str, list[int]]]] = {}  # plan -> (epoch, block name -> state after the block)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.control = None
@@ -163,17 +164,17 @@ class FakeWorker:
         elif isinstance(cmd, core.DropSequence):
             for graph in cmd.graphs:
                 self.kv.get(graph, {}).pop(cmd.seq, None)
-                self.imported.pop((graph, cmd.seq), None)
+                self.lengths.pop((graph, cmd.seq), None)
         elif isinstance(cmd, core.KeepSessions):
             self.kv = {g: kv for g, kv in self.kv.items() if g in cmd.graphs}
-            self.imported = {k: v for k, v in self.imported.items() if k[0] in cmd.graphs}
+            self.lengths = {k: v for k, v in self.lengths.items() if k[0] in cmd.graphs}
             if cmd.plans is not None:
                 self.prefixes = {p: s for p, s in self.prefixes.items() if p in cmd.plans}
         elif isinstance(cmd, core.Forget):
             while not self.queue.empty():
                 self.queue.get_nowait()
             self.kv = {g: {} for g in self.kv}
-            self.imported.clear()
+            self.lengths.clear()
             self.prefixes.clear()
         elif isinstance(cmd, core.FetchFiles):
             await asyncio.sleep(0.2 * self.slowdown)
@@ -226,7 +227,7 @@ class FakeWorker:
         for item in batch:  # rewind (as runner.rewind): only to a length an import left (else the stage refuses)
             h, pos = kv.get(item["seq"]), item.get("pos")
             if item.get("rewind") and isinstance(pos, int) and h is not None and pos < h[-1]:
-                back = self.imported.get((cmd.graph, item["seq"]), {}).get(pos)
+                back = self.lengths.get((cmd.graph, item["seq"]), {}).get(pos)
                 if back is None:
                     return core.Failed(cmd.forward, ErrorCode.BAD_INPUT, f"{item['seq']}: cannot rewind to {pos}",
                                        {s: kv[s][-1] for s in cmd.seqs if s in kv})
@@ -243,6 +244,7 @@ class FakeWorker:
                     h[k], v = _unit(h[k], v, u)
                 y[row, col] = v
                 h[-1] += 1
+                self._keep(cmd.graph, item["seq"], h)
                 if keep and h[-1] % entry["block"] == 0 and h[-1] // entry["block"] - 1 in keep:
                     held[keep[h[-1] // entry["block"] - 1]] = list(h)
         out = np.array([int(y[r, -1]) % VOCAB for r in range(len(batch))], np.int64) if end == N_UNITS else y
@@ -272,6 +274,11 @@ class FakeWorker:
         if target is None or target.dead or held is None:
             await self.feed(core.ExportFailed(e, "cannot export"))
             return
+        if e.upto is not None and e.upto != held[-1]:  # a checkpoint of fewer positions than held: as they were then
+            held = self.lengths.get((cmd.graph, e.seq), {}).get(e.upto)
+            if held is None:
+                await self.feed(core.ExportFailed(e, f"{e.seq}: no state at {e.upto} positions"))
+                return
         start = next(s.start for s in self.state.stages.values() if s.graph == cmd.graph)
         units = {u: held[u - start] for u in range(e.start, e.end)}
         frame = Message(T.KV, {"seq": e.as_seq or e.seq, "plan": e.to_plan, "move": e.move, "units": units, "length": held[-1]})
@@ -284,11 +291,14 @@ class FakeWorker:
         for u, value in msg["units"].items():
             h[int(u) - start] = value
         h[-1] = msg["length"]
-        kept = self.imported.setdefault((cmd.graph, msg["seq"]), {})
-        kept[h[-1]] = list(h)
-        for old in sorted(kept)[:-4]:  # a few recent lengths are enough
-            del kept[old]
+        self._keep(cmd.graph, msg["seq"], h)
         return core.Imported(msg, cmd.graph, h[-1], 0)
+
+    def _keep(self, graph: str, seq: str, h: list[int]) -> None:
+        kept = self.lengths.setdefault((graph, seq), {})
+        kept[h[-1]] = list(h)
+        if len(kept) > 12:  # a few recent lengths are enough
+            del kept[min(kept)]
 
 
 def _unit_bytes() -> int:

@@ -383,12 +383,16 @@ class _KVPool:
     def nbytes(self) -> int:
         return sum(a.nbytes if isinstance(a, np.ndarray) else a.tensor_size_in_bytes() for a in self.arrays.values())
 
-    def export(self, seq: str, since: int = 0) -> dict[str, np.ndarray]:
-        """Every layer's live positions of ``seq`` (a full-cache layer's from ``since``): a window
-        layer's are its last ``kept``."""
-        r, n, kept = self.row_of[seq], self.length[seq], self.kept(seq)
-        return {name: self.host(name)[r : r + 1, :, : kept].copy() if name in self.window_names else self.host(name)[r : r + 1, :, since:n].copy()
-                for name in self.arrays}
+    def export(self, seq: str, since: int = 0, upto: int | None = None) -> dict[str, np.ndarray]:
+        """Every layer's positions of ``seq`` below ``upto`` (default: its length), a full-cache
+        layer's from ``since``: a window layer's are the last ones that length keeps."""
+        r, n, start = self.row_of[seq], self.length[seq], self.start[seq]
+        n = n if upto is None else min(upto, n)
+        lo = window_start(n, self.window) if self.window_names else 0
+        if self.window_names and lo < start:
+            raise ValueError(f"{seq}: the sliding-window layers no longer hold what {n} positions need")
+        return {name: self.host(name)[r : r + 1, :, lo - start : n - start].copy() if name in self.window_names
+                else self.host(name)[r : r + 1, :, since:n].copy() for name in self.arrays}
 
     def write(self, seq: str, name: str, positions: np.ndarray, at: int = 0) -> None:
         """Set ``positions.shape[2]`` positions of ``seq`` in buffer ``name`` from ``at`` on (an import)."""
@@ -524,10 +528,11 @@ class StageRunner:
     def kv_bytes(self) -> int:
         return self._pool.nbytes
 
-    def export_kv(self, seq: str, since: int = 0) -> dict[str, np.ndarray]:
+    def export_kv(self, seq: str, since: int = 0, upto: int | None = None) -> dict[str, np.ndarray]:
         """``seq``'s KV; ``since``: full-cache layers only from that position on (a window
-        layer's last positions travel whole)."""
-        return self._pool.export(seq, since) if seq in self._pool.row_of else {}
+        layer's last positions travel whole); ``upto``: as it was when ``upto`` positions long
+        (``ValueError`` when a window layer no longer holds what that length needs)."""
+        return self._pool.export(seq, since, upto) if seq in self._pool.row_of else {}
 
     def import_kv(self, seq: str, tensors: dict[str, np.ndarray], length: int | None = None, since: int = 0) -> None:
         """Install a sequence's KV moved from another runner (same layers). ``length`` is the

@@ -312,7 +312,7 @@ def _export(state: WorkerState, export: KvExport) -> tuple[WorkerState, list[Com
         why = f"no stage for plan {export.plan}" if stage is None else "no destination" if not export.url else f"{export.seq} is not held here"
         return state, [_kv_ack(export.move, ok=False, error=why)]
     held = state.length(stage.graph, export.seq)
-    if export.upto is not None and session_layers(state, stage.graph) and held != export.upto:  # a checkpoint taken mid-step
+    if export.upto is not None and session_layers(state, stage.graph) and held < export.upto:  # positions it never had
         return state, [_kv_ack(export.move, ok=False, error=f"{export.seq} holds {held} positions, not {export.upto}")]
     return state, [ExportKv(export, stage.graph, data_secret(state, export.url, export.to_plan, export.secret))]
 

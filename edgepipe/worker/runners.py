@@ -113,8 +113,10 @@ class Runners:
 
         def pack() -> bytes:
             since = e.since or 0  # a checkpoint's increment: full-cache layers from there on
-            tensors = {k: v for k, v in runner.export_kv(e.seq, since).items() if e.start <= int(k.split(".")[1]) < e.end}
-            fields = {"seq": e.as_seq or e.seq, "plan": e.to_plan, "length": runner.length(e.seq), "move": e.move, **({"since": since} if since else {})}
+            # a checkpoint: the KV as it was ``upto`` positions long (a step may have run since)
+            tensors = {k: v for k, v in runner.export_kv(e.seq, since, e.upto).items() if e.start <= int(k.split(".")[1]) < e.end}
+            length = runner.length(e.seq) if e.upto is None else e.upto
+            fields = {"seq": e.as_seq or e.seq, "plan": e.to_plan, "length": length, "move": e.move, **({"since": since} if since else {})}
             return encode(Message(T.KV, fields, tensors))
 
         return await asyncio.get_running_loop().run_in_executor(self.pool, pack)

@@ -2,10 +2,11 @@
 
 While serving, the workers of the active plan copy a sequence's KV (the layers each spare stage
 will hold, ``deploy.kv_moves`` from the active plan to the spare) to the spare plan's workers,
-every ``interval`` generated positions, at most ``max_in_flight`` sequences at a time. The copy is taken
-between two steps of the sequence, when every stage holds exactly ``kv_len`` positions of it
-(``KvExport.upto``: a stage that holds another count refuses, and that checkpoint is void), and
-is stored under a name of its own (``KvExport.as_seq``), so nothing done to the live sequence
+every ``interval`` generated positions, at most ``max_in_flight`` sequences at a time. The copy
+is asked for between two steps of the sequence, when every stage holds ``kv_len`` positions of
+it, and taken as it was at that length (``KvExport.upto``: a later stage may run the next step
+before the request reaches it; one that holds fewer refuses, and the checkpoint is void). It is
+stored under a name of its own (``KvExport.as_seq``), so nothing done to the live sequence
 touches it. Once the holders hold a checkpoint at ``p``, the next copies only positions from
 ``p`` on (``KvExport.since``), appended on the receiver; a void checkpoint starts over whole
 under a new name.
@@ -20,8 +21,8 @@ may have moved some holders on, on some layers. A new spare, a lost
 holder, a failed copy or a finished sequence void the checkpoint; ``Checkpoints.sweep`` drops
 KV no longer referenced from the workers that hold it.
 
-The decisions (``due``, ``Checkpoint.position``, ``resume_point``, the reducer ``stored``) are
-pure; ``Checkpoints`` is the I/O.
+The decisions (``due``, ``Checkpoint.position``, ``resumable``, ``resume_point``, the reducers
+``sending`` and ``stored``) are pure; ``Checkpoints`` is the I/O.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
-from .placement import StageAssignment
+from ..net.messages import Drop, KvExport
+from .placement import Deployment, StageAssignment
 
 MOVE_TIMEOUT_S = 30.0  # a checkpoint copy not acknowledged by then is void
 FIRST_MOVE_ID = 1 << 40  # copy ids above the ids of a switch's KV moves (both are acknowledged by LOADED kv_received)
@@ -211,7 +213,7 @@ class Checkpoints:
     # -- after a step ---------------------------------------------------------------------------
     async def after_step(self, rid: str, seq: str, dep, prompt_len: int) -> None:
         """Between two steps of ``rid`` (none in flight): send a checkpoint if one is due. Only
-        the KV_EXPORT frames are sent here (before the next step, so stage 0 exports first)."""
+        the KV_EXPORT frames are sent here (before the next step, so the first stage exports first)."""
         c = self.coord
         q = c.cluster.requests.get(rid)
         spare = c.cluster.spare
@@ -221,8 +223,7 @@ class Checkpoints:
         held = ck.position() if ck is not None and ck.spare == spare else None
         if not due(self.settings, q.kv_len, prompt_len, held, len(self.flying), rid in self.flying):
             return
-        from . import deploy
-        from .placement import Deployment
+        from . import deploy, state as S  # (they import this module)
 
         kv_per_unit = [u.kv_bytes_per_token for u in c.manifest.units]
         copies = deploy.kv_moves(dep, Deployment(self.spare_plan or 0, spare, "spare"), c.n_units, kv_per_unit)
@@ -237,9 +238,6 @@ class Checkpoints:
         since = held if ck is not None and held is not None and held <= q.kv_len else 0
         name = ck.seq if since else f"{rid}.c{next(self._names)}"
         futures = []
-        from ..net.messages import KvExport
-        from . import state as S
-
         loop = asyncio.get_running_loop()
         self.placed.setdefault(name, set()).update(needs)
         self.flying[rid] = name
@@ -329,8 +327,6 @@ class Checkpoints:
     def sweep(self) -> None:
         """Drop checkpoint KV nobody refers to from the workers that may hold it (not while a copy
         of it is in flight: its import would create it again)."""
-        from ..net.messages import Drop
-
         c = self.coord
         keep = self.referenced()
         busy = set(self.flying.values())

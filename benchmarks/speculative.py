@@ -1,14 +1,15 @@
 """Speculative decoding through a pipeline: one stream, 3 local workers, user-space link delay per hop.
 
 Qwen2.5-Coder-1.5B-Instruct Q4_K_M as the target, Qwen2.5-Coder-0.5B-Instruct drafting for it in
-the coordinator's process, and n-gram self-drafting (prompt lookup), against the same cluster
+the coordinator's process, n-gram self-drafting (prompt lookup), and both (``hybrid``: the lookup
+where it matches, the model elsewhere), against the same cluster
 decoding one token per step; on a chat and a code-editing workload, at 2 ms and 10 ms per hop.
 The delay is EMULATED (``--link-delay-ms``: every frame a worker sends waits that long in user
 space; the coordinator's frame to the first stage is not delayed, so 3 of the 4 hops of a step
 are). Each request is greedy; a mode's text must equal the baseline's (the verify form's decode
 steps are the baseline's bits, see ``graphs.verify_form``), else the row says so.
 
-    python benchmarks/speculative.py [--tokens 64] [--rounds 3] [--delays 2 10] [--modes plain draft ngram]
+    python benchmarks/speculative.py [--tokens 64] [--rounds 3] [--delays 2 10] [--modes plain draft ngram hybrid]
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ WORKLOADS = {
 }
 
 
-def stream(url: str, prompt: str, tokens: int) -> dict:
-    """One greedy chat stream: time to first token, decode tokens/s (first to last token), text."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0, "stream": True}
+def stream(url: str, prompt: str, tokens: int, sampling: dict | None = None) -> dict:
+    """One chat stream (greedy, or ``sampling``: temperature, top_p, seed): time to first token,
+    decode tokens/s (first to last token), text."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0, "stream": True, **(sampling or {})}
     pieces, times = [], []
     t0 = time.perf_counter()
     with httpx.Client(base_url=url, timeout=900) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -82,18 +84,18 @@ def stream(url: str, prompt: str, tokens: int) -> dict:
 
 
 def start(home: Path, mode: str, delay_ms: float, args) -> Server:
-    extra = () if mode == "plain" else ("--speculative", "ngram" if mode == "ngram" else args.draft, "--draft-k", str(args.draft_k),
-                                        "--draft-threads", "1")
+    drafter = {"ngram": "ngram", "draft": args.draft, "hybrid": f"ngram+{args.draft}"}.get(mode)
+    extra = () if mode == "plain" else ("--speculative", drafter, "--draft-k", str(args.draft_k), "--draft-threads", "1")
     worker_args = f"--link-delay-ms {delay_ms:g} --threads {args.threads}"
     return Server(home, workers=args.workers, timeout=900,
                   args=("--model", args.target, "--placement", "memory", "--worker-args", worker_args, *extra))
 
 
-def one(server: Server, prompt: str, tokens: int) -> dict:
+def one(server: Server, prompt: str, tokens: int, sampling: dict | None = None) -> dict:
     before = server.status().get("speculation") or {}
-    result = stream(server.url, prompt, tokens)
+    result = stream(server.url, prompt, tokens, sampling)
     after = server.status().get("speculation") or {}
-    result.update({key: after.get(key, 0) - before.get(key, 0) for key in ("passes", "drafted", "kept", "drafted_ahead")})
+    result.update({key: after.get(key, 0) - before.get(key, 0) for key in ("passes", "drafted", "kept", "drafted_ahead", "by_rule")})
     return result
 
 
@@ -113,7 +115,8 @@ def run_delay(home: Path, delay_ms: float, args) -> dict:
             for name, prompt in WORKLOADS.items():
                 order = list(servers)[r % len(servers):] + list(servers)[:r % len(servers)]
                 for mode in order:
-                    result = one(servers[mode], prompt, args.tokens)
+                    sampling = None if not args.temperature else {"temperature": args.temperature, "top_p": args.top_p, "seed": r}
+                    result = one(servers[mode], prompt, args.tokens, sampling)
                     runs[mode][name].append(result)
                     print(f"{delay_ms:g} ms round {r} {mode:6s} {name:9s} {result['decode_tok_s']:6.2f} tok/s  tokens {result['tokens']}  "
                           f"kept {result['kept']}/{result['drafted']}  load {os.getloadavg()[0]:.1f}", flush=True)
@@ -141,10 +144,13 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--delays", type=float, nargs="+", default=[2.0, 10.0])
-    p.add_argument("--modes", nargs="+", default=["plain", "draft", "ngram"], choices=["plain", "draft", "ngram"])
+    p.add_argument("--modes", nargs="+", default=["plain", "draft", "ngram"], choices=["plain", "draft", "ngram", "hybrid"],
+                   help="hybrid: prompt lookup where it matches, the draft model elsewhere (--speculative ngram+DRAFT)")
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="threads per worker")
     p.add_argument("--draft-k", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampled streams (seed = round): by the speculative-sampling rule")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--out", default="speculative")
     args = p.parse_args()
     home = home_dir()
@@ -154,7 +160,9 @@ def main() -> None:
     data = {**run.as_dict(), "args": vars(args), "results": {f"{d:g}": r for d, r in results.items()}}
     lines = [f"# Speculative decoding through {args.workers} stages", "",
              f"{run.line()}. Target {args.target}, draft {args.draft} (coordinator process, 1 thread), "
-             f"{args.workers} local workers x {args.threads} thread, {args.tokens} tokens greedy, one stream at a time; the modes' "
+             f"{args.workers} local workers x {args.threads} thread, {args.tokens} tokens "
+             f"{'greedy' if not args.temperature else f'sampled (temperature {args.temperature:g}, top-p {args.top_p:g}, seed = round)'}"
+             ", one stream at a time; the modes' "
              f"clusters up side by side, {args.rounds} rounds each measuring every mode in turn, medians. Link delay per hop is "
              "EMULATED (user-space, worker-sent frames).", "",
              "| hop delay | workload | mode | decode tok/s (median) | x plain | acceptance | tokens/pass | TTFT s | text = plain |",
@@ -167,7 +175,7 @@ def main() -> None:
                 speedup = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base and base["decode_tok_s"] else "-"
                 per_pass = f"{1 + r['kept'] / r['passes']:.2f}" if r["passes"] else "-"
                 acceptance = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
-                same = "-" if base is None or mode == "plain" else ("yes" if r["texts"] == base["texts"] else "NO")
+                same = "-" if base is None or mode == "plain" or args.temperature else ("yes" if r["texts"] == base["texts"] else "NO")
                 lines.append(f"| {delay:g} ms | {name} | {mode} | {r['decode_tok_s']:.2f} | {speedup} | {acceptance} | {per_pass} | "
                              f"{r['ttft_s']:.2f} | {same} |")
     write_results(args.out, data, "\n".join(lines))

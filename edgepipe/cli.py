@@ -232,8 +232,9 @@ def serve(
                                          help="Give a sequence the same tokens whatever it is batched with (a lone stream runs "
                                               "its 4-bit products on two rows: ~20% slower on 4-bit models)."),
     speculative: Optional[str] = typer.Option(None, "--speculative",
-                                              help="Speculative decoding: 'ngram' (prompt lookup) or a draft model with the same "
-                                                   "tokenizer (package name or GGUF path), run in this process."),
+                                              help="Speculative decoding: 'ngram' (prompt lookup), a draft model with the same "
+                                                   "tokenizer (package name or GGUF path), run in this process, or "
+                                                   "'ngram+MODEL' (prompt lookup where it matches, the model elsewhere)."),
     verify_form: bool = typer.Option(False, "--verify-form",
                                      help="Stages run the verify form and a lost worker's sequences are rebuilt by one prefill each, "
                                           "not one step per generated token (experimental: 1 of 18 measured recoveries streamed other "

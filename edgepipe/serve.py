@@ -50,7 +50,7 @@ class ServeSettings:
     cluster: str = "edgepipe"  # the name workers look for
     batch_invariant: bool = False  # a sequence gets the same bits alone as batched (costs lone-stream speed)
     local_device: str = "auto"  # where the first local worker computes (a GPU when found); the others use the CPU
-    speculative: str | None = None  # speculative decoding: "ngram" (prompt lookup) or a draft model with the same tokenizer
+    speculative: str | None = None  # speculative decoding: "ngram" (prompt lookup), a draft model with the same tokenizer, or "ngram+MODEL"
     draft_k: int = 8  # most drafted tokens per verify pass (fewer while the target rejects them)
     draft_threads: int | None = None  # the draft model's threads in this process
     verify_form: bool = False  # stages run the verify form and a lost sequence is rebuilt by one prefill (experimental)

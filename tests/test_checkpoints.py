@@ -120,6 +120,19 @@ def test_a_lost_holder_a_new_spare_or_the_end_voids_checkpoints():
     assert other.requests["r"].resume is None
 
 
+def test_which_spare_workers_take_checkpoints_is_state():
+    st = serving()
+    st = S.apply(st, S.SpareLoaded(-2, SPARE, "c", True))
+    assert st.spare_plan == -2 and st.spare_built == {"c"}
+    st = S.apply(st, S.SpareLoaded(-2, SPARE, "d", True))
+    assert S.apply(st, S.SpareLoaded(-1, OTHER_SPARE, "d", False)) is st  # an answer about an older spare
+    assert S.apply(st, S.SpareLoaded(-2, SPARE, "d", False)).spare_built == {"c"}  # its stage went (a real one took it)
+    assert st.spare_built == {"c", "d"}
+    replaced = S.apply(st, S.SpareChosen(OTHER_SPARE))
+    assert replaced.spare_plan is None and not replaced.spare_built
+    assert not S.apply(st, S.WorkerLost("c", "killed", 2.0)).spare_built
+
+
 @pytest.mark.parametrize("resume, plan, total, want", [
     (Resume(2, "r.c1", 64), 2, 80, 64),
     (Resume(2, "r.c1", 64), 3, 80, None),  # another plan came up

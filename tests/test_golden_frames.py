@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 import zlib
-from dataclasses import MISSING, fields
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,7 @@ import pytest
 
 from edgepipe.net import messages as M
 from edgepipe.net.channel import ChannelClosed, StarletteChannel, memory_pair
-from edgepipe.net.protocol import Message, decode
+from edgepipe.net.protocol import Message, ProtocolError, decode
 
 GOLDEN = Path(__file__).parent / "data" / "golden_frames"
 CLASSES = {cls.TYPE: cls for cls in vars(M).values() if isinstance(cls, type) and issubclass(cls, M.Wire) and cls is not M.Wire}
@@ -143,10 +143,15 @@ def check_hello(hello: Message, kind: str) -> list[str]:
     problems = []
     if hello.type is not M.T.HELLO:
         return [f"first frame is {hello.type.value}, not hello"]
-    declared = {f.name: f for f in fields(M.Hello)}
+    declared = {f.name for f in fields(M.Hello)}
     problems += [f"hello.{n}: not a field of messages.Hello" for n in hello.fields if n not in declared]
-    problems += [f"hello.{n}: missing" for n, f in declared.items()
-                 if f.default is MISSING and f.default_factory is MISSING and n not in hello.fields]
+    # every field, null ones too, as ``Hello.to_message`` writes it: a field added to the message
+    # and not to a worker shows here, not as a default the coordinator silently assumed
+    problems += [f"hello.{n}: missing" for n in sorted(declared) if n not in hello.fields]
+    try:
+        M.parse(hello)
+    except ProtocolError as exc:
+        problems.append(f"hello: {exc}")
     if hello.get("kind") != kind or hello.get("protocol") != 1:
         problems.append(f"hello says kind {hello.get('kind')!r}, protocol {hello.get('protocol')!r}")
     return problems
@@ -277,12 +282,30 @@ def test_compare_catches_what_a_worker_gets_wrong(golden):
     want = decode(golden.frames[rule["frame"]])
     zeros = Message(want.type, want.fields, {"payload": np.zeros_like(want.tensors["payload"])})
     assert compare(zeros, want, rule, golden.atol, golden.rtol) == ["tensor payload: a link probe's payload must be incompressible (random bytes)"]
-    hello = Message(M.T.HELLO, {"name": "x", "token": None, "protocol": 1, "kind": "native", "memory_bytes": 1, "threads": 1,
-                                "data_url": None, "held": []})
+    hello = M.Hello(name="x", token=None, protocol=1, kind="native", memory_bytes=1, threads=1, data_url=None, held=()).to_message()
     got = [[decode(golden.frames[a["frame"]]) for a in s["answers"]] for s in golden.steps]
     assert verdict(golden, hello, got, [], "native") == []
     got[2] = []
     assert verdict(golden, hello, got, ["token"], "native") == ["02_load: 0 answers, 1 due", "after the final bye: an unexpected token frame"]
+
+
+def test_a_hello_must_carry_every_field_of_the_typed_message_and_parse():
+    full = M.Hello(name="x", token=None, protocol=1, kind="native", memory_bytes=1, threads=1, data_url=None, held=()).to_message()
+    assert check_hello(full, "native") == []
+    short = Message(M.T.HELLO, {k: v for k, v in full.fields.items() if k != "power_idle_w"})
+    assert check_hello(short, "native") == ["hello.power_idle_w: missing"]
+    bad = Message(M.T.HELLO, {**full.fields, "memory_bytes": -1})
+    assert check_hello(bad, "native") == ["hello: hello: memory_bytes must be a number >= 0, got '-1'"]
+
+
+def test_the_simulated_worker_declares_itself_with_the_typed_hello():
+    """The simulation's worker sends the hello the shipped worker sends: every field of
+    ``messages.Hello``, parsed by the one ``parse``."""
+    from edgepipe.cluster.sim_worker import FakeWorker
+
+    hello = FakeWorker(None, "n0", 3 << 30).hello().to_message()
+    assert check_hello(hello, "native") == []
+    assert M.parse(hello).memory_budget == 3 << 30
 
 
 # -- the Python worker -----------------------------------------------------------------------------

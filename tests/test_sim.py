@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from edgepipe.cluster import simrun
+from edgepipe.cluster import simplay
 from edgepipe.cluster.sim import FAULTS
 from edgepipe.cluster.simrun import Schedule, replay_command, run
 
@@ -22,7 +22,7 @@ SIM_FIRST, SIM_SCHEDULES = 10_000, int(os.environ.get("EDGEPIPE_SIM_SCHEDULES", 
 
 
 def play(first: int, count: int) -> dict:
-    summary = simrun.play(first, count)
+    summary = simplay.play(first, count)
     print(summary)
     return summary
 

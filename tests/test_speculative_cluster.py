@@ -1,6 +1,8 @@
 """Speculative decoding through real worker processes: greedy tokens (and logprobs) equal decoding
-one token per step in the same graph form, alone and beside other requests; a worker killed
-mid-stream is replayed to the same tokens (``-m slow``).
+one token per step in the same graph form, alone and beside other requests; sampled requests
+follow the speculative-sampling rule (the tokens of the rule run in one process), or with
+logprobs the seeded tokens of decoding without speculation; a worker killed mid-stream is
+replayed to the same tokens (``-m slow``).
 
 The drafter is SmolLM2's fp32 package drafting for the int4 target (one tokenizer, other weights:
 it agrees often, not always, so passes keep some drafts and rewind others)."""
@@ -16,10 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from edgepipe.cluster.speculation import Speculation
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
+from edgepipe.runtime.speculative import ModelDrafter
 
 from harness import Server
+from test_speculative_sampling import speculative_tokens
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
 EDIT = f"Rename every function in this code to start with 'calc_' and output the whole code:\n{CODE}"
@@ -70,20 +75,71 @@ def test_greedy_tokens_and_logprobs_equal_one_token_per_step(int4_pkg, spec_serv
     assert "edgepipe_speculative_kept_tokens_total" in metrics
 
 
-def test_sampled_tokens_equal_seeded_sampling_one_token_per_step(int4_pkg, spec_server):
-    """A sampled request speculates too: the drafter samples with the target's seeded draws and a
-    draft stays where it equals the target's sample, so the tokens are the non-speculative ones."""
+def rule_reference(int4_pkg, fp32_pkg, prompt: str, **params) -> list[int]:
+    """A sampled request decided by the speculative-sampling rule, in one process: the loop of
+    ``test_speculative_sampling`` with the cluster's drafter (fp32, ``--draft-k 6``), up to the first EOS."""
+    spec = Speculation(ModelDrafter(fp32_pkg.runner(0, len(fp32_pkg.manifest.units), threads=1, sampler=True), fp32_pkg.name), k_max=6)
+    tokens, _ = speculative_tokens(int4_pkg.pipeline(verify_form=True, threads=1), spec, chat_ids(int4_pkg, prompt),
+                                   GenerationParams(**params), "ref")
+    ends = [i for i, t in enumerate(tokens) if t in int4_pkg.manifest.eos_ids]
+    return tokens[:ends[0]] if ends else tokens
+
+
+def test_sampled_tokens_follow_the_sampling_rule(int4_pkg, fp32_pkg, spec_server):
+    """A sampled request's model drafts go to the last stage with their distribution and it applies
+    the speculative-sampling rule: through the coordinator and 3 workers, the tokens of the same
+    rule run in one process (whose distribution ``test_speculative_sampling`` checks), and the
+    same seed gives them again."""
     before = spec_server.status()["speculation"]
     choice = ask(spec_server, CHAT, max_tokens=40, temperature=0.8, top_p=0.95, seed=5)
+    assert choice["token_ids"] == rule_reference(int4_pkg, fp32_pkg, CHAT, max_tokens=40, temperature=0.8, top_p=0.95, seed=5)
+    after = spec_server.status()["speculation"]
+    assert after["by_rule"] > before["by_rule"] and after["kept"] > before["kept"]
+    assert ask(spec_server, CHAT, max_tokens=40, temperature=0.8, top_p=0.95, seed=5)["token_ids"] == choice["token_ids"]
+    metrics = {line.split()[0]: float(line.split()[1]) for line in spec_server.client.get("/metrics").text.splitlines()
+               if line.startswith("edgepipe_speculative_")}
+    status = spec_server.status()["speculation"]  # a pass the rule cut short still counts every draft it carried
+    assert (metrics["edgepipe_speculative_drafted_tokens_total"], metrics["edgepipe_speculative_kept_tokens_total"]) == (
+        status["drafted"], status["kept"])
+
+
+def test_sampled_with_logprobs_keeps_the_seeded_tokens(int4_pkg, spec_server):
+    """With logprobs (the head's are of its own sample) a sampled request keeps a draft where it
+    equals the target's seeded sample: the tokens are those of decoding without speculation."""
+    before = spec_server.status()["speculation"]
+    choice = ask(spec_server, CHAT, max_tokens=40, temperature=0.8, top_p=0.95, seed=5, logprobs=True)
     assert choice["token_ids"] == without_eos(int4_pkg, reference(int4_pkg, CHAT, max_tokens=40, temperature=0.8, top_p=0.95,
                                                                   seed=5).tokens)
+    after = spec_server.status()["speculation"]
+    assert after["passes"] > before["passes"] and after["by_rule"] == before["by_rule"]
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "numbers": {"type": "array", "items": {"type": "integer"}}},
+          "required": ["name", "numbers"]}
+
+
+def test_a_response_format_speculates_with_a_mask_per_position(int4_pkg, spec_server):
+    """Structured output: drafts as far as the grammar allows them, verified against a mask per
+    position; the JSON is the one decoding one token per step under the same mask gives."""
+    from edgepipe.api import structured
+
+    prompt = "Give a JSON object with your name and the numbers one to twelve."
+    vocab = int4_pkg.manifest.config["vocab_size"]
+    constraint = structured.constraint_for(int4_pkg.tokenizer, vocab, structured.from_openai("json_schema", {"name": "n", "schema": SCHEMA}))
+    tok = int4_pkg.tokenizer
+    ref = generate(int4_pkg.pipeline(verify_form=True, threads=1), chat_ids(int4_pkg, prompt), GenerationParams(max_tokens=60),
+                   tok.decode, int4_pkg.manifest.eos_ids, token_mask=constraint.token_mask())
+    before = spec_server.status()["speculation"]
+    choice = ask(spec_server, prompt, max_tokens=60, temperature=0,
+                 response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}})
+    assert choice["token_ids"] == without_eos(int4_pkg, ref.tokens)
     after = spec_server.status()["speculation"]
     assert after["passes"] > before["passes"] and after["kept"] > before["kept"]
 
 
-def test_beside_other_requests(int4_pkg, spec_server):
-    """A speculating request, a sampled one and one with a logit bias (these two decode a token per
-    step, batched in lanes) at once: each gets its solo tokens."""
+def test_beside_other_requests(int4_pkg, fp32_pkg, spec_server):
+    """A greedy speculating request, a sampled one (speculating by the rule) and one with a logit
+    bias (decoding a token per step in a lane) at once: each gets its solo tokens."""
     bias = {str(int4_pkg.tokenizer.encode(" the")[0]): -5}
     jobs = [(EDIT, dict(max_tokens=40, temperature=0)),
             (CHAT, dict(max_tokens=24, temperature=0.8, seed=7)),
@@ -92,10 +148,10 @@ def test_beside_other_requests(int4_pkg, spec_server):
     with ThreadPoolExecutor(len(jobs)) as pool:
         choices = list(pool.map(lambda job: ask(spec_server, job[0], **job[1]), jobs))
     expected = [reference(int4_pkg, EDIT, max_tokens=40),
-                reference(int4_pkg, CHAT, max_tokens=24, temperature=0.8, seed=7),
+                rule_reference(int4_pkg, fp32_pkg, CHAT, max_tokens=24, temperature=0.8, seed=7),
                 reference(int4_pkg, CHAT, max_tokens=24, logit_bias=tuple((int(k), float(v)) for k, v in bias.items()))]
     for choice, ref in zip(choices, expected):
-        assert choice["token_ids"] == without_eos(int4_pkg, ref.tokens)
+        assert choice["token_ids"] == (ref if isinstance(ref, list) else without_eos(int4_pkg, ref.tokens))
     assert spec_server.status()["speculation"]["passes"] > before
 
 

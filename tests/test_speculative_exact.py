@@ -204,3 +204,48 @@ def test_a_replay_in_one_chunk_rebuilds_the_same_kv_in_the_verify_form(verify_pi
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), "the rebuilt KV differs"
     verify_pipe.drop("orig")
     verify_pipe.drop("replay")
+
+
+def test_a_response_formats_masks_look_ahead_over_drafts(int4_pkg):
+    """TokenMask.lookahead: the mask after each draft the grammar allows (equal to advancing over
+    them for real), ending at a draft it forbids, the matcher left where it was."""
+    from edgepipe.api import structured
+
+    tok, vocab = int4_pkg.tokenizer, int4_pkg.manifest.config["vocab_size"]
+    constraint = structured.constraint_for(tok, vocab, structured.from_openai("json_object"))
+    mask = constraint.token_mask()
+    drafts = tok.encode('{"a": 1')
+    after = mask.lookahead([], drafts + tok.encode("]"))
+    assert len(after) == len(drafts)  # "]" cannot follow: the list ends there
+    walked = constraint.token_mask()
+    for i in range(len(drafts)):
+        assert np.array_equal(after[i], walked(drafts[:i + 1]))
+    assert np.array_equal(mask([]), constraint.token_mask()([])) and mask.matcher.tokens == []  # rolled back
+    assert mask.lookahead([], tok.encode("x") + drafts) == []  # a first draft the grammar forbids: no masked drafts
+
+
+def test_a_mask_per_position_forces_each_positions_token(verify_pipe, reference):
+    """A verify entry's ``masks``: position i's token is the one its own mask allows (here one
+    token each, not the greedy one), and a count of masks other than the positions is refused."""
+    prompt, tokens, _ = reference
+    head, vocab = verify_pipe.runners[-1], verify_pipe.runners[-1].vocab
+
+    def only(token: int) -> bytes:
+        bits = np.zeros(vocab, bool)
+        bits[token] = True
+        return np.packbits(bits, bitorder="little").tobytes()
+
+    forced = [tokens[1] + 1, tokens[2] + 2, tokens[3] + 3]
+    _run(verify_pipe, "m", prompt)
+    entry = {"seq": "m", "verify": True, "sampling": {**WANT[0]["sampling"], "masks": [only(t) for t in forced]}}
+    x = np.array([tokens[:3]], np.int64)
+    for runner in verify_pipe.runners:
+        x = runner.run("m", x, SamplingBatch.from_wire([entry], vocab) if runner.emits_tokens else None, verify=runner.emits_tokens)
+    assert [int(t) for t in x] == forced
+    entry["sampling"]["masks"] = entry["sampling"]["masks"][:2]
+    x = np.array([tokens[3:6]], np.int64)
+    for runner in verify_pipe.runners[:-1]:
+        x = runner.run("m", x)
+    with pytest.raises(ValueError, match="as many masks"):
+        head.run("m", x, SamplingBatch.from_wire([entry], vocab), verify=True)
+    verify_pipe.drop("m")

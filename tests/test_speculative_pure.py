@@ -22,14 +22,17 @@ pytestmark = pytest.mark.pure  # no process, no model
     ([1, 2, 3], [1, 9, 3, 4], [1, 9]),  # the first mismatch ends the pass with the target's token
     ([1, 2, 3], [5, 2, 3, 4], [5]),  # nothing kept: still one token
     ([1, 2, 3], [1, 2, 8, 4], [1, 2, 8]),
+    ([1, 2, 3], [1, 2, 8], [1, 2, 8]),  # a last stage that applied the sampling rule stops at its first rejection
+    ([1, 2, 3], [5], [5]),
 ])
 def test_accept_greedy(drafts, targets, expected):
     assert accept_greedy(drafts, targets) == expected
 
 
-def test_accept_greedy_needs_one_target_per_position():
-    with pytest.raises(ValueError, match="returns 3 tokens"):
-        accept_greedy([1, 2], [1, 2])
+@pytest.mark.parametrize("drafts, targets", [([1, 2], [1, 2]), ([1, 2], []), ([1, 2], [1, 2, 3, 4])])
+def test_accept_greedy_needs_a_target_up_to_the_first_rejection(drafts, targets):
+    with pytest.raises(ValueError, match="returns"):
+        accept_greedy(drafts, targets)
 
 
 V, LENGTH, RUNS = 5, 3, 8_000
@@ -134,9 +137,10 @@ def test_draft_length_follows_the_acceptance_rate():
     for _ in range(length.retry_after - 1):
         assert length.update(0, 0) == 0  # plain decode steps
     assert length.update(0, 0) == length.k_min  # then one more try
-    for _ in range(20):
-        length.update(length.k, length.k)  # everything kept: up by one each pass, to k_max
-    assert length.k == 8
+    seen = []
+    for _ in range(5):
+        seen.append(length.update(length.k, length.k))  # everything kept: twice as many each pass, to k_max
+    assert seen == [2, 4, 8, 8, 8]
     length.update(8, 4)
     assert 1 <= length.k < 8
     with pytest.raises(ValueError):
@@ -202,19 +206,52 @@ def test_drafts_for_the_next_pass_are_made_during_this_one():
 
     async def run():
         drafter = Counting()
-        spec = Speculation(drafter, k_max=4)
-        spec.lengths["r"] = DraftLength(k_max=4, rate=0.9)
+        spec = Speculation(drafter, k_max=8)
+        spec.lengths["r"] = DraftLength(k_max=8, worth=0.5, rate=0.9)  # 6 drafts
         state = SequenceState([1, 2, 3], GenerationParams(max_tokens=64), lambda ids: "", (0,))
         state.generated.append(4)
-        first = await spec.propose("r", state, 64)
+        first = (await spec.propose("r", state, 64)).tokens
         state.generated += first + [first[-1] + 1]  # all kept, and the target's bonus is the drafter's guess
         spec.learn("r", len(first), len(first))
-        second = await spec.propose("r", state, 64)
+        second = (await spec.propose("r", state, 64)).tokens
         assert second == [state.all_ids[-1] + 1 + j for j in range(len(second))] and spec.ahead_used == 1
+        assert len(first) == 6 and len(second) == 8  # all kept: 8 now, the guess's 6 then 2 drafted on after them
         state.generated += second[:1] + [99]  # one kept, then the target disagrees: the guess is not used
         spec.learn("r", len(second), 1)
-        third = await spec.propose("r", state, 64)
+        third = (await spec.propose("r", state, 64)).tokens
         assert third[0] == 100 and spec.ahead_used == 1
         spec.forget("r")
 
     asyncio.run(run())
+
+
+def test_lookup_then_model_drafts_for_free_where_the_lookup_finds_a_match():
+    """Prompt lookup first; the model only where it finds nothing. For the sampling rule a lookup
+    draft's distribution is its one token (it is certain given the ids)."""
+    from edgepipe.runtime.sequence import GenerationParams
+    from edgepipe.runtime.speculative import Distribution, LookupThenModel
+
+    class Model:  # stands in for ModelDrafter: records what it was asked
+        name, states_distributions = "model", True
+
+        def __init__(self):
+            self.asked = []
+
+        def draft(self, seq, ids, k, params=None, step=0):
+            self.asked.append(len(ids))
+            return [7] * k
+
+        def draft_sampled(self, seq, ids, k, params, step=0):
+            self.asked.append(len(ids))
+            return [7] * k, [Distribution.of([7, 8], [0.5, 0.5])] * k
+
+    model = Model()
+    drafter = LookupThenModel(NgramDrafter(max_n=3, min_n=2), model)
+    repeating = [1, 2, 3, 4, 9, 1, 2, 3]
+    assert drafter.draft("s", repeating, 3) == [4, 9, 1] and model.asked == []
+    assert drafter.draft("s", [1, 2, 3, 4], 2) == [7, 7] and model.asked == [4]
+    tokens, q = drafter.draft_sampled("s", repeating, 2, GenerationParams(temperature=1.0))
+    assert tokens == [4, 9] and [(d.prob(t), len(d.ids)) for d, t in zip(q, tokens)] == [(1.0, 1), (1.0, 1)]
+    tokens, q = drafter.draft_sampled("s", [5, 6], 2, GenerationParams(temperature=1.0))
+    assert tokens == [7, 7] and q[0].prob(8) == 0.5
+    assert drafter.name == "ngram+model" and drafter.states_distributions

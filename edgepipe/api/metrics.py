@@ -54,7 +54,7 @@ class Metrics:
         self.tokens.inc(out)
         if getattr(record, "verified", None) is not None:  # a verify pass: a decode step that yielded ``out`` tokens
             self.verify_passes.inc()
-            self.drafted.inc(len(record.verified) - 1)
+            self.drafted.inc(record.tokens_in - 1)  # the last token and the drafts went in (by the rule, verified ends at the first replaced draft)
             self.kept.inc(out - 1)
             self.tpot.observe(record.wall_s / out)
         elif record.tokens_in > 1:

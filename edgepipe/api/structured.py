@@ -251,6 +251,26 @@ class TokenMask:
             self.matcher.advance(token)
         return self.matcher.allowed()
 
+    def lookahead(self, generated: list[int], drafts: list[int]) -> list[np.ndarray]:
+        """The masks after each of ``drafts`` in turn (speculative decoding: a mask per verified
+        position), as far as the grammar allows them: a draft it forbids, or an EOS, ends the list
+        (the target could not keep it). The matcher is left where ``generated`` put it."""
+        mask, m = self(generated), self.matcher._m
+        out: list[np.ndarray] = []
+        try:
+            for d in drafts:
+                d = int(d)
+                if d in self.matcher.eos_ids or not 0 <= d < self.matcher.vocab_size or not (mask[d >> 3] >> (d & 7)) & 1:
+                    break
+                if not m.consume_token(d):
+                    raise ValueError(f"draft {d} breaks the response format although its mask allows it")
+                mask = self.matcher.allowed()
+                out.append(mask)
+        finally:
+            if out:
+                m.rollback(len(out))
+        return out
+
 
 @dataclass
 class TriggeredMask:

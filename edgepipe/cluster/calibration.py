@@ -22,11 +22,13 @@ import asyncio
 import statistics
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable, Mapping
 
 from ..net.channel import ChannelClosed
 from ..net.messages import Activate, Probe
 from . import deploy, measurements as M, state as S
 from .links import LinkProber
+from .ports import Ports
 
 TRUST_RATIO = 0.25  # reported probe times below this fraction of the wall-clock measure are not believed
 STABLE_SPREAD = 0.25  # (p90 - p10) / median of seconds per unit cost: above this a round is repeated
@@ -59,55 +61,74 @@ def trusted_step_times(reported: list[float], long_wall_s: float, short_wall_s: 
     return [measured] * len(reported), True
 
 
+def busy(state) -> set[str]:
+    """The workers the calibrator holds (being timed, or measuring their links at join)."""
+    return {wid for wid, w in state.workers.items() if w.calibrating}
+
+
+def on_join(enabled: bool, known: bool) -> str | None:
+    """What the calibrator does with a newcomer: ``"recall"`` a device seen before with the same
+    declared hardware (its links are still measured), ``"time"`` any other, nothing when
+    calibration is off."""
+    if not enabled:
+        return None
+    return "recall" if known else "time"
+
+
 class Calibrator:
-    def __init__(self, coord):
-        self.coord = coord
+    """Calibrates joining workers and times a first plan's stages. It is given the coordinator's
+    ``Ports`` and the plan policy with its context and the worker views (to price a plan again);
+    which workers it holds is state (``WorkerInfo.calibrating``: ``busy``), its tasks are kept
+    only as handles, to cancel when a worker is lost and to wait for when settling."""
+
+    def __init__(self, ports: Ports, plan_fn, plan_context: Callable[[list], object], views: Callable[[], Mapping]):
+        self.ports = ports
+        self.plan_fn, self.plan_context, self.views = plan_fn, plan_context, views
         self.lock = asyncio.Lock()  # one calibration at a time
-        self.tasks: dict[str, asyncio.Task] = {}
+        self._running: dict[str, asyncio.Task] = {}  # worker -> the task holding it (handles only: the ledger is the state)
         self._variant_lock = asyncio.Lock()
         self._probes = 0
-        self.links = LinkProber(coord, self)
-
-    def busy(self) -> set[str]:
-        return {wid for wid, t in self.tasks.items() if not t.done()}
+        self.links = LinkProber(ports, self.probe, self.lock)
 
     async def settled(self) -> None:
-        pending = [t for t in self.tasks.values() if not t.done()]
+        pending = [t for t in self._running.values() if not t.done()]
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
 
     def joined(self, wid: str) -> None:
-        c = self.coord
-        info = c.cluster.workers[wid]
-        if not c.settings.calibrate:
+        p = self.ports
+        info = p.state().workers[wid]
+        step = on_join(p.settings.calibrate, info.identity in p.profile.known)
+        if step is None:
             return
-        if info.identity in c.profile.known:
-            c.measure(M.Recalled(wid, info.identity))
-            m = c.profile.of(wid)
-            c.event("calibrated", worker=wid, speed=round(m.speed, 3), overhead_ms=round(m.overhead_s * 1e3, 3),
-                    uplink_mb_s=round((m.bandwidth_bytes_per_s or 0) / 1e6, 3), reused=True)
-            self.tasks[wid] = c.spawn(self.links.probe_peers_locked(wid))
-            return
-        c.emit(S.Calibrating(wid, True))
-        self.tasks[wid] = c.spawn(self.calibrate(wid))
+        if step == "recall":
+            p.measure(M.Recalled(wid, info.identity))  # its dashboard line: narrate.entry
+            work = self.links.probe_peers_locked(wid)
+        else:
+            work = self.calibrate(wid)
+        p.emit(S.Calibrating(wid, True))
+        self._running[wid] = p.spawn(self._holding(wid, work))
+
+    async def _holding(self, wid: str, work) -> None:
+        try:
+            await work
+        finally:
+            self.ports.emit(S.Calibrating(wid, False))
 
     def lost(self, wid: str) -> None:
         self.links.forget(wid)
-        task = self.tasks.pop(wid, None)
+        task = self._running.pop(wid, None)
         if task:
             task.cancel()
 
     async def probe(self, wid: str, **fields):
-        c = self.coord
-        link = c.links[wid]
         self._probes += 1
         probe = self._probes
-        fut = link.probes[probe] = asyncio.get_running_loop().create_future()
-        try:
-            await link.send(Probe(probe, **fields).to_message())
-            return await asyncio.wait_for(fut, timeout=c.settings.load_timeout_s)
-        finally:
-            link.probes.pop(probe, None)
+        return await self.ports.ask(wid, "probes", probe, Probe(probe, **fields).to_message(), self.ports.settings.load_timeout_s)
+
+    async def probe_neighbours(self, stages) -> None:
+        """After a deployment: planned neighbours measure the links nobody measured (``links``)."""
+        await self.links.probe_neighbours(stages)
 
     # -- the first plan's own ranges ---------------------------------------------------------
     async def time_stages(self, dep):
@@ -115,21 +136,21 @@ class Calibrator:
         rounds repeated while their spread is above ``STABLE_SPREAD``), set each device's
         speed from it, and price the plan again (a ``Repriced`` event; the calibration-only
         figure is kept as ``calibrated_tpot_s``)."""
-        c = self.coord
-        if not c.settings.calibrate or c.cluster.ever_up or not dep.predicted:
+        p = self.ports
+        if not p.settings.calibrate or p.state().ever_up or not dep.predicted:
             return dep
         timed = {}
         try:
             async with self.lock:
                 for s in dep.stages:
-                    cost = c.profile.unit_cost(s.start, s.end)
+                    cost = p.profile.unit_cost(s.start, s.end)
                     rounds = []
                     for _ in range(MAX_ROUNDS):
-                        t0 = c.clock()
+                        t0 = p.clock()
                         timing = await self.probe(s.worker_id, plan=dep.plan_id, reps=STAGE_REPS, context=32)
-                        t1 = c.clock()
+                        t1 = p.clock()
                         await self.probe(s.worker_id, plan=dep.plan_id, reps=2, context=32)
-                        times, _ = trusted_step_times((timing.times or [])[2:], t1 - t0, c.clock() - t1, STAGE_REPS - 2)
+                        times, _ = trusted_step_times((timing.times or [])[2:], t1 - t0, p.clock() - t1, STAGE_REPS - 2)
                         if not times:
                             break
                         rounds.append((spread([(cost, t) for t in times]), times))
@@ -137,53 +158,55 @@ class Calibrator:
                             break
                     if rounds:
                         seconds = statistics.median(min(rounds, key=lambda r: r[0])[1])
-                        c.measure(M.RangeTimed(s.worker_id, s.start, s.end, seconds))
+                        p.measure(M.RangeTimed(s.worker_id, s.start, s.end, seconds))
                         timed[s.worker_id] = round(seconds * 1e3, 3)
         except (asyncio.TimeoutError, ChannelClosed, KeyError) as exc:
-            c.event("stage_timing_failed", plan=dep.plan_id, error=str(exc) or type(exc).__name__)
+            p.note("stage_timing_failed", plan=dep.plan_id, error=str(exc) or type(exc).__name__)
             return dep
-        repriced = reprice(c, dep)
+        repriced = reprice(self.plan_fn, self.plan_context, self.views(), p.profile, dep)
         if repriced:
             event = S.Repriced(dep.plan_id, {**dep.predicted, "calibrated_tpot_s": dep.predicted.get("tpot_s"), **repriced})
-            c.emit(event)
+            p.emit(event)
             dep = replace(dep, predicted=dict(event.predicted))
-        c.event("stages_timed", plan=dep.plan_id, step_ms=timed, tpot_ms=round(dep.predicted["tpot_s"] * 1e3, 3))
-        c.replan_wanted.set()  # the speeds moved: the policy decides whether another plan is now better
+        p.note("stages_timed", plan=dep.plan_id, step_ms=timed, tpot_ms=round(dep.predicted["tpot_s"] * 1e3, 3))
+        p.replan_wanted.set()  # the speeds moved: the policy decides whether another plan is now better
         return dep
 
     async def _round(self, wid: str, ranges) -> list[tuple[float, float]]:
-        c = self.coord
+        p = self.ports
         samples = []
         for start, end in ranges:
             plan_id = -(10_000 + self._probes)
             self._probes += 1
-            msg = deploy.load_message(c.package, plan_id, start, end, c.deployer.precision(wid), {"kind": "coordinator"}, keep=[],
-                                      batch_invariant=c.settings.batch_invariant, gpu=c.deployer.on_gpu(wid),
-                                      verify=c.settings.speculative)
-            result = await c.deployer.load(wid, msg)
+            state = p.state()
+            msg = deploy.load_message(p.package, plan_id, start, end, deploy.precision_of(state, wid, p.package.manifest, p.settings.precision),
+                                      {"kind": "coordinator"}, keep=[], batch_invariant=p.settings.batch_invariant,
+                                      gpu=deploy.computes_on_gpu(state, wid), verify=p.settings.speculative)
+            result = await p.load(wid, msg)
             if not result.ok:
                 raise RuntimeError(result.error)
-            t0 = c.clock()
+            t0 = p.clock()
             timing = await self.probe(wid, plan=plan_id, reps=PROBE_REPS, context=32)
-            t1 = c.clock()
+            t1 = p.clock()
             await self.probe(wid, plan=plan_id, reps=2, context=32)
-            times, overruled = trusted_step_times((timing.times or [])[2:], t1 - t0, c.clock() - t1, PROBE_REPS - 2)
+            times, overruled = trusted_step_times((timing.times or [])[2:], t1 - t0, p.clock() - t1, PROBE_REPS - 2)
             if overruled:
-                c.measure(M.Distrusted(wid))  # nor are its step timings believed from now on
-                c.event("probe_overruled", worker=wid, units=[start, end], reported_ms=round(statistics.median(timing.times[2:]) * 1e3, 3),
-                        measured_ms=round(times[0] * 1e3, 3))
-            cost = c.profile.unit_cost(start, end)
+                p.measure(M.Distrusted(wid))  # nor are its step timings believed from now on
+                p.note("probe_overruled", worker=wid, units=[start, end], reported_ms=round(statistics.median(timing.times[2:]) * 1e3, 3),
+                       measured_ms=round(times[0] * 1e3, 3))
+            cost = p.profile.unit_cost(start, end)
             samples += [(cost, t) for t in times]
-            keep = [p for p in ([c.cluster.active.plan_id] if c.cluster.active else []) if p > 0]
-            await c.links[wid].send(Activate(keep).to_message())
+            active = p.state().active
+            keep = [plan for plan in ([active.plan_id] if active else []) if plan > 0]
+            await p.send(wid, Activate(keep).to_message())
         return samples
 
     async def calibrate(self, wid: str) -> None:
         """Time a 1-layer and a 4-layer range and the uplink (000 §5: speed + per-call overhead)."""
         from .requests import PipelineBroken
 
-        c = self.coord
-        layers = [u.index for u in c.manifest.units if u.kind == "layer"]
+        p = self.ports
+        layers = [u.index for u in p.package.manifest.units if u.kind == "layer"]
         ranges = [(layers[0], layers[0] + 1), (layers[0], layers[min(3, len(layers) - 1)] + 1)]
         try:
             async with self.lock:  # one at a time: calibrations must not share the CPU
@@ -193,46 +216,42 @@ class Calibrator:
                     rounds.append((spread(samples), samples))
                     if rounds[-1][0] <= STABLE_SPREAD:
                         break
-                spread_kept, samples = min(rounds, key=lambda r: r[0])
+                samples = min(rounds, key=lambda r: r[0])[1]
                 # Two sizes back to back: the difference cancels the round trip and fixed costs
                 # (a heartbeat RTT measured meanwhile queues behind the payload on a slow link).
                 timings = {}
                 for size in (1 << 12, 1 << 18):
-                    t0 = c.clock()
+                    t0 = p.clock()
                     await self.probe(wid, kind="link", bytes=size)
-                    timings[size] = c.clock() - t0
+                    timings[size] = p.clock() - t0
                 small, large = sorted(timings)
                 if timings[large] > timings[small]:
-                    c.measure(M.Uploaded(wid, large - small, timings[large] - timings[small], round_trip=timings[small]))
+                    p.measure(M.Uploaded(wid, large - small, timings[large] - timings[small], round_trip=timings[small]))
                 else:  # noise left no difference (a fast link, a busy CPU): the large probe's own time bounds it from below
-                    c.measure(M.Uploaded(wid, large, timings[large], round_trip=timings[small]))
+                    p.measure(M.Uploaded(wid, large, timings[large], round_trip=timings[small]))
                 await self.links.probe_peers(wid)
-            info = c.cluster.workers.get(wid)
-            c.measure(M.Calibrated(wid, tuple(samples), info.identity if info is not None else None))
-            m = c.profile.of(wid)
-            c.event("calibrated", worker=wid, speed=round(m.speed, 3), overhead_ms=round(m.overhead_s * 1e3, 3),
-                    uplink_mb_s=round((m.bandwidth_bytes_per_s or 0) / 1e6, 3), rounds=len(rounds), spread=round(spread_kept, 3))
+            info = p.state().workers.get(wid)
+            p.measure(M.Calibrated(wid, tuple(samples), info.identity if info is not None else None, rounds=len(rounds)))
             if info is not None:
-                if c.settings.calibration_file:
+                if p.settings.calibration_file:
                     try:
-                        c.profile.save_known(Path(c.settings.calibration_file))
+                        p.profile.save_known(Path(p.settings.calibration_file))
                     except OSError as exc:
-                        c.event("calibration_not_saved", error=str(exc))
+                        p.note("calibration_not_saved", error=str(exc))
         except (PipelineBroken, asyncio.TimeoutError, ChannelClosed, RuntimeError, ValueError, KeyError) as exc:
-            c.event("calibration_failed", worker=wid, error=str(exc) or type(exc).__name__)
+            p.note("calibration_failed", worker=wid, error=str(exc) or type(exc).__name__)
         finally:
-            c.emit(S.Calibrating(wid, False))
-            c.replan_wanted.set()
+            p.replan_wanted.set()
 
     async def add_variant(self, precision: str) -> None:
         from ..model.importer import add_variant
         from ..model.weights import PRECISIONS
 
-        c = self.coord
+        p = self.ports
         if precision not in PRECISIONS:
             raise ValueError(f"unknown precision {precision!r}")
         async with self._variant_lock:
-            if all(precision in u.variants for u in c.manifest.units):
+            if all(precision in u.variants for u in p.package.manifest.units):
                 return
             if precision == deploy.KERNEL_FORM:  # offered only where this machine's own library builds and loads
                 from ..native import native_library
@@ -240,32 +259,29 @@ class Calibrator:
                 library = await asyncio.get_running_loop().run_in_executor(None, native_library)
                 if library.path is None:
                     raise RuntimeError(f"the coordinator has no GGUF kernel library: {library.reason}")
-            c.event("variant", precision=precision, status="building")
-            await asyncio.get_running_loop().run_in_executor(None, add_variant, c.package.root, precision)
-            c.package.reload()
-            c.manifest = c.package.manifest
-            c.profile.manifest = c.manifest
-            c.event("variant", precision=precision, status="ready")
+            p.note("variant", precision=precision, status="building")
+            await asyncio.get_running_loop().run_in_executor(None, add_variant, p.package.root, precision)
+            p.package.reload()
+            p.profile.manifest = p.package.manifest  # the coordinator reads ``package.manifest`` too
+            p.note("variant", precision=precision, status="ready")
 
 
-def reprice(c, dep) -> dict | None:
+def reprice(policy, plan_context, views: Mapping, profile, dep) -> dict | None:
     """``dep``'s stages priced with the cost model and today's profiles (None where the
     coordinator plans without the cost model, or the plan no longer fits)."""
     from ..plan import PlanError, evaluate
     from .planning import PlannerPolicy, running_plan
 
-    policy = c.plan_fn
     if not isinstance(policy, PlannerPolicy):
         return None
-    views = c.workers
     workers = [views[w] for w in dep.workers if w in views]
     if len(workers) != len(dep.workers):
         return None
-    ctx = c.plan_context(workers)
+    ctx = plan_context(workers)
     model, request = policy.model(ctx), policy.request(ctx)
     try:
-        p = evaluate(running_plan(dep, model, request).stages, model, c.profile.device_profiles(workers),
-                     c.profile.network_profile(workers), request)
+        p = evaluate(running_plan(dep, model, request).stages, model, profile.device_profiles(workers),
+                     profile.network_profile(workers), request)
     except PlanError:
         return None
     return {"tpot_s": p.tpot_s, "ttft_s": p.ttft_s, "throughput_tok_s": p.throughput_tok_s, "energy_j_per_token": p.energy_j_per_token,

@@ -186,9 +186,7 @@ class Checkpoints:
         self.coord = coord
         self.settings = settings
         self.counts = CheckpointCounts()
-        self.spare_plan: int | None = None  # the plan id the spare's stages were loaded under
-        self.spare_stages: tuple[StageAssignment, ...] | None = None
-        self.ready: set[str] = set()  # the spare's workers that built their stage (they can take KV)
+        self._spare_seen = None  # the spare the last step saw (a new one: the old one's KV goes)
         self.flying: dict[str, str] = {}  # rid -> the checkpoint name its copies in flight go to
         self.placed: dict[str, set[str]] = {}  # checkpoint seq -> workers that may hold it
         self.moves: dict[int, tuple[str, str, asyncio.Future]] = {}  # copy id -> (its source, its destination, its acknowledgement)
@@ -200,24 +198,17 @@ class Checkpoints:
         # Speculative decoding leaves rejected drafts in a stage's KV between steps: not copied.
         return self.settings.interval > 0 and not self.coord.settings.speculative
 
-    # -- the spare ------------------------------------------------------------------------------
-    def spare_chosen(self, plan: int, stages: Sequence[StageAssignment]) -> None:
-        self.spare_plan, self.spare_stages, self.ready = plan, tuple(stages), set()
-        self.sweep()
-
-    def spare_loaded(self, plan: int, worker_id: str, reply) -> None:
-        """A spare stage's LOAD answered: it takes KV once its session is built."""
-        if plan == self.spare_plan and reply is not None and reply.ok and not reply.prefetched:
-            self.ready.add(worker_id)
-
     # -- after a step ---------------------------------------------------------------------------
     async def after_step(self, rid: str, seq: str, dep, prompt_len: int) -> None:
         """Between two steps of ``rid`` (none in flight): send a checkpoint if one is due. Only
         the KV_EXPORT frames are sent here (before the next step, so the first stage exports first)."""
         c = self.coord
         q = c.cluster.requests.get(rid)
-        spare = c.cluster.spare
-        if not self.enabled or q is None or spare is None or spare != self.spare_stages or q.plan != dep.plan_id:
+        spare, spare_plan = c.cluster.spare, c.cluster.spare_plan
+        if spare != self._spare_seen:  # the spare changed: what the old one holds goes
+            self._spare_seen = spare
+            self.sweep()
+        if not self.enabled or q is None or spare is None or spare_plan is None or q.plan != dep.plan_id:
             return
         ck = c.cluster.checkpoints.get(rid)
         held = ck.position() if ck is not None and ck.spare == spare else None
@@ -226,12 +217,12 @@ class Checkpoints:
         from . import deploy, state as S  # (they import this module)
 
         kv_per_unit = [u.kv_bytes_per_token for u in c.manifest.units]
-        copies = deploy.kv_moves(dep, Deployment(self.spare_plan or 0, spare, "spare"), c.n_units, kv_per_unit)
+        copies = deploy.kv_moves(dep, Deployment(spare_plan, spare, "spare"), c.n_units, kv_per_unit)
         needs = frozenset(cp.dst for cp in copies)
         workers = c.cluster.workers
         involved = needs | {cp.src for cp in copies}
         # a relayed or browser worker has no data port of its own to take or send checkpoints
-        if not copies or not needs <= self.ready or any(w not in workers or workers[w].relay or workers[w].hello.kind == "browser"
+        if not copies or not needs <= c.cluster.spare_built or any(w not in workers or workers[w].relay or workers[w].hello.kind == "browser"
                                                         for w in involved):
             return
         # The holders hold ``held`` positions under the same name: send only what came since.
@@ -250,7 +241,7 @@ class Checkpoints:
             nbytes += (q.kv_len - since) * sum(kv_per_unit[cp.start:cp.end])
             link = c.links.get(cp.src)
             dst = workers[cp.dst].hello
-            msg = KvExport(seq, dep.plan_id, cp.start, cp.end, self.spare_plan, dst.data_url, move,
+            msg = KvExport(seq, dep.plan_id, cp.start, cp.end, spare_plan, dst.data_url, move,
                            fingerprint=dst.data_fingerprint, upto=q.kv_len, as_seq=name, since=since or None)
             try:
                 if link is None:
@@ -259,9 +250,10 @@ class Checkpoints:
                 self.counts.copies += 1
             except Exception:  # noqa: BLE001 - that worker's loss is handled where it is noticed
                 fut.cancel()
-        c.spawn(self._acknowledged(rid, name, spare, needs, q.kv_len, futures, nbytes))
+        c.spawn(self._acknowledged(rid, name, spare, spare_plan, needs, q.kv_len, futures, nbytes))
 
-    async def _acknowledged(self, rid: str, name: str, spare, needs: frozenset[str], position: int, futures, nbytes: int) -> None:
+    async def _acknowledged(self, rid: str, name: str, spare, spare_plan: int, needs: frozenset[str], position: int, futures,
+                            nbytes: int) -> None:
         from . import state as S
 
         # Until every copy is acknowledged (or lost with its destination), a KV frame may still
@@ -277,7 +269,8 @@ class Checkpoints:
             if not f.done():
                 f.cancel()
             elif not f.cancelled() and f.exception() is None and (f.result().error or "").startswith("no stage for plan"):
-                self.ready.discard(dst)  # its spare stage is gone (it took a stage of a new plan): send it no more
+                # its spare stage is gone (it took a stage of a new plan): send it no more
+                self.coord.emit(S.SpareLoaded(spare_plan, spare, dst, False))
         if all(ok):
             for worker in sorted(needs):
                 self.coord.emit(S.CheckpointStored(rid, name, spare, needs, worker, position))
@@ -306,7 +299,6 @@ class Checkpoints:
                 fut.set_exception(gone)
             elif src == worker_id and not fut.done():
                 asyncio.get_running_loop().call_later(LOST_SOURCE_GRACE_S, lambda f=fut: f.done() or f.set_exception(gone))
-        self.ready.discard(worker_id)
 
     def resumed(self, resume: Resume) -> None:
         self.counts.resumed += 1

@@ -68,11 +68,8 @@ class Connections:
         wid = f"w{c.cluster.joins + 1}-{name}"[:40]
         link = c.links[wid] = Link(channel)
         # the join token was for admission only: the declaration kept in the state (and its event log) goes without it
-        c.emit(S.WorkerJoined(wid, name, dataclasses.replace(declared, token=None), c.clock()))
+        c.emit(S.WorkerJoined(wid, name, dataclasses.replace(declared, token=None), c.clock()))  # its dashboard line: narrate.entry
         await link.send(Welcome(wid).to_message())
-        info = c.cluster.workers[wid]
-        c.event("join", worker=wid, memory=info.memory_bytes, emulation=None if declared.emulation is None else dict(declared.emulation),
-                device_kind=declared.kind)
         c.measure(M.DeviceJoined(name, c.clock()))
         c.calibrator.joined(wid)
         c.replan_wanted.set()
@@ -165,7 +162,6 @@ class Connections:
                     c.spawn(c.lose(verdict.worker_id, verdict.why))
                 else:
                     c.emit(S.Suspected(verdict.worker_id, now))
-                    c.event("suspect", worker=verdict.worker_id, silent_s=round(verdict.silent_s, 2))
             suspects = membership.silent_stages(c.cluster, now, liveness, c.requests.replay_estimate_s())
             if suspects and membership.abandon_active(c.cluster, suspects, c.requests.lacking()):
                 # A frozen stage would hold every request until it wakes or the step times out:
@@ -173,7 +169,6 @@ class Connections:
                 plan = c.cluster.active.plan_id
                 why = f"plan {plan}: stage {', '.join(suspects)} went silent"
                 c.emit(S.PlanAbandoned(plan, why, now))
-                c.event("abandon", plan=plan, why=why)
                 c.steps.fail_plan(plan, PipelineBroken(why))
                 c.replan_wanted.set()
             for wid, link in list(c.links.items()):

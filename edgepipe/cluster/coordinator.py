@@ -6,8 +6,11 @@ lose decisions), ``scheduling`` (admission, bounded waits), ``deploy`` (plan cha
 actions, pure), ``deployer`` (carries out re-planning, loads, KV moves, the spare),
 ``requests`` (the token loop of every request, replay), ``steps`` (one step on the wire, lanes,
 timeouts), ``connections`` (worker channels in, heartbeats out), ``calibration``, ``checkpoints``
-(live sequences' KV copied to the spare plan, so a recovery replays less). This file holds
-the state, applies events to it, takes workers out, and offers the public views.
+(live sequences' KV copied to the spare plan, so a recovery replays less), ``event_log`` (every
+event and measurement, indexed) and ``narrate`` (the dashboard's line of a logged event).
+The deployer and the calibrator are lent ``ports.Ports`` (read and change the state, send to a
+worker), never the coordinator. This file holds the state, applies events to it (and logs them:
+the dashboard's lines come only from that log), takes workers out, and offers the public views.
 States follow Down -> Preparing -> Committing -> Up (see ``deployer``); a worker that dies
 pauses the sequences that need it, and they continue on the next plan, losing no token.
 """
@@ -19,22 +22,25 @@ import logging
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..net import limits
 from ..net.channel import Channel, ChannelClosed
 from ..net.messages import Bye, Emulate
-from . import measurements, state as S, views
+from . import deploy, measurements, narrate, state as S, views
+from .event_log import EventLog
 from .calibration import Calibrator
 from .checkpoints import Checkpoints, CheckpointSettings
 from .connections import Connections
 from .deployer import Deployer
+from .migration import KvMigration
 from .placement import Deployment, StageAssignment
 from .planning import MemoryProportional, PlanContext, PlanPolicy
+from .ports import Ports
 from .prefix_cache import PrefixCaching
 from .profiling import ClusterProfile
+from .settings import CoordinatorSettings
 from .requests import Requests
 from .speculation import Speculation
 from .steps import PipelineBroken, RequestFailed, StepRecord, Steps
@@ -48,38 +54,11 @@ State = Phase  # the name the HTTP views and tests know
 __all__ = ["Coordinator", "CoordinatorSettings", "PipelineBroken", "RequestFailed", "State", "StepRecord", "WorkerView"]
 
 
-@dataclass
-class CoordinatorSettings:
-    min_workers: int = 1
-    join_token: str | None = None
-    heartbeat_s: float = 0.5
-    dead_after_s: float = 2.0  # silence before a worker may be suspected (then probed; lost after lose_after_s)
-    lose_after_s: float = 10.0  # a suspected worker is lost after this much silence (or 3x its longest gap)
-    load_timeout_s: float = 120.0
-    step_timeout_s: float = 60.0
-    precision: str | None = None
-    calibrate: bool = True  # time two unit ranges on each joining worker
-    replan_every_s: float = 10.0  # periodic check for drift
-    lane_wait_s: float = 0.005  # how long a micro-batch waits for a member that is late
-    capacity_wait_s: float = 30.0  # a request waits this long for workers that can hold the model, then fails
-    issue_data_secrets: bool = True  # False: stages derive data-port secrets from the join token (net.auth)
-    max_wait_s: float = 300.0  # a request without progress for this long fails (cluster down, pipeline failing)
-    calibration_file: str | None = None  # calibrations kept here survive a coordinator restart
-    batch_invariant: bool = False  # stages run graphs that give a sequence the same bits alone as batched (graphs.pad_lone_rows)
-    speculative: bool = False  # stages run the verify form (graphs.verify_form): decode steps may carry drafted tokens
-    replay_in_one_prefill: bool = False  # with the verify form: a lost sequence's KV is rebuilt by one prefill (serve --verify-form)
-    prefix_cache_positions: int = 4096  # KV positions each stage may keep of cached prompt prefixes (0: no prefix cache)
-    prefix_block: int = 32  # token ids per cached block (cluster.prefix)
-    kv_checkpoint_tokens: int = 32  # copy a live sequence's KV to the spare plan every this many tokens (0: never; cluster.checkpoints)
-    kv_checkpoint_in_flight: int = 2  # sequences whose checkpoint is being copied at once
-
-
 class Coordinator:
     def __init__(self, package, settings: CoordinatorSettings | None = None, plan_fn: PlanPolicy | None = None,
                  on_step: Callable[[StepRecord], None] | None = None, clock: Callable[[], float] = time.monotonic,
                  speculation: Speculation | None = None):
         self.package = package
-        self.manifest = package.manifest
         self.settings = settings or CoordinatorSettings()
         self.plan_fn = plan_fn or MemoryProportional()
         self.on_step = on_step or (lambda record: None)
@@ -91,11 +70,13 @@ class Coordinator:
         self.links: dict[str, Link] = {}
         self.events = limits.EventLog()  # bounded per kind: one noisy kind cannot flush the others
         self.up = asyncio.Event()  # set exactly while the phase is Up
+        self.gate = asyncio.Event()  # set exactly while no plan is being swapped in (sequences may step)
+        self.gate.set()
         self.profile = ClusterProfile(self.manifest)
         if self.settings.calibration_file:
             self.profile.load_known(Path(self.settings.calibration_file))
         # every state event and measurement, indexed (bounded): replays into ``cluster`` and ``profile``
-        self.history = S.EventLog(self.cluster, self.profile)
+        self.history = EventLog(self.cluster, self.profile)
         self.recent_steps: deque[tuple[int, float]] = deque(maxlen=256)  # (positions fed, wall seconds)
         self.replan_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -104,31 +85,54 @@ class Coordinator:
         self.prefix = PrefixCaching(self)
         self.steps = Steps(self)
         self.requests = Requests(self, self.steps)
-        self.deployer = Deployer(self)
+        ports = Ports(state=lambda: self.cluster, emit=self.emit, measure=self.measure, note=self.event, clock=self.clock, spawn=self.spawn,
+                      links=lambda: self.links, replan_wanted=self.replan_wanted, settings=self.settings, package=package,
+                      profile=self.profile)
+        views = lambda: self.workers  # noqa: E731 - the worker views as they stand when asked
+        self.calibrator = Calibrator(ports, self.plan_fn, self.plan_context, views)
+        self.deployer = Deployer(ports, self.calibrator, self.plan_fn, self.plan_context, views, self.requests.lacking,
+                                 lambda: bool(self.steps.pending), self.gate)
+        self.deployer.migration = KvMigration(self, self.deployer)
         self.checkpoints = Checkpoints(self, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
-        self.calibrator = Calibrator(self)
         self.connections = Connections(self)
 
     # -- state ------------------------------------------------------------------------------------
     def emit(self, event: S.Event) -> ClusterState:
         """The one way the cluster state changes."""
         self.cluster = S.apply(self.cluster, event)
-        self.history.append(event)
+        self._logged(event)
         if self.cluster.phase is Phase.UP and self.cluster.active is not None:
             self.up.set()
         else:
             self.up.clear()
+        if deploy.steps_may_start(self.cluster):
+            self.gate.set()
+        else:
+            self.gate.clear()
         return self.cluster
 
     def measure(self, m: measurements.Measurement) -> None:
         """The one way the profile changes: a measurement, applied and logged."""
         self.profile.apply(m)
-        self.history.append(m)
+        self._logged(m)
 
     def event(self, kind: str, **fields) -> None:
-        """A line for the dashboard and the log (not state)."""
-        self.events.append(limits.json_safe({"t": time.time(), "kind": kind, **fields}))
-        log.info("%s %s", kind, fields)
+        """A dashboard line that changes no state: logged as a ``Noted`` event like every other."""
+        self.emit(S.Noted(kind, fields, self.clock()))
+
+    def _logged(self, event) -> None:
+        """Into the event log; the dashboard's line, if the event has one, derived from it (``narrate.entry``)."""
+        wall = time.time()
+        self.history.append(event, wall)
+        line = narrate.entry(event, self.cluster, self.profile, wall)
+        if line is not None:
+            self.events.append(line)
+            log.info("%s %s", line["kind"], {k: v for k, v in line.items() if k not in ("t", "kind")})
+
+    @property
+    def manifest(self):
+        """The package's manifest (a variant added at a join reloads it)."""
+        return self.package.manifest
 
     @property
     def n_units(self) -> int:
@@ -240,8 +244,7 @@ class Coordinator:
         self.deployer.migration.abort_moves(broken)  # those sequences are rebuilt by replay instead
         self.checkpoints.lost(wid)
         plan = self.cluster.active.plan_id if self.cluster.uses(wid) else None
-        self.emit(S.WorkerLost(wid, why, self.clock()))
-        self.event("leave", worker=wid, why=why)
+        self.emit(S.WorkerLost(wid, why, self.clock()))  # its dashboard line: narrate.entry
         if plan is not None:
             self.steps.fail_plan(plan, broken)
         self.replan_wanted.set()
@@ -255,15 +258,12 @@ class Coordinator:
         if wid not in self.cluster.workers:
             return  # already taken out (several steps may blame it at once)
         self.emit(S.Misbehaved(wid, why, self.clock()))
-        q = self.cluster.quarantine.get(self.cluster.workers[wid].identity)
-        self.event("quarantine", worker=wid, why=why, seconds=round(q.until - self.clock(), 1), strikes=q.strikes)
         await self.lose(wid, f"quarantined: {why}")
 
     async def set_emulation(self, worker_id: str, slowdown: float) -> None:
         """Change a worker's emulated slowdown (labelled emulation; benchmarks)."""
         await self.links[worker_id].send(Emulate(float(slowdown)).to_message())
         self.emit(S.EmulationChanged(worker_id, slowdown))
-        self.event("emulation", worker=worker_id, slowdown=float(slowdown))
 
     # -- requests and planning (see requests.py, deployer.py) ---------------------------------------
     def new_sequence(self, prompt_ids, params, decode_fn):

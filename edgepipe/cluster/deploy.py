@@ -177,3 +177,27 @@ def recovery_plan(state: ClusterState, ready: set[str]) -> tuple[StageAssignment
     if state.active is None and state.ever_up and state.spare and {s.worker_id for s in state.spare} <= ready:
         return state.spare
     return None
+
+
+def precision_of(state: ClusterState, worker_id: str, manifest, serving: str | None) -> str | None:
+    """The weight variant a worker of the state is sent (``worker_variant``; a worker no longer
+    known gets the cluster's own, ``serving``)."""
+    w = state.workers.get(worker_id)
+    return serving if w is None else worker_variant(w.hello, manifest, serving)
+
+
+def computes_on_gpu(state: ClusterState, worker_id: str) -> bool:
+    """Whether the worker computes on a GPU (it is sent the GPU form of its stage's graph)."""
+    w = state.workers.get(worker_id)
+    return bool(w and w.hello.device == "gpu")
+
+
+def plannable(state: ClusterState, now: float) -> list[WorkerInfo]:
+    """The workers a new plan may use: live (not suspected, not quarantined), in join order, and
+    not held by the calibrator (a worker being timed would be planned on guessed figures)."""
+    return [w for w in state.live(now) if not w.calibrating]
+
+
+def steps_may_start(state: ClusterState) -> bool:
+    """Sequences step only while no plan is being swapped in (the deployer's gate is open)."""
+    return state.switching is None

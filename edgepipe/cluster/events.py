@@ -7,7 +7,7 @@ decisions are in ``membership``, ``scheduling`` and ``deploy``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..net.messages import Hello
@@ -72,6 +72,9 @@ class PlanAbandoned:
 
 @dataclass(frozen=True)
 class Calibrating:
+    """The calibrator takes the worker (times it, or has it measure its links) or lets it go:
+    a worker being calibrated is left out of new plans."""
+
     worker_id: str
     busy: bool
 
@@ -109,11 +112,23 @@ class Committed:
 @dataclass(frozen=True)
 class PlanFailed:
     why: str
+    attempted: bool = True  # False: no plan could fit, so none was tried (the dashboard gets no line)
 
 
 @dataclass(frozen=True)
 class SpareChosen:
     stages: tuple[StageAssignment, ...] | None
+
+
+@dataclass(frozen=True)
+class SpareLoaded:
+    """A stage of the spare ``stages``, loaded as plan ``plan_id`` (negative), answered: ``built``,
+    its session is built (it can take KV checkpoints), or not (it holds the files at most)."""
+
+    plan_id: int
+    stages: tuple[StageAssignment, ...]
+    worker_id: str
+    built: bool
 
 
 @dataclass(frozen=True)
@@ -130,6 +145,42 @@ class Repriced:
 
     plan_id: int
     predicted: dict
+
+
+@dataclass(frozen=True)
+class SecretsIssued:
+    """The data-port secrets of a plan being prepared, by worker (``net.auth``): kept until a
+    commit replaces the plans they belong to."""
+
+    plan_id: int
+    secrets: Mapping[str, str] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SwitchStarted:
+    """Sequences pause between two steps while ``plan_id`` is swapped in (in-flight steps drain, KV moves)."""
+
+    plan_id: int
+    now: float
+
+
+@dataclass(frozen=True)
+class SwitchEnded:
+    """The swap is over (committed or not): sequences step again."""
+
+    plan_id: int
+    now: float
+
+
+@dataclass(frozen=True)
+class Noted:
+    """A line for the dashboard that changes nothing in the state (a refused join, a failed
+    probe, a plan now serving with its timings): logged like every event, so the dashboard's
+    lines all come from the log (``narrate.entry``)."""
+
+    kind: str
+    fields: Mapping
+    now: float
 
 
 @dataclass(frozen=True)
@@ -160,4 +211,5 @@ class RequestEnded:
 
 
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
-         | Committing | Committed | PlanFailed | SpareChosen | Pinned | Repriced | RequestStarted | RequestFed | KvMoved | RequestEnded)
+         | Committing | Committed | PlanFailed | SpareChosen | SpareLoaded | Pinned | Repriced | SecretsIssued | SwitchStarted | SwitchEnded | Noted
+         | RequestStarted | RequestFed | KvMoved | RequestEnded)

@@ -11,6 +11,7 @@ Probes share the calibration lock: two measurements at once on shared cores meas
 from __future__ import annotations
 
 import asyncio
+from typing import Awaitable, Callable
 
 from ..net import auth
 from ..net.channel import ChannelClosed
@@ -22,73 +23,73 @@ PEER_PROBE_BYTES = 1 << 19  # largest timed transfer of a peer probe (the worker
 
 
 class LinkProber:
-    def __init__(self, coord, calibrator):
-        self.coord = coord
-        self.calibrator = calibrator  # its probe channel, lock and busy set
+    """Given the coordinator's ``Ports``, the calibrator's ``probe`` (ask a worker, await its
+    timing) and its lock (probes and calibrations never overlap)."""
+
+    def __init__(self, ports, probe: Callable[..., Awaitable], lock: asyncio.Lock):
+        self.ports, self.probe, self.lock = ports, probe, lock
         self._accepting: dict[str, str] = {}  # worker -> the probe secret its data port accepts
 
     def forget(self, wid: str) -> None:
         self._accepting.pop(wid, None)
 
     def _reachable(self, wid: str) -> bool:
-        info = self.coord.cluster.workers.get(wid)
-        return info is not None and not info.relay and bool(info.hello.data_url) and wid in self.coord.links
+        info = self.ports.state().workers.get(wid)
+        return info is not None and not info.relay and bool(info.hello.data_url) and wid in self.ports.links()
 
     async def probe_pair(self, src: str, dst: str) -> bool:
         """``src`` times its data-port path to ``dst`` (``dst`` first told which probe secret to
         accept); the result goes into the link matrix. False when either cannot be probed."""
-        c = self.coord
+        p = self.ports
         if src == dst or not (self._reachable(src) and self._reachable(dst)):
             return False
         try:
             secret = self._accepting.get(dst)
             if secret is None:
                 secret = auth.plan_secrets(1)[0]
-                if not (await self.calibrator.probe(dst, kind="accept", secret=secret)).ok:
+                if not (await self.probe(dst, kind="accept", secret=secret)).ok:
                     return False
                 self._accepting[dst] = secret
-            target = c.cluster.workers[dst].hello
-            reply = await self.calibrator.probe(src, kind="peer", url=target.data_url, secret=secret,
+            target = p.state().workers[dst].hello
+            reply = await self.probe(src, kind="peer", url=target.data_url, secret=secret,
                                       fingerprint=target.data_fingerprint, bytes=PEER_PROBE_BYTES)
         except (asyncio.TimeoutError, ChannelClosed, KeyError, PipelineBroken) as exc:  # PipelineBroken: it left meanwhile
-            c.event("link_probe_failed", src=src, dst=dst, error=str(exc) or type(exc).__name__)
+            p.note("link_probe_failed", src=src, dst=dst, error=str(exc) or type(exc).__name__)
             return False
         if not (reply.ok and reply.rtt_s is not None and reply.bandwidth_bytes_per_s):
-            c.event("link_probe_failed", src=src, dst=dst, error=getattr(reply, "error", None) or "no figures")
+            p.note("link_probe_failed", src=src, dst=dst, error=getattr(reply, "error", None) or "no figures")
             return False
-        c.measure(PeerLink(src, dst, reply.rtt_s, reply.bandwidth_bytes_per_s))
-        c.event("link_measured", src=src, dst=dst, rtt_ms=round(reply.rtt_s * 1e3, 3),
-                mb_s=round(reply.bandwidth_bytes_per_s / 1e6, 4))
+        p.measure(PeerLink(src, dst, reply.rtt_s, reply.bandwidth_bytes_per_s))  # its dashboard line: narrate.entry
         return True
 
     async def probe_peers(self, wid: str) -> None:
         """The newcomer and up to ``MAX_PEERS_AT_JOIN`` calibrated workers measure each other."""
-        c = self.coord
-        peers = [p for p in sorted(c.cluster.workers) if p != wid and c.profile.of(p).calibrated and p not in self.calibrator.busy()]
+        state, profile = self.ports.state(), self.ports.profile
+        peers = [p for p in sorted(state.workers) if p != wid and profile.of(p).calibrated and not state.workers[p].calibrating]
         for peer in peers[:MAX_PEERS_AT_JOIN]:
             await self.probe_pair(wid, peer)
             await self.probe_pair(peer, wid)
 
     async def probe_peers_locked(self, wid: str) -> None:
         try:
-            async with self.calibrator.lock:
+            async with self.lock:
                 await self.probe_peers(wid)
         finally:
-            self.coord.replan_wanted.set()
+            self.ports.replan_wanted.set()
 
     async def probe_neighbours(self, stages) -> None:
         """After a deployment: each stage measures the link to its successor if nobody has yet
         (pools larger than ``MAX_PEERS_AT_JOIN``); a re-plan follows when anything was learnt."""
-        c = self.coord
-        if not c.settings.calibrate:
+        p = self.ports
+        if not p.settings.calibrate:
             return
         pairs = [(a.worker_id, b.worker_id) for a, b in zip(stages, stages[1:])
-                 if (a.worker_id, b.worker_id) not in c.profile.peer_links]
+                 if (a.worker_id, b.worker_id) not in p.profile.peer_links]
         if not pairs:
             return
         learnt = False
-        async with self.calibrator.lock:
+        async with self.lock:
             for src, dst in pairs:
                 learnt |= await self.probe_pair(src, dst)
         if learnt:
-            c.replan_wanted.set()
+            p.replan_wanted.set()

@@ -1,6 +1,6 @@
 """What the coordinator measures, as events: each changes ``profiling.ClusterProfile`` through
 its one ``apply`` and is kept in the coordinator's event log beside the state events, so what
-the planner decided from can be rebuilt (``state.EventLog.replay``).
+the planner decided from can be rebuilt (``event_log.EventLog.replay``).
 
 They are facts as measured (seconds, bytes, samples); turning them into speeds, medians and
 link matrices is the profile's business."""
@@ -39,6 +39,7 @@ class Calibrated:
     worker_id: str
     samples: tuple[tuple[float, float], ...]  # (unit cost, seconds) of timed ranges
     identity: tuple | None = None  # remembered under it (a reconnect with the same hardware is not timed again)
+    rounds: int = 1  # timing rounds it took (the steadiest was kept: ``samples``)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,10 @@
-"""The event log in words: one line a person reads for each coordinator event.
+"""The event log in words: the dashboard's entry for each logged event, and its line.
+
+``entry(event, state, profile, wall)`` is the dashboard's record of one logged event (a state
+event, a measurement or a ``Noted`` line): its kind and fields, read from the event and the
+state and profile right after it, or None where the event gets no line (heartbeats, steps). It
+is the only way the dashboard gets a line, so the lines are a function of the event log and a
+replayed log gives the same lines.
 
 ``describe(event)`` says what changed, why, and the numbers that matter, rounded: times in ms or
 s, sizes in MB/GB, ratios to three figures. Known kinds get a sentence of their own; any other
@@ -11,6 +17,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+
+from ..net.limits import json_safe
+from . import events as E, measurements as M
 
 Event = Mapping[str, object]
 
@@ -124,3 +133,52 @@ SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
     "spare": lambda f: f"spare plan ready: {value(f.get('stages'))}",
     "prefix_dropped": lambda f: f"prefix cache dropped ({number(f['blocks'])} blocks)" + _why(f),
 }
+
+
+def entry(event, state, profile, wall: float) -> dict | None:
+    """The dashboard's record of a logged event (``{"t", "kind", ...fields}``), None for no line."""
+    fields = _fields(event, state, profile)
+    return None if fields is None else json_safe({"t": wall, **fields})
+
+
+def _calibrated(worker_id: str, profile) -> dict | None:
+    m = profile.devices.get(worker_id)
+    if m is None:
+        return None
+    return {"kind": "calibrated", "worker": worker_id, "speed": round(m.speed, 3), "overhead_ms": round(m.overhead_s * 1e3, 3),
+            "uplink_mb_s": round((m.bandwidth_bytes_per_s or 0) / 1e6, 3)}
+
+
+def _fields(event, state, profile) -> dict | None:
+    from .calibration import spread
+
+    match event:
+        case E.Noted(kind, fields, _):
+            return {"kind": kind, **fields}
+        case E.WorkerJoined(wid, _, hello, _):
+            return {"kind": "join", "worker": wid, "memory": hello.memory_bytes,
+                    "emulation": None if hello.emulation is None else dict(hello.emulation), "device_kind": hello.kind}
+        case E.WorkerLost(wid, why, _):
+            return {"kind": "leave", "worker": wid, "why": why}
+        case E.Suspected(wid, now) if wid in state.workers:
+            return {"kind": "suspect", "worker": wid, "silent_s": round(now - state.workers[wid].last_seen, 2)}
+        case E.Misbehaved(wid, why, now) if wid in state.workers:
+            q = state.quarantine.get(state.workers[wid].identity)
+            return {"kind": "quarantine", "worker": wid, "why": why, "seconds": round(q.until - now, 1), "strikes": q.strikes}
+        case E.PlanAbandoned(plan, why, _):
+            return {"kind": "abandon", "plan": plan, "why": why}
+        case E.EmulationChanged(wid, slowdown):
+            return {"kind": "emulation", "worker": wid, "slowdown": float(slowdown)}
+        case E.Preparing(dep, _):
+            return {"kind": "prepare", "plan": dep.plan_id, "stages": [[s.worker_id, s.start, s.end] for s in dep.stages], "reason": dep.reason}
+        case E.PlanFailed(why, True):
+            return {"kind": "plan_failed", "error": why}
+        case E.SpareChosen(stages) if stages:
+            return {"kind": "spare", "stages": [[s.worker_id, s.start, s.end] for s in stages]}
+        case M.PeerLink(src, dst, rtt, bandwidth):
+            return {"kind": "link_measured", "src": src, "dst": dst, "rtt_ms": round(rtt * 1e3, 3), "mb_s": round(bandwidth / 1e6, 4)}
+        case M.Recalled(wid, _) if profile is not None and (line := _calibrated(wid, profile)):
+            return {**line, "reused": True}
+        case M.Calibrated(wid, samples, _, rounds) if profile is not None and (line := _calibrated(wid, profile)):
+            return {**line, "rounds": rounds, "spread": round(spread(list(samples)), 3)}
+    return None

@@ -16,46 +16,22 @@ into ``edgepipe.plan`` profiles:
 - lives, by device name (a device that reconnects gets a new worker id): how long it stayed
   and how often it left, for reliability-aware placement; and its last calibration, so a
   device that comes back with the same hardware need not be timed again — kept on disk
-  (``save_known``/``load_known``) so that holds across a coordinator restart too.
+  (``known_devices``) so that holds across a coordinator restart too.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 from ..plan import COORDINATOR, failure_rate, DeviceProfile, ModelProfile, NetworkProfile, RollingMedian, UnitProfile, fit_speed_overhead
 from ..plan.profiles import DEFAULT_LINK, DEFAULT_POWER_BUSY_W, DEFAULT_POWER_IDLE_W, link_matrix
-from . import measurements
+from . import known_devices, measurements
+from .known_devices import DeviceLives, DeviceMeasurements
 from .deploy import worker_variant
 
 LOOPBACK_BANDWIDTH = 1e9  # bytes/s assumed until a probe says otherwise
 RUNTIME_OVERHEAD_BYTES = 64 << 20  # a session's own buffers and the shared rotary tables (2 MiB)
-
-
-@dataclass
-class DeviceMeasurements:
-    speed: float = 1.0
-    overhead_s: float = 0.0
-    calibrated: bool = False
-    rtt: RollingMedian = field(default_factory=lambda: RollingMedian(16))
-    bandwidth_bytes_per_s: float | None = None
-    stage_times: dict[tuple[int, int], RollingMedian] = field(default_factory=dict)  # single-sequence steps
-    batched_times: dict[tuple[int, int, int], RollingMedian] = field(default_factory=dict)  # (start, end, batch)
-    anchors: dict[tuple[int, int, int], tuple[float, float]] = field(default_factory=dict)  # -> (median, speed then)
-    trusted: bool = True  # False: its probe times were caught under-reporting; its step timings are not used
-
-
-@dataclass
-class DeviceLives:
-    """How long a named device stayed each time it joined, and how often it left."""
-
-    alive_s: float = 0.0
-    failures: int = 0
-    joined_at: float | None = None
 
 
 class ClusterProfile:
@@ -94,30 +70,14 @@ class ClusterProfile:
             self.known[identity] = m
 
     def save_known(self, path: Path) -> None:
-        """The remembered calibrations as JSON (written atomically)."""
-        rows = [{"identity": list(identity), "speed": m.speed, "overhead_s": m.overhead_s, "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s,
-                 "trusted": m.trusted} for identity, m in self.known.items()]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"model": self.manifest.name, "devices": rows}))
-        os.replace(tmp, path)
+        """The remembered calibrations as JSON (``known_devices.save``)."""
+        known_devices.save(self.known, self.manifest.name, path)
 
     def load_known(self, path: Path) -> int:
-        """Calibrations saved by an earlier coordinator for this model; returns how many (a
-        missing, foreign or unreadable file gives 0: devices are simply timed again)."""
-        try:
-            data = json.loads(path.read_text())
-            if data.get("model") != self.manifest.name:
-                return 0
-            for row in data["devices"]:
-                speed, overhead, bandwidth = float(row["speed"]), float(row["overhead_s"]), row.get("bandwidth_bytes_per_s")
-                if not (0 < speed < float("inf") and 0 <= overhead < float("inf")):
-                    continue
-                self.known[tuple(row["identity"])] = DeviceMeasurements(speed, overhead, True, bandwidth_bytes_per_s=(
-                    float(bandwidth) if isinstance(bandwidth, (int, float)) and bandwidth > 0 else None), trusted=bool(row.get("trusted", True)))
-        except (OSError, ValueError, KeyError, TypeError):
-            return 0
-        return len(self.known)
+        """Calibrations saved by an earlier coordinator for this model; returns how many (``known_devices.load``)."""
+        loaded = known_devices.load(path, self.manifest.name)
+        self.known.update(loaded)
+        return len(self.known) if loaded else 0
 
     # -- the one way measurements come in ------------------------------------------------------
     def apply(self, m: "measurements.Measurement") -> None:
@@ -131,7 +91,7 @@ class ClusterProfile:
                 self.left(name, now, failure)
             case M.Recalled(wid, identity):
                 self.recall(wid, identity)
-            case M.Calibrated(wid, samples, identity):
+            case M.Calibrated(wid, samples, identity, _):
                 try:
                     self.calibrated(wid, list(samples))
                 except ValueError:  # noisy timings that no line fits: speed from the ratio, no overhead

@@ -110,16 +110,19 @@ class Requests:
                 except ValueError as exc:  # the token mask provider's answer cannot be used
                     raise RequestFailed(str(exc).splitlines()[0] if str(exc) else "bad token mask") from None
                 kv_start = len(state.all_ids) - len(feed)
-                drafts: list[int] = []
+                proposal = None
                 if spec is not None and not state.generated and spec.eligible(state, head):
                     spec.prime(rid, state)  # the drafter prefills beside the pipeline
                 if spec is not None and replay_from is None and len(feed) == 1 and spec.eligible(state, head):
                     room = min(state.params.max_tokens - len(state.generated) - 1, c.manifest.max_context - len(state.all_ids) - 2)
-                    drafts = await spec.propose(rid, state, room)
+                    proposal = await spec.propose(rid, state, room, rule=spec.by_rule(state, head))
+                    proposal, head = spec.masked(state, head, proposal, self.coord.manifest.config.get("vocab_size") or 0)
+                drafts = proposal.tokens if proposal else []
                 sent_plan = dep.plan_id
                 try:
                     token, record = await self.steps.step(dep, seq, step, feed + drafts, state.params, rid, replay_from, head,
-                                                          kv_start=kv_start, verify=bool(drafts), rewind=rewind)
+                                                          kv_start=kv_start, verify=bool(drafts), rewind=rewind,
+                                                          draft_q=proposal.q if drafts else None)
                 except PipelineBroken as exc:
                     why = str(exc)
                     if c.clock() - last_progress >= c.settings.max_wait_s:
@@ -146,7 +149,7 @@ class Requests:
                 if drafts:
                     tokens = accept_greedy(drafts, record.verified)
                     entries = record.logprobs[:len(tokens)] if isinstance(record.logprobs, list) else [None] * len(tokens)
-                    spec.learn(rid, len(drafts), len(tokens) - 1)
+                    spec.learn(rid, len(drafts), len(tokens) - 1, by_rule=proposal.q is not None)
                     record.tokens_out = len(tokens)
                 rewind = bool(drafts) and len(tokens) < len(drafts) + 1  # the stages hold rejected drafts
                 c.emit(S.RequestFed(rid, seq, dep.plan_id, len(state.all_ids) + len(tokens) - 1))

@@ -15,7 +15,8 @@ import random
 import numpy as np
 
 from ..net.channel import ChannelClosed
-from ..net.messages import ErrorCode, parse
+from .. import PROTOCOL_VERSION
+from ..net.messages import ErrorCode, Hello, parse
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode
 from ..worker import core
 from .profiling import RUNTIME_OVERHEAD_BYTES
@@ -73,6 +74,12 @@ class FakeWorker:
         while loop.time() < self.stalled_until:
             await asyncio.sleep(self.stalled_until - loop.time())
 
+    def hello(self) -> Hello:
+        """Its declaration, typed as the shipped worker's (``worker.shell``): a native worker whose
+        emulated memory budget is all of its memory."""
+        return Hello(name=self.name, token=None, protocol=PROTOCOL_VERSION, kind="native", memory_bytes=self.memory, threads=1,
+                     data_url=self.url, held=(), emulation={"memory_budget": self.memory})
+
     async def _life(self) -> None:
         """Join, serve until the channel closes, then reconnect with jittered backoff (forever)."""
         from .sim import sim_pair
@@ -84,8 +91,7 @@ class FakeWorker:
             self.control = mine
             self.world.spawn(self.world.coordinator.attach(theirs))
             try:
-                await mine.send(encode(Message(T.HELLO, {"name": self.name, "kind": "native", "memory_bytes": self.memory, "threads": 1,
-                                                         "data_url": self.url, "emulation": {"memory_budget": self.memory}})))
+                await mine.send(encode(self.hello().to_message()))
                 reply = decode(await mine.recv())
                 if reply.type is T.WELCOME:
                     backoff = 0.2

@@ -1,6 +1,6 @@
 """Seeded fault schedules for the simulation (``sim``) and the invariants checked after each.
 
-``Schedule.random(seed)`` draws 1-6 workers (some joining late), a few requests (some with
+``Schedule.random(seed)`` (``sim_schedule``) draws 1-6 workers (some joining late), a few requests (some with
 out-of-range values) and faults from ``sim.FAULTS``; ``run(schedule)`` plays it on a virtual
 clock and returns a ``Report``. Invariants: every admitted request ends with exactly the
 reference tokens or a one-line ``RequestFailed`` within ``bound_s`` (``REQUEST_BOUND_S`` plus
@@ -15,76 +15,16 @@ summary: ``python -m edgepipe.cluster.simrun --play FIRST COUNT``.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
-import logging
-import multiprocessing
-import os
 import random
 import sys
-import time
 from dataclasses import dataclass, field
 
-from . import sim
 from .planning import PlannerPolicy
-from .sim import (FAULTS, QUARANTINE_FAULTS, REQUEST_BOUND_S, SETTINGS, UP_BOUND_S, UNIT_BYTES, UNIT_KV_ROOM, Admission, Coordinator, CoordinatorSettings,
-                  FakePackage, FakeWorker, GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
-from .profiling import RUNTIME_OVERHEAD_BYTES
+from .sim import (QUARANTINE_FAULTS, SETTINGS, UP_BOUND_S, UNIT_BYTES, Admission, Coordinator, CoordinatorSettings, FakePackage, FakeWorker,
+                  GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
 from .scheduling import AdmissionError
-
-PER_FAULT_S = 25.0
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    at: float
-    worker: int = 0
-    seconds: float = 0.0
-    factor: float = 1.0
-
-
-@dataclass(frozen=True)
-class Req:
-    at: float
-    prompt: tuple[int, ...]
-    max_tokens: int
-    bad: str | None = None  # which value is out of range
-
-
-@dataclass(frozen=True)
-class Schedule:
-    seed: int
-    memories: tuple[int, ...]
-    join_at: tuple[float, ...]
-    requests: tuple[Req, ...]
-    faults: tuple[Fault, ...]
-
-    @staticmethod
-    def random(seed: int) -> "Schedule":
-        rng = random.Random(seed)
-        n = rng.randint(1, 6)
-        memories = tuple(rng.choice((2, 3, 4, 5, 9)) * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES for _ in range(n))
-        faults = []
-        for _ in range(rng.randint(0, 4)):
-            kind = rng.choice(FAULTS)
-            faults.append(Fault(kind, round(rng.uniform(0.5, 30), 3), rng.randrange(n), round(rng.uniform(0.5, 9), 3),
-                                round(rng.uniform(2, 10), 2)))
-        join_at = tuple(next((f.at for f in faults if f.kind == "join_late" and f.worker == i), 0.0) for i in range(n))
-        requests = []
-        # Prompts often share a start (a system prompt), so the prefix cache reuses blocks.
-        stems = [tuple(rng.randrange(sim.VOCAB) for _ in range(rng.randint(2, 7))) for _ in range(2)]
-        for _ in range(rng.randint(1, 6)):
-            bad = rng.choice(("top_k", "max_tokens", "context")) if any(f.kind == "bad_request" for f in faults) and rng.random() < 0.4 else None
-            stem = rng.choice(stems) if rng.random() < 0.7 else ()
-            requests.append(Req(round(rng.uniform(0, 30), 3), stem + tuple(rng.randrange(sim.VOCAB) for _ in range(rng.randint(1, 6))),
-                                rng.randint(1, 12), bad))
-        return Schedule(seed, memories, join_at, tuple(sorted(requests, key=lambda r: r.at)), tuple(sorted(faults, key=lambda f: f.at)))
-
-    @property
-    def bound_s(self) -> float:
-        return REQUEST_BOUND_S + PER_FAULT_S * len(self.faults)
-
+from .sim_schedule import Fault, Req, Schedule  # noqa: F401 - Fault and Req: where callers know them
 
 @dataclass
 class Report:
@@ -334,33 +274,10 @@ def replay_command(seed: int) -> str:
     return f".venv/bin/python -m edgepipe.cluster.simrun {seed}"  # any hash seed (test_sim)
 
 
-def _play_one(seed: int) -> tuple:
-    logging.disable(logging.CRITICAL)
-    r = run(Schedule.random(seed))
-    return seed, sorted(set(r.kinds)), r.violations, r.time_to_up, r.worst_error_s, r.worst_ok_s, r.ok, r.errors, r.rejected, r.prefix_hits
-
-
-def play(first: int, count: int) -> dict:
-    """Schedules ``first .. first + count - 1`` on up to two processes: what they covered and the
-    failing seeds with their violations (a JSON-able summary)."""
-    t0 = time.perf_counter()
-    procs = min(2, os.cpu_count() or 1)
-    with multiprocessing.get_context("fork").Pool(procs) as pool:
-        results = pool.map(_play_one, range(first, first + count), chunksize=8)
-    kinds = collections.Counter(k for r in results for k in r[1])
-    return {
-        "schedules": count, "seconds": round(time.perf_counter() - t0, 1), "processes": procs,
-        "fault_kinds": dict(sorted(kinds.items())), "without_faults": sum(not r[1] for r in results),
-        "worst_time_to_up_s": max((r[3] for r in results if r[3] is not None), default=None),
-        "worst_time_to_error_s": max(r[4] for r in results), "worst_time_to_complete_s": max(r[5] for r in results),
-        "requests_ok": sum(r[6] for r in results), "requests_failed_clearly": sum(r[7] for r in results),
-        "requests_rejected": sum(r[8] for r in results), "prefix_hits": sum(r[9] for r in results),
-        "failing": [[r[0], r[2]] for r in results if r[2]],
-    }
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "--play":
+        from .simplay import play
+
         print(json.dumps(play(int(sys.argv[2]), int(sys.argv[3]))))
         sys.exit(0)
     r = run(Schedule.random(int(sys.argv[1])))

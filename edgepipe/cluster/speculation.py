@@ -6,14 +6,19 @@ answering heartbeats), keeps a draft length per request, and counts what was dra
 While a verify pass travels the stages, a model drafter whose drafts are mostly kept drafts on
 (``AHEAD_RATE``) as if the pass kept them all: when it did and the target's own next token is the
 drafter's first guess, the next pass's drafts are ready (the draft model and the stages then
-compute at the same time instead of taking turns).
+compute at the same time instead of taking turns; where the draft length grew meanwhile, it drafts
+on after them).
 
 Which requests speculate: those whose head controls are the same at every position (``logprobs``
-and ``top`` are), greedy or sampled (a sampled one's drafts are kept where they equal the
-target's seeded sample: see ``runtime.speculative``). Requests with a token mask (structured
-output), logit bias, presence/frequency or repeat penalties decode one token per step: their
-controls change with every token (a mask per verified position would need the mask provider to
-look ahead over the drafts). Verify passes travel alone, beside the lanes of other sequences.
+and ``top`` are), greedy or sampled. A sampled one's drafts from a model drafter whose head
+states its distribution go with that distribution, and the last stage applies the
+speculative-sampling rule (``Proposal.q``); n-gram drafts, and requests that want logprobs, are
+kept where they equal the target's seeded sample (see ``runtime.speculative``). A request with a
+response format (a token mask whose provider can look ahead, ``api.structured.TokenMask``)
+speculates with a mask per verified position (``masked``: the drafts as far as the grammar allows
+them). Lazy grammars (tool calls), logit bias, presence/frequency or repeat penalties decode one
+token per step: their controls change with every token in ways not looked ahead. Verify passes
+travel alone, beside the lanes of other sequences.
 """
 
 from __future__ import annotations
@@ -22,16 +27,38 @@ import asyncio
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..runtime import controls
 from ..runtime.sequence import SequenceState
-from ..runtime.speculative import DraftLength, Drafter, NgramDrafter
+from ..runtime.speculative import DraftLength, Drafter, Distribution, NgramDrafter
 
-PER_POSITION_CONTROLS = ("adjust_ids", "mask", "repeat_ids", "targets")
+PER_POSITION_CONTROLS = ("adjust_ids", "repeat_ids", "targets")
 AHEAD_RATE = 0.8  # draft the next pass during this one once this share of drafts is kept
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Drafts for one verify pass; ``q``: the distribution each was drawn from, when the last
+    stage is to apply the sampling rule (None: keep drafts equal to the target's own choice)."""
+
+    tokens: list[int]
+    q: tuple[Distribution, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def after(self, n: int, k: int) -> "Proposal":
+        """Drafts ``n .. n + k`` of this one."""
+        return Proposal(self.tokens[n:n + k], None if self.q is None else self.q[n:n + k])
+
+    def then(self, more: "Proposal") -> "Proposal":
+        """These drafts, then ``more`` (drafted after them)."""
+        return Proposal(self.tokens + more.tokens, None if self.q is None or more.q is None else self.q + more.q)
 
 
 @dataclass
 class SpeculationStats:
     passes: int = 0  # verify passes
+    by_rule: int = 0  # of them, passes the last stage decided by the sampling rule (sampled drafts with their distribution)
     drafted: int = 0  # tokens drafted into them
     kept: int = 0  # drafted tokens the target kept
 
@@ -57,31 +84,63 @@ class Speculation:
 
     @staticmethod
     def eligible(state: SequenceState, head: dict) -> bool:
-        return state.token_mask is None and not any(key in head for key in PER_POSITION_CONTROLS)
+        masked = state.token_mask is not None
+        return (not masked or hasattr(state.token_mask, "lookahead")) and not any(key in head for key in PER_POSITION_CONTROLS)
 
-    async def propose(self, rid: str, state: SequenceState, room: int) -> list[int]:
-        """Up to ``room`` drafted tokens to follow ``state``'s ids (none: decode one token)."""
+    @staticmethod
+    def masked(state: SequenceState, head: dict, proposal: Proposal, vocab: int) -> tuple[Proposal, dict]:
+        """A request with a response format: its drafts as far as the grammar allows them, and the
+        head's fields with a mask per verified position (``masks``: the step's mask, then the one
+        after each draft) in place of the step's one ``mask``."""
+        if state.token_mask is None or not proposal or "mask" not in head:
+            return proposal, head
+        after = state.token_mask.lookahead(list(state.generated), proposal.tokens)
+        proposal = proposal.after(0, len(after))
+        if not proposal:
+            return proposal, head
+        fields = {key: value for key, value in head.items() if key != "mask"}
+        return proposal, {**fields, "masks": [head["mask"]] + [controls.packed_mask(m, vocab) for m in after]}
+
+    def by_rule(self, state: SequenceState, head: dict) -> bool:
+        """Whether a sampled request's drafts go with their distribution (the sampling rule): a
+        drafter that states it, and no logprobs (the head's are of its own sample, not the rule's)."""
+        return not state.params.greedy and "logprobs" not in head and getattr(self.drafter, "states_distributions", False)
+
+    def _draft(self, rid: str, ids: list[int], k: int, params, step: int, rule: bool) -> Proposal:
+        if rule:
+            tokens, q = self.drafter.draft_sampled(rid, ids, k, params, step)
+            return Proposal(tokens, tuple(q))
+        return Proposal(self.drafter.draft(rid, ids, k, params, step))
+
+    async def propose(self, rid: str, state: SequenceState, room: int, rule: bool = False) -> Proposal:
+        """Up to ``room`` drafted tokens to follow ``state``'s ids (none: decode one token);
+        ``rule`` (see ``by_rule``): with the distribution each was drawn from."""
         length = self.lengths.setdefault(rid, DraftLength(k_max=self.k_max, worth=self.worth))
         k = min(length.k, room)
         if k <= 0:
             length.update(0, 0)  # a step without drafts (drafting paused, or no room)
-            return []
+            return Proposal([])
         ids, params, step = list(state.all_ids), state.params, len(state.generated)
         if self._pool is None:
-            return self.drafter.draft(rid, ids, k, params, step)
-        drafts: list[int] = []
+            return self._draft(rid, ids, k, params, step, rule)
+        drafts = Proposal([])
         ahead = self._ahead.pop(rid, None)
         if ahead is not None:
             assumed, future = ahead
             guess = await asyncio.wrap_future(future)
-            if guess and ids == assumed + guess[:1]:  # every draft kept, and the target's next token guessed
-                drafts = guess[1:k + 1]
+            # every draft kept, and the target's next token guessed (a guess drafted for the other way of keeping is not used)
+            if guess.tokens and ids == assumed + guess.tokens[:1] and (guess.q is not None) == rule:
+                drafts = guess.after(1, k)
                 self.ahead_used += 1
+                if 0 < len(drafts) < k:  # the draft length grew since (every draft kept): draft on after the guess
+                    more = await asyncio.get_running_loop().run_in_executor(
+                        self._pool, self._draft, rid, ids + drafts.tokens, k - len(drafts), params, step + len(drafts), rule)
+                    drafts = drafts.then(more)
         if not drafts:
-            drafts = await asyncio.get_running_loop().run_in_executor(self._pool, self.drafter.draft, rid, ids, k, params, step)
+            drafts = await asyncio.get_running_loop().run_in_executor(self._pool, self._draft, rid, ids, k, params, step, rule)
         if drafts and length.rate >= AHEAD_RATE:
-            assumed = ids + drafts
-            self._ahead[rid] = assumed, self._pool.submit(self.drafter.draft, rid, assumed, k + 1, params, step + len(drafts))
+            assumed = ids + drafts.tokens
+            self._ahead[rid] = assumed, self._pool.submit(self._draft, rid, assumed, k + 1, params, step + len(drafts), rule)
         return drafts
 
     def prime(self, rid: str, state: SequenceState) -> None:
@@ -90,8 +149,9 @@ class Speculation:
         if self._pool is not None:
             self._pool.submit(self.drafter.prime, rid, list(state.prompt_ids))
 
-    def learn(self, rid: str, drafted: int, kept: int) -> None:
+    def learn(self, rid: str, drafted: int, kept: int, by_rule: bool = False) -> None:
         self.stats.passes += 1
+        self.stats.by_rule += by_rule
         self.stats.drafted += drafted
         self.stats.kept += kept
         if rid in self.lengths:
@@ -107,16 +167,25 @@ class Speculation:
 
 
 def build_speculation(draft: str, target, k_max: int = 8, threads: int | None = None, home=None) -> Speculation:
-    """``draft``: ``"ngram"`` (prompt lookup) or a model (package name, directory or GGUF path) whose
-    tokenizer is the target package's; the model runs whole in this process. ``ValueError`` (one
-    line) when the pair cannot work."""
-    from ..model.store import resolve
-    from ..runtime.speculative import ModelDrafter
+    """``draft``: ``"ngram"`` (prompt lookup), a model (package name, directory or GGUF path) whose
+    tokenizer is the target package's, run whole in this process, or ``"ngram+MODEL"`` (prompt
+    lookup where it finds a match, the model elsewhere). ``ValueError`` (one line) when the pair
+    cannot work."""
+    from ..runtime.speculative import LookupThenModel
 
     if draft == "ngram":
         return Speculation(NgramDrafter(), k_max)
+    if draft.startswith("ngram+"):
+        return Speculation(LookupThenModel(NgramDrafter(), _model_drafter(draft.removeprefix("ngram+"), target, threads, home)), k_max)
+    return Speculation(_model_drafter(draft, target, threads, home), k_max)
+
+
+def _model_drafter(draft: str, target, threads: int | None, home):
+    from ..model.store import resolve
+    from ..runtime.speculative import ModelDrafter
+
     package = resolve(draft, home=home) if home is not None else resolve(draft)
     if package.manifest.tokenizer != target.manifest.tokenizer:
         raise ValueError(f"draft model {package.name} has another tokenizer than {target.name}: drafts would be other tokens")
-    runner = package.runner(0, len(package.manifest.units), threads=threads)
-    return Speculation(ModelDrafter(runner, package.name), k_max)
+    runner = package.runner(0, len(package.manifest.units), threads=threads, sampler=True)  # its distribution: the rule's q
+    return ModelDrafter(runner, package.name)

@@ -9,7 +9,7 @@ Channels, futures and tasks are I/O and stay in the coordinator's shell.
 ``apply(state, event) -> state`` is pure and total: an event about a worker or request that is
 not (or no longer) known leaves the state as it was, so a late or duplicated event is harmless.
 Every event carries the time it happened (``now``), so replaying events rebuilds the state; the
-event types are defined in ``events``.
+event types are defined in ``events``, the log that keeps and replays them in ``event_log``.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Mapping
 # The event types (``events``), re-exported so callers write ``state.Heard(...)``.
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
-    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, Pinned, Repriced,
-    RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
+    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, SpareLoaded, Pinned, Repriced,
+    SecretsIssued, SwitchStarted, SwitchEnded, Noted, RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
 )
 from ..net.messages import Hello
-from . import checkpoints as K, measurements
+from . import checkpoints as K
 from .checkpoints import Checkpoint, CheckpointSending, CheckpointStored, CheckpointVoid, Resume  # noqa: F401 - events and values, as state.X
 from .placement import Deployment, StageAssignment
 
@@ -62,7 +62,7 @@ class WorkerInfo:
     rtt_s: float | None = None
     stats: Mapping = field(default_factory=lambda: _frozen({}))
     stats_at: float | None = None  # when ``stats`` arrived (the last pong)
-    calibrating: bool = False
+    calibrating: bool = False  # the calibrator holds it (timing it or measuring its links): not planned meanwhile
 
     alive = True  # a lost worker leaves the state; kept for views that still ask
 
@@ -123,6 +123,11 @@ class ClusterState:
     # by device identity, so that reconnecting does not clear it
     quarantine: Mapping[tuple, Quarantine] = field(default_factory=lambda: _frozen({}))
     pin: tuple[int, float] | None = None  # (plan id, until): an operator's plan the re-planner keeps
+    switching: int | None = None  # the plan being swapped in while sequences pause between steps (None: they step)
+    # plan -> worker -> data-port secret (``net.auth``); kept out of reprs (logs, assertion messages)
+    secrets: Mapping[int, Mapping[str, str]] = field(default_factory=lambda: _frozen({}), repr=False)
+    spare_plan: int | None = None  # the plan id the spare's stages were loaded under
+    spare_built: frozenset[str] = frozenset()  # the spare's workers whose session is built (they take KV checkpoints)
     checkpoints: Mapping[str, Checkpoint] = field(default_factory=lambda: _frozen({}))  # rid -> what the spare holds of its KV
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
@@ -163,7 +168,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case WorkerLost(wid, why, now) if wid in state.workers:
             state = _replace(state, workers=_without(state.workers, wid))
             if state.spare and any(s.worker_id == wid for s in state.spare):
-                state = _replace(state, spare=None, checkpoints=_frozen({}))  # a holder is gone: no checkpoint is whole
+                # a holder is gone: no checkpoint is whole
+                state = _replace(state, spare=None, spare_plan=None, spare_built=frozenset(), checkpoints=_frozen({}))
             if state.preparing is not None and wid in state.preparing.workers:
                 state = _replace(state, preparing=None)
             return _down(state, now) if state.uses(wid) else state
@@ -195,18 +201,33 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             if resumes:  # the spare plan came up: its workers hold these sequences' checkpoints
                 state = _replace(state, requests=_frozen({r: _replace(q, resume=resumes[r]) if r in resumes else q
                                                           for r, q in state.requests.items()}))
-            state = _replace(state, active=dep, preparing=None, ever_up=True, last_switch=now, last_failure=None)
+            # the secrets of the new plan and of the one it replaces are kept, those of other (failed) plans go
+            kept = {dep.plan_id} | ({state.active.plan_id} if state.active is not None else set())
+            secrets = _frozen({p: s for p, s in state.secrets.items() if p in kept})
+            state = _replace(state, active=dep, preparing=None, ever_up=True, last_switch=now, last_failure=None, secrets=secrets)
             return _phase(state, Phase.UP, now)
-        case PlanFailed(why):
+        case SecretsIssued(plan_id, secrets):
+            return _replace(state, secrets=_with(state.secrets, plan_id, _frozen(secrets)))
+        case SwitchStarted(plan_id, _):
+            return _replace(state, switching=plan_id)
+        case SwitchEnded(plan_id, _) if state.switching == plan_id:
+            return _replace(state, switching=None)
+        case PlanFailed(why, _):
             return _replace(state, last_failure=why)
         case SpareChosen(stages):
-            return _replace(state, spare=stages, checkpoints=_frozen({}))  # checkpoints are of the spare they were copied to
+            # checkpoints are of the spare they were copied to
+            return _replace(state, spare=stages, spare_plan=None, spare_built=frozenset(), checkpoints=_frozen({}))
+        case SpareLoaded(plan_id, stages, wid, built) if stages == state.spare and state.spare_plan in (None, plan_id):
+            kept = state.spare_built | {wid} if built else state.spare_built - {wid}
+            return _replace(state, spare_plan=plan_id, spare_built=kept)
         case Pinned(plan_id, until):
             return _replace(state, pin=None if plan_id is None else (plan_id, until))
         case Repriced(plan_id, predicted):
             repriced = {slot: _replace(dep, predicted=dict(predicted)) for slot in ("active", "preparing")
                         if (dep := getattr(state, slot)) is not None and dep.plan_id == plan_id}
             return _replace(state, **repriced) if repriced else state
+        case Noted():
+            return state  # a dashboard line: logged, changes nothing
         case RequestStarted(rid, positions):
             return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
@@ -265,53 +286,3 @@ def _phase(state: ClusterState, phase: Phase, now: float) -> ClusterState:
             outages = (outages + (now - down_since,))[-OUTAGE_WINDOW:]
             down_since = None
     return _replace(state, phase=phase, phase_since=now, phase_time=_frozen(spent), down_since=down_since, outages=outages)
-
-
-class EventLog:
-    """The last ``size`` events, numbered from 0: the state events (applied with ``apply``) and
-    the measurements (``cluster.measurements``, applied to the profile), with the state and the
-    profile as they stood before the oldest kept. ``replay()`` folds the kept events over those
-    and gives the state and profile they produced, so what the planner decided from can be
-    rebuilt from the log (and a test checks that it is)."""
-
-    def __init__(self, initial: ClusterState, profile=None, size: int = 4096):
-        import copy
-        from collections import deque
-
-        self.base, self.first, self.size = initial, 0, size  # the state before event number ``first``
-        self.base_profile = copy.deepcopy(profile)  # the profile before it (advanced in place as events drop off)
-        self.events: deque = deque()
-
-    def append(self, event) -> int:
-        """Record an applied event or measurement; its index."""
-        self.events.append(event)
-        if len(self.events) > self.size:
-            self.base = self._fold(self.base, self.base_profile, self.events.popleft())
-            self.first += 1
-        return self.first + len(self.events) - 1
-
-    def since(self, index: int) -> list[tuple[int, object]]:
-        """The kept events numbered ``index`` and later (the earliest kept if those are gone)."""
-        start = max(index, self.first)
-        return [(i, e) for i, e in enumerate(self.events, self.first) if i >= start]
-
-    def replay(self):
-        """(state, profile) after the kept events."""
-        import copy
-
-        state, profile = self.base, copy.deepcopy(self.base_profile)
-        for event in self.events:
-            state = self._fold(state, profile, event)
-        return state, profile
-
-    @staticmethod
-    def _fold(state: ClusterState, profile, event) -> ClusterState:
-        if isinstance(event, MEASUREMENTS):
-            if profile is not None:
-                profile.apply(event)
-            return state
-        return apply(state, event)
-
-
-MEASUREMENTS = tuple(getattr(measurements, n) for n in measurements.__dict__ if isinstance(getattr(measurements, n), type)
-                     and getattr(measurements, n).__module__ == measurements.__name__)

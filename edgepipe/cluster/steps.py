@@ -20,6 +20,7 @@ from ..net.messages import Drop, Error, ErrorCode, Forward, Token
 from ..net.protocol import Message
 from ..runtime import controls
 from ..runtime.sequence import GenerationParams, uniform_draw
+from ..runtime.speculative import rule_fields
 from . import membership
 from .batching import LaneItem, Lanes
 from .placement import Deployment
@@ -78,15 +79,18 @@ class Steps:
 
     async def step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str,
                    replay_from: int | None = None, head: dict | None = None, kv_start: int | None = None,
-                   verify: bool = False, rewind: bool = False):
+                   verify: bool = False, rewind: bool = False, draft_q: tuple | None = None):
         """One step of one sequence: a decode step goes out with its lane, a prefill alone.
 
         ``head``: the step's logit controls and logprob requests (``controls.step_fields``).
         ``kv_start``: positions the stages must already hold for this sequence; each frame says
         where it starts (``pos``), so a stage that missed a frame refuses the next instead of
         computing on a cache with a hole in it. ``verify``: ``feed`` is the last token and drafts,
-        and the head returns a token per position (``StepRecord.verified``); ``rewind``: stages
-        holding more than ``kv_start`` positions (drafts the last verify rejected) forget them."""
+        and the head returns a token per position (``StepRecord.verified``); ``draft_q``: the
+        distribution each draft was drawn from (a sampled request's model drafts): the head then
+        applies the sampling rule and returns its tokens up to the first it rejected
+        (``runtime.speculative.head_verdict``); ``rewind``: stages holding more than ``kv_start``
+        positions (drafts the last verify rejected) forget them."""
         c = self.coord
         t0 = c.clock()
         computed_before = membership.computed_counts(c.cluster, dep.workers)
@@ -97,6 +101,8 @@ class Steps:
         sampling = {**controls.wire_sampling(params, step), **(head or {})}
         if verify and not params.greedy:  # position i samples token step + i: its own seeded draw, as one step each would
             sampling["uniform"] = [uniform_draw(params.seed, step + i) for i in range(len(feed))]
+            if draft_q is not None:
+                sampling.update(rule_fields(feed[1:], list(draft_q), params.seed, step))
         item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling, **({"verify": True} if verify else {}),
                 **({"rewind": True} if rewind and kv_start is not None else {})}
         # A replay rebuilds KV exactly as first computed: the prompt as one prefill, then each later
@@ -149,7 +155,8 @@ class Steps:
         record = StepRecord(rid, len(feed), c.clock() - t0, reply.get("timings", []),
                             coordinator_s=out.sent_at - t0 if out.sent_at else 0.0, first_in_batch=reply.get("first", True),
                             logprobs=reply.get("logprobs"), prefix_reused=reused, verified=reply.get("verified"))
-        if verify and (record.verified is None or len(record.verified) != len(feed)):
+        if verify and (record.verified is None or not 1 <= len(record.verified) <= len(feed)
+                       or (draft_q is None and len(record.verified) != len(feed))):
             raise RequestFailed("the last stage did not verify the drafted tokens (a worker without speculative decoding)")
         return int(reply["token"]), record
 

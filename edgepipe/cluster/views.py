@@ -99,6 +99,7 @@ def status(coord) -> dict:
         "speculation": None if coord.speculation is None else {
             "drafter": coord.speculation.drafter.name, "passes": coord.speculation.stats.passes,
             "drafted": coord.speculation.stats.drafted, "kept": coord.speculation.stats.kept,
-            "acceptance": round(coord.speculation.stats.acceptance, 4), "drafted_ahead": coord.speculation.ahead_used},
+            "acceptance": round(coord.speculation.stats.acceptance, 4), "drafted_ahead": coord.speculation.ahead_used,
+            "by_rule": coord.speculation.stats.by_rule},
         "prefix_cache": coord.prefix.view(),
     }

@@ -637,8 +637,8 @@ def verify_form(model: onnx.ModelProto) -> onnx.ModelProto:
     (float, 8-bit, the GGUF kernel's) gives a row the same bits at one row as at several. The head
     gets an input ``head_positions [P]`` (positions of the sequence axis to run the LM head and
     the sampler on; ``[-1]`` is the plain head), its per-row inputs and outputs then holding
-    ``B * P`` rows (sequence-major)."""
-    out = pad_lone_rows(model)
+    ``B * P`` rows (sequence-major), and its sampler's distribution as outputs (``sampler_form``)."""
+    out = sampler_form(pad_lone_rows(model))
     if out is model:
         out = onnx.ModelProto()
         out.CopyFrom(model)
@@ -681,4 +681,39 @@ def verify_form(model: onnx.ModelProto) -> onnx.ModelProto:
         out.graph.input.append(helper.make_tensor_value_info(HEAD_POSITIONS, INT64, ["positions"]))
     props = {p.key: p.value for p in out.metadata_props}
     helper.set_model_props(out, {**props, DECODE_ROWS_KEY: "2"})
+    return out
+
+
+SAMPLER_OUTPUTS = ("sampler_probs", "sampler_ids")  # the sampler's distribution (sampler_form)
+
+
+def sampler_form(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The head with its sampler's distribution as outputs, for speculative sampling (the
+    speculative-sampling rule needs the target's and the draft's distributions, not only a draw).
+
+    ``sampler_probs [rows, N]`` float and ``sampler_ids [rows, N]`` int64: the token ids in the
+    sampler's order (best logit first) and their kept probabilities after temperature, ``top_k``
+    and ``top_p`` (zero past the kept prefix, not normalised: the sampler draws from
+    ``probs / sum(probs)``); ``N`` is the batch's largest ``top_k`` (the vocabulary for 0). A
+    greedy run (``do_sample`` false) gives its token with probability 1 (``N = 1``). These are the
+    sampling branch's own tensors, so the distribution is the one ``next_token`` is drawn from,
+    to the bit. A graph without a head comes back unchanged."""
+    sampler = next((n for n in model.graph.node if n.op_type == "If" and list(n.output) == ["next_token"]), None)
+    if sampler is None:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    sampler = next(n for n in out.graph.node if n.op_type == "If" and list(n.output) == ["next_token"])
+    branches = {a.name: a.g for a in sampler.attribute}
+    sample, greedy = branches["then_branch"], branches["else_branch"]
+    sample.output.extend([helper.make_tensor_value_info("s_kept", FLOAT, None), helper.make_tensor_value_info("s_idx", INT64, None)])
+    token = greedy.output[0].name
+    greedy.initializer.append(numpy_helper.from_array(np.array([1], np.int64), "g_ax1"))
+    greedy.node.extend([helper.make_node("Unsqueeze", [token, "g_ax1"], ["g_ids"]),
+                        helper.make_node("Equal", ["g_ids", "g_ids"], ["g_all"]),
+                        helper.make_node("Cast", ["g_all"], ["g_probs"], to=FLOAT)])
+    greedy.output.extend([helper.make_tensor_value_info("g_probs", FLOAT, None), helper.make_tensor_value_info("g_ids", INT64, None)])
+    sampler.output.extend(SAMPLER_OUTPUTS)
+    out.graph.output.extend([helper.make_tensor_value_info(SAMPLER_OUTPUTS[0], FLOAT, ["rows", "kept"]),
+                             helper.make_tensor_value_info(SAMPLER_OUTPUTS[1], INT64, ["rows", "kept"])])
     return out

@@ -13,7 +13,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from .graphs import IR_VERSION, MS, OPSET, gpu_form, pad_lone_rows, verify_form
+from .graphs import IR_VERSION, MS, OPSET, gpu_form, pad_lone_rows, sampler_form, verify_form
 from .manifest import Manifest, sha256_bytes, verify_blob
 from .tokenizer import TextTokenizer
 
@@ -44,26 +44,30 @@ class Package:
             verify_blob(path, sha)
 
     def stage_graph(self, start: int, end: int, precision: str | None = None, batch_invariant: bool = False, gpu: bool = False,
-                    verify: bool = False) -> str:
+                    verify: bool = False, sampler: bool = False) -> str:
         """sha256 of the merged graph for units ``[start, end)`` (built once, then cached);
         ``batch_invariant``: its form that runs a lone row's 4-bit products on two rows
         (``graphs.pad_lone_rows``), for ``serve --batch-invariant``; ``gpu``: its form for a GPU
         stage (``graphs.gpu_form``; batch invariance is a CPU kernel's property, not asked there);
         ``verify``: its form for speculative decoding (``graphs.verify_form``: attention on two query
         positions at least, 4-bit products on two rows at least, a head that runs at chosen
-        positions), batch-invariant too."""
+        positions), batch-invariant too; ``sampler``: a head that also returns its sampler's
+        distribution (``graphs.sampler_form``; the verify form does)."""
         m = self.manifest
         if not 0 <= start < end <= len(m.units):
             raise ValueError(f"unit range [{start}, {end}) is outside the model's {len(m.units)} units")
-        if end - start == 1 and not batch_invariant and not gpu and not verify:
+        sampler = sampler and not verify and end == len(m.units)
+        if end - start == 1 and not batch_invariant and not gpu and not verify and not sampler:
             return m.variant(start, precision).graph
         if verify and gpu:
             raise ValueError("speculative decoding's verify form is CPU-only (its exactness is the CPU kernels')")
         batch_invariant = batch_invariant and not gpu and not verify
-        key = (start, end, precision or m.precision, m.variant(start, precision).graph, batch_invariant, gpu, verify)
+        key = (start, end, precision or m.precision, m.variant(start, precision).graph, batch_invariant, gpu, verify, sampler)
         if key in self._stage_shas:
             return self._stage_shas[key]
-        if verify:
+        if sampler:
+            model = sampler_form(onnx.load(self.blob(self.stage_graph(start, end, precision, batch_invariant, gpu)), load_external_data=False))
+        elif verify:
             model = verify_form(onnx.load(self.blob(self.stage_graph(start, end, precision)), load_external_data=False))
         elif gpu:
             model = gpu_form(onnx.load(self.blob(self.stage_graph(start, end, precision)), load_external_data=False))
@@ -83,16 +87,17 @@ class Package:
         return sha
 
     def runner(self, start: int, end: int, precision: str | None = None, threads: int | None = None, verify: bool = True,
-               spin: bool = False, batch_invariant: bool = False, device=None, verify_form: bool = False):
+               spin: bool = False, batch_invariant: bool = False, device=None, verify_form: bool = False, sampler: bool = False):
         """A StageRunner over units ``[start, end)``, its weight files checked against their hashes;
         ``device`` (``runtime.devices``): where it computes, a GPU with the graph's GPU form;
-        ``verify_form``: the graph's form for speculative decoding (``graphs.verify_form``)."""
+        ``verify_form``: the graph's form for speculative decoding (``graphs.verify_form``);
+        ``sampler``: a head that returns its sampler's distribution (``graphs.sampler_form``: a draft model's)."""
         from ..runtime.stage_runner import StageRunner
 
         if verify:
             self.verify(self.manifest.stage_files(start, end, precision))
         gpu = device is not None and device.is_gpu
-        return StageRunner(self.blob(self.stage_graph(start, end, precision, batch_invariant, gpu, verify_form)), threads=threads,
+        return StageRunner(self.blob(self.stage_graph(start, end, precision, batch_invariant, gpu, verify_form, sampler)), threads=threads,
                            max_context=self.manifest.max_context, spin=spin, device=device)
 
     def pipeline(self, cuts: list[int] | tuple[int, ...] = (), precision: str | None = None, threads: int | None = None,

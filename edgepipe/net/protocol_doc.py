@@ -99,7 +99,11 @@ DOCS: dict[type, MessageDoc] = {
                  "the stage's blocks, `reuse` blocks become the sequence's first positions before `pos` is checked, "
                  "`evict` blocks go, and after computing the `save` blocks are kept; see `cluster/prefix.py`); "
                  "speculative decoding: `verify: true` (the head returns a token per position: `verified`) and "
-                 "`rewind: true` (a stage holding more than `pos` positions first forgets those after `pos`: rejected drafts)",
+                 "`rewind: true` (a stage holding more than `pos` positions first forgets those after `pos`: rejected drafts); "
+                 "a sampled `verify` entry's `sampling` has `uniform` as a list (a draw per position) and, for the "
+                 "speculative-sampling rule, `drafts` (k ids), `draft_ids`/`draft_probs` (per draft the distribution it was "
+                 "drawn from, sparse) and `accept`/`replace` (k draws each): the head then decides (`runtime.speculative.head_verdict`); "
+                 "a `verify` entry of a request with a response format has `masks` (a mask per position) instead of `mask`",
         "timings": "`[worker_id, seconds, positions, bytes/elem, batch]` appended by each stage",
         "relay_to": "worker id the coordinator passes the frame on to (from a stage before or after a browser)",
     }, "`x`: `int64 [B, S]` token ids into the first stage, else `float32`/`float16 [B, S, H]`; `S > 1` only with `B = 1`"),
@@ -110,7 +114,8 @@ DOCS: dict[type, MessageDoc] = {
         "timings": "as in `forward`, this stage's entry included",
         "logprobs": "per batch entry that asked for them, else null: `{logprob, top_ids, top_logprobs[, prompt]}` "
                     "(a `verify` entry: a list of them, one per position)",
-        "verified": "per batch entry: the token chosen after each position of a `verify` entry, else null",
+        "verified": "per batch entry: the token chosen after each position of a `verify` entry (by the rule: up to the "
+                    "first draft it replaced), else null",
     }),
     messages.Drop: MessageDoc("c→w", "free a sequence's KV", {"seq": "the sequence id"}),
     messages.Ping: MessageDoc("c→w", "heartbeat, every 0.5 s", {"t": "coordinator clock, echoed in the pong"}),

@@ -6,13 +6,26 @@ and gets back, per position ``i``, the token the target chooses after ``t, d1 ..
 keep drafts while they equal the target's choice, then the target's own token (at the first
 mismatch, or the bonus after all ``k``): ``accepted + 1`` tokens per pass, exactly the tokens
 one decode step each would give (the stages run ``graphs.verify_form``, whose verify rows are
-bit-identical to decode steps). Sampled, in the pipeline: each position samples with the seeded
-draw its token would get decoding one step at a time (``uniform_draw(seed, index)``), the drafter
-samples with the same draws, and a draft is kept when it equals the target's sample: the output
-is then the non-speculative seeded output token for token, so its distribution is the target's
-(no distribution crosses the wire; a coupling by common draws keeps fewer drafts than the optimal
-one). The speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023), for a drafter and
-target whose distributions are at hand, is :func:`accept_sampled`.
+bit-identical to decode steps).
+
+Sampled, two exact ways (each keeps the target's distribution; they may be mixed pass by pass):
+
+- The speculative-sampling rule (Leviathan et al. 2023; Chen et al. 2023), :func:`accept_drawn`:
+  a model drafter draws each draft from a distribution ``q`` it states (its sampler's, cut to its
+  ``DRAFT_SUPPORT`` likeliest tokens: the rule is exact for any ``q`` the drafts are really drawn
+  from), the verify pass carries the drafts and their ``q`` to the last stage, and the last stage
+  keeps draft ``d`` with probability ``min(1, p(d) / q(d))`` against its own sampler's ``p``
+  (``graphs.sampler_form``), replacing the first one it rejects by a draw from
+  ``norm(max(0, p - q))``; after ``k`` kept drafts the bonus is the target's own seeded sample.
+  It keeps a draft with probability ``1 - TV(p, q)``, the most any exact scheme can. The draws
+  are seeded per token (:func:`rule_draws`), so a seeded request repeats itself on a speculative
+  cluster; it is not the token-for-token output of decoding without speculation.
+- Common draws (n-gram drafts, and requests that want logprobs: the head's logprobs are of its
+  own sample): each position samples with the seeded draw its token would get decoding one step
+  at a time (``uniform_draw(seed, index)``), the drafter samples with the same draws, and a draft
+  is kept when it equals the target's sample: the output is then the non-speculative seeded
+  output token for token. For a fixed draft (n-gram: ``q`` is one token) this keeps it with
+  probability ``p(d)``, as the rule would; for a model's drafts it keeps fewer than the rule.
 """
 
 from __future__ import annotations
@@ -24,48 +37,163 @@ from typing import Protocol
 import numpy as np
 
 
+DRAFT_SUPPORT = 64  # tokens of a model draft's distribution that travel with it (the rule's q)
+RULE_STREAM = 1 << 64  # the rule's draws: another Philox key than the sampler's uniform_draw(seed, index)
+
+
 def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
-    """The tokens a greedy verify pass yields: drafts up to the first one the target disagrees
-    with, then the target's token there (``targets`` has ``len(drafts) + 1`` entries)."""
-    if len(targets) != len(drafts) + 1:
-        raise ValueError(f"a verify pass of {len(drafts)} drafts returns {len(drafts) + 1} tokens, got {len(targets)}")
+    """The tokens a verify pass yields: drafts up to the first one the target disagrees with, then
+    the target's token there. ``targets``: the target's token at every position (greedy: ``k + 1``
+    of them), or only up to the first disagreement (a last stage that applied the sampling rule)."""
+    if not 1 <= len(targets) <= len(drafts) + 1:
+        raise ValueError(f"a verify pass of {len(drafts)} drafts returns 1 to {len(drafts) + 1} tokens, got {len(targets)}")
     out: list[int] = []
     for draft, target in zip(drafts, targets):
         out.append(target)
         if draft != target:
             return out
+    if len(targets) != len(drafts) + 1:
+        raise ValueError(f"a verify pass that kept {len(targets)} of {len(drafts)} drafts returns the token after them too")
     out.append(targets[-1])
     return out
 
 
-def accept_sampled(drafts: list[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> list[int]:
-    """The speculative-sampling rule: draft ``d_i`` (drawn from ``q[i]``) is kept with probability
-    ``min(1, p[i][d_i] / q[i][d_i])``; the first one rejected is replaced by a draw from
-    ``norm(max(0, p[i] - q[i]))`` and the pass ends; when all ``k`` are kept a bonus token is drawn
-    from ``p[k]``. The output is distributed exactly as sampling from ``p`` one token at a time.
+@dataclass(frozen=True)
+class Distribution:
+    """A sampling distribution as a sampler holds it: token ids and their weights (``>= 0``, not
+    necessarily normalised; the probability of ``ids[i]`` is ``weights[i] / total``). Ids that
+    are not listed have probability 0; an id is listed once."""
 
-    ``q``: ``[k, V]`` the draft's probabilities, ``p``: ``[k + 1, V]`` the target's (both after
-    temperature, top-k and top-p)."""
+    ids: np.ndarray  # [N] int64
+    weights: np.ndarray  # [N] float
+
+    def __post_init__(self) -> None:
+        if self.ids.ndim != 1 or self.ids.shape != self.weights.shape or not self.ids.size:
+            raise ValueError("a distribution needs one weight per token id, and at least one id")
+        if not (np.isfinite(self.weights).all() and (self.weights >= 0).all() and self.weights.sum() > 0):
+            raise ValueError("a distribution's weights must be finite, >= 0, and not all 0")
+
+    @classmethod
+    def of(cls, ids, weights) -> "Distribution":
+        return cls(np.asarray(ids, np.int64).reshape(-1), np.asarray(weights, np.float64).reshape(-1))
+
+    @property
+    def total(self) -> float:
+        return float(self.weights.sum())
+
+    def probs_of(self, tokens: np.ndarray) -> np.ndarray:
+        """The probability of each of ``tokens`` (0 for ids not listed); sorts this one's ids (a draft's few)."""
+        order = np.argsort(self.ids, kind="stable")
+        sorted_ids = self.ids[order]
+        at = np.minimum(np.searchsorted(sorted_ids, tokens), len(sorted_ids) - 1)
+        found = sorted_ids[at] == tokens
+        return np.where(found, self.weights[order][at], 0.0) / self.total
+
+    def prob(self, token: int) -> float:
+        return float(self.weights[self.ids == token].sum()) / self.total
+
+    def draw(self, u: float) -> int:
+        """The token at draw ``u`` in ``[0, 1)``: where the cumulative weight, in listed order, first exceeds ``u * total``."""
+        cumulative = np.cumsum(self.weights)
+        return int(self.ids[min(int(np.searchsorted(cumulative, u * cumulative[-1], side="right")), len(self.ids) - 1)])
+
+    def head(self, n: int) -> "Distribution":
+        """Its ``n`` first listed tokens with weight (a sampler's likeliest: ``sampler_form`` lists them best first)."""
+        keep = np.flatnonzero(self.weights > 0)[:n]
+        return Distribution(self.ids[keep], self.weights[keep] / self.weights[keep].sum())
+
+
+def rule_draws(seed: int, index: int) -> tuple[float, float]:
+    """The rule's two draws for token ``index`` of a seeded request (accept, replace): a pure
+    function of (seed, index), independent of the sampler's ``uniform_draw(seed, index)``."""
+    accept, replace = np.random.Generator(np.random.Philox(key=(seed & (2**64 - 1)) + RULE_STREAM, counter=index)).random(2)
+    return float(accept), float(replace)
+
+
+def accept_drawn(drafts: list[int], q: list[Distribution], p: list[Distribution], accept: list[float], replace: list[float],
+                 bonus: int) -> list[int]:
+    """The speculative-sampling rule with its draws given: draft ``d_i`` (drawn from ``q[i]``) is
+    kept when ``accept[i] * q[i](d_i) < p[i](d_i)`` (probability ``min(1, p/q)``); the first one
+    rejected is replaced by ``norm(max(0, p[i] - q[i]))`` drawn at ``replace[i]`` and the pass ends;
+    after ``k`` kept drafts comes ``bonus``, a draw from ``p[k]`` (the target's own sample). The
+    output is distributed exactly as sampling from ``p`` one token at a time."""
     k = len(drafts)
-    if q.shape[0] != k or p.shape[0] != k + 1 or q.shape[1] != p.shape[1]:
-        raise ValueError(f"accept_sampled: {k} drafts need q [k, V] and p [k + 1, V], got {q.shape} and {p.shape}")
+    if not (len(q) == len(accept) == len(replace) == k and len(p) >= k):
+        raise ValueError(f"the rule needs a q, an accept and a replace draw per draft ({k}) and p at each")
     out: list[int] = []
     for i, d in enumerate(drafts):
-        if q[i, d] <= 0:
-            raise ValueError(f"draft {i} (token {d}) has probability 0 under its own distribution")
-        if rng.random() * q[i, d] < p[i, d]:  # u < p/q without dividing
+        q_d = q[i].prob(d)
+        if q_d <= 0:
+            raise ValueError(f"draft {i} (token {d}) has probability 0 under the distribution it was drawn from")
+        if accept[i] * q_d < p[i].prob(d):
             out.append(int(d))
             continue
-        residual = np.maximum(p[i] - q[i], 0.0)
-        out.append(_draw(residual / residual.sum(), rng))
+        residual = np.maximum(p[i].weights / p[i].total - q[i].probs_of(p[i].ids), 0.0)
+        # all 0: p <= q wherever p > 0, so p = q up to rounding, and q(d) > p(d) by a rounding only
+        out.append(Distribution(p[i].ids, residual).draw(replace[i]) if residual.sum() > 0 else p[i].draw(replace[i]))
         return out
-    out.append(_draw(p[k], rng))
+    out.append(int(bonus))
     return out
 
 
-def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
-    cumulative = np.cumsum(probs)
-    return int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), len(probs) - 1))
+def accept_sampled(drafts: list[int], q: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> list[int]:
+    """:func:`accept_drawn` over dense distributions, drawing from ``rng``: ``q`` ``[k, V]`` the
+    draft's probabilities, ``p`` ``[k + 1, V]`` the target's (both after temperature, top-k, top-p)."""
+    k = len(drafts)
+    if q.shape[0] != k or p.shape[0] != k + 1 or q.shape[1] != p.shape[1]:
+        raise ValueError(f"accept_sampled: {k} drafts need q [k, V] and p [k + 1, V], got {q.shape} and {p.shape}")
+    vocab = np.arange(p.shape[1])
+    draws = rng.random((k, 2))
+    return accept_drawn(drafts, [Distribution(vocab, row) for row in q], [Distribution(vocab, row) for row in p[:k]],
+                        list(draws[:, 0]), list(draws[:, 1]), Distribution(vocab, p[k]).draw(rng.random()))
+
+
+def rule_fields(drafts: list[int], q: list[Distribution], seed: int, step: int) -> dict:
+    """A verify entry's ``sampling`` fields for the rule (drafts ``i`` is token ``step + i``): the
+    drafts, each one's ``q`` and the rule's draws. The last stage reads them (:func:`head_verdict`)."""
+    draws = [rule_draws(seed, step + i) for i in range(len(drafts))]
+    return {"drafts": [int(d) for d in drafts], "draft_ids": [[int(t) for t in d.ids] for d in q],
+            "draft_probs": [[float(w) for w in d.weights / d.total] for d in q],
+            "accept": [a for a, _ in draws], "replace": [r for _, r in draws]}
+
+
+def head_verdict(sampling: dict, probs: np.ndarray, ids: np.ndarray, sampled: list[int], vocab: int) -> list[int]:
+    """What a last stage returns for a verify entry with :func:`rule_fields`: the rule's tokens
+    (``len <= k + 1``), from its sampler's distribution per position (``probs``/``ids``
+    ``[k + 1, N]``, ``graphs.sampler_form``) and its own sample at the last (``sampled``).
+    ``ValueError`` (one line) for fields that do not fit the pass."""
+    drafts, draft_ids, draft_probs = sampling.get("drafts"), sampling.get("draft_ids"), sampling.get("draft_probs")
+    accept, replace = sampling.get("accept"), sampling.get("replace")
+    k = len(sampled) - 1
+    lists = (drafts, draft_ids, draft_probs, accept, replace)
+    if not all(isinstance(v, list) and len(v) == k for v in lists) or probs.shape[0] != k + 1:
+        raise ValueError(f"a verify entry of {k} drafts needs drafts, draft_ids, draft_probs, accept and replace of {k} entries each")
+    if not all(_ids_in(row, vocab) for row in [drafts, *draft_ids]) or any(len(set(row)) != len(row) for row in draft_ids):
+        raise ValueError(f"drafts and draft_ids must be token ids in [0, {vocab}), each of a distribution once")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1 for v in accept + replace):
+        raise ValueError("accept and replace draws must be numbers in [0, 1)")
+    try:
+        q = [Distribution.of(i, w) for i, w in zip(draft_ids, draft_probs)]
+        p = [Distribution(ids[i], probs[i].astype(np.float64)) for i in range(k)]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"draft distribution: {exc}") from None
+    return accept_drawn(drafts, q, p, accept, replace, sampled[k])
+
+
+def head_tokens(runner, entry: dict, sampled: np.ndarray) -> np.ndarray:
+    """A last stage's tokens for a verify entry: its sampler's choice at every position, or, for
+    an entry with :func:`rule_fields`, the rule's tokens (``runner``: the head's ``StageRunner``
+    right after the pass, its sampler's distribution in ``last_sampler``)."""
+    if "drafts" not in entry.get("sampling", {}):
+        return sampled
+    if runner.last_sampler is None:
+        raise ValueError("this head does not state its sampler's distribution (not the verify form)")
+    return np.array(head_verdict(entry["sampling"], runner.last_sampler.probs, runner.last_sampler.ids, [int(t) for t in sampled],
+                                 runner.vocab or 0), np.int64)
+
+
+def _ids_in(row, vocab: int) -> bool:
+    return isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in row)
 
 
 @dataclass
@@ -76,7 +204,8 @@ class DraftLength:
     ``j``-th draft survives with probability ``a ** j``; drafting stops where that falls below
     ``worth`` (a draft that costs compute, a model's, is worth less than a free n-gram one):
     ``k = floor(log(worth) / log(a))``, at most ``k_max``. A pass that keeps every draft lets the
-    next one try one more (the average alone would take several passes to get there). Where not
+    next one try twice as many (the average alone would take several passes to get there, and a
+    ramp of one more per pass spends most of a short answer's passes below ``k_max``). Where not
     even the first draft is worth it (``a < worth``) drafting pauses (``k = 0``: plain decode
     steps) and tries ``k_min`` again after ``retry_after`` steps."""
 
@@ -111,7 +240,7 @@ class DraftLength:
                     self.paused, self.k = 0, self.k_min
             return self.k
         self.rate = (1 - self.smoothing) * self.rate + self.smoothing * (kept / drafted)
-        self.k = min(self.k_max, self.k + 1) if kept == drafted and drafted >= self.k else self._from_rate()
+        self.k = min(self.k_max, 2 * self.k) if kept == drafted and drafted >= self.k else self._from_rate()
         return self.k
 
 
@@ -163,8 +292,10 @@ class NgramDrafter:
 
 class ModelDrafter:
     """A small model with the target's tokenizer, whole in one stage runner of this process,
-    drafting greedily. Keeps each sequence's KV between passes: what the target rejected is
-    rewound (``StageRunner.rewind``), what it accepted is fed on the next call."""
+    drafting greedily or sampling. Keeps each sequence's KV between passes: what the target
+    rejected is rewound (``StageRunner.rewind``), what it accepted is fed on the next call. A
+    runner whose head states its sampler's distribution (``graphs.sampler_form``) can also draft
+    for the sampling rule (:meth:`draft_sampled`)."""
 
     def __init__(self, runner, name: str = "draft"):
         if not (runner.takes_token_ids and runner.emits_tokens):
@@ -173,7 +304,30 @@ class ModelDrafter:
         self.name = name
         self.fed: dict[str, list[int]] = {}  # per sequence: the ids whose KV the runner holds
 
+    @property
+    def states_distributions(self) -> bool:
+        return bool(getattr(self.runner, "_sampler_outputs", ()))
+
     def draft(self, seq: str, ids: list[int], k: int, params=None, step: int = 0) -> list[int]:
+        """Greedy drafts, or (``params`` sampled) each sampled with the target's draw for its token."""
+        return self._draft(seq, ids, k, params, step, None)
+
+    def draft_sampled(self, seq: str, ids: list[int], k: int, params, step: int = 0) -> tuple[list[int], list[Distribution]]:
+        """Drafts for the sampling rule: draft ``j`` is drawn at ``uniform_draw(params.seed, step + j)``
+        from the draft model's sampler cut to its ``DRAFT_SUPPORT`` likeliest tokens, and that
+        distribution (the rule's ``q``) comes with it."""
+        if not self.states_distributions:
+            raise ValueError("this draft runner does not state its sampler's distribution (graphs.sampler_form)")
+        stated: list[Distribution] = []
+
+        def choose(j: int, u: float) -> int:
+            out = self.runner.last_sampler
+            stated.append(Distribution(out.ids[0], out.probs[0].astype(np.float64)).head(DRAFT_SUPPORT))
+            return stated[-1].draw(u)
+
+        return self._draft(seq, ids, k, params, step, choose), stated
+
+    def _draft(self, seq: str, ids: list[int], k: int, params, step: int, choose) -> list[int]:
         from .sequence import uniform_draw
         from .stage_runner import SamplingBatch
 
@@ -181,7 +335,8 @@ class ModelDrafter:
             if params is None or params.greedy:
                 return SamplingBatch.greedy(1)
             return SamplingBatch(True, np.array([params.temperature], np.float32), np.array([params.top_k], np.int64),
-                                 np.array([params.top_p], np.float32), np.array([uniform_draw(params.seed, step + j)], np.float32))
+                                 np.array([params.top_p], np.float32), np.array([uniform_draw(params.seed, step + j)], np.float32),
+                                 want_sampler=choose is not None)
 
         if k <= 0 or not ids:
             return []
@@ -195,7 +350,10 @@ class ModelDrafter:
         feed = ids[common:]
         try:
             for j in range(k):
-                token = int(self.runner.run(seq, np.array([feed], np.int64), sampling(j))[0])
+                batch = sampling(j)
+                token = int(self.runner.run(seq, np.array([feed], np.int64), batch)[0])
+                if choose is not None:
+                    token = choose(j, float(batch.uniform[0]))
                 fed += feed
                 out.append(token)
                 feed = [token]
@@ -222,3 +380,33 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+class LookupThenModel:
+    """Prompt lookup first, the draft model where the lookup finds nothing: free drafts where the
+    output copies its input (code editing), the model's everywhere else. A lookup draft is
+    certain given the ids, so for the sampling rule its distribution is that one token
+    (``q(d) = 1``: kept with probability ``p(d)``, as common draws would keep it)."""
+
+    def __init__(self, lookup: NgramDrafter, model: ModelDrafter):
+        self.lookup, self.model = lookup, model
+        self.name = f"{lookup.name}+{model.name}"
+
+    @property
+    def states_distributions(self) -> bool:
+        return self.model.states_distributions
+
+    def draft(self, seq: str, ids: list[int], k: int, params=None, step: int = 0) -> list[int]:
+        return self.lookup.draft(seq, ids, k) or self.model.draft(seq, ids, k, params, step)
+
+    def draft_sampled(self, seq: str, ids: list[int], k: int, params, step: int = 0) -> tuple[list[int], list[Distribution]]:
+        found = self.lookup.draft(seq, ids, k)
+        if found:
+            return found, [Distribution.of([t], [1.0]) for t in found]
+        return self.model.draft_sampled(seq, ids, k, params, step)
+
+    def prime(self, seq: str, ids: list[int]) -> None:
+        self.model.prime(seq, ids)
+
+    def forget(self, seq: str) -> None:
+        self.model.forget(seq)

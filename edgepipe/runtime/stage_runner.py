@@ -41,6 +41,7 @@ OLD_HEAD = "this model package's head graph predates logprobs and logit controls
 # The verify form's names (graphs.verify_form; written twice so that workers need not import onnx)
 DECODE_ROWS_KEY = "edgepipe.decode_rows"
 HEAD_POSITIONS = "head_positions"
+SAMPLER_OUTPUTS = ("sampler_probs", "sampler_ids")  # graphs.sampler_form
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,17 @@ def logit_adjust(rows: list[RowControls | None], vocab: int) -> np.ndarray | Non
     return dense
 
 
+def position_controls(sampling: dict) -> list[RowControls | None]:
+    """A verify entry's controls per position: ``masks`` (a mask per position, speculative
+    decoding with a response format) with the entry's other controls; else its one row."""
+    masks = sampling.get("masks")
+    if masks is None:
+        return [row_controls(sampling)]
+    if not (isinstance(masks, list) and masks and all(isinstance(m, (bytes, bytearray)) for m in masks)) or "mask" in sampling:
+        raise ValueError("masks must be a non-empty list of bytes (one mask per position), without mask")
+    return [row_controls({**sampling, "masks": None, "mask": m}) for m in masks]
+
+
 def row_controls(sampling: dict) -> RowControls | None:
     """A wire ``sampling`` entry's controls: ``adjust_ids``/``adjust`` lists, ``mask`` bytes."""
     ids, values, mask = sampling.get("adjust_ids"), sampling.get("adjust"), sampling.get("mask")
@@ -123,6 +135,17 @@ class HeadOutput:
 
 
 @dataclass(frozen=True)
+class SamplerOutput:
+    """The sampler's distribution of the latest run (``graphs.sampler_form``): per head row (a
+    verify run: per position of its one sequence) token ids in the sampler's order and their kept,
+    unnormalised probabilities (zero past the kept prefix)."""
+
+    seqs: tuple[str, ...]
+    probs: np.ndarray  # [rows, N] float32
+    ids: np.ndarray  # [rows, N] int64
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
     """Per-row sampling parameters fed to the head graph; ``uniform`` is the random draw.
 
@@ -135,11 +158,13 @@ class SamplingBatch:
     top_k: np.ndarray  # [B] int64, 0 = no limit
     top_p: np.ndarray  # [B] float32
     uniform: np.ndarray  # [B] float32 in [0, 1); a verify entry may carry one per position: [P]
-    adjust: np.ndarray | None = None  # [B, V] float32
+    adjust: np.ndarray | None = None  # [B, V] float32; a verify entry's with a mask per position: [P, V]
     num_top: int = 0
     prompt_targets: np.ndarray | None = None  # [1, S] int64
     repeat_ids: np.ndarray | None = None  # [B, R] int64: each row's repeat-penalised ids (padded with its own first id)
     repeat_penalty: np.ndarray | None = None  # [B] float32 (1.0: a row without it)
+    adjust_per_position: bool = False  # ``adjust`` has a row per head position of the one (verify) sequence
+    want_sampler: bool = False  # keep the sampler's distribution (``StageRunner.last_sampler``): the sampling rule's p or q
 
     @classmethod
     def greedy(cls, batch: int) -> "SamplingBatch":
@@ -149,7 +174,10 @@ class SamplingBatch:
     def from_wire(cls, items: list[dict], vocab: int | None) -> "SamplingBatch":
         """The batch for a forward frame's entries (``item["sampling"]`` as the coordinator sent it)."""
         s = [item["sampling"] for item in items]
-        controls = [row_controls(v) for v in s]
+        per_position = any(v.get("masks") is not None for v in s)
+        if per_position and (len(items) != 1 or not items[0].get("verify")):
+            raise ValueError("masks (a mask per position) come with a verify entry, one sequence at a time")
+        controls = [c for v in s for c in position_controls(v)]
         targets = [v.get("targets") for v in s]
         if any(t is not None for t in targets) and len(items) != 1:
             raise ValueError("prompt targets come with a prefill, one sequence at a time")
@@ -167,7 +195,8 @@ class SamplingBatch:
                    np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
                    np.array([v["top_p"] for v in s], np.float32),
                    np.array([u for v in s for u in (v["uniform"] if isinstance(v["uniform"], list) else [v["uniform"]])], np.float32),
-                   adjust, num_top, None if targets[0] is None else np.array([targets[0]], np.int64), repeat_ids, repeat_penalty)
+                   adjust, num_top, None if targets[0] is None else np.array([targets[0]], np.int64), repeat_ids, repeat_penalty,
+                   per_position, any("drafts" in v for v in s))
 
     @property
     def wants_head_extras(self) -> bool:
@@ -482,6 +511,9 @@ class StageRunner:
         self._no_adjust = np.zeros((1, self.vocab or 0), np.float32)
         self._no_adjust_device = None
         self.last_head: tuple[tuple, HeadOutput] | None = None  # (seqs, the head's logprobs) of the latest run_batch
+        # graphs.sampler_form: the sampler's distribution (a draft model's head, a verify-form head)
+        self._sampler_outputs = SAMPLER_OUTPUTS if self.emits_tokens and set(SAMPLER_OUTPUTS) <= set(outputs) else ()
+        self.last_sampler: SamplerOutput | None = None
         if self.layers:
             shape = inputs[f"past_key.{self.layers[0]}"].shape
             self.kv_heads, self.head_dim = int(shape[1]), int(shape[3])
@@ -580,7 +612,7 @@ class StageRunner:
         if self._bound_key != key:
             binding = self.session.io_binding()
             binding.bind_output(self.output_name, "cpu")  # first, so get_outputs()[0] is always it
-            for name in self._extra_outputs:  # then the head's logprobs, in this order
+            for name in (*self._extra_outputs, *self._sampler_outputs):  # then the head's logprobs and sampler, in this order
                 binding.bind_output(name, "cpu")
             for name, value in self._pool.view(lo, hi).items():
                 kind, unit = name.split(".")
@@ -651,6 +683,8 @@ class StageRunner:
         self._outputs_shape_key = None if asked else shape_key
         if rebind:
             binding.bind_output(self.output_name, "cpu")
+        for name in self._sampler_outputs:  # their width follows the batch's top_k and do_sample
+            binding.bind_output(name, "cpu")
         if self.layers and self._full_lengths:
             self._bind_host(binding, "seqlens_k", (lengths + width - 1).astype(np.int32))
             self._bind_host(binding, "total_sequence_length", np.array(int(lengths.max()) + width, np.int32))
@@ -688,6 +722,14 @@ class StageRunner:
                 lambda a: a.reshape(n, per_seq, *a.shape[1:])[picked, keep])
             self.last_head = tuple(seqs), HeadOutput(first(head["token_logprob"]), first(head["top_ids"]), first(head["top_logprobs"]),
                                                      *((head[k][0] for k in HEAD_EXTRA_OUTPUTS[3:]) if asked else ()))
+        self.last_sampler = None
+        if self._sampler_outputs and sampling is not None and sampling.want_sampler:  # [rows, V] each: copied only when asked
+            picked = np.array(rows) - lo
+            at = len(self._extra_outputs) + 1
+            probs, ids = (outputs[at + i].numpy() for i in range(2))
+            self.host_bytes += probs.nbytes + ids.nbytes
+            rows_of = (lambda a: a.reshape(n, per_seq, -1)[picked[0]]) if verify else (lambda a: a.reshape(n, per_seq, -1)[picked, -1])
+            self.last_sampler = SamplerOutput(tuple(seqs), rows_of(probs), rows_of(ids))
         for seq, total in zip(seqs, totals):
             pool.length[seq] = total
         pool.trim(seqs)  # sliding-window layers drop what no later query sees
@@ -757,7 +799,10 @@ class StageRunner:
                 adjust = np.zeros((n, self.vocab), np.float32)
                 adjust[picked] = batch.adjust
         if adjust is not None:
-            if per_seq > 1 and adjust.shape[0] > 1:
+            if batch.adjust_per_position:
+                if adjust.shape[0] != n * per_seq:
+                    raise ValueError(f"a verify pass of {per_seq} positions needs as many masks, got {adjust.shape[0]}")
+            elif per_seq > 1 and adjust.shape[0] > 1:
                 adjust = np.repeat(adjust, per_seq, axis=0)
             self._bind_host(binding, "logit_adjust", np.ascontiguousarray(adjust, np.float32))
         self._bind_host(binding, "num_top", np.array([batch.num_top], np.int64))

@@ -16,6 +16,7 @@ from ..emulate.slowdown import SlowdownPolicy
 from ..net.messages import ErrorCode
 from ..net.protocol import Message, MessageType as T, encode
 from ..runtime.prefix_store import PrefixMiss, PrefixStore
+from ..runtime.speculative import head_tokens
 from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner, spin_by_default
 from . import core
 
@@ -90,6 +91,8 @@ class Runners:
                 store.before(runner, seq, entry)
             c0 = time.thread_time()
             out = runner.run_batch(cmd.seqs, cmd.x, sampling, verify)
+            if verify and runner.emits_tokens:  # sampled drafts with their distribution: the sampling rule decides here
+                out = head_tokens(runner, cmd.forward["batch"][0], out)
             cpu = time.thread_time() - c0 if single_thread else None
             for seq, entry in cmd.prefixes:
                 store.after(runner, seq, entry)

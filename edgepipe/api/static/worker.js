@@ -415,14 +415,7 @@
     const ws = (worker.ws = new WebSocket(url));
     ws.binaryType = "arraybuffer";
     show("connecting", `connecting to ${url}…`);
-    const d = worker.device;
-    ws.onopen = () => send("hello", {
-      name: worker.name, token: worker.token || null, protocol: PROTOCOL, kind: "browser",
-      // On WebGPU no precision: the package's own variant (MatMulNBits runs there); WebAssembly runs fp32 fastest.
-      ...(d.kind === "gpu" ? {} : { precision: "fp32" }),
-      memory_bytes: worker.memoryBytes, threads: worker.threads, data_url: null, held, emulation: null,
-      device: d.kind, adapter: d.adapter, device_note: d.note,
-    });
+    ws.onopen = () => send("hello", hello(held));
     ws.onmessage = (ev) => onFrame(ev.data);
     ws.onclose = (ev) => {
       if (worker.ws !== ws) return;
@@ -434,6 +427,23 @@
       show("disconnected", `${wasJoined ? "connection to the coordinator closed" : "cannot reach the coordinator"}` +
            `${ev.reason ? `: ${ev.reason}` : ""}; retrying in 3 s`);
       worker.retry = setTimeout(connect, 3000);
+    };
+  }
+
+  // The hello: every field of net.messages.Hello, null ones too, as Hello.to_message writes it
+  // (the golden-frames test checks this frame against the dataclass and parses it).
+  function hello(held) {
+    const d = worker.device;
+    return {
+      name: worker.name, token: worker.token || null, protocol: PROTOCOL, kind: "browser",
+      memory_bytes: worker.memoryBytes, threads: worker.threads,
+      data_url: null,  // a tab accepts no connections: its activations travel through the coordinator
+      held, emulation: null,
+      // On WebGPU no precision: the package's own variant (MatMulNBits runs there); WebAssembly runs fp32 fastest.
+      precision: d.kind === "gpu" ? null : "fp32",
+      pid: null, data_fingerprint: null, power_busy_w: null, power_idle_w: null,
+      device: d.kind, adapter: d.adapter ?? null, device_note: d.note ?? null,
+      native_kernel: null, native_kernel_note: null,  // the GGUF kernel library is native only
     };
   }
 

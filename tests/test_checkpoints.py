@@ -133,6 +133,20 @@ def test_which_spare_workers_take_checkpoints_is_state():
     assert not S.apply(st, S.WorkerLost("c", "killed", 2.0)).spare_built
 
 
+def test_the_next_spare_waits_for_the_sequences_to_catch_up():
+    """After a recovery the next spare's loads wait until every sequence was fed on the new plan
+    (they would share the cores with the replays)."""
+    from edgepipe.cluster.deploy import catching_up
+
+    st = S.apply(checkpointed(serving(), "r", 64), S.WorkerLost("b", "killed", 2.0))
+    st = S.apply(st, S.Committed(Deployment(2, SPARE), 2.5))
+    assert catching_up(st, 2)  # r and s are paused
+    st = S.apply(st, S.RequestFed("r", "r.c1", 2, 71))
+    assert catching_up(st, 2)  # s replays
+    st = S.apply(st, S.RequestFed("s", "s.1", 2, 71))
+    assert not catching_up(st, 2) and not catching_up(st, 1)
+
+
 @pytest.mark.parametrize("resume, plan, total, want", [
     (Resume(2, "r.c1", 64), 2, 80, 64),
     (Resume(2, "r.c1", 64), 3, 80, None),  # another plan came up

@@ -27,6 +27,7 @@ from .profiling import RUNTIME_OVERHEAD_BYTES
 from .views import WorkerView
 
 QUIESCE_S = 30.0
+CATCH_UP_S = 5.0  # the next spare waits at most this long for the sequences to be fed on a new plan
 
 
 class Deployer:
@@ -202,9 +203,19 @@ class Deployer:
         fetched = sum(r.fetched_bytes for r in results)
         p.note("up", plan=dep.plan_id, prepare_s=round(p.clock() - t0, 3), paused_s=round(p.clock() - paused_at, 3), fetched_bytes=fetched,
                predicted=dep.predicted, replaced=old.plan_id if old else None, **moved)
-        p.spawn(self.prefetch_spare(dep))
-        p.spawn(self.calibrator.probe_neighbours(dep.stages))  # planned neighbours measure their links (calibration)
+        p.spawn(self._after_catching_up(dep, self.prefetch_spare(dep)))
+        p.spawn(self._after_catching_up(dep, self.calibrator.probe_neighbours(dep.stages)))  # planned neighbours measure their links
         return dep
+
+    async def _after_catching_up(self, dep: Deployment, work, most_s: float = CATCH_UP_S) -> None:
+        """Run ``work`` (the next spare's loads, link probes) once every running sequence took a
+        step on ``dep``: after a recovery, replays would otherwise share the workers' cores with
+        building the next spare's sessions (at most ``most_s``: a sequence may be stuck elsewhere)."""
+        p = self.ports
+        deadline = p.clock() + most_s
+        while p.clock() < deadline and deploy.catching_up(p.state(), dep.plan_id):
+            await asyncio.sleep(0.05)
+        await work
 
     async def quiesce(self) -> None:
         """Wait until no step is in the pipeline (its KV is complete and stable)."""

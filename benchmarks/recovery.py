@@ -231,6 +231,12 @@ def report(rows: list[dict], args, run: Conditions) -> None:
               "(the plain graphs) replays each generated token as a decode step, so the time grows with the tokens generated before "
               "the kill; `chunk` (`serve --verify-form`: every position of a chunk has a decode step's bits) replays them in one "
               "prefill. Each replay's text is checked against the single-process reference of its own graph form."]
+    if any(m == "checkpoint" for m, _ in positions):
+        lines.append(f"`checkpoint` (`serve --kv-checkpoint-tokens {args.checkpoint_tokens}`; `steps` and `chunk` run with 0): every "
+                     f"{args.checkpoint_tokens} generated tokens the sequence's new KV positions are copied to the spare plan's workers; "
+                     "the recovery onto the spare resumes at the last checkpoint every holder acknowledged and replays the tokens after it "
+                     "step by step (`resumed at / replayed`). A kill right after a multiple of the interval finds the round for that "
+                     "token still under way, so those trials replay a whole interval: the worst case.")
     if args.placement == "planner":
         lines.append("Memory budgets are emulation (a worker refuses a stage above its budget); compute is not slowed.")
     text = "\n".join(lines)

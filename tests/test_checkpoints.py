@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from edgepipe.cluster import checkpoints as K, state as S
+from edgepipe.cluster import state as S
 from edgepipe.cluster.checkpoints import CheckpointSettings, Resume, due, resume_point
 from edgepipe.cluster.placement import Deployment, StageAssignment as A
 from edgepipe.net.messages import Hello, KvExport, Load, NextHop

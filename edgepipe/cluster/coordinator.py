@@ -31,7 +31,8 @@ from ..net.messages import Bye, Emulate
 from . import deploy, measurements, narrate, state as S, views
 from .event_log import EventLog
 from .calibration import Calibrator
-from .checkpoints import Checkpoints, CheckpointSettings
+from .checkpointing import Checkpoints
+from .checkpoints import CheckpointSettings
 from .connections import Connections
 from .deployer import Deployer
 from .migration import KvMigration

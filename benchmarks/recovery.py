@@ -83,6 +83,8 @@ def trial(home: Path, args, expected: str, index: int, kill_at: int, replay: str
     sargs = ("--precision", "int4", "--placement", args.placement, "--worker-threads", str(args.threads), "--max-active", "1")
     if replay == "chunk":  # the verify form: a replay is one prefill (graphs.verify_form)
         sargs += ("--verify-form",)
+    # checkpoint: the KV is copied to the spare every --checkpoint-tokens tokens; the others replay everything
+    sargs += ("--kv-checkpoint-tokens", str(args.checkpoint_tokens if replay == "checkpoint" else 0))
     sargs += tuple(args.serve_args.split())
     if worker_flags:
         sargs += ("--worker-args", worker_flags)
@@ -128,6 +130,7 @@ def trial(home: Path, args, expected: str, index: int, kill_at: int, replay: str
         stages, spare, spare_workers, victim_id = chosen["stages"], chosen["spare"], chosen["spare_workers"], chosen["victim_id"]
         after = [e for e in evs if e["t"] >= kill.get("wall", float("inf")) - 0.001]
         recovered = [e for e in after if e["kind"] == "recovered"]
+        resumed = next((e for e in after if e["kind"] == "resume"), None)
         ups = [e for e in after if e["kind"] == "up"]
         leave = next((e for e in after if e["kind"] == "leave" and e["worker"] == victim_id), None)
         k = kill_at
@@ -150,6 +153,9 @@ def trial(home: Path, args, expected: str, index: int, kill_at: int, replay: str
             "new_plan_prepare_s": ups[0]["prepare_s"] if ups else None,
             "new_plan_stages": next(([st for st in e["stages"]] for e in after if e["kind"] == "prepare"), None),
             "kv_recomputed": ups[0].get("kv_recomputed") if ups else None,
+            "resumed_at": resumed["position"] if resumed else None,  # checkpoint: the position the KV was restored to
+            "replayed": resumed["replayed"] if resumed else None,  # tokens replayed after it
+            "checkpoints_before_kill": sum(1 for e in evs if e["kind"] == "checkpoint" and e["t"] < kill.get("wall", 0)),
             # timeline from the coordinator's events (wall clock, seconds after the kill)
             "timeline_s": {(e["kind"] if e["kind"] != "state" else "state:" + e["state"]): round(e["t"] - kill["wall"], 3) for e in reversed(after)
                            if e["kind"] in ("leave", "pause", "state", "prepare", "up", "recovered", "spare")} if kill else None,
@@ -199,14 +205,18 @@ def report(rows: list[dict], args, run: Conditions) -> None:
     def f(x, d=3):
         return "–" if x is None else f"{x:.{d}f}"
 
+    def resumed(r) -> str:
+        return "–" if r.get("resumed_at") is None else f"{r['resumed_at']} / {r['replayed']}"
+
     lines = ["# Recovery after a worker is SIGKILLed mid-stream", "", conditions, "",
-             "| trial | replay | kill after chunk | plan (worker units) | victim | spare before kill | gap before/after kill s | kill → next chunk s | coordinator recovered s | new plan prepare s | detect / plan / load / replay+step s | tokens match |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| trial | replay | kill after chunk | plan (worker units) | victim | spare before kill | gap before/after kill s | kill → next chunk s | coordinator recovered s | new plan prepare s | detect / plan / load / replay+step s | resumed at / replayed | tokens match |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         plan = " ".join(f"{w}[{a},{b})" for w, a, b in r["plan_stages"])
         lines.append(f"| {r['trial']} | {r['replay']} | {r['kill_at']} | {plan} | {r['victim']} | {'yes' if r['spare_before_kill'] else 'no'} | {f(r['gap_s'])} | "
                      f"{f(r['kill_to_next_chunk_s'])} | {f(r['recovered_s'])} | {f(r['new_plan_prepare_s'])} | "
-                     f"{' / '.join(f(v, 2) for v in r['phases_s'].values()) if r['phases_s'] else '–'} | {'yes' if r['tokens_match'] else 'NO'} |")
+                     f"{' / '.join(f(v, 2) for v in r['phases_s'].values()) if r['phases_s'] else '–'} | "
+                     f"{resumed(r)} | {'yes' if r['tokens_match'] else 'NO'} |")
     lines += ["", "| replay, killed after chunk (tokens to replay) | trials | client gap around the kill s, median / max | kill → next chunk s, median / max | "
               "coordinator `recovered.seconds`, median / max | new plan prepare s (median) | normal chunk gap s | tokens match | spare before kill | < 1 s |",
               "|---|---|---|---|---|---|---|---|---|---|"]
@@ -221,11 +231,17 @@ def report(rows: list[dict], args, run: Conditions) -> None:
               "(the plain graphs) replays each generated token as a decode step, so the time grows with the tokens generated before "
               "the kill; `chunk` (`serve --verify-form`: every position of a chunk has a decode step's bits) replays them in one "
               "prefill. Each replay's text is checked against the single-process reference of its own graph form."]
+    if any(m == "checkpoint" for m, _ in positions):
+        lines.append(f"`checkpoint` (`serve --kv-checkpoint-tokens {args.checkpoint_tokens}`; `steps` and `chunk` run with 0): every "
+                     f"{args.checkpoint_tokens} generated tokens the sequence's new KV positions are copied to the spare plan's workers; "
+                     "the recovery onto the spare resumes at the last checkpoint every holder acknowledged and replays the tokens after it "
+                     "step by step (`resumed at / replayed`). A kill right after a multiple of the interval finds the round for that "
+                     "token still under way, so those trials replay a whole interval: the worst case.")
     if args.placement == "planner":
         lines.append("Memory budgets are emulation (a worker refuses a stage above its budget); compute is not slowed.")
     text = "\n".join(lines)
     print(text)
-    name = "recovery" + ("-chunk" if "chunk" in args.replay.split(",") else "") + ("-smoke" if args.smoke else "") + ("" if args.placement == "planner" else f"-{args.placement}")
+    name = "recovery" + ("-chunk" if "chunk" in args.replay.split(",") else "") + ("-checkpoint" if "checkpoint" in args.replay.split(",") else "") + ("-smoke" if args.smoke else "") + ("" if args.placement == "planner" else f"-{args.placement}")
     write_results(name, {"conditions": conditions, **run.as_dict(), "summary": summary, "trials": rows}, text)
 
 
@@ -240,8 +256,10 @@ def main() -> None:
     ap.add_argument("--request-timeout", type=float, default=180)
     ap.add_argument("--smoke", action="store_true", help="2 trials of 64 tokens, kill after chunk 16")
     ap.add_argument("--serve-args", default="", help="more serve flags for every trial (e.g. --no-prefix-cache)")
-    ap.add_argument("--replay", default="steps", help="comma list of steps (plain graphs: a decode step per generated token) "
-                                                        "and chunk (--verify-form: one prefill); trials rotate")
+    ap.add_argument("--replay", default="steps", help="comma list of steps (plain graphs: a decode step per generated token), "
+                                                        "chunk (--verify-form: one prefill) and checkpoint (KV checkpoints on the "
+                                                        "spare: only the tokens since the last are replayed); trials rotate")
+    ap.add_argument("--checkpoint-tokens", type=int, default=32, help="checkpoint: serve --kv-checkpoint-tokens")
     args = ap.parse_args()
     if args.smoke:
         args.trials, args.tokens, args.kill_at = 2, 64, "16"
@@ -252,8 +270,8 @@ def main() -> None:
 
     run = Conditions.start()
     replays = args.replay.split(",")
-    if set(replays) - {"steps", "chunk"}:
-        ap.error("--replay takes steps and/or chunk")
+    if set(replays) - {"steps", "chunk", "checkpoint"}:
+        ap.error("--replay takes steps, chunk and/or checkpoint")
     expected = {m: reference_text(resolve("smollm2", "int4", home), args.tokens, verify_form=m == "chunk") for m in replays}
     rows = []
     positions = [int(k) for k in str(args.kill_at).split(",")]

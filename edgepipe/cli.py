@@ -270,6 +270,10 @@ def serve(
                                       help="Keep the KV of prompt prefixes on every stage and reuse it for prompts that start the same."),
     prefix_cache_positions: int = typer.Option(4096, "--prefix-cache-positions", min=0,
                                                help="KV positions of cached prefixes each stage may keep (within its KV budget)."),
+    kv_checkpoint_tokens: int = typer.Option(32, "--kv-checkpoint-tokens", min=0,
+                                             help="Copy each live sequence's KV to the spare plan's workers every this many generated "
+                                                  "tokens, so a recovery replays only the tokens since (0: off; not with speculative "
+                                                  "decoding)."),
     precision: str = PrecisionOption,
     home: Optional[Path] = HomeOption,
 ):
@@ -293,7 +297,7 @@ def serve(
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
                              cluster=cluster, advertise=advertise, batch_invariant=batch_invariant, local_device=local_device,
                              speculative=speculative, draft_k=draft_k, draft_threads=draft_threads, verify_form=verify_form,
-                             prefix_cache_positions=prefix_cache_positions if prefix_cache else 0)
+                             prefix_cache_positions=prefix_cache_positions if prefix_cache else 0, kv_checkpoint_tokens=kv_checkpoint_tokens)
 
     def ready(bound: int, coordinator) -> None:
         if min_workers is not None:

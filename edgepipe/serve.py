@@ -55,6 +55,7 @@ class ServeSettings:
     draft_threads: int | None = None  # the draft model's threads in this process
     verify_form: bool = False  # stages run the verify form and a lost sequence is rebuilt by one prefill (experimental)
     prefix_cache_positions: int = 4096  # KV positions of cached prompt prefixes per stage (0: no prefix cache)
+    kv_checkpoint_tokens: int = 32  # copy live sequences' KV to the spare plan every this many tokens (0: off)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -171,7 +172,8 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
                                                                  batch_invariant=settings.batch_invariant,
                                                                  speculative=settings.speculative is not None or settings.verify_form,
                                                                  replay_in_one_prefill=settings.verify_form,
-                                                                 prefix_cache_positions=settings.prefix_cache_positions), plan_fn=plan_fn,
+                                                                 prefix_cache_positions=settings.prefix_cache_positions,
+                                                                 kv_checkpoint_tokens=settings.kv_checkpoint_tokens), plan_fn=plan_fn,
                               speculation=build_speculation(settings.speculative, package, settings.draft_k, settings.draft_threads)
                               if settings.speculative else None)
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,

@@ -38,6 +38,12 @@ class Metrics:
         self.prefix_reused = Counter("edgepipe_prefix_reused_positions", "Prompt positions taken from the prefix cache (computed by no stage)",
                                      registry=r)
         self.prefix_positions = Gauge("edgepipe_prefix_cached_positions", "Positions each stage holds in cached prefix blocks", registry=r)
+        self.checkpoints = Gauge("edgepipe_kv_checkpoints", "KV checkpoints every spare holder acknowledged (since start)", registry=r)
+        self.checkpoint_bytes = Gauge("edgepipe_kv_checkpoint_bytes", "KV bytes copied to the spare plan by checkpoints (since start)", registry=r)
+        self.checkpoint_failed = Gauge("edgepipe_kv_checkpoints_failed", "KV checkpoints voided: a copy failed or timed out (since start)",
+                                       registry=r)
+        self.checkpoint_resumed = Gauge("edgepipe_kv_checkpoint_resumes", "Sequences resumed from a KV checkpoint after a recovery", registry=r)
+        self.checkpoint_saved = Gauge("edgepipe_kv_checkpoint_positions_saved", "Positions those resumes did not replay", registry=r)
         self._recent: deque[float] = deque(maxlen=4096)
         self._recent_ttft: deque[tuple[float, float]] = deque(maxlen=256)  # (when, prefill step seconds)
 
@@ -86,4 +92,8 @@ class Metrics:
         self.workers.set(len(coordinator.workers))
         self.in_flight.set(coordinator.requests_in_flight)
         self.prefix_positions.set(coordinator.prefix.view()["positions"])
+        counts = coordinator.checkpoints.counts
+        for gauge, value in ((self.checkpoints, counts.sent), (self.checkpoint_bytes, counts.bytes), (self.checkpoint_failed, counts.failed),
+                             (self.checkpoint_resumed, counts.resumed), (self.checkpoint_saved, counts.positions_saved)):
+            gauge.set(value)
         return generate_latest(self.registry)

@@ -5,8 +5,9 @@ It never touches activations. The parts, one concern per file:
 lose decisions), ``scheduling`` (admission, bounded waits), ``deploy`` (plan change as
 actions, pure), ``deployer`` (carries out re-planning, loads, KV moves, the spare),
 ``requests`` (the token loop of every request, replay), ``steps`` (one step on the wire, lanes,
-timeouts), ``connections`` (worker channels in, heartbeats out), ``calibration``, ``event_log``
-(every event and measurement, indexed) and ``narrate`` (the dashboard's line of a logged event).
+timeouts), ``connections`` (worker channels in, heartbeats out), ``calibration``, ``checkpoints``
+(live sequences' KV copied to the spare plan, so a recovery replays less), ``event_log`` (every
+event and measurement, indexed) and ``narrate`` (the dashboard's line of a logged event).
 The deployer and the calibrator are lent ``ports.Ports`` (read and change the state, send to a
 worker), never the coordinator. This file holds the state, applies events to it (and logs them:
 the dashboard's lines come only from that log), takes workers out, and offers the public views.
@@ -30,6 +31,8 @@ from ..net.messages import Bye, Emulate
 from . import deploy, measurements, narrate, state as S, views
 from .event_log import EventLog
 from .calibration import Calibrator
+from .checkpointing import Checkpoints
+from .checkpoints import CheckpointSettings
 from .connections import Connections
 from .deployer import Deployer
 from .migration import KvMigration
@@ -91,6 +94,7 @@ class Coordinator:
         self.deployer = Deployer(ports, self.calibrator, self.plan_fn, self.plan_context, views, self.requests.lacking,
                                  lambda: bool(self.steps.pending), self.gate)
         self.deployer.migration = KvMigration(self, self.deployer)
+        self.checkpoints = Checkpoints(self, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
         self.connections = Connections(self)
 
     # -- state ------------------------------------------------------------------------------------
@@ -239,6 +243,7 @@ class Coordinator:
             if not fut.done():
                 fut.set_exception(broken)
         self.deployer.migration.abort_moves(broken)  # those sequences are rebuilt by replay instead
+        self.checkpoints.lost(wid)
         plan = self.cluster.active.plan_id if self.cluster.uses(wid) else None
         self.emit(S.WorkerLost(wid, why, self.clock()))  # its dashboard line: narrate.entry
         if plan is not None:

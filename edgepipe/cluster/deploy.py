@@ -172,6 +172,12 @@ def kv_plan_positions(state: ClusterState, full_context: int) -> int:
     return max(full_context, len(state.requests) * max(q.positions for q in state.requests.values()))
 
 
+def catching_up(state: ClusterState, plan_id: int) -> bool:
+    """Whether some running sequence has not yet been fed on ``plan_id`` (still the active
+    plan): it is being replayed or resumed there."""
+    return state.active is not None and state.active.plan_id == plan_id and any(q.plan != plan_id for q in state.requests.values())
+
+
 def recovery_plan(state: ClusterState, ready: set[str]) -> tuple[StageAssignment, ...] | None:
     """When down: the spare plan, if all its workers are still here (its files are in place)."""
     if state.active is None and state.ever_up and state.spare and {s.worker_id for s in state.spare} <= ready:

@@ -27,6 +27,7 @@ from .profiling import RUNTIME_OVERHEAD_BYTES
 from .views import WorkerView
 
 QUIESCE_S = 30.0
+CATCH_UP_S = 5.0  # the next spare waits at most this long for the sequences to be fed on a new plan
 
 
 class Deployer:
@@ -202,9 +203,19 @@ class Deployer:
         fetched = sum(r.fetched_bytes for r in results)
         p.note("up", plan=dep.plan_id, prepare_s=round(p.clock() - t0, 3), paused_s=round(p.clock() - paused_at, 3), fetched_bytes=fetched,
                predicted=dep.predicted, replaced=old.plan_id if old else None, **moved)
-        p.spawn(self.prefetch_spare(dep))
-        p.spawn(self.calibrator.probe_neighbours(dep.stages))  # planned neighbours measure their links (calibration)
+        p.spawn(self._after_catching_up(dep, self.prefetch_spare(dep)))
+        p.spawn(self._after_catching_up(dep, self.calibrator.probe_neighbours(dep.stages)))  # planned neighbours measure their links
         return dep
+
+    async def _after_catching_up(self, dep: Deployment, work, most_s: float = CATCH_UP_S) -> None:
+        """Run ``work`` (the next spare's loads, link probes) once every running sequence took a
+        step on ``dep``: after a recovery, replays would otherwise share the workers' cores with
+        building the next spare's sessions (at most ``most_s``: a sequence may be stuck elsewhere)."""
+        p = self.ports
+        deadline = p.clock() + most_s
+        while p.clock() < deadline and deploy.catching_up(p.state(), dep.plan_id):
+            await asyncio.sleep(0.05)
+        await work
 
     async def quiesce(self) -> None:
         """Wait until no step is in the pipeline (its KV is complete and stable)."""
@@ -230,7 +241,19 @@ class Deployer:
             msg = deploy.load_message(p.package, plan_id, s.start, s.end, self.precision(s.worker_id), {"kind": "coordinator"}, [],
                                       warm=True, batch_invariant=p.settings.batch_invariant, gpu=self.on_gpu(s.worker_id),
                                       verify=p.settings.speculative)
-            p.spawn(_quiet(self.load(s.worker_id, msg)))
+            p.spawn(self._spare_load(plan_id, tuple(stages), s.worker_id, msg))
+
+    async def _spare_load(self, plan_id: int, stages: tuple[StageAssignment, ...], worker_id: str, msg) -> None:
+        """A spare stage's LOAD: whether its session was built is state (``SpareLoaded``: a
+        worker that built it takes KV checkpoints, ``checkpoints``)."""
+        p = self.ports
+        try:
+            reply = await self.load(worker_id, msg)
+        except Exception:  # noqa: BLE001 - the loss of that worker is handled where it is noticed
+            return
+        p.emit(S.SpareLoaded(plan_id, stages, worker_id, bool(reply.ok and not reply.prefetched)))
+        if not reply.ok:  # it holds the files at most: no session built, no KV checkpoints taken
+            p.note("spare_unbuilt", worker=worker_id, plan=plan_id, error=reply.error)
 
 
 def deploy_error(text: str) -> Exception:

@@ -121,6 +121,17 @@ class SpareChosen:
 
 
 @dataclass(frozen=True)
+class SpareLoaded:
+    """A stage of the spare ``stages``, loaded as plan ``plan_id`` (negative), answered: ``built``,
+    its session is built (it can take KV checkpoints), or not (it holds the files at most)."""
+
+    plan_id: int
+    stages: tuple[StageAssignment, ...]
+    worker_id: str
+    built: bool
+
+
+@dataclass(frozen=True)
 class Pinned:
     """An operator's plan: the re-planner keeps it until ``until`` (None: unpinned)."""
 
@@ -200,5 +211,5 @@ class RequestEnded:
 
 
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
-         | Committing | Committed | PlanFailed | SpareChosen | Pinned | Repriced | SecretsIssued | SwitchStarted | SwitchEnded | Noted
+         | Committing | Committed | PlanFailed | SpareChosen | SpareLoaded | Pinned | Repriced | SecretsIssued | SwitchStarted | SwitchEnded | Noted
          | RequestStarted | RequestFed | KvMoved | RequestEnded)

@@ -99,7 +99,9 @@ class KvMigration:
 
     def moved(self, reply: Loaded) -> None:
         fut = self.moves.pop(reply.kv_received, None)
-        if fut and not fut.done():
+        if fut is None:  # not a move of a switch: a KV checkpoint's copy (``checkpoints``)
+            self.coord.checkpoints.moved(reply)
+        elif not fut.done():
             fut.set_result(reply)
 
     def abort_moves(self, exc: Exception) -> None:

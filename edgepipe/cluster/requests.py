@@ -22,7 +22,7 @@ from ..net.limits import KV_RESERVE_TOKENS
 from ..runtime import controls
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta
 from ..runtime.speculative import accept_greedy
-from . import measurements as M, scheduling, state as S
+from . import checkpoints, measurements as M, scheduling, state as S
 from .placement import Deployment
 from .profiling import RUNTIME_OVERHEAD_BYTES
 from .steps import PipelineBroken, RequestFailed, StepRecord, Steps, stop_if_cancelled
@@ -87,13 +87,24 @@ class Requests:
                 dep = await self.wait_up(last_progress)
                 moved_to = c.cluster.requests[rid].migrated_to if rid in c.cluster.requests else None
                 nxt = scheduling.next_feed(fed_plan, dep.plan_id, moved_to, state.prompt_ids, state.generated)
-                if nxt.new_epoch:  # the plan changed under us: rebuild KV by replay
-                    await self.steps.drop(seq, fed_plan)
+                info = c.cluster.requests.get(rid)
+                resume = checkpoints.resume_point(info.resume if info else None, dep.plan_id, len(state.prompt_ids),
+                                                  len(state.all_ids)) if nxt.fed_plan != dep.plan_id else None
+                if nxt.new_epoch or resume is not None:  # the plan changed under us: rebuild KV by replay
+                    if fed_plan is not None:
+                        await self.steps.drop(seq, fed_plan)
                     epoch += 1
-                    seq, sent_plan = f"{rid}.{epoch}", None
+                    seq, sent_plan = resume.seq if resume else f"{rid}.{epoch}", None
                 fed_plan, feed, replay_from = nxt.fed_plan, nxt.feed, nxt.replay_from
+                if resume is not None:  # the spare holds its KV up to a checkpoint: replay only what came after
+                    c.checkpoints.resumed(resume)
+                    c.event("resume", request=rid, position=resume.position, replayed=len(state.all_ids) - resume.position)
+                    fed_plan, feed = dep.plan_id, state.all_ids[resume.position:]
+                    replay_from = 1 if len(feed) > 1 else None  # every token after it as its own decode step
                 if len(feed) > 1:  # a prefill or a replay: a sequence whose stages hold no rejected drafts
                     rewind = False
+                if resume is not None:  # a holder may hold more of it (a round of copies was under way): forget the rest
+                    rewind = True
                 try:
                     head = controls.step_fields(state, self.coord.manifest.config.get("vocab_size") or 0, len(feed) > 1)
                 except ValueError as exc:  # the token mask provider's answer cannot be used
@@ -123,6 +134,8 @@ class Requests:
                     # Stages before the failure may have taken the step: its KV there is no longer
                     # known to be whole, so a move that brought it is void and the retry replays.
                     c.emit(S.KvMoved(rid, None))
+                    if resume is not None:  # nor is the checkpoint it resumed from
+                        c.emit(S.CheckpointVoid(rid, why))
                     # Always yield before retrying: a send to a closed channel fails without
                     # awaiting, and the task that takes the dead worker out must get to run.
                     await asyncio.sleep(min(0.01 * broken, 0.25))
@@ -140,6 +153,7 @@ class Requests:
                     record.tokens_out = len(tokens)
                 rewind = bool(drafts) and len(tokens) < len(drafts) + 1  # the stages hold rejected drafts
                 c.emit(S.RequestFed(rid, seq, dep.plan_id, len(state.all_ids) + len(tokens) - 1))
+                await c.checkpoints.after_step(rid, seq, dep, len(state.prompt_ids))
                 if head.get("logprobs") and record.logprobs is None:
                     raise RequestFailed("the last stage returned no logprobs (a worker older than logprobs)")
                 if "targets" in head:
@@ -156,6 +170,7 @@ class Requests:
             if spec is not None:
                 spec.forget(rid)
             c.emit(S.RequestEnded(rid))
+            c.checkpoints.sweep()  # its checkpoint on the spare goes
             self.steps.leave(rid)
             # Cancelled callers cannot await, so clean up in a task of its own.
             c.spawn(self.steps.finish(seq, sent_plan))

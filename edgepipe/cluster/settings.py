@@ -29,3 +29,5 @@ class CoordinatorSettings:
     replay_in_one_prefill: bool = False  # with the verify form: a lost sequence's KV is rebuilt by one prefill (serve --verify-form)
     prefix_cache_positions: int = 4096  # KV positions each stage may keep of cached prompt prefixes (0: no prefix cache)
     prefix_block: int = 32  # token ids per cached block (cluster.prefix)
+    kv_checkpoint_tokens: int = 32  # copy a live sequence's KV to the spare plan every this many tokens (0: never; cluster.checkpoints)
+    kv_checkpoint_in_flight: int = 2  # sequences whose checkpoint is being copied at once

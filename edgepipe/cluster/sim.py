@@ -38,7 +38,8 @@ N_UNITS = 8
 UNIT_BYTES = 100_000_000
 UNIT_KV_ROOM = 1000 * 256  # a unit's KV room as a real worker keeps it: kv_bytes_per_token x min(KV_RESERVE_TOKENS, max_context)
 SETTINGS = dict(heartbeat_s=1.0, dead_after_s=2.0, lose_after_s=6.0, step_timeout_s=8.0, load_timeout_s=6.0,
-                capacity_wait_s=10.0, max_wait_s=30.0, replan_every_s=5.0, calibrate=True, prefix_block=2, prefix_cache_positions=24)
+                capacity_wait_s=10.0, max_wait_s=30.0, replan_every_s=5.0, calibrate=True, prefix_block=2, prefix_cache_positions=24,
+                kv_checkpoint_tokens=3)
 REQUEST_BOUND_S = SETTINGS["max_wait_s"] + SETTINGS["step_timeout_s"] + 12.0  # admitted -> tokens or a clear error
 UP_BOUND_S = 30.0  # last fault healed -> Up, when the live workers can hold the model
 FAULTS = ("kill", "stall", "slow", "partition_coord", "partition_peer", "reconnect", "join_late", "restart", "malformed", "bad_request",

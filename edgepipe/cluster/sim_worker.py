@@ -34,9 +34,14 @@ class FakeWorker:
         self.dead = False
         self.stalled_until = 0.0
         self.dropping_until = 0.0  # answers pings but drops activation frames until then
+        self.refusing_kv_until = 0.0  # fails every KV frame it is sent until then (a KV move or checkpoint that fails)
         # the fake model's slowness is in its compute; the core adds no emulated wait of its own
         self.state = core.WorkerState(name, budget_bytes=memory, data_url=self.url)
         self.kv: dict[str, dict[str, list[int]]] = {}  # graph -> seq -> per-unit state + [positions held]
+        # (graph, seq) -> length -> its state when it was that long (computed or imported), the last
+        # few: what a rewind goes back to and what a checkpoint's ``upto`` exports (the fake state
+        # is a running hash, not per position as a real KV cache)
+        self.lengths: dict[tuple[str, str], dict[int, list[int]]] = {}
         self.prefixes: dict[int, tuple[int, dict[str, list[int]]]] = {}  # plan -> (epoch, block name -> state after the block)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.control = None
@@ -165,14 +170,17 @@ class FakeWorker:
         elif isinstance(cmd, core.DropSequence):
             for graph in cmd.graphs:
                 self.kv.get(graph, {}).pop(cmd.seq, None)
+                self.lengths.pop((graph, cmd.seq), None)
         elif isinstance(cmd, core.KeepSessions):
             self.kv = {g: kv for g, kv in self.kv.items() if g in cmd.graphs}
+            self.lengths = {k: v for k, v in self.lengths.items() if k[0] in cmd.graphs}
             if cmd.plans is not None:
                 self.prefixes = {p: s for p, s in self.prefixes.items() if p in cmd.plans}
         elif isinstance(cmd, core.Forget):
             while not self.queue.empty():
                 self.queue.get_nowait()
             self.kv = {g: {} for g in self.kv}
+            self.lengths.clear()
             self.prefixes.clear()
         elif isinstance(cmd, core.FetchFiles):
             await asyncio.sleep(0.2 * self.slowdown)
@@ -190,7 +198,10 @@ class FakeWorker:
         elif isinstance(cmd, core.ExportKv):
             await self._export(cmd)
         elif isinstance(cmd, core.ImportKv):
-            await self.feed(self._import(cmd))
+            if loop.time() < self.refusing_kv_until:
+                await self.feed(core.Failed(cmd.kv, ErrorCode.INTERNAL, f"{self.name} refuses KV (a fault)"))
+            else:
+                await self.feed(self._import(cmd))
         elif isinstance(cmd, core.TimeStage):
             await self.feed(core.StageTimed(cmd.probe, [0.01 * self.slowdown] * cmd.reps))
         elif isinstance(cmd, core.SendLinkPayload):
@@ -219,6 +230,14 @@ class FakeWorker:
             missing = self._prefix_before(plan, kv, seq, entry)
             if missing:
                 return core.Failed(cmd.forward, ErrorCode.PREFIX_MISS, missing, {s: kv[s][-1] for s in cmd.seqs if s in kv})
+        for item in batch:  # rewind (as runner.rewind): only to a length an import left (else the stage refuses)
+            h, pos = kv.get(item["seq"]), item.get("pos")
+            if item.get("rewind") and isinstance(pos, int) and h is not None and pos < h[-1]:
+                back = self.lengths.get((cmd.graph, item["seq"]), {}).get(pos)
+                if back is None:
+                    return core.Failed(cmd.forward, ErrorCode.BAD_INPUT, f"{item['seq']}: cannot rewind to {pos}",
+                                       {s: kv[s][-1] for s in cmd.seqs if s in kv})
+                kv[item["seq"]] = list(back)
         y = np.zeros_like(x)
         for row, item in enumerate(batch):
             h = kv.setdefault(item["seq"], [0] * (end - start + 1))
@@ -231,6 +250,7 @@ class FakeWorker:
                     h[k], v = _unit(h[k], v, u)
                 y[row, col] = v
                 h[-1] += 1
+                self._keep(cmd.graph, item["seq"], h)
                 if keep and h[-1] % entry["block"] == 0 and h[-1] // entry["block"] - 1 in keep:
                     held[keep[h[-1] // entry["block"] - 1]] = list(h)
         out = np.array([int(y[r, -1]) % VOCAB for r in range(len(batch))], np.int64) if end == N_UNITS else y
@@ -260,9 +280,14 @@ class FakeWorker:
         if target is None or target.dead or held is None:
             await self.feed(core.ExportFailed(e, "cannot export"))
             return
+        if e.upto is not None and e.upto != held[-1]:  # a checkpoint of fewer positions than held: as they were then
+            held = self.lengths.get((cmd.graph, e.seq), {}).get(e.upto)
+            if held is None:
+                await self.feed(core.ExportFailed(e, f"{e.seq}: no state at {e.upto} positions"))
+                return
         start = next(s.start for s in self.state.stages.values() if s.graph == cmd.graph)
         units = {u: held[u - start] for u in range(e.start, e.end)}
-        frame = Message(T.KV, {"seq": e.seq, "plan": e.to_plan, "move": e.move, "units": units, "length": held[-1]})
+        frame = Message(T.KV, {"seq": e.as_seq or e.seq, "plan": e.to_plan, "move": e.move, "units": units, "length": held[-1]})
         target.data.put(asyncio.get_running_loop().time() + 0.001, frame)
 
     def _import(self, cmd: core.ImportKv) -> core.Imported:
@@ -272,7 +297,14 @@ class FakeWorker:
         for u, value in msg["units"].items():
             h[int(u) - start] = value
         h[-1] = msg["length"]
+        self._keep(cmd.graph, msg["seq"], h)
         return core.Imported(msg, cmd.graph, h[-1], 0)
+
+    def _keep(self, graph: str, seq: str, h: list[int]) -> None:
+        kept = self.lengths.setdefault((graph, seq), {})
+        kept[h[-1]] = list(h)
+        if len(kept) > 12:  # a few recent lengths are enough
+            del kept[min(kept)]
 
 
 def _unit_bytes() -> int:

@@ -40,6 +40,9 @@ class Report:
     errors_seen: list[str] = field(default_factory=list)
     prefix_hits: int = 0  # prompt prefills that started from cached blocks
     prefix_dropped: int = 0  # times a coordinator dropped its whole prefix cache (plan switch, failed frame, miss)
+    checkpoints: int = 0  # KV checkpoints every spare holder acknowledged
+    resumed: int = 0  # sequences that resumed from a checkpoint after a recovery (the rest replayed whole)
+    checkpoints_failed: int = 0  # checkpoints voided because a copy failed
 
 
 class World:
@@ -143,7 +146,9 @@ async def _fault(world: World, f: Fault) -> float:
         w.malformed = 1 + f.worker % 4
     elif f.kind == "forget_prefixes":  # its cached blocks are gone, unknown to the coordinator
         w.prefixes.clear()
-    return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work") else 0.0)
+    elif f.kind == "refuse_kv":  # KV sent to it fails (targeted schedules only: not among the random FAULTS)
+        w.refusing_kv_until = now + f.seconds
+    return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work", "refuse_kv") else 0.0)
 
 
 def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
@@ -162,7 +167,15 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
         out.append("lane members left")
     if coord.prefix.cache.pending:
         out.append(f"prefix decisions never committed or dropped: {sorted(coord.prefix.cache.pending)}")
+    if coord.checkpoints.placed or coord.checkpoints.flying or coord.checkpoints.moves or coord.cluster.checkpoints:
+        out.append(f"KV checkpoints left: {sorted(coord.checkpoints.placed)} placed, {sorted(coord.checkpoints.flying)} in flight")
     return out
+
+
+def _held_checkpoints(workers: list[FakeWorker]) -> list[str]:
+    """Checkpoint KV (``<rid>.c<n>``) a live worker still holds once every request has ended."""
+    return sorted(f"{w.name}:{seq}" for w in workers if not w.dead for kv in w.kv.values() for seq in kv
+                  if seq.rsplit(".", 1)[-1].startswith("c"))
 
 
 async def _main(schedule: Schedule) -> Report:
@@ -230,6 +243,11 @@ async def _main(schedule: Schedule) -> Report:
     await asyncio.sleep(SETTINGS["load_timeout_s"] + 1)  # a load or move seen in flight twice, that long apart, leaked
     for i, (c, adm) in enumerate(world.coordinators):
         report.violations += [f"coordinator {i}: {leak}" for leak in _leaks(c, adm) if leak in first[i]]
+    if world.coordinators[-1][0].links and (held := _held_checkpoints(world.workers)):
+        report.violations.append(f"checkpoint KV still held by workers: {held}")
+    report.checkpoints = sum(c.checkpoints.counts.sent for c, _ in world.coordinators)
+    report.resumed = sum(c.checkpoints.counts.resumed for c, _ in world.coordinators)
+    report.checkpoints_failed = sum(c.checkpoints.counts.failed for c, _ in world.coordinators)
     report.prefix_hits = sum(c.prefix.counts.hits for c, _ in world.coordinators)
     report.prefix_dropped = sum(c.prefix.counts.dropped for c, _ in world.coordinators)
     for w in world.workers:

@@ -22,10 +22,12 @@ from typing import Mapping
 # The event types (``events``), re-exported so callers write ``state.Heard(...)``.
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
-    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, Pinned, Repriced,
+    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, SpareLoaded, Pinned, Repriced,
     SecretsIssued, SwitchStarted, SwitchEnded, Noted, RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
 )
 from ..net.messages import Hello
+from . import checkpoints as K
+from .checkpoints import Checkpoint, CheckpointSending, CheckpointStored, CheckpointVoid, Resume  # noqa: F401 - events and values, as state.X
 from .placement import Deployment, StageAssignment
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
@@ -90,6 +92,7 @@ class RequestInfo:
     plan: int | None = None  # plan whose workers hold its KV (None: none yet / lost)
     kv_len: int = 0  # tokens in that KV
     migrated_to: int | None = None  # a plan that received its KV by a move (resume there without replay)
+    resume: Resume | None = None  # a committed plan that holds a checkpoint of its KV (replay only what came after it)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,9 @@ class ClusterState:
     switching: int | None = None  # the plan being swapped in while sequences pause between steps (None: they step)
     # plan -> worker -> data-port secret (``net.auth``); kept out of reprs (logs, assertion messages)
     secrets: Mapping[int, Mapping[str, str]] = field(default_factory=lambda: _frozen({}), repr=False)
+    spare_plan: int | None = None  # the plan id the spare's stages were loaded under
+    spare_built: frozenset[str] = frozenset()  # the spare's workers whose session is built (they take KV checkpoints)
+    checkpoints: Mapping[str, Checkpoint] = field(default_factory=lambda: _frozen({}))  # rid -> what the spare holds of its KV
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""
@@ -162,7 +168,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case WorkerLost(wid, why, now) if wid in state.workers:
             state = _replace(state, workers=_without(state.workers, wid))
             if state.spare and any(s.worker_id == wid for s in state.spare):
-                state = _replace(state, spare=None)
+                # a holder is gone: no checkpoint is whole
+                state = _replace(state, spare=None, spare_plan=None, spare_built=frozenset(), checkpoints=_frozen({}))
             if state.preparing is not None and wid in state.preparing.workers:
                 state = _replace(state, preparing=None)
             return _down(state, now) if state.uses(wid) else state
@@ -190,6 +197,10 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case Committing(now) if state.active is None:
             return _phase(state, Phase.COMMITTING, now)
         case Committed(dep, now):
+            resumes = K.resumable(state.checkpoints, state.spare, dep.stages, dep.plan_id)
+            if resumes:  # the spare plan came up: its workers hold these sequences' checkpoints
+                state = _replace(state, requests=_frozen({r: _replace(q, resume=resumes[r]) if r in resumes else q
+                                                          for r, q in state.requests.items()}))
             # the secrets of the new plan and of the one it replaces are kept, those of other (failed) plans go
             kept = {dep.plan_id} | ({state.active.plan_id} if state.active is not None else set())
             secrets = _frozen({p: s for p, s in state.secrets.items() if p in kept})
@@ -204,7 +215,11 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case PlanFailed(why, _):
             return _replace(state, last_failure=why)
         case SpareChosen(stages):
-            return _replace(state, spare=stages)
+            # checkpoints are of the spare they were copied to
+            return _replace(state, spare=stages, spare_plan=None, spare_built=frozenset(), checkpoints=_frozen({}))
+        case SpareLoaded(plan_id, stages, wid, built) if stages == state.spare and state.spare_plan in (None, plan_id):
+            kept = state.spare_built | {wid} if built else state.spare_built - {wid}
+            return _replace(state, spare_plan=plan_id, spare_built=kept)
         case Pinned(plan_id, until):
             return _replace(state, pin=None if plan_id is None else (plan_id, until))
         case Repriced(plan_id, predicted):
@@ -216,12 +231,20 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case RequestStarted(rid, positions):
             return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
-            q = _replace(state.requests[rid], seq=seq, plan=plan, kv_len=kv_len, migrated_to=None)
+            q = _replace(state.requests[rid], seq=seq, plan=plan, kv_len=kv_len, migrated_to=None, resume=None)
             return _replace(state, requests=_with(state.requests, rid, q))
+        case CheckpointSending() if event.rid in state.requests:
+            return _replace(state, checkpoints=K.sending(state.checkpoints, state.spare, event))
+        case CheckpointStored() if event.rid in state.requests:
+            return _replace(state, checkpoints=K.stored(state.checkpoints, state.spare, event))
+        case CheckpointVoid(rid) if rid in state.requests:
+            q = state.requests[rid]
+            return _replace(state, checkpoints=_without(state.checkpoints, rid),
+                            requests=_with(state.requests, rid, _replace(q, resume=None)) if q.resume else state.requests)
         case KvMoved(rid, plan) if rid in state.requests:
             return _replace(state, requests=_with(state.requests, rid, _replace(state.requests[rid], migrated_to=plan)))
         case RequestEnded(rid) if rid in state.requests:
-            return _replace(state, requests=_without(state.requests, rid))
+            return _replace(state, requests=_without(state.requests, rid), checkpoints=_without(state.checkpoints, rid))
     return state
 
 

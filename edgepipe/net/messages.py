@@ -254,6 +254,9 @@ class KvExport(Wire):
     move: int
     secret: str | None = None  # the destination stage's data-port secret for ``to_plan``
     fingerprint: str | None = None  # the destination's data-port certificate (TLS clusters)
+    upto: int | None = None  # a checkpoint: the sender must hold exactly this many positions (else it refuses)
+    as_seq: str | None = None  # a checkpoint: the name the receiver stores the KV under (None: ``seq``)
+    since: int | None = None  # a checkpoint's increment: full-cache layers from this position on (the receiver holds the rest)
 
 
 @dataclass(frozen=True)
@@ -288,6 +291,7 @@ class Kv(Wire):
     plan: int  # the receiver's plan
     length: int
     move: int
+    since: int | None = None  # full-cache layers' tensors start at this position (a checkpoint's increment)
 
 
 # -- what workers send --------------------------------------------------------------------------
@@ -377,8 +381,9 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
         if to_worker is not None:
             return to_worker(f)
         if msg.type is T.KV:
-            if not (isinstance(f["seq"], str) and _int(f["plan"]) and _int(f["move"]) and (f.get("length") is None or _int(f["length"]))):
-                raise ProtocolError("kv: seq, plan, move (and length) must be a string and integers")
+            if not (isinstance(f["seq"], str) and _int(f["plan"]) and _int(f["move"]) and (f.get("length") is None or _int(f["length"]))
+                    and (f.get("since") is None or (_int(f["since"]) and f["since"] >= 0))):
+                raise ProtocolError("kv: seq, plan, move (and length, since) must be a string and integers")
             return msg
         if msg.type is T.TOKEN:
             batch, tokens = f["batch"], f["tokens"]
@@ -482,7 +487,8 @@ def _probe(f: dict) -> Probe:
 def _kv_export(f: dict) -> KvExport:
     return KvExport(_str(f["seq"], "seq"), _need_int(f["plan"], "plan"), _need_int(f["start"], "start"), _need_int(f["end"], "end"),
                     _need_int(f["to_plan"], "to_plan"), _opt_str(f.get("url"), "url"), _need_int(f["move"], "move"),
-                    _opt_str(f.get("secret"), "secret"), _opt_str(f.get("fingerprint"), "fingerprint"))
+                    _opt_str(f.get("secret"), "secret"), _opt_str(f.get("fingerprint"), "fingerprint"), _opt_int(f.get("upto"), "upto"),
+                    _opt_str(f.get("as_seq"), "as_seq"), _opt_int(f.get("since"), "since"))
 
 
 def _emulate(f: dict) -> Emulate:

@@ -160,13 +160,17 @@ DOCS: dict[type, MessageDoc] = {
         "move": "move id (acknowledged by the receiver's `loaded`)",
         "secret": "the receiver stage's data-port secret for `to_plan`",
         "fingerprint": "the receiver's data-port certificate (TLS clusters)",
+        "upto": "a KV checkpoint: positions the sender must hold now (it refuses otherwise)",
+        "as_seq": "a KV checkpoint: the name the receiver stores the KV under",
+        "since": "a KV checkpoint's increment: full-cache layers' positions from here on (the receiver holds those before)",
     }),
     messages.Kv: MessageDoc("w→w", "a sequence's KV", {
         "seq": "the sequence",
         "plan": "the receiver's plan",
         "length": "positions held",
         "move": "the move id",
-    }, "`key.<u>`, `value.<u>`: `float32 [1, kv_heads, length, head_dim]`"),
+        "since": "full-cache layers' tensors start at this position (a checkpoint's increment; absent: 0)",
+    }, "`key.<u>`, `value.<u>`: `float32 [1, kv_heads, length - since, head_dim]` (window layers: their last positions)"),
     messages.Emulate: MessageDoc("c→w", "change the emulated slowdown (labelled emulation)", {"slowdown": "the new factor"}),
     messages.Error: MessageDoc("either", "something failed", {
         "message": "one line",

@@ -412,16 +412,22 @@ class _KVPool:
     def nbytes(self) -> int:
         return sum(a.nbytes if isinstance(a, np.ndarray) else a.tensor_size_in_bytes() for a in self.arrays.values())
 
-    def export(self, seq: str) -> dict[str, np.ndarray]:
-        """Every layer's live positions of ``seq``: a window layer's are its last ``kept``."""
-        r, n, kept = self.row_of[seq], self.length[seq], self.kept(seq)
-        return {name: self.host(name)[r : r + 1, :, : kept if name in self.window_names else n].copy() for name in self.arrays}
+    def export(self, seq: str, since: int = 0, upto: int | None = None) -> dict[str, np.ndarray]:
+        """Every layer's positions of ``seq`` below ``upto`` (default: its length), a full-cache
+        layer's from ``since``: a window layer's are the last ones that length keeps."""
+        r, n, start = self.row_of[seq], self.length[seq], self.start[seq]
+        n = n if upto is None else min(upto, n)
+        lo = window_start(n, self.window) if self.window_names else 0
+        if self.window_names and lo < start:
+            raise ValueError(f"{seq}: the sliding-window layers no longer hold what {n} positions need")
+        return {name: self.host(name)[r : r + 1, :, lo - start : n - start].copy() if name in self.window_names
+                else self.host(name)[r : r + 1, :, since:n].copy() for name in self.arrays}
 
-    def write(self, seq: str, name: str, positions: np.ndarray) -> None:
-        """Set ``seq``'s first ``positions.shape[2]`` positions of buffer ``name`` (an import)."""
+    def write(self, seq: str, name: str, positions: np.ndarray, at: int = 0) -> None:
+        """Set ``positions.shape[2]`` positions of ``seq`` in buffer ``name`` from ``at`` on (an import)."""
         row = self.row_of[seq]
         a = self.host(name)
-        a[row : row + 1, :, : positions.shape[2]] = positions
+        a[row : row + 1, :, at : at + positions.shape[2]] = positions
         self.store(name, a)
 
 
@@ -554,21 +560,29 @@ class StageRunner:
     def kv_bytes(self) -> int:
         return self._pool.nbytes
 
-    def export_kv(self, seq: str) -> dict[str, np.ndarray]:
-        return self._pool.export(seq) if seq in self._pool.row_of else {}
+    def export_kv(self, seq: str, since: int = 0, upto: int | None = None) -> dict[str, np.ndarray]:
+        """``seq``'s KV; ``since``: full-cache layers only from that position on (a window
+        layer's last positions travel whole); ``upto``: as it was when ``upto`` positions long
+        (``ValueError`` when a window layer no longer holds what that length needs)."""
+        return self._pool.export(seq, since, upto) if seq in self._pool.row_of else {}
 
-    def import_kv(self, seq: str, tensors: dict[str, np.ndarray], length: int | None = None) -> None:
+    def import_kv(self, seq: str, tensors: dict[str, np.ndarray], length: int | None = None, since: int = 0) -> None:
         """Install a sequence's KV moved from another runner (same layers). ``length`` is the
         sequence's length (the sender's ``length(seq)``): sliding-window layers' tensors hold
-        only their last positions, so without a full-cache layer it cannot be read off a shape."""
+        only their last positions, so without a full-cache layer it cannot be read off a shape.
+        ``since``: the full-cache layers' tensors start at that position (an increment appended to
+        what this runner holds: it must hold ``since`` positions, or ``length`` where another part
+        of the same increment, other layers, came first)."""
         pool = self._pool
         full = [arr.shape[2] for name, arr in tensors.items() if name not in pool.window_names]
         if length is None:
             if not full and tensors:
                 raise ValueError("importing only sliding-window layers needs the sequence's length")
-            length = max(full, default=0)
-        if any(n != length for n in full):
-            raise ValueError(f"KV of {max(full)} positions for a sequence of {length}")
+            length = max(full, default=0) + since
+        if since and pool.length.get(seq) not in (since, length):
+            raise ValueError(f"{seq} holds {pool.length.get(seq, 0)} positions: KV from position {since} cannot be appended")
+        if any(n != length - since for n in full):
+            raise ValueError(f"KV of {max(full)} positions from {since} for a sequence of {length}")
         start = window_start(length, self.window) if pool.window_names else 0
         kept = {name: arr.shape[2] for name, arr in tensors.items() if name in pool.window_names}
         if any(n < length - start for n in kept.values()):
@@ -578,8 +592,9 @@ class StageRunner:
         pool.reserve(length + 1, length - start + 1)
         for name, arr in tensors.items():
             if name in pool.window_names:  # the last length - start positions (a sender may keep more)
-                arr = arr[:, :, arr.shape[2] - (length - start):]
-            pool.write(seq, name, arr)
+                pool.write(seq, name, arr[:, :, arr.shape[2] - (length - start):])
+            else:
+                pool.write(seq, name, arr, since)
         pool.length[seq], pool.start[seq] = length, start
         pool.trim([seq])
 

@@ -86,7 +86,7 @@ def _fetched(state: WorkerState, event: Fetched) -> tuple[WorkerState, list[Comm
     if not load.warm and load.plan >= 0 and load.graph not in state.warm:
         # The real stage takes the memory a warm spare held (calibration's small ranges, with
         # negative plan ids, leave it: it may be this worker's stage again).
-        state = replace(state, warm=frozenset())
+        state = replace(state, warm=frozenset(), stages=_without_spare(state), spare=None)
         commands.append(KeepSessions(_used_graphs(state)))
         state = _forget_sessions(state)
     if load.graph in state.sessions:  # a session already built for this graph (kept range, warm spare) is reused
@@ -101,7 +101,14 @@ def _built(state: WorkerState, event: Built) -> tuple[WorkerState, list[Command]
     state = replace(state, sessions={**state.sessions, load.graph: session})
     commands: list[Command] = []
     if load.warm:
-        state = _forget_sessions(replace(state, warm=frozenset({load.graph})))
+        state = replace(state, warm=frozenset({load.graph}), stages=_without_spare(state), spare=None)
+        if load.plan < 0:  # the spare plan's stage: it takes KV checkpoints (cluster.checkpoints), never a FORWARD
+            spare = Stage(load.plan, load.start, load.end, load.graph, load.next, event.weight_bytes,
+                          secret=data_secret(state, state.data_url, load.plan, load.data_secret),
+                          frame_limit=limits.data_frame_limit(int(load.max_context or 4096), session.hidden, int(load.kv_bytes_per_token or 0)),
+                          max_context=load.max_context)
+            state = replace(state, stages={**state.stages, load.plan: spare}, spare=load.plan)
+        state = _forget_sessions(state)
         commands.append(KeepSessions(_used_graphs(state)))
     else:
         stage = Stage(load.plan, load.start, load.end, load.graph, load.next, event.weight_bytes,
@@ -118,6 +125,11 @@ def _built(state: WorkerState, event: Built) -> tuple[WorkerState, list[Command]
 
 def _load_failed(state: WorkerState, event: LoadFailed) -> tuple[WorkerState, list[Command]]:
     return state, [_loaded(event.load.plan, ok=False, error=event.error)]
+
+
+def _without_spare(state: WorkerState) -> dict[int, Stage]:
+    """The stages but the spare plan's (its session, and the checkpoints in it, go with it)."""
+    return {p: s for p, s in state.stages.items() if p != state.spare}
 
 
 def _used_graphs(state: WorkerState) -> frozenset[str]:
@@ -138,7 +150,8 @@ def _activate(state: WorkerState, event: Activate) -> tuple[WorkerState, list[Co
 
 
 def _drop(state: WorkerState, event: Drop) -> tuple[WorkerState, list[Command]]:
-    graphs = tuple(sorted({s.graph for s in state.stages.values()}))
+    # the warm spare's session too: it may hold KV checkpoints while its stage is not (yet) there
+    graphs = tuple(sorted({s.graph for s in state.stages.values()} | state.warm))
     held = {g: {s: n for s, n in h.items() if s != event.seq} for g, h in state.held.items()}
     return replace(state, held=held), [DropSequence(graphs, event.seq)]
 
@@ -298,6 +311,9 @@ def _export(state: WorkerState, export: KvExport) -> tuple[WorkerState, list[Com
     if stage is None or export.seq not in state.held.get(stage.graph, {}) or not export.url:
         why = f"no stage for plan {export.plan}" if stage is None else "no destination" if not export.url else f"{export.seq} is not held here"
         return state, [_kv_ack(export.move, ok=False, error=why)]
+    held = state.length(stage.graph, export.seq)
+    if export.upto is not None and session_layers(state, stage.graph) and held < export.upto:  # positions it never had
+        return state, [_kv_ack(export.move, ok=False, error=f"{export.seq} holds {held} positions, not {export.upto}")]
     return state, [ExportKv(export, stage.graph, data_secret(state, export.url, export.to_plan, export.secret))]
 
 
@@ -307,6 +323,11 @@ def _export_failed(state: WorkerState, event: ExportFailed) -> tuple[WorkerState
 
 def _kv_ack(move: int, **fields) -> SendControl:
     return SendControl(Message(T.LOADED, {"kv_received": move, **fields}))
+
+
+def session_layers(state: WorkerState, graph: str) -> tuple[int, ...]:
+    session = state.sessions.get(graph)
+    return session.layers if session is not None else ()
 
 
 def _import(state: WorkerState, msg: Message) -> tuple[WorkerState, list[Command]]:

@@ -58,6 +58,7 @@ class WorkerState:
     held: dict[str, dict[str, int]] = field(default_factory=dict)  # graph -> seq -> positions in its KV
     step_s: dict[str, float] = field(default_factory=dict)  # graph -> last decode step's seconds
     probe_secret: str | None = None  # what a peer timing this data port presents (probe kind "accept")
+    spare: int | None = None  # the spare plan whose stage is in ``stages`` (KV checkpoints land there)
     computed: int = 0
     busy_s: float = 0.0
     fetched_bytes: int = 0
@@ -71,7 +72,7 @@ class WorkerState:
     def in_use(self, keep: list | tuple, warm: bool, graph: str) -> int:
         """Weight bytes that stay beside a stage of ``graph``: the sessions of the stages kept (a
         warm spare: of every stage), each counted once, ``graph``'s own not at all (it is reused)."""
-        kept = {s.graph: s.weight_bytes for p, s in self.stages.items() if warm or p in keep}
+        kept = {s.graph: s.weight_bytes for p, s in self.stages.items() if (warm or p in keep) and p != self.spare}
         return sum(b for g, b in kept.items() if g != graph)
 
 

@@ -115,8 +115,12 @@ class Runners:
         runner, e = self.by_graph[cmd.graph], cmd.export
 
         def pack() -> bytes:
-            tensors = {k: v for k, v in runner.export_kv(e.seq).items() if e.start <= int(k.split(".")[1]) < e.end}
-            return encode(Message(T.KV, {"seq": e.seq, "plan": e.to_plan, "length": runner.length(e.seq), "move": e.move}, tensors))
+            since = e.since or 0  # a checkpoint's increment: full-cache layers from there on
+            # a checkpoint: the KV as it was ``upto`` positions long (a step may have run since)
+            tensors = {k: v for k, v in runner.export_kv(e.seq, since, e.upto).items() if e.start <= int(k.split(".")[1]) < e.end}
+            length = runner.length(e.seq) if e.upto is None else e.upto
+            fields = {"seq": e.as_seq or e.seq, "plan": e.to_plan, "length": length, "move": e.move, **({"since": since} if since else {})}
+            return encode(Message(T.KV, fields, tensors))
 
         return await asyncio.get_running_loop().run_in_executor(self.pool, pack)
 
@@ -124,8 +128,9 @@ class Runners:
         runner, msg = self.by_graph[cmd.graph], cmd.kv
         mine = {k: v for k, v in msg.tensors.items() if int(k.split(".")[1]) in cmd.layers}
         length = msg.get("length")  # window layers' KV travels trimmed: the length says where it ends
+        since = msg.get("since") or 0
         await asyncio.get_running_loop().run_in_executor(  # a copy into the pool, maybe a regrowth: off the loop
-            self.pool, runner.import_kv, msg["seq"], mine, int(length) if isinstance(length, int) else None)
+            self.pool, runner.import_kv, msg["seq"], mine, int(length) if isinstance(length, int) else None, since)
         return core.Imported(msg, cmd.graph, runner.length(msg["seq"]), int(sum(v.nbytes for v in mine.values())))
 
     async def time_stage(self, cmd: core.TimeStage, session: core.Session, slowdown: float) -> core.StageTimed:

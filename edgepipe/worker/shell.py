@@ -365,7 +365,7 @@ class Worker:
         if msg.type in IN_ORDER:
             await self.queue.put(msg)  # in order with the forwards: a DROP never while that sequence computes
         elif msg.type is T.PING:
-            kv = self.runners.kv_bytes(s.graph for s in self.state.stages.values())
+            kv = self.runners.kv_bytes({s.graph for s in self.state.stages.values()} | self.state.warm)  # with checkpoints held for a spare
             await self.feed(core.Pinged(typed.t, kv, self.queue.qsize(), self.loop_lag_s, self.runners.prefix_bytes))
             self.loop_lag_s = 0.0
         elif msg.type is T.ERROR:

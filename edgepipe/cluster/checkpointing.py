@@ -1,0 +1,181 @@
+"""Carrying out KV checkpoints (I/O): the KV_EXPORT frames of a due checkpoint, their
+acknowledgements, and dropping checkpoint KV nobody refers to. What is due, what a checkpoint
+holds and where a sequence resumes are decided in ``checkpoints`` (pure)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+
+from ..net.messages import Drop, KvExport
+from . import deploy, state as S
+from .checkpoints import CheckpointSettings, Resume, due
+from .placement import Deployment
+
+MOVE_TIMEOUT_S = 30.0  # a checkpoint copy not acknowledged by then is void
+FIRST_MOVE_ID = 1 << 40  # copy ids above the ids of a switch's KV moves (both are acknowledged by LOADED kv_received)
+LOST_SOURCE_GRACE_S = 2.0  # a copy whose sender left fails after this (a frame it sent whole has landed by then)
+
+
+@dataclass
+class CheckpointCounts:
+    sent: int = 0  # checkpoints whose every copy was acknowledged
+    copies: int = 0  # copies sent (one per source stage and spare stage)
+    failed: int = 0  # checkpoints voided (a copy failed or timed out)
+    bytes: int = 0  # KV bytes the acknowledged copies installed
+    resumed: int = 0  # sequences that resumed from a checkpoint after a recovery
+    positions_saved: int = 0  # positions those did not replay
+
+
+class Checkpoints:
+    """Sends the copies ``due`` asks for, records the acknowledgements, drops unreferenced KV."""
+
+    def __init__(self, coord, settings: CheckpointSettings):
+        self.coord = coord
+        self.settings = settings
+        self.counts = CheckpointCounts()
+        self._spare_seen = None  # the spare the last step saw (a new one: the old one's KV goes)
+        self.flying: dict[str, str] = {}  # rid -> the checkpoint name its copies in flight go to
+        self.placed: dict[str, set[str]] = {}  # checkpoint seq -> workers that may hold it
+        self.moves: dict[int, tuple[str, str, asyncio.Future]] = {}  # copy id -> (its source, its destination, its acknowledgement)
+        self._names = itertools.count(1)
+        self._moves = itertools.count(FIRST_MOVE_ID)
+
+    @property
+    def enabled(self) -> bool:
+        # Speculative decoding leaves rejected drafts in a stage's KV between steps: not copied.
+        return self.settings.interval > 0 and not self.coord.settings.speculative
+
+    # -- after a step ---------------------------------------------------------------------------
+    async def after_step(self, rid: str, seq: str, dep, prompt_len: int) -> None:
+        """Between two steps of ``rid`` (none in flight): send a checkpoint if one is due. Only
+        the KV_EXPORT frames are sent here (before the next step, so the first stage exports first)."""
+        c = self.coord
+        q = c.cluster.requests.get(rid)
+        spare, spare_plan = c.cluster.spare, c.cluster.spare_plan
+        if spare != self._spare_seen:  # the spare changed: what the old one holds goes
+            self._spare_seen = spare
+            self.sweep()
+        if not self.enabled or q is None or spare is None or spare_plan is None or q.plan != dep.plan_id:
+            return
+        ck = c.cluster.checkpoints.get(rid)
+        held = ck.position() if ck is not None and ck.spare == spare else None
+        if not due(self.settings, q.kv_len, prompt_len, held, len(self.flying), rid in self.flying):
+            return
+        kv_per_unit = [u.kv_bytes_per_token for u in c.manifest.units]
+        copies = deploy.kv_moves(dep, Deployment(spare_plan, spare, "spare"), c.n_units, kv_per_unit)
+        needs = frozenset(cp.dst for cp in copies)
+        workers = c.cluster.workers
+        involved = needs | {cp.src for cp in copies}
+        # a relayed or browser worker has no data port of its own to take or send checkpoints
+        if not copies or not needs <= c.cluster.spare_built or any(w not in workers or workers[w].relay or workers[w].hello.kind == "browser"
+                                                        for w in involved):
+            return
+        # The holders hold ``held`` positions under the same name: send only what came since.
+        since = held if ck is not None and held is not None and held <= q.kv_len else 0
+        name = ck.seq if since else f"{rid}.c{next(self._names)}"
+        futures = []
+        loop = asyncio.get_running_loop()
+        self.placed.setdefault(name, set()).update(needs)
+        self.flying[rid] = name
+        c.emit(S.CheckpointSending(rid, name, spare, needs, q.kv_len))  # from the first frame on, a holder may be part-way
+        nbytes = 0
+        for cp in copies:
+            move, fut = next(self._moves), loop.create_future()
+            self.moves[move] = (cp.src, cp.dst, fut)
+            futures.append((cp.dst, fut))
+            nbytes += (q.kv_len - since) * sum(kv_per_unit[cp.start:cp.end])
+            link = c.links.get(cp.src)
+            dst = workers[cp.dst].hello
+            msg = KvExport(seq, dep.plan_id, cp.start, cp.end, spare_plan, dst.data_url, move,
+                           fingerprint=dst.data_fingerprint, upto=q.kv_len, as_seq=name, since=since or None)
+            try:
+                if link is None:
+                    raise ConnectionError(cp.src)
+                await link.send(msg.to_message())
+                self.counts.copies += 1
+            except Exception:  # noqa: BLE001 - that worker's loss is handled where it is noticed
+                fut.cancel()
+        c.spawn(self._acknowledged(rid, name, spare, spare_plan, needs, q.kv_len, futures, nbytes))
+
+    async def _acknowledged(self, rid: str, name: str, spare, spare_plan: int, needs: frozenset[str], position: int, futures,
+                            nbytes: int) -> None:
+        # Until every copy is acknowledged (or lost with its destination), a KV frame may still
+        # land: the name stays in ``flying``, so ``sweep`` does not drop it before that.
+        try:
+            await asyncio.wait([f for _, f in futures], timeout=MOVE_TIMEOUT_S)
+        finally:
+            mine = {id(f) for _, f in futures}
+            self.moves = {m: entry for m, entry in self.moves.items() if id(entry[2]) not in mine}
+            self.flying.pop(rid, None)
+        ok = [f.done() and not f.cancelled() and f.exception() is None and f.result().ok for _, f in futures]
+        for dst, f in futures:
+            if not f.done():
+                f.cancel()
+            elif not f.cancelled() and f.exception() is None and (f.result().error or "").startswith("no stage for plan"):
+                # its spare stage is gone (it took a stage of a new plan): send it no more
+                self.coord.emit(S.SpareLoaded(spare_plan, spare, dst, False))
+        if all(ok):
+            for worker in sorted(needs):
+                self.coord.emit(S.CheckpointStored(rid, name, spare, needs, worker, position))
+            self.counts.sent += 1
+            self.counts.bytes += nbytes
+            self.coord.event("checkpoint", request=rid, position=position, bytes=nbytes)
+        else:
+            self.coord.emit(S.CheckpointVoid(rid, "a checkpoint copy failed"))
+            self.counts.failed += 1
+        self.sweep()
+
+    def moved(self, reply) -> None:
+        """A copy's acknowledgement (LOADED ``kv_received``), from its destination or, refused,
+        from its source."""
+        entry = self.moves.get(reply.kv_received)
+        if entry is not None and not entry[2].done():
+            entry[2].set_result(reply)
+
+    def lost(self, worker_id: str) -> None:
+        """A worker left: copies to it fail now (its KV went with it); copies from it fail after
+        ``LOST_SOURCE_GRACE_S`` unless acknowledged meanwhile (a frame it sent whole still lands,
+        and its name must not be dropped before that: ``sweep``)."""
+        gone = ConnectionError(f"worker {worker_id} left")
+        for src, dst, fut in self.moves.values():
+            if dst == worker_id and not fut.done():
+                fut.set_exception(gone)
+            elif src == worker_id and not fut.done():
+                asyncio.get_running_loop().call_later(LOST_SOURCE_GRACE_S, lambda f=fut: f.done() or f.set_exception(gone))
+
+    def resumed(self, resume: Resume) -> None:
+        self.counts.resumed += 1
+        self.counts.positions_saved += resume.position
+
+    # -- clean-up -------------------------------------------------------------------------------
+    def referenced(self) -> set[str]:
+        """Checkpoint names still in use: a checkpoint of a running sequence, a resume not yet
+        taken, or a live sequence that resumed from one."""
+        c = self.coord.cluster
+        names = {ck.seq for ck in c.checkpoints.values()}
+        for q in c.requests.values():
+            names.add(q.seq)
+            if q.resume is not None:
+                names.add(q.resume.seq)
+        return names
+
+    def sweep(self) -> None:
+        """Drop checkpoint KV nobody refers to from the workers that may hold it (not while a copy
+        of it is in flight: its import would create it again)."""
+        c = self.coord
+        keep = self.referenced()
+        busy = set(self.flying.values())
+        for name in [n for n in self.placed if n not in keep and n not in busy]:
+            for wid in sorted(self.placed.pop(name)):
+                link = c.links.get(wid)
+                if link is not None:
+                    c.spawn(_quiet(link.send(Drop(name).to_message())))
+
+
+async def _quiet(aw) -> None:
+    try:
+        await aw
+    except Exception:  # noqa: BLE001 - a worker that left holds nothing any more
+        pass

@@ -1,0 +1,163 @@
+"""KV checkpoints for recovery: live sequences' KV copied, in the background, to the spare plan.
+
+While serving, the workers of the active plan copy a sequence's KV (the layers each spare stage
+will hold, ``deploy.kv_moves`` from the active plan to the spare) to the spare plan's workers,
+every ``interval`` generated positions, at most ``max_in_flight`` sequences at a time. The copy
+is asked for between two steps of the sequence, when every stage holds ``kv_len`` positions of
+it, and taken as it was at that length (``KvExport.upto``: a later stage may run the next step
+before the request reaches it; one that holds fewer refuses, and the checkpoint is void). It is
+stored under a name of its own (``KvExport.as_seq``), so nothing done to the live sequence
+touches it. Once the holders hold a checkpoint at ``p``, the next copies only positions from
+``p`` on (``KvExport.since``), appended on the receiver; a void checkpoint starts over whole
+under a new name.
+
+The state records, per sequence, which positions each spare stage holds (``Checkpoint``); a
+checkpoint counts only when every spare stage that keeps KV holds the same position ``p``. When
+the spare plan is committed (recovery), each sequence with such a checkpoint resumes at ``p`` and
+replays only the tokens after it (``RequestInfo.resume``, set by ``state.apply``); any other
+sequence, and one whose resumed step fails, is rebuilt by full replay. A resumed step tells the
+stages to forget positions beyond ``p`` (``rewind``): a round of copies under way at the failure
+may have moved some holders on, on some layers. A new spare, a lost
+holder, a failed copy or a finished sequence void the checkpoint; ``Checkpoints.sweep`` drops
+KV no longer referenced from the workers that hold it.
+
+This module holds the state and the decisions (``due``, ``Checkpoint.position``, ``resumable``,
+``resume_point``, the reducers ``sending`` and ``stored``), all pure; ``checkpointing.Checkpoints``
+is the I/O that carries them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Mapping, Sequence
+
+from .placement import StageAssignment
+
+
+
+# -- the state ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Checkpoint:
+    """What the spare plan holds of one sequence: KV stored as ``seq`` on each holder."""
+
+    seq: str  # the name it is stored under on the spare's workers
+    spare: tuple[StageAssignment, ...]  # the spare plan it was copied to
+    needs: frozenset[str]  # the spare's workers that keep KV (each must hold it)
+    held: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # worker -> positions it holds
+    # A round of copies to this position is under way: a holder may have taken part of it (some
+    # layers, from one sender, its length moved on) and not the rest. What every holder
+    # acknowledged (``position``) is whole on every layer all the same: a sequence resuming there
+    # tells the stages to forget what they hold beyond it (``rewind``).
+    sending: int | None = None
+
+    def position(self) -> int | None:
+        """The position every holder acknowledged (None: some holder lacks it or they differ)."""
+        ps = {self.held.get(w) for w in self.needs}
+        return ps.pop() if len(ps) == 1 and None not in ps and self.needs else None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a sequence resumes on plan ``plan``: its KV up to ``position`` is held as ``seq``."""
+
+    plan: int
+    seq: str
+    position: int
+
+
+# -- events -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointSending:
+    """Copies of ``rid``'s KV up to ``position`` are on their way to the spare's holders as ``seq``."""
+
+    rid: str
+    seq: str
+    spare: tuple[StageAssignment, ...]
+    needs: frozenset[str]
+    position: int
+
+
+@dataclass(frozen=True)
+class CheckpointStored:
+    """``worker`` of the spare plan ``spare`` holds ``rid``'s KV as ``seq`` up to ``position``."""
+
+    rid: str
+    seq: str
+    spare: tuple[StageAssignment, ...]
+    needs: frozenset[str]
+    worker: str
+    position: int
+
+
+@dataclass(frozen=True)
+class CheckpointVoid:
+    """``rid``'s checkpoint cannot be trusted (a copy failed, its resumed step failed)."""
+
+    rid: str
+    why: str
+
+
+def sending(checkpoints: Mapping[str, Checkpoint], spare, event: CheckpointSending) -> Mapping[str, Checkpoint]:
+    """The checkpoints once a round of copies started (ignored when the spare changed since)."""
+    if spare != event.spare:
+        return checkpoints
+    ck = checkpoints.get(event.rid)
+    if ck is None or ck.seq != event.seq or ck.spare != event.spare:
+        ck = Checkpoint(event.seq, event.spare, event.needs)
+    return MappingProxyType({**checkpoints, event.rid: replace(ck, sending=event.position)})
+
+
+def stored(checkpoints: Mapping[str, Checkpoint], spare, event: CheckpointStored) -> Mapping[str, Checkpoint]:
+    """The checkpoints after a holder's acknowledgement (ignored when the spare changed since);
+    the round is over once every holder acknowledged its position."""
+    if spare != event.spare:
+        return checkpoints
+    ck = checkpoints.get(event.rid)
+    if ck is None or ck.seq != event.seq or ck.spare != event.spare:
+        ck = Checkpoint(event.seq, event.spare, event.needs)
+    held = MappingProxyType({**ck.held, event.worker: event.position})
+    done = ck.sending is not None and all(held.get(w) == ck.sending for w in ck.needs)
+    return MappingProxyType({**checkpoints, event.rid: replace(ck, held=held, sending=None if done else ck.sending)})
+
+
+def resumable(checkpoints: Mapping[str, Checkpoint], spare, stages: Sequence[StageAssignment], plan: int) -> dict[str, Resume]:
+    """At the commit of ``stages`` as ``plan``: the sequences that resume from their checkpoint
+    (the committed plan is the spare they were copied to, every holder at the same position)."""
+    if spare is None or _key(spare) != _key(stages):
+        return {}
+    out = {}
+    for rid, ck in checkpoints.items():
+        p = ck.position()
+        if p is not None and ck.spare == spare:
+            out[rid] = Resume(plan, ck.seq, p)
+    return out
+
+
+def _key(stages) -> list:
+    return [(s.worker_id, s.start, s.end) for s in stages]
+
+
+# -- decisions ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointSettings:
+    interval: int = 32  # positions generated since the last checkpoint before the next (0: off)
+    max_in_flight: int = 2  # sequences being copied at once (bounds the bandwidth and compute checkpoints take)
+
+
+def due(settings: CheckpointSettings, kv_len: int, prompt_len: int, held: int | None, in_flight: int, rid_in_flight: bool) -> bool:
+    """Whether to checkpoint a sequence now: ``kv_len`` positions in its KV, ``held`` of them
+    checkpointed (None: none), ``in_flight`` sequences being copied (``rid_in_flight``: this one)."""
+    if settings.interval <= 0 or rid_in_flight or in_flight >= settings.max_in_flight:
+        return False
+    generated = kv_len - prompt_len
+    return generated >= settings.interval and kv_len - (held or 0) >= settings.interval
+
+
+def resume_point(resume: Resume | None, plan: int, prompt_len: int, total: int) -> Resume | None:
+    """The checkpoint a sequence of ``total`` tokens (``prompt_len`` of them the prompt) resumes
+    from on ``plan``, or None to replay it whole: the checkpoint must be for this plan and hold
+    the whole prompt and at most the tokens before the last (which the next step feeds)."""
+    if resume is None or resume.plan != plan or not prompt_len <= resume.position < total:
+        return None
+    return resume

@@ -313,8 +313,9 @@ def test_a_killed_worker_resumes_from_the_checkpoint_with_exact_tokens(home, int
     ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
     expected = tok.decode(generate(int4_pkg.pipeline(), ids, GenerationParams(max_tokens=tokens, ignore_eos=True), tok.decode,
                                    int4_pkg.manifest.eos_ids).tokens)
-    args = ("--placement", "planner", "--worker-threads", "1", "--max-active", "1", "--kv-checkpoint-tokens", str(interval),
-            "--worker-args", "--memory 250MB")
+    # int4 asked for: the memory budget is sized to that package (the plan needs two workers, the spare reuses one)
+    args = ("--precision", "int4", "--placement", "planner", "--worker-threads", "1", "--max-active", "1", "--kv-checkpoint-tokens",
+            str(interval), "--worker-args", "--memory 250MB")
     with Server(home, workers=3, args=args, timeout=240) as server:
         server.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0}).raise_for_status()
 

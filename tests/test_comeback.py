@@ -270,6 +270,9 @@ class Relay:
         self.thread.join(5)
 
 
+# -m slow (14 s on two cores): the default suite covers a cut link with the real worker core in the
+# simulation's schedules, and a comeback over real sockets in the two process tests around it.
+@pytest.mark.slow
 def test_worker_link_cut_for_5s_comes_back_same_process(home, native_pkg, expected, tmp_path):
     with Server(home, workers=0, args=("--min-workers", "2", "--placement", "memory"), wait_up=False) as server:
         relay = Relay(server.port)

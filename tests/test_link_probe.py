@@ -65,6 +65,9 @@ def test_workers_report_measured_neighbour_links(home, native_pkg):
 _NETNS_UNAVAILABLE = netns.unavailable_reason()
 
 
+# -m slow: its rate bounds need a quiet machine (it failed three times at load 5+, never below);
+# the default suite keeps the kernel shaping (test_emulate) and the probes (the test above).
+@pytest.mark.slow
 @pytest.mark.netns
 @pytest.mark.skipif(_NETNS_UNAVAILABLE is not None, reason=f"netns emulation: {_NETNS_UNAVAILABLE}")
 def test_kernel_shaped_worker_links_measure_their_own_rate(home, native_pkg):

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from edgepipe.bench.cluster import Server, free_port
 
-__all__ = ["Server", "free_port", "remember_device"]
+__all__ = ["Server", "free_port", "remember_device", "server_for"]
 
 
 def remember_device(home, manifest, identity: list, speed: float = 0.05, overhead_s: float = 0.05) -> None:
@@ -20,3 +22,13 @@ def remember_device(home, manifest, identity: list, speed: float = 0.05, overhea
     data["devices"].append({"identity": identity, "speed": speed, "overhead_s": overhead_s, "bandwidth_bytes_per_s": None, "trusted": True})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data))
+
+
+@contextlib.contextmanager
+def server_for(request, home, workers: int):
+    """The session's shared ``serve --workers 3 --placement memory`` for 3, a server of its own otherwise."""
+    if workers == 3:
+        yield request.getfixturevalue("three_workers")
+    else:
+        with Server(home, workers=workers, args=("--placement", "memory")) as server:
+            yield server

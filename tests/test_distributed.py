@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 
@@ -10,7 +9,7 @@ from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 from edgepipe.model.store import local_form
 
-from harness import Server
+from harness import server_for
 
 PROMPTS = ["What is the tallest mountain on Earth?", "Write a short poem about a cat.", "Explain recursion in one sentence."]
 
@@ -21,20 +20,10 @@ def reference_tokens(pkg, prompt: str, max_tokens: int) -> list[int]:
     return generate(pkg.pipeline(precision=local_form(pkg)), ids, GenerationParams(max_tokens=max_tokens), tok.decode, pkg.manifest.eos_ids).tokens
 
 
-@contextlib.contextmanager
-def _server(request, home, workers: int):
-    """The session's shared ``serve --workers 3 --placement memory`` for 3, a server of its own otherwise."""
-    if workers == 3:
-        yield request.getfixturevalue("three_workers")
-    else:
-        with Server(home, workers=workers, args=("--placement", "memory")) as server:
-            yield server
-
-
 # 3 workers in the default run (the cuts the others make are inside it); 1 and 2 with -m slow
 @pytest.mark.parametrize("workers", [3, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_api_greedy_equals_single_process(native_pkg, home, workers, request):
-    with _server(request, home, workers) as server:
+    with server_for(request, home, workers) as server:
         stages = server.status()["plan"]["stages"]
         assert len(stages) == workers
         # serve's default: the file's own model, in the kernel library's form where it loads here

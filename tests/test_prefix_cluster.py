@@ -4,7 +4,6 @@ cached blocks gives exactly the tokens of a whole prefill (single-process refere
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 
@@ -12,7 +11,7 @@ from edgepipe.model.store import local_form, missing_reference, reference_gguf
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
-from harness import Server
+from harness import Server, server_for
 
 SYSTEM = "You are a patient tutor. You answer in short, plain sentences and never use lists. " * 8
 QUESTIONS = ["What is a prime number?", "Is 91 one of them?", "Why?"]
@@ -62,19 +61,10 @@ def stream_text(server, messages: list[dict], n: int, on_chunk) -> str:
     return "".join(pieces)
 
 
-@contextlib.contextmanager
-def _server(request, home, workers: int):
-    if workers == 3:
-        yield request.getfixturevalue("three_workers")
-    else:
-        with Server(home, workers=workers, args=("--placement", "memory")) as server:
-            yield server
-
-
 # 3 workers in the default run (the shared server; one stage is covered by tests/test_prefix_cache.py), 1 with -m slow
 @pytest.mark.parametrize("workers", [3, pytest.param(1, marks=pytest.mark.slow)])
 def test_cached_turns_give_the_tokens_of_a_whole_prefill(native_pkg, home, workers, request):
-    with _server(request, home, workers) as server:
+    with server_for(request, home, workers) as server:
         before = server.status()["prefix_cache"]
         assert before["on"], before
         turns = play_turns(server, 16)

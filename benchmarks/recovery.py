@@ -45,7 +45,10 @@ def reference_text(pkg, n: int, verify_form: bool = False) -> str:
 
     tok = pkg.tokenizer
     ids = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
-    result = generate(pkg.pipeline(verify_form=verify_form), ids, GenerationParams(max_tokens=n, ignore_eos=True), tok.decode,
+    from edgepipe.model.store import prepare_local_form
+
+    form, _ = prepare_local_form(pkg)  # the form serve's local workers run (the file's own model: gguf where the library loads)
+    result = generate(pkg.pipeline(precision=form, verify_form=verify_form), ids, GenerationParams(max_tokens=n, ignore_eos=True), tok.decode,
                       pkg.manifest.eos_ids)
     return tok.decode(result.tokens)
 
@@ -80,7 +83,7 @@ def stream(url: str, n: int, on_chunk, timeout: float) -> tuple[str, list[float]
 
 def trial(home: Path, args, expected: str, index: int, kill_at: int, replay: str = "steps") -> dict:
     worker_flags = f"--memory {args.memory}" if args.placement == "planner" and args.memory else ""
-    sargs = ("--precision", "int4", "--placement", args.placement, "--worker-threads", str(args.threads), "--max-active", "1")
+    sargs = ("--model", args.model, "--precision", args.precision, "--placement", args.placement, "--worker-threads", str(args.threads), "--max-active", "1")
     if replay == "chunk":  # the verify form: a replay is one prefill (graphs.verify_form)
         sargs += ("--verify-form",)
     # checkpoint: the KV is copied to the spare every --checkpoint-tokens tokens; the others replay everything
@@ -194,7 +197,7 @@ def summarise(rows: list[dict]) -> dict:
 
 def report(rows: list[dict], args, run: Conditions) -> None:
     positions = sorted({(r["replay"], r["kill_at"]) for r in rows})
-    conditions = (f"{run.line()} · SmolLM2-135M int4 · 3 local workers, {args.threads} thread each, "
+    conditions = (f"{run.line()} · {args.model} {args.precision} · 3 local workers, {args.threads} thread each, "
                   f"placement {args.placement}" + (f", EMULATED memory budget {args.memory}/worker" if args.placement == "planner" else "") +
                   f" · greedy chat, {args.tokens} tokens, victim SIGKILLed after chunk {'/'.join(sorted({str(k) for _, k in positions}))} · "
                   f"{len(rows)} trials, "
@@ -241,13 +244,15 @@ def report(rows: list[dict], args, run: Conditions) -> None:
         lines.append("Memory budgets are emulation (a worker refuses a stage above its budget); compute is not slowed.")
     text = "\n".join(lines)
     print(text)
-    name = "recovery" + ("-chunk" if "chunk" in args.replay.split(",") else "") + ("-checkpoint" if "checkpoint" in args.replay.split(",") else "") + ("-smoke" if args.smoke else "") + ("" if args.placement == "planner" else f"-{args.placement}")
+    name = "recovery" + ("-chunk" if "chunk" in args.replay.split(",") else "") + ("-checkpoint" if "checkpoint" in args.replay.split(",") else "") + ("-smoke" if args.smoke else "") + ("" if args.placement == "planner" else f"-{args.placement}") + ("" if args.model == "smollm2" else "-" + Path(args.model).stem.replace(".", "").lower())
     write_results(name, {"conditions": conditions, **run.as_dict(), "summary": summary, "trials": rows}, text)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=5, help="trials per kill position")
+    ap.add_argument("--model", default="smollm2", help="what serve serves (the bundled SmolLM2-135M, or a GGUF path)")
+    ap.add_argument("--precision", default="int4", help="serve --precision (int4: the figures recorded so far)")
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--kill-at", default="16,48", help="SIGKILL right after this content chunk arrived (comma list: trials rotate)")
     ap.add_argument("--placement", choices=("planner", "memory"), default="planner")
@@ -272,7 +277,7 @@ def main() -> None:
     replays = args.replay.split(",")
     if set(replays) - {"steps", "chunk", "checkpoint"}:
         ap.error("--replay takes steps, chunk and/or checkpoint")
-    expected = {m: reference_text(resolve("smollm2", "int4", home), args.tokens, verify_form=m == "chunk") for m in replays}
+    expected = {m: reference_text(resolve(args.model, args.precision, home), args.tokens, verify_form=m == "chunk") for m in replays}
     rows = []
     positions = [int(k) for k in str(args.kill_at).split(",")]
     if max(positions) >= args.tokens:

@@ -117,9 +117,10 @@ class Coordinator:
         self.profile.apply(m)
         self._logged(m)
 
-    def event(self, kind: str, **fields) -> None:
-        """A dashboard line that changes no state: logged as a ``Noted`` event like every other."""
-        self.emit(S.Noted(kind, fields, self.clock()))
+    def event(self, kind: S.NoteKind | str, **fields) -> None:
+        """A dashboard line that changes no state: logged as a ``Noted`` event like every other
+        (``ValueError``: ``kind`` is not a ``NoteKind``)."""
+        self.emit(S.Noted(S.NoteKind(kind), fields, self.clock()))
 
     def _logged(self, event) -> None:
         """Into the event log; the dashboard's line, if the event has one, derived from it (``narrate.entry``)."""

@@ -23,7 +23,7 @@ from typing import Mapping
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
     EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, SpareLoaded, Pinned, Repriced,
-    SecretsIssued, SwitchStarted, SwitchEnded, Noted, RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
+    SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
 )
 from ..net.messages import Hello
 from . import checkpoints as K
@@ -196,7 +196,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _phase(state, Phase.DOWN, now) if state.active is None else state
         case Committing(now) if state.active is None:
             return _phase(state, Phase.COMMITTING, now)
-        case Committed(dep, now):
+        case Committed(dep, now, _):
             resumes = K.resumable(state.checkpoints, state.spare, dep.stages, dep.plan_id)
             if resumes:  # the spare plan came up: its workers hold these sequences' checkpoints
                 state = _replace(state, requests=_frozen({r: _replace(q, resume=resumes[r]) if r in resumes else q

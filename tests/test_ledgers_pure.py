@@ -34,3 +34,194 @@ def test_the_up_line_is_read_from_the_commit():
                     "kv_recomputed": 0}
     assert narrate.describe(line) == "plan 4 serving: 20 ms/token predicted, objective latency"
     assert narrate.entry(S.Committed(PLAN, 9.0), state, None, 100.0) is None  # a commit without timings: no line
+
+
+# -- the prefix cache's bookkeeping, as state ------------------------------------------------------
+import random  # noqa: E402
+
+from edgepipe.cluster import prefix, prefix_book as PB  # noqa: E402
+from edgepipe.net.messages import Hello  # noqa: E402
+
+
+def _up(*plans: Deployment) -> S.ClusterState:
+    state = S.ClusterState()
+    for name in ("w1", "w2"):
+        state = S.apply(state, S.WorkerJoined(name, name, Hello.from_fields({"memory_bytes": 1 << 30}), 0.0))
+    for dep in plans:
+        state = S.apply(state, S.Committed(dep, 1.0))
+    return state
+
+
+def _prefill(state: S.ClusterState, rid: str, ids: list[int], room: int = 8, reuse: bool = True):
+    event = PB.decide(state.prefix, state.active.plan_id, rid, ids, room, 2, reuse)
+    return S.apply(state, event), event
+
+
+def test_the_book_replays_what_the_decisions_left():
+    """``prefix.record`` rebuilds from a decision alone the cache ``prefix.prefill`` left, over
+    seeded prompts that share prefixes, evict and save (so an event log replays the cache)."""
+    rng = random.Random(7)
+    cache, replayed = prefix.PrefixCache(plan=1), prefix.PrefixCache(plan=1)
+    stems = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+    for i in range(60):
+        ids = rng.choice(stems)[: rng.randrange(2, 12)] + [rng.randrange(50) for _ in range(rng.randrange(0, 5))]
+        rid = f"r{i}"
+        cache, decision = prefix.prefill(cache, ids, rid, room=rng.randrange(0, 6), block=2, reuse=rng.random() < 0.8)
+        parents = tuple(cache.blocks[name].parent for _, name in decision.save)
+        replayed = prefix.record(replayed, rid, decision, parents)
+        assert replayed == cache and list(replayed.blocks) == list(cache.blocks), i
+        if rng.random() < 0.7:
+            cache, replayed = prefix.commit(cache, rid), prefix.commit(replayed, rid)
+
+
+def test_a_hit_counts_a_failed_frame_drops_the_cache_and_says_so():
+    state, first = _prefill(_up(PLAN), "r1", list(range(9)))
+    assert first.plan == 4 and first.decision.save and not first.decision.reuse
+    state = S.apply(state, PB.PrefixDone("r1", True))
+    assert state.prefix.counts.saved_blocks == len(first.decision.save) and not state.prefix.cache.pending
+    state, second = _prefill(state, "r2", list(range(9)))  # the same prompt: its blocks are reused
+    assert second.decision.reuse and state.prefix.counts.hits == 1 and state.prefix.counts.prefills == 2
+    assert state.prefix.counts.reused_positions == second.decision.reused_positions > 0
+    held = len(state.prefix.cache.blocks)
+    failed = S.apply(state, PB.PrefixDone("r2", False))  # some stages may have applied it, others not
+    assert not failed.prefix.cache.blocks and failed.prefix.cache.epoch == state.prefix.cache.epoch + 1
+    assert failed.prefix.counts.dropped == 1 and failed.prefix.last_drop == (held, "the prefill of r2 failed part-way")
+    line = narrate.entry(PB.PrefixDone("r2", False), failed, None, 3.0)
+    assert line == {"t": 3.0, "kind": "prefix_dropped", "blocks": held, "why": "the prefill of r2 failed part-way"}
+    late = S.apply(failed, PB.PrefixDone("r2", False))  # late or duplicated: nothing more, and no second line
+    assert late.prefix.counts == failed.prefix.counts and narrate.entry(PB.PrefixDone("r2", False), late, None, 4.0) is None
+    _, off = _prefill(state, "r3", list(range(9)), reuse=False)  # prompt logprobs: every position computed
+    assert not off.decision.reuse
+    assert PB.decide(state.prefix, 4, "r4", [1], 8, 2, True) is None  # nothing to cache
+
+
+def test_a_switch_or_a_lost_plan_invalidates_the_cache():
+    state, _ = _prefill(_up(PLAN), "r1", list(range(9)))
+    state = S.apply(state, PB.PrefixDone("r1", True))
+    assert state.prefix.cache.plan == 4 and state.prefix.cache.blocks
+    other = Deployment(5, (A("w2", 0, 4), A("w1", 4, 8)))
+    switched = S.apply(state, S.Committed(other, 2.0))
+    assert switched.prefix.cache.plan == 5 and not switched.prefix.cache.blocks and switched.prefix.counts.dropped == 1
+    assert S.apply(state, S.Committed(PLAN, 2.0)).prefix == state.prefix  # the same plan again: kept
+    lost = S.apply(state, S.WorkerLost("w2", "disconnected", 2.0))  # a recovery: the plan is gone with its stage
+    assert lost.active is None and not lost.prefix.cache.blocks and lost.prefix.cache.plan is None
+    _, after = _prefill(S.apply(lost, S.Committed(other, 3.0)), "r2", list(range(9)))
+    assert not after.decision.reuse and after.decision.epoch > state.prefix.cache.epoch  # the stages clear their store
+
+
+def test_the_cache_is_off_where_reuse_is_not_known_to_be_exact():
+    from types import SimpleNamespace as NS
+
+    state = _up(PLAN)
+    assert PB.why_off(state.workers, [NS(kv_window=0)], PLAN, 64) is None
+    assert PB.why_off(state.workers, [NS(kv_window=0)], PLAN, 0) == "turned off"
+    assert PB.why_off(state.workers, [NS(kv_window=0), NS(kv_window=128)], PLAN, 64) == "sliding-window layers"
+    gpu = S.apply(state, S.WorkerJoined("w2", "w2", Hello.from_fields({"memory_bytes": 1 << 30, "device": "gpu"}), 0.0))
+    assert PB.why_off(gpu.workers, [NS(kv_window=0)], PLAN, 64) == "stage on w2 (gpu)"
+
+
+# -- KV moves at a switch: decided from the state, in flight as state -------------------------------
+from types import SimpleNamespace as NS  # noqa: E402
+
+from edgepipe.cluster import kv_moves  # noqa: E402
+from edgepipe.cluster.deploy import KvCopy  # noqa: E402
+
+UNITS = [NS(kv_bytes_per_token=1000) for _ in range(8)]
+OLD, NEW = Deployment(1, (A("w1", 0, 4), A("w2", 4, 8))), Deployment(2, (A("w1", 0, 5), A("w2", 5, 8)))
+
+
+class Profile:
+    """What ``kv_moves.plan`` reads of ``profiling.ClusterProfile``: links and stage speeds."""
+
+    def __init__(self, bandwidth: float):
+        self.bandwidth = bandwidth
+
+    def link_of(self, worker_id):
+        return 0.001, self.bandwidth
+
+    def unit_cost(self, start, end):
+        return 0.01 * (end - start)
+
+    def of(self, worker_id):
+        return NS(speed=1.0, overhead_s=0.0)
+
+
+def _serving(relay: bool = False) -> S.ClusterState:
+    state = S.ClusterState()
+    for name in ("w1", "w2"):
+        browser = {"kind": "browser"} if relay and name == "w2" else {}  # a browser's activations are relayed
+        state = S.apply(state, S.WorkerJoined(name, name, Hello.from_fields({"memory_bytes": 1 << 30, **browser}), 0.0))
+    state = S.apply(state, S.Committed(OLD, 1.0))
+    for rid, kv_len in (("r1", 100), ("r2", 0), ("r3", 40)):
+        state = S.apply(state, S.RequestStarted(rid, 200))
+        if kv_len:
+            state = S.apply(state, S.RequestFed(rid, f"{rid}.0", 1, kv_len))
+    return state
+
+
+def test_live_sequences_move_their_changed_layers_when_that_beats_replaying_them():
+    moves = kv_moves.plan(_serving(), OLD, NEW, UNITS, Profile(bandwidth=1e9))
+    # every stage of the new plan gets its layers' KV: kept ones copied into its new plan, unit 4 from w2 to w1
+    copies = (KvCopy("w1", "w1", 0, 4), KvCopy("w2", "w1", 4, 5), KvCopy("w2", "w2", 5, 8))
+    assert moves.copies == tuple((rid, cp) for rid in ("r1", "r3") for cp in copies) and moves.replay == ()
+    assert moves.moved_bytes == (100 + 40) * 8 * 1000 and moves.timeout_s == pytest.approx(10.0 + 3 * 1_120_000 / 1e9)
+    slow = kv_moves.plan(_serving(), OLD, NEW, UNITS, Profile(bandwidth=10.0))  # 14 kB/s-hours: replay is cheaper
+    assert slow.copies == () and slow.replay == ("r1", "r3")
+    relayed = kv_moves.plan(_serving(relay=True), OLD, NEW, UNITS, Profile(bandwidth=1e9))
+    assert relayed.relayed and relayed.replay == ("r1", "r3")
+    assert kv_moves.plan(_up(OLD), OLD, NEW, UNITS, Profile(1e9)) is None  # nothing live: nothing to decide
+    # a sequence arrived whole only if every copy of it was acknowledged
+    ids = tuple(range(1, 7))
+    assert kv_moves.settled(moves, {1: True, 2: True, 3: True, 4: True, 5: False, 6: True}, ids) == (["r1"], ["r3"])
+    assert kv_moves.settled(moves, {m: True for m in ids}, ids) == (["r1", "r3"], [])
+    assert kv_moves.settled(slow, {}, ()) == ([], ["r1", "r3"])
+
+
+def test_moves_in_flight_are_state():
+    state = _serving()
+    sent = [kv_moves.KvMoveSent(m, rid, "w2", "w1", 2, 4, 5) for m, rid in ((1, "r1"), (2, "r3"))]
+    for event in sent:
+        state = S.apply(state, event)
+    assert dict(state.moves) == {1: sent[0], 2: sent[1]}
+    state = S.apply(state, kv_moves.KvMoveEnded(1, True))
+    assert list(state.moves) == [2]
+    assert S.apply(state, kv_moves.KvMoveEnded(1, False)) == state  # late or duplicated: nothing
+    assert not S.apply(state, kv_moves.KvMoveEnded(2, False)).moves
+    assert narrate.entry(sent[0], state, None, 1.0) is None  # no dashboard line of its own (the up line counts them)
+
+
+# -- a heartbeat's verdicts: suspect, lose, abandon (membership.beat) --------------------------------
+from edgepipe.cluster import membership  # noqa: E402
+
+
+def _beating(spare: bool) -> S.ClusterState:
+    state = S.ClusterState()
+    for name in ("w1", "w2", "w3"):
+        state = S.apply(state, S.WorkerJoined(name, name, Hello.from_fields({"memory_bytes": 1 << 30}), 0.0))
+    state = S.apply(state, S.Committed(Deployment(4, (A("w1", 0, 4), A("w2", 4, 8))), 0.0))
+    if spare:  # a prepared plan that avoids w2
+        state = S.apply(state, S.SpareChosen((A("w1", 0, 4), A("w3", 4, 8))))
+    for name in ("w1", "w3"):
+        state = S.apply(state, S.Heard(name, 2.9))
+    return state
+
+
+def test_a_heartbeat_suspects_loses_and_abandons_as_plain_decisions():
+    settings = membership.LivenessSettings()
+    beat = membership.beat(_beating(spare=True), 2.5, 3.0, settings, replay_s=0.5, lacking=lambda state: None)
+    assert beat.events == (S.Suspected("w2", 3.0), S.PlanAbandoned(4, "plan 4: stage w2 went silent", 3.0))
+    assert beat.abandoned == 4 and beat.replan and beat.lose == ()
+    # no spare that avoids it, or workers that could not hold the model: wait for it instead
+    waits = membership.beat(_beating(spare=False), 2.5, 3.0, settings, 0.5, lacking=lambda state: None)
+    assert waits.events == (S.Suspected("w2", 3.0),) and waits.abandoned is None and not waits.replan
+    short = membership.beat(_beating(spare=True), 2.5, 3.0, settings, 0.5, lacking=lambda state: "8 GB short")
+    assert short.abandoned is None
+    # the capacity check sees this beat's suspicion (a suspected worker holds nothing for a new plan)
+    seen = []
+    membership.beat(_beating(spare=True), 2.5, 3.0, settings, 0.5, lacking=lambda state: seen.append(state.workers["w2"]) or None)
+    assert seen[0].suspected_since == 3.0
+    lost = membership.beat(_beating(spare=True), 10.5, 11.0, settings, 0.5, lacking=lambda state: None)
+    assert [v.worker_id for v in lost.lose] == ["w2"]  # silent 11 s: out; the others (8.1 s) only suspected
+    assert lost.events == (S.Suspected("w1", 11.0), S.Suspected("w3", 11.0)) and lost.abandoned is None
+    quarantined = S.apply(_beating(spare=False), S.Misbehaved("w3", "dropped a step", 1.0))
+    assert membership.beat(quarantined, 60.5, 61.5, settings, 0.5, lambda state: None).replan  # its time out ended

@@ -83,19 +83,20 @@ class Coordinator:
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.stopped = False
-        self.prefix = PrefixCaching(self)
-        self.steps = Steps(self)
-        self.requests = Requests(self, self.steps)
         ports = Ports(state=lambda: self.cluster, emit=self.emit, measure=self.measure, note=self.event, clock=self.clock, spawn=self.spawn,
                       links=lambda: self.links, replan_wanted=self.replan_wanted, settings=self.settings, package=package,
                       profile=self.profile)
+        self.prefix = PrefixCaching(ports, lambda: self.kv_capacity)
+        self.steps = Steps(self)
+        self.requests = Requests(self, self.steps)
         views = lambda: self.workers  # noqa: E731 - the worker views as they stand when asked
         self.calibrator = Calibrator(ports, self.plan_fn, self.plan_context, views)
         self.deployer = Deployer(ports, self.calibrator, self.plan_fn, self.plan_context, views, self.requests.lacking,
                                  lambda: bool(self.steps.pending), self.gate)
-        self.deployer.migration = KvMigration(self, self.deployer)
+        self.deployer.migration = KvMigration(ports, lambda reply: self.checkpoints.moved(reply))
         self.checkpoints = Checkpoints(self, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
-        self.connections = Connections(self)
+        self.connections = Connections(ports, self.calibrator, self.steps, self.deployer.migration, self.requests, self.lose,
+                                       lambda: self.stopped)
 
     # -- state ------------------------------------------------------------------------------------
     def emit(self, event: S.Event) -> ClusterState:

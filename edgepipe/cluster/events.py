@@ -243,10 +243,31 @@ class KvMoved:
 
 
 @dataclass(frozen=True)
+class KvMoveSent:
+    """A KV move of a switch is in flight (``kv_moves``): ``src`` sends units [start, end) of
+    ``rid``'s KV to ``dst`` for plan ``plan``, until its ``KvMoveEnded``."""
+
+    move: int
+    rid: str
+    src: str
+    dst: str
+    plan: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class KvMoveEnded:
+    move: int
+    ok: bool  # acknowledged by its destination in time
+
+
+@dataclass(frozen=True)
 class RequestEnded:
     rid: str
 
 
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
          | Committing | Committed | PlanFailed | SpareChosen | SpareLoaded | Pinned | Repriced | SecretsIssued | SwitchStarted | SwitchEnded | Noted
-         | RequestStarted | RequestFed | KvMoved | RequestEnded)
+         | RequestStarted | RequestFed | KvMoved | KvMoveSent | KvMoveEnded
+         | RequestEnded)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 
 from ..net.limits import json_safe
 from . import events as E, measurements as M
+from .prefix_book import PrefixDone
 
 Event = Mapping[str, object]
 
@@ -155,6 +156,9 @@ def _fields(event, state, profile) -> dict | None:
     match event:
         case E.Noted(kind, fields, _):
             return {"kind": kind.value, **fields}
+        case PrefixDone(_, False) if state.prefix.last_drop:
+            blocks, why = state.prefix.last_drop
+            return {"kind": "prefix_dropped", "blocks": blocks, "why": why}
         case E.Committed(dep, _, timings) if timings is not None:
             return {"kind": "up", "plan": dep.plan_id, "prepare_s": timings.prepare_s, "paused_s": timings.paused_s,
                     "fetched_bytes": timings.fetched_bytes, "predicted": dep.predicted, "replaced": timings.replaced, **timings.moved}

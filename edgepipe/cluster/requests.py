@@ -54,12 +54,12 @@ class Requests:
             raise ValueError(f"logit_bias names a token outside the vocabulary of {vocab}")
         return SequenceState(list(prompt_ids), params, decode_fn, self.coord.manifest.eos_ids)
 
-    def lacking(self) -> str | None:
-        """Why the connected workers cannot hold the model (None: they may)."""
+    def lacking(self, state: S.ClusterState | None = None) -> str | None:
+        """Why the connected workers (of ``state``, else the coordinator's) cannot hold the model (None: they may)."""
         c = self.coord
         weights = sum(c.manifest.variant(u.index, c.settings.precision).weight_bytes for u in c.manifest.units)
         kv = sum(u.kv_bytes_per_token for u in c.manifest.units) * min(KV_RESERVE_TOKENS, c.manifest.max_context)
-        return scheduling.shortfall(c.cluster, weights, kv, RUNTIME_OVERHEAD_BYTES, c.clock())
+        return scheduling.shortfall(c.cluster if state is None else state, weights, kv, RUNTIME_OVERHEAD_BYTES, c.clock())
 
     def replay_estimate_s(self) -> float:
         """Rough time to rebuild every live sequence's KV of the active plan by replay: one frame

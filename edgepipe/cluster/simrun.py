@@ -161,12 +161,15 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
         out.append(f"admission slots left: {len(admission.running)} running, {admission.queued} queued")
     if any(link.loads or link.probes for link in coord.links.values()):
         out.append(f"load/probe futures left: {[(w, sorted(l.loads), sorted(l.probes)) for w, l in coord.links.items() if l.loads or l.probes]}")
-    if coord.deployer.migration.moves:
-        out.append(f"KV moves left: {sorted(coord.deployer.migration.moves)}")
+    if coord.cluster.moves or coord.deployer.migration.acks:
+        out.append(f"KV moves left: {sorted(coord.cluster.moves)}, awaited {sorted(coord.deployer.migration.acks)}")
     if coord.steps.lanes.lane_of or any(l.members or l.waiting or l.flying for l in coord.steps.lanes.lanes):
         out.append("lane members left")
-    if coord.prefix.cache.pending:
-        out.append(f"prefix decisions never committed or dropped: {sorted(coord.prefix.cache.pending)}")
+    if coord.cluster.prefix.cache.pending:
+        out.append(f"prefix decisions never committed or dropped: {sorted(coord.cluster.prefix.cache.pending)}")
+    cached, active = coord.cluster.prefix.cache, coord.cluster.active
+    if cached.blocks and (active is None or cached.plan != active.plan_id):  # a switch or a recovery invalidates it
+        out.append(f"prefix blocks of plan {cached.plan} kept while {active.plan_id if active else 'no plan'} is active")
     if coord.checkpoints.placed or coord.checkpoints.flying or coord.checkpoints.moves or coord.cluster.checkpoints:
         out.append(f"KV checkpoints left: {sorted(coord.checkpoints.placed)} placed, {sorted(coord.checkpoints.flying)} in flight")
     return out
@@ -248,8 +251,8 @@ async def _main(schedule: Schedule) -> Report:
     report.checkpoints = sum(c.checkpoints.counts.sent for c, _ in world.coordinators)
     report.resumed = sum(c.checkpoints.counts.resumed for c, _ in world.coordinators)
     report.checkpoints_failed = sum(c.checkpoints.counts.failed for c, _ in world.coordinators)
-    report.prefix_hits = sum(c.prefix.counts.hits for c, _ in world.coordinators)
-    report.prefix_dropped = sum(c.prefix.counts.dropped for c, _ in world.coordinators)
+    report.prefix_hits = sum(c.cluster.prefix.counts.hits for c, _ in world.coordinators)
+    report.prefix_dropped = sum(c.cluster.prefix.counts.dropped for c, _ in world.coordinators)
     for w in world.workers:
         w.kill()
     for c, _ in world.coordinators:

@@ -225,3 +225,32 @@ def test_a_heartbeat_suspects_loses_and_abandons_as_plain_decisions():
     assert lost.events == (S.Suspected("w1", 11.0), S.Suspected("w3", 11.0)) and lost.abandoned is None
     quarantined = S.apply(_beating(spare=False), S.Misbehaved("w3", "dropped a step", 1.0))
     assert membership.beat(quarantined, 60.5, 61.5, settings, 0.5, lambda state: None).replan  # its time out ended
+
+
+# -- resume or replay, from the state (requests.next_step) -------------------------------------------
+from edgepipe.cluster.requests import NextStep, next_step  # noqa: E402
+
+PROMPT, GENERATED = [1, 2, 3], [7, 8, 9]
+
+
+def _running(migrated_to=None, resume=None) -> S.ClusterState:
+    info = S.RequestInfo("r1", 32, "r1.0", plan=3, kv_len=5, migrated_to=migrated_to, resume=resume)
+    return S.ClusterState(requests=S._frozen({"r1": info}))
+
+
+def test_a_sequence_resumes_where_its_kv_is_and_replays_elsewhere():
+    assert next_step(_running(), "r1", 3, 3, PROMPT, GENERATED, 0) == NextStep(None, 0, 3, [9], None)
+    assert next_step(_running(migrated_to=4), "r1", 3, 4, PROMPT, GENERATED, 0) == NextStep(None, 0, 4, [9], None)  # moved with its layers
+    # another plan: everything again under a new id, the prompt as a prefill then each token as a step
+    assert next_step(_running(), "r1", 3, 4, PROMPT, GENERATED, 0) == NextStep("r1.1", 1, 3, PROMPT + GENERATED, 3)
+    assert next_step(_running(), "r1", -1, 3, PROMPT, GENERATED, 2) == NextStep("r1.3", 3, -1, PROMPT + GENERATED, 3)  # a broken step
+    assert next_step(_running(), "r1", None, 3, PROMPT, [], 0) == NextStep(None, 0, None, PROMPT, None)  # the first step
+
+
+def test_a_checkpoint_on_the_plan_that_came_up_saves_replaying_what_it_holds():
+    held = S.Resume(4, "r1.c2", 4)  # plan 4 holds its KV up to position 4 as r1.c2
+    step = next_step(_running(resume=held), "r1", 3, 4, PROMPT, GENERATED, 1)
+    assert step == NextStep("r1.c2", 2, 4, [8, 9], 1, held)  # tokens after it, each as its own decode step
+    assert next_step(_running(resume=held), "r1", 3, 5, PROMPT, GENERATED, 1).resume is None  # a checkpoint on another plan
+    assert next_step(_running(resume=S.Resume(4, "r1.c3", 6)), "r1", 3, 4, PROMPT, GENERATED, 1).resume is None  # holds the last token
+    assert next_step(_running(resume=held), "r1", 4, 4, PROMPT, GENERATED, 1).seq is None  # fed there already: no resume

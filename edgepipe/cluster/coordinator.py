@@ -88,13 +88,14 @@ class Coordinator:
                       profile=self.profile)
         self.prefix = PrefixCaching(ports, lambda: self.kv_capacity)
         self.steps = Steps(self)
-        self.requests = Requests(self, self.steps)
+        self.checkpoints = Checkpoints(self, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
+        self.requests = Requests(ports, self.steps, self.checkpoints, speculation, self.up, self.gate, lambda: self.stopped,
+                                 lambda record: self.on_step(record), self.recent_steps)
         views = lambda: self.workers  # noqa: E731 - the worker views as they stand when asked
         self.calibrator = Calibrator(ports, self.plan_fn, self.plan_context, views)
         self.deployer = Deployer(ports, self.calibrator, self.plan_fn, self.plan_context, views, self.requests.lacking,
                                  lambda: bool(self.steps.pending), self.gate)
         self.deployer.migration = KvMigration(ports, lambda reply: self.checkpoints.moved(reply))
-        self.checkpoints = Checkpoints(self, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
         self.connections = Connections(ports, self.calibrator, self.steps, self.deployer.migration, self.requests, self.lose,
                                        lambda: self.stopped)
 

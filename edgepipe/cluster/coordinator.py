@@ -8,8 +8,9 @@ actions, pure), ``deployer`` (carries out re-planning, loads, KV moves, the spar
 timeouts), ``connections`` (worker channels in, heartbeats out), ``calibration``, ``checkpoints``
 (live sequences' KV copied to the spare plan, so a recovery replays less), ``event_log`` (every
 event and measurement, indexed) and ``narrate`` (the dashboard's line of a logged event).
-The deployer and the calibrator are lent ``ports.Ports`` (read and change the state, send to a
-worker), never the coordinator. This file holds the state, applies events to it (and logs them:
+The deployer, the calibrator, the connections, the requests, the KV migration and the prefix
+cache are lent ``ports.Ports`` (read and change the state, send to a worker), never the
+coordinator (the steps still hold it). This file holds the state, applies events to it (and logs them:
 the dashboard's lines come only from that log), takes workers out, and offers the public views.
 States follow Down -> Preparing -> Committing -> Up (see ``deployer``); a worker that dies
 pauses the sequences that need it, and they continue on the next plan, losing no token.

@@ -196,8 +196,9 @@ from edgepipe.cluster import membership  # noqa: E402
 
 def _beating(spare: bool) -> S.ClusterState:
     state = S.ClusterState()
-    for name in ("w1", "w2", "w3"):
-        state = S.apply(state, S.WorkerJoined(name, name, Hello.from_fields({"memory_bytes": 1 << 30}), 0.0))
+    for name in ("w1", "w2", "w3"):  # each declares a 1 GiB budget (so whether the others hold the model can be told)
+        hello = Hello.from_fields({"memory_bytes": 1 << 30, "emulation": {"memory_budget": 1 << 30}})
+        state = S.apply(state, S.WorkerJoined(name, name, hello, 0.0))
     state = S.apply(state, S.Committed(Deployment(4, (A("w1", 0, 4), A("w2", 4, 8))), 0.0))
     if spare:  # a prepared plan that avoids w2
         state = S.apply(state, S.SpareChosen((A("w1", 0, 4), A("w3", 4, 8))))
@@ -254,3 +255,43 @@ def test_a_checkpoint_on_the_plan_that_came_up_saves_replaying_what_it_holds():
     assert next_step(_running(resume=held), "r1", 3, 5, PROMPT, GENERATED, 1).resume is None  # a checkpoint on another plan
     assert next_step(_running(resume=S.Resume(4, "r1.c3", 6)), "r1", 3, 4, PROMPT, GENERATED, 1).resume is None  # holds the last token
     assert next_step(_running(resume=held), "r1", 4, 4, PROMPT, GENERATED, 1).seq is None  # fed there already: no resume
+
+
+# -- the coordinator's core: inputs in, events and commands out (core.handle) ------------------------
+from edgepipe.cluster import core, measurements as Mm  # noqa: E402
+
+CONFIG = core.Config(membership.LivenessSettings(), prefix_block=2)
+
+
+def test_the_core_turns_inputs_into_events_and_commands():
+    state = _beating(spare=True)
+    due = core.handle(state, core.HeartbeatDue(2.5, 3.0, 0.5, weight_bytes=1 << 20, kv_bytes=1 << 10), CONFIG)
+    assert due.events == (S.Suspected("w2", 3.0), S.PlanAbandoned(4, "plan 4: stage w2 went silent", 3.0))
+    assert due.commands == (core.FailPlan(4, "plan 4: stage w2 went silent"), core.Replan(), core.PingAll(3.0))
+    starved = core.handle(state, core.HeartbeatDue(2.5, 3.0, 0.5, weight_bytes=1 << 40, kv_bytes=0), CONFIG)
+    assert starved.commands == (core.PingAll(3.0),)  # the others could not hold the model: wait for w2
+    later = core.handle(state, core.HeartbeatDue(10.5, 11.0, 0.5, 1 << 20, 0), CONFIG)
+    assert core.LoseWorker("w2", "silent for 11.0 s (suspected, probed, no answer)") in later.commands
+    pong = core.handle(state, core.PongHeard("w1", 2.95, {"computed": 3}, 3.0), CONFIG)
+    assert pong.commands == (core.Measure(Mm.HeartbeatRtt("w1", pytest.approx(0.05))),) and pong.state.workers["w1"].stats["computed"] == 3
+    assert core.handle(state, core.PongHeard("w1", 9.0, {}, 3.0), CONFIG).commands == ()  # a clock from the future: no rtt
+    assert core.handle(state, core.FrameHeard("w1", 2.92), CONFIG).events == ()  # 20 ms after the last: nothing new
+    assert core.handle(state, core.FrameHeard("w2", 3.0), CONFIG).events == (S.Heard("w2", 3.0),)
+    served = core.handle(_up(PLAN), core.PrefillAsked(4, "r1", list(range(9)), True, 8), CONFIG)
+    assert [type(c) for c in served.commands] == [core.CarryPrefix] and served.state.prefix.cache.pending
+    assert core.handle(served.state, core.PrefillEnded("r1", True), CONFIG).state.prefix.counts.saved_blocks == 4
+
+
+def test_what_the_core_returns_is_the_state_its_events_make():
+    """A shell emits the core's events one by one (the log and the dashboard see them): folding
+    them over the state it handed in gives the state ``handle`` returned, input after input."""
+    state = _beating(spare=True)
+    inputs = [core.FrameHeard("w1", 2.95), core.PongHeard("w3", 2.9, {"queue": 0}, 2.96), core.HeartbeatDue(2.5, 3.0, 0.5, 1 << 20, 0),
+              core.PrefillAsked(5, "r1", list(range(7)), True, 4), core.PrefillEnded("r1", False), core.HeartbeatDue(10.5, 11.0, 0.5, 1, 0)]
+    for given in inputs:
+        handled = core.handle(state, given, CONFIG)
+        folded = state
+        for event in handled.events:
+            folded = S.apply(folded, event)
+        assert folded == handled.state, given
+        state = handled.state

@@ -5,8 +5,10 @@ read until its channel closes. Every frame it sends is checked (``net.messages.p
 ``net.validate``) before anything uses it: a bad one closes the channel, never the coordinator.
 Frames are routed to their owner (tokens and errors to ``steps``, LOADED to ``deployer``, pongs
 into the state). The heartbeat loop pings every worker and carries out what ``membership.beat``
-decides (suspect, lose, abandon a plan whose stage went silent). It is lent ``ports.Ports``
-and the few collaborators it hands frames to, by name; never the coordinator.
+decides (suspect, lose, abandon a plan whose stage went silent). Heartbeats, frames heard and
+pongs are inputs of the coordinator's core (``core.handle``): this shell emits the events it
+returns and carries out its commands. It is lent ``ports.Ports`` and the few collaborators it
+hands frames to, by name; never the coordinator.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ..net import auth, validate
 from ..net.channel import Channel, ChannelClosed
 from ..net.messages import ErrorCode, Hello, Ping, Welcome, parse
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, error_frame
-from . import deploy, measurements as M, membership, state as S
+from . import core, deploy, measurements as M, state as S
 from .ports import Ports
 from .steps import PipelineBroken
 from .views import Link
@@ -33,6 +35,23 @@ class Connections:
         self.steps, self.migration = steps, migration  # tokens, errors and relays; acknowledged KV copies
         self.requests = requests  # capacity (``lacking``) and the replay estimate an abandon weighs
         self.lose, self.stopped = lose, stopped  # takes a worker out (``Coordinator.lose``); the coordinator is stopping
+        self.config = core.Config.of(ports.settings)
+
+    def carry_out(self, handled: core.Handled) -> None:
+        """Emit what the core decided, then do what it says (a ping of every worker is the heartbeat loop's)."""
+        p = self.ports
+        for event in handled.events:
+            p.emit(event)
+        for command in handled.commands:
+            match command:
+                case core.LoseWorker(wid, why):
+                    p.spawn(self.lose(wid, why))
+                case core.FailPlan(plan, why):
+                    self.steps.fail_plan(plan, PipelineBroken(why))
+                case core.Replan():
+                    p.replan_wanted.set()
+                case core.Measure(m):
+                    p.measure(m)
 
     async def attach(self, channel: Channel) -> None:
         """Serve one worker's control channel until it closes (called by the API endpoint)."""
@@ -111,9 +130,7 @@ class Connections:
             except (ProtocolError, validate.InvalidWorkerFrame) as exc:
                 await self._refuse(link.channel, f"bad frame from {wid}: {exc}")
                 return
-            seen = p.state().workers.get(wid)
-            if seen is not None and (seen.suspected_since is not None or p.clock() - seen.last_seen >= 0.05):
-                p.emit(S.Heard(wid, p.clock()))  # frames closer than 50 ms apart tell the detector nothing new
+            self.carry_out(core.handle(p.state(), core.FrameHeard(wid, p.clock()), self.config))
             self._dispatch(wid, link, msg, typed)
 
     def _dispatch(self, wid: str, link: Link, msg: Message, typed) -> None:
@@ -121,11 +138,9 @@ class Connections:
         if msg.type is T.TOKEN:
             self.steps.tokens(wid, typed)
         elif msg.type is T.PONG:
-            rtt = p.clock() - typed.t if typed.t is not None and typed.t <= p.clock() else None
-            if rtt is not None:
-                p.measure(M.HeartbeatRtt(wid, rtt))
-            p.emit(S.Ponged(wid, rtt, {"kv_bytes": typed.kv_bytes, "queue": typed.queue, "busy_s": typed.busy_s,
-                                          "computed": typed.computed, "prefix_bytes": typed.prefix_bytes}, p.clock()))
+            stats = {"kv_bytes": typed.kv_bytes, "queue": typed.queue, "busy_s": typed.busy_s, "computed": typed.computed,
+                     "prefix_bytes": typed.prefix_bytes}
+            self.carry_out(core.handle(p.state(), core.PongHeard(wid, typed.t, stats, p.clock()), self.config))
         elif msg.type is T.LOADED:
             if typed.kv_received is not None:
                 self.migration.moved(typed)
@@ -155,24 +170,15 @@ class Connections:
             p.spawn(self.lose(wid, "shut down (final bye)" if final else "said bye", failure=not final))
 
     async def heartbeats(self) -> None:
-        """Every ``heartbeat_s``: carry out ``membership.beat``'s verdicts, then ping every worker."""
+        """Every ``heartbeat_s``: carry out the core's verdicts (``membership.beat``), then ping every worker."""
         p = self.ports
-        liveness = membership.LivenessSettings(p.settings.heartbeat_s, min_suspect_s=p.settings.dead_after_s,
-                                               lose_after_s=p.settings.lose_after_s)
         last = p.clock()
         while True:
             await asyncio.sleep(p.settings.heartbeat_s)
             now = p.clock()
-            verdict = membership.beat(p.state(), last, now, liveness, self.requests.replay_estimate_s(), self.requests.lacking)
+            due = core.HeartbeatDue(last, now, self.requests.replay_estimate_s(), *self.requests.needs())
             last = now
-            for lost in verdict.lose:
-                p.spawn(self.lose(lost.worker_id, lost.why))
-            for event in verdict.events:
-                p.emit(event)
-            if verdict.abandoned is not None:
-                self.steps.fail_plan(verdict.abandoned, PipelineBroken(verdict.events[-1].why))
-            if verdict.replan:
-                p.replan_wanted.set()
+            self.carry_out(core.handle(p.state(), due, self.config))
             for wid, link in list(p.links().items()):
                 try:
                     await link.send(Ping(now).to_message())

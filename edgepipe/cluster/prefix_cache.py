@@ -1,5 +1,6 @@
-"""The coordinator's prefix cache (shell): turns each prompt prefill into a ``PrefixDecided``
-event and each returned or failed frame into a ``PrefixDone``; the bookkeeping (which blocks
+"""The coordinator's prefix cache (shell): hands each prompt prefill and each returned or failed
+frame to the coordinator's core (``core.PrefillAsked``/``PrefillEnded``), which decides a
+``PrefixDecided`` or ``PrefixDone`` event; the bookkeeping (which blocks
 the stages hold, the counts for ``/metrics`` and the dashboard) is ``ClusterState.prefix``
 (``prefix_book``), the decisions are ``prefix``'s.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import deploy, prefix, prefix_book as PB
+from . import core, deploy, prefix, prefix_book as PB
 from .placement import Deployment
 from .ports import Ports
 
@@ -26,6 +27,7 @@ class PrefixCaching:
     def __init__(self, ports: Ports, kv_capacity: Callable[[], int | None]):
         self.ports = ports
         self.kv_capacity = kv_capacity  # KV positions the active plan's tightest stage holds (None: no budget declared)
+        self.config = core.Config.of(ports.settings)
 
     @property
     def cache(self) -> prefix.PrefixCache:
@@ -47,13 +49,15 @@ class PrefixCaching:
             return None
         room = prefix.room_blocks(p.settings.prefix_cache_positions, self.kv_capacity(), deploy.kv_plan_positions(state, 0),
                                   p.settings.prefix_block)
-        event = PB.decide(state.prefix, dep.plan_id, rid, ids, room, p.settings.prefix_block, reuse)
-        p.emit(event)
-        return None if event.decision.empty else event.decision
+        handled = core.handle(state, core.PrefillAsked(dep.plan_id, rid, ids, reuse, room), self.config)
+        for event in handled.events:
+            p.emit(event)
+        return next((c.decision for c in handled.commands if isinstance(c, core.CarryPrefix)), None)
 
     def done(self, rid: str, ok: bool) -> None:
         """The frame that carried ``rid``'s decision came back (ok) or failed (the cache is dropped)."""
-        self.ports.emit(PB.PrefixDone(rid, ok))
+        for event in core.handle(self.ports.state(), core.PrefillEnded(rid, ok), self.config).events:
+            self.ports.emit(event)
 
     def view(self) -> dict:
         """What /status and the dashboard show."""

@@ -97,12 +97,16 @@ class Requests:
             raise ValueError(f"logit_bias names a token outside the vocabulary of {vocab}")
         return SequenceState(list(prompt_ids), params, decode_fn, self.ports.package.manifest.eos_ids)
 
-    def lacking(self, state: S.ClusterState | None = None) -> str | None:
-        """Why the connected workers (of ``state``, else the coordinator's) cannot hold the model (None: they may)."""
+    def needs(self) -> tuple[int, int]:
+        """What the model needs of the workers: (weight bytes, KV bytes of the tokens a plan reserves)."""
         p = self.ports
-        weights = sum(p.package.manifest.variant(u.index, p.settings.precision).weight_bytes for u in p.package.manifest.units)
-        kv = sum(u.kv_bytes_per_token for u in p.package.manifest.units) * min(KV_RESERVE_TOKENS, p.package.manifest.max_context)
-        return scheduling.shortfall(p.state() if state is None else state, weights, kv, RUNTIME_OVERHEAD_BYTES, p.clock())
+        manifest = p.package.manifest
+        weights = sum(manifest.variant(u.index, p.settings.precision).weight_bytes for u in manifest.units)
+        return weights, sum(u.kv_bytes_per_token for u in manifest.units) * min(KV_RESERVE_TOKENS, manifest.max_context)
+
+    def lacking(self) -> str | None:
+        """Why the connected workers cannot hold the model (None: they may)."""
+        return scheduling.shortfall(self.ports.state(), *self.needs(), RUNTIME_OVERHEAD_BYTES, self.ports.clock())
 
     def replay_estimate_s(self) -> float:
         """Rough time to rebuild every live sequence's KV of the active plan by replay: one frame

@@ -1,7 +1,8 @@
 """The coordinator's asyncio shell: worker connections in, events into ``ClusterState``, decisions out.
 
 It never touches activations. The parts, one concern per file:
-``state`` (the frozen cluster state and its one reducer ``apply``), ``membership`` (suspect /
+``state`` (the frozen cluster state and its one reducer ``apply``), ``core`` (inputs in, events
+and commands out, for heartbeats, frames heard and prompt prefills), ``membership`` (suspect /
 lose decisions), ``scheduling`` (admission, bounded waits), ``deploy`` (plan change as
 actions, pure), ``deployer`` (carries out re-planning, loads, KV moves, the spare),
 ``requests`` (the token loop of every request, replay), ``steps`` (one step on the wire, lanes,

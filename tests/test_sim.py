@@ -79,6 +79,22 @@ def test_an_injected_leak_fails_the_simulation(monkeypatch):
     assert any("KV reservations left" in v for r in caught for v in r.violations)
 
 
+def test_prefix_blocks_outliving_their_plan_fail_the_simulation(monkeypatch):
+    """The prefix cache's invalidation is checked too: with it broken on purpose (a plan that
+    goes down keeps its cached blocks in the state), a seeded schedule names the stale cache."""
+    from types import SimpleNamespace
+
+    from edgepipe.cluster import prefix_book, state as S
+
+    def switched(book, plan):  # the bug: Down leaves the cache as it was
+        return book if plan is None else prefix_book.switched(book, plan)
+
+    keep = SimpleNamespace(apply=prefix_book.apply, switched=switched)
+    monkeypatch.setattr(S, "PB", keep)
+    caught = [v for seed in (10_002, 10_056) for v in run(Schedule.random(seed)).violations]
+    assert any("prefix blocks of plan" in v for v in caught), caught
+
+
 def test_a_seed_replays_exactly_under_any_hash_seed():
     """A seed that failed in CI replays the same on any machine: the schedules' reports do not
     depend on Python's string hashing (set and dict orders of worker and request ids)."""

@@ -23,6 +23,19 @@ def test_a_note_has_one_of_the_listed_kinds():
     assert S.apply(S.ClusterState(), S.Noted(S.NoteKind.PAUSE, {}, 1.0)) == S.ClusterState()
 
 
+def test_every_kind_the_code_notes_by_name_is_listed():
+    """Call sites that still pass a kind by its value (``note("spare_failed", ...)``) would fail
+    at run time on a kind ``NoteKind`` lacks: every one in the package is listed."""
+    import pathlib
+    import re
+
+    import edgepipe
+
+    named = {m.group(1) for f in pathlib.Path(edgepipe.__file__).parent.rglob("*.py")
+             for m in re.finditer(r'\.(?:event|note|on_event)\(\s*"([a-z_]+)"', f.read_text())}
+    assert named and named <= {k.value for k in S.NoteKind}, named - {k.value for k in S.NoteKind}
+
+
 def test_the_up_line_is_read_from_the_commit():
     timings = S.UpTimings(1.25, 0.5, 2048, replaced=3, moved={"quiesce_s": 0.1, "kv_moved": 2, "kv_recomputed": 0})
     state = S.apply(S.ClusterState(), S.Committed(PLAN, 9.0, timings))

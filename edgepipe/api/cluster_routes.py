@@ -17,6 +17,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from ..cluster.events import NoteKind
 from ..cluster.narrate import describe
 from ..net import auth, limits
 from ..net.channel import ChannelClosed, StarletteChannel
@@ -165,7 +166,7 @@ async def worker_socket(ws: WebSocket) -> None:
     if not gate.attempts.allow(peer, time.monotonic()):
         gate.throttled += 1
         if gate.throttled % 100 == 1:  # one event per hundred, not one per attempt
-            coord.event("throttled", peer=peer, attempts_refused=gate.throttled)
+            coord.event(NoteKind.THROTTLED, peer=peer, attempts_refused=gate.throttled)
         await ws.close(code=1008, reason="too many join attempts")
         return
     _set_frame_limit(ws, gate.hello_limit)
@@ -177,10 +178,10 @@ async def worker_socket(ws: WebSocket) -> None:
     except asyncio.TimeoutError:
         problem = f"no hello within {gate.hello_timeout_s:g} s"
     except ChannelClosed:  # includes a first frame over the limit: the server closed with 1009
-        coord.event("refused", peer=peer, reason=f"closed before a hello (frame limit {gate.hello_limit} bytes)")
+        coord.event(NoteKind.REFUSED, peer=peer, reason=f"closed before a hello (frame limit {gate.hello_limit} bytes)")
         return
     if problem:
-        coord.event("refused", peer=peer, reason=problem)
+        coord.event(NoteKind.REFUSED, peer=peer, reason=problem)
         try:
             await channel.send(error_frame(problem))
         except ChannelClosed:

@@ -121,7 +121,7 @@ class Checkpoints:
                 self.coord.emit(S.CheckpointStored(rid, name, spare, needs, worker, position))
             self.counts.sent += 1
             self.counts.bytes += nbytes
-            self.coord.event("checkpoint", request=rid, position=position, bytes=nbytes)
+            self.coord.event(S.NoteKind.CHECKPOINT, request=rid, position=position, bytes=nbytes)
         else:
             self.coord.emit(S.CheckpointVoid(rid, "a checkpoint copy failed"))
             self.counts.failed += 1

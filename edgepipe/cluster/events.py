@@ -194,6 +194,7 @@ class NoteKind(str, Enum):
     INVALID_FRAME = "invalid_frame"
     VARIANT = "variant"  # a precision variant built, ready or skipped
     MDNS_UNAVAILABLE = "mdns_unavailable"
+    WORKER_RESTARTED = "worker_restarted"  # serve's supervisor started a local worker process again
     PAUSE = "pause"  # a sequence lost its plan and waits for the next
     RECOVERED = "recovered"  # ... and took a step again
     RESUME = "resume"  # ... from a KV checkpoint on the spare

@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 
 from ..net import auth
 from ..net.channel import ChannelClosed
+from .events import NoteKind
 from .measurements import PeerLink
 from .steps import PipelineBroken
 
@@ -54,10 +55,10 @@ class LinkProber:
             reply = await self.probe(src, kind="peer", url=target.data_url, secret=secret,
                                       fingerprint=target.data_fingerprint, bytes=PEER_PROBE_BYTES)
         except (asyncio.TimeoutError, ChannelClosed, KeyError, PipelineBroken) as exc:  # PipelineBroken: it left meanwhile
-            p.note("link_probe_failed", src=src, dst=dst, error=str(exc) or type(exc).__name__)
+            p.note(NoteKind.LINK_PROBE_FAILED, src=src, dst=dst, error=str(exc) or type(exc).__name__)
             return False
         if not (reply.ok and reply.rtt_s is not None and reply.bandwidth_bytes_per_s):
-            p.note("link_probe_failed", src=src, dst=dst, error=getattr(reply, "error", None) or "no figures")
+            p.note(NoteKind.LINK_PROBE_FAILED, src=src, dst=dst, error=getattr(reply, "error", None) or "no figures")
             return False
         p.measure(PeerLink(src, dst, reply.rtt_s, reply.bandwidth_bytes_per_s))  # its dashboard line: narrate.entry
         return True

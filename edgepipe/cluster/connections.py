@@ -56,7 +56,6 @@ class Connections:
     async def attach(self, channel: Channel) -> None:
         """Serve one worker's control channel until it closes (called by the API endpoint)."""
         p = self.ports
-        manifest = p.package.manifest
         try:
             hello = decode(await asyncio.wait_for(channel.recv(), timeout=10))
             if hello.type is not T.HELLO:
@@ -77,7 +76,7 @@ class Connections:
         except ProtocolError as exc:
             await self._refuse(channel, str(exc))
             return
-        wanted = declared.precision
+        wanted, manifest = declared.precision, p.package.manifest  # read now: a variant added at another join reloads it
         if wanted and any(wanted not in u.variants for u in manifest.units):
             try:
                 await self.calibrator.add_variant(wanted)

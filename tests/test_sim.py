@@ -2,7 +2,8 @@
 
 Each schedule: 1-6 fake workers (some joining late), a few requests (some with out-of-range
 values), up to four faults (kill, stall, slow, partition from coordinator or neighbour,
-reconnect, coordinator restart, malformed frames, bad requests). Invariants in
+reconnect, coordinator restart, malformed frames, bad requests), and in some an operator's plan
+that replicates a stage (so kills hit replicas). Invariants in
 ``edgepipe.cluster.simrun``. The default run plays the issue's 2,000 schedules, the slow one
 20,000. A failing seed prints the command that replays it exactly.
 """
@@ -45,6 +46,7 @@ def test_sim_2000_schedules(request):
     print(summary)
     _check(summary)
     assert all(n > 0 for n in summary["fault_kinds"].values()) and len(summary["fault_kinds"]) == len(FAULTS)
+    assert summary["replicated_plans"] > 0 and summary["replicas_lost"] > 0  # faults hit replicated stages too
 
 
 @pytest.mark.slow

@@ -41,12 +41,15 @@ async def status(request: Request) -> JSONResponse:
 
 async def plan(request: Request) -> JSONResponse:
     """The live plan: what the planner predicted next to what the cluster measured."""
+    from ..cluster.views import replica_fields
+
     coord = request.app.state.coordinator
     dep = coord.active
     if dep is None:
         return JSONResponse({"state": coord.state.value, "plan": None})
     decode = sorted(w for n, w in coord.recent_steps if n == 1)
     measured_stages = []
+    group_of = {s.worker_id: g for g, group in enumerate(dep.groups) for s in group}  # the planner prices a stage per group
     for s in dep.stages:
         times = coord.profile.of(s.worker_id).stage_times.get((s.start, s.end))
         measured_stages.append(None if times is None or times.median is None else times.median)
@@ -55,7 +58,8 @@ async def plan(request: Request) -> JSONResponse:
         "state": coord.state.value, "plan": dep.plan_id, "reason": dep.reason,
         "stages": [{"worker": s.worker_id, "start": s.start, "end": s.end,
                     "precision": coord.deployer.precision(s.worker_id) or coord.manifest.precision,
-                    "predicted_s": (predicted.get("stage_times_s") or [None] * len(dep.stages))[i], "measured_s": measured_stages[i],
+                    "predicted_s": (predicted.get("stage_times_s") or [None] * len(dep.groups))[group_of[s.worker_id]], "measured_s": measured_stages[i],
+                    **replica_fields(dep, coord.cluster.requests, s.worker_id),
                     "speed": coord.profile.of(s.worker_id).speed, "overhead_s": coord.profile.of(s.worker_id).overhead_s}
                    for i, s in enumerate(dep.stages)],
         "predicted": predicted,
@@ -219,7 +223,7 @@ MAX_PIN_S = 7 * 24 * 3600
 async def rebalance(request: Request) -> JSONResponse:
     """Deploy a given placement now (operators; tests forcing a KV move). ``pin_s`` keeps the
     re-planner from replacing it for that long (it still goes if one of its workers is lost)."""
-    from ..cluster.placement import StageAssignment
+    from ..cluster.placement import StageAssignment, check_stages, stage_groups
     from .errors import read_json
 
     require_admin(request)
@@ -237,6 +241,10 @@ async def rebalance(request: Request) -> JSONResponse:
         unknown = [s.worker_id for s in stages if s.worker_id not in coord.workers]
         if unknown:
             raise ValueError(f"unknown worker {unknown[0]}")
+        check_stages(stages, "the rebalance")  # a stage listed twice with its range: replicas on both workers
+        relayed = [s.worker_id for s in stages if coord.workers[s.worker_id].relay]
+        if relayed and len(stage_groups(stages)) != len(stages):
+            raise ValueError(f"worker {relayed[0]} relays through the coordinator: a plan with replicas needs direct data ports")
     except (KeyError, TypeError, ValueError) as exc:
         raise APIError(400, f"bad rebalance: {exc}", param="stages") from None
     pin_s = body.get("pin_s", 0)

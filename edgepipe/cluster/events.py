@@ -238,6 +238,16 @@ class RequestFed:
 
 
 @dataclass(frozen=True)
+class Routed:
+    """The sequence of ``rid`` steps on ``plan`` through ``route`` (a worker per stage: its
+    replicas, ``cluster.replicas``) for as long as it lives there."""
+
+    rid: str
+    plan: int
+    route: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class KvMoved:
     rid: str
     plan: int | None  # the plan that now holds its KV (None: the move was abandoned)
@@ -270,5 +280,5 @@ class RequestEnded:
 
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
          | Committing | Committed | PlanFailed | SpareChosen | SpareLoaded | Pinned | Repriced | SecretsIssued | SwitchStarted | SwitchEnded | Noted
-         | RequestStarted | RequestFed | KvMoved | KvMoveSent | KvMoveEnded
+         | RequestStarted | RequestFed | Routed | KvMoved | KvMoveSent | KvMoveEnded
          | RequestEnded)

@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 
 from ..net import auth
 from ..net.channel import ChannelClosed
+from . import replicas
 from .events import NoteKind
 from .measurements import PeerLink
 from .steps import PipelineBroken
@@ -84,8 +85,7 @@ class LinkProber:
         p = self.ports
         if not p.settings.calibrate:
             return
-        pairs = [(a.worker_id, b.worker_id) for a, b in zip(stages, stages[1:])
-                 if (a.worker_id, b.worker_id) not in p.profile.peer_links]
+        pairs = [pair for pair in replicas.neighbour_pairs(stages) if pair not in p.profile.peer_links]
         if not pairs:
             return
         learnt = False

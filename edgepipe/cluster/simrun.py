@@ -1,7 +1,8 @@
 """Seeded fault schedules for the simulation (``sim``) and the invariants checked after each.
 
 ``Schedule.random(seed)`` (``sim_schedule``) draws 1-6 workers (some joining late), a few requests (some with
-out-of-range values) and faults from ``sim.FAULTS``; ``run(schedule)`` plays it on a virtual
+out-of-range values), faults from ``sim.FAULTS`` and, in some, an operator's plan with a replicated
+stage (``_replicate``: the faults then hit replicas too); ``run(schedule)`` plays it on a virtual
 clock and returns a ``Report``. Invariants: every admitted request ends with exactly the
 reference tokens or a one-line ``RequestFailed`` within ``bound_s`` (``REQUEST_BOUND_S`` plus
 ``PER_FAULT_S`` per fault in the schedule); no admission slot, KV reservation, pending step,
@@ -24,6 +25,7 @@ from .planning import PlannerPolicy
 from .sim import (QUARANTINE_FAULTS, SETTINGS, UP_BOUND_S, UNIT_BYTES, Admission, Coordinator, CoordinatorSettings, FakePackage, FakeWorker,
                   GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
 from .scheduling import AdmissionError
+from .sim_replicas import replica_counts, replicate
 from .sim_schedule import Fault, Req, Schedule  # noqa: F401 - Fault and Req: where callers know them
 
 @dataclass
@@ -43,6 +45,8 @@ class Report:
     checkpoints: int = 0  # KV checkpoints every spare holder acknowledged
     resumed: int = 0  # sequences that resumed from a checkpoint after a recovery (the rest replayed whole)
     checkpoints_failed: int = 0  # checkpoints voided because a copy failed
+    replicated: int = 0  # plans with a replicated stage committed
+    replica_lost: int = 0  # workers lost while they ran a replica of the active plan
 
 
 class World:
@@ -188,7 +192,7 @@ async def _main(schedule: Schedule) -> Report:
     await world.start_coordinator()
     world.workers = [FakeWorker(world, f"n{i}", m) for i, m in enumerate(schedule.memories)]
     plan = sorted([(t, 0, i) for i, t in enumerate(schedule.join_at)] + [(r.at, 1, i) for i, r in enumerate(schedule.requests)]
-                  + [(f.at, 2, i) for i, f in enumerate(schedule.faults)])
+                  + [(f.at, 2, i) for i, f in enumerate(schedule.faults)] + ([(schedule.replicate, 3, 0)] if schedule.replicate is not None else []))
     clients, healed = [], 0.0
     for at, kind, i in plan:
         if at > loop.time():
@@ -197,6 +201,8 @@ async def _main(schedule: Schedule) -> Report:
             world.workers[i].start()
         elif kind == 1:
             clients.append(world.spawn(_client(world, schedule.requests[i], f"q{i}", report)))
+        elif kind == 3:
+            world.spawn(replicate(world.coordinator))
         else:
             healed = max(healed, await _fault(world, schedule.faults[i]))
     healed = max(healed, loop.time())
@@ -252,6 +258,7 @@ async def _main(schedule: Schedule) -> Report:
     report.resumed = sum(c.checkpoints.counts.resumed for c, _ in world.coordinators)
     report.checkpoints_failed = sum(c.checkpoints.counts.failed for c, _ in world.coordinators)
     report.prefix_hits = sum(c.cluster.prefix.counts.hits for c, _ in world.coordinators)
+    report.replicated, report.replica_lost = (sum(n) for n in zip(*(replica_counts(c) for c, _ in world.coordinators)))
     report.prefix_dropped = sum(c.cluster.prefix.counts.dropped for c, _ in world.coordinators)
     for w in world.workers:
         w.kill()

@@ -23,8 +23,8 @@ from typing import Mapping
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
     EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, SpareLoaded, Pinned, Repriced,
-    SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, KvMoved, KvMoveSent, KvMoveEnded,
-    RequestEnded, Event,
+    SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, Routed, KvMoved, KvMoveSent,
+    KvMoveEnded, RequestEnded, Event,
 )
 from ..net.messages import Hello
 from . import checkpoints as K, prefix_book as PB
@@ -95,6 +95,7 @@ class RequestInfo:
     kv_len: int = 0  # tokens in that KV
     migrated_to: int | None = None  # a plan that received its KV by a move (resume there without replay)
     resume: Resume | None = None  # a committed plan that holds a checkpoint of its KV (replay only what came after it)
+    route: tuple[int, tuple[str, ...]] | None = None  # (plan, a worker per stage): its replicas there (cluster.replicas)
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             q = state.requests[rid]
             return _replace(state, checkpoints=_without(state.checkpoints, rid),
                             requests=_with(state.requests, rid, _replace(q, resume=None)) if q.resume else state.requests)
+        case Routed(rid, plan, route) if rid in state.requests:
+            return _replace(state, requests=_with(state.requests, rid, _replace(state.requests[rid], route=(plan, tuple(route)))))
         case KvMoved(rid, plan) if rid in state.requests:
             return _replace(state, requests=_with(state.requests, rid, _replace(state.requests[rid], migrated_to=plan)))
         case RequestEnded(rid) if rid in state.requests:

@@ -268,11 +268,12 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
             chosen = {"tokens": tokens[-1:], "verified": [tokens]} if batch[0].get("verify") else {"tokens": tokens}
             commands.append(SendControl(Message(T.TOKEN, {**fields, **chosen, **event.logprobs})))
         return state, commands
-    if stage.next.relay:
-        commands.append(SendControl(Message(T.FORWARD, {**fields, "relay_to": stage.next.id}, {"x": out})))
+    hop = stage.next.toward(batch)  # a replicated next stage: the replica on the frame's route
+    if hop.relay:
+        commands.append(SendControl(Message(T.FORWARD, {**fields, "relay_to": hop.id}, {"x": out})))
     else:
-        commands.append(SendPeer(stage.next.url, plan, Message(T.FORWARD, fields, {"x": out}),
-                                 data_secret(state, stage.next.url, plan, stage.next.secret), stage.next.fingerprint, about=msg))
+        commands.append(SendPeer(hop.url, plan, Message(T.FORWARD, fields, {"x": out}),
+                                 data_secret(state, hop.url, plan, hop.secret), hop.fingerprint, about=msg))
     return state, commands
 
 

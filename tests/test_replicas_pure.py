@@ -142,7 +142,18 @@ def test_the_planner_and_the_runtime_agree_on_replicated_stages():
     assert assignments(planned) == list(PLAN.stages)
     assert running_plan(PLAN, _Model(8), PlanRequest(objective=Objective.THROUGHPUT)).stages == planned
     assert [(s.device_ids, s.start, s.end) for s in deploy.as_plan(PLAN, 8).stages] == [(("a",), 0, 3), (("b", "c"), 3, 8)]
-    assert deploy.kv_moves(FLAT, PLAN, 8, [1] * 8) == [] and deploy.kv_moves(PLAN, FLAT, 8, [1] * 8) == []  # replayed instead
+    assert deploy.kv_moves(FLAT, PLAN, 8, [1] * 8) == [] and deploy.kv_moves(PLAN, FLAT, 8, [1] * 8) == []  # no route: replayed
+
+
+def test_a_switch_moves_each_sequences_kv_between_its_routes_replicas():
+    kv = [0] + [1] * 6 + [0]  # embedding and head hold no KV
+    assert deploy.kv_moves(FLAT, PLAN, 8, kv, None, ("a", "b")) == []  # its KV stays on a and b
+    assert deploy.kv_moves(FLAT, PLAN, 8, kv, None, ("a", "c")) == [deploy.KvCopy("b", "c", 3, 7)]
+    other = Deployment(6, (A("a", 0, 4), A("c", 4, 8)))
+    assert deploy.kv_moves(PLAN, other, 8, kv, ("a", "b"), None) == [deploy.KvCopy("a", "a", 1, 3), deploy.KvCopy("b", "a", 3, 4),
+                                                                      deploy.KvCopy("b", "c", 4, 7)]
+    assert deploy.kv_moves(PLAN, other, 8, kv, ("a", "c"), None) == [deploy.KvCopy("a", "a", 1, 3), deploy.KvCopy("c", "a", 3, 4),
+                                                                      deploy.KvCopy("c", "c", 4, 7)]  # a new range: a new session
     assert stage_groups(()) == ()
 
 

@@ -5,7 +5,8 @@ hands (``deploy.kv_moves``) is sent by the worker that holds it straight to the 
 (KV_EXPORT -> KV -> LOADED ``kv_received``). A sequence moves when that is predicted cheaper
 than replaying it; every move of a switch runs at once and whatever has not arrived within a
 bound set by the bytes (``_move_timeout``) is rebuilt by replay instead (``state.KvMoved`` says
-which plan holds whose KV).
+which plan holds whose KV). Where a plan replicates a stage, each sequence's KV goes from the
+replicas of its route on the old plan to those of its route on the new one (``deploy.kv_moves``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from ..net.messages import KvExport, Loaded
-from . import deploy, state as S
+from ..net.messages import Drop, KvExport, Loaded
+from . import deploy, replicas, state as S
 from .placement import Deployment
 
 MOVE_TIMEOUT_S = 10.0  # KV moves still missing after this (plus 3x their predicted time) are rebuilt by replay
@@ -41,19 +42,29 @@ class KvMigration:
         if any(w not in infos or infos[w].relay for w in set(old.workers) | set(new.workers)):
             return {"kv_recomputed": len(live)}
         kv_per_unit = [u.kv_bytes_per_token for u in c.manifest.units]
-        copies = deploy.kv_moves(old, new, c.n_units, kv_per_unit)
+        # a replicated stage: each sequence's copies go between its routes' replicas (None: no route
+        # on the old plan, it is replayed)
+        per_seq = {rid: self._copies(old, new, rid, kv_per_unit) for rid in live}
+        copies = max((cp for cp in per_seq.values() if cp is not None), key=len, default=[])
         loop = asyncio.get_running_loop()
         futures: dict[str, list[asyncio.Future]] = {}
         moved_bytes, recompute = 0, []
         # Replays of all live sequences share the stages (one row per frame), so moving is weighed
         # for all of them at once: every byte that changes hands against every position replayed.
-        moving = bool(copies) and self._move_is_cheaper(old, new, sum(q.kv_len for q in live.values()),
+        # (nothing to copy: every KV stays where it is, on stages whose range did not change)
+        moving = not copies or self._move_is_cheaper(old, new, sum(q.kv_len for q in live.values()),
                                                         sum(kv_per_unit[u] for cp in copies for u in range(cp.start, cp.end)))
         for rid, q in live.items():
             if not moving:
                 recompute.append(rid)
                 continue
-            for copy in copies:
+            if per_seq[rid] is None:
+                recompute.append(rid)
+                continue
+            if not per_seq[rid]:  # its KV stays where it is (a route through unchanged stages)
+                c.emit(S.KvMoved(rid, new.plan_id))
+                continue
+            for copy in per_seq[rid]:
                 move = next(self._ids)
                 fut = self.moves[move] = loop.create_future()
                 futures.setdefault(rid, []).append(fut)
@@ -72,6 +83,7 @@ class KvMigration:
         for rid, futs in futures.items():
             if all(f.done() and not f.cancelled() and f.exception() is None and f.result().ok for f in futs):
                 c.emit(S.KvMoved(rid, new.plan_id))
+                await self._drop_off_route(old, new, rid, live[rid].seq)
                 ok += 1
             else:
                 recompute.append(rid)
@@ -81,6 +93,25 @@ class KvMigration:
         for move in [m for m, f in self.moves.items() if f.done()]:
             del self.moves[move]
         return {"kv_moved": ok, "kv_moved_bytes": moved_bytes, "kv_recomputed": len(recompute)}
+
+    async def _drop_off_route(self, old: Deployment, new: Deployment, rid: str, seq: str) -> None:
+        """A sequence that moved to another replica: the workers of its old route off its new one
+        keep their session (the range is unchanged) and its KV in it until the sequence ended."""
+        if not (old.replicated or new.replicated):
+            return
+        requests = self.coord.cluster.requests
+        before = replicas.routed(requests, old, rid) or replicas.plain_route(old)
+        after = replicas.routed(requests, new, rid) or replicas.plain_route(new)
+        for wid in sorted(set(before) - set(after)):
+            if (link := self.coord.links.get(wid)) is not None:
+                await _sent(link, Drop(seq))
+
+    def _copies(self, old: Deployment, new: Deployment, rid: str, kv_per_unit: list[int]) -> list | None:
+        """``rid``'s KV copies from its route on ``old`` to its route on ``new`` (chosen now, recorded)."""
+        old_route = replicas.routed(self.coord.cluster.requests, old, rid)
+        if old.replicated and old_route is None:
+            return None
+        return deploy.kv_moves(old, new, self.coord.n_units, kv_per_unit, old_route, self.coord.steps.route(new, rid) or None)
 
     def _move_timeout(self, old: Deployment, moved_bytes: int) -> float:
         """How long all moves may take: 10 s plus three times their predicted transfer time (the

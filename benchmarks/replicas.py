@@ -10,7 +10,7 @@ stream's tokens are checked against its solo single-process reference (``--batch
 The slowdowns keep the two real cores from being the bottleneck: most of a stage's time is
 emulated waiting.
 
-    python benchmarks/replicas.py [--tokens 32] [--streams 16] [--rounds 2] [--slowdown 6] [--slow-memory 120MB]
+    python benchmarks/replicas.py [--tokens 32] [--streams 16] [--rounds 2] [--slowdown 4] [--slow-memory 120MB]
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--slowdown", type=float, default=6.0, help="the fast device's slowdown; the slow ones get twice it")
+    ap.add_argument("--slowdown", type=float, default=4.0, help="the fast device's slowdown; the slow ones get twice it")
     ap.add_argument("--slow-memory", default="120MB", help="the slow devices' memory budget")
     args = ap.parse_args()
     run = Conditions.start()
@@ -100,7 +100,8 @@ def main() -> None:
         cluster.wait_up()
         names = cluster.names()
         plans = {kind: planned(cluster, args.streams, kind == "replicated") for kind in ("replicated", "no replicas")}
-        print({w["name"]: w.get("profile") for w in cluster.status()["workers"]}, plans, flush=True)
+        profiles = {w["name"]: w.get("profile") for w in cluster.status()["workers"]}
+        print(profiles, plans, flush=True)
         measured: dict[str, list[float]] = {k: [] for k in plans}
         exact = {k: True for k in plans}
         for r in range(args.rounds):
@@ -115,10 +116,10 @@ def main() -> None:
                 print(kind, round(tps, 2), "exact" if not wrong else f"MISMATCH (stream, got, expected, first differing) {wrong}", flush=True)
     finally:
         cluster.close()
-    report(args, run.finish(), devices, names, plans, measured, exact)
+    report(args, run.finish(), devices, names, profiles, plans, measured, exact)
 
 
-def report(args, run: Conditions, devices, names, plans, measured, exact) -> None:
+def report(args, run: Conditions, devices, names, profiles, plans, measured, exact) -> None:
     def fmt(stages):
         groups: dict[tuple, list[str]] = {}
         for s in stages:
@@ -129,7 +130,8 @@ def report(args, run: Conditions, devices, names, plans, measured, exact) -> Non
     ratio = med["replicated"] / med["no replicas"]
     lines = header("Replicated stages vs the best plan without replicas", run,
                    f"{args.streams} concurrent greedy streams x {args.tokens} tokens, `--batch-invariant`")
-    lines += ["Devices: " + "; ".join(f"`{d.name}` {d.label()}" for d in devices), "",
+    lines += ["Devices: " + "; ".join(f"`{d.name}` {d.label()}" for d in devices) + ". As the coordinator measured them: "
+              + "; ".join(f"`{n}` speed {p['speed']:g}, overhead {p['overhead_ms']:g} ms" for n, p in profiles.items() if p), "",
               "| plan (planner, throughput objective, 16 sequences) | stages | predicted tok/s | measured tok/s (each round) | "
               "median | tokens = solo reference |", "|---|---|---|---|---|---|"]
     for kind, (stages, predicted) in plans.items():
@@ -141,7 +143,7 @@ def report(args, run: Conditions, devices, names, plans, measured, exact) -> Non
                   f"--slowdown {args.slowdown:g} --slow-memory {args.slow_memory}`"]
     text = "\n".join(lines)
     print(text)
-    write_results("replicas", {**run.as_dict(), "args": vars(args), "plans": {k: v[0] for k, v in plans.items()},
+    write_results("replicas", {**run.as_dict(), "args": vars(args), "profiles": profiles, "plans": {k: v[0] for k, v in plans.items()},
                                "predicted_tok_s": {k: v[1] for k, v in plans.items()}, "measured_tok_s": measured,
                                "exact": exact, "ratio": ratio}, text)
 

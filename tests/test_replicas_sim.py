@@ -1,7 +1,8 @@
 """Replicated stages in the deterministic simulation (real coordinator, fake workers running the
 worker core, virtual clock): an operator's plan replicates the last stage over two workers;
 concurrent sequences are spread over both replicas and every one streams exactly its reference;
-killing one replica mid-stream recovers the plan, and switching to the replicated plan and away
+killing one replica mid-stream recovers the plan (sequences resume from the KV checkpoints
+taken from their replicas), and switching to the replicated plan and away
 from it mid-stream moves each sequence's KV to and from its replica; every sequence still ends
 exact, with no KV left anywhere."""
 
@@ -63,7 +64,8 @@ async def _scenario(mode: str) -> dict:
     await _until(lambda: len(routes) == len(PROMPTS) and all(len(s.generated) >= 6 for s in states.values()), 60)
     # a sequence's KV is on its route's replica only
     ids = {info.name: wid for wid, info in coord.cluster.workers.items()}
-    held = {ids[w.name]: {seq.split(".")[0] for kv in w.kv.values() for seq in kv} for w in world.workers}
+    held = {ids[w.name]: {seq.split(".")[0] for kv in w.kv.values() for seq in kv if not seq.rsplit(".", 1)[-1].startswith("c")}
+            for w in world.workers}  # (<rid>.c<n>: a KV checkpoint the spare plan's holder keeps)
     misplaced = sorted(rid for rid, route in routes.items() for wid in (b, c) if wid not in route and rid in held[wid])
     on_route = all(rid in held[wid] for rid, route in routes.items() for wid in route)
     if mode == "switch":  # and away again, to a plan that cuts elsewhere
@@ -83,6 +85,7 @@ async def _scenario(mode: str) -> dict:
         "moved_to": [sum(isinstance(e, S.KvMoved) and e.plan == p for e in coord.history.events)
                      for p in ((dep.plan_id, back.plan_id) if mode == "switch" else ())],
         "live_then": live_then if mode == "switch" else None,
+        "checkpoints": coord.checkpoints.counts.sent, "resumed": coord.checkpoints.counts.resumed,
         "requests_left": sorted(coord.cluster.requests),
         "pending_left": sorted(coord.steps.pending),
         "expected_replicas": sorted([b, c]), "expected_first": [a], "misplaced": misplaced, "on_route": on_route,
@@ -114,6 +117,8 @@ def test_sequences_spread_over_replicas_and_survive_a_replica_loss_and_switches(
     assert seen["first_stage"] == seen["expected_first"]
     assert seen["on_route"] and not seen["misplaced"]
     assert seen["plan_after"] is (mode != "replicas")  # a lost replica: the plan recovered (whole-plan recovery)
+    if mode == "kill":  # the spare held checkpoints taken from each sequence's replicas: they resumed from them
+        assert seen["resumed"] > 0, seen
     if mode == "switch":  # every sequence's KV moved onto its replica, and off it again
         assert seen["moved_to"] == [len(PROMPTS), seen["live_then"]] and seen["live_then"] > 0, seen
     assert not seen["requests_left"] and not seen["pending_left"]

@@ -119,7 +119,9 @@ class Steps:
         chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if one_by_one else [feed]
         # A prompt prefill from position 0 may start from cached blocks (cluster.prefix). Prompt
         # logprobs need every position's logits: such a prefill saves blocks but reuses none.
-        decision = c.prefix.decide(dep, rid, chunks[0], reuse="targets" not in (head or {})) if kv_start == 0 and len(feed) > 1 else None
+        # Not on a plan with replicated stages: the cache knows the plan's blocks, not each replica's.
+        decision = c.prefix.decide(dep, rid, chunks[0], reuse="targets" not in (head or {})) \
+            if kv_start == 0 and len(feed) > 1 and not dep.replicated else None
         reused = decision.reused_positions if decision else 0
         if reused:
             chunks[0], kv_start = chunks[0][reused:], reused

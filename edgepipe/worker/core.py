@@ -268,12 +268,18 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
             chosen = {"tokens": tokens[-1:], "verified": [tokens]} if batch[0].get("verify") else {"tokens": tokens}
             commands.append(SendControl(Message(T.TOKEN, {**fields, **chosen, **event.logprobs})))
         return state, commands
-    hop = stage.next.toward(batch)  # a replicated next stage: the replica on the frame's route
-    if hop.relay:
-        commands.append(SendControl(Message(T.FORWARD, {**fields, "relay_to": hop.id}, {"x": out})))
-    else:
-        commands.append(SendPeer(hop.url, plan, Message(T.FORWARD, fields, {"x": out}),
-                                 data_secret(state, hop.url, plan, hop.secret), hop.fingerprint, about=msg))
+    # A replicated next stage: each row goes to the replica on its entry's route (a frame per replica).
+    rows: dict[str, tuple] = {}
+    for i, item in enumerate(batch):
+        hop = stage.next.toward([item])
+        rows.setdefault(hop.id, (hop, []))[1].append(i)
+    for hop, mine in rows.values():
+        part, x = (batch, out) if len(mine) == len(batch) else ([batch[i] for i in mine], out[mine])
+        if hop.relay:
+            commands.append(SendControl(Message(T.FORWARD, {**fields, "batch": part, "relay_to": hop.id}, {"x": x})))
+        else:
+            commands.append(SendPeer(hop.url, plan, Message(T.FORWARD, {**fields, "batch": part}, {"x": x}),
+                                     data_secret(state, hop.url, plan, hop.secret), hop.fingerprint, about=msg))
     return state, commands
 
 

@@ -123,22 +123,36 @@ def main() -> None:
         print(profiles, plans, flush=True)
         measured: dict[str, list[float]] = {k: [] for k in plans}
         exact = {k: True for k in plans}
+        busy: dict[str, list[dict]] = {k: [] for k in plans}
         for r in range(args.rounds):
             for kind in (list(plans) if r % 2 == 0 else list(plans)[::-1]):
                 deploy(cluster, plans[kind][0])
                 aggregate(cluster.url, args.streams, 8)  # warm-up on the new plan, every stream
+                before, t0 = cluster.metrics(), time.perf_counter()
                 tps, got = aggregate(cluster.url, args.streams, args.tokens)
+                busy[kind].append(busy_share(before, cluster.metrics(), time.perf_counter() - t0, names))
                 measured[kind].append(tps)
                 exact[kind] &= got == expected
                 wrong = [(i, len(g), len(e), next((k for k, (x, y) in enumerate(zip(g, e)) if x != y), None))
                          for i, (g, e) in enumerate(zip(got, expected)) if g != e]
-                print(kind, round(tps, 2), "exact" if not wrong else f"MISMATCH (stream, got, expected, first differing) {wrong}", flush=True)
+                print(kind, round(tps, 2), "exact" if not wrong else f"MISMATCH (stream, got, expected, first differing) {wrong}",
+                      busy[kind][-1], flush=True)
     finally:
         cluster.close()
-    report(args, run.finish(), devices, names, profiles, plans, measured, exact)
+    report(args, run.finish(), devices, names, profiles, plans, measured, exact, busy)
 
 
-def report(args, run: Conditions, devices, names, profiles, plans, measured, exact) -> None:
+def busy_share(before: dict, after: dict, wall_s: float, names: dict) -> dict[str, float]:
+    """Per device: the share of the wall time its stage computed (emulated waiting included)."""
+    out = {}
+    for key, value in after.items():
+        if key.startswith("edgepipe_stage_compute_seconds_sum|"):
+            worker = key.split("|", 1)[1]
+            out[names.get(worker, worker)] = round((value - before.get(key, 0.0)) / wall_s, 2)
+    return out
+
+
+def report(args, run: Conditions, devices, names, profiles, plans, measured, exact, busy) -> None:
     def fmt(stages):
         groups: dict[tuple, list[str]] = {}
         for s in stages:
@@ -156,10 +170,11 @@ def report(args, run: Conditions, devices, names, profiles, plans, measured, exa
               "Devices: " + "; ".join(f"`{d.name}` {d.label()}" for d in devices) + ". As the coordinator measured them: "
               + "; ".join(f"`{n}` speed {p['speed']:g}, overhead {p['overhead_ms']:g} ms" for n, p in profiles.items() if p), "",
               "| plan (planner, throughput objective, 16 sequences) | stages | predicted tok/s | measured tok/s (each round) | "
-              "median | tokens = solo reference |", "|---|---|---|---|---|---|"]
+              "median | busy share per device (last round) | tokens = solo reference |", "|---|---|---|---|---|---|---|"]
     for kind, (stages, predicted) in plans.items():
         lines.append(f"| {kind} | {fmt(stages)} | {predicted:.1f} | {', '.join(f'{x:.1f}' for x in measured[kind])} | "
-                     f"{med[kind]:.1f} | {'yes, every stream' if exact[kind] else 'NO'} |")
+                     f"{med[kind]:.1f} | {', '.join(f'{n} {v:.0%}' for n, v in sorted(busy[kind][-1].items()))} | "
+                     f"{'yes, every stream' if exact[kind] else 'NO'} |")
     lines += ["", f"**Replicated / no replicas: {ratio:.2f}x** (median aggregate tokens/s; goal >= 1.3x). Rounds alternate the "
                   "order of the two plans; each plan is deployed with `/v1/cluster/rebalance` (pinned) on the same cluster.",
               "", f"Rerun: `python benchmarks/replicas.py --tokens {args.tokens} --streams {args.streams} --rounds {args.rounds} "
@@ -167,7 +182,7 @@ def report(args, run: Conditions, devices, names, profiles, plans, measured, exa
     text = "\n".join(lines)
     print(text)
     write_results("replicas", {**run.as_dict(), "args": vars(args), "profiles": profiles, "plans": {k: v[0] for k, v in plans.items()},
-                               "predicted_tok_s": {k: v[1] for k, v in plans.items()}, "measured_tok_s": measured,
+                               "predicted_tok_s": {k: v[1] for k, v in plans.items()}, "measured_tok_s": measured, "busy_share": busy,
                                "exact": exact, "ratio": ratio}, text)
 
 

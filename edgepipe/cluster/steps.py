@@ -133,7 +133,8 @@ class Steps:
         out = _OutStep(dep, {**item, **at(len(chunks) - 1)}, chunks[-1], fut)
         try:
             if len(feed) == 1:
-                self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out, route), len(dep.groups)))
+                # a micro-batch in flight per worker (replicas included: they compute side by side)
+                self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out, route), len(dep.stages)))
             else:
                 self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
                 for i, chunk in enumerate(chunks[:-1]):

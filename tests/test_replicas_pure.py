@@ -126,6 +126,8 @@ def test_the_worker_sends_each_row_to_the_replica_on_its_route():
     assert sorted(sent) == ["ws://b:1", "ws://c:1"]
     assert sent["ws://b:1"][0] == ["q0.0", "q2.0"] and np.array_equal(sent["ws://b:1"][1], out[[0, 2]])
     assert sent["ws://c:1"][0] == ["q1.0"] and np.array_equal(sent["ws://c:1"][1], out[[1]])
+    timings = {c.url: c.msg["timings"] for c in cmds}
+    assert len(timings["ws://b:1"]) == 1 and timings["ws://c:1"] == []  # this stage's time counts once
 
 
 def test_a_lane_goes_out_as_one_frame_per_first_stage_replica():

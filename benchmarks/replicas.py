@@ -11,7 +11,7 @@ The slowdowns keep the two real cores from being the bottleneck: most of a stage
 emulated waiting.
 
     python benchmarks/replicas.py [--tokens 32] [--streams 16] [--rounds 2] [--slowdown 4] [--slow-memory 120MB]
-                                  [--profiles measured|declared]
+                                  [--profiles measured|declared] [--no-prefix-cache]
 """
 
 from __future__ import annotations
@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--slowdown", type=float, default=4.0, help="the fast device's slowdown; the slow ones get twice it")
     ap.add_argument("--slow-memory", default="120MB", help="the slow devices' memory budget")
+    ap.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                    help="serve without the prefix cache (it stays off on a plan with replicated stages anyway)")
     ap.add_argument("--profiles", choices=("measured", "declared"), default="measured",
                     help="what the planner is given: the coordinator's measured profiles, or one base figure scaled by the "
                          "declared slowdowns (a loaded box calibrates noisily)")
@@ -113,7 +115,8 @@ def main() -> None:
     expected = solo_references(args.streams, args.tokens)
     devices = [Device("fast", slowdown=args.slowdown), Device("slow1", slowdown=2 * args.slowdown, memory=args.slow_memory),
                Device("slow2", slowdown=2 * args.slowdown, memory=args.slow_memory)]
-    cluster = Cluster("replicas", devices, args=("--batch-invariant", "--max-active", str(args.streams), "--max-queue", "64"))
+    cluster = Cluster("replicas", devices, args=("--batch-invariant", "--max-active", str(args.streams), "--max-queue", "64",
+                                                 *(() if args.prefix_cache else ("--no-prefix-cache",))))
     try:
         cluster.wait_up()
         names = cluster.names()
@@ -162,7 +165,8 @@ def report(args, run: Conditions, devices, names, profiles, plans, measured, exa
     med = {k: statistics.median(v) for k, v in measured.items()}
     ratio = med["replicated"] / med["no replicas"]
     lines = header("Replicated stages vs the best plan without replicas", run,
-                   f"{args.streams} concurrent greedy streams x {args.tokens} tokens, `--batch-invariant`")
+                   f"{args.streams} concurrent greedy streams x {args.tokens} tokens, `--batch-invariant`"
+                   + ("" if args.prefix_cache else ", `--no-prefix-cache`"))
     lines += [f"Planner input: **{args.profiles}** profiles"
               + (" (one base speed and overhead for this box, the median of what the coordinator measured undone of each "
                  "device's slowdown, scaled by each device's declared slowdown)" if args.profiles == "declared" else
@@ -178,7 +182,8 @@ def report(args, run: Conditions, devices, names, profiles, plans, measured, exa
     lines += ["", f"**Replicated / no replicas: {ratio:.2f}x** (median aggregate tokens/s; goal >= 1.3x). Rounds alternate the "
                   "order of the two plans; each plan is deployed with `/v1/cluster/rebalance` (pinned) on the same cluster.",
               "", f"Rerun: `python benchmarks/replicas.py --tokens {args.tokens} --streams {args.streams} --rounds {args.rounds} "
-                  f"--slowdown {args.slowdown:g} --slow-memory {args.slow_memory} --profiles {args.profiles}`"]
+                  f"--slowdown {args.slowdown:g} --slow-memory {args.slow_memory} --profiles {args.profiles}"
+                  + ("" if args.prefix_cache else " --no-prefix-cache") + "`"]
     text = "\n".join(lines)
     print(text)
     write_results("replicas", {**run.as_dict(), "args": vars(args), "profiles": profiles, "plans": {k: v[0] for k, v in plans.items()},

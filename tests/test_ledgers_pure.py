@@ -308,3 +308,9 @@ def test_what_the_core_returns_is_the_state_its_events_make():
             folded = S.apply(folded, event)
         assert folded == handled.state, given
         state = handled.state
+
+
+def test_a_switch_that_changes_no_layer_keeps_every_kv_where_it_is():
+    same = Deployment(2, OLD.stages)  # a new plan id, every stage's worker and range unchanged
+    moves = kv_moves.plan(_serving(), OLD, same, UNITS, Profile(bandwidth=10.0))
+    assert moves.copies == () and moves.replay == () and moves.stay == ("r1", "r3") and moves.moved_bytes == 0

@@ -46,6 +46,9 @@ def test_concurrent_streams_through_a_replicated_stage_equal_their_solo_referenc
         done = server.wait_for(lambda s: all((w["stats"] or {}).get("kv_bytes") == 0 for w in s["workers"])
                                and all((w["stats"] or {}).get("computed", 0) > computed[w["id"]] for w in s["workers"]), timeout=30)
         assert done["plan"]["id"] == reply.json()["plan"]  # still the replicated plan: nothing fell back
+        assert sorted(tuple(w.get("replica") or ()) for w in done["workers"]) == [(), (1, 2), (2, 2)]
+        live = server.client.get("/v1/cluster/plan").json()  # predicted next to measured, a row per replica
+        assert [s.get("replica") for s in live["stages"]] == [None, [1, 2], [2, 2]] and live["stages"][1]["predicted_s"] == live["stages"][2]["predicted_s"]
         bad = httpx.post(server.url + "/v1/cluster/rebalance", timeout=30, json={"stages": [
             {"worker": first, "start": 0, "end": cut}, {"worker": twins[0], "start": cut, "end": n}, {"worker": twins[0], "start": cut, "end": n}]})
         assert bad.status_code == 400 and "twice" in bad.json()["error"]["message"]

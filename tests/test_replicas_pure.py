@@ -102,7 +102,7 @@ def test_each_stage_is_loaded_with_every_replica_of_the_next_as_its_hops():
     assert replicas.neighbour_pairs(stages) == [("a", "b"), ("a", "c")]
 
 
-def test_the_worker_sends_a_frame_to_the_replica_on_its_route():
+def test_the_worker_sends_each_row_to_the_replica_on_its_route():
     nxt = NextHop.of({"kind": "worker", "id": "b", "url": "ws://b:1", "secret": "s-b",
                       "replicas": [{"kind": "worker", "id": "c", "url": "ws://c:1", "secret": "s-c"}]})
     load = Load(4, 0, 3, "g-0-3", ["f0"], nxt, [4], max_context=64, kv_bytes_per_token=10)
@@ -117,14 +117,30 @@ def test_the_worker_sends_a_frame_to_the_replica_on_its_route():
         (send,) = cmds
         assert (send.url, send.secret) == (url, secret)
         assert send.msg["batch"][0].get("route") == route  # the route rides on to the next stage
+    # a batch whose sequences use both replicas: a frame per replica, each with its rows
+    batch = [{"seq": f"q{i}.0", "step": 0, "pos": 0, "route": ["a", "bc"[i % 2]]} for i in range(3)]
+    out = np.arange(3 * 2 * 8, dtype=np.float32).reshape(3, 2, 8)
+    fwd = Message(T.FORWARD, {"plan": 4, "batch": batch}, {"x": np.array([[5, 6]] * 3, np.int64)})
+    _, cmds = core.handle(state, core.Computed(fwd, out, 0.01, None, 2, state.joins, {f"q{i}.0": 2 for i in range(3)}))
+    sent = {c.url: ([item["seq"] for item in c.msg["batch"]], c.msg.tensors["x"]) for c in cmds}
+    assert sorted(sent) == ["ws://b:1", "ws://c:1"]
+    assert sent["ws://b:1"][0] == ["q0.0", "q2.0"] and np.array_equal(sent["ws://b:1"][1], out[[0, 2]])
+    assert sent["ws://c:1"][0] == ["q1.0"] and np.array_equal(sent["ws://c:1"][1], out[[1]])
+    timings = {c.url: c.msg["timings"] for c in cmds}
+    assert len(timings["ws://b:1"]) == 1 and timings["ws://c:1"] == []  # this stage's time counts once
 
 
-def test_a_lane_goes_out_as_one_frame_per_route():
+def test_a_lane_goes_out_as_one_frame_per_first_stage_replica():
     lanes = Lanes()
     assert [[i.rid for i in b] for b in lanes.submit(LaneItem("q1", 4, "q1", ("a", "b")), 1)] == [["q1"]]  # alone: at once
     assert lanes.submit(LaneItem("q2", 4, "q2", ("a", "c")), 1) == []  # waits for its lane (q1 is flying)
     batches = lanes.returned("q1") + lanes.submit(LaneItem("q1", 4, "q1", ("a", "b")), 1)
-    assert sorted((b[0].route, [i.rid for i in b]) for b in batches) == [(("a", "b"), ["q1"]), (("a", "c"), ["q2"])]
+    assert [sorted(i.rid for i in b) for b in batches] == [["q1", "q2"]]  # one first stage: one frame (its worker splits it)
+    lanes = Lanes()
+    lanes.submit(LaneItem("q1", 4, "q1", ("b", "a")), 1)
+    lanes.submit(LaneItem("q2", 4, "q2", ("c", "a")), 1)
+    batches = lanes.returned("q1") + lanes.submit(LaneItem("q1", 4, "q1", ("b", "a")), 1)
+    assert sorted([i.rid for i in b] for b in batches) == [["q1"], ["q2"]]  # a replicated first stage: a frame per replica
 
 
 def test_kv_capacity_counts_every_replica_of_a_stage():
@@ -142,7 +158,18 @@ def test_the_planner_and_the_runtime_agree_on_replicated_stages():
     assert assignments(planned) == list(PLAN.stages)
     assert running_plan(PLAN, _Model(8), PlanRequest(objective=Objective.THROUGHPUT)).stages == planned
     assert [(s.device_ids, s.start, s.end) for s in deploy.as_plan(PLAN, 8).stages] == [(("a",), 0, 3), (("b", "c"), 3, 8)]
-    assert deploy.kv_moves(FLAT, PLAN, 8, [1] * 8) == [] and deploy.kv_moves(PLAN, FLAT, 8, [1] * 8) == []  # replayed instead
+    assert deploy.kv_moves(FLAT, PLAN, 8, [1] * 8) == [] and deploy.kv_moves(PLAN, FLAT, 8, [1] * 8) == []  # no route: replayed
+
+
+def test_a_switch_moves_each_sequences_kv_between_its_routes_replicas():
+    kv = [0] + [1] * 6 + [0]  # embedding and head hold no KV
+    assert deploy.kv_moves(FLAT, PLAN, 8, kv, None, ("a", "b")) == []  # its KV stays on a and b
+    assert deploy.kv_moves(FLAT, PLAN, 8, kv, None, ("a", "c")) == [deploy.KvCopy("b", "c", 3, 7)]
+    other = Deployment(6, (A("a", 0, 4), A("c", 4, 8)))
+    assert deploy.kv_moves(PLAN, other, 8, kv, ("a", "b"), None) == [deploy.KvCopy("a", "a", 1, 3), deploy.KvCopy("b", "a", 3, 4),
+                                                                      deploy.KvCopy("b", "c", 4, 7)]
+    assert deploy.kv_moves(PLAN, other, 8, kv, ("a", "c"), None) == [deploy.KvCopy("a", "a", 1, 3), deploy.KvCopy("c", "a", 3, 4),
+                                                                      deploy.KvCopy("c", "c", 4, 7)]  # a new range: a new session
     assert stage_groups(()) == ()
 
 

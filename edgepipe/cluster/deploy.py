@@ -5,7 +5,8 @@ the runtime needs: diff's ``MoveKV`` actions (from another device) plus, for a d
 range changed, the overlap with its own old range (this runtime builds a new session per
 range, so "its own" KV does not stay in place unless the range is unchanged). A plan with
 replicated stages (``placement.stage_groups``) holds each sequence's KV on its route's replicas
-only: a switch from or to one rebuilds the sequences by replay (no copies).
+only: its copies go from the replicas of its route on the old plan to those of its route on the
+new one (``cluster.replicas``).
 """
 
 from __future__ import annotations
@@ -39,11 +40,16 @@ def as_plan(dep: Deployment | Sequence[StageAssignment], n_units: int) -> Plan:
                 complete=True, predicted=None, reason="deployment", units=n_units)
 
 
-def kv_moves(old: Deployment, new: Deployment, n_units: int, kv_per_unit: Sequence[int]) -> list[KvCopy]:
-    """The KV copies that carry live sequences from ``old`` to ``new`` (only units that have KV;
-    none where either plan replicates a stage: a sequence's KV is on its route, replayed)."""
+def kv_moves(old: Deployment, new: Deployment, n_units: int, kv_per_unit: Sequence[int],
+             old_route: replicas.Route | None = None, new_route: replicas.Route | None = None) -> list[KvCopy]:
+    """The KV copies that carry live sequences from ``old`` to ``new`` (only units that have KV).
+    Where a plan replicates a stage, the copies of one sequence: from its route on ``old`` to its
+    route on ``new`` (none without both routes: it is replayed)."""
     if old.replicated or new.replicated:
-        return []
+        if (old.replicated and old_route is None) or (new.replicated and new_route is None):
+            return []
+        old = Deployment(old.plan_id, replicas.path(old, old_route or replicas.plain_route(old)))
+        new = Deployment(new.plan_id, replicas.path(new, new_route or replicas.plain_route(new)))
     actions = diff(as_plan(old, n_units), as_plan(new, n_units))
     before = {s.worker_id: (s.start, s.end) for s in old.stages}
     copies = [KvCopy(a.src, a.dst, a.start, a.end) for a in actions if isinstance(a, MoveKV)]

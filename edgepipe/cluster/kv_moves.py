@@ -12,9 +12,9 @@ sequences arrived whole (every copy acknowledged) and which are rebuilt by repla
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
-from . import deploy
+from . import deploy, replicas
 from .events import KvMoveEnded, KvMoveSent  # noqa: F401 - the events of a move, as kv_moves.X
 from .placement import Deployment
 
@@ -29,10 +29,14 @@ class MovePlan:
     moved_bytes: int
     timeout_s: float
     relayed: bool = False  # a worker behind a relay (or gone): nothing moves, everything replays
+    stay: tuple[str, ...] = ()  # sequences whose KV is already where the new plan keeps it (nothing to copy)
 
 
-def plan(state, old: Deployment, new: Deployment, units, profile) -> MovePlan | None:
-    """The moves of a switch from ``old`` to ``new`` (None: no live sequence has KV on ``old``)."""
+def plan(state, old: Deployment, new: Deployment, units, profile,
+         new_route: Callable[[str], replicas.Route] = lambda rid: ()) -> MovePlan | None:
+    """The moves of a switch from ``old`` to ``new`` (None: no live sequence has KV on ``old``).
+    Where a plan replicates a stage, a sequence's copies go from its route on ``old`` (recorded
+    in the state; none: it is replayed) to ``new_route(rid)`` on ``new``."""
     live = {rid: q for rid, q in sorted(state.requests.items()) if q.plan == old.plan_id and q.kv_len > 0}
     if not live:
         return None
@@ -40,14 +44,23 @@ def plan(state, old: Deployment, new: Deployment, units, profile) -> MovePlan | 
     if any(w not in workers or workers[w].relay for w in set(old.workers) | set(new.workers)):
         return MovePlan((), tuple(live), 0, 0.0, relayed=True)
     kv_per_unit = [u.kv_bytes_per_token for u in units]
-    copies = deploy.kv_moves(old, new, len(units), kv_per_unit)
+    per_seq: dict[str, list[deploy.KvCopy] | None] = {}
+    for rid in live:
+        old_route = replicas.routed(state.requests, old, rid)
+        unrouted = old.replicated and old_route is None
+        per_seq[rid] = None if unrouted else deploy.kv_moves(old, new, len(units), kv_per_unit, old_route,
+                                                              new_route(rid) or None)
+    copies = max((cp for cp in per_seq.values() if cp is not None), key=len, default=[])
     # Replays of all live sequences share the stages (one row per frame), so moving is weighed
     # for all of them at once: every byte that changes hands against every position replayed.
-    if not copies or not _move_is_cheaper(profile, old, new, sum(q.kv_len for q in live.values()),
-                                           sum(kv_per_unit[u] for cp in copies for u in range(cp.start, cp.end))):
+    # Nothing to copy: every KV stays where it is, on stages whose range did not change.
+    if copies and not _move_is_cheaper(profile, old, new, sum(q.kv_len for q in live.values()),
+                                       sum(kv_per_unit[u] for cp in copies for u in range(cp.start, cp.end))):
         return MovePlan((), tuple(live), 0, 0.0)
-    moved_bytes = sum(q.kv_len * sum(kv_per_unit[cp.start:cp.end]) for q in live.values() for cp in copies)
-    return MovePlan(tuple((rid, cp) for rid in live for cp in copies), (), moved_bytes, timeout_s(profile, old, moved_bytes))
+    sent = tuple((rid, cp) for rid in live for cp in per_seq[rid] or ())
+    moved_bytes = sum(live[rid].kv_len * sum(kv_per_unit[cp.start:cp.end]) for rid, cp in sent)
+    return MovePlan(sent, tuple(rid for rid in live if per_seq[rid] is None), moved_bytes,
+                    timeout_s(profile, old, moved_bytes), stay=tuple(rid for rid in live if per_seq[rid] == []))
 
 
 def timeout_s(profile, old: Deployment, moved_bytes: int) -> float:

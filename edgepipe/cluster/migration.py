@@ -7,6 +7,9 @@ LOADED ``kv_received``). What moves, and how long the moves may take, is decided
 ``KvMoveEnded``); whatever has not arrived within the bound is rebuilt by replay instead
 (``kv_moves.settled``; ``state.KvMoved`` says which plan holds whose KV). This shell only sends
 the frames and awaits their acknowledgements; it is lent ``ports.Ports``, not the coordinator.
+Where a plan replicates a stage, each sequence's KV goes from the replicas of its route on the
+old plan to those of its route on the new one, and the old route's replicas off the new route
+drop it.
 """
 
 from __future__ import annotations
@@ -15,16 +18,18 @@ import asyncio
 import itertools
 from typing import Callable
 
-from ..net.messages import KvExport, Loaded
-from . import kv_moves, state as S
+from ..net.messages import Drop, KvExport, Loaded
+from . import kv_moves, replicas, state as S
 from .placement import Deployment
 from .ports import Ports
 
 
 class KvMigration:
-    def __init__(self, ports: Ports, other_copy: Callable[[Loaded], None]):
+    def __init__(self, ports: Ports, other_copy: Callable[[Loaded], None],
+                 route: Callable[[Deployment, str], replicas.Route]):
         self.ports = ports
         self.other_copy = other_copy  # an acknowledged copy that is no move of a switch (a KV checkpoint's)
+        self.route = route  # a sequence's route on a plan (chosen and recorded at first use)
         self.acks: dict[int, asyncio.Future] = {}  # the acknowledgements awaited, by move (the moves: ``ClusterState.moves``)
         self._ids = itertools.count(1)
 
@@ -38,7 +43,7 @@ class KvMigration:
         ``kv_moves.plan`` says moving is cheaper; the rest, and any move that fails, replay."""
         p = self.ports
         state = p.state()
-        moves = kv_moves.plan(state, old, new, p.package.manifest.units, p.profile)
+        moves = kv_moves.plan(state, old, new, p.package.manifest.units, p.profile, lambda rid: self.route(new, rid))
         if moves is None:
             return {}
         if moves.relayed:
@@ -64,9 +69,13 @@ class KvMigration:
                 self.acks.pop(move, None)
                 p.emit(kv_moves.KvMoveEnded(move, bool(fut.done() and not fut.cancelled() and fut.exception() is None
                                                        and fut.result().ok)))
+        for rid in moves.stay:
+            p.emit(S.KvMoved(rid, new.plan_id))
         whole, replay = kv_moves.settled(moves, acknowledged, ids)
         for rid in whole:
             p.emit(S.KvMoved(rid, new.plan_id))
+            await self._drop_off_route(old, new, rid, state.requests[rid].seq)
+        whole = [*moves.stay, *whole]
         return {"kv_moved": len(whole), "kv_moved_bytes": moves.moved_bytes, "kv_recomputed": len(replay)}
 
     def moved(self, reply: Loaded) -> None:
@@ -82,6 +91,18 @@ class KvMigration:
             if not fut.done():
                 fut.set_exception(exc)
         self.acks.clear()
+
+
+    async def _drop_off_route(self, old: Deployment, new: Deployment, rid: str, seq: str) -> None:
+        """A sequence that moved to another replica: the workers of its old route off its new one
+        keep their session (the range is unchanged) and its KV in it until the sequence ended."""
+        if not (old.replicated or new.replicated):
+            return
+        requests = self.ports.state().requests
+        before = replicas.routed(requests, old, rid) or replicas.plain_route(old)
+        after = replicas.routed(requests, new, rid) or replicas.plain_route(new)
+        for wid in sorted(set(before) - set(after)):
+            await _sent(self.ports, wid, Drop(seq))
 
 
 async def _sent(ports: Ports, worker_id: str, msg) -> bool:

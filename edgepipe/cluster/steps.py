@@ -119,7 +119,9 @@ class Steps:
         chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if one_by_one else [feed]
         # A prompt prefill from position 0 may start from cached blocks (cluster.prefix). Prompt
         # logprobs need every position's logits: such a prefill saves blocks but reuses none.
-        decision = c.prefix.decide(dep, rid, chunks[0], reuse="targets" not in (head or {})) if kv_start == 0 and len(feed) > 1 else None
+        # Not on a plan with replicated stages: the cache knows the plan's blocks, not each replica's.
+        decision = c.prefix.decide(dep, rid, chunks[0], reuse="targets" not in (head or {})) \
+            if kv_start == 0 and len(feed) > 1 and not dep.replicated else None
         reused = decision.reused_positions if decision else 0
         if reused:
             chunks[0], kv_start = chunks[0][reused:], reused
@@ -131,7 +133,8 @@ class Steps:
         out = _OutStep(dep, {**item, **at(len(chunks) - 1)}, chunks[-1], fut)
         try:
             if len(feed) == 1:
-                self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out, route), len(dep.groups)))
+                # a micro-batch in flight per worker (replicas included: they compute side by side)
+                self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out, route), len(dep.stages)))
             else:
                 self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
                 for i, chunk in enumerate(chunks[:-1]):

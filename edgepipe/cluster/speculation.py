@@ -24,15 +24,20 @@ travel alone, beside the lanes of other sequences.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..runtime import controls
 from ..runtime.sequence import SequenceState
-from ..runtime.speculative import DraftLength, Drafter, Distribution, NgramDrafter
+from ..runtime.speculative import DraftLength, Drafter, Distribution, NgramDrafter, PassCosts, pass_costs
 
 PER_POSITION_CONTROLS = ("adjust_ids", "repeat_ids", "targets")
 AHEAD_RATE = 0.8  # draft the next pass during this one once this share of drafts is kept
+TIMED_SAMPLES = 128  # recent passes and draft waits the pass costs are measured from
+TIMED_RETRY_AFTER = 32  # timed: plain steps before a paused request tries one draft again (a probe costs a draft step)
+PRIOR_AFTER = 8  # passes after which a new request starts from the drafter's overall acceptance rate
 
 
 @dataclass(frozen=True)
@@ -69,11 +74,19 @@ class SpeculationStats:
 
 class Speculation:
     """A drafter for the coordinator's requests. ``k_max``: most drafts per pass; ``worth``: see
-    ``DraftLength`` (a free n-gram draft is worth trying further than a model's)."""
+    ``DraftLength`` (a free n-gram draft is worth trying further than a model's); ``timed``: each
+    request's draft length weighs the measured costs of a pass (``runtime.speculative.PassCosts``:
+    the waits for drafts, and the stages' time by positions fed, ``timed``) against the drafts
+    it expects kept, and drafts nothing where plain decoding is faster. Timed lengths follow the
+    machine's speed, so a sampled request decided by the rule gives other (equally distributed)
+    tokens run to run; acceptance-only lengths (``timed=False``) repeat a seed's tokens."""
 
-    def __init__(self, drafter: Drafter, k_max: int = 8, worth: float | None = None):
+    def __init__(self, drafter: Drafter, k_max: int = 8, worth: float | None = None, timed: bool = False):
         self.drafter = drafter
         self.k_max = k_max
+        self.timed = timed
+        self.step_samples: deque[tuple[int, float]] = deque(maxlen=TIMED_SAMPLES)  # (positions, seconds) of passes
+        self.draft_samples: deque[tuple[int, float]] = deque(maxlen=TIMED_SAMPLES)  # (k, seconds waited for the drafts)
         # a model's draft costs a step of the draft model: each must be likelier to be kept
         self.worth = worth if worth is not None else (0.15 if isinstance(drafter, NgramDrafter) else 0.5)
         self.lengths: dict[str, DraftLength] = {}
@@ -112,14 +125,38 @@ class Speculation:
             return Proposal(tokens, tuple(q))
         return Proposal(self.drafter.draft(rid, ids, k, params, step))
 
+    def costs(self) -> PassCosts | None:
+        """The pass costs measured so far (None: not timed, or not measured yet)."""
+        return pass_costs(self.step_samples, self.draft_samples) if self.timed else None
+
+    def stepped(self, positions: int, wall_s: float) -> None:
+        """A decode step (1 position) or verify pass (``positions``) of a speculating request took ``wall_s`` through the stages."""
+        if self.timed and positions >= 1 and wall_s > 0:
+            self.step_samples.append((positions, wall_s))
+
+    def _length(self, rid: str) -> DraftLength:
+        length = self.lengths.get(rid)
+        if length is None:
+            rate = self.stats.acceptance if self.stats.passes >= PRIOR_AFTER else 0.6  # a new request starts from what drafts got so far
+            length = self.lengths[rid] = DraftLength(k_max=self.k_max, worth=self.worth, rate=rate, costs=self.costs(),
+                                                     retry_after=TIMED_RETRY_AFTER if self.timed else 16)
+        return length
+
     async def propose(self, rid: str, state: SequenceState, room: int, rule: bool = False) -> Proposal:
         """Up to ``room`` drafted tokens to follow ``state``'s ids (none: decode one token);
         ``rule`` (see ``by_rule``): with the distribution each was drawn from."""
-        length = self.lengths.setdefault(rid, DraftLength(k_max=self.k_max, worth=self.worth))
+        length = self._length(rid)
         k = min(length.k, room)
         if k <= 0:
-            length.update(0, 0)  # a step without drafts (drafting paused, or no room)
+            length.update(0, 0, self.costs())  # a step without drafts (drafting paused, or no room)
             return Proposal([])
+        t0 = time.perf_counter()
+        drafts = await self._propose(rid, state, k, length, rule)
+        if self.timed:
+            self.draft_samples.append((k, time.perf_counter() - t0))
+        return drafts
+
+    async def _propose(self, rid: str, state: SequenceState, k: int, length: DraftLength, rule: bool) -> Proposal:
         ids, params, step = list(state.all_ids), state.params, len(state.generated)
         if self._pool is None:
             return self._draft(rid, ids, k, params, step, rule)
@@ -155,7 +192,7 @@ class Speculation:
         self.stats.drafted += drafted
         self.stats.kept += kept
         if rid in self.lengths:
-            self.lengths[rid].update(drafted, kept)
+            self.lengths[rid].update(drafted, kept, self.costs())
 
     def forget(self, rid: str) -> None:
         self.lengths.pop(rid, None)
@@ -166,18 +203,19 @@ class Speculation:
             self._pool.submit(self.drafter.forget, rid)
 
 
-def build_speculation(draft: str, target, k_max: int = 8, threads: int | None = None, home=None) -> Speculation:
+def build_speculation(draft: str, target, k_max: int = 8, threads: int | None = None, home=None, timed: bool = True) -> Speculation:
     """``draft``: ``"ngram"`` (prompt lookup), a model (package name, directory or GGUF path) whose
     tokenizer is the target package's, run whole in this process, or ``"ngram+MODEL"`` (prompt
-    lookup where it finds a match, the model elsewhere). ``ValueError`` (one line) when the pair
-    cannot work."""
+    lookup where it finds a match, the model elsewhere); ``timed``: see ``Speculation``.
+    ``ValueError`` (one line) when the pair cannot work."""
     from ..runtime.speculative import LookupThenModel
 
     if draft == "ngram":
-        return Speculation(NgramDrafter(), k_max)
+        return Speculation(NgramDrafter(), k_max, timed=timed)
     if draft.startswith("ngram+"):
-        return Speculation(LookupThenModel(NgramDrafter(), _model_drafter(draft.removeprefix("ngram+"), target, threads, home)), k_max)
-    return Speculation(_model_drafter(draft, target, threads, home), k_max)
+        return Speculation(LookupThenModel(NgramDrafter(), _model_drafter(draft.removeprefix("ngram+"), target, threads, home)), k_max,
+                           timed=timed)
+    return Speculation(_model_drafter(draft, target, threads, home), k_max, timed=timed)
 
 
 def _model_drafter(draft: str, target, threads: int | None, home):

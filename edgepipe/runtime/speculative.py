@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -196,18 +196,115 @@ def _ids_in(row, vocab: int) -> bool:
     return isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in row)
 
 
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a verify pass of ``k`` drafts yields on average when each draft is kept with
+    probability ``acceptance`` given the ones before it were: ``1 + a + a^2 + .. + a^k`` (the
+    kept drafts, then the target's own token)."""
+    a = min(max(acceptance, 0.0), 1.0)
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """What one speculative pass costs, measured (seconds). A pass of ``k`` drafts waits for the
+    drafter (``draft_call_s + k * draft_step_s``: the wait the pipeline saw, so drafts made during
+    the previous pass cost what is left of them), then travels the stages with ``k + 1``
+    positions (``step_s + k * position_s``: ``step_s`` is a plain decode step, hops included)."""
+
+    step_s: float  # a plain decode step through every stage and hop (one position)
+    position_s: float  # each extra position a verify pass carries
+    draft_step_s: float  # each drafted token
+    draft_call_s: float = 0.0  # a drafter call's fixed part (a remote drafter's round trip)
+
+    def __post_init__(self) -> None:
+        values = (self.step_s, self.position_s, self.draft_step_s, self.draft_call_s)
+        if not all(math.isfinite(v) and v >= 0 for v in values) or self.step_s <= 0:
+            raise ValueError(f"pass costs must be finite seconds >= 0 (a step > 0), got {values}")
+
+    def pass_s(self, k: int) -> float:
+        """Seconds of a pass of ``k`` drafts (0: a plain decode step)."""
+        if k <= 0:
+            return self.step_s
+        return self.step_s + k * self.position_s + self.draft_call_s + k * self.draft_step_s
+
+
+def timed_draft_length(acceptance: float, costs: PassCosts, k_max: int, margin: float = 0.05) -> int:
+    """The draft length with the most tokens per second, ``expected_tokens(a, k) / pass_s(k)``
+    over ``k`` in ``[0, k_max]``; 0 (plain decoding) unless some ``k`` beats a plain step by
+    ``margin`` (measured costs are noisy: a draft that barely pays is not worth the risk)."""
+    plain = 1.0 / costs.step_s
+    best_k, best = 0, plain * (1.0 + margin)
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(acceptance, k) / costs.pass_s(k)
+        if rate > best:
+            best_k, best = k, rate
+    return best_k
+
+
+def fit_line(points, prior_slope: float | None = None) -> tuple[float, float] | None:
+    """``(intercept, slope)`` of ``y = intercept + slope * x`` through measured ``(x, y)`` points,
+    robust to a slow outlier: the median ``y`` of each ``x``, then least squares over those
+    medians (weighted by how many points each has). With one ``x`` measured: the line through it
+    with ``prior_slope`` (None: through the origin). Slope and intercept are kept ``>= 0``. None
+    without points."""
+    by_x: dict[float, list[float]] = {}
+    for x, y in points:
+        by_x.setdefault(float(x), []).append(float(y))
+    if not by_x:
+        return None
+    xs = sorted(by_x)
+    medians = [float(np.median(by_x[x])) for x in xs]
+    if len(xs) == 1:
+        x, y = xs[0], medians[0]
+        slope = y / x if prior_slope is None and x > 0 else (prior_slope or 0.0)
+        slope = min(slope, y / x) if x > 0 else slope
+        return max(0.0, y - slope * x), max(0.0, slope)
+    weights = np.array([len(by_x[x]) for x in xs], np.float64)
+    slope, intercept = np.polyfit(np.array(xs), np.array(medians), 1, w=np.sqrt(weights))
+    if intercept < 0:  # through the origin instead
+        slope, intercept = float(np.dot(weights * np.array(xs), medians) / np.dot(weights, np.array(xs) ** 2)), 0.0
+    return max(0.0, float(intercept)), max(0.0, float(slope))
+
+
+POSITION_SHARE = 0.45  # an extra verified position costs this share of a decode step (measured, stop 34) until measured here
+
+
+def pass_costs(steps, drafts) -> PassCosts | None:
+    """Costs from measurements: ``steps`` ``(positions, seconds)`` of decode steps and verify
+    passes through the stages, ``drafts`` ``(k, seconds)`` of the waits for ``k`` drafts. Where
+    only one size of pass has been seen, an extra position costs ``POSITION_SHARE`` of a step.
+    None until both a pass and a draft have been seen."""
+    steps, draft = list(steps), fit_line(drafts)
+    if not steps or draft is None:
+        return None
+    sizes = sorted({n for n, _ in steps})
+    if len(sizes) >= 2:
+        step_s, position_s = fit_line([(n - 1, s) for n, s in steps])
+    else:  # one size: its median split as a step plus the extra positions at the measured share
+        n = sizes[0]
+        step_s = float(np.median([s for _, s in steps])) / (1 + POSITION_SHARE * (n - 1))
+        position_s = POSITION_SHARE * step_s
+    if step_s <= 0:
+        return None
+    return PassCosts(step_s, position_s, draft[1], draft[0])
+
+
 @dataclass
 class DraftLength:
-    """How many tokens to draft next, from the acceptance rate seen so far.
+    """How many tokens to draft next, from the acceptance rate seen so far and, where measured,
+    what a pass costs.
 
     ``rate`` is a moving average of the share of drafts the target kept. With a share ``a`` the
-    ``j``-th draft survives with probability ``a ** j``; drafting stops where that falls below
-    ``worth`` (a draft that costs compute, a model's, is worth less than a free n-gram one):
-    ``k = floor(log(worth) / log(a))``, at most ``k_max``. A pass that keeps every draft lets the
-    next one try twice as many (the average alone would take several passes to get there, and a
-    ramp of one more per pass spends most of a short answer's passes below ``k_max``). Where not
-    even the first draft is worth it (``a < worth``) drafting pauses (``k = 0``: plain decode
-    steps) and tries ``k_min`` again after ``retry_after`` steps."""
+    ``j``-th draft survives with probability ``a ** j``. Without costs, drafting stops where that
+    falls below ``worth`` (a draft that costs compute, a model's, is worth less than a free n-gram
+    one): ``k = floor(log(worth) / log(a))``, at most ``k_max``. With ``costs``
+    (:class:`PassCosts`, from measured times) ``k`` is the one with the most tokens per second
+    (:func:`timed_draft_length`), 0 where plain decoding is faster. A pass that keeps every
+    draft at a high rate (``DOUBLE_ABOVE``) lets the next one try twice as many (the average alone
+    would take several passes to get there, and a ramp of one more per pass spends most of a
+    short answer's passes below ``k_max``). Where not even the first draft is worth it drafting
+    pauses (``k = 0``: plain decode steps) and tries ``k_min`` again after ``retry_after`` steps
+    (the text, or the load, may have changed)."""
 
     k_max: int = 8
     k_min: int = 1
@@ -215,8 +312,11 @@ class DraftLength:
     smoothing: float = 0.3  # weight of the latest pass in the moving average
     rate: float = 0.6  # a start that drafts a few tokens
     retry_after: int = 16  # decode steps without drafting before trying again
+    costs: PassCosts | None = None  # measured pass costs (None: decide from the acceptance rate alone)
     k: int = field(init=False, default=0)
     paused: int = field(init=False, default=0)  # steps decoded without drafts since drafting paused
+
+    DOUBLE_ABOVE: ClassVar[float] = 0.75  # with costs: a full pass doubles k only at this rate or more
 
     def __post_init__(self) -> None:
         if not (1 <= self.k_min <= self.k_max and 0 < self.worth < 1 and 0 < self.smoothing <= 1 and 0 <= self.rate <= 1
@@ -225,14 +325,19 @@ class DraftLength:
         self.k = self._from_rate()
 
     def _from_rate(self) -> int:
+        if self.costs is not None:
+            return timed_draft_length(self.rate, self.costs, self.k_max)
         if self.rate >= 1.0:
             return self.k_max
         if self.rate < self.worth:
             return 0
         return max(self.k_min, min(self.k_max, int(math.log(self.worth) / math.log(self.rate))))
 
-    def update(self, drafted: int, kept: int) -> int:
-        """Take one step's outcome (``kept`` of ``drafted``; 0 of 0: a step without drafts); returns the next ``k``."""
+    def update(self, drafted: int, kept: int, costs: PassCosts | None = None) -> int:
+        """Take one step's outcome (``kept`` of ``drafted``; 0 of 0: a step without drafts) and
+        the latest measured ``costs`` (None: keep the ones held); returns the next ``k``."""
+        if costs is not None:
+            self.costs = costs
         if drafted <= 0:
             if self.k == 0:
                 self.paused += 1
@@ -240,7 +345,11 @@ class DraftLength:
                     self.paused, self.k = 0, self.k_min
             return self.k
         self.rate = (1 - self.smoothing) * self.rate + self.smoothing * (kept / drafted)
-        self.k = min(self.k_max, 2 * self.k) if kept == drafted and drafted >= self.k else self._from_rate()
+        k = self._from_rate()
+        full = kept == drafted and drafted >= self.k
+        if full and (self.costs is None or (k > 0 and self.rate >= self.DOUBLE_ABOVE)):
+            k = max(k, min(self.k_max, 2 * self.k))
+        self.k = k
         return self.k
 
 

@@ -1,0 +1,91 @@
+"""The time-aware draft length: k from measured pass costs against the drafts expected kept,
+k = 0 (plain decoding) where drafting does not pay, probes now and then; and the costs measured
+from passes and draft waits. Figures are stop 34's measurements (a 1.5B target over 3 stages
+with 10 ms hops, a 0.5B draft)."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgepipe.runtime.speculative import (DraftLength, PassCosts, expected_tokens, fit_line, pass_costs, timed_draft_length)
+
+pytestmark = pytest.mark.pure  # no process, no model
+
+# a plain step 54 ms of compute + 60 ms of hops; each extra verified position 0.45 of the compute; a draft step 35 ms
+MEASURED = PassCosts(step_s=0.114, position_s=0.025, draft_step_s=0.035)
+
+
+def test_expected_tokens_of_a_pass():
+    assert expected_tokens(0.0, 5) == 1.0  # every draft rejected: the target's own token
+    assert expected_tokens(1.0, 5) == 6.0  # every draft kept, and the bonus
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+@pytest.mark.parametrize("acceptance, costs, expected", [
+    (0.65, MEASURED, 1),  # chat on a quiet box: one draft pays (9.5 vs 8.8 tok/s), two do not
+    (0.6, MEASURED, 0),  # a gain under the margin (9.2 vs 8.8 tok/s) is not worth the risk
+    (0.5, MEASURED, 0),  # fewer drafts kept: plain decoding is faster
+    (0.6, PassCosts(0.114, 0.035, 0.045), 0),  # chat on a loaded box (slower drafts and positions): plain
+    (0.98, MEASURED, 8),  # a code edit: as many as allowed
+    (0.98, PassCosts(0.114, 0.025, 0.035, draft_call_s=0.02), 8),  # a remote drafter's round trip is paid once per pass
+    (0.7, PassCosts(0.114, 0.025, 0.0), 3),  # free drafts (n-gram): the verify positions alone limit k
+    (0.9, PassCosts(0.114, 0.025, 0.2), 0),  # a draft step slower than a decode step: never
+])
+def test_timed_draft_length(acceptance, costs, expected):
+    assert timed_draft_length(acceptance, costs, k_max=8) == expected
+
+
+def test_the_chosen_length_is_the_fastest_and_zero_never_loses():
+    for acceptance in [i / 20 for i in range(21)]:
+        k = timed_draft_length(acceptance, MEASURED, k_max=8, margin=0.0)
+        rates = [expected_tokens(acceptance, j) / MEASURED.pass_s(j) for j in range(9)]
+        assert rates[k] == max(rates)
+        assert rates[k] >= rates[0]  # never slower than plain by the measured costs
+
+
+def test_bad_costs_are_refused():
+    with pytest.raises(ValueError):
+        PassCosts(0.0, 0.01, 0.01)
+    with pytest.raises(ValueError):
+        PassCosts(0.1, float("nan"), 0.01)
+
+
+def test_fit_line_takes_the_median_of_each_size():
+    points = [(0, 0.1), (0, 0.1), (0, 5.0), (2, 0.15), (2, 0.15), (4, 0.2)]  # one slow outlier at 0
+    intercept, slope = fit_line(points)
+    assert intercept == pytest.approx(0.1, abs=1e-6) and slope == pytest.approx(0.025, abs=1e-6)
+    assert fit_line([(4, 0.2)]) == pytest.approx((0.0, 0.05))  # one size: through the origin
+    assert fit_line([]) is None
+
+
+def test_pass_costs_from_measurements():
+    assert pass_costs([(1, 0.1)], []) is None  # no draft waited for yet
+    costs = pass_costs([(1, 0.1), (1, 0.1), (3, 0.15), (5, 0.2)], [(4, 0.12), (2, 0.06)])
+    assert costs.step_s == pytest.approx(0.1) and costs.position_s == pytest.approx(0.025)
+    assert costs.draft_step_s == pytest.approx(0.03) and costs.draft_call_s == pytest.approx(0.0, abs=1e-9)
+    only_verify = pass_costs([(5, 0.28)], [(4, 0.12)])  # one size of pass: split at the measured share
+    assert only_verify.step_s == pytest.approx(0.1) and only_verify.position_s == pytest.approx(0.045)
+
+
+def test_a_timed_length_pauses_where_plain_is_faster_and_probes_again():
+    slow_drafts = PassCosts(0.114, 0.035, 0.045)
+    length = DraftLength(k_max=8, rate=0.6, costs=slow_drafts, retry_after=4)
+    assert length.k == 0  # plain decoding from the start
+    for _ in range(3):
+        assert length.update(0, 0) == 0
+    assert length.update(0, 0) == 1  # a probe: one draft
+    assert length.update(1, 1) == 0  # kept, but one draft at 0.72 still does not pay at these costs
+    fast_drafts = PassCosts(0.114, 0.025, 0.01)
+    for _ in range(4):
+        length.update(0, 0, fast_drafts)
+    assert length.k >= 1  # the probe came, and drafting now pays: the load went, or the drafter moved
+    assert length.update(length.k, length.k) >= 2
+
+
+def test_a_timed_length_doubles_only_at_a_high_rate():
+    length = DraftLength(k_max=8, rate=0.9, costs=MEASURED)
+    first = length.k
+    assert first == 3 and length.update(first, first) == 6  # every draft kept at a high rate: twice as many
+    assert length.update(6, 6) == 8  # and on to k_max
+    chat = DraftLength(k_max=8, rate=0.65, costs=MEASURED)
+    assert chat.k == 1 and chat.update(1, 1) <= 2  # a kept single draft at a chat's rate does not double blindly

@@ -89,3 +89,28 @@ def test_a_timed_length_doubles_only_at_a_high_rate():
     assert length.update(6, 6) == 8  # and on to k_max
     chat = DraftLength(k_max=8, rate=0.65, costs=MEASURED)
     assert chat.k == 1 and chat.update(1, 1) <= 2  # a kept single draft at a chat's rate does not double blindly
+
+
+# -- where the draft runs ---------------------------------------------------------------------------
+from edgepipe.plan.draft_site import COORDINATOR, DraftSite, choose_draft_site  # noqa: E402
+
+
+@pytest.mark.parametrize("sites, current, expected", [
+    ([DraftSite(COORDINATOR, 0.035)], None, COORDINATOR),  # no drafter worker
+    ([DraftSite(COORDINATOR, 0.041), DraftSite("w4-phone", 0.020, call_s=0.02)], COORDINATOR, "w4-phone"),  # 0.10 vs 0.164 s a pass
+    ([DraftSite(COORDINATOR, 0.035), DraftSite("w4-phone", 0.030, call_s=0.02)], COORDINATOR, COORDINATOR),  # 0.14 vs 0.14: stay
+    ([DraftSite(COORDINATOR, 0.035), DraftSite("w4-phone", 0.030, call_s=0.02)], None, COORDINATOR),  # a tie goes to the coordinator
+    ([DraftSite(COORDINATOR, 0.035), DraftSite("w4-phone", 0.031)], "w4-phone", "w4-phone"),  # 12% cheaper is not worth a move back
+    ([DraftSite(COORDINATOR, 0.035), DraftSite("w5-b", 0.02), DraftSite("w4-a", 0.02)], None, "w4-a"),  # equal workers: by id
+    ([DraftSite(COORDINATOR, 0.035), DraftSite("w5-b", 0.02)], "w4-gone", "w5-b"),  # the running drafter was lost
+])
+def test_the_draft_runs_where_a_pass_costs_least(sites, current, expected):
+    assert choose_draft_site(sites, current) == expected
+    assert choose_draft_site(list(reversed(sites)), current) == expected  # the order they are listed in does not matter
+
+
+def test_a_site_needs_real_seconds():
+    with pytest.raises(ValueError):
+        DraftSite("w1", float("inf"))
+    with pytest.raises(ValueError):
+        choose_draft_site([])

@@ -266,6 +266,9 @@ def serve(
                                           "text). CPU workers only; ~20%% slower decode on 4-bit MatMulNBits stages."),
     draft_k: int = typer.Option(8, "--draft-k", min=1, max=32, help="Most drafted tokens per verify pass."),
     draft_threads: Optional[int] = typer.Option(None, "--draft-threads", min=1, help="Threads of the draft model in this process."),
+    draft_on: str = typer.Option("auto", "--draft-on",
+                                 help="Where the draft model runs: auto (where a draft step costs least, measured: this process or a "
+                                      "worker started with --role drafter) | coordinator | workers (a drafter worker whenever one is ready)."),
     draft_length: str = typer.Option("timed", "--draft-length",
                                      help="timed: drafts per pass from the measured costs of drafting and verifying (none where plain "
                                           "decoding is faster) | acceptance: from the acceptance rate alone (a sampled request's seed "
@@ -290,6 +293,8 @@ def serve(
 
     if draft_length not in ("timed", "acceptance"):
         fail(f"--draft-length must be timed or acceptance, got {draft_length!r}")
+    if draft_on not in ("auto", "coordinator", "workers"):
+        fail(f"--draft-on must be auto, coordinator or workers, got {draft_on!r}")
     try:
         # local workers find their form in the package when they join; remote ones get theirs added as they join
         pkg, _ = open_runnable_model(model, precision, home, add_missing=workers > 0)
@@ -302,7 +307,7 @@ def serve(
                              max_active=max_active, max_queue=max_queue, step_timeout_s=step_timeout, capacity_wait_s=capacity_wait, objective=objective,
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
                              cluster=cluster, advertise=advertise, batch_invariant=batch_invariant, local_device=local_device,
-                             speculative=speculative, draft_k=draft_k, draft_threads=draft_threads, draft_length=draft_length, verify_form=verify_form,
+                             speculative=speculative, draft_k=draft_k, draft_threads=draft_threads, draft_length=draft_length, draft_on=draft_on, verify_form=verify_form,
                              prefix_cache_positions=prefix_cache_positions if prefix_cache else 0, kv_checkpoint_tokens=kv_checkpoint_tokens)
 
     def ready(bound: int, coordinator) -> None:

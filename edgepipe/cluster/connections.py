@@ -64,6 +64,9 @@ class Connections:
                     await self._refuse(channel, f"cannot provide the {form} variant: {exc}")
                     return
                 c.event("variant", precision=form, status="skipped", reason=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        if declared.drafter and c.drafting is None:
+            await self._refuse(channel, "this coordinator runs no draft model to hand out (serve --speculative MODEL)")
+            return
         name = declared.name[:32]
         wid = f"w{c.cluster.joins + 1}-{name}"[:40]
         link = c.links[wid] = Link(channel)
@@ -71,8 +74,11 @@ class Connections:
         c.emit(S.WorkerJoined(wid, name, dataclasses.replace(declared, token=None), c.clock()))  # its dashboard line: narrate.entry
         await link.send(Welcome(wid).to_message())
         c.measure(M.DeviceJoined(name, c.clock()))
-        c.calibrator.joined(wid)
-        c.replan_wanted.set()
+        if declared.drafter:  # no stage for it: it gets the draft model instead (cluster.drafters)
+            c.spawn(c.drafting.attach(wid, link))
+        else:
+            c.calibrator.joined(wid)
+            c.replan_wanted.set()
         try:
             await self._read_worker(wid, link)
         finally:
@@ -140,6 +146,9 @@ class Connections:
             if target:
                 fields = {k: v for k, v in msg.fields.items() if k != "relay_to"}
                 c.spawn(c.steps.relay(typed.relay_to, target, Message(T.FORWARD, fields, msg.tensors)))
+        elif msg.type in (T.DRAFTED, T.DRAFT_READY):
+            if c.drafting is not None:
+                c.drafting.answered(wid, typed)
         elif msg.type is T.ERROR:
             c.steps.worker_error(wid, typed)
         elif msg.type is T.BYE:  # it is leaving: drop it now, not after the suspect / lose timeouts

@@ -91,7 +91,7 @@ class Speculation:
         self.worth = worth if worth is not None else (0.15 if isinstance(drafter, NgramDrafter) else 0.5)
         self.lengths: dict[str, DraftLength] = {}
         self.stats = SpeculationStats()
-        self._pool = None if isinstance(drafter, NgramDrafter) else ThreadPoolExecutor(1, thread_name_prefix="draft")
+        self.pool = None if isinstance(drafter, NgramDrafter) else ThreadPoolExecutor(1, thread_name_prefix="draft")
         self._ahead: dict[str, tuple[list[int], Future]] = {}  # rid -> (ids it assumed, drafts after them)
         self.ahead_used = 0  # passes whose drafts were drafted during the pass before
 
@@ -124,6 +124,32 @@ class Speculation:
             tokens, q = self.drafter.draft_sampled(rid, ids, k, params, step)
             return Proposal(tokens, tuple(q))
         return Proposal(self.drafter.draft(rid, ids, k, params, step))
+
+    def view(self, drafting=None) -> dict:
+        """The status entry: what was drafted and kept, the measured pass costs and the draft
+        length they give, and where the draft runs (``drafting``: ``cluster.drafters.Drafting``)."""
+        costs = self.costs()
+        out = {"drafter": self.drafter.name, "passes": self.stats.passes, "drafted": self.stats.drafted, "kept": self.stats.kept,
+               "acceptance": round(self.stats.acceptance, 4), "drafted_ahead": self.ahead_used, "by_rule": self.stats.by_rule,
+               "draft_length": "timed" if self.timed else "acceptance",
+               "site": drafting.placed.site if drafting is not None else "coordinator",
+               "k_now": {rid: length.k for rid, length in sorted(self.lengths.items())}}
+        if costs is not None:
+            out["costs_ms"] = {"step": round(costs.step_s * 1e3, 2), "position": round(costs.position_s * 1e3, 2),
+                               "draft_step": round(costs.draft_step_s * 1e3, 2), "draft_call": round(costs.draft_call_s * 1e3, 2)}
+        if drafting is not None:
+            out["placement"] = drafting.view()
+        return out
+
+    @property
+    def placed(self):
+        """The model drafter that may run on a drafter worker (``cluster.drafters.PlacedDrafter``), or None."""
+        from .drafters import PlacedDrafter
+
+        for drafter in (self.drafter, getattr(self.drafter, "model", None)):
+            if isinstance(drafter, PlacedDrafter):
+                return drafter
+        return None
 
     def costs(self) -> PassCosts | None:
         """The pass costs measured so far (None: not timed, or not measured yet)."""
@@ -158,7 +184,7 @@ class Speculation:
 
     async def _propose(self, rid: str, state: SequenceState, k: int, length: DraftLength, rule: bool) -> Proposal:
         ids, params, step = list(state.all_ids), state.params, len(state.generated)
-        if self._pool is None:
+        if self.pool is None:
             return self._draft(rid, ids, k, params, step, rule)
         drafts = Proposal([])
         ahead = self._ahead.pop(rid, None)
@@ -171,20 +197,20 @@ class Speculation:
                 self.ahead_used += 1
                 if 0 < len(drafts) < k:  # the draft length grew since (every draft kept): draft on after the guess
                     more = await asyncio.get_running_loop().run_in_executor(
-                        self._pool, self._draft, rid, ids + drafts.tokens, k - len(drafts), params, step + len(drafts), rule)
+                        self.pool, self._draft, rid, ids + drafts.tokens, k - len(drafts), params, step + len(drafts), rule)
                     drafts = drafts.then(more)
         if not drafts:
-            drafts = await asyncio.get_running_loop().run_in_executor(self._pool, self._draft, rid, ids, k, params, step, rule)
+            drafts = await asyncio.get_running_loop().run_in_executor(self.pool, self._draft, rid, ids, k, params, step, rule)
         if drafts and length.rate >= AHEAD_RATE:
             assumed = ids + drafts.tokens
-            self._ahead[rid] = assumed, self._pool.submit(self._draft, rid, assumed, k + 1, params, step + len(drafts), rule)
+            self._ahead[rid] = assumed, self.pool.submit(self._draft, rid, assumed, k + 1, params, step + len(drafts), rule)
         return drafts
 
     def prime(self, rid: str, state: SequenceState) -> None:
         """Let a model drafter take in the prompt on its thread while the pipeline prefills it
         (its first draft would otherwise begin with that prefill)."""
-        if self._pool is not None:
-            self._pool.submit(self.drafter.prime, rid, list(state.prompt_ids))
+        if self.pool is not None:
+            self.pool.submit(self.drafter.prime, rid, list(state.prompt_ids))
 
     def learn(self, rid: str, drafted: int, kept: int, by_rule: bool = False) -> None:
         self.stats.passes += 1
@@ -197,10 +223,10 @@ class Speculation:
     def forget(self, rid: str) -> None:
         self.lengths.pop(rid, None)
         self._ahead.pop(rid, None)
-        if self._pool is None:
+        if self.pool is None:
             self.drafter.forget(rid)
         else:
-            self._pool.submit(self.drafter.forget, rid)
+            self.pool.submit(self.drafter.forget, rid)
 
 
 def build_speculation(draft: str, target, k_max: int = 8, threads: int | None = None, home=None, timed: bool = True) -> Speculation:
@@ -219,11 +245,13 @@ def build_speculation(draft: str, target, k_max: int = 8, threads: int | None = 
 
 
 def _model_drafter(draft: str, target, threads: int | None, home):
+    """The draft model, whole in this process, placeable on a drafter worker (``cluster.drafters``)."""
     from ..model.store import resolve
     from ..runtime.speculative import ModelDrafter
+    from .drafters import PlacedDrafter
 
     package = resolve(draft, home=home) if home is not None else resolve(draft)
     if package.manifest.tokenizer != target.manifest.tokenizer:
         raise ValueError(f"draft model {package.name} has another tokenizer than {target.name}: drafts would be other tokens")
     runner = package.runner(0, len(package.manifest.units), threads=threads, sampler=True)  # its distribution: the rule's q
-    return ModelDrafter(runner, package.name)
+    return PlacedDrafter(ModelDrafter(runner, package.name), package)

@@ -483,6 +483,25 @@ class ModelDrafter:
         self.runner.drop(seq)
 
 
+TIMING_PROMPT = 32  # tokens a timing sequence starts from
+
+
+def time_draft_steps(drafter: ModelDrafter, reps: int = 8) -> float:
+    """Seconds per greedy draft step of ``drafter`` after a short prompt (as calibration times a
+    stage: measured where it will run); the timing sequence is forgotten after."""
+    import time
+
+    seq, ids = "__timing__", [int(t) % max(drafter.runner.vocab or 1, 1) for t in range(10, 10 + TIMING_PROMPT)]
+    try:
+        drafter.prime(seq, ids)
+        drafter.draft(seq, ids, 1)  # the first step after a prefill warms what a prefill did not
+        t0 = time.perf_counter()
+        drafter.draft(seq, ids, reps)
+        return (time.perf_counter() - t0) / reps
+    finally:
+        drafter.forget(seq)
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):

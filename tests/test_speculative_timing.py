@@ -114,3 +114,48 @@ def test_a_site_needs_real_seconds():
         DraftSite("w1", float("inf"))
     with pytest.raises(ValueError):
         choose_draft_site([])
+
+
+# -- the drafter worker's messages ---------------------------------------------------------------------
+import numpy as np  # noqa: E402
+
+from edgepipe.net import messages as M  # noqa: E402
+from edgepipe.net.protocol import ProtocolError, decode, encode  # noqa: E402
+
+
+def _round_trip(msg):
+    return M.parse(decode(encode(msg)), vocab_size=100)
+
+
+def test_drafter_messages_round_trip():
+    load = M.DraftLoad("draft-fp32", "a" * 64, ["b" * 64], 2048, 8)
+    assert _round_trip(load.to_message()) == load
+    draft = M.Draft(3, "r1.0", 5, 4, 7, {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 11}, True)
+    back = _round_trip(draft.to_message({"ids": np.array([1, 2, 3], np.int32)}))
+    assert (back.id, back.seq, back.keep, back.k, back.step, dict(back.sampling), back.rule) == (3, "r1.0", 5, 4, 7, dict(draft.sampling), True)
+    assert M.Hello.from_fields({"role": "drafter"}).drafter and not M.Hello.from_fields({}).drafter
+    drafted = M.Drafted(3, True, [5, 6], [[5, 9], [6]], [[0.75, 0.25], [1.0]], 0.02)
+    assert _round_trip(drafted.to_message()) == drafted
+    ready = M.DraftReady(True, "draft-fp32", 0.03, 1.5, 1024)
+    assert _round_trip(ready.to_message()) == ready
+
+
+@pytest.mark.parametrize("msg", [
+    M.Draft(1, "s", -1, 4, 0).to_message(),  # a negative keep
+    M.Draft(1, "s", 0, 65, 0).to_message(),  # more drafts than a pass may carry
+    M.Draft(1, "s", 0, 4, 0, {"temperature": "hot", "top_k": 1, "top_p": 1.0, "seed": 0}).to_message(),
+    M.Drafted(1, True, [5, 100]).to_message(),  # a token outside the vocabulary
+    M.Drafted(1, True, [5], [[5]], None).to_message(),  # ids without probabilities
+    M.Drafted(1, True, [5], [[5, 6]], [[float("nan"), 0.5]]).to_message(),
+    M.DraftLoad("d", "g", ["f"], 0).to_message(),  # no context
+    M.DraftReady(True, step_s=-1.0).to_message(),
+])
+def test_bad_drafter_frames_are_refused_in_one_line(msg):
+    with pytest.raises(ProtocolError) as info:
+        _round_trip(msg)
+    assert "\n" not in str(info.value)
+
+
+def test_a_bad_role_is_refused():
+    with pytest.raises(ProtocolError):
+        M.Hello.from_fields({"role": "boss"})

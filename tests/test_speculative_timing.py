@@ -159,3 +159,82 @@ def test_bad_drafter_frames_are_refused_in_one_line(msg):
 def test_a_bad_role_is_refused():
     with pytest.raises(ProtocolError):
         M.Hello.from_fields({"role": "boss"})
+
+
+# -- a drafter worker as the coordinator's drafter, in memory ----------------------------------------------
+import asyncio  # noqa: E402
+import threading  # noqa: E402
+
+
+class _Local:
+    name, states_distributions = "local", False
+
+    def __init__(self):
+        self.calls = []
+
+    def draft(self, seq, ids, k, params=None, step=0):
+        self.calls.append((seq, len(ids), k))
+        return [7] * k
+
+    def prime(self, seq, ids):
+        pass
+
+    def forget(self, seq):
+        pass
+
+
+def test_drafts_go_to_the_drafter_worker_and_come_back_here_when_it_fails():
+    from edgepipe.cluster.drafters import PlacedDrafter, RemoteDrafter
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    sent, behaviour = [], {"mode": "answer"}
+    remote = None
+
+    async def send(msg):
+        sent.append(msg)
+        if behaviour["mode"] == "closed":
+            raise ConnectionError("channel closed")
+        if msg.type.value == "draft":
+            unknown = behaviour["mode"] == "forgot" and msg["keep"] > 0
+            reply = M.Drafted(msg["id"], not unknown, None if unknown else [3] * msg["k"], compute_s=0.001 * msg["k"],
+                              error="unknown sequence" if unknown else None)
+            remote.answered(reply)
+
+    moves = []
+    local = _Local()
+    placed = PlacedDrafter(local, package=None, on_move=lambda site, why: moves.append(site))
+    placed.local_step_s = 0.05
+    remote = RemoteDrafter("w9-drafter", send, loop, step_s=0.01, timeout_s=2.0)
+    try:
+        placed.add(remote)
+        assert placed.site == "w9-drafter" and moves == ["w9-drafter"]  # 0.04 s a pass there against 0.2 s here
+        assert placed.draft("r1", [1, 2, 3], 4) == [3, 3, 3, 3]
+        assert placed.draft("r1", [1, 2, 3, 3, 9], 2) == [3, 3]
+        assert [(m["keep"], list(m.tensors["ids"])) for m in sent] == [(0, [1, 2, 3]), (3, [3, 9])]  # only the new ids travel
+        behaviour["mode"] = "forgot"  # it rejoined and lost its sequences: everything again
+        assert placed.draft("r1", [1, 2, 3, 3, 9, 4], 1) == [3] and sent[-1]["keep"] == 0 and len(sent[-1].tensors["ids"]) == 6
+        behaviour["mode"] = "closed"
+        assert placed.draft("r1", [1, 2, 3, 3, 9, 4, 5], 2) == [7, 7]  # drafted here instead: the pass still gets drafts
+        assert placed.site == "coordinator" and moves[-1] == "coordinator" and placed.fallbacks == 1 and not placed.remotes
+        assert local.calls == [("r1", 7, 2)] and placed.remote_drafts == 3
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_a_silent_drafter_is_dropped_after_its_timeout():
+    from edgepipe.cluster.drafters import PlacedDrafter, RemoteDrafter
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def swallow(msg):
+        pass
+
+    placed = PlacedDrafter(_Local(), package=None)
+    placed.local_step_s = 0.05
+    placed.add(RemoteDrafter("w9-drafter", swallow, loop, step_s=0.01, timeout_s=0.2))
+    try:
+        assert placed.draft("r1", [1, 2], 3) == [7, 7, 7] and placed.site == "coordinator"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)

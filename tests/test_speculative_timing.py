@@ -60,8 +60,10 @@ def test_fit_line_takes_the_median_of_each_size():
 
 def test_pass_costs_from_measurements():
     assert pass_costs([(1, 0.1)], []) is None  # no draft waited for yet
-    costs = pass_costs([(1, 0.1), (1, 0.1), (3, 0.15), (5, 0.2)], [(4, 0.12), (2, 0.06)])
+    costs = pass_costs([(1, 0.1)] * 3 + [(3, 0.15)] * 3 + [(5, 0.2)] * 3, [(4, 0.12), (2, 0.06)])
     assert costs.step_s == pytest.approx(0.1) and costs.position_s == pytest.approx(0.025)
+    thin = pass_costs([(1, 0.1)] * 5 + [(2, 0.09)], [(4, 0.12)])  # one verify pass, faster than the steps (noise): not a line yet
+    assert thin.step_s == pytest.approx(0.1) and thin.position_s == pytest.approx(0.045)
     assert costs.draft_step_s == pytest.approx(0.03) and costs.draft_call_s == pytest.approx(0.0, abs=1e-9)
     only_verify = pass_costs([(5, 0.28)], [(4, 0.12)])  # one size of pass: split at the measured share
     assert only_verify.step_s == pytest.approx(0.1) and only_verify.position_s == pytest.approx(0.045)
@@ -76,9 +78,10 @@ def test_a_timed_length_pauses_where_plain_is_faster_and_probes_again():
     assert length.update(0, 0) == 1  # a probe: one draft
     assert length.update(1, 1) == 0  # kept, but one draft at 0.72 still does not pay at these costs
     fast_drafts = PassCosts(0.114, 0.025, 0.01)
-    for _ in range(4):
-        length.update(0, 0, fast_drafts)
-    assert length.k >= 1  # the probe came, and drafting now pays: the load went, or the drafter moved
+    for _ in range(7):
+        assert length.update(0, 0, fast_drafts) == 0  # a failed probe doubles the wait for the next: 8 steps
+    assert length.update(0, 0, fast_drafts) == 1  # the probe came
+    assert length.update(1, 1) >= 1 and length.wait == 4  # drafting now pays (the load went, or the drafter moved): the wait is reset
     assert length.update(length.k, length.k) >= 2
 
 

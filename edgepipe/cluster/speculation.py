@@ -94,6 +94,7 @@ class Speculation:
         self.pool = None if isinstance(drafter, NgramDrafter) else ThreadPoolExecutor(1, thread_name_prefix="draft")
         self._ahead: dict[str, tuple[list[int], Future]] = {}  # rid -> (ids it assumed, drafts after them)
         self.ahead_used = 0  # passes whose drafts were drafted during the pass before
+        self._drafting: set[str] = set()  # requests whose last step was a drafted pass (the drafter is up to date with them)
 
     @staticmethod
     def eligible(state: SequenceState, head: dict) -> bool:
@@ -175,11 +176,15 @@ class Speculation:
         k = min(length.k, room)
         if k <= 0:
             length.update(0, 0, self.costs())  # a step without drafts (drafting paused, or no room)
+            self._drafting.discard(rid)
             return Proposal([])
         t0 = time.perf_counter()
         drafts = await self._propose(rid, state, k, length, rule)
-        if self.timed:
+        # A pass right after a drafted one measures drafting as it runs while drafting goes on;
+        # the first after a prompt or a pause also waits for the drafter to take in every token since.
+        if self.timed and rid in self._drafting:
             self.draft_samples.append((k, time.perf_counter() - t0))
+        self._drafting.add(rid)
         return drafts
 
     async def _propose(self, rid: str, state: SequenceState, k: int, length: DraftLength, rule: bool) -> Proposal:
@@ -209,7 +214,7 @@ class Speculation:
     def prime(self, rid: str, state: SequenceState) -> None:
         """Let a model drafter take in the prompt on its thread while the pipeline prefills it
         (its first draft would otherwise begin with that prefill)."""
-        if self.pool is not None:
+        if self.pool is not None and self._length(rid).k > 0:  # a request that starts paused takes it in when it first tries
             self.pool.submit(self.drafter.prime, rid, list(state.prompt_ids))
 
     def learn(self, rid: str, drafted: int, kept: int, by_rule: bool = False) -> None:
@@ -222,6 +227,7 @@ class Speculation:
 
     def forget(self, rid: str) -> None:
         self.lengths.pop(rid, None)
+        self._drafting.discard(rid)
         self._ahead.pop(rid, None)
         if self.pool is None:
             self.drafter.forget(rid)

@@ -267,6 +267,7 @@ def fit_line(points, prior_slope: float | None = None) -> tuple[float, float] | 
 
 
 POSITION_SHARE = 0.45  # an extra verified position costs this share of a decode step (measured, stop 34) until measured here
+MIN_PER_SIZE = 3  # passes of one size needed before that size shapes the fitted line
 
 
 def pass_costs(steps, drafts) -> PassCosts | None:
@@ -277,7 +278,9 @@ def pass_costs(steps, drafts) -> PassCosts | None:
     steps, draft = list(steps), fit_line(drafts)
     if not steps or draft is None:
         return None
-    sizes = sorted({n for n, _ in steps})
+    counts = {n: sum(1 for m, _ in steps if m == n) for n, _ in steps}
+    sizes = sorted(n for n, c in counts.items() if c >= MIN_PER_SIZE) or sorted(counts)[:1]
+    steps = [(n, s) for n, s in steps if n in sizes]  # sizes seen once or twice would tilt the line
     if len(sizes) >= 2:
         step_s, position_s = fit_line([(n - 1, s) for n, s in steps])
     else:  # one size: its median split as a step plus the extra positions at the measured share
@@ -304,7 +307,9 @@ class DraftLength:
     would take several passes to get there, and a ramp of one more per pass spends most of a
     short answer's passes below ``k_max``). Where not even the first draft is worth it drafting
     pauses (``k = 0``: plain decode steps) and tries ``k_min`` again after ``retry_after`` steps
-    (the text, or the load, may have changed)."""
+    (the text, or the load, may have changed). With costs, a try that finds drafting still not
+    worth it doubles the wait before the next (up to ``RETRY_MOST``): a model drafter must first
+    take in every token since it last drafted, so a try costs more the longer the pause."""
 
     k_max: int = 8
     k_min: int = 1
@@ -315,14 +320,18 @@ class DraftLength:
     costs: PassCosts | None = None  # measured pass costs (None: decide from the acceptance rate alone)
     k: int = field(init=False, default=0)
     paused: int = field(init=False, default=0)  # steps decoded without drafts since drafting paused
+    wait: int = field(init=False, default=0)  # steps to the next try while paused (retry_after, doubled after each failed try)
+    trying: bool = field(init=False, default=False)  # the next pass is a try after a pause
 
     DOUBLE_ABOVE: ClassVar[float] = 0.75  # with costs: a full pass doubles k only at this rate or more
+    RETRY_MOST: ClassVar[int] = 512  # with costs: most steps between tries
 
     def __post_init__(self) -> None:
         if not (1 <= self.k_min <= self.k_max and 0 < self.worth < 1 and 0 < self.smoothing <= 1 and 0 <= self.rate <= 1
                 and self.retry_after >= 1):
             raise ValueError("DraftLength needs 1 <= k_min <= k_max, 0 < worth < 1, 0 < smoothing <= 1, 0 <= rate <= 1, retry_after >= 1")
         self.k = self._from_rate()
+        self.wait = self.retry_after
 
     def _from_rate(self) -> int:
         if self.costs is not None:
@@ -341,11 +350,16 @@ class DraftLength:
         if drafted <= 0:
             if self.k == 0:
                 self.paused += 1
-                if self.paused >= self.retry_after:  # try again: the text may have become predictable
-                    self.paused, self.k = 0, self.k_min
+                if self.paused >= self.wait:  # try again: the text may have become predictable
+                    self.paused, self.k, self.trying = 0, self.k_min, True
             return self.k
         self.rate = (1 - self.smoothing) * self.rate + self.smoothing * (kept / drafted)
         k = self._from_rate()
+        if self.trying:  # a try after a pause: back off further if it found drafting still not worth it
+            self.wait = min(self.RETRY_MOST, 2 * self.wait) if k == 0 and self.costs is not None else self.retry_after
+            self.trying = False
+        elif k > 0:
+            self.wait = self.retry_after
         full = kept == drafted and drafted >= self.k
         if full and (self.costs is None or (k > 0 and self.rate >= self.DOUBLE_ABOVE)):
             k = max(k, min(self.k_max, 2 * self.k))

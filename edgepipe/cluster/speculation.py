@@ -38,6 +38,7 @@ AHEAD_RATE = 0.8  # draft the next pass during this one once this share of draft
 TIMED_SAMPLES = 128  # recent passes and draft waits the pass costs are measured from
 TIMED_RETRY_AFTER = 32  # timed: plain steps before a paused request tries one draft again (a probe costs a draft step)
 PRIOR_AFTER = 8  # passes after which a new request starts from the drafter's overall acceptance rate
+CATCH_UP_WAIT_S = 0.05  # timed, before a plain step is measured: how long a pass waits for the drafter to take in a request's ids
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class Speculation:
         self._ahead: dict[str, tuple[list[int], Future]] = {}  # rid -> (ids it assumed, drafts after them)
         self.ahead_used = 0  # passes whose drafts were drafted during the pass before
         self._drafting: set[str] = set()  # requests whose last step was a drafted pass (the drafter is up to date with them)
+        self._catching: dict[str, Future] = {}  # timed: a model drafter taking in a request's ids before it drafts (_caught_up)
 
     @staticmethod
     def eligible(state: SequenceState, head: dict) -> bool:
@@ -178,6 +180,8 @@ class Speculation:
             length.update(0, 0, self.costs())  # a step without drafts (drafting paused, or no room)
             self._drafting.discard(rid)
             return Proposal([])
+        if self.timed and self.pool is not None and rid not in self._drafting and not await self._caught_up(rid, state):
+            return Proposal([])  # a plain step while the drafter takes in the tokens since it last drafted
         t0 = time.perf_counter()
         drafts = await self._propose(rid, state, k, length, rule)
         # A pass right after a drafted one measures drafting as it runs while drafting goes on;
@@ -186,6 +190,26 @@ class Speculation:
             self.draft_samples.append((k, time.perf_counter() - t0))
         self._drafting.add(rid)
         return drafts
+
+    async def _caught_up(self, rid: str, state: SequenceState) -> bool:
+        """Whether a model drafter holds ``rid``'s ids (all but the last few) so a pass need not
+        wait for it to take them in: after the prompt, or a pause of many steps, that is a prefill
+        of the draft model, which would stall the pipeline for as long. Timed lengths start the
+        prefill on the drafting thread and decode plain steps until it is done (waiting up to a
+        plain step for it)."""
+        future = self._catching.get(rid)
+        if future is None:
+            model = getattr(self.drafter, "model", self.drafter)  # a lookup drafter's model: the lookup needs no prefill
+            future = self._catching[rid] = self.pool.submit(model.draft, rid, list(state.all_ids), 1)
+        costs = self.costs()
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), CATCH_UP_WAIT_S if costs is None else costs.step_s)
+        except asyncio.TimeoutError:
+            return False
+        except Exception:  # noqa: BLE001 - a failed prefill: the pass's own draft call reports or falls back
+            pass
+        self._catching.pop(rid, None)
+        return True
 
     async def _propose(self, rid: str, state: SequenceState, k: int, length: DraftLength, rule: bool) -> Proposal:
         ids, params, step = list(state.all_ids), state.params, len(state.generated)
@@ -228,6 +252,7 @@ class Speculation:
     def forget(self, rid: str) -> None:
         self.lengths.pop(rid, None)
         self._drafting.discard(rid)
+        self._catching.pop(rid, None)
         self._ahead.pop(rid, None)
         if self.pool is None:
             self.drafter.forget(rid)

@@ -241,3 +241,11 @@ def test_a_silent_drafter_is_dropped_after_its_timeout():
         assert placed.draft("r1", [1, 2], 3) == [7, 7, 7] and placed.site == "coordinator"
     finally:
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_a_draft_slower_than_a_step_is_tried_rarely():
+    hopeless = PassCosts(0.088, 0.0, 0.1)  # a draft step dearer than a decode step: not even all drafts kept would pay
+    length = DraftLength(k_max=8, rate=0.99, costs=hopeless, retry_after=4)
+    assert length.k == 0
+    assert all(length.update(0, 0) == 0 for _ in range(DraftLength.RETRY_MOST - 1))
+    assert length.update(0, 0) == 1  # then one try: the costs are measured again

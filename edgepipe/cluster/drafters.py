@@ -270,6 +270,7 @@ class Drafting:
 
     def _moved(self, site: str, why: str) -> None:
         """A dashboard line for a change of site (it may be decided on the drafting thread)."""
+        self.coord.speculation.drafter_moved()
         if self.loop is not None:
             self.loop.call_soon_threadsafe(lambda: self.coord.event("draft_site", site=site, why=why))
 

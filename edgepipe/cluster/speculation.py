@@ -158,6 +158,10 @@ class Speculation:
         """The pass costs measured so far (None: not timed, or not measured yet)."""
         return pass_costs(self.step_samples, self.draft_samples) if self.timed else None
 
+    def drafter_moved(self) -> None:
+        """The draft now runs elsewhere: what drafts cost there is measured afresh."""
+        self.draft_samples.clear()
+
     def stepped(self, positions: int, wall_s: float) -> None:
         """A decode step (1 position) or verify pass (``positions``) of a speculating request took ``wall_s`` through the stages."""
         if self.timed and positions >= 1 and wall_s > 0:

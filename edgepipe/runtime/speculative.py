@@ -309,7 +309,8 @@ class DraftLength:
     pauses (``k = 0``: plain decode steps) and tries ``k_min`` again after ``retry_after`` steps
     (the text, or the load, may have changed). With costs, a try that finds drafting still not
     worth it doubles the wait before the next (up to ``RETRY_MOST``): a model drafter must first
-    take in every token since it last drafted, so a try costs more the longer the pause."""
+    take in every token since it last drafted, so a try costs more the longer the pause; where
+    drafting could not pay even if every draft were kept, tries come only every ``RETRY_MOST`` steps."""
 
     k_max: int = 8
     k_min: int = 1
@@ -350,7 +351,9 @@ class DraftLength:
         if drafted <= 0:
             if self.k == 0:
                 self.paused += 1
-                if self.paused >= self.wait:  # try again: the text may have become predictable
+                # where no acceptance rate could make drafting pay at these costs, a try is all cost: rarely
+                hopeless = self.costs is not None and timed_draft_length(1.0, self.costs, self.k_max) == 0
+                if self.paused >= (self.RETRY_MOST if hopeless else self.wait):  # try again: the text may have become predictable
                     self.paused, self.k, self.trying = 0, self.k_min, True
             return self.k
         self.rate = (1 - self.smoothing) * self.rate + self.smoothing * (kept / drafted)

@@ -77,7 +77,7 @@ class Speculation:
     """A drafter for the coordinator's requests. ``k_max``: most drafts per pass; ``worth``: see
     ``DraftLength`` (a free n-gram draft is worth trying further than a model's); ``timed``: each
     request's draft length weighs the measured costs of a pass (``runtime.speculative.PassCosts``:
-    the waits for drafts, and the stages' time by positions fed, ``timed``) against the drafts
+    the drafter's calls, and the stages' time by positions fed, ``stepped``) against the drafts
     it expects kept, and drafts nothing where plain decoding is faster. Timed lengths follow the
     machine's speed, so a sampled request decided by the rule gives other (equally distributed)
     tokens run to run; acceptance-only lengths (``timed=False``) repeat a seed's tokens."""
@@ -87,7 +87,7 @@ class Speculation:
         self.k_max = k_max
         self.timed = timed
         self.step_samples: deque[tuple[int, float]] = deque(maxlen=TIMED_SAMPLES)  # (positions, seconds) of passes
-        self.draft_samples: deque[tuple[int, float]] = deque(maxlen=TIMED_SAMPLES)  # (k, seconds waited for the drafts)
+        self.draft_samples: deque[tuple[int, float]] = deque(maxlen=TIMED_SAMPLES)  # (k, seconds of a drafter call for k drafts)
         # a model's draft costs a step of the draft model: each must be likelier to be kept
         self.worth = worth if worth is not None else (0.15 if isinstance(drafter, NgramDrafter) else 0.5)
         self.lengths: dict[str, DraftLength] = {}
@@ -123,10 +123,15 @@ class Speculation:
         return not state.params.greedy and "logprobs" not in head and getattr(self.drafter, "states_distributions", False)
 
     def _draft(self, rid: str, ids: list[int], k: int, params, step: int, rule: bool) -> Proposal:
+        t0 = time.perf_counter()
         if rule:
             tokens, q = self.drafter.draft_sampled(rid, ids, k, params, step)
-            return Proposal(tokens, tuple(q))
-        return Proposal(self.drafter.draft(rid, ids, k, params, step))
+            out = Proposal(tokens, tuple(q))
+        else:
+            out = Proposal(self.drafter.draft(rid, ids, k, params, step))
+        if self.timed and rid in self._drafting:  # the drafter held the ids but the last few: a steady-state call
+            self.draft_samples.append((k, time.perf_counter() - t0))
+        return out
 
     def view(self, drafting=None) -> dict:
         """The status entry: what was drafted and kept, the measured pass costs and the draft
@@ -156,7 +161,9 @@ class Speculation:
 
     def costs(self) -> PassCosts | None:
         """The pass costs measured so far (None: not timed, or not measured yet)."""
-        return pass_costs(self.step_samples, self.draft_samples) if self.timed else None
+        if not self.timed:
+            return None
+        return pass_costs(self.step_samples, self.draft_samples, AHEAD_RATE if self.pool is not None else None)
 
     def drafter_moved(self) -> None:
         """The draft now runs elsewhere: what drafts cost there is measured afresh."""
@@ -186,13 +193,8 @@ class Speculation:
             return Proposal([])
         if self.timed and self.pool is not None and rid not in self._drafting and not await self._caught_up(rid, state):
             return Proposal([])  # a plain step while the drafter takes in the tokens since it last drafted
-        t0 = time.perf_counter()
         drafts = await self._propose(rid, state, k, length, rule)
-        # A pass right after a drafted one measures drafting as it runs while drafting goes on;
-        # the first after a prompt or a pause also waits for the drafter to take in every token since.
-        if self.timed and rid in self._drafting:
-            self.draft_samples.append((k, time.perf_counter() - t0))
-        self._drafting.add(rid)
+        self._drafting.add(rid)  # from now on the drafter holds its ids: its calls are timed (_draft)
         return drafts
 
     async def _caught_up(self, rid: str, state: SequenceState) -> bool:

@@ -207,25 +207,34 @@ def expected_tokens(acceptance: float, k: int) -> float:
 @dataclass(frozen=True)
 class PassCosts:
     """What one speculative pass costs, measured (seconds). A pass of ``k`` drafts waits for the
-    drafter (``draft_call_s + k * draft_step_s``: the wait the pipeline saw, so drafts made during
-    the previous pass cost what is left of them), then travels the stages with ``k + 1``
-    positions (``step_s + k * position_s``: ``step_s`` is a plain decode step, hops included)."""
+    drafter (``draft_call_s + k * draft_step_s``), then travels the stages with ``k + 1``
+    positions (``step_s + k * position_s``: ``step_s`` is a plain decode step, hops included).
+    A drafter that drafts ahead (``ahead_from``: at an acceptance rate of at least this) makes
+    the next pass's drafts while this one travels, as if every draft were kept; when they were
+    and the target's own token is its first guess (probability about ``a ** (k + 1)``) the next
+    pass waits only for what drafting took beyond this pass's travel."""
 
     step_s: float  # a plain decode step through every stage and hop (one position)
     position_s: float  # each extra position a verify pass carries
     draft_step_s: float  # each drafted token
     draft_call_s: float = 0.0  # a drafter call's fixed part (a remote drafter's round trip)
+    ahead_from: float | None = None  # the acceptance rate from which the drafter drafts ahead (None: it does not)
 
     def __post_init__(self) -> None:
         values = (self.step_s, self.position_s, self.draft_step_s, self.draft_call_s)
         if not all(math.isfinite(v) and v >= 0 for v in values) or self.step_s <= 0:
             raise ValueError(f"pass costs must be finite seconds >= 0 (a step > 0), got {values}")
 
-    def pass_s(self, k: int) -> float:
-        """Seconds of a pass of ``k`` drafts (0: a plain decode step)."""
+    def pass_s(self, k: int, acceptance: float = 0.0) -> float:
+        """Seconds of a pass of ``k`` drafts (0: a plain decode step) at this acceptance rate."""
         if k <= 0:
             return self.step_s
-        return self.step_s + k * self.position_s + self.draft_call_s + k * self.draft_step_s
+        travel = self.step_s + k * self.position_s
+        drafting = self.draft_call_s + k * self.draft_step_s
+        if self.ahead_from is not None and acceptance >= self.ahead_from:
+            hit = min(max(acceptance, 0.0), 1.0) ** (k + 1)
+            drafting = (1 - hit) * drafting + hit * max(0.0, drafting - travel)
+        return travel + drafting
 
 
 def timed_draft_length(acceptance: float, costs: PassCosts, k_max: int, margin: float = 0.05) -> int:
@@ -235,7 +244,7 @@ def timed_draft_length(acceptance: float, costs: PassCosts, k_max: int, margin: 
     plain = 1.0 / costs.step_s
     best_k, best = 0, plain * (1.0 + margin)
     for k in range(1, k_max + 1):
-        rate = expected_tokens(acceptance, k) / costs.pass_s(k)
+        rate = expected_tokens(acceptance, k) / costs.pass_s(k, acceptance)
         if rate > best:
             best_k, best = k, rate
     return best_k
@@ -270,9 +279,10 @@ POSITION_SHARE = 0.45  # an extra verified position costs this share of a decode
 MIN_PER_SIZE = 3  # passes of one size needed before that size shapes the fitted line
 
 
-def pass_costs(steps, drafts) -> PassCosts | None:
+def pass_costs(steps, drafts, ahead_from: float | None = None) -> PassCosts | None:
     """Costs from measurements: ``steps`` ``(positions, seconds)`` of decode steps and verify
-    passes through the stages, ``drafts`` ``(k, seconds)`` of the waits for ``k`` drafts. Where
+    passes through the stages, ``drafts`` ``(k, seconds)`` of drafter calls for ``k`` drafts
+    (``ahead_from``: see ``PassCosts``). Where
     only one size of pass has been seen, an extra position costs ``POSITION_SHARE`` of a step.
     None until both a pass and a draft have been seen."""
     steps, draft = list(steps), fit_line(drafts)
@@ -289,7 +299,7 @@ def pass_costs(steps, drafts) -> PassCosts | None:
         position_s = POSITION_SHARE * step_s
     if step_s <= 0:
         return None
-    return PassCosts(step_s, position_s, draft[1], draft[0])
+    return PassCosts(step_s, position_s, draft[1], draft[0], ahead_from)
 
 
 @dataclass
@@ -310,7 +320,14 @@ class DraftLength:
     (the text, or the load, may have changed). With costs, a try that finds drafting still not
     worth it doubles the wait before the next (up to ``RETRY_MOST``): a model drafter must first
     take in every token since it last drafted, so a try costs more the longer the pause; where
-    drafting could not pay even if every draft were kept, tries come only every ``RETRY_MOST`` steps."""
+    drafting could not pay even if every draft were kept, tries come only every ``RETRY_MOST`` steps.
+
+    With costs a try drafts what would pay on a predictable text (``TRY_RATE``), and a request
+    starts with such a try unless drafting cannot pay at all: the rate it starts from is a guess,
+    its own text decides. Over its first ``WARM_DRAFTS`` drafts the rate is the share kept with
+    the starting rate counted as one draft; after that each draft counts as one observation in
+    the moving average (weight ``DRAFT_WEIGHT`` each), so a pass of several drafts moves the rate
+    as much as they say."""
 
     k_max: int = 8
     k_min: int = 1
@@ -323,16 +340,32 @@ class DraftLength:
     paused: int = field(init=False, default=0)  # steps decoded without drafts since drafting paused
     wait: int = field(init=False, default=0)  # steps to the next try while paused (retry_after, doubled after each failed try)
     trying: bool = field(init=False, default=False)  # the next pass is a try after a pause
+    drafted: int = field(init=False, default=0)  # drafts seen so far, and of them kept
+    kept: int = field(init=False, default=0)
 
     DOUBLE_ABOVE: ClassVar[float] = 0.75  # with costs: a full pass doubles k only at this rate or more
     RETRY_MOST: ClassVar[int] = 512  # with costs: most steps between tries
+    TRY_RATE: ClassVar[float] = 0.9  # with costs: a try drafts what would pay at this rate
+    DRAFT_WEIGHT: ClassVar[float] = 0.15  # with costs: each draft's weight in the moving average
+    WARM_DRAFTS: ClassVar[int] = 16  # with costs: drafts over which the rate is the share kept (the start counted as one)
 
     def __post_init__(self) -> None:
         if not (1 <= self.k_min <= self.k_max and 0 < self.worth < 1 and 0 < self.smoothing <= 1 and 0 <= self.rate <= 1
                 and self.retry_after >= 1):
             raise ValueError("DraftLength needs 1 <= k_min <= k_max, 0 < worth < 1, 0 < smoothing <= 1, 0 <= rate <= 1, retry_after >= 1")
         self.k = self._from_rate()
-        self.wait = self.retry_after
+        self.wait, self.start_rate = self.retry_after, self.rate
+        if self.k == 0 and self.costs is not None and not self._hopeless():  # a start is a try: this request's text decides
+            self.k, self.trying = self._try_k(), True
+
+    def _hopeless(self) -> bool:
+        """Drafting could not pay at these costs even if every draft were kept."""
+        return self.costs is not None and timed_draft_length(1.0, self.costs, self.k_max) == 0
+
+    def _try_k(self) -> int:
+        if self.costs is None:
+            return self.k_min
+        return max(self.k_min, timed_draft_length(self.TRY_RATE, self.costs, self.k_max))
 
     def _from_rate(self) -> int:
         if self.costs is not None:
@@ -352,11 +385,15 @@ class DraftLength:
             if self.k == 0:
                 self.paused += 1
                 # where no acceptance rate could make drafting pay at these costs, a try is all cost: rarely
-                hopeless = self.costs is not None and timed_draft_length(1.0, self.costs, self.k_max) == 0
-                if self.paused >= (self.RETRY_MOST if hopeless else self.wait):  # try again: the text may have become predictable
-                    self.paused, self.k, self.trying = 0, self.k_min, True
+                if self.paused >= (self.RETRY_MOST if self._hopeless() else self.wait):  # try again: the text may have become predictable
+                    self.paused, self.k, self.trying = 0, self._try_k(), True
             return self.k
-        self.rate = (1 - self.smoothing) * self.rate + self.smoothing * (kept / drafted)
+        self.drafted, self.kept = self.drafted + drafted, self.kept + kept
+        if self.costs is not None and self.drafted <= self.WARM_DRAFTS:
+            self.rate = (self.kept + self.start_rate) / (self.drafted + 1)
+        else:
+            weight = self.smoothing if self.costs is None else 1 - (1 - self.DRAFT_WEIGHT) ** drafted
+            self.rate = (1 - weight) * self.rate + weight * (kept / drafted)
         k = self._from_rate()
         if self.trying:  # a try after a pause: back off further if it found drafting still not worth it
             self.wait = min(self.RETRY_MOST, 2 * self.wait) if k == 0 and self.costs is not None else self.retry_after

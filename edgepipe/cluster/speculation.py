@@ -2,7 +2,9 @@
 
 The arithmetic is ``runtime.speculative``'s (acceptance, draft length, the drafters); this shell
 runs a model drafter on a thread of its own (its steps are compute, the event loop must keep
-answering heartbeats), keeps a draft length per request, and counts what was drafted and kept.
+answering heartbeats; the model itself may run on a drafter worker, ``cluster.drafters``), keeps
+a draft length per request, counts what was drafted and kept, and (timed lengths) measures what
+a pass costs: the stages' time by positions fed (``stepped``) and the drafter's calls.
 While a verify pass travels the stages, a model drafter whose drafts are mostly kept drafts on
 (``AHEAD_RATE``) as if the pass kept them all: when it did and the target's own next token is the
 drafter's first guess, the next pass's drafts are ready (the draft model and the stages then

@@ -73,17 +73,37 @@ def test_a_timed_length_tries_pauses_where_plain_is_faster_and_tries_again():
     slow_drafts = PassCosts(0.114, 0.035, 0.045)  # drafting pays only on a predictable text
     length = DraftLength(k_max=8, rate=0.6, costs=slow_drafts, retry_after=4)
     assert length.k == 2 and length.trying  # 0 at the guessed rate, but a request starts with a try: its own text decides
-    assert length.update(2, 0) == 0  # a chat: nothing kept, plain decoding
+    assert length.update(2, 0) == 1  # the first draft rejected: one observation, not yet this text's verdict; one draft a pass
+    while length.drafted < DraftLength.WARM_DRAFTS - 1:
+        assert length.update(1, 0) == 1
+    assert length.update(1, 0) == 0  # sixteen drafts rejected: plain decoding
+    for _ in range(3):
+        assert length.update(0, 0) == 0
+    assert length.update(0, 0) == 2  # a try after 4 steps
+    assert length.update(2, 1) == 0  # not worth it yet
     for _ in range(7):
         assert length.update(0, 0) == 0  # a failed try doubles the wait for the next: 8 steps
-    assert length.update(0, 0) == 2  # the next try
-    assert length.update(2, 1) == 0 and length.wait == 16  # half kept: still not worth it
+    assert length.update(0, 0) == 2
+    assert length.update(2, 0) == 0 and length.wait == 16
     fast_drafts = PassCosts(0.114, 0.025, 0.01)  # the load went, or the drafter moved
     for _ in range(15):
         assert length.update(0, 0, fast_drafts) == 0
-    assert length.update(0, 0, fast_drafts) == 5  # a try of what pays on a predictable text
+    assert length.update(0, 0, fast_drafts) == 5  # a try of what would pay on a predictable text
     assert length.update(5, 5) >= 1 and length.wait == 4  # all kept: drafting goes on, the wait is reset
-    assert length.rate == pytest.approx((0 + 1 + 5 + 0.6) / (2 + 2 + 5 + 1))  # 6 of 9 drafts kept, the start counted as one
+
+
+def test_a_pass_observes_its_kept_drafts_and_one_rejection():
+    """Drafts after the first rejected one were drafted on a token the target did not choose."""
+    length = DraftLength(k_max=8, rate=0.5, costs=MEASURED)
+    length.update(8, 6)  # 6 kept, the 7th rejected: 7 observations, not 8
+    assert (length.drafted, length.kept) == (7, 6) and length.rate == pytest.approx((6 + 0.5) / (7 + 1))
+
+
+def test_one_unlucky_pass_does_not_stop_a_predictable_text():
+    length = DraftLength(k_max=8, rate=0.88, costs=PassCosts(0.145, 0.037, 0.047, ahead_from=0.8))
+    first = length.k
+    assert first >= 2 and length.update(first, 0) == 1  # its first pass landed on the one unpredictable token
+    assert [length.update(length.k, length.k) for _ in range(6)] == [1, 1, 2, 4, 8, 8]  # then everything kept: on to k_max
 
 
 def test_a_code_edit_ramps_up_from_its_first_try():

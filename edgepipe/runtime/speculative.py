@@ -325,7 +325,8 @@ class DraftLength:
     With costs a try drafts what would pay on a predictable text (``TRY_RATE``), and a request
     starts with such a try unless drafting cannot pay at all: the rate it starts from is a guess,
     its own text decides. Over its first ``WARM_DRAFTS`` drafts the rate is the share kept with
-    the starting rate counted as one draft; after that each draft counts as one observation in
+    the starting rate counted as one draft, and drafting does not pause (it drafts ``k_min``
+    where no more pays: one unlucky pass must not stop a predictable text); after that each draft counts as one observation in
     the moving average (weight ``DRAFT_WEIGHT`` each), so a pass of several drafts moves the rate
     as much as they say."""
 
@@ -340,7 +341,7 @@ class DraftLength:
     paused: int = field(init=False, default=0)  # steps decoded without drafts since drafting paused
     wait: int = field(init=False, default=0)  # steps to the next try while paused (retry_after, doubled after each failed try)
     trying: bool = field(init=False, default=False)  # the next pass is a try after a pause
-    drafted: int = field(init=False, default=0)  # drafts seen so far, and of them kept
+    drafted: int = field(init=False, default=0)  # with costs: drafts observed so far (kept ones, and a pass's first rejected), and of them kept
     kept: int = field(init=False, default=0)
 
     DOUBLE_ABOVE: ClassVar[float] = 0.75  # with costs: a full pass doubles k only at this rate or more
@@ -369,7 +370,10 @@ class DraftLength:
 
     def _from_rate(self) -> int:
         if self.costs is not None:
-            return timed_draft_length(self.rate, self.costs, self.k_max)
+            k = timed_draft_length(self.rate, self.costs, self.k_max)
+            if k == 0 and 0 < self.drafted < self.WARM_DRAFTS and not self._hopeless():
+                return self.k_min  # a few drafts are not yet this text's verdict: one per pass until they are
+            return k
         if self.rate >= 1.0:
             return self.k_max
         if self.rate < self.worth:
@@ -388,12 +392,19 @@ class DraftLength:
                 if self.paused >= (self.RETRY_MOST if self._hopeless() else self.wait):  # try again: the text may have become predictable
                     self.paused, self.k, self.trying = 0, self._try_k(), True
             return self.k
-        self.drafted, self.kept = self.drafted + drafted, self.kept + kept
-        if self.costs is not None and self.drafted <= self.WARM_DRAFTS:
-            self.rate = (self.kept + self.start_rate) / (self.drafted + 1)
+        if self.costs is None:
+            self.rate = (1 - self.smoothing) * self.rate + self.smoothing * (kept / drafted)
         else:
-            weight = self.smoothing if self.costs is None else 1 - (1 - self.DRAFT_WEIGHT) ** drafted
-            self.rate = (1 - weight) * self.rate + weight * (kept / drafted)
+            # Drafts after the first rejected one were drafted on a token the target did not
+            # choose: they say nothing of the rate. A pass observes its kept drafts and, if any
+            # was rejected, one rejection (kept / drafted would count the rest as rejections too).
+            seen = kept + (kept < drafted)
+            self.drafted, self.kept = self.drafted + seen, self.kept + kept
+            if self.drafted <= self.WARM_DRAFTS:
+                self.rate = (self.kept + self.start_rate) / (self.drafted + 1)
+            else:
+                weight = 1 - (1 - self.DRAFT_WEIGHT) ** seen
+                self.rate = (1 - weight) * self.rate + weight * (kept / seen)
         k = self._from_rate()
         if self.trying:  # a try after a pause: back off further if it found drafting still not worth it
             self.wait = min(self.RETRY_MOST, 2 * self.wait) if k == 0 and self.costs is not None else self.retry_after

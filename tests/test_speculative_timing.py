@@ -74,9 +74,9 @@ def test_a_timed_length_tries_pauses_where_plain_is_faster_and_tries_again():
     length = DraftLength(k_max=8, rate=0.6, costs=slow_drafts, retry_after=4)
     assert length.k == 2 and length.trying  # 0 at the guessed rate, but a request starts with a try: its own text decides
     assert length.update(2, 0) == 1  # the first draft rejected: one observation, not yet this text's verdict; one draft a pass
-    while length.drafted < DraftLength.WARM_DRAFTS - 1:
+    while length.drafted < DraftLength.VERDICT_DRAFTS - 1:
         assert length.update(1, 0) == 1
-    assert length.update(1, 0) == 0  # sixteen drafts rejected: plain decoding
+    assert length.update(1, 0) == 0  # four drafts rejected: plain decoding
     for _ in range(3):
         assert length.update(0, 0) == 0
     assert length.update(0, 0) == 2  # a try after 4 steps

@@ -325,8 +325,9 @@ class DraftLength:
     With costs a try drafts what would pay on a predictable text (``TRY_RATE``), and a request
     starts with such a try unless drafting cannot pay at all: the rate it starts from is a guess,
     its own text decides. Over its first ``WARM_DRAFTS`` drafts the rate is the share kept with
-    the starting rate counted as one draft, and drafting does not pause (it drafts ``k_min``
-    where no more pays: one unlucky pass must not stop a predictable text); after that each draft counts as one observation in
+    the starting rate counted as one draft, and over its first ``VERDICT_DRAFTS`` drafting does not
+    pause (it drafts ``k_min`` where no more pays: one unlucky pass must not stop a predictable
+    text); after that each draft counts as one observation in
     the moving average (weight ``DRAFT_WEIGHT`` each), so a pass of several drafts moves the rate
     as much as they say."""
 
@@ -349,6 +350,7 @@ class DraftLength:
     TRY_RATE: ClassVar[float] = 0.9  # with costs: a try drafts what would pay at this rate
     DRAFT_WEIGHT: ClassVar[float] = 0.15  # with costs: each draft's weight in the moving average
     WARM_DRAFTS: ClassVar[int] = 16  # with costs: drafts over which the rate is the share kept (the start counted as one)
+    VERDICT_DRAFTS: ClassVar[int] = 4  # with costs: drafts observed before a request may pause (each forced one costs a draft step)
 
     def __post_init__(self) -> None:
         if not (1 <= self.k_min <= self.k_max and 0 < self.worth < 1 and 0 < self.smoothing <= 1 and 0 <= self.rate <= 1
@@ -371,8 +373,8 @@ class DraftLength:
     def _from_rate(self) -> int:
         if self.costs is not None:
             k = timed_draft_length(self.rate, self.costs, self.k_max)
-            if k == 0 and 0 < self.drafted < self.WARM_DRAFTS and not self._hopeless():
-                return self.k_min  # a few drafts are not yet this text's verdict: one per pass until they are
+            if k == 0 and 0 < self.drafted < self.VERDICT_DRAFTS and not self._hopeless():
+                return self.k_min  # one or two drafts are not yet this text's verdict: one per pass until they are
             return k
         if self.rate >= 1.0:
             return self.k_max

@@ -1,15 +1,20 @@
 """Speculative decoding through a pipeline: one stream, 3 local workers, user-space link delay per hop.
 
 Qwen2.5-Coder-1.5B-Instruct Q4_K_M as the target, Qwen2.5-Coder-0.5B-Instruct drafting for it in
-the coordinator's process, n-gram self-drafting (prompt lookup), and both (``hybrid``: the lookup
-where it matches, the model elsewhere), against the same cluster
-decoding one token per step; on a chat and a code-editing workload, at 2 ms and 10 ms per hop.
+the coordinator's process (``draft``) or on a drafter worker that holds no stage
+(``draft-remote``: ``edgepipe worker --role drafter``, its frames delayed like the stages'), n-gram
+self-drafting (prompt lookup), and both (``hybrid``: the lookup where it matches, the model
+elsewhere), against the same cluster decoding one token per step; on a chat and a code-editing
+workload, at 2 ms and 10 ms per hop. Draft lengths are timed (from the measured costs of a pass,
+none where plain decoding is faster); ``draft-fixed`` and ``ngram-fixed`` are the same drafters
+with lengths from the acceptance rate alone (``--draft-length acceptance``, as before the timed ones).
 The delay is EMULATED (``--link-delay-ms``: every frame a worker sends waits that long in user
 space; the coordinator's frame to the first stage is not delayed, so 3 of the 4 hops of a step
 are). Each request is greedy; a mode's text must equal the baseline's (the verify form's decode
 steps are the baseline's bits, see ``graphs.verify_form``), else the row says so.
 
-    python benchmarks/speculative.py [--tokens 64] [--rounds 3] [--delays 2 10] [--modes plain draft ngram hybrid]
+    python benchmarks/speculative.py [--tokens 64] [--rounds 3] [--delays 2 10]
+        [--modes plain draft draft-fixed draft-remote ngram ngram-fixed hybrid]
 """
 
 from __future__ import annotations
@@ -83,12 +88,32 @@ def stream(url: str, prompt: str, tokens: int, sampling: dict | None = None) -> 
             "wall_s": times[-1] - t0, "text": "".join(pieces)}
 
 
+MODES = ["plain", "draft", "draft-fixed", "draft-remote", "ngram", "ngram-fixed", "hybrid"]
+
+
 def start(home: Path, mode: str, delay_ms: float, args) -> Server:
-    drafter = {"ngram": "ngram", "draft": args.draft, "hybrid": f"ngram+{args.draft}"}.get(mode)
-    extra = () if mode == "plain" else ("--speculative", drafter, "--draft-k", str(args.draft_k), "--draft-threads", "1")
+    """The mode's cluster; ``draft-remote`` with a drafter worker, once it drafts (``server.drafter``: its process)."""
+    base = mode.removesuffix("-fixed").removesuffix("-remote")
+    drafter = {"ngram": "ngram", "draft": args.draft, "hybrid": f"ngram+{args.draft}"}.get(base)
+    extra = () if mode == "plain" else ("--speculative", drafter, "--draft-k", str(args.draft_k), "--draft-threads", "1",
+                                        "--draft-length", "acceptance" if mode.endswith("-fixed") else "timed",
+                                        "--draft-on", "workers" if mode.endswith("-remote") else "coordinator")
     worker_args = f"--link-delay-ms {delay_ms:g} --threads {args.threads}"
-    return Server(home, workers=args.workers, timeout=900,
-                  args=("--model", args.target, "--placement", "memory", "--worker-args", worker_args, *extra))
+    server = Server(home, workers=args.workers, timeout=900,
+                    args=("--model", args.target, "--placement", "memory", "--worker-args", worker_args, *extra))
+    server.drafter = None
+    if mode.endswith("-remote"):
+        server.drafter = server.worker("--role", "drafter", "--name", "drafter", "--threads", "1", "--link-delay-ms", f"{delay_ms:g}",
+                                       log=Path(str(server.log) + ".drafter") if server.log else None)
+        server.wait_for(lambda s: (s.get("speculation") or {}).get("site", "coordinator") != "coordinator", timeout=900)
+    return server
+
+
+def stop(server: Server) -> None:
+    if getattr(server, "drafter", None) is not None and server.drafter.poll() is None:
+        server.drafter.terminate()
+        server.drafter.wait(timeout=30)
+    server.close()
 
 
 def one(server: Server, prompt: str, tokens: int, sampling: dict | None = None) -> dict:
@@ -96,6 +121,7 @@ def one(server: Server, prompt: str, tokens: int, sampling: dict | None = None) 
     result = stream(server.url, prompt, tokens, sampling)
     after = server.status().get("speculation") or {}
     result.update({key: after.get(key, 0) - before.get(key, 0) for key in ("passes", "drafted", "kept", "drafted_ahead", "by_rule")})
+    result.update(costs_ms=after.get("costs_ms"), site=after.get("site"))  # what the timed draft length decided from, where it drafted
     return result
 
 
@@ -122,7 +148,7 @@ def run_delay(home: Path, delay_ms: float, args) -> dict:
                           f"kept {result['kept']}/{result['drafted']}  load {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         for server in servers.values():
-            server.close()
+            stop(server)
     out = {}
     for mode, by_name in runs.items():
         out[mode] = {}
@@ -132,7 +158,8 @@ def run_delay(home: Path, delay_ms: float, args) -> dict:
                                "decode_tok_s_all": [round(r["decode_tok_s"], 3) for r in results],
                                "ttft_s": statistics.median(r["ttft_s"] for r in results), "tokens": results[0]["tokens"],
                                "passes": passes, "drafted": drafted, "kept": kept, "acceptance": kept / drafted if drafted else None,
-                               "passes_drafted_ahead": ahead,
+                               "passes_drafted_ahead": ahead, "costs_ms": results[-1].get("costs_ms"),
+                               "sites": sorted({r.get("site") or "-" for r in results}),
                                "texts": [r["text"] for r in results]}
     return out
 
@@ -144,8 +171,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--delays", type=float, nargs="+", default=[2.0, 10.0])
-    p.add_argument("--modes", nargs="+", default=["plain", "draft", "ngram"], choices=["plain", "draft", "ngram", "hybrid"],
-                   help="hybrid: prompt lookup where it matches, the draft model elsewhere (--speculative ngram+DRAFT)")
+    p.add_argument("--modes", nargs="+", default=["plain", "draft", "draft-fixed", "ngram"], choices=MODES,
+                   help="hybrid: prompt lookup where it matches, the draft model elsewhere (--speculative ngram+DRAFT); -fixed: draft "
+                        "lengths from the acceptance rate alone; draft-remote: the draft model on a drafter worker (--role drafter)")
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="threads per worker")
     p.add_argument("--draft-k", type=int, default=8)
@@ -159,14 +187,16 @@ def main() -> None:
     run.finish()
     data = {**run.as_dict(), "args": vars(args), "results": {f"{d:g}": r for d, r in results.items()}}
     lines = [f"# Speculative decoding through {args.workers} stages", "",
-             f"{run.line()}. Target {args.target}, draft {args.draft} (coordinator process, 1 thread), "
+             f"{run.line()}. Target {args.target}, draft {args.draft} (1 thread, in the coordinator's process or, draft-remote, "
+             "on a drafter worker whose frames are delayed as the stages'), "
              f"{args.workers} local workers x {args.threads} thread, {args.tokens} tokens "
              f"{'greedy' if not args.temperature else f'sampled (temperature {args.temperature:g}, top-p {args.top_p:g}, seed = round)'}"
              ", one stream at a time; the modes' "
              f"clusters up side by side, {args.rounds} rounds each measuring every mode in turn, medians. Link delay per hop is "
              "EMULATED (user-space, worker-sent frames).", "",
-             "| hop delay | workload | mode | decode tok/s (median) | x plain | acceptance | tokens/pass | TTFT s | text = plain |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| hop delay | workload | mode | decode tok/s (median) | x plain | acceptance | tokens/pass | TTFT s | text = plain | "
+             "pass costs ms (step / position / draft step / draft call) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for delay, modes in results.items():
         for name in WORKLOADS:
             base = modes.get("plain", {}).get(name)
@@ -176,8 +206,10 @@ def main() -> None:
                 per_pass = f"{1 + r['kept'] / r['passes']:.2f}" if r["passes"] else "-"
                 acceptance = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
                 same = "-" if base is None or mode == "plain" or args.temperature else ("yes" if r["texts"] == base["texts"] else "NO")
+                costs = r.get("costs_ms")
+                costs = " / ".join(f"{costs[k]:.1f}" for k in ("step", "position", "draft_step", "draft_call")) if costs else "-"
                 lines.append(f"| {delay:g} ms | {name} | {mode} | {r['decode_tok_s']:.2f} | {speedup} | {acceptance} | {per_pass} | "
-                             f"{r['ttft_s']:.2f} | {same} |")
+                             f"{r['ttft_s']:.2f} | {same} | {costs} |")
     write_results(args.out, data, "\n".join(lines))
     print("\n".join(lines))
 

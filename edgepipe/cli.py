@@ -266,6 +266,13 @@ def serve(
                                           "text). CPU workers only; ~20%% slower decode on 4-bit MatMulNBits stages."),
     draft_k: int = typer.Option(8, "--draft-k", min=1, max=32, help="Most drafted tokens per verify pass."),
     draft_threads: Optional[int] = typer.Option(None, "--draft-threads", min=1, help="Threads of the draft model in this process."),
+    draft_on: str = typer.Option("auto", "--draft-on",
+                                 help="Where the draft model runs: auto (where a draft step costs least, measured: this process or a "
+                                      "worker started with --role drafter) | coordinator | workers (a drafter worker whenever one is ready)."),
+    draft_length: str = typer.Option("timed", "--draft-length",
+                                     help="timed: drafts per pass from the measured costs of drafting and verifying (none where plain "
+                                          "decoding is faster) | acceptance: from the acceptance rate alone (a sampled request's seed "
+                                          "then repeats its tokens exactly)."),
     prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache",
                                       help="Keep the KV of prompt prefixes on every stage and reuse it for prompts that start the same."),
     prefix_cache_positions: int = typer.Option(4096, "--prefix-cache-positions", min=0,
@@ -284,6 +291,10 @@ def serve(
     from .serve import ServeSettings, run_server
     from .model.store import home_dir
 
+    if draft_length not in ("timed", "acceptance"):
+        fail(f"--draft-length must be timed or acceptance, got {draft_length!r}")
+    if draft_on not in ("auto", "coordinator", "workers"):
+        fail(f"--draft-on must be auto, coordinator or workers, got {draft_on!r}")
     try:
         # local workers find their form in the package when they join; remote ones get theirs added as they join
         pkg, _ = open_runnable_model(model, precision, home, add_missing=workers > 0)
@@ -296,7 +307,7 @@ def serve(
                              max_active=max_active, max_queue=max_queue, step_timeout_s=step_timeout, capacity_wait_s=capacity_wait, objective=objective,
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
                              cluster=cluster, advertise=advertise, batch_invariant=batch_invariant, local_device=local_device,
-                             speculative=speculative, draft_k=draft_k, draft_threads=draft_threads, verify_form=verify_form,
+                             speculative=speculative, draft_k=draft_k, draft_threads=draft_threads, draft_length=draft_length, draft_on=draft_on, verify_form=verify_form,
                              prefix_cache_positions=prefix_cache_positions if prefix_cache else 0, kv_checkpoint_tokens=kv_checkpoint_tokens)
 
     def ready(bound: int, coordinator) -> None:
@@ -345,6 +356,8 @@ def worker(
     power_idle_w: Optional[float] = typer.Option(None, "--power-idle-w", help="Declared power when idle (energy objective)."),
     discover_timeout: float = typer.Option(10.0, "--discover-timeout", help="Seconds to look for a coordinator by mDNS."),
     cluster: str = typer.Option("edgepipe", "--cluster", help="With no --coordinator: join the coordinator announcing this name."),
+    role: str = typer.Option("stage", "--role", help="stage: hold the stages the coordinator plans | drafter: hold no stage, run the "
+                                                     "draft model of a speculative coordinator (a weak device beside the pipeline)."),
 ):
     """Join a coordinator and serve the stage it assigns (needs only onnxruntime, numpy, websockets)."""
     import asyncio
@@ -355,6 +368,8 @@ def worker(
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("edgepipe.worker").setLevel(logging.INFO)  # joins, reconnects, downloads: a few lines
+    if role not in ("stage", "drafter"):
+        fail(f"--role must be stage or drafter, got {role!r}")
     try:
         if coordinator is None:
             from .net.discovery import find_coordinator
@@ -365,7 +380,7 @@ def worker(
                                   spin=spin, slowdown=slowdown, drop_work=drop_work, misreport=misreport, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
                                   advertise_host=advertise, join_token=join_token, tls_fingerprint=tls_fingerprint,
                                   activation_dtype=activation_dtype,
-                                  power_busy_w=power_busy_w, power_idle_w=power_idle_w, device=device,
+                                  power_busy_w=power_busy_w, power_idle_w=power_idle_w, device=device, role=role,
                                   **({"name": name} if name else {}))
         asyncio.run(Worker(settings).serve_until_terminated())
     except PermissionError as exc:

@@ -54,6 +54,8 @@ class ServeSettings:
     speculative: str | None = None  # speculative decoding: "ngram" (prompt lookup), a draft model with the same tokenizer, or "ngram+MODEL"
     draft_k: int = 8  # most drafted tokens per verify pass (fewer while the target rejects them)
     draft_threads: int | None = None  # the draft model's threads in this process
+    draft_on: str = "auto"  # where the draft model runs: "auto" (cheapest measured site), "coordinator", "workers" (a drafter worker)
+    draft_length: str = "timed"  # "timed": k from measured costs (0 where plain is faster) | "acceptance": from the acceptance rate alone
     verify_form: bool = False  # stages run the verify form and a lost sequence is rebuilt by one prefill (experimental)
     prefix_cache_positions: int = 4096  # KV positions of cached prompt prefixes per stage (0: no prefix cache)
     kv_checkpoint_tokens: int = 32  # copy live sequences' KV to the spare plan every this many tokens (0: off)
@@ -175,8 +177,11 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
                                                                  replay_in_one_prefill=settings.verify_form,
                                                                  prefix_cache_positions=settings.prefix_cache_positions,
                                                                  kv_checkpoint_tokens=settings.kv_checkpoint_tokens), plan_fn=plan_fn,
-                              speculation=build_speculation(settings.speculative, package, settings.draft_k, settings.draft_threads)
+                              speculation=build_speculation(settings.speculative, package, settings.draft_k, settings.draft_threads,
+                                                            timed=settings.draft_length == "timed")
                               if settings.speculative else None)
+    if coordinator.drafting is not None and settings.draft_on != "auto":
+        coordinator.drafting.placed.pinned = settings.draft_on
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,
                      admission=Admission(settings.max_active, settings.max_queue), admin_token=settings.admin_token)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:

@@ -58,7 +58,11 @@ def ask(server, prompt: str, **body) -> dict:
 
 @pytest.fixture(scope="module")
 def spec_server(home, int4_pkg, fp32_pkg):
-    with Server(home, workers=3, args=("--precision", "int4", "--placement", "memory", "--speculative", str(fp32_pkg.root), "--draft-k", "6")) as server:
+    """Draft lengths from the acceptance rate alone (timed ones follow the machine's speed: the
+    rule's tokens would not repeat run to run); drafts on a drafter worker once one is ready
+    (none joins before ``test_a_drafter_worker_drafts_and_its_loss_loses_nothing``)."""
+    with Server(home, workers=3, args=("--precision", "int4", "--placement", "memory", "--speculative", str(fp32_pkg.root), "--draft-k", "6",
+                                       "--draft-length", "acceptance", "--draft-on", "workers")) as server:
         yield server
 
 
@@ -155,6 +159,58 @@ def test_beside_other_requests(int4_pkg, fp32_pkg, spec_server):
     for choice, ref in zip(choices, expected):
         assert choice["token_ids"] == (ref if isinstance(ref, list) else without_eos(int4_pkg, ref.tokens))
     assert spec_server.status()["speculation"]["passes"] > before
+
+
+def stream_text(server, prompt: str, max_tokens: int, on_piece=None) -> str:
+    pieces = []
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=300) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                pieces += [choice["delta"].get("content", "") for choice in json.loads(line[6:])["choices"]]
+                if on_piece is not None:
+                    on_piece(len(pieces))
+    return "".join(pieces)
+
+
+def test_a_drafter_worker_drafts_and_its_loss_loses_nothing(int4_pkg, spec_server):
+    """A worker started with ``--role drafter`` holds no stage: it fetches the draft model's files,
+    times its steps and drafts over the control channel; the greedy tokens are those of decoding
+    one token per step. SIGKILLed mid-stream, its drafts are made in the coordinator again and
+    the stream's text is unchanged."""
+    plan = spec_server.status()["plan"]
+    drafter = spec_server.worker("--role", "drafter", "--name", "drafter", "--threads", "1")
+    try:
+        status = spec_server.wait_for(lambda s: s["speculation"]["site"] != "coordinator", timeout=120)
+        site = status["speculation"]["site"]
+        assert site.endswith("drafter") and status["plan"]["draft"] == site and status["plan"]["stages"] == plan["stages"]
+        assert next(w for w in status["workers"] if w["id"] == site)["role"] == "drafter"  # and no stage: the plan did not change
+        placement = status["speculation"]["placement"]
+        assert placement["workers"][site]["step_ms"] > 0 and placement["coordinator_step_ms"] > 0
+
+        expected = int4_pkg.tokenizer.decode(without_eos(int4_pkg, reference(int4_pkg, EDIT, max_tokens=40, ignore_eos=True).tokens))
+        assert stream_text(spec_server, EDIT, 40) == expected
+        drafted = spec_server.status()["speculation"]["placement"]["remote_drafts"]
+        assert drafted > 0
+
+        killed = threading.Event()
+
+        def kill_at(n: int) -> None:
+            if n >= 12 and not killed.is_set():
+                os.kill(drafter.pid, signal.SIGKILL)
+                killed.set()
+
+        assert stream_text(spec_server, EDIT, 40, kill_at) == expected
+        assert killed.is_set()
+        after = spec_server.wait_for(lambda s: s["speculation"]["site"] == "coordinator", timeout=30)["speculation"]
+        assert after["placement"]["workers"] == {} and after["kept"] > 0
+        kinds = [(e["kind"], e.get("site")) for e in spec_server.events()]
+        assert ("draft_site", site) in kinds and ("draft_site", "coordinator") in kinds
+    finally:
+        if drafter.poll() is None:
+            drafter.kill()
+        drafter.wait()
 
 
 @pytest.mark.slow

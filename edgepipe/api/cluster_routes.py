@@ -83,6 +83,9 @@ async def blob(request: Request) -> Response:
     if app.join_token and not auth.bearer_matches(_raw_header(request.scope, b"authorization"), app.join_token):
         raise APIError(401, "unit files need the join token", type_="authentication_error", code="invalid_join_token")
     path = app.package.blob(sha) if SHA.fullmatch(sha) else None
+    drafting = getattr(app.coordinator, "drafting", None)
+    if path is not None and not path.is_file() and drafting is not None:  # the draft model's files, for drafter workers
+        path = drafting.blob(sha)
     if path is None or not path.is_file():
         raise APIError(404, f"no blob {sha[:70]}", code="blob_not_found")
     return FileResponse(path, media_type="application/octet-stream", headers={"Cache-Control": "public, max-age=31536000, immutable"})

@@ -29,8 +29,9 @@ from .views import Link
 
 class Connections:
     def __init__(self, ports: Ports, calibrator, steps, migration, requests, lose: Callable[..., Awaitable[None]],
-                 stopped: Callable[[], bool]):
+                 stopped: Callable[[], bool], drafting=None):
         self.ports = ports
+        self.drafting = drafting  # drafter workers (``cluster.drafters``; None: no draft model here)
         self.calibrator = calibrator  # builds a variant a newcomer needs; told of each join
         self.steps, self.migration = steps, migration  # tokens, errors and relays; acknowledged KV copies
         self.requests = requests  # capacity (``lacking``) and the replay estimate an abandon weighs
@@ -91,6 +92,9 @@ class Connections:
                     await self._refuse(channel, f"cannot provide the {form} variant: {exc}")
                     return
                 p.note(S.NoteKind.VARIANT, precision=form, status="skipped", reason=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        if declared.drafter and self.drafting is None:
+            await self._refuse(channel, "this coordinator runs no draft model to hand out (serve --speculative MODEL)")
+            return
         name = declared.name[:32]
         wid = f"w{p.state().joins + 1}-{name}"[:40]
         link = p.links()[wid] = Link(channel)
@@ -98,8 +102,11 @@ class Connections:
         p.emit(S.WorkerJoined(wid, name, dataclasses.replace(declared, token=None), p.clock()))  # its dashboard line: narrate.entry
         await link.send(Welcome(wid).to_message())
         p.measure(M.DeviceJoined(name, p.clock()))
-        self.calibrator.joined(wid)
-        p.replan_wanted.set()
+        if declared.drafter:  # no stage for it: it gets the draft model instead (cluster.drafters)
+            p.spawn(self.drafting.attach(wid, link))
+        else:
+            self.calibrator.joined(wid)
+            p.replan_wanted.set()
         try:
             await self._read_worker(wid, link)
         finally:
@@ -162,6 +169,9 @@ class Connections:
             if target:
                 fields = {k: v for k, v in msg.fields.items() if k != "relay_to"}
                 p.spawn(self.steps.relay(typed.relay_to, target, Message(T.FORWARD, fields, msg.tensors)))
+        elif msg.type in (T.DRAFTED, T.DRAFT_READY):
+            if self.drafting is not None:
+                self.drafting.answered(wid, typed)
         elif msg.type is T.ERROR:
             self.steps.worker_error(wid, typed)
         elif msg.type is T.BYE:  # it is leaving: drop it now, not after the suspect / lose timeouts

@@ -37,6 +37,7 @@ from .checkpointing import Checkpoints
 from .checkpoints import CheckpointSettings
 from .connections import Connections
 from .deployer import Deployer
+from .drafters import Drafting
 from .migration import KvMigration
 from .placement import Deployment, StageAssignment
 from .planning import MemoryProportional, PlanContext, PlanPolicy
@@ -69,6 +70,8 @@ class Coordinator:
         self.speculation = speculation  # the drafter of speculative decoding (needs settings.speculative)
         if speculation is not None and not self.settings.speculative:
             raise ValueError("a drafter needs CoordinatorSettings(speculative=True): the stages must run the verify form")
+        # drafter workers (--role drafter) get the draft model, where there is one to hand out
+        self.drafting = Drafting(self, speculation.placed, speculation.pool) if speculation is not None and speculation.placed else None
         self.cluster = ClusterState(phase_since=clock())
         self.links: dict[str, Link] = {}
         self.events = limits.EventLog()  # bounded per kind: one noisy kind cannot flush the others
@@ -99,7 +102,7 @@ class Coordinator:
                                  lambda: bool(self.steps.pending), self.gate)
         self.deployer.migration = KvMigration(ports, lambda reply: self.checkpoints.moved(reply), self.steps.route)
         self.connections = Connections(ports, self.calibrator, self.steps, self.deployer.migration, self.requests, self.lose,
-                                       lambda: self.stopped)
+                                       lambda: self.stopped, self.drafting)
 
     # -- state ------------------------------------------------------------------------------------
     def emit(self, event: S.Event) -> ClusterState:
@@ -243,6 +246,8 @@ class Coordinator:
         if info is not None:
             self.measure(measurements.DeviceLeft(wid, info.name, info.identity, self.clock(), failure))
         self.calibrator.lost(wid)
+        if self.drafting is not None:
+            self.drafting.lost(wid, why)  # its pending drafts are made here instead
         broken = PipelineBroken(f"worker {wid} {why}")
         for fut in list(link.loads.values()) + list(link.probes.values()):
             if not fut.done():

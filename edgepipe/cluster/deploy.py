@@ -225,9 +225,10 @@ def computes_on_gpu(state: ClusterState, worker_id: str) -> bool:
 
 
 def plannable(state: ClusterState, now: float) -> list[WorkerInfo]:
-    """The workers a new plan may use: live (not suspected, not quarantined), in join order, and
-    not held by the calibrator (a worker being timed would be planned on guessed figures)."""
-    return [w for w in state.live(now) if not w.calibrating]
+    """The workers a new plan may use: live (not suspected, not quarantined), in join order, not
+    held by the calibrator (a worker being timed would be planned on guessed figures), and not
+    drafters (``--role drafter``: they run the draft model, never a stage)."""
+    return [w for w in state.live(now) if not w.calibrating and not w.hello.drafter]
 
 
 def steps_may_start(state: ClusterState) -> bool:

@@ -229,7 +229,7 @@ class Deployer:
     async def prefetch_spare(self, dep: Deployment) -> None:
         """Fetch the files of the spare plan ahead of a failure (000's shadow assignment)."""
         p = self.ports
-        live = {w.id for w in p.state().live(p.clock())}
+        live = {w.id for w in p.state().live(p.clock()) if not w.hello.drafter}  # a drafter holds no stage, spare ones neither
         try:
             stages = self.plan_fn.spare(self.plan_context([w for w in self.views().values() if w.id in live]), dep)
         except Exception as exc:  # a spare is an optimisation: never let it disturb serving

@@ -120,6 +120,8 @@ def _predicted(p: object) -> str:
 SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
     "join": lambda f: f"{f['worker']} joined" + (f" ({value(f.get('memory_bytes'), 'memory_bytes')})" if f.get("memory_bytes") else ""),
     "leave": lambda f: f"{f['worker']} left" + _why(f),
+    "draft_site": lambda f: f"drafts now made on {'the coordinator' if f['site'] == 'coordinator' else f['site']}" + _why(f),
+    "drafter": lambda f: f"drafter {f['worker']} {f['status']}: " + _pairs(f, ("worker", "status")),
     "state": lambda f: f"cluster {f['state']}" + _why(f),
     "prepare": lambda f: f"preparing plan {f['plan']}: {value(f.get('stages'))}" + _why(f),
     "up": lambda f: f"plan {f['plan']} serving" + (f": {_predicted(f.get('predicted'))}" if _predicted(f.get("predicted")) else "")

@@ -201,6 +201,8 @@ class Requests:
                 elif state.params.prompt_logprobs and state.prompt_logprobs is None:
                     state.prompt_logprobs = [None] * len(state.prompt_ids[:1])  # a one-token prompt: nothing before it
                 self._learn(dep, record)
+                if spec is not None and replay_from is None and len(feed) == 1:
+                    spec.stepped(len(feed) + len(drafts), record.wall_s)  # what a pass of this many positions costs (timed draft length)
                 self.on_step(record)
                 for token, entry in zip(tokens, entries):
                     yield state.push(token, controls.from_wire(token, entry, state.params.top_logprobs))

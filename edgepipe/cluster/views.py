@@ -91,9 +91,11 @@ def status(coord) -> dict:
                         **replica_fields(dep, coord.cluster.requests, s.worker_id)} for s in dep.stages],
             "replicated": dep.replicated,
             "pinned_s": round(coord.cluster.pin[1] - coord.clock(), 1) if coord.cluster.pinned(coord.clock()) else None,
+            # where speculative decoding's draft model runs: "coordinator" or a drafter worker's id (cluster.drafters)
+            "draft": None if coord.speculation is None else coord.drafting.placed.site if coord.drafting is not None else "coordinator",
         },
         "workers": [{
-            "id": w.id, "name": w.name, "kind": w.hello.kind, "memory_bytes": w.memory_bytes,
+            "id": w.id, "name": w.name, "kind": w.hello.kind, "role": w.hello.role or "stage", "memory_bytes": w.memory_bytes,
             "device": w.hello.device or "cpu", "adapter": w.hello.adapter, "device_note": w.hello.device_note,
             "data_url": w.hello.data_url, "pid": w.hello.pid,
             "native_kernel": w.hello.native_kernel, "native_kernel_note": w.hello.native_kernel_note,
@@ -110,10 +112,6 @@ def status(coord) -> dict:
         "last_failure": coord.cluster.last_failure,
         "capacity": coord.requests.lacking(),
         "state_seconds": {k: round(v, 3) for k, v in coord.state_durations().items()},
-        "speculation": None if coord.speculation is None else {
-            "drafter": coord.speculation.drafter.name, "passes": coord.speculation.stats.passes,
-            "drafted": coord.speculation.stats.drafted, "kept": coord.speculation.stats.kept,
-            "acceptance": round(coord.speculation.stats.acceptance, 4), "drafted_ahead": coord.speculation.ahead_used,
-            "by_rule": coord.speculation.stats.by_rule},
+        "speculation": None if coord.speculation is None else coord.speculation.view(coord.drafting),
         "prefix_cache": coord.prefix.view(),
     }

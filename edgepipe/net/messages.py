@@ -132,8 +132,10 @@ class Hello(Wire):
     device_note: str | None = None  # one line: why it computes on the CPU though a GPU was asked for or looked for
     native_kernel: str | None = None  # "gguf" when its GGUF kernel library loaded (CPU workers only: it runs the `gguf` form)
     native_kernel_note: str | None = None  # one line: why it has no kernel library (it runs the MatMulNBits form)
+    role: str | None = None  # "drafter": it holds no stage, it runs the draft model (speculative decoding); absent: "stage"
 
     KINDS: ClassVar[frozenset] = frozenset({"native", "browser"})
+    ROLES: ClassVar[frozenset] = frozenset({"stage", "drafter"})
     DEVICES: ClassVar[frozenset] = frozenset({"cpu", "gpu"})
 
     def to_message(self, tensors: dict | None = None) -> Message:
@@ -144,6 +146,11 @@ class Hello(Wire):
     def relay(self) -> bool:
         """A browser: it cannot accept connections, so its activations travel through the coordinator."""
         return self.kind == "browser"
+
+    @property
+    def drafter(self) -> bool:
+        """It asked to run the draft model beside the pipeline, not a stage."""
+        return self.role == "drafter"
 
     @property
     def memory_budget(self):
@@ -178,7 +185,9 @@ class Hello(Wire):
                 raise ProtocolError(f"hello: {name} must be finite watts >= 0")
             return None if v is None else float(v)
 
-        kind, device = f.get("kind") or "native", f.get("device")
+        kind, device, role = f.get("kind") or "native", f.get("device"), f.get("role")
+        if role is not None and role not in cls.ROLES:
+            raise ProtocolError(f"hello: role must be one of {sorted(cls.ROLES)}, got {str(role)[:40]!r}")
         if kind not in cls.KINDS:
             raise ProtocolError(f"hello: kind must be one of {sorted(cls.KINDS)}, got {str(kind)[:40]!r}")
         if device is not None and device not in cls.DEVICES:
@@ -195,7 +204,7 @@ class Hello(Wire):
                    pid=pid if _int(pid) else None, data_fingerprint=opt_str("data_fingerprint", 256),
                    power_busy_w=power("power_busy_w"), power_idle_w=power("power_idle_w"), device=device,
                    adapter=opt_str("adapter", 512), device_note=opt_str("device_note", 512), native_kernel=opt_str("native_kernel", 64),
-                   native_kernel_note=opt_str("native_kernel_note", 512))
+                   native_kernel_note=opt_str("native_kernel_note", 512), role=role)
 
 
 @dataclass(frozen=True)
@@ -309,7 +318,58 @@ class Kv(Wire):
     since: int | None = None  # full-cache layers' tensors start at this position (a checkpoint's increment)
 
 
+@dataclass(frozen=True)
+class DraftLoad(Wire):
+    """To a drafter worker: fetch the draft model's files (content-addressed, as a stage's) and
+    build it whole, then time ``reps`` draft steps (as calibration times a stage)."""
+
+    TYPE = T.DRAFT_LOAD
+    name: str  # the draft package's name
+    graph: str  # sha256 of the whole draft model's graph (its head states its sampler's distribution)
+    files: list  # sha256s of its weight files
+    max_context: int
+    reps: int | None = None
+
+
+@dataclass(frozen=True)
+class Draft(Wire):
+    """To a drafter worker: ``k`` drafts after a sequence's ids (tensor ``ids``, int32: the ids
+    after the first ``keep`` of those sent before for ``seq``); ``k = 0`` takes the ids in only
+    (a prompt, while the stages prefill it)."""
+
+    TYPE = T.DRAFT
+    id: int
+    seq: str
+    keep: int
+    k: int
+    step: int  # the generated tokens before the ids' end: draft j samples with the target's draw for token step + j
+    sampling: Mapping | None = None  # {temperature, top_k, top_p, seed} of a sampled request; null: greedy
+    rule: bool | None = None  # with the distribution each draft was drawn from (the speculative-sampling rule's q)
+
+
 # -- what workers send --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DraftReady(Wire):
+    TYPE = T.DRAFT_READY
+    ok: bool
+    name: str | None = None
+    step_s: float | None = None  # measured seconds per draft step
+    load_s: float | None = None
+    fetched_bytes: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Drafted(Wire):
+    TYPE = T.DRAFTED
+    id: int
+    ok: bool
+    tokens: list | None = None
+    q_ids: list | None = None  # a rule draft: per draft, the token ids of its distribution
+    q_probs: list | None = None  # ... and their probabilities
+    compute_s: float | None = None
+    error: str | None = None  # why not (one line); "unknown sequence": send its ids again from the start
+
 @dataclass(frozen=True)
 class Token(Wire):
     TYPE = T.TOKEN
@@ -452,6 +512,14 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
             text = str(f.get("message", "worker error")).splitlines()
             return Error(text[0] if text else "worker error", code, f.get("seq") if isinstance(f.get("seq"), str) else None,
                          f.get("step") if _int(f.get("step")) else None, f.get("rid") if isinstance(f.get("rid"), str) else None)
+        if msg.type is T.DRAFT_READY:
+            step_s, load_s = _num(f.get("step_s")), _num(f.get("load_s"))
+            if step_s is not None and step_s < 0:
+                raise ProtocolError("draft_ready: step_s must be >= 0")
+            return DraftReady(bool(f.get("ok")), _opt_str(f.get("name"), "name"), step_s, load_s,
+                              f["fetched_bytes"] if _int(f.get("fetched_bytes")) else None, _one_line(f.get("error")))
+        if msg.type is T.DRAFTED:
+            return _drafted(f, vocab_size)
         if msg.type is T.FORWARD:
             if not isinstance(f.get("batch"), list) or not all(isinstance(i, dict) and isinstance(i.get("seq"), str) for i in f["batch"]):
                 raise ProtocolError("forward: batch must be a list of entries with a seq")
@@ -513,6 +581,52 @@ def _emulate(f: dict) -> Emulate:
     return Emulate(float(slowdown))
 
 
+def _one_line(v) -> str | None:
+    return None if v is None else (str(v).splitlines() or ["error"])[0][:200]
+
+
+def _drafted(f: dict, vocab_size: int) -> Drafted:
+    def ids(v) -> bool:
+        return isinstance(v, list) and all(_int(t) and 0 <= t < vocab_size for t in v)
+
+    tokens, q_ids, q_probs = f.get("tokens"), f.get("q_ids"), f.get("q_probs")
+    if tokens is not None and not ids(tokens):
+        raise ProtocolError(f"drafted: tokens must be ids in [0, {vocab_size})")
+    if (q_ids is None) != (q_probs is None):
+        raise ProtocolError("drafted: q_ids and q_probs come together")
+    if q_ids is not None:
+        if not (isinstance(q_ids, list) and isinstance(q_probs, list) and len(q_ids) == len(q_probs) == len(tokens or [])
+                and all(ids(i) and isinstance(p, list) and len(i) == len(p) and all(_finite(x) and x >= 0 for x in p)
+                        for i, p in zip(q_ids, q_probs))):
+            raise ProtocolError("drafted: a distribution per draft, ids in the vocabulary and finite probabilities >= 0 of one length")
+    compute_s = _num(f.get("compute_s"))
+    return Drafted(_need_int(f["id"], "id"), bool(f.get("ok")), tokens, q_ids, q_probs,
+                   compute_s if compute_s is not None and compute_s >= 0 else None, _one_line(f.get("error")))
+
+
+def _draft_load(f: dict) -> DraftLoad:
+    files = f["files"]
+    if not (isinstance(files, list) and all(isinstance(x, str) for x in files)):
+        raise ProtocolError("draft_load: files must be a list of sha256 strings")
+    max_context, reps = _need_int(f["max_context"], "max_context"), _opt_int(f.get("reps"), "reps")
+    if max_context < 1 or (reps is not None and not 1 <= reps <= 64):
+        raise ProtocolError("draft_load: max_context must be >= 1 and reps in [1, 64]")
+    return DraftLoad(_str(f["name"], "name"), _str(f["graph"], "graph"), files, max_context, reps)
+
+
+def _draft(f: dict) -> Draft:
+    seq, keep, k, step = _str(f["seq"], "seq"), _need_int(f["keep"], "keep"), _need_int(f["k"], "k"), _need_int(f["step"], "step")
+    if keep < 0 or not 0 <= k <= 64 or step < 0:
+        raise ProtocolError("draft: keep and step must be >= 0, k in [0, 64]")
+    sampling = f.get("sampling")
+    if sampling is not None:
+        if not (isinstance(sampling, Mapping) and all(_finite(sampling.get(n)) for n in ("temperature", "top_p"))
+                and _int(sampling.get("top_k")) and _int(sampling.get("seed"))):
+            raise ProtocolError("draft: sampling must be {temperature, top_k, top_p, seed} numbers")
+        sampling = MappingProxyType({n: sampling[n] for n in ("temperature", "top_k", "top_p", "seed")})
+    return Draft(_need_int(f["id"], "id"), seq, keep, k, step, sampling, bool(f["rule"]) if f.get("rule") is not None else None)
+
+
 _TO_WORKER = {
     T.WELCOME: lambda f: Welcome(_str(f["worker_id"], "worker_id")),
     T.LOAD: _load,
@@ -523,6 +637,8 @@ _TO_WORKER = {
     T.KV_EXPORT: _kv_export,
     T.EMULATE: _emulate,
     T.BYE: lambda f: Bye(bool(f["final"]) if f.get("final") is not None else None),
+    T.DRAFT_LOAD: _draft_load,
+    T.DRAFT: _draft,
 }
 
 

@@ -57,6 +57,7 @@ DOCS: dict[type, MessageDoc] = {
         "native_kernel": "`gguf` when its GGUF kernel library (`edgepipe.native`) loaded: a CPU worker is then sent the `gguf` form "
                          "of the file's own model; absent for browsers and GPU workers",
         "native_kernel_note": "one line: why it has no kernel library (it is sent the MatMulNBits `native` form)",
+        "role": "`drafter`: it holds no stage and runs a speculative coordinator's draft model (`draft_load`, `draft`); absent: `stage`",
     }),
     messages.Welcome: MessageDoc("c→w", "the worker is a member", {"worker_id": "its id for this membership"}),
     messages.Load: MessageDoc("c→w", "fetch these unit files and build this stage", {
@@ -176,6 +177,39 @@ DOCS: dict[type, MessageDoc] = {
         "since": "full-cache layers' tensors start at this position (a checkpoint's increment; absent: 0)",
     }, "`key.<u>`, `value.<u>`: `float32 [1, kv_heads, length - since, head_dim]` (window layers: their last positions)"),
     messages.Emulate: MessageDoc("c→w", "change the emulated slowdown (labelled emulation)", {"slowdown": "the new factor"}),
+    messages.DraftLoad: MessageDoc("c→w (a drafter)", "fetch and build the whole draft model, then time its steps", {
+        "name": "the draft package's name",
+        "graph": "sha256 of the whole draft model's graph (its head also returns its sampler's distribution)",
+        "files": "sha256s of its weight files (fetched from `/v1/blobs/` like a stage's)",
+        "max_context": "positions a sequence may reach",
+        "reps": "draft steps to time (default 8)",
+    }),
+    messages.DraftReady: MessageDoc("w→c (a drafter)", "the draft model is built (or failed)", {
+        "ok": "whether it is ready",
+        "name": "the draft package's name",
+        "step_s": "measured seconds per draft step",
+        "load_s": "seconds to build it",
+        "fetched_bytes": "bytes downloaded for it",
+        "error": "why not (one line)",
+    }),
+    messages.Draft: MessageDoc("c→w (a drafter)", "draft tokens after a sequence's ids", {
+        "id": "request id, echoed",
+        "seq": "the sequence",
+        "keep": "how many of the ids sent before for `seq` still stand (the tensor `ids` follows them)",
+        "k": "drafts wanted (0: take the ids in only, a prompt)",
+        "step": "tokens generated before the ids' end (draft j samples with the target's seeded draw for token step + j)",
+        "sampling": "`{temperature, top_k, top_p, seed}` of a sampled request; absent: greedy",
+        "rule": "send each draft's distribution (the speculative-sampling rule's q)",
+    }, "`ids` (int32 `[n]`)"),
+    messages.Drafted: MessageDoc("w→c (a drafter)", "the drafts", {
+        "id": "the draft request's id",
+        "ok": "whether it drafted",
+        "tokens": "the drafts",
+        "q_ids": "`rule`: per draft, the token ids of the distribution it was drawn from",
+        "q_probs": "`rule`: their probabilities",
+        "compute_s": "seconds the drafter computed",
+        "error": "why not (one line); `unknown sequence`: send the ids from the start",
+    }),
     messages.Error: MessageDoc("either", "something failed", {
         "message": "one line",
         "code": "an error code (below); absent from old workers",

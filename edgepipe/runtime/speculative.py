@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -196,18 +196,140 @@ def _ids_in(row, vocab: int) -> bool:
     return isinstance(row, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in row)
 
 
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a verify pass of ``k`` drafts yields on average when each draft is kept with
+    probability ``acceptance`` given the ones before it were: ``1 + a + a^2 + .. + a^k`` (the
+    kept drafts, then the target's own token)."""
+    a = min(max(acceptance, 0.0), 1.0)
+    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """What one speculative pass costs, measured (seconds). A pass of ``k`` drafts waits for the
+    drafter (``draft_call_s + k * draft_step_s``), then travels the stages with ``k + 1``
+    positions (``step_s + k * position_s``: ``step_s`` is a plain decode step, hops included).
+    A drafter that drafts ahead (``ahead_from``: at an acceptance rate of at least this) makes
+    the next pass's drafts while this one travels, as if every draft were kept; when they were
+    and the target's own token is its first guess (probability about ``a ** (k + 1)``) the next
+    pass waits only for what drafting took beyond this pass's travel."""
+
+    step_s: float  # a plain decode step through every stage and hop (one position)
+    position_s: float  # each extra position a verify pass carries
+    draft_step_s: float  # each drafted token
+    draft_call_s: float = 0.0  # a drafter call's fixed part (a remote drafter's round trip)
+    ahead_from: float | None = None  # the acceptance rate from which the drafter drafts ahead (None: it does not)
+
+    def __post_init__(self) -> None:
+        values = (self.step_s, self.position_s, self.draft_step_s, self.draft_call_s)
+        if not all(math.isfinite(v) and v >= 0 for v in values) or self.step_s <= 0:
+            raise ValueError(f"pass costs must be finite seconds >= 0 (a step > 0), got {values}")
+
+    def pass_s(self, k: int, acceptance: float = 0.0) -> float:
+        """Seconds of a pass of ``k`` drafts (0: a plain decode step) at this acceptance rate."""
+        if k <= 0:
+            return self.step_s
+        travel = self.step_s + k * self.position_s
+        drafting = self.draft_call_s + k * self.draft_step_s
+        if self.ahead_from is not None and acceptance >= self.ahead_from:
+            hit = min(max(acceptance, 0.0), 1.0) ** (k + 1)
+            drafting = (1 - hit) * drafting + hit * max(0.0, drafting - travel)
+        return travel + drafting
+
+
+def timed_draft_length(acceptance: float, costs: PassCosts, k_max: int, margin: float = 0.05) -> int:
+    """The draft length with the most tokens per second, ``expected_tokens(a, k) / pass_s(k)``
+    over ``k`` in ``[0, k_max]``; 0 (plain decoding) unless some ``k`` beats a plain step by
+    ``margin`` (measured costs are noisy: a draft that barely pays is not worth the risk)."""
+    plain = 1.0 / costs.step_s
+    best_k, best = 0, plain * (1.0 + margin)
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(acceptance, k) / costs.pass_s(k, acceptance)
+        if rate > best:
+            best_k, best = k, rate
+    return best_k
+
+
+def fit_line(points, prior_slope: float | None = None) -> tuple[float, float] | None:
+    """``(intercept, slope)`` of ``y = intercept + slope * x`` through measured ``(x, y)`` points,
+    robust to a slow outlier: the median ``y`` of each ``x``, then least squares over those
+    medians (weighted by how many points each has). With one ``x`` measured: the line through it
+    with ``prior_slope`` (None: through the origin). Slope and intercept are kept ``>= 0``. None
+    without points."""
+    by_x: dict[float, list[float]] = {}
+    for x, y in points:
+        by_x.setdefault(float(x), []).append(float(y))
+    if not by_x:
+        return None
+    xs = sorted(by_x)
+    medians = [float(np.median(by_x[x])) for x in xs]
+    if len(xs) == 1:
+        x, y = xs[0], medians[0]
+        slope = y / x if prior_slope is None and x > 0 else (prior_slope or 0.0)
+        slope = min(slope, y / x) if x > 0 else slope
+        return max(0.0, y - slope * x), max(0.0, slope)
+    weights = np.array([len(by_x[x]) for x in xs], np.float64)
+    slope, intercept = np.polyfit(np.array(xs), np.array(medians), 1, w=np.sqrt(weights))
+    if intercept < 0:  # through the origin instead
+        slope, intercept = float(np.dot(weights * np.array(xs), medians) / np.dot(weights, np.array(xs) ** 2)), 0.0
+    return max(0.0, float(intercept)), max(0.0, float(slope))
+
+
+POSITION_SHARE = 0.45  # an extra verified position costs this share of a decode step (measured, stop 34) until measured here
+MIN_PER_SIZE = 3  # passes of one size needed before that size shapes the fitted line
+
+
+def pass_costs(steps, drafts, ahead_from: float | None = None) -> PassCosts | None:
+    """Costs from measurements: ``steps`` ``(positions, seconds)`` of decode steps and verify
+    passes through the stages, ``drafts`` ``(k, seconds)`` of drafter calls for ``k`` drafts
+    (``ahead_from``: see ``PassCosts``). Where
+    only one size of pass has been seen, an extra position costs ``POSITION_SHARE`` of a step.
+    None until both a pass and a draft have been seen."""
+    steps, draft = list(steps), fit_line(drafts)
+    if not steps or draft is None:
+        return None
+    counts = {n: sum(1 for m, _ in steps if m == n) for n, _ in steps}
+    sizes = sorted(n for n, c in counts.items() if c >= MIN_PER_SIZE) or sorted(counts)[:1]
+    steps = [(n, s) for n, s in steps if n in sizes]  # sizes seen once or twice would tilt the line
+    if len(sizes) >= 2:
+        step_s, position_s = fit_line([(n - 1, s) for n, s in steps])
+    else:  # one size: its median split as a step plus the extra positions at the measured share
+        n = sizes[0]
+        step_s = float(np.median([s for _, s in steps])) / (1 + POSITION_SHARE * (n - 1))
+        position_s = POSITION_SHARE * step_s
+    if step_s <= 0:
+        return None
+    return PassCosts(step_s, position_s, draft[1], draft[0], ahead_from)
+
+
 @dataclass
 class DraftLength:
-    """How many tokens to draft next, from the acceptance rate seen so far.
+    """How many tokens to draft next, from the acceptance rate seen so far and, where measured,
+    what a pass costs.
 
     ``rate`` is a moving average of the share of drafts the target kept. With a share ``a`` the
-    ``j``-th draft survives with probability ``a ** j``; drafting stops where that falls below
-    ``worth`` (a draft that costs compute, a model's, is worth less than a free n-gram one):
-    ``k = floor(log(worth) / log(a))``, at most ``k_max``. A pass that keeps every draft lets the
-    next one try twice as many (the average alone would take several passes to get there, and a
-    ramp of one more per pass spends most of a short answer's passes below ``k_max``). Where not
-    even the first draft is worth it (``a < worth``) drafting pauses (``k = 0``: plain decode
-    steps) and tries ``k_min`` again after ``retry_after`` steps."""
+    ``j``-th draft survives with probability ``a ** j``. Without costs, drafting stops where that
+    falls below ``worth`` (a draft that costs compute, a model's, is worth less than a free n-gram
+    one): ``k = floor(log(worth) / log(a))``, at most ``k_max``. With ``costs``
+    (:class:`PassCosts`, from measured times) ``k`` is the one with the most tokens per second
+    (:func:`timed_draft_length`), 0 where plain decoding is faster. A pass that keeps every
+    draft at a high rate (``DOUBLE_ABOVE``) lets the next one try twice as many (the average alone
+    would take several passes to get there, and a ramp of one more per pass spends most of a
+    short answer's passes below ``k_max``). Where not even the first draft is worth it drafting
+    pauses (``k = 0``: plain decode steps) and tries ``k_min`` again after ``retry_after`` steps
+    (the text, or the load, may have changed). With costs, a try that finds drafting still not
+    worth it doubles the wait before the next (up to ``RETRY_MOST``): a model drafter must first
+    take in every token since it last drafted, so a try costs more the longer the pause; where
+    drafting could not pay even if every draft were kept, tries come only every ``RETRY_MOST`` steps.
+
+    With costs a try drafts what would pay on a predictable text (``TRY_RATE``), and a request
+    starts with such a try unless drafting cannot pay at all: the rate it starts from is a guess,
+    its own text decides. Over its first ``WARM_DRAFTS`` drafts the rate is the share kept with
+    the starting rate counted as one draft, and over its first ``VERDICT_DRAFTS`` drafting does not
+    pause (it drafts ``k_min`` where no more pays: one unlucky pass must not stop a predictable
+    text); after that each draft counts as one observation in
+    the moving average (weight ``DRAFT_WEIGHT`` each), so a pass of several drafts moves the rate
+    as much as they say."""
 
     k_max: int = 8
     k_min: int = 1
@@ -215,32 +337,86 @@ class DraftLength:
     smoothing: float = 0.3  # weight of the latest pass in the moving average
     rate: float = 0.6  # a start that drafts a few tokens
     retry_after: int = 16  # decode steps without drafting before trying again
+    costs: PassCosts | None = None  # measured pass costs (None: decide from the acceptance rate alone)
     k: int = field(init=False, default=0)
     paused: int = field(init=False, default=0)  # steps decoded without drafts since drafting paused
+    wait: int = field(init=False, default=0)  # steps to the next try while paused (retry_after, doubled after each failed try)
+    trying: bool = field(init=False, default=False)  # the next pass is a try after a pause
+    drafted: int = field(init=False, default=0)  # with costs: drafts observed so far (kept ones, and a pass's first rejected), and of them kept
+    kept: int = field(init=False, default=0)
+
+    DOUBLE_ABOVE: ClassVar[float] = 0.75  # with costs: a full pass doubles k only at this rate or more
+    RETRY_MOST: ClassVar[int] = 512  # with costs: most steps between tries
+    TRY_RATE: ClassVar[float] = 0.9  # with costs: a try drafts what would pay at this rate
+    DRAFT_WEIGHT: ClassVar[float] = 0.15  # with costs: each draft's weight in the moving average
+    WARM_DRAFTS: ClassVar[int] = 16  # with costs: drafts over which the rate is the share kept (the start counted as one)
+    VERDICT_DRAFTS: ClassVar[int] = 4  # with costs: drafts observed before a request may pause (each forced one costs a draft step)
 
     def __post_init__(self) -> None:
         if not (1 <= self.k_min <= self.k_max and 0 < self.worth < 1 and 0 < self.smoothing <= 1 and 0 <= self.rate <= 1
                 and self.retry_after >= 1):
             raise ValueError("DraftLength needs 1 <= k_min <= k_max, 0 < worth < 1, 0 < smoothing <= 1, 0 <= rate <= 1, retry_after >= 1")
         self.k = self._from_rate()
+        self.wait, self.start_rate = self.retry_after, self.rate
+        if self.k == 0 and self.costs is not None and not self._hopeless():  # a start is a try: this request's text decides
+            self.k, self.trying = self._try_k(), True
+
+    def _hopeless(self) -> bool:
+        """Drafting could not pay at these costs even if every draft were kept."""
+        return self.costs is not None and timed_draft_length(1.0, self.costs, self.k_max) == 0
+
+    def _try_k(self) -> int:
+        if self.costs is None:
+            return self.k_min
+        return max(self.k_min, timed_draft_length(self.TRY_RATE, self.costs, self.k_max))
 
     def _from_rate(self) -> int:
+        if self.costs is not None:
+            k = timed_draft_length(self.rate, self.costs, self.k_max)
+            if k == 0 and 0 < self.drafted < self.VERDICT_DRAFTS and not self._hopeless():
+                return self.k_min  # one or two drafts are not yet this text's verdict: one per pass until they are
+            return k
         if self.rate >= 1.0:
             return self.k_max
         if self.rate < self.worth:
             return 0
         return max(self.k_min, min(self.k_max, int(math.log(self.worth) / math.log(self.rate))))
 
-    def update(self, drafted: int, kept: int) -> int:
-        """Take one step's outcome (``kept`` of ``drafted``; 0 of 0: a step without drafts); returns the next ``k``."""
+    def update(self, drafted: int, kept: int, costs: PassCosts | None = None) -> int:
+        """Take one step's outcome (``kept`` of ``drafted``; 0 of 0: a step without drafts) and
+        the latest measured ``costs`` (None: keep the ones held); returns the next ``k``."""
+        if costs is not None:
+            self.costs = costs
         if drafted <= 0:
             if self.k == 0:
                 self.paused += 1
-                if self.paused >= self.retry_after:  # try again: the text may have become predictable
-                    self.paused, self.k = 0, self.k_min
+                # where no acceptance rate could make drafting pay at these costs, a try is all cost: rarely
+                if self.paused >= (self.RETRY_MOST if self._hopeless() else self.wait):  # try again: the text may have become predictable
+                    self.paused, self.k, self.trying = 0, self._try_k(), True
             return self.k
-        self.rate = (1 - self.smoothing) * self.rate + self.smoothing * (kept / drafted)
-        self.k = min(self.k_max, 2 * self.k) if kept == drafted and drafted >= self.k else self._from_rate()
+        if self.costs is None:
+            self.rate = (1 - self.smoothing) * self.rate + self.smoothing * (kept / drafted)
+        else:
+            # Drafts after the first rejected one were drafted on a token the target did not
+            # choose: they say nothing of the rate. A pass observes its kept drafts and, if any
+            # was rejected, one rejection (kept / drafted would count the rest as rejections too).
+            seen = kept + (kept < drafted)
+            self.drafted, self.kept = self.drafted + seen, self.kept + kept
+            if self.drafted <= self.WARM_DRAFTS:
+                self.rate = (self.kept + self.start_rate) / (self.drafted + 1)
+            else:
+                weight = 1 - (1 - self.DRAFT_WEIGHT) ** seen
+                self.rate = (1 - weight) * self.rate + weight * (kept / seen)
+        k = self._from_rate()
+        if self.trying:  # a try after a pause: back off further if it found drafting still not worth it
+            self.wait = min(self.RETRY_MOST, 2 * self.wait) if k == 0 and self.costs is not None else self.retry_after
+            self.trying = False
+        elif k > 0:
+            self.wait = self.retry_after
+        full = kept == drafted and drafted >= self.k
+        if full and (self.costs is None or (k > 0 and self.rate >= self.DOUBLE_ABOVE)):
+            k = max(k, min(self.k_max, 2 * self.k))
+        self.k = k
         return self.k
 
 
@@ -372,6 +548,25 @@ class ModelDrafter:
     def forget(self, seq: str) -> None:
         self.fed.pop(seq, None)
         self.runner.drop(seq)
+
+
+TIMING_PROMPT = 32  # tokens a timing sequence starts from
+
+
+def time_draft_steps(drafter: ModelDrafter, reps: int = 8) -> float:
+    """Seconds per greedy draft step of ``drafter`` after a short prompt (as calibration times a
+    stage: measured where it will run); the timing sequence is forgotten after."""
+    import time
+
+    seq, ids = "__timing__", [int(t) % max(drafter.runner.vocab or 1, 1) for t in range(10, 10 + TIMING_PROMPT)]
+    try:
+        drafter.prime(seq, ids)
+        drafter.draft(seq, ids, 1)  # the first step after a prefill warms what a prefill did not
+        t0 = time.perf_counter()
+        drafter.draft(seq, ids, reps)
+        return (time.perf_counter() - t0) / reps
+    finally:
+        drafter.forget(seq)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -45,6 +45,7 @@ class WorkerSettings:
     drop_work: bool = False
     misreport: float = 1.0  # reported compute times are divided by this
     device: str = "cpu"  # where stages compute: auto | cpu | gpu | gpu:N (runtime.devices.resolve)
+    role: str = "stage"  # "drafter": hold no stage, run a speculative coordinator's draft model (worker.drafter)
 
     @property
     def emulated(self) -> bool:

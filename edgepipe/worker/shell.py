@@ -63,6 +63,13 @@ class Worker:
             self.link = ShapedLink(LinkShape(delay_ms=settings.link_delay_ms, rate_bytes_per_s=rate))
         self._background: set[asyncio.Task] = set()
         self.loop_lag_s = 0.0  # worst event-loop hold-up since the last PONG reported it
+        self.drafter = None  # --role drafter: the draft model it runs beside the pipeline (worker.drafter)
+        if settings.role == "drafter":
+            from .drafter import DrafterRole
+
+            headers = {"Authorization": f"Bearer {settings.join_token}"} if settings.join_token else {}
+            self.drafter = DrafterRole(lambda sha: self.cache.fetch(self.s.coordinator, sha, headers), self.cache.path,
+                                       self._send_control, settings.threads, settings.slowdown)
 
     @property
     def id(self) -> str | None:
@@ -221,6 +228,8 @@ class Worker:
             if server is not None:
                 server.close()
             self.runners.pool.shutdown(wait=False, cancel_futures=True)
+            if self.drafter is not None:
+                self.drafter.close()
 
     async def serve_until_terminated(self) -> None:
         """``run``, with SIGTERM cancelling it as Ctrl-C does: the worker then says a final bye."""
@@ -301,6 +310,7 @@ class Worker:
             native_kernel=self.native_kernel, native_kernel_note=self.native_kernel_note,
             data_url=self.data_port.url, held=tuple(self.cache.held()), pid=os.getpid(), data_fingerprint=self.data_port.fingerprint,
             power_busy_w=self.s.power_busy_w, power_idle_w=self.s.power_idle_w, emulation=self.s.emulation(),
+            role=self.s.role if self.s.role != "stage" else None,
         )
 
     async def _connect_control(self) -> Channel:
@@ -362,6 +372,8 @@ class Worker:
 
     async def receive(self, msg: Message, typed) -> None:
         """A checked frame from the coordinator or a predecessor."""
+        if msg.type in (T.DRAFT_LOAD, T.DRAFT) or (msg.type is T.DROP and self.drafter is not None):
+            return self._drafting(msg, typed)
         if msg.type in IN_ORDER:
             await self.queue.put(msg)  # in order with the forwards: a DROP never while that sequence computes
         elif msg.type is T.PING:
@@ -372,6 +384,17 @@ class Worker:
             log.warning("coordinator: %s", msg.get("message"))
         elif not isinstance(typed, Message):
             await self.feed(typed)
+
+    def _drafting(self, msg: Message, typed) -> None:
+        """A drafter's frames: loads and drafts run on its draft thread, in arrival order."""
+        if self.drafter is None:
+            log.warning("%s for a worker that is not a drafter (start it with --role drafter)", msg.type.value)
+        elif msg.type is T.DRAFT_LOAD:
+            self._spawn(self.drafter.load(typed))
+        elif msg.type is T.DRAFT:
+            self._spawn(self.drafter.draft(typed, msg.tensors.get("ids")))
+        else:
+            self._spawn(self.drafter.forget(typed.seq))
 
     async def _compute_loop(self) -> None:
         """Run what arrives in order; a forward frame (one lane of sequences) is one batch.

@@ -444,6 +444,7 @@
       pid: null, data_fingerprint: null, power_busy_w: null, power_idle_w: null,
       device: d.kind, adapter: d.adapter ?? null, device_note: d.note ?? null,
       native_kernel: null, native_kernel_note: null,  // the GGUF kernel library is native only
+      role: null,  // a tab holds stages; drafting (--role drafter) is a native worker's
     };
   }
 

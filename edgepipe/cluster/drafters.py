@@ -27,6 +27,7 @@ import numpy as np
 from ..net.messages import Draft, DraftLoad, Drafted, DraftReady, Drop
 from ..plan.draft_site import COORDINATOR, DraftSite, choose_draft_site
 from ..runtime.speculative import Distribution, ModelDrafter, time_draft_steps
+from . import state as S
 
 DRAFT_TIMEOUT_S = 5.0  # a drafter worker silent this long on a draft request is dropped
 LOAD_TIMEOUT_S = 600.0  # fetching and building the draft model (a first fetch of ~1 GB)
@@ -272,7 +273,7 @@ class Drafting:
         """A dashboard line for a change of site (it may be decided on the drafting thread)."""
         self.coord.speculation.drafter_moved()
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(lambda: self.coord.event("draft_site", site=site, why=why))
+            self.loop.call_soon_threadsafe(lambda: self.coord.event(S.NoteKind.DRAFT_SITE, site=site, why=why))
 
     def blob(self, sha: str):
         """A file of the draft package (drafter workers fetch it like a stage's), or None."""
@@ -287,21 +288,21 @@ class Drafting:
         graph = await loop.run_in_executor(None, lambda: package.stage_graph(0, len(m.units), sampler=True))
         fut = self.loading[wid] = loop.create_future()
         await link.send(DraftLoad(package.name, graph, list(m.stage_files(0, len(m.units))), m.max_context).to_message())
-        c.event("drafter", worker=wid, status="loading", model=package.name)
+        c.event(S.NoteKind.DRAFTER, worker=wid, status="loading", model=package.name)
         try:
             ready: DraftReady = await asyncio.wait_for(fut, LOAD_TIMEOUT_S)
         except (asyncio.TimeoutError, DrafterLost) as exc:
-            c.event("drafter", worker=wid, status="failed", reason=str(exc) or "no answer")
+            c.event(S.NoteKind.DRAFTER, worker=wid, status="failed", reason=str(exc) or "no answer")
             return
         finally:
             self.loading.pop(wid, None)
         if not ready.ok or ready.step_s is None:
-            c.event("drafter", worker=wid, status="failed", reason=ready.error or "no step time")
+            c.event(S.NoteKind.DRAFTER, worker=wid, status="failed", reason=ready.error or "no step time")
             return
         await loop.run_in_executor(self.pool, self.placed.calibrate)  # this process's draft step, on the drafting thread
         if wid not in c.links:  # it left while we timed
             return
-        c.event("drafter", worker=wid, status="ready", step_ms=round(ready.step_s * 1e3, 2),
+        c.event(S.NoteKind.DRAFTER, worker=wid, status="ready", step_ms=round(ready.step_s * 1e3, 2),
                 coordinator_step_ms=round(self.placed.local_step_s * 1e3, 2))
         info = c.cluster.workers.get(wid)
         self.placed.add(RemoteDrafter(wid, link.send, loop, ready.step_s, (info.rtt_s or 0.0) if info else 0.0))

@@ -227,12 +227,15 @@ def _gather_blocks(g: _Graph, table) -> str:
 
 
 def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], cos: np.ndarray, sin: np.ndarray,
-               local_rope: tuple[np.ndarray, np.ndarray] | None = None) -> onnx.ModelProto:
+               local_rope: tuple[np.ndarray, np.ndarray] | None = None, fp16_kv: bool | None = None) -> onnx.ModelProto:
     """One decoder layer. ``w`` holds attn_norm, qkv (fused rows), qkv_bias?, q_norm?, k_norm?,
     attn_output, post_attention_norm?, ffn_norm, gate_up (fused rows), ffn_down, post_ffw_norm?.
 
     A sliding-window layer (``cfg.window``) attends to its last ``window`` positions and, where
-    the family gives such layers their own RoPE base, rotates with ``local_rope``."""
+    the family gives such layers their own RoPE base, rotates with ``local_rope``.
+
+    ``fp16_kv`` (default: ``kernel_form(w)``; the importer says so for every layer of the ``gguf``
+    form, float tensors or not): attention is the kernel library's KvAttention over an fp16 cache."""
     g = _Graph(f"l{unit}.")
     x, out = hidden_name(unit), hidden_name(unit + 1)
     H, D, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -274,7 +277,7 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
                    attn_in[2]]
         lengths, rope_in = ["window_seqlens_k", "window_total_sequence_length"], []
     kv_type = FLOAT
-    if kernel_form(w):  # the kernel library's attention over an fp16 cache: qkv packed, rotary tables always given
+    if kernel_form(w) if fp16_kv is None else fp16_kv:  # the kernel library's attention over an fp16 cache: qkv packed, rotary tables always given
         kv_type = FLOAT16
         packed = attn_in[0] if not attn_in[1] else g.op1("Concat", attn_in, axis=-1)
         attn, _, _ = g.op(KV_ATTENTION, [packed, f"past_key.{unit}", f"past_value.{unit}", *lengths, cos_name, sin_name], domain=GGUF_DOMAIN,

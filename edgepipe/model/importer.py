@@ -421,8 +421,8 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     for layer in range(cfg.n_layers):
         unit = layer + 1
         w = _unit_weights(src, cfg, layer, precision, writer, meter)
-        store("layer", graphs.layer_unit(cfg, unit, w, cos, sin, ropes.get("local")))
-        if graphs.kernel_form(w):
+        store("layer", graphs.layer_unit(cfg, unit, w, cos, sin, ropes.get("local"), fp16_kv=precision == "gguf"))
+        if precision == "gguf":
             half_kv_units.add(unit)
         del w
     if cfg.tie_embeddings:

@@ -67,7 +67,7 @@ def graph(kind: str) -> tuple[bytes, int]:
         nodes.append(helper.make_node("GroupQueryAttention", ["qkv", "", "", "pk", "pv", "sl", "tl", "cos", "sin"], ["out", "ok", "ov"],
                                       domain=MS, **attrs))
     kv = [1, KV_HEADS, CAPACITY, DIM]
-    g = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("qkv", F, [1, 1, (HEADS + 2 * KV_HEADS) * DIM]),
+    g = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("qkv", F, [1, "seq", (HEADS + 2 * KV_HEADS) * DIM]),
                                         helper.make_tensor_value_info("pk", kv_type, kv), helper.make_tensor_value_info("pv", kv_type, kv),
                                         helper.make_tensor_value_info("sl", I32, [1]), helper.make_tensor_value_info("tl", I32, [])],
                           [helper.make_tensor_value_info("out", F, None), helper.make_tensor_value_info("ok", kv_type, None),

@@ -1,6 +1,6 @@
 /* The fp16-KV attention's inner loops with AVX2 + FMA + F16C (compiled with those flags alone; used
  * only after cpuid says the CPU has them, for head dimensions that are multiples of 16). Query heads
- * go four at a time against each cache row, so a row of halves is converted once per four heads. */
+ * go up to four at a time against each cache row, so a row of halves is converted once per pass. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -15,47 +15,68 @@ static inline float hsum_ps(__m256 v) {
 
 static inline __m256 halves8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-#define HEADS 4 /* query heads per pass; a group's last pass repeats its last head (results unused) */
+/* One pass: `n` (1..4, a constant after inlining) query heads against every key, a key's row of
+ * halves converted once for them all. A group of heads goes by passes of up to four (6 = 4 + 2,
+ * 7 = 4 + 3): every head's sums are the same whatever pass it falls in. */
+static inline __attribute__((always_inline)) void scores_pass(const uint16_t *k, int64_t keys, int64_t row, const float *q,
+                                                              int64_t dim, float *out, const int n) {
+    for (int64_t j = 0; j < keys; j++) {
+        const uint16_t *kj = k + j * row;
+        __m256 acc[4][2];
+        for (int h = 0; h < n; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16) {
+            __m256 k0 = halves8(kj + d), k1 = halves8(kj + d + 8);
+            for (int h = 0; h < n; h++) {
+                acc[h][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim + d), k0, acc[h][0]);
+                acc[h][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim + d + 8), k1, acc[h][1]);
+            }
+        }
+        for (int h = 0; h < n; h++) out[h * keys + j] = hsum_ps(_mm256_add_ps(acc[h][0], acc[h][1]));
+    }
+}
 
 static void scores_avx2(const uint16_t *k, int64_t keys, int64_t row, const float *q, int group, int64_t dim, float *out) {
-    for (int h0 = 0; h0 < group; h0 += HEADS) {
-        const float *qh[HEADS];
-        for (int h = 0; h < HEADS; h++) qh[h] = q + (h0 + h < group ? h0 + h : group - 1) * dim;
+    for (int h0 = 0; h0 < group; h0 += 4) {
+        const float *qh = q + h0 * dim;
+        float *o = out + h0 * keys;
+        switch (group - h0 < 4 ? group - h0 : 4) {
+        case 1: scores_pass(k, keys, row, qh, dim, o, 1); break;
+        case 2: scores_pass(k, keys, row, qh, dim, o, 2); break;
+        case 3: scores_pass(k, keys, row, qh, dim, o, 3); break;
+        default: scores_pass(k, keys, row, qh, dim, o, 4); break;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void accumulate_pass(const uint16_t *v, int64_t keys, int64_t row, const float *p,
+                                                                  int64_t dim, float *acc, const int n) {
+    for (int64_t d = 0; d < dim; d += 16) {
+        __m256 a[4][2];
+        for (int h = 0; h < n; h++) a[h][0] = a[h][1] = _mm256_setzero_ps();
         for (int64_t j = 0; j < keys; j++) {
-            const uint16_t *kj = k + j * row;
-            __m256 acc[HEADS][2];
-            for (int h = 0; h < HEADS; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < dim; d += 16) {
-                __m256 k0 = halves8(kj + d), k1 = halves8(kj + d + 8);
-                for (int h = 0; h < HEADS; h++) {
-                    acc[h][0] = _mm256_fmadd_ps(_mm256_loadu_ps(qh[h] + d), k0, acc[h][0]);
-                    acc[h][1] = _mm256_fmadd_ps(_mm256_loadu_ps(qh[h] + d + 8), k1, acc[h][1]);
-                }
+            __m256 v0 = halves8(v + j * row + d), v1 = halves8(v + j * row + d + 8);
+            for (int h = 0; h < n; h++) {
+                __m256 w = _mm256_broadcast_ss(p + h * keys + j);
+                a[h][0] = _mm256_fmadd_ps(w, v0, a[h][0]);
+                a[h][1] = _mm256_fmadd_ps(w, v1, a[h][1]);
             }
-            for (int h = 0; h < HEADS && h0 + h < group; h++) out[(h0 + h) * keys + j] = hsum_ps(_mm256_add_ps(acc[h][0], acc[h][1]));
+        }
+        for (int h = 0; h < n; h++) {
+            _mm256_storeu_ps(acc + h * dim + d, a[h][0]);
+            _mm256_storeu_ps(acc + h * dim + d + 8, a[h][1]);
         }
     }
 }
 
 static void accumulate_avx2(const uint16_t *v, int64_t keys, int64_t row, const float *p, int group, int64_t dim, float *acc) {
-    for (int h0 = 0; h0 < group; h0 += HEADS) {
-        const float *ph[HEADS];
-        for (int h = 0; h < HEADS; h++) ph[h] = p + (h0 + h < group ? h0 + h : group - 1) * keys;
-        for (int64_t d = 0; d < dim; d += 16) {
-            __m256 a[HEADS][2];
-            for (int h = 0; h < HEADS; h++) a[h][0] = a[h][1] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < keys; j++) {
-                __m256 v0 = halves8(v + j * row + d), v1 = halves8(v + j * row + d + 8);
-                for (int h = 0; h < HEADS; h++) {
-                    __m256 w = _mm256_broadcast_ss(ph[h] + j);
-                    a[h][0] = _mm256_fmadd_ps(w, v0, a[h][0]);
-                    a[h][1] = _mm256_fmadd_ps(w, v1, a[h][1]);
-                }
-            }
-            for (int h = 0; h < HEADS && h0 + h < group; h++) {
-                _mm256_storeu_ps(acc + (h0 + h) * dim + d, a[h][0]);
-                _mm256_storeu_ps(acc + (h0 + h) * dim + d + 8, a[h][1]);
-            }
+    for (int h0 = 0; h0 < group; h0 += 4) {
+        const float *ph = p + h0 * keys;
+        float *a = acc + h0 * dim;
+        switch (group - h0 < 4 ? group - h0 : 4) {
+        case 1: accumulate_pass(v, keys, row, ph, dim, a, 1); break;
+        case 2: accumulate_pass(v, keys, row, ph, dim, a, 2); break;
+        case 3: accumulate_pass(v, keys, row, ph, dim, a, 3); break;
+        default: accumulate_pass(v, keys, row, ph, dim, a, 4); break;
         }
     }
 }

@@ -1,7 +1,7 @@
 """The ARM64 NEON kernels, cross-compiled and run under emulation: every block type, plain NEON and
 NEON with dot products, equal to the portable path bit for bit (one row and a batch of 11), and the
 run-time choice following the CPU (a Cortex-A53 has no dot product; `-cpu max` has it). The fp16-KV
-attention's portable C (what ARM64 runs) against the numpy reference, its cache bit for bit.
+attention's NEON and portable C loops against the numpy reference, its cache bit for bit.
 
 Needs Debian's gcc-aarch64-linux-gnu and qemu-user, which `scripts/bootstrap.sh test` installs."""
 
@@ -62,10 +62,11 @@ def test_a_cpu_without_dot_products_runs_plain_neon(check_binary):
     assert code == 0
 
 
+@pytest.mark.parametrize("kernels", ["portable", "neon"])
 @pytest.mark.parametrize("case", [dict(window=-1, do_rotary=1, interleaved=0, softcap=0.0),
                                   dict(window=6, do_rotary=0, interleaved=0, softcap=30.0),
                                   dict(window=-1, do_rotary=1, interleaved=1, softcap=0.0)])
-def test_fp16_kv_attention_portable_c_on_arm64(check_binary, tmp_path, case):
+def test_fp16_kv_attention_on_arm64(check_binary, tmp_path, case, kernels):
     import numpy as np
     from test_kv_attention import check, random_case, reference, tables
 
@@ -78,7 +79,7 @@ def test_fp16_kv_attention_portable_c_on_arm64(check_binary, tmp_path, case):
                        case["window"]], np.int64).tobytes() + np.array([scale, case["softcap"]], np.float32).tobytes()
     (tmp_path / "case.bin").write_bytes(header + b"".join(a.tobytes() for a in (qkv, lengths, cos, sin, key, value)))
     done = subprocess.run([QEMU, "-cpu", "max", str(check_binary.parent / "kv_attention_check"), str(tmp_path / "case.bin"),
-                           str(tmp_path / "out.bin")], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "out.bin"), kernels], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     raw = (tmp_path / "out.bin").read_bytes()
     n_out = batch * seq * heads * dim * 4

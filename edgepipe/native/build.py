@@ -46,6 +46,7 @@ def _is_arm64() -> bool:
 ARM64_UNITS = [  # NEON is baseline on ARMv8-A; the dot-product unit is chosen by HWCAP at run time
     TranslationUnit("gguf_portable.c"),
     TranslationUnit("kv_attention.c"),
+    TranslationUnit("kv_attention_neon.c"),
     TranslationUnit("gguf_neon.c"),
     TranslationUnit("gguf_neon_dotprod.c", ("-march=armv8.2-a+dotprod",)),
     TranslationUnit("gguf_op.c", ("-DEDGEPIPE_HAVE_NEON", "-DEDGEPIPE_HAVE_NEON_DOTPROD")),

@@ -1,12 +1,13 @@
 /* Emulated check of the fp16-KV attention's portable C on ARM64 (tests/test_gguf_kernel_neon.py
  * runs it under qemu-aarch64 and compares with the numpy reference of tests/test_kv_attention.py).
- * Usage: kv_attention_check <case> <result>. The case file: ten int64 (batch, seq, heads, kv_heads,
+ * Usage: kv_attention_check <case> <result> portable|neon. The case file: ten int64 (batch, seq, heads, kv_heads,
  * dim, capacity, rope_positions, rotary_pairs, interleaved, window), two float32 (scale, softcap),
  * then qkv float32, seqlens_k int32, cos and sin float32, key and value fp16 bits; the result file:
  * the output float32, then the key and value caches after the step. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kv_attention.h"
 
@@ -20,7 +21,7 @@ static void *read_block(FILE *f, size_t bytes) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 3) return 2;
+    if (argc != 4) return 2;
     FILE *in = fopen(argv[1], "rb");
     if (in == NULL) return 2;
     int64_t h[10];
@@ -42,6 +43,7 @@ int main(int argc, char **argv) {
     job.q_rotated = malloc(sizeof(float) * out);
     kv_attention_kernels kernels;
     kv_attention_portable(&kernels);
+    if (strcmp(argv[3], "neon") == 0) kv_attention_neon(&kernels);
     job.kernels = &kernels;
     const char *problem = kv_attention_prepare(&job);
     if (problem != NULL) {

@@ -626,6 +626,9 @@ static OrtStatus *compute_attention(void *kernel_data, OrtKernelContext *context
 #ifdef EDGEPIPE_HAVE_AVX2
     if ((kernel->isa == ISA_AVX2 || kernel->isa == ISA_AVX512VNNI) && D % 16 == 0) kv_attention_avx2(&kernels);
 #endif
+#ifdef EDGEPIPE_HAVE_NEON
+    if ((kernel->isa == ISA_NEON || kernel->isa == ISA_NEON_DOTPROD) && D % 16 == 0) kv_attention_neon(&kernels);
+#endif
     kv_attention_job job = {
         .batch = B, .seq = S, .heads = kernel->heads, .kv_heads = kernel->kv_heads, .dim = D, .capacity = C,
         .rotary_pairs = kernel->do_rotary ? dims[5][1] : 0, .rope_positions = dims[5][0],

@@ -22,6 +22,7 @@ typedef struct {
 
 void kv_attention_portable(kv_attention_kernels *kernels);
 void kv_attention_avx2(kv_attention_kernels *kernels); /* needs head dims that are multiples of 16 */
+void kv_attention_neon(kv_attention_kernels *kernels); /* ARM64; head dims that are multiples of 16 */
 
 typedef struct {
     int64_t batch, seq, heads, kv_heads, dim, capacity;

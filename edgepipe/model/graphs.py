@@ -27,11 +27,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..native import ATTENTION_OP as KV_ATTENTION
 from ..native import DOMAIN as GGUF_DOMAIN
 from ..native import GATHER_OP as GGUF_GATHER
 from ..native import GGML_TYPE_IDS
 from ..native import MATMUL_OP as GGUF_MATMUL
-from ..native import ATTENTION_OP as KV_ATTENTION
 from .config import ModelConfig
 from .weights import BlockQuantized, Stored, StoredBlocks, StoredGGUF, Weight
 
@@ -276,9 +276,8 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
                    g.op1("RotaryEmbedding", [attn_in[1], "position_ids", cos_name, sin_name], domain=MS, num_heads=nkv, **rotary),
                    attn_in[2]]
         lengths, rope_in = ["window_seqlens_k", "window_total_sequence_length"], []
-    kv_type = FLOAT
-    if kernel_form(w) if fp16_kv is None else fp16_kv:  # the kernel library's attention over an fp16 cache: qkv packed, rotary tables always given
-        kv_type = FLOAT16
+    kv_type = FLOAT16 if (kernel_form(w) if fp16_kv is None else fp16_kv) else FLOAT
+    if kv_type == FLOAT16:  # the kernel library's attention over an fp16 cache: qkv packed, rotary tables always given
         packed = attn_in[0] if not attn_in[1] else g.op1("Concat", attn_in, axis=-1)
         attn, _, _ = g.op(KV_ATTENTION, [packed, f"past_key.{unit}", f"past_value.{unit}", *lengths, cos_name, sin_name], domain=GGUF_DOMAIN,
                           out=[g.name("attn"), f"present_key.{unit}", f"present_value.{unit}"], **gqa_attrs)

@@ -2,8 +2,8 @@
 
 The runner owns the KV cache of its layers for every sequence: one pool per layer,
 ``[rows, kv_heads, C, head_dim]``, a row per sequence, in the graph's KV dtype (float32; float16
-for the kernel form's KvAttention). The attention op reads and writes it in place (past and present bound to the same memory), so a decode step touches only the
-new token's positions. Decode steps of several sequences run as one batch over their rows.
+for the kernel form's KvAttention). The attention op reads and writes it in place (past and
+present bound to the same memory), so a decode step touches only the new token's positions. Decode steps of several sequences run as one batch over their rows.
 
 Inputs and outputs by stage position:
 

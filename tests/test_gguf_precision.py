@@ -70,6 +70,11 @@ def test_kv_moves_between_the_kernel_forms_fp16_cache_and_the_fallbacks_fp32_one
     kernel, fallback = pkg.pipeline([], precision="gguf"), pkg.pipeline([], precision="native")
     assert "KvAttention" in [n.op_type for n in onnx.load(pkg.blob(pkg.manifest.variant(1, "gguf").graph), load_external_data=False).graph.node]
     assert pkg.manifest.kv_bytes_per_token(1, "gguf") * 2 == pkg.manifest.kv_bytes_per_token(1, "native")
+    from edgepipe.cluster.profiling import ClusterProfile
+
+    profiles = {p: ClusterProfile(pkg.manifest, context_tokens=256).model_profile(p) for p in ("gguf", "native")}
+    assert [2 * u.kv_bytes_per_token for u in profiles["gguf"].units] == [u.kv_bytes_per_token for u in profiles["native"].units]
+    assert profiles["gguf"].stage_bytes(1, 5, 1) < profiles["native"].stage_bytes(1, 5, 1)  # the planner's budget follows
     token = kernel.step("s", ids, greedy)
     kv16, length = kernel.runners[0].export_kv("s"), kernel.runners[0].length("s")
     assert {t.dtype for t in kv16.values()} == {np.dtype(np.float16)}

@@ -99,6 +99,40 @@ def test_kv_moves_between_the_kernel_forms_fp16_cache_and_the_fallbacks_fp32_one
     assert any(not np.array_equal(rounded[n].astype(np.float32), own32[n]) for n in own32)  # the rounding is real
 
 
+def test_batched_rows_equal_alone_in_the_kernel_form(pkg):
+    """GgufMatMul and KvAttention give a row the same bits at any batch (rows of other lengths beside
+    it, a gap in the pool), so batched decode equals solo decode, logprobs too, without the
+    batch-invariant option."""
+    runner = pkg.runner(0, len(pkg.manifest.units), precision="gguf")
+    tok = pkg.tokenizer
+    prompts = [tok.encode(PROMPT), tok.encode("Hello there!"), tok.encode(PROMPT + " In one line, please.")]
+    sampling = lambda n: SamplingBatch(False, np.ones(n, np.float32), np.zeros(n, np.int64), np.ones(n, np.float32),  # noqa: E731
+                                       np.zeros(n, np.float32), num_top=3)
+    solo = []
+    for i, ids in enumerate(prompts):
+        got = [int(runner.run(f"solo{i}", np.array([ids], np.int64), sampling(1))[0])]
+        logprobs = []
+        for _ in range(10):
+            got.append(int(runner.run(f"solo{i}", np.array([[got[-1]]], np.int64), sampling(1))[0]))
+            logprobs.append(runner.last_head[1].top_logprobs[0].copy())
+        solo.append((got, np.stack(logprobs)))
+        runner.drop(f"solo{i}")
+    seqs, got = [f"b{i}" for i in range(3)], []
+    for i, (s, ids) in enumerate(zip(seqs, prompts)):
+        got.append([int(runner.run(s, np.array([ids], np.int64), sampling(1))[0])])
+        if i == 0:  # a sequence between the batch's rows: the pool moves rows to run the batch
+            runner.run("other", np.array([prompts[1]], np.int64), sampling(1))
+    logprobs = [[] for _ in seqs]
+    for _ in range(10):
+        tokens = runner.run_batch(seqs, np.array([[g[-1]] for g in got], np.int64), sampling(3))
+        for g, lp, t, row in zip(got, logprobs, tokens, runner.last_head[1].top_logprobs):
+            g.append(int(t))
+            lp.append(row.copy())
+    for (tokens, lp), g, blp in zip(solo, got, logprobs):
+        assert g == tokens
+        assert np.array_equal(np.stack(blp), lp)  # bit for bit
+
+
 def test_gguf_cuts_equal_one_runner_and_agree_with_native(pkg):
     single = tokens(pkg, "gguf")
     assert tokens(pkg, "gguf", cuts=[5, 20]) == single

@@ -18,6 +18,7 @@ from .api.admission import Admission
 from .api.app import create_app
 from .net.limits import control_frame_limit
 from .cluster.coordinator import Coordinator, CoordinatorSettings
+from .cluster.events import NoteKind
 from .cluster.speculation import build_speculation
 
 
@@ -137,7 +138,7 @@ class LocalWorkers:
                     self.procs[i] = self._spawn(self.names[i])
                     self.started[i] = now
                     self.restarts[i] += 1
-                    self.on_event("worker_restarted", name=self.names[i], pid=self.procs[i].pid, old_pid=old.pid,
+                    self.on_event(NoteKind.WORKER_RESTARTED, name=self.names[i], pid=self.procs[i].pid, old_pid=old.pid,
                                   exit_code=old.returncode, restarts=self.restarts[i])
             await asyncio.sleep(poll_s)
 
@@ -209,7 +210,7 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
         try:
             await advertiser.start()
         except OSError as exc:  # no multicast here: serve anyway
-            coordinator.event("mdns_unavailable", error=str(exc))
+            coordinator.event(NoteKind.MDNS_UNAVAILABLE, error=str(exc))
             advertiser = None
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     local = LocalWorkers(f"{'https' if tls_files else 'http'}://{host}:{port}", settings.workers, settings.worker_threads, settings.join_token, settings.worker_args,

@@ -76,7 +76,12 @@ def test_a_plan_change_carried_out_on_lent_ports_alone():
     assert kinds.count("SwitchStarted") == 1 and kinds.index("SwitchStarted") < kinds.index("SwitchEnded")
     assert kinds[kinds.index("SwitchStarted") + 1] == "Committed" and state.switching is None
     assert state.active == second and set(state.secrets) == {first.plan_id, second.plan_id}  # the replaced plan's kept
-    assert "up" in events  # the dashboard's note of each plan serving, through ``note``
+    # each plan's commit carries how its change went (the dashboard's "up" line is read from it)
+    commits = [e for e in events if isinstance(e, S.Committed)]
+    assert [c.deployment.plan_id for c in commits] == [first.plan_id, second.plan_id]
+    assert commits[0].timings.replaced is None and commits[1].timings.replaced == first.plan_id
+    assert "quiesce_s" in commits[1].timings.moved and all(c.timings.fetched_bytes == 0 for c in commits)
+    assert "up" not in events  # no longer a free note beside the commit
     # each stage was sent the secret the state keeps for it, and its successor's for the hop
     for i, stage in enumerate(second.stages):
         load = next(parse(m) for m in links[stage.worker_id].channel.sent if m.type is T.LOAD and m.get("plan") == second.plan_id)

@@ -208,7 +208,7 @@ def test_attack5_cluster_control_from_another_host_needs_a_credential(app_factor
         assert client.post("/v1/cluster/workers/w1/emulation", json={"slowdown": 50}).status_code == status
     assert remote.post("/v1/cluster/rebalance", json={"stages": []}).status_code == 403
     assert remote.get("/v1/cluster/status").status_code == 200  # reading stays open without --api-key
-    app.state.coordinator.event("probe", speed=math.inf, nested={"x": math.nan})
+    app.state.coordinator.event("stages_timed", speed=math.inf, nested={"x": math.nan})
     response = remote.get("/v1/cluster/events")
     assert response.status_code == 200 and response.json()["events"][-1]["speed"] is None
 

@@ -2,7 +2,8 @@
 
 Each schedule: 1-6 fake workers (some joining late), a few requests (some with out-of-range
 values), up to four faults (kill, stall, slow, partition from coordinator or neighbour,
-reconnect, coordinator restart, malformed frames, bad requests). Invariants in
+reconnect, coordinator restart, malformed frames, bad requests), and in some an operator's plan
+that replicates a stage (so kills hit replicas). Invariants in
 ``edgepipe.cluster.simrun``. The default run plays the issue's 2,000 schedules, the slow one
 20,000. A failing seed prints the command that replays it exactly.
 """
@@ -45,6 +46,7 @@ def test_sim_2000_schedules(request):
     print(summary)
     _check(summary)
     assert all(n > 0 for n in summary["fault_kinds"].values()) and len(summary["fault_kinds"]) == len(FAULTS)
+    assert summary["replicated_plans"] > 0 and summary["replicas_lost"] > 0  # faults hit replicated stages too
 
 
 @pytest.mark.slow
@@ -77,6 +79,22 @@ def test_an_injected_leak_fails_the_simulation(monkeypatch):
     caught = [r for r in (run(Schedule.random(seed)) for seed in range(10_000, 10_030)) if r.violations]
     assert caught, "30 schedules did not notice a leaked reservation"
     assert any("KV reservations left" in v for r in caught for v in r.violations)
+
+
+def test_prefix_blocks_outliving_their_plan_fail_the_simulation(monkeypatch):
+    """The prefix cache's invalidation is checked too: with it broken on purpose (a plan that
+    goes down keeps its cached blocks in the state), a seeded schedule names the stale cache."""
+    from types import SimpleNamespace
+
+    from edgepipe.cluster import prefix_book, state as S
+
+    def switched(book, plan):  # the bug: Down leaves the cache as it was
+        return book if plan is None else prefix_book.switched(book, plan)
+
+    keep = SimpleNamespace(apply=prefix_book.apply, switched=switched)
+    monkeypatch.setattr(S, "PB", keep)
+    caught = [v for seed in (10_002, 10_056) for v in run(Schedule.random(seed)).violations]
+    assert any("prefix blocks of plan" in v for v in caught), caught
 
 
 def test_a_seed_replays_exactly_under_any_hash_seed():

@@ -17,6 +17,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from ..cluster.events import NoteKind
 from ..cluster.narrate import describe
 from ..net import auth, limits
 from ..net.channel import ChannelClosed, StarletteChannel
@@ -40,12 +41,15 @@ async def status(request: Request) -> JSONResponse:
 
 async def plan(request: Request) -> JSONResponse:
     """The live plan: what the planner predicted next to what the cluster measured."""
+    from ..cluster.views import replica_fields
+
     coord = request.app.state.coordinator
     dep = coord.active
     if dep is None:
         return JSONResponse({"state": coord.state.value, "plan": None})
     decode = sorted(w for n, w in coord.recent_steps if n == 1)
     measured_stages = []
+    group_of = {s.worker_id: g for g, group in enumerate(dep.groups) for s in group}  # the planner prices a stage per group
     for s in dep.stages:
         times = coord.profile.of(s.worker_id).stage_times.get((s.start, s.end))
         measured_stages.append(None if times is None or times.median is None else times.median)
@@ -54,7 +58,8 @@ async def plan(request: Request) -> JSONResponse:
         "state": coord.state.value, "plan": dep.plan_id, "reason": dep.reason,
         "stages": [{"worker": s.worker_id, "start": s.start, "end": s.end,
                     "precision": coord.deployer.precision(s.worker_id) or coord.manifest.precision,
-                    "predicted_s": (predicted.get("stage_times_s") or [None] * len(dep.stages))[i], "measured_s": measured_stages[i],
+                    "predicted_s": (predicted.get("stage_times_s") or [None] * len(dep.groups))[group_of[s.worker_id]], "measured_s": measured_stages[i],
+                    **replica_fields(dep, coord.cluster.requests, s.worker_id),
                     "speed": coord.profile.of(s.worker_id).speed, "overhead_s": coord.profile.of(s.worker_id).overhead_s}
                    for i, s in enumerate(dep.stages)],
         "predicted": predicted,
@@ -165,7 +170,7 @@ async def worker_socket(ws: WebSocket) -> None:
     if not gate.attempts.allow(peer, time.monotonic()):
         gate.throttled += 1
         if gate.throttled % 100 == 1:  # one event per hundred, not one per attempt
-            coord.event("throttled", peer=peer, attempts_refused=gate.throttled)
+            coord.event(NoteKind.THROTTLED, peer=peer, attempts_refused=gate.throttled)
         await ws.close(code=1008, reason="too many join attempts")
         return
     _set_frame_limit(ws, gate.hello_limit)
@@ -177,10 +182,10 @@ async def worker_socket(ws: WebSocket) -> None:
     except asyncio.TimeoutError:
         problem = f"no hello within {gate.hello_timeout_s:g} s"
     except ChannelClosed:  # includes a first frame over the limit: the server closed with 1009
-        coord.event("refused", peer=peer, reason=f"closed before a hello (frame limit {gate.hello_limit} bytes)")
+        coord.event(NoteKind.REFUSED, peer=peer, reason=f"closed before a hello (frame limit {gate.hello_limit} bytes)")
         return
     if problem:
-        coord.event("refused", peer=peer, reason=problem)
+        coord.event(NoteKind.REFUSED, peer=peer, reason=problem)
         try:
             await channel.send(error_frame(problem))
         except ChannelClosed:
@@ -218,7 +223,7 @@ MAX_PIN_S = 7 * 24 * 3600
 async def rebalance(request: Request) -> JSONResponse:
     """Deploy a given placement now (operators; tests forcing a KV move). ``pin_s`` keeps the
     re-planner from replacing it for that long (it still goes if one of its workers is lost)."""
-    from ..cluster.placement import StageAssignment
+    from ..cluster.placement import StageAssignment, check_stages, stage_groups
     from .errors import read_json
 
     require_admin(request)
@@ -236,6 +241,10 @@ async def rebalance(request: Request) -> JSONResponse:
         unknown = [s.worker_id for s in stages if s.worker_id not in coord.workers]
         if unknown:
             raise ValueError(f"unknown worker {unknown[0]}")
+        check_stages(stages, "the rebalance")  # a stage listed twice with its range: replicas on both workers
+        relayed = [s.worker_id for s in stages if coord.workers[s.worker_id].relay]
+        if relayed and len(stage_groups(stages)) != len(stages):
+            raise ValueError(f"worker {relayed[0]} relays through the coordinator: a plan with replicas needs direct data ports")
     except (KeyError, TypeError, ValueError) as exc:
         raise APIError(400, f"bad rebalance: {exc}", param="stages") from None
     pin_s = body.get("pin_s", 0)

@@ -30,6 +30,7 @@ class LaneItem:
     rid: str  # the request (stable over plan changes, unlike the sequence id)
     plan: int
     payload: Any  # what the coordinator needs to send it
+    route: tuple = ()  # its replicas (``cluster.replicas``): a frame goes to one first-stage replica
 
 
 @dataclass
@@ -45,7 +46,10 @@ class Lane:
 class Lanes:
     """Assigns sequences to lanes and decides when a lane's steps go out.
 
-    Every method returns the batches to send now: lists of items of one plan each.
+    Every method returns the batches to send now: lists of items of one plan and first worker
+    each (a lane whose members use different replicas of the first stage goes out as a frame per
+    replica; a stage before a replicated one splits its output by route the same way, so the
+    replicas compute at the same time and the stages they share batch the whole lane).
     ``arm(index, departure)`` is called when a lane waits for late members; the caller calls
     :meth:`expire` with both after ``wait_s`` (a stale departure number is ignored).
     """
@@ -126,9 +130,9 @@ class Lanes:
                 lane.armed = lane.departures
                 self.arm(lane.index, lane.departures)
             return []
-        by_plan: dict[int, list[LaneItem]] = {}
+        by_plan: dict[tuple, list[LaneItem]] = {}
         for item in lane.waiting.values():
-            by_plan.setdefault(item.plan, []).append(item)
+            by_plan.setdefault((item.plan, item.route[:1]), []).append(item)
         lane.flying = set(lane.waiting)
         lane.waiting = {}
         lane.departures += 1

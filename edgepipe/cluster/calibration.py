@@ -161,14 +161,14 @@ class Calibrator:
                         p.measure(M.RangeTimed(s.worker_id, s.start, s.end, seconds))
                         timed[s.worker_id] = round(seconds * 1e3, 3)
         except (asyncio.TimeoutError, ChannelClosed, KeyError) as exc:
-            p.note("stage_timing_failed", plan=dep.plan_id, error=str(exc) or type(exc).__name__)
+            p.note(S.NoteKind.STAGE_TIMING_FAILED, plan=dep.plan_id, error=str(exc) or type(exc).__name__)
             return dep
         repriced = reprice(self.plan_fn, self.plan_context, self.views(), p.profile, dep)
         if repriced:
             event = S.Repriced(dep.plan_id, {**dep.predicted, "calibrated_tpot_s": dep.predicted.get("tpot_s"), **repriced})
             p.emit(event)
             dep = replace(dep, predicted=dict(event.predicted))
-        p.note("stages_timed", plan=dep.plan_id, step_ms=timed, tpot_ms=round(dep.predicted["tpot_s"] * 1e3, 3))
+        p.note(S.NoteKind.STAGES_TIMED, plan=dep.plan_id, step_ms=timed, tpot_ms=round(dep.predicted["tpot_s"] * 1e3, 3))
         p.replan_wanted.set()  # the speeds moved: the policy decides whether another plan is now better
         return dep
 
@@ -192,7 +192,7 @@ class Calibrator:
             times, overruled = trusted_step_times((timing.times or [])[2:], t1 - t0, p.clock() - t1, PROBE_REPS - 2)
             if overruled:
                 p.measure(M.Distrusted(wid))  # nor are its step timings believed from now on
-                p.note("probe_overruled", worker=wid, units=[start, end], reported_ms=round(statistics.median(timing.times[2:]) * 1e3, 3),
+                p.note(S.NoteKind.PROBE_OVERRULED, worker=wid, units=[start, end], reported_ms=round(statistics.median(timing.times[2:]) * 1e3, 3),
                        measured_ms=round(times[0] * 1e3, 3))
             cost = p.profile.unit_cost(start, end)
             samples += [(cost, t) for t in times]
@@ -237,9 +237,9 @@ class Calibrator:
                     try:
                         p.profile.save_known(Path(p.settings.calibration_file))
                     except OSError as exc:
-                        p.note("calibration_not_saved", error=str(exc))
+                        p.note(S.NoteKind.CALIBRATION_NOT_SAVED, error=str(exc))
         except (PipelineBroken, asyncio.TimeoutError, ChannelClosed, RuntimeError, ValueError, KeyError) as exc:
-            p.note("calibration_failed", worker=wid, error=str(exc) or type(exc).__name__)
+            p.note(S.NoteKind.CALIBRATION_FAILED, worker=wid, error=str(exc) or type(exc).__name__)
         finally:
             p.replan_wanted.set()
 
@@ -259,11 +259,11 @@ class Calibrator:
                 library = await asyncio.get_running_loop().run_in_executor(None, native_library)
                 if library.path is None:
                     raise RuntimeError(f"the coordinator has no GGUF kernel library: {library.reason}")
-            p.note("variant", precision=precision, status="building")
+            p.note(S.NoteKind.VARIANT, precision=precision, status="building")
             await asyncio.get_running_loop().run_in_executor(None, add_variant, p.package.root, precision)
             p.package.reload()
             p.profile.manifest = p.package.manifest  # the coordinator reads ``package.manifest`` too
-            p.note("variant", precision=precision, status="ready")
+            p.note(S.NoteKind.VARIANT, precision=precision, status="ready")
 
 
 def reprice(policy, plan_context, views: Mapping, profile, dep) -> dict | None:

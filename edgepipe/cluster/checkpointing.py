@@ -9,7 +9,7 @@ import itertools
 from dataclasses import dataclass
 
 from ..net.messages import Drop, KvExport
-from . import deploy, state as S
+from . import deploy, replicas, state as S
 from .checkpoints import CheckpointSettings, Resume, due
 from .placement import Deployment
 
@@ -64,7 +64,8 @@ class Checkpoints:
         if not due(self.settings, q.kv_len, prompt_len, held, len(self.flying), rid in self.flying):
             return
         kv_per_unit = [u.kv_bytes_per_token for u in c.manifest.units]
-        copies = deploy.kv_moves(dep, Deployment(spare_plan, spare, "spare"), c.n_units, kv_per_unit)
+        # from the replicas of the sequence's route, on a plan with replicated stages
+        copies = deploy.kv_moves(dep, Deployment(spare_plan, spare, "spare"), c.n_units, kv_per_unit, replicas.routed(c.cluster.requests, dep, rid))
         needs = frozenset(cp.dst for cp in copies)
         workers = c.cluster.workers
         involved = needs | {cp.src for cp in copies}
@@ -121,7 +122,7 @@ class Checkpoints:
                 self.coord.emit(S.CheckpointStored(rid, name, spare, needs, worker, position))
             self.counts.sent += 1
             self.counts.bytes += nbytes
-            self.coord.event("checkpoint", request=rid, position=position, bytes=nbytes)
+            self.coord.event(S.NoteKind.CHECKPOINT, request=rid, position=position, bytes=nbytes)
         else:
             self.coord.emit(S.CheckpointVoid(rid, "a checkpoint copy failed"))
             self.counts.failed += 1

@@ -4,31 +4,58 @@ A worker connects with HELLO and is refused (one line, ``ErrorCode.REFUSED``) or
 read until its channel closes. Every frame it sends is checked (``net.messages.parse``,
 ``net.validate``) before anything uses it: a bad one closes the channel, never the coordinator.
 Frames are routed to their owner (tokens and errors to ``steps``, LOADED to ``deployer``, pongs
-into the state). The heartbeat loop pings every worker and turns ``membership``'s verdicts
-(suspect, lose, abandon a plan whose stage went silent) into events.
+into the state). The heartbeat loop pings every worker and carries out what ``membership.beat``
+decides (suspect, lose, abandon a plan whose stage went silent). Heartbeats, frames heard and
+pongs are inputs of the coordinator's core (``core.handle``): this shell emits the events it
+returns and carries out its commands. It is lent ``ports.Ports`` and the few collaborators it
+hands frames to, by name; never the coordinator.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Awaitable, Callable
 
 from ..net import auth, validate
 from ..net.channel import Channel, ChannelClosed
 from ..net.messages import ErrorCode, Hello, Ping, Welcome, parse
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, error_frame
-from . import deploy, measurements as M, membership, state as S
+from . import core, deploy, measurements as M, state as S
+from .ports import Ports
 from .steps import PipelineBroken
 from .views import Link
 
 
 class Connections:
-    def __init__(self, coord):
-        self.coord = coord
+    def __init__(self, ports: Ports, calibrator, steps, migration, requests, lose: Callable[..., Awaitable[None]],
+                 stopped: Callable[[], bool]):
+        self.ports = ports
+        self.calibrator = calibrator  # builds a variant a newcomer needs; told of each join
+        self.steps, self.migration = steps, migration  # tokens, errors and relays; acknowledged KV copies
+        self.requests = requests  # capacity (``lacking``) and the replay estimate an abandon weighs
+        self.lose, self.stopped = lose, stopped  # takes a worker out (``Coordinator.lose``); the coordinator is stopping
+        self.config = core.Config.of(ports.settings)
+
+    def carry_out(self, handled: core.Handled) -> None:
+        """Emit what the core decided, then do what it says (a ping of every worker is the heartbeat loop's)."""
+        p = self.ports
+        for event in handled.events:
+            p.emit(event)
+        for command in handled.commands:
+            match command:
+                case core.LoseWorker(wid, why):
+                    p.spawn(self.lose(wid, why))
+                case core.FailPlan(plan, why):
+                    self.steps.fail_plan(plan, PipelineBroken(why))
+                case core.Replan():
+                    p.replan_wanted.set()
+                case core.Measure(m):
+                    p.measure(m)
 
     async def attach(self, channel: Channel) -> None:
         """Serve one worker's control channel until it closes (called by the API endpoint)."""
-        c = self.coord
+        p = self.ports
         try:
             hello = decode(await asyncio.wait_for(channel.recv(), timeout=10))
             if hello.type is not T.HELLO:
@@ -38,10 +65,10 @@ class Connections:
             return
         except ChannelClosed:
             return
-        if c.stopped:
+        if self.stopped():
             await self._refuse(channel, "the coordinator is stopping")
             return
-        if c.settings.join_token and not auth.same_secret(hello.get("token"), c.settings.join_token):
+        if p.settings.join_token and not auth.same_secret(hello.get("token"), p.settings.join_token):
             await self._refuse(channel, "wrong or missing join token" if hello.get("token") else "missing join token")
             return
         try:
@@ -49,38 +76,37 @@ class Connections:
         except ProtocolError as exc:
             await self._refuse(channel, str(exc))
             return
-        wanted = declared.precision
-        if wanted and any(wanted not in u.variants for u in c.manifest.units):
+        wanted, manifest = declared.precision, p.package.manifest  # read now: a variant added at another join reloads it
+        if wanted and any(wanted not in u.variants for u in manifest.units):
             try:
-                await c.calibrator.add_variant(wanted)
+                await self.calibrator.add_variant(wanted)
             except (ValueError, OSError) as exc:
                 await self._refuse(channel, f"cannot provide the {wanted} variant: {exc}")
                 return
-        elif form := deploy.form_to_add(declared, c.manifest, c.settings.precision):
+        elif form := deploy.form_to_add(declared, manifest, p.settings.precision):
             try:  # the file's own model in the form this worker runs (`gguf` with the kernel library, else `native`)
-                await c.calibrator.add_variant(form)
+                await self.calibrator.add_variant(form)
             except Exception as exc:  # an import that fails for any reason: the worker is refused or runs the other form
                 if form == deploy.FALLBACK_FORM:  # nothing else it could run
                     await self._refuse(channel, f"cannot provide the {form} variant: {exc}")
                     return
-                c.event("variant", precision=form, status="skipped", reason=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                p.note(S.NoteKind.VARIANT, precision=form, status="skipped", reason=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         name = declared.name[:32]
-        wid = f"w{c.cluster.joins + 1}-{name}"[:40]
-        link = c.links[wid] = Link(channel)
+        wid = f"w{p.state().joins + 1}-{name}"[:40]
+        link = p.links()[wid] = Link(channel)
         # the join token was for admission only: the declaration kept in the state (and its event log) goes without it
-        c.emit(S.WorkerJoined(wid, name, dataclasses.replace(declared, token=None), c.clock()))  # its dashboard line: narrate.entry
+        p.emit(S.WorkerJoined(wid, name, dataclasses.replace(declared, token=None), p.clock()))  # its dashboard line: narrate.entry
         await link.send(Welcome(wid).to_message())
-        c.measure(M.DeviceJoined(name, c.clock()))
-        c.calibrator.joined(wid)
-        c.replan_wanted.set()
+        p.measure(M.DeviceJoined(name, p.clock()))
+        self.calibrator.joined(wid)
+        p.replan_wanted.set()
         try:
             await self._read_worker(wid, link)
         finally:
-            await c.lose(wid, "disconnected")
+            await self.lose(wid, "disconnected")
 
     async def _refuse(self, channel: Channel, reason: str) -> None:
-        c = self.coord
-        c.event("refused", peer=channel.peer, reason=reason)
+        self.ports.note(S.NoteKind.REFUSED, peer=channel.peer, reason=reason)
         try:
             await channel.send(error_frame(reason, code=ErrorCode.REFUSED.value))
             await channel.close(reason)
@@ -88,9 +114,9 @@ class Connections:
             pass
 
     async def _read_worker(self, wid: str, link: Link) -> None:
-        c = self.coord
-        vocab = getattr(c.manifest, "vocab_size", None) or (1 << 31)
-        while c.links.get(wid) is link:
+        p = self.ports
+        vocab = getattr(p.package.manifest, "vocab_size", None) or (1 << 31)
+        while p.links().get(wid) is link:
             try:
                 raw = await link.channel.recv()
             except ChannelClosed:
@@ -103,24 +129,20 @@ class Connections:
             except (ProtocolError, validate.InvalidWorkerFrame) as exc:
                 await self._refuse(link.channel, f"bad frame from {wid}: {exc}")
                 return
-            seen = c.cluster.workers.get(wid)
-            if seen is not None and (seen.suspected_since is not None or c.clock() - seen.last_seen >= 0.05):
-                c.emit(S.Heard(wid, c.clock()))  # frames closer than 50 ms apart tell the detector nothing new
+            self.carry_out(core.handle(p.state(), core.FrameHeard(wid, p.clock()), self.config))
             self._dispatch(wid, link, msg, typed)
 
     def _dispatch(self, wid: str, link: Link, msg: Message, typed) -> None:
-        c = self.coord
+        p = self.ports
         if msg.type is T.TOKEN:
-            c.steps.tokens(wid, typed)
+            self.steps.tokens(wid, typed)
         elif msg.type is T.PONG:
-            rtt = c.clock() - typed.t if typed.t is not None and typed.t <= c.clock() else None
-            if rtt is not None:
-                c.measure(M.HeartbeatRtt(wid, rtt))
-            c.emit(S.Ponged(wid, rtt, {"kv_bytes": typed.kv_bytes, "queue": typed.queue, "busy_s": typed.busy_s,
-                                          "computed": typed.computed, "prefix_bytes": typed.prefix_bytes}, c.clock()))
+            stats = {"kv_bytes": typed.kv_bytes, "queue": typed.queue, "busy_s": typed.busy_s, "computed": typed.computed,
+                     "prefix_bytes": typed.prefix_bytes}
+            self.carry_out(core.handle(p.state(), core.PongHeard(wid, typed.t, stats, p.clock()), self.config))
         elif msg.type is T.LOADED:
             if typed.kv_received is not None:
-                c.deployer.migration.moved(typed)
+                self.migration.moved(typed)
             else:
                 fut = link.loads.pop(typed.plan, None)
                 if fut and not fut.done():
@@ -130,49 +152,34 @@ class Connections:
             if fut and not fut.done():
                 fut.set_result(typed)
         elif msg.type is T.FORWARD and typed.relay_to:
-            dep = c.cluster.active
+            dep = p.state().active
             try:  # only a stage of the active plan may relay, and only to the stage after it
                 validate.relay_frame(msg.fields, sender=wid, stages=dep.workers if dep else (), plan_id=dep.plan_id if dep else -1)
             except validate.InvalidWorkerFrame as exc:
-                c.event("ignored", worker=wid, why=str(exc))
+                p.note(S.NoteKind.IGNORED, worker=wid, why=str(exc))
                 return
-            target = c.links.get(typed.relay_to)
+            target = p.links().get(typed.relay_to)
             if target:
                 fields = {k: v for k, v in msg.fields.items() if k != "relay_to"}
-                c.spawn(c.steps.relay(typed.relay_to, target, Message(T.FORWARD, fields, msg.tensors)))
+                p.spawn(self.steps.relay(typed.relay_to, target, Message(T.FORWARD, fields, msg.tensors)))
         elif msg.type is T.ERROR:
-            c.steps.worker_error(wid, typed)
+            self.steps.worker_error(wid, typed)
         elif msg.type is T.BYE:  # it is leaving: drop it now, not after the suspect / lose timeouts
             final = bool(msg.get("final"))
-            c.spawn(c.lose(wid, "shut down (final bye)" if final else "said bye", failure=not final))
+            p.spawn(self.lose(wid, "shut down (final bye)" if final else "said bye", failure=not final))
 
     async def heartbeats(self) -> None:
-        c = self.coord
-        liveness = membership.LivenessSettings(c.settings.heartbeat_s, min_suspect_s=c.settings.dead_after_s,
-                                               lose_after_s=c.settings.lose_after_s)
-        last = c.clock()
+        """Every ``heartbeat_s``: carry out the core's verdicts (``membership.beat``), then ping every worker."""
+        p = self.ports
+        last = p.clock()
         while True:
-            await asyncio.sleep(c.settings.heartbeat_s)
-            now = c.clock()
-            if membership.quarantine_ended(c.cluster, last, now):
-                c.replan_wanted.set()  # a quarantined device may be planned again
+            await asyncio.sleep(p.settings.heartbeat_s)
+            now = p.clock()
+            due = core.HeartbeatDue(last, now, self.requests.replay_estimate_s(), *self.requests.needs())
             last = now
-            for verdict in membership.verdicts(c.cluster, now, liveness):
-                if isinstance(verdict, membership.Lose):
-                    c.spawn(c.lose(verdict.worker_id, verdict.why))
-                else:
-                    c.emit(S.Suspected(verdict.worker_id, now))
-            suspects = membership.silent_stages(c.cluster, now, liveness, c.requests.replay_estimate_s())
-            if suspects and membership.abandon_active(c.cluster, suspects, c.requests.lacking()):
-                # A frozen stage would hold every request until it wakes or the step times out:
-                # serve from the others now; it rejoins the plans when heard from again.
-                plan = c.cluster.active.plan_id
-                why = f"plan {plan}: stage {', '.join(suspects)} went silent"
-                c.emit(S.PlanAbandoned(plan, why, now))
-                c.steps.fail_plan(plan, PipelineBroken(why))
-                c.replan_wanted.set()
-            for wid, link in list(c.links.items()):
+            self.carry_out(core.handle(p.state(), due, self.config))
+            for wid, link in list(p.links().items()):
                 try:
                     await link.send(Ping(now).to_message())
                 except ChannelClosed:
-                    c.spawn(c.lose(wid, "disconnected"))
+                    p.spawn(self.lose(wid, "disconnected"))

@@ -1,15 +1,17 @@
 """The coordinator's asyncio shell: worker connections in, events into ``ClusterState``, decisions out.
 
 It never touches activations. The parts, one concern per file:
-``state`` (the frozen cluster state and its one reducer ``apply``), ``membership`` (suspect /
+``state`` (the frozen cluster state and its one reducer ``apply``), ``core`` (inputs in, events
+and commands out, for heartbeats, frames heard and prompt prefills), ``membership`` (suspect /
 lose decisions), ``scheduling`` (admission, bounded waits), ``deploy`` (plan change as
 actions, pure), ``deployer`` (carries out re-planning, loads, KV moves, the spare),
 ``requests`` (the token loop of every request, replay), ``steps`` (one step on the wire, lanes,
 timeouts), ``connections`` (worker channels in, heartbeats out), ``calibration``, ``checkpoints``
 (live sequences' KV copied to the spare plan, so a recovery replays less), ``event_log`` (every
 event and measurement, indexed) and ``narrate`` (the dashboard's line of a logged event).
-The deployer and the calibrator are lent ``ports.Ports`` (read and change the state, send to a
-worker), never the coordinator. This file holds the state, applies events to it (and logs them:
+The deployer, the calibrator, the connections, the requests, the KV migration and the prefix
+cache are lent ``ports.Ports`` (read and change the state, send to a worker), never the
+coordinator (the steps still hold it). This file holds the state, applies events to it (and logs them:
 the dashboard's lines come only from that log), takes workers out, and offers the public views.
 States follow Down -> Preparing -> Committing -> Up (see ``deployer``); a worker that dies
 pauses the sequences that need it, and they continue on the next plan, losing no token.
@@ -83,19 +85,21 @@ class Coordinator:
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.stopped = False
-        self.prefix = PrefixCaching(self)
-        self.steps = Steps(self)
-        self.requests = Requests(self, self.steps)
         ports = Ports(state=lambda: self.cluster, emit=self.emit, measure=self.measure, note=self.event, clock=self.clock, spawn=self.spawn,
                       links=lambda: self.links, replan_wanted=self.replan_wanted, settings=self.settings, package=package,
                       profile=self.profile)
+        self.prefix = PrefixCaching(ports, lambda: self.kv_capacity)
+        self.steps = Steps(self)
+        self.checkpoints = Checkpoints(self, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
+        self.requests = Requests(ports, self.steps, self.checkpoints, speculation, self.up, self.gate, lambda: self.stopped,
+                                 lambda record: self.on_step(record), self.recent_steps)
         views = lambda: self.workers  # noqa: E731 - the worker views as they stand when asked
         self.calibrator = Calibrator(ports, self.plan_fn, self.plan_context, views)
         self.deployer = Deployer(ports, self.calibrator, self.plan_fn, self.plan_context, views, self.requests.lacking,
                                  lambda: bool(self.steps.pending), self.gate)
-        self.deployer.migration = KvMigration(self, self.deployer)
-        self.checkpoints = Checkpoints(self, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
-        self.connections = Connections(self)
+        self.deployer.migration = KvMigration(ports, lambda reply: self.checkpoints.moved(reply), self.steps.route)
+        self.connections = Connections(ports, self.calibrator, self.steps, self.deployer.migration, self.requests, self.lose,
+                                       lambda: self.stopped)
 
     # -- state ------------------------------------------------------------------------------------
     def emit(self, event: S.Event) -> ClusterState:
@@ -117,9 +121,10 @@ class Coordinator:
         self.profile.apply(m)
         self._logged(m)
 
-    def event(self, kind: str, **fields) -> None:
-        """A dashboard line that changes no state: logged as a ``Noted`` event like every other."""
-        self.emit(S.Noted(kind, fields, self.clock()))
+    def event(self, kind: S.NoteKind | str, **fields) -> None:
+        """A dashboard line that changes no state: logged as a ``Noted`` event like every other
+        (``ValueError``: ``kind`` is not a ``NoteKind``)."""
+        self.emit(S.Noted(S.NoteKind(kind), fields, self.clock()))
 
     def _logged(self, event) -> None:
         """Into the event log; the dashboard's line, if the event has one, derived from it (``narrate.entry``)."""

@@ -3,7 +3,10 @@
 ``kv_moves`` takes the change as ``plan.switching.diff`` states it and returns the KV copies
 the runtime needs: diff's ``MoveKV`` actions (from another device) plus, for a device whose
 range changed, the overlap with its own old range (this runtime builds a new session per
-range, so "its own" KV does not stay in place unless the range is unchanged).
+range, so "its own" KV does not stay in place unless the range is unchanged). A plan with
+replicated stages (``placement.stage_groups``) holds each sequence's KV on its route's replicas
+only: its copies go from the replicas of its route on the old plan to those of its route on the
+new one (``cluster.replicas``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from typing import Mapping, Sequence
 from ..net.messages import Hello, Load
 from ..plan import Plan, Stage
 from ..plan.switching import LoadStage, MoveKV, diff
-from .placement import Deployment, StageAssignment
+from . import replicas
+from .placement import Deployment, StageAssignment, stage_groups
 from .state import ClusterState, WorkerInfo
 
 
@@ -32,12 +36,20 @@ def as_plan(dep: Deployment | Sequence[StageAssignment], n_units: int) -> Plan:
     stages = dep.stages if isinstance(dep, Deployment) else tuple(dep)
     from ..plan import Objective
 
-    return Plan(stages=tuple(Stage((s.worker_id,), s.start, s.end) for s in stages), objective=Objective.LATENCY,
+    return Plan(stages=tuple(Stage(tuple(s.worker_id for s in g), g[0].start, g[0].end) for g in stage_groups(stages)), objective=Objective.LATENCY,
                 complete=True, predicted=None, reason="deployment", units=n_units)
 
 
-def kv_moves(old: Deployment, new: Deployment, n_units: int, kv_per_unit: Sequence[int]) -> list[KvCopy]:
-    """The KV copies that carry live sequences from ``old`` to ``new`` (only units that have KV)."""
+def kv_moves(old: Deployment, new: Deployment, n_units: int, kv_per_unit: Sequence[int],
+             old_route: replicas.Route | None = None, new_route: replicas.Route | None = None) -> list[KvCopy]:
+    """The KV copies that carry live sequences from ``old`` to ``new`` (only units that have KV).
+    Where a plan replicates a stage, the copies of one sequence: from its route on ``old`` to its
+    route on ``new`` (none without both routes: it is replayed)."""
+    if old.replicated or new.replicated:
+        if (old.replicated and old_route is None) or (new.replicated and new_route is None):
+            return []
+        old = Deployment(old.plan_id, replicas.path(old, old_route or replicas.plain_route(old)))
+        new = Deployment(new.plan_id, replicas.path(new, new_route or replicas.plain_route(new)))
     actions = diff(as_plan(old, n_units), as_plan(new, n_units))
     before = {s.worker_id: (s.start, s.end) for s in old.stages}
     copies = [KvCopy(a.src, a.dst, a.start, a.end) for a in actions if isinstance(a, MoveKV)]
@@ -81,17 +93,25 @@ def stay_reason(current: Deployment | None, stages: Sequence[StageAssignment], p
 
 def next_hop(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, WorkerInfo],
              secrets: Sequence[str] | None = None) -> dict:
-    """Where stage ``i`` sends its output, with the next stage's data-port secret (``net.auth``)."""
-    if i == len(stages) - 1:
+    """Where stage assignment ``i`` sends its output, with the next stage's data-port secret
+    (``net.auth``). When the next stage is replicated, the other replicas are ``replicas``: each
+    frame goes to the one on its route (``cluster.replicas``)."""
+    targets = replicas.next_workers(stages, i)
+    if not targets:
         return {"kind": "coordinator"}
-    nxt = workers[stages[i + 1].worker_id]
-    relay = nxt.relay or workers[stages[i].worker_id].relay
-    hop = {"kind": "worker", "id": nxt.id, "url": nxt.hello.data_url, "relay": relay}
-    if secrets is not None and secrets[i + 1]:
-        hop["secret"] = secrets[i + 1]
-    if nxt.hello.data_fingerprint:
-        hop["fingerprint"] = nxt.hello.data_fingerprint
-    return hop
+    index = {s.worker_id: k for k, s in enumerate(stages)}
+
+    def hop_to(wid: str) -> dict:
+        nxt = workers[wid]
+        hop = {"kind": "worker", "id": nxt.id, "url": nxt.hello.data_url, "relay": nxt.relay or workers[stages[i].worker_id].relay}
+        if secrets is not None and secrets[index[wid]]:
+            hop["secret"] = secrets[index[wid]]
+        if nxt.hello.data_fingerprint:
+            hop["fingerprint"] = nxt.hello.data_fingerprint
+        return hop
+
+    first = hop_to(targets[0])
+    return {**first, "replicas": [hop_to(w) for w in targets[1:]]} if len(targets) > 1 else first
 
 
 KERNEL_FORM, FALLBACK_FORM = "gguf", "native"  # the file's own model: run by the GGUF kernel library, or by MatMulNBits
@@ -147,20 +167,26 @@ def load_message(package, plan_id: int, start: int, end: int, precision: str | N
 
 def kv_capacity(state: ClusterState, manifest, precision_of, overhead_bytes: int) -> int | None:
     """KV positions (summed over sequences) the active plan's declared budgets hold at the
-    tightest stage (None: no budget declared, the hosts' RAM bounds it)."""
+    tightest stage (None: no budget declared, the hosts' RAM bounds it). A replicated stage
+    holds its replicas' shares: as many times its tightest replica as it has replicas (the
+    routes balance the sequences over them)."""
     dep = state.active
     if dep is None:
         return None
     caps = []
-    for s in dep.stages:
-        w = state.workers.get(s.worker_id)
-        if w is None or not w.hello.memory_budget:
-            continue
-        units = manifest.units[s.start:s.end]
-        weights = sum(manifest.variant(u.index, precision_of(w)).weight_bytes for u in units)
-        per_position = sum(u.kv_bytes_per_token for u in units)
-        if per_position:
-            caps.append(max(0, w.memory_bytes - weights - overhead_bytes) // per_position)
+    for group in dep.groups:
+        mine = []
+        for s in group:
+            w = state.workers.get(s.worker_id)
+            if w is None or not w.hello.memory_budget:
+                continue
+            units = manifest.units[s.start:s.end]
+            weights = sum(manifest.variant(u.index, precision_of(w)).weight_bytes for u in units)
+            per_position = sum(u.kv_bytes_per_token for u in units)
+            if per_position:
+                mine.append(max(0, w.memory_bytes - weights - overhead_bytes) // per_position)
+        if mine:
+            caps.append(min(mine) * len(group))
     return min(caps) if caps else None
 
 

@@ -186,26 +186,29 @@ class Deployer:
                     why = f"worker {lost[0]} left"
                     p.emit(S.PrepareFailed(dep.plan_id, f"{why} while plan {dep.plan_id} was being committed", p.clock()))
                     raise deploy_error(f"{why} while plan {dep.plan_id} was being committed")
-                p.emit(S.Committed(dep, p.clock()))
+                p.emit(S.Committed(dep, p.clock(), self._timings(t0, paused_at, results, old, moved)))
             finally:
                 p.emit(S.SwitchEnded(dep.plan_id, p.clock()))
         else:
             if any(s.worker_id not in p.state().workers for s in stages):
                 p.emit(S.PrepareFailed(dep.plan_id, f"a worker of plan {dep.plan_id} left while it was committed", p.clock()))
                 raise deploy_error(f"a worker of plan {dep.plan_id} left while it was committed")
-            p.emit(S.Committed(dep, p.clock()))
+            p.emit(S.Committed(dep, p.clock(), self._timings(t0, paused_at, results, old, moved)))
         for wid in sorted(set(dep.workers) | (set(old.workers) if old else set())):  # which plans each worker keeps
             if wid in p.links():
                 await _quiet(p.send(wid, Activate([dep.plan_id] if wid in dep.workers else []).to_message()))
         repaired = sorted({f for r in results for f in (r.repaired or [])})
         if repaired:
             p.note("blob_repaired", plan=dep.plan_id, files=repaired)
-        fetched = sum(r.fetched_bytes for r in results)
-        p.note("up", plan=dep.plan_id, prepare_s=round(p.clock() - t0, 3), paused_s=round(p.clock() - paused_at, 3), fetched_bytes=fetched,
-               predicted=dep.predicted, replaced=old.plan_id if old else None, **moved)
         p.spawn(self._after_catching_up(dep, self.prefetch_spare(dep)))
         p.spawn(self._after_catching_up(dep, self.calibrator.probe_neighbours(dep.stages)))  # planned neighbours measure their links
         return dep
+
+    def _timings(self, t0: float, paused_at: float, results, old: Deployment | None, moved: dict) -> S.UpTimings:
+        """What the plan change took (the dashboard's "up" line, read from its ``Committed``)."""
+        now = self.ports.clock()
+        return S.UpTimings(round(now - t0, 3), round(now - paused_at, 3), sum(r.fetched_bytes for r in results),
+                           old.plan_id if old else None, dict(moved))
 
     async def _after_catching_up(self, dep: Deployment, work, most_s: float = CATCH_UP_S) -> None:
         """Run ``work`` (the next spare's loads, link probes) once every running sequence took a

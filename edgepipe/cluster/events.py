@@ -8,6 +8,7 @@ decisions are in ``membership``, ``scheduling`` and ``deploy``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Mapping
 
 from ..net.messages import Hello
@@ -104,9 +105,21 @@ class Committing:
 
 
 @dataclass(frozen=True)
+class UpTimings:
+    """How a plan change went, carried by its ``Committed`` (the dashboard's "up" line is read from it)."""
+
+    prepare_s: float  # from Preparing to Committed
+    paused_s: float  # sequences paused between two steps (0 without a plan it replaced)
+    fetched_bytes: int  # model files the workers downloaded to load it
+    replaced: int | None = None  # the plan it replaced
+    moved: Mapping = field(default_factory=dict)  # quiesce_s, kv_moved, kv_moved_bytes, kv_recomputed (``migration``)
+
+
+@dataclass(frozen=True)
 class Committed:
     deployment: Deployment
     now: float
+    timings: UpTimings | None = None  # None: no line (a test's or a replayed commit that carried none)
 
 
 @dataclass(frozen=True)
@@ -172,13 +185,38 @@ class SwitchEnded:
     now: float
 
 
+class NoteKind(str, Enum):
+    """Every kind of dashboard line that changes no state (``Noted``): a new one is added here."""
+
+    THROTTLED = "throttled"  # a peer opening worker channels too fast (api)
+    REFUSED = "refused"  # a worker channel refused (bad hello, wrong token, bad frame)
+    IGNORED = "ignored"  # a frame ignored (a relay or token from a stage that may not send it)
+    INVALID_FRAME = "invalid_frame"
+    VARIANT = "variant"  # a precision variant built, ready or skipped
+    MDNS_UNAVAILABLE = "mdns_unavailable"
+    WORKER_RESTARTED = "worker_restarted"  # serve's supervisor started a local worker process again
+    PAUSE = "pause"  # a sequence lost its plan and waits for the next
+    RECOVERED = "recovered"  # ... and took a step again
+    RESUME = "resume"  # ... from a KV checkpoint on the spare
+    CHECKPOINT = "checkpoint"  # a sequence's KV copied to the spare
+    STAGES_TIMED = "stages_timed"
+    STAGE_TIMING_FAILED = "stage_timing_failed"
+    PROBE_OVERRULED = "probe_overruled"
+    CALIBRATION_FAILED = "calibration_failed"
+    CALIBRATION_NOT_SAVED = "calibration_not_saved"
+    LINK_PROBE_FAILED = "link_probe_failed"
+    BLOB_REPAIRED = "blob_repaired"
+    SPARE_FAILED = "spare_failed"
+    SPARE_UNBUILT = "spare_unbuilt"
+
+
 @dataclass(frozen=True)
 class Noted:
     """A line for the dashboard that changes nothing in the state (a refused join, a failed
-    probe, a plan now serving with its timings): logged like every event, so the dashboard's
-    lines all come from the log (``narrate.entry``)."""
+    probe): logged like every event, so the dashboard's lines all come from the log
+    (``narrate.entry``). ``NoteKind(kind)`` rejects a kind not listed there."""
 
-    kind: str
+    kind: NoteKind
     fields: Mapping
     now: float
 
@@ -200,9 +238,39 @@ class RequestFed:
 
 
 @dataclass(frozen=True)
+class Routed:
+    """The sequence of ``rid`` steps on ``plan`` through ``route`` (a worker per stage: its
+    replicas, ``cluster.replicas``) for as long as it lives there."""
+
+    rid: str
+    plan: int
+    route: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class KvMoved:
     rid: str
     plan: int | None  # the plan that now holds its KV (None: the move was abandoned)
+
+
+@dataclass(frozen=True)
+class KvMoveSent:
+    """A KV move of a switch is in flight (``kv_moves``): ``src`` sends units [start, end) of
+    ``rid``'s KV to ``dst`` for plan ``plan``, until its ``KvMoveEnded``."""
+
+    move: int
+    rid: str
+    src: str
+    dst: str
+    plan: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class KvMoveEnded:
+    move: int
+    ok: bool  # acknowledged by its destination in time
 
 
 @dataclass(frozen=True)
@@ -212,4 +280,5 @@ class RequestEnded:
 
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
          | Committing | Committed | PlanFailed | SpareChosen | SpareLoaded | Pinned | Repriced | SecretsIssued | SwitchStarted | SwitchEnded | Noted
-         | RequestStarted | RequestFed | KvMoved | RequestEnded)
+         | RequestStarted | RequestFed | Routed | KvMoved | KvMoveSent | KvMoveEnded
+         | RequestEnded)

@@ -15,6 +15,8 @@ from typing import Awaitable, Callable
 
 from ..net import auth
 from ..net.channel import ChannelClosed
+from . import replicas
+from .events import NoteKind
 from .measurements import PeerLink
 from .steps import PipelineBroken
 
@@ -54,10 +56,10 @@ class LinkProber:
             reply = await self.probe(src, kind="peer", url=target.data_url, secret=secret,
                                       fingerprint=target.data_fingerprint, bytes=PEER_PROBE_BYTES)
         except (asyncio.TimeoutError, ChannelClosed, KeyError, PipelineBroken) as exc:  # PipelineBroken: it left meanwhile
-            p.note("link_probe_failed", src=src, dst=dst, error=str(exc) or type(exc).__name__)
+            p.note(NoteKind.LINK_PROBE_FAILED, src=src, dst=dst, error=str(exc) or type(exc).__name__)
             return False
         if not (reply.ok and reply.rtt_s is not None and reply.bandwidth_bytes_per_s):
-            p.note("link_probe_failed", src=src, dst=dst, error=getattr(reply, "error", None) or "no figures")
+            p.note(NoteKind.LINK_PROBE_FAILED, src=src, dst=dst, error=getattr(reply, "error", None) or "no figures")
             return False
         p.measure(PeerLink(src, dst, reply.rtt_s, reply.bandwidth_bytes_per_s))  # its dashboard line: narrate.entry
         return True
@@ -83,8 +85,7 @@ class LinkProber:
         p = self.ports
         if not p.settings.calibrate:
             return
-        pairs = [(a.worker_id, b.worker_id) for a, b in zip(stages, stages[1:])
-                 if (a.worker_id, b.worker_id) not in p.profile.peer_links]
+        pairs = [pair for pair in replicas.neighbour_pairs(stages) if pair not in p.profile.peer_links]
         if not pairs:
             return
         learnt = False

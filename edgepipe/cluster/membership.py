@@ -17,10 +17,10 @@ each repeat, and planned again once the time is up (``quarantine_ended``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .state import ClusterState, WorkerInfo
+from .state import ClusterState, PlanAbandoned, Suspected, WorkerInfo, apply
 
 
 @dataclass(frozen=True)
@@ -152,3 +152,39 @@ def abandon_active(state: ClusterState, suspects: Sequence[str], lacking: str | 
         return False
     live = {w.id for w in state.live()}
     return bool(state.spare) and {s.worker_id for s in state.spare} <= live
+
+
+@dataclass(frozen=True)
+class Beat:
+    """What one heartbeat decides (``beat``): the events to emit (``Suspected``, then at most one
+    ``PlanAbandoned``, in that order), the workers to take out, whether the re-planner looks again."""
+
+    events: tuple[Suspected | PlanAbandoned, ...]
+    lose: tuple[Lose, ...]
+    replan: bool
+    abandoned: int | None = None  # the active plan given up (its steps fail; the spare serves next)
+
+
+def beat(state: ClusterState, last: float, now: float, settings: LivenessSettings, replay_s: float,
+         lacking: Callable[[ClusterState], str | None]) -> Beat:
+    """One heartbeat's verdicts since the last (at ``last``): suspect or lose silent workers, and
+    give up the active plan when a stage went silent and ``abandon_active`` says the others can
+    serve without it (judged on the state with this beat's suspicions applied). ``lacking``:
+    why the workers of a state cannot hold the model (None: they may)."""
+    replan = quarantine_ended(state, last, now)  # a quarantined device may be planned again
+    events: list[Suspected | PlanAbandoned] = []
+    lose: list[Lose] = []
+    for verdict in verdicts(state, now, settings):
+        if isinstance(verdict, Lose):
+            lose.append(verdict)
+        else:
+            events.append(Suspected(verdict.worker_id, now))
+            state = apply(state, events[-1])
+    suspects = silent_stages(state, now, settings, replay_s)
+    if suspects and abandon_active(state, suspects, lacking(state)):
+        # A frozen stage would hold every request until it wakes or the step times out:
+        # serve from the others now; it rejoins the plans when heard from again.
+        plan = state.active.plan_id
+        events.append(PlanAbandoned(plan, f"plan {plan}: stage {', '.join(suspects)} went silent", now))
+        return Beat(tuple(events), tuple(lose), True, plan)
+    return Beat(tuple(events), tuple(lose), replan)

@@ -1,120 +1,114 @@
 """Moving live sequences' KV when the plan changes (I/O): worker to worker, or rebuild by replay.
 
 At a switch, after in-flight steps drained, each live sequence's KV for the layers that change
-hands (``deploy.kv_moves``) is sent by the worker that holds it straight to the one that will
-(KV_EXPORT -> KV -> LOADED ``kv_received``). A sequence moves when that is predicted cheaper
-than replaying it; every move of a switch runs at once and whatever has not arrived within a
-bound set by the bytes (``_move_timeout``) is rebuilt by replay instead (``state.KvMoved`` says
-which plan holds whose KV).
+hands is sent by the worker that holds it straight to the one that will (KV_EXPORT -> KV ->
+LOADED ``kv_received``). What moves, and how long the moves may take, is decided by
+``kv_moves.plan``; every move runs at once and is state while in flight (``KvMoveSent`` until
+``KvMoveEnded``); whatever has not arrived within the bound is rebuilt by replay instead
+(``kv_moves.settled``; ``state.KvMoved`` says which plan holds whose KV). This shell only sends
+the frames and awaits their acknowledgements; it is lent ``ports.Ports``, not the coordinator.
+Where a plan replicates a stage, each sequence's KV goes from the replicas of its route on the
+old plan to those of its route on the new one, and the old route's replicas off the new route
+drop it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Callable
 
-from ..net.messages import KvExport, Loaded
-from . import deploy, state as S
+from ..net.messages import Drop, KvExport, Loaded
+from . import kv_moves, replicas, state as S
 from .placement import Deployment
-
-MOVE_TIMEOUT_S = 10.0  # KV moves still missing after this (plus 3x their predicted time) are rebuilt by replay
-MOVE_TIMEOUT_MAX_S = 120.0
+from .ports import Ports
 
 
 class KvMigration:
-    def __init__(self, coord, deployer):
-        self.coord = coord
-        self.deployer = deployer  # the data-port secrets it issued per plan
-        self.moves: dict[int, asyncio.Future] = {}
+    def __init__(self, ports: Ports, other_copy: Callable[[Loaded], None],
+                 route: Callable[[Deployment, str], replicas.Route]):
+        self.ports = ports
+        self.other_copy = other_copy  # an acknowledged copy that is no move of a switch (a KV checkpoint's)
+        self.route = route  # a sequence's route on a plan (chosen and recorded at first use)
+        self.acks: dict[int, asyncio.Future] = {}  # the acknowledgements awaited, by move (the moves: ``ClusterState.moves``)
         self._ids = itertools.count(1)
 
+    @property
+    def moves(self):
+        """The moves in flight (the state's)."""
+        return self.ports.state().moves
+
     async def migrate(self, old: Deployment, new: Deployment) -> dict:
-        """Move live sequences' KV from the old stages to the new ones, worker to worker.
-
-        Each sequence moves when that is predicted cheaper than rebuilding it by replay on the
-        new plan; otherwise, or if a move fails, it is rebuilt by replay."""
-        c = self.coord
-        live = {rid: q for rid, q in sorted(c.cluster.requests.items()) if q.plan == old.plan_id and q.kv_len > 0}
-        if not live:
+        """Move live sequences' KV from the old stages to the new ones, worker to worker, where
+        ``kv_moves.plan`` says moving is cheaper; the rest, and any move that fails, replay."""
+        p = self.ports
+        state = p.state()
+        moves = kv_moves.plan(state, old, new, p.package.manifest.units, p.profile, lambda rid: self.route(new, rid))
+        if moves is None:
             return {}
-        infos = c.cluster.workers
-        if any(w not in infos or infos[w].relay for w in set(old.workers) | set(new.workers)):
-            return {"kv_recomputed": len(live)}
-        kv_per_unit = [u.kv_bytes_per_token for u in c.manifest.units]
-        copies = deploy.kv_moves(old, new, c.n_units, kv_per_unit)
-        loop = asyncio.get_running_loop()
-        futures: dict[str, list[asyncio.Future]] = {}
-        moved_bytes, recompute = 0, []
-        # Replays of all live sequences share the stages (one row per frame), so moving is weighed
-        # for all of them at once: every byte that changes hands against every position replayed.
-        moving = bool(copies) and self._move_is_cheaper(old, new, sum(q.kv_len for q in live.values()),
-                                                        sum(kv_per_unit[u] for cp in copies for u in range(cp.start, cp.end)))
-        for rid, q in live.items():
-            if not moving:
-                recompute.append(rid)
-                continue
-            for copy in copies:
-                move = next(self._ids)
-                fut = self.moves[move] = loop.create_future()
-                futures.setdefault(rid, []).append(fut)
-                moved_bytes += q.kv_len * sum(kv_per_unit[copy.start:copy.end])
-                link = c.links.get(copy.src)
-                msg = KvExport(q.seq, old.plan_id, copy.start, copy.end, new.plan_id, infos[copy.dst].hello.data_url, move,
-                               secret=self.deployer.secrets.get(new.plan_id, {}).get(copy.dst),
-                               fingerprint=infos[copy.dst].hello.data_fingerprint)
-                if link is None or not await _sent(link, msg):
-                    fut.cancel()
-        # All moves run at once; whatever has not arrived within the bound is rebuilt by replay.
-        everything = [f for futs in futures.values() for f in futs]
-        if everything:
-            await asyncio.wait(everything, timeout=self._move_timeout(old, moved_bytes))
-        ok = 0
-        for rid, futs in futures.items():
-            if all(f.done() and not f.cancelled() and f.exception() is None and f.result().ok for f in futs):
-                c.emit(S.KvMoved(rid, new.plan_id))
-                ok += 1
-            else:
-                recompute.append(rid)
-        for f in everything:
-            if not f.done():
-                f.cancel()
-        for move in [m for m, f in self.moves.items() if f.done()]:
-            del self.moves[move]
-        return {"kv_moved": ok, "kv_moved_bytes": moved_bytes, "kv_recomputed": len(recompute)}
-
-    def _move_timeout(self, old: Deployment, moved_bytes: int) -> float:
-        """How long all moves may take: 10 s plus three times their predicted transfer time (the
-        slowest sender's link carrying every byte), at most two minutes."""
-        bandwidth = min(self.coord.profile.link_of(w)[1] for w in old.workers)
-        return min(MOVE_TIMEOUT_S + 3 * moved_bytes / max(bandwidth, 1.0), MOVE_TIMEOUT_MAX_S)
-
-    def _move_is_cheaper(self, old: Deployment, new: Deployment, positions: int, moved_kv_per_token: int) -> bool:
-        """Moving the KV of ``positions`` (all live sequences) beats replaying them: a replayed
-        position is a one-row step at each stage (overhead included), not a row of a batch."""
-        p = self.coord.profile
-        # a speed of 0 comes from a package imported without unit costs: no estimate, replay
-        stage_s = [p.unit_cost(s.start, s.end) / max(p.of(s.worker_id).speed, 1e-9) + p.of(s.worker_id).overhead_s for s in new.stages]
-        return deploy.move_is_cheaper(positions * moved_kv_per_token, min(p.link_of(w)[1] for w in old.workers),
-                                      max(p.link_of(w)[0] for w in old.workers), stage_s, positions)
+        if moves.relayed:
+            return {"kv_recomputed": len(moves.replay)}
+        ids = tuple(next(self._ids) for _ in moves.copies)
+        acks = {move: asyncio.get_running_loop().create_future() for move in ids}
+        try:
+            for (rid, copy), move in zip(moves.copies, ids):
+                q, dst = state.requests[rid], state.workers[copy.dst].hello
+                p.emit(kv_moves.KvMoveSent(move, rid, copy.src, copy.dst, new.plan_id, copy.start, copy.end))
+                self.acks[move] = acks[move]
+                msg = KvExport(q.seq, old.plan_id, copy.start, copy.end, new.plan_id, dst.data_url, move,
+                               secret=p.state().secrets.get(new.plan_id, {}).get(copy.dst), fingerprint=dst.data_fingerprint)
+                if not await _sent(p, copy.src, msg):
+                    acks[move].cancel()
+            # All moves run at once; whatever has not arrived within the bound is rebuilt by replay.
+            if acks:
+                await asyncio.wait(list(acks.values()), timeout=moves.timeout_s)
+            acknowledged = {m: f.done() and not f.cancelled() and f.exception() is None and f.result().ok for m, f in acks.items()}
+        finally:
+            for move, fut in acks.items():
+                fut.cancel()
+                self.acks.pop(move, None)
+                p.emit(kv_moves.KvMoveEnded(move, bool(fut.done() and not fut.cancelled() and fut.exception() is None
+                                                       and fut.result().ok)))
+        for rid in moves.stay:
+            p.emit(S.KvMoved(rid, new.plan_id))
+        whole, replay = kv_moves.settled(moves, acknowledged, ids)
+        for rid in whole:
+            p.emit(S.KvMoved(rid, new.plan_id))
+            await self._drop_off_route(old, new, rid, state.requests[rid].seq)
+        whole = [*moves.stay, *whole]
+        return {"kv_moved": len(whole), "kv_moved_bytes": moves.moved_bytes, "kv_recomputed": len(replay)}
 
     def moved(self, reply: Loaded) -> None:
-        fut = self.moves.pop(reply.kv_received, None)
+        fut = self.acks.pop(reply.kv_received, None)
         if fut is None:  # not a move of a switch: a KV checkpoint's copy (``checkpoints``)
-            self.coord.checkpoints.moved(reply)
+            self.other_copy(reply)
         elif not fut.done():
             fut.set_result(reply)
 
     def abort_moves(self, exc: Exception) -> None:
-        for fut in self.moves.values():
+        """A worker was lost: every move of the switch under way fails (those sequences replay)."""
+        for fut in self.acks.values():
             if not fut.done():
                 fut.set_exception(exc)
-        self.moves.clear()
+        self.acks.clear()
 
 
-async def _sent(link, msg) -> bool:
+    async def _drop_off_route(self, old: Deployment, new: Deployment, rid: str, seq: str) -> None:
+        """A sequence that moved to another replica: the workers of its old route off its new one
+        keep their session (the range is unchanged) and its KV in it until the sequence ended."""
+        if not (old.replicated or new.replicated):
+            return
+        requests = self.ports.state().requests
+        before = replicas.routed(requests, old, rid) or replicas.plain_route(old)
+        after = replicas.routed(requests, new, rid) or replicas.plain_route(new)
+        for wid in sorted(set(before) - set(after)):
+            await _sent(self.ports, wid, Drop(seq))
+
+
+async def _sent(ports: Ports, worker_id: str, msg) -> bool:
     """Send, or say it could not (the loss of that worker is handled where it is noticed)."""
     try:
-        await link.send(msg.to_message())
+        await ports.send(worker_id, msg.to_message())
         return True
     except Exception:
         return False

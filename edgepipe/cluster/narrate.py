@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 
 from ..net.limits import json_safe
 from . import events as E, measurements as M
+from .prefix_book import PrefixDone
 
 Event = Mapping[str, object]
 
@@ -154,7 +155,13 @@ def _fields(event, state, profile) -> dict | None:
 
     match event:
         case E.Noted(kind, fields, _):
-            return {"kind": kind, **fields}
+            return {"kind": kind.value, **fields}
+        case PrefixDone(_, False) if state.prefix.last_drop:
+            blocks, why = state.prefix.last_drop
+            return {"kind": "prefix_dropped", "blocks": blocks, "why": why}
+        case E.Committed(dep, _, timings) if timings is not None:
+            return {"kind": "up", "plan": dep.plan_id, "prepare_s": timings.prepare_s, "paused_s": timings.paused_s,
+                    "fetched_bytes": timings.fetched_bytes, "predicted": dep.predicted, "replaced": timings.replaced, **timings.moved}
         case E.WorkerJoined(wid, _, hello, _):
             return {"kind": "join", "worker": wid, "memory": hello.memory_bytes,
                     "emulation": None if hello.emulation is None else dict(hello.emulation), "device_kind": hello.kind}

@@ -1,6 +1,8 @@
 """Turning a planner's answer into the coordinator's deployment records.
 
-``Deployment`` is what the coordinator runs: an ordered list of (worker, unit range). The
+``Deployment`` is what the coordinator runs: an ordered list of (worker, unit range); a stage
+replicated over several workers (data-parallel replicas, the throughput objective's plans)
+appears as consecutive assignments of the same range, one per replica (``groups``). The
 fallback ``proportional_split`` cuts layers in proportion to declared memory — how exo and
 llama.cpp place layers — and is also a baseline in the placement benchmark.
 """
@@ -29,13 +31,41 @@ class Deployment:
     predicted: dict = field(default_factory=dict)  # tpot_s, ttft_s, ... from the planner
 
     def __post_init__(self) -> None:
-        for a, b in zip(self.stages, self.stages[1:]):
-            if a.end != b.start:
-                raise ValueError(f"stages of plan {self.plan_id} are not contiguous at unit {a.end}")
+        check_stages(self.stages, f"plan {self.plan_id}")
 
     @property
     def workers(self) -> tuple[str, ...]:
+        """Every worker of the plan, replicas included."""
         return tuple(s.worker_id for s in self.stages)
+
+    @property
+    def groups(self) -> tuple[tuple[StageAssignment, ...], ...]:
+        return stage_groups(self.stages)
+
+    @property
+    def replicated(self) -> bool:
+        return len(self.groups) != len(self.stages)
+
+
+def stage_groups(stages) -> tuple[tuple[StageAssignment, ...], ...]:
+    """The pipeline's stages in order, each as the tuple of its replicas (one for most stages)."""
+    groups: list[list[StageAssignment]] = []
+    for s in stages:
+        if groups and (groups[-1][0].start, groups[-1][0].end) == (s.start, s.end):
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return tuple(tuple(g) for g in groups)
+
+
+def check_stages(stages, what: str) -> None:
+    """Contiguous ranges (a replica repeats its stage's range); no worker twice."""
+    for a, b in zip(stages, stages[1:]):
+        if a.end != b.start and (a.start, a.end) != (b.start, b.end):
+            raise ValueError(f"stages of {what} are not contiguous at unit {a.end}")
+    seen = [s.worker_id for s in stages]
+    if len(set(seen)) != len(seen):
+        raise ValueError(f"stages of {what} use worker {next(w for w in seen if seen.count(w) > 1)} twice")
 
 
 def proportional_split(n_units: int, weights: list[tuple[str, float]]) -> list[StageAssignment]:

@@ -6,7 +6,9 @@ model, and lets ``should_switch`` (margin, switch cost amortised over a horizon,
 decaying with time since the last switch) decide whether the change is worth making.
 Once devices have been seen to leave, the throughput plan is weighed against the plan over
 the fewest devices (the latency plan) by expected goodput (``plan.reliability``): under
-churn, every extra device a plan relies on is one more way for it to go down.
+churn, every extra device a plan relies on is one more way for it to go down. Throughput plans
+may replicate a stage over several workers (``cluster.replicas`` runs them), unless a worker
+relays through the coordinator (a browser's hops are not routed per sequence).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from ..plan import (Objective, Plan, PlanError, PlanRequest, Stage, evaluate, expected_goodput, objective_value, plan, should_switch,
                     spare_plan, switch_cost)
-from .placement import Deployment, StageAssignment, proportional_split
+from .placement import Deployment, StageAssignment, proportional_split, stage_groups
 from .profiling import ClusterProfile
 from .state import ClusterState
 
@@ -75,8 +77,8 @@ class PlannerPolicy(PlanPolicy):
         sequences = max(1, ctx.sequences)
         if objective is Objective.LATENCY and sequences >= self.throughput_above:
             objective = Objective.THROUGHPUT
-        # The runtime runs one device per stage: replicated stages would be collapsed.
-        return PlanRequest(objective=objective, sequences=sequences, tpot_target_s=self.tpot_target_s, replicas=False)
+        replicate = objective is Objective.THROUGHPUT and not any(w.relay for w in ctx.workers)
+        return PlanRequest(objective=objective, sequences=sequences, tpot_target_s=self.tpot_target_s, replicas=replicate)
 
     def model(self, ctx: PlanContext):
         """The model profile with KV sized for what is running (``PlanContext.kv_positions``),
@@ -98,7 +100,7 @@ class PlannerPolicy(PlanPolicy):
         rates = {w.id: prof.failure_rate(w.name, ctx.now) for w in workers}
         if request.objective is Objective.THROUGHPUT and any(rates.values()):
             best = self._weigh_churn(best, model, devices, network, request, rates, ctx.recovery_s)
-        stages = [StageAssignment(s.device_ids[0], s.start, s.end) for s in best.stages]
+        stages = assignments(best.stages)
         predicted = prediction_dict(best)
         current = ctx.state.active
         alive = {d.id for d in devices}
@@ -164,12 +166,17 @@ class PlannerPolicy(PlanPolicy):
         spare = spare_plan(model, devices, network, request, running, set(dep.workers))
         if spare is None:
             return None
-        return [StageAssignment(s.device_ids[0], s.start, s.end) for s in spare.stages]
+        return assignments(spare.stages)
+
+
+def assignments(stages) -> list[StageAssignment]:
+    """A planner plan's stages as the deployment's assignments (a replica each, in plan order)."""
+    return [StageAssignment(d, s.start, s.end) for s in stages for d in s.device_ids]
 
 
 def running_plan(dep, model, request) -> Plan:
     """The coordinator's deployment as a planner ``Plan`` (to price it with the same model)."""
-    stages = tuple(Stage((s.worker_id,), s.start, s.end) for s in dep.stages)
+    stages = tuple(Stage(tuple(s.worker_id for s in g), g[0].start, g[0].end) for g in stage_groups(dep.stages))
     return Plan(stages=stages, objective=request.objective, complete=True, predicted=None, reason="running", units=model.n_units)
 
 

@@ -115,7 +115,7 @@ def room_blocks(max_positions: int, kv_capacity: int | None, live_positions: int
     return max(0, room) // block
 
 
-def for_plan(cache: PrefixCache, plan: int) -> PrefixCache:
+def for_plan(cache: PrefixCache, plan: int | None) -> PrefixCache:
     """The cache on ``plan``: itself, or empty under a new epoch after a plan switch."""
     if cache.plan == plan:
         return cache
@@ -156,6 +156,22 @@ def prefill(cache: PrefixCache, ids: list[int], rid: str, room: int, block: int 
     if not decision.empty:
         pending[rid] = decision
     return replace(cache, blocks=MappingProxyType(blocks), tick=tick, pending=MappingProxyType(pending)), decision
+
+
+def record(cache: PrefixCache, rid: str, decision: PrefillDecision, parents: tuple[str | None, ...]) -> PrefixCache:
+    """The cache ``prefill`` left after deciding ``decision`` for ``rid`` (``parents``: the block
+    each saved block follows), rebuilt from the decision alone: what an event log replays."""
+    tick = cache.tick + 1
+    blocks = dict(cache.blocks)
+    for name in decision.reuse:
+        if name in blocks:
+            blocks[name] = replace(blocks[name], used=tick)
+    for name in decision.evict:
+        blocks.pop(name, None)
+    for (i, name), parent in zip(decision.save, parents):
+        blocks[name] = Held(parent, i, tick, pending=rid)
+    pending = {**cache.pending, rid: decision} if not decision.empty else cache.pending
+    return replace(cache, blocks=MappingProxyType(blocks), tick=tick, pending=MappingProxyType(dict(pending)))
 
 
 def _lru_leaf(blocks: dict[str, Held], keep: set[str]) -> str | None:

@@ -1,89 +1,70 @@
-"""The coordinator's prefix cache (shell): holds the ``prefix.PrefixCache`` value, decides each
-prompt prefill with ``prefix.prefill`` and commits or drops it when the frame's token comes back
-or fails; counts hits and reused positions for ``/metrics`` and the dashboard.
+"""The coordinator's prefix cache (shell): hands each prompt prefill and each returned or failed
+frame to the coordinator's core (``core.PrefillAsked``/``PrefillEnded``), which decides a
+``PrefixDecided`` or ``PrefixDone`` event; the bookkeeping (which blocks
+the stages hold, the counts for ``/metrics`` and the dashboard) is ``ClusterState.prefix``
+(``prefix_book``), the decisions are ``prefix``'s.
 
 The coordinator, not the stages, knows what is cached: it sees every prompt and sends every
 frame, and a decision rides in the prefill frame through all stages in order, so all of them
 apply the same decisions in the same order and no stage needs to report (see ``prefix``).
 
-The cache is off (``why_off``) where reuse is not known to be exact or cannot be applied: a model
-with sliding-window layers (their KV is trimmed, not kept per position), a stage on a GPU (the
-device kernels were not checked row for row) or in a browser (its worker does not apply
-decisions), and with ``prefix_cache_positions = 0`` (``serve --no-prefix-cache``).
+The cache is off (``prefix_book.why_off``) where reuse is not known to be exact or cannot be
+applied: a model with sliding-window layers (their KV is trimmed, not kept per position), a stage
+on a GPU (the device kernels were not checked row for row) or in a browser (its worker does not
+apply decisions), and with ``prefix_cache_positions = 0`` (``serve --no-prefix-cache``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Callable
 
-from . import deploy, prefix
+from . import core, deploy, prefix, prefix_book as PB
 from .placement import Deployment
-
-
-@dataclass
-class PrefixCounts:
-    prefills: int = 0  # prompt prefills the cache was on for
-    hits: int = 0  # ... that reused at least one block
-    reused_positions: int = 0  # positions no stage computed
-    saved_blocks: int = 0  # blocks kept after computing (committed)
-    dropped: int = 0  # times the whole cache was dropped (plan switch, failed frame, a stage's miss)
+from .ports import Ports
 
 
 class PrefixCaching:
-    def __init__(self, coord):
-        self.coord = coord
-        self.cache = prefix.PrefixCache()
-        self.counts = PrefixCounts()
+    def __init__(self, ports: Ports, kv_capacity: Callable[[], int | None]):
+        self.ports = ports
+        self.kv_capacity = kv_capacity  # KV positions the active plan's tightest stage holds (None: no budget declared)
+        self.config = core.Config.of(ports.settings)
+
+    @property
+    def cache(self) -> prefix.PrefixCache:
+        return self.ports.state().prefix.cache
+
+    @property
+    def counts(self) -> PB.PrefixCounts:
+        return self.ports.state().prefix.counts
 
     def why_off(self, dep: Deployment) -> str | None:
-        c = self.coord
-        if c.settings.prefix_cache_positions <= 0:
-            return "turned off"
-        if any(getattr(u, "kv_window", 0) for u in c.manifest.units):
-            return "sliding-window layers"
-        for s in dep.stages:
-            w = c.cluster.workers.get(s.worker_id)
-            if w is not None and (w.hello.kind == "browser" or w.hello.device == "gpu"):
-                return f"stage on {s.worker_id} ({'browser' if w.hello.kind == 'browser' else 'gpu'})"
-        return None
+        p = self.ports
+        return PB.why_off(p.state().workers, p.package.manifest.units, dep, p.settings.prefix_cache_positions)
 
     def decide(self, dep: Deployment, rid: str, ids: list[int], reuse: bool) -> prefix.PrefillDecision | None:
         """The decision for a prompt prefill of ``ids`` from position 0 (None: the cache is off here)."""
-        c = self.coord
+        p = self.ports
+        state = p.state()
         if len(ids) < prefix.MIN_COMPUTED or self.why_off(dep) is not None:
             return None
-        if self.cache.plan != dep.plan_id:
-            self._drop(prefix.for_plan(self.cache, dep.plan_id), None)
-        room = prefix.room_blocks(c.settings.prefix_cache_positions, c.kv_capacity, deploy.kv_plan_positions(c.cluster, 0),
-                                  c.settings.prefix_block)
-        self.cache, decision = prefix.prefill(self.cache, ids, rid, room, c.settings.prefix_block, reuse)
-        self.counts.prefills += 1
-        if decision.reuse:
-            self.counts.hits += 1
-            self.counts.reused_positions += decision.reused_positions
-        return None if decision.empty else decision
+        room = prefix.room_blocks(p.settings.prefix_cache_positions, self.kv_capacity(), deploy.kv_plan_positions(state, 0),
+                                  p.settings.prefix_block)
+        handled = core.handle(state, core.PrefillAsked(dep.plan_id, rid, ids, reuse, room), self.config)
+        for event in handled.events:
+            p.emit(event)
+        return next((c.decision for c in handled.commands if isinstance(c, core.CarryPrefix)), None)
 
     def done(self, rid: str, ok: bool) -> None:
-        """The frame that carried ``rid``'s decision came back (ok) or failed (drop the cache)."""
-        if ok:
-            self.counts.saved_blocks += len(self.cache.pending[rid].save) if rid in self.cache.pending else 0
-            self.cache = prefix.commit(self.cache, rid)
-        elif rid in self.cache.pending:
-            self._drop(prefix.abort(self.cache, rid), f"the prefill of {rid} failed part-way")
-
-    def _drop(self, cache: prefix.PrefixCache, why: str | None) -> None:
-        if self.cache.blocks:
-            self.counts.dropped += 1
-            if why:
-                self.coord.event("prefix_dropped", blocks=len(self.cache.blocks), why=why)
-        self.cache = cache
+        """The frame that carried ``rid``'s decision came back (ok) or failed (the cache is dropped)."""
+        for event in core.handle(self.ports.state(), core.PrefillEnded(rid, ok), self.config).events:
+            self.ports.emit(event)
 
     def view(self) -> dict:
         """What /status and the dashboard show."""
-        c = self.coord
-        dep = c.cluster.active
+        p = self.ports
+        state = p.state()
+        dep, cache, counts, block = state.active, state.prefix.cache, state.prefix.counts, p.settings.prefix_block
         return {"on": dep is not None and self.why_off(dep) is None, "off_why": self.why_off(dep) if dep else None,
-                "block": c.settings.prefix_block, "blocks": len(self.cache.blocks),
-                "positions": len(self.cache.blocks) * c.settings.prefix_block, "max_positions": c.settings.prefix_cache_positions,
-                "prefills": self.counts.prefills, "hits": self.counts.hits, "reused_positions": self.counts.reused_positions,
-                "dropped": self.counts.dropped}
+                "block": block, "blocks": len(cache.blocks), "positions": len(cache.blocks) * block,
+                "max_positions": p.settings.prefix_cache_positions, "prefills": counts.prefills, "hits": counts.hits,
+                "reused_positions": counts.reused_positions, "dropped": counts.dropped}

@@ -2,7 +2,9 @@
 
 ``Schedule.random(seed)`` draws 1-6 workers (some joining late), a few requests (some with
 out-of-range values, prompts often sharing a start so the prefix cache reuses blocks) and up to
-four faults from ``sim.FAULTS``. The same seed draws the same schedule under any hash seed.
+four faults from ``sim.FAULTS``; in some, an operator's plan replicates a stage (``replicate``,
+drawn last, so the other draws of a seed stay what they were). The same seed draws the same
+schedule under any hash seed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Schedule:
     join_at: tuple[float, ...]
     requests: tuple[Req, ...]
     faults: tuple[Fault, ...]
+    replicate: float | None = None  # at this time, a pinned plan that replicates a stage on a worker the plan leaves out
 
     @staticmethod
     def random(seed: int) -> "Schedule":
@@ -61,7 +64,9 @@ class Schedule:
             stem = rng.choice(stems) if rng.random() < 0.7 else ()
             requests.append(Req(round(rng.uniform(0, 30), 3), stem + tuple(rng.randrange(sim.VOCAB) for _ in range(rng.randint(1, 6))),
                                 rng.randint(1, 12), bad))
-        return Schedule(seed, memories, join_at, tuple(sorted(requests, key=lambda r: r.at)), tuple(sorted(faults, key=lambda f: f.at)))
+        replicate = round(rng.uniform(0, 20), 3) if n >= 3 and rng.random() < 0.5 else None
+        return Schedule(seed, memories, join_at, tuple(sorted(requests, key=lambda r: r.at)), tuple(sorted(faults, key=lambda f: f.at)),
+                        replicate)
 
     @property
     def bound_s(self) -> float:

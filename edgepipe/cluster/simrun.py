@@ -1,7 +1,8 @@
 """Seeded fault schedules for the simulation (``sim``) and the invariants checked after each.
 
 ``Schedule.random(seed)`` (``sim_schedule``) draws 1-6 workers (some joining late), a few requests (some with
-out-of-range values) and faults from ``sim.FAULTS``; ``run(schedule)`` plays it on a virtual
+out-of-range values), faults from ``sim.FAULTS`` and, in some, an operator's plan with a replicated
+stage (``_replicate``: the faults then hit replicas too); ``run(schedule)`` plays it on a virtual
 clock and returns a ``Report``. Invariants: every admitted request ends with exactly the
 reference tokens or a one-line ``RequestFailed`` within ``bound_s`` (``REQUEST_BOUND_S`` plus
 ``PER_FAULT_S`` per fault in the schedule); no admission slot, KV reservation, pending step,
@@ -24,6 +25,7 @@ from .planning import PlannerPolicy
 from .sim import (QUARANTINE_FAULTS, SETTINGS, UP_BOUND_S, UNIT_BYTES, Admission, Coordinator, CoordinatorSettings, FakePackage, FakeWorker,
                   GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
 from .scheduling import AdmissionError
+from .sim_replicas import replica_counts, replicate
 from .sim_schedule import Fault, Req, Schedule  # noqa: F401 - Fault and Req: where callers know them
 
 @dataclass
@@ -43,6 +45,8 @@ class Report:
     checkpoints: int = 0  # KV checkpoints every spare holder acknowledged
     resumed: int = 0  # sequences that resumed from a checkpoint after a recovery (the rest replayed whole)
     checkpoints_failed: int = 0  # checkpoints voided because a copy failed
+    replicated: int = 0  # plans with a replicated stage committed
+    replica_lost: int = 0  # workers lost while they ran a replica of the active plan
 
 
 class World:
@@ -161,12 +165,15 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
         out.append(f"admission slots left: {len(admission.running)} running, {admission.queued} queued")
     if any(link.loads or link.probes for link in coord.links.values()):
         out.append(f"load/probe futures left: {[(w, sorted(l.loads), sorted(l.probes)) for w, l in coord.links.items() if l.loads or l.probes]}")
-    if coord.deployer.migration.moves:
-        out.append(f"KV moves left: {sorted(coord.deployer.migration.moves)}")
+    if coord.cluster.moves or coord.deployer.migration.acks:
+        out.append(f"KV moves left: {sorted(coord.cluster.moves)}, awaited {sorted(coord.deployer.migration.acks)}")
     if coord.steps.lanes.lane_of or any(l.members or l.waiting or l.flying for l in coord.steps.lanes.lanes):
         out.append("lane members left")
-    if coord.prefix.cache.pending:
-        out.append(f"prefix decisions never committed or dropped: {sorted(coord.prefix.cache.pending)}")
+    if coord.cluster.prefix.cache.pending:
+        out.append(f"prefix decisions never committed or dropped: {sorted(coord.cluster.prefix.cache.pending)}")
+    cached, active = coord.cluster.prefix.cache, coord.cluster.active
+    if cached.blocks and (active is None or cached.plan != active.plan_id):  # a switch or a recovery invalidates it
+        out.append(f"prefix blocks of plan {cached.plan} kept while {active.plan_id if active else 'no plan'} is active")
     if coord.checkpoints.placed or coord.checkpoints.flying or coord.checkpoints.moves or coord.cluster.checkpoints:
         out.append(f"KV checkpoints left: {sorted(coord.checkpoints.placed)} placed, {sorted(coord.checkpoints.flying)} in flight")
     return out
@@ -185,7 +192,7 @@ async def _main(schedule: Schedule) -> Report:
     await world.start_coordinator()
     world.workers = [FakeWorker(world, f"n{i}", m) for i, m in enumerate(schedule.memories)]
     plan = sorted([(t, 0, i) for i, t in enumerate(schedule.join_at)] + [(r.at, 1, i) for i, r in enumerate(schedule.requests)]
-                  + [(f.at, 2, i) for i, f in enumerate(schedule.faults)])
+                  + [(f.at, 2, i) for i, f in enumerate(schedule.faults)] + ([(schedule.replicate, 3, 0)] if schedule.replicate is not None else []))
     clients, healed = [], 0.0
     for at, kind, i in plan:
         if at > loop.time():
@@ -194,6 +201,8 @@ async def _main(schedule: Schedule) -> Report:
             world.workers[i].start()
         elif kind == 1:
             clients.append(world.spawn(_client(world, schedule.requests[i], f"q{i}", report)))
+        elif kind == 3:
+            world.spawn(replicate(world.coordinator))
         else:
             healed = max(healed, await _fault(world, schedule.faults[i]))
     healed = max(healed, loop.time())
@@ -248,8 +257,9 @@ async def _main(schedule: Schedule) -> Report:
     report.checkpoints = sum(c.checkpoints.counts.sent for c, _ in world.coordinators)
     report.resumed = sum(c.checkpoints.counts.resumed for c, _ in world.coordinators)
     report.checkpoints_failed = sum(c.checkpoints.counts.failed for c, _ in world.coordinators)
-    report.prefix_hits = sum(c.prefix.counts.hits for c, _ in world.coordinators)
-    report.prefix_dropped = sum(c.prefix.counts.dropped for c, _ in world.coordinators)
+    report.prefix_hits = sum(c.cluster.prefix.counts.hits for c, _ in world.coordinators)
+    report.replicated, report.replica_lost = (sum(n) for n in zip(*(replica_counts(c) for c, _ in world.coordinators)))
+    report.prefix_dropped = sum(c.cluster.prefix.counts.dropped for c, _ in world.coordinators)
     for w in world.workers:
         w.kill()
     for c, _ in world.coordinators:

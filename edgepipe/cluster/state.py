@@ -23,12 +23,14 @@ from typing import Mapping
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
     EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, SpareLoaded, Pinned, Repriced,
-    SecretsIssued, SwitchStarted, SwitchEnded, Noted, RequestStarted, RequestFed, KvMoved, RequestEnded, Event,
+    SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, Routed, KvMoved, KvMoveSent,
+    KvMoveEnded, RequestEnded, Event,
 )
 from ..net.messages import Hello
-from . import checkpoints as K
+from . import checkpoints as K, prefix_book as PB
 from .checkpoints import Checkpoint, CheckpointSending, CheckpointStored, CheckpointVoid, Resume  # noqa: F401 - events and values, as state.X
 from .placement import Deployment, StageAssignment
+from .prefix_book import PrefixBook, PrefixDecided, PrefixDone  # noqa: F401 - events, as state.X
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
 STALL_S = 1.0  # a gap at least this long is also kept among a worker's stalls...
@@ -93,6 +95,7 @@ class RequestInfo:
     kv_len: int = 0  # tokens in that KV
     migrated_to: int | None = None  # a plan that received its KV by a move (resume there without replay)
     resume: Resume | None = None  # a committed plan that holds a checkpoint of its KV (replay only what came after it)
+    route: tuple[int, tuple[str, ...]] | None = None  # (plan, a worker per stage): its replicas there (cluster.replicas)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ class ClusterState:
     spare_plan: int | None = None  # the plan id the spare's stages were loaded under
     spare_built: frozenset[str] = frozenset()  # the spare's workers whose session is built (they take KV checkpoints)
     checkpoints: Mapping[str, Checkpoint] = field(default_factory=lambda: _frozen({}))  # rid -> what the spare holds of its KV
+    moves: Mapping[int, KvMoveSent] = field(default_factory=lambda: _frozen({}))  # KV moves of a switch in flight, by id
+    prefix: PrefixBook = PrefixBook()  # the blocks the active plan's stages cache, decisions in flight, counts (``prefix_book``)
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""
@@ -196,7 +201,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _phase(state, Phase.DOWN, now) if state.active is None else state
         case Committing(now) if state.active is None:
             return _phase(state, Phase.COMMITTING, now)
-        case Committed(dep, now):
+        case Committed(dep, now, _):
             resumes = K.resumable(state.checkpoints, state.spare, dep.stages, dep.plan_id)
             if resumes:  # the spare plan came up: its workers hold these sequences' checkpoints
                 state = _replace(state, requests=_frozen({r: _replace(q, resume=resumes[r]) if r in resumes else q
@@ -204,7 +209,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             # the secrets of the new plan and of the one it replaces are kept, those of other (failed) plans go
             kept = {dep.plan_id} | ({state.active.plan_id} if state.active is not None else set())
             secrets = _frozen({p: s for p, s in state.secrets.items() if p in kept})
-            state = _replace(state, active=dep, preparing=None, ever_up=True, last_switch=now, last_failure=None, secrets=secrets)
+            state = _replace(state, active=dep, preparing=None, ever_up=True, last_switch=now, last_failure=None, secrets=secrets,
+                             prefix=PB.switched(state.prefix, dep.plan_id))  # the cache of another plan's stages is void
             return _phase(state, Phase.UP, now)
         case SecretsIssued(plan_id, secrets):
             return _replace(state, secrets=_with(state.secrets, plan_id, _frozen(secrets)))
@@ -228,6 +234,12 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _replace(state, **repriced) if repriced else state
         case Noted():
             return state  # a dashboard line: logged, changes nothing
+        case KvMoveSent(move):
+            return _replace(state, moves=_with(state.moves, move, event))
+        case KvMoveEnded(move, _) if move in state.moves:
+            return _replace(state, moves=_without(state.moves, move))
+        case PrefixDecided() | PrefixDone():
+            return _replace(state, prefix=PB.apply(state.prefix, event))
         case RequestStarted(rid, positions):
             return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
@@ -241,6 +253,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             q = state.requests[rid]
             return _replace(state, checkpoints=_without(state.checkpoints, rid),
                             requests=_with(state.requests, rid, _replace(q, resume=None)) if q.resume else state.requests)
+        case Routed(rid, plan, route) if rid in state.requests:
+            return _replace(state, requests=_with(state.requests, rid, _replace(state.requests[rid], route=(plan, tuple(route)))))
         case KvMoved(rid, plan) if rid in state.requests:
             return _replace(state, requests=_with(state.requests, rid, _replace(state.requests[rid], migrated_to=plan)))
         case RequestEnded(rid) if rid in state.requests:
@@ -267,8 +281,8 @@ def _without(m: Mapping, key) -> Mapping:
 
 
 def _down(state: ClusterState, now: float) -> ClusterState:
-    """No active plan: Down, and no sequence's KV is on a plan any more."""
-    state = _phase(_replace(state, active=None), Phase.DOWN, now)
+    """No active plan: Down, no sequence's KV is on a plan any more, nor any cached prefix."""
+    state = _phase(_replace(state, active=None, prefix=PB.switched(state.prefix, None)), Phase.DOWN, now)
     return _replace(state, requests=_frozen({r: _replace(q, plan=None, migrated_to=None) for r, q in state.requests.items()}))
 
 

@@ -2,7 +2,8 @@
 
 A step is one sequence's next token: the token ids go to the plan's first stage in a FORWARD
 frame (decode steps of several sequences share a frame: lanes, see ``batching``), and its token
-comes back from the last stage. ``Steps`` owns what is in flight: the future of every pending
+comes back from the last stage. On a plan with replicated stages a sequence's frames go through
+its route (``replicas``: a replica per stage, chosen at its first step there). ``Steps`` owns what is in flight: the future of every pending
 step, the lanes, the step timeout (and who to blame when it passes), and the DROP that frees a
 finished sequence's KV once nothing of it is left in the pipeline. Failures come back as
 :class:`PipelineBroken` (retry on the next plan) or :class:`RequestFailed` (one line, final).
@@ -21,8 +22,9 @@ from ..net.protocol import Message
 from ..runtime import controls
 from ..runtime.sequence import GenerationParams, uniform_draw
 from ..runtime.speculative import rule_fields
-from . import membership
+from . import membership, replicas
 from .batching import LaneItem, Lanes
+from .events import Routed
 from .placement import Deployment
 
 
@@ -93,7 +95,9 @@ class Steps:
         positions (drafts the last verify rejected) forget them."""
         c = self.coord
         t0 = c.clock()
-        computed_before = membership.computed_counts(c.cluster, dep.workers)
+        route = self.route(dep, rid)
+        on_path = route or dep.workers
+        computed_before = membership.computed_counts(c.cluster, on_path)
         others_in_flight = any(p[1] == dep.plan_id for other, p in self.pending.items() if other != seq)
         self.sent_on[dep.plan_id] = sent_before = self.sent_on.get(dep.plan_id, 0) + 1
         fut = asyncio.get_running_loop().create_future()
@@ -104,7 +108,8 @@ class Steps:
             if draft_q is not None:
                 sampling.update(rule_fields(feed[1:], list(draft_q), params.seed, step))
         item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling, **({"verify": True} if verify else {}),
-                **({"rewind": True} if rewind and kv_start is not None else {})}
+                **({"rewind": True} if rewind and kv_start is not None else {}),
+                **({"route": list(route)} if route else {})}
         # A replay rebuilds KV exactly as first computed: the prompt as one prefill, then each later
         # token as its own decode step (one prefill over everything takes other kernel paths and
         # can flip a near-tie). Sent as separate frames, the stages work on them as a pipeline;
@@ -114,7 +119,9 @@ class Steps:
         chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if one_by_one else [feed]
         # A prompt prefill from position 0 may start from cached blocks (cluster.prefix). Prompt
         # logprobs need every position's logits: such a prefill saves blocks but reuses none.
-        decision = c.prefix.decide(dep, rid, chunks[0], reuse="targets" not in (head or {})) if kv_start == 0 and len(feed) > 1 else None
+        # Not on a plan with replicated stages: the cache knows the plan's blocks, not each replica's.
+        decision = c.prefix.decide(dep, rid, chunks[0], reuse="targets" not in (head or {})) \
+            if kv_start == 0 and len(feed) > 1 and not dep.replicated else None
         reused = decision.reused_positions if decision else 0
         if reused:
             chunks[0], kv_start = chunks[0][reused:], reused
@@ -126,7 +133,8 @@ class Steps:
         out = _OutStep(dep, {**item, **at(len(chunks) - 1)}, chunks[-1], fut)
         try:
             if len(feed) == 1:
-                self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out), len(dep.stages)))
+                # a micro-batch in flight per worker (replicas included: they compute side by side)
+                self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out, route), len(dep.stages)))
             else:
                 self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
                 for i, chunk in enumerate(chunks[:-1]):
@@ -142,7 +150,7 @@ class Steps:
             if self.pending.get(seq, (0, 0, None))[2] is fut:
                 del self.pending[seq]
             alone = not others_in_flight and self.sent_on.get(dep.plan_id) == sent_before
-            idle = membership.idle_stage(c.cluster, dep.workers, computed_before, t0, alone)
+            idle = membership.idle_stage(c.cluster, on_path, computed_before, t0, alone)
             if idle is not None:
                 c.spawn(c.quarantine(idle, f"computed nothing for {seq} step {step} in {c.settings.step_timeout_s} s "
                                            f"while answering pings"))
@@ -160,10 +168,22 @@ class Steps:
             raise RequestFailed("the last stage did not verify the drafted tokens (a worker without speculative decoding)")
         return int(reply["token"]), record
 
+    def route(self, dep: Deployment, rid: str) -> replicas.Route:
+        """``rid``'s route on a plan with replicated stages, chosen (and recorded) at its first
+        step there; () on a plan without replicas (its frames carry no route)."""
+        if not dep.replicated:
+            return ()
+        c = self.coord
+        route = replicas.routed(c.cluster.requests, dep, rid)
+        if route is None:
+            route = replicas.choose_route(dep, c.cluster.requests, rid)
+            c.emit(Routed(rid, dep.plan_id, route))
+        return route
+
     # -- replies ----------------------------------------------------------------------------------
     def tokens(self, worker_id: str, msg: Token) -> None:
         dep = self.coord.cluster.active
-        if dep is not None and dep.plan_id == msg.plan and dep.stages[-1].worker_id != worker_id:
+        if dep is not None and dep.plan_id == msg.plan and not replicas.last_stage(dep, worker_id):
             self.coord.event("ignored", worker=worker_id, why=f"token frame for plan {msg.plan} from a stage that is not its last")
             return
         logprobs = msg.logprobs or [None] * len(msg.tokens)
@@ -227,7 +247,7 @@ class Steps:
         if not steps:
             return
         c, dep = self.coord, steps[0].dep
-        first = dep.stages[0].worker_id
+        first = steps[0].item["route"][0] if "route" in steps[0].item else dep.stages[0].worker_id
         link = c.links.get(first)
         now = c.clock()
         for s in steps:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..net.channel import Channel
 from ..net.protocol import Message, encode
+from . import replicas
 from .state import WorkerInfo
 
 
@@ -65,6 +66,16 @@ def _stage_weights(coord, dep, worker_id: str) -> int | None:
         return None
 
 
+def replica_fields(dep, requests, worker_id: str) -> dict:
+    """A worker of a replicated stage: ``replica`` [k, of n] and the sequences routed through it."""
+    group = next(g for g in dep.groups if any(s.worker_id == worker_id for s in g))
+    if len(group) == 1:
+        return {}
+    k = [s.worker_id for s in group].index(worker_id)
+    routed = sum(1 for rid in requests if worker_id in (replicas.routed(requests, dep, rid) or ()))
+    return {"replica": [k + 1, len(group)], "sequences": routed}
+
+
 def status(coord) -> dict:
     """The cluster at a glance (``GET /v1/cluster/status``)."""
     dep = coord.cluster.active
@@ -76,7 +87,9 @@ def status(coord) -> dict:
         "plan": None if dep is None else {
             "id": dep.plan_id, "reason": dep.reason, "predicted": dep.predicted,
             "stages": [{"worker": s.worker_id, "start": s.start, "end": s.end,
-                        "precision": coord.deployer.precision(s.worker_id) or coord.manifest.precision} for s in dep.stages],
+                        "precision": coord.deployer.precision(s.worker_id) or coord.manifest.precision,
+                        **replica_fields(dep, coord.cluster.requests, s.worker_id)} for s in dep.stages],
+            "replicated": dep.replicated,
             "pinned_s": round(coord.cluster.pin[1] - coord.clock(), 1) if coord.cluster.pinned(coord.clock()) else None,
         },
         "workers": [{
@@ -89,6 +102,7 @@ def status(coord) -> dict:
             "suspected": w.suspected_since is not None, "stats": dict(w.stats),
             "quarantined_s": _quarantine_left(coord.cluster, w, coord.clock()),
             "units": next(([s.start, s.end] for s in dep.stages if s.worker_id == w.id), None) if dep else None,
+            **(replica_fields(dep, coord.cluster.requests, w.id) if dep is not None and w.id in dep.workers else {}),
             "weights_bytes": _stage_weights(coord, dep, w.id),
             "profile": _profile(coord, w.id),
         } for w in coord.cluster.workers.values()],

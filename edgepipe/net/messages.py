@@ -70,6 +70,9 @@ class NextHop:
     relay: bool = False
     secret: str | None = None  # the next stage's data-port secret (net.auth)
     fingerprint: str | None = None  # its data port's certificate (TLS clusters)
+    # the next stage's other replicas (a plan with replicated stages): a frame whose batch
+    # entries carry a ``route`` goes to the hop whose id is on it
+    replicas: tuple["NextHop", ...] = ()
 
     @classmethod
     def of(cls, wire) -> "NextHop":
@@ -83,13 +86,25 @@ class NextHop:
         if not isinstance(wire.get("id"), str) or not (relay or isinstance(url, str) and url):
             raise ProtocolError("load: a worker hop needs an id and a url (or relay)")
         opt = lambda k: wire.get(k) if isinstance(wire.get(k), str) else None  # noqa: E731
-        return cls("worker", wire["id"], url if isinstance(url, str) else None, relay, opt("secret"), opt("fingerprint"))
+        others = wire.get("replicas") or []
+        if not isinstance(others, list) or not all(isinstance(o, dict) and o.get("kind") == "worker" and "replicas" not in o for o in others):
+            raise ProtocolError("load: next.replicas must be a list of worker hops")
+        return cls("worker", wire["id"], url if isinstance(url, str) else None, relay, opt("secret"), opt("fingerprint"),
+                   tuple(cls.of(o) for o in others))
+
+    def toward(self, batch) -> "NextHop":
+        """The hop a frame of ``batch`` goes to: the replica on its entries' ``route``, else this one."""
+        route = batch[0].get("route") if self.replicas and batch and isinstance(batch[0], dict) else None
+        if isinstance(route, list):
+            return next((h for h in (self, *self.replicas) if h.id in route), self)
+        return self
 
     def wire(self) -> dict:
         if self.kind == "coordinator":
             return {"kind": "coordinator"}
         hop = {"kind": "worker", "id": self.id, "url": self.url, "relay": self.relay}
-        return {**hop, **{k: v for k, v in (("secret", self.secret), ("fingerprint", self.fingerprint)) if v is not None}}
+        hop.update({k: v for k, v in (("secret", self.secret), ("fingerprint", self.fingerprint)) if v is not None})
+        return {**hop, "replicas": [h.wire() for h in self.replicas]} if self.replicas else hop
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,9 @@ DOCS: dict[type, MessageDoc] = {
         "end": "one past its last unit",
         "graph": "sha256 of the merged stage graph",
         "files": "sha256s of its weight files",
-        "next": "where its output goes: `{\"kind\": \"coordinator\"}` or `{\"kind\": \"worker\", id, url, relay[, secret, fingerprint]}`",
+        "next": "where its output goes: `{\"kind\": \"coordinator\"}` or `{\"kind\": \"worker\", id, url, relay[, secret, fingerprint]"
+                "[, replicas]}`; `replicas`: the next stage's other replicas, hops of the same form (a frame whose entries carry "
+                "a `route` goes to the hop on it)",
         "keep": "plan ids whose stages stay loaded beside it",
         "max_context": "longest sequence the stage must hold",
         "kv_bytes_per_token": "KV bytes per position over its units (memory check)",
@@ -100,6 +102,8 @@ DOCS: dict[type, MessageDoc] = {
                  "`evict` blocks go, and after computing the `save` blocks are kept; see `cluster/prefix.py`); "
                  "speculative decoding: `verify: true` (the head returns a token per position: `verified`) and "
                  "`rewind: true` (a stage holding more than `pos` positions first forgets those after `pos`: rejected drafts); "
+                 "on a plan with replicated stages, `route` (the worker id at every stage: the replicas the sequence uses; "
+                 "each stage sends the frame to the next stage's worker on it); "
                  "a sampled `verify` entry's `sampling` has `uniform` as a list (a draw per position) and, for the "
                  "speculative-sampling rule, `drafts` (k ids), `draft_ids`/`draft_probs` (per draft the distribution it was "
                  "drawn from, sparse) and `accept`/`replace` (k draws each): the head then decides (`runtime.speculative.head_verdict`); "

@@ -268,11 +268,20 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
             chosen = {"tokens": tokens[-1:], "verified": [tokens]} if batch[0].get("verify") else {"tokens": tokens}
             commands.append(SendControl(Message(T.TOKEN, {**fields, **chosen, **event.logprobs})))
         return state, commands
-    if stage.next.relay:
-        commands.append(SendControl(Message(T.FORWARD, {**fields, "relay_to": stage.next.id}, {"x": out})))
-    else:
-        commands.append(SendPeer(stage.next.url, plan, Message(T.FORWARD, fields, {"x": out}),
-                                 data_secret(state, stage.next.url, plan, stage.next.secret), stage.next.fingerprint, about=msg))
+    # A replicated next stage: each row goes to the replica on its entry's route (a frame per
+    # replica; the computations so far are timed in the first frame only, so they count once).
+    rows: dict[str, tuple] = {}
+    for i, item in enumerate(batch):
+        hop = stage.next.toward([item])
+        rows.setdefault(hop.id, (hop, []))[1].append(i)
+    for k, (hop, mine) in enumerate(rows.values()):
+        part, x = (batch, out) if len(mine) == len(batch) else ([batch[i] for i in mine], out[mine])
+        sent = {**fields, "batch": part, **({"timings": []} if k else {})}
+        if hop.relay:
+            commands.append(SendControl(Message(T.FORWARD, {**sent, "relay_to": hop.id}, {"x": x})))
+        else:
+            commands.append(SendPeer(hop.url, plan, Message(T.FORWARD, sent, {"x": x}),
+                                     data_secret(state, hop.url, plan, hop.secret), hop.fingerprint, about=msg))
     return state, commands
 
 

@@ -1,0 +1,163 @@
+"""The coordinator's decisions as data (sans-IO), for the inputs moved here so far:
+``handle(state, input, config) -> Handled(state, events, commands)``.
+
+An input is something that happened at the coordinator's edge: a heartbeat is due, a frame or a
+pong came from a worker, a prompt prefill is about to be sent, the frame that carried a prefix
+decision came back. ``handle`` returns the events that input makes (the state after them is
+``state``: the shell emits each one, so they are logged and narrated like every other) and the
+commands the shell must carry out (take a worker out, fail a plan's steps, wake the re-planner,
+ping every worker, record a measurement, send a prefill with its prefix decision).
+
+Driven by ``connections`` (heartbeats, frames heard, pongs) and ``prefix_cache`` (prefills).
+The rest of the coordinator's inputs (LOADED, TOKEN, API requests) still go through their
+shells' own code (``steps``, ``deployer``, ``requests``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from . import measurements as M, membership, prefix, prefix_book as PB, scheduling
+from .profiling import RUNTIME_OVERHEAD_BYTES
+from .state import ClusterState, Event, Heard, Ponged, apply
+
+HEARD_EVERY_S = 0.05  # frames closer than this tell the failure detector nothing new
+
+
+# -- inputs -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeartbeatDue:
+    last: float  # when the previous heartbeat ran
+    now: float
+    replay_s: float  # rough time to rebuild the active plan's live KV by replay (what abandoning it costs)
+    weight_bytes: int  # what the model needs of the workers: its weights...
+    kv_bytes: int  # ...and KV for the tokens every plan reserves (``scheduling.shortfall``)
+
+
+@dataclass(frozen=True)
+class FrameHeard:
+    worker_id: str
+    now: float
+
+
+@dataclass(frozen=True)
+class PongHeard:
+    worker_id: str
+    sent_at: float | None  # the ping's time it echoes (None: a worker that echoes none)
+    stats: Mapping
+    now: float
+
+
+@dataclass(frozen=True)
+class PrefillAsked:
+    """A prompt prefill of ``ids`` from position 0 for ``rid`` on ``plan`` (the cache is on there)."""
+
+    plan: int
+    rid: str
+    ids: list[int]
+    reuse: bool  # False: every position must be computed (prompt logprobs)
+    room: int  # blocks the cache may hold (``prefix.room_blocks``)
+
+
+@dataclass(frozen=True)
+class PrefillEnded:
+    rid: str
+    ok: bool  # the frame came back from the last stage (False: it failed or was given up part-way)
+
+
+Input = HeartbeatDue | FrameHeard | PongHeard | PrefillAsked | PrefillEnded
+
+
+# -- commands ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoseWorker:
+    worker_id: str
+    why: str
+
+
+@dataclass(frozen=True)
+class FailPlan:
+    """Fail every step in flight on ``plan`` (it was given up): those sequences pause and continue on the next."""
+
+    plan: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Replan:
+    """Wake the re-planner."""
+
+
+@dataclass(frozen=True)
+class PingAll:
+    now: float
+
+
+@dataclass(frozen=True)
+class Measure:
+    measurement: M.Measurement
+
+
+@dataclass(frozen=True)
+class CarryPrefix:
+    """Send ``rid``'s prefill with ``decision`` (every stage applies it in frame order)."""
+
+    rid: str
+    decision: prefix.PrefillDecision
+
+
+Command = LoseWorker | FailPlan | Replan | PingAll | Measure | CarryPrefix
+
+
+@dataclass(frozen=True)
+class Config:
+    liveness: membership.LivenessSettings
+    prefix_block: int  # token ids per cached prefix block
+
+    @classmethod
+    def of(cls, settings) -> "Config":
+        """From ``CoordinatorSettings``."""
+        liveness = membership.LivenessSettings(settings.heartbeat_s, min_suspect_s=settings.dead_after_s,
+                                               lose_after_s=settings.lose_after_s)
+        return cls(liveness, settings.prefix_block)
+
+
+@dataclass(frozen=True)
+class Handled:
+    state: ClusterState  # the state after ``events``
+    events: tuple[Event, ...] = ()
+    commands: tuple[Command, ...] = field(default=())
+
+
+def handle(state: ClusterState, event: Input, config: Config) -> Handled:
+    """The events ``event`` makes, the state after them and the commands to carry out (pure)."""
+    match event:
+        case HeartbeatDue(last, now, replay_s, weight_bytes, kv_bytes):
+            lacking = lambda st: scheduling.shortfall(st, weight_bytes, kv_bytes, RUNTIME_OVERHEAD_BYTES, now)  # noqa: E731
+            beat = membership.beat(state, last, now, config.liveness, replay_s, lacking)
+            commands: list[Command] = [LoseWorker(v.worker_id, v.why) for v in beat.lose]
+            if beat.abandoned is not None:
+                commands.append(FailPlan(beat.abandoned, beat.events[-1].why))
+            commands += [Replan()] if beat.replan else []
+            return _after(state, beat.events, (*commands, PingAll(now)))
+        case FrameHeard(wid, now):
+            seen = state.workers.get(wid)
+            if seen is not None and (seen.suspected_since is not None or now - seen.last_seen >= HEARD_EVERY_S):
+                return _after(state, (Heard(wid, now),))
+        case PongHeard(wid, sent_at, stats, now):
+            rtt = now - sent_at if sent_at is not None and sent_at <= now else None
+            return _after(state, (Ponged(wid, rtt, stats, now),), (Measure(M.HeartbeatRtt(wid, rtt)),) if rtt is not None else ())
+        case PrefillAsked(plan, rid, ids, reuse, room):
+            decided = PB.decide(state.prefix, plan, rid, ids, room, config.prefix_block, reuse)
+            if decided is not None:
+                return _after(state, (decided,), () if decided.decision.empty else (CarryPrefix(rid, decided.decision),))
+        case PrefillEnded(rid, ok):
+            return _after(state, (PB.PrefixDone(rid, ok),))
+    return Handled(state)
+
+
+def _after(state: ClusterState, events: tuple, commands: tuple = ()) -> Handled:
+    for e in events:
+        state = apply(state, e)
+    return Handled(state, tuple(events), tuple(commands))

@@ -367,31 +367,19 @@ def variant_graph(base: onnx.ModelProto, name: str, base_dir: Path, rope_base: f
     return m
 
 
-class _F16Cache:
-    """numpy, but the stage runner's 4-D KV buffers come out f16 (for the f16-kv variants)."""
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-    def zeros(self, shape, dtype=float):
-        return np.zeros(shape, np.float16 if isinstance(shape, tuple) and len(shape) == 4 and dtype is np.float32 else dtype)
-
-
-def edgepipe_forced(graph: Path, sequences: list, f16_cache: bool) -> list[list[int]]:
-    stage_runner.np = _F16Cache() if f16_cache else np
-    try:
-        runner = stage_runner.StageRunner(graph, threads=2)
-        greedy, out = stage_runner.SamplingBatch.greedy(1), []
-        for i, (prompt, cont) in enumerate(sequences):
-            seq = f"agree{i}"
-            predicted = [int(runner.run(seq, np.array([prompt], np.int64), greedy)[0])]
-            for t in cont[:-1]:
-                predicted.append(int(runner.run(seq, np.array([[t]], np.int64), greedy)[0]))
-            runner.drop(seq)
-            out.append(predicted)
-        return out
-    finally:
-        stage_runner.np = np
+def edgepipe_forced(graph: Path, sequences: list) -> list[list[int]]:
+    """Teacher-forced argmax at every position (the runner keeps its KV in the graph's dtype: the
+    f16-kv variants declare an f16 cache, the gguf form's KvAttention has one)."""
+    runner = stage_runner.StageRunner(graph, threads=2)
+    greedy, out = stage_runner.SamplingBatch.greedy(1), []
+    for i, (prompt, cont) in enumerate(sequences):
+        seq = f"agree{i}"
+        predicted = [int(runner.run(seq, np.array([prompt], np.int64), greedy)[0])]
+        for t in cont[:-1]:
+            predicted.append(int(runner.run(seq, np.array([[t]], np.int64), greedy)[0]))
+        runner.drop(seq)
+        out.append(predicted)
+    return out
 
 
 def main() -> None:
@@ -429,7 +417,7 @@ def main() -> None:
         path = graph.parent / f"agreement-floor-{name}.onnx"  # beside the graph: its weights are external blobs there
         try:
             onnx.save(variant_graph(base, name, graph.parent, float(pkg.manifest.config["rope_theta"])), str(path))
-            predicted = edgepipe_forced(path, sequences, "f16-kv" in name.split("+"))
+            predicted = edgepipe_forced(path, sequences)
         finally:
             path.unlink(missing_ok=True)
         rows.append({"engine": f"edgepipe {name}", "vs_llama_cpp": matches(predicted, llama_default)[0],

@@ -1,6 +1,7 @@
 """The ARM64 NEON kernels, cross-compiled and run under emulation: every block type, plain NEON and
 NEON with dot products, equal to the portable path bit for bit (one row and a batch of 11), and the
-run-time choice following the CPU (a Cortex-A53 has no dot product; `-cpu max` has it).
+run-time choice following the CPU (a Cortex-A53 has no dot product; `-cpu max` has it). The fp16-KV
+attention's NEON and portable C loops against the numpy reference, its cache bit for bit.
 
 Needs Debian's gcc-aarch64-linux-gnu and qemu-user, which `scripts/bootstrap.sh test` installs."""
 
@@ -17,6 +18,7 @@ from edgepipe.native.build import ARM64_UNITS, COMMON_FLAGS, SOURCE_DIR
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 CHECK_SOURCE = Path(__file__).parent / "native" / "neon_check.c"
+ATTENTION_CHECK_SOURCE = Path(__file__).parent / "native" / "kv_attention_check.c"
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
@@ -34,6 +36,8 @@ def check_binary(tmp_path_factory) -> Path:
     binary = out / "neon_check"
     subprocess.run([CROSS_CC, "-O2", "-static", str(CHECK_SOURCE), *objects, "-o", str(binary), "-lm"],
                    check=True, capture_output=True, text=True)
+    subprocess.run([CROSS_CC, "-O2", "-static", f"-I{SOURCE_DIR}", str(ATTENTION_CHECK_SOURCE), *objects, "-o", str(out / "kv_attention_check"),
+                    "-lm"], check=True, capture_output=True, text=True)
     return binary
 
 
@@ -56,3 +60,32 @@ def test_a_cpu_without_dot_products_runs_plain_neon(check_binary):
     verdicts = {tuple(line.split()[:2]): line.split()[2] for line in lines[1:]}
     assert verdicts == {**{(t, "neon"): "equal" for t in TYPES}, **{(t, "neon_dotprod"): "unavailable:" for t in TYPES}}, "\n".join(lines)
     assert code == 0
+
+
+@pytest.mark.parametrize("kernels", ["portable", "neon"])
+@pytest.mark.parametrize("case", [dict(window=-1, do_rotary=1, interleaved=0, softcap=0.0),
+                                  dict(window=6, do_rotary=0, interleaved=0, softcap=30.0),
+                                  dict(window=-1, do_rotary=1, interleaved=1, softcap=0.0)])
+def test_fp16_kv_attention_on_arm64(check_binary, tmp_path, case, kernels):
+    import numpy as np
+    from test_kv_attention import check, random_case, reference, tables
+
+    batch, seq, heads, kv_heads, dim, capacity = 2, 3, 14, 2, 64, 24
+    rng = np.random.default_rng(17)
+    qkv, key, value, lengths = random_case(rng, batch, seq, heads, kv_heads, dim, capacity, [9, 20])
+    cos, sin = tables(64, dim // 2) if case["do_rotary"] else (np.zeros((64, 1), np.float32),) * 2  # (the case file's tables: width 1 unrotated)
+    scale = 1 / np.sqrt(dim)
+    header = np.array([batch, seq, heads, kv_heads, dim, capacity, 64, dim // 2 if case["do_rotary"] else 0, case["interleaved"],
+                       case["window"]], np.int64).tobytes() + np.array([scale, case["softcap"]], np.float32).tobytes()
+    (tmp_path / "case.bin").write_bytes(header + b"".join(a.tobytes() for a in (qkv, lengths, cos, sin, key, value)))
+    done = subprocess.run([QEMU, "-cpu", "max", str(check_binary.parent / "kv_attention_check"), str(tmp_path / "case.bin"),
+                           str(tmp_path / "out.bin"), kernels], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    raw = (tmp_path / "out.bin").read_bytes()
+    n_out = batch * seq * heads * dim * 4
+    got = np.frombuffer(raw[:n_out], np.float32).reshape(batch, seq, heads * dim)
+    got_key, got_value = np.frombuffer(raw[n_out:], np.uint16).reshape(2, batch, kv_heads, capacity, dim)
+    want, want_key, want_value = reference(qkv, key, value, lengths, heads, kv_heads, rotary=bool(case["do_rotary"]),
+                                           interleaved=bool(case["interleaved"]), window=case["window"], scale=scale, softcap=case["softcap"])
+    assert np.array_equal(got_key, want_key.view(np.uint16)) and np.array_equal(got_value, want_value.view(np.uint16))
+    check(got, want)

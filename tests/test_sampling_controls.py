@@ -234,7 +234,10 @@ def test_penalties_change_the_greedy_text_as_the_reference_does(client, native_p
         text, ids = complete(client, REPEATING, **kw)
         want = reference_ids(native_pkg, REPEATING, **kw)
         assert ids == want[: len(ids)], kw  # the single-process runner, token for token
-        if kw.get("presence_penalty", 0) > 0 and kw.get("frequency_penalty", 0) >= 0:
+        # a frequency penalty of 2 grows with every repeat and must break the loop; a flat presence
+        # penalty of 2 is within rounding of the model's lead for " apple" here (it changed the text
+        # of the kernel form with an fp32 KV cache, not the MatMulNBits form's nor, now, the fp16 one's)
+        if kw.get("frequency_penalty", 0) > 0:
             assert text != plain, kw
     assert plain_ids == reference_ids(native_pkg, REPEATING)[: len(plain_ids)]
 

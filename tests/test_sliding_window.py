@@ -30,11 +30,11 @@ N_NEW = 40
 HEAD = 7  # unit index of the head: every pipeline here cuts before it, to read the hidden state
 
 
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
+@pytest.fixture(scope="module", params=["fp32", "gguf"])  # gguf: the kernel form's KvAttention over an fp16 cache
+def gemma3(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("sliding-window")
     path = write_tiny_gguf(root / "gemma3.gguf", "gemma3", seed=11)
-    pkg = Package(import_model(path, root / "models", "fp32", max_context=256, measure_cost=False))
+    pkg = Package(import_model(path, root / "models", request.param, max_context=256, measure_cost=False))
     assert list(pkg.manifest.config["layer_windows"]) == [WINDOW] * 5 + [0]
     return pkg
 
@@ -89,7 +89,9 @@ def test_window_layers_keep_only_their_window(gemma3):
     assert lengths[-1] == len(ids) + N_NEW - 1 > 5 * WINDOW
     pool = runner._pool
     assert pool.window_capacity == window_positions(WINDOW)  # a prefill's extra room was given back
-    per_position = 2 * pool.kv_heads * pool.head_dim * 4  # K and V, fp32
+    per_position = 2 * pool.kv_heads * pool.head_dim * pool.dtype.itemsize  # K and V, fp32 (fp16 in the kernel form)
+    assert pool.dtype == (np.float16 if gemma3.manifest.precision == "gguf" else np.float32)
+    assert per_position == gemma3.manifest.kv_bytes_per_token(1)
     assert runner.kv_bytes == pool.rows * per_position * (pool.capacity + 5 * pool.window_capacity)
 
 

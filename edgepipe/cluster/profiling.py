@@ -222,7 +222,7 @@ class ClusterProfile:
     def model_profile(self, precision: str | None = None, context_tokens: int | None = None) -> ModelProfile:
         """``context_tokens``: KV positions to plan per sequence (default: the full context)."""
         m = self.manifest
-        units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, u.kv_bytes_per_token,
+        units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, m.kv_bytes_per_token(u.index, precision),
                                   u.out_bytes_per_token, u.kv_window) for u in m.units)
         return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES)
 

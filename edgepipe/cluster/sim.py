@@ -120,6 +120,9 @@ class FakeManifest:
     def variant(self, index, precision=None) -> _Variant:
         return _Variant(UNIT_BYTES, (f"file{index}",))
 
+    def kv_bytes_per_token(self, index, precision=None) -> int:  # as manifest.Manifest's
+        return self.units[index].kv_bytes_per_token
+
     def stage_files(self, start, end, precision=None):
         return [f"file{u}" for u in range(start, end)]
 

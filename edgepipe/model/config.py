@@ -69,7 +69,7 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
-        return 2 * self.n_kv_heads * self.head_dim * 4  # K and V, fp32
+        return 2 * self.n_kv_heads * self.head_dim * 4  # K and V, fp32 (the gguf form's fp16 cache: half, see Manifest.kv_bytes_per_token)
 
     def window(self, layer: int) -> int:
         """Tokens layer ``layer`` (0-based) attends to, itself included; 0 = the whole context."""

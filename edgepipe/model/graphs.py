@@ -16,7 +16,9 @@ can be merged into one stage graph by concatenation (see ``package.merge_units``
                       prompt_top_ids/prompt_top_logprobs [B, S|0, N]   (see ``head_unit``)
 
 Attention is ONNX Runtime's GroupQueryAttention with rotary inside and past/present sharing
-one buffer of capacity C, so decode appends to the KV cache in place instead of copying it.
+one buffer of capacity C, so decode appends to the KV cache in place instead of copying it. The
+kernel form (weights as the GGUF's blocks, run by the native library) uses the library's
+``KvAttention`` instead: the same inputs and meaning, its KV cache in fp16 (``past_key.u`` float16).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..native import ATTENTION_OP as KV_ATTENTION
 from ..native import DOMAIN as GGUF_DOMAIN
 from ..native import GATHER_OP as GGUF_GATHER
 from ..native import GGML_TYPE_IDS
@@ -37,6 +40,7 @@ IR_VERSION = 10  # the newest ONNX Runtime 1.32 and onnxruntime-web 1.30 both lo
 MS = "com.microsoft"
 
 FLOAT, INT64, INT32, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL
+FLOAT16 = TensorProto.FLOAT16
 SAMPLING_INPUTS = ("do_sample", "temperature", "top_k", "top_p", "uniform")
 HEAD_CONTROL_INPUTS = ("logit_adjust", "num_top", "prompt_targets")
 HEAD_LOGPROB_OUTPUTS = ("token_logprob", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs")
@@ -48,7 +52,16 @@ MAX_TOP_LOGPROBS = 20
 # 5: sliding-window layers rotate at position_ids, keep only their window of KV, see window keys (not window - 1).
 # 6: a lone row's 4-bit products share one pad/slice per run of row-wise ops (fewer nodes per layer).
 # 7: no in-graph padding: a lone row runs every product at M = 1 (batch invariance is the stage runner's option).
-GRAPH_VERSION = 8
+# 8: the head's repeat penalty. 9: the kernel form's layers attend with KvAttention over an fp16 KV cache.
+GRAPH_VERSION = 9
+
+
+def kernel_form(w: dict) -> bool:
+    """Whether a layer's weights are the kernel form's (the file's blocks for the kernel library):
+    its attention is then the library's ``KvAttention`` over an fp16 KV cache, half the bytes of
+    GroupQueryAttention's fp32 one, as llama.cpp keeps it."""
+    parts = [p for v in w.values() for p in (v if isinstance(v, list) else [v])]
+    return any(isinstance(p, StoredGGUF) for p in parts)
 
 
 def hidden_name(unit: int) -> str:
@@ -214,12 +227,15 @@ def _gather_blocks(g: _Graph, table) -> str:
 
 
 def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], cos: np.ndarray, sin: np.ndarray,
-               local_rope: tuple[np.ndarray, np.ndarray] | None = None) -> onnx.ModelProto:
+               local_rope: tuple[np.ndarray, np.ndarray] | None = None, fp16_kv: bool | None = None) -> onnx.ModelProto:
     """One decoder layer. ``w`` holds attn_norm, qkv (fused rows), qkv_bias?, q_norm?, k_norm?,
     attn_output, post_attention_norm?, ffn_norm, gate_up (fused rows), ffn_down, post_ffw_norm?.
 
     A sliding-window layer (``cfg.window``) attends to its last ``window`` positions and, where
-    the family gives such layers their own RoPE base, rotates with ``local_rope``."""
+    the family gives such layers their own RoPE base, rotates with ``local_rope``.
+
+    ``fp16_kv`` (default: ``kernel_form(w)``; the importer says so for every layer of the ``gguf``
+    form, float tensors or not): attention is the kernel library's KvAttention over an fp16 cache."""
     g = _Graph(f"l{unit}.")
     x, out = hidden_name(unit), hidden_name(unit + 1)
     H, D, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -260,11 +276,17 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
                    g.op1("RotaryEmbedding", [attn_in[1], "position_ids", cos_name, sin_name], domain=MS, num_heads=nkv, **rotary),
                    attn_in[2]]
         lengths, rope_in = ["window_seqlens_k", "window_total_sequence_length"], []
-    attn, _, _ = g.op(
-        "GroupQueryAttention",
-        attn_in + [f"past_key.{unit}", f"past_value.{unit}", *lengths, *rope_in],
-        domain=MS, out=[g.name("attn"), f"present_key.{unit}", f"present_value.{unit}"], **gqa_attrs,
-    )
+    kv_type = FLOAT16 if (kernel_form(w) if fp16_kv is None else fp16_kv) else FLOAT
+    if kv_type == FLOAT16:  # the kernel library's attention over an fp16 cache: qkv packed, rotary tables always given
+        packed = attn_in[0] if not attn_in[1] else g.op1("Concat", attn_in, axis=-1)
+        attn, _, _ = g.op(KV_ATTENTION, [packed, f"past_key.{unit}", f"past_value.{unit}", *lengths, cos_name, sin_name], domain=GGUF_DOMAIN,
+                          out=[g.name("attn"), f"present_key.{unit}", f"present_value.{unit}"], **gqa_attrs)
+    else:
+        attn, _, _ = g.op(
+            "GroupQueryAttention",
+            attn_in + [f"past_key.{unit}", f"past_value.{unit}", *lengths, *rope_in],
+            domain=MS, out=[g.name("attn"), f"present_key.{unit}", f"present_value.{unit}"], **gqa_attrs,
+        )
     attn_out = g.linear(attn, w["attn_output"], "attn_output")
     if cfg.post_norms:
         attn_out = g.op1("SimplifiedLayerNormalization", [attn_out, g.const(w["post_attention_norm"].astype(np.float32),
@@ -289,13 +311,13 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
     position_inputs = [helper.make_tensor_value_info("position_ids", INT64, ["batch", "seq"])] if window else []
     return g.model(
         [helper.make_tensor_value_info(x, FLOAT, ["batch", "seq", H]),
-         helper.make_tensor_value_info(f"past_key.{unit}", FLOAT, kv_shape),
-         helper.make_tensor_value_info(f"past_value.{unit}", FLOAT, kv_shape),
+         helper.make_tensor_value_info(f"past_key.{unit}", kv_type, kv_shape),
+         helper.make_tensor_value_info(f"past_value.{unit}", kv_type, kv_shape),
          helper.make_tensor_value_info(lengths[0], INT32, ["batch"]),
          helper.make_tensor_value_info(lengths[1], INT32, []), *position_inputs],
         [helper.make_tensor_value_info(out, FLOAT, ["batch", "seq", H]),
-         helper.make_tensor_value_info(f"present_key.{unit}", FLOAT, kv_shape),
-         helper.make_tensor_value_info(f"present_value.{unit}", FLOAT, kv_shape)],
+         helper.make_tensor_value_info(f"present_key.{unit}", kv_type, kv_shape),
+         helper.make_tensor_value_info(f"present_value.{unit}", kv_type, kv_shape)],
         f"layer{unit}",
     )
 
@@ -647,10 +669,10 @@ def verify_form(model: onnx.ModelProto) -> onnx.ModelProto:
     seq_axis, two = g.const(np.array([1], np.int64), "seq_axis"), g.const(np.array([2], np.int64), "two")
     padded: dict[str, str] = {}
     for node in out.graph.node:
-        if node.op_type == "GroupQueryAttention" and node.domain == MS:
+        if (node.op_type, node.domain) in (("GroupQueryAttention", MS), (KV_ATTENTION, GGUF_DOMAIN)):
             length = g.op1("Slice", [g.op1("Shape", [node.input[0]]), one, two])  # [S]
             pads = g.op1("Concat", [zero, g.op1("Div", [one, length])], axis=0)  # [0, 1 // S]
-            for i in range(3):  # query, key, value
+            for i in range(3 if node.op_type == "GroupQueryAttention" else 1):  # query, key, value (KvAttention: packed)
                 if node.input[i] and node.input[i] not in padded:
                     padded[node.input[i]] = g.op1("Pad", [node.input[i], pads, "", seq_axis], mode="edge")
                 if node.input[i]:

@@ -405,6 +405,7 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     unit_files: list[dict[str, tuple[str, int]]] = []
     graph_shas: list[str] = []
     kinds: list[str] = []
+    half_kv_units: set[int] = set()  # layers attending over an fp16 KV cache (graphs.kernel_form)
 
     def store(kind: str, model: onnx.ModelProto) -> None:
         """Write one unit now (its weights, then its graph) so the next unit starts from nothing."""
@@ -420,7 +421,9 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     for layer in range(cfg.n_layers):
         unit = layer + 1
         w = _unit_weights(src, cfg, layer, precision, writer, meter)
-        store("layer", graphs.layer_unit(cfg, unit, w, cos, sin, ropes.get("local")))
+        store("layer", graphs.layer_unit(cfg, unit, w, cos, sin, ropes.get("local"), fp16_kv=precision == "gguf"))
+        if precision == "gguf":
+            half_kv_units.add(unit)
         del w
     if cfg.tie_embeddings:
         lm_head = table
@@ -450,7 +453,8 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     for i, (kind, _) in enumerate(built):
         files = unit_files[i]
         variant = UnitVariant(precision=precision, graph=graph_shas[i], files=tuple(sorted({s for s, _ in files.values()})),
-                              weight_bytes=sum(dict(files.values()).values()))
+                              weight_bytes=sum(dict(files.values()).values()),
+                              kv_bytes_per_token=cfg.kv_bytes_per_token_per_layer // 2 if i in half_kv_units else None)
         units.append(Unit(
             index=i, kind=kind, name={"embedding": "embed", "layer": f"layer{i - 1}", "head": "head"}[kind],
             cost_s=costs[i], kv_bytes_per_token=cfg.kv_bytes_per_token_per_layer if kind == "layer" else 0,

@@ -29,6 +29,7 @@ class UnitVariant:
     graph: str  # sha256 of the unit's ONNX graph (weights external)
     files: tuple[str, ...]  # sha256 of each weight file, sorted
     weight_bytes: int  # bytes of files owned by this unit (shared tables excluded)
+    kv_bytes_per_token: int | None = None  # where this variant's KV differs from the unit's (the gguf form's fp16 cache)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,13 @@ class Manifest:
         if key not in u.variants:
             raise KeyError(f"unit {unit} has no {key} variant (has {', '.join(u.variants)})")
         return u.variants[key]
+
+    def kv_bytes_per_token(self, unit: int, precision: str | None = None) -> int:
+        """KV bytes per position of ``unit`` when run as ``precision``'s variant (default: the
+        package's own): the kernel form keeps an fp16 cache, half the fp32 one of the others."""
+        u = self.units[unit]
+        variant = u.variants.get(precision or self.precision)
+        return u.kv_bytes_per_token if variant is None or variant.kv_bytes_per_token is None else variant.kv_bytes_per_token
 
     def stage_files(self, start: int, end: int, precision: str | None = None) -> tuple[str, ...]:
         """Every weight blob a stage ``[start, end)`` needs, sorted and unique."""

@@ -18,6 +18,7 @@ from pathlib import Path
 DOMAIN = "edgepipe.gguf"
 MATMUL_OP = "GgufMatMul"
 GATHER_OP = "GgufGather"  # rows of a raw-block table, dequantized exactly (embeddings)
+ATTENTION_OP = "KvAttention"  # attention over an fp16 KV cache (the kernel form's layers)
 # GGML type ids of the block types GgufMatMul runs (its `qtype` attribute).
 GGML_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 

@@ -45,6 +45,8 @@ def _is_arm64() -> bool:
 
 ARM64_UNITS = [  # NEON is baseline on ARMv8-A; the dot-product unit is chosen by HWCAP at run time
     TranslationUnit("gguf_portable.c"),
+    TranslationUnit("kv_attention.c"),
+    TranslationUnit("kv_attention_neon.c"),
     TranslationUnit("gguf_neon.c"),
     TranslationUnit("gguf_neon_dotprod.c", ("-march=armv8.2-a+dotprod",)),
     TranslationUnit("gguf_op.c", ("-DEDGEPIPE_HAVE_NEON", "-DEDGEPIPE_HAVE_NEON_DOTPROD")),
@@ -56,10 +58,12 @@ def translation_units() -> list[TranslationUnit]:
     if _is_arm64():
         return ARM64_UNITS
     if not _is_x86_64():
-        return [TranslationUnit("gguf_portable.c"), TranslationUnit("gguf_op.c")]
+        return [TranslationUnit("gguf_portable.c"), TranslationUnit("kv_attention.c"), TranslationUnit("gguf_op.c")]
     return [
         TranslationUnit("gguf_portable.c"),
+        TranslationUnit("kv_attention.c"),
         TranslationUnit("gguf_avx2.c", ("-mavx2", "-mfma", "-mf16c")),
+        TranslationUnit("kv_attention_avx2.c", ("-mavx2", "-mfma", "-mf16c")),
         TranslationUnit("gguf_avx512vnni.c", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
                                               "-mavx512vl", "-mavx512vnni")),
         TranslationUnit("gguf_op.c", ("-DEDGEPIPE_HAVE_AVX2", "-DEDGEPIPE_HAVE_AVX512VNNI")),

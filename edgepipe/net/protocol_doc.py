@@ -175,7 +175,8 @@ DOCS: dict[type, MessageDoc] = {
         "length": "positions held",
         "move": "the move id",
         "since": "full-cache layers' tensors start at this position (a checkpoint's increment; absent: 0)",
-    }, "`key.<u>`, `value.<u>`: `float32 [1, kv_heads, length - since, head_dim]` (window layers: their last positions)"),
+    }, "`key.<u>`, `value.<u>`: `float32 [1, kv_heads, length - since, head_dim]`, `float16` from a worker running the kernel form "
+       "(its fp16 cache; the receiver converts to its own) (window layers: their last positions)"),
     messages.Emulate: MessageDoc("c→w", "change the emulated slowdown (labelled emulation)", {"slowdown": "the new factor"}),
     messages.DraftLoad: MessageDoc("c→w (a drafter)", "fetch and build the whole draft model, then time its steps", {
         "name": "the draft package's name",

@@ -1,9 +1,9 @@
 """Run one contiguous range of units as a single ONNX Runtime session.
 
 The runner owns the KV cache of its layers for every sequence: one pool per layer,
-``[rows, kv_heads, C, head_dim]``, a row per sequence. GroupQueryAttention reads and writes
-it in place (past and present bound to the same memory), so a decode step touches only the
-new token's positions. Decode steps of several sequences run as one batch over their rows.
+``[rows, kv_heads, C, head_dim]``, a row per sequence, in the graph's KV dtype (float32; float16
+for the kernel form's KvAttention). The attention op reads and writes it in place (past and
+present bound to the same memory), so a decode step touches only the new token's positions. Decode steps of several sequences run as one batch over their rows.
 
 Inputs and outputs by stage position:
 
@@ -272,8 +272,9 @@ class _KVPool:
     """
 
     def __init__(self, layers: list[int], kv_heads: int, head_dim: int, window: int = 0, window_layers: tuple[int, ...] = (),
-                 memory_info=None):
+                 memory_info=None, dtype=np.float32):
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype = np.dtype(dtype)  # the graph's: float32 (GroupQueryAttention), float16 (the kernel form's KvAttention)
         self.memory_info = memory_info
         self.window, self.window_names = window, {f"{kind}.{u}" for u in window_layers for kind in ("key", "value")}
         self.rows = 0
@@ -295,7 +296,7 @@ class _KVPool:
             for kind in ("key", "value"):
                 name = f"{kind}.{u}"
                 windowed = name in self.window_names
-                grown = np.zeros((rows, self.kv_heads, window_capacity if windowed else capacity, self.head_dim), np.float32)
+                grown = np.zeros((rows, self.kv_heads, window_capacity if windowed else capacity, self.head_dim), self.dtype)
                 if name in self.arrays and self.rows and self.capacity:
                     live = max((self.kept(s) if windowed else self.length[s] for s in self.row_of), default=0)
                     grown[: self.rows, :, :live] = self.host(name)[:, :, :live]
@@ -308,7 +309,7 @@ class _KVPool:
         return self.memory_info is not None
 
     def _to_device(self, array: np.ndarray) -> ort.OrtValue:
-        value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), np.float32, memory_info=self.memory_info)
+        value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype, memory_info=self.memory_info)
         value.update_inplace(array)
         return value
 
@@ -424,7 +425,11 @@ class _KVPool:
                 else self.host(name)[r : r + 1, :, since:n].copy() for name in self.arrays}
 
     def write(self, seq: str, name: str, positions: np.ndarray, at: int = 0) -> None:
-        """Set ``positions.shape[2]`` positions of ``seq`` in buffer ``name`` from ``at`` on (an import)."""
+        """Set ``positions.shape[2]`` positions of ``seq`` in buffer ``name`` from ``at`` on (an import).
+
+        KV of another dtype is converted: fp16 into an fp32 pool exactly, fp32 into an fp16 pool
+        rounded to nearest even (what KvAttention itself stores), so a sequence moved from a
+        fallback worker to a kernel worker continues from values within fp16 rounding of its own."""
         row = self.row_of[seq]
         a = self.host(name)
         a[row : row + 1, :, at : at + positions.shape[2]] = positions
@@ -528,8 +533,9 @@ class StageRunner:
         # The verify form (graphs.verify_form): decode steps attend on two positions, the head runs at chosen ones.
         self.decode_rows = int(self.session.get_modelmeta().custom_metadata_map.get(DECODE_ROWS_KEY, "1"))
         self.head_positions = self.emits_tokens and HEAD_POSITIONS in inputs
+        self.kv_dtype = np.float16 if self.layers and inputs[f"past_key.{self.layers[0]}"].type == "tensor(float16)" else np.float32
         self._pool = _KVPool(self.layers, getattr(self, "kv_heads", 0), getattr(self, "head_dim", 0), self.window, tuple(windows),
-                             self.device.memory_info())
+                             self.device.memory_info(), self.kv_dtype)
         self._bound, self._bound_key = None, None
         self._outputs_shape_key = None  # what the bound outputs' shapes follow from, at the latest run
 
@@ -745,7 +751,7 @@ class StageRunner:
         main = self._pool
         kv, length = (self.export_kv(seq), main.length[seq]) if seq in main.row_of else ({}, 0)
         self._pool = _KVPool(main.layers, main.kv_heads, main.head_dim, main.window, tuple(int(n.split(".")[1]) for n in main.window_names
-                                                                                           if n.startswith("key.")), main.memory_info)
+                                                                                           if n.startswith("key.")), main.memory_info, main.dtype)
         self._bound_key = None
         try:
             if length:

@@ -1,4 +1,5 @@
-/* ONNX Runtime custom-op library: domain `edgepipe.gguf`, ops `GgufMatMul` and `GgufGather`.
+/* ONNX Runtime custom-op library: domain `edgepipe.gguf`, ops `GgufMatMul`, `GgufGather` and `KvAttention`
+ * (attention over an fp16 KV cache, below).
  *
  *   GgufMatMul: y[..., N] = x[..., K] (fp32) . W^T, with W the GGUF tensor's raw blocks, uint8
  *   [N, K / block x block_bytes], attribute `qtype` = the GGML type id.
@@ -12,11 +13,13 @@
  * on the tile: batch-invariant bit for bit). The ISA is picked at
  * kernel creation: the best the CPU supports, or EDGEPIPE_GGUF_ISA (portable|avx2|avx512vnni on
  * x86-64, portable|neon|neon_dotprod on ARM64). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "gguf_kernels.h"
+#include "kv_attention.h"
 #include "ort_abi.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -511,6 +514,187 @@ static const OrtCustomOp GGUF_GATHER = {
     .KernelComputeV2 = compute_gather,
 };
 
+/* ---- KvAttention: attention over an fp16 KV cache (kv_attention.h) ----
+ *
+ * Inputs: qkv [B, S, (heads + 2 kv_heads) D] float (queries, keys, values packed), past_key and
+ * past_value [B, kv_heads, C, D] float16, seqlens_k [B] int32 (each row's positions after this step,
+ * minus one), total_sequence_length [] int32, cos_cache / sin_cache [P, R / 2] float. Outputs:
+ * [B, S, heads D] float, present_key / present_value (past's shape; bound to past's memory they are
+ * written in place: only the new positions). Attributes as GroupQueryAttention's: num_heads,
+ * kv_num_heads, do_rotary, rotary_interleaved, local_window_size, scale, softcap. */
+
+typedef struct {
+    const OrtApi *api;
+    int64_t heads, kv_heads, do_rotary, interleaved, window;
+    float scale, softcap;
+    int isa;
+} attention_kernel;
+
+static int64_t int_attribute(const OrtApi *api, const OrtKernelInfo *info, const char *name, int64_t fallback) {
+    int64_t value = fallback;
+    OrtStatus *status = ORT_FN(api, KernelInfoGetAttribute_int64)(info, name, &value);
+    if (status != NULL) {
+        ORT_FN(api, ReleaseStatus)(status);
+        return fallback;
+    }
+    return value;
+}
+
+static float float_attribute(const OrtApi *api, const OrtKernelInfo *info, const char *name, float fallback) {
+    float value = fallback;
+    OrtStatus *status = ORT_FN(api, KernelInfoGetAttribute_float)(info, name, &value);
+    if (status != NULL) {
+        ORT_FN(api, ReleaseStatus)(status);
+        return fallback;
+    }
+    return value;
+}
+
+static OrtStatus *create_attention(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {
+    (void)op;
+    char error[512];
+    int isa = chosen_isa(error, sizeof error);
+    if (isa < 0) return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
+    attention_kernel *kernel = calloc(1, sizeof *kernel);
+    if (kernel == NULL) return error_status(api, ORT_ERR_FAIL, "KvAttention: out of memory");
+    kernel->api = api;
+    kernel->isa = isa;
+    kernel->heads = int_attribute(api, info, "num_heads", 0);
+    kernel->kv_heads = int_attribute(api, info, "kv_num_heads", 0);
+    kernel->do_rotary = int_attribute(api, info, "do_rotary", 0);
+    kernel->interleaved = int_attribute(api, info, "rotary_interleaved", 0);
+    kernel->window = int_attribute(api, info, "local_window_size", -1);
+    kernel->scale = float_attribute(api, info, "scale", 0.0f);
+    kernel->softcap = float_attribute(api, info, "softcap", 0.0f);
+    if (kernel->heads <= 0 || kernel->kv_heads <= 0 || kernel->heads % kernel->kv_heads != 0 ||
+        kernel->heads / kernel->kv_heads > 256) {
+        free(kernel);
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT,
+                            "KvAttention: num_heads must be a multiple of kv_num_heads (at most 256 per KV head)");
+    }
+    *out = kernel;
+    return NULL;
+}
+
+typedef struct {
+    const kv_attention_job *job;
+    volatile int failed;
+} attention_run;
+
+static void attention_task(void *data, size_t index) {
+    attention_run *run = data;
+    if (kv_attention_task(run->job, (int64_t)index) != 0) run->failed = 1;
+}
+
+static OrtStatus *compute_attention(void *kernel_data, OrtKernelContext *context) {
+    const attention_kernel *kernel = kernel_data;
+    const OrtApi *api = kernel->api;
+    const OrtValue *in[7];
+    int64_t dims[7][8];
+    size_t rank[7];
+    for (size_t i = 0; i < 7; i++) {
+        RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetInput)(context, i, &in[i]));
+        if (in[i] == NULL) return error_status(api, ORT_ERR_INVALID_ARGUMENT, "KvAttention: every input is required");
+        RETURN_IF_ERROR(tensor_shape(api, in[i], dims[i], &rank[i]));
+    }
+    const int64_t B = dims[0][0], S = dims[0][1], D = dims[1][3], C = dims[1][2];
+    if (rank[0] != 3 || rank[1] != 4 || rank[2] != 4 || memcmp(dims[1], dims[2], sizeof(int64_t) * 4) != 0 ||
+        dims[1][0] != B || dims[1][1] != kernel->kv_heads || dims[0][2] != (kernel->heads + 2 * kernel->kv_heads) * D ||
+        rank[3] != 1 || dims[3][0] != B || rank[5] != 2 || rank[6] != 2 || dims[5][1] != dims[6][1] ||
+        dims[5][0] != dims[6][0]) {
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT,
+                            "KvAttention: shapes must be qkv [B, S, (heads + 2 kv_heads) D], past [B, kv_heads, C, D] twice, "
+                            "seqlens_k [B], cos/sin [P, R/2]");
+    }
+    int64_t out_dims[3] = {B, S, kernel->heads * D};
+    OrtValue *out_value = NULL, *present[2] = {NULL, NULL};
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetOutput)(context, 0, out_dims, 3, &out_value));
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetOutput)(context, 1, dims[1], 4, &present[0]));
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetOutput)(context, 2, dims[2], 4, &present[1]));
+    void *data[7], *out = NULL, *present_data[2];
+    for (size_t i = 0; i < 7; i++) RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)((OrtValue *)in[i], &data[i]));
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)(out_value, &out));
+    for (int i = 0; i < 2; i++) {
+        RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)(present[i], &present_data[i]));
+        if (present_data[i] != data[1 + i]) { /* not bound in place: present starts as a copy of past */
+            memcpy(present_data[i], data[1 + i], sizeof(uint16_t) * (size_t)(B * kernel->kv_heads * C * D));
+        }
+    }
+    if (B == 0 || S == 0) return NULL;
+    kv_attention_kernels kernels;
+    kv_attention_portable(&kernels);
+#ifdef EDGEPIPE_HAVE_AVX2
+    if ((kernel->isa == ISA_AVX2 || kernel->isa == ISA_AVX512VNNI) && D % 16 == 0) kv_attention_avx2(&kernels);
+#endif
+#ifdef EDGEPIPE_HAVE_NEON
+    if ((kernel->isa == ISA_NEON || kernel->isa == ISA_NEON_DOTPROD) && D % 16 == 0) kv_attention_neon(&kernels);
+#endif
+    kv_attention_job job = {
+        .batch = B, .seq = S, .heads = kernel->heads, .kv_heads = kernel->kv_heads, .dim = D, .capacity = C,
+        .rotary_pairs = kernel->do_rotary ? dims[5][1] : 0, .rope_positions = dims[5][0],
+        .interleaved = (int)kernel->interleaved, .window = kernel->window,
+        .scale = kernel->scale != 0.0f ? kernel->scale : 1.0f / sqrtf((float)D), .softcap = kernel->softcap,
+        .qkv = data[0], .seqlens_k = data[3], .cos = data[5], .sin = data[6],
+        .key = present_data[0], .value = present_data[1], .out = out, .kernels = &kernels,
+    };
+    job.q_rotated = malloc(sizeof(float) * (size_t)(B * S * kernel->heads * D));
+    if (job.q_rotated == NULL) return error_status(api, ORT_ERR_FAIL, "KvAttention: out of memory");
+    const char *problem = kv_attention_prepare(&job);
+    OrtStatus *status = NULL;
+    if (problem != NULL) {
+        status = error_status(api, ORT_ERR_INVALID_ARGUMENT, problem);
+    } else {
+        attention_run run = {&job, 0};
+        status = ORT_FN(api, KernelContext_ParallelFor)(context, attention_task, (size_t)(B * kernel->kv_heads * S), 0, &run);
+        if (status == NULL && run.failed) status = error_status(api, ORT_ERR_FAIL, "KvAttention: out of memory");
+    }
+    free(job.q_rotated);
+    return status;
+}
+
+static void *create_attention_v1(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info) {
+    void *kernel = NULL;
+    OrtStatus *status = create_attention(op, api, info, &kernel);
+    if (status != NULL) ORT_FN(api, ReleaseStatus)(status);
+    return kernel;
+}
+
+static void compute_attention_v1(void *kernel, OrtKernelContext *context) {
+    OrtStatus *status = compute_attention(kernel, context);
+    if (status != NULL) ORT_FN(((attention_kernel *)kernel)->api, ReleaseStatus)(status);
+}
+
+static const char *attention_name(const OrtCustomOp *op) { (void)op; return "KvAttention"; }
+static int attention_input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 1 || i == 2 ? ORT_TENSOR_FLOAT16 : i == 3 || i == 4 ? ORT_TENSOR_INT32 : ORT_TENSOR_FLOAT;
+}
+static size_t attention_input_count(const OrtCustomOp *op) { (void)op; return 7; }
+static int attention_output_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? ORT_TENSOR_FLOAT : ORT_TENSOR_FLOAT16; }
+static size_t attention_output_count(const OrtCustomOp *op) { (void)op; return 3; }
+
+static const OrtCustomOp KV_ATTENTION = {
+    .version = 16,
+    .CreateKernel = create_attention_v1,
+    .GetName = attention_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = attention_input_type,
+    .GetInputTypeCount = attention_input_count,
+    .GetOutputType = attention_output_type,
+    .GetOutputTypeCount = attention_output_count,
+    .KernelCompute = compute_attention_v1,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = default_memory,
+    .GetVariadicInputMinArity = one,
+    .GetVariadicInputHomogeneity = one,
+    .GetVariadicOutputMinArity = one,
+    .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = create_attention,
+    .KernelComputeV2 = compute_attention,
+};
+
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
                                                                       const OrtApiBase *api_base) {
     const OrtApi *api = api_base->GetApi(ORT_API_VERSION_USED);
@@ -526,5 +710,6 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     RETURN_IF_ERROR(ORT_FN(api, CreateCustomOpDomain)("edgepipe.gguf", &domain));
     RETURN_IF_ERROR(ORT_FN(api, CustomOpDomain_Add)(domain, &GGUF_MATMUL));
     RETURN_IF_ERROR(ORT_FN(api, CustomOpDomain_Add)(domain, &GGUF_GATHER));
+    RETURN_IF_ERROR(ORT_FN(api, CustomOpDomain_Add)(domain, &KV_ATTENTION));
     return ORT_FN(api, AddCustomOpDomain)(options, domain);
 }

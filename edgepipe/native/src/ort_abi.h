@@ -28,7 +28,7 @@ typedef struct OrtApiBase {
 } OrtApiBase;
 
 enum { ORT_ERR_FAIL = 1, ORT_ERR_INVALID_ARGUMENT = 2 };
-enum { ORT_TENSOR_FLOAT = 1, ORT_TENSOR_UINT8 = 2, ORT_TENSOR_INT64 = 7 };
+enum { ORT_TENSOR_FLOAT = 1, ORT_TENSOR_UINT8 = 2, ORT_TENSOR_INT32 = 6, ORT_TENSOR_INT64 = 7, ORT_TENSOR_FLOAT16 = 10 };
 enum { ORT_IO_REQUIRED = 0 };
 
 /* Slot indices in the OrtApi function table. */
@@ -41,6 +41,7 @@ enum ort_slot {
     ORT_SLOT_GetDimensionsCount = 61,
     ORT_SLOT_GetDimensions = 62,
     ORT_SLOT_GetTensorTypeAndShape = 65,
+    ORT_SLOT_KernelInfoGetAttribute_float = 85,
     ORT_SLOT_KernelInfoGetAttribute_int64 = 86,
     ORT_SLOT_KernelContext_GetInputCount = 88,
     ORT_SLOT_KernelContext_GetInput = 90,
@@ -59,6 +60,7 @@ typedef OrtStatus *(*ort_GetTensorMutableData)(OrtValue *value, void **out);
 typedef OrtStatus *(*ort_GetDimensionsCount)(const OrtTensorTypeAndShapeInfo *info, size_t *out);
 typedef OrtStatus *(*ort_GetDimensions)(const OrtTensorTypeAndShapeInfo *info, int64_t *dims, size_t count);
 typedef OrtStatus *(*ort_GetTensorTypeAndShape)(const OrtValue *value, OrtTensorTypeAndShapeInfo **out);
+typedef OrtStatus *(*ort_KernelInfoGetAttribute_float)(const OrtKernelInfo *info, const char *name, float *out);
 typedef OrtStatus *(*ort_KernelInfoGetAttribute_int64)(const OrtKernelInfo *info, const char *name, int64_t *out);
 typedef OrtStatus *(*ort_KernelContext_GetInputCount)(const OrtKernelContext *context, size_t *out);
 typedef OrtStatus *(*ort_KernelContext_GetInput)(const OrtKernelContext *context, size_t index, const OrtValue **out);

@@ -47,8 +47,8 @@ class Runners:
     def build(self, graph: str, path, max_context: int | None) -> core.Session:
         """The session of ``graph``, built unless this worker holds it already. Two loads of one
         graph may be in flight together (a plan's stage and the warm spare's on the same range):
-        both get the runner built first, so a second build never replaces one that took KV
-        meanwhile (a moved sequence, a checkpoint) while the core still counts that KV as held."""
+        the build that finishes second keeps the runner the first installed, which may have taken
+        KV meanwhile (a moved sequence, a checkpoint) that the core counts as held."""
         runner = self.by_graph.get(graph)
         if runner is None:
             built = StageRunner(path, threads=self.threads, max_context=max_context,

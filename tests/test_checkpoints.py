@@ -223,6 +223,36 @@ def test_increments_appended_on_the_receiver_equal_the_senders_kv(int4_pkg):
     assert int(receiver.run("s.c1", np.array([[fed[5]]], np.int64), greedy)[0]) == out[6]
 
 
+def test_a_graph_built_twice_keeps_one_runner_and_its_kv(int4_pkg, monkeypatch):
+    """A plan's stage and the warm spare's on the same range load one graph, their builds in
+    flight together (after a recovery the planner's next plan may be the new spare). The build
+    that finishes last must not replace the runner the other installed: that one took KV
+    meanwhile (a moved sequence) which the worker core counts as held, and the next step ran on
+    an empty cache past the frame check (a wrong token, then "holds 1 positions")."""
+    from edgepipe.runtime.stage_runner import SamplingBatch
+    from edgepipe.worker import runners as R
+
+    graph = int4_pkg.stage_graph(0, 2)
+    path, greedy, prompt = int4_pkg.blob(graph), SamplingBatch.greedy(1), np.array([[1, 2, 3]], np.int64)
+    workers = R.Runners(threads=1, spin=False, device=None)
+    workers.build(graph, path, 64)
+    runner = workers.by_graph[graph]
+    runner.run("r.c1", prompt, greedy)
+    workers.build(graph, path, 64)  # a second load of the graph, after the first was built
+    assert workers.by_graph[graph] is runner and runner.length("r.c1") == 3
+    # two builds in flight: the other finishes (and its runner takes KV) while this one constructs
+    workers, real = R.Runners(threads=1, spin=False, device=None), R.StageRunner
+
+    def constructing(*args, **kwargs):
+        other = workers.by_graph[graph] = real(*args, **kwargs)
+        other.run("r.c1", prompt, greedy)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(R, "StageRunner", constructing)
+    session = workers.build(graph, path, 64)
+    assert workers.by_graph[graph].length("r.c1") == 3 and session.layers == tuple(workers.by_graph[graph].layers)
+
+
 # -- the simulation -------------------------------------------------------------------------------
 def _schedule(memory_units: int, workers: int, faults):
     from edgepipe.cluster.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM

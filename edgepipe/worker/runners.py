@@ -45,9 +45,15 @@ class Runners:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="compute")
 
     def build(self, graph: str, path, max_context: int | None) -> core.Session:
-        runner = StageRunner(path, threads=self.threads, max_context=max_context,
-                             spin=spin_by_default(self.threads) if self.spin is None else self.spin, device=self.device)
-        self.by_graph[graph] = runner
+        """The session of ``graph``, built unless this worker holds it already. Two loads of one
+        graph may be in flight together (a plan's stage and the warm spare's on the same range):
+        the build that finishes second keeps the runner the first installed, which may have taken
+        KV meanwhile (a moved sequence, a checkpoint) that the core counts as held."""
+        runner = self.by_graph.get(graph)
+        if runner is None:
+            built = StageRunner(path, threads=self.threads, max_context=max_context,
+                                spin=spin_by_default(self.threads) if self.spin is None else self.spin, device=self.device)
+            runner = self.by_graph.setdefault(graph, built)  # runs in a thread: another build may have finished first
         return session_of(graph, runner)
 
     def keep(self, cmd: core.KeepSessions) -> None:

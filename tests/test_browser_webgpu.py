@@ -97,6 +97,7 @@ def test_tab_on_webgpu_serves_the_reference_tokens(cluster, native_pkg):
     assert native_pkg.manifest.precision != "fp32"
 
 
+@pytest.mark.slow  # ~16 s on SwiftShader (suite time): the tab on WebGPU serving exact tokens runs by default; KV on the device and its bytes per step are checked on the native EP (test_gpu)
 def test_tab_keeps_its_kv_in_gpu_buffers_and_grows_it_exactly(cluster):
     """Steps of a sequence in the tab's stage: every past/present tensor it holds is a GPU buffer,
     also after the cache grew past its first block of 256 positions (read back through the host);

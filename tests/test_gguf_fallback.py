@@ -174,6 +174,7 @@ def test_a_kernel_worker_beside_a_fallback_worker_serves_the_same_mix_exactly(tm
     assert mixed != [reference(pkg, prompt, cut, ["gguf", "gguf"], 24) for prompt in PROMPTS]
 
 
+@pytest.mark.slow  # ~6 s (suite time): the fallback itself is tested by the library-absent worker and the mixed-pipeline tests
 def test_a_coordinator_without_the_library_keeps_the_native_form(tmp_path_factory, monkeypatch):
     """The `gguf` form is added only where the coordinator's own library builds: with it turned
     off there, a kernel worker's join says why the form was skipped, and the worker is sent the

@@ -28,7 +28,7 @@ from edgepipe.bench.cluster import Cluster, Device, bench_home
 from edgepipe.bench.emulated import header, measured_profiles, prewarm
 from edgepipe.bench.machine import Conditions
 from edgepipe.bench.results import write_results
-from edgepipe.model.store import local_form, resolve
+from edgepipe.model.store import prepare_local_form, resolve
 from edgepipe.plan import Objective, PlanRequest, plan
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
@@ -44,7 +44,8 @@ def prompt(i: int) -> str:
 def solo_references(streams: int, tokens: int) -> list[list[int]]:
     """Each stream's tokens decoded alone in this process (the batch-invariant graphs)."""
     pkg = resolve(home=bench_home())
-    pipe, tok = pkg.pipeline(batch_invariant=True, precision=local_form(pkg)), pkg.tokenizer
+    form, _ = prepare_local_form(pkg)  # the form `serve` sends these workers, added here first if the package lacks it
+    pipe, tok = pkg.pipeline(batch_invariant=True, precision=form), pkg.tokenizer
     out = []
     for i in range(streams):
         ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt(i)}]))
@@ -111,8 +112,8 @@ def main() -> None:
                          "declared slowdowns (a loaded box calibrates noisily)")
     args = ap.parse_args()
     run = Conditions.start()
-    prewarm()
     expected = solo_references(args.streams, args.tokens)
+    prewarm()  # after the references: the worker cache gets the form they added
     devices = [Device("fast", slowdown=args.slowdown), Device("slow1", slowdown=2 * args.slowdown, memory=args.slow_memory),
                Device("slow2", slowdown=2 * args.slowdown, memory=args.slow_memory)]
     cluster = Cluster("replicas", devices, args=("--batch-invariant", "--max-active", str(args.streams), "--max-queue", "64",

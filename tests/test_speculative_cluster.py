@@ -91,7 +91,6 @@ def rule_reference(int4_pkg, fp32_pkg, prompt: str, **params) -> list[int]:
     return tokens[:ends[0]] if ends else tokens
 
 
-@pytest.mark.slow  # ~6 s (suite time): the rule through the real drafter, runners and last stage is test_speculative_sampling's chi-square test
 def test_sampled_tokens_follow_the_sampling_rule(int4_pkg, fp32_pkg, spec_server):
     """A sampled request's model drafts go to the last stage with their distribution and it applies
     the speculative-sampling rule: through the coordinator and 3 workers, the tokens of the same

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..net.messages import Draft, DraftLoad, Drafted, DraftReady, Drop
 from ..plan.draft_site import COORDINATOR, DraftSite, choose_draft_site
-from ..runtime.speculative import Distribution, ModelDrafter, time_draft_steps
+from ..runtime.speculative import Distribution, ModelDrafter, common_prefix, time_draft_steps
 from . import state as S
 
 DRAFT_TIMEOUT_S = 5.0  # a drafter worker silent this long on a draft request is dropped
@@ -68,7 +68,7 @@ class RemoteDrafter:
         if self.gone:
             raise DrafterLost(f"drafter {self.wid} is gone")
         held = self.sent.get(seq, [])
-        keep = _common_prefix(held, ids)
+        keep = common_prefix(held, ids)
         answer = self._request(seq, ids, keep, k, params, step, rule)
         if not answer.ok and answer.error == UNKNOWN and keep:  # it lost the sequence (rejoined): everything again
             answer = self._request(seq, ids, 0, k, params, step, rule)
@@ -249,14 +249,6 @@ class PlacedDrafter:
             self.site = COORDINATOR  # at once: the next pass must not wait on it
             self.on_move(COORDINATOR, why)
         self.place(why)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class Drafting:

@@ -517,7 +517,7 @@ class ModelDrafter:
         if k <= 0 or not ids:
             return []
         held = self.fed.get(seq, [])
-        common = _common_prefix(held, ids)
+        common = common_prefix(held, ids)
         if common == len(ids):  # nothing new to feed: take back the last one so a step has input
             common -= 1
         self.runner.rewind(seq, common)
@@ -569,7 +569,8 @@ def time_draft_steps(drafter: ModelDrafter, reps: int = 8) -> float:
         drafter.forget(seq)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

@@ -19,7 +19,7 @@ import pytest
 from edgepipe.cluster.coordinator import Coordinator, CoordinatorSettings
 from edgepipe.cluster.sim import FakePackage
 from edgepipe.net.channel import ChannelClosed, memory_pair
-from edgepipe.net.messages import Bye
+from edgepipe.net.messages import Bye, Token
 from edgepipe.net.protocol import Message, MessageType as T, decode, encode
 
 HELLO = {"name": "leaver", "token": None, "protocol": 1, "kind": "native", "memory_bytes": 1 << 30, "threads": 1,
@@ -159,12 +159,12 @@ def test_a_request_cancelled_as_its_token_arrives_stops_and_frees_its_kv():
             first = decode(await asyncio.wait_for(mine.recv(), 5))
             assert first.type is T.FORWARD and [b["seq"] for b in first["batch"]] == ["r1.0"]
             assert "r1" in coord.cluster.requests
-            coord.steps._resolve("r1.0", 0, 1, {"token": 7, "timings": []})  # the token arrives ...
+            coord.steps.tokens(wid, Token(1, first["batch"], [7], []))  # the token arrives ...
             task.cancel()  # ... in the same instant as the client goes
             done, _ = await asyncio.wait({task}, timeout=2)
             assert done and task.cancelled(), "the request ran on after its cancellation"
             assert deltas == []
-            assert "r1" not in coord.cluster.requests and coord.steps.pending == {}
+            assert "r1" not in coord.cluster.requests and not coord.cluster.steps.inflight and coord.steps.waiters == {}
             after = decode(await asyncio.wait_for(mine.recv(), 2))
             assert after.type is T.DROP and after["seq"] == "r1.0", f"{after.type.value} {after.fields}"
         finally:

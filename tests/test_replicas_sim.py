@@ -87,7 +87,7 @@ async def _scenario(mode: str) -> dict:
         "live_then": live_then if mode == "switch" else None,
         "checkpoints": coord.checkpoints.counts.sent, "resumed": coord.checkpoints.counts.resumed,
         "requests_left": sorted(coord.cluster.requests),
-        "pending_left": sorted(coord.steps.pending),
+        "pending_left": sorted(coord.cluster.steps.inflight) + sorted(coord.steps.waiters),
         "expected_replicas": sorted([b, c]), "expected_first": [a], "misplaced": misplaced, "on_route": on_route,
     }
     for w in world.workers:

@@ -23,7 +23,6 @@ from ..net.messages import ErrorCode, Hello, Ping, Welcome, parse
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, error_frame
 from . import core, deploy, measurements as M, state as S
 from .ports import Ports
-from .steps import PipelineBroken
 from .views import Link
 
 
@@ -48,7 +47,7 @@ class Connections:
                 case core.LoseWorker(wid, why):
                     p.spawn(self.lose(wid, why))
                 case core.FailPlan(plan, why):
-                    self.steps.fail_plan(plan, PipelineBroken(why))
+                    self.steps.lost(plan, why)
                 case core.Replan():
                     p.replan_wanted.set()
                 case core.Measure(m):

@@ -9,9 +9,9 @@ actions, pure), ``deployer`` (carries out re-planning, loads, KV moves, the spar
 timeouts), ``connections`` (worker channels in, heartbeats out), ``calibration``, ``checkpoints``
 (live sequences' KV copied to the spare plan, so a recovery replays less), ``event_log`` (every
 event and measurement, indexed) and ``narrate`` (the dashboard's line of a logged event).
-The deployer, the calibrator, the connections, the requests, the KV migration and the prefix
-cache are lent ``ports.Ports`` (read and change the state, send to a worker), never the
-coordinator (the steps still hold it). This file holds the state, applies events to it (and logs them:
+The deployer, the calibrator, the connections, the requests, the KV migration, the prefix
+cache and the steps are lent ``ports.Ports`` (read and change the state, send to a worker), never
+the coordinator. This file holds the state, applies events to it (and logs them:
 the dashboard's lines come only from that log), takes workers out, and offers the public views.
 States follow Down -> Preparing -> Committing -> Up (see ``deployer``); a worker that dies
 pauses the sequences that need it, and they continue on the next plan, losing no token.
@@ -92,14 +92,14 @@ class Coordinator:
                       links=lambda: self.links, replan_wanted=self.replan_wanted, settings=self.settings, package=package,
                       profile=self.profile)
         self.prefix = PrefixCaching(ports, lambda: self.kv_capacity)
-        self.steps = Steps(self)
+        self.steps = Steps(ports, self.prefix, self.quarantine, self.lose)
         self.checkpoints = Checkpoints(self, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
         self.requests = Requests(ports, self.steps, self.checkpoints, speculation, self.up, self.gate, lambda: self.stopped,
                                  lambda record: self.on_step(record), self.recent_steps)
         views = lambda: self.workers  # noqa: E731 - the worker views as they stand when asked
         self.calibrator = Calibrator(ports, self.plan_fn, self.plan_context, views)
         self.deployer = Deployer(ports, self.calibrator, self.plan_fn, self.plan_context, views, self.requests.lacking,
-                                 lambda: bool(self.steps.pending), self.gate)
+                                 lambda: bool(self.cluster.steps.inflight), self.gate)
         self.deployer.migration = KvMigration(ports, lambda reply: self.checkpoints.moved(reply), self.steps.route)
         self.connections = Connections(ports, self.calibrator, self.steps, self.deployer.migration, self.requests, self.lose,
                                        lambda: self.stopped, self.drafting)
@@ -215,7 +215,7 @@ class Coordinator:
         self.stopped = True
         for task in self._tasks:
             task.cancel()
-        self.steps.fail_all(RequestFailed("the coordinator stopped"))
+        self.steps.lost(None, "the coordinator stopped", final=True)
         for task in list(self._background):
             task.cancel()
         for wid, link in list(self.links.items()):
@@ -257,7 +257,7 @@ class Coordinator:
         plan = self.cluster.active.plan_id if self.cluster.uses(wid) else None
         self.emit(S.WorkerLost(wid, why, self.clock()))  # its dashboard line: narrate.entry
         if plan is not None:
-            self.steps.fail_plan(plan, broken)
+            self.steps.lost(plan, str(broken))
         self.replan_wanted.set()
         try:
             await link.channel.close(why)

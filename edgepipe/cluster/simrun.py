@@ -157,8 +157,8 @@ async def _fault(world: World, f: Fault) -> float:
 
 def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
     out = []
-    if coord.steps.pending:
-        out.append(f"pending steps left: {sorted(coord.steps.pending)}")
+    if coord.cluster.steps.inflight or coord.steps.waiters:
+        out.append(f"pending steps left: {sorted(f.seq for f in coord.cluster.steps.inflight.values())}, awaited {sorted(coord.steps.waiters)}")
     if coord.cluster.requests:
         out.append(f"KV reservations left: {sorted(coord.cluster.requests)}")
     if admission.running or admission.queued:

@@ -3,29 +3,36 @@
 A step is one sequence's next token: the token ids go to the plan's first stage in a FORWARD
 frame (decode steps of several sequences share a frame: lanes, see ``batching``), and its token
 comes back from the last stage. On a plan with replicated stages a sequence's frames go through
-its route (``replicas``: a replica per stage, chosen at its first step there). ``Steps`` owns what is in flight: the future of every pending
-step, the lanes, the step timeout (and who to blame when it passes), and the DROP that frees a
+its route (``replicas``: a replica per stage, chosen at its first step there). What is in flight
+is state (``ClusterState.steps``, ``step_book``): a step is asked for, settled by a TOKEN frame,
+failed by an ERROR frame or a lost plan, timed out (blaming a stage that dropped it) or given up
+through the coordinator's core (``core.handle``); this shell emits what it decides and keeps
+only the futures the requests await, by step id, and the lanes. It sends the DROP that frees a
 finished sequence's KV once nothing of it is left in the pipeline. Failures come back as
 :class:`PipelineBroken` (retry on the next plan) or :class:`RequestFailed` (one line, final).
+It is lent ``ports.Ports`` and its collaborators by name (the prefix cache, quarantine, lose),
+never the coordinator.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Awaitable, Callable, Mapping
 
 import numpy as np
 
 from ..net.channel import ChannelClosed
-from ..net.messages import Drop, Error, ErrorCode, Forward, Token
+from ..net.messages import Drop, Error, Forward, Token
 from ..net.protocol import Message
 from ..runtime import controls
 from ..runtime.sequence import GenerationParams, uniform_draw
 from ..runtime.speculative import rule_fields
-from . import membership, replicas
+from . import core, replicas, step_book as SB
 from .batching import LaneItem, Lanes
 from .events import Routed
 from .placement import Deployment
+from .ports import Ports
 
 
 class PipelineBroken(RuntimeError):
@@ -66,18 +73,52 @@ class _OutStep:
     """A step on its way out: what goes into the frame, and the future its token resolves."""
 
     dep: Deployment
-    item: dict  # seq, step, rid, sampling[, partial: a replay frame whose token is not wanted]
+    step_id: int  # in ``ClusterState.steps`` while in flight
+    first: str  # the worker its frame goes to (its route's first stage)
+    item: dict  # the frame's batch entry: seq, step, rid, sampling[, partial: a replay frame whose token is not wanted]
     feed: list[int]
     fut: asyncio.Future
     sent_at: float = 0.0
 
 
 class Steps:
-    def __init__(self, coord):
-        self.coord = coord
-        self.pending: dict[str, tuple[int, int, asyncio.Future]] = {}  # seq -> (step, plan, future of its token)
-        self.sent_on: dict[int, int] = {}  # plan -> steps sent on it (was a timed-out step alone on its plan?)
+    def __init__(self, ports: Ports, prefix, quarantine: Callable[[str, str], Awaitable[None]],
+                 lose: Callable[[str, str], Awaitable[None]]):
+        self.ports = ports
+        self.prefix = prefix  # ``prefix_cache.PrefixCaching``: the decision a prompt prefill carries
+        self.quarantine, self.lose = quarantine, lose  # take out a worker that dropped a step; one whose channel closed
+        self.config = core.Config.of(ports.settings)
+        self.waiters: dict[int, asyncio.Future] = {}  # step id -> the future its token resolves (the steps: ``ClusterState.steps``)
         self.lanes = Lanes(arm=self._arm_lane)
+
+    @property
+    def in_flight(self) -> Mapping[int, SB.InFlight]:
+        """The steps in flight (the state's), by step id."""
+        return self.ports.state().steps.inflight
+
+    def carry_out(self, handled: core.Handled) -> None:
+        """Emit what the core decided; settle or fail the futures of the steps it ended."""
+        p = self.ports
+        for event in handled.events:
+            p.emit(event)
+        for command in handled.commands:
+            match command:
+                case core.SettleStep(step_id, result):
+                    fut = self.waiters.pop(step_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(result)
+                case core.FailStep(step_id, why, final):
+                    fut = self.waiters.pop(step_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_exception(RequestFailed(why) if final else PipelineBroken(why))
+                case core.Quarantine(wid, why):
+                    p.spawn(self.quarantine(wid, why))
+        for event in handled.events:  # timed out or given up: nobody waits for it any more
+            if isinstance(event, SB.StepEnded):
+                self.waiters.pop(event.step_id, None)
+
+    def _handle(self, given: core.Input) -> None:
+        self.carry_out(core.handle(self.ports.state(), given, self.config))
 
     async def step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str,
                    replay_from: int | None = None, head: dict | None = None, kv_start: int | None = None,
@@ -93,15 +134,15 @@ class Steps:
         applies the sampling rule and returns its tokens up to the first it rejected
         (``runtime.speculative.head_verdict``); ``rewind``: stages holding more than ``kv_start``
         positions (drafts the last verify rejected) forget them."""
-        c = self.coord
-        t0 = c.clock()
+        p = self.ports
+        t0 = p.clock()
         route = self.route(dep, rid)
-        on_path = route or dep.workers
-        computed_before = membership.computed_counts(c.cluster, on_path)
-        others_in_flight = any(p[1] == dep.plan_id for other, p in self.pending.items() if other != seq)
-        self.sent_on[dep.plan_id] = sent_before = self.sent_on.get(dep.plan_id, 0) + 1
-        fut = asyncio.get_running_loop().create_future()
-        self.pending[seq] = (step, dep.plan_id, fut)
+        replaced = SB.of_seq(p.state().steps, seq)
+        if replaced is not None:  # a sequence has one step in flight: the older one is no longer awaited
+            self.waiters.pop(replaced.step_id, None)
+        step_id = p.state().steps.next_id
+        self._handle(core.StepAsked(seq, step, dep.plan_id, rid, tuple(route or dep.workers), t0))
+        fut = self.waiters[step_id] = asyncio.get_running_loop().create_future()
         sampling = {**controls.wire_sampling(params, step), **(head or {})}
         if verify and not params.greedy:  # position i samples token step + i: its own seeded draw, as one step each would
             sampling["uniform"] = [uniform_draw(params.seed, step + i) for i in range(len(feed))]
@@ -115,12 +156,12 @@ class Steps:
         # can flip a near-tie). Sent as separate frames, the stages work on them as a pipeline;
         # only the last frame's token comes back. In the verify form every position of a chunk
         # has a decode step's bits (graphs.verify_form), so the whole replay is one prefill.
-        one_by_one = replay_from and not (c.settings.speculative and c.settings.replay_in_one_prefill)
+        one_by_one = replay_from and not (p.settings.speculative and p.settings.replay_in_one_prefill)
         chunks = [feed[:replay_from]] + [[t] for t in feed[replay_from:]] if one_by_one else [feed]
         # A prompt prefill from position 0 may start from cached blocks (cluster.prefix). Prompt
         # logprobs need every position's logits: such a prefill saves blocks but reuses none.
         # Not on a plan with replicated stages: the cache knows the plan's blocks, not each replica's.
-        decision = c.prefix.decide(dep, rid, chunks[0], reuse="targets" not in (head or {})) \
+        decision = self.prefix.decide(dep, rid, chunks[0], reuse="targets" not in (head or {})) \
             if kv_start == 0 and len(feed) > 1 and not dep.replicated else None
         reused = decision.reused_positions if decision else 0
         if reused:
@@ -130,7 +171,8 @@ class Steps:
         def at(i: int) -> dict:
             return {**({"pos": starts[i]} if starts else {}), **({"prefix": decision.wire()} if decision and i == 0 else {})}
 
-        out = _OutStep(dep, {**item, **at(len(chunks) - 1)}, chunks[-1], fut)
+        first = route[0] if route else dep.stages[0].worker_id
+        out = _OutStep(dep, step_id, first, {**item, **at(len(chunks) - 1)}, chunks[-1], fut)
         try:
             if len(feed) == 1:
                 # a micro-batch in flight per worker (replicas included: they compute side by side)
@@ -138,95 +180,58 @@ class Steps:
             else:
                 self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
                 for i, chunk in enumerate(chunks[:-1]):
-                    await self._send_forward([_OutStep(dep, {**item, "partial": True, **at(i)}, chunk, fut)])
+                    await self._send_forward([_OutStep(dep, step_id, first, {**item, "partial": True, **at(i)}, chunk, fut)])
                 await self._send_forward([out])
             # shield: a cancelled caller must leave the future for _finish to wait on
-            reply = await asyncio.wait_for(asyncio.shield(fut), timeout=c.settings.step_timeout_s)
+            reply: core.StepResult = await asyncio.wait_for(asyncio.shield(fut), timeout=p.settings.step_timeout_s)
         except BaseException as exc:
             if decision:  # some stages may have applied it and others not
-                c.prefix.done(rid, ok=False)
+                self.prefix.done(rid, ok=False)
             if not isinstance(exc, asyncio.TimeoutError):
                 raise
-            if self.pending.get(seq, (0, 0, None))[2] is fut:
-                del self.pending[seq]
-            alone = not others_in_flight and self.sent_on.get(dep.plan_id) == sent_before
-            idle = membership.idle_stage(c.cluster, on_path, computed_before, t0, alone)
-            if idle is not None:
-                c.spawn(c.quarantine(idle, f"computed nothing for {seq} step {step} in {c.settings.step_timeout_s} s "
-                                           f"while answering pings"))
-            raise PipelineBroken(f"no token for {seq} step {step} within {c.settings.step_timeout_s} s") from None
+            self._handle(core.StepTimedOut(step_id, p.settings.step_timeout_s, p.clock()))  # it may blame a stage
+            raise PipelineBroken(f"no token for {seq} step {step} within {p.settings.step_timeout_s} s") from None
         finally:
             self._go(self.lanes.returned(rid))
         if decision:
-            c.prefix.done(rid, ok=True)
+            self.prefix.done(rid, ok=True)
         stop_if_cancelled()  # the token was taken, but its client is gone: the caller's finally drops the KV
-        record = StepRecord(rid, len(feed), c.clock() - t0, reply.get("timings", []),
-                            coordinator_s=out.sent_at - t0 if out.sent_at else 0.0, first_in_batch=reply.get("first", True),
-                            logprobs=reply.get("logprobs"), prefix_reused=reused, verified=reply.get("verified"))
+        record = StepRecord(rid, len(feed), p.clock() - t0, reply.timings, coordinator_s=out.sent_at - t0 if out.sent_at else 0.0,
+                            first_in_batch=reply.first, logprobs=reply.logprobs, prefix_reused=reused, verified=reply.verified)
         if verify and (record.verified is None or not 1 <= len(record.verified) <= len(feed)
                        or (draft_q is None and len(record.verified) != len(feed))):
             raise RequestFailed("the last stage did not verify the drafted tokens (a worker without speculative decoding)")
-        return int(reply["token"]), record
+        return reply.token, record
 
     def route(self, dep: Deployment, rid: str) -> replicas.Route:
         """``rid``'s route on a plan with replicated stages, chosen (and recorded) at its first
         step there; () on a plan without replicas (its frames carry no route)."""
         if not dep.replicated:
             return ()
-        c = self.coord
-        route = replicas.routed(c.cluster.requests, dep, rid)
+        p = self.ports
+        route = replicas.routed(p.state().requests, dep, rid)
         if route is None:
-            route = replicas.choose_route(dep, c.cluster.requests, rid)
-            c.emit(Routed(rid, dep.plan_id, route))
+            route = replicas.choose_route(dep, p.state().requests, rid)
+            p.emit(Routed(rid, dep.plan_id, route))
         return route
 
-    # -- replies ----------------------------------------------------------------------------------
+    # -- replies (the core decides which step a frame settles or fails) ----------------------------------
     def tokens(self, worker_id: str, msg: Token) -> None:
-        dep = self.coord.cluster.active
-        if dep is not None and dep.plan_id == msg.plan and not replicas.last_stage(dep, worker_id):
-            self.coord.event("ignored", worker=worker_id, why=f"token frame for plan {msg.plan} from a stage that is not its last")
-            return
-        logprobs = msg.logprobs or [None] * len(msg.tokens)
-        verified = msg.verified or [None] * len(msg.tokens)
-        for i, (item, token) in enumerate(zip(msg.batch, msg.tokens)):
-            self._resolve(item["seq"], item["step"], msg.plan,
-                          {"token": token, "timings": msg.timings, "first": i == 0, "logprobs": logprobs[i], "verified": verified[i]})
+        self._handle(core.TokenHeard(worker_id, msg, self.ports.clock()))
 
     def worker_error(self, worker_id: str, err: Error) -> None:
-        entry = self.pending.get(err.seq) if err.seq else None
-        if entry is None or (err.step is not None and err.step != entry[0]):
-            return
-        del self.pending[err.seq]
-        if err.code is ErrorCode.CORRUPT_INPUT:  # the previous stage sent garbage: never served, retried on a new plan
-            self.coord.event("invalid_frame", worker=worker_id, why=err.message)
-        exc = PipelineBroken(err.message) if err.retryable else RequestFailed(f"worker {worker_id}: {err.message}")
-        if not entry[2].done():
-            entry[2].set_exception(exc)
+        self._handle(core.ErrorHeard(worker_id, err, self.ports.clock()))
 
-    def _resolve(self, seq: str, step: int, plan: int, reply: dict) -> None:
-        entry = self.pending.get(seq)
-        if entry and entry[0] == step and entry[1] == plan and not entry[2].done():
-            del self.pending[seq]
-            entry[2].set_result(reply)
-
-    def fail_plan(self, plan: int, exc: Exception) -> None:
-        self._fail(lambda p: p == plan, exc)
-
-    def fail_all(self, exc: Exception) -> None:
-        self._fail(lambda p: True, exc)
-
-    def _fail(self, which, exc: Exception) -> None:
-        for seq, (step, plan, fut) in list(self.pending.items()):
-            if which(plan):
-                del self.pending[seq]
-                if not fut.done():
-                    fut.set_exception(exc)
+    def lost(self, plan: int | None, why: str, final: bool = False) -> None:
+        """Fail every step in flight on ``plan`` (None: on every plan): ``PipelineBroken(why)``, or
+        ``RequestFailed(why)`` when ``final``."""
+        self._handle(core.StepsLost(plan, why, self.ports.clock(), final))
 
     async def relay(self, target_id: str, link, msg: Message) -> None:
         try:
             await link.send(msg)
         except ChannelClosed:
-            self.fail_all(PipelineBroken(f"relay to {target_id} failed"))
+            self.lost(None, f"relay to {target_id} failed")
 
     # -- sending ----------------------------------------------------------------------------------
     def leave(self, rid: str) -> None:
@@ -235,21 +240,20 @@ class Steps:
 
     def _go(self, batches: list[list[LaneItem]]) -> None:
         for batch in batches:
-            self.coord.spawn(self._send_forward([item.payload for item in batch]))
+            self.ports.spawn(self._send_forward([item.payload for item in batch]))
 
     def _arm_lane(self, index: int, departure: int) -> None:
         loop = asyncio.get_running_loop()
-        loop.call_later(self.coord.settings.lane_wait_s, lambda: self._go(self.lanes.expire(index, departure)))
+        loop.call_later(self.ports.settings.lane_wait_s, lambda: self._go(self.lanes.expire(index, departure)))
 
     async def _send_forward(self, steps: list[_OutStep]) -> None:
         """Send steps of one plan to its first stage as one frame (one batch at every stage)."""
         steps = [s for s in steps if not s.fut.done()]  # failed while waiting for its lane
         if not steps:
             return
-        c, dep = self.coord, steps[0].dep
-        first = steps[0].item["route"][0] if "route" in steps[0].item else dep.stages[0].worker_id
-        link = c.links.get(first)
-        now = c.clock()
+        p, dep, first = self.ports, steps[0].dep, steps[0].first
+        link = p.links().get(first)
+        now = p.clock()
         for s in steps:
             s.sent_at = now
         try:
@@ -259,37 +263,39 @@ class Steps:
             await link.send(msg)
         except ChannelClosed:
             if link is not None:
-                c.spawn(c.lose(first, "disconnected"))
-            self._fail_steps(steps, PipelineBroken(f"worker {first} is gone"))
+                p.spawn(self.lose(first, "disconnected"))
+            self._fail_steps(steps, f"worker {first} is gone", final=False)
         except (ValueError, TypeError, OverflowError) as exc:  # a value the wire cannot carry: the request fails
-            self._fail_steps(steps, RequestFailed(f"cannot send the step: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"))
+            self._fail_steps(steps, f"cannot send the step: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", final=True)
 
-    def _fail_steps(self, steps: list[_OutStep], exc: Exception) -> None:
-        for s in steps:
-            if self.pending.get(s.item["seq"], (None, None, None))[2] is s.fut:
-                del self.pending[s.item["seq"]]
+    def _fail_steps(self, steps: list[_OutStep], why: str, final: bool) -> None:
+        self._handle(core.StepsLost(None, why, self.ports.clock(), final, tuple(s.step_id for s in steps)))
+        for s in steps:  # no longer in flight (timed out while its frame was on its way): nobody awaits it
             if not s.fut.done():
-                s.fut.set_exception(exc)
+                s.fut.set_exception(RequestFailed(why) if final else PipelineBroken(why))
 
     async def finish(self, seq: str, plan: int | None) -> None:
         """Free a sequence's KV once no step of it is still in the pipeline."""
-        entry = self.pending.get(seq)
-        if entry is not None:  # a step in flight would re-create the KV after an early DROP
+        p = self.ports
+        flight = SB.of_seq(p.state().steps, seq)
+        if flight is not None:  # a step in flight would re-create the KV after an early DROP
+            fut = self.waiters.get(flight.step_id)
             try:
-                await asyncio.wait_for(asyncio.shield(entry[2]), timeout=self.coord.settings.step_timeout_s)
+                if fut is not None:
+                    await asyncio.wait_for(asyncio.shield(fut), timeout=p.settings.step_timeout_s)
             except (Exception, asyncio.CancelledError):
                 pass
-            if self.pending.get(seq) is entry:
-                self.pending.pop(seq, None)
-            plan = entry[1]
+            self._handle(core.StepGivenUp(flight.step_id, p.clock()))  # nothing, if it ended meanwhile
+            plan = flight.plan
         if plan is not None:
             await self.drop(seq, plan)
 
     async def drop(self, seq: str, plan: int) -> None:
-        c = self.coord
-        dep = c.cluster.active if c.cluster.active and c.cluster.active.plan_id == plan else None
-        for wid in sorted(dep.workers if dep else c.links):
-            link = c.links.get(wid)
+        active = self.ports.state().active
+        dep = active if active and active.plan_id == plan else None
+        links = self.ports.links()
+        for wid in sorted(dep.workers if dep else links):
+            link = links.get(wid)
             if link:
                 try:
                     await link.send(Drop(seq).to_message())

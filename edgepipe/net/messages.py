@@ -385,6 +385,24 @@ class Token(Wire):
     # each of its positions; None for the others (see runtime.speculative)
     verified: list | None = None
 
+    def entries(self) -> list["TokenEntry"]:
+        """One typed result per batch entry, in frame order (``parse`` checked each entry's seq and step)."""
+        logprobs = self.logprobs or [None] * len(self.tokens)
+        verified = self.verified or [None] * len(self.tokens)
+        return [TokenEntry(item["seq"], item["step"], token, logprobs[i], verified[i])
+                for i, (item, token) in enumerate(zip(self.batch, self.tokens))]
+
+
+@dataclass(frozen=True)
+class TokenEntry:
+    """One sequence's result in a TOKEN frame (``Token.entries``)."""
+
+    seq: str
+    step: int
+    token: int
+    logprobs: dict | list | None  # its logprobs entry (a verify entry: one per position), when asked
+    verified: list | None  # a verify entry: the token the head chose after each position
+
 
 @dataclass(frozen=True)
 class Pong(Wire):

@@ -1,13 +1,46 @@
-"""Micro-batch lanes (pure bookkeeping) and the KV pool's row gathering."""
+"""Micro-batch lanes (pure bookkeeping, part of the cluster state) and the KV pool's row gathering."""
 
 import numpy as np
 
-from edgepipe.cluster.batching import LaneItem, Lanes
+from edgepipe.cluster.batching import (MAX_LANE, LaneAsked, LaneBook, LaneExpired, LaneItem, LaneLeft, LaneReturned, apply,
+                                       departures)
 from edgepipe.runtime.stage_runner import _KVPool
 
 
+class Lanes:
+    """The lanes as the state holds them, folded event by event (``batching.departures``): the
+    batches each event lets go, and the timers it starts (handed to ``arm``)."""
+
+    def __init__(self, arm=lambda i, d: None, max_lane=MAX_LANE):
+        self.book, self.arm, self.max_lane = LaneBook(), arm, max_lane
+
+    def _after(self, event):
+        gone = departures(self.book, event, self.max_lane)
+        if self.max_lane == MAX_LANE:
+            assert apply(self.book, event) == gone.book  # the state's reducer folds the same lanes
+        self.book = gone.book
+        for index, departure in gone.armed:
+            self.arm(index, departure)
+        return [list(b) for b in gone.batches]
+
+    def submit(self, item, n_lanes):
+        return self._after(LaneAsked(item, n_lanes))
+
+    def returned(self, rid):
+        return self._after(LaneReturned(rid))
+
+    def leave(self, rid):
+        return self._after(LaneLeft(rid))
+
+    def expire(self, index, departure):
+        return self._after(LaneExpired(index, departure))
+
+    def sizes(self):
+        return self.book.sizes()
+
+
 def item(rid, plan=1):
-    return LaneItem(rid, plan, rid)
+    return LaneItem(rid, plan, ord(rid))
 
 
 def rids(batches):

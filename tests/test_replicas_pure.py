@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from edgepipe.cluster import deploy, replicas, state as S
-from edgepipe.cluster.batching import LaneItem, Lanes
+from edgepipe.cluster.batching import LaneAsked, LaneBook, LaneItem, LaneReturned, departures
 from edgepipe.cluster.placement import Deployment, StageAssignment as A, stage_groups
 from edgepipe.cluster.planning import assignments, running_plan
 from edgepipe.net.messages import Hello, Load, NextHop, parse
@@ -131,16 +131,23 @@ def test_the_worker_sends_each_row_to_the_replica_on_its_route():
 
 
 def test_a_lane_goes_out_as_one_frame_per_first_stage_replica():
-    lanes = Lanes()
-    assert [[i.rid for i in b] for b in lanes.submit(LaneItem("q1", 4, "q1", ("a", "b")), 1)] == [["q1"]]  # alone: at once
-    assert lanes.submit(LaneItem("q2", 4, "q2", ("a", "c")), 1) == []  # waits for its lane (q1 is flying)
-    batches = lanes.returned("q1") + lanes.submit(LaneItem("q1", 4, "q1", ("a", "b")), 1)
-    assert [sorted(i.rid for i in b) for b in batches] == [["q1", "q2"]]  # one first stage: one frame (its worker splits it)
-    lanes = Lanes()
-    lanes.submit(LaneItem("q1", 4, "q1", ("b", "a")), 1)
-    lanes.submit(LaneItem("q2", 4, "q2", ("c", "a")), 1)
-    batches = lanes.returned("q1") + lanes.submit(LaneItem("q1", 4, "q1", ("b", "a")), 1)
-    assert sorted([i.rid for i in b] for b in batches) == [["q1"], ["q2"]]  # a replicated first stage: a frame per replica
+    def fold(*events):  # the lanes as the state holds them: the batches the events let go
+        nonlocal book
+        out = []
+        for event in events:
+            gone = departures(book, event)
+            book, out = gone.book, out + [sorted(i.rid for i in b) for b in gone.batches]
+        return out
+
+    book = LaneBook()
+    assert fold(LaneAsked(LaneItem("q1", 4, 1, ("a", "b")), 1)) == [["q1"]]  # alone: at once
+    assert fold(LaneAsked(LaneItem("q2", 4, 2, ("a", "c")), 1)) == []  # waits for its lane (q1 is flying)
+    # one first stage: one frame (its worker splits it)
+    assert fold(LaneReturned("q1"), LaneAsked(LaneItem("q1", 4, 3, ("a", "b")), 1)) == [["q1", "q2"]]
+    book = LaneBook()
+    fold(LaneAsked(LaneItem("q1", 4, 1, ("b", "a")), 1), LaneAsked(LaneItem("q2", 4, 2, ("c", "a")), 1))
+    batches = fold(LaneReturned("q1"), LaneAsked(LaneItem("q1", 4, 3, ("b", "a")), 1))
+    assert sorted(batches) == [["q1"], ["q2"]]  # a replicated first stage: a frame per replica
 
 
 def test_kv_capacity_counts_every_replica_of_a_stage():

@@ -11,26 +11,118 @@ Lanes are stable on purpose. Stages never merge two waiting frames: two lanes th
 stage leave it one after the other and so spread over the stages again, whereas merged lanes
 would stay bunched forever and leave stages idle.
 
-``Lanes`` is plain bookkeeping (no I/O, no clock): the coordinator sends what it returns and
-arms a timer when it asks for one.
+The lanes are part of the cluster state (``StepBook.lanes``, ``step_book``), changed by the
+events below through ``apply``: a decode step asks for its lane (``LaneAsked``), a sequence's step
+is over (``LaneReturned``), a sequence leaves its lane (``LaneLeft``: a prefill travels alone, a
+finished one is gone), the wait for a lane's late members is over (``LaneExpired``). Each is also
+a decision (``departures``): the batches to send now and the lanes whose wait timer starts (no
+I/O, no clock: ``core.handle`` turns them into commands the shell carries out).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 MAX_LANE = 16  # sequences in one micro-batch at most (a worker's batch limit)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaneItem:
     """One decode step of one sequence, waiting to go out with its lane."""
 
     rid: str  # the request (stable over plan changes, unlike the sequence id)
     plan: int
-    payload: Any  # what the coordinator needs to send it
+    step_id: int  # its step in flight (``step_book``): the shell holds what its frame carries
     route: tuple = ()  # its replicas (``cluster.replicas``): a frame goes to one first-stage replica
+
+
+@dataclass(frozen=True)
+class LaneState:
+    index: int
+    members: frozenset[str] = frozenset()
+    waiting: Mapping[str, LaneItem] = field(default_factory=lambda: MappingProxyType({}))
+    flying: frozenset[str] = frozenset()
+    departures: int = 0  # how many times the lane went out
+    armed: int = -1  # the departure a wait timer was armed for
+
+
+@dataclass(frozen=True)
+class LaneBook:
+    lanes: tuple[LaneState, ...] = ()
+    lane_of: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    def sizes(self) -> list[int]:
+        return [len(lane.members) for lane in self.lanes]
+
+    def idle(self) -> bool:
+        """No sequence in any lane."""
+        return not self.lane_of and not any(lane.members or lane.waiting or lane.flying for lane in self.lanes)
+
+
+@dataclass(frozen=True)
+class LaneAsked:
+    """A sequence's decode step asks to go out with its lane (``n_lanes``: the plan's stages)."""
+
+    item: LaneItem
+    n_lanes: int
+
+
+@dataclass(frozen=True)
+class LaneReturned:
+    """A sequence's step is over (token, failure or timeout)."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class LaneLeft:
+    """A sequence steps out of its lane (a prefill travels alone; a finished one is gone)."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class LaneExpired:
+    """The wait for lane ``index``'s late members, armed at ``departure``, is over."""
+
+    index: int
+    departure: int
+
+
+LaneEvent = LaneAsked | LaneReturned | LaneLeft | LaneExpired
+
+
+@dataclass(frozen=True)
+class Departures:
+    book: LaneBook  # the lanes after the event
+    batches: tuple[tuple[LaneItem, ...], ...]  # to send now: each of one plan and first worker
+    armed: tuple[tuple[int, int], ...]  # (lane, departure): start its wait timer (``wait_s``), then ``LaneExpired``
+
+
+def departures(book: LaneBook, event: LaneEvent, max_lane: int = MAX_LANE) -> Departures:
+    """The lanes after ``event``, the batches it lets go and the timers it starts (pure)."""
+    armed: list[tuple[int, int]] = []
+    lanes = Lanes(arm=lambda i, d: armed.append((i, d)), max_lane=max_lane)
+    lanes.lanes = [Lane(x.index, set(x.members), dict(x.waiting), set(x.flying), x.departures, x.armed) for x in book.lanes]
+    lanes.lane_of = dict(book.lane_of)
+    match event:
+        case LaneAsked(item, n_lanes):
+            batches = lanes.submit(item, n_lanes)
+        case LaneReturned(rid):
+            batches = lanes.returned(rid)
+        case LaneLeft(rid):
+            batches = lanes.leave(rid)
+        case LaneExpired(index, departure):
+            batches = lanes.expire(index, departure) if index < len(lanes.lanes) else []
+    after = LaneBook(tuple(LaneState(x.index, frozenset(x.members), MappingProxyType(dict(x.waiting)), frozenset(x.flying), x.departures,
+                                     x.armed) for x in lanes.lanes), MappingProxyType(dict(lanes.lane_of)))
+    return Departures(after, tuple(tuple(b) for b in batches), tuple(armed))
+
+
+def apply(book: LaneBook, event: LaneEvent) -> LaneBook:
+    return departures(book, event).book
 
 
 @dataclass
@@ -44,7 +136,8 @@ class Lane:
 
 
 class Lanes:
-    """Assigns sequences to lanes and decides when a lane's steps go out.
+    """Assigns sequences to lanes and decides when a lane's steps go out (the working form of a
+    ``LaneBook`` inside ``departures``).
 
     Every method returns the batches to send now: lists of items of one plan and first worker
     each (a lane whose members use different replicas of the first stage goes out as a frame per

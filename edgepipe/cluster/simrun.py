@@ -167,8 +167,8 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
         out.append(f"load/probe futures left: {[(w, sorted(l.loads), sorted(l.probes)) for w, l in coord.links.items() if l.loads or l.probes]}")
     if coord.cluster.moves or coord.deployer.migration.acks:
         out.append(f"KV moves left: {sorted(coord.cluster.moves)}, awaited {sorted(coord.deployer.migration.acks)}")
-    if coord.steps.lanes.lane_of or any(l.members or l.waiting or l.flying for l in coord.steps.lanes.lanes):
-        out.append("lane members left")
+    if not coord.cluster.steps.lanes.idle() or coord.steps.outgoing:
+        out.append(f"lane members left (frames waiting: {sorted(coord.steps.outgoing)})")
     if coord.cluster.prefix.cache.pending:
         out.append(f"prefix decisions never committed or dropped: {sorted(coord.cluster.prefix.cache.pending)}")
     cached, active = coord.cluster.prefix.cache, coord.cluster.active

@@ -31,7 +31,7 @@ from . import checkpoints as K, prefix_book as PB, step_book as SB
 from .checkpoints import Checkpoint, CheckpointSending, CheckpointStored, CheckpointVoid, Resume  # noqa: F401 - events and values, as state.X
 from .placement import Deployment, StageAssignment
 from .prefix_book import PrefixBook, PrefixDecided, PrefixDone  # noqa: F401 - events, as state.X
-from .step_book import StepBook, StepEnded, StepSent  # noqa: F401 - events, as state.X
+from .step_book import LaneAsked, LaneExpired, LaneLeft, LaneReturned, StepBook, StepEnded, StepSent  # noqa: F401 - events, as state.X
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
 STALL_S = 1.0  # a gap at least this long is also kept among a worker's stalls...
@@ -261,7 +261,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _replace(state, requests=_with(state.requests, rid, _replace(state.requests[rid], migrated_to=plan)))
         case RequestEnded(rid) if rid in state.requests:
             return _replace(state, requests=_without(state.requests, rid), checkpoints=_without(state.checkpoints, rid))
-        case StepSent() | StepEnded():
+        case StepSent() | StepEnded() | LaneAsked() | LaneReturned() | LaneLeft() | LaneExpired():
             return _replace(state, steps=SB.apply(state.steps, event))
     return state
 

@@ -1,5 +1,6 @@
 """The steps in flight, as part of the cluster state (pure): which sequence's step went out on
-which plan and through which workers, changed only by ``StepSent``/``StepEnded`` through ``apply``.
+which plan and through which workers, and the lanes the decode steps wait in (``batching``),
+changed only by ``StepSent``/``StepEnded`` and the lane events through ``apply``.
 
 A step is in flight from the moment its sequence asks for it (it may first wait for its lane,
 ``batching``) until its token comes back, it fails, or it is given up. The decisions over the
@@ -16,6 +17,8 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Mapping
 
+from . import batching
+from .batching import LaneAsked, LaneBook, LaneExpired, LaneLeft, LaneReturned  # noqa: F401 - the lanes' events, as step_book.X
 
 class StepEnd(str, Enum):
     TOKEN = "token"  # its token came back from the last stage
@@ -43,6 +46,7 @@ class StepBook:
     inflight: Mapping[int, InFlight] = field(default_factory=lambda: MappingProxyType({}))  # by step id
     sent_on: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))  # plan -> steps ever sent on it
     next_id: int = 1
+    lanes: LaneBook = LaneBook()  # the micro-batch lanes: members, steps waiting for their lane, lanes out
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ class StepEnded:
     now: float
 
 
-def apply(book: StepBook, event: StepSent | StepEnded) -> StepBook:
+def apply(book: StepBook, event: StepSent | StepEnded | batching.LaneEvent) -> StepBook:
     """The book after one of its events (pure; the end of a step not in flight changes nothing).
     A sequence has one step in flight: a new one replaces an older one still listed."""
     match event:
@@ -76,9 +80,12 @@ def apply(book: StepBook, event: StepSent | StepEnded) -> StepBook:
             index = book.sent_on.get(plan, 0) + 1
             flight = InFlight(book.next_id, seq, step, plan, rid, tuple(path), MappingProxyType(dict(before)), now, crowded, index)
             return StepBook(MappingProxyType({**kept, book.next_id: flight}), MappingProxyType({**book.sent_on, plan: index}),
-                            book.next_id + 1)
+                            book.next_id + 1, book.lanes)
         case StepEnded(step_id, _, _) if step_id in book.inflight:
-            return StepBook(MappingProxyType({i: f for i, f in book.inflight.items() if i != step_id}), book.sent_on, book.next_id)
+            return StepBook(MappingProxyType({i: f for i, f in book.inflight.items() if i != step_id}), book.sent_on, book.next_id,
+                            book.lanes)
+        case LaneAsked() | LaneReturned() | LaneLeft() | LaneExpired():
+            return StepBook(book.inflight, book.sent_on, book.next_id, batching.apply(book.lanes, event))
     return book
 
 

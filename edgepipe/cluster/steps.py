@@ -4,10 +4,11 @@ A step is one sequence's next token: the token ids go to the plan's first stage 
 frame (decode steps of several sequences share a frame: lanes, see ``batching``), and its token
 comes back from the last stage. On a plan with replicated stages a sequence's frames go through
 its route (``replicas``: a replica per stage, chosen at its first step there). What is in flight
-is state (``ClusterState.steps``, ``step_book``): a step is asked for, settled by a TOKEN frame,
-failed by an ERROR frame or a lost plan, timed out (blaming a stage that dropped it) or given up
-through the coordinator's core (``core.handle``); this shell emits what it decides and keeps
-only the futures the requests await, by step id, and the lanes. It sends the DROP that frees a
+is state (``ClusterState.steps``, ``step_book``, the lanes included): a step is asked for, waits
+for its lane, is settled by a TOKEN frame, failed by an ERROR frame or a lost plan, timed out
+(blaming a stage that dropped it) or given up through the coordinator's core (``core.handle``,
+``step_path``); this shell emits what it decides, carries out its commands, and keeps only the
+futures the requests await and the frames of steps waiting for their lane, by step id. It sends the DROP that frees a
 finished sequence's KV once nothing of it is left in the pipeline. Failures come back as
 :class:`PipelineBroken` (retry on the next plan) or :class:`RequestFailed` (one line, final).
 It is lent ``ports.Ports`` and its collaborators by name (the prefix cache, quarantine, lose),
@@ -29,7 +30,7 @@ from ..runtime import controls
 from ..runtime.sequence import GenerationParams, uniform_draw
 from ..runtime.speculative import rule_fields
 from . import core, replicas, step_book as SB
-from .batching import LaneItem, Lanes
+from .batching import LaneBook, LaneItem
 from .events import Routed
 from .placement import Deployment
 from .ports import Ports
@@ -89,12 +90,17 @@ class Steps:
         self.quarantine, self.lose = quarantine, lose  # take out a worker that dropped a step; one whose channel closed
         self.config = core.Config.of(ports.settings)
         self.waiters: dict[int, asyncio.Future] = {}  # step id -> the future its token resolves (the steps: ``ClusterState.steps``)
-        self.lanes = Lanes(arm=self._arm_lane)
+        self.outgoing: dict[int, _OutStep] = {}  # step id -> the frame of a decode step waiting for its lane
 
     @property
     def in_flight(self) -> Mapping[int, SB.InFlight]:
         """The steps in flight (the state's), by step id."""
         return self.ports.state().steps.inflight
+
+    @property
+    def lanes(self) -> LaneBook:
+        """The lanes (the state's)."""
+        return self.ports.state().steps.lanes
 
     def carry_out(self, handled: core.Handled) -> None:
         """Emit what the core decided; settle or fail the futures of the steps it ended."""
@@ -113,6 +119,11 @@ class Steps:
                         fut.set_exception(RequestFailed(why) if final else PipelineBroken(why))
                 case core.Quarantine(wid, why):
                     p.spawn(self.quarantine(wid, why))
+                case core.ArmLane(index, departure):
+                    expired = SB.LaneExpired(index, departure)
+                    asyncio.get_running_loop().call_later(p.settings.lane_wait_s, lambda: self._handle(expired))
+                case core.SendBatch(step_ids):
+                    p.spawn(self._send_forward([self.outgoing.pop(i) for i in step_ids if i in self.outgoing]))
         for event in handled.events:  # timed out or given up: nobody waits for it any more
             if isinstance(event, SB.StepEnded):
                 self.waiters.pop(event.step_id, None)
@@ -176,9 +187,10 @@ class Steps:
         try:
             if len(feed) == 1:
                 # a micro-batch in flight per worker (replicas included: they compute side by side)
-                self._go(self.lanes.submit(LaneItem(rid, dep.plan_id, out, route), len(dep.stages)))
+                self.outgoing[step_id] = out
+                self._handle(SB.LaneAsked(LaneItem(rid, dep.plan_id, step_id, route), len(dep.stages)))
             else:
-                self._go(self.lanes.leave(rid))  # a prefill travels alone; the sequence re-joins a lane after it
+                self._handle(SB.LaneLeft(rid))  # a prefill travels alone; the sequence re-joins a lane after it
                 for i, chunk in enumerate(chunks[:-1]):
                     await self._send_forward([_OutStep(dep, step_id, first, {**item, "partial": True, **at(i)}, chunk, fut)])
                 await self._send_forward([out])
@@ -192,7 +204,8 @@ class Steps:
             self._handle(core.StepTimedOut(step_id, p.settings.step_timeout_s, p.clock()))  # it may blame a stage
             raise PipelineBroken(f"no token for {seq} step {step} within {p.settings.step_timeout_s} s") from None
         finally:
-            self._go(self.lanes.returned(rid))
+            self._handle(SB.LaneReturned(rid))
+            self.outgoing.pop(step_id, None)  # still waiting for its lane: it will not go
         if decision:
             self.prefix.done(rid, ok=True)
         stop_if_cancelled()  # the token was taken, but its client is gone: the caller's finally drops the KV
@@ -236,15 +249,7 @@ class Steps:
     # -- sending ----------------------------------------------------------------------------------
     def leave(self, rid: str) -> None:
         """The sequence steps out of its lane (a prefill travels alone; a finished one is gone)."""
-        self._go(self.lanes.leave(rid))
-
-    def _go(self, batches: list[list[LaneItem]]) -> None:
-        for batch in batches:
-            self.ports.spawn(self._send_forward([item.payload for item in batch]))
-
-    def _arm_lane(self, index: int, departure: int) -> None:
-        loop = asyncio.get_running_loop()
-        loop.call_later(self.ports.settings.lane_wait_s, lambda: self._go(self.lanes.expire(index, departure)))
+        self._handle(SB.LaneLeft(rid))
 
     async def _send_forward(self, steps: list[_OutStep]) -> None:
         """Send steps of one plan to its first stage as one frame (one batch at every stage)."""

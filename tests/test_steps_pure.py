@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from edgepipe.cluster import core, membership, narrate, state as S, step_book as SB
+from edgepipe.cluster.batching import LaneItem
 from edgepipe.cluster.placement import Deployment, StageAssignment as A
 from edgepipe.net.messages import Error, ErrorCode, Hello, Token
 
@@ -136,3 +137,24 @@ def test_the_step_table_is_its_events_folded_and_replays():
     for event in log:
         replayed = S.apply(replayed, event)
     assert replayed == state
+
+
+def test_decode_steps_wait_for_their_lane_and_go_out_together_as_commands():
+    """The lanes are state too: a decode step asks for its lane (``LaneAsked``), the core answers
+    with the batch to send (``SendBatch``, by step id) or a timer for the lane's late members
+    (``ArmLane``); a lane event that changes nothing makes no event."""
+    state, a = _asked(_up(), "r1.0")
+    first = core.handle(state, SB.LaneAsked(LaneItem("r1", 4, a), 2), CONFIG)
+    assert first.commands == (core.SendBatch((a,)),) and first.state.steps.lanes.lane_of == {"r1": 0}  # alone: at once
+    state, b = _asked(first.state, "r2.0")
+    second = core.handle(state, SB.LaneAsked(LaneItem("r2", 4, b), 1), CONFIG)
+    assert second.commands == ()  # one lane (one stage now): r2 waits while r1's step flies
+    back = core.handle(second.state, SB.LaneReturned("r1"), CONFIG)
+    assert back.commands == (core.ArmLane(0, 1),)  # r1 has not asked again: the lane waits for it, bounded
+    state, c = _asked(back.state, "r1.0", step=1)
+    both = core.handle(state, SB.LaneAsked(LaneItem("r1", 4, c), 1), CONFIG)
+    assert both.commands == (core.SendBatch((b, c)),) and both.events == (SB.LaneAsked(LaneItem("r1", 4, c), 1),)
+    assert core.handle(both.state, SB.LaneExpired(0, 1), CONFIG) == core.Handled(both.state)  # a stale timer: nothing
+    assert core.handle(both.state, SB.LaneLeft("r9"), CONFIG) == core.Handled(both.state)  # not in a lane: nothing
+    left = core.handle(core.handle(both.state, SB.LaneReturned("r1"), CONFIG).state, SB.LaneLeft("r1"), CONFIG)
+    assert left.state.steps.lanes.lane_of == {"r2": 0} and narrate.entry(left.events[0], left.state, None, 0.0) is None

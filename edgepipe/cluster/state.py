@@ -31,7 +31,6 @@ from . import checkpoints as K, prefix_book as PB, step_book as SB
 from .checkpoints import Checkpoint, CheckpointSending, CheckpointStored, CheckpointVoid, Resume  # noqa: F401 - events and values, as state.X
 from .placement import Deployment, StageAssignment
 from .prefix_book import PrefixBook, PrefixDecided, PrefixDone  # noqa: F401 - events, as state.X
-from .step_book import LaneAsked, LaneExpired, LaneLeft, LaneReturned, StepBook, StepEnded, StepSent  # noqa: F401 - events, as state.X
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
 STALL_S = 1.0  # a gap at least this long is also kept among a worker's stalls...
@@ -135,7 +134,7 @@ class ClusterState:
     checkpoints: Mapping[str, Checkpoint] = field(default_factory=lambda: _frozen({}))  # rid -> what the spare holds of its KV
     moves: Mapping[int, KvMoveSent] = field(default_factory=lambda: _frozen({}))  # KV moves of a switch in flight, by id
     prefix: PrefixBook = PrefixBook()  # the blocks the active plan's stages cache, decisions in flight, counts (``prefix_book``)
-    steps: StepBook = StepBook()  # the steps in flight, by step id (``step_book``)
+    steps: SB.StepBook = SB.StepBook()  # the steps in flight and the lanes (``step_book``)
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""
@@ -261,7 +260,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _replace(state, requests=_with(state.requests, rid, _replace(state.requests[rid], migrated_to=plan)))
         case RequestEnded(rid) if rid in state.requests:
             return _replace(state, requests=_without(state.requests, rid), checkpoints=_without(state.checkpoints, rid))
-        case StepSent() | StepEnded() | LaneAsked() | LaneReturned() | LaneLeft() | LaneExpired():
+        case SB.StepSent() | SB.StepEnded() | SB.LaneAsked() | SB.LaneReturned() | SB.LaneLeft() | SB.LaneExpired():
             return _replace(state, steps=SB.apply(state.steps, event))
     return state
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Mapping
+from typing import Awaitable, Callable
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from ..runtime import controls
 from ..runtime.sequence import GenerationParams, uniform_draw
 from ..runtime.speculative import rule_fields
 from . import core, replicas, step_book as SB
-from .batching import LaneBook, LaneItem
+from .batching import LaneItem
 from .events import Routed
 from .placement import Deployment
 from .ports import Ports
@@ -91,16 +91,6 @@ class Steps:
         self.config = core.Config.of(ports.settings)
         self.waiters: dict[int, asyncio.Future] = {}  # step id -> the future its token resolves (the steps: ``ClusterState.steps``)
         self.outgoing: dict[int, _OutStep] = {}  # step id -> the frame of a decode step waiting for its lane
-
-    @property
-    def in_flight(self) -> Mapping[int, SB.InFlight]:
-        """The steps in flight (the state's), by step id."""
-        return self.ports.state().steps.inflight
-
-    @property
-    def lanes(self) -> LaneBook:
-        """The lanes (the state's)."""
-        return self.ports.state().steps.lanes
 
     def carry_out(self, handled: core.Handled) -> None:
         """Emit what the core decided; settle or fail the futures of the steps it ended."""

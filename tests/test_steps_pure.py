@@ -158,12 +158,3 @@ def test_decode_steps_wait_for_their_lane_and_go_out_together_as_commands():
     assert core.handle(both.state, SB.LaneLeft("r9"), CONFIG) == core.Handled(both.state)  # not in a lane: nothing
     left = core.handle(core.handle(both.state, SB.LaneReturned("r1"), CONFIG).state, SB.LaneLeft("r1"), CONFIG)
     assert left.state.steps.lanes.lane_of == {"r2": 0} and narrate.entry(left.events[0], left.state, None, 0.0) is None
-
-
-def test_a_loaded_frame_answers_the_load_or_acknowledges_a_kv_copy():
-    from edgepipe.net.messages import Loaded
-
-    state = _up()
-    built, copied = Loaded(True, plan=5, load_s=0.2), Loaded(True, plan=5, kv_received=3, bytes=1024)
-    assert core.handle(state, core.LoadedHeard("w1", built, 1.0), CONFIG) == core.Handled(state, (), (core.AnswerLoad("w1", 5, built),))
-    assert core.handle(state, core.LoadedHeard("w2", copied, 1.0), CONFIG).commands == (core.AckKv(3, copied),)

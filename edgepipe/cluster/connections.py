@@ -3,12 +3,12 @@
 A worker connects with HELLO and is refused (one line, ``ErrorCode.REFUSED``) or welcomed and
 read until its channel closes. Every frame it sends is checked (``net.messages.parse``,
 ``net.validate``) before anything uses it: a bad one closes the channel, never the coordinator.
-Frames are routed to their owner (tokens and errors to ``steps``, LOADED to whoever awaits it:
-the deployer's load or a KV copy, pongs into the state). The heartbeat loop pings every worker
-and carries out what ``membership.beat`` decides (suspect, lose, abandon a plan whose stage went
-silent). Heartbeats, frames heard, pongs and LOADED are inputs of the coordinator's core
-(``core.handle``): this shell emits the events it returns and carries out its commands. It is
-lent ``ports.Ports`` and the few collaborators it hands frames to, by name; never the coordinator.
+Frames are routed to their owner (tokens and errors to ``steps``, LOADED to ``deployer``, pongs
+into the state). The heartbeat loop pings every worker and carries out what ``membership.beat``
+decides (suspect, lose, abandon a plan whose stage went silent). Heartbeats, frames heard and
+pongs are inputs of the coordinator's core (``core.handle``): this shell emits the events it
+returns and carries out its commands. It is lent ``ports.Ports`` and the few collaborators it
+hands frames to, by name; never the coordinator.
 """
 
 from __future__ import annotations
@@ -52,13 +52,6 @@ class Connections:
                     p.replan_wanted.set()
                 case core.Measure(m):
                     p.measure(m)
-                case core.AckKv(_, loaded):
-                    self.migration.moved(loaded)  # a switch's move, else a checkpoint's copy (the migration hands it on)
-                case core.AnswerLoad(wid, plan, loaded):
-                    link = p.links().get(wid)
-                    fut = link.loads.pop(plan, None) if link is not None else None
-                    if fut and not fut.done():
-                        fut.set_result(loaded)
 
     async def attach(self, channel: Channel) -> None:
         """Serve one worker's control channel until it closes (called by the API endpoint)."""
@@ -154,7 +147,12 @@ class Connections:
                      "prefix_bytes": typed.prefix_bytes}
             self.carry_out(core.handle(p.state(), core.PongHeard(wid, typed.t, stats, p.clock()), self.config))
         elif msg.type is T.LOADED:
-            self.carry_out(core.handle(p.state(), core.LoadedHeard(wid, typed, p.clock()), self.config))
+            if typed.kv_received is not None:
+                self.migration.moved(typed)
+            else:
+                fut = link.loads.pop(typed.plan, None)
+                if fut and not fut.done():
+                    fut.set_result(typed)
         elif msg.type is T.PROBED:
             fut = link.probes.pop(typed.probe, None)
             if fut and not fut.done():

@@ -1,20 +1,21 @@
 """The coordinator's decisions as data (sans-IO): ``handle(state, input, config) -> Handled(state,
 events, commands)``.
 
-An input is something that happened at the coordinator's edge: a heartbeat is due, a frame, a
-pong or a LOADED came from a worker, a prompt prefill is about to be sent, the frame that
-carried a prefix decision came back, and the step path's inputs (``step_path``: a sequence asks
-for a step or its lane, a TOKEN or ERROR frame came from a stage, a step timed out or was given
-up, a plan's steps were lost). ``handle`` returns the events that input makes (the state after
-them is ``state``: the shell emits each one, so they are logged and narrated like every other)
-and the commands the shell must carry out (take a worker out, fail a plan's steps, wake the
-re-planner, ping every worker, record a measurement, send a prefill with its prefix decision,
-answer an awaited LOAD or KV copy, settle or fail a step's future, send a lane's batch, arm a
-lane's timer, quarantine a worker).
+An input is something that happened at the coordinator's edge: a heartbeat is due, a frame or a
+pong came from a worker, a prompt prefill is about to be sent, the frame that carried a prefix
+decision came back, and the step path's inputs (``step_path``: a sequence asks for a step or its
+lane, a TOKEN or ERROR frame came from a stage, a step timed out or was given up, a plan's steps
+were lost). ``handle`` returns the events that input
+makes (the state after them is ``state``: the shell emits each one, so they are logged and
+narrated like every other) and the commands the shell must carry out (take a worker out, fail a
+plan's steps, wake the re-planner, ping every worker, record a measurement, send a prefill with
+its prefix decision, settle or fail a step's future, send a lane's batch, arm a lane's timer,
+quarantine a worker).
 
-Driven by ``connections`` (heartbeats, frames heard, pongs, LOADED), ``prefix_cache`` (prefills)
-and ``steps`` (the step path: the in-flight table is ``ClusterState.steps``, ``step_book``). The
-API requests still go through their shell's own code (``requests``).
+Driven by ``connections`` (heartbeats, frames heard, pongs), ``prefix_cache`` (prefills) and
+``steps`` (the step path: the in-flight table is ``ClusterState.steps``, ``step_book``). The rest
+of the coordinator's inputs (LOADED, API requests) still go through their shells' own code
+(``deployer``, ``requests``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..net.messages import Loaded
 from . import measurements as M, membership, prefix, prefix_book as PB, scheduling, step_path
 from .profiling import RUNTIME_OVERHEAD_BYTES
 from .state import ClusterState, Event, Heard, Ponged, apply
@@ -73,16 +73,7 @@ class PrefillEnded:
     ok: bool  # the frame came back from the last stage (False: it failed or was given up part-way)
 
 
-@dataclass(frozen=True)
-class LoadedHeard:
-    """A LOADED frame from ``worker_id``: the answer to a LOAD, or a KV copy acknowledged."""
-
-    worker_id: str
-    loaded: Loaded
-    now: float
-
-
-Input = HeartbeatDue | FrameHeard | PongHeard | PrefillAsked | PrefillEnded | LoadedHeard | StepInput
+Input = HeartbeatDue | FrameHeard | PongHeard | PrefillAsked | PrefillEnded | StepInput
 
 
 # -- commands ---------------------------------------------------------------------------------------
@@ -123,24 +114,7 @@ class CarryPrefix:
     decision: prefix.PrefillDecision
 
 
-@dataclass(frozen=True)
-class AnswerLoad:
-    """Hand ``loaded`` to whoever awaits ``worker_id``'s answer to the LOAD of ``plan`` (a late one: nobody)."""
-
-    worker_id: str
-    plan: int | None
-    loaded: Loaded
-
-
-@dataclass(frozen=True)
-class AckKv:
-    """A KV copy arrived (or was refused): a move of a switch or a checkpoint's copy to the spare."""
-
-    move: int
-    loaded: Loaded
-
-
-Command = LoseWorker | FailPlan | Replan | PingAll | Measure | CarryPrefix | AnswerLoad | AckKv | step_path.StepCommand
+Command = LoseWorker | FailPlan | Replan | PingAll | Measure | CarryPrefix | step_path.StepCommand
 
 
 @dataclass(frozen=True)
@@ -187,10 +161,6 @@ def handle(state: ClusterState, event: Input, config: Config) -> Handled:
                 return _after(state, (decided,), () if decided.decision.empty else (CarryPrefix(rid, decided.decision),))
         case PrefillEnded(rid, ok):
             return _after(state, (PB.PrefixDone(rid, ok),))
-        case LoadedHeard(wid, loaded, _):
-            if loaded.kv_received is not None:
-                return Handled(state, (), (AckKv(loaded.kv_received, loaded),))
-            return Handled(state, (), (AnswerLoad(wid, loaded.plan, loaded),))
         case (StepAsked() | TokenHeard() | ErrorHeard() | StepTimedOut() | StepGivenUp() | StepsLost()
               | step_path.SB.LaneAsked() | step_path.SB.LaneReturned() | step_path.SB.LaneLeft() | step_path.SB.LaneExpired()):
             return _after(state, *step_path.decide(state, event))

@@ -124,7 +124,7 @@ class Coordinator:
         self.profile.apply(m)
         self._logged(m)
 
-    def event(self, kind: S.NoteKind, **fields) -> None:
+    def event(self, kind: S.NoteKind | str, **fields) -> None:
         """A dashboard line that changes no state: logged as a ``Noted`` event like every other
         (``ValueError``: ``kind`` is not a ``NoteKind``)."""
         self.emit(S.Noted(S.NoteKind(kind), fields, self.clock()))

@@ -26,7 +26,7 @@ class Ports:
     state: Callable[[], ClusterState]  # the cluster state now
     emit: Callable[[Event], ClusterState]  # the one way the state changes
     measure: Callable[[Measurement], None]  # the one way the profile changes
-    note: Callable[..., None]  # note(kind, **fields): a dashboard line that changes no state (kind: a ``NoteKind``)
+    note: Callable[..., None]  # note(kind, **fields): a dashboard line that changes no state (kind: a ``NoteKind``, or its value)
     clock: Callable[[], float]
     spawn: Callable[[Coroutine], asyncio.Task]  # a background task the coordinator keeps (and cancels when it stops)
     links: Callable[[], Mapping[str, Link]]  # the workers' channels and the replies they owe

@@ -19,6 +19,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Mapping
 
+from . import step_book as SB  # the steps in flight and the lanes
 # The event types (``events``), re-exported so callers write ``state.Heard(...)``.
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
@@ -27,7 +28,7 @@ from .events import (
     KvMoveEnded, RequestEnded, Event,
 )
 from ..net.messages import Hello
-from . import checkpoints as K, prefix_book as PB, step_book as SB
+from . import checkpoints as K, prefix_book as PB
 from .checkpoints import Checkpoint, CheckpointSending, CheckpointStored, CheckpointVoid, Resume  # noqa: F401 - events and values, as state.X
 from .placement import Deployment, StageAssignment
 from .prefix_book import PrefixBook, PrefixDecided, PrefixDone  # noqa: F401 - events, as state.X
@@ -133,8 +134,8 @@ class ClusterState:
     spare_built: frozenset[str] = frozenset()  # the spare's workers whose session is built (they take KV checkpoints)
     checkpoints: Mapping[str, Checkpoint] = field(default_factory=lambda: _frozen({}))  # rid -> what the spare holds of its KV
     moves: Mapping[int, KvMoveSent] = field(default_factory=lambda: _frozen({}))  # KV moves of a switch in flight, by id
-    prefix: PrefixBook = PrefixBook()  # the blocks the active plan's stages cache, decisions in flight, counts (``prefix_book``)
     steps: SB.StepBook = SB.StepBook()  # the steps in flight and the lanes (``step_book``)
+    prefix: PrefixBook = PrefixBook()  # the blocks the active plan's stages cache, decisions in flight, counts (``prefix_book``)
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""

@@ -2,11 +2,12 @@
 
 It never touches activations. The parts, one concern per file:
 ``state`` (the frozen cluster state and its one reducer ``apply``), ``core`` (inputs in, events
-and commands out, for heartbeats, frames heard, LOADED, prompt prefills and, in ``step_path``,
-the step path), ``membership`` (suspect / lose decisions), ``scheduling`` (admission, bounded
-waits), ``deploy`` (plan change as actions, pure), ``deployer`` (carries out re-planning, loads,
-KV moves, the spare), ``requests`` (the token loop of every request, replay), ``steps`` (one
-step on the wire; the steps in flight and the lanes are state: ``step_book``, ``batching``), ``connections`` (worker channels in, heartbeats out), ``calibration``, ``checkpoints``
+and commands out, for heartbeats, frames heard, prompt prefills and, in ``step_path``, the step
+path), ``membership`` (suspect / lose decisions), ``scheduling`` (admission, bounded waits),
+``deploy`` (plan change as actions, pure), ``deployer`` (carries out re-planning, loads, KV
+moves, the spare), ``requests`` (the token loop of every request, replay), ``steps`` (one step
+on the wire; the steps in flight and the lanes are state: ``step_book``, ``batching``),
+``connections`` (worker channels in, heartbeats out), ``calibration``, ``checkpoints``
 (live sequences' KV copied to the spare plan, so a recovery replays less), ``event_log`` (every
 event and measurement, indexed) and ``narrate`` (the dashboard's line of a logged event).
 The deployer, the calibrator, the connections, the requests, the KV migration, the prefix

@@ -12,6 +12,7 @@ from ..net.messages import Drop, KvExport
 from . import deploy, replicas, state as S
 from .checkpoints import CheckpointSettings, Resume, due
 from .placement import Deployment
+from .ports import Ports
 
 MOVE_TIMEOUT_S = 30.0  # a checkpoint copy not acknowledged by then is void
 FIRST_MOVE_ID = 1 << 40  # copy ids above the ids of a switch's KV moves (both are acknowledged by LOADED kv_received)
@@ -29,10 +30,11 @@ class CheckpointCounts:
 
 
 class Checkpoints:
-    """Sends the copies ``due`` asks for, records the acknowledgements, drops unreferenced KV."""
+    """Sends the copies ``due`` asks for, records the acknowledgements, drops unreferenced KV.
+    It is given the coordinator's ``Ports`` (read and change the state, send, spawn, note)."""
 
-    def __init__(self, coord, settings: CheckpointSettings):
-        self.coord = coord
+    def __init__(self, ports: Ports, settings: CheckpointSettings):
+        self.ports = ports
         self.settings = settings
         self.counts = CheckpointCounts()
         self._spare_seen = None  # the spare the last step saw (a new one: the old one's KV goes)
@@ -45,32 +47,34 @@ class Checkpoints:
     @property
     def enabled(self) -> bool:
         # Speculative decoding leaves rejected drafts in a stage's KV between steps: not copied.
-        return self.settings.interval > 0 and not self.coord.settings.speculative
+        return self.settings.interval > 0 and not self.ports.settings.speculative
 
     # -- after a step ---------------------------------------------------------------------------
     async def after_step(self, rid: str, seq: str, dep, prompt_len: int) -> None:
         """Between two steps of ``rid`` (none in flight): send a checkpoint if one is due. Only
         the KV_EXPORT frames are sent here (before the next step, so the first stage exports first)."""
-        c = self.coord
-        q = c.cluster.requests.get(rid)
-        spare, spare_plan = c.cluster.spare, c.cluster.spare_plan
+        p = self.ports
+        cluster = p.state()
+        q = cluster.requests.get(rid)
+        spare, spare_plan = cluster.spare, cluster.spare_plan
         if spare != self._spare_seen:  # the spare changed: what the old one holds goes
             self._spare_seen = spare
             self.sweep()
         if not self.enabled or q is None or spare is None or spare_plan is None or q.plan != dep.plan_id:
             return
-        ck = c.cluster.checkpoints.get(rid)
+        ck = cluster.checkpoints.get(rid)
         held = ck.position() if ck is not None and ck.spare == spare else None
         if not due(self.settings, q.kv_len, prompt_len, held, len(self.flying), rid in self.flying):
             return
-        kv_per_unit = [u.kv_bytes_per_token for u in c.manifest.units]
+        units = p.package.manifest.units
+        kv_per_unit = [u.kv_bytes_per_token for u in units]
         # from the replicas of the sequence's route, on a plan with replicated stages
-        copies = deploy.kv_moves(dep, Deployment(spare_plan, spare, "spare"), c.n_units, kv_per_unit, replicas.routed(c.cluster.requests, dep, rid))
+        copies = deploy.kv_moves(dep, Deployment(spare_plan, spare, "spare"), len(units), kv_per_unit, replicas.routed(cluster.requests, dep, rid))
         needs = frozenset(cp.dst for cp in copies)
-        workers = c.cluster.workers
+        workers = cluster.workers
         involved = needs | {cp.src for cp in copies}
         # a relayed or browser worker has no data port of its own to take or send checkpoints
-        if not copies or not needs <= c.cluster.spare_built or any(w not in workers or workers[w].relay or workers[w].hello.kind == "browser"
+        if not copies or not needs <= cluster.spare_built or any(w not in workers or workers[w].relay or workers[w].hello.kind == "browser"
                                                         for w in involved):
             return
         # The holders hold ``held`` positions under the same name: send only what came since.
@@ -80,14 +84,14 @@ class Checkpoints:
         loop = asyncio.get_running_loop()
         self.placed.setdefault(name, set()).update(needs)
         self.flying[rid] = name
-        c.emit(S.CheckpointSending(rid, name, spare, needs, q.kv_len))  # from the first frame on, a holder may be part-way
+        p.emit(S.CheckpointSending(rid, name, spare, needs, q.kv_len))  # from the first frame on, a holder may be part-way
         nbytes = 0
         for cp in copies:
             move, fut = next(self._moves), loop.create_future()
             self.moves[move] = (cp.src, cp.dst, fut)
             futures.append((cp.dst, fut))
             nbytes += (q.kv_len - since) * sum(kv_per_unit[cp.start:cp.end])
-            link = c.links.get(cp.src)
+            link = p.links().get(cp.src)
             dst = workers[cp.dst].hello
             msg = KvExport(seq, dep.plan_id, cp.start, cp.end, spare_plan, dst.data_url, move,
                            fingerprint=dst.data_fingerprint, upto=q.kv_len, as_seq=name, since=since or None)
@@ -98,7 +102,7 @@ class Checkpoints:
                 self.counts.copies += 1
             except Exception:  # noqa: BLE001 - that worker's loss is handled where it is noticed
                 fut.cancel()
-        c.spawn(self._acknowledged(rid, name, spare, spare_plan, needs, q.kv_len, futures, nbytes))
+        p.spawn(self._acknowledged(rid, name, spare, spare_plan, needs, q.kv_len, futures, nbytes))
 
     async def _acknowledged(self, rid: str, name: str, spare, spare_plan: int, needs: frozenset[str], position: int, futures,
                             nbytes: int) -> None:
@@ -116,15 +120,15 @@ class Checkpoints:
                 f.cancel()
             elif not f.cancelled() and f.exception() is None and (f.result().error or "").startswith("no stage for plan"):
                 # its spare stage is gone (it took a stage of a new plan): send it no more
-                self.coord.emit(S.SpareLoaded(spare_plan, spare, dst, False))
+                self.ports.emit(S.SpareLoaded(spare_plan, spare, dst, False))
         if all(ok):
             for worker in sorted(needs):
-                self.coord.emit(S.CheckpointStored(rid, name, spare, needs, worker, position))
+                self.ports.emit(S.CheckpointStored(rid, name, spare, needs, worker, position))
             self.counts.sent += 1
             self.counts.bytes += nbytes
-            self.coord.event(S.NoteKind.CHECKPOINT, request=rid, position=position, bytes=nbytes)
+            self.ports.note(S.NoteKind.CHECKPOINT, request=rid, position=position, bytes=nbytes)
         else:
-            self.coord.emit(S.CheckpointVoid(rid, "a checkpoint copy failed"))
+            self.ports.emit(S.CheckpointVoid(rid, "a checkpoint copy failed"))
             self.counts.failed += 1
         self.sweep()
 
@@ -154,7 +158,7 @@ class Checkpoints:
     def referenced(self) -> set[str]:
         """Checkpoint names still in use: a checkpoint of a running sequence, a resume not yet
         taken, or a live sequence that resumed from one."""
-        c = self.coord.cluster
+        c = self.ports.state()
         names = {ck.seq for ck in c.checkpoints.values()}
         for q in c.requests.values():
             names.add(q.seq)
@@ -165,14 +169,14 @@ class Checkpoints:
     def sweep(self) -> None:
         """Drop checkpoint KV nobody refers to from the workers that may hold it (not while a copy
         of it is in flight: its import would create it again)."""
-        c = self.coord
+        p = self.ports
         keep = self.referenced()
         busy = set(self.flying.values())
         for name in [n for n in self.placed if n not in keep and n not in busy]:
             for wid in sorted(self.placed.pop(name)):
-                link = c.links.get(wid)
+                link = p.links().get(wid)
                 if link is not None:
-                    c.spawn(_quiet(link.send(Drop(name).to_message())))
+                    p.spawn(_quiet(link.send(Drop(name).to_message())))
 
 
 async def _quiet(aw) -> None:

@@ -31,7 +31,7 @@ class Connections:
     def __init__(self, ports: Ports, calibrator, steps, migration, requests, lose: Callable[..., Awaitable[None]],
                  stopped: Callable[[], bool], drafting=None):
         self.ports = ports
-        self.drafting = drafting  # drafter workers (``cluster.drafters``; None: no draft model here)
+        self.drafting = drafting  # drafter workers (``cluster.drafting``; None: no draft model here)
         self.calibrator = calibrator  # builds a variant a newcomer needs; told of each join
         self.steps, self.migration = steps, migration  # tokens, errors and relays; acknowledged KV copies
         self.requests = requests  # capacity (``lacking``) and the replay estimate an abandon weighs
@@ -102,7 +102,7 @@ class Connections:
         p.emit(S.WorkerJoined(wid, name, dataclasses.replace(declared, token=None), p.clock()))  # its dashboard line: narrate.entry
         await link.send(Welcome(wid).to_message())
         p.measure(M.DeviceJoined(name, p.clock()))
-        if declared.drafter:  # no stage for it: it gets the draft model instead (cluster.drafters)
+        if declared.drafter:  # no stage for it: it gets the draft model instead (cluster.drafting)
             p.spawn(self.drafting.attach(wid, link))
         else:
             self.calibrator.joined(wid)

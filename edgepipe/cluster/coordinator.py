@@ -9,9 +9,9 @@ actions, pure), ``deployer`` (carries out re-planning, loads, KV moves, the spar
 timeouts), ``connections`` (worker channels in, heartbeats out), ``calibration``, ``checkpoints``
 (live sequences' KV copied to the spare plan, so a recovery replays less), ``event_log`` (every
 event and measurement, indexed) and ``narrate`` (the dashboard's line of a logged event).
-The deployer, the calibrator, the connections, the requests, the KV migration and the prefix
-cache are lent ``ports.Ports`` (read and change the state, send to a worker), never the
-coordinator (the steps still hold it). This file holds the state, applies events to it (and logs them:
+The deployer, the calibrator, the connections, the requests, the KV migration, the prefix
+cache, the KV checkpoints and the drafter workers are lent ``ports.Ports`` (read and change the
+state, send to a worker), never the coordinator (the steps still hold it). This file holds the state, applies events to it (and logs them:
 the dashboard's lines come only from that log), takes workers out, and offers the public views.
 States follow Down -> Preparing -> Committing -> Up (see ``deployer``); a worker that dies
 pauses the sequences that need it, and they continue on the next plan, losing no token.
@@ -37,7 +37,7 @@ from .checkpointing import Checkpoints
 from .checkpoints import CheckpointSettings
 from .connections import Connections
 from .deployer import Deployer
-from .drafters import Drafting
+from .drafting import Drafting
 from .migration import KvMigration
 from .placement import Deployment, StageAssignment
 from .planning import MemoryProportional, PlanContext, PlanPolicy
@@ -70,8 +70,6 @@ class Coordinator:
         self.speculation = speculation  # the drafter of speculative decoding (needs settings.speculative)
         if speculation is not None and not self.settings.speculative:
             raise ValueError("a drafter needs CoordinatorSettings(speculative=True): the stages must run the verify form")
-        # drafter workers (--role drafter) get the draft model, where there is one to hand out
-        self.drafting = Drafting(self, speculation.placed, speculation.pool) if speculation is not None and speculation.placed else None
         self.cluster = ClusterState(phase_since=clock())
         self.links: dict[str, Link] = {}
         self.events = limits.EventLog()  # bounded per kind: one noisy kind cannot flush the others
@@ -93,7 +91,10 @@ class Coordinator:
                       profile=self.profile)
         self.prefix = PrefixCaching(ports, lambda: self.kv_capacity)
         self.steps = Steps(self)
-        self.checkpoints = Checkpoints(self, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
+        # drafter workers (--role drafter) get the draft model, where there is one to hand out
+        self.drafting = (Drafting(ports, speculation.placed, speculation.pool, speculation.drafter_moved)
+                         if speculation is not None and speculation.placed else None)
+        self.checkpoints = Checkpoints(ports, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
         self.requests = Requests(ports, self.steps, self.checkpoints, speculation, self.up, self.gate, lambda: self.stopped,
                                  lambda record: self.on_step(record), self.recent_steps)
         views = lambda: self.workers  # noqa: E731 - the worker views as they stand when asked

@@ -208,7 +208,7 @@ class NoteKind(str, Enum):
     BLOB_REPAIRED = "blob_repaired"
     SPARE_FAILED = "spare_failed"
     SPARE_UNBUILT = "spare_unbuilt"
-    DRAFTER = "drafter"  # a drafter worker loading, ready or failed (``cluster.drafters``)
+    DRAFTER = "drafter"  # a drafter worker loading, ready or failed (``cluster.drafting``)
     DRAFT_SITE = "draft_site"  # the draft moved to another site (this process or a drafter worker)
 
 

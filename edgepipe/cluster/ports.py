@@ -1,7 +1,7 @@
 """What the coordinator lends a collaborator instead of itself.
 
-The deployer, the calibrator, the link prober, the connections, the requests, the KV migration
-and the prefix cache are given a ``Ports``: read the state, change it (``emit``), add a
+The deployer, the calibrator, the link prober, the connections, the requests, the KV migration,
+the prefix cache, the KV checkpoints and the drafter workers are given a ``Ports``: read the state, change it (``emit``), add a
 measurement (``measure``), note a dashboard line (``note``), read the clock, start a background
 task, send a frame to a worker or ask it and await the reply (``ask``), and wake the re-planner. They reach no other collaborator through it: what one needs of another
 (the calibrator's timing, the requests' capacity check) is passed to it by name.

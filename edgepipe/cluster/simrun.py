@@ -149,7 +149,7 @@ async def _fault(world: World, f: Fault) -> float:
     elif f.kind == "malformed" and not w.dead:
         w.malformed = 1 + f.worker % 4
     elif f.kind == "forget_prefixes":  # its cached blocks are gone, unknown to the coordinator
-        w.prefixes.clear()
+        w.model.prefixes.clear()
     elif f.kind == "refuse_kv":  # KV sent to it fails (targeted schedules only: not among the random FAULTS)
         w.refusing_kv_until = now + f.seconds
     return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work", "refuse_kv") else 0.0)
@@ -181,7 +181,7 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
 
 def _held_checkpoints(workers: list[FakeWorker]) -> list[str]:
     """Checkpoint KV (``<rid>.c<n>``) a live worker still holds once every request has ended."""
-    return sorted(f"{w.name}:{seq}" for w in workers if not w.dead for kv in w.kv.values() for seq in kv
+    return sorted(f"{w.name}:{seq}" for w in workers if not w.dead for kv in w.model.kv.values() for seq in kv
                   if seq.rsplit(".", 1)[-1].startswith("c"))
 
 

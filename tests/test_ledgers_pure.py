@@ -314,3 +314,33 @@ def test_a_switch_that_changes_no_layer_keeps_every_kv_where_it_is():
     same = Deployment(2, OLD.stages)  # a new plan id, every stage's worker and range unchanged
     moves = kv_moves.plan(_serving(), OLD, same, UNITS, Profile(bandwidth=10.0))
     assert moves.copies == () and moves.replay == () and moves.stay == ("r1", "r3") and moves.moved_bytes == 0
+
+
+# -- lines about a change of state are read from its event, never noted beside it ----------------------
+def test_checkpoint_spare_and_overruled_lines_come_from_their_events():
+    """The ``checkpoint``, ``spare_unbuilt`` and ``probe_overruled`` lines were notes sent beside
+    the event that made the change; now each is the event's own line, and noting one fails."""
+    from edgepipe.cluster import measurements as M
+
+    for kind in ("checkpoint", "spare_unbuilt", "probe_overruled"):
+        with pytest.raises(ValueError):
+            S.NoteKind(kind)
+    spare = (A("w3", 0, 4), A("w4", 4, 8))
+    state = _up(PLAN)
+    state = S.apply(S.apply(state, S.SpareChosen(spare)), S.RequestStarted("r1", 64))
+    unbuilt = S.SpareLoaded(-1, spare, "w4", False, "out of memory")
+    assert narrate.entry(unbuilt, S.apply(state, unbuilt), None, 2.0) == {"t": 2.0, "kind": "spare_unbuilt", "worker": "w4", "plan": -1,
+                                                                         "error": "out of memory"}
+    assert narrate.entry(S.SpareLoaded(-1, spare, "w3", True), state, None, 2.0) is None  # built: no line
+    needs = frozenset({"w3", "w4"})
+    state = S.apply(state, S.CheckpointSending("r1", "r1.c1", spare, needs, 40))
+    lines = []
+    for worker in sorted(needs):  # as ``Checkpoints`` acknowledges a round: the last makes it whole
+        event = S.CheckpointStored("r1", "r1.c1", spare, needs, worker, 40, 8192)
+        state = S.apply(state, event)
+        lines.append(narrate.entry(event, state, None, 3.0))
+    assert lines == [None, {"t": 3.0, "kind": "checkpoint", "request": "r1", "position": 40, "bytes": 8192}]
+    overruled = M.Distrusted("w2", (1, 2), 0.001, 0.004)
+    assert narrate.entry(overruled, state, None, 4.0) == {"t": 4.0, "kind": "probe_overruled", "worker": "w2", "units": [1, 2],
+                                                         "reported_ms": 1.0, "measured_ms": 4.0}
+    assert narrate.entry(M.Distrusted("w2"), state, None, 4.0) is None  # a recorded one without its figures: no line

@@ -80,7 +80,8 @@ class CheckpointSending:
 
 @dataclass(frozen=True)
 class CheckpointStored:
-    """``worker`` of the spare plan ``spare`` holds ``rid``'s KV as ``seq`` up to ``position``."""
+    """``worker`` of the spare plan ``spare`` holds ``rid``'s KV as ``seq`` up to ``position``;
+    ``nbytes``: the KV bytes the round's copies installed on all holders (the ``checkpoint`` line)."""
 
     rid: str
     seq: str
@@ -88,6 +89,7 @@ class CheckpointStored:
     needs: frozenset[str]
     worker: str
     position: int
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)

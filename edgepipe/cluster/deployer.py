@@ -199,7 +199,7 @@ class Deployer:
                 await _quiet(p.send(wid, Activate([dep.plan_id] if wid in dep.workers else []).to_message()))
         repaired = sorted({f for r in results for f in (r.repaired or [])})
         if repaired:
-            p.note("blob_repaired", plan=dep.plan_id, files=repaired)
+            p.note(S.NoteKind.BLOB_REPAIRED, plan=dep.plan_id, files=repaired)
         p.spawn(self._after_catching_up(dep, self.prefetch_spare(dep)))
         p.spawn(self._after_catching_up(dep, self.calibrator.probe_neighbours(dep.stages)))  # planned neighbours measure their links
         return dep
@@ -233,7 +233,7 @@ class Deployer:
         try:
             stages = self.plan_fn.spare(self.plan_context([w for w in self.views().values() if w.id in live]), dep)
         except Exception as exc:  # a spare is an optimisation: never let it disturb serving
-            p.note("spare_failed", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            p.note(S.NoteKind.SPARE_FAILED, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return
         if not stages or any(s.worker_id not in p.state().workers for s in stages):
             return
@@ -254,9 +254,9 @@ class Deployer:
             reply = await self.load(worker_id, msg)
         except Exception:  # noqa: BLE001 - the loss of that worker is handled where it is noticed
             return
-        p.emit(S.SpareLoaded(plan_id, stages, worker_id, bool(reply.ok and not reply.prefetched)))
-        if not reply.ok:  # it holds the files at most: no session built, no KV checkpoints taken
-            p.note("spare_unbuilt", worker=worker_id, plan=plan_id, error=reply.error)
+        # not ok: it holds the files at most, no session built, no KV checkpoints taken (its line: narrate.entry)
+        p.emit(S.SpareLoaded(plan_id, stages, worker_id, bool(reply.ok and not reply.prefetched),
+                             None if reply.ok else reply.error or "not loaded"))
 
 
 def deploy_error(text: str) -> Exception:

@@ -344,3 +344,14 @@ def test_checkpoint_spare_and_overruled_lines_come_from_their_events():
     assert narrate.entry(overruled, state, None, 4.0) == {"t": 4.0, "kind": "probe_overruled", "worker": "w2", "units": [1, 2],
                                                          "reported_ms": 1.0, "measured_ms": 4.0}
     assert narrate.entry(M.Distrusted("w2"), state, None, 4.0) is None  # a recorded one without its figures: no line
+
+
+def test_the_probe_secret_a_data_port_accepts_is_state_and_goes_with_the_worker():
+    """``links`` sends a worker a new link-probe secret only when the state holds none for it."""
+    state = _up()
+    state = S.apply(state, S.ProbeAccepting("w2", "s3cr3t-probe"))
+    assert state.workers["w2"].probe_secret == "s3cr3t-probe" and state.workers["w1"].probe_secret is None
+    assert "s3cr3t-probe" not in repr(state) and "s3cr3t-probe" not in repr(S.ProbeAccepting("w2", "s3cr3t-probe"))
+    assert S.apply(state, S.ProbeAccepting("w9", "x")) is state  # a worker lost meanwhile: nothing to keep
+    back = S.apply(S.apply(state, S.WorkerLost("w2", "gone", 2.0)), S.WorkerJoined("w2", "w2", state.workers["w2"].hello, 3.0))
+    assert back.workers["w2"].probe_secret is None  # a worker that comes back is sent a new one

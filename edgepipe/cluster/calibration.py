@@ -116,7 +116,6 @@ class Calibrator:
             self.ports.emit(S.Calibrating(wid, False))
 
     def lost(self, wid: str) -> None:
-        self.links.forget(wid)
         task = self._running.pop(wid, None)
         if task:
             task.cancel()

@@ -100,7 +100,7 @@ class Coordinator:
         views = lambda: self.workers  # noqa: E731 - the worker views as they stand when asked
         self.calibrator = Calibrator(ports, self.plan_fn, self.plan_context, views)
         self.deployer = Deployer(ports, self.calibrator, self.plan_fn, self.plan_context, views, self.requests.lacking,
-                                 lambda: bool(self.steps.pending), self.gate)
+                                 lambda: bool(self.steps.pending))
         self.deployer.migration = KvMigration(ports, lambda reply: self.checkpoints.moved(reply), self.steps.route)
         self.connections = Connections(ports, self.calibrator, self.steps, self.deployer.migration, self.requests, self.lose,
                                        lambda: self.stopped, self.drafting)

@@ -34,17 +34,16 @@ class Deployer:
     """Carries plan changes out. It is given the coordinator's ``Ports`` and, by name, what it
     needs of the others: the calibrator (settling, timing a first plan's stages, probing planned
     neighbours), the plan policy and its context, the worker views, the requests' capacity check
-    and whether steps are in flight. ``gate`` is the coordinator's mirror of the state's switch
-    (set while sequences may step); ``migration`` (KV moves) is attached by the coordinator."""
+    and whether steps are in flight; ``migration`` (KV moves) is attached by the coordinator.
+    The switch's pause is state (``SwitchStarted``/``SwitchEnded``): the coordinator's gate,
+    which sequences wait on, mirrors ``deploy.steps_may_start``."""
 
     def __init__(self, ports: Ports, calibrator: Calibrator, plan_fn: PlanPolicy, plan_context: Callable[[list], PlanContext],
-                 views: Callable[[], Mapping[str, WorkerView]], lacking: Callable[[], str | None], steps_in_flight: Callable[[], bool],
-                 gate: asyncio.Event):
+                 views: Callable[[], Mapping[str, WorkerView]], lacking: Callable[[], str | None], steps_in_flight: Callable[[], bool]):
         self.ports, self.calibrator = ports, calibrator
         self.plan_fn, self.plan_context, self.views = plan_fn, plan_context, views
         self.lacking, self.steps_in_flight = lacking, steps_in_flight
         self.lock = asyncio.Lock()
-        self.gate = gate  # set exactly while no plan is being swapped in (``deploy.steps_may_start``)
         self.migrate_kv = True
         self.migration: KvMigration | None = None
         self._plan_ids = itertools.count(1)

@@ -282,7 +282,16 @@ class RequestEnded:
     rid: str
 
 
+@dataclass(frozen=True)
+class ProbeAccepting:
+    """``worker_id``'s data port accepts link probes that carry ``secret`` (``links``): a probe
+    to it needs no new secret until it leaves. The secret is kept out of reprs."""
+
+    worker_id: str
+    secret: str = field(repr=False)
+
+
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
          | Committing | Committed | PlanFailed | SpareChosen | SpareLoaded | Pinned | Repriced | SecretsIssued | SwitchStarted | SwitchEnded | Noted
          | RequestStarted | RequestFed | Routed | KvMoved | KvMoveSent | KvMoveEnded
-         | RequestEnded)
+         | RequestEnded | ProbeAccepting)

@@ -25,7 +25,7 @@ from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
     EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, SpareLoaded, Pinned, Repriced,
     SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, Routed, KvMoved, KvMoveSent,
-    KvMoveEnded, RequestEnded, Event,
+    KvMoveEnded, RequestEnded, Event, ProbeAccepting,
 )
 from . import checkpoints as K, prefix_book as PB
 from .checkpoints import Checkpoint, CheckpointSending, CheckpointStored, CheckpointVoid, Resume  # noqa: F401 - events and values, as state.X
@@ -135,6 +135,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _replace(state, quarantine=_with(state.quarantine, identity, struck(state.quarantine.get(identity), why, now)))
         case Calibrating(wid, busy) if wid in state.workers:
             return _worker(state, _replace(state.workers[wid], calibrating=busy))
+        case ProbeAccepting(wid, secret) if wid in state.workers:
+            return _worker(state, _replace(state.workers[wid], probe_secret=secret))
         case EmulationChanged(wid, slowdown) if wid in state.workers:
             w = state.workers[wid]
             return _worker(state, _replace(w, hello=w.hello.with_slowdown(slowdown)))

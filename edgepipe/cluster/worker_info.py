@@ -4,7 +4,7 @@ work (``Quarantine``), with the pure changes a heartbeat and a strike make to th
 A worker's record holds what it declared (its ``Hello``), when it was last heard, its recent
 gaps between frames (what the failure detector, ``membership``, reads) and the long ones among
 them (stalls), its round trip and stats from the last pong, whether it is suspected, and whether
-the calibrator holds it. A quarantine is kept by device identity, so that reconnecting does not
+the calibrator holds it, and which link-probe secret its data port accepts. A quarantine is kept by device identity, so that reconnecting does not
 clear it; each strike doubles the time out.
 """
 
@@ -41,6 +41,7 @@ class WorkerInfo:
     stats: Mapping = field(default_factory=lambda: _frozen({}))
     stats_at: float | None = None  # when ``stats`` arrived (the last pong)
     calibrating: bool = False  # the calibrator holds it (timing it or measuring its links): not planned meanwhile
+    probe_secret: str | None = field(default=None, repr=False)  # the link-probe secret its data port accepts (``links``)
 
     alive = True  # a lost worker leaves the state; kept for views that still ask
 

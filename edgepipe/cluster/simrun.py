@@ -174,8 +174,9 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
     cached, active = coord.cluster.prefix.cache, coord.cluster.active
     if cached.blocks and (active is None or cached.plan != active.plan_id):  # a switch or a recovery invalidates it
         out.append(f"prefix blocks of plan {cached.plan} kept while {active.plan_id if active else 'no plan'} is active")
-    if coord.checkpoints.placed or coord.checkpoints.flying or coord.checkpoints.moves or coord.cluster.checkpoints:
-        out.append(f"KV checkpoints left: {sorted(coord.checkpoints.placed)} placed, {sorted(coord.checkpoints.flying)} in flight")
+    copies = coord.cluster.checkpoint_copies
+    if copies or coord.checkpoints.acks or coord.cluster.checkpoints:
+        out.append(f"KV checkpoints left: {sorted(copies.placed)} placed, {sorted(copies.flying)} in flight, {len(copies.copies)} copies")
     return out
 
 

@@ -28,7 +28,8 @@ from .events import (
     KvMoveEnded, RequestEnded, Event, ProbeAccepting,
 )
 from . import checkpoints as K, prefix_book as PB
-from .checkpoints import Checkpoint, CheckpointSending, CheckpointStored, CheckpointVoid, Resume  # noqa: F401 - events and values, as state.X
+from .checkpoints import (Checkpoint, CheckpointDropped, CheckpointSending, CheckpointStored, CheckpointVoid, CopyBook,  # noqa: F401
+                          CopySent, Resume, RoundEnded)  # events and values, as state.X
 from .placement import Deployment, StageAssignment
 # What the state keeps of one worker (``worker_info``), re-exported as state.X.
 from .worker_info import (HEARTBEAT_WINDOW, QUARANTINE_MAX_S, QUARANTINE_S, STALL_S, STALL_WINDOW,  # noqa: F401
@@ -88,6 +89,7 @@ class ClusterState:
     checkpoints: Mapping[str, Checkpoint] = field(default_factory=lambda: _frozen({}))  # rid -> what the spare holds of its KV
     moves: Mapping[int, KvMoveSent] = field(default_factory=lambda: _frozen({}))  # KV moves of a switch in flight, by id
     prefix: PrefixBook = PrefixBook()  # the blocks the active plan's stages cache, decisions in flight, counts (``prefix_book``)
+    checkpoint_copies: CopyBook = CopyBook()  # checkpoint copies in flight, and where checkpoint KV may be held (``checkpoints``)
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""
@@ -194,8 +196,11 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
             q = _replace(state.requests[rid], seq=seq, plan=plan, kv_len=kv_len, migrated_to=None, resume=None)
             return _replace(state, requests=_with(state.requests, rid, q))
-        case CheckpointSending() if event.rid in state.requests:
-            return _replace(state, checkpoints=K.sending(state.checkpoints, state.spare, event))
+        case CheckpointSending():  # its names are placed whatever became of the request (``checkpoints.book``)
+            state = _replace(state, checkpoint_copies=K.book(state.checkpoint_copies, event))
+            return _replace(state, checkpoints=K.sending(state.checkpoints, state.spare, event)) if event.rid in state.requests else state
+        case CopySent() | RoundEnded() | CheckpointDropped():
+            return _replace(state, checkpoint_copies=K.book(state.checkpoint_copies, event))
         case CheckpointStored() if event.rid in state.requests:
             return _replace(state, checkpoints=K.stored(state.checkpoints, state.spare, event))
         case CheckpointVoid(rid) if rid in state.requests:

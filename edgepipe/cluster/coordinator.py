@@ -101,9 +101,9 @@ class Coordinator:
         self.calibrator = Calibrator(ports, self.plan_fn, self.plan_context, views)
         self.deployer = Deployer(ports, self.calibrator, self.plan_fn, self.plan_context, views, self.requests.lacking,
                                  lambda: bool(self.steps.pending))
-        self.deployer.migration = KvMigration(ports, lambda reply: self.checkpoints.moved(reply), self.steps.route)
+        self.deployer.migration = KvMigration(ports, self.steps.route)
         self.connections = Connections(ports, self.calibrator, self.steps, self.deployer.migration, self.requests, self.lose,
-                                       lambda: self.stopped, self.drafting)
+                                       lambda: self.stopped, self.drafting, self.checkpoints)
 
     # -- state ------------------------------------------------------------------------------------
     def emit(self, event: S.Event) -> ClusterState:

@@ -161,3 +161,51 @@ def _after(state: ClusterState, events: tuple, commands: tuple = ()) -> Handled:
     for e in events:
         state = apply(state, e)
     return Handled(state, tuple(events), tuple(commands))
+
+
+# -- a worker's LOADED: whose it is (``loaded``, driven by ``connections``; ``handle`` takes the inputs above) --
+from ..net.messages import Loaded  # noqa: E402 - this section's own import, kept with it
+
+
+@dataclass(frozen=True)
+class LoadAnswered:
+    """A worker's LOADED: the answer to a LOAD, or (``kv_received``) the acknowledgement of a KV copy."""
+
+    worker_id: str
+    reply: Loaded
+
+
+@dataclass(frozen=True)
+class AnswerLoad:
+    """Hand ``reply`` to whoever awaits ``worker_id``'s LOAD of ``reply.plan`` (none: a late answer, dropped)."""
+
+    worker_id: str
+    reply: Loaded
+
+
+@dataclass(frozen=True)
+class AckKvMove:
+    """A KV move of a switch was acknowledged (``ClusterState.moves``)."""
+
+    reply: Loaded
+
+
+@dataclass(frozen=True)
+class AckCheckpointCopy:
+    """A checkpoint's copy was acknowledged (``ClusterState.checkpoint_copies``)."""
+
+    reply: Loaded
+
+
+def loaded(state: ClusterState, answer: LoadAnswered) -> Handled:
+    """Whose a LOADED is (pure): a LOAD's answer, a switch's KV move or a checkpoint's copy in
+    flight; an acknowledgement of a copy no longer in flight (its round or switch is over) is
+    dropped. Changes no state: the shell that awaits it records the outcome."""
+    reply = answer.reply
+    if reply.kv_received is None:
+        return Handled(state, (), (AnswerLoad(answer.worker_id, reply),))
+    if reply.kv_received in state.moves:
+        return Handled(state, (), (AckKvMove(reply),))
+    if reply.kv_received in state.checkpoint_copies.copies:
+        return Handled(state, (), (AckCheckpointCopy(reply),))
+    return Handled(state)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from edgepipe.cluster import state as S
+from edgepipe.cluster import checkpoints as K
 from edgepipe.cluster.checkpoints import CheckpointSettings, Resume, due, resume_point
 from edgepipe.cluster.placement import Deployment, StageAssignment as A
 from edgepipe.net.messages import Hello, KvExport, Load, NextHop
@@ -118,6 +119,27 @@ def test_a_lost_holder_a_new_spare_or_the_end_voids_checkpoints():
     down = S.apply(st, S.WorkerLost("b", "killed", 2.0))
     other = S.apply(down, S.Committed(Deployment(3, (A("a", 0, 4),)), 3.0))
     assert other.requests["r"].resume is None
+
+
+@pytest.mark.pure
+def test_copies_in_flight_and_where_checkpoint_kv_lies_are_state():
+    """The checkpoint shell's ledgers (names in flight, where they may be held, the copies
+    awaited) are ``ClusterState.checkpoint_copies``: what to drop and which copies a lost worker
+    fails are pure functions of it."""
+    st = sending(serving(), "r", 64)
+    st = S.apply(S.apply(st, S.CopySent(7, "r", "a", "c")), S.CopySent(8, "r", "b", "d"))
+    book = st.checkpoint_copies
+    assert book.flying == {"r": "r.c1"} and book.placed == {"r.c1": {"c", "d"}} and book.copies == {7: ("a", "c"), 8: ("b", "d")}
+    assert K.copies_lost(book, "c") == ([7], []) and K.copies_lost(book, "b") == ([], [8])  # to it: now; from it: after a grace
+    ended = S.apply(S.apply(st, S.RequestEnded("r")), S.CheckpointVoid("r", "a copy failed"))
+    assert K.unreferenced(ended.checkpoint_copies, ended.checkpoints, ended.requests) == []  # in flight: a frame may still land
+    ended = S.apply(ended, S.RoundEnded("r", (7, 8)))
+    assert not ended.checkpoint_copies.flying and not ended.checkpoint_copies.copies
+    assert K.unreferenced(ended.checkpoint_copies, ended.checkpoints, ended.requests) == [("r.c1", ["c", "d"])]
+    whole = S.apply(S.apply(stored(stored(st, "r", "c", 64), "r", "d", 64), S.RoundEnded("r", (7, 8))), S.CopySent(9, "s", "a", "c"))
+    assert K.unreferenced(whole.checkpoint_copies, whole.checkpoints, whole.requests) == []  # r's checkpoint is in use
+    assert not S.apply(ended, S.CheckpointDropped("r.c1")).checkpoint_copies  # nothing left over
+    assert S.apply(S.ClusterState(), S.CheckpointSending("x", "x.c1", SPARE, frozenset({"c"}), 4)).checkpoint_copies.placed == {"x.c1": {"c"}}
 
 
 def test_which_spare_workers_take_checkpoints_is_state():

@@ -59,8 +59,7 @@ def test_a_plan_change_carried_out_on_lent_ports_alone():
         context = lambda workers: PlanContext(box["state"], profile, workers, 10.0, 64, 1.0)  # noqa: E731
         policy = MemoryProportional()
         calibrator = Calibrator(ports, policy, context, views)
-        deployer = Deployer(ports, calibrator, policy, context, views, lacking=lambda: None, steps_in_flight=lambda: False,
-                            gate=asyncio.Event())
+        deployer = Deployer(ports, calibrator, policy, context, views, lacking=lambda: None, steps_in_flight=lambda: False)
         deployer.migrate_kv = False  # no sequence runs: no KV to move (``migration`` is the coordinator's to attach)
 
         first = await deployer.replan()

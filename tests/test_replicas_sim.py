@@ -64,7 +64,7 @@ async def _scenario(mode: str) -> dict:
     await _until(lambda: len(routes) == len(PROMPTS) and all(len(s.generated) >= 6 for s in states.values()), 60)
     # a sequence's KV is on its route's replica only
     ids = {info.name: wid for wid, info in coord.cluster.workers.items()}
-    held = {ids[w.name]: {seq.split(".")[0] for kv in w.kv.values() for seq in kv if not seq.rsplit(".", 1)[-1].startswith("c")}
+    held = {ids[w.name]: {seq.split(".")[0] for kv in w.model.kv.values() for seq in kv if not seq.rsplit(".", 1)[-1].startswith("c")}
             for w in world.workers}  # (<rid>.c<n>: a KV checkpoint the spare plan's holder keeps)
     misplaced = sorted(rid for rid, route in routes.items() for wid in (b, c) if wid not in route and rid in held[wid])
     on_route = all(rid in held[wid] for rid, route in routes.items() for wid in route)
@@ -80,7 +80,7 @@ async def _scenario(mode: str) -> dict:
         "exact": {rid: st.generated == reference(list(p), MAX_TOKENS) for (rid, st), p in zip(sorted(states.items(), key=lambda kv: int(kv[0][1:])), PROMPTS)},
         "replicas_used": sorted({r[1] for r in routes.values()}),
         "first_stage": sorted({r[0] for r in routes.values()}),
-        "kv_left": {w.name: sum(len(kv) for kv in w.kv.values()) for w in world.workers if not w.dead},
+        "kv_left": {w.name: sum(len(kv) for kv in w.model.kv.values()) for w in world.workers if not w.dead},
         "plan_after": coord.cluster.active is not None and coord.cluster.active.plan_id != dep.plan_id,
         "moved_to": [sum(isinstance(e, S.KvMoved) and e.plan == p for e in coord.history.events)
                      for p in ((dep.plan_id, back.plan_id) if mode == "switch" else ())],

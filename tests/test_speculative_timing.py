@@ -122,7 +122,7 @@ def test_a_timed_length_doubles_only_at_a_high_rate():
 
 
 # -- where the draft runs ---------------------------------------------------------------------------
-from edgepipe.plan.draft_site import COORDINATOR, DraftSite, choose_draft_site  # noqa: E402
+from edgepipe.plan.draft_site import COORDINATOR, WORKERS, DraftSite, choose_draft_site, site_to_use  # noqa: E402
 
 
 @pytest.mark.parametrize("sites, current, expected", [
@@ -144,6 +144,19 @@ def test_a_site_needs_real_seconds():
         DraftSite("w1", float("inf"))
     with pytest.raises(ValueError):
         choose_draft_site([])
+
+
+@pytest.mark.parametrize("sites, current, pinned, remotes, expected", [
+    ([DraftSite(COORDINATOR, 0.041), DraftSite("w4-phone", 0.020)], COORDINATOR, None, True, "w4-phone"),  # the cheapest
+    ([DraftSite(COORDINATOR, 0.041), DraftSite("w4-phone", 0.020)], COORDINATOR, COORDINATOR, True, COORDINATOR),  # --draft-on coordinator
+    ([DraftSite(COORDINATOR, 0.041), DraftSite("w4-phone", 0.020)], "w4-phone", None, False, COORDINATOR),  # no drafter worker attached
+    ([DraftSite(COORDINATOR, 0.001), DraftSite("w4-a", 0.030), DraftSite("w5-b", 0.020)], "w4-a", WORKERS, True, "w4-a"),  # pinned: stays
+    ([DraftSite(COORDINATOR, 0.001), DraftSite("w4-a", 0.030), DraftSite("w5-b", 0.020)], COORDINATOR, WORKERS, True, "w5-b"),
+    ([DraftSite(COORDINATOR, 0.001)], "w4-gone", WORKERS, True, COORDINATOR),  # pinned to workers, none live: here
+    ([], COORDINATOR, None, True, COORDINATOR),  # nothing measured yet
+])
+def test_the_site_in_use_follows_the_pin_and_the_costs(sites, current, pinned, remotes, expected):
+    assert site_to_use(sites, current, pinned, remotes) == expected
 
 
 # -- the drafter worker's messages ---------------------------------------------------------------------
@@ -214,7 +227,8 @@ class _Local:
 
 
 def test_drafts_go_to_the_drafter_worker_and_come_back_here_when_it_fails():
-    from edgepipe.cluster.drafters import PlacedDrafter, RemoteDrafter
+    from edgepipe.cluster.draft_placement import PlacedDrafter
+    from edgepipe.cluster.drafters import RemoteDrafter
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -253,7 +267,8 @@ def test_drafts_go_to_the_drafter_worker_and_come_back_here_when_it_fails():
 
 
 def test_a_silent_drafter_is_dropped_after_its_timeout():
-    from edgepipe.cluster.drafters import PlacedDrafter, RemoteDrafter
+    from edgepipe.cluster.draft_placement import PlacedDrafter
+    from edgepipe.cluster.drafters import RemoteDrafter
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()

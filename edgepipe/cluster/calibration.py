@@ -116,7 +116,6 @@ class Calibrator:
             self.ports.emit(S.Calibrating(wid, False))
 
     def lost(self, wid: str) -> None:
-        self.links.forget(wid)
         task = self._running.pop(wid, None)
         if task:
             task.cancel()
@@ -191,9 +190,8 @@ class Calibrator:
             await self.probe(wid, plan=plan_id, reps=2, context=32)
             times, overruled = trusted_step_times((timing.times or [])[2:], t1 - t0, p.clock() - t1, PROBE_REPS - 2)
             if overruled:
-                p.measure(M.Distrusted(wid))  # nor are its step timings believed from now on
-                p.note(S.NoteKind.PROBE_OVERRULED, worker=wid, units=[start, end], reported_ms=round(statistics.median(timing.times[2:]) * 1e3, 3),
-                       measured_ms=round(times[0] * 1e3, 3))
+                # nor are its step timings believed from now on (its line: narrate.entry)
+                p.measure(M.Distrusted(wid, (start, end), statistics.median(timing.times[2:]), times[0]))
             cost = p.profile.unit_cost(start, end)
             samples += [(cost, t) for t in times]
             active = p.state().active

@@ -80,7 +80,8 @@ class CheckpointSending:
 
 @dataclass(frozen=True)
 class CheckpointStored:
-    """``worker`` of the spare plan ``spare`` holds ``rid``'s KV as ``seq`` up to ``position``."""
+    """``worker`` of the spare plan ``spare`` holds ``rid``'s KV as ``seq`` up to ``position``;
+    ``nbytes``: the KV bytes the round's copies installed on all holders (the ``checkpoint`` line)."""
 
     rid: str
     seq: str
@@ -88,6 +89,7 @@ class CheckpointStored:
     needs: frozenset[str]
     worker: str
     position: int
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -161,3 +163,86 @@ def resume_point(resume: Resume | None, plan: int, prompt_len: int, total: int) 
     if resume is None or resume.plan != plan or not prompt_len <= resume.position < total:
         return None
     return resume
+
+
+# -- the copies in flight and where checkpoint KV may be held -----------------------------------
+@dataclass(frozen=True)
+class CopySent:
+    """Copy ``move`` of a round of ``rid``'s checkpoint is on its way from ``src`` to ``dst``
+    (acknowledged by LOADED ``kv_received``; the shell awaits it)."""
+
+    move: int
+    rid: str
+    src: str
+    dst: str
+
+
+@dataclass(frozen=True)
+class RoundEnded:
+    """``rid``'s round of copies is over (each acknowledged, failed or timed out): its copies
+    ``moves`` are no longer in flight, and a frame of them can no longer land."""
+
+    rid: str
+    moves: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointDropped:
+    """Checkpoint KV ``seq`` was dropped from every worker that may hold it (``unreferenced``)."""
+
+    seq: str
+
+
+@dataclass(frozen=True)
+class CopyBook:
+    """What the copies of checkpoints left in flight and on the workers (``ClusterState.copies``)."""
+
+    flying: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # rid -> the name its round's copies go to
+    placed: Mapping[str, frozenset[str]] = field(default_factory=lambda: MappingProxyType({}))  # name -> workers that may hold it
+    copies: Mapping[int, tuple[str, str]] = field(default_factory=lambda: MappingProxyType({}))  # copy in flight -> (source, destination)
+
+    def __bool__(self) -> bool:
+        return bool(self.flying or self.placed or self.copies)
+
+
+def book(b: CopyBook, event) -> CopyBook:
+    """The book after a checkpoint event (any other leaves it as it was). A round's names are
+    placed and flying from its ``CheckpointSending`` on, whatever became of the request: a frame
+    it sent may still land, so its name is dropped only once the round is over."""
+    match event:
+        case CheckpointSending(rid, seq, _, needs, _):
+            placed = {**b.placed, seq: b.placed.get(seq, frozenset()) | needs}
+            return replace(b, flying=MappingProxyType({**b.flying, rid: seq}), placed=MappingProxyType(placed))
+        case CopySent(move, _, src, dst):
+            return replace(b, copies=MappingProxyType({**b.copies, move: (src, dst)}))
+        case RoundEnded(rid, moves):
+            return replace(b, flying=MappingProxyType({r: n for r, n in b.flying.items() if r != rid}),
+                           copies=MappingProxyType({m: c for m, c in b.copies.items() if m not in moves}))
+        case CheckpointDropped(seq):
+            return replace(b, placed=MappingProxyType({n: w for n, w in b.placed.items() if n != seq}))
+    return b
+
+
+def referenced(checkpoints: Mapping[str, Checkpoint], requests: Mapping) -> set[str]:
+    """Checkpoint names still in use: a checkpoint of a running sequence, a resume not yet taken,
+    or a live sequence that resumed from one."""
+    names = {ck.seq for ck in checkpoints.values()}
+    for q in requests.values():
+        names.add(q.seq)
+        if q.resume is not None:
+            names.add(q.resume.seq)
+    return names
+
+
+def unreferenced(b: CopyBook, checkpoints: Mapping[str, Checkpoint], requests: Mapping) -> list[tuple[str, list[str]]]:
+    """The checkpoint KV to drop now, as (name, the workers that may hold it): placed, referenced
+    by nobody, and no round of copies to it under way (its import would create it again)."""
+    keep, busy = referenced(checkpoints, requests), set(b.flying.values())
+    return [(name, sorted(workers)) for name, workers in b.placed.items() if name not in keep and name not in busy]
+
+
+def copies_lost(b: CopyBook, worker: str) -> tuple[list[int], list[int]]:
+    """A worker left: the copies that fail now (to it: its KV went with it) and those that fail
+    after a grace (from it: a frame it sent whole may still land)."""
+    return ([m for m, (_, dst) in b.copies.items() if dst == worker],
+            [m for m, (src, dst) in b.copies.items() if src == worker and dst != worker])

@@ -3,8 +3,8 @@
 A worker connects with HELLO and is refused (one line, ``ErrorCode.REFUSED``) or welcomed and
 read until its channel closes. Every frame it sends is checked (``net.messages.parse``,
 ``net.validate``) before anything uses it: a bad one closes the channel, never the coordinator.
-Frames are routed to their owner (tokens and errors to ``steps``, LOADED to ``deployer``, pongs
-into the state). The heartbeat loop pings every worker and carries out what ``membership.beat``
+Frames are routed to their owner (tokens and errors to ``steps``, LOADED where ``core.loaded``
+says: a LOAD's waiter, the KV migration, the checkpoints; pongs into the state). The heartbeat loop pings every worker and carries out what ``membership.beat``
 decides (suspect, lose, abandon a plan whose stage went silent). Heartbeats, frames heard and
 pongs are inputs of the coordinator's core (``core.handle``): this shell emits the events it
 returns and carries out its commands. It is lent ``ports.Ports`` and the few collaborators it
@@ -28,17 +28,19 @@ from .views import Link
 
 class Connections:
     def __init__(self, ports: Ports, calibrator, steps, migration, requests, lose: Callable[..., Awaitable[None]],
-                 stopped: Callable[[], bool], drafting=None):
+                 stopped: Callable[[], bool], drafting=None, checkpoints=None):
         self.ports = ports
-        self.drafting = drafting  # drafter workers (``cluster.drafters``; None: no draft model here)
+        self.drafting = drafting  # drafter workers (``cluster.drafting``; None: no draft model here)
         self.calibrator = calibrator  # builds a variant a newcomer needs; told of each join
-        self.steps, self.migration = steps, migration  # tokens, errors and relays; acknowledged KV copies
+        self.steps, self.migration = steps, migration  # tokens, errors and relays; a switch's acknowledged KV moves
+        self.checkpoints = checkpoints  # a checkpoint's acknowledged copies (``checkpointing``)
         self.requests = requests  # capacity (``lacking``) and the replay estimate an abandon weighs
         self.lose, self.stopped = lose, stopped  # takes a worker out (``Coordinator.lose``); the coordinator is stopping
         self.config = core.Config.of(ports.settings)
 
-    def carry_out(self, handled: core.Handled) -> None:
-        """Emit what the core decided, then do what it says (a ping of every worker is the heartbeat loop's)."""
+    def carry_out(self, handled: core.Handled, link: Link | None = None) -> None:
+        """Emit what the core decided, then do what it says (a ping of every worker is the heartbeat
+        loop's; ``link``: the channel a LOADED came on, whose LOAD it answers)."""
         p = self.ports
         for event in handled.events:
             p.emit(event)
@@ -52,6 +54,14 @@ class Connections:
                     p.replan_wanted.set()
                 case core.Measure(m):
                     p.measure(m)
+                case core.AnswerLoad(_, reply) if link is not None:
+                    fut = link.loads.pop(reply.plan, None)
+                    if fut and not fut.done():
+                        fut.set_result(reply)
+                case core.AckKvMove(reply):
+                    self.migration.moved(reply)
+                case core.AckCheckpointCopy(reply):
+                    self.checkpoints.moved(reply)
 
     async def attach(self, channel: Channel) -> None:
         """Serve one worker's control channel until it closes (called by the API endpoint)."""
@@ -101,7 +111,7 @@ class Connections:
         p.emit(S.WorkerJoined(wid, name, dataclasses.replace(declared, token=None), p.clock()))  # its dashboard line: narrate.entry
         await link.send(Welcome(wid).to_message())
         p.measure(M.DeviceJoined(name, p.clock()))
-        if declared.drafter:  # no stage for it: it gets the draft model instead (cluster.drafters)
+        if declared.drafter:  # no stage for it: it gets the draft model instead (cluster.drafting)
             p.spawn(self.drafting.attach(wid, link))
         else:
             self.calibrator.joined(wid)
@@ -147,12 +157,7 @@ class Connections:
                      "prefix_bytes": typed.prefix_bytes}
             self.carry_out(core.handle(p.state(), core.PongHeard(wid, typed.t, stats, p.clock()), self.config))
         elif msg.type is T.LOADED:
-            if typed.kv_received is not None:
-                self.migration.moved(typed)
-            else:
-                fut = link.loads.pop(typed.plan, None)
-                if fut and not fut.done():
-                    fut.set_result(typed)
+            self.carry_out(core.loaded(p.state(), core.LoadAnswered(wid, typed)), link)
         elif msg.type is T.PROBED:
             fut = link.probes.pop(typed.probe, None)
             if fut and not fut.done():

@@ -2,18 +2,19 @@
 
 It never touches activations. The parts, one concern per file:
 ``state`` (the frozen cluster state and its one reducer ``apply``), ``core`` (inputs in, events
-and commands out, for heartbeats, frames heard, prompt prefills and, in ``step_path``, the step
-path), ``membership`` (suspect / lose decisions), ``scheduling`` (admission, bounded waits),
-``deploy`` (plan change as actions, pure), ``deployer`` (carries out re-planning, loads, KV
-moves, the spare), ``requests`` (the token loop of every request, replay), ``steps`` (one step
-on the wire; the steps in flight and the lanes are state: ``step_book``, ``batching``),
+and commands out, for heartbeats, frames heard, LOADED, prompt prefills and, in ``step_path``,
+the step path), ``membership`` (suspect / lose decisions), ``scheduling`` (admission, bounded
+waits), ``deploy`` (plan change as actions, pure), ``deployer`` (carries out re-planning, loads,
+KV moves, the spare), ``requests`` (the token loop of every request, replay), ``steps`` (one
+step on the wire; the steps in flight and the lanes are state: ``step_book``, ``batching``),
 ``connections`` (worker channels in, heartbeats out), ``calibration``, ``checkpoints``
 (live sequences' KV copied to the spare plan, so a recovery replays less), ``event_log`` (every
 event and measurement, indexed) and ``narrate`` (the dashboard's line of a logged event).
 The deployer, the calibrator, the connections, the requests, the KV migration, the prefix
-cache and the steps are lent ``ports.Ports`` (read and change the state, send to a worker), never
-the coordinator. This file holds the state, applies events to it (and logs them:
-the dashboard's lines come only from that log), takes workers out, and offers the public views.
+cache, the KV checkpoints, the drafter workers and the steps are lent ``ports.Ports`` (read and
+change the state, send to a worker), never the coordinator. This file holds the state, applies
+events to it (and logs them: the dashboard's lines come only from that log), takes workers out,
+and offers the public views.
 States follow Down -> Preparing -> Committing -> Up (see ``deployer``); a worker that dies
 pauses the sequences that need it, and they continue on the next plan, losing no token.
 """
@@ -38,7 +39,7 @@ from .checkpointing import Checkpoints
 from .checkpoints import CheckpointSettings
 from .connections import Connections
 from .deployer import Deployer
-from .drafters import Drafting
+from .drafting import Drafting
 from .migration import KvMigration
 from .placement import Deployment, StageAssignment
 from .planning import MemoryProportional, PlanContext, PlanPolicy
@@ -71,8 +72,6 @@ class Coordinator:
         self.speculation = speculation  # the drafter of speculative decoding (needs settings.speculative)
         if speculation is not None and not self.settings.speculative:
             raise ValueError("a drafter needs CoordinatorSettings(speculative=True): the stages must run the verify form")
-        # drafter workers (--role drafter) get the draft model, where there is one to hand out
-        self.drafting = Drafting(self, speculation.placed, speculation.pool) if speculation is not None and speculation.placed else None
         self.cluster = ClusterState(phase_since=clock())
         self.links: dict[str, Link] = {}
         self.events = limits.EventLog()  # bounded per kind: one noisy kind cannot flush the others
@@ -94,16 +93,19 @@ class Coordinator:
                       profile=self.profile)
         self.prefix = PrefixCaching(ports, lambda: self.kv_capacity)
         self.steps = Steps(ports, self.prefix, self.quarantine, self.lose)
-        self.checkpoints = Checkpoints(self, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
+        # drafter workers (--role drafter) get the draft model, where there is one to hand out
+        self.drafting = (Drafting(ports, speculation.placed, speculation.pool, speculation.drafter_moved)
+                         if speculation is not None and speculation.placed else None)
+        self.checkpoints = Checkpoints(ports, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
         self.requests = Requests(ports, self.steps, self.checkpoints, speculation, self.up, self.gate, lambda: self.stopped,
                                  lambda record: self.on_step(record), self.recent_steps)
         views = lambda: self.workers  # noqa: E731 - the worker views as they stand when asked
         self.calibrator = Calibrator(ports, self.plan_fn, self.plan_context, views)
         self.deployer = Deployer(ports, self.calibrator, self.plan_fn, self.plan_context, views, self.requests.lacking,
-                                 lambda: bool(self.cluster.steps.inflight), self.gate)
-        self.deployer.migration = KvMigration(ports, lambda reply: self.checkpoints.moved(reply), self.steps.route)
+                                 lambda: bool(self.cluster.steps.inflight))
+        self.deployer.migration = KvMigration(ports, self.steps.route)
         self.connections = Connections(ports, self.calibrator, self.steps, self.deployer.migration, self.requests, self.lose,
-                                       lambda: self.stopped, self.drafting)
+                                       lambda: self.stopped, self.drafting, self.checkpoints)
 
     # -- state ------------------------------------------------------------------------------------
     def emit(self, event: S.Event) -> ClusterState:
@@ -125,7 +127,7 @@ class Coordinator:
         self.profile.apply(m)
         self._logged(m)
 
-    def event(self, kind: S.NoteKind | str, **fields) -> None:
+    def event(self, kind: S.NoteKind, **fields) -> None:
         """A dashboard line that changes no state: logged as a ``Noted`` event like every other
         (``ValueError``: ``kind`` is not a ``NoteKind``)."""
         self.emit(S.Noted(S.NoteKind(kind), fields, self.clock()))

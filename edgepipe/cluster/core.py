@@ -5,17 +5,16 @@ An input is something that happened at the coordinator's edge: a heartbeat is du
 pong came from a worker, a prompt prefill is about to be sent, the frame that carried a prefix
 decision came back, and the step path's inputs (``step_path``: a sequence asks for a step or its
 lane, a TOKEN or ERROR frame came from a stage, a step timed out or was given up, a plan's steps
-were lost). ``handle`` returns the events that input
-makes (the state after them is ``state``: the shell emits each one, so they are logged and
-narrated like every other) and the commands the shell must carry out (take a worker out, fail a
-plan's steps, wake the re-planner, ping every worker, record a measurement, send a prefill with
-its prefix decision, settle or fail a step's future, send a lane's batch, arm a lane's timer,
-quarantine a worker).
+were lost). ``handle`` returns the events that input makes (the state after them is ``state``:
+the shell emits each one, so they are logged and narrated like every other) and the commands the
+shell must carry out (take a worker out, fail a plan's steps, wake the re-planner, ping every
+worker, record a measurement, send a prefill with its prefix decision, settle or fail a step's
+future, send a lane's batch, arm a lane's timer, quarantine a worker). A worker's LOADED goes
+through ``loaded`` (whose it is: a LOAD's waiter, a switch's KV move, a checkpoint's copy).
 
-Driven by ``connections`` (heartbeats, frames heard, pongs), ``prefix_cache`` (prefills) and
-``steps`` (the step path: the in-flight table is ``ClusterState.steps``, ``step_book``). The rest
-of the coordinator's inputs (LOADED, API requests) still go through their shells' own code
-(``deployer``, ``requests``).
+Driven by ``connections`` (heartbeats, frames heard, pongs, LOADED), ``prefix_cache`` (prefills)
+and ``steps`` (the step path: the in-flight table and the lanes are ``ClusterState.steps``,
+``step_book``). The API requests still go through their shell's own code (``requests``).
 """
 
 from __future__ import annotations
@@ -171,3 +170,51 @@ def _after(state: ClusterState, events: tuple, commands: tuple = ()) -> Handled:
     for e in events:
         state = apply(state, e)
     return Handled(state, tuple(events), tuple(commands))
+
+
+# -- a worker's LOADED: whose it is (``loaded``, driven by ``connections``; ``handle`` takes the inputs above) --
+from ..net.messages import Loaded  # noqa: E402 - this section's own import, kept with it
+
+
+@dataclass(frozen=True)
+class LoadAnswered:
+    """A worker's LOADED: the answer to a LOAD, or (``kv_received``) the acknowledgement of a KV copy."""
+
+    worker_id: str
+    reply: Loaded
+
+
+@dataclass(frozen=True)
+class AnswerLoad:
+    """Hand ``reply`` to whoever awaits ``worker_id``'s LOAD of ``reply.plan`` (none: a late answer, dropped)."""
+
+    worker_id: str
+    reply: Loaded
+
+
+@dataclass(frozen=True)
+class AckKvMove:
+    """A KV move of a switch was acknowledged (``ClusterState.moves``)."""
+
+    reply: Loaded
+
+
+@dataclass(frozen=True)
+class AckCheckpointCopy:
+    """A checkpoint's copy was acknowledged (``ClusterState.checkpoint_copies``)."""
+
+    reply: Loaded
+
+
+def loaded(state: ClusterState, answer: LoadAnswered) -> Handled:
+    """Whose a LOADED is (pure): a LOAD's answer, a switch's KV move or a checkpoint's copy in
+    flight; an acknowledgement of a copy no longer in flight (its round or switch is over) is
+    dropped. Changes no state: the shell that awaits it records the outcome."""
+    reply = answer.reply
+    if reply.kv_received is None:
+        return Handled(state, (), (AnswerLoad(answer.worker_id, reply),))
+    if reply.kv_received in state.moves:
+        return Handled(state, (), (AckKvMove(reply),))
+    if reply.kv_received in state.checkpoint_copies.copies:
+        return Handled(state, (), (AckCheckpointCopy(reply),))
+    return Handled(state)

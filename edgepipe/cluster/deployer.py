@@ -34,17 +34,16 @@ class Deployer:
     """Carries plan changes out. It is given the coordinator's ``Ports`` and, by name, what it
     needs of the others: the calibrator (settling, timing a first plan's stages, probing planned
     neighbours), the plan policy and its context, the worker views, the requests' capacity check
-    and whether steps are in flight. ``gate`` is the coordinator's mirror of the state's switch
-    (set while sequences may step); ``migration`` (KV moves) is attached by the coordinator."""
+    and whether steps are in flight; ``migration`` (KV moves) is attached by the coordinator.
+    The switch's pause is state (``SwitchStarted``/``SwitchEnded``): the coordinator's gate,
+    which sequences wait on, mirrors ``deploy.steps_may_start``."""
 
     def __init__(self, ports: Ports, calibrator: Calibrator, plan_fn: PlanPolicy, plan_context: Callable[[list], PlanContext],
-                 views: Callable[[], Mapping[str, WorkerView]], lacking: Callable[[], str | None], steps_in_flight: Callable[[], bool],
-                 gate: asyncio.Event):
+                 views: Callable[[], Mapping[str, WorkerView]], lacking: Callable[[], str | None], steps_in_flight: Callable[[], bool]):
         self.ports, self.calibrator = ports, calibrator
         self.plan_fn, self.plan_context, self.views = plan_fn, plan_context, views
         self.lacking, self.steps_in_flight = lacking, steps_in_flight
         self.lock = asyncio.Lock()
-        self.gate = gate  # set exactly while no plan is being swapped in (``deploy.steps_may_start``)
         self.migrate_kv = True
         self.migration: KvMigration | None = None
         self._plan_ids = itertools.count(1)
@@ -199,7 +198,7 @@ class Deployer:
                 await _quiet(p.send(wid, Activate([dep.plan_id] if wid in dep.workers else []).to_message()))
         repaired = sorted({f for r in results for f in (r.repaired or [])})
         if repaired:
-            p.note("blob_repaired", plan=dep.plan_id, files=repaired)
+            p.note(S.NoteKind.BLOB_REPAIRED, plan=dep.plan_id, files=repaired)
         p.spawn(self._after_catching_up(dep, self.prefetch_spare(dep)))
         p.spawn(self._after_catching_up(dep, self.calibrator.probe_neighbours(dep.stages)))  # planned neighbours measure their links
         return dep
@@ -233,7 +232,7 @@ class Deployer:
         try:
             stages = self.plan_fn.spare(self.plan_context([w for w in self.views().values() if w.id in live]), dep)
         except Exception as exc:  # a spare is an optimisation: never let it disturb serving
-            p.note("spare_failed", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            p.note(S.NoteKind.SPARE_FAILED, error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return
         if not stages or any(s.worker_id not in p.state().workers for s in stages):
             return
@@ -254,9 +253,9 @@ class Deployer:
             reply = await self.load(worker_id, msg)
         except Exception:  # noqa: BLE001 - the loss of that worker is handled where it is noticed
             return
-        p.emit(S.SpareLoaded(plan_id, stages, worker_id, bool(reply.ok and not reply.prefetched)))
-        if not reply.ok:  # it holds the files at most: no session built, no KV checkpoints taken
-            p.note("spare_unbuilt", worker=worker_id, plan=plan_id, error=reply.error)
+        # not ok: it holds the files at most, no session built, no KV checkpoints taken (its line: narrate.entry)
+        p.emit(S.SpareLoaded(plan_id, stages, worker_id, bool(reply.ok and not reply.prefetched),
+                             None if reply.ok else reply.error or "not loaded"))
 
 
 def deploy_error(text: str) -> Exception:

@@ -1,16 +1,12 @@
-"""Where the draft model runs (I/O): the coordinator's own process, or a drafter worker.
+"""A drafter worker as a ``runtime.speculative.Drafter`` (I/O, on the drafting thread).
 
-A worker started with ``--role drafter`` holds no stage (``deploy.plannable`` leaves it out). On
-joining it is sent the draft package's files (``DRAFT_LOAD``: the whole draft model's graph, its
-head stating its sampler's distribution, and weights, fetched from ``/v1/blobs/`` like a
-stage's) and answers with the measured time of a draft step. ``plan.draft_site`` then decides
-from those measurements (its step time and round trip against the coordinator's own draft step)
-where drafts are made, and :class:`PlacedDrafter` sends them there: a drafter worker is asked
-over the control channel (``DRAFT`` / ``DRAFTED``) from the drafting thread, which waits for its
-answer. A drafter that fails, times out or leaves is dropped, and the pass drafts in the
-coordinator's process instead: drafts never change which tokens a greedy request gets, and
-a sampled one's drafts are drawn from the same model with the same draws, so no request is lost
-or changed by the move.
+A worker started with ``--role drafter`` holds no stage (``deploy.plannable`` leaves it out); it
+is given the whole draft model (``drafting``) and asked for drafts over the control channel
+(``DRAFT`` / ``DRAFTED``). :class:`RemoteDrafter` is one such worker seen from the drafting
+thread: it sends a request on the coordinator's loop and waits for the answer, keeps per
+sequence the ids the worker holds (sending only what is new), and measures the worker's draft
+step and the round trip. A drafter that fails, times out or leaves raises ``DrafterLost``; where
+drafts are made then is ``draft_placement``'s concern.
 """
 
 from __future__ import annotations
@@ -24,15 +20,12 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 import numpy as np
 
-from ..net.messages import Draft, DraftLoad, Drafted, DraftReady, Drop
-from ..plan.draft_site import COORDINATOR, DraftSite, choose_draft_site
-from ..runtime.speculative import Distribution, ModelDrafter, common_prefix, time_draft_steps
-from . import state as S
+from ..net.messages import Draft, Drafted, Drop
+from ..plan.draft_site import DraftSite
+from ..runtime.speculative import Distribution, common_prefix
 
 DRAFT_TIMEOUT_S = 5.0  # a drafter worker silent this long on a draft request is dropped
-LOAD_TIMEOUT_S = 600.0  # fetching and building the draft model (a first fetch of ~1 GB)
 UNKNOWN = "unknown sequence"  # the drafter lost the sequence's ids: send them from the start
-RECHECK_EVERY = 64  # draft requests between looks at where the draft is cheapest
 
 
 class DrafterLost(RuntimeError):
@@ -152,172 +145,3 @@ class RemoteDrafter:
         for fut in pending:
             if not fut.done():
                 fut.set_exception(DrafterLost(f"drafter {self.wid} {why}"))
-
-
-class PlacedDrafter:
-    """The draft model where ``plan.draft_site`` says: this process's ``ModelDrafter`` (``local``,
-    also the fallback) or one of the drafter workers. ``package``: the draft model's package (its
-    files go to the drafter workers). ``on_move(site, why)`` hears every change of site."""
-
-    def __init__(self, local: ModelDrafter, package, on_move=None):
-        self.local, self.package, self.name = local, package, local.name
-        self.remotes: dict[str, RemoteDrafter] = {}
-        self.site = COORDINATOR
-        self.local_step_s: float | None = None  # measured once a drafter worker offers to draft (calibration)
-        self.on_move = on_move or (lambda site, why: None)
-        self.remote_drafts = 0  # passes drafted by a drafter worker
-        self.fallbacks = 0  # requests a drafter worker failed, drafted here instead
-        self.pinned: str | None = None  # serve --draft-on: "coordinator" or "workers" (None: the cheapest)
-        self._asked = 0
-
-    @property
-    def states_distributions(self) -> bool:
-        return self.local.states_distributions
-
-    def sites(self) -> list[DraftSite]:
-        local = [DraftSite(COORDINATOR, self.local_step_s)] if self.local_step_s is not None else []
-        return local + [r.site() for r in self.remotes.values() if not r.gone]
-
-    def place(self, why: str) -> str:
-        """Decide where drafts are made now (the drafting thread or the loop may call it)."""
-        sites = self.sites()
-        if self.pinned == COORDINATOR or not self.remotes:
-            chosen = COORDINATOR
-        elif self.pinned == "workers":
-            live = sorted(s.id for s in sites if s.id != COORDINATOR)
-            chosen = self.site if self.site in live else (choose_draft_site([s for s in sites if s.id != COORDINATOR], None) if live else COORDINATOR)
-        else:
-            chosen = choose_draft_site(sites, self.site) if sites else COORDINATOR
-        if chosen != self.site:
-            self.site = chosen
-            self.on_move(chosen, why)
-        return chosen
-
-    def _with_fallback(self, call_remote, call_local):
-        remote = self.remotes.get(self.site)
-        if remote is not None:
-            try:
-                out = call_remote(remote)
-                self.remote_drafts += 1
-                self._asked += 1
-                if self._asked % RECHECK_EVERY == 0 and self.pinned is None:
-                    self.place("measured draft costs")
-                return out
-            except DrafterLost as exc:
-                self.fallbacks += 1
-                self.drop(remote.wid, str(exc))
-        return call_local()
-
-    def draft(self, seq: str, ids: list[int], k: int, params=None, step: int = 0) -> list[int]:
-        return self._with_fallback(lambda r: r.draft(seq, ids, k, params, step), lambda: self.local.draft(seq, ids, k, params, step))
-
-    def draft_sampled(self, seq: str, ids: list[int], k: int, params, step: int = 0):
-        return self._with_fallback(lambda r: r.draft_sampled(seq, ids, k, params, step),
-                                   lambda: self.local.draft_sampled(seq, ids, k, params, step))
-
-    def prime(self, seq: str, ids: list[int]) -> None:
-        remote = self.remotes.get(self.site)
-        if remote is None:
-            return self.local.prime(seq, ids)
-        try:
-            remote.prime(seq, ids)
-        except DrafterLost as exc:
-            self.drop(remote.wid, str(exc))
-            self.local.prime(seq, ids)
-
-    def forget(self, seq: str) -> None:
-        self.local.forget(seq)
-        for remote in list(self.remotes.values()):
-            remote.forget(seq)
-
-    def calibrate(self) -> float:
-        """Time this process's draft step once (on the drafting thread), as a drafter worker times its own."""
-        if self.local_step_s is None:
-            self.local_step_s = time_draft_steps(self.local)
-        return self.local_step_s
-
-    def add(self, remote: RemoteDrafter) -> None:
-        self.remotes[remote.wid] = remote
-        self.place(f"drafter {remote.wid} ready ({remote.step_s * 1e3:.1f} ms a draft step)")
-
-    def drop(self, wid: str, why: str) -> None:
-        remote = self.remotes.pop(wid, None)
-        if remote is None:
-            return
-        remote.lost(why)
-        if self.site == wid:
-            self.site = COORDINATOR  # at once: the next pass must not wait on it
-            self.on_move(COORDINATOR, why)
-        self.place(why)
-
-
-class Drafting:
-    """The coordinator's drafter workers: load the draft model on each, hear their answers, and
-    drop the ones that leave. ``coord``: the coordinator (``speculation``, ``spawn``, ``event``)."""
-
-    def __init__(self, coord, placed: PlacedDrafter, pool):
-        self.coord, self.placed, self.pool = coord, placed, pool
-        self.loading: dict[str, asyncio.Future] = {}
-        self.loop: asyncio.AbstractEventLoop | None = None
-        placed.on_move = self._moved
-
-    def _moved(self, site: str, why: str) -> None:
-        """A dashboard line for a change of site (it may be decided on the drafting thread)."""
-        self.coord.speculation.drafter_moved()
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(lambda: self.coord.event(S.NoteKind.DRAFT_SITE, site=site, why=why))
-
-    def blob(self, sha: str):
-        """A file of the draft package (drafter workers fetch it like a stage's), or None."""
-        path = self.placed.package.blob(sha)
-        return path if path.is_file() else None
-
-    async def attach(self, wid: str, link) -> None:
-        """Load the draft model on a drafter worker that joined, and offer it as a site."""
-        c, package = self.coord, self.placed.package
-        loop = self.loop = asyncio.get_running_loop()
-        m = package.manifest
-        graph = await loop.run_in_executor(None, lambda: package.stage_graph(0, len(m.units), sampler=True))
-        fut = self.loading[wid] = loop.create_future()
-        await link.send(DraftLoad(package.name, graph, list(m.stage_files(0, len(m.units))), m.max_context).to_message())
-        c.event(S.NoteKind.DRAFTER, worker=wid, status="loading", model=package.name)
-        try:
-            ready: DraftReady = await asyncio.wait_for(fut, LOAD_TIMEOUT_S)
-        except (asyncio.TimeoutError, DrafterLost) as exc:
-            c.event(S.NoteKind.DRAFTER, worker=wid, status="failed", reason=str(exc) or "no answer")
-            return
-        finally:
-            self.loading.pop(wid, None)
-        if not ready.ok or ready.step_s is None:
-            c.event(S.NoteKind.DRAFTER, worker=wid, status="failed", reason=ready.error or "no step time")
-            return
-        await loop.run_in_executor(self.pool, self.placed.calibrate)  # this process's draft step, on the drafting thread
-        if wid not in c.links:  # it left while we timed
-            return
-        c.event(S.NoteKind.DRAFTER, worker=wid, status="ready", step_ms=round(ready.step_s * 1e3, 2),
-                coordinator_step_ms=round(self.placed.local_step_s * 1e3, 2))
-        info = c.cluster.workers.get(wid)
-        self.placed.add(RemoteDrafter(wid, link.send, loop, ready.step_s, (info.rtt_s or 0.0) if info else 0.0))
-
-    def answered(self, wid: str, typed) -> None:
-        if isinstance(typed, DraftReady):
-            fut = self.loading.get(wid)
-            if fut is not None and not fut.done():
-                fut.set_result(typed)
-        elif isinstance(typed, Drafted):
-            remote = self.placed.remotes.get(wid)
-            if remote is not None:
-                remote.answered(typed)
-
-    def lost(self, wid: str, why: str) -> None:
-        fut = self.loading.pop(wid, None)
-        if fut is not None and not fut.done():
-            fut.set_exception(DrafterLost(f"drafter {wid} {why}"))
-        self.placed.drop(wid, f"drafter {wid} {why}")
-
-    def view(self) -> dict:
-        p = self.placed
-        return {"site": p.site, "pinned": p.pinned, "coordinator_step_ms": None if p.local_step_s is None else round(p.local_step_s * 1e3, 2),
-                "remote_drafts": p.remote_drafts, "fallbacks": p.fallbacks,
-                "workers": {wid: {"step_ms": round(s.step_s * 1e3, 2), "round_trip_ms": round(s.call_s * 1e3, 2)}
-                            for wid, s in ((r.wid, r.site()) for r in p.remotes.values())}}

@@ -136,12 +136,14 @@ class SpareChosen:
 @dataclass(frozen=True)
 class SpareLoaded:
     """A stage of the spare ``stages``, loaded as plan ``plan_id`` (negative), answered: ``built``,
-    its session is built (it can take KV checkpoints), or not (it holds the files at most)."""
+    its session is built (it can take KV checkpoints), or not (it holds the files at most);
+    ``error``: the load failed, and why (the dashboard's ``spare_unbuilt`` line)."""
 
     plan_id: int
     stages: tuple[StageAssignment, ...]
     worker_id: str
     built: bool
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,10 @@ class SwitchEnded:
 
 
 class NoteKind(str, Enum):
-    """Every kind of dashboard line that changes no state (``Noted``): a new one is added here."""
+    """Every kind of dashboard line that changes no state (``Noted``): a new one is added here.
+    A line about a change of state is not a note but read from its event (``narrate.entry``):
+    ``up`` (``Committed``), ``checkpoint`` (``CheckpointStored``), ``spare_unbuilt``
+    (``SpareLoaded``), ``probe_overruled`` (the ``Distrusted`` measurement)."""
 
     THROTTLED = "throttled"  # a peer opening worker channels too fast (api)
     REFUSED = "refused"  # a worker channel refused (bad hello, wrong token, bad frame)
@@ -198,17 +203,14 @@ class NoteKind(str, Enum):
     PAUSE = "pause"  # a sequence lost its plan and waits for the next
     RECOVERED = "recovered"  # ... and took a step again
     RESUME = "resume"  # ... from a KV checkpoint on the spare
-    CHECKPOINT = "checkpoint"  # a sequence's KV copied to the spare
     STAGES_TIMED = "stages_timed"
     STAGE_TIMING_FAILED = "stage_timing_failed"
-    PROBE_OVERRULED = "probe_overruled"
     CALIBRATION_FAILED = "calibration_failed"
     CALIBRATION_NOT_SAVED = "calibration_not_saved"
     LINK_PROBE_FAILED = "link_probe_failed"
     BLOB_REPAIRED = "blob_repaired"
     SPARE_FAILED = "spare_failed"
-    SPARE_UNBUILT = "spare_unbuilt"
-    DRAFTER = "drafter"  # a drafter worker loading, ready or failed (``cluster.drafters``)
+    DRAFTER = "drafter"  # a drafter worker loading, ready or failed (``cluster.drafting``)
     DRAFT_SITE = "draft_site"  # the draft moved to another site (this process or a drafter worker)
 
 
@@ -280,7 +282,16 @@ class RequestEnded:
     rid: str
 
 
+@dataclass(frozen=True)
+class ProbeAccepting:
+    """``worker_id``'s data port accepts link probes that carry ``secret`` (``links``): a probe
+    to it needs no new secret until it leaves. The secret is kept out of reprs."""
+
+    worker_id: str
+    secret: str = field(repr=False)
+
+
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
          | Committing | Committed | PlanFailed | SpareChosen | SpareLoaded | Pinned | Repriced | SecretsIssued | SwitchStarted | SwitchEnded | Noted
          | RequestStarted | RequestFed | Routed | KvMoved | KvMoveSent | KvMoveEnded
-         | RequestEnded)
+         | RequestEnded | ProbeAccepting)

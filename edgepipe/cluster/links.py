@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 from ..net import auth
 from ..net.channel import ChannelClosed
 from . import replicas
-from .events import NoteKind
+from .events import NoteKind, ProbeAccepting
 from .measurements import PeerLink
 from .steps import PipelineBroken
 
@@ -26,14 +26,12 @@ PEER_PROBE_BYTES = 1 << 19  # largest timed transfer of a peer probe (the worker
 
 class LinkProber:
     """Given the coordinator's ``Ports``, the calibrator's ``probe`` (ask a worker, await its
-    timing) and its lock (probes and calibrations never overlap)."""
+    timing) and its lock (probes and calibrations never overlap). The secret each worker's data
+    port accepts is state (``WorkerInfo.probe_secret``, set by ``ProbeAccepting``; it goes with
+    the worker)."""
 
     def __init__(self, ports, probe: Callable[..., Awaitable], lock: asyncio.Lock):
         self.ports, self.probe, self.lock = ports, probe, lock
-        self._accepting: dict[str, str] = {}  # worker -> the probe secret its data port accepts
-
-    def forget(self, wid: str) -> None:
-        self._accepting.pop(wid, None)
 
     def _reachable(self, wid: str) -> bool:
         info = self.ports.state().workers.get(wid)
@@ -46,12 +44,13 @@ class LinkProber:
         if src == dst or not (self._reachable(src) and self._reachable(dst)):
             return False
         try:
-            secret = self._accepting.get(dst)
+            accepting = p.state().workers.get(dst)
+            secret = accepting.probe_secret if accepting is not None else None
             if secret is None:
                 secret = auth.plan_secrets(1)[0]
                 if not (await self.probe(dst, kind="accept", secret=secret)).ok:
                     return False
-                self._accepting[dst] = secret
+                p.emit(ProbeAccepting(dst, secret))
             target = p.state().workers[dst].hello
             reply = await self.probe(src, kind="peer", url=target.data_url, secret=secret,
                                       fingerprint=target.data_fingerprint, bytes=PEER_PROBE_BYTES)

@@ -44,9 +44,14 @@ class Calibrated:
 
 @dataclass(frozen=True)
 class Distrusted:
-    """Its probe times were caught under-reporting: its own timings are not believed from now on."""
+    """Its probe times were caught under-reporting: its own timings are not believed from now on.
+    ``units``, ``reported_s``, ``measured_s``: the range probed, the step time it reported and the
+    one measured (the dashboard's ``probe_overruled`` line)."""
 
     worker_id: str
+    units: tuple[int, int] | None = None
+    reported_s: float | None = None
+    measured_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,8 @@ from .ports import Ports
 
 
 class KvMigration:
-    def __init__(self, ports: Ports, other_copy: Callable[[Loaded], None],
-                 route: Callable[[Deployment, str], replicas.Route]):
+    def __init__(self, ports: Ports, route: Callable[[Deployment, str], replicas.Route]):
         self.ports = ports
-        self.other_copy = other_copy  # an acknowledged copy that is no move of a switch (a KV checkpoint's)
         self.route = route  # a sequence's route on a plan (chosen and recorded at first use)
         self.acks: dict[int, asyncio.Future] = {}  # the acknowledgements awaited, by move (the moves: ``ClusterState.moves``)
         self._ids = itertools.count(1)
@@ -79,10 +77,9 @@ class KvMigration:
         return {"kv_moved": len(whole), "kv_moved_bytes": moves.moved_bytes, "kv_recomputed": len(replay)}
 
     def moved(self, reply: Loaded) -> None:
+        """A move's acknowledgement (``core.loaded`` found it among the state's moves)."""
         fut = self.acks.pop(reply.kv_received, None)
-        if fut is None:  # not a move of a switch: a KV checkpoint's copy (``checkpoints``)
-            self.other_copy(reply)
-        elif not fut.done():
+        if fut is not None and not fut.done():
             fut.set_result(reply)
 
     def abort_moves(self, exc: Exception) -> None:

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from ..net.limits import json_safe
-from . import events as E, measurements as M
+from . import checkpoints as K, events as E, measurements as M
 from .prefix_book import PrefixDone
 
 Event = Mapping[str, object]
@@ -186,8 +186,21 @@ def _fields(event, state, profile) -> dict | None:
             return {"kind": "spare", "stages": [[s.worker_id, s.start, s.end] for s in stages]}
         case M.PeerLink(src, dst, rtt, bandwidth):
             return {"kind": "link_measured", "src": src, "dst": dst, "rtt_ms": round(rtt * 1e3, 3), "mb_s": round(bandwidth / 1e6, 4)}
+        case E.SpareLoaded(plan, _, wid, _, error) if error is not None:
+            return {"kind": "spare_unbuilt", "worker": wid, "plan": plan, "error": error}
+        case K.CheckpointStored(rid, _, _, needs, wid, position, nbytes) if needs and wid == max(needs) and _whole(state, rid, position):
+            return {"kind": "checkpoint", "request": rid, "position": position, "bytes": nbytes}
+        case M.Distrusted(wid, (start, end), reported, measured):
+            return {"kind": "probe_overruled", "worker": wid, "units": [start, end], "reported_ms": round(reported * 1e3, 3),
+                    "measured_ms": round(measured * 1e3, 3)}
         case M.Recalled(wid, _) if profile is not None and (line := _calibrated(wid, profile)):
             return {**line, "reused": True}
         case M.Calibrated(wid, samples, _, rounds) if profile is not None and (line := _calibrated(wid, profile)):
             return {**line, "rounds": rounds, "spread": round(spread(list(samples)), 3)}
     return None
+
+
+def _whole(state, rid: str, position: int) -> bool:
+    """Every holder of ``rid``'s checkpoint holds ``position`` (the round's last acknowledgement)."""
+    ck = state.checkpoints.get(rid)
+    return ck is not None and ck.position() == position

@@ -1,7 +1,7 @@
 """What the coordinator lends a collaborator instead of itself.
 
-The deployer, the calibrator, the link prober, the connections, the requests, the KV migration
-and the prefix cache are given a ``Ports``: read the state, change it (``emit``), add a
+The deployer, the calibrator, the link prober, the connections, the requests, the KV migration,
+the prefix cache, the KV checkpoints and the drafter workers are given a ``Ports``: read the state, change it (``emit``), add a
 measurement (``measure``), note a dashboard line (``note``), read the clock, start a background
 task, send a frame to a worker or ask it and await the reply (``ask``), and wake the re-planner. They reach no other collaborator through it: what one needs of another
 (the calibrator's timing, the requests' capacity check) is passed to it by name.
@@ -26,7 +26,7 @@ class Ports:
     state: Callable[[], ClusterState]  # the cluster state now
     emit: Callable[[Event], ClusterState]  # the one way the state changes
     measure: Callable[[Measurement], None]  # the one way the profile changes
-    note: Callable[..., None]  # note(kind, **fields): a dashboard line that changes no state (kind: a ``NoteKind``, or its value)
+    note: Callable[..., None]  # note(kind, **fields): a dashboard line that changes no state (kind: a ``NoteKind``)
     clock: Callable[[], float]
     spawn: Callable[[Coroutine], asyncio.Task]  # a background task the coordinator keeps (and cancels when it stops)
     links: Callable[[], Mapping[str, Link]]  # the workers' channels and the replies they owe

@@ -2,8 +2,8 @@
 in-memory channels in place of ONNX Runtime and sockets.
 
 It carries out the core's commands as the real shell does, except that a stage computes the
-fake model of ``cluster.sim`` (per-unit integer state standing in for KV) and frames travel
-through the simulated network. Faults are injected here: a stalled worker, one that drops
+fake model of ``cluster.sim`` (``sim_model.FakeStages``: per-unit integer state standing in for
+KV) and frames travel through the simulated network. Faults are injected here: a stalled worker, one that drops
 activation frames for a while, malformed frames, a killed process."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..net.messages import ErrorCode, Hello, parse
 from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode
 from ..worker import core
 from .profiling import RUNTIME_OVERHEAD_BYTES
+from .sim_model import FakeStages
 
 log = logging.getLogger("edgepipe.sim")
 IN_ORDER = (T.FORWARD, T.KV, T.DROP, T.KV_EXPORT)
@@ -37,12 +38,7 @@ class FakeWorker:
         self.refusing_kv_until = 0.0  # fails every KV frame it is sent until then (a KV move or checkpoint that fails)
         # the fake model's slowness is in its compute; the core adds no emulated wait of its own
         self.state = core.WorkerState(name, budget_bytes=memory, data_url=self.url)
-        self.kv: dict[str, dict[str, list[int]]] = {}  # graph -> seq -> per-unit state + [positions held]
-        # (graph, seq) -> length -> its state when it was that long (computed or imported), the last
-        # few: what a rewind goes back to and what a checkpoint's ``upto`` exports (the fake state
-        # is a running hash, not per position as a real KV cache)
-        self.lengths: dict[tuple[str, str], dict[int, list[int]]] = {}
-        self.prefixes: dict[int, tuple[int, dict[str, list[int]]]] = {}  # plan -> (epoch, block name -> state after the block)
+        self.model = FakeStages(name)  # its stages' fake KV and cached prompt blocks (``sim_model``)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.control = None
         self.tasks: list[asyncio.Task] = []
@@ -168,20 +164,13 @@ class FakeWorker:
         elif isinstance(cmd, core.Wait):
             await asyncio.sleep(cmd.seconds)
         elif isinstance(cmd, core.DropSequence):
-            for graph in cmd.graphs:
-                self.kv.get(graph, {}).pop(cmd.seq, None)
-                self.lengths.pop((graph, cmd.seq), None)
+            self.model.drop(cmd.seq, cmd.graphs)
         elif isinstance(cmd, core.KeepSessions):
-            self.kv = {g: kv for g, kv in self.kv.items() if g in cmd.graphs}
-            self.lengths = {k: v for k, v in self.lengths.items() if k[0] in cmd.graphs}
-            if cmd.plans is not None:
-                self.prefixes = {p: s for p, s in self.prefixes.items() if p in cmd.plans}
+            self.model.keep_only(cmd.graphs, cmd.plans)
         elif isinstance(cmd, core.Forget):
             while not self.queue.empty():
                 self.queue.get_nowait()
-            self.kv = {g: {} for g in self.kv}
-            self.lengths.clear()
-            self.prefixes.clear()
+            self.model.forget()
         elif isinstance(cmd, core.FetchFiles):
             await asyncio.sleep(0.2 * self.slowdown)
             await self._stall()
@@ -189,7 +178,7 @@ class FakeWorker:
             await self.feed(core.Fetched(cmd.load, 0, units * _unit_bytes() + RUNTIME_OVERHEAD_BYTES))
         elif isinstance(cmd, core.BuildSession):
             load = cmd.load
-            self.kv.setdefault(load.graph, {})
+            self.model.kv.setdefault(load.graph, {})
             from .sim import N_UNITS, VOCAB
 
             # The fake model passes integers between stages: every stage takes "token ids".
@@ -201,7 +190,7 @@ class FakeWorker:
             if loop.time() < self.refusing_kv_until:
                 await self.feed(core.Failed(cmd.kv, ErrorCode.INTERNAL, f"{self.name} refuses KV (a fault)"))
             else:
-                await self.feed(self._import(cmd))
+                await self.feed(self.model.import_kv(cmd))
         elif isinstance(cmd, core.TimeStage):
             await self.feed(core.StageTimed(cmd.probe, [0.01 * self.slowdown] * cmd.reps))
         elif isinstance(cmd, core.SendLinkPayload):
@@ -214,98 +203,21 @@ class FakeWorker:
             await self.control.send(encode(msg))
 
     async def _run(self, cmd: core.RunStage):
-        from .sim import N_UNITS, VOCAB, _unit
-
+        """A stage's step: its compute time on the virtual clock, then the fake model's result."""
         stage = next(s for s in self.state.stages.values() if s.graph == cmd.graph)
-        start, end = stage.start, stage.end
-        x = np.asarray(cmd.x, dtype=np.int64)
-        batch = cmd.forward["batch"]
-        compute_s = 0.002 * x.shape[1] * (end - start) * len(batch) * self.slowdown
-        await asyncio.sleep(compute_s)
+        await asyncio.sleep(0.002 * np.shape(cmd.x)[1] * (stage.end - stage.start) * len(cmd.forward["batch"]) * self.slowdown)
         await self._stall()
-        kv = self.kv.setdefault(cmd.graph, {})
-        plan = cmd.forward["plan"]
-        saves = dict(cmd.prefixes)
-        for seq, entry in cmd.prefixes:  # cached prompt blocks first, as the real stage (runtime.prefix_store)
-            missing = self._prefix_before(plan, kv, seq, entry)
-            if missing:
-                return core.Failed(cmd.forward, ErrorCode.PREFIX_MISS, missing, {s: kv[s][-1] for s in cmd.seqs if s in kv})
-        for item in batch:  # rewind (as runner.rewind): only to a length an import left (else the stage refuses)
-            h, pos = kv.get(item["seq"]), item.get("pos")
-            if item.get("rewind") and isinstance(pos, int) and h is not None and pos < h[-1]:
-                back = self.lengths.get((cmd.graph, item["seq"]), {}).get(pos)
-                if back is None:
-                    return core.Failed(cmd.forward, ErrorCode.BAD_INPUT, f"{item['seq']}: cannot rewind to {pos}",
-                                       {s: kv[s][-1] for s in cmd.seqs if s in kv})
-                kv[item["seq"]] = list(back)
-        y = np.zeros_like(x)
-        for row, item in enumerate(batch):
-            h = kv.setdefault(item["seq"], [0] * (end - start + 1))
-            entry = saves.get(item["seq"])
-            epoch, held = self.prefixes.get(plan, (0, {}))
-            keep = {i: name for i, name in entry["save"]} if entry and entry["epoch"] == epoch else {}
-            for col in range(x.shape[1]):
-                v = int(x[row, col])
-                for k, u in enumerate(range(start, end)):
-                    h[k], v = _unit(h[k], v, u)
-                y[row, col] = v
-                h[-1] += 1
-                self._keep(cmd.graph, item["seq"], h)
-                if keep and h[-1] % entry["block"] == 0 and h[-1] // entry["block"] - 1 in keep:
-                    held[keep[h[-1] // entry["block"] - 1]] = list(h)
-        out = np.array([int(y[r, -1]) % VOCAB for r in range(len(batch))], np.int64) if end == N_UNITS else y
-        lengths = {item["seq"]: kv[item["seq"]][-1] for item in batch}
-        return core.Computed(cmd.forward, out, 0.002 * self.slowdown, None, int(x.shape[1]), self.state.joins, lengths)
-
-    def _prefix_before(self, plan: int, kv: dict, seq: str, entry: dict) -> str | None:
-        """A decision's epoch, install and evict, as ``runtime.prefix_store``; a miss says why."""
-        epoch, held = self.prefixes.get(plan, (0, {}))
-        if entry["epoch"] > epoch:
-            epoch, held = entry["epoch"], {}
-            self.prefixes[plan] = (epoch, held)
-        if entry["epoch"] < epoch:
-            return f"{seq}: prefix epoch {entry['epoch']} is gone" if entry.get("reuse") else None
-        if entry.get("reuse"):
-            if any(name not in held for name in entry["reuse"]):
-                return f"{seq}: {self.name} lacks a prefix block"
-            kv[seq] = list(held[entry["reuse"][-1]])
-        for name in entry.get("evict") or ():
-            held.pop(name, None)
-        return None
+        return self.model.run(cmd, stage.start, stage.end, 0.002 * self.slowdown, self.state.joins)
 
     async def _export(self, cmd: core.ExportKv) -> None:
         e = cmd.export
         target = self.world.net.ports.get(e.url)
-        held = self.kv.get(cmd.graph, {}).get(e.seq)
-        if target is None or target.dead or held is None:
-            await self.feed(core.ExportFailed(e, "cannot export"))
-            return
-        if e.upto is not None and e.upto != held[-1]:  # a checkpoint of fewer positions than held: as they were then
-            held = self.lengths.get((cmd.graph, e.seq), {}).get(e.upto)
-            if held is None:
-                await self.feed(core.ExportFailed(e, f"{e.seq}: no state at {e.upto} positions"))
-                return
-        start = next(s.start for s in self.state.stages.values() if s.graph == cmd.graph)
-        units = {u: held[u - start] for u in range(e.start, e.end)}
-        frame = Message(T.KV, {"seq": e.as_seq or e.seq, "plan": e.to_plan, "move": e.move, "units": units, "length": held[-1]})
-        target.data.put(asyncio.get_running_loop().time() + 0.001, frame)
-
-    def _import(self, cmd: core.ImportKv) -> core.Imported:
-        msg = cmd.kv
-        start, end = cmd.layers[0], cmd.layers[-1] + 1
-        h = self.kv.setdefault(cmd.graph, {}).setdefault(msg["seq"], [0] * (end - start + 1))
-        for u, value in msg["units"].items():
-            h[int(u) - start] = value
-        h[-1] = msg["length"]
-        self._keep(cmd.graph, msg["seq"], h)
-        return core.Imported(msg, cmd.graph, h[-1], 0)
-
-    def _keep(self, graph: str, seq: str, h: list[int]) -> None:
-        kept = self.lengths.setdefault((graph, seq), {})
-        kept[h[-1]] = list(h)
-        if len(kept) > 12:  # a few recent lengths are enough
-            del kept[min(kept)]
-
+        start = next((s.start for s in self.state.stages.values() if s.graph == cmd.graph), 0)
+        frame = self.model.export_frame(cmd, start) if target is not None and not target.dead else "cannot export"
+        if isinstance(frame, str):
+            await self.feed(core.ExportFailed(e, frame))
+        else:
+            target.data.put(asyncio.get_running_loop().time() + 0.001, frame)
 
 def _unit_bytes() -> int:
     from .sim import UNIT_BYTES

@@ -149,7 +149,7 @@ async def _fault(world: World, f: Fault) -> float:
     elif f.kind == "malformed" and not w.dead:
         w.malformed = 1 + f.worker % 4
     elif f.kind == "forget_prefixes":  # its cached blocks are gone, unknown to the coordinator
-        w.prefixes.clear()
+        w.model.prefixes.clear()
     elif f.kind == "refuse_kv":  # KV sent to it fails (targeted schedules only: not among the random FAULTS)
         w.refusing_kv_until = now + f.seconds
     return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work", "refuse_kv") else 0.0)
@@ -174,14 +174,15 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
     cached, active = coord.cluster.prefix.cache, coord.cluster.active
     if cached.blocks and (active is None or cached.plan != active.plan_id):  # a switch or a recovery invalidates it
         out.append(f"prefix blocks of plan {cached.plan} kept while {active.plan_id if active else 'no plan'} is active")
-    if coord.checkpoints.placed or coord.checkpoints.flying or coord.checkpoints.moves or coord.cluster.checkpoints:
-        out.append(f"KV checkpoints left: {sorted(coord.checkpoints.placed)} placed, {sorted(coord.checkpoints.flying)} in flight")
+    copies = coord.cluster.checkpoint_copies
+    if copies or coord.checkpoints.acks or coord.cluster.checkpoints:
+        out.append(f"KV checkpoints left: {sorted(copies.placed)} placed, {sorted(copies.flying)} in flight, {len(copies.copies)} copies")
     return out
 
 
 def _held_checkpoints(workers: list[FakeWorker]) -> list[str]:
     """Checkpoint KV (``<rid>.c<n>``) a live worker still holds once every request has ended."""
-    return sorted(f"{w.name}:{seq}" for w in workers if not w.dead for kv in w.kv.values() for seq in kv
+    return sorted(f"{w.name}:{seq}" for w in workers if not w.dead for kv in w.model.kv.values() for seq in kv
                   if seq.rsplit(".", 1)[-1].startswith("c"))
 
 

@@ -137,7 +137,7 @@ class Speculation:
 
     def view(self, drafting=None) -> dict:
         """The status entry: what was drafted and kept, the measured pass costs and the draft
-        length they give, and where the draft runs (``drafting``: ``cluster.drafters.Drafting``)."""
+        length they give, and where the draft runs (``drafting``: ``cluster.drafting.Drafting``)."""
         costs = self.costs()
         out = {"drafter": self.drafter.name, "passes": self.stats.passes, "drafted": self.stats.drafted, "kept": self.stats.kept,
                "acceptance": round(self.stats.acceptance, 4), "drafted_ahead": self.ahead_used, "by_rule": self.stats.by_rule,
@@ -153,8 +153,8 @@ class Speculation:
 
     @property
     def placed(self):
-        """The model drafter that may run on a drafter worker (``cluster.drafters.PlacedDrafter``), or None."""
-        from .drafters import PlacedDrafter
+        """The model drafter that may run on a drafter worker (``cluster.draft_placement.PlacedDrafter``), or None."""
+        from .draft_placement import PlacedDrafter
 
         for drafter in (self.drafter, getattr(self.drafter, "model", None)):
             if isinstance(drafter, PlacedDrafter):
@@ -284,10 +284,10 @@ def build_speculation(draft: str, target, k_max: int = 8, threads: int | None = 
 
 
 def _model_drafter(draft: str, target, threads: int | None, home):
-    """The draft model, whole in this process, placeable on a drafter worker (``cluster.drafters``)."""
+    """The draft model, whole in this process, placeable on a drafter worker (``cluster.draft_placement``)."""
     from ..model.store import resolve
     from ..runtime.speculative import ModelDrafter
-    from .drafters import PlacedDrafter
+    from .draft_placement import PlacedDrafter
 
     package = resolve(draft, home=home) if home is not None else resolve(draft)
     if package.manifest.tokenizer != target.manifest.tokenizer:

@@ -1,7 +1,8 @@
 """The cluster as data: a frozen ``ClusterState`` changed only by events through ``apply``.
 
 Everything the control plane decides from lives here: the workers (what they declared, when
-they were last heard, how regular their heartbeats are, whether they are suspected), the
+they were last heard, how regular their heartbeats are, whether they are suspected:
+``worker_info``), the
 plan slots (active, preparing, spare), the running requests (their KV reservation, the
 sequence id and plan that hold their KV) and the phase (Down -> Preparing -> Committing -> Up).
 Channels, futures and tasks are I/O and stay in the coordinator's shell.
@@ -25,20 +26,18 @@ from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
     EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, SpareLoaded, Pinned, Repriced,
     SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, Routed, KvMoved, KvMoveSent,
-    KvMoveEnded, RequestEnded, Event,
+    KvMoveEnded, RequestEnded, Event, ProbeAccepting,
 )
-from ..net.messages import Hello
 from . import checkpoints as K, prefix_book as PB
-from .checkpoints import Checkpoint, CheckpointSending, CheckpointStored, CheckpointVoid, Resume  # noqa: F401 - events and values, as state.X
+from .checkpoints import (Checkpoint, CheckpointDropped, CheckpointSending, CheckpointStored, CheckpointVoid, CopyBook,  # noqa: F401
+                          CopySent, Resume, RoundEnded)  # events and values, as state.X
 from .placement import Deployment, StageAssignment
+# What the state keeps of one worker (``worker_info``), re-exported as state.X.
+from .worker_info import (HEARTBEAT_WINDOW, QUARANTINE_MAX_S, QUARANTINE_S, STALL_S, STALL_WINDOW,  # noqa: F401
+                          Quarantine, WorkerInfo, heard, struck)
 from .prefix_book import PrefixBook, PrefixDecided, PrefixDone  # noqa: F401 - events, as state.X
 
-HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
-STALL_S = 1.0  # a gap at least this long is also kept among a worker's stalls...
-STALL_WINDOW = 8  # ...the last this many (a busy worker's 32 gaps span only seconds)
 OUTAGE_WINDOW = 32
-QUARANTINE_S = 60.0  # a worker caught dropping work sits out this long the first time
-QUARANTINE_MAX_S = 1800.0
 
 
 class Phase(str, Enum):
@@ -53,41 +52,6 @@ def _frozen(d: Mapping) -> Mapping:
 
 
 @dataclass(frozen=True)
-class WorkerInfo:
-    id: str
-    name: str
-    hello: Hello  # what the worker declared
-    joined_at: float
-    last_seen: float
-    intervals: tuple[float, ...] = ()  # recent gaps between frames heard from it (seconds)
-    stalls: tuple[float, ...] = ()  # its last gaps of STALL_S or more: how long this machine has been seen to stall
-    suspected_since: float | None = None  # silent for too long: probed, not used for new plans
-    rtt_s: float | None = None
-    stats: Mapping = field(default_factory=lambda: _frozen({}))
-    stats_at: float | None = None  # when ``stats`` arrived (the last pong)
-    calibrating: bool = False  # the calibrator holds it (timing it or measuring its links): not planned meanwhile
-
-    alive = True  # a lost worker leaves the state; kept for views that still ask
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.hello.memory_bytes
-
-    @property
-    def relay(self) -> bool:
-        return self.hello.relay
-
-    @property
-    def identity(self) -> tuple:
-        """Name and declared hardware: a device that comes back with these is the same device (a tab
-        that found a GPU this time is not the one that computed on the CPU last time; with or without
-        the GGUF kernel library a worker runs another form: timed again)."""
-        h = self.hello
-        emulation = None if h.emulation is None else dict(h.emulation)  # repr'd as the plain map it was sent as
-        return (self.name, h.kind, h.memory_bytes, h.threads, repr(emulation), h.precision, h.device or "cpu", h.adapter, h.native_kernel)
-
-
-@dataclass(frozen=True)
 class RequestInfo:
     rid: str
     positions: int  # KV positions it may grow to (prompt + max_tokens): its reservation
@@ -97,15 +61,6 @@ class RequestInfo:
     migrated_to: int | None = None  # a plan that received its KV by a move (resume there without replay)
     resume: Resume | None = None  # a committed plan that holds a checkpoint of its KV (replay only what came after it)
     route: tuple[int, tuple[str, ...]] | None = None  # (plan, a worker per stage): its replicas there (cluster.replicas)
-
-
-@dataclass(frozen=True)
-class Quarantine:
-    """A device that took work and returned none: kept out of new plans until ``until``."""
-
-    until: float
-    strikes: int  # times it was caught: each doubles the time out
-    why: str
 
 
 @dataclass(frozen=True)
@@ -136,6 +91,7 @@ class ClusterState:
     moves: Mapping[int, KvMoveSent] = field(default_factory=lambda: _frozen({}))  # KV moves of a switch in flight, by id
     steps: SB.StepBook = SB.StepBook()  # the steps in flight and the lanes (``step_book``)
     prefix: PrefixBook = PrefixBook()  # the blocks the active plan's stages cache, decisions in flight, counts (``prefix_book``)
+    checkpoint_copies: CopyBook = CopyBook()  # checkpoint copies in flight, and where checkpoint KV may be held (``checkpoints``)
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""
@@ -163,11 +119,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             info = WorkerInfo(wid, name, hello, joined_at=now, last_seen=now)
             return _replace(state, workers=_with(state.workers, wid, info), joins=state.joins + 1)
         case Heard(wid, now) if wid in state.workers:
-            w = state.workers[wid]
-            gap = now - w.last_seen
-            intervals = (w.intervals + (gap,))[-HEARTBEAT_WINDOW:] if gap > 0 else w.intervals
-            stalls = (w.stalls + (gap,))[-STALL_WINDOW:] if gap >= STALL_S else w.stalls
-            return _worker(state, _replace(w, last_seen=max(now, w.last_seen), intervals=intervals, stalls=stalls, suspected_since=None))
+            return _worker(state, heard(state.workers[wid], now))
         case Ponged(wid, rtt, stats, now) if wid in state.workers:
             return _worker(state, _replace(state.workers[wid], rtt_s=rtt, stats=_frozen(stats), stats_at=now))
         case Suspected(wid, now) if wid in state.workers and state.workers[wid].suspected_since is None:
@@ -184,12 +136,11 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _down(_replace(state, last_failure=why), now)
         case Misbehaved(wid, why, now) if wid in state.workers:
             identity = state.workers[wid].identity
-            before = state.quarantine.get(identity)
-            strikes = (before.strikes if before else 0) + 1
-            until = now + min(QUARANTINE_S * 2 ** (strikes - 1), QUARANTINE_MAX_S)
-            return _replace(state, quarantine=_with(state.quarantine, identity, Quarantine(until, strikes, why)))
+            return _replace(state, quarantine=_with(state.quarantine, identity, struck(state.quarantine.get(identity), why, now)))
         case Calibrating(wid, busy) if wid in state.workers:
             return _worker(state, _replace(state.workers[wid], calibrating=busy))
+        case ProbeAccepting(wid, secret) if wid in state.workers:
+            return _worker(state, _replace(state.workers[wid], probe_secret=secret))
         case EmulationChanged(wid, slowdown) if wid in state.workers:
             w = state.workers[wid]
             return _worker(state, _replace(w, hello=w.hello.with_slowdown(slowdown)))
@@ -247,8 +198,11 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
             q = _replace(state.requests[rid], seq=seq, plan=plan, kv_len=kv_len, migrated_to=None, resume=None)
             return _replace(state, requests=_with(state.requests, rid, q))
-        case CheckpointSending() if event.rid in state.requests:
-            return _replace(state, checkpoints=K.sending(state.checkpoints, state.spare, event))
+        case CheckpointSending():  # its names are placed whatever became of the request (``checkpoints.book``)
+            state = _replace(state, checkpoint_copies=K.book(state.checkpoint_copies, event))
+            return _replace(state, checkpoints=K.sending(state.checkpoints, state.spare, event)) if event.rid in state.requests else state
+        case CopySent() | RoundEnded() | CheckpointDropped():
+            return _replace(state, checkpoint_copies=K.book(state.checkpoint_copies, event))
         case CheckpointStored() if event.rid in state.requests:
             return _replace(state, checkpoints=K.stored(state.checkpoints, state.spare, event))
         case CheckpointVoid(rid) if rid in state.requests:

@@ -91,7 +91,7 @@ def status(coord) -> dict:
                         **replica_fields(dep, coord.cluster.requests, s.worker_id)} for s in dep.stages],
             "replicated": dep.replicated,
             "pinned_s": round(coord.cluster.pin[1] - coord.clock(), 1) if coord.cluster.pinned(coord.clock()) else None,
-            # where speculative decoding's draft model runs: "coordinator" or a drafter worker's id (cluster.drafters)
+            # where speculative decoding's draft model runs: "coordinator" or a drafter worker's id (cluster.draft_placement)
             "draft": None if coord.speculation is None else coord.drafting.placed.site if coord.drafting is not None else "coordinator",
         },
         "workers": [{

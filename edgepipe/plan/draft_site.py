@@ -45,3 +45,22 @@ def choose_draft_site(sites: list[DraftSite], current: str | None = None, k: int
     if running is not None and best.pass_s(k) > (1 - margin) * running.pass_s(k):
         return running.id
     return best.id
+
+
+WORKERS = "workers"  # pinned to the drafter workers (``serve --draft-on workers``)
+
+
+def site_to_use(sites: list[DraftSite], current: str, pinned: str | None = None, remotes: bool = True) -> str:
+    """Where drafts are made now, given the measured ``sites`` (the coordinator's among them once
+    timed; live drafter workers), the running site ``current``, an operator's ``pinned``
+    (``COORDINATOR``, ``WORKERS`` or None: the cheapest) and whether any drafter worker is attached
+    (``remotes``). Pinned to the workers, a running worker site is kept and the cheapest worker
+    taken otherwise; with no worker left the coordinator drafts."""
+    if pinned == COORDINATOR or not remotes:
+        return COORDINATOR
+    if pinned == WORKERS:
+        workers = [s for s in sites if s.id != COORDINATOR]
+        if any(s.id == current for s in workers):
+            return current
+        return choose_draft_site(workers, None) if workers else COORDINATOR
+    return choose_draft_site(sites, current) if sites else COORDINATOR

@@ -260,6 +260,7 @@ class Probe(Wire):
     url: str | None = None  # kind "peer": the data port of the worker to probe
     secret: str | None = None  # kind "accept": the probe secret to accept; "peer": the one to present
     fingerprint: str | None = None  # kind "peer": the probed data port's certificate (TLS clusters)
+    rows: int | None = None  # decode steps: sequences stepped together in each (None: 1)
 
 
 PROBE_PLAN = 0
@@ -564,7 +565,17 @@ def _probe(f: dict) -> Probe:
         raise ProtocolError(f"probe: unknown kind {kind!r}"[:200])
     return Probe(_need_int(f["probe"], "probe"), _opt_int(f.get("plan"), "plan"), _opt_int(f.get("reps"), "reps"),
                  _opt_int(f.get("context"), "context"), kind, _opt_int(f.get("bytes"), "bytes"), _opt_str(f.get("url"), "url"),
-                 _opt_str(f.get("secret"), "secret"), _opt_str(f.get("fingerprint"), "fingerprint"))
+                 _opt_str(f.get("secret"), "secret"), _opt_str(f.get("fingerprint"), "fingerprint"), _probe_rows(f.get("rows")))
+
+
+MAX_PROBE_ROWS = 64
+
+
+def _probe_rows(value) -> int | None:
+    rows = _opt_int(value, "rows")
+    if rows is not None and not 1 <= rows <= MAX_PROBE_ROWS:
+        raise ProtocolError(f"probe: rows must be 1..{MAX_PROBE_ROWS}, got {rows}")
+    return rows
 
 
 def _kv_export(f: dict) -> KvExport:

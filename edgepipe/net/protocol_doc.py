@@ -146,6 +146,7 @@ DOCS: dict[type, MessageDoc] = {
         "url": "`peer`: the data port to probe",
         "secret": "`accept`: the credential to accept on plan 0; `peer`: the one to present",
         "fingerprint": "`peer`: the probed data port's certificate (TLS clusters)",
+        "rows": "decode steps: sequences stepped together in each timed step (absent: 1), so a batched step's cost is measured",
     }),
     messages.Probed: MessageDoc("w→c; w→w (answer to `echo`)", "probe result", {
         "probe": "probe id",

@@ -174,7 +174,7 @@ def _probe(state: WorkerState, probe: Probe) -> tuple[WorkerState, list[Command]
     stage = state.stages.get(probe.plan) if probe.plan is not None else None
     if stage is None:
         return state, [SendControl(Message(T.PROBED, {"probe": probe.probe, "ok": False}))]
-    return state, [TimeStage(probe.probe, stage.graph, int(probe.reps or 8), int(probe.context or 64))]
+    return state, [TimeStage(probe.probe, stage.graph, int(probe.reps or 8), int(probe.context or 64), int(probe.rows or 1), stage.weight_bytes)]
 
 
 def _stage_timed(state: WorkerState, event: StageTimed) -> tuple[WorkerState, list[Command]]:
@@ -251,7 +251,7 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
     stage = state.stages.get(plan)
     graph = stage.graph if stage is not None else None
     step_s = {**state.step_s, graph: event.compute_s} if graph and event.positions == 1 else state.step_s
-    extra = SlowdownPolicy(state.slowdown).extra_wait(event.compute_s, event.cpu_s)
+    extra = emulated_wait(state, stage, event)
     state = replace(_with_lengths(state, graph, event.lengths), step_s=step_s, busy_s=state.busy_s + event.compute_s + extra,
                     computed=state.computed + len(batch))
     commands: list[Command] = [Wait(extra)] if extra > 0 else []
@@ -283,6 +283,14 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
             commands.append(SendPeer(hop.url, plan, Message(T.FORWARD, sent, {"x": x}),
                                      data_secret(state, hop.url, plan, hop.secret), hop.fingerprint, about=msg))
     return state, commands
+
+
+def emulated_wait(state: WorkerState, stage: Stage | None, event: Computed) -> float:
+    """Seconds the emulated device still takes after the real compute of ``event`` (0: none emulated)."""
+    if state.roofline is not None:
+        rows = len(event.forward["batch"]) * event.positions
+        return state.roofline.extra_wait(event.compute_s, stage.weight_bytes if stage is not None else 0, rows)
+    return SlowdownPolicy(state.slowdown).extra_wait(event.compute_s, event.cpu_s)
 
 
 def errors_for(msg: Message, code: ErrorCode, text: str) -> list[Command]:

@@ -8,6 +8,7 @@ from typing import Union
 
 import numpy as np
 
+from ..emulate.roofline import RooflinePolicy
 from ..net import limits
 from ..net.messages import Activate, Drop, Emulate, ErrorCode, KvExport, Load, NextHop, Probe
 from ..net.protocol import Message
@@ -62,6 +63,7 @@ class WorkerState:
     computed: int = 0
     busy_s: float = 0.0
     fetched_bytes: int = 0
+    roofline: RooflinePolicy | None = None  # emulated roofline device (replaces the slowdown), None: none
 
     def stage_of(self, plan: int) -> Stage | None:
         return self.stages.get(plan)
@@ -282,6 +284,8 @@ class TimeStage:
     graph: str
     reps: int
     context: int
+    rows: int = 1  # sequences decoded together in each timed step
+    weight_bytes: int = 0  # the stage's, for an emulated roofline
 
 
 Command = Union[SendControl, SendPeer, Forget, FetchFiles, BuildSession, KeepSessions, RunStage, Wait, DropSequence, ExportKv, ImportKv,

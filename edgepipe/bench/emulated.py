@@ -28,7 +28,9 @@ def header(title: str, run: Conditions, conditions: str) -> list[str]:
     """The title, the machine line and the EMULATION notice of an emulated-cluster report."""
     return [f"# {title}", "", f"{run.line()} · SmolLM2-135M-Instruct, the file's own Q4_1 (`serve`'s default) · {conditions}", "",
             "**All devices are EMULATED** on this one machine: worker processes on loopback; `slowdown F` = the worker "
-            "waits (F-1) x its measured compute time after each call; `memory` = a hard budget the worker refuses to "
+            "waits (F-1) x its measured compute time after each call; `roofline R GFLOP/s, B/s, o ms` = each call lasts "
+            "o + max(stage weight bytes / B, rows x 2 x stage parameters / R) (the worker waits out the rest after its real "
+            "compute); `memory` = a hard budget the worker refuses to "
             "exceed; links as labelled (`tbf` = kernel token bucket in a network namespace; `user-space` = the "
             "worker's own send shaper).", ""]
 
@@ -79,6 +81,7 @@ def measured_profiles(cluster: Cluster, rtts: dict[str, float] | None = None, sp
         live = w.get("profile") or {}
         m.speed = (speeds or {}).get(w["id"], live.get("speed") or c.get("speed", 1.0))
         m.overhead_s = (live.get("overhead_ms") if live.get("speed") else c.get("overhead_ms", 0.0)) / 1e3
+        m.row_speed = live.get("row_speed")
         m.bandwidth_bytes_per_s = (c.get("uplink_mb_s") or 0) * 1e6 or None
         if w["id"] in rtts:
             m.rtt = m.rtt.push(rtts[w["id"]])

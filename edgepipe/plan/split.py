@@ -119,7 +119,7 @@ def device_tables(
     memory = np.array([devices[d].memory_bytes for d in ids], dtype=np.int64)
     dev_time = np.where(upper[None], overhead[:, None, None] + span[None] / speed[:, None, None], INF)
     row_speed = np.array([devices[d].row_speed if devices[d].row_speed is not None else np.nan for d in ids])
-    dev_row = np.where(upper[None], span[None] / row_speed[:, None, None], INF)
+    dev_row = np.where(upper[None], span[None] / row_speed[:, None, None], 0.0)
 
     # Device-level links, with the coordinator as node m; relays pay both legs.
     nodes = ids + (COORDINATOR,)

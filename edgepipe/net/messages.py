@@ -228,6 +228,7 @@ class Load(Wire):
     warm: bool | None = None  # a spare: build the session too when the budget allows
     prefetch: bool | None = None  # a spare: fetch the files only
     data_secret: str | None = None  # what this stage's predecessor must present on its data port (net.auth)
+    matmul_bytes: int | None = None  # weight bytes its matrix products read per step (not the embedding table, only gathered from)
 
 
 @dataclass(frozen=True)
@@ -556,7 +557,7 @@ def _load(f: dict) -> Load:
     return Load(_need_int(f["plan"], "plan"), start, end, _str(f["graph"], "graph"), files, NextHop.of(f["next"]), _ints(f["keep"], "keep"),
                 _opt_int(f.get("max_context"), "max_context"), _opt_int(f.get("kv_bytes_per_token"), "kv_bytes_per_token"),
                 bool(f["warm"]) if f.get("warm") is not None else None, bool(f["prefetch"]) if f.get("prefetch") is not None else None,
-                _opt_str(f.get("data_secret"), "data_secret"))
+                _opt_str(f.get("data_secret"), "data_secret"), _opt_int(f.get("matmul_bytes"), "matmul_bytes"))
 
 
 def _probe(f: dict) -> Probe:

@@ -39,6 +39,11 @@ class Stage:
     secret: str | None = None  # what this stage's predecessor must present on the data port
     frame_limit: int = limits.HEADER_SLACK_BYTES  # largest frame accepted on the data port for this plan
     max_context: int | None = None
+    matmul_bytes: int | None = None  # weight bytes its matrix products read per step (emulated roofline); None: weight_bytes
+
+    @property
+    def compute_bytes(self) -> int:
+        return self.weight_bytes if self.matmul_bytes is None else self.matmul_bytes
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ Busy shares (emulated) and CPU shares (real compute) per device show that the em
 not the two real cores, limits each device.
 
     python benchmarks/replicas.py [--tokens 64] [--streams 16] [--rounds 2] [--phones 3]
-                                  [--laptop 25e9,8GB,1] [--phone 8e9,2GB,2] [--laptop-memory 4GB] [--phone-memory 300MB]
+                                  [--laptop 16e9,5GB,1] [--phone 5e9,2.5GB,2] [--laptop-memory 4GB] [--phone-memory 250MB]
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--phones", type=int, default=3)
-    ap.add_argument("--laptop", default="25e9,8GB,1", help="the laptop's roofline: FLOP/s, bytes/s, ms per call")
-    ap.add_argument("--phone", default="8e9,2GB,2", help="each phone's roofline: FLOP/s, bytes/s, ms per call")
+    ap.add_argument("--laptop", default="16e9,5GB,1", help="the laptop's roofline: FLOP/s, bytes/s, ms per call")
+    ap.add_argument("--phone", default="5e9,2.5GB,2", help="each phone's roofline: FLOP/s, bytes/s, ms per call")
     ap.add_argument("--laptop-memory", default="4GB")
-    ap.add_argument("--phone-memory", default="300MB")
+    ap.add_argument("--phone-memory", default="250MB")
     args = ap.parse_args()
     run = Conditions.start()
     expected = solo_references(args.streams, args.tokens)

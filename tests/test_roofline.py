@@ -97,6 +97,7 @@ def test_token_share_without_row_speed_is_the_old_per_row_price():
     assert batched.token_share(0.1, 16, 2) == pytest.approx((0.002 + 8 * 0.2) / 16)  # the call overhead paid once per step
     free = replace(d, row_speed=1e9)  # memory-bound: rows cost nothing
     assert free.token_share(0.1, 16, 1) == pytest.approx(free.token_share(0.1, 16, 2)) == pytest.approx(0.202 / 16)
+    assert batched.token_share(0.1, 16, 3) == pytest.approx((0.002 + 6 * 0.2) / 16)  # 6, 5 and 5 sequences: the busiest gates
 
 
 def _pool(row_speed_factor: float | None):
@@ -139,3 +140,30 @@ def test_probe_rows_are_checked_on_the_wire():
     assert parse(Message(T.PROBE, {"probe": 1, "plan": 1, "rows": 8})) == Probe(1, plan=1, rows=8)
     with pytest.raises(ProtocolError, match="rows"):
         parse(Message(T.PROBE, {"probe": 1, "plan": 1, "rows": 0}))
+
+
+# -- the coordinator measures the cost of a further row ---------------------------------------------------------
+def test_rows_timed_gives_the_cost_of_a_further_row_and_it_is_remembered(tmp_path):
+    from edgepipe.cluster import known_devices, measurements as M
+    from edgepipe.cluster.profiling import ROW_FLOOR, ClusterProfile
+
+    class Unit:
+        cost_s = 0.01
+
+    class Manifest:
+        name = "toy"
+        max_context = 2048
+        units = [Unit()] * 4
+
+    prof = ClusterProfile(Manifest())
+    prof.calibrated_by_ratio("phone", [(0.04, 0.05)])
+    prof.apply(M.RowsTimed("phone", 0, 4, 8, 0.05, 0.40))  # compute-bound: 0.05 s more per row
+    assert prof.of("phone").row_speed == pytest.approx(0.04 / 0.05)
+    prof.calibrated_by_ratio("box", [(0.04, 0.02)])
+    prof.apply(M.RowsTimed("box", 0, 4, 8, 0.020, 0.019))  # memory-bound (and noise): rows priced at the floor
+    assert prof.of("box").row_speed == pytest.approx(0.04 / (ROW_FLOOR * 0.020))
+    identity = ("phone", "native", 1 << 30, 1, None, None)
+    prof.remember("phone", identity)
+    known_devices.save(prof.known, "toy", tmp_path / "known.json")
+    assert known_devices.load(tmp_path / "known.json", "toy")[identity].row_speed == pytest.approx(0.8)
+    assert prof.recall("phone-again", identity) and prof.of("phone-again").row_speed == pytest.approx(0.8)

@@ -22,8 +22,8 @@ Cost model (DESIGN.md "The planner"; seed 000 §5.2, seed 002 §3):
   S / max(T, S * B);
 - a stage replicated on r devices splits its sequences evenly: each replica holds the whole
   range's weights and ceil(S / r) KV caches, and handles 1/r of the tokens;
-- batching: a device that declares `row_speed` runs its S / r sequences as one step of
-  `t + (S/r - 1) * cost / row_speed` (`DeviceProfile.token_share`): its share of the
+- batching: a device that declares `row_speed` runs its ceil(S / r) sequences as one step of
+  `t + (ceil(S/r) - 1) * cost / row_speed` (`DeviceProfile.token_share`): its share of the
   bottleneck is that step / S, so a memory-bound device (large `row_speed`) gains little from
   replicas and a compute-bound one (`row_speed` near `speed`) gains r-fold; without it every
   row costs a whole step (t / r);

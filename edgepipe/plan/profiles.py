@@ -280,13 +280,15 @@ class DeviceProfile:
 
     def token_share(self, cost: float, sequences: int, replicas: int) -> float:
         """Seconds per produced token that a stage of `cost` keeps this device busy, with
-        `sequences` in flight split over `replicas`: one step of its sequences / `sequences`.
+        `sequences` in flight split over `replicas`: one step of the busiest replica's
+        ceil(S / r) sequences / `sequences`.
 
         Without `row_speed` every row costs a whole one-row step (`(overhead + c/speed) / r`)."""
         one_row = self.overhead_s + cost / self.speed
         if self.row_speed is None:
             return one_row / replicas
-        return (one_row + max(sequences / replicas - 1, 0.0) * cost / self.row_speed) / sequences
+        rows = -(-sequences // replicas)  # the busiest replica's share (routes balance sequences, not rows)
+        return (one_row + (rows - 1) * cost / self.row_speed) / sequences
 
     def prefill_rate(self, model: ModelProfile) -> float:
         """Cost units per second on prompt tokens (declared, or the model's default ratio)."""

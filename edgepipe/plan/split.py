@@ -214,7 +214,7 @@ def slot_pricing(tables: DeviceTables, slots: Sequence[tuple[int, ...]]) -> Pric
 
 def _token_share(tables: DeviceTables, members: list[int]) -> np.ndarray:
     """(n+1, n+1) the slot's share of the bottleneck per produced token: its slowest member's
-    `DeviceProfile.token_share` (one step of its S / r sequences, / S; without `row_speed`, t / r)."""
+    `DeviceProfile.token_share` (one step of its ceil(S / r) sequences, / S; without `row_speed`, t / r)."""
     r, sequences = len(members), tables.sequences
     shares = []
     for d in members:
@@ -222,7 +222,7 @@ def _token_share(tables: DeviceTables, members: list[int]) -> np.ndarray:
         if np.isnan(rows).any():
             shares.append(tables.dev_time[d] / r)
         else:
-            shares.append((tables.dev_time[d] + max(sequences / r - 1, 0.0) * rows) / sequences)
+            shares.append((tables.dev_time[d] + (replica_sequences(sequences, r) - 1) * rows) / sequences)
     return np.max(shares, axis=0)
 
 

@@ -14,7 +14,7 @@ Busy shares (emulated) and CPU shares (real compute) per device show that the em
 not the two real cores, limits each device.
 
     python benchmarks/replicas.py [--tokens 64] [--streams 16] [--rounds 2] [--phones 3]
-                                  [--laptop 16e9,5GB,1] [--phone 5e9,2.5GB,2] [--laptop-memory 4GB] [--phone-memory 250MB]
+                                  [--laptop 5.4e9,1.7GB,1] [--phone 1.7e9,0.85GB,2] [--laptop-memory 4GB] [--phone-memory 250MB]
 """
 
 from __future__ import annotations
@@ -104,11 +104,17 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--phones", type=int, default=3)
-    ap.add_argument("--laptop", default="16e9,5GB,1", help="the laptop's roofline: FLOP/s, bytes/s, ms per call")
-    ap.add_argument("--phone", default="5e9,2.5GB,2", help="each phone's roofline: FLOP/s, bytes/s, ms per call")
+    ap.add_argument("--laptop", default="5.4e9,1.7GB,1", help="the laptop's roofline: FLOP/s, bytes/s, ms per call")
+    ap.add_argument("--phone", default="1.7e9,0.85GB,2", help="each phone's roofline: FLOP/s, bytes/s, ms per call")
     ap.add_argument("--laptop-memory", default="4GB")
     ap.add_argument("--phone-memory", default="250MB")
+    ap.add_argument("--real", type=int, default=0, metavar="N",
+                    help="no emulation: N plain workers of this machine; print the two plans the planner makes from their "
+                         "measured profiles and stop (on this memory-bound box it should not replicate)")
     args = ap.parse_args()
+    if args.real:
+        real_plans(args)
+        return
     run = Conditions.start()
     expected = solo_references(args.streams, args.tokens)
     prewarm()  # after the references: the worker cache gets the form they added
@@ -146,6 +152,24 @@ def main() -> None:
     finally:
         cluster.close()
     report(args, run.finish(), devices, names, profiles, plans, measured, exact, busy, cpu)
+
+
+def real_plans(args) -> None:
+    """The planner's throughput plans, with and without replicas, for ``args.real`` un-emulated workers."""
+    prewarm()
+    cluster = Cluster("replicas-real", [Device(f"box{i}") for i in range(1, args.real + 1)],
+                      args=("--batch-invariant", "--max-active", str(args.streams), "--no-prefix-cache"))
+    try:
+        cluster.wait_up()
+        names = cluster.names()
+        given = measured_profiles(cluster)
+        for kind in ("replicated", "no replicas"):
+            stages, predicted = planned(given, args.streams, kind == "replicated")
+            shown = " · ".join(f"{names.get(s['worker'], s['worker'])}[{s['start']},{s['end']})" for s in stages)
+            print(f"{kind}: {shown} (predicted {predicted:.1f} tok/s)")
+        print({w["name"]: w.get("profile") for w in cluster.status()["workers"]})
+    finally:
+        cluster.close()
 
 
 def busy_share(before: dict, after: dict, wall_s: float, names: dict) -> dict[str, float]:

@@ -13,7 +13,7 @@ stream's tokens are checked against its solo single-process reference (``--batch
 Busy shares (emulated) and CPU shares (real compute) per device show that the emulated time,
 not the two real cores, limits each device.
 
-    python benchmarks/replicas.py [--tokens 64] [--streams 16] [--rounds 2] [--phones 3]
+    python benchmarks/replicas.py [--tokens 64] [--streams 16] [--rounds 2] [--phones 4]
                                   [--laptop 5.4e9,1.7GB,1] [--phone 1.7e9,0.85GB,2] [--laptop-memory 4GB] [--phone-memory 250MB]
 """
 
@@ -48,9 +48,17 @@ def prompt(i: int) -> str:
     return f"Tell me about {TOPICS[i % len(TOPICS)]}."
 
 
-def solo_references(streams: int, tokens: int) -> list[list[int]]:
+def package_of(args):
+    """The package the cluster serves: the bundled model, or ``--model`` (a GGUF) at ``--precision``."""
+    return resolve(args.model, args.precision, home=bench_home()) if args.model else resolve(home=bench_home())
+
+
+def serve_model_args(args) -> tuple[str, ...]:
+    return ("--model", args.model, "--precision", args.precision) if args.model else ()
+
+
+def solo_references(pkg, streams: int, tokens: int) -> list[list[int]]:
     """Each stream's tokens decoded alone in this process (the batch-invariant graphs)."""
-    pkg = resolve(home=bench_home())
     form, _ = prepare_local_form(pkg)  # the form `serve` sends these workers, added here first if the package lacks it
     pipe, tok = pkg.pipeline(batch_invariant=True, precision=form), pkg.tokenizer
     out = []
@@ -103,7 +111,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--phones", type=int, default=3)
+    ap.add_argument("--phones", type=int, default=4)
     ap.add_argument("--laptop", default="5.4e9,1.7GB,1", help="the laptop's roofline: FLOP/s, bytes/s, ms per call")
     ap.add_argument("--phone", default="1.7e9,0.85GB,2", help="each phone's roofline: FLOP/s, bytes/s, ms per call")
     ap.add_argument("--laptop-memory", default="4GB")
@@ -111,21 +119,24 @@ def main() -> None:
     ap.add_argument("--real", type=int, default=0, metavar="N",
                     help="no emulation: N plain workers of this machine; print the two plans the planner makes from their "
                          "measured profiles and stop (on this memory-bound box it should not replicate)")
+    ap.add_argument("--model", default=None, help="a GGUF path to serve instead of the bundled SmolLM2-135M")
+    ap.add_argument("--precision", default="native", help="serve --precision with --model")
     args = ap.parse_args()
     if args.real:
         real_plans(args)
         return
     run = Conditions.start()
-    expected = solo_references(args.streams, args.tokens)
-    prewarm()  # after the references: the worker cache gets the form they added
+    pkg = package_of(args)
+    expected = solo_references(pkg, args.streams, args.tokens)
+    prewarm(pkg)  # after the references: the worker cache gets the form they added
     devices = [Device("laptop", roofline=args.laptop, memory=args.laptop_memory),
                *(Device(f"phone{i}", roofline=args.phone, memory=args.phone_memory) for i in range(1, args.phones + 1))]
-    cluster = Cluster("replicas", devices, args=("--batch-invariant", "--max-active", str(args.streams), "--max-queue", "64",
+    cluster = Cluster("replicas", devices, args=(*serve_model_args(args), "--batch-invariant", "--max-active", str(args.streams), "--max-queue", "64",
                                                  "--no-prefix-cache"))
     try:
         cluster.wait_up()
         names = cluster.names()
-        given = measured_profiles(cluster)
+        given = measured_profiles(cluster, package=pkg)
         plans = {kind: planned(given, args.streams, kind == "replicated") for kind in ("replicated", "no replicas")}
         profiles = {w["name"]: w.get("profile") for w in cluster.status()["workers"]}
         print(profiles, plans, flush=True)
@@ -156,13 +167,14 @@ def main() -> None:
 
 def real_plans(args) -> None:
     """The planner's throughput plans, with and without replicas, for ``args.real`` un-emulated workers."""
-    prewarm()
+    pkg = package_of(args)
+    prewarm(pkg)
     cluster = Cluster("replicas-real", [Device(f"box{i}") for i in range(1, args.real + 1)],
-                      args=("--batch-invariant", "--max-active", str(args.streams), "--no-prefix-cache"))
+                      args=(*serve_model_args(args), "--batch-invariant", "--max-active", str(args.streams), "--no-prefix-cache"))
     try:
         cluster.wait_up()
         names = cluster.names()
-        given = measured_profiles(cluster)
+        given = measured_profiles(cluster, package=pkg)
         for kind in ("replicated", "no replicas"):
             stages, predicted = planned(given, args.streams, kind == "replicated")
             shown = " · ".join(f"{names.get(s['worker'], s['worker'])}[{s['start']},{s['end']})" for s in stages)
@@ -196,9 +208,11 @@ def report(args, run: Conditions, devices, names, profiles, plans, measured, exa
     ratio = med["replicated"] / med["no replicas"]
     command = (f"python benchmarks/replicas.py --tokens {args.tokens} --streams {args.streams} --rounds {args.rounds} "
                f"--phones {args.phones} --laptop {args.laptop} --phone {args.phone} --laptop-memory {args.laptop_memory} "
-               f"--phone-memory {args.phone_memory}")
+               f"--phone-memory {args.phone_memory}" + (f" --model {args.model} --precision {args.precision}" if args.model else ""))
+    stem = f"replicas-{Path(args.model).stem}" if args.model else "replicas"
     lines = header("Replicated stages vs the best plan without replicas (roofline-emulated devices)", run,
-                   f"{args.streams} concurrent greedy streams x {args.tokens} tokens, `--batch-invariant`, `--no-prefix-cache`")
+                   f"{args.streams} concurrent greedy streams x {args.tokens} tokens, `--batch-invariant`, `--no-prefix-cache`",
+                   *([f"`{Path(args.model).name}` at `--precision {args.precision}`"] if args.model else []))
     lines += ["Planner input: the profiles **the coordinator measured** (its join calibration: steps at 1 row on a 1- and a "
               "4-layer range, and at 8 rows on the 4-layer one, which gives each device's cost per further row, `row_speed`).", "",
               "Devices: " + "; ".join(f"`{d.name}` {d.label()}" for d in devices) + ". As the coordinator measured them: "
@@ -216,10 +230,11 @@ def report(args, run: Conditions, devices, names, profiles, plans, measured, exa
                   "same cluster.", "", f"Rerun: `{command}`"]
     text = "\n".join(lines)
     print(text)
-    earlier = RESULTS.read_text().partition(EARLIER)[2] if RESULTS.exists() else ""  # older runs stay below the new one
+    results = RESULTS.with_name(f"{stem}.md")
+    earlier = results.read_text().partition(EARLIER)[2] if results.exists() else ""  # older runs stay below the new one
     if earlier:
         text += "\n\n" + EARLIER + earlier
-    write_results("replicas", {**run.as_dict(), "args": vars(args), "profiles": profiles, "plans": {k: v[0] for k, v in plans.items()},
+    write_results(stem, {**run.as_dict(), "args": vars(args), "profiles": profiles, "plans": {k: v[0] for k, v in plans.items()},
                                "predicted_tok_s": {k: v[1] for k, v in plans.items()}, "measured_tok_s": measured, "busy_share": busy,
                                "cpu_share": cpu, "exact": exact, "ratio": ratio}, text)
 

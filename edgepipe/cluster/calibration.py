@@ -1,4 +1,4 @@
-"""Calibrating joining workers: time two unit ranges and the uplink, one worker at a time.
+"""Calibrating joining workers: time two unit ranges (one batched too) and the uplink, one worker at a time.
 
 Calibrations never run concurrently (a lock): on shared cores, timing two workers at once
 measures their contention, not their speed. A round whose per-cost times spread too much
@@ -174,10 +174,8 @@ class Calibrator:
         return dep
 
     async def _load_probe_plan(self, wid: str, start: int, end: int) -> int:
-        p = self.ports
-        plan_id = -(10_000 + self._probes)
+        p, state, plan_id = self.ports, self.ports.state(), -(10_000 + self._probes)
         self._probes += 1
-        state = p.state()
         msg = deploy.load_message(p.package, plan_id, start, end, deploy.precision_of(state, wid, p.package.manifest, p.settings.precision),
                                   {"kind": "coordinator"}, keep=[], batch_invariant=p.settings.batch_invariant,
                                   gpu=deploy.computes_on_gpu(state, wid), verify=p.settings.speculative)
@@ -194,10 +192,8 @@ class Calibrator:
         """Time ``[start, end)`` at 1 row and at ``ROW_PROBE`` rows stepped together: what a
         further row of a batched step costs (``ClusterProfile.rows_timed``)."""
         plan_id = await self._load_probe_plan(wid, start, end)
-        medians = []
-        for rows in (1, ROW_PROBE):
-            timing = await self.probe(wid, plan=plan_id, reps=ROW_REPS, context=32, rows=rows)
-            medians.append(statistics.median((timing.times or [0.0])[2:] or [0.0]))
+        medians = [statistics.median(((await self.probe(wid, plan=plan_id, reps=ROW_REPS, context=32, rows=rows)).times or [0.0])[2:] or [0.0])
+                   for rows in (1, ROW_PROBE)]
         self.ports.measure(M.RowsTimed(wid, start, end, ROW_PROBE, *medians))
         await self._release_probe_plan(wid)
 

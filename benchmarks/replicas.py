@@ -1,26 +1,30 @@
 """Replicated stages vs the best plan without replicas: aggregate tokens/s at 16 concurrent streams.
 
-One EMULATED heterogeneous cluster (SmolLM2-135M, three workers on this machine): a faster
-device ``fast`` (slowdown F) with room for the whole model, and two slower ones ``slow1`` and
-``slow2`` (slowdown 2F) with a hard memory budget. The planner is asked, from the profiles the
-coordinator measured, for its throughput plan for 16 sequences twice: with replicas (the plan
-the coordinator now runs) and with ``replicas=False`` (the best plan without). Both are deployed
-in turn on the same cluster (``/v1/cluster/rebalance``, pinned) and measured alternately; every
+One EMULATED heterogeneous cluster on this machine, every device a roofline (``--roofline``,
+``edgepipe.emulate.roofline``: each call lasts overhead + max(weight bytes / bandwidth, rows x
+FLOPs per row / FLOP rate), so a device is memory-bound at one row and compute-bound at 8-16
+as phones and SBCs are): a low-power ``laptop`` with room for the whole model and ``--phones``
+phone/SBC-class devices with a small memory budget. The coordinator calibrates each device
+(steps at 1 and at 8 rows: speed, overhead, cost per further row) and the planner is asked,
+from those measured profiles, for its throughput plan for 16 sequences twice: with replicas
+and with ``replicas=False`` (the best plan without). Both are deployed in turn on the same
+cluster (``/v1/cluster/rebalance``, pinned) and measured in alternating rounds; every
 stream's tokens are checked against its solo single-process reference (``--batch-invariant``).
-The slowdowns keep the two real cores from being the bottleneck: most of a stage's time is
-emulated waiting.
+Busy shares (emulated) and CPU shares (real compute) per device show that the emulated time,
+not the two real cores, limits each device.
 
-    python benchmarks/replicas.py [--tokens 32] [--streams 16] [--rounds 2] [--slowdown 4] [--slow-memory 120MB]
-                                  [--profiles measured|declared] [--no-prefix-cache]
+    python benchmarks/replicas.py [--tokens 64] [--streams 16] [--rounds 2] [--phones 4]
+                                  [--laptop 5.4e9,1.7GB,1] [--phone 1.7e9,0.85GB,2] [--laptop-memory 4GB] [--phone-memory 250MB]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from pathlib import Path
 
 import httpx
 
@@ -33,6 +37,9 @@ from edgepipe.plan import Objective, PlanRequest, plan
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
+RESULTS = Path(__file__).parent / "results" / "replicas.md"
+EARLIER = "## Earlier runs"
+
 TOPICS = ["rivers", "stars", "gravity", "a forest", "music", "the ocean", "a city at night", "clouds", "volcanoes", "bees",
           "winter", "bridges", "the moon", "deserts", "trains", "coffee"]
 
@@ -41,9 +48,17 @@ def prompt(i: int) -> str:
     return f"Tell me about {TOPICS[i % len(TOPICS)]}."
 
 
-def solo_references(streams: int, tokens: int) -> list[list[int]]:
+def package_of(args):
+    """The package the cluster serves: the bundled model, or ``--model`` (a GGUF) at ``--precision``."""
+    return resolve(args.model, args.precision, home=bench_home()) if args.model else resolve(home=bench_home())
+
+
+def serve_model_args(args) -> tuple[str, ...]:
+    return ("--model", args.model, "--precision", args.precision) if args.model else ()
+
+
+def solo_references(pkg, streams: int, tokens: int) -> list[list[int]]:
     """Each stream's tokens decoded alone in this process (the batch-invariant graphs)."""
-    pkg = resolve(home=bench_home())
     form, _ = prepare_local_form(pkg)  # the form `serve` sends these workers, added here first if the package lacks it
     pipe, tok = pkg.pipeline(batch_invariant=True, precision=form), pkg.tokenizer
     out = []
@@ -69,19 +84,6 @@ def aggregate(url: str, streams: int, tokens: int) -> tuple[float, list[list[int
     return sum(map(len, got)) / (time.perf_counter() - t0), got
 
 
-def profiles_for(cluster: Cluster, devices: list[Device], source: str):
-    """(model, devices, network) for the planner: as the coordinator measured each device, or
-    ("declared") one base speed and overhead for this box (the median over the devices of what
-    was measured, undone of each device's slowdown) scaled by each device's declared slowdown."""
-    model, measured, network = measured_profiles(cluster)
-    if source == "measured":
-        return model, measured, network
-    factor = {w["id"]: next(d.slowdown for d in devices if d.name == w["name"]) for w in cluster.status()["workers"]}
-    speed = statistics.median(d.speed * factor[d.id] for d in measured)
-    overhead = statistics.median(d.overhead_s / factor[d.id] for d in measured)
-    return model, [replace(d, speed=speed / factor[d.id], overhead_s=overhead * factor[d.id]) for d in measured], network
-
-
 def planned(profiles, streams: int, replicas: bool) -> tuple[list[dict], float]:
     """The planner's throughput plan for ``streams`` sequences, as rebalance stages (a
     replicated stage: one entry per replica)."""
@@ -98,52 +100,88 @@ def deploy(cluster: Cluster, stages: list[dict]) -> int:
     return r.json()["plan"]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--slowdown", type=float, default=4.0, help="the fast device's slowdown; the slow ones get twice it")
-    ap.add_argument("--slow-memory", default="120MB", help="the slow devices' memory budget")
-    ap.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                    help="serve without the prefix cache (it stays off on a plan with replicated stages anyway)")
-    ap.add_argument("--profiles", choices=("measured", "declared"), default="measured",
-                    help="what the planner is given: the coordinator's measured profiles, or one base figure scaled by the "
-                         "declared slowdowns (a loaded box calibrates noisily)")
+    ap.add_argument("--phones", type=int, default=4)
+    ap.add_argument("--laptop", default="5.4e9,1.7GB,1", help="the laptop's roofline: FLOP/s, bytes/s, ms per call")
+    ap.add_argument("--phone", default="1.7e9,0.85GB,2", help="each phone's roofline: FLOP/s, bytes/s, ms per call")
+    ap.add_argument("--laptop-memory", default="4GB")
+    ap.add_argument("--phone-memory", default="250MB")
+    ap.add_argument("--real", type=int, default=0, metavar="N",
+                    help="no emulation: N plain workers of this machine; print the two plans the planner makes from their "
+                         "measured profiles and stop (on this memory-bound box it should not replicate)")
+    ap.add_argument("--model", default=None, help="a GGUF path to serve instead of the bundled SmolLM2-135M")
+    ap.add_argument("--precision", default="native", help="serve --precision with --model")
     args = ap.parse_args()
+    if args.real:
+        real_plans(args)
+        return
     run = Conditions.start()
-    expected = solo_references(args.streams, args.tokens)
-    prewarm()  # after the references: the worker cache gets the form they added
-    devices = [Device("fast", slowdown=args.slowdown), Device("slow1", slowdown=2 * args.slowdown, memory=args.slow_memory),
-               Device("slow2", slowdown=2 * args.slowdown, memory=args.slow_memory)]
-    cluster = Cluster("replicas", devices, args=("--batch-invariant", "--max-active", str(args.streams), "--max-queue", "64",
-                                                 *(() if args.prefix_cache else ("--no-prefix-cache",))))
+    pkg = package_of(args)
+    expected = solo_references(pkg, args.streams, args.tokens)
+    prewarm(pkg)  # after the references: the worker cache gets the form they added
+    devices = [Device("laptop", roofline=args.laptop, memory=args.laptop_memory),
+               *(Device(f"phone{i}", roofline=args.phone, memory=args.phone_memory) for i in range(1, args.phones + 1))]
+    cluster = Cluster("replicas", devices, args=(*serve_model_args(args), "--batch-invariant", "--max-active", str(args.streams), "--max-queue", "64",
+                                                 "--no-prefix-cache"))
     try:
         cluster.wait_up()
         names = cluster.names()
-        given = profiles_for(cluster, devices, args.profiles)
+        given = measured_profiles(cluster, package=pkg)
         plans = {kind: planned(given, args.streams, kind == "replicated") for kind in ("replicated", "no replicas")}
         profiles = {w["name"]: w.get("profile") for w in cluster.status()["workers"]}
         print(profiles, plans, flush=True)
+        pids = {d.name: p.pid for d, p in zip(devices, cluster.workers)}
         measured: dict[str, list[float]] = {k: [] for k in plans}
         exact = {k: True for k in plans}
         busy: dict[str, list[dict]] = {k: [] for k in plans}
+        cpu: dict[str, list[dict]] = {k: [] for k in plans}
         for r in range(args.rounds):
             for kind in (list(plans) if r % 2 == 0 else list(plans)[::-1]):
                 deploy(cluster, plans[kind][0])
                 aggregate(cluster.url, args.streams, 8)  # warm-up on the new plan, every stream
-                before, t0 = cluster.metrics(), time.perf_counter()
+                before, cpu0, t0 = cluster.metrics(), {n: cpu_seconds(p) for n, p in pids.items()}, time.perf_counter()
                 tps, got = aggregate(cluster.url, args.streams, args.tokens)
-                busy[kind].append(busy_share(before, cluster.metrics(), time.perf_counter() - t0, names))
+                wall = time.perf_counter() - t0
+                busy[kind].append(busy_share(before, cluster.metrics(), wall, names))
+                cpu[kind].append({n: round((cpu_seconds(p) - cpu0[n]) / wall, 2) for n, p in pids.items()})
                 measured[kind].append(tps)
                 exact[kind] &= got == expected
                 wrong = [(i, len(g), len(e), next((k for k, (x, y) in enumerate(zip(g, e)) if x != y), None))
                          for i, (g, e) in enumerate(zip(got, expected)) if g != e]
                 print(kind, round(tps, 2), "exact" if not wrong else f"MISMATCH (stream, got, expected, first differing) {wrong}",
-                      busy[kind][-1], flush=True)
+                      busy[kind][-1], cpu[kind][-1], flush=True)
     finally:
         cluster.close()
-    report(args, run.finish(), devices, names, profiles, plans, measured, exact, busy)
+    report(args, run.finish(), devices, names, profiles, plans, measured, exact, busy, cpu)
+
+
+def real_plans(args) -> None:
+    """The planner's throughput plans, with and without replicas, for ``args.real`` un-emulated workers."""
+    pkg = package_of(args)
+    prewarm(pkg)
+    cluster = Cluster("replicas-real", [Device(f"box{i}") for i in range(1, args.real + 1)],
+                      args=(*serve_model_args(args), "--batch-invariant", "--max-active", str(args.streams), "--no-prefix-cache"))
+    try:
+        cluster.wait_up()
+        names = cluster.names()
+        given = measured_profiles(cluster, package=pkg)
+        for kind in ("replicated", "no replicas"):
+            stages, predicted = planned(given, args.streams, kind == "replicated")
+            shown = " · ".join(f"{names.get(s['worker'], s['worker'])}[{s['start']},{s['end']})" for s in stages)
+            print(f"{kind}: {shown} (predicted {predicted:.1f} tok/s)")
+        print({w["name"]: w.get("profile") for w in cluster.status()["workers"]})
+    finally:
+        cluster.close()
 
 
 def busy_share(before: dict, after: dict, wall_s: float, names: dict) -> dict[str, float]:
@@ -156,40 +194,49 @@ def busy_share(before: dict, after: dict, wall_s: float, names: dict) -> dict[st
     return out
 
 
-def report(args, run: Conditions, devices, names, profiles, plans, measured, exact, busy) -> None:
+def report(args, run: Conditions, devices, names, profiles, plans, measured, exact, busy, cpu) -> None:
     def fmt(stages):
         groups: dict[tuple, list[str]] = {}
         for s in stages:
             groups.setdefault((s["start"], s["end"]), []).append(names.get(s["worker"], s["worker"]))
         return " · ".join(f"{'+'.join(ws)}[{a},{b})" for (a, b), ws in groups.items())
 
+    def shares(d: dict) -> str:
+        return ", ".join(f"{n} {v:.0%}" for n, v in sorted(d.items()) if v >= 0.005)
+
     med = {k: statistics.median(v) for k, v in measured.items()}
     ratio = med["replicated"] / med["no replicas"]
-    lines = header("Replicated stages vs the best plan without replicas", run,
-                   f"{args.streams} concurrent greedy streams x {args.tokens} tokens, `--batch-invariant`"
-                   + ("" if args.prefix_cache else ", `--no-prefix-cache`"))
-    lines += [f"Planner input: **{args.profiles}** profiles"
-              + (" (one base speed and overhead for this box, the median of what the coordinator measured undone of each "
-                 "device's slowdown, scaled by each device's declared slowdown)" if args.profiles == "declared" else
-                 " (as the coordinator measured each device)") + ".", "",
+    command = (f"python benchmarks/replicas.py --tokens {args.tokens} --streams {args.streams} --rounds {args.rounds} "
+               f"--phones {args.phones} --laptop {args.laptop} --phone {args.phone} --laptop-memory {args.laptop_memory} "
+               f"--phone-memory {args.phone_memory}" + (f" --model {args.model} --precision {args.precision}" if args.model else ""))
+    stem = f"replicas-{Path(args.model).stem}" if args.model else "replicas"
+    lines = header("Replicated stages vs the best plan without replicas (roofline-emulated devices)", run,
+                   f"{args.streams} concurrent greedy streams x {args.tokens} tokens, `--batch-invariant`, `--no-prefix-cache`",
+                   *([f"`{Path(args.model).name}` at `--precision {args.precision}`"] if args.model else []))
+    lines += ["Planner input: the profiles **the coordinator measured** (its join calibration: steps at 1 row on a 1- and a "
+              "4-layer range, and at 8 rows on the 4-layer one, which gives each device's cost per further row, `row_speed`).", "",
               "Devices: " + "; ".join(f"`{d.name}` {d.label()}" for d in devices) + ". As the coordinator measured them: "
-              + "; ".join(f"`{n}` speed {p['speed']:g}, overhead {p['overhead_ms']:g} ms" for n, p in profiles.items() if p), "",
+              + "; ".join(f"`{n}` speed {p['speed']:g}, overhead {p['overhead_ms']:g} ms, row speed {p.get('row_speed')}"
+                          for n, p in profiles.items() if p), "",
               "| plan (planner, throughput objective, 16 sequences) | stages | predicted tok/s | measured tok/s (each round) | "
-              "median | busy share per device (last round) | tokens = solo reference |", "|---|---|---|---|---|---|---|"]
+              "median | busy share, emulated (last round) | CPU share, real compute (last round) | tokens = solo reference |",
+              "|---|---|---|---|---|---|---|---|"]
     for kind, (stages, predicted) in plans.items():
         lines.append(f"| {kind} | {fmt(stages)} | {predicted:.1f} | {', '.join(f'{x:.1f}' for x in measured[kind])} | "
-                     f"{med[kind]:.1f} | {', '.join(f'{n} {v:.0%}' for n, v in sorted(busy[kind][-1].items()))} | "
+                     f"{med[kind]:.1f} | {shares(busy[kind][-1])} | {shares(cpu[kind][-1])} | "
                      f"{'yes, every stream' if exact[kind] else 'NO'} |")
-    lines += ["", f"**Replicated / no replicas: {ratio:.2f}x** (median aggregate tokens/s; goal >= 1.3x). Rounds alternate the "
-                  "order of the two plans; each plan is deployed with `/v1/cluster/rebalance` (pinned) on the same cluster.",
-              "", f"Rerun: `python benchmarks/replicas.py --tokens {args.tokens} --streams {args.streams} --rounds {args.rounds} "
-                  f"--slowdown {args.slowdown:g} --slow-memory {args.slow_memory} --profiles {args.profiles}"
-                  + ("" if args.prefix_cache else " --no-prefix-cache") + "`"]
+    lines += ["", f"**Replicated / no replicas: {ratio:.2f}x** (median aggregate tokens/s, prompts' prefill included; goal >= 1.3x). "
+                  "Rounds alternate the order of the two plans; each plan is deployed with `/v1/cluster/rebalance` (pinned) on the "
+                  "same cluster.", "", f"Rerun: `{command}`"]
     text = "\n".join(lines)
     print(text)
-    write_results("replicas", {**run.as_dict(), "args": vars(args), "profiles": profiles, "plans": {k: v[0] for k, v in plans.items()},
+    results = RESULTS.with_name(f"{stem}.md")
+    earlier = results.read_text().partition(EARLIER)[2] if results.exists() else ""  # older runs stay below the new one
+    if earlier:
+        text += "\n\n" + EARLIER + earlier
+    write_results(stem, {**run.as_dict(), "args": vars(args), "profiles": profiles, "plans": {k: v[0] for k, v in plans.items()},
                                "predicted_tok_s": {k: v[1] for k, v in plans.items()}, "measured_tok_s": measured, "busy_share": busy,
-                               "exact": exact, "ratio": ratio}, text)
+                               "cpu_share": cpu, "exact": exact, "ratio": ratio}, text)
 
 
 if __name__ == "__main__":

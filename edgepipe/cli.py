@@ -347,6 +347,8 @@ def worker(
     tls_fingerprint: Optional[str] = typer.Option(None, "--tls-fingerprint", envvar="EDGEPIPE_TLS_FINGERPRINT",
                                                   help="sha256 of the coordinator's TLS certificate (printed by serve --tls): pin it."),
     slowdown: float = typer.Option(1.0, "--slowdown", help="EMULATION: wait (F-1) x compute time after each call."),
+    roofline: Optional[str] = typer.Option(None, "--roofline", help="EMULATION: 'FLOPS,BANDWIDTH[,OVERHEAD_MS]', e.g. '20e9,8GB,2': each "
+                                           "call lasts overhead + max(weight bytes / bandwidth, rows x 2 x parameters / FLOPS) (instead of --slowdown)."),
     link_delay_ms: float = typer.Option(0.0, "--link-delay-ms", help="EMULATION: one-way delay added to every frame sent."),
     link_rate: Optional[str] = typer.Option(None, "--link-rate", help="EMULATION: cap on send rate, e.g. 128KB/s or 10Mbit."),
     activation_dtype: str = typer.Option("float32", "--activation-dtype", help="float32 | float16 on the wire."),
@@ -377,7 +379,7 @@ def worker(
             coordinator = find_coordinator(timeout=discover_timeout, cluster=cluster)
             err.print(f"found coordinator {coordinator} by mDNS", highlight=False)
         settings = WorkerSettings(coordinator=coordinator, memory_bytes=parse_bytes(memory) if memory else None, threads=threads,
-                                  spin=spin, slowdown=slowdown, drop_work=drop_work, misreport=misreport, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
+                                  spin=spin, slowdown=slowdown, roofline=roofline, drop_work=drop_work, misreport=misreport, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
                                   advertise_host=advertise, join_token=join_token, tls_fingerprint=tls_fingerprint,
                                   activation_dtype=activation_dtype,
                                   power_busy_w=power_busy_w, power_idle_w=power_idle_w, device=device, role=role,

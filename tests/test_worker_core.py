@@ -163,7 +163,9 @@ def test_kv_moves_export_what_is_held_and_acknowledge_imports():
 def test_probes_and_data_port_admission():
     state = _with_stage()
     _, cmds = core.handle(state, Probe(1, plan=1, reps=3))
-    assert cmds == [core.TimeStage(1, "g-0-2", 3, 64)]
+    assert cmds == [core.TimeStage(1, "g-0-2", 3, 64, 1, 1000)]
+    _, cmds = core.handle(state, Probe(1, plan=1, reps=3, rows=8))
+    assert cmds == [core.TimeStage(1, "g-0-2", 3, 64, 8, 1000)]  # a batched probe, with the stage's weight bytes for a roofline
     _, cmds = core.handle(state, Probe(2, plan=9))
     assert cmds[0].msg.fields == {"probe": 2, "ok": False}
     _, cmds = core.handle(replace(state, misreport=4.0), core.StageTimed(1, [0.4, 0.8]))

@@ -173,6 +173,7 @@ class Device:
 
     name: str
     slowdown: float = 1.0
+    roofline: str | None = None  # "FLOPS,BANDWIDTH[,OVERHEAD_MS]" (emulate.roofline), instead of the slowdown
     memory: str | None = None  # e.g. "200MB": hard budget, declared to the coordinator
     link_rate: str | None = None  # user-space shaper on every frame the worker sends
     link_delay_ms: float = 0.0  # user-space one-way delay on every frame the worker sends
@@ -181,7 +182,12 @@ class Device:
     extra: tuple[str, ...] = ()  # further worker flags (e.g. --power-busy-w)
 
     def label(self) -> str:
-        parts = [f"slowdown x{self.slowdown:g}"]
+        if self.roofline:
+            from ..emulate.roofline import RooflinePolicy
+
+            parts = [RooflinePolicy.parse(self.roofline).label().removeprefix("emulated ")]
+        else:
+            parts = [f"slowdown x{self.slowdown:g}"]
         if self.memory:
             parts.append(f"memory {self.memory}")
         if self.kernel_rate:
@@ -194,7 +200,8 @@ class Device:
         return "emulated: " + ", ".join(parts)
 
     def flags(self) -> list[str]:
-        argv = ["--name", self.name, "--threads", str(self.threads), "--slowdown", str(self.slowdown)]
+        argv = ["--name", self.name, "--threads", str(self.threads),
+                *(["--roofline", self.roofline] if self.roofline else ["--slowdown", str(self.slowdown)])]
         if self.memory:
             argv += ["--memory", self.memory]
         if self.link_rate:

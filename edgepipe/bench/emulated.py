@@ -24,11 +24,16 @@ from .machine import Conditions
 BLIND_BANDWIDTH = 1e12  # bytes/s: "bandwidth ignored"
 
 
-def header(title: str, run: Conditions, conditions: str) -> list[str]:
+BUNDLED_MODEL_LINE = "SmolLM2-135M-Instruct, the file's own Q4_1 (`serve`'s default)"
+
+
+def header(title: str, run: Conditions, conditions: str, model_line: str = BUNDLED_MODEL_LINE) -> list[str]:
     """The title, the machine line and the EMULATION notice of an emulated-cluster report."""
-    return [f"# {title}", "", f"{run.line()} · SmolLM2-135M-Instruct, the file's own Q4_1 (`serve`'s default) · {conditions}", "",
+    return [f"# {title}", "", f"{run.line()} · {model_line} · {conditions}", "",
             "**All devices are EMULATED** on this one machine: worker processes on loopback; `slowdown F` = the worker "
-            "waits (F-1) x its measured compute time after each call; `memory` = a hard budget the worker refuses to "
+            "waits (F-1) x its measured compute time after each call; `roofline R GFLOP/s, B/s, o ms` = each call lasts "
+            "o + max(stage weight bytes / B, rows x 2 x stage parameters / R) (the worker waits out the rest after its real "
+            "compute); `memory` = a hard budget the worker refuses to "
             "exceed; links as labelled (`tbf` = kernel token bucket in a network namespace; `user-space` = the "
             "worker's own send shaper).", ""]
 
@@ -37,9 +42,11 @@ def header(title: str, run: Conditions, conditions: str) -> list[str]:
 _MANIFEST = None
 
 
-def manifest():
-    """The bundled package's manifest in the bench home (loaded once)."""
+def manifest(package=None):
+    """``package``'s manifest, else the bundled package's in the bench home (loaded once)."""
     global _MANIFEST
+    if package is not None:
+        return package.manifest
     if _MANIFEST is None:
         from ..model.store import resolve
 
@@ -63,12 +70,12 @@ def calibrations(cluster: Cluster) -> dict[str, dict]:
 
 
 def measured_profiles(cluster: Cluster, rtts: dict[str, float] | None = None, speeds: dict[str, float] | None = None,
-                      power: dict[str, tuple[float, float]] | None = None, memory: dict[str, int] | None = None):
+                      power: dict[str, tuple[float, float]] | None = None, memory: dict[str, int] | None = None, package=None):
     """(model, devices, network) as the coordinator's ``ClusterProfile`` builds them, from the
     ``calibrated`` events (speed, overhead, uplink), the status page (memory, RTT) and optional
     overrides (refined ``speeds``, declared ``power`` by device name, ``memory`` by name)."""
     status = cluster.status()
-    prof = ClusterProfile(manifest())
+    prof = ClusterProfile(manifest(package))
     cal = calibrations(cluster)
     rtts = rtts if rtts is not None else sample_rtts(cluster, 3)
     workers = []
@@ -79,6 +86,7 @@ def measured_profiles(cluster: Cluster, rtts: dict[str, float] | None = None, sp
         live = w.get("profile") or {}
         m.speed = (speeds or {}).get(w["id"], live.get("speed") or c.get("speed", 1.0))
         m.overhead_s = (live.get("overhead_ms") if live.get("speed") else c.get("overhead_ms", 0.0)) / 1e3
+        m.row_speed = live.get("row_speed")
         m.bandwidth_bytes_per_s = (c.get("uplink_mb_s") or 0) * 1e6 or None
         if w["id"] in rtts:
             m.rtt = m.rtt.push(rtts[w["id"]])
@@ -119,14 +127,14 @@ def best_equal_order(model, devices, network) -> tuple[list[str], float]:
     return best
 
 
-def prewarm() -> int:
+def prewarm(package=None) -> int:
     """Put every unit file of the package in the workers' shared cache (as if each emulated
     device had fetched it before), so that a device behind a slow link does not spend minutes
     downloading; returns the number of files added."""
     from ..model.store import resolve
 
     home = bench_home()
-    pkg = resolve(home=home)
+    pkg = package or resolve(home=home)
     cache = home / "worker-cache"
     cache.mkdir(parents=True, exist_ok=True)
     added = 0

@@ -1,4 +1,4 @@
-"""Calibrating joining workers: time two unit ranges and the uplink, one worker at a time.
+"""Calibrating joining workers: time two unit ranges (one batched too) and the uplink, one worker at a time.
 
 Calibrations never run concurrently (a lock): on shared cores, timing two workers at once
 measures their contention, not their speed. A round whose per-cost times spread too much
@@ -34,6 +34,7 @@ TRUST_RATIO = 0.25  # reported probe times below this fraction of the wall-clock
 STABLE_SPREAD = 0.25  # (p90 - p10) / median of seconds per unit cost: above this a round is repeated
 MAX_ROUNDS = 3
 PROBE_REPS = 34  # the first two warm up; 32 more than the short probe, so the difference outweighs noise
+ROW_PROBE, ROW_REPS = 8, 10  # a batched probe: rows stepped together, steps timed (the first two warm up)
 STAGE_REPS = 18  # decode steps timed per round on a deployed stage (the first two warm up)
 
 
@@ -171,19 +172,35 @@ class Calibrator:
         p.replan_wanted.set()  # the speeds moved: the policy decides whether another plan is now better
         return dep
 
+    async def _load_probe_plan(self, wid: str, start: int, end: int) -> int:
+        p, state, plan_id = self.ports, self.ports.state(), -(10_000 + self._probes)
+        self._probes += 1
+        msg = deploy.load_message(p.package, plan_id, start, end, deploy.precision_of(state, wid, p.package.manifest, p.settings.precision),
+                                  {"kind": "coordinator"}, keep=[], batch_invariant=p.settings.batch_invariant,
+                                  gpu=deploy.computes_on_gpu(state, wid), verify=p.settings.speculative)
+        result = await p.load(wid, msg)
+        if not result.ok:
+            raise RuntimeError(result.error)
+        return plan_id
+
+    async def _release_probe_plan(self, wid: str) -> None:
+        active = self.ports.state().active
+        await self.ports.send(wid, Activate([plan for plan in ([active.plan_id] if active else []) if plan > 0]).to_message())
+
+    async def _rows(self, wid: str, start: int, end: int) -> None:
+        """Time ``[start, end)`` at 1 row and at ``ROW_PROBE`` rows stepped together: what a
+        further row of a batched step costs (``ClusterProfile.rows_timed``)."""
+        plan_id = await self._load_probe_plan(wid, start, end)
+        medians = [statistics.median(((await self.probe(wid, plan=plan_id, reps=ROW_REPS, context=32, rows=rows)).times or [0.0])[2:] or [0.0])
+                   for rows in (1, ROW_PROBE)]
+        self.ports.measure(M.RowsTimed(wid, start, end, ROW_PROBE, *medians))
+        await self._release_probe_plan(wid)
+
     async def _round(self, wid: str, ranges) -> list[tuple[float, float]]:
         p = self.ports
         samples = []
         for start, end in ranges:
-            plan_id = -(10_000 + self._probes)
-            self._probes += 1
-            state = p.state()
-            msg = deploy.load_message(p.package, plan_id, start, end, deploy.precision_of(state, wid, p.package.manifest, p.settings.precision),
-                                      {"kind": "coordinator"}, keep=[], batch_invariant=p.settings.batch_invariant,
-                                      gpu=deploy.computes_on_gpu(state, wid), verify=p.settings.speculative)
-            result = await p.load(wid, msg)
-            if not result.ok:
-                raise RuntimeError(result.error)
+            plan_id = await self._load_probe_plan(wid, start, end)
             t0 = p.clock()
             timing = await self.probe(wid, plan=plan_id, reps=PROBE_REPS, context=32)
             t1 = p.clock()
@@ -194,13 +211,12 @@ class Calibrator:
                 p.measure(M.Distrusted(wid, (start, end), statistics.median(timing.times[2:]), times[0]))
             cost = p.profile.unit_cost(start, end)
             samples += [(cost, t) for t in times]
-            active = p.state().active
-            keep = [plan for plan in ([active.plan_id] if active else []) if plan > 0]
-            await p.send(wid, Activate(keep).to_message())
+            await self._release_probe_plan(wid)
         return samples
 
     async def calibrate(self, wid: str) -> None:
-        """Time a 1-layer and a 4-layer range and the uplink (000 §5: speed + per-call overhead)."""
+        """Time a 1-layer and a 4-layer range, the 4-layer one batched too, and the uplink (000 §5:
+        speed + per-call overhead; a batched step's cost per row)."""
         from .requests import PipelineBroken
 
         p = self.ports
@@ -215,6 +231,7 @@ class Calibrator:
                     if rounds[-1][0] <= STABLE_SPREAD:
                         break
                 samples = min(rounds, key=lambda r: r[0])[1]
+                await self._rows(wid, *ranges[-1])
                 # Two sizes back to back: the difference cancels the round trip and fixed costs
                 # (a heartbeat RTT measured meanwhile queues behind the payload on a slow link).
                 timings = {}

@@ -29,6 +29,7 @@ class DeviceMeasurements:
     batched_times: dict[tuple[int, int, int], RollingMedian] = field(default_factory=dict)  # (start, end, batch)
     anchors: dict[tuple[int, int, int], tuple[float, float]] = field(default_factory=dict)  # -> (median, speed then)
     trusted: bool = True  # False: its probe times were caught under-reporting; its step timings are not used
+    row_speed: float | None = None  # cost units / s of each further row of a batched step (None: not measured)
 
 
 @dataclass
@@ -43,7 +44,7 @@ class DeviceLives:
 def save(known: dict[tuple, DeviceMeasurements], model_name: str, path: Path) -> None:
     """The remembered calibrations as JSON (written atomically)."""
     rows = [{"identity": list(identity), "speed": m.speed, "overhead_s": m.overhead_s, "bandwidth_bytes_per_s": m.bandwidth_bytes_per_s,
-             "trusted": m.trusted} for identity, m in known.items()]
+             "trusted": m.trusted, "row_speed": m.row_speed} for identity, m in known.items()]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"model": model_name, "devices": rows}))
@@ -63,7 +64,12 @@ def load(path: Path, model_name: str) -> dict[tuple, DeviceMeasurements]:
             if not (0 < speed < float("inf") and 0 <= overhead < float("inf")):
                 continue
             known[tuple(row["identity"])] = DeviceMeasurements(speed, overhead, True, bandwidth_bytes_per_s=(
-                float(bandwidth) if isinstance(bandwidth, (int, float)) and bandwidth > 0 else None), trusted=bool(row.get("trusted", True)))
+                float(bandwidth) if isinstance(bandwidth, (int, float)) and bandwidth > 0 else None), trusted=bool(row.get("trusted", True)),
+                row_speed=_positive(row.get("row_speed")))
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     return known
+
+
+def _positive(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf") else None

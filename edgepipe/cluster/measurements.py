@@ -98,6 +98,19 @@ class StageStep:
 
 
 @dataclass(frozen=True)
+class RowsTimed:
+    """Decode steps of one range timed at 1 row and at ``rows`` rows stepped together (medians):
+    what each further row of a batched step costs on the device."""
+
+    worker_id: str
+    start: int
+    end: int
+    rows: int
+    single_s: float
+    batched_s: float
+
+
+@dataclass(frozen=True)
 class StepObserved:
     """A single-sequence decode step's wall time at the coordinator, with each stage's timing."""
 
@@ -107,4 +120,4 @@ class StepObserved:
 
 
 Measurement = Union[DeviceJoined, DeviceLeft, Recalled, Calibrated, Distrusted, RangeTimed, Uploaded, HeartbeatRtt, PeerLink, StageStep,
-                    StepObserved]
+                    StepObserved, RowsTimed]

@@ -32,6 +32,7 @@ from .deploy import worker_variant
 
 LOOPBACK_BANDWIDTH = 1e9  # bytes/s assumed until a probe says otherwise
 RUNTIME_OVERHEAD_BYTES = 64 << 20  # a session's own buffers and the shared rotary tables (2 MiB)
+ROW_FLOOR = 0.01  # the least a further row of a batched step is priced at, as a share of a one-row step
 
 
 class ClusterProfile:
@@ -60,7 +61,8 @@ class ClusterProfile:
         m = self.known.get(identity)
         if m is None:
             return False
-        self.devices[worker_id] = DeviceMeasurements(m.speed, m.overhead_s, True, m.rtt, m.bandwidth_bytes_per_s, trusted=m.trusted)
+        self.devices[worker_id] = DeviceMeasurements(m.speed, m.overhead_s, True, m.rtt, m.bandwidth_bytes_per_s, trusted=m.trusted,
+                                                     row_speed=m.row_speed)
         return True
 
     def remember(self, worker_id: str, identity: tuple) -> None:
@@ -112,13 +114,15 @@ class ClusterProfile:
                 self.step(wid, start, end, compute_s, batch)
             case M.StepObserved(stages, wall_s, timings):
                 self.step_observed(list(stages), wall_s, list(timings))
+            case M.RowsTimed(wid, start, end, rows, single_s, batched_s):
+                self.rows_timed(wid, start, end, rows, single_s, batched_s)
 
     def snapshot(self) -> dict:
         """Everything measured, as plain values (equal snapshots: equal profiles)."""
         def device(m: DeviceMeasurements) -> tuple:
             medians = lambda d: {k: tuple(v.values) for k, v in d.items()}  # noqa: E731
             return (m.speed, m.overhead_s, m.calibrated, tuple(m.rtt.values), m.bandwidth_bytes_per_s, medians(m.stage_times),
-                    medians(m.batched_times), dict(m.anchors), m.trusted)
+                    medians(m.batched_times), dict(m.anchors), m.trusted, m.row_speed)
         return {"devices": {w: device(m) for w, m in self.devices.items()}, "known": {k: device(m) for k, m in self.known.items()},
                 "lives": {n: (l.alive_s, l.failures, l.joined_at) for n, l in self.lives.items()}, "peer_links": dict(self.peer_links),
                 "hop_excess": tuple(self.hop_excess.values)}
@@ -155,6 +159,17 @@ class ClusterProfile:
         m = self.of(worker_id)
         total_cost, total_s = sum(c for c, _ in samples), sum(t for _, t in samples)
         m.speed, m.overhead_s, m.calibrated = (total_cost / total_s if total_s > 0 else 1.0), 0.0, True
+
+    def rows_timed(self, worker_id: str, start: int, end: int, rows: int, single_s: float, batched_s: float) -> None:
+        """Steps of ``[start, end)`` took ``single_s`` at 1 row and ``batched_s`` at ``rows``: each
+        further row costs ``(batched_s - single_s) / (rows - 1)``, its ``row_speed`` the range's cost
+        over that. A batched step no slower than a single one (memory-bound, or noise) is priced
+        at ``ROW_FLOOR`` of a single step per row, so rows are never free."""
+        cost = self.unit_cost(start, end)
+        if rows < 2 or cost <= 0 or single_s <= 0 or batched_s <= 0:
+            return
+        per_row = max((batched_s - single_s) / (rows - 1), ROW_FLOOR * single_s)
+        self.of(worker_id).row_speed = cost / per_row
 
     def heartbeat(self, worker_id: str, rtt_s: float) -> None:
         m = self.of(worker_id)
@@ -238,7 +253,7 @@ class ClusterProfile:
                 power_busy_w=_declared(w.hello.power_busy_w, DEFAULT_POWER_BUSY_W),
                 power_idle_w=_declared(w.hello.power_idle_w, DEFAULT_POWER_IDLE_W),
                 held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=bool(emu),
-                kind=w.hello.device or "cpu", adapter=w.hello.adapter,
+                kind=w.hello.device or "cpu", adapter=w.hello.adapter, row_speed=m.row_speed,
             ))
         return out
 

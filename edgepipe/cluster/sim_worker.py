@@ -192,7 +192,7 @@ class FakeWorker:
             else:
                 await self.feed(self.model.import_kv(cmd))
         elif isinstance(cmd, core.TimeStage):
-            await self.feed(core.StageTimed(cmd.probe, [0.01 * self.slowdown] * cmd.reps))
+            await self.feed(core.StageTimed(cmd.probe, [0.01 * self.slowdown * cmd.rows] * cmd.reps))  # compute-bound, like its steps
         elif isinstance(cmd, core.SendLinkPayload):
             await self._send(Message(T.PROBED, {"probe": cmd.probe, "ok": True}, {"payload": np.zeros(cmd.nbytes, np.uint8)}))
         elif isinstance(cmd, core.MeasurePeer):

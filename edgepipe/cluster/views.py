@@ -51,7 +51,8 @@ def _profile(coord, worker_id: str) -> dict | None:
     m = coord.profile.devices.get(worker_id)
     if m is None or not m.calibrated:
         return None
-    return {"speed": round(m.speed, 4), "overhead_ms": round(m.overhead_s * 1e3, 3)}
+    return {"speed": round(m.speed, 4), "overhead_ms": round(m.overhead_s * 1e3, 3),
+            "row_speed": None if m.row_speed is None else round(m.row_speed, 4)}
 
 
 def _stage_weights(coord, dep, worker_id: str) -> int | None:

@@ -3,6 +3,7 @@
 - ``shaper``   user-space link shaping (delay, rate, loss): a TCP relay and ``shaped_send``.
 - ``netns``    kernel rate caps: a network namespace + veth + ``tbf`` per device (root only).
 - ``slowdown`` compute slowdown factor and memory budget.
+- ``roofline`` a device with a compute rate and a memory bandwidth (memory-bound at one row, compute-bound at many).
 
 Every object here has ``emulated = True`` and a ``label()`` saying "emulated", so that reports
 never pass emulated numbers off as measured on real devices.
@@ -18,6 +19,7 @@ from edgepipe.emulate.shaper import (
     parse_rate,
     shaped_send,
 )
+from edgepipe.emulate.roofline import RooflinePolicy
 from edgepipe.emulate.slowdown import MemoryBudget, MemoryBudgetExceeded, SlowdownPolicy, parse_bytes
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "MemoryBudgetExceeded",
     "NetnsCommandFailed",
     "NetnsHost",
+    "RooflinePolicy",
     "ShapedLink",
     "SlowdownPolicy",
     "TokenBucket",

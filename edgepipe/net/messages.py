@@ -228,6 +228,7 @@ class Load(Wire):
     warm: bool | None = None  # a spare: build the session too when the budget allows
     prefetch: bool | None = None  # a spare: fetch the files only
     data_secret: str | None = None  # what this stage's predecessor must present on its data port (net.auth)
+    matmul_bytes: int | None = None  # weight bytes its matrix products read per step (not the embedding table, only gathered from)
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,7 @@ class Probe(Wire):
     url: str | None = None  # kind "peer": the data port of the worker to probe
     secret: str | None = None  # kind "accept": the probe secret to accept; "peer": the one to present
     fingerprint: str | None = None  # kind "peer": the probed data port's certificate (TLS clusters)
+    rows: int | None = None  # decode steps: sequences stepped together in each (None: 1)
 
 
 PROBE_PLAN = 0
@@ -573,7 +575,7 @@ def _load(f: dict) -> Load:
     return Load(_need_int(f["plan"], "plan"), start, end, _str(f["graph"], "graph"), files, NextHop.of(f["next"]), _ints(f["keep"], "keep"),
                 _opt_int(f.get("max_context"), "max_context"), _opt_int(f.get("kv_bytes_per_token"), "kv_bytes_per_token"),
                 bool(f["warm"]) if f.get("warm") is not None else None, bool(f["prefetch"]) if f.get("prefetch") is not None else None,
-                _opt_str(f.get("data_secret"), "data_secret"))
+                _opt_str(f.get("data_secret"), "data_secret"), _opt_int(f.get("matmul_bytes"), "matmul_bytes"))
 
 
 def _probe(f: dict) -> Probe:
@@ -582,7 +584,17 @@ def _probe(f: dict) -> Probe:
         raise ProtocolError(f"probe: unknown kind {kind!r}"[:200])
     return Probe(_need_int(f["probe"], "probe"), _opt_int(f.get("plan"), "plan"), _opt_int(f.get("reps"), "reps"),
                  _opt_int(f.get("context"), "context"), kind, _opt_int(f.get("bytes"), "bytes"), _opt_str(f.get("url"), "url"),
-                 _opt_str(f.get("secret"), "secret"), _opt_str(f.get("fingerprint"), "fingerprint"))
+                 _opt_str(f.get("secret"), "secret"), _opt_str(f.get("fingerprint"), "fingerprint"), _probe_rows(f.get("rows")))
+
+
+MAX_PROBE_ROWS = 64
+
+
+def _probe_rows(value) -> int | None:
+    rows = _opt_int(value, "rows")
+    if rows is not None and not 1 <= rows <= MAX_PROBE_ROWS:
+        raise ProtocolError(f"probe: rows must be 1..{MAX_PROBE_ROWS}, got {rows}")
+    return rows
 
 
 def _kv_export(f: dict) -> KvExport:

@@ -75,6 +75,7 @@ DOCS: dict[type, MessageDoc] = {
         "warm": "a spare: build the session too, when the budget allows",
         "prefetch": "a spare: fetch the files only, build nothing",
         "data_secret": "what its predecessor must present on its data port (`net.auth`)",
+        "matmul_bytes": "weight bytes the stage's matrix products read per step (the embedding table is only gathered from): an emulated roofline device prices steps by it",
     }),
     messages.Loaded: MessageDoc("w→c", "a stage is ready (or failed), or a KV move arrived", {
         "ok": "whether it worked",
@@ -146,6 +147,7 @@ DOCS: dict[type, MessageDoc] = {
         "url": "`peer`: the data port to probe",
         "secret": "`accept`: the credential to accept on plan 0; `peer`: the one to present",
         "fingerprint": "`peer`: the probed data port's certificate (TLS clusters)",
+        "rows": "decode steps: sequences stepped together in each timed step (absent: 1), so a batched step's cost is measured",
     }),
     messages.Probed: MessageDoc("w→c; w→w (answer to `echo`)", "probe result", {
         "probe": "probe id",

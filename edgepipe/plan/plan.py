@@ -22,6 +22,11 @@ Cost model (DESIGN.md "The planner"; seed 000 §5.2, seed 002 §3):
   S / max(T, S * B);
 - a stage replicated on r devices splits its sequences evenly: each replica holds the whole
   range's weights and ceil(S / r) KV caches, and handles 1/r of the tokens;
+- batching: a device that declares `row_speed` runs its ceil(S / r) sequences as one step of
+  `t + (ceil(S/r) - 1) * cost / row_speed` (`DeviceProfile.token_share`): its share of the
+  bottleneck is that step / S, so a memory-bound device (large `row_speed`) gains little from
+  replicas and a compute-bound one (`row_speed` near `speed`) gains r-fold; without it every
+  row costs a whole step (t / r);
 - energy per produced token = sum over plan devices of busy power x busy time + idle power
   x idle time within one token period (1 / throughput).
 """
@@ -306,10 +311,10 @@ def evaluate(
             t = device.overhead_s + cost / device.speed
             times.append(t)
             prefills.append(device.overhead_s + prompt * cost / device.prefill_rate(model))
-            busy[device_id] = t / replicas
+            busy[device_id] = device.token_share(cost, sequences, replicas)
         stage_times.append(max(times))
         prefill_times.append(max(prefills))
-        effective.append(max(times) / replicas)
+        effective.append(max(busy[d] for d in stage.device_ids))
 
     def boundary(src_ids: tuple[str, ...], dst_ids: tuple[str, ...], nbytes: float) -> float:
         # Activations leave a device in its wire dtype (token ids from the coordinator do not).

@@ -217,6 +217,12 @@ class DeviceProfile:
     weight variant it runs, e.g. "fp32" for a browser; None: the model profile's own) and
     `activation_dtype` ("float16" halves the activations it sends); `kind` where it computes
     ("cpu" or "gpu", with the GPU's `adapter`: its memory is the GPU's, its speed measured there).
+
+    `row_speed` prices batching: a decode step of `b` rows over a range of cost `c` takes
+    `overhead_s + c / speed + (b - 1) * c / row_speed` (one row costs the whole step, each
+    further row `c / row_speed`). None keeps the compute-bound reading, each row a whole step
+    (`b * (overhead_s + c / speed)`); a memory-bound device (batching nearly free) has a
+    `row_speed` many times its `speed`. Measured by timing steps at 1 and at several rows.
     """
 
     id: str
@@ -233,9 +239,14 @@ class DeviceProfile:
     activation_dtype: str = "float32"
     kind: str = "cpu"
     adapter: str | None = None
+    row_speed: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "held_units", frozenset(self.held_units))
+        _require(
+            self.row_speed is None or (math.isfinite(self.row_speed) and self.row_speed > 0),
+            f"device {self.id!r}: row_speed {self.row_speed} must be > 0",
+        )
         _require(
             self.prefill_speed is None or (math.isfinite(self.prefill_speed) and self.prefill_speed > 0),
             f"device {self.id!r}: prefill_speed {self.prefill_speed} must be > 0",
@@ -266,6 +277,18 @@ class DeviceProfile:
     def activation_scale(self) -> float:
         """Wire bytes of its activations relative to float32."""
         return ACTIVATION_DTYPE_BYTES[self.activation_dtype] / 4
+
+    def token_share(self, cost: float, sequences: int, replicas: int) -> float:
+        """Seconds per produced token that a stage of `cost` keeps this device busy, with
+        `sequences` in flight split over `replicas`: one step of the busiest replica's
+        ceil(S / r) sequences / `sequences`.
+
+        Without `row_speed` every row costs a whole one-row step (`(overhead + c/speed) / r`)."""
+        one_row = self.overhead_s + cost / self.speed
+        if self.row_speed is None:
+            return one_row / replicas
+        rows = -(-sequences // replicas)  # the busiest replica's share (routes balance sequences, not rows)
+        return (one_row + (rows - 1) * cost / self.row_speed) / sequences
 
     def prefill_rate(self, model: ModelProfile) -> float:
         """Cost units per second on prompt tokens (declared, or the model's default ratio)."""

@@ -72,6 +72,7 @@ class DeviceTables:
     n: int
     sequences: int
     dev_time: np.ndarray  # (m, n+1, n+1) time of [x, i) on each device, inf where x >= i
+    dev_row: np.ndarray  # (m, n+1, n+1) each further row of a batched step of [x, i); nan: no row_speed (a row = a step)
     needs: dict[tuple[int, str | None], np.ndarray]  # (KV caches, precision) -> (n+1, n+1) bytes
     precisions: tuple[str | None, ...]
     memory: np.ndarray  # (m,) bytes
@@ -117,6 +118,8 @@ def device_tables(
     overhead = np.array([devices[d].overhead_s for d in ids])
     memory = np.array([devices[d].memory_bytes for d in ids], dtype=np.int64)
     dev_time = np.where(upper[None], overhead[:, None, None] + span[None] / speed[:, None, None], INF)
+    row_speed = np.array([devices[d].row_speed if devices[d].row_speed is not None else np.nan for d in ids])
+    dev_row = np.where(upper[None], span[None] / row_speed[:, None, None], 0.0)
 
     # Device-level links, with the coordinator as node m; relays pay both legs.
     nodes = ids + (COORDINATOR,)
@@ -154,6 +157,7 @@ def device_tables(
         n=n,
         sequences=request.sequences,
         dev_time=dev_time,
+        dev_row=dev_row,
         needs={},
         precisions=tuple(devices[d].precision for d in ids),
         memory=memory,
@@ -181,7 +185,7 @@ def slot_pricing(tables: DeviceTables, slots: Sequence[tuple[int, ...]]) -> Pric
         fits = np.stack([tables.need(caches, tables.precisions[d]) <= tables.memory[d] for d in members]).all(0)
         slowest = tables.dev_time[members].max(0)
         time[g] = np.where(fits & upper, slowest, INF)
-        eff[g] = time[g] / len(slot)
+        eff[g] = np.where(fits & upper, _token_share(tables, members), INF)
 
     singletons = all(len(s) == 1 for s in slots)
     if singletons and [s[0] for s in slots] == list(range(m)):
@@ -206,6 +210,20 @@ def slot_pricing(tables: DeviceTables, slots: Sequence[tuple[int, ...]]) -> Pric
         leave=leave,
         leave_partial=leave_partial,
     )
+
+
+def _token_share(tables: DeviceTables, members: list[int]) -> np.ndarray:
+    """(n+1, n+1) the slot's share of the bottleneck per produced token: its slowest member's
+    `DeviceProfile.token_share` (one step of its ceil(S / r) sequences, / S; without `row_speed`, t / r)."""
+    r, sequences = len(members), tables.sequences
+    shares = []
+    for d in members:
+        rows = tables.dev_row[d]
+        if np.isnan(rows).any():
+            shares.append(tables.dev_time[d] / r)
+        else:
+            shares.append((tables.dev_time[d] + (replica_sequences(sequences, r) - 1) * rows) / sequences)
+    return np.max(shares, axis=0)
 
 
 def build_pricing(

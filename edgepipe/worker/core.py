@@ -113,7 +113,7 @@ def _built(state: WorkerState, event: Built) -> tuple[WorkerState, list[Command]
             spare = Stage(load.plan, load.start, load.end, load.graph, load.next, event.weight_bytes,
                           secret=data_secret(state, state.data_url, load.plan, load.data_secret),
                           frame_limit=limits.data_frame_limit(int(load.max_context or 4096), session.hidden, _kv_move_bytes(load, session)),
-                          max_context=load.max_context)
+                          max_context=load.max_context, matmul_bytes=load.matmul_bytes)
             state = replace(state, stages={**state.stages, load.plan: spare}, spare=load.plan)
         state = _forget_sessions(state)
         commands.append(KeepSessions(_used_graphs(state)))
@@ -121,7 +121,7 @@ def _built(state: WorkerState, event: Built) -> tuple[WorkerState, list[Command]
         stage = Stage(load.plan, load.start, load.end, load.graph, load.next, event.weight_bytes,
                       secret=data_secret(state, state.data_url, load.plan, load.data_secret),
                       frame_limit=limits.data_frame_limit(int(load.max_context or 4096), session.hidden, _kv_move_bytes(load, session)),
-                      max_context=load.max_context)
+                      max_context=load.max_context, matmul_bytes=load.matmul_bytes)
         state = replace(state, stages={**state.stages, load.plan: stage})
     reply = {"ok": True, "load_s": event.load_s, "fetched_bytes": event.fetched_bytes, "weight_bytes": event.weight_bytes,
              "reused_session": event.reused}
@@ -181,7 +181,7 @@ def _probe(state: WorkerState, probe: Probe) -> tuple[WorkerState, list[Command]
     stage = state.stages.get(probe.plan) if probe.plan is not None else None
     if stage is None:
         return state, [SendControl(Message(T.PROBED, {"probe": probe.probe, "ok": False}))]
-    return state, [TimeStage(probe.probe, stage.graph, int(probe.reps or 8), int(probe.context or 64))]
+    return state, [TimeStage(probe.probe, stage.graph, int(probe.reps or 8), int(probe.context or 64), int(probe.rows or 1), stage.compute_bytes)]
 
 
 def _stage_timed(state: WorkerState, event: StageTimed) -> tuple[WorkerState, list[Command]]:
@@ -258,7 +258,7 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
     stage = state.stages.get(plan)
     graph = stage.graph if stage is not None else None
     step_s = {**state.step_s, graph: event.compute_s} if graph and event.positions == 1 else state.step_s
-    extra = SlowdownPolicy(state.slowdown).extra_wait(event.compute_s, event.cpu_s)
+    extra = emulated_wait(state, stage, event)
     state = replace(_with_lengths(state, graph, event.lengths), step_s=step_s, busy_s=state.busy_s + event.compute_s + extra,
                     computed=state.computed + len(batch))
     commands: list[Command] = [Wait(extra)] if extra > 0 else []
@@ -290,6 +290,14 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
             commands.append(SendPeer(hop.url, plan, Message(T.FORWARD, sent, {"x": x}),
                                      data_secret(state, hop.url, plan, hop.secret), hop.fingerprint, about=msg))
     return state, commands
+
+
+def emulated_wait(state: WorkerState, stage: Stage | None, event: Computed) -> float:
+    """Seconds the emulated device still takes after the real compute of ``event`` (0: none emulated)."""
+    if state.roofline is not None:
+        rows = len(event.forward["batch"]) * event.positions
+        return state.roofline.extra_wait(event.compute_s, stage.compute_bytes if stage is not None else 0, rows)
+    return SlowdownPolicy(state.slowdown).extra_wait(event.compute_s, event.cpu_s)
 
 
 def errors_for(msg: Message, code: ErrorCode, text: str) -> list[Command]:

@@ -8,6 +8,7 @@ from typing import Union
 
 import numpy as np
 
+from ..emulate.roofline import RooflinePolicy
 from ..net import limits
 from ..net.messages import Activate, Drop, Emulate, ErrorCode, KvExport, Load, NextHop, Probe
 from ..net.protocol import Message
@@ -39,6 +40,11 @@ class Stage:
     secret: str | None = None  # what this stage's predecessor must present on the data port
     frame_limit: int = limits.HEADER_SLACK_BYTES  # largest frame accepted on the data port for this plan
     max_context: int | None = None
+    matmul_bytes: int | None = None  # weight bytes its matrix products read per step (emulated roofline); None: weight_bytes
+
+    @property
+    def compute_bytes(self) -> int:
+        return self.weight_bytes if self.matmul_bytes is None else self.matmul_bytes
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class WorkerState:
     computed: int = 0
     busy_s: float = 0.0
     fetched_bytes: int = 0
+    roofline: RooflinePolicy | None = None  # emulated roofline device (replaces the slowdown), None: none
 
     def stage_of(self, plan: int) -> Stage | None:
         return self.stages.get(plan)
@@ -283,6 +290,8 @@ class TimeStage:
     graph: str
     reps: int
     context: int
+    rows: int = 1  # sequences decoded together in each timed step
+    weight_bytes: int = 0  # the stage's, for an emulated roofline
 
 
 Command = Union[SendControl, SendPeer, Forget, FetchFiles, BuildSession, KeepSessions, RunStage, Wait, DropSequence, ExportKv, ImportKv,

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ..emulate.roofline import RooflinePolicy
 from ..emulate.slowdown import SlowdownPolicy
 from ..net.messages import ErrorCode
 from ..net.protocol import Message, MessageType as T, encode
@@ -140,27 +141,33 @@ class Runners:
             self.pool, runner.import_kv, msg["seq"], mine, int(length) if isinstance(length, int) else None, since)
         return core.Imported(msg, cmd.graph, runner.length(msg["seq"]), int(sum(v.nbytes for v in mine.values())))
 
-    async def time_stage(self, cmd: core.TimeStage, session: core.Session, slowdown: float) -> core.StageTimed:
-        """Decode steps of a built stage after a ``context``-position prefill, each as the device
-        (emulated slowdown included) takes it."""
-        runner, seq = self.by_graph[cmd.graph], f"probe-{time.monotonic_ns()}"
+    async def time_stage(self, cmd: core.TimeStage, session: core.Session, slowdown: float,
+                         roofline: RooflinePolicy | None = None) -> core.StageTimed:
+        """Decode steps of a built stage after a ``context``-position prefill, ``cmd.rows``
+        sequences stepped together, each step as the device (emulation included) takes it."""
+        runner, tag = self.by_graph[cmd.graph], f"probe-{time.monotonic_ns()}"
+        seqs = [f"{tag}-{i}" for i in range(max(1, cmd.rows))]
         rng = np.random.default_rng(0)
-        make = (lambda n: rng.integers(0, 1000, (1, n))) if runner.takes_token_ids else (
-            lambda n: rng.standard_normal((1, n, session.hidden)).astype(np.float32))
-        sampling = SamplingBatch.greedy(1) if runner.emits_tokens else None
+        make = (lambda b, n: rng.integers(0, 1000, (b, n))) if runner.takes_token_ids else (
+            lambda b, n: rng.standard_normal((b, n, session.hidden)).astype(np.float32))
         policy = SlowdownPolicy(slowdown)
 
         def timed() -> list[float]:
             times = []
             try:
-                runner.run(seq, make(cmd.context), sampling)
+                for seq in seqs:
+                    runner.run(seq, make(1, cmd.context), SamplingBatch.greedy(1) if runner.emits_tokens else None)
+                sampling = SamplingBatch.greedy(len(seqs)) if runner.emits_tokens else None
                 for _ in range(cmd.reps):
                     t0 = time.perf_counter()
-                    runner.run(seq, make(1), sampling)
-                    time.sleep(policy.extra_wait(time.perf_counter() - t0))
+                    runner.run_batch(seqs, make(len(seqs), 1), sampling)
+                    compute = time.perf_counter() - t0
+                    time.sleep(roofline.extra_wait(compute, cmd.weight_bytes, len(seqs)) if roofline is not None
+                               else policy.extra_wait(compute))
                     times.append(time.perf_counter() - t0)
             finally:
-                runner.drop(seq)
+                for seq in seqs:
+                    runner.drop(seq)
             return times
 
         return core.StageTimed(cmd.probe, await asyncio.get_running_loop().run_in_executor(self.pool, timed))

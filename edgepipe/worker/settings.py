@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..emulate.roofline import RooflinePolicy
 from ..native import native_library
 
 log = logging.getLogger("edgepipe.worker")
@@ -19,7 +20,8 @@ RECONNECT_SHARE = 0.1  # ... at most this share of the time it has been gone (1 
 class WorkerSettings:
     """Emulation (always labelled as such in what the worker reports): ``slowdown`` makes each
     compute call last ``f`` times its CPU time (single-threaded decode; else ``f`` times its wall
-    time); ``memory_bytes`` is a hard budget for weights plus KV; ``link`` shapes every frame the
+    time); ``roofline`` instead makes each call last as long as a device of that compute rate and
+    memory bandwidth would take for its rows (``emulate.roofline``); ``memory_bytes`` is a hard budget for weights plus KV; ``link`` shapes every frame the
     worker sends; ``drop_work`` makes it a faulty device that answers heartbeats but silently
     drops every activation frame, and ``misreport`` one that reports its compute times divided by
     a factor (the coordinator must find both by what they do)."""
@@ -30,6 +32,7 @@ class WorkerSettings:
     threads: int | None = None
     spin: bool | None = None  # pool threads spin between ops (None: stage_runner.spin_by_default)
     slowdown: float = 1.0
+    roofline: str | None = None  # "FLOPS,BANDWIDTH[,OVERHEAD_MS]": an emulated device's roofline (emulate.roofline)
     link_delay_ms: float = 0.0
     link_rate: str | None = None
     data_host: str = "127.0.0.1"
@@ -47,15 +50,25 @@ class WorkerSettings:
     device: str = "cpu"  # where stages compute: auto | cpu | gpu | gpu:N (runtime.devices.resolve)
     role: str = "stage"  # "drafter": hold no stage, run a speculative coordinator's draft model (worker.drafter)
 
+    def __post_init__(self) -> None:
+        if self.roofline is not None:
+            if self.slowdown != 1.0:
+                raise ValueError("--roofline and --slowdown are two emulations of compute: give one")
+            RooflinePolicy.parse(self.roofline)  # a bad spec fails here, with the form it expects
+
+    def roofline_policy(self) -> RooflinePolicy | None:
+        return RooflinePolicy.parse(self.roofline) if self.roofline is not None else None
+
     @property
     def emulated(self) -> bool:
-        return self.slowdown != 1.0 or bool(self.link_delay_ms) or bool(self.link_rate) or self.drop_work or self.misreport != 1.0
+        return self.roofline is not None or self.slowdown != 1.0 or bool(self.link_delay_ms) or bool(self.link_rate) or self.drop_work or self.misreport != 1.0
 
     def emulation(self) -> dict | None:
         """The hello's emulation entry (None: a real device, no budget)."""
         if not (self.emulated or self.memory_bytes):
             return None
         return {"slowdown": self.slowdown, "link_delay_ms": self.link_delay_ms, "link_rate": self.link_rate,
+                **({"roofline": self.roofline_policy().as_dict()} if self.roofline is not None else {}),
                 **({"drop_work": True} if self.drop_work else {}), **({"misreport": self.misreport} if self.misreport != 1.0 else {}),
                 "memory_budget": self.memory_bytes}
 

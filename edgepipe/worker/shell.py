@@ -47,7 +47,7 @@ class Worker:
         self.native_kernel, self.native_kernel_note = gguf_kernel(self.device.is_gpu)
         self.cache = BlobCache(settings.cache_dir or default_cache())
         self.state = core.WorkerState(settings.name, settings.join_token, settings.memory_bytes, settings.slowdown, settings.misreport,
-                                      settings.drop_work, settings.activation_dtype)
+                                      settings.drop_work, settings.activation_dtype, roofline=settings.roofline_policy())
         self.runners = Runners(settings.threads, settings.spin, self.device)
         self.control: Channel | None = None
         self.peers: dict[str, Channel] = {}
@@ -184,7 +184,7 @@ class Worker:
         session = self.state.sessions.get(cmd.graph)
         if session is None:
             return await self._send_control(Message(T.PROBED, {"probe": cmd.probe, "ok": False}))
-        await self.feed(await self.runners.time_stage(cmd, session, self.state.slowdown))
+        await self.feed(await self.runners.time_stage(cmd, session, self.state.slowdown, self.state.roofline))
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, control: Channel | None = None) -> None:

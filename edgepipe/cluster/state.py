@@ -2,9 +2,9 @@
 
 Everything the control plane decides from lives here: the workers (what they declared, when
 they were last heard, how regular their heartbeats are, whether they are suspected:
-``worker_info``), the
-plan slots (active, preparing, spare), the running requests (their KV reservation, the
-sequence id and plan that hold their KV) and the phase (Down -> Preparing -> Committing -> Up).
+``worker_info``), the plan slots (active, preparing, spare), the running requests (their KV
+reservation, the sequence id and plan that hold their KV), the API's admission tickets
+(``admission_book``) and the phase (Down -> Preparing -> Committing -> Up).
 Channels, futures and tasks are I/O and stay in the coordinator's shell.
 
 ``apply(state, event) -> state`` is pure and total: an event about a worker or request that is
@@ -20,7 +20,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Mapping
 
-from . import step_book as SB  # the steps in flight and the lanes
+from . import admission_book as AB, step_book as SB  # the API's admission ledger; the steps in flight and the lanes
 # The event types (``events``), re-exported so callers write ``state.Heard(...)``.
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
@@ -92,6 +92,7 @@ class ClusterState:
     steps: SB.StepBook = SB.StepBook()  # the steps in flight and the lanes (``step_book``)
     prefix: PrefixBook = PrefixBook()  # the blocks the active plan's stages cache, decisions in flight, counts (``prefix_book``)
     checkpoint_copies: CopyBook = CopyBook()  # checkpoint copies in flight, and where checkpoint KV may be held (``checkpoints``)
+    admission: AB.AdmissionBook = AB.AdmissionBook()  # the API's tickets running and waiting in line (``admission_book``)
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""
@@ -217,6 +218,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _replace(state, requests=_without(state.requests, rid), checkpoints=_without(state.checkpoints, rid))
         case SB.StepSent() | SB.StepEnded() | SB.LaneAsked() | SB.LaneReturned() | SB.LaneLeft() | SB.LaneExpired():
             return _replace(state, steps=SB.apply(state.steps, event))
+        case AB.Admitted() | AB.Queued() | AB.Refused() | AB.AdmissionEnded():
+            return _replace(state, admission=AB.apply(state.admission, event))
     return state
 
 

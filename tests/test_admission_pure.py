@@ -1,6 +1,8 @@
-"""Admission as plain decisions (no process, no loop): the book of tickets is
-``ClusterState.admission`` (``admission_book``), and ``core.admission`` decides who runs, who
-waits in line, who is refused and who leaves the line when a slot frees."""
+"""An API request's state as plain decisions (no process, no loop). Admission: the book of
+tickets is ``ClusterState.admission`` (``admission_book``), and ``core.admission`` decides who
+runs, who waits in line, who is refused and who leaves the line when a slot frees. A paused
+request: ``RequestPaused`` and the ``RequestFed`` that ends it are state, and the dashboard's
+``pause``/``recovered`` lines are read from them (``narrate.entry``)."""
 
 from __future__ import annotations
 
@@ -89,3 +91,21 @@ def test_the_book_replays_from_its_events_and_has_no_dashboard_line():
     assert dict(state.admission.running) == {3: 10, 4: 10} and state.admission.refused == 1  # 2 (90) ran alone; 5 found the line full
     assert all(narrate.entry(e, state, None, 0.0) is None for e in log)
     assert AB.limit(state.admission, 100, AB.Limits(max_active=16)) == 10 and AB.limit(state.admission, None, LIMITS) == 3
+
+
+def test_pause_and_recovered_lines_come_from_their_events():
+    state = S.apply(S.ClusterState(), S.RequestStarted("r1", 50))
+    state = S.apply(state, S.RequestFed("r1", "r1.0", 1, 10, 1.0))
+    assert narrate.entry(S.RequestFed("r1", "r1.0", 1, 10, 1.0), state, None, 0.0) is None  # no pause ended
+    paused = S.RequestPaused("r1", 3, "worker w2 lost", 2.0)
+    state = S.apply(state, paused)
+    assert state.requests["r1"].paused == (2.0, 3)
+    assert narrate.entry(paused, state, None, 5.0) == {"t": 5.0, "kind": "pause", "request": "r1", "step": 3, "why": "worker w2 lost"}
+    again = S.RequestPaused("r1", 3, "still no plan", 2.5)
+    assert S.apply(state, again) == state and narrate.entry(again, S.apply(state, again), None, 5.0) is None  # paused once
+    fed = S.RequestFed("r1", "r1.1", 2, 12, 4.25)
+    state = S.apply(state, fed)
+    assert state.requests["r1"].paused is None
+    assert narrate.entry(fed, state, None, 6.0) == {"t": 6.0, "kind": "recovered", "request": "r1", "step": 3, "seconds": 2.25, "plan": 2}
+    next_fed = S.RequestFed("r1", "r1.1", 2, 13, 4.5)
+    assert narrate.entry(next_fed, S.apply(state, next_fed), None, 7.0) is None  # one line per pause

@@ -25,7 +25,7 @@ from . import admission_book as AB, step_book as SB  # the API's admission ledge
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
     EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, SpareLoaded, Pinned, Repriced,
-    SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, Routed, KvMoved, KvMoveSent,
+    SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, RequestPaused, Routed, KvMoved, KvMoveSent,
     KvMoveEnded, RequestEnded, Event, ProbeAccepting,
 )
 from . import checkpoints as K, prefix_book as PB
@@ -61,6 +61,8 @@ class RequestInfo:
     migrated_to: int | None = None  # a plan that received its KV by a move (resume there without replay)
     resume: Resume | None = None  # a committed plan that holds a checkpoint of its KV (replay only what came after it)
     route: tuple[int, tuple[str, ...]] | None = None  # (plan, a worker per stage): its replicas there (cluster.replicas)
+    paused: tuple[float, int] | None = None  # (since, step): a step broke and none was fed since (``RequestPaused``)
+    recovered: tuple[float, int] | None = None  # the pause its last fed step ended (the dashboard's ``recovered`` line)
 
 
 @dataclass(frozen=True)
@@ -197,8 +199,11 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case RequestStarted(rid, positions):
             return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
-            q = _replace(state.requests[rid], seq=seq, plan=plan, kv_len=kv_len, migrated_to=None, resume=None)
+            q = state.requests[rid]
+            q = _replace(q, seq=seq, plan=plan, kv_len=kv_len, migrated_to=None, resume=None, paused=None, recovered=q.paused)
             return _replace(state, requests=_with(state.requests, rid, q))
+        case RequestPaused(rid, step, _, now) if rid in state.requests and state.requests[rid].paused is None:
+            return _replace(state, requests=_with(state.requests, rid, _replace(state.requests[rid], paused=(now, step))))
         case CheckpointSending():  # its names are placed whatever became of the request (``checkpoints.book``)
             state = _replace(state, checkpoint_copies=K.book(state.checkpoint_copies, event))
             return _replace(state, checkpoints=K.sending(state.checkpoints, state.spare, event)) if event.rid in state.requests else state

@@ -10,11 +10,14 @@ the shell emits each one, so they are logged and narrated like every other) and 
 shell must carry out (take a worker out, fail a plan's steps, wake the re-planner, ping every
 worker, record a measurement, send a prefill with its prefix decision, settle or fail a step's
 future, send a lane's batch, arm a lane's timer, quarantine a worker). A worker's LOADED goes
-through ``loaded`` (whose it is: a LOAD's waiter, a switch's KV move, a checkpoint's copy).
+through ``loaded`` (whose it is: a LOAD's waiter, a switch's KV move, a checkpoint's copy), an
+API request's admission through ``admission`` (admit, queue or refuse it; when one leaves, who in
+line starts: the book is ``ClusterState.admission``, ``admission_book``).
 
-Driven by ``connections`` (heartbeats, frames heard, pongs, LOADED), ``prefix_cache`` (prefills)
-and ``steps`` (the step path: the in-flight table and the lanes are ``ClusterState.steps``,
-``step_book``). The API requests still go through their shell's own code (``requests``).
+Driven by ``connections`` (heartbeats, frames heard, pongs, LOADED), ``prefix_cache`` (prefills),
+``steps`` (the step path: the in-flight table and the lanes are ``ClusterState.steps``,
+``step_book``) and ``scheduling.Admission`` (the API's admission shell: its waiters' futures).
+A request's token loop once admitted is still its shell's own code (``requests``).
 """
 
 from __future__ import annotations

@@ -203,13 +203,16 @@ TEACHER_TEXT = '''def merge_sorted(a: list[int], b: list[int]) -> list[int]:
 '''
 
 
-@pytest.mark.parametrize("gpu_units", [2, pytest.param(None, marks=pytest.mark.slow)], ids=["2-gpu-layers", "all-layers"])
+@pytest.mark.parametrize("gpu_units", [1, pytest.param(None, marks=pytest.mark.slow)], ids=["1-gpu-layer", "all-layers"])
 def test_gpu_form_agrees_with_the_cpu_on_qwen(home, software_gpu, gpu_units):
     """Teacher-forced top-1 of Qwen2.5-Coder-0.5B (the file's own blocks) through a pipeline whose
-    layers 1-2 (``-m slow``: all 24) run on the software GPU in the GPU form, against the same
-    pipeline on the CPU: >= 99% of positions (one prefill returns every position's top id). The
+    first layer (``-m slow``: all 24) runs on the software GPU in the GPU form, against the same
+    pipeline on the CPU: >= 99% of 106 positions (one prefill returns every position's top id). The
     embedding and head stay on the CPU in both: the head's vocab-wide product over every prompt
-    row is minutes on SwiftShader, and it is the layers' arithmetic that differs between kinds."""
+    row is minutes on SwiftShader, and it is the layers' arithmetic that differs between kinds.
+    One layer holds every operator of the GPU form (norms, rope, grouped-query attention over all
+    positions, the quantized projections, the MLP), and its error passes through the 23 CPU layers
+    to the top-1; a second layer on SwiftShader cost ~8 s of compute (quiet box), ~40 s in the suite."""
     from edgepipe.model.store import missing_reference, reference_gguf
 
     assert missing_reference("qwen05") is None, missing_reference("qwen05")
@@ -259,7 +262,7 @@ def test_gpu_sliding_windows_logprobs_and_masks_work_as_on_the_cpu(home, int4_pk
         path = write_tiny_gguf({str(tmp_path / "gemma3.gguf")!r}, "gemma3", seed=11)
         pkg = Package(import_model(path, {str(tmp_path / "models")!r}, "fp32", max_context=256, measure_cost=False))
         ids = pkg.tokenizer.encode(PROMPT)
-        def decode(n=24):
+        def decode(n=12):  # the 19-token prompt is past the window; 12 steps cross two more drops (slack 8)
             pipe = pkg.pipeline([], devices=[gpu])
             feed, out = ids, []
             for _ in range(n):

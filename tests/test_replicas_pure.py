@@ -193,6 +193,9 @@ class _Manifest:
     def variant(self, index, precision):
         return self.units[index]
 
+    def kv_bytes_per_token(self, index, precision=None):
+        return self.units[index].kv_bytes_per_token
+
 
 class _Model:
     def __init__(self, n_units):

@@ -91,6 +91,7 @@ def rule_reference(int4_pkg, fp32_pkg, prompt: str, **params) -> list[int]:
     return tokens[:ends[0]] if ends else tokens
 
 
+@pytest.mark.slow  # by default test_beside_other_requests checks a sampled request's rule tokens, their repeat and the counters
 def test_sampled_tokens_follow_the_sampling_rule(int4_pkg, fp32_pkg, spec_server):
     """A sampled request's model drafts go to the last stage with their distribution and it applies
     the speculative-sampling rule: through the coordinator and 3 workers, the tokens of the same
@@ -145,7 +146,9 @@ def test_a_response_format_speculates_with_a_mask_per_position(int4_pkg, spec_se
 
 def test_beside_other_requests(int4_pkg, fp32_pkg, spec_server):
     """A greedy speculating request, a sampled one (speculating by the rule) and one with a logit
-    bias (decoding a token per step in a lane) at once: each gets its solo tokens."""
+    bias (decoding a token per step in a lane) at once: each gets its solo tokens. The sampled one,
+    asked again after what the server served since, repeats its seed's tokens (a draft length that
+    started from the server's history would not), and the counters equal the status."""
     bias = {str(int4_pkg.tokenizer.encode(" the")[0]): -5}
     jobs = [(EDIT, dict(max_tokens=40, temperature=0)),
             (CHAT, dict(max_tokens=24, temperature=0.8, seed=7)),
@@ -159,6 +162,12 @@ def test_beside_other_requests(int4_pkg, fp32_pkg, spec_server):
     for choice, ref in zip(choices, expected):
         assert choice["token_ids"] == (ref if isinstance(ref, list) else without_eos(int4_pkg, ref.tokens))
     assert spec_server.status()["speculation"]["passes"] > before
+    assert ask(spec_server, CHAT, **jobs[1][1])["token_ids"] == expected[1]
+    metrics = {line.split()[0]: float(line.split()[1]) for line in spec_server.client.get("/metrics").text.splitlines()
+               if line.startswith("edgepipe_speculative_")}
+    status = spec_server.status()["speculation"]  # a pass the rule cut short still counts every draft it carried
+    assert (metrics["edgepipe_speculative_drafted_tokens_total"], metrics["edgepipe_speculative_kept_tokens_total"]) == (
+        status["drafted"], status["kept"]) and status["by_rule"] > 0
 
 
 def stream_text(server, prompt: str, max_tokens: int, on_piece=None) -> str:

@@ -225,6 +225,25 @@ def test_drafts_for_the_next_pass_are_made_during_this_one():
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("timed", [False, True])
+def test_an_acceptance_only_length_starts_every_request_alike(timed):
+    """A seeded request decided by the sampling rule repeats its tokens only if its draft lengths
+    do: with acceptance-only lengths a new request starts from the same rate whatever the server
+    served before; timed lengths (whose tokens follow the machine anyway) start from the drafts'
+    overall acceptance once there is some."""
+    from edgepipe.cluster.speculation import PRIOR_AFTER, Speculation
+
+    fresh = Speculation(NgramDrafter(), k_max=8, timed=timed)
+    busy = Speculation(NgramDrafter(), k_max=8, timed=timed)
+    for n in range(PRIOR_AFTER + 2):  # other requests, every draft kept
+        busy.learn(f"other{n}", 6, 6)
+    first, later = fresh._length("r"), busy._length("r")
+    if timed:
+        assert later.rate == 1.0 and first.rate == 0.6
+    else:
+        assert (later.rate, later.k) == (first.rate, first.k) == (0.6, first.k)
+
+
 def test_lookup_then_model_drafts_for_free_where_the_lookup_finds_a_match():
     """Prompt lookup first; the model only where it finds nothing. For the sampling rule a lookup
     draft's distribution is its one token (it is certain given the ids)."""

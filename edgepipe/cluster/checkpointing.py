@@ -85,13 +85,13 @@ class Checkpoints:
         loop = asyncio.get_running_loop()
         # from the first frame on, a holder may be part-way; the name is placed and flying (``checkpoints.book``)
         p.emit(S.CheckpointSending(rid, name, spare, needs, q.kv_len))
-        nbytes = 0
+        nbytes, kv_from = 0, deploy.worker_kv_bytes(cluster, p.package.manifest, p.settings.precision)
         for cp in copies:
             move, fut = next(self._moves), loop.create_future()
             self.acks[move] = fut
             p.emit(S.CopySent(move, rid, cp.src, cp.dst))
             futures.append((move, cp.dst, fut))
-            nbytes += (q.kv_len - since) * sum(kv_per_unit[cp.start:cp.end])
+            nbytes += (q.kv_len - since) * sum(kv_from(cp.src)[cp.start:cp.end])  # in the form the source keeps
             link = p.links().get(cp.src)
             dst = workers[cp.dst].hello
             msg = KvExport(seq, dep.plan_id, cp.start, cp.end, spare_plan, dst.data_url, move,

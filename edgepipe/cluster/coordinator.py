@@ -192,7 +192,8 @@ class Coordinator:
 
     def plan_context(self, workers: list[WorkerView]) -> PlanContext:
         """What the plan function decides from (it is given no more than this)."""
-        return PlanContext(self.cluster, self.profile, workers, self.clock(), self.kv_plan_positions(), self.recovery_s())
+        return PlanContext(self.cluster, self.profile, workers, self.clock(), self.kv_plan_positions(), self.recovery_s(),
+                           deploy.budget_form(self.cluster, self.manifest, self.settings.precision, [w.id for w in workers]))
 
     @property
     def kv_capacity(self) -> int | None:

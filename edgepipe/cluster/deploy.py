@@ -12,7 +12,7 @@ new one (``cluster.replicas``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from ..net.messages import Hello, Load
 from ..plan import Plan, Stage
@@ -161,7 +161,7 @@ def load_message(package, plan_id: int, start: int, end: int, precision: str | N
         package.stage_graph(start, end, precision, batch_invariant, gpu)
     return Load(plan=plan_id, start=start, end=end, graph=graph,
                 files=list(manifest.stage_files(start, end, precision)), next=nxt, keep=keep, max_context=manifest.max_context,
-                kv_bytes_per_token=sum(u.kv_bytes_per_token for u in manifest.units[start:end]), warm=warm,
+                kv_bytes_per_token=sum(manifest.kv_bytes_per_token(u, precision) for u in range(start, end)), warm=warm,
                 data_secret=data_secret)
 
 
@@ -182,7 +182,7 @@ def kv_capacity(state: ClusterState, manifest, precision_of, overhead_bytes: int
                 continue
             units = manifest.units[s.start:s.end]
             weights = sum(manifest.variant(u.index, precision_of(w)).weight_bytes for u in units)
-            per_position = sum(u.kv_bytes_per_token for u in units)
+            per_position = sum(manifest.kv_bytes_per_token(u.index, precision_of(w)) for u in units)
             if per_position:
                 mine.append(max(0, w.memory_bytes - weights - overhead_bytes) // per_position)
         if mine:
@@ -216,6 +216,26 @@ def precision_of(state: ClusterState, worker_id: str, manifest, serving: str | N
     known gets the cluster's own, ``serving``)."""
     w = state.workers.get(worker_id)
     return serving if w is None else worker_variant(w.hello, manifest, serving)
+
+
+def kv_bytes_per_unit(manifest, form: str | None) -> list[int]:
+    """KV bytes per position of every unit as ``form``'s variant keeps it (``Manifest.kv_bytes_per_token``:
+    the gguf form's cache is fp16, half the fp32 one of the others; None: the package's own form)."""
+    return [manifest.kv_bytes_per_token(u.index, form) for u in manifest.units]
+
+
+def worker_kv_bytes(state: ClusterState, manifest, serving: str | None) -> Callable[[str], list[int]]:
+    """A worker id -> ``kv_bytes_per_unit`` in the form that worker is sent (``precision_of``): what
+    a copy of KV from it carries."""
+    return lambda worker_id: kv_bytes_per_unit(manifest, precision_of(state, worker_id, manifest, serving))
+
+
+def budget_form(state: ClusterState, manifest, serving: str | None, worker_ids: Iterable[str]) -> str | None:
+    """The form whose KV a budget over ``worker_ids`` counts: the one they are all sent; where they
+    get different forms, the one that keeps the most KV per position (the budget then holds on
+    each of them); no worker: the cluster's own (``serving``)."""
+    forms = {precision_of(state, w, manifest, serving) for w in worker_ids} or {serving}
+    return max(sorted(forms, key=str), key=lambda form: sum(kv_bytes_per_unit(manifest, form)))
 
 
 def computes_on_gpu(state: ClusterState, worker_id: str) -> bool:

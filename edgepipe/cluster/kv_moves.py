@@ -12,7 +12,7 @@ sequences arrived whole (every copy acknowledged) and which are rebuilt by repla
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from . import deploy, replicas
 from .events import KvMoveEnded, KvMoveSent  # noqa: F401 - the events of a move, as kv_moves.X
@@ -33,10 +33,13 @@ class MovePlan:
 
 
 def plan(state, old: Deployment, new: Deployment, units, profile,
-         new_route: Callable[[str], replicas.Route] = lambda rid: ()) -> MovePlan | None:
+         new_route: Callable[[str], replicas.Route] = lambda rid: (),
+         kv_from: Callable[[str], Sequence[int]] | None = None) -> MovePlan | None:
     """The moves of a switch from ``old`` to ``new`` (None: no live sequence has KV on ``old``).
     Where a plan replicates a stage, a sequence's copies go from its route on ``old`` (recorded
-    in the state; none: it is replayed) to ``new_route(rid)`` on ``new``."""
+    in the state; none: it is replayed) to ``new_route(rid)`` on ``new``. ``kv_from(worker)``: KV
+    bytes per position of each unit in the form the worker keeps (``deploy.worker_kv_bytes``; a
+    copy carries its source's); None: the units' own figures."""
     live = {rid: q for rid, q in sorted(state.requests.items()) if q.plan == old.plan_id and q.kv_len > 0}
     if not live:
         return None
@@ -44,6 +47,7 @@ def plan(state, old: Deployment, new: Deployment, units, profile,
     if any(w not in workers or workers[w].relay for w in set(old.workers) | set(new.workers)):
         return MovePlan((), tuple(live), 0, 0.0, relayed=True)
     kv_per_unit = [u.kv_bytes_per_token for u in units]
+    kv_of = kv_from or (lambda worker: kv_per_unit)
     per_seq: dict[str, list[deploy.KvCopy] | None] = {}
     for rid in live:
         old_route = replicas.routed(state.requests, old, rid)
@@ -55,10 +59,10 @@ def plan(state, old: Deployment, new: Deployment, units, profile,
     # for all of them at once: every byte that changes hands against every position replayed.
     # Nothing to copy: every KV stays where it is, on stages whose range did not change.
     if copies and not _move_is_cheaper(profile, old, new, sum(q.kv_len for q in live.values()),
-                                       sum(kv_per_unit[u] for cp in copies for u in range(cp.start, cp.end))):
+                                       sum(kv_of(cp.src)[u] for cp in copies for u in range(cp.start, cp.end))):
         return MovePlan((), tuple(live), 0, 0.0)
     sent = tuple((rid, cp) for rid in live for cp in per_seq[rid] or ())
-    moved_bytes = sum(live[rid].kv_len * sum(kv_per_unit[cp.start:cp.end]) for rid, cp in sent)
+    moved_bytes = sum(live[rid].kv_len * sum(kv_of(cp.src)[cp.start:cp.end]) for rid, cp in sent)
     return MovePlan(sent, tuple(rid for rid in live if per_seq[rid] is None), moved_bytes,
                     timeout_s(profile, old, moved_bytes), stay=tuple(rid for rid in live if per_seq[rid] == []))
 

@@ -19,7 +19,7 @@ import itertools
 from typing import Callable
 
 from ..net.messages import Drop, KvExport, Loaded
-from . import kv_moves, replicas, state as S
+from . import deploy, kv_moves, replicas, state as S
 from .placement import Deployment
 from .ports import Ports
 
@@ -41,7 +41,8 @@ class KvMigration:
         ``kv_moves.plan`` says moving is cheaper; the rest, and any move that fails, replay."""
         p = self.ports
         state = p.state()
-        moves = kv_moves.plan(state, old, new, p.package.manifest.units, p.profile, lambda rid: self.route(new, rid))
+        moves = kv_moves.plan(state, old, new, p.package.manifest.units, p.profile, lambda rid: self.route(new, rid),
+                              deploy.worker_kv_bytes(state, p.package.manifest, p.settings.precision))
         if moves is None:
             return {}
         if moves.relayed:

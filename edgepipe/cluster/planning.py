@@ -34,6 +34,7 @@ class PlanContext:
     now: float
     kv_positions: int  # deploy.kv_plan_positions: what the running sequences may grow to
     recovery_s: float  # median seconds from losing the running plan to the next one up
+    kv_form: str | None = None  # the form whose KV a plan budgets (deploy.budget_form; None: the package's own)
 
     @property
     def sequences(self) -> int:
@@ -84,7 +85,7 @@ class PlannerPolicy(PlanPolicy):
         """The model profile with KV sized for what is running (``PlanContext.kv_positions``),
         spread over the sequences the request counts: not every sequence at full context."""
         sequences = self.request(ctx).sequences
-        return ctx.profile.model_profile(context_tokens=-(-ctx.kv_positions // sequences))
+        return ctx.profile.model_profile(context_tokens=-(-ctx.kv_positions // sequences), kv_form=ctx.kv_form)
 
     def __call__(self, ctx: PlanContext):
         prof, workers = ctx.profile, ctx.workers
@@ -129,7 +130,7 @@ class PlannerPolicy(PlanPolicy):
         cost seconds, so a noisy small gain is not worth it."""
         before = {u: d for s in running.stages for d in s.device_ids for u in range(s.start, s.end)}
         after = {u: d for s in best.stages for d in s.device_ids for u in range(s.start, s.end)}
-        per_token = sum(ctx.profile.manifest.units[u].kv_bytes_per_token for u in after if before.get(u) != after[u])
+        per_token = sum(ctx.profile.manifest.kv_bytes_per_token(u, ctx.kv_form) for u in after if before.get(u) != after[u])
         positions = sum(q.kv_len for q in ctx.state.requests.values())
         slowest = min((bandwidths[d] for d in set(before.values()) if d in bandwidths), default=0.0)
         return per_token * positions / slowest if slowest > 0 else 0.0

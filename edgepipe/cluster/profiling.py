@@ -219,10 +219,12 @@ class ClusterProfile:
         m.speed = anchor[1] * anchor[0] / median
 
     # -- profiles out ---------------------------------------------------------------------------
-    def model_profile(self, precision: str | None = None, context_tokens: int | None = None) -> ModelProfile:
-        """``context_tokens``: KV positions to plan per sequence (default: the full context)."""
+    def model_profile(self, precision: str | None = None, context_tokens: int | None = None, kv_form: str | None = None) -> ModelProfile:
+        """``context_tokens``: KV positions to plan per sequence (default: the full context);
+        ``kv_form``: the form whose KV is counted (default: ``precision``'s)."""
         m = self.manifest
-        units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, m.kv_bytes_per_token(u.index, precision),
+        kv_form = kv_form or precision
+        units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, m.kv_bytes_per_token(u.index, kv_form),
                                   u.out_bytes_per_token, u.kv_window) for u in m.units)
         return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES)
 

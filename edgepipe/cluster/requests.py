@@ -27,7 +27,7 @@ from ..net.limits import KV_RESERVE_TOKENS
 from ..runtime import controls
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta
 from ..runtime.speculative import accept_greedy
-from . import checkpoints, measurements as M, scheduling, state as S
+from . import checkpoints, deploy, measurements as M, scheduling, state as S
 from .placement import Deployment
 from .ports import Ports
 from .profiling import RUNTIME_OVERHEAD_BYTES
@@ -102,7 +102,9 @@ class Requests:
         p = self.ports
         manifest = p.package.manifest
         weights = sum(manifest.variant(u.index, p.settings.precision).weight_bytes for u in manifest.units)
-        return weights, sum(u.kv_bytes_per_token for u in manifest.units) * min(KV_RESERVE_TOKENS, manifest.max_context)
+        state = p.state()  # KV as the workers keep it: the gguf form's fp16 cache is half the others' fp32
+        kv = deploy.kv_bytes_per_unit(manifest, deploy.budget_form(state, manifest, p.settings.precision, state.workers))
+        return weights, sum(kv) * min(KV_RESERVE_TOKENS, manifest.max_context)
 
     def lacking(self) -> str | None:
         """Why the connected workers cannot hold the model (None: they may)."""

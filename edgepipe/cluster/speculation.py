@@ -39,7 +39,7 @@ PER_POSITION_CONTROLS = ("adjust_ids", "repeat_ids", "targets")
 AHEAD_RATE = 0.8  # draft the next pass during this one once this share of drafts is kept
 TIMED_SAMPLES = 128  # recent passes and draft waits the pass costs are measured from
 TIMED_RETRY_AFTER = 32  # timed: plain steps before a paused request tries one draft again (a probe costs a draft step)
-PRIOR_AFTER = 8  # passes after which a new request starts from the drafter's overall acceptance rate
+PRIOR_AFTER = 8  # timed: passes after which a new request starts from the drafter's overall acceptance rate
 CATCH_UP_WAIT_S = 0.05  # timed, before a plain step is measured: how long a pass waits for the drafter to take in a request's ids
 
 
@@ -179,7 +179,11 @@ class Speculation:
     def _length(self, rid: str) -> DraftLength:
         length = self.lengths.get(rid)
         if length is None:
-            rate = self.stats.acceptance if self.stats.passes >= PRIOR_AFTER else 0.6  # a new request starts from what drafts got so far
+            # Timed, a new request starts from what drafts got so far. Acceptance-only lengths start
+            # every request from the same rate: a sampled request decided by the rule draws its
+            # tokens pass by pass, so a start that followed the server's history would give a seed
+            # other tokens after other requests (what the length becomes is then its own drafts' doing).
+            rate = self.stats.acceptance if self.timed and self.stats.passes >= PRIOR_AFTER else 0.6
             length = self.lengths[rid] = DraftLength(k_max=self.k_max, worth=self.worth, rate=rate, costs=self.costs(),
                                                      retry_after=TIMED_RETRY_AFTER if self.timed else 16)
         return length

@@ -96,6 +96,13 @@ def _fetched(state: WorkerState, event: Fetched) -> tuple[WorkerState, list[Comm
     return state, commands + [BuildSession(load, event.fetched_bytes, event.weight_bytes, event.repaired)]
 
 
+def _kv_move_bytes(load: Load, session: Session) -> int:
+    """KV bytes per position a move or checkpoint into this stage may carry: the LOAD counts the
+    stage's own cache (fp16 in the gguf form), but a worker of the fp32 form may send its KV (the
+    import converts), so the frame limit allows fp32."""
+    return int(load.kv_bytes_per_token or 0) * 4 // session.kv_itemsize
+
+
 def _built(state: WorkerState, event: Built) -> tuple[WorkerState, list[Command]]:
     load, session = event.load, event.session
     state = replace(state, sessions={**state.sessions, load.graph: session})
@@ -105,7 +112,7 @@ def _built(state: WorkerState, event: Built) -> tuple[WorkerState, list[Command]
         if load.plan < 0:  # the spare plan's stage: it takes KV checkpoints (cluster.checkpoints), never a FORWARD
             spare = Stage(load.plan, load.start, load.end, load.graph, load.next, event.weight_bytes,
                           secret=data_secret(state, state.data_url, load.plan, load.data_secret),
-                          frame_limit=limits.data_frame_limit(int(load.max_context or 4096), session.hidden, int(load.kv_bytes_per_token or 0)),
+                          frame_limit=limits.data_frame_limit(int(load.max_context or 4096), session.hidden, _kv_move_bytes(load, session)),
                           max_context=load.max_context)
             state = replace(state, stages={**state.stages, load.plan: spare}, spare=load.plan)
         state = _forget_sessions(state)
@@ -113,7 +120,7 @@ def _built(state: WorkerState, event: Built) -> tuple[WorkerState, list[Command]
     else:
         stage = Stage(load.plan, load.start, load.end, load.graph, load.next, event.weight_bytes,
                       secret=data_secret(state, state.data_url, load.plan, load.data_secret),
-                      frame_limit=limits.data_frame_limit(int(load.max_context or 4096), session.hidden, int(load.kv_bytes_per_token or 0)),
+                      frame_limit=limits.data_frame_limit(int(load.max_context or 4096), session.hidden, _kv_move_bytes(load, session)),
                       max_context=load.max_context)
         state = replace(state, stages={**state.stages, load.plan: stage})
     reply = {"ok": True, "load_s": event.load_s, "fetched_bytes": event.fetched_bytes, "weight_bytes": event.weight_bytes,

@@ -23,6 +23,7 @@ class Session:
     hidden: int  # width of the activations in (0: token ids or unknown)
     layers: tuple[int, ...]  # decoder layers it holds KV for (none: embedding or head alone)
     vocab: int | None = None
+    kv_itemsize: int = 4  # bytes of one KV element as the graph keeps it (the gguf form's fp16 cache: 2)
 
 
 @dataclass(frozen=True)

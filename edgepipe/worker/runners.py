@@ -34,7 +34,8 @@ def failure(exc: BaseException) -> tuple[ErrorCode, str]:
 def session_of(graph: str, runner: StageRunner) -> core.Session:
     shape = next(i for i in runner.session.get_inputs() if i.name == runner.input_name).shape
     hidden = 0 if runner.takes_token_ids else (int(shape[-1]) if isinstance(shape[-1], int) else 0)
-    return core.Session(graph, runner.takes_token_ids, runner.emits_tokens, hidden, tuple(runner.layers), runner.vocab)
+    return core.Session(graph, runner.takes_token_ids, runner.emits_tokens, hidden, tuple(runner.layers), runner.vocab,
+                        np.dtype(runner.kv_dtype).itemsize)
 
 
 class Runners:

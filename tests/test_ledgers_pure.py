@@ -20,7 +20,7 @@ def test_a_note_has_one_of_the_listed_kinds():
     assert "up" not in {k.value for k in S.NoteKind}  # a plan serving is its Committed, not a note
     line = narrate.entry(S.Noted(S.NoteKind.REFUSED, {"peer": "10.0.0.2", "reason": "wrong token"}, 1.0), S.ClusterState(), None, 5.0)
     assert line == {"t": 5.0, "kind": "refused", "peer": "10.0.0.2", "reason": "wrong token"}
-    assert S.apply(S.ClusterState(), S.Noted(S.NoteKind.PAUSE, {}, 1.0)) == S.ClusterState()
+    assert S.apply(S.ClusterState(), S.Noted(S.NoteKind.RESUME, {}, 1.0)) == S.ClusterState()
 
 
 def test_no_call_site_notes_a_kind_by_its_value():

@@ -1,6 +1,7 @@
 """Admission as the HTTP routes use it: ``cluster.scheduling.Admission`` with its refusal as a 429.
 
-The policy lives in ``edgepipe.cluster.scheduling``; this wrapper only turns ``QueueFull`` into
+The decision is ``edgepipe.cluster.core.admission`` (its book ``ClusterState.admission``), its
+shell ``edgepipe.cluster.scheduling.Admission``; this wrapper only turns ``QueueFull`` into
 an OpenAI-shaped ``APIError(429)`` with ``Retry-After``, so the routes keep their one call.
 """
 

@@ -126,6 +126,6 @@ def create_app(coordinator, package, api_key: str | None = None, join_token: str
     s.model_names = [package.manifest.name, "smollm2"] if package.manifest.name.startswith("smollm2") else [package.manifest.name]
     s.metrics = metrics or Metrics(package.manifest.hidden_size)
     s.admission = admission or Admission()
-    s.admission.capacity = lambda: coordinator.kv_capacity
+    s.admission.bind(coordinator)  # its book is the coordinator's ``ClusterState.admission``
     coordinator.on_step = s.metrics.on_step
     return app

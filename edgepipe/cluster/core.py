@@ -10,11 +10,14 @@ the shell emits each one, so they are logged and narrated like every other) and 
 shell must carry out (take a worker out, fail a plan's steps, wake the re-planner, ping every
 worker, record a measurement, send a prefill with its prefix decision, settle or fail a step's
 future, send a lane's batch, arm a lane's timer, quarantine a worker). A worker's LOADED goes
-through ``loaded`` (whose it is: a LOAD's waiter, a switch's KV move, a checkpoint's copy).
+through ``loaded`` (whose it is: a LOAD's waiter, a switch's KV move, a checkpoint's copy), an
+API request's admission through ``admission`` (admit, queue or refuse it; when one leaves, who in
+line starts: the book is ``ClusterState.admission``, ``admission_book``).
 
-Driven by ``connections`` (heartbeats, frames heard, pongs, LOADED), ``prefix_cache`` (prefills)
-and ``steps`` (the step path: the in-flight table and the lanes are ``ClusterState.steps``,
-``step_book``). The API requests still go through their shell's own code (``requests``).
+Driven by ``connections`` (heartbeats, frames heard, pongs, LOADED), ``prefix_cache`` (prefills),
+``steps`` (the step path: the in-flight table and the lanes are ``ClusterState.steps``,
+``step_book``) and ``scheduling.Admission`` (the API's admission shell: its waiters' futures).
+A request's token loop once admitted is still its shell's own code (``requests``).
 """
 
 from __future__ import annotations
@@ -217,4 +220,64 @@ def loaded(state: ClusterState, answer: LoadAnswered) -> Handled:
         return Handled(state, (), (AckKvMove(reply),))
     if reply.kv_received in state.checkpoint_copies.copies:
         return Handled(state, (), (AckCheckpointCopy(reply),))
+    return Handled(state)
+
+
+# -- an API request's admission (``admission``, driven by ``scheduling.Admission``; the book is ``ClusterState.admission``) --
+from . import admission_book as AB  # noqa: E402 - this section's own import, kept with it
+
+
+@dataclass(frozen=True)
+class AdmitAsked:
+    """An accepted API request asks for a slot under ``ticket``; its KV may grow to ``positions``."""
+
+    ticket: int
+    positions: int
+    capacity: int | None  # KV positions the workers' budgets hold now (None: unbounded; ``deploy.kv_capacity``)
+
+
+@dataclass(frozen=True)
+class AdmitLeft:
+    """``ticket`` is done with its slot, or gives up its place in line (a client gone while it waited)."""
+
+    ticket: int
+    capacity: int | None
+
+
+@dataclass(frozen=True)
+class StartRequest:
+    """``ticket`` has its slot: hand it to its waiter, whose token loop starts (a waiter already gone gives it back)."""
+
+    ticket: int
+
+
+@dataclass(frozen=True)
+class RefuseRequest:
+    """Refuse ``ticket`` now (the API's 429 with ``Retry-After``)."""
+
+    ticket: int
+    why: str
+    retry_after_s: int
+
+
+def admission(state: ClusterState, asked: AdmitAsked | AdmitLeft, limits: AB.Limits) -> Handled:
+    """Admit, queue or refuse a request; when one leaves, who in line starts (pure). A ticket
+    queued gets no command: its waiter waits for a ``StartRequest``."""
+    book = state.admission
+    match asked:
+        case AdmitAsked(ticket, positions, capacity):
+            verdict = AB.decide(book, positions, capacity, limits)
+            if verdict is AB.Verdict.ADMIT:
+                return _after(state, (AB.Admitted(ticket, positions),), (StartRequest(ticket),))
+            if verdict is AB.Verdict.QUEUE:
+                return _after(state, (AB.Queued(ticket, positions),))
+            why = f"server busy: {len(book.running)} requests running and {len(book.waiting)} queued; retry later"
+            return _after(state, (AB.Refused(ticket, why),), (RefuseRequest(ticket, why, limits.retry_after_s),))
+        case AdmitLeft(ticket, capacity) if ticket in book.running:
+            ended = apply(state, AB.AdmissionEnded(ticket))
+            started = AB.starts(ended.admission, capacity, limits)
+            return _after(state, (AB.AdmissionEnded(ticket), *started), tuple(StartRequest(e.ticket) for e in started))
+        case AdmitLeft(ticket, _) if any(t == ticket for t, _ in book.waiting):
+            # as before the book: a place given up in line starts nobody (the next release does)
+            return _after(state, (AB.AdmissionEnded(ticket),))
     return Handled(state)

@@ -8,10 +8,10 @@ decisions are in ``membership``, ``scheduling`` and ``deploy``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Mapping
 
 from ..net.messages import Hello
+from .notes import Noted, NoteKind  # noqa: F401 - the lines that change no state, as events.X
 from .placement import Deployment, StageAssignment
 
 @dataclass(frozen=True)
@@ -187,44 +187,6 @@ class SwitchEnded:
     now: float
 
 
-class NoteKind(str, Enum):
-    """Every kind of dashboard line that changes no state (``Noted``): a new one is added here.
-    A line about a change of state is not a note but read from its event (``narrate.entry``):
-    ``up`` (``Committed``), ``checkpoint`` (``CheckpointStored``), ``spare_unbuilt``
-    (``SpareLoaded``), ``probe_overruled`` (the ``Distrusted`` measurement)."""
-
-    THROTTLED = "throttled"  # a peer opening worker channels too fast (api)
-    REFUSED = "refused"  # a worker channel refused (bad hello, wrong token, bad frame)
-    IGNORED = "ignored"  # a frame ignored (a relay or token from a stage that may not send it)
-    INVALID_FRAME = "invalid_frame"
-    VARIANT = "variant"  # a precision variant built, ready or skipped
-    MDNS_UNAVAILABLE = "mdns_unavailable"
-    WORKER_RESTARTED = "worker_restarted"  # serve's supervisor started a local worker process again
-    PAUSE = "pause"  # a sequence lost its plan and waits for the next
-    RECOVERED = "recovered"  # ... and took a step again
-    RESUME = "resume"  # ... from a KV checkpoint on the spare
-    STAGES_TIMED = "stages_timed"
-    STAGE_TIMING_FAILED = "stage_timing_failed"
-    CALIBRATION_FAILED = "calibration_failed"
-    CALIBRATION_NOT_SAVED = "calibration_not_saved"
-    LINK_PROBE_FAILED = "link_probe_failed"
-    BLOB_REPAIRED = "blob_repaired"
-    SPARE_FAILED = "spare_failed"
-    DRAFTER = "drafter"  # a drafter worker loading, ready or failed (``cluster.drafting``)
-    DRAFT_SITE = "draft_site"  # the draft moved to another site (this process or a drafter worker)
-
-
-@dataclass(frozen=True)
-class Noted:
-    """A line for the dashboard that changes nothing in the state (a refused join, a failed
-    probe): logged like every event, so the dashboard's lines all come from the log
-    (``narrate.entry``). ``NoteKind(kind)`` rejects a kind not listed there."""
-
-    kind: NoteKind
-    fields: Mapping
-    now: float
-
-
 @dataclass(frozen=True)
 class RequestStarted:
     rid: str
@@ -233,12 +195,25 @@ class RequestStarted:
 
 @dataclass(frozen=True)
 class RequestFed:
-    """A step's token came back: the sequence's KV lives on ``plan`` with ``kv_len`` tokens."""
+    """A step's token came back: the sequence's KV lives on ``plan`` with ``kv_len`` tokens (it
+    ends a pause: the dashboard's ``recovered`` line)."""
 
     rid: str
     seq: str
     plan: int | None
     kv_len: int
+    now: float | None = None
+
+
+@dataclass(frozen=True)
+class RequestPaused:
+    """``rid``'s step ``step`` broke (its plan was lost, or gave the step up): it waits for a plan
+    to take it again, paused from ``now`` until its next ``RequestFed``."""
+
+    rid: str
+    step: int
+    why: str
+    now: float
 
 
 @dataclass(frozen=True)
@@ -293,5 +268,5 @@ class ProbeAccepting:
 
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
          | Committing | Committed | PlanFailed | SpareChosen | SpareLoaded | Pinned | Repriced | SecretsIssued | SwitchStarted | SwitchEnded | Noted
-         | RequestStarted | RequestFed | Routed | KvMoved | KvMoveSent | KvMoveEnded
+         | RequestStarted | RequestFed | RequestPaused | Routed | KvMoved | KvMoveSent | KvMoveEnded
          | RequestEnded | ProbeAccepting)

@@ -161,6 +161,11 @@ def _fields(event, state, profile) -> dict | None:
         case PrefixDone(_, False) if state.prefix.last_drop:
             blocks, why = state.prefix.last_drop
             return {"kind": "prefix_dropped", "blocks": blocks, "why": why}
+        case E.RequestPaused(rid, step, why, now) if (q := state.requests.get(rid)) is not None and q.paused == (now, step):
+            return {"kind": "pause", "request": rid, "step": step, "why": why}
+        case E.RequestFed(rid, _, plan, _, now) if now is not None and (q := state.requests.get(rid)) is not None and q.recovered:
+            since, step = q.recovered
+            return {"kind": "recovered", "request": rid, "step": step, "seconds": round(now - since, 3), "plan": plan}
         case E.Committed(dep, _, timings) if timings is not None:
             return {"kind": "up", "plan": dep.plan_id, "prepare_s": timings.prepare_s, "paused_s": timings.paused_s,
                     "fetched_bytes": timings.fetched_bytes, "predicted": dep.predicted, "replaced": timings.replaced, **timings.moved}

@@ -130,7 +130,7 @@ class Requests:
         rewind = False  # the stages hold drafts the last verify rejected
         p.emit(S.RequestStarted(rid, len(state.prompt_ids) + state.params.max_tokens))
         try:
-            paused_at, broken, last_progress, why = None, 0, p.clock(), ""
+            broken, last_progress, why = 0, p.clock(), ""
             while not state.finished:
                 step = len(state.generated)
                 dep = await self.wait_up(last_progress)
@@ -169,9 +169,8 @@ class Requests:
                     why = str(exc)
                     if p.clock() - last_progress >= p.settings.max_wait_s:
                         raise RequestFailed(f"no token for {p.clock() - last_progress:.0f} s: {why}") from None
-                    if paused_at is None:
-                        paused_at = p.clock()
-                        p.note(S.NoteKind.PAUSE, request=rid, step=step, why=why)
+                    if p.state().requests[rid].paused is None:  # the first break since its last token (its dashboard line)
+                        p.emit(S.RequestPaused(rid, step, why, p.clock()))
                     fed_plan, broken = -1, broken + 1
                     # Stages before the failure may have taken the step: its KV there is no longer
                     # known to be whole, so a move that brought it is void and the retry replays.
@@ -183,9 +182,6 @@ class Requests:
                     await asyncio.sleep(min(0.01 * broken, 0.25))
                     continue
                 broken, last_progress = 0, p.clock()
-                if paused_at is not None:
-                    p.note(S.NoteKind.RECOVERED, request=rid, step=step, seconds=round(p.clock() - paused_at, 3), plan=dep.plan_id)
-                    paused_at = None
                 fed_plan = dep.plan_id
                 tokens, entries = [token], [record.logprobs]
                 if drafts:
@@ -194,7 +190,7 @@ class Requests:
                     spec.learn(rid, len(drafts), len(tokens) - 1, by_rule=proposal.q is not None)
                     record.tokens_out = len(tokens)
                 rewind = bool(drafts) and len(tokens) < len(drafts) + 1  # the stages hold rejected drafts
-                p.emit(S.RequestFed(rid, seq, dep.plan_id, len(state.all_ids) + len(tokens) - 1))
+                p.emit(S.RequestFed(rid, seq, dep.plan_id, len(state.all_ids) + len(tokens) - 1, p.clock()))  # ends a pause
                 await self.checkpoints.after_step(rid, seq, dep, len(state.prompt_ids))
                 if head.get("logprobs") and record.logprobs is None:
                     raise RequestFailed("the last stage returned no logprobs (a worker older than logprobs)")

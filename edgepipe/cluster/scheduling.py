@@ -1,11 +1,10 @@
 """Scheduling decisions: which requests run (admission), how long one may wait for the cluster.
 
 Admission: at most ``max_active`` sequences run, and their KV must fit what the workers'
-budgets hold: a stage keeps one row per sequence, each as long as the longest, so a request is
-admitted while ``(running + 1) x max(longest running, its own prompt + max_tokens)`` fits in
-``capacity()`` KV positions (None: unbounded). One request always runs alone, so a request the
-plan can hold at all is never starved. The next ``max_queue`` wait in arrival order; beyond
-that :class:`QueueFull` (the API turns it into a 429 with ``Retry-After``).
+budgets hold; the next ``max_queue`` wait in arrival order; beyond that :class:`QueueFull` (the
+API turns it into a 429 with ``Retry-After``). The rule and the book of tickets are state
+(``admission_book``, ``ClusterState.admission``), the decision is ``core.admission``;
+:class:`Admission` is its shell, keeping only the futures of the requests in line.
 
 Waiting for Up: a request whose cluster is not Up waits, but not forever (``wait_verdict``):
 when the connected workers cannot hold the model at all it fails after ``capacity_wait_s``
@@ -17,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import deque
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
-from .state import ClusterState, Phase
+from . import admission_book as AB, core  # core imports this module too: its names are read at call time
+from .state import ClusterState, Phase, apply
 
 
 class AdmissionError(RuntimeError):
@@ -36,12 +36,33 @@ class QueueFull(AdmissionError):
 
 
 class Admission:
+    """The admission shell: asks ``core.admission`` and carries out its commands; the futures of
+    the requests waiting in line are the only thing it keeps. The book itself (who runs, who
+    waits) is ``ClusterState.admission``: the coordinator's once bound to it (``bind``: its events
+    go through the coordinator's ``emit``, so they are logged), a state of its own before."""
+
     def __init__(self, max_active: int = 16, max_queue: int = 64, retry_after_s: int = 1, capacity=lambda: None):
-        self.max_active, self.max_queue, self.retry_after_s = max_active, max_queue, retry_after_s
+        self.limits = AB.Limits(max_active, max_queue, retry_after_s)
         self.capacity = capacity  # () -> KV positions the workers' budgets hold, or None
-        self.running: dict[int, int] = {}  # ticket -> KV positions it may grow to
-        self._waiting: deque[tuple[asyncio.Future, int]] = deque()
+        self._own = ClusterState()
+        self._state: Callable[[], ClusterState] = lambda: self._own
+        self._emit: Callable[[object], object] = self._apply_own
+        self._waiters: dict[int, asyncio.Future] = {}  # ticket -> the future its caller awaits, while it waits in line
         self._tickets = itertools.count(1)
+
+    def bind(self, coordinator) -> None:
+        """Keep the book in ``coordinator``'s state (before any request is admitted)."""
+        self._state, self._emit = (lambda: coordinator.cluster), coordinator.emit
+        self.capacity = lambda: coordinator.kv_capacity
+
+    @property
+    def max_active(self) -> int:
+        return self.limits.max_active
+
+    @property
+    def running(self) -> Mapping[int, int]:
+        """Ticket -> KV positions it may grow to."""
+        return self._state().admission.running
 
     @property
     def active(self) -> int:
@@ -49,59 +70,51 @@ class Admission:
 
     @property
     def queued(self) -> int:
-        return len(self._waiting)
+        return len(self._state().admission.waiting)
 
     @property
     def limit(self) -> int:
         """Sequences that could run at once if each grew to the longest running one."""
-        cap = self.capacity()
-        if cap is None or not self.running:
-            return self.max_active
-        return max(1, min(self.max_active, cap // max(self.running.values())))
-
-    def fits(self, positions: int) -> bool:
-        if not self.running:
-            return True
-        if len(self.running) >= self.max_active:
-            return False
-        cap = self.capacity()
-        return cap is None or (len(self.running) + 1) * max(positions, *self.running.values()) <= cap
+        return AB.limit(self._state().admission, self.capacity(), self.limits)
 
     async def admit(self, positions: int = 0) -> int:
-        """Wait for a slot for a request whose KV may grow to ``positions``; returns its ticket."""
-        if not self._waiting and self.fits(positions):
-            return self._start(positions)
-        if len(self._waiting) >= self.max_queue:
-            raise QueueFull(f"server busy: {self.active} requests running and {len(self._waiting)} queued; retry later",
-                            self.retry_after_s)
+        """Wait for a slot for a request whose KV may grow to ``positions``; returns its ticket
+        (``QueueFull`` when the line is full)."""
+        ticket = next(self._tickets)
         fut = asyncio.get_running_loop().create_future()
-        entry = (fut, positions)
-        self._waiting.append(entry)
+        self._waiters[ticket] = fut
         try:
+            self._carry(core.admission(self._state(), core.AdmitAsked(ticket, positions, self.capacity()), self.limits))
             return await fut
         except asyncio.CancelledError:
-            if entry in self._waiting:
-                self._waiting.remove(entry)
-            elif fut.done() and not fut.cancelled():
-                self.release(fut.result())  # we were handed a slot as we left
+            self._leave(ticket)  # out of the line, or the slot it was handed as it left goes back
             raise
+        finally:
+            self._waiters.pop(ticket, None)
 
     def release(self, ticket: int | None) -> None:
-        self.running.pop(ticket, None)
-        while self._waiting:  # in arrival order: the head goes first, or nobody does
-            fut, positions = self._waiting[0]
-            if fut.done():
-                self._waiting.popleft()
-                continue
-            if not self.fits(positions):
-                return
-            self._waiting.popleft()
-            fut.set_result(self._start(positions))
+        if ticket is not None:
+            self._leave(ticket)
 
-    def _start(self, positions: int) -> int:
-        ticket = next(self._tickets)
-        self.running[ticket] = positions
-        return ticket
+    def _leave(self, ticket: int) -> None:
+        self._carry(core.admission(self._state(), core.AdmitLeft(ticket, self.capacity()), self.limits))
+
+    def _carry(self, handled) -> None:
+        for event in handled.events:
+            self._emit(event)
+        for command in handled.commands:
+            match command:
+                case core.StartRequest(ticket):
+                    fut = self._waiters.get(ticket)
+                    if fut is None or fut.done():  # its caller is gone: the slot goes back
+                        self._leave(ticket)
+                    else:
+                        fut.set_result(ticket)
+                case core.RefuseRequest(_, why, retry_after_s):
+                    raise QueueFull(why, retry_after_s)
+
+    def _apply_own(self, event) -> None:
+        self._own = apply(self._own, event)
 
 
 # -- waiting for the cluster ----------------------------------------------------------------------

@@ -72,7 +72,9 @@ class World:
         # the planner's policy (objective, switch-or-stay, churn) and its spare plan for recovery.
         coord = Coordinator(FakePackage(), CoordinatorSettings(**SETTINGS), plan_fn=PlannerPolicy(), clock=asyncio.get_running_loop().time)
         await coord.start()
-        self.coordinators.append((coord, Admission(max_active=4, max_queue=8, capacity=lambda: coord.kv_capacity)))
+        admission = Admission(max_active=4, max_queue=8)
+        admission.bind(coord)  # as ``create_app`` does: the book is the coordinator's state
+        self.coordinators.append((coord, admission))
 
 
 async def _client(world: World, req: Req, rid: str, report: Report) -> None:

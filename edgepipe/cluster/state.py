@@ -2,9 +2,9 @@
 
 Everything the control plane decides from lives here: the workers (what they declared, when
 they were last heard, how regular their heartbeats are, whether they are suspected:
-``worker_info``), the
-plan slots (active, preparing, spare), the running requests (their KV reservation, the
-sequence id and plan that hold their KV) and the phase (Down -> Preparing -> Committing -> Up).
+``worker_info``), the plan slots (active, preparing, spare), the running requests (their KV
+reservation, the sequence id and plan that hold their KV), the API's admission tickets
+(``admission_book``) and the phase (Down -> Preparing -> Committing -> Up).
 Channels, futures and tasks are I/O and stay in the coordinator's shell.
 
 ``apply(state, event) -> state`` is pure and total: an event about a worker or request that is
@@ -20,12 +20,12 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Mapping
 
-from . import step_book as SB  # the steps in flight and the lanes
+from . import admission_book as AB, step_book as SB  # the API's admission ledger; the steps in flight and the lanes
 # The event types (``events``), re-exported so callers write ``state.Heard(...)``.
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
     EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, SpareLoaded, Pinned, Repriced,
-    SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, Routed, KvMoved, KvMoveSent,
+    SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, RequestPaused, Routed, KvMoved, KvMoveSent,
     KvMoveEnded, RequestEnded, Event, ProbeAccepting,
 )
 from . import checkpoints as K, prefix_book as PB
@@ -61,6 +61,8 @@ class RequestInfo:
     migrated_to: int | None = None  # a plan that received its KV by a move (resume there without replay)
     resume: Resume | None = None  # a committed plan that holds a checkpoint of its KV (replay only what came after it)
     route: tuple[int, tuple[str, ...]] | None = None  # (plan, a worker per stage): its replicas there (cluster.replicas)
+    paused: tuple[float, int] | None = None  # (since, step): a step broke and none was fed since (``RequestPaused``)
+    recovered: tuple[float, int] | None = None  # the pause its last fed step ended (the dashboard's ``recovered`` line)
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class ClusterState:
     steps: SB.StepBook = SB.StepBook()  # the steps in flight and the lanes (``step_book``)
     prefix: PrefixBook = PrefixBook()  # the blocks the active plan's stages cache, decisions in flight, counts (``prefix_book``)
     checkpoint_copies: CopyBook = CopyBook()  # checkpoint copies in flight, and where checkpoint KV may be held (``checkpoints``)
+    admission: AB.AdmissionBook = AB.AdmissionBook()  # the API's tickets running and waiting in line (``admission_book``)
 
     def live(self, now: float | None = None) -> list[WorkerInfo]:
         """Workers not suspected (nor quarantined at ``now``), in join order: the ones a new plan may use."""
@@ -196,8 +199,11 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case RequestStarted(rid, positions):
             return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
-            q = _replace(state.requests[rid], seq=seq, plan=plan, kv_len=kv_len, migrated_to=None, resume=None)
+            q = state.requests[rid]
+            q = _replace(q, seq=seq, plan=plan, kv_len=kv_len, migrated_to=None, resume=None, paused=None, recovered=q.paused)
             return _replace(state, requests=_with(state.requests, rid, q))
+        case RequestPaused(rid, step, _, now) if rid in state.requests and state.requests[rid].paused is None:
+            return _replace(state, requests=_with(state.requests, rid, _replace(state.requests[rid], paused=(now, step))))
         case CheckpointSending():  # its names are placed whatever became of the request (``checkpoints.book``)
             state = _replace(state, checkpoint_copies=K.book(state.checkpoint_copies, event))
             return _replace(state, checkpoints=K.sending(state.checkpoints, state.spare, event)) if event.rid in state.requests else state
@@ -217,6 +223,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _replace(state, requests=_without(state.requests, rid), checkpoints=_without(state.checkpoints, rid))
         case SB.StepSent() | SB.StepEnded() | SB.LaneAsked() | SB.LaneReturned() | SB.LaneLeft() | SB.LaneExpired():
             return _replace(state, steps=SB.apply(state.steps, event))
+        case AB.Admitted() | AB.Queued() | AB.Refused() | AB.AdmissionEnded():
+            return _replace(state, admission=AB.apply(state.admission, event))
     return state
 
 

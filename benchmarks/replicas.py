@@ -13,7 +13,7 @@ stream's tokens are checked against its solo single-process reference (``--batch
 Busy shares (emulated) and CPU shares (real compute) per device show that the emulated time,
 not the two real cores, limits each device.
 
-    python benchmarks/replicas.py [--tokens 64] [--streams 16] [--rounds 2] [--phones 4]
+    python -m benchmarks.replicas [--tokens 64] [--streams 16] [--rounds 2] [--phones 4]
                                   [--laptop 5.4e9,1.7GB,1] [--phone 1.7e9,0.85GB,2] [--laptop-memory 4GB] [--phone-memory 250MB]
                                   [--model GGUF --precision native] [--predict]
 
@@ -27,8 +27,8 @@ import argparse
 import os
 import statistics
 import time
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -41,7 +41,7 @@ from edgepipe.cluster.profiling import ClusterProfile
 from edgepipe.emulate.roofline import RooflinePolicy
 from edgepipe.emulate.slowdown import parse_bytes
 from edgepipe.model.store import prepare_local_form, resolve
-from edgepipe.plan import DeviceProfile, LinkProfile, NetworkProfile, Objective, PlanRequest, Stage, evaluate, fit_speed_overhead, plan
+from edgepipe.plan import DeviceProfile, LinkProfile, NetworkProfile, Objective, PlanRequest, evaluate, fit_speed_overhead, plan
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
@@ -270,7 +270,7 @@ def report(args, run: Conditions, devices, names, profiles, plans, measured, exa
 
     med = {k: statistics.median(v) for k, v in measured.items()}
     ratio = med["replicated"] / med["no replicas"]
-    command = (f"python benchmarks/replicas.py --tokens {args.tokens} --streams {args.streams} --rounds {args.rounds} "
+    command = (f"python -m benchmarks.replicas --tokens {args.tokens} --streams {args.streams} --rounds {args.rounds} "
                f"--phones {args.phones} --laptop {args.laptop} --phone {args.phone} --laptop-memory {args.laptop_memory} "
                f"--phone-memory {args.phone_memory}" + (f" --model {args.model} --precision {args.precision}" if args.model else ""))
     stem = f"replicas-{Path(args.model).stem}" if args.model else "replicas"

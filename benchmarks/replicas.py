@@ -13,8 +13,12 @@ stream's tokens are checked against its solo single-process reference (``--batch
 Busy shares (emulated) and CPU shares (real compute) per device show that the emulated time,
 not the two real cores, limits each device.
 
-    python benchmarks/replicas.py [--tokens 64] [--streams 16] [--rounds 2] [--phones 4]
+    python -m benchmarks.replicas [--tokens 64] [--streams 16] [--rounds 2] [--phones 4]
                                   [--laptop 5.4e9,1.7GB,1] [--phone 1.7e9,0.85GB,2] [--laptop-memory 4GB] [--phone-memory 250MB]
+                                  [--model GGUF --precision native] [--predict]
+
+``--predict`` starts no cluster: it works out what the join calibration would measure of these
+rooflines and prints the planner's two plans and their predicted ratio (seconds, to choose a family).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -32,8 +37,11 @@ from edgepipe.bench.cluster import Cluster, Device, bench_home
 from edgepipe.bench.emulated import header, measured_profiles, prewarm
 from edgepipe.bench.machine import Conditions
 from edgepipe.bench.results import write_results
+from edgepipe.cluster.profiling import ClusterProfile
+from edgepipe.emulate.roofline import RooflinePolicy
+from edgepipe.emulate.slowdown import parse_bytes
 from edgepipe.model.store import prepare_local_form, resolve
-from edgepipe.plan import Objective, PlanRequest, plan
+from edgepipe.plan import DeviceProfile, LinkProfile, NetworkProfile, Objective, PlanRequest, evaluate, fit_speed_overhead, plan
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
@@ -121,16 +129,20 @@ def main() -> None:
                          "measured profiles and stop (on this memory-bound box it should not replicate)")
     ap.add_argument("--model", default=None, help="a GGUF path to serve instead of the bundled SmolLM2-135M")
     ap.add_argument("--precision", default="native", help="serve --precision with --model")
+    ap.add_argument("--predict", action="store_true", help="no cluster: the planner's two plans for these rooflines, from the "
+                                                            "profiles their join calibration would measure")
     args = ap.parse_args()
     if args.real:
         real_plans(args)
+        return
+    if args.predict:
+        predict_plans(args)
         return
     run = Conditions.start()
     pkg = package_of(args)
     expected = solo_references(pkg, args.streams, args.tokens)
     prewarm(pkg)  # after the references: the worker cache gets the form they added
-    devices = [Device("laptop", roofline=args.laptop, memory=args.laptop_memory),
-               *(Device(f"phone{i}", roofline=args.phone, memory=args.phone_memory) for i in range(1, args.phones + 1))]
+    devices = emulated_devices(args)
     cluster = Cluster("replicas", devices, args=(*serve_model_args(args), "--batch-invariant", "--max-active", str(args.streams), "--max-queue", "64",
                                                  "--no-prefix-cache"))
     try:
@@ -163,6 +175,58 @@ def main() -> None:
     finally:
         cluster.close()
     report(args, run.finish(), devices, names, profiles, plans, measured, exact, busy, cpu)
+
+
+def emulated_devices(args) -> list[Device]:
+    return [Device("laptop", roofline=args.laptop, memory=args.laptop_memory),
+            *(Device(f"phone{i}", roofline=args.phone, memory=args.phone_memory) for i in range(1, args.phones + 1))]
+
+
+def roofline_profiles(manifest, devices: list[Device], priced_as_roofline: bool = False):
+    """(model, devices, network) as the coordinator would measure these rooflines, with no cluster:
+    the join calibration worked out (1-row steps on the 1- and 4-layer ranges fitted to speed and
+    overhead; the 4-layer range at 1 and 8 rows gives ``row_speed``), loopback links. Unit costs
+    are the import's (this box's seconds per unit), as the coordinator's; ``priced_as_roofline``
+    makes each unit cost its matrix-product bytes instead (what the emulated devices charge), so
+    a plan can be priced as the devices will run it."""
+    profile = ClusterProfile(manifest)
+    model = profile.model_profile()
+    if priced_as_roofline:
+        units = tuple(replace(u, cost=0.0 if manifest.units[u.index].kind == "embedding" else u.weight_bytes * 1e-9) for u in model.units)
+        model = replace(model, units=units)
+    layers = [u.index for u in manifest.units if u.kind == "layer"]
+    short, long = (layers[0], layers[0] + 1), (layers[0], layers[3] + 1)
+    matmul_bytes = lambda a, b: sum(u.weight_bytes for u in model.units[a:b])  # no embedding in a layer range
+    cost = lambda a, b: sum(u.cost for u in model.units[a:b])
+    out = []
+    for d in devices:
+        roofline = RooflinePolicy.parse(d.roofline)
+        fit = fit_speed_overhead([(cost(*r), roofline.step_s(matmul_bytes(*r), 1)) for r in (short, long) for _ in range(4)], warmup=0)
+        one, eight = roofline.step_s(matmul_bytes(*long), 1), roofline.step_s(matmul_bytes(*long), 8)
+        out.append(DeviceProfile(id=d.name, memory_bytes=parse_bytes(d.memory), speed=fit.speed, overhead_s=fit.overhead_s, emulated=True,
+                                 row_speed=cost(*long) / ((eight - one) / 7) if eight > one else None))
+    return model, out, NetworkProfile((), LinkProfile("*", "*", 2e-4, 1e9))
+
+
+def predict_plans(args) -> None:
+    """The planner's two plans for the ``--laptop``/``--phone`` rooflines (``roofline_profiles``),
+    and both plans priced as the emulated devices run them (unit costs in matmul bytes)."""
+    manifest = package_of(args).manifest
+    devices = emulated_devices(args)
+    as_measured, as_run = roofline_profiles(manifest, devices), roofline_profiles(manifest, devices, priced_as_roofline=True)
+    found = {}
+    for profiles, label in ((as_measured, "unit costs as imported (the coordinator's)"), (as_run, "unit costs = matmul bytes (the roofline's)")):
+        for replicas in (True, False):
+            best = plan(*profiles, PlanRequest(objective=Objective.THROUGHPUT, sequences=args.streams, replicas=replicas)).best
+            if not best.complete:
+                raise SystemExit(f"no complete plan (replicas={replicas}): {best.reason}")
+            found[(label, replicas)] = best
+            priced = evaluate(best.stages, *as_run, PlanRequest(objective=Objective.THROUGHPUT, sequences=args.streams, replicas=replicas))
+            shown = " · ".join(f"{'+'.join(s.device_ids)}[{s.start},{s.end})" for s in best.stages)
+            print(f"{label}, {'replicated' if replicas else 'no replicas'}: {shown}: predicted {best.predicted.throughput_tok_s:.2f} tok/s, "
+                  f"as the rooflines run it {priced.throughput_tok_s:.2f}")
+        ratio = found[(label, True)].predicted.throughput_tok_s / found[(label, False)].predicted.throughput_tok_s
+        print(f"  replicated / no replicas, {label}: {ratio:.2f}x")
 
 
 def real_plans(args) -> None:
@@ -206,7 +270,7 @@ def report(args, run: Conditions, devices, names, profiles, plans, measured, exa
 
     med = {k: statistics.median(v) for k, v in measured.items()}
     ratio = med["replicated"] / med["no replicas"]
-    command = (f"python benchmarks/replicas.py --tokens {args.tokens} --streams {args.streams} --rounds {args.rounds} "
+    command = (f"python -m benchmarks.replicas --tokens {args.tokens} --streams {args.streams} --rounds {args.rounds} "
                f"--phones {args.phones} --laptop {args.laptop} --phone {args.phone} --laptop-memory {args.laptop_memory} "
                f"--phone-memory {args.phone_memory}" + (f" --model {args.model} --precision {args.precision}" if args.model else ""))
     stem = f"replicas-{Path(args.model).stem}" if args.model else "replicas"

@@ -80,6 +80,22 @@ def test_the_worker_waits_out_the_roofline_step_by_rows_and_positions():
     assert timing[1] == pytest.approx(0.001 + 12 * 2e-6)  # reported: the emulated step
 
 
+def test_the_head_is_charged_a_rows_last_position_not_every_prompt_position():
+    """A prefill of P positions on a stage holding the head: its layers compute P positions a row,
+    the head one (``graphs.head_unit``); charging the head P times made head stages look slower."""
+    device = RooflinePolicy(flops=1e9, bandwidth=1e12, overhead_s=0.0, bytes_per_parameter=1.0)
+    assert device.step_s(1000, 12, head_bytes=400, head_rows=4) == pytest.approx((12 * 1200 + 4 * 800) / 1e9)
+    assert device.step_s(1000, 12, head_bytes=400) == device.step_s(1000, 12)  # head rows default: every row
+    with pytest.raises(ValueError, match="head bytes"):
+        device.step_s(1000, 1, head_bytes=2000)
+    state = _stage_state(device)
+    stage = replace(state.stages[1], head_bytes=400)
+    state = replace(state, stages={**state.stages, 1: stage})
+    cmds = _computed(state, rows=4, positions=3, compute_s=0.0)  # 4 sequences x 3 prompt positions
+    assert cmds[0].seconds == pytest.approx(device.step_s(stage.compute_bytes, 12, 400, 4))
+    assert cmds[0].seconds < device.step_s(stage.compute_bytes, 12)
+
+
 # -- the planner prices batched steps --------------------------------------------------------------------------
 def _model():
     return transformer_profile("toy", 8, layer_cost=0.01, layer_bytes=10_000_000, kv_bytes_per_token=1000, hidden_bytes=4096,

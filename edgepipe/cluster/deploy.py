@@ -163,7 +163,8 @@ def load_message(package, plan_id: int, start: int, end: int, precision: str | N
                 files=list(manifest.stage_files(start, end, precision)), next=nxt, keep=keep, max_context=manifest.max_context,
                 kv_bytes_per_token=sum(manifest.kv_bytes_per_token(u, precision) for u in range(start, end)), warm=warm,
                 data_secret=data_secret, matmul_bytes=sum(manifest.variant(u.index, precision).weight_bytes
-                                                          for u in manifest.units[start:end] if u.kind != "embedding"))
+                                                          for u in manifest.units[start:end] if u.kind != "embedding"),
+                head_bytes=sum(manifest.variant(u.index, precision).weight_bytes for u in manifest.units[start:end] if u.kind == "head"))
 
 
 def kv_capacity(state: ClusterState, manifest, precision_of, overhead_bytes: int) -> int | None:

@@ -78,21 +78,26 @@ class RooflinePolicy:
         """FLOPs one row (one position) costs on a stage of ``weight_bytes``: two per parameter."""
         return 2.0 * weight_bytes / self.bytes_per_parameter
 
-    def step_s(self, weight_bytes: int, rows: int) -> float:
-        """Seconds the emulated device takes for a call over ``rows`` positions of a stage of ``weight_bytes``."""
-        if weight_bytes < 0 or rows < 0:
-            raise ValueError(f"roofline step: weight bytes {weight_bytes} and rows {rows} must be >= 0")
-        return self.overhead_s + max(weight_bytes / self.bandwidth, rows * self.flops_per_row(weight_bytes) / self.flops)
+    def step_s(self, weight_bytes: int, rows: int, head_bytes: int = 0, head_rows: int | None = None) -> float:
+        """Seconds the emulated device takes for a call over ``rows`` positions of a stage of ``weight_bytes``.
+
+        ``head_bytes`` (part of ``weight_bytes``): the head's, which computes ``head_rows`` positions
+        (a sequence's last; None: every one of ``rows``), not all the positions the layers do."""
+        if weight_bytes < 0 or rows < 0 or not 0 <= head_bytes <= weight_bytes or (head_rows is not None and head_rows < 0):
+            raise ValueError(f"roofline step: weight bytes {weight_bytes}, head bytes {head_bytes}, rows {rows} "
+                             f"and head rows {head_rows} must be >= 0 (head bytes at most the weight bytes)")
+        flops = rows * self.flops_per_row(weight_bytes - head_bytes) + (rows if head_rows is None else head_rows) * self.flops_per_row(head_bytes)
+        return self.overhead_s + max(weight_bytes / self.bandwidth, flops / self.flops)
 
     def knee_rows(self) -> float:
         """Rows at which a step turns from memory-bound to compute-bound (the same for every stage)."""
         return self.flops * self.bytes_per_parameter / (2.0 * self.bandwidth)
 
-    def extra_wait(self, compute_s: float, weight_bytes: int, rows: int) -> float:
+    def extra_wait(self, compute_s: float, weight_bytes: int, rows: int, head_bytes: int = 0, head_rows: int | None = None) -> float:
         """Seconds to wait after a call whose real compute took ``compute_s`` (0 if it already took longer)."""
         if compute_s < 0:
             raise ValueError(f"compute time must be >= 0, got {compute_s}")
-        return max(0.0, self.step_s(weight_bytes, rows) - compute_s)
+        return max(0.0, self.step_s(weight_bytes, rows, head_bytes, head_rows) - compute_s)
 
     def label(self) -> str:
         return (f"emulated roofline {self.flops / 1e9:g} GFLOP/s, {format_bytes(int(self.bandwidth))}/s, "

@@ -229,6 +229,7 @@ class Load(Wire):
     prefetch: bool | None = None  # a spare: fetch the files only
     data_secret: str | None = None  # what this stage's predecessor must present on its data port (net.auth)
     matmul_bytes: int | None = None  # weight bytes its matrix products read per step (not the embedding table, only gathered from)
+    head_bytes: int | None = None  # of matmul_bytes, the head's: it computes the last position of each row only
 
 
 @dataclass(frozen=True)
@@ -575,7 +576,8 @@ def _load(f: dict) -> Load:
     return Load(_need_int(f["plan"], "plan"), start, end, _str(f["graph"], "graph"), files, NextHop.of(f["next"]), _ints(f["keep"], "keep"),
                 _opt_int(f.get("max_context"), "max_context"), _opt_int(f.get("kv_bytes_per_token"), "kv_bytes_per_token"),
                 bool(f["warm"]) if f.get("warm") is not None else None, bool(f["prefetch"]) if f.get("prefetch") is not None else None,
-                _opt_str(f.get("data_secret"), "data_secret"), _opt_int(f.get("matmul_bytes"), "matmul_bytes"))
+                _opt_str(f.get("data_secret"), "data_secret"), _opt_int(f.get("matmul_bytes"), "matmul_bytes"),
+                _opt_int(f.get("head_bytes"), "head_bytes"))
 
 
 def _probe(f: dict) -> Probe:

@@ -76,6 +76,7 @@ DOCS: dict[type, MessageDoc] = {
         "prefetch": "a spare: fetch the files only, build nothing",
         "data_secret": "what its predecessor must present on its data port (`net.auth`)",
         "matmul_bytes": "weight bytes the stage's matrix products read per step (the embedding table is only gathered from): an emulated roofline device prices steps by it",
+        "head_bytes": "of matmul_bytes, the head's: it computes only the last position of each row (a verify row: every position), so an emulated roofline prices it per row, not per position",
     }),
     messages.Loaded: MessageDoc("w→c", "a stage is ready (or failed), or a KV move arrived", {
         "ok": "whether it worked",

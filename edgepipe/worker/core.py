@@ -113,7 +113,8 @@ def _built(state: WorkerState, event: Built) -> tuple[WorkerState, list[Command]
             spare = Stage(load.plan, load.start, load.end, load.graph, load.next, event.weight_bytes,
                           secret=data_secret(state, state.data_url, load.plan, load.data_secret),
                           frame_limit=limits.data_frame_limit(int(load.max_context or 4096), session.hidden, _kv_move_bytes(load, session)),
-                          max_context=load.max_context, matmul_bytes=load.matmul_bytes)
+                          max_context=load.max_context, matmul_bytes=load.matmul_bytes,
+                      head_bytes=int(load.head_bytes or 0))
             state = replace(state, stages={**state.stages, load.plan: spare}, spare=load.plan)
         state = _forget_sessions(state)
         commands.append(KeepSessions(_used_graphs(state)))
@@ -121,7 +122,8 @@ def _built(state: WorkerState, event: Built) -> tuple[WorkerState, list[Command]
         stage = Stage(load.plan, load.start, load.end, load.graph, load.next, event.weight_bytes,
                       secret=data_secret(state, state.data_url, load.plan, load.data_secret),
                       frame_limit=limits.data_frame_limit(int(load.max_context or 4096), session.hidden, _kv_move_bytes(load, session)),
-                      max_context=load.max_context, matmul_bytes=load.matmul_bytes)
+                      max_context=load.max_context, matmul_bytes=load.matmul_bytes,
+                      head_bytes=int(load.head_bytes or 0))
         state = replace(state, stages={**state.stages, load.plan: stage})
     reply = {"ok": True, "load_s": event.load_s, "fetched_bytes": event.fetched_bytes, "weight_bytes": event.weight_bytes,
              "reused_session": event.reused}
@@ -295,8 +297,12 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
 def emulated_wait(state: WorkerState, stage: Stage | None, event: Computed) -> float:
     """Seconds the emulated device still takes after the real compute of ``event`` (0: none emulated)."""
     if state.roofline is not None:
-        rows = len(event.forward["batch"]) * event.positions
-        return state.roofline.extra_wait(event.compute_s, stage.compute_bytes if stage is not None else 0, rows)
+        batch = event.forward["batch"]
+        rows = len(batch) * event.positions
+        head_rows = rows if any(item.get("verify") for item in batch) else len(batch)  # a verify's head computes every position
+        if stage is None:
+            return state.roofline.extra_wait(event.compute_s, 0, rows)
+        return state.roofline.extra_wait(event.compute_s, stage.compute_bytes, rows, min(stage.head_bytes, stage.compute_bytes), head_rows)
     return SlowdownPolicy(state.slowdown).extra_wait(event.compute_s, event.cpu_s)
 
 

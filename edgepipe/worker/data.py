@@ -41,6 +41,7 @@ class Stage:
     frame_limit: int = limits.HEADER_SLACK_BYTES  # largest frame accepted on the data port for this plan
     max_context: int | None = None
     matmul_bytes: int | None = None  # weight bytes its matrix products read per step (emulated roofline); None: weight_bytes
+    head_bytes: int = 0  # of those, the head's (it computes a row's last position only)
 
     @property
     def compute_bytes(self) -> int:

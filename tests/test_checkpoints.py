@@ -25,13 +25,16 @@ SPARE = (A("c", 0, 3), A("d", 3, 4))
 OTHER_SPARE = (A("d", 0, 4),)
 
 
-def serving() -> S.ClusterState:
-    """Workers a..d, ACTIVE up with SPARE chosen, requests r (prompt 4) and s fed on it."""
+def serving(built: bool = True) -> S.ClusterState:
+    """Workers a..d, ACTIVE up with SPARE chosen (``built``: its sessions built on c and d, as
+    plan -1), requests r (prompt 4) and s fed on it."""
     st = S.ClusterState()
     for i, n in enumerate("abcd"):
         st = S.apply(st, S.WorkerJoined(n, n, Hello.from_fields({"memory_bytes": GB}), float(i)))
     st = S.apply(st, S.Committed(ACTIVE, 1.0))
     st = S.apply(st, S.SpareChosen(SPARE))
+    for holder in "cd" if built else "":
+        st = S.apply(st, S.SpareLoaded(-1, SPARE, holder, True))
     for rid in ("r", "s"):
         st = S.apply(st, S.RequestStarted(rid, 100))
         st = S.apply(st, S.RequestFed(rid, f"{rid}.0", 1, 70))
@@ -142,8 +145,33 @@ def test_copies_in_flight_and_where_checkpoint_kv_lies_are_state():
     assert S.apply(S.ClusterState(), S.CheckpointSending("x", "x.c1", SPARE, frozenset({"c"}), 4)).checkpoint_copies.placed == {"x.c1": {"c"}}
 
 
+@pytest.mark.pure
+def test_a_plan_prepared_that_gives_a_holder_another_stage_voids_what_it_holds():
+    """A spare holder that a plan being prepared gives a stage of another range drops its spare
+    session for it, and the checkpoint KV in it (``worker.core``: the real stage takes the warm
+    spare's memory): the state voids those checkpoints at the prepare, an acknowledgement from
+    it arriving later counts for nothing, and a recovery onto the spare resumes none of them.
+    A plan that gives the holders their spare ranges again voids nothing."""
+    st = checkpointed(serving(), "r", 64)
+    st = S.apply(st, S.CheckpointSending("s", "s.c1", SPARE, frozenset({"c"}), 64))  # a checkpoint only c holds
+    st = S.apply(st, S.CheckpointStored("s", "s.c1", SPARE, frozenset({"c"}), "c", 64))
+    st = sending(st, "r", 80)  # and a round of r's copies under way
+    same_ranges = Deployment(2, (A("c", 0, 3), A("d", 3, 4)))
+    assert K.displaced(SPARE, same_ranges.stages) == frozenset()
+    assert S.apply(st, S.Preparing(same_ranges, 2.0)).checkpoints == st.checkpoints
+    other = Deployment(2, (A("a", 0, 1), A("d", 1, 4)))  # d: [1, 4), its spare stage is [3, 4)
+    assert K.displaced(SPARE, other.stages) == {"d"}
+    prepared = S.apply(st, S.Preparing(other, 2.0))
+    assert set(prepared.checkpoints) == {"s"} and prepared.spare_built == {"c"} and prepared.spare == SPARE
+    late = stored(stored(prepared, "r", "c", 80), "r", "d", 80)  # the round's acknowledgements come back
+    assert late.checkpoints["r"].position() is None  # d's is void: its KV went with its spare session
+    down = S.apply(S.apply(late, S.PrepareFailed(2, "worker b left", 3.0)), S.WorkerLost("b", "killed", 3.0))
+    up = S.apply(down, S.Committed(Deployment(3, SPARE, "spare plan (recovery)"), 3.5))
+    assert up.requests["r"].resume is None and up.requests["s"].resume == Resume(3, "s.c1", 64)
+
+
 def test_which_spare_workers_take_checkpoints_is_state():
-    st = serving()
+    st = serving(built=False)
     st = S.apply(st, S.SpareLoaded(-2, SPARE, "c", True))
     assert st.spare_plan == -2 and st.spare_built == {"c"}
     st = S.apply(st, S.SpareLoaded(-2, SPARE, "d", True))
@@ -276,20 +304,22 @@ def test_a_graph_built_twice_keeps_one_runner_and_its_kv(int4_pkg, monkeypatch):
 
 
 # -- the simulation -------------------------------------------------------------------------------
-def _schedule(memory_units: int, workers: int, faults):
+def _schedule(memory_units: int, workers: int, faults, at: float = 5.0):
     from edgepipe.cluster.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM
     from edgepipe.cluster.simrun import Req, Schedule
 
     memory = memory_units * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES
-    return Schedule(7, (memory,) * workers, (0.0,) * workers, (Req(7.8, (1, 2, 3), 40), Req(8.0, (4, 5), 40)), tuple(faults))
+    return Schedule(7, (memory,) * workers, (0.0,) * workers, (Req(at, (1, 2, 3), 40), Req(at + 0.2, (4, 5), 40)), tuple(faults))
 
 
+# Three workers: w1-n0 serves alone from 4.4 s (slowed 10x at 4.5 s, so the requests are long),
+# w2-n2 holds the spare. The re-planner's next look (9.4 s) moves to a throughput plan that gives
+# w2-n2 another stage: the kills below come before it.
 def test_sim_a_fresh_checkpoint_resumes_and_tokens_stay_exact():
-    """One worker serves (slowed, so the requests are long), another holds the spare; the server
-    is killed mid-stream: both sequences resume from their checkpoint on the spare."""
+    """The server is killed mid-stream: both sequences resume from their checkpoint on the spare."""
     from edgepipe.cluster.simrun import Fault, run
 
-    report = run(_schedule(9, 3, [Fault("slow", 7.0, 0, factor=10.0), Fault("kill", 11.0, 0)]))
+    report = run(_schedule(9, 3, [Fault("slow", 4.5, 0, factor=10.0), Fault("kill", 8.5, 0)]))
     assert not report.violations, report.violations  # every token equals the reference
     assert report.ok == 2 and report.checkpoints >= 2 and report.resumed == 2, report
 
@@ -297,9 +327,29 @@ def test_sim_a_fresh_checkpoint_resumes_and_tokens_stay_exact():
 def test_sim_a_checkpoint_lost_with_its_holder_replays_whole():
     from edgepipe.cluster.simrun import Fault, run
 
-    report = run(_schedule(9, 3, [Fault("slow", 7.0, 0, factor=10.0), Fault("kill", 10.5, 2), Fault("kill", 11.0, 0)]))
+    report = run(_schedule(9, 3, [Fault("slow", 4.5, 0, factor=10.0), Fault("kill", 8.0, 2), Fault("kill", 8.5, 0)]))
     assert not report.violations, report.violations
     assert report.ok == 2 and report.checkpoints >= 1 and report.resumed == 0, report
+
+
+def test_sim_a_checkpoint_voided_by_a_prepare_on_its_holder_is_not_resumed(caplog):
+    """Later requests: q0 is checkpointed on the spare, then the throughput plan being prepared
+    gives its holder w2-n2 another stage (it drops its spare session, the checkpoint in it), and
+    the server dies before that plan is up. The recovery onto the spare replays whole: no
+    sequence resumes on KV that is gone (no frame refused for it), and the tokens stay exact."""
+    import logging
+
+    from edgepipe.cluster.simrun import Fault, run
+
+    caplog.set_level(logging.INFO, logger="edgepipe.coordinator")
+    report = run(_schedule(9, 3, [Fault("slow", 7.0, 0, factor=10.0), Fault("kill", 11.0, 0)], at=7.8))
+    assert not report.violations, report.violations
+    lines = [r.args for r in caplog.records if r.name == "edgepipe.coordinator" and isinstance(r.args, tuple) and len(r.args) == 2]
+    kinds = [kind for kind, _ in lines]
+    displacing = next(i for i, (kind, f) in enumerate(lines) if kind == "prepare" and ["w2-n2", 0, 3] in f["stages"])
+    assert "checkpoint" in kinds[:displacing] and kinds.index("leave") > displacing, lines  # stored, then voided by the prepare
+    assert "resume" not in kinds and "invalid_frame" not in kinds, lines
+    assert report.ok == 2 and report.resumed == 0 and report.checkpoints_failed == 0, report
 
 
 def test_sim_a_partial_checkpoint_replays_whole():
@@ -307,7 +357,8 @@ def test_sim_a_partial_checkpoint_replays_whole():
     fail): the checkpoints are void, and the sequences replay whole after the kill."""
     from edgepipe.cluster.simrun import Fault, run
 
-    report = run(_schedule(5, 4, [Fault("slow", 7.0, 0, factor=10.0), Fault("refuse_kv", 10.0, 3, seconds=5.0), Fault("kill", 11.0, 0)]))
+    report = run(_schedule(5, 4, [Fault("slow", 7.0, 0, factor=10.0), Fault("refuse_kv", 10.0, 3, seconds=5.0), Fault("kill", 11.0, 0)],
+                           at=7.8))
     assert not report.violations, report.violations
     assert report.ok == 2 and report.checkpoints >= 1 and report.checkpoints_failed >= 1 and report.resumed == 0, report
 

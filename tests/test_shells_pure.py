@@ -39,6 +39,8 @@ def test_checkpoint_spare_and_overruled_lines_come_from_their_events():
                                                                          "error": "out of memory"}
     assert narrate.entry(S.SpareLoaded(-1, spare, "w3", True), state, None, 2.0) is None  # built: no line
     needs = frozenset({"w3", "w4"})
+    for holder in sorted(needs):  # checkpoints go to built spare sessions only
+        state = S.apply(state, S.SpareLoaded(-1, spare, holder, True))
     state = S.apply(state, S.CheckpointSending("r1", "r1.c1", spare, needs, 40))
     lines = []
     for worker in sorted(needs):  # as ``Checkpoints`` acknowledges a round: the last makes it whole

@@ -122,13 +122,17 @@ class Checkpoints:
             elif not f.cancelled() and f.exception() is None and (f.result().error or "").startswith("no stage for plan"):
                 # its spare stage is gone (it took a stage of a new plan): send it no more
                 self.ports.emit(S.SpareLoaded(spare_plan, spare, dst, False))
-        if all(ok):
+        # a holder that took a stage of a plan prepared meanwhile dropped its spare session, and the
+        # KV in it, whatever it acknowledged (``checkpoints.displaced``)
+        cluster = self.ports.state()
+        kept = cluster.spare != spare or needs <= cluster.spare_built
+        if all(ok) and kept:
             for worker in sorted(needs):  # the last makes it whole: its line (narrate.entry)
                 self.ports.emit(S.CheckpointStored(rid, name, spare, needs, worker, position, nbytes))
             self.counts.sent += 1
             self.counts.bytes += nbytes
         else:
-            self.ports.emit(S.CheckpointVoid(rid, "a checkpoint copy failed"))
+            self.ports.emit(S.CheckpointVoid(rid, "a checkpoint copy failed" if kept else "a holder dropped its spare session"))
             self.counts.failed += 1
         self.sweep()
 

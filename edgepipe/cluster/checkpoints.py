@@ -18,7 +18,8 @@ replays only the tokens after it (``RequestInfo.resume``, set by ``state.apply``
 sequence, and one whose resumed step fails, is rebuilt by full replay. A resumed step tells the
 stages to forget positions beyond ``p`` (``rewind``): a round of copies under way at the failure
 may have moved some holders on, on some layers. A new spare, a lost
-holder, a failed copy or a finished sequence void the checkpoint; ``Checkpoints.sweep`` drops
+holder, a plan prepared that gives a holder another stage (it drops its spare session for it:
+``displaced``), a failed copy or a finished sequence void the checkpoint; ``Checkpoints.sweep`` drops
 KV no longer referenced from the workers that hold it.
 
 This module holds the state and the decisions (``due``, ``Checkpoint.position``, ``resumable``,
@@ -110,10 +111,11 @@ def sending(checkpoints: Mapping[str, Checkpoint], spare, event: CheckpointSendi
     return MappingProxyType({**checkpoints, event.rid: replace(ck, sending=event.position)})
 
 
-def stored(checkpoints: Mapping[str, Checkpoint], spare, event: CheckpointStored) -> Mapping[str, Checkpoint]:
-    """The checkpoints after a holder's acknowledgement (ignored when the spare changed since);
-    the round is over once every holder acknowledged its position."""
-    if spare != event.spare:
+def stored(checkpoints: Mapping[str, Checkpoint], spare, built: frozenset[str], event: CheckpointStored) -> Mapping[str, Checkpoint]:
+    """The checkpoints after a holder's acknowledgement (ignored when the spare changed since, or
+    the holder's spare session is no longer built: the KV went with it, ``displaced``); the round
+    is over once every holder acknowledged its position."""
+    if spare != event.spare or event.worker not in built:
         return checkpoints
     ck = checkpoints.get(event.rid)
     if ck is None or ck.seq != event.seq or ck.spare != event.spare:
@@ -134,6 +136,21 @@ def resumable(checkpoints: Mapping[str, Checkpoint], spare, stages: Sequence[Sta
         if p is not None and ck.spare == spare:
             out[rid] = Resume(plan, ck.seq, p)
     return out
+
+
+def displaced(spare, stages: Sequence[StageAssignment]) -> frozenset[str]:
+    """The spare's workers that a plan of ``stages`` gives a stage of another range: preparing it,
+    each drops its spare session, and the checkpoint KV in it, for the new stage
+    (``worker.core._fetched``: the real stage takes the memory the warm spare held)."""
+    ranges: dict[str, set[tuple[int, int]]] = {}
+    for s in spare or ():
+        ranges.setdefault(s.worker_id, set()).add((s.start, s.end))
+    return frozenset(s.worker_id for s in stages if s.worker_id in ranges and (s.start, s.end) not in ranges[s.worker_id])
+
+
+def without_holders(checkpoints: Mapping[str, Checkpoint], workers: frozenset[str]) -> Mapping[str, Checkpoint]:
+    """The checkpoints that none of ``workers`` holds a part of (the rest are void)."""
+    return MappingProxyType({rid: ck for rid, ck in checkpoints.items() if not ck.needs & workers})
 
 
 def _key(stages) -> list:

@@ -149,6 +149,9 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _worker(state, _replace(w, hello=w.hello.with_slowdown(slowdown)))
         case Preparing(dep, now):
             state = _replace(state, preparing=dep)
+            gone = K.displaced(state.spare, dep.stages)
+            if gone:  # they drop their spare session for the new stage: the checkpoints in it go too
+                state = _replace(state, spare_built=state.spare_built - gone, checkpoints=K.without_holders(state.checkpoints, gone))
             return _phase(state, Phase.PREPARING, now) if state.active is None else state
         case PrepareFailed(plan_id, why, now):
             if state.preparing is not None and state.preparing.plan_id == plan_id:
@@ -210,7 +213,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case CopySent() | RoundEnded() | CheckpointDropped():
             return _replace(state, checkpoint_copies=K.book(state.checkpoint_copies, event))
         case CheckpointStored() if event.rid in state.requests:
-            return _replace(state, checkpoints=K.stored(state.checkpoints, state.spare, event))
+            return _replace(state, checkpoints=K.stored(state.checkpoints, state.spare, state.spare_built, event))
         case CheckpointVoid(rid) if rid in state.requests:
             q = state.requests[rid]
             return _replace(state, checkpoints=_without(state.checkpoints, rid),

@@ -85,7 +85,8 @@ def _fetched(state: WorkerState, event: Fetched) -> tuple[WorkerState, list[Comm
     commands: list[Command] = []
     if not load.warm and load.plan >= 0 and load.graph not in state.warm:
         # The real stage takes the memory a warm spare held (calibration's small ranges, with
-        # negative plan ids, leave it: it may be this worker's stage again).
+        # negative plan ids, leave it: it may be this worker's stage again). The checkpoint KV in
+        # the spare's session goes too: the coordinator voids it at the prepare (``checkpoints.displaced``).
         state = replace(state, warm=frozenset(), stages=_without_spare(state), spare=None)
         commands.append(KeepSessions(_used_graphs(state)))
         state = _forget_sessions(state)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -329,15 +329,20 @@ class Forward(Wire):
     def x(self) -> np.ndarray | None:
         return self.tensors.get("x")
 
-    def entries(self) -> list["ForwardEntry"]:
-        """One typed entry per batch entry, in frame order (``parse`` checked each has a seq)."""
-        return [ForwardEntry.of(item) for item in self.batch]
+    def entries(self) -> tuple["ForwardEntry", ...]:
+        """One typed entry per batch entry, in frame order (``parse`` checked each has a seq); made
+        once per frame (the core and the runner both read them, once per decode step)."""
+        made = self.__dict__.get("_entries")
+        if made is None:
+            made = self.__dict__["_entries"] = tuple(ForwardEntry.of(item) for item in self.batch)
+        return made
 
 
-@dataclass(frozen=True)
-class ForwardEntry:
+class ForwardEntry(NamedTuple):
     """One sequence's part of a FORWARD frame (``Forward.entries``): the keys a stage reads; the
-    rest (sampling, route) is read where it is used (``runtime.controls``, ``NextHop.toward``)."""
+    rest (sampling, route) is read where it is used (``runtime.controls``, ``NextHop.toward``).
+    A named tuple, not a dataclass: eight of them are made per decode step and hop, and a
+    tuple is several times cheaper to build."""
 
     seq: str
     step: int | None = None
@@ -349,11 +354,13 @@ class ForwardEntry:
     rewind: bool = False  # speculative decoding: forget positions from ``pos`` on first
 
     @classmethod
-    def of(cls, item: Mapping) -> "ForwardEntry":
+    def of(cls, item: Mapping) -> ForwardEntry:
         get = item.get
-        step, rid, pos, prefix = get("step"), get("rid"), get("pos"), get("prefix")
-        return cls(item["seq"], step if _int(step) else None, rid if isinstance(rid, str) else None, pos if _int(pos) else None,
-                   prefix, bool(get("partial")), bool(get("verify")), bool(get("rewind")))
+        step, rid, pos = get("step"), get("rid"), get("pos")
+        # ``type(v) is int`` (not _int): header values come from msgpack, and a bool is no position
+        return tuple.__new__(cls, (item["seq"], step if type(step) is int else None, rid if type(rid) is str else None,
+                                   pos if type(pos) is int else None, get("prefix"), bool(get("partial")), bool(get("verify")),
+                                   bool(get("rewind"))))
 
 
 @dataclass(frozen=True)

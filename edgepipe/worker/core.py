@@ -22,7 +22,7 @@ import numpy as np
 
 from ..emulate.slowdown import MemoryBudget, MemoryBudgetExceeded, SlowdownPolicy
 from ..net import limits, validate
-from ..net.messages import (PROBE_PLAN, Activate, Drop, Emulate, Error, ErrorCode, Forward, ForwardEntry, Kv, KvExport, Load, Loaded, Pong, Probe, Probed,
+from ..net.messages import (PROBE_PLAN, Activate, Drop, Emulate, Error, ErrorCode, Forward, Kv, KvExport, Load, Loaded, Pong, Probe, Probed,
                             Token)
 
 from .data import (  # noqa: F401 - the core's vocabulary, used as core.X by the shells and tests
@@ -186,8 +186,8 @@ def _peer_measured(state: WorkerState, event: PeerMeasured) -> tuple[WorkerState
 
 
 # -- the data path -------------------------------------------------------------------------------------------
-def forward_problem(state: WorkerState, msg: Forward, entries: list[ForwardEntry] | None = None) -> tuple[ErrorCode, str] | None:
-    """Why a FORWARD frame cannot run on this worker now, or None (``entries``: its ``entries()``, when made already)."""
+def forward_problem(state: WorkerState, msg: Forward) -> tuple[ErrorCode, str] | None:
+    """Why a FORWARD frame cannot run on this worker now, or None."""
     plan, batch, x = msg.plan, msg.batch, msg.x
     stage = state.stages.get(plan)
     if stage is None:
@@ -199,7 +199,7 @@ def forward_problem(state: WorkerState, msg: Forward, entries: list[ForwardEntry
         problem = validate.activation_problem(x, session.hidden or None, stage.max_context)
         if problem:
             return ErrorCode.CORRUPT_INPUT, f"plan {plan}: {problem}"
-    entries = msg.entries() if entries is None else entries
+    entries = msg.entries()
     for item in entries:  # a frame must start where the sequence's cache ends: a lost frame leaves a hole
         try:
             prefix = validate.prefix_entry({"prefix": item.prefix}) if item.prefix is not None else None
@@ -225,8 +225,7 @@ def forward_problem(state: WorkerState, msg: Forward, entries: list[ForwardEntry
 def _forward(state: WorkerState, msg: Forward) -> tuple[WorkerState, list[Command]]:
     if state.drop_work:
         return state, []
-    entries = msg.entries()
-    problem = forward_problem(state, msg, entries)
+    problem = forward_problem(state, msg)
     if problem is not None:
         return state, errors_for(msg, *problem)
     stage = state.stages[msg.plan]
@@ -237,6 +236,7 @@ def _forward(state: WorkerState, msg: Forward) -> tuple[WorkerState, list[Comman
     # waits at most one such step). Slow steps and prefills use the thread, so the loop stays
     # free to answer heartbeats.
     inline = x.shape[1] == 1 and state.step_s.get(stage.graph, 0.0) < INLINE_STEP_S
+    entries = msg.entries()
     prefixes = tuple((item.seq, item.prefix) for item in entries if item.prefix is not None)
     return state, [RunStage(msg, stage.graph, [item.seq for item in entries], x, inline and not prefixes, prefixes)]
 

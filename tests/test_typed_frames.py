@@ -162,3 +162,40 @@ def fine(typed, items):
 '''
     found = raw_access(source, "x.py", {"msg"})
     assert sorted(int(hit.split(":")[1]) for hit in found) == [12, 13, 14, 15, 16, 17, 18, 19], found
+
+
+def test_the_drafter_answers_with_typed_drafted_frames():
+    """The drafter role builds its answers as ``Drafted`` (a fake draft model: no model, no process)."""
+    import asyncio
+
+    import numpy as np
+
+    from edgepipe.net.messages import Draft, Drafted, parse
+    from edgepipe.worker.drafter import UNKNOWN, DrafterRole
+
+    class FakeDrafter:
+        def prime(self, seq, ids):
+            self.primed = (seq, list(ids))
+
+        def draft(self, seq, ids, k, params, step):
+            return [len(ids) + i for i in range(k)]
+
+    sent = []
+
+    async def send(message):
+        sent.append(parse(message))
+
+    async def play():
+        role = DrafterRole(None, None, send, threads=1)
+        await role.draft(Draft(1, "s", 0, 2, 0), np.array([3, 4], np.int32))  # no draft model yet
+        role.drafter = FakeDrafter()
+        await role.draft(Draft(2, "s", 5, 2, 0), None)  # keeps 5 ids it never had
+        await role.draft(Draft(3, "s", 0, 0, 0), np.array([3, 4], np.int32))  # a prompt: primed only
+        await role.draft(Draft(4, "s", 2, 3, 2), np.array([7], np.int32))
+        role.close()
+
+    asyncio.run(play())
+    assert [type(m) for m in sent] == [Drafted] * 4
+    assert (sent[0].ok, sent[0].error) == (False, "no draft model loaded") and (sent[1].ok, sent[1].error) == (False, UNKNOWN)
+    assert sent[2].ok and sent[2].tokens == [] and sent[2].compute_s >= 0
+    assert (sent[3].id, sent[3].tokens) == (4, [3, 4, 5]) and sent[3].compute_s >= 0

@@ -65,7 +65,12 @@ class Wire:
         return Message(self.TYPE, body, dict(tensors if tensors is not None else getattr(self, "tensors", None) or {}))
 
 
+_PLAIN = frozenset({int, float, str, bool, list, dict})
+
+
 def _plain(v):
+    if type(v) in _PLAIN:  # most fields, at once (a Mapping check is slow, and builds run per decode step)
+        return v
     if isinstance(v, Enum):
         return v.value
     if isinstance(v, NextHop):

@@ -16,7 +16,7 @@ from edgepipe.cluster import state as S
 from edgepipe.cluster import checkpoints as K
 from edgepipe.cluster.checkpoints import CheckpointSettings, Resume, due, resume_point
 from edgepipe.cluster.placement import Deployment, StageAssignment as A
-from edgepipe.net.messages import Hello, KvExport, Load, NextHop
+from edgepipe.net.messages import Hello, Kv, KvExport, Load, NextHop
 from edgepipe.worker import core
 
 GB = 1 << 30
@@ -224,7 +224,7 @@ def test_a_warm_spare_stage_takes_checkpoints_and_goes_with_a_real_stage():
     assert st.spare == -3 and st.stages[-3].graph == "g-spare"
     assert core.admit_data(st, -3, lambda secret: True) is not None  # peers may send it KV
     assert st.in_use([], True, "other") == 0  # its weights are the warm spare's, not a kept stage's
-    kv = core.Message(core.T.KV, {"seq": "r.c1", "plan": -3, "length": 5, "move": 9})
+    kv = Kv("r.c1", -3, 5, 9)
     _, commands = core.handle(st, kv)
     assert isinstance(commands[0], core.ImportKv) and commands[0].graph == "g-spare"
     real = Load(plan=4, start=0, end=2, graph="g-real", files=[], next=NextHop("coordinator"), keep=[4], max_context=64)

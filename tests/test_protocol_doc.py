@@ -9,12 +9,12 @@ the tables as they read in the doc.
 from __future__ import annotations
 
 import re
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass
 
 import pytest
 
 from edgepipe.net import messages, protocol_doc
-from edgepipe.net.messages import ErrorCode, Wire
+from edgepipe.net.messages import ErrorCode, Wire, header_fields
 from edgepipe.net.protocol import MessageType
 
 
@@ -50,7 +50,7 @@ def test_every_message_type_is_listed_with_exactly_its_fields():
         name = cls.TYPE.value
         assert name in tables, f"docs/protocol.md has no section for {name}"
         want = {}
-        for f in fields(cls):
+        for f in header_fields(cls):
             required = f.default is MISSING and f.default_factory is MISSING
             parts = [t for t in str(f.type).split(" | ") if t != "None"]
             base = {"str": "string", "float": "number", "dict": "map", "NextHop": "map", "Mapping": "map",  # NextHop travels as a map

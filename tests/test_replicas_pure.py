@@ -112,7 +112,7 @@ def test_the_worker_sends_each_row_to_the_replica_on_its_route():
     state, _ = core.handle(state, core.Built(load, core.Session("g-0-3", True, False, 0, (0, 1, 2), 100), 1000, 0, 0.1, False))
     for route, url, secret in ((["a", "c"], "ws://c:1", "s-c"), (["a", "b"], "ws://b:1", "s-b"), (None, "ws://b:1", "s-b")):
         item = {"seq": "q.0", "step": 0, "pos": 0, **({"route": route} if route else {})}
-        fwd = Message(T.FORWARD, {"plan": 4, "batch": [item]}, {"x": np.array([[5, 6]], np.int64)})
+        fwd = parse(Message(T.FORWARD, {"plan": 4, "batch": [item]}, {"x": np.array([[5, 6]], np.int64)}))
         _, cmds = core.handle(state, core.Computed(fwd, np.zeros((1, 2, 8), np.float32), 0.01, None, 2, state.joins, {"q.0": 2}))
         (send,) = cmds
         assert (send.url, send.secret) == (url, secret)
@@ -120,7 +120,7 @@ def test_the_worker_sends_each_row_to_the_replica_on_its_route():
     # a batch whose sequences use both replicas: a frame per replica, each with its rows
     batch = [{"seq": f"q{i}.0", "step": 0, "pos": 0, "route": ["a", "bc"[i % 2]]} for i in range(3)]
     out = np.arange(3 * 2 * 8, dtype=np.float32).reshape(3, 2, 8)
-    fwd = Message(T.FORWARD, {"plan": 4, "batch": batch}, {"x": np.array([[5, 6]] * 3, np.int64)})
+    fwd = parse(Message(T.FORWARD, {"plan": 4, "batch": batch}, {"x": np.array([[5, 6]] * 3, np.int64)}))
     _, cmds = core.handle(state, core.Computed(fwd, out, 0.01, None, 2, state.joins, {f"q{i}.0": 2 for i in range(3)}))
     sent = {c.url: ([item["seq"] for item in c.msg["batch"]], c.msg.tensors["x"]) for c in cmds}
     assert sorted(sent) == ["ws://b:1", "ws://c:1"]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from edgepipe.emulate.roofline import RooflinePolicy
-from edgepipe.net.messages import Probe
+from edgepipe.net.messages import Probe, parse
 from edgepipe.net.protocol import Message, MessageType as T
 from edgepipe.plan import DeviceProfile, Objective, PlanRequest, evaluate, plan, transformer_profile
 from edgepipe.plan.plan import Stage
@@ -64,7 +64,7 @@ def _stage_state(roofline: RooflinePolicy) -> core.WorkerState:
 
 def _computed(state: core.WorkerState, rows: int, positions: int, compute_s: float) -> list:
     batch = [{"seq": f"s{i}", "pos": 0} for i in range(rows)]
-    msg = Message(T.FORWARD, {"plan": 1, "batch": batch}, {"x": np.zeros((rows, positions, 8), np.float32)})
+    msg = parse(Message(T.FORWARD, {"plan": 1, "batch": batch}, {"x": np.zeros((rows, positions, 8), np.float32)}))
     out = np.zeros((rows, positions, 8), np.float32)
     return core.handle(state, core.Computed(msg, out, compute_s, None, positions, state.joins, {}))[1]
 

@@ -37,7 +37,7 @@ def _with_stage(state=None, load=None, session=None) -> core.WorkerState:
 
 def _forward(plan=1, seqs=("a",), pos=0, x=None) -> Message:
     x = np.array([[5, 6]] * len(seqs), np.int64) if x is None else x
-    return Message(T.FORWARD, {"plan": plan, "batch": [{"seq": s, "step": 0, "pos": pos} for s in seqs]}, {"x": x})
+    return parse(Message(T.FORWARD, {"plan": plan, "batch": [{"seq": s, "step": 0, "pos": pos} for s in seqs]}, {"x": x}))
 
 
 def _errors(cmds) -> list[tuple[str, str]]:
@@ -99,7 +99,7 @@ def test_the_last_stage_answers_tokens_unless_every_entry_is_a_partial_replay():
     fwd = _forward(seqs=("a", "b"))
     _, cmds = core.handle(state, core.Computed(fwd, np.array([4, 9]), 0.01, None, 2, state.joins, {"a": 2, "b": 2}))
     assert cmds[0].msg.type is T.TOKEN and cmds[0].msg["tokens"] == [4, 9]
-    partial = Message(T.FORWARD, {"plan": 1, "batch": [{"seq": "a", "step": 0, "partial": True}]}, {"x": np.zeros((1, 2), np.int64)})
+    partial = parse(Message(T.FORWARD, {"plan": 1, "batch": [{"seq": "a", "step": 0, "partial": True}]}, {"x": np.zeros((1, 2), np.int64)}))
     assert core.handle(state, core.Computed(partial, np.array([4]), 0.01, None, 2, state.joins, {"a": 2}))[1] == []
 
 
@@ -151,7 +151,7 @@ def test_kv_moves_export_what_is_held_and_acknowledge_imports():
     state, _ = core.handle(state, core.Computed(_forward(), np.zeros((1, 2, 8), np.float32), 0.01, None, 2, state.joins, {"a": 2}))
     _, cmds = core.handle(state, export)
     assert isinstance(cmds[0], core.ExportKv) and cmds[0].graph == "g-0-2"
-    kv = Message(T.KV, {"seq": "b", "plan": 1, "length": 5, "move": 4}, {})
+    kv = parse(Message(T.KV, {"seq": "b", "plan": 1, "length": 5, "move": 4}, {}))
     state, cmds = core.handle(state, kv)
     assert isinstance(cmds[0], core.ImportKv) and cmds[0].layers == (0, 1)
     state, cmds = core.handle(state, core.Imported(kv, "g-0-2", 5, 80))
@@ -200,10 +200,10 @@ def test_every_coordinator_frame_parses_to_its_type_and_bad_ones_say_why():
 def test_a_prefix_reuse_starts_the_frame_after_the_cached_blocks():
     state = _with_stage()
     entry = {"epoch": 1, "block": 4, "reuse": ["b0", "b1"], "save": [], "evict": []}
-    fwd = Message(T.FORWARD, {"plan": 1, "batch": [{"seq": "a", "step": 0, "pos": 8, "prefix": entry}]}, {"x": np.zeros((1, 3), np.int64)})
+    fwd = parse(Message(T.FORWARD, {"plan": 1, "batch": [{"seq": "a", "step": 0, "pos": 8, "prefix": entry}]}, {"x": np.zeros((1, 3), np.int64)}))
     _, cmds = core.handle(state, fwd)
     assert isinstance(cmds[0], core.RunStage) and cmds[0].prefixes == (("a", entry),) and not cmds[0].inline
-    wrong = Message(T.FORWARD, {"plan": 1, "batch": [{"seq": "a", "step": 0, "pos": 0, "prefix": entry}]}, {"x": np.zeros((1, 3), np.int64)})
+    wrong = parse(Message(T.FORWARD, {"plan": 1, "batch": [{"seq": "a", "step": 0, "pos": 0, "prefix": entry}]}, {"x": np.zeros((1, 3), np.int64)}))
     assert _errors(core.handle(state, wrong)[1]) == [("corrupt_input", "a")]
-    bad = Message(T.FORWARD, {"plan": 1, "batch": [{"seq": "a", "step": 0, "prefix": {"epoch": -1}}]}, {"x": np.zeros((1, 3), np.int64)})
+    bad = parse(Message(T.FORWARD, {"plan": 1, "batch": [{"seq": "a", "step": 0, "prefix": {"epoch": -1}}]}, {"x": np.zeros((1, 3), np.int64)}))
     assert _errors(core.handle(state, bad)[1]) == [("bad_input", "a")]

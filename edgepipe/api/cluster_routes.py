@@ -21,6 +21,7 @@ from ..cluster.events import NoteKind
 from ..cluster.narrate import describe
 from ..net import auth, limits
 from ..net.channel import ChannelClosed, StarletteChannel
+from ..net.messages import parse
 from ..net.protocol import MessageType, ProtocolError, decode, error_frame
 from .errors import APIError
 
@@ -154,11 +155,11 @@ class WorkerGate:
             return f"hello of {len(raw)} bytes exceeds {self.hello_limit}"
         try:
             hello = decode(raw)
+            if hello.type is not MessageType.HELLO:
+                return f"expected hello, got {hello.type.value}"
+            token = parse(hello).token
         except ProtocolError as exc:
             return f"bad hello: {str(exc)[:160]}"
-        if hello.type is not MessageType.HELLO:
-            return f"expected hello, got {hello.type.value}"
-        token = hello.get("token")
         if self.join_token and not (isinstance(token, str) and auth.same_secret(token, self.join_token)):
             return "wrong or missing join token" if token else "missing join token"
         return None

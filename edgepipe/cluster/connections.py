@@ -78,13 +78,13 @@ class Connections:
         if self.stopped():
             await self._refuse(channel, "the coordinator is stopping")
             return
-        if p.settings.join_token and not auth.same_secret(hello.get("token"), p.settings.join_token):
-            await self._refuse(channel, "wrong or missing join token" if hello.get("token") else "missing join token")
-            return
         try:
-            declared = Hello.from_fields(hello.fields)
+            declared: Hello = parse(hello)
         except ProtocolError as exc:
             await self._refuse(channel, str(exc))
+            return
+        if p.settings.join_token and not auth.same_secret(declared.token, p.settings.join_token):
+            await self._refuse(channel, "wrong or missing join token" if declared.token else "missing join token")
             return
         wanted, manifest = declared.precision, p.package.manifest  # read now: a variant added at another join reloads it
         if wanted and any(wanted not in u.variants for u in manifest.units):
@@ -141,7 +141,7 @@ class Connections:
                 msg = decode(raw)
                 typed = parse(msg, vocab)
                 if msg.type is T.PONG:
-                    validate.pong_stats(msg.fields)
+                    validate.pong_stats(dataclasses.asdict(typed))
             except (ProtocolError, validate.InvalidWorkerFrame) as exc:
                 await self._refuse(link.channel, f"bad frame from {wid}: {exc}")
                 return
@@ -165,21 +165,21 @@ class Connections:
         elif msg.type is T.FORWARD and typed.relay_to:
             dep = p.state().active
             try:  # only a stage of the active plan may relay, and only to the stage after it
-                validate.relay_frame(msg.fields, sender=wid, stages=dep.workers if dep else (), plan_id=dep.plan_id if dep else -1)
+                validate.relay_frame({"plan": typed.plan, "relay_to": typed.relay_to}, sender=wid, stages=dep.workers if dep else (),
+                                     plan_id=dep.plan_id if dep else -1)
             except validate.InvalidWorkerFrame as exc:
                 p.note(S.NoteKind.IGNORED, worker=wid, why=str(exc))
                 return
             target = p.links().get(typed.relay_to)
             if target:
-                fields = {k: v for k, v in msg.fields.items() if k != "relay_to"}
-                p.spawn(self.steps.relay(typed.relay_to, target, Message(T.FORWARD, fields, msg.tensors)))
+                p.spawn(self.steps.relay(typed.relay_to, target, dataclasses.replace(typed, relay_to=None).to_message()))
         elif msg.type in (T.DRAFTED, T.DRAFT_READY):
             if self.drafting is not None:
                 self.drafting.answered(wid, typed)
         elif msg.type is T.ERROR:
             self.steps.worker_error(wid, typed)
         elif msg.type is T.BYE:  # it is leaving: drop it now, not after the suspect / lose timeouts
-            final = bool(msg.get("final"))
+            final = bool(typed.final)
             p.spawn(self.lose(wid, "shut down (final bye)" if final else "said bye", failure=not final))
 
     async def heartbeats(self) -> None:

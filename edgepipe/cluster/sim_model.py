@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..net.messages import ErrorCode
-from ..net.protocol import Message, MessageType as T
+from ..net.messages import ErrorCode, Kv
+from ..net.protocol import Message
 from ..worker import core
 
 KEPT_LENGTHS = 12  # recent lengths kept per sequence (a rewind or a checkpoint goes back only a few)
@@ -50,26 +50,26 @@ class FakeStages:
         from .sim import N_UNITS, VOCAB, _unit
 
         x = np.asarray(cmd.x, dtype=np.int64)
-        batch = cmd.forward["batch"]
+        batch = cmd.forward.entries()
         kv = self.kv.setdefault(cmd.graph, {})
-        plan = cmd.forward["plan"]
+        plan = cmd.forward.plan
         saves = dict(cmd.prefixes)
         for seq, entry in cmd.prefixes:  # cached prompt blocks first, as the real stage (runtime.prefix_store)
             missing = self._prefix_before(plan, kv, seq, entry)
             if missing:
                 return core.Failed(cmd.forward, ErrorCode.PREFIX_MISS, missing, {s: kv[s][-1] for s in cmd.seqs if s in kv})
         for item in batch:  # rewind (as runner.rewind): only to a length an import left (else the stage refuses)
-            h, pos = kv.get(item["seq"]), item.get("pos")
-            if item.get("rewind") and isinstance(pos, int) and h is not None and pos < h[-1]:
-                back = self.lengths.get((cmd.graph, item["seq"]), {}).get(pos)
+            h, pos = kv.get(item.seq), item.pos
+            if item.rewind and pos is not None and h is not None and pos < h[-1]:
+                back = self.lengths.get((cmd.graph, item.seq), {}).get(pos)
                 if back is None:
-                    return core.Failed(cmd.forward, ErrorCode.BAD_INPUT, f"{item['seq']}: cannot rewind to {pos}",
+                    return core.Failed(cmd.forward, ErrorCode.BAD_INPUT, f"{item.seq}: cannot rewind to {pos}",
                                        {s: kv[s][-1] for s in cmd.seqs if s in kv})
-                kv[item["seq"]] = list(back)
+                kv[item.seq] = list(back)
         y = np.zeros_like(x)
         for row, item in enumerate(batch):
-            h = kv.setdefault(item["seq"], [0] * (end - start + 1))
-            entry = saves.get(item["seq"])
+            h = kv.setdefault(item.seq, [0] * (end - start + 1))
+            entry = saves.get(item.seq)
             epoch, held = self.prefixes.get(plan, (0, {}))
             keep = {i: name for i, name in entry["save"]} if entry and entry["epoch"] == epoch else {}
             for col in range(x.shape[1]):
@@ -78,11 +78,11 @@ class FakeStages:
                     h[k], v = _unit(h[k], v, u)
                 y[row, col] = v
                 h[-1] += 1
-                self._keep(cmd.graph, item["seq"], h)
+                self._keep(cmd.graph, item.seq, h)
                 if keep and h[-1] % entry["block"] == 0 and h[-1] // entry["block"] - 1 in keep:
                     held[keep[h[-1] // entry["block"] - 1]] = list(h)
         out = np.array([int(y[r, -1]) % VOCAB for r in range(len(batch))], np.int64) if end == N_UNITS else y
-        lengths = {item["seq"]: kv[item["seq"]][-1] for item in batch}
+        lengths = {item.seq: kv[item.seq][-1] for item in batch}
         return core.Computed(cmd.forward, out, compute_s, None, int(x.shape[1]), joins, lengths)
 
     def _prefix_before(self, plan: int, kv: dict, seq: str, entry: dict) -> str | None:
@@ -111,18 +111,19 @@ class FakeStages:
             held = self.lengths.get((cmd.graph, e.seq), {}).get(e.upto)
             if held is None:
                 return f"{e.seq}: no state at {e.upto} positions"
-        units = {u: held[u - start] for u in range(e.start, e.end)}
-        return Message(T.KV, {"seq": e.as_seq or e.seq, "plan": e.to_plan, "move": e.move, "units": units, "length": held[-1]})
+        # the fake KV of unit u (one integer) travels as the real KV does, a tensor per layer
+        units = {f"key.{u}": np.array([held[u - start]], np.int64) for u in range(e.start, e.end)}
+        return Kv(e.as_seq or e.seq, e.to_plan, held[-1], e.move, tensors=units).to_message()
 
     def import_kv(self, cmd: core.ImportKv) -> core.Imported:
-        msg = cmd.kv
+        kv = cmd.kv
         start, end = cmd.layers[0], cmd.layers[-1] + 1
-        h = self.kv.setdefault(cmd.graph, {}).setdefault(msg["seq"], [0] * (end - start + 1))
-        for u, value in msg["units"].items():
-            h[int(u) - start] = value
-        h[-1] = msg["length"]
-        self._keep(cmd.graph, msg["seq"], h)
-        return core.Imported(msg, cmd.graph, h[-1], 0)
+        h = self.kv.setdefault(cmd.graph, {}).setdefault(kv.seq, [0] * (end - start + 1))
+        for u, named in kv.layers().items():
+            h[u - start] = int(named[f"key.{u}"][0])
+        h[-1] = kv.length
+        self._keep(cmd.graph, kv.seq, h)
+        return core.Imported(kv, cmd.graph, h[-1], 0)
 
     def _keep(self, graph: str, seq: str, h: list[int]) -> None:
         kept = self.lengths.setdefault((graph, seq), {})

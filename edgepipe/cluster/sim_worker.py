@@ -16,14 +16,14 @@ import numpy as np
 
 from ..net.channel import ChannelClosed
 from .. import PROTOCOL_VERSION
-from ..net.messages import ErrorCode, Hello, parse
-from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode
+from ..net.messages import Bye, Drop, ErrorCode, Forward, Hello, Kv, KvExport, Load, Ping, Probed, Welcome, parse
+from ..net.protocol import Message, ProtocolError, decode, encode
 from ..worker import core
 from .profiling import RUNTIME_OVERHEAD_BYTES
 from .sim_model import FakeStages
 
 log = logging.getLogger("edgepipe.sim")
-IN_ORDER = (T.FORWARD, T.KV, T.DROP, T.KV_EXPORT)
+IN_ORDER = (Forward, Kv, Drop, KvExport)
 
 
 class FakeWorker:
@@ -45,7 +45,7 @@ class FakeWorker:
         self.malformed = 0  # malformed frames still to send
         from .sim import Pipe
 
-        self.data = Pipe(lambda item: self.queue.put_nowait(item))  # frames from other workers' data ports
+        self.data = Pipe(lambda frame: self.queue.put_nowait(parse(frame)))  # frames from other workers' data ports, typed as the real port does
 
     @property
     def computed(self) -> int:
@@ -88,10 +88,10 @@ class FakeWorker:
             self.world.spawn(self.world.coordinator.attach(theirs))
             try:
                 await mine.send(encode(self.hello().to_message()))
-                reply = decode(await mine.recv())
-                if reply.type is T.WELCOME:
+                reply = parse(decode(await mine.recv()))
+                if isinstance(reply, Welcome):
                     backoff = 0.2
-                    await self.feed(core.Joined(parse(reply).worker_id))
+                    await self.feed(core.Joined(reply.worker_id))
                     await self._serve(mine)
             except ChannelClosed:
                 pass
@@ -113,13 +113,13 @@ class FakeWorker:
             except ProtocolError as exc:  # the coordinator sent what the worker core cannot read: a bug
                 log.error("%s: bad frame from the coordinator: %s", self.name, exc)
                 continue
-            if msg.type is T.BYE:
+            if isinstance(typed, Bye):
                 return
-            if msg.type in IN_ORDER:
-                self.queue.put_nowait(msg)
-            elif msg.type is T.PING:
+            if isinstance(typed, IN_ORDER):
+                self.queue.put_nowait(typed)
+            elif isinstance(typed, Ping):
                 await self.feed(core.Pinged(typed.t, 0, self.queue.qsize(), 0.0))
-            elif msg.type is T.LOAD:
+            elif isinstance(typed, Load):
                 self.world.spawn(self._quietly(typed))
             elif not isinstance(typed, Message):
                 await self.feed(typed)
@@ -128,10 +128,10 @@ class FakeWorker:
         while True:
             msg = await self.queue.get()
             await self._stall()
-            if msg.type is T.FORWARD and asyncio.get_running_loop().time() < self.dropping_until:
+            if isinstance(msg, Forward) and asyncio.get_running_loop().time() < self.dropping_until:
                 continue
             try:
-                await self.feed(msg if msg.type in (T.FORWARD, T.KV) else parse(msg))
+                await self.feed(msg)
             except (ChannelClosed, ProtocolError):
                 pass
 
@@ -194,7 +194,7 @@ class FakeWorker:
         elif isinstance(cmd, core.TimeStage):
             await self.feed(core.StageTimed(cmd.probe, [0.01 * self.slowdown * cmd.rows] * cmd.reps))  # compute-bound, like its steps
         elif isinstance(cmd, core.SendLinkPayload):
-            await self._send(Message(T.PROBED, {"probe": cmd.probe, "ok": True}, {"payload": np.zeros(cmd.nbytes, np.uint8)}))
+            await self._send(Probed(cmd.probe, True).to_message({"payload": np.zeros(cmd.nbytes, np.uint8)}))
         elif isinstance(cmd, core.MeasurePeer):
             await self.feed(core.PeerMeasured(cmd.probe, 0.001, 1e8))
 
@@ -205,7 +205,7 @@ class FakeWorker:
     async def _run(self, cmd: core.RunStage):
         """A stage's step: its compute time on the virtual clock, then the fake model's result."""
         stage = next(s for s in self.state.stages.values() if s.graph == cmd.graph)
-        await asyncio.sleep(0.002 * np.shape(cmd.x)[1] * (stage.end - stage.start) * len(cmd.forward["batch"]) * self.slowdown)
+        await asyncio.sleep(0.002 * np.shape(cmd.x)[1] * (stage.end - stage.start) * len(cmd.forward.batch) * self.slowdown)
         await self._stall()
         return self.model.run(cmd, stage.start, stage.end, 0.002 * self.slowdown, self.state.joins)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -40,16 +40,37 @@ class ErrorCode(str, Enum):
 RETRYABLE = frozenset({ErrorCode.UNREACHABLE, ErrorCode.NO_STAGE, ErrorCode.CORRUPT_INPUT, ErrorCode.PREFIX_MISS})
 
 
+TENSORS = MappingProxyType({"tensors": True})
+"""Field metadata of a message's ``tensors`` (the frame's arrays, not a header field)."""
+
+
+def header_fields(cls) -> tuple:
+    """A message class's header fields (the dataclass fields but its ``tensors``)."""
+    return tuple(f for f in fields(cls) if not f.metadata.get("tensors"))
+
+
+_HEADER_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 @dataclass(frozen=True)
 class Wire:
     TYPE: ClassVar[T]
 
     def to_message(self, tensors: dict | None = None) -> Message:
-        body = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None}
-        return Message(self.TYPE, body, tensors or {})
+        """The frame: header fields that are not None, and ``tensors`` (else the message's own, if it has any)."""
+        names = _HEADER_NAMES.get(type(self))
+        if names is None:
+            names = _HEADER_NAMES[type(self)] = tuple(f.name for f in header_fields(self))
+        body = {name: _plain(v) for name in names if (v := getattr(self, name)) is not None}
+        return Message(self.TYPE, body, dict(tensors if tensors is not None else getattr(self, "tensors", None) or {}))
+
+
+_PLAIN = frozenset({int, float, str, bool, list, dict})
 
 
 def _plain(v):
+    if type(v) in _PLAIN:  # most fields, at once (a Mapping check is slow, and builds run per decode step)
+        return v
     if isinstance(v, Enum):
         return v.value
     if isinstance(v, NextHop):
@@ -257,7 +278,7 @@ class Probe(Wire):
     plan: int | None = None
     reps: int | None = None
     context: int | None = None
-    kind: str | None = None  # None: time decode steps; "link": the uplink; "accept"/"peer": a worker-to-worker link
+    kind: str | None = None  # None: time decode steps; "link": the uplink; "accept"/"peer": a worker-to-worker link; "echo": one round trip of a peer probe (on the data port)
     bytes: int | None = None
     url: str | None = None  # kind "peer": the data port of the worker to probe
     secret: str | None = None  # kind "accept": the probe secret to accept; "peer": the one to present
@@ -304,9 +325,48 @@ class Forward(Wire):
 
     TYPE = T.FORWARD
     plan: int
-    batch: list
+    batch: list  # [{seq, step, rid, sampling[, partial][, pos][, prefix][, verify][, rewind][, route]}], passed on as received
     timings: list | None = None
     relay_to: str | None = None
+    # ``x``: token ids [batch, positions] into a first stage, else activations [batch, positions, hidden]
+    tensors: Mapping = field(default_factory=dict, compare=False, repr=False, metadata=TENSORS)
+
+    @property
+    def x(self) -> np.ndarray | None:
+        return self.tensors.get("x")
+
+    def entries(self) -> tuple["ForwardEntry", ...]:
+        """One typed entry per batch entry, in frame order (``parse`` checked each has a seq); made
+        once per frame (the core and the runner both read them, once per decode step)."""
+        made = self.__dict__.get("_entries")
+        if made is None:
+            made = self.__dict__["_entries"] = tuple(ForwardEntry.of(item) for item in self.batch)
+        return made
+
+
+class ForwardEntry(NamedTuple):
+    """One sequence's part of a FORWARD frame (``Forward.entries``): the keys a stage reads; the
+    rest (sampling, route) is read where it is used (``runtime.controls``, ``NextHop.toward``).
+    A named tuple, not a dataclass: eight of them are made per decode step and hop, and a
+    tuple is several times cheaper to build."""
+
+    seq: str
+    step: int | None = None
+    rid: str | None = None
+    pos: int | None = None  # the first position of the frame's rows (a stage checks its KV ends there)
+    prefix: Mapping | None = None  # cached prompt blocks to install / save (``net.validate.prefix_entry``)
+    partial: bool = False  # a replay frame before the last: no token wanted
+    verify: bool = False  # speculative decoding: score the drafts (one sequence a frame)
+    rewind: bool = False  # speculative decoding: forget positions from ``pos`` on first
+
+    @classmethod
+    def of(cls, item: Mapping) -> ForwardEntry:
+        get = item.get
+        step, rid, pos = get("step"), get("rid"), get("pos")
+        # ``type(v) is int`` (not _int): header values come from msgpack, and a bool is no position
+        return tuple.__new__(cls, (item["seq"], step if type(step) is int else None, rid if type(rid) is str else None,
+                                   pos if type(pos) is int else None, get("prefix"), bool(get("partial")), bool(get("verify")),
+                                   bool(get("rewind"))))
 
 
 @dataclass(frozen=True)
@@ -316,9 +376,18 @@ class Kv(Wire):
     TYPE = T.KV
     seq: str
     plan: int  # the receiver's plan
-    length: int
+    length: int | None
     move: int
     since: int | None = None  # full-cache layers' tensors start at this position (a checkpoint's increment)
+    # ``key.<u>``, ``value.<u>`` per decoder layer u (window layers' trimmed: ``length`` says where they end)
+    tensors: Mapping = field(default_factory=dict, compare=False, repr=False, metadata=TENSORS)
+
+    def layers(self) -> dict[int, dict[str, np.ndarray]]:
+        """Its tensors by layer: ``{u: {name: array}}``."""
+        out: dict[int, dict[str, np.ndarray]] = {}
+        for name, value in self.tensors.items():
+            out.setdefault(int(name.split(".")[1]), {})[name] = value
+        return out
 
 
 @dataclass(frozen=True)
@@ -348,6 +417,7 @@ class Draft(Wire):
     step: int  # the generated tokens before the ids' end: draft j samples with the target's draw for token step + j
     sampling: Mapping | None = None  # {temperature, top_k, top_p, seed} of a sampled request; null: greedy
     rule: bool | None = None  # with the distribution each draft was drawn from (the speculative-sampling rule's q)
+    tensors: Mapping = field(default_factory=dict, compare=False, repr=False, metadata=TENSORS)  # ids: int32 [n]
 
 
 # -- what workers send --------------------------------------------------------------------------
@@ -428,7 +498,7 @@ class Loaded(Wire):
     plan: int | None = None
     kv_received: int | None = None  # a KV move's id (then this acknowledges the move)
     error: str | None = None
-    fetched_bytes: int = 0
+    fetched_bytes: int | None = None  # parse gives 0 when absent
     load_s: float | None = None
     weight_bytes: int | None = None
     repaired: list | None = None  # cached files that failed their SHA-256 and were fetched again
@@ -467,20 +537,23 @@ class Error(Wire):
 
 def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
     """The typed message, checked (``ProtocolError`` says what is wrong): what a worker sends
-    and what the coordinator sends a worker. KV comes back as the ``Message`` itself (its tensors
-    are read where they are used), checked."""
+    and what the coordinator sends a worker; FORWARD and KV carry the frame's tensors."""
     f = msg.fields
     try:
         if msg.type is T.HELLO:
             return Hello.from_fields(f)
         to_worker = _TO_WORKER.get(msg.type)
         if to_worker is not None:
-            return to_worker(f)
+            typed = to_worker(f)
+            return replace(typed, tensors=msg.tensors) if msg.type is T.DRAFT else typed
         if msg.type is T.KV:
             if not (isinstance(f["seq"], str) and _int(f["plan"]) and _int(f["move"]) and (f.get("length") is None or _int(f["length"]))
                     and (f.get("since") is None or (_int(f["since"]) and f["since"] >= 0))):
                 raise ProtocolError("kv: seq, plan, move (and length, since) must be a string and integers")
-            return msg
+            if not all(isinstance(n, str) and n.count(".") == 1 and n.split(".")[1].isdigit() for n in msg.tensors):
+                raise ProtocolError("kv: tensors must be named key.<layer> / value.<layer>")
+            return Kv(f["seq"], int(f["plan"]), None if f.get("length") is None else int(f["length"]), int(f["move"]),
+                      None if f.get("since") is None else int(f["since"]), msg.tensors)
         if msg.type is T.TOKEN:
             batch, tokens = f["batch"], f["tokens"]
             if not (isinstance(batch, list) and isinstance(tokens, list) and len(batch) == len(tokens)):
@@ -544,7 +617,7 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
         if msg.type is T.FORWARD:
             if not isinstance(f.get("batch"), list) or not all(isinstance(i, dict) and isinstance(i.get("seq"), str) for i in f["batch"]):
                 raise ProtocolError("forward: batch must be a list of entries with a seq")
-            return Forward(_need_int(f["plan"], "plan"), f["batch"], f.get("timings"), f.get("relay_to"))
+            return Forward(_need_int(f["plan"], "plan"), f["batch"], f.get("timings"), f.get("relay_to"), msg.tensors)
     except KeyError as exc:
         raise ProtocolError(f"{msg.type.value}: missing field {exc.args[0]!r}") from None
     return msg  # types without a payload the coordinator reads (bye, ...)
@@ -582,7 +655,7 @@ def _load(f: dict) -> Load:
 
 def _probe(f: dict) -> Probe:
     kind = f.get("kind")
-    if kind not in (None, "link", "accept", "peer"):
+    if kind not in (None, "link", "accept", "peer", "echo"):
         raise ProtocolError(f"probe: unknown kind {kind!r}"[:200])
     return Probe(_need_int(f["probe"], "probe"), _opt_int(f.get("plan"), "plan"), _opt_int(f.get("reps"), "reps"),
                  _opt_int(f.get("context"), "context"), kind, _opt_int(f.get("bytes"), "bytes"), _opt_str(f.get("url"), "url"),

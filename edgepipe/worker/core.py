@@ -22,8 +22,8 @@ import numpy as np
 
 from ..emulate.slowdown import MemoryBudget, MemoryBudgetExceeded, SlowdownPolicy
 from ..net import limits, validate
-from ..net.messages import PROBE_PLAN, Activate, Drop, Emulate, ErrorCode, KvExport, Load, Probe
-from ..net.protocol import Message, MessageType as T
+from ..net.messages import (PROBE_PLAN, Activate, Drop, Emulate, Error, ErrorCode, Forward, Kv, KvExport, Load, Loaded, Pong, Probe, Probed,
+                            Token)
 
 from .data import (  # noqa: F401 - the core's vocabulary, used as core.X by the shells and tests
     Session, Stage, WorkerState, Joined, Pinged, Fetched, Built, LoadFailed, Computed, Failed, Imported, ExportFailed,
@@ -37,14 +37,8 @@ INLINE_STEP_S = 0.02  # decode steps faster than this run on the event loop (no 
 # -- the transition ------------------------------------------------------------------------------------------
 def handle(state: WorkerState, event: Event) -> tuple[WorkerState, list[Command]]:
     """The state after ``event`` and what the shell must do about it."""
-    for kind, on in _HANDLERS:
-        if isinstance(event, kind):
-            return on(state, event)
-    if isinstance(event, Message) and event.type is T.FORWARD:
-        return _forward(state, event)
-    if isinstance(event, Message) and event.type is T.KV:
-        return _import(state, event)
-    return state, []
+    on = _HANDLERS.get(type(event))
+    return on(state, event) if on is not None else (state, [])
 
 
 def _joined(state: WorkerState, event: Joined) -> tuple[WorkerState, list[Command]]:
@@ -56,9 +50,8 @@ def _joined(state: WorkerState, event: Joined) -> tuple[WorkerState, list[Comman
 
 
 def _pinged(state: WorkerState, event: Pinged) -> tuple[WorkerState, list[Command]]:
-    return state, [SendControl(Message(T.PONG, {"t": event.t, "kv_bytes": event.kv_bytes, "queue": event.queue, "busy_s": state.busy_s,
-                                                "computed": state.computed, "fetched_bytes": state.fetched_bytes, "joins": state.joins,
-                                                "loop_lag_s": round(event.loop_lag_s, 3), "prefix_bytes": event.prefix_bytes}))]
+    return state, [SendControl(Pong(event.t, event.kv_bytes, event.queue, state.busy_s, state.computed, state.fetched_bytes, state.joins,
+                                    round(event.loop_lag_s, 3), event.prefix_bytes).to_message())]
 
 
 def _load(state: WorkerState, load: Load) -> tuple[WorkerState, list[Command]]:
@@ -66,7 +59,7 @@ def _load(state: WorkerState, load: Load) -> tuple[WorkerState, list[Command]]:
 
 
 def _loaded(plan: int, **fields) -> SendControl:
-    return SendControl(Message(T.LOADED, {"plan": plan, **fields}))
+    return SendControl(Loaded(plan=plan, **fields).to_message())
 
 
 def _fetched(state: WorkerState, event: Fetched) -> tuple[WorkerState, list[Command]]:
@@ -126,11 +119,9 @@ def _built(state: WorkerState, event: Built) -> tuple[WorkerState, list[Command]
                       max_context=load.max_context, matmul_bytes=load.matmul_bytes,
                       head_bytes=int(load.head_bytes or 0))
         state = replace(state, stages={**state.stages, load.plan: stage})
-    reply = {"ok": True, "load_s": event.load_s, "fetched_bytes": event.fetched_bytes, "weight_bytes": event.weight_bytes,
-             "reused_session": event.reused}
-    if event.repaired:  # cached files that failed their hash and were fetched again
-        reply["repaired"] = list(event.repaired)
-    return state, commands + [_loaded(load.plan, **reply)]
+    repaired = list(event.repaired) if event.repaired else None  # cached files that failed their hash and were fetched again
+    return state, commands + [_loaded(load.plan, ok=True, load_s=event.load_s, fetched_bytes=event.fetched_bytes,
+                                      weight_bytes=event.weight_bytes, reused_session=event.reused, repaired=repaired)]
 
 
 def _load_failed(state: WorkerState, event: LoadFailed) -> tuple[WorkerState, list[Command]]:
@@ -176,86 +167,85 @@ def _probe(state: WorkerState, probe: Probe) -> tuple[WorkerState, list[Command]
         return state, [SendLinkPayload(probe.probe, int(probe.bytes or 1 << 18))]
     if probe.kind == "accept":  # peers presenting this secret on PROBE_PLAN may time this data port
         secret = probe.secret if isinstance(probe.secret, str) and probe.secret else None
-        return replace(state, probe_secret=secret), [SendControl(Message(T.PROBED, {"probe": probe.probe, "ok": secret is not None}))]
+        return replace(state, probe_secret=secret), [SendControl(Probed(probe.probe, secret is not None).to_message())]
     if probe.kind == "peer":
         if not (isinstance(probe.url, str) and probe.url.startswith(("ws://", "wss://"))):
-            return state, [SendControl(Message(T.PROBED, {"probe": probe.probe, "ok": False, "error": f"peer probe: bad url {probe.url!r}"[:200]}))]
+            return state, [SendControl(Probed(probe.probe, False, error=f"peer probe: bad url {probe.url!r}"[:200]).to_message())]
         return state, [MeasurePeer(probe.probe, probe.url, probe.secret, probe.fingerprint, int(probe.bytes or 1 << 18))]
     stage = state.stages.get(probe.plan) if probe.plan is not None else None
     if stage is None:
-        return state, [SendControl(Message(T.PROBED, {"probe": probe.probe, "ok": False}))]
+        return state, [SendControl(Probed(probe.probe, False).to_message())]
     return state, [TimeStage(probe.probe, stage.graph, int(probe.reps or 8), int(probe.context or 64), int(probe.rows or 1), stage.compute_bytes)]
 
 
 def _stage_timed(state: WorkerState, event: StageTimed) -> tuple[WorkerState, list[Command]]:
-    return state, [SendControl(Message(T.PROBED, {"probe": event.probe, "ok": True, "times": [t / state.misreport for t in event.times]}))]
+    return state, [SendControl(Probed(event.probe, True, [t / state.misreport for t in event.times]).to_message())]
 
 
 def _peer_measured(state: WorkerState, event: PeerMeasured) -> tuple[WorkerState, list[Command]]:
     if event.error is not None:
-        return state, [SendControl(Message(T.PROBED, {"probe": event.probe, "ok": False, "error": event.error.splitlines()[0][:200]}))]
-    return state, [SendControl(Message(T.PROBED, {"probe": event.probe, "ok": True, "rtt_s": event.rtt_s,
-                                                  "bandwidth_bytes_per_s": event.bandwidth_bytes_per_s}))]
+        return state, [SendControl(Probed(event.probe, False, error=event.error.splitlines()[0][:200]).to_message())]
+    return state, [SendControl(Probed(event.probe, True, rtt_s=event.rtt_s, bandwidth_bytes_per_s=event.bandwidth_bytes_per_s).to_message())]
 
 
 # -- the data path -------------------------------------------------------------------------------------------
-def forward_problem(state: WorkerState, msg: Message) -> tuple[ErrorCode, str] | None:
+def forward_problem(state: WorkerState, msg: Forward) -> tuple[ErrorCode, str] | None:
     """Why a FORWARD frame cannot run on this worker now, or None."""
-    plan, batch, x = msg["plan"], msg["batch"], msg.tensors.get("x")
+    plan, batch, x = msg.plan, msg.batch, msg.x
     stage = state.stages.get(plan)
     if stage is None:
         return ErrorCode.NO_STAGE, f"worker {state.worker_id} holds no stage for plan {plan}"
-    if x is None or not isinstance(batch, list) or x.ndim < 2 or x.shape[0] != len(batch) or not batch:
-        return ErrorCode.BAD_INPUT, f"forward frame: x has {0 if x is None else x.shape[0]} rows for {len(batch) if isinstance(batch, list) else 0} sequences"
+    if x is None or x.ndim < 2 or x.shape[0] != len(batch) or not batch:
+        return ErrorCode.BAD_INPUT, f"forward frame: x has {0 if x is None else x.shape[0]} rows for {len(batch)} sequences"
     session = state.sessions[stage.graph]
     if not session.takes_token_ids:  # a stage checks what its predecessor sent before using it
         problem = validate.activation_problem(x, session.hidden or None, stage.max_context)
         if problem:
             return ErrorCode.CORRUPT_INPUT, f"plan {plan}: {problem}"
-    for item in batch:  # a frame must start where the sequence's cache ends: a lost frame leaves a hole
-        if not isinstance(item, dict) or not isinstance(item.get("seq"), str):
-            return ErrorCode.BAD_INPUT, "forward frame: a batch entry lacks seq"
+    entries = msg.entries()
+    for item in entries:  # a frame must start where the sequence's cache ends: a lost frame leaves a hole
         try:
-            entry = validate.prefix_entry(item)
+            prefix = validate.prefix_entry({"prefix": item.prefix}) if item.prefix is not None else None
         except ValueError as exc:
             return ErrorCode.BAD_INPUT, str(exc)
-        pos = item.get("pos")
+        pos = item.pos
         # A stage without decoder layers (embedding or head alone) keeps no KV: nothing to check
         # (and no KV moves to it, so after a switch it has not heard of the sequence).
-        held = state.length(stage.graph, item["seq"])
-        if entry and entry.get("reuse") and session.layers:  # cached blocks become the sequence's first positions
+        held = state.length(stage.graph, item.seq)
+        if prefix and prefix.get("reuse") and session.layers:  # cached blocks become the sequence's first positions
             if held:
-                return ErrorCode.BAD_INPUT, f"{item['seq']} already holds {held} positions: a prefix is installed into a new sequence only"
-            held = len(entry["reuse"]) * entry["block"]
-        if item.get("rewind") and isinstance(pos, int) and 0 <= pos < held:
+                return ErrorCode.BAD_INPUT, f"{item.seq} already holds {held} positions: a prefix is installed into a new sequence only"
+            held = len(prefix["reuse"]) * prefix["block"]
+        if item.rewind and pos is not None and 0 <= pos < held:
             held = pos  # speculative decoding: the stage forgets the drafts the last verify rejected (runners.run)
-        if isinstance(pos, int) and session.layers and pos != held:
-            return ErrorCode.CORRUPT_INPUT, f"plan {plan}: {item['seq']} holds {held} positions, the frame starts at {pos} (a frame was lost)"
-    if any(item.get("verify") for item in batch) and len(batch) != 1:
+        if pos is not None and session.layers and pos != held:
+            return ErrorCode.CORRUPT_INPUT, f"plan {plan}: {item.seq} holds {held} positions, the frame starts at {pos} (a frame was lost)"
+    if len(entries) != 1 and any(item.verify for item in entries):
         return ErrorCode.BAD_INPUT, "a verify frame holds one sequence"
     return None
 
 
-def _forward(state: WorkerState, msg: Message) -> tuple[WorkerState, list[Command]]:
+def _forward(state: WorkerState, msg: Forward) -> tuple[WorkerState, list[Command]]:
     if state.drop_work:
         return state, []
     problem = forward_problem(state, msg)
     if problem is not None:
         return state, errors_for(msg, *problem)
-    stage = state.stages[msg["plan"]]
-    x = msg.tensors["x"]
+    stage = state.stages[msg.plan]
+    x = msg.x
     if x.dtype == np.float16:
         x = x.astype(np.float32)
     # A fast decode step runs on the loop, skipping two thread hand-offs per hop (a heartbeat
     # waits at most one such step). Slow steps and prefills use the thread, so the loop stays
     # free to answer heartbeats.
     inline = x.shape[1] == 1 and state.step_s.get(stage.graph, 0.0) < INLINE_STEP_S
-    prefixes = tuple((item["seq"], item["prefix"]) for item in msg["batch"] if item.get("prefix") is not None)
-    return state, [RunStage(msg, stage.graph, [item["seq"] for item in msg["batch"]], x, inline and not prefixes, prefixes)]
+    entries = msg.entries()
+    prefixes = tuple((item.seq, item.prefix) for item in entries if item.prefix is not None)
+    return state, [RunStage(msg, stage.graph, [item.seq for item in entries], x, inline and not prefixes, prefixes)]
 
 
 def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Command]]:
-    msg, batch, plan = event.forward, event.forward["batch"], event.forward["plan"]
+    msg, batch, plan = event.forward, event.forward.batch, event.forward.plan
     if event.joins != state.joins:  # rejoined meanwhile: that step belonged to the previous membership
         return state, []
     stage = state.stages.get(plan)
@@ -269,14 +259,13 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
         return state, commands
     out = event.out.astype(np.float16) if state.activation_dtype == "float16" and stage.next.kind == "worker" else event.out
     elem = 2 if state.activation_dtype == "float16" else 4
-    fields = {"plan": plan, "batch": batch,
-              "timings": list(msg.get("timings") or []) + [[state.worker_id, (event.compute_s + extra) / state.misreport, event.positions, elem,
-                                                             len(batch)]]}
+    timings = list(msg.timings or []) + [[state.worker_id, (event.compute_s + extra) / state.misreport, event.positions, elem, len(batch)]]
     if stage.next.kind == "coordinator":
-        if not all(item.get("partial") for item in batch):  # replay frames before the last: no token wanted
+        entries = msg.entries()
+        if not all(item.partial for item in entries):  # replay frames before the last: no token wanted
             tokens = [int(t) for t in event.out]  # a verify entry: the target's token after each of its positions
-            chosen = {"tokens": tokens[-1:], "verified": [tokens]} if batch[0].get("verify") else {"tokens": tokens}
-            commands.append(SendControl(Message(T.TOKEN, {**fields, **chosen, **event.logprobs})))
+            chosen = {"tokens": tokens[-1:], "verified": [tokens]} if entries[0].verify else {"tokens": tokens}
+            commands.append(SendControl(Token(plan, batch, timings=timings, logprobs=event.logprobs.get("logprobs"), **chosen).to_message()))
         return state, commands
     # A replicated next stage: each row goes to the replica on its entry's route (a frame per
     # replica; the computations so far are timed in the first frame only, so they count once).
@@ -286,11 +275,11 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
         rows.setdefault(hop.id, (hop, []))[1].append(i)
     for k, (hop, mine) in enumerate(rows.values()):
         part, x = (batch, out) if len(mine) == len(batch) else ([batch[i] for i in mine], out[mine])
-        sent = {**fields, "batch": part, **({"timings": []} if k else {})}
+        sent = Forward(plan, part, [] if k else timings)
         if hop.relay:
-            commands.append(SendControl(Message(T.FORWARD, {**sent, "relay_to": hop.id}, {"x": x})))
+            commands.append(SendControl(replace(sent, relay_to=hop.id).to_message({"x": x})))
         else:
-            commands.append(SendPeer(hop.url, plan, Message(T.FORWARD, sent, {"x": x}),
+            commands.append(SendPeer(hop.url, plan, sent.to_message({"x": x}),
                                      data_secret(state, hop.url, plan, hop.secret), hop.fingerprint, about=msg))
     return state, commands
 
@@ -298,34 +287,28 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
 def emulated_wait(state: WorkerState, stage: Stage | None, event: Computed) -> float:
     """Seconds the emulated device still takes after the real compute of ``event`` (0: none emulated)."""
     if state.roofline is not None:
-        batch = event.forward["batch"]
-        rows = len(batch) * event.positions
-        head_rows = rows if any(item.get("verify") for item in batch) else len(batch)  # a verify's head computes every position
+        entries = event.forward.entries()
+        rows = len(entries) * event.positions
+        head_rows = rows if any(e.verify for e in entries) else len(entries)  # a verify's head computes every position
         if stage is None:
             return state.roofline.extra_wait(event.compute_s, 0, rows)
         return state.roofline.extra_wait(event.compute_s, stage.compute_bytes, rows, min(stage.head_bytes, stage.compute_bytes), head_rows)
     return SlowdownPolicy(state.slowdown).extra_wait(event.compute_s, event.cpu_s)
 
 
-def errors_for(msg: Message, code: ErrorCode, text: str) -> list[Command]:
+def errors_for(msg, code: ErrorCode, text: str) -> list[Command]:
     """An ERROR to the coordinator for each sequence of a failed FORWARD (other frames: none)."""
-    if msg.type is not T.FORWARD:
+    if not isinstance(msg, Forward):
         return []
-    batch = msg.get("batch")
-    out: list[Command] = []
-    for item in batch if isinstance(batch, list) else [{}]:
-        item = item if isinstance(item, dict) else {}
-        out.append(SendControl(Message(T.ERROR, {"message": text, "code": code.value, "seq": item.get("seq"), "step": item.get("step"),
-                                                 "rid": item.get("rid")})))
-    return out
+    return [SendControl(Error(text, code, item.seq, item.step, item.rid).to_message()) for item in msg.entries()]
 
 
 def _failed(state: WorkerState, event: Failed) -> tuple[WorkerState, list[Command]]:
-    stage = state.stages.get(event.msg.get("plan")) if event.msg.type is T.FORWARD else None
+    stage = state.stages.get(event.msg.plan) if isinstance(event.msg, Forward) else None
     if stage is not None:
         state = _with_lengths(state, stage.graph, event.lengths)
-    if event.msg.type is T.KV:  # the mover waits for this move's answer
-        return state, [_kv_ack(event.msg.get("move"), ok=False, error=event.text)]
+    if isinstance(event.msg, Kv):  # the mover waits for this move's answer
+        return state, [_kv_ack(event.msg.move, ok=False, error=event.text)]
     return state, errors_for(event.msg, event.code, event.text)
 
 
@@ -353,7 +336,7 @@ def _export_failed(state: WorkerState, event: ExportFailed) -> tuple[WorkerState
 
 
 def _kv_ack(move: int, **fields) -> SendControl:
-    return SendControl(Message(T.LOADED, {"kv_received": move, **fields}))
+    return SendControl(Loaded(kv_received=move, **fields).to_message())
 
 
 def session_layers(state: WorkerState, graph: str) -> tuple[int, ...]:
@@ -361,25 +344,25 @@ def session_layers(state: WorkerState, graph: str) -> tuple[int, ...]:
     return session.layers if session is not None else ()
 
 
-def _import(state: WorkerState, msg: Message) -> tuple[WorkerState, list[Command]]:
-    stage = state.stages.get(msg.get("plan"))
+def _import(state: WorkerState, msg: Kv) -> tuple[WorkerState, list[Command]]:
+    stage = state.stages.get(msg.plan)
     if stage is None:
-        return state, [_kv_ack(msg.get("move"), ok=False, error=f"no stage for plan {msg.get('plan')}")]
+        return state, [_kv_ack(msg.move, ok=False, error=f"no stage for plan {msg.plan}")]
     return state, [ImportKv(msg, stage.graph, state.sessions[stage.graph].layers)]
 
 
 def _imported(state: WorkerState, event: Imported) -> tuple[WorkerState, list[Command]]:
-    held = {**state.held.get(event.graph, {}), event.kv["seq"]: event.length}
+    held = {**state.held.get(event.graph, {}), event.kv.seq: event.length}
     return replace(state, held={**state.held, event.graph: held}), [
-        _kv_ack(event.kv["move"], plan=event.kv["plan"], ok=True, bytes=event.nbytes)]
+        _kv_ack(event.kv.move, plan=event.kv.plan, ok=True, bytes=event.nbytes)]
 
 
-_HANDLERS = (
-    (Joined, _joined), (Pinged, _pinged), (Load, _load), (Fetched, _fetched), (Built, _built), (LoadFailed, _load_failed),
-    (Activate, _activate), (Drop, _drop), (Emulate, _emulate), (Probe, _probe), (StageTimed, _stage_timed),
-    (PeerMeasured, _peer_measured), (Computed, _computed), (Failed, _failed), (KvExport, _export), (ExportFailed, _export_failed),
-    (Imported, _imported),
-)
+_HANDLERS = {
+    Joined: _joined, Pinged: _pinged, Load: _load, Fetched: _fetched, Built: _built, LoadFailed: _load_failed,
+    Activate: _activate, Drop: _drop, Emulate: _emulate, Probe: _probe, StageTimed: _stage_timed,
+    PeerMeasured: _peer_measured, Computed: _computed, Failed: _failed, KvExport: _export, ExportFailed: _export_failed,
+    Imported: _imported, Forward: _forward, Kv: _import,
+}
 
 
 # -- pure helpers the shell uses -----------------------------------------------------------------------------

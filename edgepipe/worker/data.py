@@ -10,7 +10,7 @@ import numpy as np
 
 from ..emulate.roofline import RooflinePolicy
 from ..net import limits
-from ..net.messages import Activate, Drop, Emulate, ErrorCode, KvExport, Load, NextHop, Probe
+from ..net.messages import Activate, Drop, Emulate, ErrorCode, Forward, Kv, KvExport, Load, NextHop, Probe
 from ..net.protocol import Message
 
 # -- state --------------------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ class LoadFailed:
 class Computed:
     """A FORWARD ran: ``out`` is the stage's output (hidden rows, or token ids from a head)."""
 
-    forward: Message
+    forward: Forward
     out: np.ndarray
     compute_s: float
     cpu_s: float | None  # the call's CPU time when single-threaded (see SlowdownPolicy)
@@ -151,7 +151,7 @@ class Computed:
 class Failed:
     """Work on a frame failed (compute, or sending its result): each sequence of it is told."""
 
-    msg: Message
+    msg: Forward | Kv | Drop | KvExport  # the compute-ordered frame whose work failed
     code: ErrorCode
     text: str
     lengths: dict = field(default_factory=dict)  # seq -> positions its KV holds after the failure (the runner's count)
@@ -161,7 +161,7 @@ class Failed:
 class Imported:
     """Moved KV is installed; ``length`` is what the sequence's KV now holds."""
 
-    kv: Message
+    kv: Kv
     graph: str
     length: int
     nbytes: int
@@ -188,7 +188,7 @@ class PeerMeasured:
 
 
 Event = Union[Joined, Pinged, Fetched, Built, LoadFailed, Computed, Failed, Imported, ExportFailed, StageTimed, PeerMeasured,
-              Load, Activate, Drop, Emulate, Probe, KvExport, Message]  # Message: a FORWARD or KV frame, checked by net.messages.parse
+              Load, Activate, Drop, Emulate, Probe, KvExport, Forward, Kv]  # frames as net.messages.parse types them
 
 
 # -- commands for the shell ----------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ class SendPeer:
     msg: Message
     secret: str | None
     fingerprint: str | None
-    about: Message | None = None  # the frame whose result this is: a failed send fails its sequences
+    about: Forward | None = None  # the frame whose result this is: a failed send fails its sequences
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ class KeepSessions:
 
 @dataclass(frozen=True)
 class RunStage:
-    forward: Message
+    forward: Forward
     graph: str
     seqs: list[str]
     x: np.ndarray
@@ -265,7 +265,7 @@ class ExportKv:
 
 @dataclass(frozen=True)
 class ImportKv:
-    kv: Message
+    kv: Kv
     graph: str
     layers: tuple[int, ...]
 

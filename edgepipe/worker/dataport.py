@@ -82,9 +82,9 @@ class DataPort:
                 msg = decode(raw)
                 if msg.type not in (T.FORWARD, T.KV):
                     raise ProtocolError(f"{msg.type.value} is not accepted on the data port")
-                if msg.get("plan") != plan:
-                    raise ProtocolError(f"frame for plan {msg.get('plan')!r} on a connection for plan {plan}")
                 typed = parse(msg)
+                if typed.plan != plan:
+                    raise ProtocolError(f"frame for plan {typed.plan!r} on a connection for plan {plan}")
             except ProtocolError as exc:
                 log.warning("rejected frame from %s: %s", channel.peer, exc)
                 try:
@@ -93,4 +93,4 @@ class DataPort:
                 except ChannelClosed:
                     pass
                 return
-            await self.worker.receive(msg, typed)
+            await self.worker.receive(typed)

@@ -20,8 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ..emulate.slowdown import SlowdownPolicy
-from ..net.messages import Draft, DraftLoad
-from ..net.protocol import Message, MessageType as T
+from dataclasses import replace
+
+from ..net.messages import Draft, Drafted, DraftLoad, DraftReady
 from ..runtime.sequence import GenerationParams
 from ..runtime.speculative import ModelDrafter, time_draft_steps
 
@@ -50,10 +51,9 @@ class DrafterRole:
         except Exception as exc:  # noqa: BLE001 - a failed load is reported, the worker stays
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.warning("draft model %s: %s", load.name, text)
-            return await self.send(Message(T.DRAFT_READY, {"ok": False, "name": load.name, "error": text[:200]}))
+            return await self.send(DraftReady(False, load.name, error=text[:200]).to_message())
         log.info("draft model %s ready: %.1f ms a draft step (%d bytes downloaded)", load.name, step_s * 1e3, fetched)
-        await self.send(Message(T.DRAFT_READY, {"ok": True, "name": load.name, "step_s": step_s, "load_s": time.perf_counter() - t0,
-                                                "fetched_bytes": fetched}))
+        await self.send(DraftReady(True, load.name, step_s, time.perf_counter() - t0, fetched).to_message())
 
     def _build(self, load: DraftLoad) -> float:
         from ..runtime.stage_runner import StageRunner
@@ -64,40 +64,42 @@ class DrafterRole:
 
     async def draft(self, draft: Draft, ids) -> None:
         try:
-            reply = await asyncio.get_running_loop().run_in_executor(self.pool, self._draft, draft, ids)
+            reply, cpu_s = await asyncio.get_running_loop().run_in_executor(self.pool, self._draft, draft, ids)
         except Exception as exc:  # noqa: BLE001 - a failed draft is answered: the coordinator drafts elsewhere
-            reply = {"ok": False, "error": (str(exc).splitlines() or [type(exc).__name__])[0][:200]}
-        cpu_s = reply.pop("cpu_s", None) if self.threads == 1 else None  # thread time counts one thread's compute only
-        extra = SlowdownPolicy(self.slowdown).extra_wait(reply.get("compute_s") or 0.0, cpu_s)
+            reply, cpu_s = Drafted(draft.id, False, error=(str(exc).splitlines() or [type(exc).__name__])[0][:200]), None
+        cpu_s = cpu_s if self.threads == 1 else None  # thread time counts one thread's compute only
+        extra = SlowdownPolicy(self.slowdown).extra_wait(reply.compute_s or 0.0, cpu_s)
         if extra > 0:  # EMULATION: a weaker device
             await asyncio.sleep(extra)
-            reply["compute_s"] = (reply.get("compute_s") or 0.0) + extra
-        await self.send(Message(T.DRAFTED, {"id": draft.id, **reply}))
+            reply = replace(reply, compute_s=(reply.compute_s or 0.0) + extra)
+        await self.send(reply.to_message())
 
-    def _draft(self, draft: Draft, ids) -> dict:
+    def _draft(self, draft: Draft, ids) -> tuple[Drafted, float | None]:
+        """The answer to ``draft`` and the CPU seconds it took (None: no draft ran)."""
         if self.drafter is None:
-            return {"ok": False, "error": "no draft model loaded"}
+            return Drafted(draft.id, False, error="no draft model loaded"), None
         held = self.ids.get(draft.seq)
         if draft.keep and (held is None or len(held) < draft.keep):
-            return {"ok": False, "error": UNKNOWN}
+            return Drafted(draft.id, False, error=UNKNOWN), None
         new = [] if ids is None else [int(t) for t in np.asarray(ids).reshape(-1)]
         all_ids = (held or [])[:draft.keep] + new
         self.ids[draft.seq] = all_ids
         t0, cpu0 = time.perf_counter(), time.thread_time()
         if draft.k == 0:
             self.drafter.prime(draft.seq, all_ids)
-            return {"ok": True, "tokens": [], "compute_s": time.perf_counter() - t0, "cpu_s": time.thread_time() - cpu0}
+            return Drafted(draft.id, True, [], compute_s=time.perf_counter() - t0), time.thread_time() - cpu0
         params = None
         if draft.sampling is not None:
             s = draft.sampling
             params = GenerationParams(temperature=float(s["temperature"]), top_k=int(s["top_k"]), top_p=float(s["top_p"]), seed=int(s["seed"]))
-        out: dict = {"ok": True}
+        q_ids = q_probs = None
         if draft.rule:
             tokens, q = self.drafter.draft_sampled(draft.seq, all_ids, draft.k, params, draft.step)
-            out.update(q_ids=[[int(t) for t in d.ids] for d in q], q_probs=[[float(w) for w in d.weights / d.total] for d in q])
+            q_ids, q_probs = [[int(t) for t in d.ids] for d in q], [[float(w) for w in d.weights / d.total] for d in q]
         else:
             tokens = self.drafter.draft(draft.seq, all_ids, draft.k, params, draft.step)
-        return {**out, "tokens": [int(t) for t in tokens], "compute_s": time.perf_counter() - t0, "cpu_s": time.thread_time() - cpu0}
+        return (Drafted(draft.id, True, [int(t) for t in tokens], q_ids, q_probs, time.perf_counter() - t0),
+                time.thread_time() - cpu0)
 
     async def forget(self, seq: str) -> None:
         await asyncio.get_running_loop().run_in_executor(self.pool, self._forget, seq)  # after the drafts asked before it

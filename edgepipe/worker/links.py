@@ -11,8 +11,8 @@ import numpy as np
 
 from ..net import auth, limits
 from ..net.channel import Channel, ChannelClosed, WebSocketChannel
-from ..net.messages import PROBE_PLAN
-from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode
+from ..net.messages import PROBE_PLAN, Probe, Probed, Wire, parse
+from ..net.protocol import MessageType as T, ProtocolError, decode, encode
 from .core import PROBE_PLAN_FRAME_LIMIT
 
 log = logging.getLogger("edgepipe.worker")
@@ -48,12 +48,12 @@ async def measure_peer(channel: Channel, most_bytes: int) -> tuple[float, float]
     async def round_trip(nbytes: int) -> float:
         probe = next(count)
         tensors = {"payload": incompressible(nbytes)} if nbytes else {}
-        frame = encode(Message(T.PROBE, {"probe": probe, "kind": "echo"}, tensors))
+        frame = encode(Probe(probe, kind="echo").to_message(tensors))
         t0 = time.perf_counter()
         await channel.send(frame)
-        reply = decode(await asyncio.wait_for(channel.recv(), PEER_PROBE_TIMEOUT_S))
-        if reply.type is not T.PROBED or reply.get("probe") != probe:
-            raise ProtocolError(f"peer answered {reply.type.value} to a probe")
+        reply = parse(decode(await asyncio.wait_for(channel.recv(), PEER_PROBE_TIMEOUT_S)))
+        if not isinstance(reply, Probed) or reply.probe != probe:
+            raise ProtocolError(f"peer answered {reply.TYPE.value if isinstance(reply, Wire) else 'an unknown frame'} to a probe")
         return time.perf_counter() - t0
 
     pings = [await round_trip(0) for _ in range(PEER_PINGS)]
@@ -73,9 +73,12 @@ async def echo_loop(channel: Channel) -> None:
     while True:
         try:
             msg = decode(await channel.recv())
-            if msg.type is not T.PROBE or msg.get("kind") != "echo":
+            if msg.type is not T.PROBE:
                 raise ProtocolError(f"{msg.type.value} is not accepted on a probe connection")
-            await channel.send(encode(Message(T.PROBED, {"probe": msg.get("probe"), "ok": True})))
+            probe = parse(msg)
+            if probe.kind != "echo":
+                raise ProtocolError(f"a {probe.kind or 'timing'} probe is not accepted on a probe connection")
+            await channel.send(encode(Probed(probe.probe, True).to_message()))
         except ChannelClosed:
             return
         except ProtocolError as exc:

@@ -14,8 +14,8 @@ import numpy as np
 
 from ..emulate.roofline import RooflinePolicy
 from ..emulate.slowdown import SlowdownPolicy
-from ..net.messages import ErrorCode
-from ..net.protocol import Message, MessageType as T, encode
+from ..net.messages import ErrorCode, Kv
+from ..net.protocol import encode
 from ..runtime.prefix_store import PrefixMiss, PrefixStore
 from ..runtime.speculative import head_tokens
 from ..runtime.stage_runner import ContextOverflow, SamplingBatch, StageRunner, spin_by_default
@@ -85,22 +85,23 @@ class Runners:
     async def run(self, cmd: core.RunStage, joins: int, single_thread: bool) -> core.Computed | core.Failed:
         """Run a FORWARD's batch; with one ORT thread (it is the calling one) also time its CPU."""
         runner = self.by_graph[cmd.graph]
-        sampling = SamplingBatch.from_wire(cmd.forward["batch"], runner.vocab) if runner.emits_tokens else None
+        batch, entries = cmd.forward.batch, cmd.forward.entries()
+        sampling = SamplingBatch.from_wire(batch, runner.vocab) if runner.emits_tokens else None
 
-        store = self.prefix.setdefault(cmd.forward["plan"], PrefixStore()) if cmd.prefixes else None
+        store = self.prefix.setdefault(cmd.forward.plan, PrefixStore()) if cmd.prefixes else None
 
-        verify = any(item.get("verify") for item in cmd.forward["batch"])
+        verify = any(item.verify for item in entries)
 
         def timed():
-            for item in cmd.forward["batch"]:  # speculative decoding: drafts the last verify rejected are forgotten
-                if item.get("rewind") and isinstance(item.get("pos"), int) and not isinstance(item.get("pos"), bool):
-                    runner.rewind(item["seq"], item["pos"])
+            for item in entries:  # speculative decoding: drafts the last verify rejected are forgotten
+                if item.rewind and item.pos is not None:
+                    runner.rewind(item.seq, item.pos)
             for seq, entry in cmd.prefixes:  # install cached prompt blocks first: the frame starts after them
                 store.before(runner, seq, entry)
             c0 = time.thread_time()
             out = runner.run_batch(cmd.seqs, cmd.x, sampling, verify)
             if verify and runner.emits_tokens:  # sampled drafts with their distribution: the sampling rule decides here
-                out = head_tokens(runner, cmd.forward["batch"][0], out)
+                out = head_tokens(runner, batch[0], out)
             cpu = time.thread_time() - c0 if single_thread else None
             for seq, entry in cmd.prefixes:
                 store.after(runner, seq, entry)
@@ -112,7 +113,7 @@ class Runners:
         except Exception as exc:  # noqa: BLE001 - onnxruntime errors must not kill the worker
             return core.Failed(cmd.forward, *failure(exc), lengths=self._lengths(runner, cmd.seqs))
         return core.Computed(cmd.forward, out, time.perf_counter() - t0, cpu, int(cmd.x.shape[1]), joins,
-                             self._lengths(runner, cmd.seqs), runner.logprobs_field(cmd.forward["batch"], verify) if runner.emits_tokens else {})
+                             self._lengths(runner, cmd.seqs), runner.logprobs_field(batch, verify) if runner.emits_tokens else {})
 
     @staticmethod
     def _lengths(runner: StageRunner, seqs: list[str]) -> dict:
@@ -127,19 +128,16 @@ class Runners:
             # a checkpoint: the KV as it was ``upto`` positions long (a step may have run since)
             tensors = {k: v for k, v in runner.export_kv(e.seq, since, e.upto).items() if e.start <= int(k.split(".")[1]) < e.end}
             length = runner.length(e.seq) if e.upto is None else e.upto
-            fields = {"seq": e.as_seq or e.seq, "plan": e.to_plan, "length": length, "move": e.move, **({"since": since} if since else {})}
-            return encode(Message(T.KV, fields, tensors))
+            return encode(Kv(e.as_seq or e.seq, e.to_plan, length, e.move, since or None, tensors).to_message())
 
         return await asyncio.get_running_loop().run_in_executor(self.pool, pack)
 
     async def import_kv(self, cmd: core.ImportKv) -> core.Imported:
-        runner, msg = self.by_graph[cmd.graph], cmd.kv
-        mine = {k: v for k, v in msg.tensors.items() if int(k.split(".")[1]) in cmd.layers}
-        length = msg.get("length")  # window layers' KV travels trimmed: the length says where it ends
-        since = msg.get("since") or 0
+        runner, kv = self.by_graph[cmd.graph], cmd.kv
+        mine = {name: v for u, named in kv.layers().items() if u in cmd.layers for name, v in named.items()}
         await asyncio.get_running_loop().run_in_executor(  # a copy into the pool, maybe a regrowth: off the loop
-            self.pool, runner.import_kv, msg["seq"], mine, int(length) if isinstance(length, int) else None, since)
-        return core.Imported(msg, cmd.graph, runner.length(msg["seq"]), int(sum(v.nbytes for v in mine.values())))
+            self.pool, runner.import_kv, kv.seq, mine, kv.length, kv.since or 0)  # window layers' KV travels trimmed: length says where it ends
+        return core.Imported(kv, cmd.graph, runner.length(kv.seq), int(sum(v.nbytes for v in mine.values())))
 
     async def time_stage(self, cmd: core.TimeStage, session: core.Session, slowdown: float,
                          roofline: RooflinePolicy | None = None) -> core.StageTimed:

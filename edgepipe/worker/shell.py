@@ -14,8 +14,8 @@ from dataclasses import replace
 
 from .. import PROTOCOL_VERSION
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
-from ..net.messages import PROBE_PLAN, Bye, ErrorCode, Hello, parse
-from ..net.protocol import Message, MessageType as T, ProtocolError, decode, encode
+from ..net.messages import PROBE_PLAN, Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Ping, Probed, Welcome, parse
+from ..net.protocol import Message, ProtocolError, decode, encode
 from ..runtime.devices import resolve as resolve_device
 from . import core, links
 from .blobcache import BlobCache
@@ -27,7 +27,7 @@ log = logging.getLogger("edgepipe.worker")
 STABLE_SESSION_S = 10.0  # a membership that lasted this long resets the backoff
 WELCOME_TIMEOUT_S = 120.0  # the coordinator may build a weight variant before it welcomes
 LOOP_LAG_WARN_S = 1.0  # the event loop held up this long (a PONG would have waited as long): log it
-IN_ORDER = (T.FORWARD, T.KV, T.DROP, T.KV_EXPORT)  # computed in arrival order, one at a time
+IN_ORDER = (Forward, Kv, Drop, KvExport)  # computed in arrival order, one at a time
 
 
 def _websocket_errors() -> type[Exception]:
@@ -54,7 +54,7 @@ class Worker:
         self.peer_tls = links.PeerTls()
         self.data_port = DataPort(self)
         self._tls_coordinator = None
-        self.queue: asyncio.Queue[Message] = asyncio.Queue()
+        self.queue: asyncio.Queue[Forward | Kv | Drop | KvExport] = asyncio.Queue()
         self.link = None
         if settings.link_delay_ms or settings.link_rate:
             from ..emulate.shaper import LinkShape, ShapedLink, parse_rate
@@ -114,7 +114,7 @@ class Worker:
                 event = core.Failed(cmd.kv, *failure(exc))
             await self.feed(event)
         elif isinstance(cmd, core.SendLinkPayload):
-            await self._send_control(Message(T.PROBED, {"probe": cmd.probe, "ok": True}, {"payload": links.incompressible(cmd.nbytes)}))
+            await self._send_control(Probed(cmd.probe, True).to_message({"payload": links.incompressible(cmd.nbytes)}))
         elif isinstance(cmd, core.MeasurePeer):
             self._spawn(self._measure_peer(cmd))
         elif isinstance(cmd, core.TimeStage):
@@ -183,7 +183,7 @@ class Worker:
     async def _time_stage(self, cmd: core.TimeStage) -> None:
         session = self.state.sessions.get(cmd.graph)
         if session is None:
-            return await self._send_control(Message(T.PROBED, {"probe": cmd.probe, "ok": False}))
+            return await self._send_control(Probed(cmd.probe, False).to_message())
         await self.feed(await self.runners.time_stage(cmd, session, self.state.slowdown, self.state.roofline))
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -266,10 +266,10 @@ class Worker:
         try:
             await self.control.send(encode(self.hello().to_message()))
             reply = decode(await asyncio.wait_for(self.control.recv(), timeout=WELCOME_TIMEOUT_S))
-            if reply.type is T.ERROR:
-                raise PermissionError(f"coordinator refused this worker: {reply.get('message')}")
             welcome = parse(reply)
-            if reply.type is not T.WELCOME:
+            if isinstance(welcome, Error):
+                raise PermissionError(f"coordinator refused this worker: {welcome.message}")
+            if not isinstance(welcome, Welcome):
                 raise ProtocolError(f"expected welcome, got {reply.type.value}")
         except (ChannelClosed, ProtocolError, asyncio.TimeoutError) as exc:
             log.warning("no welcome from the coordinator: %s", str(exc) or type(exc).__name__)
@@ -354,45 +354,44 @@ class Worker:
                 log.warning("nothing from the coordinator for %.0f s", self.s.silence_s)
                 return False
             try:
-                msg = decode(raw)
-                typed = parse(msg)
+                typed = parse(decode(raw))
             except ProtocolError as exc:
                 log.warning("bad frame from coordinator: %s", exc)
                 continue
-            if msg.type is T.BYE:
+            if isinstance(typed, Bye):
                 # A bye is final only when it says so (a coordinator leaving for good); a plain one
                 # is a coordinator stopping, perhaps to restart: come back when it is there again.
                 log.warning("the coordinator said bye%s", " (final)" if typed.final else "")
                 return bool(typed.final)
             try:  # a reply (a PONG) that cannot leave for this long: the connection is dead
-                await asyncio.wait_for(self.receive(msg, typed), timeout=self.s.silence_s)
+                await asyncio.wait_for(self.receive(typed), timeout=self.s.silence_s)
             except asyncio.TimeoutError:
                 log.warning("could not send to the coordinator for %.0f s", self.s.silence_s)
                 return False
 
-    async def receive(self, msg: Message, typed) -> None:
-        """A checked frame from the coordinator or a predecessor."""
-        if msg.type in (T.DRAFT_LOAD, T.DRAFT) or (msg.type is T.DROP and self.drafter is not None):
-            return self._drafting(msg, typed)
-        if msg.type in IN_ORDER:
-            await self.queue.put(msg)  # in order with the forwards: a DROP never while that sequence computes
-        elif msg.type is T.PING:
+    async def receive(self, typed) -> None:
+        """A frame from the coordinator or a predecessor, as ``net.messages.parse`` typed it."""
+        if isinstance(typed, (DraftLoad, Draft)) or (isinstance(typed, Drop) and self.drafter is not None):
+            return self._drafting(typed)
+        if isinstance(typed, IN_ORDER):
+            await self.queue.put(typed)  # in order with the forwards: a DROP never while that sequence computes
+        elif isinstance(typed, Ping):
             kv = self.runners.kv_bytes({s.graph for s in self.state.stages.values()} | self.state.warm)  # with checkpoints held for a spare
             await self.feed(core.Pinged(typed.t, kv, self.queue.qsize(), self.loop_lag_s, self.runners.prefix_bytes))
             self.loop_lag_s = 0.0
-        elif msg.type is T.ERROR:
-            log.warning("coordinator: %s", msg.get("message"))
+        elif isinstance(typed, Error):
+            log.warning("coordinator: %s", typed.message)
         elif not isinstance(typed, Message):
             await self.feed(typed)
 
-    def _drafting(self, msg: Message, typed) -> None:
+    def _drafting(self, typed) -> None:
         """A drafter's frames: loads and drafts run on its draft thread, in arrival order."""
         if self.drafter is None:
-            log.warning("%s for a worker that is not a drafter (start it with --role drafter)", msg.type.value)
-        elif msg.type is T.DRAFT_LOAD:
+            log.warning("%s for a worker that is not a drafter (start it with --role drafter)", typed.TYPE.value)
+        elif isinstance(typed, DraftLoad):
             self._spawn(self.drafter.load(typed))
-        elif msg.type is T.DRAFT:
-            self._spawn(self.drafter.draft(typed, msg.tensors.get("ids")))
+        elif isinstance(typed, Draft):
+            self._spawn(self.drafter.draft(typed, typed.tensors.get("ids")))
         else:
             self._spawn(self.drafter.forget(typed.seq))
 
@@ -404,11 +403,11 @@ class Worker:
         while True:
             msg = await self.queue.get()
             try:
-                await self.feed(msg if msg.type in (T.FORWARD, T.KV) else parse(msg))
+                await self.feed(msg)
             except ChannelClosed:
                 pass  # the coordinator is gone: the session ends and a rejoin forgets these
             except Exception as exc:  # noqa: BLE001 - nothing may kill the compute loop
-                log.exception("%s failed", msg.type.value)
+                log.exception("%s failed", msg.TYPE.value)
                 await self._quiet(core.Failed(msg, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:200]))
 
     async def _quiet(self, event) -> None:

@@ -19,6 +19,7 @@ plan's prediction is made again from those speeds; the first requests then refin
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,8 @@ from ..net.messages import Activate, Probe
 from . import deploy, measurements as M, state as S
 from .links import LinkProber
 from .ports import Ports
+
+log = logging.getLogger("edgepipe.coordinator")
 
 TRUST_RATIO = 0.25  # reported probe times below this fraction of the wall-clock measure are not believed
 STABLE_SPREAD = 0.25  # (p90 - p10) / median of seconds per unit cost: above this a round is repeated
@@ -189,11 +192,18 @@ class Calibrator:
 
     async def _rows(self, wid: str, start: int, end: int) -> None:
         """Time ``[start, end)`` at 1 row and at ``ROW_PROBE`` rows stepped together: what a
-        further row of a batched step costs (``ClusterProfile.rows_timed``)."""
+        further row of a batched step costs (``ClusterProfile.rows_timed``). Not with the verify
+        form (``--speculative``), whose decode steps attend on two positions and so run one
+        sequence per call; a probe the worker could not run leaves the cost unmeasured."""
+        if self.ports.settings.speculative:
+            return
         plan_id = await self._load_probe_plan(wid, start, end)
-        medians = [statistics.median(((await self.probe(wid, plan=plan_id, reps=ROW_REPS, context=32, rows=rows)).times or [0.0])[2:] or [0.0])
-                   for rows in (1, ROW_PROBE)]
-        self.ports.measure(M.RowsTimed(wid, start, end, ROW_PROBE, *medians))
+        replies = [await self.probe(wid, plan=plan_id, reps=ROW_REPS, context=32, rows=rows) for rows in (1, ROW_PROBE)]
+        if all(r.ok and len(r.times or ()) > 2 for r in replies):
+            self.ports.measure(M.RowsTimed(wid, start, end, ROW_PROBE, *(statistics.median(r.times[2:]) for r in replies)))
+        else:
+            log.warning("worker %s: the batched timing probe failed (%s): its cost per further row stays unmeasured", wid,
+                        next((r.error for r in replies if r.error), "no times"))
         await self._release_probe_plan(wid)
 
     async def _round(self, wid: str, ranges) -> list[tuple[float, float]]:

@@ -184,7 +184,12 @@ class Worker:
         session = self.state.sessions.get(cmd.graph)
         if session is None:
             return await self._send_control(Probed(cmd.probe, False).to_message())
-        await self.feed(await self.runners.time_stage(cmd, session, self.state.slowdown, self.state.roofline))
+        try:
+            timed = await self.runners.time_stage(cmd, session, self.state.slowdown, self.state.roofline)
+        except Exception as exc:  # the probe fails, not the worker: the coordinator hears why and goes on
+            log.warning("timing probe %s failed: %s", cmd.probe, exc)
+            return await self._send_control(Probed(cmd.probe, False, error=(str(exc) or type(exc).__name__).splitlines()[0][:200]).to_message())
+        await self.feed(timed)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, control: Channel | None = None) -> None:

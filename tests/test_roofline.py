@@ -183,3 +183,33 @@ def test_rows_timed_gives_the_cost_of_a_further_row_and_it_is_remembered(tmp_pat
     known_devices.save(prof.known, "toy", tmp_path / "known.json")
     assert known_devices.load(tmp_path / "known.json", "toy")[identity].row_speed == pytest.approx(0.8)
     assert prof.recall("phone-again", identity) and prof.of("phone-again").row_speed == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("speculative, fails, measured", [(False, False, True), (False, True, False), (True, False, False)])
+def test_the_batched_probe_is_skipped_on_the_verify_form_and_a_failed_one_measures_nothing(speculative, fails, measured):
+    """The verify form (``--speculative``) runs one sequence per decode call, so it is not probed
+    at 8 rows; a worker that cannot run the probe answers ``ok=false`` and the row cost stays
+    unmeasured (before, its unanswered probe left every speculative cluster down)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from edgepipe.cluster import calibration as C, measurements as M
+    from edgepipe.net.messages import Probed
+
+    measured_now, asked = [], []
+    ports = SimpleNamespace(settings=SimpleNamespace(speculative=speculative), measure=measured_now.append)
+    cal = C.Calibrator.__new__(C.Calibrator)
+    cal.ports = ports
+
+    async def probe(wid, **fields):
+        asked.append(fields["rows"])
+        bad = fails and fields["rows"] > 1
+        return Probed(1, not bad, None if bad else [0.01] * 10, error="batch_size must be 1" if bad else None)
+
+    async def nothing(*args):
+        return 7
+
+    cal.probe, cal._load_probe_plan, cal._release_probe_plan = probe, nothing, nothing
+    asyncio.run(cal._rows("w1", 1, 5))
+    assert asked == ([] if speculative else [1, C.ROW_PROBE])
+    assert [type(m) for m in measured_now] == ([M.RowsTimed] if measured else [])

@@ -206,7 +206,7 @@ class Deployer:
     def _timings(self, t0: float, paused_at: float, results, old: Deployment | None, moved: dict) -> S.UpTimings:
         """What the plan change took (the dashboard's "up" line, read from its ``Committed``)."""
         now = self.ports.clock()
-        return S.UpTimings(round(now - t0, 3), round(now - paused_at, 3), sum(r.fetched_bytes for r in results),
+        return S.UpTimings(round(now - t0, 3), round(now - paused_at, 3), sum(r.fetched_bytes or 0 for r in results),
                            old.plan_id if old else None, dict(moved))
 
     async def _after_catching_up(self, dep: Deployment, work, most_s: float = CATCH_UP_S) -> None:

@@ -54,6 +54,12 @@ class ModelConfig:
     rope_original_context: int = 0  # LongRoPE: past this context the long factors apply
     attn_logit_softcap: float = 0.0  # Gemma 2: tanh soft-capping of attention scores; 0 = off
     final_logit_softcap: float = 0.0  # Gemma 2: tanh soft-capping of the logits; 0 = off
+    # -- mixture of experts (model/moe.py; 0 experts = dense FFNs) --
+    n_experts: int = 0  # E: experts per MoE layer
+    n_experts_used: int = 0  # k: experts each row is routed to
+    expert_intermediate_size: int = 0  # an expert's FFN width (qwen3moe: expert_feed_forward_length)
+    expert_weights_norm: bool = True  # the k selected weights divided by their sum (llama.cpp's norm_w)
+    expert_weights_scale: float = 0.0  # the weights times this where it is not 0 or 1 (llama.cpp's w_scale)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))

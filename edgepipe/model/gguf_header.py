@@ -154,7 +154,9 @@ def unsupported_reasons(header: GGUFHeader) -> list[str]:
     if scaling not in ROPE_SCALING:
         reasons.append(f"RoPE scaling {scaling!r} is not supported (supported: {', '.join(ROPE_SCALING)})")
     if m.get(f"{arch}.expert_count"):
-        reasons.append("mixture-of-experts layers are not supported")
+        from .moe import moe_reasons
+
+        reasons += moe_reasons(arch, header)
     missing = [n for n in _required_tensors(arch, header) if n not in header.tensors]
     if missing:
         more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
@@ -173,6 +175,10 @@ def _required_tensors(arch: str, header: GGUFHeader) -> list[str]:
         names += ["blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"]
     if arch in ("qwen3", "gemma3"):
         names += ["blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"]
+    if header.metadata.get(f"{arch}.expert_count"):  # the router and 3-D experts instead of the dense FFN
+        from .moe import required_tensors
+
+        names = required_tensors(names)
     return names
 
 

@@ -139,8 +139,9 @@ class GGUFSource:
         if "token_embd.weight" not in self._tensors:
             raise CorruptModel(f"{self.path.name}: no token_embd.weight tensor")
         from .families import family_config
+        from .moe import moe_config
 
-        return family_config(ModelConfig(
+        return moe_config(family_config(ModelConfig(
             architecture=arch,
             name=str(self._field("general.name", self.path.stem)),
             n_layers=int(a("block_count")),
@@ -161,7 +162,7 @@ class GGUFSource:
             residual_scale=float(a("residual_scale", 1.0)),
             attention_scale=(float(a("attention.scale")) if a("attention.scale") else None),
             logit_scale=float(a("logit_scale", 1.0)),
-        ), a, self.has)
+        ), a, self.has), a)
 
     def tokenizer_data(self) -> TokenizerData:
         f = self._field

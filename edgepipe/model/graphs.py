@@ -296,10 +296,14 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
     # SkipSimplifiedLayerNormalization: residual add and the MLP's input norm in one kernel.
     mlp_in, _, _, resid = g.op("SkipSimplifiedLayerNormalization", [attn_out, x, g.const(w["ffn_norm"].astype(np.float32), "ffn_norm")],
                                      n_out=4, domain=MS, epsilon=eps)
-    gate_up = g.linear(mlp_in, w["gate_up"], "gate_up")
-    gate, up = g.op("Split", [gate_up, g.const(np.array([cfg.intermediate_size] * 2, np.int64), "gu_split")], n_out=2, axis=-1)
-    act = g.op1("Mul", [_activation(g, gate, cfg.ffn_activation), up])  # act(gate) * up
-    down = g.linear(act, w["ffn_down"], "ffn_down")
+    if "experts" in w:  # a mixture of experts (model/moe.py): each expert is this FFN at its own width
+        from .moe import moe_ffn
+
+        width = cfg.expert_intermediate_size or cfg.intermediate_size
+        down = moe_ffn(g, cfg, mlp_in, w["router"], w["experts"],
+                       lambda rows, ew, base: _ffn(g, cfg, rows, ew["gate_up"], ew["ffn_down"], width, base, rank=2))
+    else:
+        down = _ffn(g, cfg, mlp_in, w["gate_up"], w["ffn_down"], cfg.intermediate_size)
     if cfg.post_norms:
         down = g.op1("SimplifiedLayerNormalization", [down, g.const(w["post_ffw_norm"].astype(np.float32), "post_ffw_norm")],
                           axis=-1, epsilon=eps, stash_type=1)
@@ -320,6 +324,14 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
          helper.make_tensor_value_info(f"present_value.{unit}", kv_type, kv_shape)],
         f"layer{unit}",
     )
+
+
+def _ffn(g: _Graph, cfg: ModelConfig, x: str, gate_up, ffn_down, width: int, base: str = "", rank: int = 3) -> str:
+    """``down(act(gate(x)) * up(x))``, gate and up as one product of fused rows (``width`` each)."""
+    fused = g.linear(x, gate_up, base + "gate_up", rank=rank)
+    gate, up = g.op("Split", [fused, g.const(np.array([width] * 2, np.int64), base + "gu_split")], n_out=2, axis=-1)
+    act = g.op1("Mul", [_activation(g, gate, cfg.ffn_activation), up])  # act(gate) * up
+    return g.linear(act, ffn_down, base + "ffn_down", rank=rank)
 
 
 def _activation(g: _Graph, x: str, kind: str) -> str:
@@ -537,7 +549,7 @@ def pad_lone_rows(model: onnx.ModelProto) -> onnx.ModelProto:
     the last bits from the M >= 2 kernel's, and the M >= 2 kernel gives every row the same bits
     in any batch (8-bit blocks and float MatMul are the same at M = 1 too). So each 4-bit
     product's input is padded with a copy of its first row when it holds a single row (``Pad``
-    by ``1 // rows`` on axis 0, edge mode) and the copy is sliced off its output: a sequence
+    by one row (none when it holds another count) on axis 0, edge mode) and the copy is sliced off its output: a sequence
     gets the same bits alone as batched with others. A graph without 4-bit products comes back
     unchanged (the same bytes, so the same sha)."""
     targets = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == MS
@@ -560,7 +572,7 @@ def pad_lone_rows(model: onnx.ModelProto) -> onnx.ModelProto:
         x, y = node.input[0], node.output[0]
         if x not in padded:
             rows = g.op1("ReduceProd", [g.op1("Shape", [x], end=-1)], keepdims=1)
-            lone = g.op1("Div", [one, rows])  # int64: 1 // rows
+            lone = g.op1("Cast", [g.op1("Equal", [rows, one])], to=INT64)  # 1 for one row, else 0 (a MoE expert may get none)
             padded[x] = lone, g.op1("Pad", [x, g.op1("Concat", [lone, zero], axis=0), "", axis0], mode="edge")
         lone, node.input[0] = padded[x]
         node.output[0] = g.name("two_rows")

@@ -344,21 +344,30 @@ def _stream_blocks(src, tensors: list, writer: _BlobWriter) -> StoredBlocks:
 def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str, writer: _BlobWriter | None = None,
                   meter: _ReadMeter | None = None) -> dict:
     p = f"blk.{layer}."
-    if precision == "native":
-        fused = lambda *names: _native_linear(src, [p + n + ".weight" for n in names], writer, meter)  # noqa: E731
-    elif precision == "gguf":
-        fused = lambda *names: _gguf_linear(src, [p + n + ".weight" for n in names], writer, meter)  # noqa: E731
-    else:
-        fused = lambda *names: concat_rows([to_precision(src.linear(p + n + ".weight"), precision) for n in names])  # noqa: E731
-    lin = fused
+
+    def linear_of(source, *names):
+        """Layer tensors ``names`` of ``source`` stacked by rows, in the package's precision."""
+        full = [p + n + ".weight" for n in names]
+        if precision == "native":
+            return _native_linear(source, full, writer, meter)
+        if precision == "gguf":
+            return _gguf_linear(source, full, writer, meter)
+        return concat_rows([to_precision(source.linear(n), precision) for n in full])
+
+    fused = lin = lambda *names: linear_of(src, *names)  # noqa: E731
     w = {
         "attn_norm": src.vector(p + "attn_norm.weight"),
         "qkv": lin("attn_qkv") if src.has(p + "attn_qkv.weight") else fused("attn_q", "attn_k", "attn_v"),
         "attn_output": lin("attn_output"),
         "ffn_norm": src.vector(p + "ffn_norm.weight"),
-        "gate_up": fused("ffn_gate", "ffn_up") if src.has(p + "ffn_gate.weight") else lin("ffn_up"),  # Phi-3: fused
-        "ffn_down": lin("ffn_down"),
     }
+    from .moe import expert_weights, is_moe_layer
+
+    if is_moe_layer(src.has, layer):  # router and experts (model/moe.py)
+        w.update(expert_weights(src, layer, linear_of))
+    else:
+        w["gate_up"] = fused("ffn_gate", "ffn_up") if src.has(p + "ffn_gate.weight") else lin("ffn_up")  # Phi-3: fused
+        w["ffn_down"] = lin("ffn_down")
     if cfg.attention_bias:
         w["qkv_bias"] = np.concatenate([src.vector(p + f"attn_{x}.bias") for x in "qkv"])
     if cfg.qk_norm:

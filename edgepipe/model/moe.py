@@ -1,0 +1,183 @@
+"""Mixture-of-experts layers: read from GGUF metadata as llama.cpp reads them, built from ONNX ops.
+
+A MoE layer's FFN is a router (``ffn_gate_inp [E, H]``, a float linear to E logits), a top-k
+choice per row, and k of E expert FFNs (GGUF stores each projection of all experts as one 3-D
+tensor ``ffn_{gate,up,down}_exps [E, N, K]``) whose outputs are summed with the router's weights.
+llama.cpp's ``build_moe_ffn`` for the families here (``llama`` with ``expert_count``: Mixtral and
+its kin; ``qwen3moe``): probabilities ``softmax`` over all E logits, the k most probable experts,
+their probabilities divided by their sum (clamped below at 2^-14), times
+``expert_weights_scale`` where the file gives one other than 0 or 1; each expert
+``down(silu(gate(x)) * up(x))``, times its weight, summed.
+
+The graph (``moe_ffn``) groups a step's rows by expert: for each expert, the rows that chose it
+are gathered (``NonZero`` + ``GatherND``), its three products run on those rows only, and the
+weighted result is added back to each row (``ScatterND`` with ``reduction="add"``, experts in
+index order). So an expert's weights are read once per step for all the rows that chose it and
+not at all when none did (a one-row decode step reads k of E experts), and each row's sum runs
+in the same order whatever else is in the batch: batch-invariant wherever the products are (the
+kernel library's ``GgufMatMul`` always; 4-bit ``MatMulNBits`` in ``graphs.pad_lone_rows``'s form).
+The products are the layer's ordinary linears (``GgufMatMul`` on the file's blocks, or the
+``MatMulNBits`` fallback), so every form that runs a dense layer runs a MoE one.
+
+Why not ONNX Runtime's ``com.microsoft.MoE``/``QMoE``: in ORT 1.32 the CPU ``MoE`` runs only
+fp32 (or fused-SwiGLU) weights, 8x the bytes of the file's 4-bit blocks, and ``QMoE``'s symmetric
+4/8-bit layout holds no GGUF block type with minimums (Q4_1, Q4_K) exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from .config import ModelConfig
+
+# Architectures whose MoE layers edgepipe builds, each with llama.cpp's routing for it:
+# (normalise the selected weights, gating function). Both use softmax gating today.
+MOE_ARCHITECTURES: dict[str, dict] = {
+    "llama": {"normalise": True},  # llm_build_llama: LLM_FFN_SILU, norm_w = true, SOFTMAX
+    "qwen3moe": {"normalise": True},  # llm_build_qwen3moe: LLM_FFN_SILU, norm_w = true, SOFTMAX
+}
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+WEIGHT_SUM_FLOOR = 6.103515625e-5  # llama.cpp clamps the selected weights' sum here (the smallest normal fp16)
+_GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (the default where the key is absent)
+
+
+def is_moe_layer(has: Callable[[str], bool], layer: int) -> bool:
+    return has(f"blk.{layer}.ffn_gate_inp.weight")
+
+
+def moe_reasons(arch: str, header) -> list[str]:
+    """What in a MoE header edgepipe cannot build (empty: go ahead)."""
+    m, tensors = header.metadata, header.tensors
+    if arch not in MOE_ARCHITECTURES:
+        return [f"mixture-of-experts layers of {arch!r} are not supported (supported: {', '.join(MOE_ARCHITECTURES)})"]
+    reasons = []
+    n_expert, n_used = int(m.get(f"{arch}.expert_count") or 0), int(m.get(f"{arch}.expert_used_count") or 0)
+    if not 0 < n_used <= n_expert:
+        reasons.append(f"{arch}.expert_used_count {n_used} is not between 1 and expert_count {n_expert}")
+    gating = int(m.get(f"{arch}.expert_gating_func") or _GATING_SOFTMAX)
+    if gating != _GATING_SOFTMAX:
+        reasons.append(f"expert gating function {gating} is not supported (softmax only)")
+    extras = sorted({n.split(".", 2)[2].split(".")[0] for n in tensors if n.startswith("blk.")
+                     and any(s in n for s in ("_shexp", "exp_probs_b", "ffn_gate_inp_shexp"))})
+    if extras:
+        reasons.append(f"shared experts or expert biases ({', '.join(extras)}) are not supported")
+    for name in EXPERT_TENSORS:
+        t = tensors.get(f"blk.0.{name}.weight")
+        if t is not None and (len(t.shape) != 3 or t.shape[2] != n_expert):
+            reasons.append(f"blk.0.{name}.weight has shape {t.shape}, not [K, N, {n_expert}] (GGUF order)")
+    return reasons
+
+
+def required_tensors(names: list[str]) -> list[str]:
+    """The dense FFN tensors of layer 0 replaced by its router and experts."""
+    dense = ("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight")
+    return [n for n in names if n not in dense] + ["blk.0.ffn_gate_inp.weight"] + [f"blk.0.{t}.weight" for t in EXPERT_TENSORS]
+
+
+def moe_config(cfg: ModelConfig, a: Callable[..., object]) -> ModelConfig:
+    """``cfg`` with the experts of the metadata ``a`` ("{arch}.expert_count" ...) filled in."""
+    n_expert = int(a("expert_count") or 0)
+    if not n_expert:
+        return cfg
+    return dataclasses.replace(
+        cfg, n_experts=n_expert, n_experts_used=int(a("expert_used_count")),
+        expert_intermediate_size=int(a("expert_feed_forward_length") or cfg.intermediate_size),
+        expert_weights_norm=MOE_ARCHITECTURES.get(cfg.architecture, {}).get("normalise", True),
+        expert_weights_scale=float(a("expert_weights_scale") or 0.0),
+    )
+
+
+class ExpertView:
+    """One expert of a source's 3-D expert tensors, seen as the 2-D ``[N, K]`` tensors the
+    importer's linear readers take (``tensor``, ``rows``, ``raw_rows``, ``dense``, ``linear``):
+    expert ``e`` is rows ``[e * N, (e + 1) * N)`` of the tensor read as ``[E * N, K]``."""
+
+    def __init__(self, src, expert: int):
+        self.src, self.expert = src, expert
+
+    def has(self, name: str) -> bool:
+        return self.src.has(name)
+
+    def tensor(self, name: str):
+        t = self.src.tensor(name)
+        n_expert = t.shape[0]
+        share = t.nbytes // n_expert
+        return dataclasses.replace(t, shape=tuple(t.shape[1:]), offset=t.offset + self.expert * share, nbytes=share)
+
+    def _first(self, name: str) -> int:
+        return self.expert * self.src.tensor(name).shape[1]
+
+    def raw_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        base = self._first(name)
+        return self.src.raw_rows(name, base + start, base + stop)
+
+    def rows(self, name: str, start: int, stop: int):
+        base = self._first(name)
+        return self.src.rows(name, base + start, base + stop)
+
+    def linear(self, name: str):
+        return self.rows(name, 0, self.tensor(name).shape[0])
+
+    def dense(self, name: str) -> np.ndarray:
+        from .weights import BlockQuantized
+
+        t = self.tensor(name)
+        w = self.linear(name)
+        return np.asarray(w.dequantize() if isinstance(w, BlockQuantized) else w, np.float32).reshape(t.shape)
+
+
+Linear = Callable[..., object]  # (source, *tensor names of the layer) -> the stacked linear in the package's precision
+
+
+def expert_weights(src, layer: int, linear: Linear) -> dict:
+    """A MoE layer's FFN weights: ``router`` float ``[E, H]`` and ``experts``, per expert
+    ``{"gate_up": rows of gate then up, "ffn_down"}`` as ``linear`` builds them."""
+    router = src.dense(f"blk.{layer}.ffn_gate_inp.weight")
+    experts = []
+    for e in range(router.shape[0]):
+        view = ExpertView(src, e)
+        experts.append({"gate_up": linear(view, "ffn_gate_exps", "ffn_up_exps"), "ffn_down": linear(view, "ffn_down_exps")})
+    return {"router": np.ascontiguousarray(router, np.float32), "experts": experts}
+
+
+Ffn = Callable[[str, dict, str], str]  # (rows [n, H], one expert's weights, name prefix) -> [n, H]
+
+
+def moe_ffn(g, cfg: ModelConfig, x: str, router: np.ndarray, experts: list[dict], ffn: Ffn) -> str:
+    """The MoE FFN of ``x [B, S, H]`` in graph ``g`` (``graphs._Graph``): ``[B, S, H]`` out."""
+    from onnx import TensorProto
+
+    E, k, H = len(experts), cfg.n_experts_used, cfg.hidden_size
+    i64 = lambda v, name: g.const(np.array(v, np.int64), name)  # noqa: E731
+    shape = g.op1("Shape", [x])
+    rows = g.op1("Reshape", [x, i64([-1, H], "moe.rows")])  # [R, H]
+    logits = g.linear(rows, router, "router", rank=2)  # [R, E]
+    probs = g.op1("Softmax", [logits], axis=-1)
+    weights, chosen = g.op("TopK", [probs, i64([k], "moe.k")], n_out=2, axis=-1, largest=1, sorted=1)  # [R, k]
+    if cfg.expert_weights_norm:
+        total = g.op1("ReduceSum", [weights, i64([-1], "moe.last")], keepdims=1)
+        total = g.op1("Max", [total, g.const(np.array(WEIGHT_SUM_FLOOR, np.float32), "moe.floor")])
+        weights = g.op1("Div", [weights, total])
+    if cfg.expert_weights_scale not in (0.0, 1.0):
+        weights = g.op1("Mul", [weights, g.const(np.array(cfg.expert_weights_scale, np.float32), "moe.scale")])
+    acc = g.op1("ConstantOfShape", [g.op1("Shape", [rows])], value=_zero_tensor())
+    zero = g.const(np.array(0.0, np.float32), "moe.zero")
+    axis1 = i64([1], "moe.axis1")
+    for e in range(E):
+        hit = g.op1("Equal", [chosen, i64(e, f"moe.e{e}")])  # [R, k]
+        weight = g.op1("ReduceSum", [g.op1("Where", [hit, weights, zero]), axis1], keepdims=0)  # [R]
+        picked = g.op1("ReduceMax", [g.op1("Cast", [hit], to=TensorProto.INT32), axis1], keepdims=0)  # [R] 0/1
+        index = g.op1("Transpose", [g.op1("NonZero", [picked])], perm=[1, 0])  # [n, 1]: the rows that chose e
+        y = ffn(g.op1("GatherND", [rows, index]), experts[e], f"exp{e}.")  # [n, H]
+        y = g.op1("Mul", [y, g.op1("Unsqueeze", [g.op1("GatherND", [weight, index]), axis1])])
+        acc = g.op1("ScatterND", [acc, index, y], reduction="add")
+    return g.op1("Reshape", [acc, shape])
+
+
+def _zero_tensor():
+    from onnx import helper, TensorProto
+
+    return helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])

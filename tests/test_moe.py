@@ -1,0 +1,168 @@
+"""Mixture-of-experts layers (``model/moe.py``): llama.cpp's routing, and the bundled SmolLM2
+upcycled into 4 experts (top 2) giving the dense model's tokens, in one process and through 3."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+from edgepipe.model.config import ModelConfig
+from edgepipe.model.gguf_header import GGUFHeader, TensorInfo, unsupported_reasons
+from edgepipe.model.graphs import FLOAT, _ffn, _Graph
+from edgepipe.model.moe import moe_ffn
+from edgepipe.model.store import bundled_gguf, local_form, prepare_local_form, resolve
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
+
+from moe_files import upcycle
+
+PROMPTS = ["List three facts about the Moon.", "Write a short poem about a cat."]
+
+
+# -- the header --------------------------------------------------------------------------------
+def _header(arch: str = "llama", extra_meta: dict | None = None, extra_tensors: tuple[str, ...] = ()) -> GGUFHeader:
+    meta = {"general.architecture": arch, "tokenizer.ggml.model": "gpt2", f"{arch}.expert_count": 8,
+            f"{arch}.expert_used_count": 2, **(extra_meta or {})}
+    names = ["token_embd.weight", "output_norm.weight", "blk.0.attn_norm.weight", "blk.0.attn_output.weight",
+             "blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.0.ffn_gate_inp.weight", *extra_tensors]
+    tensors = {n: TensorInfo(n, (64, 64), 0) for n in names}
+    for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        tensors[f"blk.0.{n}.weight"] = TensorInfo(f"blk.0.{n}.weight", (64, 128, 8), 12)
+    return GGUFHeader(meta, tensors)
+
+
+@pytest.mark.pure
+def test_header_accepts_llama_experts_and_names_what_it_cannot_build():
+    assert unsupported_reasons(_header()) == []  # no dense ffn_gate/up/down needed: the router and experts instead
+    assert unsupported_reasons(_header("qwen2")) == [
+        "mixture-of-experts layers of 'qwen2' are not supported (supported: llama, qwen3moe)"]
+    assert unsupported_reasons(_header(extra_meta={"llama.expert_used_count": 9})) == [
+        "llama.expert_used_count 9 is not between 1 and expert_count 8"]
+    assert unsupported_reasons(_header(extra_meta={"llama.expert_gating_func": 2})) == [
+        "expert gating function 2 is not supported (softmax only)"]
+    assert unsupported_reasons(_header(extra_tensors=("blk.0.ffn_up_shexp.weight",))) == [
+        "shared experts or expert biases (ffn_up_shexp) are not supported"]
+    missing = _header()
+    del missing.tensors["blk.0.ffn_down_exps.weight"]
+    assert unsupported_reasons(missing) == ["missing tensor blk.0.ffn_down_exps.weight"]
+
+
+# -- the routing, against llama.cpp's formula -------------------------------------------------
+def _moe_session(cfg: ModelConfig, router: np.ndarray, experts: list[dict]) -> ort.InferenceSession:
+    g = _Graph("l1.")
+    width = cfg.expert_intermediate_size
+    y = moe_ffn(g, cfg, "x", router, experts, lambda rows, ew, base: _ffn(g, cfg, rows, ew["gate_up"], ew["ffn_down"], width, base, rank=2))
+    g.op("Identity", [y], out=["y"])
+    model = g.model([helper.make_tensor_value_info("x", FLOAT, ["batch", "seq", cfg.hidden_size])],
+                    [helper.make_tensor_value_info("y", FLOAT, ["batch", "seq", cfg.hidden_size])], "moe")
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _reference(x: np.ndarray, router, experts, k: int, norm: bool, scale: float) -> np.ndarray:
+    """llama.cpp's build_moe_ffn (softmax gating, SiLU) in float64 numpy, row by row."""
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    out = np.zeros_like(rows)
+    for r, row in enumerate(rows):
+        logits = router.astype(np.float64) @ row
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top = np.argsort(-probs, kind="stable")[:k]
+        w = probs[top]
+        if norm:
+            w = w / max(w.sum(), 6.103515625e-5)
+        if scale not in (0.0, 1.0):
+            w = w * scale
+        for e, we in zip(top, w):
+            gu = experts[e]["gate_up"].astype(np.float64) @ row
+            gate, up = np.split(gu, 2)
+            out[r] += we * (experts[e]["ffn_down"].astype(np.float64) @ (gate / (1 + np.exp(-gate)) * up))
+    return out.reshape(x.shape)
+
+
+def _tiny(E: int, k: int, norm: bool = True, scale: float = 0.0) -> ModelConfig:
+    return ModelConfig(architecture="llama", name="moe", n_layers=1, hidden_size=32, intermediate_size=48, n_heads=2, n_kv_heads=2,
+                       head_dim=16, vocab_size=10, context_length=64, rope_theta=1e4, rms_eps=1e-6, tie_embeddings=True,
+                       rope_interleaved=True, n_experts=E, n_experts_used=k, expert_intermediate_size=24,
+                       expert_weights_norm=norm, expert_weights_scale=scale)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("E,k,norm,scale", [(4, 2, True, 0.0), (8, 3, False, 2.5), (6, 1, True, 0.0)])
+def test_moe_block_equals_llama_cpp_formula_and_is_batch_invariant(E, k, norm, scale):
+    cfg = _tiny(E, k, norm, scale)
+    rng = np.random.default_rng(E * 10 + k)
+    H, N = cfg.hidden_size, cfg.expert_intermediate_size
+    router = rng.standard_normal((E, H)).astype(np.float32)
+    experts = [{"gate_up": (rng.standard_normal((2 * N, H)) / np.sqrt(H)).astype(np.float32),
+                "ffn_down": (rng.standard_normal((H, N)) / np.sqrt(N)).astype(np.float32)} for _ in range(E)]
+    session = _moe_session(cfg, router, experts)
+    x = rng.standard_normal((2, 9, H)).astype(np.float32)
+    y = session.run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, _reference(x, router, experts, k, norm, scale), rtol=1e-4, atol=1e-5)
+    chosen = {int(e) for row in x.reshape(-1, H) for e in np.argsort(-(router @ row))[:k]}
+    assert len(chosen) == E  # the rows spread over every expert: the grouping is exercised
+    for b in range(2):  # a row alone, or a sequence alone, gives the bits it gets in the batch
+        assert np.array_equal(session.run(None, {"x": x[b : b + 1]})[0], y[b : b + 1])
+        assert np.array_equal(session.run(None, {"x": x[b : b + 1, 3:4]})[0], y[b : b + 1, 3:4])
+
+
+# -- the bundled model, upcycled ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def moe_files(tmp_path_factory):
+    """Two upcycled SmolLM2 files: a random router (``random``) and one whose rows come in equal
+    pairs (``tied``: each weight exactly 1/2, so each layer is the dense one to the bit)."""
+    root = tmp_path_factory.mktemp("moe")
+    return {"random": upcycle(bundled_gguf(), root / "smollm2-moe-random.gguf", seed=1),
+            "tied": upcycle(bundled_gguf(), root / "smollm2-moe.gguf", seed=2, tied=True)}
+
+
+@pytest.fixture(scope="module")
+def moe_pkg(home, moe_files):
+    pkg = resolve(str(moe_files["tied"]), "native", home)
+    prepare_local_form(pkg)
+    return pkg
+
+
+def _tokens(pkg, prompt: str, precision: str, cuts=(), max_tokens: int = 32, eos_ids=()) -> list[int]:
+    tok = pkg.tokenizer
+    ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
+    return generate(pkg.pipeline(list(cuts), precision=precision), ids, GenerationParams(max_tokens=max_tokens), tok.decode, eos_ids).tokens
+
+
+def test_upcycled_package_holds_experts_and_greedy_equals_dense(native_pkg, moe_pkg):
+    cfg = moe_pkg.manifest.config
+    assert (cfg["n_experts"], cfg["n_experts_used"]) == (4, 2)
+    here = local_form(moe_pkg)  # the kernel library's form where it loads; and MatMulNBits ("native")
+    for precision, prompt, cuts in ((here, PROMPTS[0], ()), (here, PROMPTS[1], (4, 13, 27)), ("native", PROMPTS[0], (9,))):
+        assert _tokens(moe_pkg, prompt, precision, cuts) == _tokens(native_pkg, prompt, precision), (precision, prompt, cuts)
+
+
+def test_random_router_layers_equal_dense_layers(home, native_pkg, moe_files):
+    """Under a random router (no ties) each MoE layer is its dense layer up to float rounding
+    (sum of two weights = 1), on the real hidden states of a prompt."""
+    pkg = resolve(str(moe_files["random"]), "native", home)
+    precision = "native"
+    tok = native_pkg.tokenizer
+    h = native_pkg.runner(0, 1, precision).run("s", np.array([tok.encode(tok.format_chat([{"role": "user", "content": PROMPTS[0]}]))]))
+    for unit in range(1, 7):
+        dense, moe = native_pkg.runner(unit, unit + 1, precision).run("s", h), pkg.runner(unit, unit + 1, precision).run("s", h)
+        scale = np.abs(dense).max(axis=-1, keepdims=True)
+        assert np.abs(moe - dense).max(axis=-1, keepdims=True).max() / scale.min() < 1e-5, unit
+        h = dense
+
+
+def test_three_workers_with_cuts_inside_the_experts_equal_dense(home, native_pkg, moe_pkg):
+    from harness import Server
+
+    with Server(home, workers=3, args=("--placement", "memory", "--model", moe_pkg.root.name)) as server:
+        stages = server.status()["plan"]["stages"]
+        assert len(stages) == 3 and all(1 < s["start"] < 31 for s in stages[1:])  # both cuts between MoE layers
+        for prompt in PROMPTS:
+            r = server.client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": prompt}], "max_tokens": 32, "temperature": 0, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            eos = native_pkg.manifest.eos_ids
+            expected = [t for t in _tokens(native_pkg, prompt, local_form(native_pkg), eos_ids=eos) if t not in eos]
+            assert r.json()["choices"][0]["token_ids"] == expected, prompt

@@ -134,6 +134,12 @@ def _tokens(pkg, prompt: str, precision: str, cuts=(), max_tokens: int = 32, eos
 def test_upcycled_package_holds_experts_and_greedy_equals_dense(native_pkg, moe_pkg):
     cfg = moe_pkg.manifest.config
     assert (cfg["n_experts"], cfg["n_experts_used"]) == (4, 2)
+    for precision in moe_pkg.manifest.units[1].variants:  # memory: every expert (the copies share a blob, each is loaded)
+        moe, dense = moe_pkg.manifest.units[1], native_pkg.manifest.units[1]
+        assert (moe.experts, moe.experts_used) == (4, 2)
+        one = moe.variants[precision].expert_bytes
+        router = 4 * cfg["hidden_size"] * 4  # float32 [E, H]
+        assert one > 0 and moe.variants[precision].weight_bytes == dense.variants[precision].weight_bytes + 3 * one + router
     here = local_form(moe_pkg)  # the kernel library's form where it loads; and MatMulNBits ("native")
     for precision, prompt, cuts in ((here, PROMPTS[0], ()), (here, PROMPTS[1], (4, 13, 27)), ("native", PROMPTS[0], (9,))):
         assert _tokens(moe_pkg, prompt, precision, cuts) == _tokens(native_pkg, prompt, precision), (precision, prompt, cuts)

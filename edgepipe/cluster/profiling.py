@@ -240,7 +240,8 @@ class ClusterProfile:
         m = self.manifest
         kv_form = kv_form or precision
         units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, m.kv_bytes_per_token(u.index, kv_form),
-                                  u.out_bytes_per_token, u.kv_window) for u in m.units)
+                                  u.out_bytes_per_token, u.kv_window, experts=u.experts, experts_used=u.experts_used,
+                                  expert_bytes=m.variant(u.index, precision).expert_bytes) for u in m.units)
         return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES)
 
     def device_profiles(self, workers) -> list[DeviceProfile]:

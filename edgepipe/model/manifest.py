@@ -30,6 +30,7 @@ class UnitVariant:
     files: tuple[str, ...]  # sha256 of each weight file, sorted
     weight_bytes: int  # bytes of files owned by this unit (shared tables excluded)
     kv_bytes_per_token: int | None = None  # where this variant's KV differs from the unit's (the gguf form's fp16 cache)
+    expert_bytes: int = 0  # a MoE layer: one expert's weight bytes in this variant (weight_bytes counts all of them); 0 = dense
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Unit:
     out_bytes_per_token: int  # activation (or token id) bytes leaving this unit per token
     variants: dict[str, UnitVariant] = field(default_factory=dict)
     kv_window: int = 0  # positions of KV kept at most (sliding-window layer); 0 = the whole context
+    experts: int = 0  # a MoE layer (model/moe.py): E experts, of which each row is routed to `experts_used`; 0 = dense
+    experts_used: int = 0
 
 
 @dataclass(frozen=True)

@@ -181,3 +181,21 @@ def _zero_tensor():
     from onnx import helper, TensorProto
 
     return helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
+
+
+def expert_file_bytes(files: dict[str, tuple[str, int]]) -> int:
+    """One expert's weight bytes in a unit's externalized initializers (``name -> (sha, bytes)``,
+    expert 0's named ``l{unit}.exp0.*`` by ``moe_ffn``); 0 for a dense unit."""
+    return sum(n for name, (_, n) in files.items() if ".exp0." in name)
+
+
+def held_and_read_bytes(files: dict[str, tuple[str, int]], one_expert: int, n_experts: int, n_used: int) -> tuple[int, int]:
+    """``(bytes the unit holds, bytes a one-row step reads)``. A dense unit counts each blob once
+    and reads all of it. A MoE unit holds every expert's initializer (counted per initializer:
+    an upcycled file's identical experts share one blob yet are loaded once each) and a one-row
+    step reads the shared weights plus ``n_used`` experts."""
+    if not one_expert:
+        held = sum(dict(files.values()).values())
+        return held, held
+    held = sum(n for _, n in files.values())
+    return held, held - (n_experts - n_used) * one_expert

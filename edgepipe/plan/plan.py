@@ -42,6 +42,15 @@ from typing import Literal
 from .profiles import COORDINATOR, DeviceProfile, ModelProfile, NetworkProfile
 
 
+def _experts_of(model: ModelProfile, start: int, end: int):
+    """``rows -> extra cost units`` of a MoE stage's batched step (``plan.moe``); None for a dense stage."""
+    if not any(u.experts for u in model.units[start:end]):
+        return None
+    from .moe import range_extra_cost
+
+    return lambda rows: range_extra_cost(model, start, end, rows)
+
+
 class Objective(StrEnum):
     """What the planner minimises."""
 
@@ -311,7 +320,7 @@ def evaluate(
             t = device.overhead_s + cost / device.speed
             times.append(t)
             prefills.append(device.overhead_s + prompt * cost / device.prefill_rate(model))
-            busy[device_id] = device.token_share(cost, sequences, replicas)
+            busy[device_id] = device.token_share(cost, sequences, replicas, _experts_of(model, stage.start, stage.end))
         stage_times.append(max(times))
         prefill_times.append(max(prefills))
         effective.append(max(busy[d] for d in stage.device_ids))

@@ -54,6 +54,9 @@ class UnitProfile:
     is the size of the unit's output for one token (the activation sent to the next stage).
     `kv_window`: positions of KV the unit keeps at most (a sliding-window layer: its window
     plus the runner's slack); 0 = the whole context.
+    A mixture-of-experts layer (`experts` > 0): `weight_bytes` holds all its experts, each
+    `expert_bytes`; `cost` is a one-row step, which reads `experts_used` of them; a batched
+    step reads the union of its rows' experts (`plan.moe`).
     """
 
     index: int
@@ -63,6 +66,9 @@ class UnitProfile:
     kv_bytes_per_token: int
     out_bytes_per_token: int
     kv_window: int = 0
+    experts: int = 0
+    experts_used: int = 0
+    expert_bytes: int = 0
 
     def kv_bytes(self, context_tokens: int) -> int:
         """KV bytes one sequence of `context_tokens` positions holds in this unit."""
@@ -77,11 +83,17 @@ class UnitProfile:
             ("kv_bytes_per_token", self.kv_bytes_per_token),
             ("out_bytes_per_token", self.out_bytes_per_token),
             ("kv_window", self.kv_window),
+            ("experts", self.experts),
+            ("expert_bytes", self.expert_bytes),
         ):
             _require(
                 math.isfinite(value) and value >= 0,
                 f"unit {self.index} ({self.name}): {label} = {value} must be finite and >= 0",
             )
+        _require(
+            0 <= self.experts_used <= self.experts and (self.experts_used > 0) == (self.experts > 0),
+            f"unit {self.index} ({self.name}): experts_used {self.experts_used} must be in 1..experts ({self.experts})",
+        )
 
 
 @dataclass(frozen=True)
@@ -278,17 +290,19 @@ class DeviceProfile:
         """Wire bytes of its activations relative to float32."""
         return ACTIVATION_DTYPE_BYTES[self.activation_dtype] / 4
 
-    def token_share(self, cost: float, sequences: int, replicas: int) -> float:
+    def token_share(self, cost: float, sequences: int, replicas: int, extra=None) -> float:
         """Seconds per produced token that a stage of `cost` keeps this device busy, with
         `sequences` in flight split over `replicas`: one step of the busiest replica's
-        ceil(S / r) sequences / `sequences`.
+        ceil(S / r) sequences / `sequences`. `extra(rows)`: cost units a step of `rows` rows
+        adds beyond the per-row price (the further experts a MoE stage reads, `plan.moe`).
 
         Without `row_speed` every row costs a whole one-row step (`(overhead + c/speed) / r`)."""
         one_row = self.overhead_s + cost / self.speed
         if self.row_speed is None:
             return one_row / replicas
         rows = -(-sequences // replicas)  # the busiest replica's share (routes balance sequences, not rows)
-        return (one_row + (rows - 1) * cost / self.row_speed) / sequences
+        experts = extra(rows) / self.speed if extra is not None else 0.0
+        return (one_row + (rows - 1) * cost / self.row_speed + experts) / sequences
 
     def prefill_rate(self, model: ModelProfile) -> float:
         """Cost units per second on prompt tokens (declared, or the model's default ratio)."""

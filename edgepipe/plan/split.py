@@ -21,7 +21,7 @@ front is what algorithm 5.1's early `break` does, done once per call instead of 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import combinations
 
 import numpy as np
@@ -81,6 +81,21 @@ class DeviceTables:
     dev_enter: np.ndarray  # (m,)
     dev_leave: np.ndarray  # (m,)
     dev_leave_partial: np.ndarray  # (m, n+1)
+    speed: np.ndarray | None = None  # (m,) cost units / s (the MoE expert reads of a batched step)
+    expert_spans: dict[int, np.ndarray] = field(default_factory=dict)  # rows -> (n+1, n+1), see expert_span
+
+    def expert_span(self, rows: int) -> np.ndarray | None:
+        """(n+1, n+1) cost units a ``rows``-row step of [x, i) spends reading MoE experts beyond
+        a one-row step's (``plan.moe.extra_cost``); None for a model without MoE layers."""
+        if not any(u.experts for u in self.model.units):
+            return None
+        if rows not in self.expert_spans:
+            from .moe import extra_cost
+
+            prefix = np.concatenate(([0.0], np.cumsum([extra_cost(u, rows) for u in self.model.units], dtype=np.float64)))
+            self.expert_spans[rows] = np.where(np.triu(np.ones((self.n + 1, self.n + 1), dtype=bool), k=1),
+                                               prefix[None, :] - prefix[:, None], 0.0)
+        return self.expert_spans[rows]
 
     def need(self, sequences: int, precision: str | None) -> np.ndarray:
         key = (sequences, precision)
@@ -166,6 +181,7 @@ def device_tables(
         dev_enter=leg(coord, dev, token),
         dev_leave=leg(dev, coord, token),
         dev_leave_partial=half_rtt[:m, coord, None] + sent / bandwidth[:m, coord, None],
+        speed=speed,
     )
 
 
@@ -222,7 +238,10 @@ def _token_share(tables: DeviceTables, members: list[int]) -> np.ndarray:
         if np.isnan(rows).any():
             shares.append(tables.dev_time[d] / r)
         else:
-            shares.append((tables.dev_time[d] + (replica_sequences(sequences, r) - 1) * rows) / sequences)
+            busiest = replica_sequences(sequences, r)
+            experts = tables.expert_span(busiest)
+            extra = 0.0 if experts is None else experts / tables.speed[d]
+            shares.append((tables.dev_time[d] + (busiest - 1) * rows + extra) / sequences)
     return np.max(shares, axis=0)
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-Architecture = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen3moe", "mistral", "gemma2", "gemma3", "phi3"]
 # GGUF architectures, each checked token for token against Hugging Face transformers
 # (tests/test_families.py). Mistral 7B / Llama 2 / TinyLlama GGUFs say "llama" (with a
 # SentencePiece vocabulary); gguf has no "mistral" architecture ("mistral" remains for HF folders).
 # Granite was written but transformers cannot read a granite GGUF to check it: not listed.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
+# qwen3moe (Qwen3-30B-A3B, 235B-A22B): Qwen3's layer with a MoE FFN (model/moe.py), checked against
+# a numpy reference of llama.cpp's graph on a synthetic file of its per-layer shapes (tests/test_moe_qwen3.py).
 
 
 class UnsupportedModel(ValueError):

@@ -173,7 +173,7 @@ def _required_tensors(arch: str, header: GGUFHeader) -> list[str]:
         names += ["blk.0.ffn_gate.weight"]
     if arch in ("gemma2", "gemma3"):
         names += ["blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"]
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "qwen3moe", "gemma3"):
         names += ["blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"]
     if header.metadata.get(f"{arch}.expert_count"):  # the router and 3-D experts instead of the dense FFN
         from .moe import required_tensors

@@ -84,10 +84,15 @@ def moe_config(cfg: ModelConfig, a: Callable[..., object]) -> ModelConfig:
         return cfg
     return dataclasses.replace(
         cfg, n_experts=n_expert, n_experts_used=int(a("expert_used_count")),
-        expert_intermediate_size=int(a("expert_feed_forward_length") or cfg.intermediate_size),
+        expert_intermediate_size=int(a("expert_feed_forward_length") or _default_expert_width(cfg, int(a("expert_used_count")))),
         expert_weights_norm=MOE_ARCHITECTURES.get(cfg.architecture, {}).get("normalise", True),
         expert_weights_scale=float(a("expert_weights_scale") or 0.0),
     )
+
+
+def _default_expert_width(cfg: ModelConfig, n_used: int) -> int:
+    """llama.cpp's expert width where the file gives none: qwen3moe ``n_ff / n_expert_used``; llama ``n_ff``."""
+    return cfg.intermediate_size // n_used if cfg.architecture == "qwen3moe" else cfg.intermediate_size
 
 
 class ExpertView:

@@ -1,0 +1,41 @@
+"""qwen3moe (Qwen3-30B-A3B's layer: QK norm, NEOX rope, 128 experts, top 8, renormalised) on a
+synthetic GGUF of its per-layer shapes, against a numpy reference of llama.cpp's graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgepipe.model.gguf_header import read_header, unsupported_reasons
+from edgepipe.model.store import bundled_gguf, local_form, prepare_local_form, resolve
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
+
+from moe_files import qwen3moe_reference, synthetic_qwen3moe
+
+PROMPT = "The experts of a mixture are chosen per token."
+
+
+@pytest.fixture(scope="module")
+def qwen3moe(tmp_path_factory):
+    return synthetic_qwen3moe(tmp_path_factory.mktemp("qwen3moe") / "qwen3moe-synthetic.gguf", bundled_gguf())
+
+
+def test_qwen3moe_equals_llama_cpp_reference(home, qwen3moe):
+    path, weights = qwen3moe
+    assert unsupported_reasons(read_header(path)) == []
+    layers = weights["shapes"]["layers"]
+    for precision, tolerance in (("fp32", 1e-5), (None, 3e-2)):  # float weights; then the file's blocks in the form run here
+        pkg = resolve(str(path), precision or "native", home)
+        if precision is None:
+            prepare_local_form(pkg)
+            precision = local_form(pkg)
+        cfg = pkg.manifest.config
+        assert (cfg["n_experts"], cfg["n_experts_used"], cfg["expert_intermediate_size"], cfg["qk_norm"]) == (128, 8, 96, True)
+        ids = pkg.tokenizer.encode(PROMPT)
+        hidden = pkg.runner(0, layers + 1, precision).run("s", np.array([ids]))[0]
+        ref_hidden, ref_logits = qwen3moe_reference(weights, ids)
+        error = np.linalg.norm(hidden - ref_hidden, axis=-1) / np.linalg.norm(ref_hidden, axis=-1)
+        assert error.max() < tolerance, (precision, error)
+        result = generate(pkg.pipeline([2], precision=precision), ids, GenerationParams(max_tokens=1), pkg.tokenizer.decode, eos_ids=())
+        assert result.tokens == [int(np.argmax(ref_logits[-1]))], precision

@@ -53,7 +53,8 @@ def test_header_accepts_llama_experts_and_names_what_it_cannot_build():
 def _moe_session(cfg: ModelConfig, router: np.ndarray, experts: list[dict]) -> ort.InferenceSession:
     g = _Graph("l1.")
     width = cfg.expert_intermediate_size
-    y = moe_ffn(g, cfg, "x", router, experts, lambda rows, ew, base: _ffn(g, cfg, rows, ew["gate_up"], ew["ffn_down"], width, base, rank=2))
+    y = moe_ffn(g, cfg, "x", {"router": router, "experts": experts},
+                lambda rows, ew, base: _ffn(g, cfg, rows, ew["gate_up"], ew["ffn_down"], width, base, rank=2), None)
     g.op("Identity", [y], out=["y"])
     model = g.model([helper.make_tensor_value_info("x", FLOAT, ["batch", "seq", cfg.hidden_size])],
                     [helper.make_tensor_value_info("y", FLOAT, ["batch", "seq", cfg.hidden_size])], "moe")
@@ -172,3 +173,42 @@ def test_three_workers_with_cuts_inside_the_experts_equal_dense(home, native_pkg
             eos = native_pkg.manifest.eos_ids
             expected = [t for t in _tokens(native_pkg, prompt, local_form(native_pkg), eos_ids=eos) if t not in eos]
             assert r.json()["choices"][0]["token_ids"] == expected, prompt
+
+
+# -- the kernel library's grouped product ------------------------------------------------------
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+def test_kernel_moe_matmul_is_each_rows_expert_product_in_any_batch(kind):
+    """``GgufMoEMatMul`` gives each (row, slot) exactly ``GgufMatMul`` of that row with its expert's
+    blocks, whichever other rows chose the expert, and each row's bits alone as in the batch."""
+    from onnx import TensorProto
+
+    from edgepipe.native import DOMAIN, GGML_TYPE_IDS, MATMUL_OP, MOE_OP, gguf_kernel_library, native_library
+    from test_gguf_kernel import random_blocks
+
+    library = gguf_kernel_library()
+    assert library is not None, native_library().reason
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    rng = np.random.default_rng(7)
+    E, N, K, R, k = 6, 40, 256, 9, 2
+    raw = random_blocks(kind, E * N, K, rng).reshape(E, N, -1)
+    x = rng.standard_normal((R, K)).astype(np.float32)
+    chosen = np.stack([rng.choice(E, k, replace=False) for _ in range(R)]).astype(np.int64)
+
+    def session(op, inputs, outputs):
+        graph = helper.make_graph([helper.make_node(op, [i.name for i in inputs], [o.name for o in outputs], domain=DOMAIN,
+                                                    qtype=GGML_TYPE_IDS[kind])], "g", inputs, outputs)
+        model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    t = helper.make_tensor_value_info
+    moe = session(MOE_OP, [t("x", FLOAT, None), t("chosen", TensorProto.INT64, None), t("w", TensorProto.UINT8, None)], [t("y", FLOAT, None)])
+    dense = session(MATMUL_OP, [t("x", FLOAT, None), t("w", TensorProto.UINT8, None)], [t("y", FLOAT, None)])
+    y = moe.run(None, {"x": x, "chosen": chosen, "w": raw})[0]
+    assert y.shape == (R, k, N)
+    for r in range(R):
+        for j in range(k):
+            assert np.array_equal(y[r, j], dense.run(None, {"x": x[r : r + 1], "w": raw[chosen[r, j]]})[0][0]), (r, j)
+        assert np.array_equal(moe.run(None, {"x": x[r : r + 1], "chosen": chosen[r : r + 1], "w": raw})[0], y[r : r + 1])
+    per_slot = np.repeat(x[:, None, :], k, axis=1)  # [R, k, K]: one input per slot, as the down projection takes
+    assert np.array_equal(moe.run(None, {"x": per_slot, "chosen": chosen, "w": raw})[0], y)

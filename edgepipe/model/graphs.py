@@ -296,12 +296,12 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
     # SkipSimplifiedLayerNormalization: residual add and the MLP's input norm in one kernel.
     mlp_in, _, _, resid = g.op("SkipSimplifiedLayerNormalization", [attn_out, x, g.const(w["ffn_norm"].astype(np.float32), "ffn_norm")],
                                      n_out=4, domain=MS, epsilon=eps)
-    if "experts" in w:  # a mixture of experts (model/moe.py): each expert is this FFN at its own width
+    if "router" in w:  # a mixture of experts (model/moe.py): each expert is this FFN at its own width
         from .moe import moe_ffn
 
         width = cfg.expert_intermediate_size or cfg.intermediate_size
-        down = moe_ffn(g, cfg, mlp_in, w["router"], w["experts"],
-                       lambda rows, ew, base: _ffn(g, cfg, rows, ew["gate_up"], ew["ffn_down"], width, base, rank=2))
+        down = moe_ffn(g, cfg, mlp_in, w, lambda rows, ew, base: _ffn(g, cfg, rows, ew["gate_up"], ew["ffn_down"], width, base, rank=2),
+                       lambda x: _activation(g, x, cfg.ffn_activation))
     else:
         down = _ffn(g, cfg, mlp_in, w["gate_up"], w["ffn_down"], cfg.intermediate_size)
     if cfg.post_norms:

@@ -363,8 +363,9 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str, writer: _Bl
     }
     from .moe import expert_weights, is_moe_layer
 
-    if is_moe_layer(src.has, layer):  # router and experts (model/moe.py)
-        w.update(expert_weights(src, layer, linear_of))
+    if is_moe_layer(src.has, layer):  # router and experts (model/moe.py); the gguf form keeps the 3-D blocks whole
+        blocks = (lambda name: _gguf_linear(src, [p + name + ".weight"], writer, meter)) if precision == "gguf" else None
+        w.update(expert_weights(src, layer, linear_of, blocks))
     else:
         w["gate_up"] = fused("ffn_gate", "ffn_up") if src.has(p + "ffn_gate.weight") else lin("ffn_up")  # Phi-3: fused
         w["ffn_down"] = lin("ffn_down")
@@ -452,7 +453,7 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
 
     from .moe import expert_file_bytes, held_and_read_bytes
 
-    experts = [expert_file_bytes(f) for f in unit_files]  # one expert's bytes per MoE unit, else 0
+    experts = [expert_file_bytes(f, cfg.n_experts) for f in unit_files]  # one expert's bytes per MoE unit, else 0
     held_read = [held_and_read_bytes(f, one, cfg.n_experts, cfg.n_experts_used) for f, one in zip(unit_files, experts)]
     costs = [0.0] * n_units
     if measure_cost:

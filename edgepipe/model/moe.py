@@ -137,25 +137,41 @@ class ExpertView:
 Linear = Callable[..., object]  # (source, *tensor names of the layer) -> the stacked linear in the package's precision
 
 
-def expert_weights(src, layer: int, linear: Linear) -> dict:
-    """A MoE layer's FFN weights: ``router`` float ``[E, H]`` and ``experts``, per expert
-    ``{"gate_up": rows of gate then up, "ffn_down"}`` as ``linear`` builds them."""
-    router = src.dense(f"blk.{layer}.ffn_gate_inp.weight")
+def expert_weights(src, layer: int, linear: Linear, blocks: Callable[[str], object] | None = None) -> dict:
+    """A MoE layer's FFN weights: ``router`` float ``[E, H]`` and either ``expert_blocks`` (with
+    ``blocks``, the gguf form: each 3-D expert tensor whole, as stored, where the kernel library
+    runs its type) or ``experts``, per expert ``{"gate_up": rows of gate then up, "ffn_down"}`` as
+    ``linear`` builds them."""
+    from ..native import GGML_TYPE_IDS
+    from .weights import StoredGGUF
+
+    router = np.ascontiguousarray(src.dense(f"blk.{layer}.ffn_gate_inp.weight"), np.float32)
+    names = dict(zip(("gate", "up", "down"), EXPERT_TENSORS))
+    if blocks is not None and all(src.tensor(f"blk.{layer}.{n}.weight").kind in GGML_TYPE_IDS for n in names.values()):
+        stored = {part: blocks(name) for part, name in names.items()}
+        if all(isinstance(v, StoredGGUF) for v in stored.values()):
+            return {"router": router, "expert_blocks": stored}
     experts = []
     for e in range(router.shape[0]):
         view = ExpertView(src, e)
         experts.append({"gate_up": linear(view, "ffn_gate_exps", "ffn_up_exps"), "ffn_down": linear(view, "ffn_down_exps")})
-    return {"router": np.ascontiguousarray(router, np.float32), "experts": experts}
+    return {"router": router, "experts": experts}
 
 
 Ffn = Callable[[str, dict, str], str]  # (rows [n, H], one expert's weights, name prefix) -> [n, H]
 
 
-def moe_ffn(g, cfg: ModelConfig, x: str, router: np.ndarray, experts: list[dict], ffn: Ffn) -> str:
-    """The MoE FFN of ``x [B, S, H]`` in graph ``g`` (``graphs._Graph``): ``[B, S, H]`` out."""
+def moe_ffn(g, cfg: ModelConfig, x: str, w: dict, ffn: Ffn, activation: Callable[[str], str] | None) -> str:
+    """The MoE FFN of ``x [B, S, H]`` in graph ``g`` (``graphs._Graph``): ``[B, S, H]`` out.
+
+    With ``expert_blocks`` (the gguf form) each projection is one ``GgufMoEMatMul`` over the 3-D
+    blocks (rows grouped by expert in the kernel library), ``activation`` between them, and the
+    slots' weighted outputs summed in rank order as llama.cpp sums them; else each expert is
+    ``ffn`` on the rows that chose it (``NonZero``/``GatherND``), added back with ``ScatterND``."""
     from onnx import TensorProto
 
-    E, k, H = len(experts), cfg.n_experts_used, cfg.hidden_size
+    router = w["router"]
+    E, k, H = router.shape[0], cfg.n_experts_used, cfg.hidden_size
     i64 = lambda v, name: g.const(np.array(v, np.int64), name)  # noqa: E731
     shape = g.op1("Shape", [x])
     rows = g.op1("Reshape", [x, i64([-1, H], "moe.rows")])  # [R, H]
@@ -168,15 +184,27 @@ def moe_ffn(g, cfg: ModelConfig, x: str, router: np.ndarray, experts: list[dict]
         weights = g.op1("Div", [weights, total])
     if cfg.expert_weights_scale not in (0.0, 1.0):
         weights = g.op1("Mul", [weights, g.const(np.array(cfg.expert_weights_scale, np.float32), "moe.scale")])
+    axis1 = i64([1], "moe.axis1")
+    if "expert_blocks" in w:
+        from ..native import DOMAIN, GGML_TYPE_IDS, MOE_OP
+
+        def project(inp: str, part: str) -> str:  # [R, K] or [R, k, K] -> [R, k, N]
+            stored = w["expert_blocks"][part]
+            n = stored.shape[0] // E
+            raw = g.external(stored.raw, f"moe_exps.{part}.gguf", TensorProto.UINT8, [E, n, stored.raw.nbytes // stored.shape[0]])
+            return g.op1(MOE_OP, [inp, chosen, raw], domain=DOMAIN, qtype=GGML_TYPE_IDS[stored.kind])
+
+        act = g.op1("Mul", [activation(project(rows, "gate")), project(rows, "up")])  # [R, k, F]
+        down = g.op1("Mul", [project(act, "down"), g.op1("Unsqueeze", [weights, i64([-1], "moe.last2")])])  # [R, k, H]
+        return g.op1("Reshape", [g.op1("ReduceSum", [down, axis1], keepdims=0), shape])
     acc = g.op1("ConstantOfShape", [g.op1("Shape", [rows])], value=_zero_tensor())
     zero = g.const(np.array(0.0, np.float32), "moe.zero")
-    axis1 = i64([1], "moe.axis1")
     for e in range(E):
         hit = g.op1("Equal", [chosen, i64(e, f"moe.e{e}")])  # [R, k]
         weight = g.op1("ReduceSum", [g.op1("Where", [hit, weights, zero]), axis1], keepdims=0)  # [R]
         picked = g.op1("ReduceMax", [g.op1("Cast", [hit], to=TensorProto.INT32), axis1], keepdims=0)  # [R] 0/1
         index = g.op1("Transpose", [g.op1("NonZero", [picked])], perm=[1, 0])  # [n, 1]: the rows that chose e
-        y = ffn(g.op1("GatherND", [rows, index]), experts[e], f"exp{e}.")  # [n, H]
+        y = ffn(g.op1("GatherND", [rows, index]), w["experts"][e], f"exp{e}.")  # [n, H]
         y = g.op1("Mul", [y, g.op1("Unsqueeze", [g.op1("GatherND", [weight, index]), axis1])])
         acc = g.op1("ScatterND", [acc, index, y], reduction="add")
     return g.op1("Reshape", [acc, shape])
@@ -188,10 +216,12 @@ def _zero_tensor():
     return helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
 
 
-def expert_file_bytes(files: dict[str, tuple[str, int]]) -> int:
-    """One expert's weight bytes in a unit's externalized initializers (``name -> (sha, bytes)``,
-    expert 0's named ``l{unit}.exp0.*`` by ``moe_ffn``); 0 for a dense unit."""
-    return sum(n for name, (_, n) in files.items() if ".exp0." in name)
+def expert_file_bytes(files: dict[str, tuple[str, int]], n_experts: int) -> int:
+    """One expert's weight bytes in a unit's externalized initializers (``name -> (sha, bytes)``:
+    expert 0's ``l{unit}.exp0.*``, or the whole 3-D ``l{unit}.moe_exps.*`` over ``n_experts``, as
+    ``moe_ffn`` names them); 0 for a dense unit."""
+    whole = sum(n for name, (_, n) in files.items() if ".moe_exps." in name)
+    return sum(n for name, (_, n) in files.items() if ".exp0." in name) + (whole // n_experts if n_experts else 0)
 
 
 def held_and_read_bytes(files: dict[str, tuple[str, int]], one_expert: int, n_experts: int, n_used: int) -> tuple[int, int]:

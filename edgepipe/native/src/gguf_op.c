@@ -1,5 +1,5 @@
-/* ONNX Runtime custom-op library: domain `edgepipe.gguf`, ops `GgufMatMul`, `GgufGather` and `KvAttention`
- * (attention over an fp16 KV cache, below).
+/* ONNX Runtime custom-op library: domain `edgepipe.gguf`, ops `GgufMatMul`, `GgufGather`, `GgufMoEMatMul` (a
+ * mixture of experts' projection, rows grouped by expert) and `KvAttention` (attention over an fp16 KV cache, below).
  *
  *   GgufMatMul: y[..., N] = x[..., K] (fp32) . W^T, with W the GGUF tensor's raw blocks, uint8
  *   [N, K / block x block_bytes], attribute `qtype` = the GGML type id.
@@ -514,6 +514,127 @@ static const OrtCustomOp GGUF_GATHER = {
     .KernelComputeV2 = compute_gather,
 };
 
+/* ---- GgufMoEMatMul: one projection of a mixture of experts, rows grouped by expert ----
+ *
+ * Inputs: x [R, K] (every routed slot of a row reads the row) or [R, k, K] (one input per slot)
+ * float; chosen [R, k] int64 (each row's experts, as TopK gives them); w [E, N, row_bytes] uint8,
+ * the GGUF's 3-D expert tensor as stored; attribute `qtype`. Output: y [R, k, N], slot (r, j) =
+ * x's row for it times expert chosen[r, j]'s weights. Each expert's rows are gathered and run as
+ * one GgufMatMul (its weight blocks read once per call, however many rows chose it; an expert no
+ * row chose is not read): a slot's result is GgufMatMul's for that row, whatever else is in the
+ * batch (batch-invariant bit for bit). */
+
+static OrtStatus *compute_moe(void *kernel_data, OrtKernelContext *context) {
+    const gguf_kernel *kernel = kernel_data;
+    const OrtApi *api = kernel->api;
+    const OrtValue *x_value = NULL, *chosen_value = NULL, *w_value = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetInput)(context, 0, &x_value));
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetInput)(context, 1, &chosen_value));
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetInput)(context, 2, &w_value));
+    int64_t x_dims[8], c_dims[8], w_dims[8];
+    size_t x_rank = 0, c_rank = 0, w_rank = 0;
+    RETURN_IF_ERROR(tensor_shape(api, x_value, x_dims, &x_rank));
+    RETURN_IF_ERROR(tensor_shape(api, chosen_value, c_dims, &c_rank));
+    RETURN_IF_ERROR(tensor_shape(api, w_value, w_dims, &w_rank));
+    if (c_rank != 2 || w_rank != 3 || (x_rank != 2 && x_rank != 3) || x_dims[0] != c_dims[0] ||
+        (x_rank == 3 && x_dims[1] != c_dims[1])) {
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT,
+                            "GgufMoEMatMul: x must be [R, K] or [R, k, K], chosen [R, k] and w [E, N, row_bytes]");
+    }
+    const int64_t R = c_dims[0], k = c_dims[1], E = w_dims[0], K = x_dims[x_rank - 1];
+    char error[512];
+    matmul_job job = {0};
+    if (prepare_job(&job, &kernel->plan, K, w_dims[1], w_dims[2], error, sizeof error) != 0) {
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
+    }
+    const int64_t N = job.n;
+    int64_t y_dims[3] = {R, k, N};
+    OrtValue *y_value = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetOutput)(context, 0, y_dims, 3, &y_value));
+    void *x_data = NULL, *c_data = NULL, *w_data = NULL, *y_data = NULL;
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)((OrtValue *)x_value, &x_data));
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)((OrtValue *)chosen_value, &c_data));
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)((OrtValue *)w_value, &w_data));
+    RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)(y_value, &y_data));
+    const int64_t slots = R * k;
+    if (slots == 0 || N == 0) return NULL;
+    const int64_t *chosen = c_data;
+    for (int64_t i = 0; i < slots; i++) {
+        if (chosen[i] < 0 || chosen[i] >= E) {
+            snprintf(error, sizeof error, "GgufMoEMatMul: expert %lld is outside the %lld experts", (long long)chosen[i], (long long)E);
+            return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
+        }
+    }
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)slots); /* slots sorted by expert, stable */
+    float *rows = malloc(sizeof(float) * (size_t)(slots * K)), *out = malloc(sizeof(float) * (size_t)(slots * N));
+    if (order == NULL || rows == NULL || out == NULL || alloc_activations(&job, slots) != 0) {
+        free(order), free(rows), free(out), free_activations(&job);
+        return error_status(api, ORT_ERR_FAIL, "GgufMoEMatMul: out of memory");
+    }
+    OrtStatus *status = NULL;
+    int64_t done = 0;
+    for (int64_t e = 0; e < E && status == NULL; e++) {
+        int64_t count = 0;
+        for (int64_t i = 0; i < slots; i++) {
+            if (chosen[i] != e) continue;
+            const float *src = (const float *)x_data + (x_rank == 2 ? i / k : i) * K;
+            memcpy(rows + count * K, src, sizeof(float) * (size_t)K);
+            order[done + count++] = i;
+        }
+        if (count == 0) continue;
+        job.x = rows;
+        job.w = (const uint8_t *)w_data + e * N * job.row_bytes;
+        job.y = out;
+        job.m = count;
+        if (job.scales != NULL) { /* a tile's lanes past its last row stay 0, as for GgufMatMul */
+            memset(job.scales, 0, sizeof(act_tile_scales32) * (size_t)(((slots + GGUF_TILE_ROWS - 1) / GGUF_TILE_ROWS) * job.nblocks));
+        }
+        quantize_rows(&job, 0, count);
+        size_t tasks = (size_t)((N + job.rows_per_task - 1) / job.rows_per_task);
+        status = ORT_FN(api, KernelContext_ParallelFor)(context, product_task, tasks, 0, &job);
+        for (int64_t c = 0; c < count && status == NULL; c++) {
+            memcpy((float *)y_data + order[done + c] * N, out + c * N, sizeof(float) * (size_t)N);
+        }
+        done += count;
+    }
+    free(order), free(rows), free(out), free_activations(&job);
+    return status;
+}
+
+static void compute_moe_v1(void *kernel, OrtKernelContext *context) {
+    OrtStatus *status = compute_moe(kernel, context);
+    if (status != NULL) ORT_FN(((gguf_kernel *)kernel)->api, ReleaseStatus)(status);
+}
+
+static const char *moe_name(const OrtCustomOp *op) { (void)op; return "GgufMoEMatMul"; }
+static int moe_input_type(const OrtCustomOp *op, size_t i) {
+    (void)op;
+    return i == 0 ? ORT_TENSOR_FLOAT : i == 1 ? ORT_TENSOR_INT64 : ORT_TENSOR_UINT8;
+}
+static size_t moe_input_count(const OrtCustomOp *op) { (void)op; return 3; }
+
+static const OrtCustomOp GGUF_MOE = {
+    .version = 16,
+    .CreateKernel = create_kernel_v1,
+    .GetName = moe_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = moe_input_type,
+    .GetInputTypeCount = moe_input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelCompute = compute_moe_v1,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required,
+    .GetInputMemoryType = default_memory,
+    .GetVariadicInputMinArity = one,
+    .GetVariadicInputHomogeneity = one,
+    .GetVariadicOutputMinArity = one,
+    .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute_moe,
+};
+
 /* ---- KvAttention: attention over an fp16 KV cache (kv_attention.h) ----
  *
  * Inputs: qkv [B, S, (heads + 2 kv_heads) D] float (queries, keys, values packed), past_key and
@@ -711,5 +832,6 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     RETURN_IF_ERROR(ORT_FN(api, CustomOpDomain_Add)(domain, &GGUF_MATMUL));
     RETURN_IF_ERROR(ORT_FN(api, CustomOpDomain_Add)(domain, &GGUF_GATHER));
     RETURN_IF_ERROR(ORT_FN(api, CustomOpDomain_Add)(domain, &KV_ATTENTION));
+    RETURN_IF_ERROR(ORT_FN(api, CustomOpDomain_Add)(domain, &GGUF_MOE));
     return ORT_FN(api, AddCustomOpDomain)(options, domain);
 }

@@ -63,3 +63,38 @@ def test_a_batched_moe_step_costs_more_than_a_dense_one_of_the_same_one_row_cost
     assert share == pytest.approx(device.token_share(sum(u.cost for u in moe.units), 8, 1,
                                                      lambda rows: sum(extra_cost(u, rows) for u in moe.units)))
     assert plan(moe, [device], network, PlanRequest(sequences=8)).best.predicted.throughput_tok_s == pytest.approx(eight[1].throughput_tok_s)
+
+
+def _manifest(moe: bool):
+    from edgepipe.model.manifest import FORMAT_VERSION, Manifest, Unit, UnitVariant
+
+    def unit(i: int, kind: str, cost: float, nbytes: int, experts: int = 0) -> Unit:
+        variant = UnitVariant("gguf", f"g{i}", (f"w{i}",), nbytes, expert_bytes=EXPERT if experts else 0)
+        return Unit(i, kind, kind if kind != "layer" else f"layer{i - 1}", cost, 1024, 2048, {"gguf": variant},
+                    experts=experts, experts_used=K if experts else 0)
+
+    layers = [unit(i, "layer", 0.01, SHARED + E * EXPERT, E if moe else 0) for i in range(1, 5)]
+    units = (unit(0, "embedding", 0.0001, 10_000), *layers, unit(5, "head", 0.002, 200_000))
+    return Manifest(FORMAT_VERSION, "m", {}, "gguf", {"n_layers": 4, "hidden_size": 512}, units, {}, "t", None, (), None, False, 2048)
+
+
+def test_calibration_takes_the_further_experts_off_the_row_price():
+    """A batched step measured on a MoE stage holds the further experts its rows read; the row
+    price keeps only the rest, so the planner's prediction of that step is the step measured."""
+    from edgepipe.cluster.profiling import ClusterProfile
+
+    rows, speed, per_row = 8, 2.0, 0.0004
+    for moe in (False, True):
+        profile = ClusterProfile(_manifest(moe))
+        profile.of("w").speed = speed
+        cost = profile.unit_cost(1, 5)
+        experts_s = sum(extra_cost(u, rows) for u in profile.model_profile().units[1:5]) / speed
+        single_s = cost / speed
+        batched_s = single_s + (rows - 1) * per_row + experts_s
+        profile.rows_timed("w", 1, 5, rows, single_s, batched_s)
+        assert profile.of("w").row_speed == pytest.approx(cost / per_row)
+        device = DeviceProfile("w", memory_bytes=10**9, speed=speed, overhead_s=0.0, row_speed=profile.of("w").row_speed)
+        model = profile.model_profile()
+        predicted = device.token_share(cost, rows, 1, lambda r: sum(extra_cost(u, r) for u in model.units[1:5])) * rows
+        assert predicted == pytest.approx(batched_s)
+        assert (experts_s > 0) == moe

@@ -164,11 +164,18 @@ class ClusterProfile:
         """Steps of ``[start, end)`` took ``single_s`` at 1 row and ``batched_s`` at ``rows``: each
         further row costs ``(batched_s - single_s) / (rows - 1)``, its ``row_speed`` the range's cost
         over that. A batched step no slower than a single one (memory-bound, or noise) is priced
-        at ``ROW_FLOOR`` of a single step per row, so rows are never free."""
+        at ``ROW_FLOOR`` of a single step per row, so rows are never free. On MoE layers the
+        further experts the batch reads (``plan.moe``, priced by the planner on their own) are
+        taken off first, so they are not counted twice."""
         cost = self.unit_cost(start, end)
         if rows < 2 or cost <= 0 or single_s <= 0 or batched_s <= 0:
             return
-        per_row = max((batched_s - single_s) / (rows - 1), ROW_FLOOR * single_s)
+        experts_s = 0.0
+        if any(u.experts for u in self.manifest.units[start:end]):
+            from ..plan.moe import range_extra_cost
+
+            experts_s = range_extra_cost(self.model_profile(), start, end, rows) / self.of(worker_id).speed
+        per_row = max((batched_s - single_s - experts_s) / (rows - 1), ROW_FLOOR * single_s)
         self.of(worker_id).row_speed = cost / per_row
 
     def heartbeat(self, worker_id: str, rtt_s: float) -> None:

@@ -212,3 +212,59 @@ def test_kernel_moe_matmul_is_each_rows_expert_product_in_any_batch(kind):
         assert np.array_equal(moe.run(None, {"x": x[r : r + 1], "chosen": chosen[r : r + 1], "w": raw})[0], y[r : r + 1])
     per_slot = np.repeat(x[:, None, :], k, axis=1)  # [R, k, K]: one input per slot, as the down projection takes
     assert np.array_equal(moe.run(None, {"x": per_slot, "chosen": chosen, "w": raw})[0], y)
+
+
+# -- the browser's runtime ----------------------------------------------------------------------
+_ORT_WEB = """
+import { createRequire } from "module";
+import fs from "fs";
+const require = createRequire(import.meta.url);
+const [vendor, dir] = process.argv.slice(2);
+const ort = require(vendor + "/ort.webgpu.min.js");
+ort.env.wasm.numThreads = 1;
+ort.env.wasm.wasmPaths = vendor + "/";
+const floats = (name) => { const b = fs.readFileSync(dir + "/" + name); return new Float32Array(b.buffer, b.byteOffset, b.length / 4); };
+const session = await ort.InferenceSession.create(fs.readFileSync(dir + "/moe.onnx"), { executionProviders: ["wasm"] });
+const out = await session.run({ x: new ort.Tensor("float32", floats("x.bin"), [1, 5, 32]) });
+fs.writeFileSync(dir + "/y.bin", Buffer.from(out.y.data.buffer));
+console.log("written");  // then the caller ends the process: the runtime's threads keep it from exiting
+"""
+
+
+def test_moe_block_runs_in_onnxruntime_web(tmp_path):
+    """The browser worker's runtime (the vendored onnxruntime-web, on WebAssembly, under Node) runs
+    the plain-ops MoE block (NonZero, GatherND, ScatterND add) of the fp32 form a tab is sent."""
+    import shutil
+    import subprocess
+    import threading
+    from pathlib import Path
+
+    node = shutil.which("node")
+    assert node is not None, "node is missing (apt-get install nodejs)"
+    cfg = _tiny(4, 2)
+    rng = np.random.default_rng(1)
+    H, N, E = cfg.hidden_size, cfg.expert_intermediate_size, 4
+    router = rng.standard_normal((E, H)).astype(np.float32)
+    experts = [{"gate_up": (rng.standard_normal((2 * N, H)) / 6).astype(np.float32),
+                "ffn_down": (rng.standard_normal((H, N)) / 5).astype(np.float32)} for _ in range(E)]
+    g = _Graph("l1.")
+    y = moe_ffn(g, cfg, "x", {"router": router, "experts": experts},
+                lambda rows, ew, base: _ffn(g, cfg, rows, ew["gate_up"], ew["ffn_down"], N, base, rank=2), None)
+    g.op("Identity", [y], out=["y"])
+    model = g.model([helper.make_tensor_value_info("x", FLOAT, ["batch", "seq", H])], [helper.make_tensor_value_info("y", FLOAT, None)], "moe")
+    (tmp_path / "moe.onnx").write_bytes(model.SerializeToString())
+    x = rng.standard_normal((1, 5, H)).astype(np.float32)
+    x.tofile(tmp_path / "x.bin")
+    (tmp_path / "run.mjs").write_text(_ORT_WEB)
+    vendor = Path(__file__).resolve().parents[1] / "edgepipe" / "api" / "static" / "vendor"
+    proc = subprocess.Popen([node, str(tmp_path / "run.mjs"), str(vendor), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    deadline = threading.Timer(120, proc.kill)
+    deadline.start()
+    try:
+        assert any(line.strip() == "written" for line in proc.stdout), "onnxruntime-web did not run the graph"
+    finally:
+        deadline.cancel()
+        proc.kill()
+        proc.wait()
+    got = np.fromfile(tmp_path / "y.bin", np.float32).reshape(x.shape)
+    np.testing.assert_allclose(got, _reference(x, router, experts, 2, True, 0.0), rtol=1e-4, atol=1e-5)

@@ -451,14 +451,10 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     tokenizer_sha = writer.put(src.tokenizer_json().encode())
     tok = src.tokenizer_info()
 
-    from .moe import expert_file_bytes, held_and_read_bytes
-
-    experts = [expert_file_bytes(f, cfg.n_experts) for f in unit_files]  # one expert's bytes per MoE unit, else 0
-    held_read = [held_and_read_bytes(f, one, cfg.n_experts, cfg.n_experts_used) for f, one in zip(unit_files, experts)]
     costs = [0.0] * n_units
     if measure_cost:
         costs = _measure_unit_costs(root / "blobs", graph_shas, cfg, report, kinds=kinds,
-                                    weight_bytes=[h for h, _ in held_read], read_bytes=[r for _, r in held_read])
+                                    weight_bytes=[sum(dict(f.values()).values()) for f in unit_files])
 
     from ..runtime.stage_runner import window_positions
 
@@ -467,15 +463,17 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     for i, (kind, _) in enumerate(built):
         files = unit_files[i]
         variant = UnitVariant(precision=precision, graph=graph_shas[i], files=tuple(sorted({s for s, _ in files.values()})),
-                              weight_bytes=held_read[i][0], expert_bytes=experts[i],
+                              weight_bytes=sum(dict(files.values()).values()),
                               kv_bytes_per_token=cfg.kv_bytes_per_token_per_layer // 2 if i in half_kv_units else None)
         units.append(Unit(
             index=i, kind=kind, name={"embedding": "embed", "layer": f"layer{i - 1}", "head": "head"}[kind],
             cost_s=costs[i], kv_bytes_per_token=cfg.kv_bytes_per_token_per_layer if kind == "layer" else 0,
             out_bytes_per_token=8 if kind == "head" else H * 4, variants={precision: variant},
             kv_window=window_positions(cfg.window(i - 1)) if kind == "layer" and cfg.window(i - 1) else 0,
-            **({"experts": cfg.n_experts, "experts_used": cfg.n_experts_used} if experts[i] else {}),
         ))
+    from .moe import with_experts
+
+    units = with_experts(units, unit_files, precision, cfg)  # a MoE layer holds every expert; a step reads k (model/moe.py)
     return Manifest(
         format=FORMAT_VERSION, name=name, precision=precision, config=cfg.to_dict(), units=tuple(units),
         source={"path": str(source_path), "sha256": source_hash, "kind": "folder" if source_path.is_dir() else "gguf",
@@ -509,15 +507,12 @@ def plan_measurements(kinds: list[str], weight_bytes: list[int], limit: int = ME
 
 
 def _measure_unit_costs(blobs: Path, graph_shas: list[str], cfg: ModelConfig, report: Progress, context: int = 128, reps: int = 12,
-                        kinds: list[str] | None = None, weight_bytes: list[int] | None = None,
-                        read_bytes: list[int] | None = None) -> list[float]:
+                        kinds: list[str] | None = None, weight_bytes: list[int] | None = None) -> list[float]:
     """Median seconds of one decode step per unit, after ``context`` tokens of prefill.
 
     Decode is memory-bound, so a unit too big to load within the import's memory bound (an 8B
     model's head) is estimated as its weight bytes times the measured layers' seconds per byte,
-    and layers of identical size reuse their group's median instead of loading every one.
-    ``read_bytes``: the bytes a one-row step reads where that is less than the unit holds (a MoE
-    layer reads its k routed experts of E); the per-byte arithmetic uses them."""
+    and layers of identical size reuse their group's median instead of loading every one."""
     from ..runtime.stage_runner import SamplingBatch, StageRunner
 
     kinds = kinds or ["layer"] * len(graph_shas)
@@ -546,13 +541,12 @@ def _measure_unit_costs(blobs: Path, graph_shas: list[str], cfg: ModelConfig, re
         del runner
         measured[i] = float(np.median(times[2:]))
         report("measure", len(measured), sum(1 for u, p in enumerate(plan) if p == u))
-    read = read_bytes or weight_bytes
-    layer_rates = sorted(measured[i] / read[i] for i in measured if kinds[i] == "layer" and read[i])
+    layer_rates = sorted(measured[i] / weight_bytes[i] for i in measured if kinds[i] == "layer" and weight_bytes[i])
     per_byte = layer_rates[len(layer_rates) // 2] if layer_rates else 0.0
     costs = []
     for i, p in enumerate(plan):
         if p is None:  # an embedding gathers one row per token; a head streams all of its bytes
-            costs.append(per_byte * read[i] / (cfg.vocab_size if kinds[i] == "embedding" else 1))
+            costs.append(per_byte * weight_bytes[i] / (cfg.vocab_size if kinds[i] == "embedding" else 1))
         elif i in measured:
             costs.append(measured[i])
         else:  # same kind and size as unit p: the median of that group's measurements

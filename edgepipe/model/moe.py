@@ -224,13 +224,19 @@ def expert_file_bytes(files: dict[str, tuple[str, int]], n_experts: int) -> int:
     return sum(n for name, (_, n) in files.items() if ".exp0." in name) + (whole // n_experts if n_experts else 0)
 
 
-def held_and_read_bytes(files: dict[str, tuple[str, int]], one_expert: int, n_experts: int, n_used: int) -> tuple[int, int]:
-    """``(bytes the unit holds, bytes a one-row step reads)``. A dense unit counts each blob once
-    and reads all of it. A MoE unit holds every expert's initializer (counted per initializer:
-    an upcycled file's identical experts share one blob yet are loaded once each) and a one-row
-    step reads the shared weights plus ``n_used`` experts."""
-    if not one_expert:
-        held = sum(dict(files.values()).values())
-        return held, held
-    held = sum(n for _, n in files.values())
-    return held, held - (n_experts - n_used) * one_expert
+def with_experts(units: list, unit_files, precision: str, cfg: ModelConfig) -> list:
+    """The importer's units with their MoE layers marked (``experts``, ``experts_used``) and their
+    ``precision`` variant's bytes counted as a worker holds them: every expert's initializer (an
+    upcycled file's identical experts share one blob, yet each is loaded), ``expert_bytes`` one
+    expert's share. ``unit_files``: per unit index, ``initializer name -> (sha, bytes)``."""
+    out = []
+    for u in units:
+        files = unit_files.get(u.index) if isinstance(unit_files, dict) else unit_files[u.index]
+        one = expert_file_bytes(files or {}, cfg.n_experts)
+        if not one or precision not in u.variants:
+            out.append(u)
+            continue
+        variant = dataclasses.replace(u.variants[precision], weight_bytes=sum(n for _, n in files.values()), expert_bytes=one)
+        out.append(dataclasses.replace(u, experts=cfg.n_experts, experts_used=cfg.n_experts_used,
+                                       variants={**u.variants, precision: variant}))
+    return out

@@ -165,7 +165,8 @@ def import_cmd(
             bar.stop()
     m = Package(path).manifest
     size = sum(v.weight_bytes for u in m.units for v in u.variants.values())
-    typer.echo(f"{m.name}: {m.config['architecture']}, {m.n_layers} layers, {len(m.units)} units, {m.precision}, {size / 1e6:.0f} MB -> {path}")
+    experts = f" ({m.config['n_experts']} experts, {m.config['n_experts_used']} per token)" if m.config.get("n_experts") else ""
+    typer.echo(f"{m.name}: {m.config['architecture']}{experts}, {m.n_layers} layers, {len(m.units)} units, {m.precision}, {size / 1e6:.0f} MB -> {path}")
 
 
 @app.command("models")

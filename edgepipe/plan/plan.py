@@ -27,6 +27,10 @@ Cost model (DESIGN.md "The planner"; seed 000 §5.2, seed 002 §3):
   bottleneck is that step / S, so a memory-bound device (large `row_speed`) gains little from
   replicas and a compute-bound one (`row_speed` near `speed`) gains r-fold; without it every
   row costs a whole step (t / r);
+- mixture-of-experts layers (`plan.moe`): memory is every expert, a one-row step (the measured
+  cost) reads k of E, and a batched step of b rows also reads the further experts its rows
+  route to, about E * (1 - (1 - k/E)^b) in all, priced at the device's speed on top of the
+  per-row price;
 - energy per produced token = sum over plan devices of busy power x busy time + idle power
   x idle time within one token period (1 / throughput).
 """

@@ -9,15 +9,19 @@ their probabilities divided by their sum (clamped below at 2^-14), times
 ``expert_weights_scale`` where the file gives one other than 0 or 1; each expert
 ``down(silu(gate(x)) * up(x))``, times its weight, summed.
 
-The graph (``moe_ffn``) groups a step's rows by expert: for each expert, the rows that chose it
-are gathered (``NonZero`` + ``GatherND``), its three products run on those rows only, and the
-weighted result is added back to each row (``ScatterND`` with ``reduction="add"``, experts in
-index order). So an expert's weights are read once per step for all the rows that chose it and
-not at all when none did (a one-row decode step reads k of E experts), and each row's sum runs
-in the same order whatever else is in the batch: batch-invariant wherever the products are (the
-kernel library's ``GgufMatMul`` always; 4-bit ``MatMulNBits`` in ``graphs.pad_lone_rows``'s form).
-The products are the layer's ordinary linears (``GgufMatMul`` on the file's blocks, or the
-``MatMulNBits`` fallback), so every form that runs a dense layer runs a MoE one.
+The graph (``moe_ffn``) groups a step's rows by expert, so an expert's weights are read once per
+step for all the rows that chose it and not at all when none did (a one-row decode step reads k
+of E experts), and each row's result does not depend on what else is in the batch:
+
+- the kernel form (``gguf``): the three 3-D expert tensors stay the file's blocks as stored, each
+  projection one ``GgufMoEMatMul`` of the kernel library (per expert, ``GgufMatMul`` on the rows
+  that chose it), the k weighted outputs summed in rank order as llama.cpp sums them;
+- every other form: per expert, the rows that chose it are gathered (``NonZero`` + ``GatherND``),
+  its FFN (the layer's ordinary linears: ``MatMulNBits``, ``MatMul``) runs on them, and the
+  weighted result is added back (``ScatterND``, ``reduction="add"``, experts in index order):
+  plain ONNX operators that ONNX Runtime and onnxruntime-web run, about 18 nodes per expert.
+  Batch-invariant wherever the products are (4-bit ``MatMulNBits`` in ``graphs.pad_lone_rows``'s
+  form, which pads a product only when it holds exactly one row).
 
 Why not ONNX Runtime's ``com.microsoft.MoE``/``QMoE``: in ORT 1.32 the CPU ``MoE`` runs only
 fp32 (or fused-SwiGLU) weights, 8x the bytes of the file's 4-bit blocks, and ``QMoE``'s symmetric

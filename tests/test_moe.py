@@ -268,3 +268,20 @@ def test_moe_block_runs_in_onnxruntime_web(tmp_path):
         proc.wait()
     got = np.fromfile(tmp_path / "y.bin", np.float32).reshape(x.shape)
     np.testing.assert_allclose(got, _reference(x, router, experts, 2, True, 0.0), rtol=1e-4, atol=1e-5)
+
+
+def test_a_verify_pass_on_moe_stages_equals_its_decode_steps(moe_pkg):
+    """Speculative decoding's verify form on MoE stages (cut inside the experts): 8 drafted tokens
+    verified in one pass give each position's decode-step token and logprobs, bit for bit."""
+    from test_speculative_exact import _prompt, _run
+
+    pipe = moe_pkg.pipeline([7, 20], verify_form=True, threads=1, precision=local_form(moe_pkg))
+    prompt = _prompt(moe_pkg)
+    tokens, entries = _run(pipe, "ref", prompt)
+    for _ in range(9):
+        t, e = _run(pipe, "ref", tokens[-1:])
+        tokens, entries = tokens + t, entries + e
+    pipe.drop("ref")
+    assert _run(pipe, "v", prompt)[0] == tokens[:1]
+    verified, verified_entries = _run(pipe, "v", tokens[:9], verify=True)
+    assert verified == tokens[1:10] and verified_entries == entries[1:10]

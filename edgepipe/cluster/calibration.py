@@ -135,9 +135,8 @@ class Calibrator:
     async def _load_probe_plan(self, wid: str, start: int, end: int) -> int:
         p, state, plan_id = self.ports, self.ports.state(), -(10_000 + self._probes)
         self._probes += 1
-        msg = deploy.load_message(p.package, plan_id, start, end, deploy.precision_of(state, wid, p.package.manifest, p.settings.precision),
-                                  {"kind": "coordinator"}, keep=[], batch_invariant=p.settings.batch_invariant,
-                                  gpu=deploy.computes_on_gpu(state, wid), verify=p.settings.speculative)
+        msg = deploy.load_message(p.package, plan_id, start, end, deploy.stage_form(state, wid, p.package.manifest, p.settings),
+                                  {"kind": "coordinator"}, keep=[])
         result = await p.load(wid, msg)
         if not result.ok:
             raise RuntimeError(result.error)

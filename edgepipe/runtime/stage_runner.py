@@ -31,6 +31,9 @@ KV_BLOCK = 256
 WINDOW_SLACK = 64  # a sliding-window layer drops old positions in steps of this many (window_start)
 
 
+ORT_LOG_ERROR = 3  # ONNX Runtime's severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
+
+
 class ContextOverflow(ValueError):
     """A sequence would exceed the stage's context limit."""
 
@@ -494,6 +497,9 @@ class StageRunner:
         if threads:
             options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        # Errors only: the GPU form's optimizer otherwise prints a warning per initializer it drops
+        # ("Removing initializer ... It is not used by any node"), ~250 of them as a GPU worker joins.
+        options.log_severity_level = ORT_LOG_ERROR
         # Spinning threads win on an idle machine but halve throughput when another process (or
         # another stage's session in this process) needs the core: callers decide (spin_by_default).
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")

@@ -85,9 +85,10 @@ def test_worker_js_reads_the_constants_rather_than_writing_them():
     html = (STATIC / "worker.html").read_text()
     assert html.index('src="/static/protocol.js"') < html.index('src="/static/worker.js"')  # loaded first
     assert "self.EdgepipeProtocol" in js and "const PROTOCOL = 1" not in js
-    literal_types = re.findall(r'(?:send\(|case )\s*"(\w+)"', js)
+    types = {m.value for m in MessageType}
+    literal_types = [name for name in re.findall(r'(?:send\(|case |type: )\s*"(\w+)"', js) if name in types]
     assert literal_types == [], f"worker.js names message types by hand: {literal_types}"
     codes = "|".join(e.value for e in ErrorCode)
-    literal_codes = re.findall(rf'(?:coded\(.*, |code: [^,]*)"({codes})"', js)
+    literal_codes = re.findall(rf'(?:,\s*|code:[^,]*)"({codes})"\s*[),}}]', js)  # an argument or a code: field
     assert literal_codes == [], f"worker.js names error codes by hand: {literal_codes}"
     assert "cluster/worker.py" not in js and "edgepipe/worker/core.py" in js  # the header points at the worker that exists

@@ -356,7 +356,8 @@
     slots: new Map(), // plan -> {plan, start, end, runner, next, weightBytes}
     store: null,
     queued: 0,
-    compute: Promise.resolve(), // forwards and probes run one at a time, in arrival order
+    compute: Promise.resolve(), // forwards, drops and probes run one at a time, in arrival order
+    stats,
     refused: false,
     retry: null,
     device: { kind: "cpu", adapter: null, note: "not looked for yet" }, // see findDevice
@@ -469,67 +470,119 @@
     worker.slots.clear();
   }
 
+  // -- decisions: handle(state, frame) -> commands, beside edgepipe/worker/core.py's handle -----
+  // handle decides from the tab's state (`worker`, read only) what a coordinator frame asks for;
+  // perform carries the commands out (the socket, the page, the unit store, onnxruntime-web).
+  // FORWARD and DROP are decided in compute order, once the frames queued before them are done,
+  // so a frame is checked against the KV as it stands when its turn comes (as in the core).
+  const COMPUTE_ORDERED = new Set([T.FORWARD, T.DROP]);
+
   function onFrame(data) {
-    let msg;
+    let frame;
     try {
-      msg = decodeFrame(data);
+      frame = decodeFrame(data);
     } catch (e) {
       log(`bad frame from the coordinator: ${firstLine(e)}`);
       return;
     }
-    handle(msg).catch((e) => log(`${msg.type} failed: ${firstLine(e)}`));
+    const step = async () => perform(handle(worker, frame)); // async: a decision that throws is logged, not left uncaught
+    (COMPUTE_ORDERED.has(frame.type) ? serial(step) : step()).catch((e) => log(`${frame.type} failed: ${firstLine(e)}`));
   }
 
-  async function handle({ type, fields: f, tensors }) {
+  function handle(state, { type, fields: f, tensors }) {
     switch (type) {
       case T.WELCOME:
-        worker.id = f.worker_id;
-        show("joined", `joined as ${worker.id}; waiting for a stage`);
-        render();
-        break;
-      case T.ERROR:
-        if (worker.id === null) { // refused at the door (e.g. a wrong or missing join token)
-          worker.refused = true;
-          show("refused", `the coordinator refused this worker: ${f.message}`);
-        } else {
-          log(`coordinator: ${f.message}`);
-        }
-        break;
+        return [{ op: "joined", id: f.worker_id }];
+      case T.ERROR: // before a welcome: refused at the door (e.g. a wrong or missing join token)
+        return state.id === null ? [{ op: "refused", message: f.message }] : [{ op: "log", line: `coordinator: ${f.message}` }];
       case T.PING:
-        send(T.PONG, { t: f.t, kv_bytes: kvBytes(), queue: worker.queued, busy_s: stats.busy_s, computed: stats.computed });
-        break;
+        return [{ op: "send", type: T.PONG, fields: { t: f.t, kv_bytes: kvBytes(state), queue: state.queued, busy_s: state.stats.busy_s,
+                                                       computed: state.stats.computed } }];
       case T.LOAD:
-        await load(f);
-        break;
+        return [{ op: "fetchAndBuild", load: f }];
       case T.ACTIVATE: {
         const keep = new Set(f.keep);
-        for (const [plan, slot] of worker.slots) if (!keep.has(plan)) { slot.runner.release(); worker.slots.delete(plan); }
-        render();
-        break;
+        return [...state.slots.keys()].filter((plan) => !keep.has(plan)).map((plan) => ({ op: "release", plan }));
       }
-      case T.DROP: // after the steps queued before it: a running step may still read the sequence's GPU buffers
-        await serial(() => { for (const slot of worker.slots.values()) slot.runner.drop(f.seq); });
-        break;
+      case T.DROP: // in compute order: a running step may still read the sequence's GPU buffers
+        return [{ op: "dropSequence", seq: f.seq }];
       case T.FORWARD:
-        await serial(() => forward(f, tensors)).catch((e) => {
-          for (const item of Array.isArray(f.batch) ? f.batch : [{}]) send(T.ERROR, { message: firstLine(e), code: e.code || CODE.INTERNAL, seq: item.seq, step: item.step, rid: item.rid });
-        });
-        break;
+        return forwardCommands(state, f, tensors);
       case T.PROBE:
-        await probe(f);
-        break;
+        return [{ op: "runProbe", probe: f }];
       case T.KV_EXPORT: // KV moves need the data port a tab does not have: the coordinator re-runs prefill instead
-        send(T.LOADED, { kv_received: f.move === undefined ? null : f.move, ok: false, error: "browser workers do not move KV" });
-        break;
+        return [{ op: "send", type: T.LOADED, fields: { kv_received: f.move === undefined ? null : f.move, ok: false,
+                                                         error: "browser workers do not move KV" } }];
       case T.BYE:
-        show("stopped", "the coordinator said bye");
-        break;
+        return [{ op: "stopped" }];
       default:
-        log(`ignored ${type}`);
+        return [{ op: "log", line: `ignored ${type}` }];
     }
   }
 
-  const kvBytes = () => [...worker.slots.values()].reduce((n, s) => n + s.runner.kvBytes, 0);
+  // One error frame per sequence of a FORWARD (as the core's errors for a refused frame).
+  const errorFrames = (f, message, code) => (Array.isArray(f.batch) ? f.batch : [{}]).map((item) => (
+    { op: "send", type: T.ERROR, fields: { message, code, seq: item.seq, step: item.step, rid: item.rid } }));
+
+  // A FORWARD lane, checked before it runs (as core.forward_problem): the stage exists, x fits the
+  // batch, activations are sane, each sequence's KV ends where the frame starts, and the head can
+  // apply what the sampling asks. Either error frames or one compute command.
+  function forwardCommands(state, f, tensors) {
+    const refuse = (message, code) => errorFrames(f, message, code);
+    const slot = state.slots.get(f.plan);
+    if (!slot) return refuse(`worker ${state.id} holds no stage for plan ${f.plan}`, CODE.NO_STAGE);
+    let x = tensors.x;
+    if (!x) return refuse("forward without an x tensor", CODE.BAD_INPUT);
+    const batch = f.batch || [];
+    if (Number(x.shape[0]) !== batch.length || !batch.length) return refuse(`forward frame: x has ${x.shape[0]} rows for ${batch.length} sequences`, CODE.BAD_INPUT);
+    if (x.dtype === "float16") x = { dtype: "float32", shape: x.shape, data: halfToFloat(x.data) };
+    if (!slot.runner.takesTokenIds) { // what the predecessor sent, checked before use (as validate.activation_problem)
+      const problem = activationProblem(x, slot.runner.hidden, slot.runner.maxContext);
+      if (problem) return refuse(`plan ${f.plan}: ${problem}`, CODE.CORRUPT_INPUT);
+    }
+    for (const item of batch) { // a frame must start where the sequence's cache ends: a lost frame leaves a hole
+      const held = (slot.runner.caches.get(item.seq) || { length: 0 }).length;
+      if (Number.isInteger(item.pos) && slot.runner.layers.length && item.pos !== held) {
+        return refuse(`plan ${f.plan}: ${item.seq} holds ${held} positions, the frame starts at ${item.pos} (a frame was lost)`, CODE.CORRUPT_INPUT);
+      }
+    }
+    if (slot.runner.emitsTokens && !slot.runner.headControls) { // a head older than logit controls: refuse rather than ignore them
+      const asked = [...new Set(batch.flatMap((item) => Object.entries(item.sampling || {})
+        .filter(([k, v]) => !BASIC_SAMPLING.has(k) && v !== null && v !== undefined && v !== false && v !== 0 && !(Array.isArray(v) && !v.length))
+        .map(([k]) => k)))];
+      if (asked.length) return refuse(`a browser worker does not apply ${asked.join(", ")} (sampling extensions)`, CODE.BAD_INPUT);
+    }
+    return [{ op: "runStage", f, slot, x, batch }];
+  }
+
+  async function perform(commands) {
+    for (const c of commands) {
+      switch (c.op) {
+        case "send": send(c.type, c.fields); break;
+        case "log": log(c.line); break;
+        case "joined":
+          worker.id = c.id;
+          show("joined", `joined as ${worker.id}; waiting for a stage`);
+          break;
+        case "refused":
+          worker.refused = true;
+          show("refused", `the coordinator refused this worker: ${c.message}`);
+          break;
+        case "fetchAndBuild": await load(c.load); break;
+        case "release": worker.slots.get(c.plan).runner.release(); worker.slots.delete(c.plan); break;
+        case "dropSequence": for (const slot of worker.slots.values()) slot.runner.drop(c.seq); break;
+        case "runStage": // a failure while running (a head control out of range, the context outgrown) fails the lane
+          await compute(c).catch((e) => perform(errorFrames(c.f, firstLine(e), e.code || CODE.INTERNAL)));
+          break;
+        case "runProbe": await probe(c.probe); break;
+        case "stopped": show("stopped", "the coordinator said bye"); break;
+        default: throw new Error(`no such command ${c.op}`);
+      }
+    }
+    render();
+  }
+
+  const kvBytes = (state) => [...state.slots.values()].reduce((n, s) => n + s.runner.kvBytes, 0);
 
   const inflight = new Map(); // sha -> Promise: two loads that share a file download it once
   function fetchUnit(sha) {
@@ -620,32 +673,10 @@
     return where;
   }
 
-  // A forward frame carries one lane of sequences (`batch`, one row of x each); a tab runs
-  // them one after the other and answers with one frame, as a native worker does.
-  async function forward(f, tensors) {
-    const slot = worker.slots.get(f.plan);
-    if (!slot) throw coded(`worker ${worker.id} holds no stage for plan ${f.plan}`, CODE.NO_STAGE);
-    let x = tensors.x;
-    if (!x) throw coded("forward without an x tensor", CODE.BAD_INPUT);
-    const batch = f.batch || [];
-    if (Number(x.shape[0]) !== batch.length || !batch.length) throw coded(`forward frame: x has ${x.shape[0]} rows for ${batch.length} sequences`, CODE.BAD_INPUT);
-    if (x.dtype === "float16") x = { dtype: "float32", shape: x.shape, data: halfToFloat(x.data) };
-    if (!slot.runner.takesTokenIds) { // a stage checks what its predecessor sent before using it (as validate.activation_problem)
-      const problem = activationProblem(x, slot.runner.hidden, slot.runner.maxContext);
-      if (problem) throw coded(`plan ${f.plan}: ${problem}`, CODE.CORRUPT_INPUT);
-    }
-    for (const item of batch) { // a frame must start where the sequence's cache ends: a lost frame leaves a hole (as the native worker)
-      const held = (slot.runner.caches.get(item.seq) || { length: 0 }).length;
-      if (Number.isInteger(item.pos) && slot.runner.layers.length && item.pos !== held) {
-        throw coded(`plan ${f.plan}: ${item.seq} holds ${held} positions, the frame starts at ${item.pos} (a frame was lost)`, CODE.CORRUPT_INPUT);
-      }
-    }
-    if (slot.runner.emitsTokens && !slot.runner.headControls) { // a head older than logit controls: refuse rather than ignore them
-      const asked = [...new Set(batch.flatMap((item) => Object.entries(item.sampling || {})
-        .filter(([k, v]) => !BASIC_SAMPLING.has(k) && v !== null && v !== undefined && v !== false && v !== 0 && !(Array.isArray(v) && !v.length))
-        .map(([k]) => k)))];
-      if (asked.length) throw coded(`a browser worker does not apply ${asked.join(", ")} (sampling extensions)`, CODE.BAD_INPUT);
-    }
+  // A forward frame carries one lane of sequences (`batch`, one row of x each).
+  // Run a checked FORWARD lane (forwardCommands): its sequences one after the other, answered with
+  // one frame, as a native worker does.
+  async function compute({ f, slot, x, batch }) {
     const t0 = performance.now();
     const width = x.data.length / batch.length;
     const outs = [], logprobs = [];
@@ -656,11 +687,11 @@
       outs.push(await slot.runner.run(item.seq, row, sampling));
       logprobs.push(sampling && sampling.logprobs ? logprobsEntry(slot.runner.lastOut, sampling) : null);
     }
-    const compute = (performance.now() - t0) / 1000;
-    stats.busy_s += compute;
+    const seconds = (performance.now() - t0) / 1000;
+    stats.busy_s += seconds;
     stats.computed += batch.length;
     // [worker, seconds, positions, bytes per activation element, sequences in the call]
-    const timings = [...(f.timings || []), [worker.id, compute, Number(x.shape[1]), 4, batch.length]];
+    const timings = [...(f.timings || []), [worker.id, seconds, Number(x.shape[1]), 4, batch.length]];
     const base = { plan: f.plan, batch, timings };
     if (slot.next.kind === "coordinator") {
       if (batch.every((item) => item.partial)) return; // replay frames before the last: no token wanted
@@ -812,6 +843,6 @@
   }
 
   // For tests and benchmarks (the page's own view of what it did).
-  self.edgepipeWorker = { worker, stats, sha256, sha256Fallback, encodeFrame, decodeFrame, connect, serial, randomInput };
+  self.edgepipeWorker = { worker, stats, sha256, sha256Fallback, encodeFrame, decodeFrame, connect, serial, randomInput, handle };
   start();
 })();

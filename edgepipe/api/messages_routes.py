@@ -22,12 +22,12 @@ from typing import Annotated, Any, AsyncIterator, Literal, Union
 from pydantic import Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from ..cluster.coordinator import RequestFailed
 from . import schemas as S, turns
 from .errors import APIError, bad_request
 from .openai_routes import parse_body
+from .routing import Doc, Guard, post
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
@@ -251,4 +251,5 @@ async def create_message(request: Request):
     return await turns.stream(request, turn, body)
 
 
-routes = [Route("/v1/messages", create_message, methods=["POST"])]
+routes = [post("/v1/messages", create_message, guard=Guard.API_KEY,
+               doc=Doc("Anthropic Messages (SSE events when stream is true)", MessagesRequest, MessageObject))]

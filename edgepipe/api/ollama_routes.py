@@ -33,13 +33,13 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from ..cluster.coordinator import RequestFailed
 from ..runtime.sequence import GenerationParams
 from . import generation as G, schemas as S, tools
 from .errors import APIError, bad_request
-from .openai_routes import json_constraint, parse_body, tool_constraint
+from .openai_routes import json_constraint, no_embeddings, parse_body, tool_constraint
+from .routing import Doc, Guard, get, post
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API level these routes follow (clients compare it to enable features)
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default (OLLAMA_KEEP_ALIVE=5m)
@@ -208,6 +208,11 @@ async def version(request: Request) -> JSONResponse:
 @ollama_errors
 async def tags(request: Request) -> JSONResponse:
     return JSONResponse({"models": [model_entry(request)]})
+
+
+@ollama_errors
+async def embed(request: Request) -> JSONResponse:
+    raise no_embeddings(request)
 
 
 def loaded_until(request: Request) -> float:
@@ -392,10 +397,12 @@ def _args(arguments: str):
 
 
 routes = [
-    Route("/api/version", version, methods=["GET"]),
-    Route("/api/tags", tags, methods=["GET"]),
-    Route("/api/ps", ps, methods=["GET"]),
-    Route("/api/show", show, methods=["POST"]),
-    Route("/api/chat", chat, methods=["POST"]),
-    Route("/api/generate", generate, methods=["POST"]),
+    get("/api/version", version, guard=Guard.API_KEY, doc=Doc("Ollama: API version")),
+    get("/api/tags", tags, guard=Guard.API_KEY, doc=Doc("Ollama: local models")),
+    get("/api/ps", ps, guard=Guard.API_KEY, doc=Doc("Ollama: running models")),
+    post("/api/show", show, guard=Guard.API_KEY, doc=Doc("Ollama: model details", OllamaShowRequest)),
+    post("/api/chat", chat, guard=Guard.API_KEY, doc=Doc("Ollama: chat (NDJSON unless stream is false)", OllamaChatRequest)),
+    post("/api/generate", generate, guard=Guard.API_KEY, doc=Doc("Ollama: generate (NDJSON unless stream is false)", OllamaGenerateRequest)),
+    post("/api/embed", embed, guard=Guard.API_KEY),  # Ollama's embeddings, and its older name: a clear 400
+    post("/api/embeddings", embed, guard=Guard.API_KEY),
 ]

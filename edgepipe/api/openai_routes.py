@@ -21,21 +21,30 @@ import uuid
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from . import structured
 from ..cluster.coordinator import RequestFailed
 from ..runtime.sequence import GenerationParams
 from . import generation as G, schemas as S, tools
 from .errors import APIError, bad_request
+from .routing import Doc, Guard, get, post
 
 
 async def parse_body(request: Request, model: type[BaseModel]):
-    """The body as ``model``, or a 400 naming the first field that is wrong."""
+    """The body as ``model``, or a 400 naming the first field that is wrong (an image part: the
+    model reads text only)."""
+    raw = await request.body() or b"null"
     try:
-        return model.model_validate_json(await request.body() or b"null")
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         param, message = S.first_error(exc, model)
+        try:
+            media = S.media_part(json.loads(raw))
+        except ValueError:  # not JSON: the validation message says so
+            media = None
+        if media is not None:
+            raise APIError(400, f"'{media}': this is a text-only model: image, audio and file parts are not supported; send text",
+                           param=media.split("[")[0], code="unsupported_content") from None
         raise bad_request(message, param=param) from None
 
 
@@ -86,6 +95,17 @@ async def get_model(request: Request) -> JSONResponse:
     if name not in request.app.state.model_names:
         raise APIError(404, f"The model '{name[:100]}' does not exist", param="model", code="model_not_found")
     return JSONResponse(model_card(request, name))
+
+
+def no_embeddings(request: Request) -> APIError:
+    """The 400 of an embeddings route: the served model generates text, it does not embed it."""
+    name = request.app.state.model_names[0]
+    return APIError(400, f"embeddings are not served by this model: '{name}' is a text-generation model (chat and "
+                         "completions); use an embedding model for embeddings", param="model", code="model_not_supported")
+
+
+async def embeddings(request: Request) -> JSONResponse:
+    raise no_embeddings(request)
 
 
 async def chat_completions(request: Request):
@@ -327,8 +347,11 @@ async def _events(app, coord, states, rid, head, chat, use_tools, include_usage,
 
 
 routes = [
-    Route("/v1/models", list_models, methods=["GET"]),
-    Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/completions", completions, methods=["POST"]),
+    get("/v1/models", list_models, guard=Guard.API_KEY, doc=Doc("List the served model", response=S.ModelList)),
+    get("/v1/models/{model:path}", get_model, guard=Guard.API_KEY, doc=Doc("One model", response=S.Model)),
+    post("/v1/chat/completions", chat_completions, guard=Guard.API_KEY,
+         doc=Doc("Chat completion (SSE when stream is true)", S.ChatRequest, S.ChatCompletion)),
+    post("/v1/completions", completions, guard=Guard.API_KEY,
+         doc=Doc("Text completion (SSE when stream is true)", S.CompletionRequest, S.Completion)),
+    post("/v1/embeddings", embeddings, guard=Guard.API_KEY),  # a clear 400, not "no route" (undocumented: nothing to call)
 ]

@@ -21,11 +21,11 @@ from typing import Annotated, Any, AsyncIterator, Literal, Union
 from pydantic import Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from ..cluster.coordinator import RequestFailed
 from . import schemas as S, turns
 from .errors import bad_request
+from .routing import Doc, Guard, post
 from .openai_routes import parse_body
 
 
@@ -257,4 +257,5 @@ async def create_response(request: Request):
     return await turns.stream(request, turn, body)
 
 
-routes = [Route("/v1/responses", create_response, methods=["POST"])]
+routes = [post("/v1/responses", create_response, guard=Guard.API_KEY,
+               doc=Doc("OpenAI Responses (SSE events when stream is true)", ResponsesRequest, ResponseObject))]

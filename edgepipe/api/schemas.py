@@ -265,6 +265,34 @@ def first_error(exc: ValidationError, model: type[BaseModel] | None = None) -> t
     return param, " ".join(text.split())[:300]
 
 
+MEDIA_PART_TYPES = frozenset({"image_url", "image", "input_image", "input_audio", "audio", "file", "input_file", "document"})
+
+
+def media_part(body) -> str | None:
+    """Where a request body holds an image (or audio, a file): OpenAI's ``image_url`` / ``input_audio``
+    parts, Anthropic's ``image`` / ``document`` blocks, Responses' ``input_image`` parts, Ollama's
+    ``images``; None when it holds none. Asked only of a body that failed validation, to say why in
+    one line rather than which union branch did not fit."""
+    if not isinstance(body, dict):
+        return None
+    if body.get("images"):
+        return "images"
+    for key in ("messages", "input"):
+        items = body.get(key)
+        for i, item in enumerate(items if isinstance(items, list) else ()):
+            if not isinstance(item, dict):
+                continue
+            if item.get("images"):
+                return f"{key}[{i}].images"
+            if item.get("type") in MEDIA_PART_TYPES:  # a Responses input item may itself be a part
+                return f"{key}[{i}]"
+            content = item.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:
+                    return f"{key}[{i}].content[{j}]"
+    return None
+
+
 def _path(loc) -> str:
     """``messages[0].role`` from pydantic's loc, cut where a union-branch label (``str``, ``list[int]``...) starts."""
     out = ""

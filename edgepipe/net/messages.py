@@ -344,6 +344,11 @@ class Forward(Wire):
         return made
 
 
+SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "uniform")
+"""The fields of a FORWARD entry's ``sampling`` every head reads (``runtime.controls`` writes them);
+the others (``logprobs``, ``top``, ``adjust``, ``mask``, ...) are extensions a head may lack."""
+
+
 class ForwardEntry(NamedTuple):
     """One sequence's part of a FORWARD frame (``Forward.entries``): the keys a stage reads; the
     rest (sampling, route) is read where it is used (``runtime.controls``, ``NextHop.toward``).

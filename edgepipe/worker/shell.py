@@ -36,12 +36,19 @@ def _websocket_errors() -> type[Exception]:
     return websockets.exceptions.WebSocketException
 
 
+def plan_label(plan: int) -> str:
+    """A plan id in the log's words: real plans count from 1; calibration's ranges have ids <= 0."""
+    return f"plan {plan}" if plan > 0 else "calibration"
+
+
 class Worker:
     def __init__(self, settings: WorkerSettings):
         self.s = settings
         self.device = resolve_device(settings.device)
         if self.device.note and settings.device != "cpu":
-            log.warning("computing on the CPU: %s", self.device.note)
+            # a GPU asked for by name and not had is a warning; under auto the CPU is a fine answer
+            auto = (settings.device or "auto").strip().lower() == "auto"
+            (log.info if auto else log.warning)("computing on the CPU: %s", self.device.note)
         elif self.device.is_gpu:
             log.info("computing on %s", self.device.describe())
         self.native_kernel, self.native_kernel_note = gguf_kernel(self.device.is_gpu)
@@ -137,7 +144,7 @@ class Worker:
             for sha in [load.graph, *load.files]:
                 fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers)
             if fetched:
-                log.info("plan %s: downloaded %d bytes (%d in all)", load.plan, fetched, self.state.fetched_bytes + fetched)
+                log.info("%s: downloaded %d bytes (%d in all)", plan_label(load.plan), fetched, self.state.fetched_bytes + fetched)
             weight_bytes = sum(self.cache.path(f).stat().st_size for f in load.files)
             repaired, self.cache.repaired = tuple(self.cache.repaired), []
             event = core.Fetched(load, fetched, weight_bytes, repaired)

@@ -287,9 +287,13 @@ def serve(
     """Start the coordinator (API, dashboard, metrics) and local workers."""
     require_server("serve")
     import asyncio
+    import signal
 
+    from .cluster import operator_log
     from .serve import ServeSettings, run_server
     from .model.store import home_dir
+
+    operator_log.install()  # joins, leaves, plans, failures, recoveries: the dashboard's lines on this terminal
 
     if draft_length not in ("timed", "acceptance"):
         fail(f"--draft-length must be timed or acceptance, got {draft_length!r}")
@@ -321,13 +325,15 @@ def serve(
                       highlight=False)
 
     try:
-        asyncio.run(run_server(pkg, settings, on_ready=ready))
+        stopped_by = asyncio.run(run_server(pkg, settings, on_ready=ready))
     except (ValueError, FileNotFoundError) as exc:  # e.g. a draft model that cannot draft for this one
         fail(str(exc).splitlines()[0])
     except OSError as exc:
         fail(f"cannot serve on {host}:{port}: {exc.strerror or exc}")
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt:  # before the server took the signal over
+        stopped_by = signal.SIGINT
+    if stopped_by is not None:
+        raise typer.Exit(128 + int(stopped_by))  # what a shell reports for a process the signal stopped
 
 
 @app.command()

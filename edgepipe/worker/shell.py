@@ -140,11 +140,13 @@ class Worker:
         loop = asyncio.get_running_loop()
         headers = {"Authorization": f"Bearer {self.s.join_token}"} if self.s.join_token else {}
         try:
-            fetched = 0
+            fetched, started = 0, time.monotonic()
             for sha in [load.graph, *load.files]:
                 fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers)
             if fetched:
-                log.info("%s: downloaded %d bytes (%d in all)", plan_label(load.plan), fetched, self.state.fetched_bytes + fetched)
+                took = max(time.monotonic() - started, 1e-6)
+                log.info("%s: downloaded %d bytes in %.1f s (%.1f MB/s; %d in all)", plan_label(load.plan), fetched, took,
+                         fetched / took / 1e6, self.state.fetched_bytes + fetched)
             weight_bytes = sum(self.cache.path(f).stat().st_size for f in load.files)
             repaired, self.cache.repaired = tuple(self.cache.repaired), []
             event = core.Fetched(load, fetched, weight_bytes, repaired)

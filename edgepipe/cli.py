@@ -101,21 +101,20 @@ def require_server(command: str) -> None:
 
 
 def _progress():
-    """A progress callback for the importer (``edgepipe.progress``) and its ``close``."""
+    """A progress callback for the importer, to ``close`` once the step is over (``edgepipe.progress``)."""
     from .progress import Reporter
 
-    reporter = Reporter(err)
-    return reporter, reporter
+    return Reporter(err)
 
 
 def open_model(model: Optional[str], precision: str, home: Optional[Path]):
     from .model.store import resolve
 
-    bar, report = _progress()
+    progress = _progress()
     try:
-        return resolve(model, precision, home, progress=report)
+        return resolve(model, precision, home, progress=progress)
     finally:
-        bar.close()
+        progress.close()
 
 
 def open_runnable_model(model: Optional[str], precision: str, home: Optional[Path], add_missing: bool = True):
@@ -129,11 +128,11 @@ def open_runnable_model(model: Optional[str], precision: str, home: Optional[Pat
     if pkg.manifest.precision in REQUANTIZED and pkg.manifest.source.get("kind") == "gguf":
         err.print(f"running a re-quantization to {pkg.manifest.precision} (the default, native, is the file's own blocks exactly)",
                   highlight=False, soft_wrap=True)
-    bar, report = _progress()
+    progress = _progress()
     try:
-        form, note = prepare_local_form(pkg, progress=report, add_missing=add_missing)
+        form, note = prepare_local_form(pkg, progress=progress, add_missing=add_missing)
     finally:
-        bar.close()
+        progress.close()
     if note:
         err.print(note, highlight=False, soft_wrap=True)
     return pkg, form
@@ -155,13 +154,13 @@ def import_cmd(
 
     if precision not in ("native", "gguf") and source.suffix.lower() == ".gguf":
         err.print(f"re-quantizing every linear to {precision} (the default, native, keeps the file's own blocks exactly)")
-    bar, report = _progress()
+    progress = _progress()
     try:
-        path = import_model(source, home_dir(home) / "models", precision, name=name, max_context=max_context, progress=report)
+        path = import_model(source, home_dir(home) / "models", precision, name=name, max_context=max_context, progress=progress)
     except USER_ERRORS as exc:
         fail(str(exc))
     finally:
-        bar.close()
+        progress.close()
     m = Package(path).manifest
     size = sum(v.weight_bytes for u in m.units for v in u.variants.values())
     typer.echo(f"{m.name}: {m.config['architecture']}, {m.n_layers} layers, {len(m.units)} units, {m.precision}, {size / 1e6:.0f} MB -> {path}")

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-LABELS = {"weights": "converting weights", "build": "importing units", "measure": "measuring unit costs"}
-BYTE_PHASES = frozenset({"weights"})
+LABELS = {"hash": "reading the source", "weights": "converting weights", "build": "importing units", "measure": "measuring unit costs"}
+BYTE_PHASES = frozenset({"hash", "weights"})
 PLAIN_EVERY_S = 5.0
 
 

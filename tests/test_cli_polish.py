@@ -120,3 +120,19 @@ def test_plain_progress_lines_are_few_and_end_with_a_rate():
     assert p.line("build", 4, 4, 8.0) is None
     # a meter that never reaches its total is closed where it got to
     assert p.finish(10.0) == ["converting weights: 60 MB of 100 MB (6.0 MB/s), done in 10.0 s"]
+
+
+@pytest.mark.pure
+def test_a_worker_download_says_its_rate_as_it_goes(caplog):
+    import logging
+    import time
+
+    from edgepipe.worker.shell import DownloadMeter, plan_label
+
+    assert (plan_label(3), plan_label(-2), plan_label(0)) == ("plan 3", "calibration", "calibration")
+    meter = DownloadMeter(plan_label(-1), time.monotonic() - 2.0, every_s=1.0)
+    with caplog.at_level(logging.INFO, logger="edgepipe.worker"):
+        meter.add(50_000_000)  # 2 s after the start: a line
+        meter.add(1_000_000)  # at once after it: none
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and re.fullmatch(r"calibration: downloading, 50 MB so far \(2\d\.\d MB/s\)", lines[0]), lines

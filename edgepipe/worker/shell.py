@@ -41,6 +41,20 @@ def plan_label(plan: int) -> str:
     return f"plan {plan}" if plan > 0 else "calibration"
 
 
+class DownloadMeter:
+    """A line every ``every_s`` seconds while a plan's files download (a large model takes minutes)."""
+
+    def __init__(self, label: str, started: float, every_s: float = 5.0):
+        self.label, self.started, self.last, self.every_s, self.done = label, started, started, every_s, 0
+
+    def add(self, nbytes: int) -> None:  # from the download's thread
+        self.done += nbytes
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            log.info("%s: downloading, %.0f MB so far (%.1f MB/s)", self.label, self.done / 1e6, self.done / (now - self.started) / 1e6)
+
+
 class Worker:
     def __init__(self, settings: WorkerSettings):
         self.s = settings
@@ -141,8 +155,9 @@ class Worker:
         headers = {"Authorization": f"Bearer {self.s.join_token}"} if self.s.join_token else {}
         try:
             fetched, started = 0, time.monotonic()
+            meter = DownloadMeter(plan_label(load.plan), started)
             for sha in [load.graph, *load.files]:
-                fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers)
+                fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers, 120, meter.add)
             if fetched:
                 took = max(time.monotonic() - started, 1e-6)
                 log.info("%s: downloaded %d bytes in %.1f s (%.1f MB/s; %d in all)", plan_label(load.plan), fetched, took,

@@ -86,12 +86,10 @@ def test_ctrl_c_during_streams_ends_them_with_an_error_event_and_stops_the_worke
         server.close()
 
 
-def test_the_serve_terminal_says_joins_and_plans(home, native_pkg, tmp_path):
-    log = tmp_path / "serve.log"
-    with Server(home, workers=2, log=log) as server:
-        plan = server.status()["plan"]["id"]
-        text = _wait(lambda: next((t for t in [log.read_text()] if f"plan {plan} serving" in t), None), 30, "the serving line")
-    for name in ("local1", "local2"):
+def test_the_serve_terminal_says_joins_and_plans(three_workers):
+    plan = three_workers.status()["plan"]["id"]
+    text = _wait(lambda: next((t for t in [three_workers.log.read_text()] if f"plan {plan} serving" in t), None), 30, "the serving line")
+    for name in ("local1", "local2", "local3"):
         assert re.search(rf"edgepipe\.coordinator INFO w\d+-{name} joined", text), text
     assert re.search(rf"edgepipe\.coordinator INFO preparing plan {plan}: w\d+-local\d \[0, ", text), text
     assert re.search(rf"edgepipe\.coordinator INFO plan {plan} serving", text), text

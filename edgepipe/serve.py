@@ -270,7 +270,8 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
         coordinator.halt(f"the server is stopping ({signal.Signals(sig).name})")  # a stream ends with its error event
         stopped = local.terminate() if local is not None else 0
         ended = f"; {open_requests} open request{'s' * (open_requests != 1)} ended with an error" if open_requests else ""
-        print(f"edgepipe: {signal.Signals(sig).name}: stopping {stopped} local worker{'s' * (stopped != 1)}{ended}", file=sys.stderr, flush=True)
+        workers = f" {stopped} local worker{'s' * (stopped != 1)}" if stopped else ""
+        print(f"edgepipe: {signal.Signals(sig).name}: stopping{workers}{ended}", file=sys.stderr, flush=True)
         if local is not None:  # gone before the coordinator's bye, which they would answer by reconnecting
             await local.exited(timeout=3.0)
 

@@ -25,7 +25,7 @@ from harness import Server, free_port
 
 PROMPT = "Name three colours."
 N_TOKENS = 12
-DOWNLOADED = re.compile(r"plan -?\d+: downloaded \d+ bytes")  # the worker's log line for every download
+DOWNLOADED = re.compile(r"(plan \d+|calibration): downloaded \d+ bytes")  # the worker's log line for every download
 
 
 @pytest.fixture(scope="module")

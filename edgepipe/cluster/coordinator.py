@@ -139,7 +139,8 @@ class Coordinator:
         line = narrate.entry(event, self.cluster, self.profile, wall)
         if line is not None:
             self.events.append(line)
-            log.info("%s %s", line["kind"], {k: v for k, v in line.items() if k not in ("t", "kind")})
+            log.info("%s %s", line["kind"], {k: v for k, v in line.items() if k not in ("t", "kind")},
+                     extra={"narrated": line})  # the serve terminal's line in words (cluster.operator_log)
 
     @property
     def manifest(self):
@@ -215,11 +216,16 @@ class Coordinator:
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self.connections.heartbeats()), asyncio.create_task(self.deployer.replanner())]
 
-    async def stop(self) -> None:
+    def halt(self, why: str) -> None:
+        """Take no more work: every open request fails with ``why`` now (a stream ends with its API's
+        error event); the workers stay connected until ``stop``."""
         self.stopped = True
+        self.steps.lost(None, why, final=True)
+
+    async def stop(self) -> None:
+        self.halt("the coordinator stopped")
         for task in self._tasks:
             task.cancel()
-        self.steps.lost(None, "the coordinator stopped", final=True)
         for task in list(self._background):
             task.cancel()
         for wid, link in list(self.links.items()):

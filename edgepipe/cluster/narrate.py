@@ -118,7 +118,7 @@ def _predicted(p: object) -> str:
 
 
 SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
-    "join": lambda f: f"{f['worker']} joined" + (f" ({value(f.get('memory_bytes'), 'memory_bytes')})" if f.get("memory_bytes") else ""),
+    "join": lambda f: f"{f['worker']} joined" + (f" ({value(m, 'memory_bytes')})" if (m := f.get("memory_bytes") or f.get("memory")) else ""),
     "leave": lambda f: f"{f['worker']} left" + _why(f),
     "draft_site": lambda f: f"drafts now made on {'the coordinator' if f['site'] == 'coordinator' else f['site']}" + _why(f),
     "drafter": lambda f: f"drafter {f['worker']} {f['status']}: " + _pairs(f, ("worker", "status")),

@@ -31,11 +31,11 @@ import onnx
 from . import graphs
 from .config import ModelConfig, UnsupportedModel
 from .gguf_source import CorruptModel, GGUFSource
-from .manifest import FORMAT_VERSION, Manifest, Unit, UnitVariant, sha256_bytes, sha256_file
+from .manifest import FORMAT_VERSION, Manifest, Unit, UnitVariant, sha256_bytes
 from .weights import (FLOAT_TYPES, NATIVE_TYPES, PRECISIONS, BlockQuantized, Stored, StoredBlocks, StoredGGUF,
                       concat_rows, quantize_symmetric8, to_precision)
 
-Progress = Callable[[str, int, int], None]  # (phase, done, total); phase "weights" counts bytes of the source
+Progress = Callable[[str, int, int], None]  # (phase, done, total); phases "hash" and "weights" count bytes of the source
 INLINE_LIMIT = 1024  # tensors smaller than this stay inside the graph file
 CHUNK_WEIGHTS = 1 << 23  # weights converted at a time when streaming a tensor (bounds peak memory)
 DEFAULT_PRECISION = "native"
@@ -97,7 +97,7 @@ def import_model(
             raise CorruptModel(f"{source_path.name}: not a readable GGUF file, truncated or damaged ({exc})") from None
     models_dir = Path(models_dir)
     target = models_dir / (name or package_name(source_path, precision))
-    source_hash = _cached_sha256(source_path, models_dir) if source_path.is_file() else _folder_hash(source_path)
+    source_hash = _cached_sha256(source_path, models_dir, progress) if source_path.is_file() else _folder_hash(source_path)
     if (target / "manifest.json").is_file():
         existing = Manifest.from_json((target / "manifest.json").read_text())
         if existing.source.get("sha256") == source_hash and existing.source.get("graphs", 1) == graphs.GRAPH_VERSION:
@@ -148,8 +148,9 @@ def add_variant(package_dir: str | Path, precision: str, progress: Progress | No
     return package_dir
 
 
-def _cached_sha256(path: Path, models_dir: Path) -> str:
-    """The file's sha256, remembered by (path, size, mtime) so a re-import does not re-read it."""
+def _cached_sha256(path: Path, models_dir: Path, progress: Progress | None = None) -> str:
+    """The file's sha256, remembered by (path, size, mtime) so a re-import does not re-read it
+    (reading it is reported as the "hash" phase, in bytes)."""
     stat = path.stat()
     key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     cache = models_dir.parent / "cache" / "source-hashes.json"  # beside the packages: that folder holds packages only
@@ -158,12 +159,22 @@ def _cached_sha256(path: Path, models_dir: Path) -> str:
     except (OSError, ValueError):
         known = {}
     if key not in known:
-        known[key] = sha256_file(path, chunk=1 << 22)
+        known[key] = _sha256_reported(path, progress or (lambda *_: None))
         cache.parent.mkdir(parents=True, exist_ok=True)
         staged = cache.with_suffix(f".{os.getpid()}.tmp")
         staged.write_text(json.dumps(known))
         os.replace(staged, cache)
     return known[key]
+
+
+def _sha256_reported(path: Path, report: Progress, chunk: int = 1 << 22) -> str:
+    h, total, done = hashlib.sha256(), path.stat().st_size, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            done += len(block)
+            report("hash", done, total)
+    return h.hexdigest()
 
 
 def _folder_hash(folder: Path) -> str:

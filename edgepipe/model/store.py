@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import shutil
 from pathlib import Path
 
 from ..native import FALLBACK_FORM, KERNEL_FORM
@@ -81,15 +83,60 @@ def resolve(spec: str | None = None, precision: str = DEFAULT_PRECISION, home: s
         return Package(path)
     if (models / spec / "manifest.json").is_file():
         return Package(models / spec)
-    if path.exists():
+    if path.exists():  # a file or folder to import (a package already imported from it is reused)
         return Package(import_model(path, models, precision, progress=progress))
-    known = sorted(p.name for p in models.glob("*") if (p / "manifest.json").is_file()) if models.is_dir() else []
+    found = find_packages(spec, home, precision)
+    if len(found) == 1:
+        return Package(found[0])
+    if found:
+        raise FileNotFoundError(f"model {spec!r} names {len(found)} packages ({', '.join(p.name for p in found)}): name one")
+    known = sorted(p.name for p in _package_dirs(models))
     raise FileNotFoundError(f"unknown model {spec!r} (known: {', '.join(list(_BUNDLED) + known)})")
 
 
-def list_packages(home: str | Path | None = None) -> list[Package]:
+def _package_dirs(models: Path) -> list[Path]:
+    return [p for p in sorted(models.glob("*")) if (p / "manifest.json").is_file()] if models.is_dir() else []
+
+
+def stem(name: str) -> str:
+    """A package's name without its precision suffix (``qwen15`` of ``qwen15-native``), as
+    ``import`` names a package after its file (``importer.package_name``)."""
+    for precision in (KERNEL_FORM, FALLBACK_FORM, *REQUANTIZED):
+        if name.endswith("-" + precision):
+            return name[: -len(precision) - 1]
+    return name
+
+
+def find_packages(spec: str, home: str | Path | None = None, precision: str | None = None) -> list[Path]:
+    """The imported packages ``spec`` names, importing nothing: the package of that exact name;
+    else the file stem's (``qwen15`` after ``import qwen15.gguf``, or a bundled alias): the one of
+    ``precision`` where there is one, else every package of that stem."""
     models = home_dir(home) / "models"
-    return [Package(p) for p in sorted(models.glob("*")) if (p / "manifest.json").is_file()] if models.is_dir() else []
+    dirs = _package_dirs(models)
+    for d in dirs:
+        if d.name == spec:
+            return [d]
+    wanted = re.sub(r"[^a-z0-9_]+", "-", (_BUNDLED[spec][2] if spec in _BUNDLED else spec).lower()).strip("-")
+    same = [d for d in dirs if stem(d.name) == wanted]
+    exact = [d for d in same if precision is not None and d.name == f"{wanted}-{precision}"]
+    return exact or same
+
+
+def list_packages(home: str | Path | None = None) -> list[Package]:
+    return [Package(p) for p in _package_dirs(home_dir(home) / "models")]
+
+
+def remove_package(spec: str, home: str | Path | None = None) -> str:
+    """Delete the one imported package ``spec`` names (``find_packages``); its name. Nothing
+    outside the home's models folder is ever deleted (a path is refused)."""
+    found = find_packages(spec, home)
+    if not found:
+        known = ", ".join(p.name for p in _package_dirs(home_dir(home) / "models")) or "none imported"
+        raise FileNotFoundError(f"no imported model {spec!r} (imported: {known})")
+    if len(found) > 1:
+        raise ValueError(f"model {spec!r} names {len(found)} packages ({', '.join(p.name for p in found)}): name one")
+    shutil.rmtree(found[0])
+    return found[0].name
 
 
 def _holds(package: Package, precision: str) -> bool:

@@ -36,12 +36,33 @@ def _websocket_errors() -> type[Exception]:
     return websockets.exceptions.WebSocketException
 
 
+def plan_label(plan: int) -> str:
+    """A plan id in the log's words: real plans count from 1; calibration's ranges have ids <= 0."""
+    return f"plan {plan}" if plan > 0 else "calibration"
+
+
+class DownloadMeter:
+    """A line every ``every_s`` seconds while a plan's files download (a large model takes minutes)."""
+
+    def __init__(self, label: str, started: float, every_s: float = 5.0):
+        self.label, self.started, self.last, self.every_s, self.done = label, started, started, every_s, 0
+
+    def add(self, nbytes: int) -> None:  # from the download's thread
+        self.done += nbytes
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            log.info("%s: downloading, %.0f MB so far (%.1f MB/s)", self.label, self.done / 1e6, self.done / (now - self.started) / 1e6)
+
+
 class Worker:
     def __init__(self, settings: WorkerSettings):
         self.s = settings
         self.device = resolve_device(settings.device)
         if self.device.note and settings.device != "cpu":
-            log.warning("computing on the CPU: %s", self.device.note)
+            # a GPU asked for by name and not had is a warning; under auto the CPU is a fine answer
+            auto = (settings.device or "auto").strip().lower() == "auto"
+            (log.info if auto else log.warning)("computing on the CPU: %s", self.device.note)
         elif self.device.is_gpu:
             log.info("computing on %s", self.device.describe())
         self.native_kernel, self.native_kernel_note = gguf_kernel(self.device.is_gpu)
@@ -133,11 +154,14 @@ class Worker:
         loop = asyncio.get_running_loop()
         headers = {"Authorization": f"Bearer {self.s.join_token}"} if self.s.join_token else {}
         try:
-            fetched = 0
+            fetched, started = 0, time.monotonic()
+            meter = DownloadMeter(plan_label(load.plan), started)
             for sha in [load.graph, *load.files]:
-                fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers)
+                fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers, 120, meter.add)
             if fetched:
-                log.info("plan %s: downloaded %d bytes (%d in all)", load.plan, fetched, self.state.fetched_bytes + fetched)
+                took = max(time.monotonic() - started, 1e-6)
+                log.info("%s: downloaded %d bytes in %.1f s (%.1f MB/s; %d in all)", plan_label(load.plan), fetched, took,
+                         fetched / took / 1e6, self.state.fetched_bytes + fetched)
             weight_bytes = sum(self.cache.path(f).stat().st_size for f in load.files)
             repaired, self.cache.repaired = tuple(self.cache.repaired), []
             event = core.Fetched(load, fetched, weight_bytes, repaired)

@@ -49,6 +49,9 @@ def _edgepipe_commands(text: str) -> list[list[str]]:
 
 def _check(words: list[str]) -> None:
     group = typer.main.get_command(app)
+    if words[0].startswith("--"):  # an option of the program itself (--version, --help)
+        assert words[0] in {opt for param in group.params for opt in param.opts}, f"README: `edgepipe {words[0]}` is no option"
+        return
     name, args = words[0], words[1:]
     command = group.commands.get(name)
     assert command is not None, f"README names `edgepipe {name}`, which is no command"

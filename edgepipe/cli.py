@@ -366,6 +366,7 @@ def worker(
     import logging
 
     from .worker import Worker, WorkerSettings
+    from .worker.connect import CannotJoin, coordinator_base
     from .emulate.slowdown import parse_bytes
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -378,14 +379,14 @@ def worker(
 
             coordinator = find_coordinator(timeout=discover_timeout, cluster=cluster)
             err.print(f"found coordinator {coordinator} by mDNS", highlight=False)
-        settings = WorkerSettings(coordinator=coordinator, memory_bytes=parse_bytes(memory) if memory else None, threads=threads,
+        settings = WorkerSettings(coordinator=coordinator_base(coordinator), memory_bytes=parse_bytes(memory) if memory else None, threads=threads,
                                   spin=spin, slowdown=slowdown, roofline=roofline, drop_work=drop_work, misreport=misreport, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
                                   advertise_host=advertise, join_token=join_token, tls_fingerprint=tls_fingerprint,
                                   activation_dtype=activation_dtype,
                                   power_busy_w=power_busy_w, power_idle_w=power_idle_w, device=device, role=role,
                                   **({"name": name} if name else {}))
         asyncio.run(Worker(settings).serve_until_terminated())
-    except PermissionError as exc:
+    except (PermissionError, CannotJoin) as exc:  # retrying cannot help (worker.connect)
         fail(str(exc))
     except (ConnectionError, OSError, ValueError, TimeoutError) as exc:
         fail(f"worker stopped: {exc}")

@@ -318,7 +318,7 @@ def serve(
                   f"{workers} local workers)", highlight=False)
         if scheme == "https":
             err.print(f"TLS certificate sha256 {settings.tls_fingerprint}: workers join with --tls-fingerprint {settings.tls_fingerprint}",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)  # one unbroken line, whatever the terminal's width: it is copied
 
     try:
         asyncio.run(run_server(pkg, settings, on_ready=ready))

@@ -12,7 +12,7 @@ from starlette.responses import FileResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import browser_routes, cluster_routes, messages_routes, ollama_routes, openai_routes, openapi, responses_routes
+from . import browser_routes, cluster_routes, dist_routes, messages_routes, ollama_routes, openai_routes, openapi, responses_routes
 from .admission import Admission
 from ..net.auth import bearer_matches, same_secret
 from ..net.limits import EventLog, control_frame_limit, hello_frame_limit
@@ -20,7 +20,7 @@ from .errors import APIError
 from .metrics import Metrics
 
 STATIC = Path(__file__).parent / "static"
-OPEN_PATHS = ("/", "/worker", "/metrics", "/health")
+OPEN_PATHS = ("/", "/worker", "/metrics", "/health", *dist_routes.OPEN_PATHS)  # dist: the public wheel (see its module)
 GUARDED = ("/v1/chat", "/v1/completions", "/v1/models", "/v1/responses", "/v1/messages", "/v1/cluster", "/api/")
 
 
@@ -111,7 +111,7 @@ def create_app(coordinator, package, api_key: str | None = None, join_token: str
 
     routes = [Route("/", dashboard), Route("/health", health), *openai_routes.routes, *responses_routes.routes,
               *messages_routes.routes, *ollama_routes.routes, *openapi.routes, *cluster_routes.routes, *browser_routes.routes,
-              *(extra_routes or [])]
+              *dist_routes.routes, *(extra_routes or [])]
     app = Starlette(routes=routes, middleware=[Middleware(BodyLimitMiddleware), Middleware(APIKeyMiddleware, api_key=api_key)],
                     exception_handlers={APIError: api_error, 404: not_found, 405: method_not_allowed, Exception: internal_error})
     s = app.state

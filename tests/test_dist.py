@@ -117,16 +117,16 @@ def test_a_second_machine_installs_from_the_coordinator_and_joins(home, native_p
         done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-compile", *argv[2:]],
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
-        where = subprocess.run([str(python), "-c", "import edgepipe, onnx"], capture_output=True, text=True)
+        where = subprocess.run([str(python), "-c", "import edgepipe, onnx"], capture_output=True, text=True, cwd=tmp_path)
         assert "No module named 'onnx'" in where.stderr  # a worker's install, not this environment's
         installed = subprocess.run([str(python), "-c", "import edgepipe, importlib.metadata as m; print(edgepipe.__file__, m.version('edgepipe'))"],
-                                   capture_output=True, text=True, check=True).stdout.split()
+                                   capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
         assert installed[0].startswith(str(venv)) and installed[1] == VERSION
 
         clean = {k: v for k, v in env.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
         clean["EDGEPIPE_HOME"] = str(tmp_path / "second-machine")
         worker = subprocess.Popen([str(venv / "bin" / "edgepipe"), *shlex.split(worker_line)[1:], "--device", "cpu", "--threads", "1"],
-                                  env=clean, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  env=clean, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   start_new_session=True)
         import httpx
 

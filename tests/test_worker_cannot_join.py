@@ -135,6 +135,27 @@ def test_https_to_a_plain_http_coordinator_says_so_with_a_pin_too(tmp_path):
     assert "serves TLS:" not in str(stopped)
 
 
+def test_http_to_a_tls_coordinator_says_it_serves_tls(tmp_path):
+    import uvicorn
+
+    from edgepipe.net import tls
+
+    cert, key = tls.make_self_signed(tmp_path / "tls")
+
+    async def main():
+        sock = bind_socket("127.0.0.1", 0)
+        server = uvicorn.Server(uvicorn.Config(APP, log_level="critical", ssl_certfile=str(cert), ssl_keyfile=str(key)))
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        try:
+            return await attempt(tmp_path, f"http://127.0.0.1:{sock.getsockname()[1]}")
+        finally:
+            server.should_exit = True
+            await task
+
+    stopped = asyncio.run(main())
+    assert stopped is not None and "serves TLS: join with --coordinator https://" in str(stopped), stopped
+
+
 @pytest.mark.parametrize("where", ["refused", "503"])
 def test_where_the_coordinator_may_come_back_the_worker_keeps_retrying(tmp_path, caplog, where):
     async def main():

@@ -217,6 +217,7 @@ class Worker:
                     judged = connect.verdict(exc, connect.control_url(self.s.coordinator))
                     if isinstance(judged, connect.Stop):
                         raise connect.CannotJoin(judged.why) from None
+                    await self._tls_instead(exc)
                     why = judged.why
                 else:
                     joins = self.state.joins
@@ -358,6 +359,24 @@ class Worker:
                 raise
             self.cache.ssl_context = self._tls_coordinator
         return self._tls_coordinator
+
+    async def _tls_instead(self, exc: BaseException) -> None:
+        """An http:// coordinator that hung up during the handshake: if it speaks TLS, say so and stop."""
+        import websockets
+
+        if not (isinstance(exc, websockets.exceptions.InvalidMessage) and self.s.coordinator.startswith("http://")):
+            return
+        from urllib.parse import urlsplit
+
+        from ..net import tls
+
+        where = urlsplit(self.s.coordinator)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, tls.server_certificate, where.hostname, where.port or 80, 5)
+        except (OSError, ValueError):
+            return  # not TLS either: a coordinator stopping, retried
+        raise connect.CannotJoin(f"{where.netloc} serves TLS: join with --coordinator https://{where.netloc}{where.path} "
+                                 f"--tls-fingerprint <the sha256 `serve --tls` prints>")
 
     def _shape(self, channel: Channel) -> Channel:
         return ShapedChannel(channel, self.link) if self.link else channel

@@ -88,7 +88,11 @@ def find_source() -> Source:
         return Source(version, tuple(files), root)
     from importlib.metadata import distribution
 
-    dist = distribution("edgepipe")
+    return installed_source(distribution("edgepipe"))
+
+
+def installed_source(dist) -> Source:
+    """The files of an installed (not editable) edgepipe, as its ``RECORD`` lists them."""
     files = []
     for entry in dist.files or ():
         rel = entry.as_posix()

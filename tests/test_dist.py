@@ -122,6 +122,13 @@ def test_a_second_machine_installs_from_the_coordinator_and_joins(home, native_p
         installed = subprocess.run([str(python), "-c", "import edgepipe, importlib.metadata as m; print(edgepipe.__file__, m.version('edgepipe'))"],
                                    capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
         assert installed[0].startswith(str(venv)) and installed[1] == VERSION
+        # that install, a coordinator in its turn, packs the same code again from its RECORD
+        again = subprocess.run([str(python), "-c", f"from pathlib import Path; from edgepipe import dist; print(dist.build_wheel(Path({str(tmp_path / 'again')!r})))"],
+                               capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
+        served = next((tmp_path / "dist").glob("*/*.whl"))
+        with zipfile.ZipFile(served) as a, zipfile.ZipFile(again) as b:
+            code = sorted(n for n in a.namelist() if n.startswith("edgepipe/"))
+            assert code == sorted(n for n in b.namelist() if n.startswith("edgepipe/")) and all(a.read(n) == b.read(n) for n in code)
 
         clean = {k: v for k, v in env.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
         clean["EDGEPIPE_HOME"] = str(tmp_path / "second-machine")
@@ -142,3 +149,38 @@ def test_a_second_machine_installs_from_the_coordinator_and_joins(home, native_p
                     proc.wait(20)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def test_an_installed_edgepipe_is_packed_again_from_its_record(tmp_path):
+    """No source tree (a coordinator installed from a wheel): the installed files its RECORD
+    lists, without what pip wrote on install, and a RECORD whose hashes are the files'."""
+    import base64
+    import csv
+    from importlib.metadata import PathDistribution
+
+    site = tmp_path / "site"
+    files = {"edgepipe/__init__.py": b"x = 1\n", "edgepipe/api/static/page.html": b"<p>",
+             "edgepipe-9.9.dist-info/METADATA": b"Metadata-Version: 2.1\nName: edgepipe\nVersion: 9.9\n",
+             "edgepipe-9.9.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+             "edgepipe-9.9.dist-info/entry_points.txt": b"[console_scripts]\nedgepipe = edgepipe.cli:app\n",
+             "edgepipe-9.9.dist-info/INSTALLER": b"pip\n", "edgepipe-9.9.dist-info/direct_url.json": b"{}",
+             "edgepipe/__pycache__/__init__.cpython-311.pyc": b"\0"}
+    for rel, data in files.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_bytes(data)
+    (site / "edgepipe-9.9.dist-info/RECORD").write_text("".join(f"{rel},,\n" for rel in files) + "../../../bin/edgepipe,,\n")
+    source = dist.installed_source(PathDistribution(site / "edgepipe-9.9.dist-info"))
+    assert source.root is None and source.version == "9.9"
+    wheel = dist.build_wheel(tmp_path / "cache", source)
+    assert wheel.name == "edgepipe-9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as whl:
+        names = set(whl.namelist())
+        assert names == {"edgepipe/__init__.py", "edgepipe/api/static/page.html", "edgepipe-9.9.dist-info/METADATA",
+                         "edgepipe-9.9.dist-info/WHEEL", "edgepipe-9.9.dist-info/entry_points.txt", "edgepipe-9.9.dist-info/RECORD"}
+        rows = list(csv.reader(whl.read("edgepipe-9.9.dist-info/RECORD").decode().splitlines()))
+        for rel, digest, size in rows:
+            if rel.endswith("RECORD"):
+                continue
+            data = whl.read(rel)
+            assert data == files[rel] and int(size) == len(data)
+            assert digest == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()

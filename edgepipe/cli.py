@@ -332,7 +332,8 @@ def serve(
 
 @app.command()
 def worker(
-    coordinator: Optional[str] = typer.Option(None, "--coordinator", "-c", help="Coordinator URL, e.g. http://10.0.0.2:8420 (default: find one by mDNS)."),
+    coordinator: Optional[str] = typer.Option(None, "--coordinator", "-c", help="Coordinator URL, e.g. http://10.0.0.2:8420 (https:// for serve --tls; ws:// and "
+                                                                            "wss:// too; serve prints the line). Default: find one by mDNS."),
     name: Optional[str] = typer.Option(None, "--name"),
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory this worker may use, e.g. 1.5GB (a hard budget)."),
     threads: Optional[int] = typer.Option(None, "--threads"),

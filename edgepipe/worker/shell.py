@@ -375,8 +375,8 @@ class Worker:
             await asyncio.get_running_loop().run_in_executor(None, tls.server_certificate, where.hostname, where.port or 80, 5)
         except (OSError, ValueError):
             return  # not TLS either: a coordinator stopping, retried
-        raise connect.CannotJoin(f"{where.netloc} serves TLS: join with --coordinator https://{where.netloc}{where.path} "
-                                 f"--tls-fingerprint <the sha256 `serve --tls` prints>")
+        pin = self.s.tls_fingerprint or "<the sha256 `serve --tls` prints>"
+        raise connect.CannotJoin(f"{where.netloc} serves TLS: join with --coordinator https://{where.netloc}{where.path} --tls-fingerprint {pin}")
 
     def _shape(self, channel: Channel) -> Channel:
         return ShapedChannel(channel, self.link) if self.link else channel

@@ -38,19 +38,34 @@ class Source:
     root: Path | None  # the source tree, None for an installed distribution
 
     @property
+    def wheel_version(self) -> str:
+        """The version the wheel carries: a source tree's with its hash as the local label
+        (``0.1.0+1a2b3c4d5e6f``), so that a machine holding an older build of the same version
+        is updated by the same pip line; an installed one's as installed."""
+        return self.version if self.root is None else f"{self.version}+{self.digest()[:12]}"
+
+    @property
     def wheel_name(self) -> str:
-        return wheel_name(self.version)
+        return wheel_name(self.wheel_version)
 
     def digest(self) -> str:
-        """sha256 over every file's path and bytes: a changed tree makes another wheel."""
-        h = hashlib.sha256(self.version.encode())
-        for rel, path in self.files:
-            h.update(rel.encode() + b"\0")
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-            h.update(b"\0")
-        return h.hexdigest()
+        """sha256 over every file's path and bytes: a changed tree makes another wheel (kept per
+        file sizes and times, so a request does not read the tree again)."""
+        stats = tuple((rel, path.stat().st_size, path.stat().st_mtime_ns) for rel, path in self.files)
+        if stats not in _digests:
+            h = hashlib.sha256(self.version.encode())
+            for rel, path in self.files:
+                h.update(rel.encode() + b"\0")
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+                h.update(b"\0")
+            _digests.clear()  # one tree per process
+            _digests[stats] = h.hexdigest()
+        return _digests[stats]
+
+
+_digests: dict[tuple, str] = {}
 
 
 def wheel_name(version: str) -> str:
@@ -131,6 +146,11 @@ def _pip_wheel(source: Source, work: Path) -> Path:
     for rel, path in source.files:
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, tree / rel)
+    pyproject = tree / "pyproject.toml"  # the copy carries the version with the source's hash
+    text, n = re.subn(r'(?m)^version\s*=\s*"[^"]*"', f'version = "{source.wheel_version}"', pyproject.read_text(), count=1)
+    if n != 1:
+        raise RuntimeError("pyproject.toml names no version")
+    pyproject.write_text(text)
     have_setuptools = _importable("setuptools")
     # with setuptools here, build offline with it; else pip fetches the build backend (isolated)
     argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--disable-pip-version-check", "-w", str(work / "out"), str(tree),

@@ -43,12 +43,13 @@ def wheel(cache) -> Path:
 
 
 def test_the_wheel_is_this_version_and_this_code(wheel):
-    assert wheel.name == f"edgepipe-{VERSION}-py3-none-any.whl"
+    built = f"{VERSION}+{dist.find_source().digest()[:12]}"  # the local label names the source
+    assert wheel.name == f"edgepipe-{built}-py3-none-any.whl"
     with zipfile.ZipFile(wheel) as whl:
         assert whl.testzip() is None
-        info = f"edgepipe-{VERSION}.dist-info"
+        info = f"edgepipe-{built}.dist-info"
         meta = email.parser.Parser().parsestr(whl.read(f"{info}/METADATA").decode())
-        assert meta["Name"] == "edgepipe" and meta["Version"] == VERSION
+        assert meta["Name"] == "edgepipe" and meta["Version"] == built
         requires = meta.get_all("Requires-Dist")
         assert any(r.startswith("onnxruntime==") for r in requires) and any(r.startswith("websockets==") for r in requires)
         assert "edgepipe = edgepipe.cli:app" in whl.read(f"{info}/entry_points.txt").decode()
@@ -121,7 +122,7 @@ def test_a_second_machine_installs_from_the_coordinator_and_joins(home, native_p
         assert "No module named 'onnx'" in where.stderr  # a worker's install, not this environment's
         installed = subprocess.run([str(python), "-c", "import edgepipe, importlib.metadata as m; print(edgepipe.__file__, m.version('edgepipe'))"],
                                    capture_output=True, text=True, check=True, cwd=tmp_path).stdout.split()
-        assert installed[0].startswith(str(venv)) and installed[1] == VERSION
+        assert installed[0].startswith(str(venv)) and installed[1] == f"{VERSION}+{dist.find_source().digest()[:12]}"
         # that install, a coordinator in its turn, packs the same code again from its RECORD
         again = subprocess.run([str(python), "-c", f"from pathlib import Path; from edgepipe import dist; print(dist.build_wheel(Path({str(tmp_path / 'again')!r})))"],
                                capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()

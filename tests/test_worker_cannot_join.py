@@ -14,10 +14,12 @@ import asyncio
 import http.server
 import logging
 import socket
+import struct
 import subprocess
 import sys
 import threading
 
+import msgpack
 import pytest
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
@@ -43,9 +45,7 @@ async def _other_protocol(ws) -> None:
 async def _newer_edgepipe(ws) -> None:
     await ws.accept()
     await ws.receive()
-    welcome = bytearray(encode(Message(MessageType.WELCOME, {"worker_id": "w1"})))
-    import msgpack, struct  # noqa: E401 - the same frame with another protocol version in its header
-
+    welcome = bytearray(encode(Message(MessageType.WELCOME, {"worker_id": "w1"})))  # sent with another protocol version
     (n,) = struct.unpack_from("<I", welcome)
     header = msgpack.unpackb(bytes(welcome[4:4 + n]))
     header["v"] = 99

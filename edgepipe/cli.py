@@ -367,10 +367,10 @@ def serve(
             coordinator.settings.min_workers = min_workers
         scheme = "https" if settings.tls or settings.tls_cert else "http"
         err.print(f"edgepipe serving {pkg.manifest.name} on {scheme}://{host}:{bound}  (dashboard /, API /v1, metrics /metrics; "
-                  f"{workers} local workers)", highlight=False)
+                  f"{workers} local workers)", highlight=False, soft_wrap=True)
         if scheme == "https":
             err.print(f"TLS certificate sha256 {settings.tls_fingerprint}: workers join with --tls-fingerprint {settings.tls_fingerprint}",
-                      highlight=False)
+                      highlight=False, soft_wrap=True)  # one unbroken line, whatever the terminal's width: it is copied
 
     try:
         stopped_by = asyncio.run(run_server(pkg, settings, on_ready=ready))
@@ -386,7 +386,8 @@ def serve(
 
 @app.command()
 def worker(
-    coordinator: Optional[str] = typer.Option(None, "--coordinator", "-c", help="Coordinator URL, e.g. http://10.0.0.2:8420 (default: find one by mDNS)."),
+    coordinator: Optional[str] = typer.Option(None, "--coordinator", "-c", help="Coordinator URL, e.g. http://10.0.0.2:8420 (https:// for serve --tls; ws:// and "
+                                                                            "wss:// too; serve prints the line). Default: find one by mDNS."),
     name: Optional[str] = typer.Option(None, "--name", help="This device's name on the dashboard (default: the host name)."),
     memory: Optional[str] = typer.Option(None, "--memory", help="Memory this worker may use, e.g. 1.5GB (a hard budget)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Compute threads (default: one per core)."),
@@ -421,6 +422,7 @@ def worker(
     import logging
 
     from .worker import Worker, WorkerSettings
+    from .worker.connect import CannotJoin, coordinator_base
     from .emulate.slowdown import parse_bytes
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -433,14 +435,14 @@ def worker(
 
             coordinator = find_coordinator(timeout=discover_timeout, cluster=cluster)
             err.print(f"found coordinator {coordinator} by mDNS", highlight=False)
-        settings = WorkerSettings(coordinator=coordinator, memory_bytes=parse_bytes(memory) if memory else None, threads=threads,
+        settings = WorkerSettings(coordinator=coordinator_base(coordinator), memory_bytes=parse_bytes(memory) if memory else None, threads=threads,
                                   spin=spin, slowdown=slowdown, roofline=roofline, drop_work=drop_work, misreport=misreport, link_delay_ms=link_delay_ms, link_rate=link_rate, data_host=host, data_port=port,
                                   advertise_host=advertise, join_token=join_token, tls_fingerprint=tls_fingerprint,
                                   activation_dtype=activation_dtype,
                                   power_busy_w=power_busy_w, power_idle_w=power_idle_w, device=device, role=role,
                                   **({"name": name} if name else {}))
         asyncio.run(Worker(settings).serve_until_terminated())
-    except PermissionError as exc:
+    except (PermissionError, CannotJoin) as exc:  # retrying cannot help (worker.connect)
         fail(str(exc))
     except (ConnectionError, OSError, ValueError, TimeoutError) as exc:
         fail(f"worker stopped: {exc}")

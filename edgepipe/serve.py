@@ -243,9 +243,15 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
         coordinator.drafting.placed.pinned = settings.draft_on
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,
                      admission=Admission(settings.max_active, settings.max_queue), admin_token=settings.admin_token)
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+    from .net.discovery import address_for_others, loopback_only
+
+    beyond_loopback = not loopback_only(settings.host)
+    if beyond_loopback and not settings.api_key:
         print(f"edgepipe: warning: serving on {settings.host} without --api-key: anyone who can reach this port may use the API",
               file=sys.stderr)
+    if beyond_loopback and not settings.join_token:
+        print(f"edgepipe: warning: serving on {settings.host} without --join-token: any machine that can reach this port may join "
+              f"as a worker and see the prompts it computes", file=sys.stderr)
     # The largest frame any authenticated worker sends; the worker socket starts each peer far lower.
     ws_max = control_frame_limit(package.manifest.max_context, package.manifest.hidden_size)
     tls_files = {}
@@ -281,7 +287,10 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
     await asyncio.get_running_loop().run_in_executor(None, lambda: package.tokenizer)
     await coordinator.start()
     advertiser = None
-    if settings.advertise:
+    if settings.advertise and not beyond_loopback:
+        print(f"edgepipe: listening on {settings.host} (loopback) only: not announced by mDNS and no other machine can join "
+              f"(--host 0.0.0.0 opens it to the network)", file=sys.stderr)
+    if settings.advertise and beyond_loopback:
         from .net.discovery import Advertiser
 
         advertiser = Advertiser(settings.host, port, package.manifest.name, bool(settings.join_token), settings.cluster)
@@ -296,10 +305,18 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
     supervisor = asyncio.create_task(local.supervise())
     if on_ready:
         on_ready(port, coordinator)
+    joining = None
+    if beyond_loopback:  # the pip and worker lines for another machine, once the wheel it installs is built
+        from .api.dist_routes import print_join_commands
+
+        joining = asyncio.create_task(print_join_commands(app.state, f"{'https' if tls_files else 'http'}://{address_for_others(settings.host)}:{port}",
+                                                          settings.join_token, settings.tls_fingerprint))
     try:
         await server.serve(sockets=[sock])
     finally:
         supervisor.cancel()
+        if joining is not None:
+            joining.cancel()
         local._stopping = True
         if advertiser:
             await advertiser.stop()

@@ -19,7 +19,8 @@ from edgepipe.api import routing
 from edgepipe.api.routing import Endpoint, Guard
 
 KEY = {"Authorization": "Bearer k3y"}
-OPEN = {"/", "/health", "/favicon.ico", "/worker", "/static/{path:path}", "/metrics", "/openapi.json"}
+OPEN = {"/", "/health", "/favicon.ico", "/worker", "/static/{path:path}", "/metrics", "/openapi.json",
+        "/dist/{name}"}  # the wheel a joining machine installs (api/dist_routes: public on purpose)
 JOIN_TOKEN = {"/v1/blobs/{sha}", "/v1/worker"}  # workers hold the join token, not the key: the route checks it
 
 

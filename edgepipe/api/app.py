@@ -15,7 +15,8 @@ from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import browser_routes, cluster_routes, messages_routes, ollama_routes, openai_routes, openapi, page_routes, responses_routes
+from . import (browser_routes, cluster_routes, dist_routes, messages_routes, ollama_routes, openai_routes, openapi, page_routes,
+               responses_routes)
 from .admission import Admission
 from ..net.auth import bearer_matches, same_secret
 from ..net.limits import EventLog, control_frame_limit, hello_frame_limit
@@ -24,7 +25,8 @@ from .metrics import Metrics
 from .routing import Endpoint, Guard, guard_of
 
 ENDPOINTS: tuple[Endpoint, ...] = (*page_routes.routes, *openai_routes.routes, *responses_routes.routes, *messages_routes.routes,
-                                   *ollama_routes.routes, *openapi.routes, *cluster_routes.routes, *browser_routes.routes)
+                                   *ollama_routes.routes, *openapi.routes, *cluster_routes.routes, *browser_routes.routes,
+                                   *dist_routes.routes)
 
 
 def has_key(scope: Scope, api_key: str) -> bool:

@@ -175,7 +175,10 @@ async def worker_socket(ws: WebSocket) -> None:
         gate.throttled += 1
         if gate.throttled % 100 == 1:  # one event per hundred, not one per attempt
             coord.event(NoteKind.THROTTLED, peer=peer, attempts_refused=gate.throttled)
-        await ws.close(code=1008, reason="too many join attempts")
+        if "websocket.http.response" in ws.scope.get("extensions", {}):  # a 429 says "later" (a worker retries; a 403 stops it)
+            await ws.send_denial_response(APIError(429, "too many join attempts", code="rate_limited").response())
+        else:
+            await ws.close(code=1008, reason="too many join attempts")
         return
     _set_frame_limit(ws, gate.hello_limit)
     await ws.accept()

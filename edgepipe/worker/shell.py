@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import random
+import ssl
 import time
 from dataclasses import replace
 
@@ -17,7 +18,7 @@ from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChanne
 from ..net.messages import PROBE_PLAN, Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Ping, Probed, Welcome, parse
 from ..net.protocol import Message, ProtocolError, decode, encode
 from ..runtime.devices import resolve as resolve_device
-from . import core, links
+from . import connect, core, links
 from .blobcache import BlobCache
 from .dataport import DataPort
 from .runners import Runners, failure
@@ -236,8 +237,12 @@ class Worker:
                 started = time.monotonic()
                 try:
                     channel = await self._connect_control()
-                except (OSError, asyncio.TimeoutError, _websocket_errors()) as exc:
-                    why = f"cannot reach {self.s.coordinator}: {str(exc) or type(exc).__name__}"
+                except (OSError, asyncio.TimeoutError, ValueError, _websocket_errors()) as exc:
+                    judged = connect.verdict(exc, connect.control_url(self.s.coordinator))
+                    if isinstance(judged, connect.Stop):
+                        raise connect.CannotJoin(judged.why) from None
+                    await self._tls_instead(exc)
+                    why = judged.why
                 else:
                     joins = self.state.joins
                     if await self._session(channel):
@@ -300,7 +305,13 @@ class Worker:
                 raise PermissionError(f"coordinator refused this worker: {welcome.message}")
             if not isinstance(welcome, Welcome):
                 raise ProtocolError(f"expected welcome, got {reply.type.value}")
-        except (ChannelClosed, ProtocolError, asyncio.TimeoutError) as exc:
+        except ProtocolError as exc:  # it speaks WebSocket at /v1/worker, but not our protocol: retrying cannot help
+            await self._close_control()
+            if "protocol version" in str(exc):
+                raise connect.CannotJoin(f"{self.s.coordinator} speaks another edgepipe protocol ({exc}): install the coordinator's own "
+                                         f"edgepipe here (the pip line `serve` prints)") from None
+            raise connect.CannotJoin(f"{self.s.coordinator} is not an edgepipe coordinator (its answer to the hello: {exc})") from None
+        except (ChannelClosed, asyncio.TimeoutError) as exc:
             log.warning("no welcome from the coordinator: %s", str(exc) or type(exc).__name__)
             await self._close_control()
             return False
@@ -345,7 +356,7 @@ class Worker:
     async def _connect_control(self) -> Channel:
         import websockets
 
-        url = self.s.coordinator.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/worker"
+        url = connect.control_url(self.s.coordinator)
         ssl_context = await self._coordinator_tls() if url.startswith("wss://") else None
         ws = await websockets.connect(url, max_size=None, ping_interval=None, open_timeout=10, ssl=ssl_context, compression=None)
         return WebSocketChannel(ws, "coordinator")
@@ -358,13 +369,38 @@ class Worker:
 
             from ..net import tls
 
-            if not self.s.tls_fingerprint:
-                raise ValueError("the coordinator serves TLS: start the worker with --tls-fingerprint (printed by serve)")
             where = urlsplit(self.s.coordinator)
-            self._tls_coordinator = await asyncio.get_running_loop().run_in_executor(
-                None, tls.pinned_context, where.hostname, where.port or 443, self.s.tls_fingerprint)
+            host, port, loop = where.hostname, where.port or 443, asyncio.get_running_loop()
+            try:
+                if not self.s.tls_fingerprint:
+                    await loop.run_in_executor(None, tls.server_certificate, host, port)
+                    raise connect.CannotJoin(f"{where.netloc} serves TLS: start the worker with --tls-fingerprint "
+                                             f"(the sha256 `serve --tls` prints) to pin its certificate")
+                self._tls_coordinator = await loop.run_in_executor(None, tls.pinned_context, host, port, self.s.tls_fingerprint)
+            except ssl.SSLError:  # it answered, but not in TLS: say what it does speak
+                if await loop.run_in_executor(None, tls.answers_plain_http, host, port):
+                    raise connect.CannotJoin(connect.plain_http_instead(self.s.coordinator)) from None
+                raise
             self.cache.ssl_context = self._tls_coordinator
         return self._tls_coordinator
+
+    async def _tls_instead(self, exc: BaseException) -> None:
+        """An http:// coordinator that hung up during the handshake: if it speaks TLS, say so and stop."""
+        import websockets
+
+        if not (isinstance(exc, websockets.exceptions.InvalidMessage) and self.s.coordinator.startswith("http://")):
+            return
+        from urllib.parse import urlsplit
+
+        from ..net import tls
+
+        where = urlsplit(self.s.coordinator)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, tls.server_certificate, where.hostname, where.port or 80, 5)
+        except (OSError, ValueError):
+            return  # not TLS either: a coordinator stopping, retried
+        pin = self.s.tls_fingerprint or "<the sha256 `serve --tls` prints>"
+        raise connect.CannotJoin(f"{where.netloc} serves TLS: join with --coordinator https://{where.netloc}{where.path} --tls-fingerprint {pin}")
 
     def _shape(self, channel: Channel) -> Channel:
         return ShapedChannel(channel, self.link) if self.link else channel

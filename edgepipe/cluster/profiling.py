@@ -241,7 +241,18 @@ class ClusterProfile:
         kv_form = kv_form or precision
         units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, m.kv_bytes_per_token(u.index, kv_form),
                                   u.out_bytes_per_token, u.kv_window) for u in m.units)
-        return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES)
+        return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES,
+                            variant_weight_bytes=self._variant_sizes())
+
+    def _variant_sizes(self) -> tuple:
+        """Per variant a worker may ask for (``Hello.precision``: a tab's fp32) and per unit, its weight
+        bytes: as built, else as estimated (``variants.unit_sizes``): a tab is planned in the variant it
+        runs, units not built yet included, so what it may be given is bounded by its memory."""
+        from .variants import unit_sizes
+
+        m = self.manifest
+        names = sorted({p for u in m.units for p in getattr(u, "variants", ())} | {"fp32"})
+        return tuple((p, unit_sizes(m, p)) for p in names)
 
     def device_profiles(self, workers) -> list[DeviceProfile]:
         out = []
@@ -252,7 +263,7 @@ class ClusterProfile:
                 id=w.id, memory_bytes=w.memory_bytes, speed=m.speed, overhead_s=m.overhead_s,
                 power_busy_w=_declared(w.hello.power_busy_w, DEFAULT_POWER_BUSY_W),
                 power_idle_w=_declared(w.hello.power_idle_w, DEFAULT_POWER_IDLE_W),
-                held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=bool(emu),
+                held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=bool(emu), precision=w.hello.precision,
                 kind=w.hello.device or "cpu", adapter=w.hello.adapter, row_speed=m.row_speed,
             ))
         return out

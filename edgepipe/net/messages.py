@@ -314,6 +314,14 @@ class Emulate(Wire):
 
 
 @dataclass(frozen=True)
+class Notice(Wire):
+    TYPE = T.NOTICE
+    text: str
+    done: int | None = None
+    total: int | None = None
+
+
+@dataclass(frozen=True)
 class Bye(Wire):
     TYPE = T.BYE
     final: bool | None = None  # true: the sender leaves for good (no reconnect); absent: it may come back
@@ -741,6 +749,7 @@ _TO_WORKER = {
     T.PROBE: _probe,
     T.KV_EXPORT: _kv_export,
     T.EMULATE: _emulate,
+    T.NOTICE: lambda f: Notice(_str(f["text"], "text")[:500], _opt_int(f.get("done"), "done"), _opt_int(f.get("total"), "total")),
     T.BYE: lambda f: Bye(bool(f["final"]) if f.get("final") is not None else None),
     T.DRAFT_LOAD: _draft_load,
     T.DRAFT: _draft,

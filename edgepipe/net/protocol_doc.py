@@ -181,6 +181,12 @@ DOCS: dict[type, MessageDoc] = {
     }, "`key.<u>`, `value.<u>`: `float32 [1, kv_heads, length - since, head_dim]`, `float16` from a worker running the kernel form "
        "(its fp16 cache; the receiver converts to its own) (window layers: their last positions)"),
     messages.Emulate: MessageDoc("c→w", "change the emulated slowdown (labelled emulation)", {"slowdown": "the new factor"}),
+    messages.Notice: MessageDoc("c→w", "what the coordinator is preparing for this worker (e.g. building the units of its weight "
+                                "variant): a line for its status, no reply", {
+        "text": "one line, shown as it is",
+        "done": "steps done so far (e.g. units built), or null",
+        "total": "steps in all, or null",
+    }),
     messages.DraftLoad: MessageDoc("c→w (a drafter)", "fetch and build the whole draft model, then time its steps", {
         "name": "the draft package's name",
         "graph": "sha256 of the whole draft model's graph (its head also returns its sampler's distribution)",

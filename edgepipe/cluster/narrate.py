@@ -170,8 +170,8 @@ def _fields(event, state, profile) -> dict | None:
             return {"kind": "up", "plan": dep.plan_id, "prepare_s": timings.prepare_s, "paused_s": timings.paused_s,
                     "fetched_bytes": timings.fetched_bytes, "predicted": dep.predicted, "replaced": timings.replaced, **timings.moved}
         case E.WorkerJoined(wid, _, hello, _):
-            return {"kind": "join", "worker": wid, "memory": hello.memory_bytes,
-                    "emulation": None if hello.emulation is None else dict(hello.emulation), "device_kind": hello.kind}
+            return {"kind": "join", "worker": wid, "memory": hello.memory_bytes, "memory_budget": hello.memory_budget,
+                    "emulation": hello.declared_emulation, "device_kind": hello.kind}
         case E.WorkerLost(wid, why, _):
             return {"kind": "leave", "worker": wid, "why": why}
         case E.Suspected(wid, now) if wid in state.workers:

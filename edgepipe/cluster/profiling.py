@@ -258,12 +258,11 @@ class ClusterProfile:
         out = []
         for w in sorted(workers, key=lambda w: w.id):
             m = self.of(w.id)
-            emu = w.hello.emulation or {}
             out.append(DeviceProfile(
                 id=w.id, memory_bytes=w.memory_bytes, speed=m.speed, overhead_s=m.overhead_s,
                 power_busy_w=_declared(w.hello.power_busy_w, DEFAULT_POWER_BUSY_W),
                 power_idle_w=_declared(w.hello.power_idle_w, DEFAULT_POWER_IDLE_W),
-                held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=bool(emu), precision=w.hello.precision,
+                held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=w.hello.emulated, precision=w.hello.precision,
                 kind=w.hello.device or "cpu", adapter=w.hello.adapter, row_speed=m.row_speed,
             ))
         return out

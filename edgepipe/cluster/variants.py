@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -35,6 +36,10 @@ log = logging.getLogger("edgepipe.coordinator")
 
 class VariantRefused(ValueError):
     """A variant build refused: it would exceed the disk budget (or the free disk)."""
+
+
+class BuildStopped(RuntimeError):
+    """A build ended between two units because the coordinator stops."""
 
 
 # -- pure rules -----------------------------------------------------------------------------------
@@ -155,9 +160,15 @@ class Variants:
     async def ensure(self, precision: str | None, start: int, end: int, worker_id: str | None = None) -> None:
         """Build ``precision``'s variant for the units of ``[start, end)`` that lack it, before a
         LOAD of that range (``VariantRefused``: over the budget; the worker is told either way)."""
+        if missing_units(self.ports.package.manifest, precision, start, end):
+            # its own task: a waiter cancelled (its worker left) leaves the build to finish and the
+            # manifest to be re-read, never a half-noted build or two builds writing the package at once
+            task = self.ports.spawn(self._ensure(precision, start, end, worker_id))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a refusal nobody waits for any more is no traceback
+            await asyncio.shield(task)
+
+    async def _ensure(self, precision: str, start: int, end: int, worker_id: str | None) -> None:
         p = self.ports
-        if not missing_units(p.package.manifest, precision, start, end):
-            return
         async with self._lock:  # one build at a time; the one before may have built these units
             manifest = p.package.manifest
             missing = missing_units(manifest, precision, start, end)
@@ -202,13 +213,20 @@ class Variants:
             self.on_progress(progress)
             p.spawn(self._tell(worker_id, progress.line(), done, len(units)))
 
+        stop = threading.Event()  # set when the build's task is cancelled (the coordinator stops): it ends after the unit under way
+
         def from_thread(phase: str, done: int, total: int) -> None:
+            if stop.is_set():
+                raise BuildStopped(f"the {precision} build stopped after {done} of {total} units")
             if phase == "build":
                 loop.call_soon_threadsafe(report, done)
 
         report(0)
         try:
             await loop.run_in_executor(None, lambda: add_variant(p.package.root, precision, from_thread, units))
+        except asyncio.CancelledError:
+            stop.set()  # add_variant removes what it wrote; the package stays as it was
+            raise
         except Exception as exc:
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             self.on_progress(BuildProgress(precision, units, worker_id, 0, estimate, time.monotonic() - t0, "failed", why))

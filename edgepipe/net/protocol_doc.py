@@ -45,7 +45,8 @@ DOCS: dict[type, MessageDoc] = {
         "threads": "compute threads",
         "data_url": "`ws(s)://` address of its data port (null for a browser)",
         "held": "sha256s of the unit files in its cache",
-        "emulation": "null, or `{slowdown, link_delay_ms, link_rate, memory_budget[, drop_work, misreport]}`: labelled emulation",
+        "emulation": "null, or `{slowdown, link_delay_ms, link_rate, memory_budget[, roofline, drop_work, misreport]}`: labelled "
+                     "emulation where it slows or shapes anything; `memory_budget` is the budget the user chose (`--memory`), not emulation",
         "precision": "weight variant it wants (a tab on WebAssembly: `fp32`; absent, as from a tab on WebGPU: the package's own)",
         "pid": "its process id (local workers)",
         "data_fingerprint": "sha256 of its data port's certificate (TLS clusters)",

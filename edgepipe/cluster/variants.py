@@ -106,8 +106,14 @@ def budget_problem(manifest, precision: str, units, budget_bytes: int, free_byte
 
 
 def _span(units) -> str:
-    units = sorted(units)
-    return f"units [{units[0]}, {units[-1] + 1})" if units == list(range(units[0], units[-1] + 1)) else f"units {units}"
+    """``units [1, 5)``, or ``units [0, 1) + [5, 30)`` where units between are built already."""
+    runs: list[list[int]] = []
+    for u in sorted(units):
+        if runs and runs[-1][1] == u:
+            runs[-1][1] = u + 1
+        else:
+            runs.append([u, u + 1])
+    return "units " + " + ".join(f"[{a}, {b})" for a, b in runs)
 
 
 def _mb(n: int) -> str:

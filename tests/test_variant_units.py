@@ -119,3 +119,22 @@ def test_the_planner_gives_a_tab_what_its_memory_holds_in_fp32(native_pkg):
     assert model.stage_bytes(tab.start, tab.end, 1, "fp32") <= tab_memory
     assert sum(fp32[tab.start:tab.end]) + overhead <= tab_memory < sum(fp32)
     assert len(best.stages) == 2 and tab.end - tab.start < len(own)
+
+
+@pytest.mark.pure
+def test_the_planner_gives_a_tab_no_more_than_the_disk_budget_lets_be_built(native_pkg):
+    """With a budget for eight fp32 layers, a tab with memory for the whole model is planned eight
+    layers at most (a plan beyond it would only be refused at its deploy, again at every re-plan)."""
+    m = native_pkg.manifest
+    bare = dataclasses.replace(m, units=tuple(dataclasses.replace(u, variants={p: v for p, v in u.variants.items() if p != "fp32"})
+                                              for u in m.units))
+    fp32 = V.unit_sizes(bare, "fp32")
+    profile = ClusterProfile(bare, context_tokens=256, variant_disk_bytes=8 * fp32[1])
+    tab = WorkerInfo("w2-tab", "tab", Hello.from_fields({"name": "tab", "kind": "browser", "memory_bytes": 64 << 30, "precision": "fp32"}), 1.0, 1.0)
+    native = WorkerInfo("w1-native", "native", Hello.from_fields({"name": "native", "memory_bytes": 64 << 30, "data_url": "tcp://a:1"}), 0.0, 0.0)
+    devices = {d.id: d for d in profile.device_profiles([native, tab])}
+    assert devices["w1-native"].memory_bytes == 64 << 30
+    model = profile.model_profile(context_tokens=256)
+    assert model.stage_bytes(1, 9, 1, "fp32") <= devices["w2-tab"].memory_bytes < model.stage_bytes(1, 10, 1, "fp32")
+    # without a budget, its declared memory
+    assert ClusterProfile(bare, context_tokens=256).device_profiles([tab])[0].memory_bytes == 64 << 30

@@ -117,6 +117,18 @@ def _predicted(p: object) -> str:
     return ", ".join(out)
 
 
+def _variant(f: Mapping) -> str:
+    """A weight variant's build (``cluster.variants``): what, for which units and worker, and how it went."""
+    from .variants import _span
+
+    units = f.get("units")
+    where = (f" of {_span(units)}" if isinstance(units, list) and units else "") + (f" for {f['worker']}" if f.get("worker") else "")
+    size = f" (~{value(f['estimated_bytes'], 'estimated_bytes')})" if f.get("estimated_bytes") else ""
+    took = f" in {seconds(float(f['seconds']))}" if f.get("seconds") is not None else ""
+    reason = f": {f['reason']}" if f.get("reason") else ""
+    return f"{f.get('precision')} variant{where} {f.get('status')}{size}{took}{reason}"
+
+
 SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
     "join": lambda f: f"{f['worker']} joined" + (f" ({value(f.get('memory_bytes'), 'memory_bytes')})" if f.get("memory_bytes") else ""),
     "leave": lambda f: f"{f['worker']} left" + _why(f),
@@ -131,6 +143,7 @@ SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
     "quarantine": lambda f: f"{f['worker']} quarantined" + (f" for {seconds(float(f['for_s']))}" if f.get("for_s") is not None else "") + _why(f),
     "suspect": lambda f: f"{f['worker']} suspected" + _why(f),
     "plan_failed": lambda f: "a plan failed to deploy" + _why(f),
+    "variant": lambda f: _variant(f),
     "link_measured": lambda f: f"link {f['src']} to {f['dst']} measured: rtt {value(f.get('rtt_ms'), 'rtt_ms')}, "
                                f"{value(f.get('mb_s'), 'mb_s')}",
     "spare": lambda f: f"spare plan ready: {value(f.get('stages'))}",

@@ -188,8 +188,8 @@ class Variants:
             await self._build(precision, missing, worker_id, estimated_bytes(manifest, precision, missing))
 
     async def add_form(self, precision: str) -> None:
-        """The whole ``precision`` variant (a form of the file's own model a native worker runs, or
-        a precision a worker asks for that is not built unit by unit)."""
+        """The whole ``precision`` variant: a form of the file's own model a native worker runs
+        (``deploy.form_to_add``), added at its join; not counted against the budget when it is one."""
         from ..model.weights import PRECISIONS
 
         p = self.ports

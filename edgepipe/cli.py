@@ -329,6 +329,9 @@ def serve(
                                              help="Copy each live sequence's KV to the spare plan's workers every this many generated "
                                                   "tokens, so a recovery replays only the tokens since (0: off; not with speculative "
                                                   "decoding)."),
+    variant_disk: str = typer.Option("4GiB", "--variant-disk",
+                                     help="Disk the browser variants may add to the model package (a WebAssembly tab's fp32 "
+                                          "units, built unit by unit as its stages need them); a build beyond it is refused."),
     precision: str = PrecisionOption,
     home: Optional[Path] = HomeOption,
 ):
@@ -345,6 +348,12 @@ def serve(
 
     if draft_length not in ("timed", "acceptance"):
         fail(f"--draft-length must be timed or acceptance, got {draft_length!r}")
+    from .emulate.slowdown import parse_bytes
+
+    try:
+        variant_disk_bytes = parse_bytes(variant_disk)
+    except ValueError as exc:
+        fail(f"--variant-disk: {exc}")
     if draft_on not in ("auto", "coordinator", "workers"):
         fail(f"--draft-on must be auto, coordinator or workers, got {draft_on!r}")
     try:
@@ -360,7 +369,8 @@ def serve(
                              tpot_target_ms=tpot_target_ms, planner=placement == "planner", worker_args=worker_args.split(),
                              cluster=cluster, advertise=advertise, batch_invariant=batch_invariant, local_device=local_device,
                              speculative=speculative, draft_k=draft_k, draft_threads=draft_threads, draft_length=draft_length, draft_on=draft_on, verify_form=verify_form,
-                             prefix_cache_positions=prefix_cache_positions if prefix_cache else 0, kv_checkpoint_tokens=kv_checkpoint_tokens)
+                             prefix_cache_positions=prefix_cache_positions if prefix_cache else 0, kv_checkpoint_tokens=kv_checkpoint_tokens,
+                             variant_disk_bytes=variant_disk_bytes)
 
     def ready(bound: int, coordinator) -> None:
         if min_workers is not None:

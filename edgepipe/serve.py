@@ -65,6 +65,7 @@ class ServeSettings:
     verify_form: bool = False  # stages run the verify form and a lost sequence is rebuilt by one prefill (experimental)
     prefix_cache_positions: int = 4096  # KV positions of cached prompt prefixes per stage (0: no prefix cache)
     kv_checkpoint_tokens: int = 32  # copy live sequences' KV to the spare plan every this many tokens (0: off)
+    variant_disk_bytes: int = 4 << 30  # what the browser variants (a tab's fp32 units) may add to the package on disk
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -179,6 +180,23 @@ class LocalWorkers:
                 p.wait()
 
 
+class ProgressLine:
+    """A variant build (``cluster.variants.BuildProgress``) as one line on ``stream``: redrawn in
+    place on a terminal, else written when the build starts and when it ends."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+
+    def __call__(self, progress) -> None:
+        text = f"edgepipe: {progress.line()}"
+        if self.tty:
+            self.stream.write(f"\r\033[K{text}" + ("" if progress.status == "building" else "\n"))
+        elif progress.status != "building" or progress.done == 0:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
 def stopping_server(config, on_stop):
     """A uvicorn server that, at the first SIGINT or SIGTERM, awaits ``on_stop(signal)`` before
     closing the connections (so the open streams can end with their error event), and keeps the
@@ -235,10 +253,12 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
                                                                  speculative=settings.speculative is not None or settings.verify_form,
                                                                  replay_in_one_prefill=settings.verify_form,
                                                                  prefix_cache_positions=settings.prefix_cache_positions,
-                                                                 kv_checkpoint_tokens=settings.kv_checkpoint_tokens), plan_fn=plan_fn,
+                                                                 kv_checkpoint_tokens=settings.kv_checkpoint_tokens,
+                                                                 variant_disk_bytes=settings.variant_disk_bytes), plan_fn=plan_fn,
                               speculation=build_speculation(settings.speculative, package, settings.draft_k, settings.draft_threads,
                                                             timed=settings.draft_length == "timed")
                               if settings.speculative else None)
+    coordinator.calibrator.variants.on_progress = ProgressLine(sys.stderr)  # a tab's variant build: one terminal line
     if coordinator.drafting is not None and settings.draft_on != "auto":
         coordinator.drafting.placed.pinned = settings.draft_on
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,

@@ -78,7 +78,7 @@ class Coordinator:
         self.up = asyncio.Event()  # set exactly while the phase is Up
         self.gate = asyncio.Event()  # set exactly while no plan is being swapped in (sequences may step)
         self.gate.set()
-        self.profile = ClusterProfile(self.manifest)
+        self.profile = ClusterProfile(self.manifest, variant_disk_bytes=self.settings.variant_disk_bytes)
         if self.settings.calibration_file:
             self.profile.load_known(Path(self.settings.calibration_file))
         # every state event and measurement, indexed (bounded): replays into ``cluster`` and ``profile``

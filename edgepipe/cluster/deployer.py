@@ -24,6 +24,7 @@ from .placement import Deployment, StageAssignment
 from .planning import PlanContext, PlanPolicy
 from .ports import Ports
 from .profiling import RUNTIME_OVERHEAD_BYTES
+from .variants import missing_units
 from .views import WorkerView
 
 QUIESCE_S = 30.0
@@ -155,6 +156,8 @@ class Deployer:
                 raise deploy_error(f"worker {next(s.worker_id for s in stages if s.worker_id not in workers)} left before deployment")
             secrets = auth.plan_secrets(len(stages)) if settings.issue_data_secrets else [None] * len(stages)
             p.emit(S.SecretsIssued(dep.plan_id, {s.worker_id: secret for s, secret in zip(stages, secrets) if secret}))
+            for s in stages:  # a stage in a variant the package lacks for its units (a tab's fp32): those units are built now
+                await self.calibrator.variants.ensure(self.precision(s.worker_id), s.start, s.end, s.worker_id)
             loads = [self.load(s.worker_id, deploy.load_message(p.package, dep.plan_id, s.start, s.end, self.form(s.worker_id),
                                                                 deploy.next_hop(stages, i, workers, secrets), keep,
                                                                 data_secret=secrets[i]))
@@ -239,6 +242,8 @@ class Deployer:
         p.emit(S.SpareChosen(tuple(stages)))
         plan_id = -next(self._ids)
         for i, s in enumerate(stages):
+            if missing_units(p.package.manifest, self.precision(s.worker_id), s.start, s.end):
+                continue  # a spare is an optimisation: a variant's units are built when a plan needs them, not for a spare
             # warm: build the session too when the worker's budget allows (else it holds the files)
             msg = deploy.load_message(p.package, plan_id, s.start, s.end, self.form(s.worker_id), {"kind": "coordinator"}, [],
                                       warm=True)

@@ -117,6 +117,18 @@ def _predicted(p: object) -> str:
     return ", ".join(out)
 
 
+def _variant(f: Mapping) -> str:
+    """A weight variant's build (``cluster.variants``): what, for which units and worker, and how it went."""
+    from .variants import _span
+
+    units = f.get("units")
+    where = (f" of {_span(units)}" if isinstance(units, list) and units else "") + (f" for {f['worker']}" if f.get("worker") else "")
+    size = f" (~{value(f['estimated_bytes'], 'estimated_bytes')})" if f.get("estimated_bytes") else ""
+    took = f" in {seconds(float(f['seconds']))}" if f.get("seconds") is not None else ""
+    reason = f": {f['reason']}" if f.get("reason") else ""
+    return f"{f.get('precision')} variant{where} {f.get('status')}{size}{took}{reason}"
+
+
 SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
     "join": lambda f: f"{f['worker']} joined" + (f" ({value(m, 'memory_bytes')})" if (m := f.get("memory_bytes") or f.get("memory")) else ""),
     "leave": lambda f: f"{f['worker']} left" + _why(f),
@@ -131,6 +143,7 @@ SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
     "quarantine": lambda f: f"{f['worker']} quarantined" + (f" for {seconds(float(f['for_s']))}" if f.get("for_s") is not None else "") + _why(f),
     "suspect": lambda f: f"{f['worker']} suspected" + _why(f),
     "plan_failed": lambda f: "a plan failed to deploy" + _why(f),
+    "variant": lambda f: _variant(f),
     "link_measured": lambda f: f"link {f['src']} to {f['dst']} measured: rtt {value(f.get('rtt_ms'), 'rtt_ms')}, "
                                f"{value(f.get('mb_s'), 'mb_s')}",
     "spare": lambda f: f"spare plan ready: {value(f.get('stages'))}",
@@ -170,8 +183,8 @@ def _fields(event, state, profile) -> dict | None:
             return {"kind": "up", "plan": dep.plan_id, "prepare_s": timings.prepare_s, "paused_s": timings.paused_s,
                     "fetched_bytes": timings.fetched_bytes, "predicted": dep.predicted, "replaced": timings.replaced, **timings.moved}
         case E.WorkerJoined(wid, _, hello, _):
-            return {"kind": "join", "worker": wid, "memory": hello.memory_bytes,
-                    "emulation": None if hello.emulation is None else dict(hello.emulation), "device_kind": hello.kind}
+            return {"kind": "join", "worker": wid, "memory": hello.memory_bytes, "memory_budget": hello.memory_budget,
+                    "emulation": hello.declared_emulation, "device_kind": hello.kind}
         case E.WorkerLost(wid, why, _):
             return {"kind": "leave", "worker": wid, "why": why}
         case E.Suspected(wid, now) if wid in state.workers:

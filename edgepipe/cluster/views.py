@@ -101,7 +101,8 @@ def status(coord) -> dict:
             "data_url": w.hello.data_url, "pid": w.hello.pid,
             "native_kernel": w.hello.native_kernel, "native_kernel_note": w.hello.native_kernel_note,
             "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2),
-            "emulation": None if w.hello.emulation is None else dict(w.hello.emulation),
+            # emulation is what --slowdown, --roofline and link shaping inject; a --memory budget is a budget
+            "emulation": w.hello.declared_emulation, "emulated": w.hello.emulated, "memory_budget": w.hello.memory_budget,
             "suspected": w.suspected_since is not None, "stats": dict(w.stats),
             "quarantined_s": _quarantine_left(coord.cluster, w, coord.clock()),
             "units": next(([s.start, s.end] for s in dep.stages if s.worker_id == w.id), None) if dep else None,

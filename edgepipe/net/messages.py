@@ -128,6 +128,9 @@ class NextHop:
         return {**hop, "replicas": [h.wire() for h in self.replicas]} if self.replicas else hop
 
 
+_NOT_EMULATING = {"slowdown": 1.0, "link_delay_ms": 0.0, "misreport": 1.0}  # an emulation entry's values that emulate nothing
+
+
 @dataclass(frozen=True)
 class Hello(Wire):
     """A worker's first frame: who it is and what it can hold. The coordinator keeps it, parsed
@@ -175,8 +178,22 @@ class Hello(Wire):
 
     @property
     def memory_budget(self):
-        """The EMULATED memory budget it declared (None: no budget)."""
+        """The memory budget it declared (``--memory``; None: no budget). It travels in ``emulation``
+        but is no emulation: a budget the user chose is a budget (``emulated`` leaves it out)."""
         return (self.emulation or {}).get("memory_budget")
+
+    @property
+    def declared_emulation(self) -> dict | None:
+        """What it emulates (``--slowdown``, ``--roofline``, link shaping, ``--drop-work``,
+        ``--misreport``), its defaults and its memory budget left out; None: a real device."""
+        left = {k: v for k, v in (self.emulation or {}).items() if k != "memory_budget" and v is not None and v is not False
+                and not (k in _NOT_EMULATING and v == _NOT_EMULATING[k])}
+        return left or None
+
+    @property
+    def emulated(self) -> bool:
+        """Whether its slowness (or misbehaviour) is injected: what reports and the dashboard label emulated."""
+        return self.declared_emulation is not None
 
     def with_slowdown(self, slowdown: float) -> Hello:
         """The same declaration with its emulated slowdown changed (the dashboard's emulation control)."""
@@ -311,6 +328,14 @@ class KvExport(Wire):
 class Emulate(Wire):
     TYPE = T.EMULATE
     slowdown: float
+
+
+@dataclass(frozen=True)
+class Notice(Wire):
+    TYPE = T.NOTICE
+    text: str
+    done: int | None = None
+    total: int | None = None
 
 
 @dataclass(frozen=True)
@@ -746,6 +771,7 @@ _TO_WORKER = {
     T.PROBE: _probe,
     T.KV_EXPORT: _kv_export,
     T.EMULATE: _emulate,
+    T.NOTICE: lambda f: Notice(_str(f["text"], "text")[:500], _opt_int(f.get("done"), "done"), _opt_int(f.get("total"), "total")),
     T.BYE: lambda f: Bye(bool(f["final"]) if f.get("final") is not None else None),
     T.DRAFT_LOAD: _draft_load,
     T.DRAFT: _draft,

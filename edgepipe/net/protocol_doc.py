@@ -45,7 +45,8 @@ DOCS: dict[type, MessageDoc] = {
         "threads": "compute threads",
         "data_url": "`ws(s)://` address of its data port (null for a browser)",
         "held": "sha256s of the unit files in its cache",
-        "emulation": "null, or `{slowdown, link_delay_ms, link_rate, memory_budget[, drop_work, misreport]}`: labelled emulation",
+        "emulation": "null, or `{slowdown, link_delay_ms, link_rate, memory_budget[, roofline, drop_work, misreport]}`: labelled "
+                     "emulation where it slows or shapes anything; `memory_budget` is the budget the user chose (`--memory`), not emulation",
         "precision": "weight variant it wants (a tab on WebAssembly: `fp32`; absent, as from a tab on WebGPU: the package's own)",
         "pid": "its process id (local workers)",
         "data_fingerprint": "sha256 of its data port's certificate (TLS clusters)",
@@ -181,6 +182,12 @@ DOCS: dict[type, MessageDoc] = {
     }, "`key.<u>`, `value.<u>`: `float32 [1, kv_heads, length - since, head_dim]`, `float16` from a worker running the kernel form "
        "(its fp16 cache; the receiver converts to its own) (window layers: their last positions)"),
     messages.Emulate: MessageDoc("c→w", "change the emulated slowdown (labelled emulation)", {"slowdown": "the new factor"}),
+    messages.Notice: MessageDoc("c→w", "what the coordinator is preparing for this worker (e.g. building the units of its weight "
+                                "variant): a line for its status, no reply", {
+        "text": "one line, shown as it is",
+        "done": "steps done so far (e.g. units built), or null",
+        "total": "steps in all, or null",
+    }),
     messages.DraftLoad: MessageDoc("c→w (a drafter)", "fetch and build the whole draft model, then time its steps", {
         "name": "the draft package's name",
         "graph": "sha256 of the whole draft model's graph (its head also returns its sampler's distribution)",

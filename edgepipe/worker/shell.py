@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from .. import PROTOCOL_VERSION
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
-from ..net.messages import PROBE_PLAN, Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Ping, Probed, Welcome, parse
+from ..net.messages import PROBE_PLAN, Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Notice, Ping, Probed, Welcome, parse
 from ..net.protocol import Message, ProtocolError, decode, encode
 from ..runtime.devices import resolve as resolve_device
 from . import connect, core, links
@@ -446,6 +446,8 @@ class Worker:
             self.loop_lag_s = 0.0
         elif isinstance(typed, Error):
             log.warning("coordinator: %s", typed.message)
+        elif isinstance(typed, Notice):  # what the coordinator prepares for this worker (e.g. the units of its variant)
+            log.info("coordinator: %s", typed.text)
         elif not isinstance(typed, Message):
             await self.feed(typed)
 

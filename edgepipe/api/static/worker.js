@@ -43,8 +43,11 @@
     const slots = [...worker.slots.values()].filter((s) => s.plan > 0);
     $("units").textContent = slots.length ? slots.map((s) => `[${s.start}, ${s.end}) plan ${s.plan}`).join("; ") : "–";
     if (document.body.dataset.state === "joined") {
-      $("message").textContent = slots.length ? `serving units ${$("units").textContent} as ${worker.id}` : `joined as ${worker.id}; waiting for a stage`;
+      $("message").textContent = slots.length ? `serving units ${$("units").textContent} as ${worker.id}`
+        : worker.notice || `joined as ${worker.id}; waiting for a stage`;
     }
+    if (slots.length) worker.notice = null; // what the coordinator was preparing is here
+    if (worker.notice) document.body.dataset.preparing = "1"; else delete document.body.dataset.preparing;
     $("computed").textContent = String(stats.computed);
     $("tokens").textContent = String(stats.tokens);
     $("held").textContent = `${stats.held} files, ${fmtBytes(stats.heldBytes)}`;
@@ -361,7 +364,11 @@
     refused: false,
     retry: null,
     device: { kind: "cpu", adapter: null, note: "not looked for yet" }, // see findDevice
+    notice: null, // the coordinator's last NOTICE while this tab waits for a stage (e.g. its fp32 units being built)
   };
+  // WebAssembly memory is 32-bit: a tab computing there holds at most 4 GiB, whatever the machine has
+  // (declared as its budget unless ?memory= says otherwise, so that the planner gives it no more).
+  const WASM_MEMORY_BYTES = 4 * 2 ** 30;
 
   // Where this tab computes: WebGPU when the browser gives an adapter (?device=cpu opts out),
   // else WebAssembly, with one line saying why.
@@ -451,7 +458,8 @@
     const d = worker.device;
     const given = {
       name: worker.name, token: worker.token || null, protocol: PROTOCOL, kind: "browser",
-      memory_bytes: worker.memoryBytes, threads: worker.threads,
+      memory_bytes: d.kind === "gpu" || params.get("memory") ? worker.memoryBytes : Math.min(worker.memoryBytes, WASM_MEMORY_BYTES),
+      threads: worker.threads,
       data_url: null,  // a tab accepts no connections: its activations travel through the coordinator
       held, emulation: null,
       // On WebGPU no precision: the package's own variant (MatMulNBits runs there); WebAssembly runs fp32 fastest.
@@ -513,6 +521,8 @@
       case T.KV_EXPORT: // KV moves need the data port a tab does not have: the coordinator re-runs prefill instead
         return [{ op: "send", type: T.LOADED, fields: { kv_received: f.move === undefined ? null : f.move, ok: false,
                                                          error: "browser workers do not move KV" } }];
+      case T.NOTICE: // what the coordinator prepares for this tab (no reply): shown until a stage arrives
+        return [{ op: "notice", notice: f }];
       case T.BYE:
         return [{ op: "stopped" }];
       default:
@@ -562,13 +572,20 @@
         case "log": log(c.line); break;
         case "joined":
           worker.id = c.id;
+          worker.notice = null;
           show("joined", `joined as ${worker.id}; waiting for a stage`);
           break;
         case "refused":
           worker.refused = true;
           show("refused", `the coordinator refused this worker: ${c.message}`);
           break;
-        case "fetchAndBuild": await load(c.load); break;
+        case "fetchAndBuild": worker.notice = null; await load(c.load); break; // the stage it was preparing has come
+        case "notice": {
+          const f = c.notice;
+          worker.notice = f.total ? `${f.text} [${"#".repeat(Math.round(10 * f.done / f.total)).padEnd(10, ".")}]` : f.text;
+          if (f.done === f.total || !f.total) log(`coordinator: ${f.text}`);
+          break;
+        }
         case "release": worker.slots.get(c.plan).runner.release(); worker.slots.delete(c.plan); break;
         case "dropSequence": for (const slot of worker.slots.values()) slot.runner.drop(c.seq); break;
         case "runStage": // a failure while running (a head control out of range, the context outgrown) fails the lane

@@ -522,7 +522,7 @@
         return [{ op: "send", type: T.LOADED, fields: { kv_received: f.move === undefined ? null : f.move, ok: false,
                                                          error: "browser workers do not move KV" } }];
       case T.NOTICE: // what the coordinator prepares for this tab (no reply): shown until a stage arrives
-        return [{ op: "notice", notice: f }];
+        return [{ op: "showNotice", notice: f }];
       case T.BYE:
         return [{ op: "stopped" }];
       default:
@@ -580,7 +580,7 @@
           show("refused", `the coordinator refused this worker: ${c.message}`);
           break;
         case "fetchAndBuild": worker.notice = null; await load(c.load); break; // the stage it was preparing has come
-        case "notice": {
+        case "showNotice": {
           const f = c.notice;
           worker.notice = f.total ? `${f.text} [${"#".repeat(Math.round(10 * f.done / f.total)).padEnd(10, ".")}]` : f.text;
           if (f.done === f.total || !f.total) log(`coordinator: ${f.text}`);

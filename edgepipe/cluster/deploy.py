@@ -256,3 +256,47 @@ def plannable(state: ClusterState, now: float) -> list[WorkerInfo]:
 def steps_may_start(state: ClusterState) -> bool:
     """Sequences step only while no plan is being swapped in (the deployer's gate is open)."""
     return state.switching is None
+
+
+def worker_forms(state: ClusterState, manifest, serving: str | None, worker_ids: Iterable[str]) -> dict[str, str | None]:
+    """Worker id -> the form it is sent (``precision_of``): the planner prices each device with
+    its own form's weights and KV, so a joining device of another form (a tab, a worker without
+    the kernel library) leaves the others' figures as they were."""
+    return {w: precision_of(state, w, manifest, serving) for w in worker_ids}
+
+
+def new_stage_room(state: ClusterState, manifest, forms: Mapping[str, str | None], overhead_bytes: int) -> dict[str, int]:
+    """Worker id -> the memory the planner may give it for a stage other than the one it runs now.
+
+    A new plan is loaded beside the running one (hot swap), so a worker of the running plan has
+    its budget less what its running stage holds: where it refused a LOAD beside this very plan
+    (``LoadRefused``), the figures it reported (its budget, what was free); else its declared
+    budget less its running stage's weights in its form. A worker that refused with nothing
+    running holds its reported budget. The figure counts ``overhead_bytes`` as the planner's
+    memory does (``ModelProfile.stage_bytes``), so that a stage fits it exactly when the worker
+    would take it. Workers with neither (no running stage, no refusal) are not listed."""
+    active = state.active
+    running = {s.worker_id: (s.start, s.end) for s in active.stages} if active is not None else {}
+    room = {}
+    for wid in sorted(set(running) | set(state.refusals)):
+        w = state.workers.get(wid)
+        if w is None:
+            continue
+        refused = state.refusals.get(wid)
+        budget = refused.budget_bytes if refused is not None else w.memory_bytes
+        if refused is not None and refused.beside is not None and active is not None and refused.beside == active.plan_id:
+            held = refused.budget_bytes - refused.free_bytes
+        elif wid in running:
+            start, end = running[wid]
+            held = sum(manifest.variant(u, forms.get(wid)).weight_bytes for u in range(start, end))
+        else:
+            held = 0
+        room[wid] = max(0, min(w.memory_bytes, budget - held + overhead_bytes))
+    return room
+
+
+def repeats_failure(state: ClusterState, stages: Sequence[StageAssignment]) -> bool:
+    """Whether ``stages`` are the plan that last failed to prepare while the running plan served
+    (``ClusterState.failed_stages``): it is not prepared again in a row (the running plan keeps
+    serving; a commit or a change of membership lifts this)."""
+    return state.active is not None and state.failed_stages is not None and tuple(state.failed_stages) == tuple(stages)

@@ -133,7 +133,8 @@ SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
     "plan_failed": lambda f: "a plan failed to deploy" + _why(f),
     "link_measured": lambda f: f"link {f['src']} to {f['dst']} measured: rtt {value(f.get('rtt_ms'), 'rtt_ms')}, "
                                f"{value(f.get('mb_s'), 'mb_s')}",
-    "spare": lambda f: f"spare plan ready: {value(f.get('stages'))}",
+    "spare": lambda f: f"spare plan ready: {value(f.get('stages'))}" + ("" if f.get("built", True) else " (files fetched, sessions not built)"),
+    "plan_kept": lambda f: str(f["why"]),
     "prefix_dropped": lambda f: f"prefix cache dropped ({number(f['blocks'])} blocks)" + _why(f),
 }
 

@@ -234,16 +234,28 @@ class ClusterProfile:
         m.speed = anchor[1] * anchor[0] / median
 
     # -- profiles out ---------------------------------------------------------------------------
-    def model_profile(self, precision: str | None = None, context_tokens: int | None = None, kv_form: str | None = None) -> ModelProfile:
+    def model_profile(self, precision: str | None = None, context_tokens: int | None = None, kv_form: str | None = None,
+                      forms=()) -> ModelProfile:
         """``context_tokens``: KV positions to plan per sequence (default: the full context);
-        ``kv_form``: the form whose KV is counted (default: ``precision``'s)."""
+        ``kv_form``: the form whose KV is counted (default: ``precision``'s); ``forms``: the
+        forms the devices run (``device_profiles``' ``forms``), each priced with its own weight
+        and KV bytes (a form the package does not hold yet is priced as the profile's own)."""
         m = self.manifest
         kv_form = kv_form or precision
         units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, m.kv_bytes_per_token(u.index, kv_form),
                                   u.out_bytes_per_token, u.kv_window) for u in m.units)
-        return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES)
+        weights, kv = {}, {}
+        for form in sorted({f for f in forms if f}):
+            try:
+                weights[form] = tuple(m.variant(u.index, form).weight_bytes for u in m.units)
+            except KeyError:
+                continue
+            kv[form] = tuple(m.kv_bytes_per_token(u.index, form) for u in m.units)
+        return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES,
+                            variant_weight_bytes=weights, variant_kv_bytes=kv)
 
-    def device_profiles(self, workers) -> list[DeviceProfile]:
+    def device_profiles(self, workers, forms=None) -> list[DeviceProfile]:
+        """The planner's devices; ``forms`` (worker id -> the form it is sent) sizes each with its own."""
         out = []
         for w in sorted(workers, key=lambda w: w.id):
             m = self.of(w.id)
@@ -254,6 +266,7 @@ class ClusterProfile:
                 power_idle_w=_declared(w.hello.power_idle_w, DEFAULT_POWER_IDLE_W),
                 held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=bool(emu),
                 kind=w.hello.device or "cpu", adapter=w.hello.adapter, row_speed=m.row_speed,
+                precision=(forms or {}).get(w.id),
             ))
         return out
 

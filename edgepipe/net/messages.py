@@ -505,6 +505,11 @@ class Loaded(Wire):
     prefetched: bool | None = None  # a prefetch load: files held, nothing built
     reused_session: bool | None = None  # the stage's session was already built (kept range, warm spare)
     bytes: int | None = None  # a KV move: bytes installed
+    # a LOAD refused over the worker's memory budget: what the stage needs, what was free beside
+    # what it holds, and the budget (the coordinator prices the worker with them: ``LoadRefused``)
+    needed_bytes: int | None = None
+    free_bytes: int | None = None
+    budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)

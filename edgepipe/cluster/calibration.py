@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from ..net.channel import ChannelClosed
-from ..net.messages import Activate, Probe
+from ..net.messages import CALIBRATION_PLANS, Activate, Probe
 from . import deploy, measurements as M, state as S
 from .links import LinkProber
 from .ports import Ports
@@ -133,7 +133,7 @@ class Calibrator:
         return dep
 
     async def _load_probe_plan(self, wid: str, start: int, end: int) -> int:
-        p, state, plan_id = self.ports, self.ports.state(), -(10_000 + self._probes)
+        p, state, plan_id = self.ports, self.ports.state(), CALIBRATION_PLANS - self._probes
         self._probes += 1
         msg = deploy.load_message(p.package, plan_id, start, end, deploy.precision_of(state, wid, p.package.manifest, p.settings.precision),
                                   {"kind": "coordinator"}, keep=[], batch_invariant=p.settings.batch_invariant,

@@ -94,13 +94,17 @@ class PlannerPolicy(PlanPolicy):
     def __call__(self, ctx: PlanContext):
         prof, workers = ctx.profile, ctx.workers
         model = self.model(ctx)
-        devices = prof.device_profiles(workers, ctx.forms)
+        current = ctx.state.active
+        running = set(current.workers) if current is not None else set()
+        # a device that refused a LOAD while running nothing of the live plan holds what it reported
+        # (``deploy.new_stage_room``); one running a stage may keep it, so it is checked below instead
+        devices = [replace(d, memory_bytes=min(d.memory_bytes, ctx.room[d.id])) if d.id in ctx.room and d.id not in running else d
+                   for d in prof.device_profiles(workers, ctx.forms)]
         network = prof.network_profile(workers)
         request = self.request(ctx)
         result = plan(model, devices, network, request)
         self.last_result = (result, model, devices, network, request)
         best = result.best
-        current = ctx.state.active
         alive = {d.id for d in devices}
         serving = current is not None and set(current.workers) <= alive  # the running plan may stay
         if best.complete and serving and ctx.room:

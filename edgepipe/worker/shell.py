@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from .. import PROTOCOL_VERSION
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
-from ..net.messages import PROBE_PLAN, Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Ping, Probed, Welcome, parse
+from ..net.messages import PROBE_PLAN, Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Ping, Probed, Welcome, parse, plan_label
 from ..net.protocol import Message, ProtocolError, decode, encode
 from ..runtime.devices import resolve as resolve_device
 from . import core, links
@@ -137,7 +137,7 @@ class Worker:
             for sha in [load.graph, *load.files]:
                 fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers)
             if fetched:
-                log.info("plan %s: downloaded %d bytes (%d in all)", load.plan, fetched, self.state.fetched_bytes + fetched)
+                log.info("%s: downloaded %d bytes (%d in all)", plan_label(load.plan), fetched, self.state.fetched_bytes + fetched)
             weight_bytes = sum(self.cache.path(f).stat().st_size for f in load.files)
             repaired, self.cache.repaired = tuple(self.cache.repaired), []
             event = core.Fetched(load, fetched, weight_bytes, repaired)

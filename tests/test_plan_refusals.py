@@ -176,11 +176,12 @@ def test_the_plan_that_just_failed_is_not_prepared_again_in_a_row():
     state = _join(_join(S.ClusterState(), "a", 300 * MB), "b", 300 * MB)
     one, two = Deployment(1, (A("a", 0, N),)), Deployment(2, (A("a", 0, 3), A("b", 3, N)))
     down = S.apply(S.apply(state, S.Preparing(two, 1.0)), S.PrepareFailed(2, "refused", 1.5))
-    assert not deploy.repeats_failure(down, two.stages)  # down: retrying is how it comes up
+    assert not deploy.repeats_failure(down, two.stages, 2.0)  # down: retrying is how it comes up
     state = S.apply(state, S.Committed(one, 1.0))
     state = S.apply(S.apply(state, S.Preparing(two, 2.0)), S.PrepareFailed(2, "plan 2 failed to load", 2.5))
-    assert deploy.repeats_failure(state, two.stages) and not deploy.repeats_failure(state, one.stages)
-    assert not deploy.repeats_failure(_join(state, "c", 300 * MB), two.stages)  # membership changed: it may be tried
+    assert deploy.repeats_failure(state, two.stages, 3.0) and not deploy.repeats_failure(state, one.stages, 3.0)
+    assert not deploy.repeats_failure(_join(state, "c", 300 * MB), two.stages, 3.0)  # membership changed: it may be tried
+    assert not deploy.repeats_failure(state, two.stages, 2.5 + deploy.FAILED_PLAN_HOLD_S)  # a passing failure is tried again, later
     assert [retry_after_s(n, 5.0) for n in range(6)] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
 
 

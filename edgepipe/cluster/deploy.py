@@ -295,8 +295,13 @@ def new_stage_room(state: ClusterState, manifest, forms: Mapping[str, str | None
     return room
 
 
-def repeats_failure(state: ClusterState, stages: Sequence[StageAssignment]) -> bool:
+FAILED_PLAN_HOLD_S = 60.0  # a plan that failed to prepare is not tried again for this long (unless membership changes)
+
+
+def repeats_failure(state: ClusterState, stages: Sequence[StageAssignment], now: float) -> bool:
     """Whether ``stages`` are the plan that last failed to prepare while the running plan served
-    (``ClusterState.failed_stages``): it is not prepared again in a row (the running plan keeps
-    serving; a commit or a change of membership lifts this)."""
-    return state.active is not None and state.failed_stages is not None and tuple(state.failed_stages) == tuple(stages)
+    (``ClusterState.failed_stages``), less than ``FAILED_PLAN_HOLD_S`` ago: it is not prepared
+    again in a row (the running plan keeps serving; a commit or a change of membership lifts
+    this; after the hold, a failure that may have been passing, a timeout, is tried once more)."""
+    return (state.active is not None and state.failed_stages is not None and tuple(state.failed_stages) == tuple(stages)
+            and now - state.failed_at < FAILED_PLAN_HOLD_S)

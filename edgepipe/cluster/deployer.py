@@ -28,6 +28,7 @@ from .views import WorkerView
 
 QUIESCE_S = 30.0
 CATCH_UP_S = 5.0  # the next spare waits at most this long for the sequences to be fed on a new plan
+DOWN_RETRY_S = 2.0  # with no plan up, a failed plan is retried at least this often
 
 
 class Deployer:
@@ -90,8 +91,9 @@ class Deployer:
                 failures = 0
             except Exception as exc:  # a failed plan must not stop future re-planning
                 p.emit(S.PlanFailed(str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
-                # back off: 0.5 s, then twice as long after each failure in a row (at most the periodic check)
-                await asyncio.sleep(retry_after_s(failures, p.settings.replan_every_s))
+                # back off: 0.5 s, then twice as long after each failure in a row, at most the periodic
+                # check while a plan serves (DOWN_RETRY_S while none does: getting up again comes first)
+                await asyncio.sleep(retry_after_s(failures, p.settings.replan_every_s if p.state().active is not None else DOWN_RETRY_S))
                 failures += 1
                 p.replan_wanted.set()
 
@@ -123,8 +125,8 @@ class Deployer:
             cluster = p.state()
             current = cluster.active
             kept = predicted.get("kept")
-            if not force and current is not None and deploy.repeats_failure(cluster, stages):
-                kept = f"keeping plan {current.plan_id}: the plan that just failed to prepare is not prepared again"
+            if not force and current is not None and deploy.repeats_failure(cluster, stages, p.clock()):
+                kept = f"keeping plan {current.plan_id}: the plan that just failed to prepare is not tried again for {deploy.FAILED_PLAN_HOLD_S:.0f} s"
                 stages = list(current.stages)
             if kept and kept != cluster.last_failure:  # said once, not at every check
                 p.emit(S.PlanFailed(kept, attempted=False))

@@ -80,9 +80,10 @@ class ClusterState:
     outages: tuple[float, ...] = ()  # seconds from leaving Up to the next Up
     phase_time: Mapping[str, float] = field(default_factory=lambda: _frozen({p.value: 0.0 for p in Phase}))
     last_failure: str | None = None  # the last reason a plan could not be made or loaded
-    # the stages of the last plan that failed to prepare while another served (not prepared again
-    # in a row: ``deploy.repeats_failure``); cleared by a commit or a change of membership
+    # the stages of the last plan that failed to prepare while another served, and when (not
+    # prepared again in a row: ``deploy.repeats_failure``); cleared by a commit or a change of membership
     failed_stages: tuple[StageAssignment, ...] | None = None
+    failed_at: float = 0.0
     refusals: Mapping[str, LoadRefused] = field(default_factory=lambda: _frozen({}))  # worker -> its last LOAD refused over budget
     joins: int = 0  # workers ever joined (numbers their ids)
     # by device identity, so that reconnecting does not clear it
@@ -159,7 +160,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _phase(state, Phase.PREPARING, now) if state.active is None else state
         case PrepareFailed(plan_id, why, now):
             if state.preparing is not None and state.preparing.plan_id == plan_id:
-                state = _replace(state, preparing=None, failed_stages=state.preparing.stages if state.active is not None else None)
+                state = _replace(state, preparing=None, failed_stages=state.preparing.stages if state.active is not None else None,
+                                 failed_at=now)
             state = _replace(state, last_failure=why)
             return _phase(state, Phase.DOWN, now) if state.active is None else state
         case LoadRefused(wid) if wid in state.workers:

@@ -56,3 +56,17 @@ def test_after_a_recovery_onto_one_device_no_plan_it_cannot_load_is_prepared():
     assert report.ok == len(schedule.requests)
     after_kill = [t for t in report.prepared if t >= 15.0]
     assert len(after_kill) <= 2 and report.prepare_failed <= 1, (report.prepared, report.prepare_failed)
+
+
+def test_no_plan_failure_is_reported_while_devices_are_still_arriving():
+    """Two workers whose budgets add up to the model but whose whole units do not (4 + 3 of 8):
+    no plan can be made until a third joins at 6 s. The dashboard says nothing failed meanwhile
+    (before the fix: a "plan failed to deploy" line at every look), and the cluster comes up."""
+    def memory(n: float) -> int:
+        return int(n * (UNIT_BYTES + UNIT_KV_ROOM)) + RUNTIME_OVERHEAD_BYTES
+
+    schedule = Schedule(4545, (memory(4.5), memory(3.6), memory(5)), (0.0, 0.0, 6.0), _requests(8.0), ())
+    report = run(schedule)
+    assert not report.violations, report.violations
+    assert report.ok == 1 and "up" in report.dashboard
+    assert "plan_failed" not in report.dashboard[:report.dashboard.index("up")], report.dashboard

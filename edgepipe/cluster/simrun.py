@@ -50,6 +50,7 @@ class Report:
     replica_lost: int = 0  # workers lost while they ran a replica of the active plan
     prepared: list[float] = field(default_factory=list)  # when each plan began to be prepared (virtual seconds)
     prepare_failed: int = 0  # plans that failed to prepare
+    dashboard: list[str] = field(default_factory=list)  # the kinds of the dashboard's lines, in order (every coordinator's)
 
 
 class World:
@@ -271,6 +272,7 @@ async def _main(schedule: Schedule) -> Report:
     history = [e for c, _ in world.coordinators for e in c.history.events]
     report.prepared = sorted(e.now for e in history if isinstance(e, S.Preparing))
     report.prepare_failed = sum(isinstance(e, S.PrepareFailed) for e in history)
+    report.dashboard = [str(line.get("kind")) for c, _ in world.coordinators for line in c.events]
     for w in world.workers:
         w.kill()
     for c, _ in world.coordinators:

@@ -118,7 +118,10 @@ class PlannerPolicy(PlanPolicy):
             return [], best.reason, {}
         rates = {w.id: prof.failure_rate(w.name, ctx.now) for w in workers}
         if request.objective is Objective.THROUGHPUT and any(rates.values()):
-            best = self._weigh_churn(best, model, devices, network, request, rates, ctx.recovery_s)
+            weighed = self._weigh_churn(best, model, devices, network, request, rates, ctx.recovery_s)
+            # the fewer-devices plan, only where it loads beside the running one too
+            if not (serving and ctx.room and beside_running(weighed.stages, current, model, devices, request.sequences, ctx.room)):
+                best = weighed
         stages = assignments(best.stages)
         predicted = prediction_dict(best)
         if serving:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from edgepipe.cluster.narrate import describe
 
 from harness import Server
@@ -25,6 +27,7 @@ def _prepares(events: list[dict], since: float) -> list[dict]:
     return [e for e in events if e["kind"] == "prepare" and e["t"] >= since]
 
 
+@pytest.mark.slow  # ~65 s on 2 loaded cores (a cluster up, a third worker calibrated, 12 s watched); tests/test_sim_refusals.py is the fast guard
 def test_a_kernel_less_device_joining_a_tight_cluster_starts_no_plan_loop(native_pkg, home, tmp_path):
     with Server(home, workers=0, args=("--min-workers", "2"), wait_up=False, log=tmp_path / "serve.log") as server:
         procs = [server.worker("--name", name, "--threads", "1", "--memory", MEMORY, log=tmp_path / f"{name}.log") for name in ("a", "b")]

@@ -129,8 +129,8 @@ def test_a_worker_download_says_its_rate_as_it_goes(caplog):
 
     from edgepipe.worker.shell import DownloadMeter, plan_label
 
-    assert (plan_label(3), plan_label(-2), plan_label(0)) == ("plan 3", "calibration", "calibration")
-    meter = DownloadMeter(plan_label(-1), time.monotonic() - 2.0, every_s=1.0)
+    assert (plan_label(3), plan_label(-10_001), plan_label(-2), plan_label(0)) == ("plan 3", "calibration", "the spare plan", "a link probe")
+    meter = DownloadMeter(plan_label(-10_001), time.monotonic() - 2.0, every_s=1.0)
     with caplog.at_level(logging.INFO, logger="edgepipe.worker"):
         meter.add(50_000_000)  # 2 s after the start: a line
         meter.add(1_000_000)  # at once after it: none

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from ..net.channel import ChannelClosed
-from ..net.messages import Activate, Probe
+from ..net.messages import CALIBRATION_PLANS, Activate, Probe
 from . import deploy, measurements as M, state as S
 from .links import LinkProber
 from .ports import Ports
@@ -144,7 +144,7 @@ class Calibrator:
         p, state = self.ports, self.ports.state()
         precision = deploy.precision_of(state, wid, p.package.manifest, p.settings.precision)
         await self.variants.ensure(precision, start, end, wid)  # a tab's fp32 units, built now if not yet
-        plan_id = -(10_000 + self._probes)
+        plan_id = CALIBRATION_PLANS - self._probes
         self._probes += 1
         msg = deploy.load_message(p.package, plan_id, start, end, deploy.stage_form(state, wid, p.package.manifest, p.settings),
                                   {"kind": "coordinator"}, keep=[])

@@ -45,7 +45,7 @@ from .placement import Deployment, StageAssignment
 from .planning import MemoryProportional, PlanContext, PlanPolicy
 from .ports import Ports
 from .prefix_cache import PrefixCaching
-from .profiling import ClusterProfile
+from .profiling import RUNTIME_OVERHEAD_BYTES, ClusterProfile
 from .settings import CoordinatorSettings
 from .requests import Requests
 from .speculation import Speculation
@@ -193,8 +193,11 @@ class Coordinator:
 
     def plan_context(self, workers: list[WorkerView]) -> PlanContext:
         """What the plan function decides from (it is given no more than this)."""
+        ids = [w.id for w in workers]
+        forms = deploy.worker_forms(self.cluster, self.manifest, self.settings.precision, ids)
         return PlanContext(self.cluster, self.profile, workers, self.clock(), self.kv_plan_positions(), self.recovery_s(),
-                           deploy.budget_form(self.cluster, self.manifest, self.settings.precision, [w.id for w in workers]))
+                           deploy.budget_form(self.cluster, self.manifest, self.settings.precision, ids), forms,
+                           deploy.new_stage_room(self.cluster, self.manifest, forms, RUNTIME_OVERHEAD_BYTES))
 
     @property
     def kv_capacity(self) -> int | None:

@@ -271,3 +271,14 @@ def plannable(state: ClusterState, now: float) -> list[WorkerInfo]:
 def steps_may_start(state: ClusterState) -> bool:
     """Sequences step only while no plan is being swapped in (the deployer's gate is open)."""
     return state.switching is None
+
+
+def worker_forms(state: ClusterState, manifest, serving: str | None, worker_ids: Iterable[str]) -> dict[str, str | None]:
+    """Worker id -> the form it is sent (``precision_of``): the planner prices each device with
+    its own form's weights and KV, so a joining device of another form (a tab, a worker without
+    the kernel library) leaves the others' figures as they were."""
+    return {w: precision_of(state, w, manifest, serving) for w in worker_ids}
+
+
+# Where a new plan may load beside the running one (``load_room``), as deploy.X for the deployer and planner.
+from .load_room import FAILED_PLAN_HOLD_S, new_stage_room, repeats_failure  # noqa: E402,F401

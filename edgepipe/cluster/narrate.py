@@ -147,6 +147,7 @@ SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
     "link_measured": lambda f: f"link {f['src']} to {f['dst']} measured: rtt {value(f.get('rtt_ms'), 'rtt_ms')}, "
                                f"{value(f.get('mb_s'), 'mb_s')}",
     "spare": lambda f: f"spare plan ready: {value(f.get('stages'))}",
+    "plan_kept": lambda f: str(f["why"]),
     "prefix_dropped": lambda f: f"prefix cache dropped ({number(f['blocks'])} blocks)" + _why(f),
 }
 
@@ -200,12 +201,13 @@ def _fields(event, state, profile) -> dict | None:
             return {"kind": "prepare", "plan": dep.plan_id, "stages": [[s.worker_id, s.start, s.end] for s in dep.stages], "reason": dep.reason}
         case E.PlanFailed(why, True):
             return {"kind": "plan_failed", "error": why}
-        case E.SpareChosen(stages) if stages:
-            return {"kind": "spare", "stages": [[s.worker_id, s.start, s.end] for s in stages]}
         case M.PeerLink(src, dst, rtt, bandwidth):
             return {"kind": "link_measured", "src": src, "dst": dst, "rtt_ms": round(rtt * 1e3, 3), "mb_s": round(bandwidth / 1e6, 4)}
         case E.SpareLoaded(plan, _, wid, _, error) if error is not None:
             return {"kind": "spare_unbuilt", "worker": wid, "plan": plan, "error": error}
+        case E.SpareLoaded(_, stages, _, True, _) if stages == state.spare and {s.worker_id for s in stages} <= state.spare_built:
+            # ready once every stage's session is built (the last answer), not when it is chosen
+            return {"kind": "spare", "stages": [[s.worker_id, s.start, s.end] for s in stages]}
         case K.CheckpointStored(rid, _, _, needs, wid, position, nbytes) if needs and wid == max(needs) and _whole(state, rid, position):
             return {"kind": "checkpoint", "request": rid, "position": position, "bytes": nbytes}
         case M.Distrusted(wid, (start, end), reported, measured):

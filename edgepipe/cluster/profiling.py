@@ -235,27 +235,30 @@ class ClusterProfile:
         m.speed = anchor[1] * anchor[0] / median
 
     # -- profiles out ---------------------------------------------------------------------------
-    def model_profile(self, precision: str | None = None, context_tokens: int | None = None, kv_form: str | None = None) -> ModelProfile:
+    def model_profile(self, precision: str | None = None, context_tokens: int | None = None, kv_form: str | None = None,
+                      forms=()) -> ModelProfile:
         """``context_tokens``: KV positions to plan per sequence (default: the full context);
-        ``kv_form``: the form whose KV is counted (default: ``precision``'s)."""
+        ``kv_form``: the form whose KV is counted (default: ``precision``'s); ``forms``: the
+        forms the devices run (``device_profiles``' ``forms``), each priced with its own weight
+        and KV bytes (a form the package does not hold yet is priced as the profile's own)."""
         m = self.manifest
         kv_form = kv_form or precision
         units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, m.kv_bytes_per_token(u.index, kv_form),
                                   u.out_bytes_per_token, u.kv_window) for u in m.units)
-        return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES,
-                            variant_weight_bytes=self._variant_sizes())
-
-    def _variant_sizes(self) -> tuple:
-        """Per variant a worker may ask for (``Hello.precision``: a tab's fp32) and per unit, its weight
-        bytes: as built, else as estimated (``variants.unit_sizes``): a tab is planned in the variant it
-        runs, units not built yet included, so what it may be given is bounded by its memory."""
         from .variants import unit_sizes
 
-        m = self.manifest
-        names = sorted({p for u in m.units for p in getattr(u, "variants", ())} | {"fp32"})
-        return tuple((p, unit_sizes(m, p)) for p in names)
+        # Per form: each device is priced in the form it runs (``forms``), and a tab in the variant
+        # it asks for (fp32), as built or else as estimated (``variants.unit_sizes``), units not
+        # built yet included, so what it may be given is bounded by its memory.
+        devices_forms = sorted({f for f in forms if f})
+        names = sorted({p for u in m.units for p in getattr(u, "variants", ())} | {"fp32"} | set(devices_forms))
+        weights = {name: unit_sizes(m, name) for name in names}
+        kv = {form: tuple(m.kv_bytes_per_token(u.index, form) for u in m.units) for form in devices_forms}
+        return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES,
+                            variant_weight_bytes=weights, variant_kv_bytes=kv)
 
-    def device_profiles(self, workers) -> list[DeviceProfile]:
+    def device_profiles(self, workers, forms=None) -> list[DeviceProfile]:
+        """The planner's devices; ``forms`` (worker id -> the form it is sent) sizes each with its own."""
         out = []
         for w in sorted(workers, key=lambda w: w.id):
             m = self.of(w.id)
@@ -265,6 +268,7 @@ class ClusterProfile:
                 power_idle_w=_declared(w.hello.power_idle_w, DEFAULT_POWER_IDLE_W),
                 held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=w.hello.emulated, precision=w.hello.precision,
                 kind=w.hello.device or "cpu", adapter=w.hello.adapter, row_speed=m.row_speed,
+                precision=(forms or {}).get(w.id),
             ))
         return out
 

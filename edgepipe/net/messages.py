@@ -306,6 +306,18 @@ class Probe(Wire):
 PROBE_PLAN = 0
 """Plan id a link probe presents on a data port (real plans count from 1, calibration's are negative)."""
 
+CALIBRATION_PLANS = -10_000
+"""Plan ids at or below this one are calibration's timed ranges; those between it and 0 the spare plan's."""
+
+
+def plan_label(plan: int | None) -> str:
+    """A plan id as a log line names it: ``plan 3``, ``the spare plan``, or ``calibration`` (never a negative id)."""
+    if plan is None or plan > 0:
+        return f"plan {plan}"
+    if plan <= CALIBRATION_PLANS:
+        return "calibration"
+    return "the spare plan" if plan < 0 else "a link probe"
+
 
 @dataclass(frozen=True)
 class KvExport(Wire):
@@ -535,6 +547,11 @@ class Loaded(Wire):
     prefetched: bool | None = None  # a prefetch load: files held, nothing built
     reused_session: bool | None = None  # the stage's session was already built (kept range, warm spare)
     bytes: int | None = None  # a KV move: bytes installed
+    # a LOAD refused over the worker's memory budget: what the stage needs, what was free beside
+    # what it holds, and the budget (the coordinator prices the worker with them: ``LoadRefused``)
+    needed_bytes: int | None = None
+    free_bytes: int | None = None
+    budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -616,7 +633,11 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
                           None if f.get("error") is None else str(f["error"]).splitlines()[0] if str(f["error"]) else "error",
                           int(f.get("fetched_bytes") or 0) if _int(f.get("fetched_bytes") or 0) else 0, _num(f.get("load_s")),
                           f.get("weight_bytes") if _int(f.get("weight_bytes")) else None,
-                          [str(x)[:80] for x in f["repaired"][:64]] if isinstance(f.get("repaired"), list) else None)
+                          [str(x)[:80] for x in f["repaired"][:64]] if isinstance(f.get("repaired"), list) else None,
+                          None if f.get("prefetched") is None else bool(f["prefetched"]),
+                          None if f.get("reused_session") is None else bool(f["reused_session"]),
+                          _opt_size(f.get("bytes"), "bytes"), _opt_size(f.get("needed_bytes"), "needed_bytes"),
+                          _opt_size(f.get("free_bytes"), "free_bytes"), _opt_size(f.get("budget_bytes"), "budget_bytes"))
         if msg.type is T.PROBED:
             times = f.get("times")
             if times is not None and not (isinstance(times, list) and all(_finite(t) and t >= 0 for t in times)):
@@ -809,6 +830,14 @@ def _need_int(v, name: str) -> int:
 
 def _opt_int(v, name: str) -> int | None:
     return None if v is None else _need_int(v, name)
+
+
+def _opt_size(v, name: str) -> int | None:
+    """An optional byte count: an int >= 0 (a negative one is refused)."""
+    n = _opt_int(v, name)
+    if n is not None and n < 0:
+        raise ProtocolError(f"{name} must be >= 0")
+    return n
 
 
 def _finite(v) -> bool:

@@ -91,6 +91,9 @@ DOCS: dict[type, MessageDoc] = {
         "prefetched": "true for a `prefetch` load",
         "reused_session": "the session was built already (kept range, warm spare)",
         "bytes": "KV bytes installed (a KV move)",
+        "needed_bytes": "a LOAD refused over the memory budget: bytes the stage needs",
+        "free_bytes": "a refused LOAD: bytes that were free beside what the worker holds",
+        "budget_bytes": "a refused LOAD: the worker's memory budget",
     }),
     messages.Activate: MessageDoc("c→w", "switch to the prepared plan", {"keep": "plan ids whose stages stay; the others are dropped"}),
     messages.Forward: MessageDoc("c→w (first stage), w→w, w→c→w (relayed)", "the input of a stage: one lane of sequences", {

@@ -62,6 +62,7 @@ def constants() -> dict:
             "LINK_PROBE_MAX_BYTES": limits.LINK_PROBE_MAX_BYTES,
             "MAX_TOKEN_ID": messages.MAX_TOKEN_ID,
             "PROBE_PLAN": messages.PROBE_PLAN,
+            "CALIBRATION_PLANS": messages.CALIBRATION_PLANS,
         },
     }
 

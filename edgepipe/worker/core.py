@@ -74,7 +74,8 @@ def _fetched(state: WorkerState, event: Fetched) -> tuple[WorkerState, list[Comm
             MemoryBudget(state.budget_bytes).check(event.weight_bytes + kv, f"units [{load.start}, {load.end}) weights + KV for "
                                                    f"{reserve} tokens", state.in_use(load.keep, bool(load.warm), load.graph))
         except MemoryBudgetExceeded as exc:
-            return state, [_loaded(load.plan, ok=False, error=str(exc).splitlines()[0])]
+            return state, [_loaded(load.plan, ok=False, error=str(exc).splitlines()[0], needed_bytes=exc.requested_bytes,
+                                   free_bytes=max(0, exc.budget_bytes - exc.in_use_bytes), budget_bytes=exc.budget_bytes)]
     commands: list[Command] = []
     if not load.warm and load.plan >= 0 and load.graph not in state.warm:
         # The real stage takes the memory a warm spare held (calibration's small ranges, with

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from .. import PROTOCOL_VERSION
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
-from ..net.messages import PROBE_PLAN, Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Notice, Ping, Probed, Welcome, parse
+from ..net.messages import PROBE_PLAN, Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Notice, Ping, Probed, Welcome, parse, plan_label
 from ..net.protocol import Message, ProtocolError, decode, encode
 from ..runtime.devices import resolve as resolve_device
 from . import connect, core, links
@@ -35,11 +35,6 @@ def _websocket_errors() -> type[Exception]:
     import websockets
 
     return websockets.exceptions.WebSocketException
-
-
-def plan_label(plan: int) -> str:
-    """A plan id in the log's words: real plans count from 1; calibration's ranges have ids <= 0."""
-    return f"plan {plan}" if plan > 0 else "calibration"
 
 
 class DownloadMeter:

@@ -36,7 +36,7 @@ self.EdgepipeProtocol = (function freeze(value) {
     "hello": ["name", "token", "protocol", "kind", "memory_bytes", "threads", "data_url", "held", "emulation", "precision", "pid", "data_fingerprint", "power_busy_w", "power_idle_w", "device", "adapter", "device_note", "native_kernel", "native_kernel_note", "role"],
     "welcome": ["worker_id"],
     "load": ["plan", "start", "end", "graph", "files", "next", "keep", "max_context", "kv_bytes_per_token", "warm", "prefetch", "data_secret", "matmul_bytes", "head_bytes"],
-    "loaded": ["ok", "plan", "kv_received", "error", "fetched_bytes", "load_s", "weight_bytes", "repaired", "prefetched", "reused_session", "bytes"],
+    "loaded": ["ok", "plan", "kv_received", "error", "fetched_bytes", "load_s", "weight_bytes", "repaired", "prefetched", "reused_session", "bytes", "needed_bytes", "free_bytes", "budget_bytes"],
     "activate": ["keep"],
     "forward": ["plan", "batch", "timings", "relay_to"],
     "token": ["plan", "batch", "tokens", "timings", "logprobs", "verified"],
@@ -100,6 +100,7 @@ self.EdgepipeProtocol = (function freeze(value) {
     "LINK_PROBE_DEFAULT_BYTES": 262144,
     "LINK_PROBE_MAX_BYTES": 4194304,
     "MAX_TOKEN_ID": 2147483647,
-    "PROBE_PLAN": 0
+    "PROBE_PLAN": 0,
+    "CALIBRATION_PLANS": -10000
   }
 });

@@ -55,6 +55,8 @@
     $("hits").textContent = String(stats.hits);
     $("fetched").textContent = String(stats.fetched);
   }
+  // A plan id as the log names it (net.messages.plan_label): calibration's ranges and the spare have negative ids.
+  const planLabel = (plan) => (plan > 0 ? `plan ${plan}` : plan <= LIMITS.CALIBRATION_PLANS ? "calibration" : plan < 0 ? "the spare plan" : "a link probe");
   const fmtBytes = (n) => (n >= 1e9 ? `${(n / 1e9).toFixed(2)} GB` : n >= 1e6 ? `${(n / 1e6).toFixed(1)} MB` : `${(n / 1e3).toFixed(1)} kB`);
   const firstLine = (e) => String((e && e.message) || e || "error").split("\n")[0];
   // An error with its wire code (docs/protocol.md, error codes), as the Python worker sends them.
@@ -654,7 +656,7 @@
       render();
       if (f.prefetch) { // a spare plan: hold its files, build nothing yet
         send(T.LOADED, { plan: f.plan, ok: true, prefetched: true, fetched_bytes: fetched });
-        log(`plan ${f.plan}: prefetched units [${f.start}, ${f.end}), ${fmtBytes(fetched)}`);
+        log(`${planLabel(f.plan)}: prefetched units [${f.start}, ${f.end}), ${fmtBytes(fetched)}`);
         return;
       }
       const onGpu = worker.device.kind === "gpu";
@@ -674,10 +676,10 @@
       if (old) old.runner.release();
       worker.slots.set(f.plan, { plan: f.plan, start: f.start, end: f.end, runner: new StageRunner(session, f.max_context, onGpu), next: f.next, weightBytes });
       reply = { plan: f.plan, ok: true, load_s: (performance.now() - t0) / 1000, fetched_bytes: fetched, weight_bytes: weightBytes };
-      log(`plan ${f.plan}: units [${f.start}, ${f.end}) ready in ${reply.load_s.toFixed(2)} s, fetched ${fmtBytes(fetched)}`);
+      log(`${planLabel(f.plan)}: units [${f.start}, ${f.end}) ready in ${reply.load_s.toFixed(2)} s, fetched ${fmtBytes(fetched)}`);
     } catch (e) {
       reply = { plan: f.plan, ok: false, error: firstLine(e) };
-      log(`plan ${f.plan}: load failed: ${reply.error}`);
+      log(`${planLabel(f.plan)}: load failed: ${reply.error}`);
     }
     send(T.LOADED, reply);
     render();
@@ -820,7 +822,7 @@
         return times;
       }).catch((e) => { result.ok = false; result.error = firstLine(e); return []; });
     }
-    if (result.times) log(`probe of plan ${f.plan}: ${result.times.map((t) => (t * 1e3).toFixed(1)).join(" ")} ms`);
+    if (result.times) log(`probe of ${planLabel(f.plan)}: ${result.times.map((t) => (t * 1e3).toFixed(1)).join(" ")} ms`);
     send(T.PROBED, result);
   }
 

@@ -266,9 +266,9 @@ class ClusterProfile:
                 id=w.id, memory_bytes=self._plannable_memory(w), speed=m.speed, overhead_s=m.overhead_s,
                 power_busy_w=_declared(w.hello.power_busy_w, DEFAULT_POWER_BUSY_W),
                 power_idle_w=_declared(w.hello.power_idle_w, DEFAULT_POWER_IDLE_W),
-                held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=w.hello.emulated, precision=w.hello.precision,
+                held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=w.hello.emulated,
                 kind=w.hello.device or "cpu", adapter=w.hello.adapter, row_speed=m.row_speed,
-                precision=(forms or {}).get(w.id),
+                precision=(forms or {}).get(w.id) or w.hello.precision,  # the form it is sent (a tab: the variant it asks for)
             ))
         return out
 

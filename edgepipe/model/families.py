@@ -207,10 +207,27 @@ class Family:
         return flags
 
 
+# GPT-2's Hugging Face checkpoint (transformers' GPT2LMHeadModel), under GGUF names.
+_GPT2_HF_LAYER = {
+    "attn_norm.weight": "ln_1.weight", "attn_norm.bias": "ln_1.bias",
+    "attn_qkv.weight": "attn.c_attn.weight", "attn_qkv.bias": "attn.c_attn.bias",
+    "attn_output.weight": "attn.c_proj.weight", "attn_output.bias": "attn.c_proj.bias",
+    "ffn_norm.weight": "ln_2.weight", "ffn_norm.bias": "ln_2.bias",
+    "ffn_up.weight": "mlp.c_fc.weight", "ffn_up.bias": "mlp.c_fc.bias",
+    "ffn_down.weight": "mlp.c_proj.weight", "ffn_down.bias": "mlp.c_proj.bias",
+}
+_GPT2_HF_GLOBAL = {"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
+                   "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
+                   "output.weight": "lm_head.weight"}
+_GPT2_HF_KEYS = {"n_layers": "n_layer", "hidden_size": "n_embd", "intermediate_size": "n_inner", "n_heads": "n_head",
+                 "n_kv_heads": "n_head", "context_length": "n_positions", "eps": "layer_norm_epsilon"}
+_GPT2_TENSORS = tuple(["token_embd.weight", "position_embd.weight", "output_norm.weight", "output_norm.bias"] + [
+    f"blk.0.{t}.{p}" for t in ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down") for p in ("weight", "bias")])
+
 _GEMMA = dict(activation="gelu_tanh", post_norms=True, sentencepiece="gemma")
 
 # Every architecture edgepipe knows, each checked against a reference (tests/test_families.py:
-# Hugging Face transformers token for token). Mistral 7B / Llama 2 /
+# Hugging Face transformers token for token; tests/test_gpt2.py for gpt2). Mistral 7B / Llama 2 /
 # TinyLlama GGUFs say "llama" (with a SentencePiece vocabulary): gguf has no "mistral"
 # architecture ("mistral" is read from HF folders). Granite was written but transformers cannot
 # read a granite GGUF to check it: folders only.
@@ -223,6 +240,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma2", required=_LLAMA_TENSORS + _GATE + _POST_NORMS, configure=_sliding(2, softcaps=True), **_GEMMA),
     Family("gemma3", required=_LLAMA_TENSORS + _GATE + _POST_NORMS + _QK_NORM, configure=_sliding(6, softcaps=False), **_GEMMA),
     Family("phi3", required=_LLAMA_TENSORS, configure=_phi3, sentencepiece="phi3", chat="phi3"),  # fused qkv and gate-up
+    Family("gpt2", eps_key="attention.layer_norm_epsilon", required=_GPT2_TENSORS, rope="none", positions="learned",
+           norm="layer", gated_ffn=False, activation="gelu_tanh", biases=True,
+           hf_classes=("GPT2LMHeadModel",), hf_keys=_GPT2_HF_KEYS, hf_layer=_GPT2_HF_LAYER, hf_global=_GPT2_HF_GLOBAL,
+           hf_layer_prefix="transformer.h.", hf_conv1d=True),
     # Known and refused, naming what edgepipe lacks for them:
     Family("deepseek2", refused="multi-head latent attention (MLA: low-rank compressed keys and values) is not supported"),
     Family("mamba", refused="state-space (Mamba) layers are not supported: edgepipe's layers are attention layers"),

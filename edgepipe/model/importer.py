@@ -361,6 +361,10 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str, writer: _Bl
     }
     if cfg.attention_bias:
         w["qkv_bias"] = np.concatenate([src.vector(p + f"attn_{x}.bias") for x in "qkv"])
+    if cfg.biases:  # GPT-2: LayerNorms and every linear carry a bias
+        for key, name in (("attn_norm_bias", "attn_norm"), ("qkv_bias", "attn_qkv"), ("attn_output_bias", "attn_output"),
+                          ("ffn_norm_bias", "ffn_norm"), ("gate_up_bias", "ffn_up"), ("ffn_down_bias", "ffn_down")):
+            w[key] = src.vector(p + name + ".bias")
     if cfg.qk_norm:
         w["q_norm"] = src.vector(p + "attn_q_norm.weight")
         w["k_norm"] = src.vector(p + "attn_k_norm.weight")
@@ -417,7 +421,9 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
         report("build", len(kinds), n_units)
 
     table = _embedding_table(src, precision, writer, meter)
-    store("embedding", graphs.embedding_unit(cfg, table))
+    # learned positions (GPT-2): float32 rows up to the package's context, whatever the file's type
+    positions = src.dense("position_embd.weight")[:max_context] if cfg.learned_positions else None
+    store("embedding", graphs.embedding_unit(cfg, table, positions))
     for layer in range(cfg.n_layers):
         unit = layer + 1
         w = _unit_weights(src, cfg, layer, precision, writer, meter)
@@ -434,7 +440,8 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     else:
         lm_head = src.linear("output.weight")
         lm_head = to_precision(lm_head, "fp32") if precision == "fp32" else to_precision(lm_head, "int8")
-    store("head", graphs.head_unit(cfg, cfg.n_layers + 1, src.vector("output_norm.weight"), lm_head))
+    final_bias = src.vector("output_norm.bias") if cfg.norm == "layer" else None
+    store("head", graphs.head_unit(cfg, cfg.n_layers + 1, src.vector("output_norm.weight"), lm_head, final_bias))
     del table, lm_head
     built = [(kind, None) for kind in kinds]
 

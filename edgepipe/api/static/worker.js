@@ -272,6 +272,10 @@
       const total = cache.length + added;
       if (this.maxContext && total > this.maxContext) throw coded(`sequence ${seq} would reach ${total} tokens, over the context of ${this.maxContext}`, "context");
       const feeds = { [this.inputName]: new ort.Tensor(x.dtype, x.data, x.shape) };
+      // Absolute positions: sliding-window layers rotate at them, a learned-position embedding (GPT-2) adds their rows.
+      if (this.session.inputNames.includes("position_ids")) {
+        feeds.position_ids = new ort.Tensor("int64", BigInt64Array.from({ length: added }, (_, i) => BigInt(cache.length + i)), [1, added]);
+      }
       if (this.layers.length) {
         await this.reserve(cache, total);
         const lengths = { seqlens_k: Int32Array.of(total - 1), total_sequence_length: Int32Array.of(total) };
@@ -281,9 +285,6 @@
           for (const input of [name, `window_${name}`]) {
             if (this.session.inputNames.includes(input)) feeds[input] = new ort.Tensor("int32", value.slice(), name === "seqlens_k" ? [1] : []);
           }
-        }
-        if (this.session.inputNames.includes("position_ids")) {
-          feeds.position_ids = new ort.Tensor("int64", BigInt64Array.from({ length: added }, (_, i) => BigInt(cache.length + i)), [1, added]);
         }
         for (const u of this.layers) {
           feeds[`past_key.${u}`] = cache.kv[`key.${u}`];
@@ -619,6 +620,11 @@
       if (problem) throw coded(`plan ${f.plan}: ${problem}`, "corrupt_input");
     }
     for (const item of batch) { // a frame must start where the sequence's cache ends: a lost frame leaves a hole (as the native worker)
+      if (Number.isInteger(item.pos) && !slot.runner.layers.length && slot.runner.session.inputNames.includes("position_ids")) {
+        // a stage of no layers keeps no KV, only where positions start (StageRunner.place): the frame says it
+        if (!slot.runner.caches.has(item.seq)) slot.runner.caches.set(item.seq, { length: 0, capacity: 0, kv: {} });
+        slot.runner.caches.get(item.seq).length = item.pos;
+      }
       const held = (slot.runner.caches.get(item.seq) || { length: 0 }).length;
       if (Number.isInteger(item.pos) && slot.runner.layers.length && item.pos !== held) {
         throw coded(`plan ${f.plan}: ${item.seq} holds ${held} positions, the frame starts at ${item.pos} (a frame was lost)`, "corrupt_input");

@@ -620,11 +620,6 @@
       if (problem) throw coded(`plan ${f.plan}: ${problem}`, "corrupt_input");
     }
     for (const item of batch) { // a frame must start where the sequence's cache ends: a lost frame leaves a hole (as the native worker)
-      if (Number.isInteger(item.pos) && !slot.runner.layers.length && slot.runner.session.inputNames.includes("position_ids")) {
-        // a stage of no layers keeps no KV, only where positions start (StageRunner.place): the frame says it
-        if (!slot.runner.caches.has(item.seq)) slot.runner.caches.set(item.seq, { length: 0, capacity: 0, kv: {} });
-        slot.runner.caches.get(item.seq).length = item.pos;
-      }
       const held = (slot.runner.caches.get(item.seq) || { length: 0 }).length;
       if (Number.isInteger(item.pos) && slot.runner.layers.length && item.pos !== held) {
         throw coded(`plan ${f.plan}: ${item.seq} holds ${held} positions, the frame starts at ${item.pos} (a frame was lost)`, "corrupt_input");

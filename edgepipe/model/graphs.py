@@ -261,12 +261,12 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
     normed = g.norm(x, w["attn_norm"], w.get("attn_norm_bias"), eps, "attn_norm")
     qkv = g.linear(normed, w["qkv"], "qkv", bias=w.get("qkv_bias"))
     window = cfg.window(unit - 1)
-    rotary = not cfg.learned_positions
+    rotates = not cfg.learned_positions  # (GPT-2's positions were added to the embedding)
     # GroupQueryAttention's local_window_size counts the keys a query sees, itself included (ONNX
     # Runtime 1.31; llama.cpp's and transformers' window: distance < window). A window
     # layer's cache keeps only its window (the stage runner drops older positions), so a buffer
     # index is no position: q and k are rotated before attention, at explicit position_ids.
-    gqa_attrs = dict(num_heads=nq, kv_num_heads=nkv, do_rotary=1 if rotary and not window else 0, rotary_interleaved=int(cfg.rope_interleaved),
+    gqa_attrs = dict(num_heads=nq, kv_num_heads=nkv, do_rotary=1 if rotates and not window else 0, rotary_interleaved=int(cfg.rope_interleaved),
                      local_window_size=window if window else -1)
     if cfg.attention_scale is not None:
         gqa_attrs["scale"] = float(cfg.attention_scale)
@@ -284,19 +284,21 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
     if window and local_rope is not None:
         cos, sin = local_rope
         rope_suffix = "_local"
-    if not rotary:  # (KvAttention takes tables whatever do_rotary says: a one-row stand-in)
-        cos = sin = np.zeros((1, D // 2), np.float32)
-        rope_suffix = "_none"
-    cos_name = g.const(cos, "cos_cache" + rope_suffix, shared=True)
-    sin_name = g.const(sin, "sin_cache" + rope_suffix, shared=True)
-    lengths, rope_in = ["seqlens_k", "total_sequence_length"], [cos_name, sin_name] if rotary else []
+    kv_type = FLOAT16 if (kernel_form(w) if fp16_kv is None else fp16_kv) else FLOAT
+    cos_name = sin_name = ""
+    if rotates or kv_type == FLOAT16:
+        if not rotates:  # KvAttention takes tables whatever do_rotary says: a one-row stand-in
+            cos = sin = np.zeros((1, D // 2), np.float32)
+            rope_suffix = "_none"
+        cos_name = g.const(cos, "cos_cache" + rope_suffix, shared=True)
+        sin_name = g.const(sin, "sin_cache" + rope_suffix, shared=True)
+    lengths, rope_in = ["seqlens_k", "total_sequence_length"], [cos_name, sin_name] if rotates else []
     if window:
         rotary = dict(interleaved=int(cfg.rope_interleaved), **({"rotary_embedding_dim": 2 * cos.shape[1]} if 2 * cos.shape[1] < D else {}))
         attn_in = [g.op1("RotaryEmbedding", [attn_in[0], "position_ids", cos_name, sin_name], domain=MS, num_heads=nq, **rotary),
                    g.op1("RotaryEmbedding", [attn_in[1], "position_ids", cos_name, sin_name], domain=MS, num_heads=nkv, **rotary),
                    attn_in[2]]
         lengths, rope_in = ["window_seqlens_k", "window_total_sequence_length"], []
-    kv_type = FLOAT16 if (kernel_form(w) if fp16_kv is None else fp16_kv) else FLOAT
     if kv_type == FLOAT16:  # the kernel library's attention over an fp16 cache: qkv packed, rotary tables always given
         packed = attn_in[0] if not attn_in[1] else g.op1("Concat", attn_in, axis=-1)
         attn, _, _ = g.op(KV_ATTENTION, [packed, f"past_key.{unit}", f"past_value.{unit}", *lengths, cos_name, sin_name], domain=GGUF_DOMAIN,

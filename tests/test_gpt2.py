@@ -278,3 +278,26 @@ def test_missing_position_embedding_is_refused_from_the_header(tmp_path):
     path = _header_only_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(UnsupportedModel, match="missing tensors.*position_embd.weight"):
         import_model(path, tmp_path / "models", "native")
+
+
+@pytest.mark.parametrize("form", ["gguf", "native"])
+def test_verify_pass_equals_decode_steps(gpt2, form):
+    """Speculative decoding's verify form on GPT-2 (cut after the embedding and inside the layers):
+    a verify pass of 8 drafts gives every decode step's token and logprobs to the bit, and after
+    a rewind the embedding alone puts the next token at the right position."""
+    from test_speculative_exact import _run
+
+    _, _, packages = gpt2
+    pkg = packages[form]
+    pipe = pkg.pipeline([1, 3], verify_form=True, threads=1)
+    prompt = pkg.tokenizer.encode(CORPUS[0])
+    tokens, entries = _run(pipe, "ref", prompt)
+    for _ in range(10):
+        t, e = _run(pipe, "ref", tokens[-1:])
+        tokens, entries = tokens + t, entries + e
+    first, _ = _run(pipe, "v", prompt)
+    verified, verified_entries = _run(pipe, "v", tokens[:9], verify=True)
+    assert first == tokens[:1] and verified == tokens[1:10] and verified_entries == entries[1:10]
+    for runner in pipe.runners:  # keep 3 of the 8 drafts: the stages forget the rest
+        runner.rewind("v", len(prompt) + 4)
+    assert _run(pipe, "v", tokens[4:5])[0] == tokens[5:6]

@@ -397,6 +397,10 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str, writer: _Bl
     }
     if cfg.attention_bias:
         w["qkv_bias"] = np.concatenate([src.vector(p + f"attn_{x}.bias") for x in "qkv"])
+    if cfg.biases:  # GPT-2: LayerNorms and every linear carry a bias
+        for key, name in (("attn_norm_bias", "attn_norm"), ("qkv_bias", "attn_qkv"), ("attn_output_bias", "attn_output"),
+                          ("ffn_norm_bias", "ffn_norm"), ("gate_up_bias", "ffn_up"), ("ffn_down_bias", "ffn_down")):
+            w[key] = src.vector(p + name + ".bias")
     if cfg.qk_norm:
         w["q_norm"] = src.vector(p + "attn_q_norm.weight")
         w["k_norm"] = src.vector(p + "attn_k_norm.weight")
@@ -457,7 +461,9 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
     head = n_units - 1
     table = _embedding_table(src, precision, writer, meter) if 0 in wanted or (head in wanted and cfg.tie_embeddings) else None
     if 0 in wanted:
-        store(0, graphs.embedding_unit(cfg, table))
+        # learned positions (GPT-2): float32 rows up to the package's context, whatever the file's type
+        positions = src.dense("position_embd.weight")[:max_context] if cfg.learned_positions else None
+        store(0, graphs.embedding_unit(cfg, table, positions))
     for layer in range(cfg.n_layers):
         unit = layer + 1
         if unit not in wanted:
@@ -477,7 +483,8 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
         else:
             lm_head = src.linear("output.weight")
             lm_head = to_precision(lm_head, "fp32") if precision == "fp32" else to_precision(lm_head, "int8")
-        store(head, graphs.head_unit(cfg, cfg.n_layers + 1, src.vector("output_norm.weight"), lm_head))
+        final_bias = src.vector("output_norm.bias") if cfg.norm == "layer" else None
+        store(head, graphs.head_unit(cfg, cfg.n_layers + 1, src.vector("output_norm.weight"), lm_head, final_bias))
         del lm_head
     del table
 

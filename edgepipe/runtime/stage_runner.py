@@ -511,6 +511,8 @@ class StageRunner:
         outputs = [o.name for o in self.session.get_outputs()]
         self.layers = sorted(int(m.group(1)) for n in inputs if (m := re.fullmatch(r"past_key\.(\d+)", n)))
         self.takes_token_ids = "input_ids" in inputs
+        # absolute positions: a sliding-window layer rotates at them, a learned-position embedding (GPT-2) adds their rows
+        self.takes_positions = "position_ids" in inputs
         self.input_name = "input_ids" if self.takes_token_ids else next(n for n in inputs if n.startswith("hidden."))
         self.emits_tokens = "next_token" in outputs
         self.output_name = "next_token" if self.emits_tokens else next(n for n in outputs if n.startswith("hidden."))
@@ -564,6 +566,17 @@ class StageRunner:
         if pool.window_names and pool.start[seq] > window_start(length, self.window):
             raise ValueError(f"{seq}: the sliding-window layers no longer hold what {length} positions need")
         pool.length[seq] = length
+
+    def place(self, seq: str, length: int) -> None:
+        """A stage without decoder layers holds no KV, only where each sequence's positions
+        start (a learned-position embedding adds their rows): the frame's ``pos`` says it, so a
+        sequence this stage never saw (a plan switch, cached prefix blocks, a rewind) starts
+        right. A stage with layers keeps its own length (``forward_problem`` checks it)."""
+        if self.layers:
+            return
+        if seq not in self._pool.row_of:
+            self._pool.add(seq)
+        self._pool.length[seq] = max(0, int(length))
 
     def sequences(self) -> list[str]:
         return list(self._pool.row_of)
@@ -674,10 +687,11 @@ class StageRunner:
         else:  # bystander rows inside [lo, hi) get a dummy input
             feed = np.zeros((n, *x.shape[1:]), x.dtype)
             feed[np.array(rows) - lo] = x
-        if self.layers:
+        if self.layers or self.takes_positions:
             by_row = {r: s for s, r in pool.row_of.items()}
             lengths = np.array([pool.length.get(by_row.get(r, ""), 0) for r in range(lo, hi)], np.int64)
             lengths[np.array(rows) - lo] = np.array(totals) - new
+        if self.layers:
             kept = lengths - np.array([pool.start.get(by_row.get(r, ""), 0) for r in range(lo, hi)], np.int64)
             pool.reserve(int(lengths.max()) + width, int(kept.max()) + width)
         binding = self._binding(lo, hi)
@@ -703,6 +717,7 @@ class StageRunner:
         if self.window:  # window layers: buffer lengths, and the absolute positions to rotate at
             self._bind_host(binding, "window_seqlens_k", (kept + width - 1).astype(np.int32))
             self._bind_host(binding, "window_total_sequence_length", np.array(int(kept.max()) + width, np.int32))
+        if self.takes_positions:
             self._bind_host(binding, "position_ids", lengths[:, None] + np.arange(new, dtype=np.int64)[None, :])
         if self.emits_tokens:
             batch = sampling or SamplingBatch.greedy(len(seqs))

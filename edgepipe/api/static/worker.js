@@ -286,6 +286,10 @@
       const total = cache.length + added;
       if (this.maxContext && total > this.maxContext) throw coded(`sequence ${seq} would reach ${total} tokens, over the context of ${this.maxContext}`, CODE.CONTEXT);
       const feeds = { [this.inputName]: new ort.Tensor(x.dtype, x.data, x.shape) };
+      // Absolute positions: sliding-window layers rotate at them, a learned-position embedding (GPT-2) adds their rows.
+      if (this.session.inputNames.includes("position_ids")) {
+        feeds.position_ids = new ort.Tensor("int64", BigInt64Array.from({ length: added }, (_, i) => BigInt(cache.length + i)), [1, added]);
+      }
       if (this.layers.length) {
         await this.reserve(cache, total);
         const lengths = { seqlens_k: Int32Array.of(total - 1), total_sequence_length: Int32Array.of(total) };
@@ -295,9 +299,6 @@
           for (const input of [name, `window_${name}`]) {
             if (this.session.inputNames.includes(input)) feeds[input] = new ort.Tensor("int32", value.slice(), name === "seqlens_k" ? [1] : []);
           }
-        }
-        if (this.session.inputNames.includes("position_ids")) {
-          feeds.position_ids = new ort.Tensor("int64", BigInt64Array.from({ length: added }, (_, i) => BigInt(cache.length + i)), [1, added]);
         }
         for (const u of this.layers) {
           feeds[`past_key.${u}`] = cache.kv[`key.${u}`];

@@ -106,25 +106,26 @@ def _progress():
     return bar, report
 
 
-def open_model(model: Optional[str], precision: str, home: Optional[Path]):
+def open_model(model: Optional[str], precision: str, home: Optional[Path], max_context: Optional[int] = None):
     from .model.store import resolve
 
     bar, report = _progress()
     try:
-        return resolve(model, precision, home, progress=report)
+        return resolve(model, precision, home, progress=report, max_context=max_context)
     finally:
         if bar.live.is_started:
             bar.stop()
 
 
-def open_runnable_model(model: Optional[str], precision: str, home: Optional[Path], add_missing: bool = True):
+def open_runnable_model(model: Optional[str], precision: str, home: Optional[Path], add_missing: bool = True,
+                        max_context: Optional[int] = None):
     """The package of ``model`` and the variant this process (and a CPU worker beside it) runs:
     the file's own model in the GGUF kernel library's form where it loads, else as MatMulNBits
     graphs (``store.prepare_local_form``; ``add_missing``: that form is added to the package when
     it lacks it), each said in one line on stderr when it is not the default."""
     from .model.store import REQUANTIZED, prepare_local_form
 
-    pkg = open_model(model, precision, home)
+    pkg = open_model(model, precision, home, max_context)
     if pkg.manifest.precision in REQUANTIZED and pkg.manifest.source.get("kind") == "gguf":
         err.print(f"running a re-quantization to {pkg.manifest.precision} (the default, native, is the file's own blocks exactly)",
                   highlight=False, soft_wrap=True)
@@ -144,7 +145,7 @@ def import_cmd(
     source: Path = typer.Argument(..., help="A .gguf file or a local Hugging Face model folder."),
     precision: str = ImportPrecisionOption,
     name: Optional[str] = typer.Option(None, help="Package name (default: from the file name)."),
-    max_context: int = typer.Option(8192, help="Longest context the package supports."),
+    max_context: Optional[int] = typer.Option(None, min=1, help="Longest context the package supports (default: the model's own)."),
     home: Optional[Path] = HomeOption,
 ):
     """Import a model into a package of per-unit ONNX graphs and hashed weight files."""
@@ -182,12 +183,14 @@ def models_cmd(home: Optional[Path] = HomeOption):
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="Prompt text."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Alias, package name, package dir, .gguf or HF folder (default: smollm2)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Alias (qwen05: Qwen2.5-Coder-0.5B-Instruct, the default; smollm2: "
+                                                                    "the bundled SmolLM2-135M), package name, package dir, .gguf or HF folder."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
-    seed: int = typer.Option(0, "--seed"),
+    temperature: float = typer.Option(0.8, "--temperature", "-t", min=0.0, help="0 = greedy (llama-server's default: 0.8)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="1 = off."),
+    top_k: int = typer.Option(40, "--top-k", min=0, help="0 = no limit."),
+    min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="0 = off."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Of the sampling (default: a random one, printed)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(True, "--chat/--raw", help="Wrap the prompt in the model's chat template."),
     cuts: str = typer.Option("", "--cuts", help="Run as chained stages cut before these unit indices, e.g. 8,20."),
@@ -201,8 +204,13 @@ def generate(
     from .runtime.sequence import GenerationParams
     from .runtime.stage_runner import ContextOverflow
 
+    import secrets
+
+    if seed is None:
+        seed = secrets.randbits(63) if temperature > 0 else 0
     try:
-        params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop))
+        params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                                  stop=tuple(stop))
         pkg, form = open_runnable_model(model, precision, home)
         tok = pkg.tokenizer
         text = tok.format_chat([{"role": "user", "content": prompt}]) if chat else prompt
@@ -218,12 +226,36 @@ def generate(
         fail(str(exc))
     sys.stdout.write("\n")
     err.print(f"[dim]{len(ids)} prompt tokens, {len(result.tokens)} generated ({result.finish_reason}); "
-              f"time to first token {result.ttft_s * 1e3:.0f} ms; {result.tokens_per_s:.1f} tokens/s[/]", highlight=False)
+              f"time to first token {result.ttft_s * 1e3:.0f} ms; {result.tokens_per_s:.1f} tokens/s"
+              f"{f'; seed {seed}' if temperature > 0 else '; greedy'}[/]", highlight=False, soft_wrap=True)
+
+
+def _served_context(pkg, form: str, asked: Optional[int], workers: int) -> int:
+    """``serve``'s context (``model.context.served_context``), with its one line when it is cut."""
+    import psutil
+
+    from .cluster.profiling import RUNTIME_OVERHEAD_BYTES
+    from .model.context import served_context
+
+    m = pkg.manifest
+    weights = sum(m.variant(u.index, form).weight_bytes for u in m.units if form in u.variants)
+    kv = sum(m.kv_bytes_per_token(u.index, form) for u in m.units)
+    free = psutil.virtual_memory().available if workers > 0 else None  # remote workers: their memory is not known here
+    context, note = served_context(asked, pkg.stored_context, weights, kv, free, workers * RUNTIME_OVERHEAD_BYTES)
+    if note:
+        err.print(note, highlight=False, soft_wrap=True)
+    return context
 
 
 @app.command()
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model to serve (default: the bundled smollm2)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model to serve (default: qwen05, Qwen2.5-Coder-0.5B-Instruct, "
+                                                                    "fetched by scripts/fetch_qwen05.sh; smollm2: the bundled SmolLM2-135M)."),
+    context: Optional[int] = typer.Option(None, "--context", "-c", min=16,
+                                          help="Longest sequence (prompt + answer) in tokens (default: the model's own maximum where "
+                                               "this machine's memory holds its KV beside the weights, else the most that fits, "
+                                               "said in one line). A request's max_tokens beyond it is clamped to what is left, as "
+                                               "llama-server does."),
     workers: int = typer.Option(2, "--workers", "-w", help="Local worker processes to start (0: wait for remote ones)."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8420, "--port"),
@@ -297,7 +329,8 @@ def serve(
         fail(f"--draft-on must be auto, coordinator or workers, got {draft_on!r}")
     try:
         # local workers find their form in the package when they join; remote ones get theirs added as they join
-        pkg, _ = open_runnable_model(model, precision, home, add_missing=workers > 0)
+        pkg, form = open_runnable_model(model, precision, home, add_missing=workers > 0, max_context=context)
+        pkg.limit_context(_served_context(pkg, form, context, workers))
     except USER_ERRORS as exc:
         fail(str(exc))
     settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,
@@ -315,7 +348,7 @@ def serve(
             coordinator.settings.min_workers = min_workers
         scheme = "https" if settings.tls or settings.tls_cert else "http"
         err.print(f"edgepipe serving {pkg.manifest.name} on {scheme}://{host}:{bound}  (dashboard /, API /v1, metrics /metrics; "
-                  f"{workers} local workers)", highlight=False)
+                  f"{workers} local workers; context {pkg.manifest.max_context} tokens)", highlight=False)
         if scheme == "https":
             err.print(f"TLS certificate sha256 {settings.tls_fingerprint}: workers join with --tls-fingerprint {settings.tls_fingerprint}",
                       highlight=False)

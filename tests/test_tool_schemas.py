@@ -97,7 +97,7 @@ def test_parallel_required_calls_and_streaming(client):
         complete.append([(c.function.name, json.loads(c.function.arguments), ch.finish_reason) for c in calls])
     assert max(len(calls) for calls in complete) >= 2  # parallel calls happen when asked for
     assert_valid([c for calls in complete for c in calls])
-    stream = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=96, stream=True,
+    stream = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=96, stream=True, temperature=0,
                                             tool_choice={"type": "function", "function": {"name": "record_city"}})
     args = "".join(tc.function.arguments or "" for chunk in stream for ch in chunk.choices for tc in ch.delta.tool_calls or [])
     assert_valid([("record_city", json.loads(args), "tool_calls")])

@@ -106,26 +106,25 @@ def _progress():
     return bar, report
 
 
-def open_model(model: Optional[str], precision: str, home: Optional[Path], max_context: Optional[int] = None):
+def open_model(model: Optional[str], precision: str, home: Optional[Path]):
     from .model.store import resolve
 
     bar, report = _progress()
     try:
-        return resolve(model, precision, home, progress=report, max_context=max_context)
+        return resolve(model, precision, home, progress=report)
     finally:
         if bar.live.is_started:
             bar.stop()
 
 
-def open_runnable_model(model: Optional[str], precision: str, home: Optional[Path], add_missing: bool = True,
-                        max_context: Optional[int] = None):
+def open_runnable_model(model: Optional[str], precision: str, home: Optional[Path], add_missing: bool = True):
     """The package of ``model`` and the variant this process (and a CPU worker beside it) runs:
     the file's own model in the GGUF kernel library's form where it loads, else as MatMulNBits
     graphs (``store.prepare_local_form``; ``add_missing``: that form is added to the package when
     it lacks it), each said in one line on stderr when it is not the default."""
     from .model.store import REQUANTIZED, prepare_local_form
 
-    pkg = open_model(model, precision, home, max_context)
+    pkg = open_model(model, precision, home)
     if pkg.manifest.precision in REQUANTIZED and pkg.manifest.source.get("kind") == "gguf":
         err.print(f"running a re-quantization to {pkg.manifest.precision} (the default, native, is the file's own blocks exactly)",
                   highlight=False, soft_wrap=True)
@@ -329,7 +328,8 @@ def serve(
         fail(f"--draft-on must be auto, coordinator or workers, got {draft_on!r}")
     try:
         # local workers find their form in the package when they join; remote ones get theirs added as they join
-        pkg, form = open_runnable_model(model, precision, home, add_missing=workers > 0, max_context=context)
+        # imported for the model's whole context (an existing shorter package is rebuilt); --context limits what is served
+        pkg, form = open_runnable_model(model, precision, home, add_missing=workers > 0)
         pkg.limit_context(_served_context(pkg, form, context, workers))
     except USER_ERRORS as exc:
         fail(str(exc))

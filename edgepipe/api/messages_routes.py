@@ -93,10 +93,10 @@ class MessagesRequest(S.Strict):
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     stop_sequences: Annotated[list[S.StopString], Field(max_length=S.MAX_STOP)] | None = None
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = None
-    min_p: float | None = Field(None, ge=0, le=1, description="An extension (llama-server's).")
+    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; absent = 0.8 (llama-server's default).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Absent = 0.95 (llama-server's default); 1 = off.")
+    top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = Field(None, description="0 = no limit; absent = 40.")
+    min_p: float | None = Field(None, ge=0, le=1, description="An extension (llama-server's): 0 = off; absent = 0.05.")
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     output_config: OutputConfig | None = None

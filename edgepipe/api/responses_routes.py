@@ -98,10 +98,10 @@ class ResponsesRequest(S.Strict):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: S.PositiveTokens | None = None
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = Field(None, description="An extension.")
-    min_p: float | None = Field(None, ge=0, le=1, description="An extension (llama-server's).")
+    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; absent = 0.8 (llama-server's default).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Absent = 0.95 (llama-server's default); 1 = off.")
+    top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = Field(None, description="An extension: 0 = no limit; absent = 40.")
+    min_p: float | None = Field(None, ge=0, le=1, description="An extension (llama-server's): 0 = off; absent = 0.05.")
     seed: Annotated[int, Field(ge=S.SEED_MIN, le=S.SEED_MAX)] | None = Field(None, description="An extension.")
     stream: bool | None = False
     text: TextOptions | None = None

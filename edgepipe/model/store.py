@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 from .importer import Progress, import_model
@@ -60,15 +61,18 @@ def missing_reference(alias: str) -> str | None:
     return None if path.is_file() else f"{path} is missing: run {REFERENCE_GGUFS[alias][1]} (bootstrap.sh test does)"
 
 
-# Package names of the aliases: a bundled one's, else a reference GGUF's file stem.
-_ALIAS_NAMES = {"qwen05": "qwen2.5-coder-0.5b-instruct", "gemma270m": "gemma-3-270m"}
+def _stem(alias: str) -> str:
+    """The package name's stem for an alias: a bundled one's, else the reference GGUF's file stem
+    as ``importer.package_name`` writes it (so ``serve -m <that file>`` opens the same package)."""
+    if alias in _BUNDLED:
+        return _BUNDLED[alias][2]
+    return re.sub(r"[^a-z0-9_]+", "-", Path(REFERENCE_GGUFS[alias][0]).stem.lower()).strip("-")
 
 
 def alias_of(package_name: str) -> str | None:
     """The alias (``smollm2``, ``qwen05``, ...) a package was imported under, if any: the API
     answers to it as a model name too."""
-    names = {**{a: b[2] for a, b in _BUNDLED.items()}, **_ALIAS_NAMES}
-    return next((a for a, stem in names.items() if package_name.startswith(stem + "-")), None)
+    return next((a for a in (*_BUNDLED, *REFERENCE_GGUFS) if package_name.startswith(_stem(a) + "-")), None)
 
 
 def bundled_gguf(alias: str = TEST_MODEL) -> Path:
@@ -97,7 +101,7 @@ def resolve(spec: str | None = None, precision: str = DEFAULT_PRECISION, home: s
         missing = missing_reference(spec)
         if missing:
             raise FileNotFoundError(f"model {spec!r}: {missing.replace(' (bootstrap.sh test does)', ' (bootstrap.sh does)')}")
-        return Package(import_model(reference_gguf(spec), models, precision, name=f"{_ALIAS_NAMES[spec]}-{precision}",
+        return Package(import_model(reference_gguf(spec), models, precision, name=f"{_stem(spec)}-{precision}",
                                     progress=progress, max_context=max_context))
     path = Path(spec).expanduser()
     if (path / "manifest.json").is_file():

@@ -101,14 +101,15 @@ def test_no_adjustment_picks_what_the_head_before_picked(head, head_before):
 
 def test_min_p_keeps_what_is_that_likely_relative_to_the_best(head):
     """min_p (llama-server's default 0.05, GRAPH_VERSION 10): a sampled token is one at least
-    min_p times as likely as the best (after temperature); 0 keeps all, 1 only the best."""
+    min_p times as likely as the best, judged before temperature (llama.cpp's order), drawn with
+    the tempered probabilities; 0 keeps all, 1 only the best."""
     x = rng.standard_normal((1, 1, H)).astype(np.float32) * 3
     logits = numpy_logits(x)[0, -1]
     grid = np.linspace(0, 0.999, 400)
     for temperature in (0.5, 1.0, 2.0):
         p = np.exp((logits - logits.max()) / temperature)
         p /= p.sum()
-        ratio = p / p.max()
+        ratio = np.exp(logits - logits.max())  # the model's own probabilities relative to the best
         for min_p in (0.0, 0.05, 0.3, 1.0):
             picks = [int(run(head, feeds(x, do_sample=True, temperature=temperature, uniform=u, min_p=min_p))["next_token"][0]) for u in grid]
             kept = ratio >= min_p
@@ -117,6 +118,14 @@ def test_min_p_keeps_what_is_that_likely_relative_to_the_best(head):
             assert {t for t in range(V) if share[t] > 3 / len(grid) and ratio[t] > min_p * 1.001} <= set(picks), (temperature, min_p)
             if min_p == 1.0:
                 assert set(picks) == {int(logits.argmax())}
+        # top_p too is judged before temperature: the prefix of the model's own probabilities reaching 0.5
+        order = np.argsort(-logits)
+        own = np.exp(logits - logits.max())
+        own /= own.sum()
+        prefix = set(order[(np.cumsum(own[order]) - own[order]) < 0.5].tolist())
+        picks = {int(run(head, feeds(x, do_sample=True, temperature=temperature, top_p=0.5, uniform=u))["next_token"][0]) for u in grid}
+        assert picks <= prefix and {t for t in prefix if np.where(np.isin(np.arange(V), list(prefix)), p, 0)[t] /
+                                    p[list(prefix)].sum() > 3 / len(grid)} <= picks, (temperature, picks, prefix)
 
 
 def test_mask_forces_the_allowed_tokens(head):

@@ -53,7 +53,7 @@ MAX_TOP_LOGPROBS = 20
 # 6: a lone row's 4-bit products share one pad/slice per run of row-wise ops (fewer nodes per layer).
 # 7: no in-graph padding: a lone row runs every product at M = 1 (batch invariance is the stage runner's option).
 # 8: the head's repeat penalty. 9: the kernel form's layers attend with KvAttention over an fp16 KV cache.
-# 10: the sampler's min_p.
+# 10: the sampler's min_p; top_p and min_p judge the probabilities before temperature (llama.cpp's order).
 GRAPH_VERSION = 10
 
 
@@ -341,10 +341,11 @@ def _per_head_norm(g: _Graph, x: str, heads: int, D: int, weight: np.ndarray, ep
 def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weight) -> onnx.ModelProto:
     """Final norm + LM head on the last position, then greedy or seeded sampling in-graph.
 
-    Sampling (when ``do_sample``): logits / temperature, keep the ``top_k`` best (0 = all),
-    keep the smallest prefix whose probability reaches ``top_p`` and the tokens at least ``min_p``
-    times as likely as the best (0 = off; GRAPH_VERSION 10), and pick the token where the
-    cumulative kept mass first exceeds ``uniform * total``. ``uniform`` is drawn by the caller
+    Sampling (when ``do_sample``), in llama.cpp's order: keep the ``top_k`` best (0 = all), then
+    the smallest prefix whose probability reaches ``top_p`` and the tokens at least ``min_p`` times
+    as likely as the best (0 = off), both judged on the model's own probabilities, then apply the
+    temperature to what is kept (GRAPH_VERSION 10; before, top_p judged the tempered ones), and
+    pick the token where the cumulative kept mass first exceeds ``uniform * total``. ``uniform`` is drawn by the caller
     from the request's seed, so a seeded request gives the same tokens on any pipeline.
 
     Controls: ``logit_adjust`` is added to the logits before the choice (greedy or sampled):
@@ -510,15 +511,19 @@ def _sampling_branch(logits: str, vocab: int) -> onnx.GraphProto:
         n("Unsqueeze", ["s_k_eff", "s_ax1"], ["s_k_col"]),
         n("Less", ["s_rank", "s_k_col"], ["s_keep_k"]),
         n("Softmax", ["s_vals"], ["s_probs"], axis=-1),
-        n("CumSum", ["s_probs", "s_ax1_scalar"], ["s_cum"]),
-        n("Sub", ["s_cum", "s_probs"], ["s_before"]),
+        # top_p and min_p judge the model's own probabilities, before temperature (llama.cpp's
+        # sampler chain: top_k, top_p, min_p, then temperature), so its default values mean the same here
+        n("Mul", ["s_vals", "s_t"], ["s_raw_vals"]),
+        n("Softmax", ["s_raw_vals"], ["s_raw"], axis=-1),
+        n("CumSum", ["s_raw", "s_ax1_scalar"], ["s_cum"]),
+        n("Sub", ["s_cum", "s_raw"], ["s_before"]),
         n("Unsqueeze", ["top_p", "s_ax1"], ["s_p_col"]),
         n("Less", ["s_before", "s_p_col"], ["s_keep_p"]),
         # min_p: keep what is at least min_p times as likely as the best (sorted: the first column)
-        n("Gather", ["s_probs", "s_first"], ["s_pmax"], axis=1),
+        n("Gather", ["s_raw", "s_first"], ["s_pmax"], axis=1),
         n("Unsqueeze", ["min_p", "s_ax1"], ["s_minp_col"]),
         n("Mul", ["s_pmax", "s_minp_col"], ["s_floor"]),
-        n("LessOrEqual", ["s_floor", "s_probs"], ["s_keep_m"]),
+        n("LessOrEqual", ["s_floor", "s_raw"], ["s_keep_m"]),
         n("And", ["s_keep_k", "s_keep_p"], ["s_keep_kp"]),
         n("And", ["s_keep_kp", "s_keep_m"], ["s_keep"]),
         n("Where", ["s_keep", "s_probs", "s_fzero"], ["s_kept"]),

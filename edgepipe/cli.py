@@ -348,7 +348,7 @@ def serve(
             coordinator.settings.min_workers = min_workers
         scheme = "https" if settings.tls or settings.tls_cert else "http"
         err.print(f"edgepipe serving {pkg.manifest.name} on {scheme}://{host}:{bound}  (dashboard /, API /v1, metrics /metrics; "
-                  f"{workers} local workers; context {pkg.manifest.max_context} tokens)", highlight=False)
+                  f"{workers} local workers; context {pkg.manifest.max_context} tokens)", highlight=False, soft_wrap=True)
         if scheme == "https":
             err.print(f"TLS certificate sha256 {settings.tls_fingerprint}: workers join with --tls-fingerprint {settings.tls_fingerprint}",
                       highlight=False)

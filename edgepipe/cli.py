@@ -143,7 +143,7 @@ def import_cmd(
     source: Path = typer.Argument(..., help="A .gguf file or a local Hugging Face model folder."),
     precision: str = ImportPrecisionOption,
     name: Optional[str] = typer.Option(None, help="Package name (default: from the file name)."),
-    max_context: int = typer.Option(8192, help="Longest context the package supports."),
+    max_context: Optional[int] = typer.Option(None, min=1, help="Longest context the package supports (default: the model's own)."),
     home: Optional[Path] = HomeOption,
 ):
     """Import a model into a package of per-unit ONNX graphs and hashed weight files."""
@@ -220,12 +220,14 @@ def rm_cmd(names: list[str] = typer.Argument(..., metavar="NAME...", help="Impor
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="Prompt text."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Alias, package name, package dir, .gguf or HF folder (default: smollm2)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Alias (qwen05: Qwen2.5-Coder-0.5B-Instruct, the default; smollm2: "
+                                                                    "the bundled SmolLM2-135M), package name, package dir, .gguf or HF folder."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Most tokens to generate."),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set of tokens whose probabilities reach this (1 = all)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens only (0 = no limit)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the sampler (the same seed gives the same text)."),
+    temperature: float = typer.Option(0.8, "--temperature", "-t", min=0.0, help="0 = greedy (llama-server's default: 0.8)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Sample from the smallest set of tokens whose probabilities reach this (1 = off)."),
+    top_k: int = typer.Option(40, "--top-k", min=0, help="Sample from the k most likely tokens only (0 = no limit)."),
+    min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="Drop tokens less likely than this fraction of the likeliest (0 = off)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler (the same seed gives the same text; default: a random one, printed)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(True, "--chat/--raw", help="Wrap the prompt in the model's chat template."),
     cuts: str = typer.Option("", "--cuts", help="Run as chained stages cut before these unit indices, e.g. 8,20."),
@@ -239,8 +241,13 @@ def generate(
     from .runtime.sequence import GenerationParams
     from .runtime.stage_runner import ContextOverflow
 
+    import secrets
+
+    if seed is None:
+        seed = secrets.randbits(63) if temperature > 0 else 0
     try:
-        params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop))
+        params = GenerationParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                                  stop=tuple(stop))
         pkg, form = open_runnable_model(model, precision, home)
         tok = pkg.tokenizer
         text = tok.format_chat([{"role": "user", "content": prompt}]) if chat else prompt
@@ -264,12 +271,36 @@ def generate(
         sys.stdout.write("\n")
     sys.stdout.flush()
     err.print(f"[dim]{len(ids)} prompt tokens, {len(result.tokens)} generated ({result.finish_reason}); "
-              f"time to first token {result.ttft_s * 1e3:.0f} ms; {result.tokens_per_s:.1f} tokens/s[/]", highlight=False)
+              f"time to first token {result.ttft_s * 1e3:.0f} ms; {result.tokens_per_s:.1f} tokens/s"
+              f"{f'; seed {seed}' if temperature > 0 else '; greedy'}[/]", highlight=False, soft_wrap=True)
+
+
+def _served_context(pkg, form: str, asked: Optional[int], workers: int) -> int:
+    """``serve``'s context (``model.context.served_context``), with its one line when it is cut."""
+    import psutil
+
+    from .cluster.profiling import RUNTIME_OVERHEAD_BYTES
+    from .model.context import served_context
+
+    m = pkg.manifest
+    weights = sum(m.variant(u.index, form).weight_bytes for u in m.units if form in u.variants)
+    kv = sum(m.kv_bytes_per_token(u.index, form) for u in m.units)
+    free = psutil.virtual_memory().available if workers > 0 else None  # remote workers: their memory is not known here
+    context, note = served_context(asked, pkg.stored_context, weights, kv, free, workers * RUNTIME_OVERHEAD_BYTES)
+    if note:
+        err.print(note, highlight=False, soft_wrap=True)
+    return context
 
 
 @app.command()
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model to serve (default: the bundled smollm2)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model to serve (default: qwen05, Qwen2.5-Coder-0.5B-Instruct, "
+                                                                    "fetched by scripts/fetch_qwen05.sh; smollm2: the bundled SmolLM2-135M)."),
+    context: Optional[int] = typer.Option(None, "--context", "-c", min=16,
+                                          help="Longest sequence (prompt + answer) in tokens (default: the model's own maximum where "
+                                               "this machine's memory holds its KV beside the weights, else the most that fits, "
+                                               "said in one line). A request's max_tokens beyond it is clamped to what is left, as "
+                                               "llama-server does."),
     workers: int = typer.Option(2, "--workers", "-w", help="Local worker processes to start (0: wait for remote ones)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; then set --api-key and --join-token)."),
     port: int = typer.Option(8420, "--port", help="Port of the API, the dashboard and the worker endpoint."),
@@ -358,7 +389,9 @@ def serve(
         fail(f"--draft-on must be auto, coordinator or workers, got {draft_on!r}")
     try:
         # local workers find their form in the package when they join; remote ones get theirs added as they join
-        pkg, _ = open_runnable_model(model, precision, home, add_missing=workers > 0)
+        # imported for the model's whole context (an existing shorter package is rebuilt); --context limits what is served
+        pkg, form = open_runnable_model(model, precision, home, add_missing=workers > 0)
+        pkg.limit_context(_served_context(pkg, form, context, workers))
     except USER_ERRORS as exc:
         fail(str(exc))
     settings = ServeSettings(host=host, port=port, workers=workers, worker_threads=worker_threads, api_key=api_key,
@@ -377,7 +410,7 @@ def serve(
             coordinator.settings.min_workers = min_workers
         scheme = "https" if settings.tls or settings.tls_cert else "http"
         err.print(f"edgepipe serving {pkg.manifest.name} on {scheme}://{host}:{bound}  (dashboard /, API /v1, metrics /metrics; "
-                  f"{workers} local workers)", highlight=False, soft_wrap=True)
+                  f"{workers} local workers; context {pkg.manifest.max_context} tokens)", highlight=False, soft_wrap=True)
         if scheme == "https":
             err.print(f"TLS certificate sha256 {settings.tls_fingerprint}: workers join with --tls-fingerprint {settings.tls_fingerprint}",
                       highlight=False, soft_wrap=True)  # one unbroken line, whatever the terminal's width: it is copied

@@ -218,7 +218,7 @@ def test_generate_runs_the_files_own_model_by_default_and_says_when_it_falls_bac
 
     def cli_generate(kernel: bool) -> subprocess.CompletedProcess:
         env = {**os.environ, "EDGEPIPE_NATIVE": "1" if kernel else "0"}
-        return subprocess.run([sys.executable, "-m", "edgepipe", "generate", PROMPTS[0], "-n", "24", "--home", str(home)], env=env,
+        return subprocess.run([sys.executable, "-m", "edgepipe", "generate", PROMPTS[0], "-m", "smollm2", "-t", "0", "-n", "24", "--home", str(home)], env=env,
                               capture_output=True, text=True, timeout=180)
 
     fallback = cli_generate(kernel=False)

@@ -126,7 +126,10 @@ def create_app(coordinator, package, api_key: str | None = None, join_token: str
     n_files = sum(1 for _ in package.blobs.iterdir()) if package.blobs.is_dir() else 0
     s.worker_gate = cluster_routes.WorkerGate(join_token, hello_frame_limit(n_files), control_frame_limit(m.max_context, m.hidden_size))
     s.started = time.time()
-    s.model_names = [package.manifest.name, "smollm2"] if package.manifest.name.startswith("smollm2") else [package.manifest.name]
+    from ..model.store import alias_of  # a package imported under an alias answers to it too (`smollm2`, `qwen05`)
+
+    alias = alias_of(package.manifest.name)
+    s.model_names = [package.manifest.name, alias] if alias else [package.manifest.name]
     s.metrics = metrics or Metrics(package.manifest.hidden_size)
     s.admission = admission or Admission()
     s.admission.bind(coordinator)  # its book is the coordinator's ``ClusterState.admission``

@@ -43,10 +43,14 @@ class StreamOptions(Strict):
 class Sampling(Strict):
     model: str | None = Field(None, max_length=256)
     max_tokens: PositiveTokens | None = Field(None, description="Tokens to generate at most (>= 1).")
-    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; absent = greedy.")
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: Annotated[int, Field(ge=0, le=MAX_WIRE_INT)] | None = Field(None, description="0 = no limit (an extension).")
-    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = Field(None, description="Absent: a random seed, reported back.")
+    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; absent = 0.8 (llama-server's default).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Absent = 0.95 (llama-server's default); 1 = off.")
+    top_k: Annotated[int, Field(ge=0, le=MAX_WIRE_INT)] | None = Field(
+        None, description="0 = no limit; absent = 40 (llama-server's default; an extension).")
+    min_p: float | None = Field(None, ge=0, le=1, description="Keep the tokens at least this times as likely as the best; "
+                                                           "0 = off; absent = 0.05 (llama-server's default; an extension).")
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = Field(
+        None, description="Absent: a random seed when sampling, reported back (a greedy request reports none).")
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = 1
     stream: bool | None = False
@@ -199,7 +203,7 @@ class ChatCompletion(Loose):
     created: int
     model: str
     system_fingerprint: str
-    seed: int = Field(description="The seed the sampling used (an extension).")
+    seed: int | None = Field(None, description="The seed the sampling used (an extension): present when the request gave one or sampled.")
     choices: list[ChatChoice]
     usage: Usage
 
@@ -217,7 +221,7 @@ class Completion(Loose):
     created: int
     model: str
     system_fingerprint: str
-    seed: int
+    seed: int | None = Field(None, description="The seed the sampling used (an extension): present when the request gave one or sampled.")
     choices: list[CompletionChoice]
     usage: Usage
 

@@ -83,6 +83,7 @@ def status(coord) -> dict:
     return {
         "state": coord.cluster.phase.value,
         "model": coord.manifest.name,
+        "context": coord.manifest.max_context,  # the longest sequence served (serve --context)
         "n_units": coord.n_units,
         "units": [{"index": u.index, "name": u.name, "kind": u.kind} for u in coord.manifest.units],
         "plan": None if dep is None else {

@@ -42,7 +42,7 @@ MS = "com.microsoft"
 
 FLOAT, INT64, INT32, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL
 FLOAT16 = TensorProto.FLOAT16
-SAMPLING_INPUTS = ("do_sample", "temperature", "top_k", "top_p", "uniform")
+SAMPLING_INPUTS = ("do_sample", "temperature", "top_k", "top_p", "uniform", "min_p")
 HEAD_CONTROL_INPUTS = ("logit_adjust", "num_top", "prompt_targets")
 HEAD_LOGPROB_OUTPUTS = ("token_logprob", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs")
 MAX_TOP_LOGPROBS = 20
@@ -54,7 +54,8 @@ MAX_TOP_LOGPROBS = 20
 # 6: a lone row's 4-bit products share one pad/slice per run of row-wise ops (fewer nodes per layer).
 # 7: no in-graph padding: a lone row runs every product at M = 1 (batch invariance is the stage runner's option).
 # 8: the head's repeat penalty. 9: the kernel form's layers attend with KvAttention over an fp16 KV cache.
-GRAPH_VERSION = 9
+# 10: the sampler's min_p; top_p and min_p judge the probabilities before temperature (llama.cpp's order).
+GRAPH_VERSION = 10
 
 
 def kernel_form(w: dict) -> bool:
@@ -370,9 +371,11 @@ def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weig
     """Final norm (LayerNorm where it has a bias) + LM head on the last position, then greedy or
     seeded sampling in-graph.
 
-    Sampling (when ``do_sample``): logits / temperature, keep the ``top_k`` best (0 = all),
-    keep the smallest prefix whose probability reaches ``top_p``, and pick the token where the
-    cumulative kept mass first exceeds ``uniform * total``. ``uniform`` is drawn by the caller
+    Sampling (when ``do_sample``), in llama.cpp's order: keep the ``top_k`` best (0 = all), then
+    the smallest prefix whose probability reaches ``top_p`` and the tokens at least ``min_p`` times
+    as likely as the best (0 = off), both judged on the model's own probabilities, then apply the
+    temperature to what is kept (GRAPH_VERSION 10; before, top_p judged the tempered ones), and
+    pick the token where the cumulative kept mass first exceeds ``uniform * total``. ``uniform`` is drawn by the caller
     from the request's seed, so a seeded request gives the same tokens on any pipeline.
 
     Controls: ``logit_adjust`` is added to the logits before the choice (greedy or sampled):
@@ -420,7 +423,8 @@ def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weig
          helper.make_tensor_value_info("num_top", INT64, [1]),
          helper.make_tensor_value_info("prompt_targets", INT64, ["target_rows", "targets"]),
          helper.make_tensor_value_info("repeat_ids", INT64, ["batch", "repeat"]),
-         helper.make_tensor_value_info("repeat_penalty", FLOAT, ["batch"])],
+         helper.make_tensor_value_info("repeat_penalty", FLOAT, ["batch"]),
+         helper.make_tensor_value_info("min_p", FLOAT, ["batch"])],
         [helper.make_tensor_value_info("next_token", INT64, ["batch"]),
          helper.make_tensor_value_info("token_logprob", FLOAT, ["batch"]),
          helper.make_tensor_value_info("top_ids", INT64, ["batch", "top"]),
@@ -540,11 +544,21 @@ def _sampling_branch(logits: str, vocab: int) -> onnx.GraphProto:
         n("Unsqueeze", ["s_k_eff", "s_ax1"], ["s_k_col"]),
         n("Less", ["s_rank", "s_k_col"], ["s_keep_k"]),
         n("Softmax", ["s_vals"], ["s_probs"], axis=-1),
-        n("CumSum", ["s_probs", "s_ax1_scalar"], ["s_cum"]),
-        n("Sub", ["s_cum", "s_probs"], ["s_before"]),
+        # top_p and min_p judge the model's own probabilities, before temperature (llama.cpp's
+        # sampler chain: top_k, top_p, min_p, then temperature), so its default values mean the same here
+        n("Mul", ["s_vals", "s_t"], ["s_raw_vals"]),
+        n("Softmax", ["s_raw_vals"], ["s_raw"], axis=-1),
+        n("CumSum", ["s_raw", "s_ax1_scalar"], ["s_cum"]),
+        n("Sub", ["s_cum", "s_raw"], ["s_before"]),
         n("Unsqueeze", ["top_p", "s_ax1"], ["s_p_col"]),
         n("Less", ["s_before", "s_p_col"], ["s_keep_p"]),
-        n("And", ["s_keep_k", "s_keep_p"], ["s_keep"]),
+        # min_p: keep what is at least min_p times as likely as the best (sorted: the first column)
+        n("Gather", ["s_raw", "s_first"], ["s_pmax"], axis=1),
+        n("Unsqueeze", ["min_p", "s_ax1"], ["s_minp_col"]),
+        n("Mul", ["s_pmax", "s_minp_col"], ["s_floor"]),
+        n("LessOrEqual", ["s_floor", "s_raw"], ["s_keep_m"]),
+        n("And", ["s_keep_k", "s_keep_p"], ["s_keep_kp"]),
+        n("And", ["s_keep_kp", "s_keep_m"], ["s_keep"]),
         n("Where", ["s_keep", "s_probs", "s_fzero"], ["s_kept"]),
         n("CumSum", ["s_kept", "s_ax1_scalar"], ["s_cum2"]),
         n("ReduceSum", ["s_kept", "s_ax1"], ["s_total"], keepdims=1),
@@ -558,7 +572,7 @@ def _sampling_branch(logits: str, vocab: int) -> onnx.GraphProto:
         n("GatherElements", ["s_idx", "s_choice_c"], ["s_tok"], axis=1),
         n("Squeeze", ["s_tok", "s_ax1"], ["sampled_token"]),
     ]
-    inits = [c("s_ax1", [1]), c("s_ax1_scalar", 1), c("s_zero", 0), c("s_one", 1), c("s_vocab", vocab),
+    inits = [c("s_ax1", [1]), c("s_ax1_scalar", 1), c("s_zero", 0), c("s_one", 1), c("s_vocab", vocab), c("s_first", [0]),
              numpy_helper.from_array(np.array(0.0, np.float32), "s_fzero")]
     return helper.make_graph(nodes, "sample", [], [helper.make_tensor_value_info("sampled_token", INT64, ["batch"])], inits)
 
@@ -748,7 +762,7 @@ def sampler_form(model: onnx.ModelProto) -> onnx.ModelProto:
 
     ``sampler_probs [rows, N]`` float and ``sampler_ids [rows, N]`` int64: the token ids in the
     sampler's order (best logit first) and their kept probabilities after temperature, ``top_k``
-    and ``top_p`` (zero past the kept prefix, not normalised: the sampler draws from
+    , ``top_p`` and ``min_p`` (zero past the kept prefix, not normalised: the sampler draws from
     ``probs / sum(probs)``); ``N`` is the batch's largest ``top_k`` (the vocabulary for 0). A
     greedy run (``do_sample`` false) gives its token with probability 1 (``N = 1``). These are the
     sampling branch's own tensors, so the distribution is the one ``next_token`` is drawn from,

@@ -39,7 +39,7 @@ Progress = Callable[[str, int, int], None]  # (phase, done, total); phases "hash
 INLINE_LIMIT = 1024  # tensors smaller than this stay inside the graph file
 CHUNK_WEIGHTS = 1 << 23  # weights converted at a time when streaming a tensor (bounds peak memory)
 DEFAULT_PRECISION = "native"
-DEFAULT_MAX_CONTEXT = 8192
+DEFAULT_MAX_CONTEXT = None  # the model's own context length (its rope tables are built for that many positions)
 
 
 def package_name(source: Path, precision: str) -> str:
@@ -64,13 +64,15 @@ def import_model(
     models_dir: str | Path,
     precision: str = DEFAULT_PRECISION,
     name: str | None = None,
-    max_context: int = DEFAULT_MAX_CONTEXT,
+    max_context: int | None = DEFAULT_MAX_CONTEXT,
     progress: Progress | None = None,
     measure_cost: bool = True,
 ) -> Path:
     """Write the package for ``source_path`` under ``models_dir`` and return its directory.
 
-    An existing package of the same name whose manifest names the same source hash is reused.
+    ``max_context``: the longest sequence the package holds (None: the model's own context
+    length; more than that is cut to it). An existing package of the same name whose manifest
+    names the same source hash and holds at least that context is reused.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -98,17 +100,19 @@ def import_model(
     models_dir = Path(models_dir)
     target = models_dir / (name or package_name(source_path, precision))
     source_hash = _cached_sha256(source_path, models_dir, progress) if source_path.is_file() else _folder_hash(source_path)
-    if (target / "manifest.json").is_file():
-        existing = Manifest.from_json((target / "manifest.json").read_text())
-        if existing.source.get("sha256") == source_hash and existing.source.get("graphs", 1) == graphs.GRAPH_VERSION:
-            return target  # (a package built with older unit graphs is rebuilt)
-    report = progress or (lambda *_: None)
     src = open_source(source_path)
     cfg: ModelConfig = src.config
+    context = cfg.context_length if max_context is None else min(max_context, cfg.context_length)
+    if (target / "manifest.json").is_file():
+        existing = Manifest.from_json((target / "manifest.json").read_text())
+        if (existing.source.get("sha256") == source_hash and existing.source.get("graphs", 1) == graphs.GRAPH_VERSION
+                and existing.max_context >= context):
+            return target  # (a package built with older unit graphs, or for a shorter context, is rebuilt)
+    report = progress or (lambda *_: None)
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=models_dir))
     try:
-        manifest = _write_package(src, cfg, tmp, target.name, precision, source_path, source_hash, min(max_context, cfg.context_length), report, measure_cost)
+        manifest = _write_package(src, cfg, tmp, target.name, precision, source_path, source_hash, context, report, measure_cost)
         (tmp / "manifest.json").write_text(manifest.to_json())
         if target.exists():
             shutil.rmtree(target)

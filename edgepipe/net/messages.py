@@ -381,7 +381,7 @@ class Forward(Wire):
         return made
 
 
-SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "uniform")
+SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "uniform", "min_p")  # min_p: heads of GRAPH_VERSION 10 on
 """The fields of a FORWARD entry's ``sampling`` every head reads (``runtime.controls`` writes them);
 the others (``logprobs``, ``top``, ``adjust``, ``mask``, ...) are extensions a head may lack."""
 
@@ -457,7 +457,7 @@ class Draft(Wire):
     keep: int
     k: int
     step: int  # the generated tokens before the ids' end: draft j samples with the target's draw for token step + j
-    sampling: Mapping | None = None  # {temperature, top_k, top_p, seed} of a sampled request; null: greedy
+    sampling: Mapping | None = None  # {temperature, top_k, top_p, seed[, min_p]} of a sampled request; null: greedy
     rule: bool | None = None  # with the distribution each draft was drawn from (the speculative-sampling rule's q)
     tensors: Mapping = field(default_factory=dict, compare=False, repr=False, metadata=TENSORS)  # ids: int32 [n]
 
@@ -779,7 +779,9 @@ def _draft(f: dict) -> Draft:
         if not (isinstance(sampling, Mapping) and all(_finite(sampling.get(n)) for n in ("temperature", "top_p"))
                 and _int(sampling.get("top_k")) and _int(sampling.get("seed"))):
             raise ProtocolError("draft: sampling must be {temperature, top_k, top_p, seed} numbers")
-        sampling = MappingProxyType({n: sampling[n] for n in ("temperature", "top_k", "top_p", "seed")})
+        if sampling.get("min_p") is not None and not (_finite(sampling["min_p"]) and 0 <= sampling["min_p"] <= 1):
+            raise ProtocolError("draft: sampling.min_p must be a number in [0, 1]")
+        sampling = MappingProxyType({n: sampling[n] for n in ("temperature", "top_k", "top_p", "seed", "min_p") if n in sampling})
     return Draft(_need_int(f["id"], "id"), seq, keep, k, step, sampling, bool(f["rule"]) if f.get("rule") is not None else None)
 
 

@@ -212,7 +212,7 @@ DOCS: dict[type, MessageDoc] = {
         "keep": "how many of the ids sent before for `seq` still stand (the tensor `ids` follows them)",
         "k": "drafts wanted (0: take the ids in only, a prompt)",
         "step": "tokens generated before the ids' end (draft j samples with the target's seeded draw for token step + j)",
-        "sampling": "`{temperature, top_k, top_p, seed}` of a sampled request; absent: greedy",
+        "sampling": "`{temperature, top_k, top_p, seed[, min_p]}` of a sampled request; absent: greedy",
         "rule": "send each draft's distribution (the speculative-sampling rule's q)",
     }, "`ids` (int32 `[n]`)"),
     messages.Drafted: MessageDoc("w→c (a drafter)", "the drafts", {

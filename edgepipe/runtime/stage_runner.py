@@ -168,6 +168,7 @@ class SamplingBatch:
     repeat_penalty: np.ndarray | None = None  # [B] float32 (1.0: a row without it)
     adjust_per_position: bool = False  # ``adjust`` has a row per head position of the one (verify) sequence
     want_sampler: bool = False  # keep the sampler's distribution (``StageRunner.last_sampler``): the sampling rule's p or q
+    min_p: np.ndarray | None = None  # [B] float32 (None: 0, off); fed to heads of GRAPH_VERSION 10 on
 
     @classmethod
     def greedy(cls, batch: int) -> "SamplingBatch":
@@ -193,13 +194,17 @@ class SamplingBatch:
                 raise ValueError(OLD_HEAD)
             adjust = logit_adjust(controls, vocab)
         repeat_ids, repeat_penalty = repeat_rows(s, vocab)
+        min_p = [v.get("min_p") or 0.0 for v in s]
+        if any(not isinstance(m, (int, float)) or isinstance(m, bool) or not 0 <= m <= 1 for m in min_p):
+            raise ValueError("sampling.min_p must be a number in [0, 1]")
         return cls(any(bool(v["do_sample"]) for v in s),
                    np.array([v["temperature"] for v in s], np.float32),
                    np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
                    np.array([v["top_p"] for v in s], np.float32),
                    np.array([u for v in s for u in (v["uniform"] if isinstance(v["uniform"], list) else [v["uniform"]])], np.float32),
                    adjust, num_top, None if targets[0] is None else np.array([targets[0]], np.int64), repeat_ids, repeat_penalty,
-                   per_position, any("drafts" in v for v in s))
+                   per_position, any("drafts" in v for v in s),
+                   np.array(min_p, np.float32) if any(min_p) else None)
 
     @property
     def wants_head_extras(self) -> bool:
@@ -207,7 +212,8 @@ class SamplingBatch:
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {"do_sample": np.array(self.do_sample), "temperature": self.temperature, "top_k": self.top_k,
-                "top_p": self.top_p, "uniform": self.uniform}
+                "top_p": self.top_p, "uniform": self.uniform,
+                "min_p": np.zeros(len(self.temperature), np.float32) if self.min_p is None else self.min_p}
 
 
 def repeat_rows(entries: list[dict], vocab: int | None) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -519,6 +525,7 @@ class StageRunner:
         # A head built before logprobs/controls (GRAPH_VERSION 1) lacks these: plain requests still run on it.
         self.head_controls = self.emits_tokens and "logit_adjust" in inputs
         self.head_repeat = self.emits_tokens and "repeat_ids" in inputs  # GRAPH_VERSION 8 heads
+        self.head_min_p = self.emits_tokens and "min_p" in inputs  # GRAPH_VERSION 10 heads
         self.vocab = int(inputs["logit_adjust"].shape[1]) if self.head_controls else None
         self._extra_outputs = HEAD_EXTRA_OUTPUTS if self.head_controls else ()
         self._no_adjust = np.zeros((1, self.vocab or 0), np.float32)
@@ -722,6 +729,10 @@ class StageRunner:
         if self.emits_tokens:
             batch = sampling or SamplingBatch.greedy(len(seqs))
             for name, arr in batch.feeds().items():
+                if name == "min_p" and not self.head_min_p:
+                    if batch.do_sample and batch.min_p is not None and batch.min_p.any():
+                        raise ValueError("this head cannot apply min_p (built before GRAPH_VERSION 10: re-import the model)")
+                    continue
                 if arr.ndim and not in_order:
                     full = np.zeros(n, arr.dtype) if name != "temperature" and name != "top_p" else np.ones(n, arr.dtype)
                     full[np.array(rows) - lo] = arr

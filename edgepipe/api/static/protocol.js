@@ -92,7 +92,7 @@ self.EdgepipeProtocol = (function freeze(value) {
   },
   "RETRYABLE": ["corrupt_input", "no_stage", "prefix_miss", "unreachable"],
   "DTYPES": ["bool", "float16", "float32", "int32", "int64", "uint8"],
-  "SAMPLING_FIELDS": ["do_sample", "temperature", "top_k", "top_p", "uniform"],
+  "SAMPLING_FIELDS": ["do_sample", "temperature", "top_k", "top_p", "uniform", "min_p"],
   "LIMITS": {
     "MAX_HEADER_BYTES": 1048576,
     "MAX_DECODE_BATCH": 256,

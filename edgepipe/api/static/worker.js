@@ -312,6 +312,9 @@
         feeds.top_k = new ort.Tensor("int64", BigInt64Array.of(BigInt(s.do_sample ? Math.trunc(s.top_k) : 1)), [1]);
         feeds.top_p = new ort.Tensor("float32", Float32Array.of(s.top_p), [1]);
         feeds.uniform = new ort.Tensor("float32", Float32Array.of(s.uniform), [1]);
+        if (this.session.inputNames.includes("min_p")) { // heads of GRAPH_VERSION 10 on; absent from the wire: 0 (off)
+          feeds.min_p = new ort.Tensor("float32", Float32Array.of(s.do_sample ? Number(s.min_p || 0) : 0), [1]);
+        } else if (s.do_sample && s.min_p) throw coded("this head cannot apply min_p (built before GRAPH_VERSION 10)", "bad_input");
         if (this.headControls) Object.assign(feeds, this.headControls(s, added));
       }
       const out = await this.session.run(feeds);

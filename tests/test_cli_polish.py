@@ -103,7 +103,7 @@ def test_import_then_generate_by_stem_ends_its_text_with_one_newline(tmp_path):
     assert imported.returncode == 0, imported.stderr
     assert imported.stdout.startswith("qwen15-native: ")
     assert "importing units: 32/32, done in" in imported.stderr  # progress as plain lines: stderr is a pipe
-    generated = edgepipe("generate", "-m", "qwen15", "-n", "3", "--raw", "The sky is", home=home)
+    generated = edgepipe("generate", "-m", "qwen15", "-n", "3", "-t", "0", "--raw", "The sky is", home=home)
     assert generated.returncode == 0, generated.stderr
     assert generated.stdout.endswith("\n") and not generated.stdout.endswith("\n\n") and generated.stdout.strip(), repr(generated.stdout)
     assert re.search(r"3 generated", generated.stderr), generated.stderr

@@ -93,7 +93,7 @@ def test_the_commands_for_another_machine():
 @pytest.mark.slow
 def test_a_second_machine_installs_from_the_coordinator_and_joins(home, native_pkg, tmp_path):
     env = {**os.environ, "EDGEPIPE_HOME": str(home), "EDGEPIPE_DIST_CACHE": str(tmp_path / "dist")}
-    serve = subprocess.Popen([sys.executable, "-m", "edgepipe", "serve", "--host", "0.0.0.0", "--port", "0", "--workers", "0",
+    serve = subprocess.Popen([sys.executable, "-m", "edgepipe", "serve", "--model", "smollm2", "--host", "0.0.0.0", "--port", "0", "--workers", "0",
                               "--join-token", "t0ken", "--no-advertise", "--capacity-wait", "120"],
                              env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)

@@ -72,7 +72,7 @@ class ProbeHost:
         self.coord = Coordinator(pkg, CoordinatorSettings(min_workers=1_000_000, calibrate=False, load_timeout_s=600))
         app = create_app(self.coord, pkg)
         if not any(getattr(r, "path", None) == "/worker" for r in app.routes):  # until create_app mounts them itself
-            app.router.routes.extend(browser_routes.routes)
+            app.router.routes.extend(e.route() for e in browser_routes.routes)
         import uvicorn
 
         sock = bind_socket("127.0.0.1", 0)

@@ -400,7 +400,7 @@ def report(results: list[dict], args, run: Conditions, started: str | None = Non
                   f"load average after each scenario: {'; '.join(r.get('loadavg_after', '?') for r in results)} · "
                   f"shared noisy 2-core machine: worker restarts (Python start ~1-2 s CPU), calibration and the client share the CPU")
     lines = ["# Availability under worker churn (seed 003 §6.5, table 6.8)", "", conditions, "",
-             "| scenario | memory/worker (emulated) | needed | Down s | Preparing s | Committing s | Up s | coordinator not answering s | availability | seed 003 | goal | met |",
+             "| scenario | memory budget/worker | needed | Down s | Preparing s | Committing s | Up s | coordinator not answering s | availability | seed 003 | goal | met |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["state_seconds"]

@@ -9,7 +9,7 @@ SIGKILLs the worker of one pipeline stage right after chunk ``--kill-at`` arrive
 - whether the streamed text equals the single-process reference (``edgepipe.runtime.local``),
 - whether a ``spare`` event (files of a plan avoiding one stage's worker prefetched) preceded the kill.
 
-Placement ``planner`` (default): every worker gets an emulated memory budget (``--memory``, default
+Placement ``planner`` (default): every worker gets a memory budget (``--memory``, default
 250MB) under the ~293 MB the whole model needs with the planner's accounting, so the plan must
 pipeline over >= 2 workers; the victim is the stage worker that the prefetched spare plan avoids.
 Placement ``memory``: layers split over all 3 workers in proportion to memory (no spare plan

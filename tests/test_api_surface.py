@@ -16,7 +16,7 @@ import pytest
 
 from harness import Server
 
-CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8}
+CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8, "temperature": 0}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}},
@@ -56,9 +56,10 @@ MALFORMED = [
     ("chat", {**CHAT, "temperature": "hot"}, "temperature"),
     ("chat", {**CHAT, "temperature": True}, "temperature"),
     ("chat", {**CHAT, "top_p": 0}, "top_p"),
+    ("chat", {**CHAT, "min_p": 1.5}, "min_p"),
     ("chat", {**CHAT, "max_tokens": 0}, "max_tokens"),
     ("chat", {**CHAT, "max_tokens": 1.5}, "max_tokens"),
-    ("chat", {**CHAT, "max_tokens": 10**6}, "max_tokens"),
+    ("chat", {**CHAT, "max_tokens": 2**53}, "max_tokens"),  # (10**6 is clamped to the context, as llama-server does)
     ("chat", {**CHAT, "n": 0}, "n"),
     ("chat", {**CHAT, "stop": [f"s{i}" for i in range(17)]}, "stop"),
     ("chat", {**CHAT, "stop": [""]}, "stop"),
@@ -147,20 +148,43 @@ def test_random_seed_is_reported_and_replays(server):
     assert replay["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
 
 
+def test_sampling_by_default_greedy_one_field_away(server):
+    """Issue 42: a request without sampling fields samples with llama-server's defaults (a seed
+    reported, which replays it); ``temperature: 0`` is greedy and reports no seed."""
+    body = {"messages": [{"role": "user", "content": "Write a line about the sea."}], "max_tokens": 12}
+
+    def post(**patch) -> dict:
+        r = server.client.post("/v1/chat/completions", json={**body, **patch})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    text = lambda r: r["choices"][0]["message"]["content"]  # noqa: E731
+    sampled = [post() for _ in range(3)]
+    seeds = [r["seed"] for r in sampled]
+    assert all(isinstance(x, int) for x in seeds) and len(set(seeds)) == 3
+    assert len({text(r) for r in sampled}) > 1  # not greedy
+    assert text(post(seed=seeds[0])) == text(sampled[0])  # the reported seed replays it
+    # the defaults are llama-server's: naming them gives the same tokens for the same seed, other values others
+    assert text(post(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seeds[0])) == text(sampled[0])
+    greedy = [post(temperature=0) for _ in range(2)]
+    assert "seed" not in greedy[0] and text(greedy[0]) == text(greedy[1])
+    assert post(temperature=0, seed=5)["seed"] == 5  # a seed given is reported, greedy or not
+
+
 def test_prompts_as_lists_and_token_ids(server):
     c = server.client
-    text = c.post("/v1/completions", json={"prompt": "The sky is", "max_tokens": 5, "return_token_ids": True}).json()
-    ids = c.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 1}).json()
-    both = c.post("/v1/completions", json={"prompt": ["The sky is", "The capital of France is"], "max_tokens": 5}).json()
+    text = c.post("/v1/completions", json={"prompt": "The sky is", "max_tokens": 5, "return_token_ids": True, "temperature": 0}).json()
+    ids = c.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}).json()
+    both = c.post("/v1/completions", json={"prompt": ["The sky is", "The capital of France is"], "max_tokens": 5, "temperature": 0}).json()
     assert [ch["index"] for ch in both["choices"]] == [0, 1]
     assert both["choices"][0]["text"] == text["choices"][0]["text"]
     from edgepipe.model.store import resolve
 
     tok = resolve("smollm2", "native").tokenizer
     prompt_ids = tok.encode("The sky is")
-    by_ids = c.post("/v1/completions", json={"prompt": prompt_ids, "max_tokens": 5}).json()
+    by_ids = c.post("/v1/completions", json={"prompt": prompt_ids, "max_tokens": 5, "temperature": 0}).json()
     assert by_ids["choices"][0]["text"] == text["choices"][0]["text"]
-    lists = c.post("/v1/completions", json={"prompt": [prompt_ids, tok.encode("The capital of France is")], "max_tokens": 5, "n": 2}).json()
+    lists = c.post("/v1/completions", json={"prompt": [prompt_ids, tok.encode("The capital of France is")], "max_tokens": 5, "n": 2, "temperature": 0}).json()
     assert len(lists["choices"]) == 4 and lists["choices"][1]["text"] == text["choices"][0]["text"]
     assert lists["usage"]["prompt_tokens"] == len(prompt_ids) + ids["usage"]["prompt_tokens"]
 
@@ -178,21 +202,22 @@ def test_tool_round_trip_with_openai_sdk(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    first = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, max_tokens=16,
+    first = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, max_tokens=16, temperature=0,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     call = choice.message.tool_calls[0]
     assert call.function.name == "get_weather" and call.id.startswith("call_")
-    required = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, max_tokens=16, tool_choice="required")
+    required = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, max_tokens=16, tool_choice="required",
+                                              temperature=0)
     assert required.choices[0].message.tool_calls[0].function.name in ("get_weather", "get_time")
     messages += [choice.message.model_dump(exclude_none=True),
                  {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18, "sky": "sunny"}'}]
-    second = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, max_tokens=6, tool_choice="none")
+    second = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, max_tokens=6, tool_choice="none", temperature=0)
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
     # the same forced call, streamed: the SDK accumulates the tool-call deltas
     stream = client.chat.completions.create(model="smollm2", messages=messages[:1], tools=TOOLS, max_tokens=16, stream=True,
-                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                                            temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     names, args, finish = [], "", None
     for chunk in stream:
         for ch in chunk.choices:

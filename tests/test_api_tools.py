@@ -218,3 +218,67 @@ def test_held_calls_send_text_until_a_call_opens():
     named = S.NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_time"}})
     forced = tools.HeldCalls(tools.render(None, plain, USER, TOOLS, named))
     assert forced.feed("{}}") == "" and forced.finish()[0].tool_calls
+
+
+# -- calls written as bare JSON, without the markers (issue 42: Qwen2.5-Coder under "auto") ---------
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+           "required": ["city"], "additionalProperties": False}
+JSON_TOOLS = [S.Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}),
+              S.Tool.model_validate({"type": "function", "function": {"name": "get_time"}})]
+
+
+def auto_prompt():
+    return tools.render(None, plain, USER, JSON_TOOLS, "auto")
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("text,content", [
+    ('```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', None),
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}', None),
+    ('  {"name": "get_weather", "parameters": {"city": "Paris"}}\n', None),  # Llama 3.1's spelling
+    ('I will check.\n```\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', "I will check."),
+    ('```json\n[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]\n```', None),
+])
+def test_a_call_written_as_json_is_a_call(text, content):
+    out = tools.parse(text, auto_prompt())
+    assert out.content == content and out.tool_calls, out
+    first = out.tool_calls[0]
+    assert first["function"]["name"] == "get_weather" and json.loads(first["function"]["arguments"]) == {"city": "Paris"}
+    assert first["id"].startswith("call_") and first["type"] == "function"
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("text", [
+    '{"name": "get_weather", "arguments": {"town": "Paris"}}',  # not the schema: required city missing, town not allowed
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": 0}}',  # minimum 1
+    '{"name": "get_wether", "arguments": {"city": "Paris"}}',  # not a declared tool
+    '{"name": "get_weather", "arguments": {"city": "Paris"}, "note": "extra"}',  # not the call's shape
+    'Try {"name": "get_weather", "arguments": {"city": "Paris"}} yourself.',  # inside a sentence: an example, not a call
+    '```json\n{"city": "Paris"}\n```',  # some JSON, no call
+    '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "nope", "arguments": {}}]',  # a list is all calls or none
+])
+def test_json_that_is_not_a_valid_call_stays_text(text):
+    assert tools.parse(text, auto_prompt()) == tools.ParsedOutput(text)
+
+
+@pytest.mark.pure
+def test_json_calls_only_under_auto():
+    named = tools.render(None, plain, USER, JSON_TOOLS, "none")
+    assert tools.parse('{"name": "get_weather", "arguments": {"city": "Paris"}}', named).tool_calls == []
+
+
+@pytest.mark.pure
+def test_streamed_json_call_is_held_and_plain_code_flows():
+    held = tools.HeldCalls(auto_prompt())
+    pieces = ["Sure", ".\n", "``", "`json\n", '{"name": "get_weather", ', '"arguments": {"city": "Paris"}}', "\n```"]
+    assert [held.feed(p) for p in pieces] == ["Sure", ".\n", "", "", "", "", ""]
+    parsed, rest = held.finish()
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["get_weather"] and rest == "" and parsed.content == "Sure."
+    code = tools.HeldCalls(auto_prompt())
+    sent = [code.feed(p) for p in ["Here:\n", "```", "python\n", "print(1)\n", "```\n", "Done."]]
+    assert "".join(sent) == "Here:\n```python\nprint(1)\n```\nDone." and sent[3]  # released once the block is not JSON
+    assert code.finish() == (tools.ParsedOutput("Here:\n```python\nprint(1)\n```\nDone."), "")
+    almost = tools.HeldCalls(auto_prompt())
+    assert almost.feed('{"name": "get_weather", "arguments": {"town": 1}}') == ""
+    parsed, rest = almost.finish()  # not a valid call: the held text goes out as content at the end
+    assert parsed.tool_calls == [] and rest == '{"name": "get_weather", "arguments": {"town": 1}}'

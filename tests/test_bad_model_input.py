@@ -92,5 +92,5 @@ def test_prompt_longer_than_context(native_pkg, home):
     import_model(bundled_gguf(), home / "models", "native", name="smollm2-ctx64", max_context=64, measure_cost=False)
     result = cli("generate", "word " * 80, "--model", "smollm2-ctx64", "-n", "4", home=home)
     assert_one_line_error(result, "exceeds the context of 64")
-    result = cli("generate", "hi", "-n", "100000", home=home)
+    result = cli("generate", "hi", "-m", "smollm2", "-n", "100000", home=home)
     assert_one_line_error(result, "exceeds the context")

@@ -304,12 +304,15 @@ def test_a_graph_built_twice_keeps_one_runner_and_its_kv(int4_pkg, monkeypatch):
 
 
 # -- the simulation -------------------------------------------------------------------------------
-def _schedule(memory_units: int, workers: int, faults, at: float = 5.0):
+def _schedule(memory_units: int, workers: int, faults, at: float = 5.0, first_units: int | None = None):
+    """``first_units``: the first worker's memory, where it differs (in units with their KV room)."""
     from edgepipe.cluster.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM
     from edgepipe.cluster.simrun import Req, Schedule
 
     memory = memory_units * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES
-    return Schedule(7, (memory,) * workers, (0.0,) * workers, (Req(at, (1, 2, 3), 40), Req(at + 0.2, (4, 5), 40)), tuple(faults))
+    first = memory if first_units is None else first_units * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES
+    return Schedule(7, (first,) + (memory,) * (workers - 1), (0.0,) * workers, (Req(at, (1, 2, 3), 40), Req(at + 0.2, (4, 5), 40)),
+                    tuple(faults))
 
 
 # Three workers: w1-n0 serves alone from 4.4 s (slowed 10x at 4.5 s, so the requests are long),
@@ -336,13 +339,15 @@ def test_sim_a_checkpoint_voided_by_a_prepare_on_its_holder_is_not_resumed(caplo
     """Later requests: q0 is checkpointed on the spare, then the throughput plan being prepared
     gives its holder w2-n2 another stage (it drops its spare session, the checkpoint in it), and
     the server dies before that plan is up. The recovery onto the spare replays whole: no
-    sequence resumes on KV that is gone (no frame refused for it), and the tokens stay exact."""
+    sequence resumes on KV that is gone (no frame refused for it), and the tokens stay exact.
+    The server has room for its next stage beside the eight units it runs (14 units): a plan it
+    could not load beside them is not prepared at all (issue 42)."""
     import logging
 
     from edgepipe.cluster.simrun import Fault, run
 
     caplog.set_level(logging.INFO, logger="edgepipe.coordinator")
-    report = run(_schedule(9, 3, [Fault("slow", 7.0, 0, factor=10.0), Fault("kill", 11.0, 0)], at=7.8))
+    report = run(_schedule(9, 3, [Fault("slow", 7.0, 0, factor=10.0), Fault("kill", 11.0, 0)], at=7.8, first_units=14))
     assert not report.violations, report.violations
     lines = [r.args for r in caplog.records if r.name == "edgepipe.coordinator" and isinstance(r.args, tuple) and len(r.args) == 2]
     kinds = [kind for kind, _ in lines]

@@ -25,7 +25,7 @@ from harness import Server, free_port
 
 PROMPT = "Name three colours."
 N_TOKENS = 12
-DOWNLOADED = re.compile(r"plan -?\d+: downloaded \d+ bytes")  # the worker's log line for every download
+DOWNLOADED = re.compile(r"(plan \d+|calibration): downloaded \d+ bytes")  # the worker's log line for every download
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ class Coordinator:
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "edgepipe", "serve", "--workers", "0", "--min-workers", "2", "--port", str(port),
-                                      "--placement", "memory", "--no-advertise"], env={**os.environ, "EDGEPIPE_HOME": str(home)},
+                                      "--placement", "memory", "--model", "smollm2", "--no-advertise"], env={**os.environ, "EDGEPIPE_HOME": str(home)},
                                      stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def status(self) -> dict:

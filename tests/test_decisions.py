@@ -3,6 +3,8 @@ switch or stay, resume or replay. (Abandon and blame: ``membership``, in test_si
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from edgepipe.cluster import deploy
@@ -157,8 +159,9 @@ def test_the_variant_and_device_a_worker_is_sent_come_from_its_declaration():
         precision, units = "int4", ()
 
     st = S.apply(S.ClusterState(), S.WorkerJoined("g", "g", Hello.from_fields({"memory_bytes": 1, "precision": "fp32", "device": "gpu"}), 0.0))
-    assert deploy.precision_of(st, "g", Manifest, "int8") == "fp32" and deploy.computes_on_gpu(st, "g")
-    assert deploy.precision_of(st, "gone", Manifest, "int8") == "int8" and not deploy.computes_on_gpu(st, "gone")
+    settings = types.SimpleNamespace(precision="int8", speculative=True, batch_invariant=False)
+    assert deploy.stage_form(st, "g", Manifest, settings) == deploy.StageForm("fp32", gpu=True, verify=True)
+    assert deploy.stage_form(st, "gone", Manifest, settings) == deploy.StageForm("int8", gpu=False, verify=True)
 
 
 # -- the dashboard's lines come from the event log ------------------------------------------------

@@ -194,7 +194,7 @@ def test_slowdown_from_cpu_time_does_not_multiply_waiting_for_a_core():
 
 def test_memory_budget_names_what_did_not_fit_and_the_numbers():
     budget = MemoryBudget.of("1GB")
-    assert budget.emulated and "emulated" in budget.label()
+    assert not budget.emulated and budget.label() == "memory budget 1 GB"  # a budget the user chose is a budget
     budget.check(600_000_000, "layers 0-11")
     budget.check(400_000_000, "KV cache", in_use_bytes=600_000_000)  # exactly full is fine
     with pytest.raises(MemoryBudgetExceeded) as refused:

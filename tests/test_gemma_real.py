@@ -63,7 +63,7 @@ def reference(pkg, ids: list[int], n: int) -> list[int]:
 
 def test_generate_cli_answers(gemma_home):
     out = subprocess.run([sys.executable, "-m", "edgepipe", "generate", "-m", NAME, "--home", str(gemma_home), "-n", "8",
-                          "--raw", QUESTION], capture_output=True, text=True, timeout=300)
+                          "-t", "0", "--raw", QUESTION], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 

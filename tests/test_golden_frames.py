@@ -204,7 +204,7 @@ class GoldenServer:
                 self.done.set()
                 await StarletteChannel(ws).close()
 
-        app = Starlette(routes=[*browser_routes.routes, Route("/v1/blobs/{sha}", blob), WebSocketRoute("/v1/worker", coordinator)])
+        app = Starlette(routes=[*(e.route() for e in browser_routes.routes), Route("/v1/blobs/{sha}", blob), WebSocketRoute("/v1/worker", coordinator)])
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"

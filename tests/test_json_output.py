@@ -51,7 +51,7 @@ def test_twenty_sampled_answers_validate(client):
 
 
 def test_json_object_parses_streaming_and_not(client):
-    r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=96, response_format={"type": "json_object"})
+    r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=96, temperature=0, response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     stream = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=48, temperature=1.0, seed=3, stream=True,
@@ -64,7 +64,7 @@ def test_completions_take_response_format_and_length_ends_early(client):
     r = client.completions.create(model="smollm2", prompt="A person as JSON:", max_tokens=48, temperature=1.0, seed=5,
                                   extra_body={"response_format": FORMAT})
     assert jsonschema_rs.validator_for(PERSON).is_valid(json.loads(r.choices[0].text)), r.choices[0].text
-    short = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=3, response_format=FORMAT)
+    short = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=3, temperature=0, response_format=FORMAT)
     assert short.choices[0].finish_reason == "length" and short.choices[0].message.content.startswith("{")
 
 
@@ -100,7 +100,7 @@ def test_invalid_schema_is_a_400_before_admission(server, fmt, words):
 def test_ollama_format_json_and_schema(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         r = c.post("/api/chat", json={"model": "smollm2", "messages": ASK, "stream": False, "format": "json",
-                                      "options": {"num_predict": 96}})
+                                      "options": {"num_predict": 96, "temperature": 0}})
         assert r.status_code == 200, r.text
         assert isinstance(json.loads(r.json()["message"]["content"]), dict)
         r = c.post("/api/generate", json={"model": "smollm2", "prompt": "A person:", "stream": False, "format": PERSON,

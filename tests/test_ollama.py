@@ -28,7 +28,7 @@ def client(server):
 
 
 def openai_chat(server, **body) -> dict:
-    r = server.client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer sekrit"})
+    r = server.client.post("/v1/chat/completions", json={"temperature": 0, **body}, headers={"Authorization": "Bearer sekrit"})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -44,9 +44,9 @@ def test_list_show_version(server, client):
 
 def test_chat_streaming_and_not_match_openai(server, client):
     name = client.list().models[0].model
-    whole = client.chat(model=name, messages=QUESTION, options={"num_predict": 12})
+    whole = client.chat(model=name, messages=QUESTION, options={"temperature": 0, "num_predict": 12})
     assert whole.done and whole.done_reason in ("stop", "length") and whole.eval_count >= 1
-    pieces = list(client.chat(model=name, messages=QUESTION, stream=True, options={"num_predict": 12}))
+    pieces = list(client.chat(model=name, messages=QUESTION, stream=True, options={"temperature": 0, "num_predict": 12}))
     assert pieces[-1].done and not any(p.done for p in pieces[:-1])
     assert "".join(p.message.content for p in pieces) == whole.message.content
     reference = openai_chat(server, messages=QUESTION, max_tokens=12)
@@ -55,29 +55,29 @@ def test_chat_streaming_and_not_match_openai(server, client):
 
 def test_generate_with_options(server, client):
     name = client.list().models[0].model
-    raw = client.generate(model=name, prompt="The sky is", raw=True, options={"num_predict": 6})
+    raw = client.generate(model=name, prompt="The sky is", raw=True, options={"temperature": 0, "num_predict": 6})
     assert raw.response and raw.eval_count == 6 and raw.done_reason == "length"
     assert raw.context is None  # as Ollama: raw mode returns no context
     streamed = "".join(p.response for p in client.generate(model=name, prompt="The sky is", raw=True, stream=True,
-                                                           options={"num_predict": 6}))
+                                                           options={"temperature": 0, "num_predict": 6}))
     assert streamed == raw.response
     sampled = [client.generate(model=name, prompt="Once upon a time", raw=True,
                                options={"num_predict": 10, "temperature": 1.0, "seed": 3, "top_k": 40, "top_p": 0.9}).response
                for _ in range(2)]
     assert sampled[0] == sampled[1]
     words = raw.response.split()
-    stopped = client.generate(model=name, prompt="The sky is", raw=True, options={"num_predict": 6, "stop": [words[-1]]})
+    stopped = client.generate(model=name, prompt="The sky is", raw=True, options={"temperature": 0, "num_predict": 6, "stop": [words[-1]]})
     assert words[-1] not in stopped.response and stopped.done_reason == "stop"
-    templated = client.generate(model=name, prompt="Name three colours.", options={"num_predict": 12})
-    assert templated.response == client.chat(model=name, messages=QUESTION, options={"num_predict": 12}).message.content
+    templated = client.generate(model=name, prompt="Name three colours.", options={"temperature": 0, "num_predict": 12})
+    assert templated.response == client.chat(model=name, messages=QUESTION, options={"temperature": 0, "num_predict": 12}).message.content
     assert len(templated.context) == templated.prompt_eval_count + templated.eval_count
 
 
 def test_penalties_as_openai(server, client):
     """Ollama's presence/frequency penalties mean what OpenAI's do: the same greedy text."""
     name = client.list().models[0].model
-    plain = client.chat(model=name, messages=QUESTION, options={"num_predict": 16}).message.content
-    penalised = client.chat(model=name, messages=QUESTION, options={"num_predict": 16, "frequency_penalty": 2.0,
+    plain = client.chat(model=name, messages=QUESTION, options={"temperature": 0, "num_predict": 16}).message.content
+    penalised = client.chat(model=name, messages=QUESTION, options={"temperature": 0, "num_predict": 16, "frequency_penalty": 2.0,
                                                                     "presence_penalty": 1.0}).message.content
     reference = openai_chat(server, messages=QUESTION, max_tokens=16, frequency_penalty=2.0, presence_penalty=1.0)
     assert penalised == reference["choices"][0]["message"]["content"] and penalised != plain
@@ -94,10 +94,10 @@ def test_repeat_penalty_is_llama_cpps_and_exact_through_the_workers(server, clie
     from edgepipe.runtime.sequence import GenerationParams
 
     name = client.list().models[0].model
-    plain = client.generate(model=name, prompt="Say cat cat cat cat cat cat.", options={"num_predict": 20})
-    penalised = client.generate(model=name, prompt="Say cat cat cat cat cat cat.", options={"num_predict": 20, "repeat_penalty": 1.5,
+    plain = client.generate(model=name, prompt="Say cat cat cat cat cat cat.", options={"temperature": 0, "num_predict": 20})
+    penalised = client.generate(model=name, prompt="Say cat cat cat cat cat cat.", options={"temperature": 0, "num_predict": 20, "repeat_penalty": 1.5,
                                                                                           "repeat_last_n": 32})
-    same = client.generate(model=name, prompt="Say cat cat cat cat cat cat.", options={"num_predict": 20, "repeat_penalty": 1.0})
+    same = client.generate(model=name, prompt="Say cat cat cat cat cat cat.", options={"temperature": 0, "num_predict": 20, "repeat_penalty": 1.0})
     assert penalised.response != plain.response and same.response == plain.response
     tok = native_pkg.tokenizer
     ids = tok.encode(tok.format_chat([{"role": "user", "content": "Say cat cat cat cat cat cat."}]))
@@ -134,11 +134,11 @@ def test_errors_in_ollama_shape(server, client):
 def test_raw_sends_the_prompt_as_it_is(server, client, native_pkg):
     """raw: the prompt is not wrapped in the template: the template's own text sent raw gives the templated answer."""
     name = client.list().models[0].model
-    templated = client.generate(model=name, prompt="Name three colours.", options={"num_predict": 10})
+    templated = client.generate(model=name, prompt="Name three colours.", options={"temperature": 0, "num_predict": 10})
     rendered = native_pkg.tokenizer.format_chat([{"role": "user", "content": "Name three colours."}])
-    raw = client.generate(model=name, prompt=rendered, raw=True, options={"num_predict": 10})
+    raw = client.generate(model=name, prompt=rendered, raw=True, options={"temperature": 0, "num_predict": 10})
     assert raw.response == templated.response and raw.context is None and templated.context
-    unwrapped = client.generate(model=name, prompt="Name three colours.", raw=True, options={"num_predict": 10})
+    unwrapped = client.generate(model=name, prompt="Name three colours.", raw=True, options={"temperature": 0, "num_predict": 10})
     assert unwrapped.prompt_eval_count < templated.prompt_eval_count  # no template around it
 
 
@@ -151,7 +151,7 @@ def test_format_schema_with_the_client(client):
                         options={"num_predict": 48, "temperature": 1.0, "seed": seed})
         assert r.done_reason == "stop" and jsonschema_rs.validator_for(person).is_valid(json.loads(r.message.content)), r.message.content
     # (a prompt with a short answer: asked for "A JSON object:", the greedy 135M model nests keys past any limit)
-    r = client.generate(model=name, prompt="What is the capital of France? Answer in JSON.", format="json", options={"num_predict": 48})
+    r = client.generate(model=name, prompt="What is the capital of France? Answer in JSON.", format="json", options={"temperature": 0, "num_predict": 48})
     assert r.done_reason == "stop" and isinstance(json.loads(r.response), dict), r.response
 
 
@@ -179,7 +179,7 @@ def test_keep_alive_and_ps(client):
         assert len(models) <= 1
         return (models[0].expires_at - datetime.now(timezone.utc)).total_seconds() if models else None
 
-    client.generate(model=name, prompt="hi", options={"num_predict": 2}, keep_alive="10m")
+    client.generate(model=name, prompt="hi", options={"temperature": 0, "num_predict": 2}, keep_alive="10m")
     running = client.ps().models[0]
     assert running.model == name and running.context_length and running.details.parameter_size == "134.52M"
     assert 540 < expires_in() <= 600
@@ -187,9 +187,9 @@ def test_keep_alive_and_ps(client):
     assert expires_in() is None  # unloaded: not running
     assert client.generate(model=name, keep_alive=-1).done_reason == "load"
     assert expires_in() > 100 * 365 * 86400  # for ever
-    client.chat(model=name, messages=QUESTION, options={"num_predict": 2}, keep_alive=90)
+    client.chat(model=name, messages=QUESTION, options={"temperature": 0, "num_predict": 2}, keep_alive=90)
     assert 30 < expires_in() <= 90
-    client.chat(model=name, messages=QUESTION, options={"num_predict": 2})  # the default: 5 minutes
+    client.chat(model=name, messages=QUESTION, options={"temperature": 0, "num_predict": 2})  # the default: 5 minutes
     assert 240 < expires_in() <= 300
     with pytest.raises(ollama.ResponseError) as info:
         client.generate(model=name, prompt="hi", keep_alive="soon")

@@ -14,6 +14,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from edgepipe.api.app import ENDPOINTS
 from edgepipe.api.openapi import document
 from harness import Server
 
@@ -21,7 +22,7 @@ schemathesis = pytest.importorskip("schemathesis")
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
-DOC = document()
+DOC = document(ENDPOINTS)
 
 
 def shrink(node):

@@ -55,7 +55,7 @@ def head_before():
     vi = helper.make_tensor_value_info
     return session(g.model([vi("hidden.2", graphs.FLOAT, ["batch", "seq", H]), vi("do_sample", graphs.BOOL, []),
                             vi("temperature", graphs.FLOAT, ["batch"]), vi("top_k", graphs.INT64, ["batch"]),
-                            vi("top_p", graphs.FLOAT, ["batch"]), vi("uniform", graphs.FLOAT, ["batch"])],
+                            vi("top_p", graphs.FLOAT, ["batch"]), vi("uniform", graphs.FLOAT, ["batch"]), vi("min_p", graphs.FLOAT, ["batch"])],
                            [vi("next_token", graphs.INT64, ["batch"])], "head_before"))
 
 
@@ -70,14 +70,14 @@ def log_softmax(z: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
-def feeds(x, do_sample=False, temperature=1.0, top_k=0, top_p=1.0, uniform=0.5, adjust=None, top=0, targets=None) -> dict:
+def feeds(x, do_sample=False, temperature=1.0, top_k=0, top_p=1.0, uniform=0.5, adjust=None, top=0, targets=None, min_p=0.0) -> dict:
     B = x.shape[0]
     return {"hidden.2": x.astype(np.float32), "do_sample": np.array(do_sample), "temperature": np.full(B, temperature, np.float32),
             "top_k": np.full(B, top_k, np.int64), "top_p": np.full(B, top_p, np.float32),
             "uniform": np.full(B, uniform, np.float32) if np.isscalar(uniform) else np.asarray(uniform, np.float32),
             "logit_adjust": np.zeros((1, V), np.float32) if adjust is None else adjust.astype(np.float32),
             "num_top": np.array([top], np.int64), "prompt_targets": np.zeros((1, 0), np.int64) if targets is None else targets,
-            "repeat_ids": np.zeros((B, 0), np.int64), "repeat_penalty": np.ones(B, np.float32)}
+            "repeat_ids": np.zeros((B, 0), np.int64), "repeat_penalty": np.ones(B, np.float32), "min_p": np.full(B, min_p, np.float32)}
 
 
 def run(sess, f: dict) -> dict:
@@ -97,6 +97,35 @@ def test_no_adjustment_picks_what_the_head_before_picked(head, head_before):
             assert got.tolist() == numpy_logits(x)[:, -1].argmax(-1).tolist()
         # a dense all-zero [B, V] adjustment is the same as none
         assert run(head, feeds(x, adjust=np.zeros((3, V)), **kw))["next_token"].tolist() == got.tolist()
+
+
+def test_min_p_keeps_what_is_that_likely_relative_to_the_best(head):
+    """min_p (llama-server's default 0.05, GRAPH_VERSION 10): a sampled token is one at least
+    min_p times as likely as the best, judged before temperature (llama.cpp's order), drawn with
+    the tempered probabilities; 0 keeps all, 1 only the best."""
+    x = rng.standard_normal((1, 1, H)).astype(np.float32) * 3
+    logits = numpy_logits(x)[0, -1]
+    grid = np.linspace(0, 0.999, 400)
+    for temperature in (0.5, 1.0, 2.0):
+        p = np.exp((logits - logits.max()) / temperature)
+        p /= p.sum()
+        ratio = np.exp(logits - logits.max())  # the model's own probabilities relative to the best
+        for min_p in (0.0, 0.05, 0.3, 1.0):
+            picks = [int(run(head, feeds(x, do_sample=True, temperature=temperature, uniform=u, min_p=min_p))["next_token"][0]) for u in grid]
+            kept = ratio >= min_p
+            assert all(ratio[t] >= min_p * 0.999 for t in picks), (temperature, min_p)  # nothing below the floor
+            share = np.where(kept, p, 0) / np.where(kept, p, 0).sum()
+            assert {t for t in range(V) if share[t] > 3 / len(grid) and ratio[t] > min_p * 1.001} <= set(picks), (temperature, min_p)
+            if min_p == 1.0:
+                assert set(picks) == {int(logits.argmax())}
+        # top_p too is judged before temperature: the prefix of the model's own probabilities reaching 0.5
+        order = np.argsort(-logits)
+        own = np.exp(logits - logits.max())
+        own /= own.sum()
+        prefix = set(order[(np.cumsum(own[order]) - own[order]) < 0.5].tolist())
+        picks = {int(run(head, feeds(x, do_sample=True, temperature=temperature, top_p=0.5, uniform=u))["next_token"][0]) for u in grid}
+        assert picks <= prefix and {t for t in prefix if np.where(np.isin(np.arange(V), list(prefix)), p, 0)[t] /
+                                    p[list(prefix)].sum() > 3 / len(grid)} <= picks, (temperature, picks, prefix)
 
 
 def test_mask_forces_the_allowed_tokens(head):

@@ -26,7 +26,7 @@ def tls_server(home, native_pkg):
     env = {k: v for k, v in os.environ.items() if k != "EDGEPIPE_TLS_FINGERPRINT"}
     env["EDGEPIPE_HOME"] = str(home)
     proc = subprocess.Popen([sys.executable, "-m", "edgepipe", "serve", "--workers", "3", "--port", str(port), "--tls", "--placement", "memory",
-                             "--no-advertise", "--join-token", "tls-join"], env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+                             "--model", "smollm2", "--no-advertise", "--join-token", "tls-join"], env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     cert = home / "tls" / "cert.pem"
     try:
         deadline = time.monotonic() + 240

@@ -38,10 +38,17 @@ def chat_ids(pkg, prompt: str) -> list[int]:
     return tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
 
 
+def api_params(**params) -> GenerationParams:
+    """``params`` with the API's defaults for the sampling fields a request leaves out (top_k, top_p, min_p)."""
+    from edgepipe.api.generation import SAMPLING_DEFAULTS
+
+    return GenerationParams(**{**{k: v for k, v in SAMPLING_DEFAULTS.items() if k != "temperature"}, **params})
+
+
 def reference(pkg, prompt: str, **params):
     """Decoding one token per step, single process, in the verify form the cluster's stages run."""
     tok = pkg.tokenizer
-    return generate(pkg.pipeline(verify_form=True, threads=1), chat_ids(pkg, prompt), GenerationParams(**params), tok.decode,
+    return generate(pkg.pipeline(verify_form=True, threads=1), chat_ids(pkg, prompt), api_params(**params), tok.decode,
                     pkg.manifest.eos_ids)
 
 
@@ -86,7 +93,7 @@ def rule_reference(int4_pkg, fp32_pkg, prompt: str, **params) -> list[int]:
     ``test_speculative_sampling`` with the cluster's drafter (fp32, ``--draft-k 6``), up to the first EOS."""
     spec = Speculation(ModelDrafter(fp32_pkg.runner(0, len(fp32_pkg.manifest.units), threads=1, sampler=True), fp32_pkg.name), k_max=6)
     tokens, _ = speculative_tokens(int4_pkg.pipeline(verify_form=True, threads=1), spec, chat_ids(int4_pkg, prompt),
-                                   GenerationParams(**params), "ref")
+                                   api_params(**params), "ref")
     ends = [i for i, t in enumerate(tokens) if t in int4_pkg.manifest.eos_ids]
     return tokens[:ends[0]] if ends else tokens
 

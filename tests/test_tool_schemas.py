@@ -6,8 +6,9 @@ all parse and validate against their tool's schema; with "auto" every call the m
 validates too; parallel calls only where the request allows them; the SDK's own structured-output
 helpers (``parse`` with a pydantic model, as response format and as a tool) get validated
 objects, on chat and on the Responses API. On Qwen2.5-Coder-0.5B (slow), whose template renders
-the tools and whose call markers are special tokens, forced and required calls validate too
-(it answers "auto" with JSON in a code block rather than a call, so there is nothing to hold there).
+the tools and whose call markers are special tokens, forced and required calls validate too;
+under "auto" it writes its call as JSON text (fenced or bare) rather than between the markers:
+that comes back as ``tool_calls`` too (issue 42), to the openai and the ollama clients.
 The strings have a
 ``maxLength``: the grammar holds a call's shape, but at temperature 1 the 135M model sometimes
 writes a name for 200 tokens, and a call cut by ``max_tokens`` cannot be valid (it ends "length").
@@ -97,7 +98,7 @@ def test_parallel_required_calls_and_streaming(client):
         complete.append([(c.function.name, json.loads(c.function.arguments), ch.finish_reason) for c in calls])
     assert max(len(calls) for calls in complete) >= 2  # parallel calls happen when asked for
     assert_valid([c for calls in complete for c in calls])
-    stream = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=96, stream=True,
+    stream = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=96, stream=True, temperature=0,
                                             tool_choice={"type": "function", "function": {"name": "record_city"}})
     args = "".join(tc.function.arguments or "" for chunk in stream for ch in chunk.choices for tc in ch.delta.tool_calls or [])
     assert_valid([("record_city", json.loads(args), "tool_calls")])
@@ -179,13 +180,53 @@ def test_instructor_returns_validated_objects_in_its_tool_and_json_schema_modes(
 
 # -- Qwen2.5-Coder-0.5B: its template renders the tools, its markers are special tokens -----------------
 @pytest.fixture(scope="module")
-def qwen(home):
+def qwen_server(home):
     path = reference_gguf("qwen05")
     if not path.is_file():
         pytest.fail(missing_reference("qwen05"))
     with Server(home, workers=3, args=("--model", str(path), "--placement", "memory"), timeout=600) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        yield client, client.models.list().data[0].id
+        yield server
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_server):
+    client = openai.OpenAI(base_url=qwen_server.url + "/v1", api_key="unused", max_retries=0)
+    return client, client.models.list().data[0].id
+
+
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.slow  # shares the Qwen cluster above
+def test_qwen_auto_call_written_as_json_comes_back_as_tool_calls(qwen, qwen_server):
+    """Under "auto" Qwen2.5-Coder-0.5B writes ``{"name": "get_weather", "arguments": {...}}`` as text;
+    it matches a declared tool and validates, so the openai client (plain and streamed) and the
+    ollama client get it as a tool call, not as content."""
+    client, model = qwen
+    tools = TOOLS[:1]
+    r = client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=tools, temperature=0, max_tokens=96)
+    choice = r.choices[0]
+    assert choice.message.tool_calls, choice.message.content
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+    assert choice.finish_reason == "tool_calls" and not (choice.message.content or "").strip().startswith(("{", "```"))
+    assert_valid([("get_weather", json.loads(call.function.arguments), "tool_calls")])
+    stream = client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=tools, temperature=0, max_tokens=96, stream=True)
+    names, args, content, finish = [], "", "", None
+    for chunk in stream:
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                names.append(tc.function.name) if tc.function.name else None
+                args += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert names == ["get_weather"] and json.loads(args) == json.loads(call.function.arguments) and finish == "tool_calls"
+    assert "{" not in content and "```" not in content, content  # the call's text was held, not streamed
+    ollama = pytest.importorskip("ollama")
+    oc = ollama.Client(host=qwen_server.url)
+    o = oc.chat(model=oc.list().models[0].model, messages=WEATHER_ASK, tools=tools, options={"temperature": 0, "num_predict": 96})
+    assert o.message.tool_calls and o.message.tool_calls[0].function.name == "get_weather", o.message
+    assert o.message.tool_calls[0].function.arguments["city"] == "Paris"
 
 
 @pytest.mark.slow  # 3 minutes on two cores (importing the model, then 40 sampled answers)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
-from starlette.routing import Route
 
 from .errors import APIError
+from .routing import Guard, get
 
 STATIC = (Path(__file__).parent / "static").resolve()
 ISOLATION = {
@@ -26,7 +26,8 @@ ISOLATION = {
     "Cross-Origin-Resource-Policy": "same-origin",
 }
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".mjs": "text/javascript; charset=utf-8",
-               ".wasm": "application/wasm", ".css": "text/css; charset=utf-8", ".json": "application/json", ".txt": "text/plain; charset=utf-8"}
+               ".wasm": "application/wasm", ".css": "text/css; charset=utf-8", ".json": "application/json", ".txt": "text/plain; charset=utf-8",
+               ".svg": "image/svg+xml"}
 
 
 async def worker_page(request: Request) -> Response:
@@ -43,7 +44,8 @@ async def static_file(request: Request) -> Response:
     return FileResponse(path, media_type=MEDIA_TYPES[path.suffix], headers={**ISOLATION, "Cache-Control": cache})
 
 
+# Open: a tab opens the page and its code before it joins; it joins with the join token, not the API key.
 routes = [
-    Route("/worker", worker_page, methods=["GET"]),
-    Route("/static/{path:path}", static_file, methods=["GET"]),
+    get("/worker", worker_page, guard=Guard.OPEN),
+    get("/static/{path:path}", static_file, guard=Guard.OPEN),
 ]

@@ -14,7 +14,6 @@ import time
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from ..cluster.events import NoteKind
@@ -24,6 +23,7 @@ from ..net.channel import ChannelClosed, StarletteChannel
 from ..net.messages import parse
 from ..net.protocol import MessageType, ProtocolError, decode, error_frame
 from .errors import APIError
+from .routing import Guard, get, post, websocket
 
 SHA = re.compile(r"[0-9a-f]{64}")
 MAX_SLOWDOWN = 1000.0  # emulated slowdown factors beyond this are typing mistakes
@@ -175,7 +175,10 @@ async def worker_socket(ws: WebSocket) -> None:
         gate.throttled += 1
         if gate.throttled % 100 == 1:  # one event per hundred, not one per attempt
             coord.event(NoteKind.THROTTLED, peer=peer, attempts_refused=gate.throttled)
-        await ws.close(code=1008, reason="too many join attempts")
+        if "websocket.http.response" in ws.scope.get("extensions", {}):  # a 429 says "later" (a worker retries; a 403 stops it)
+            await ws.send_denial_response(APIError(429, "too many join attempts", code="rate_limited").response())
+        else:
+            await ws.close(code=1008, reason="too many join attempts")
         return
     _set_frame_limit(ws, gate.hello_limit)
     await ws.accept()
@@ -285,12 +288,12 @@ async def metrics(request: Request) -> Response:
 
 
 routes = [
-    Route("/v1/cluster/status", status, methods=["GET"]),
-    Route("/v1/cluster/plan", plan, methods=["GET"]),
-    Route("/v1/cluster/events", events, methods=["GET"]),
-    Route("/v1/cluster/rebalance", rebalance, methods=["POST"]),
-    Route("/v1/cluster/workers/{worker}/emulation", emulation, methods=["POST"]),
-    Route("/v1/blobs/{sha}", blob, methods=["GET"]),
-    Route("/metrics", metrics, methods=["GET"]),
-    WebSocketRoute("/v1/worker", worker_socket),
+    get("/v1/cluster/status", status, guard=Guard.API_KEY),
+    get("/v1/cluster/plan", plan, guard=Guard.API_KEY),
+    get("/v1/cluster/events", events, guard=Guard.API_KEY),
+    post("/v1/cluster/rebalance", rebalance, guard=Guard.API_KEY),  # and require_admin
+    post("/v1/cluster/workers/{worker}/emulation", emulation, guard=Guard.API_KEY),  # and require_admin
+    get("/v1/blobs/{sha}", blob, guard=Guard.JOIN_TOKEN),  # workers fetch unit files with the join token
+    get("/metrics", metrics, guard=Guard.OPEN),  # Prometheus scrapes without the key (counters, no content)
+    websocket("/v1/worker", worker_socket, guard=Guard.JOIN_TOKEN),  # the hello carries the token (WorkerGate)
 ]

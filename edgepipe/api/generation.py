@@ -35,8 +35,44 @@ class ClientGone(APIError):
         super().__init__(499, "the client closed the request", code="client_closed")
 
 
+# What a request that names none of them samples with: llama-server's defaults (Ollama's are the
+# same but for top_p 0.9 and min_p 0), on every route. Greedy is one field away: temperature 0.
+SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
 def random_seed() -> int:
     return secrets.randbits(63)
+
+
+def sampling(temperature: float | None, top_k: int | None, top_p: float | None, min_p: float | None, seed: int | None) -> dict:
+    """A request's ``GenerationParams`` sampling fields: each one it leaves out at its
+    ``SAMPLING_DEFAULTS`` value; without a seed a random one when it samples (0 when greedy,
+    where no draw is made: ``reported_seed`` leaves it out)."""
+    d = SAMPLING_DEFAULTS
+    temperature = d["temperature"] if temperature is None else temperature
+    if seed is None:
+        seed = random_seed() if temperature > 0 else 0
+    return {"temperature": temperature, "top_k": d["top_k"] if top_k is None else top_k,
+            "top_p": d["top_p"] if top_p is None else top_p, "min_p": d["min_p"] if min_p is None else min_p, "seed": seed}
+
+
+def room(asked: int | None, prompt_len: int, context: int, default: int | None = 256, param: str = "messages") -> int:
+    """Tokens a request may generate: ``asked`` (None: ``default``, None: up to the context) clamped
+    to what the context leaves after the prompt, as llama-server does (the answer then ends with
+    finish reason ``length``); a prompt that leaves no room is a 400 that says so."""
+    left = context - prompt_len
+    if left < 1:
+        raise bad_request(f"the request ({prompt_len} prompt tokens) exceeds the available context size ({context} tokens; "
+                          f"serve --context sets it): a prompt must leave room for one token, max_tokens beyond the context "
+                          f"is clamped to the room left, as llama-server does", param=param)
+    wanted = (default if default is not None else left) if asked is None else asked
+    return min(wanted, left)
+
+
+def reported_seed(params: GenerationParams, asked: int | None) -> dict:
+    """``{"seed": ...}`` for a response when the request gave one or sampled (the seed that
+    reproduces it), else ``{}`` (a greedy answer depends on no seed)."""
+    return {"seed": params.seed} if asked is not None or not params.greedy else {}
 
 
 def choice_seed(seed: int, index: int) -> int:

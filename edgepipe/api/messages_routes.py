@@ -4,7 +4,8 @@
 ``tool_use`` in assistant turns, ``tool_result`` in user turns), ``tools`` (``input_schema``),
 ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``; calls held to their schemas as in chat;
 several calls only with ``disable_parallel_tool_use: false``, as chat's ``required``),
-``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``,
+``max_tokens`` (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k`` (and ``min_p``,
+an extension; those left out take llama-server's defaults, ``generation.SAMPLING_DEFAULTS``),
 ``output_config.format`` (a JSON schema the text is held to, as chat's response_format). The answer
 is ``text`` and ``tool_use`` blocks with ``stop_reason`` ``end_turn``, ``max_tokens``,
 ``stop_sequence`` or ``tool_use``. Streaming sends the API's events (``message_start``,
@@ -22,12 +23,12 @@ from typing import Annotated, Any, AsyncIterator, Literal, Union
 from pydantic import Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from ..cluster.coordinator import RequestFailed
 from . import schemas as S, turns
 from .errors import APIError, bad_request
 from .openai_routes import parse_body
+from .routing import Doc, Guard, post
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
@@ -92,9 +93,10 @@ class MessagesRequest(S.Strict):
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     stop_sequences: Annotated[list[S.StopString], Field(max_length=S.MAX_STOP)] | None = None
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = None
+    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; absent = 0.8 (llama-server's default).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Absent = 0.95 (llama-server's default); 1 = off.")
+    top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = Field(None, description="0 = no limit; absent = 40.")
+    min_p: float | None = Field(None, ge=0, le=1, description="An extension (llama-server's): 0 = off; absent = 0.05.")
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
@@ -164,7 +166,7 @@ def chat_request(req: MessagesRequest) -> S.ChatRequest:
         parallel = c.disable_parallel_tool_use is False
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-        "top_k": req.top_k, "stop": req.stop_sequences, "tool_choice": choice, "parallel_tool_calls": parallel,
+        "top_k": req.top_k, "min_p": req.min_p, "stop": req.stop_sequences, "tool_choice": choice, "parallel_tool_calls": parallel,
         "tools": [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.input_schema}}
                   for t in req.tools] if req.tools else None,
     }
@@ -251,4 +253,5 @@ async def create_message(request: Request):
     return await turns.stream(request, turn, body)
 
 
-routes = [Route("/v1/messages", create_message, methods=["POST"])]
+routes = [post("/v1/messages", create_message, guard=Guard.API_KEY,
+               doc=Doc("Anthropic Messages (SSE events when stream is true)", MessagesRequest, MessageObject))]

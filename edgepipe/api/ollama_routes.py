@@ -2,11 +2,13 @@
 
 ``/api/version``, ``/api/tags``, ``/api/ps``, ``/api/show``, ``/api/chat`` and ``/api/generate``
 (NDJSON when streaming, Ollama's default; one JSON object when ``"stream": false``). Options
-honoured: temperature, num_predict, stop, seed, top_k, top_p, presence_penalty, frequency_penalty
+honoured: temperature, num_predict, stop, seed, top_k, top_p, min_p, presence_penalty, frequency_penalty
 (OpenAI's meaning, as Ollama's), ``repeat_penalty`` and ``repeat_last_n`` (llama.cpp's
 multiplicative penalty over the last N tokens of prompt and output, applied in the head graph:
 positive logits divided by it, negative ones multiplied; it is applied when given — Ollama's own
-default of 1.1 is not assumed, so an options-free request stays greedy and exact); other options
+default of 1.1 is not assumed, llama-server's 1.0 is); the sampling options left out take
+llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05: ``generation.SAMPLING_DEFAULTS``),
+``temperature: 0`` is greedy; other options
 are ignored as Ollama ignores those a model does not use. ``format``
 (``"json"`` or a JSON Schema) holds the output to it, as ``response_format``; tool calls are held
 to their schemas. ``raw`` sends the prompt as it is and, as Ollama, returns no ``context``.
@@ -33,13 +35,13 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from ..cluster.coordinator import RequestFailed
 from ..runtime.sequence import GenerationParams
 from . import generation as G, schemas as S, tools
 from .errors import APIError, bad_request
-from .openai_routes import json_constraint, parse_body, tool_constraint
+from .openai_routes import json_constraint, no_embeddings, parse_body, tool_constraint
+from .routing import Doc, Guard, get, post
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API level these routes follow (clients compare it to enable features)
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default (OLLAMA_KEEP_ALIVE=5m)
@@ -72,12 +74,13 @@ def keep_alive_seconds(value) -> float:
 
 
 class Options(S.Strict):
-    temperature: float | None = Field(None, ge=0, le=100)
+    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; absent = 0.8.")
     num_predict: Annotated[int, Field(ge=-2, le=S.MAX_WIRE_INT)] | None = Field(None, description="-1: up to the context.")
     stop: Annotated[list[S.StopString], Field(max_length=16)] | None = None
     seed: Annotated[int, Field(ge=S.SEED_MIN, le=S.SEED_MAX)] | None = None
-    top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = None
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = Field(None, description="0 = no limit; absent = 40.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Absent = 0.95 (llama-server's; Ollama's is 0.9).")
+    min_p: float | None = Field(None, ge=0, le=1, description="0 = off; absent = 0.05 (llama-server's; Ollama's is 0).")
     num_ctx: Annotated[int, Field(ge=1, le=S.MAX_WIRE_INT)] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -210,6 +213,11 @@ async def tags(request: Request) -> JSONResponse:
     return JSONResponse({"models": [model_entry(request)]})
 
 
+@ollama_errors
+async def embed(request: Request) -> JSONResponse:
+    raise no_embeddings(request)
+
+
 def loaded_until(request: Request) -> float:
     """When the model leaves ``/api/ps`` (a time.time() value): ``keep_alive`` after the last request."""
     state = request.app.state
@@ -261,14 +269,10 @@ async def show(request: Request) -> JSONResponse:
 
 def params_from(options: Options | None, prompt_len: int, context: int, extra_stop=()) -> GenerationParams:
     o = options or Options()
-    room = context - prompt_len
-    if room < 1:
-        raise bad_request(f"the prompt of {prompt_len} tokens fills the context of {context} tokens")
-    max_tokens = room if o.num_predict in (None, -1, -2) else o.num_predict
-    if max_tokens == 0:
+    if o.num_predict == 0:
         raise bad_request("num_predict 0 generates nothing: send -1 or a positive number")
-    return GenerationParams(max_tokens=min(max_tokens, room), temperature=o.temperature or 0.0, top_p=o.top_p or 1.0,
-                            top_k=o.top_k or 0, seed=G.random_seed() if o.seed is None else o.seed,
+    max_tokens = G.room(None if o.num_predict in (None, -1, -2) else o.num_predict, prompt_len, context, default=None, param="prompt")
+    return GenerationParams(max_tokens=max_tokens, **G.sampling(o.temperature, o.top_k, o.top_p, o.min_p, o.seed),
                             stop=tuple(o.stop or ()) + tuple(extra_stop), presence_penalty=o.presence_penalty or 0.0,
                             frequency_penalty=o.frequency_penalty or 0.0, repeat_penalty=o.repeat_penalty or 1.0,
                             repeat_last_n=64 if o.repeat_last_n is None else o.repeat_last_n)
@@ -392,10 +396,12 @@ def _args(arguments: str):
 
 
 routes = [
-    Route("/api/version", version, methods=["GET"]),
-    Route("/api/tags", tags, methods=["GET"]),
-    Route("/api/ps", ps, methods=["GET"]),
-    Route("/api/show", show, methods=["POST"]),
-    Route("/api/chat", chat, methods=["POST"]),
-    Route("/api/generate", generate, methods=["POST"]),
+    get("/api/version", version, guard=Guard.API_KEY, doc=Doc("Ollama: API version")),
+    get("/api/tags", tags, guard=Guard.API_KEY, doc=Doc("Ollama: local models")),
+    get("/api/ps", ps, guard=Guard.API_KEY, doc=Doc("Ollama: running models")),
+    post("/api/show", show, guard=Guard.API_KEY, doc=Doc("Ollama: model details", OllamaShowRequest)),
+    post("/api/chat", chat, guard=Guard.API_KEY, doc=Doc("Ollama: chat (NDJSON unless stream is false)", OllamaChatRequest)),
+    post("/api/generate", generate, guard=Guard.API_KEY, doc=Doc("Ollama: generate (NDJSON unless stream is false)", OllamaGenerateRequest)),
+    post("/api/embed", embed, guard=Guard.API_KEY),  # Ollama's embeddings, and its older name: a clear 400
+    post("/api/embeddings", embed, guard=Guard.API_KEY),
 ]

@@ -4,7 +4,9 @@ Bodies are validated by the pydantic schemas in ``schemas`` before anything runs
 responses are server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``; a failure
 after the first byte is sent as one ``data: {"error": ...}`` event. ``n`` > 1 runs separate
 sequences (seeds following the request's); a request without a seed gets a random one, reported
-back as ``seed`` beside ``system_fingerprint``. Tools go through the model's chat template and
+back as ``seed`` beside ``system_fingerprint`` (a greedy one, ``temperature: 0``, reports none unless
+it gave one). Sampling fields a request leaves out take llama-server's defaults
+(``generation.SAMPLING_DEFAULTS``: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). Tools go through the model's chat template and
 come back as ``tool_calls`` (``tools``), generated under their parameter schemas. ``logprobs``/``top_logprobs`` (chat), ``logprobs``/``echo``
 (completions; ``max_tokens: 0`` with ``echo`` scores the prompt only, as the legacy OpenAI API and
 vLLM allow: the prefill runs, the one token it samples is dropped), ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` run in the last
@@ -21,21 +23,30 @@ import uuid
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from . import structured
 from ..cluster.coordinator import RequestFailed
 from ..runtime.sequence import GenerationParams
 from . import generation as G, schemas as S, tools
 from .errors import APIError, bad_request
+from .routing import Doc, Guard, get, post
 
 
 async def parse_body(request: Request, model: type[BaseModel]):
-    """The body as ``model``, or a 400 naming the first field that is wrong."""
+    """The body as ``model``, or a 400 naming the first field that is wrong (an image part: the
+    model reads text only)."""
+    raw = await request.body() or b"null"
     try:
-        return model.model_validate_json(await request.body() or b"null")
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         param, message = S.first_error(exc, model)
+        try:
+            media = S.media_part(json.loads(raw))
+        except ValueError:  # not JSON: the validation message says so
+            media = None
+        if media is not None:
+            raise APIError(400, f"'{media}': this is a text-only model: image, audio and file parts are not supported; send text",
+                           param=media.split("[")[0], code="unsupported_content") from None
         raise bad_request(message, param=param) from None
 
 
@@ -48,10 +59,7 @@ def check_model(request: Request, model: str | None) -> str:
 
 
 def params_for(req: S.Sampling, max_tokens: int | None, prompt_len: int, context: int, extra_stop=(), vocab: int = 1 << 31) -> GenerationParams:
-    if max_tokens is None:
-        max_tokens = min(256, context - prompt_len)
-        if max_tokens < 1:
-            raise bad_request(f"the prompt of {prompt_len} tokens fills the context of {context} tokens", param="messages")
+    max_tokens = G.room(max_tokens, prompt_len, context, param="messages" if isinstance(req, S.ChatRequest) else "prompt")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if isinstance(req, S.ChatRequest):
         if req.top_logprobs and not req.logprobs:
@@ -60,8 +68,8 @@ def params_for(req: S.Sampling, max_tokens: int | None, prompt_len: int, context
     else:
         logprobs, top = req.logprobs is not None, req.logprobs or 0
         echo = logprobs and bool(getattr(req, "echo", False))
-    return GenerationParams(max_tokens=max_tokens, temperature=req.temperature or 0.0, top_p=1.0 if req.top_p is None else req.top_p,
-                            top_k=req.top_k or 0, seed=G.random_seed() if req.seed is None else req.seed, stop=stop + tuple(extra_stop),
+    return GenerationParams(max_tokens=max_tokens, **G.sampling(req.temperature, req.top_k, req.top_p, req.min_p, req.seed),
+                            stop=stop + tuple(extra_stop),
                             ignore_eos=bool(req.ignore_eos), presence_penalty=req.presence_penalty or 0.0,
                             frequency_penalty=req.frequency_penalty or 0.0, logit_bias=G.logit_bias(req.logit_bias, vocab),
                             logprobs=logprobs, top_logprobs=top, prompt_logprobs=echo)
@@ -86,6 +94,17 @@ async def get_model(request: Request) -> JSONResponse:
     if name not in request.app.state.model_names:
         raise APIError(404, f"The model '{name[:100]}' does not exist", param="model", code="model_not_found")
     return JSONResponse(model_card(request, name))
+
+
+def no_embeddings(request: Request) -> APIError:
+    """The 400 of an embeddings route: the served model generates text, it does not embed it."""
+    name = request.app.state.model_names[0]
+    return APIError(400, f"embeddings are not served by this model: '{name}' is a text-generation model (chat and "
+                         "completions); use an embedding model for embeddings", param="model", code="model_not_supported")
+
+
+async def embeddings(request: Request) -> JSONResponse:
+    raise no_embeddings(request)
 
 
 async def chat_completions(request: Request):
@@ -195,7 +214,7 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
     positions = sum(len(s.prompt_ids) + params.max_tokens for s in states)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()), "model": model,
-            "system_fingerprint": G.fingerprint(app.package), "seed": params.seed}
+            "system_fingerprint": G.fingerprint(app.package), **G.reported_seed(params, req.seed)}
     use_tools = chat is not None and bool(chat.tool_names)
     texts_of = G.token_texts(tok)
     views = [_Logprobs(state, texts_of, chat is not None, echo is not None, prompt_only) for state in states]
@@ -327,8 +346,11 @@ async def _events(app, coord, states, rid, head, chat, use_tools, include_usage,
 
 
 routes = [
-    Route("/v1/models", list_models, methods=["GET"]),
-    Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    Route("/v1/completions", completions, methods=["POST"]),
+    get("/v1/models", list_models, guard=Guard.API_KEY, doc=Doc("List the served model", response=S.ModelList)),
+    get("/v1/models/{model:path}", get_model, guard=Guard.API_KEY, doc=Doc("One model", response=S.Model)),
+    post("/v1/chat/completions", chat_completions, guard=Guard.API_KEY,
+         doc=Doc("Chat completion (SSE when stream is true)", S.ChatRequest, S.ChatCompletion)),
+    post("/v1/completions", completions, guard=Guard.API_KEY,
+         doc=Doc("Text completion (SSE when stream is true)", S.CompletionRequest, S.Completion)),
+    post("/v1/embeddings", embeddings, guard=Guard.API_KEY),  # a clear 400, not "no route" (undocumented: nothing to call)
 ]

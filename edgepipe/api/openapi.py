@@ -1,42 +1,33 @@
-"""``/openapi.json``: the OpenAPI 3.1 document of the OpenAI, Anthropic and Ollama routes, generated from the pydantic schemas."""
+"""``/openapi.json``: the OpenAPI 3.1 document of the OpenAI, Anthropic and Ollama routes, generated from the pydantic schemas.
+
+A route is documented by the :class:`routing.Doc` it declares where it is defined (its summary,
+request and response models); routes without one (pages, cluster views, the worker socket) are
+left out."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
 
-from . import messages_routes as M, ollama_routes as O, responses_routes as R, schemas as S
+from . import schemas as S
 from .generation import VERSION
-
-# (method, path, request model or None, response model or None, summary)
-OPERATIONS: list[tuple[str, str, type[BaseModel] | None, type[BaseModel] | None, str]] = [
-    ("get", "/v1/models", None, S.ModelList, "List the served model"),
-    ("get", "/v1/models/{model}", None, S.Model, "One model"),
-    ("post", "/v1/chat/completions", S.ChatRequest, S.ChatCompletion, "Chat completion (SSE when stream is true)"),
-    ("post", "/v1/completions", S.CompletionRequest, S.Completion, "Text completion (SSE when stream is true)"),
-    ("post", "/v1/responses", R.ResponsesRequest, R.ResponseObject, "OpenAI Responses (SSE events when stream is true)"),
-    ("post", "/v1/messages", M.MessagesRequest, M.MessageObject, "Anthropic Messages (SSE events when stream is true)"),
-    ("get", "/api/version", None, None, "Ollama: API version"),
-    ("get", "/api/tags", None, None, "Ollama: local models"),
-    ("get", "/api/ps", None, None, "Ollama: running models"),
-    ("post", "/api/show", O.OllamaShowRequest, None, "Ollama: model details"),
-    ("post", "/api/chat", O.OllamaChatRequest, None, "Ollama: chat (NDJSON unless stream is false)"),
-    ("post", "/api/generate", O.OllamaGenerateRequest, None, "Ollama: generate (NDJSON unless stream is false)"),
-]
+from .routing import Endpoint, Guard, get
 
 
-def document() -> dict:
-    models = {m for _, _, req, res, _ in OPERATIONS for m in (req, res) if m is not None} | {S.ErrorResponse}
+def document(endpoints) -> dict:
+    """The document of the ``endpoints`` that declare a :class:`routing.Doc`, in their order."""
+    ops = [(e.methods[0].lower(), e.documented_path, e.doc.request, e.doc.response, e.doc.summary)
+           for e in endpoints if isinstance(e, Endpoint) and e.doc is not None]
+    requests = {req for _, _, req, _, _ in ops if req is not None}
+    models = {m for _, _, req, res, _ in ops for m in (req, res) if m is not None} | {S.ErrorResponse}
     ordered = sorted(models, key=lambda m: m.__name__)
-    keys, defs = models_json_schema([(m, "validation" if m in _requests() else "serialization") for m in ordered],
+    keys, defs = models_json_schema([(m, "validation" if m in requests else "serialization") for m in ordered],
                                     ref_template="#/components/schemas/{model}")
-    ref = {m: keys[(m, "validation" if m in _requests() else "serialization")] for m in ordered}
+    ref = {m: keys[(m, "validation" if m in requests else "serialization")] for m in ordered}
     error = {"description": "Error", "content": {"application/json": {"schema": ref[S.ErrorResponse]}}}
     paths: dict[str, dict] = {}
-    for method, path, req, res, summary in OPERATIONS:
+    for method, path, req, res, summary in ops:
         op: dict = {"summary": summary, "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('{', '').replace('}', '')}",
                     "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": ref[res] if res else {"type": "object"}}}},
                                   "4XX": error, "5XX": error}}
@@ -49,18 +40,11 @@ def document() -> dict:
             "components": {"schemas": defs.get("$defs", {})}}
 
 
-def _requests() -> set:
-    return {req for _, _, req, _, _ in OPERATIONS if req is not None}
-
-
-_cached: dict | None = None
-
-
 async def openapi_json(request: Request) -> JSONResponse:
-    global _cached
-    if _cached is None:
-        _cached = document()
-    return JSONResponse(_cached)
+    state = request.app.state
+    if getattr(state, "openapi", None) is None:  # built once per app, from the endpoints it serves
+        state.openapi = document(state.endpoints)
+    return JSONResponse(state.openapi)
 
 
-routes = [Route("/openapi.json", openapi_json, methods=["GET"])]
+routes = [get("/openapi.json", openapi_json, guard=Guard.OPEN)]  # the API's shape, no data: open as it is today

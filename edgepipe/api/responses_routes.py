@@ -4,7 +4,8 @@ Input: a string or a list of items (messages with ``input_text``/``output_text``
 ``function_call`` and ``function_call_output`` items), ``instructions`` (a system message first),
 function ``tools`` with ``tool_choice`` and ``parallel_tool_calls`` (calls held to their schemas
 as in chat), ``text.format`` (``text``, ``json_object``, ``json_schema``: the response_format of
-chat), ``max_output_tokens``, ``temperature``, ``top_p``; extensions ``seed``, ``top_k``. Nothing
+chat), ``max_output_tokens``, ``temperature``, ``top_p``; extensions ``seed``, ``top_k``, ``min_p`` (those left out take
+llama-server's defaults, ``generation.SAMPLING_DEFAULTS``). Nothing
 is stored: ``previous_response_id`` and ``store: true`` with a later retrieval are not offered
 (``previous_response_id`` is a 400). The output is a ``message`` item with one ``output_text``
 part and a ``function_call`` item per call; ``status`` "incomplete" (reason
@@ -21,11 +22,11 @@ from typing import Annotated, Any, AsyncIterator, Literal, Union
 from pydantic import Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from ..cluster.coordinator import RequestFailed
-from . import schemas as S, turns
+from . import generation as G, schemas as S, turns
 from .errors import bad_request
+from .routing import Doc, Guard, post
 from .openai_routes import parse_body
 
 
@@ -97,9 +98,10 @@ class ResponsesRequest(S.Strict):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: S.PositiveTokens | None = None
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = Field(None, description="An extension.")
+    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; absent = 0.8 (llama-server's default).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Absent = 0.95 (llama-server's default); 1 = off.")
+    top_k: Annotated[int, Field(ge=0, le=S.MAX_WIRE_INT)] | None = Field(None, description="An extension: 0 = no limit; absent = 40.")
+    min_p: float | None = Field(None, ge=0, le=1, description="An extension (llama-server's): 0 = off; absent = 0.05.")
     seed: Annotated[int, Field(ge=S.SEED_MIN, le=S.SEED_MAX)] | None = Field(None, description="An extension.")
     stream: bool | None = False
     text: TextOptions | None = None
@@ -138,7 +140,7 @@ def chat_request(req: ResponsesRequest) -> S.ChatRequest:
     fmt = req.text.format if req.text else None
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-        "top_k": req.top_k, "seed": req.seed, "parallel_tool_calls": req.parallel_tool_calls,
+        "top_k": req.top_k, "min_p": req.min_p, "seed": req.seed, "parallel_tool_calls": req.parallel_tool_calls,
         "tools": [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in req.tools] if req.tools else None,
         "tool_choice": ({"type": "function", "function": {"name": req.tool_choice.name}}
                         if isinstance(req.tool_choice, FunctionChoice) else req.tool_choice),
@@ -183,7 +185,8 @@ def response_object(req: ResponsesRequest, rid: str, created: int, model: str, s
             "usage": usage, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "parallel_tool_calls": bool(req.parallel_tool_calls), "temperature": req.temperature, "top_p": req.top_p,
+            "parallel_tool_calls": bool(req.parallel_tool_calls), "temperature": G.SAMPLING_DEFAULTS["temperature"] if req.temperature is None else req.temperature,
+            "top_p": G.SAMPLING_DEFAULTS["top_p"] if req.top_p is None else req.top_p,
             "tool_choice": (req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice) else req.tool_choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []], "text": {"format": fmt},
             "metadata": req.metadata or {}, "store": False, "previous_response_id": None, "truncation": "disabled", "user": req.user}
@@ -257,4 +260,5 @@ async def create_response(request: Request):
     return await turns.stream(request, turn, body)
 
 
-routes = [Route("/v1/responses", create_response, methods=["POST"])]
+routes = [post("/v1/responses", create_response, guard=Guard.API_KEY,
+               doc=Doc("OpenAI Responses (SSE events when stream is true)", ResponsesRequest, ResponseObject))]

@@ -43,10 +43,14 @@ class StreamOptions(Strict):
 class Sampling(Strict):
     model: str | None = Field(None, max_length=256)
     max_tokens: PositiveTokens | None = Field(None, description="Tokens to generate at most (>= 1).")
-    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; absent = greedy.")
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: Annotated[int, Field(ge=0, le=MAX_WIRE_INT)] | None = Field(None, description="0 = no limit (an extension).")
-    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = Field(None, description="Absent: a random seed, reported back.")
+    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy; absent = 0.8 (llama-server's default).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Absent = 0.95 (llama-server's default); 1 = off.")
+    top_k: Annotated[int, Field(ge=0, le=MAX_WIRE_INT)] | None = Field(
+        None, description="0 = no limit; absent = 40 (llama-server's default; an extension).")
+    min_p: float | None = Field(None, ge=0, le=1, description="Keep the tokens at least this times as likely as the best; "
+                                                           "0 = off; absent = 0.05 (llama-server's default; an extension).")
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = Field(
+        None, description="Absent: a random seed when sampling, reported back (a greedy request reports none).")
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = 1
     stream: bool | None = False
@@ -199,7 +203,7 @@ class ChatCompletion(Loose):
     created: int
     model: str
     system_fingerprint: str
-    seed: int = Field(description="The seed the sampling used (an extension).")
+    seed: int | None = Field(None, description="The seed the sampling used (an extension): present when the request gave one or sampled.")
     choices: list[ChatChoice]
     usage: Usage
 
@@ -217,7 +221,7 @@ class Completion(Loose):
     created: int
     model: str
     system_fingerprint: str
-    seed: int
+    seed: int | None = Field(None, description="The seed the sampling used (an extension): present when the request gave one or sampled.")
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -263,6 +267,34 @@ def first_error(exc: ValidationError, model: type[BaseModel] | None = None) -> t
         message = f"must be {field.description[0].lower()}{field.description[1:]}"
     text = f"'{path}': {message}" if path else message
     return param, " ".join(text.split())[:300]
+
+
+MEDIA_PART_TYPES = frozenset({"image_url", "image", "input_image", "input_audio", "audio", "file", "input_file", "document"})
+
+
+def media_part(body) -> str | None:
+    """Where a request body holds an image (or audio, a file): OpenAI's ``image_url`` / ``input_audio``
+    parts, Anthropic's ``image`` / ``document`` blocks, Responses' ``input_image`` parts, Ollama's
+    ``images``; None when it holds none. Asked only of a body that failed validation, to say why in
+    one line rather than which union branch did not fit."""
+    if not isinstance(body, dict):
+        return None
+    if body.get("images"):
+        return "images"
+    for key in ("messages", "input"):
+        items = body.get(key)
+        for i, item in enumerate(items if isinstance(items, list) else ()):
+            if not isinstance(item, dict):
+                continue
+            if item.get("images"):
+                return f"{key}[{i}].images"
+            if item.get("type") in MEDIA_PART_TYPES:  # a Responses input item may itself be a part
+                return f"{key}[{i}]"
+            content = item.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                if isinstance(part, dict) and part.get("type") in MEDIA_PART_TYPES:
+                    return f"{key}[{i}].content[{j}]"
+    return None
 
 
 def _path(loc) -> str:

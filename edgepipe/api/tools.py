@@ -16,6 +16,13 @@ the model write as many as it likes; "required" only with ``parallel_tool_calls:
 default, as llama-server's, is one call: a small model left free to go on calling may be cut by
 ``max_tokens`` inside its last call).
 
+Under "auto" a model may also write its call as the bare JSON the tools describe, without the
+markers (Qwen2.5-Coder writes ``{"name": ..., "arguments": {...}}``, fenced as ```json or bare):
+such an object (or a list of them) is a call when, as in Ollama's parser, its ``name`` is a
+declared tool and its ``arguments`` validate against that tool's ``parameters`` schema
+(:func:`text_calls`); anything else stays text. While streaming, text that may open such a call
+(a fence whose block starts with ``{`` or ``[``, or a line that does) is held until the end.
+
 Where the markers are single special tokens (Qwen2.5's ``<tool_call>``, ``</tool_call>``), the
 tokenizer's decode drops them; :func:`decoder` writes them as their text so that streaming and
 parsing see the calls, and the grammar accepts the token as well as the spelled-out text.
@@ -46,6 +53,7 @@ class ChatPrompt:
     stop: tuple[str, ...] = ()  # extra stop strings
     mode: ToolMode = "none"  # how tool_choice shaped the turn (``call_grammar``)
     named: str | None = None  # the function a named tool_choice forces
+    schemas: tuple[tuple[str, str], ...] = ()  # (name, JSON text of its parameters schema) per tool: text_calls' check
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,8 @@ def render(chat_template: str | None, format_chat, messages, tools, tool_choice)
         forced = f'{OPEN}\n{{"name": {json.dumps(named)}, "arguments": '
     elif tool_dicts and tool_choice == "required":
         forced, mode = f'{OPEN}\n{{"name": "', "required"
-    return ChatPrompt(text + forced, forced, names, mode=mode, named=named)
+    schemas = tuple((t["function"]["name"], json.dumps(t["function"].get("parameters") or {"type": "object"})) for t in tool_dicts)
+    return ChatPrompt(text + forced, forced, names, mode=mode, named=named, schemas=schemas)
 
 
 def special_markers(tok) -> dict[int, str]:
@@ -194,8 +203,10 @@ def _render(chat_template: str, messages: list[dict], tools: list[dict]) -> str:
 def parse(output: str, prompt: ChatPrompt) -> ParsedOutput:
     """Content and tool calls of a finished answer (``output``: what the model wrote after ``prompt.forced``)."""
     text = prompt.forced + output
-    if not prompt.tool_names or OPEN not in text:
+    if not prompt.tool_names:
         return ParsedOutput(text)
+    if OPEN not in text:
+        return (text_calls(text, prompt) if prompt.mode == "auto" else None) or ParsedOutput(text)
     calls, content, rest = [], [], text
     while OPEN in rest:
         before, _, after = rest.partition(OPEN)
@@ -215,6 +226,157 @@ def parse(output: str, prompt: ChatPrompt) -> ParsedOutput:
     content.append(rest)
     text_part = "".join(content).strip()
     return ParsedOutput(text_part or None, calls)
+
+
+_FENCE = "```"
+
+
+def text_calls(text: str, prompt: ChatPrompt) -> ParsedOutput | None:
+    """The calls ``text`` writes as bare JSON (fenced or not), without the markers; None when it
+    writes none. A JSON object is a call when its ``name`` is one of the prompt's tools and its
+    ``arguments`` (or ``parameters``) are an object that validates against that tool's schema; a
+    list counts when every item is one. The content is the text around the calls (a fence that
+    held only calls goes with them), None when nothing else was written."""
+    schemas = dict(prompt.schemas)
+    calls, keep, at = [], [], 0
+    for start, end, value in _json_values(text):
+        items = value if isinstance(value, list) else [value]
+        found = [_checked_call(item, schemas) for item in items]
+        if not items or any(f is None for f in found):
+            continue
+        calls += found
+        start, end = _with_fence(text, start, end)
+        keep.append(text[at:start])
+        at = end
+    if not calls:
+        return None
+    keep.append(text[at:])
+    content = "".join(keep).strip()
+    return ParsedOutput(content or None, calls)
+
+
+def _checked_call(item, schemas: dict[str, str]) -> dict | None:
+    """``item`` as a call of a declared tool whose arguments validate against its schema, else None."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or item["name"] not in schemas:
+        return None
+    args = item.get("arguments", item.get("parameters"))
+    if isinstance(args, str):  # the OpenAI wire form: arguments as JSON text
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict) or set(item) - {"name", "arguments", "parameters", "type", "id"}:
+        return None
+    if not _validates(args, schemas[item["name"]]):
+        return None
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": item["name"], "arguments": json.dumps(args)}}
+
+
+def _validates(value, schema_text: str) -> bool:
+    try:
+        import jsonschema_rs
+    except ImportError:  # no validator here: no text is taken for a call
+        return False
+    try:
+        return jsonschema_rs.validator_for(json.loads(schema_text)).is_valid(value)
+    except Exception:  # noqa: BLE001 (a schema the validator cannot read holds no call)
+        return False
+
+
+def _json_values(text: str):
+    """``(start, end, value)`` of each top-level JSON object or array in ``text`` that starts a
+    line (after spaces) or follows a fence line, in order, skipping what one already covers."""
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch in "{[" and _starts_line(text, i):
+            value, source = _first_value(text[i:])
+            if value is not None:
+                yield i, i + len(source), value
+                i += len(source)
+                continue
+        i += 1
+
+
+def _starts_line(text: str, i: int) -> bool:
+    line_start = text.rfind("\n", 0, i) + 1
+    return not text[line_start:i].strip()
+
+
+def _first_value(text: str):
+    """The first balanced JSON object or array at the start of ``text``, and its source (None, "" if none parses)."""
+    open_ch = text[0]
+    close_ch = "}" if open_ch == "{" else "]"
+    depth, in_str, escape = 0, False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                if ch != close_ch:
+                    return None, ""
+                try:
+                    return json.loads(text[:i + 1]), text[:i + 1]
+                except json.JSONDecodeError:
+                    return None, ""
+    return None, ""
+
+
+def _with_fence(text: str, start: int, end: int) -> tuple[int, int]:
+    """``[start, end)`` widened to the fence around it when the fence holds nothing else."""
+    line_start = text.rfind("\n", 0, start) + 1
+    before = text[:line_start].rstrip()
+    fence_line = before.rfind("\n") + 1
+    opener = before[fence_line:].strip()
+    if not (opener.startswith(_FENCE) and opener[3:].strip().isalnum() or opener == _FENCE):
+        return start, end
+    after = text[end:]
+    stripped = after.lstrip()
+    if not stripped.startswith(_FENCE):
+        return start, end
+    return fence_line, end + (len(after) - len(stripped)) + len(_FENCE)
+
+
+def call_may_start(text: str, mode: ToolMode) -> int | None:
+    """Where streamed ``text`` may be writing a call: the marker's position, or under "auto" the
+    start of a line whose first character opens a JSON object (``{``, or ``[`` then ``{``) or of
+    a fence whose block does, a line still being written counting as undecided; None when
+    nothing so far may be one."""
+    at = text.find(OPEN)
+    if mode != "auto":
+        return None if at == -1 else at
+    limit = len(text) if at == -1 else at
+    i = 0
+    while i < limit:
+        nl = text.find("\n", i)
+        end = len(text) if nl == -1 else nl
+        head = text[i:end].lstrip()
+        writing = nl == -1  # the line may still grow
+        if head.startswith("{"):
+            return i
+        if head.startswith("["):
+            after = text[i + (end - i - len(head)) + 1:].lstrip()[:1]
+            if not after or after == "{":
+                return i
+        elif head.startswith(_FENCE):
+            first = "" if writing else text[end + 1:].lstrip()[:1]
+            if not first or first in "{[":
+                return i
+        elif writing and head and _FENCE.startswith(head):  # "`" or "``": may become a fence
+            return i
+        i = end + 1
+    return None if at == -1 else at
 
 
 def _call(body: str, names: tuple[str, ...]) -> dict | None:
@@ -311,9 +473,11 @@ class HeldCalls:
         self.full += text
         if self.held:
             return ""
-        at = self.full.find(OPEN)
-        end = at if at != -1 else len(self.full) - holdback(self.full)
-        self.held = at != -1
+        at = call_may_start(self.full, self.prompt.mode)
+        if at is not None and at < self.sent:  # already sent as text (a line decided too early cannot be): from here
+            at = self.sent
+        end = at if at is not None else len(self.full) - holdback(self.full)
+        self.held = at is not None and self.full.find(OPEN) != -1
         if end <= self.sent:
             return ""
         out, self.sent = self.full[self.sent:end], end

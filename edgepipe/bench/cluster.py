@@ -28,6 +28,8 @@ import httpx
 
 from .client import stream_once
 
+TEST_MODEL = "smollm2"  # = model.store.TEST_MODEL (not imported: this module stays free of the importer's onnx)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -57,7 +59,8 @@ class Server:
     """``edgepipe serve`` in a subprocess; ``url`` and ``client`` once its status page answers.
 
     With ``wait_up``, the constructor also waits for the plan to be up with ``workers`` workers.
-    ``--no-advertise`` is added unless ``args`` joins a cluster by discovery (``--cluster``);
+    It serves ``model`` (default ``smollm2``, the bundled 135M: fast; None: ``serve``'s own default,
+    the 0.5B) unless ``args`` names one. ``--no-advertise`` is added unless ``args`` joins a cluster by discovery (``--cluster``);
     with ``--tls`` the client trusts the certificate the server writes into ``home``.
     ``env`` replaces the inherited environment (``EDGEPIPE_HOME`` is always ``home``); ``log``
     takes the server's output (else it is inherited). Processes added to ``watched`` as
@@ -65,7 +68,8 @@ class Server:
     """
 
     def __init__(self, home, workers: int = 2, args: tuple[str, ...] = (), wait_up: bool = True, timeout: float = 180, *,
-                 name: str = "server", env: dict | None = None, log: Path | None = None, client_timeout: float = 120):
+                 name: str = "server", env: dict | None = None, log: Path | None = None, client_timeout: float = 120,
+                 model: str | None = TEST_MODEL):
         self.name, self.home = name, Path(home)
         self.port = free_port()
         args = tuple(args)
@@ -74,6 +78,8 @@ class Server:
         self.env = {**(os.environ if env is None else env), "EDGEPIPE_HOME": str(home)}
         if "--cluster" not in args and "--no-advertise" not in args:  # only the discovery test announces itself
             args = (*args, "--no-advertise")
+        if model is not None and "--model" not in args and "-m" not in args:
+            args = (*args, "--model", model)
         self.log = log
         self.watched: list[tuple[str, subprocess.Popen]] = []
         self._log_file = open(log, "w") if log else None

@@ -92,7 +92,9 @@ def measured_profiles(cluster: Cluster, rtts: dict[str, float] | None = None, sp
             m.rtt = m.rtt.push(rtts[w["id"]])
         busy, idle = (power or {}).get(w["name"], (None, None))
         mem = (memory or {}).get(w["name"], w["memory_bytes"])
-        hello = Hello.from_fields({"name": w["name"], "kind": w.get("kind", "native"), "memory_bytes": mem, "emulation": w.get("emulation"),
+        hello = Hello.from_fields({"name": w["name"], "kind": w.get("kind", "native"), "memory_bytes": mem,
+                                   # the status lists the budget apart from the emulation (a --memory budget is no emulation)
+                                   "emulation": {**(w.get("emulation") or {}), **({"memory_budget": w["memory_budget"]} if w.get("memory_budget") else {})} or None,
                                    "device": w.get("device"), "adapter": w.get("adapter"), "power_busy_w": busy, "power_idle_w": idle})
         workers.append(SimpleNamespace(id=w["id"], hello=hello, memory_bytes=mem, relay=hello.relay))
     return prof.model_profile(), prof.device_profiles(workers), prof.network_profile(workers)

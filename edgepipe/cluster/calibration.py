@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from ..net.channel import ChannelClosed
-from ..net.messages import Activate, Probe
+from ..net.messages import CALIBRATION_PLANS, Activate, Probe
 from . import deploy, measurements as M, state as S
 from .links import LinkProber
 from .ports import Ports
+from .variants import Variants
 from .calibration_rules import (MAX_ROUNDS, PROBE_REPS, ROW_PROBE, ROW_REPS, STABLE_SPREAD, STAGE_REPS, TRUST_RATIO,  # noqa: F401
                                 busy, on_join, reprice, spread, trusted_step_times)
 
@@ -42,12 +43,13 @@ class Calibrator:
     which workers it holds is state (``WorkerInfo.calibrating``: ``busy``), its tasks are kept
     only as handles, to cancel when a worker is lost and to wait for when settling."""
 
-    def __init__(self, ports: Ports, plan_fn, plan_context: Callable[[list], object], views: Callable[[], Mapping]):
+    def __init__(self, ports: Ports, plan_fn, plan_context: Callable[[list], object], views: Callable[[], Mapping],
+                 variants: Variants | None = None):
         self.ports = ports
+        self.variants = variants or Variants(ports)  # a worker's variant, built for the units its probes load
         self.plan_fn, self.plan_context, self.views = plan_fn, plan_context, views
         self.lock = asyncio.Lock()  # one calibration at a time
         self._running: dict[str, asyncio.Task] = {}  # worker -> the task holding it (handles only: the ledger is the state)
-        self._variant_lock = asyncio.Lock()
         self._probes = 0
         self.links = LinkProber(ports, self.probe, self.lock)
 
@@ -132,12 +134,20 @@ class Calibrator:
         p.replan_wanted.set()  # the speeds moved: the policy decides whether another plan is now better
         return dep
 
+    @staticmethod
+    def span(manifest) -> tuple[int, int]:
+        """The units a calibration loads (its widest range: ``calibrate`` times one layer and four)."""
+        layers = [u.index for u in manifest.units if u.kind == "layer"]
+        return layers[0], layers[min(3, len(layers) - 1)] + 1
+
     async def _load_probe_plan(self, wid: str, start: int, end: int) -> int:
-        p, state, plan_id = self.ports, self.ports.state(), -(10_000 + self._probes)
+        p, state = self.ports, self.ports.state()
+        precision = deploy.precision_of(state, wid, p.package.manifest, p.settings.precision)
+        await self.variants.ensure(precision, start, end, wid)  # a tab's fp32 units, built now if not yet
+        plan_id = CALIBRATION_PLANS - self._probes
         self._probes += 1
-        msg = deploy.load_message(p.package, plan_id, start, end, deploy.precision_of(state, wid, p.package.manifest, p.settings.precision),
-                                  {"kind": "coordinator"}, keep=[], batch_invariant=p.settings.batch_invariant,
-                                  gpu=deploy.computes_on_gpu(state, wid), verify=p.settings.speculative)
+        msg = deploy.load_message(p.package, plan_id, start, end, deploy.stage_form(state, wid, p.package.manifest, p.settings),
+                                  {"kind": "coordinator"}, keep=[])
         result = await p.load(wid, msg)
         if not result.ok:
             raise RuntimeError(result.error)
@@ -187,10 +197,12 @@ class Calibrator:
         from .requests import PipelineBroken
 
         p = self.ports
-        layers = [u.index for u in p.package.manifest.units if u.kind == "layer"]
-        ranges = [(layers[0], layers[0] + 1), (layers[0], layers[min(3, len(layers) - 1)] + 1)]
+        start, end = self.span(p.package.manifest)
+        ranges = [(start, start + 1), (start, end)]
         try:
             async with self.lock:  # one at a time: calibrations must not share the CPU
+                # its variant's units first (a tab's fp32), all at once: the build is not timed
+                await self.variants.ensure(deploy.precision_of(p.state(), wid, p.package.manifest, p.settings.precision), start, end, wid)
                 rounds = []
                 for _ in range(MAX_ROUNDS):
                     samples = await self._round(wid, ranges)
@@ -224,25 +236,3 @@ class Calibrator:
             p.note(S.NoteKind.CALIBRATION_FAILED, worker=wid, error=str(exc) or type(exc).__name__)
         finally:
             p.replan_wanted.set()
-
-    async def add_variant(self, precision: str) -> None:
-        from ..model.importer import add_variant
-        from ..model.weights import PRECISIONS
-
-        p = self.ports
-        if precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}")
-        async with self._variant_lock:
-            if all(precision in u.variants for u in p.package.manifest.units):
-                return
-            if precision == deploy.KERNEL_FORM:  # offered only where this machine's own library builds and loads
-                from ..native import native_library
-
-                library = await asyncio.get_running_loop().run_in_executor(None, native_library)
-                if library.path is None:
-                    raise RuntimeError(f"the coordinator has no GGUF kernel library: {library.reason}")
-            p.note(S.NoteKind.VARIANT, precision=precision, status="building")
-            await asyncio.get_running_loop().run_in_executor(None, add_variant, p.package.root, precision)
-            p.package.reload()
-            p.profile.manifest = p.package.manifest  # the coordinator reads ``package.manifest`` too
-            p.note(S.NoteKind.VARIANT, precision=precision, status="ready")

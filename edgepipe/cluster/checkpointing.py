@@ -75,7 +75,7 @@ class Checkpoints:
         workers = cluster.workers
         involved = needs | {cp.src for cp in copies}
         # a relayed or browser worker has no data port of its own to take or send checkpoints
-        if not copies or not needs <= cluster.spare_built or any(w not in workers or workers[w].relay or workers[w].hello.kind == "browser"
+        if not copies or not needs <= cluster.spare_built or any(w not in workers or not workers[w].caps.kind.peer_kv
                                                         for w in involved):
             return
         # The holders hold ``held`` positions under the same name: send only what came since.

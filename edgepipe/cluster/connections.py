@@ -31,7 +31,8 @@ class Connections:
                  stopped: Callable[[], bool], drafting=None, checkpoints=None):
         self.ports = ports
         self.drafting = drafting  # drafter workers (``cluster.drafting``; None: no draft model here)
-        self.calibrator = calibrator  # builds a variant a newcomer needs; told of each join
+        self.calibrator = calibrator  # told of each join
+        self.variants = calibrator.variants  # builds the form of the file's own model a newcomer runs
         self.steps, self.migration = steps, migration  # tokens, errors and relays; a switch's acknowledged KV moves
         self.checkpoints = checkpoints  # a checkpoint's acknowledged copies (``checkpointing``)
         self.requests = requests  # capacity (``lacking``) and the replay estimate an abandon weighs
@@ -87,15 +88,17 @@ class Connections:
             await self._refuse(channel, "wrong or missing join token" if declared.token else "missing join token")
             return
         wanted, manifest = declared.precision, p.package.manifest  # read now: a variant added at another join reloads it
-        if wanted and any(wanted not in u.variants for u in manifest.units):
-            try:
-                await self.calibrator.add_variant(wanted)
-            except (ValueError, OSError) as exc:
-                await self._refuse(channel, f"cannot provide the {wanted} variant: {exc}")
+        if wanted:  # built unit by unit as its LOADs need them (``variants``): refused here only if even its calibration cannot be
+            from ..model.weights import PRECISIONS
+
+            problem = (f"unknown precision {wanted!r}" if wanted not in PRECISIONS else
+                       self.variants.refusal(wanted, *self.calibrator.span(manifest)) if p.settings.calibrate else None)
+            if problem:
+                await self._refuse(channel, f"cannot provide the {wanted} variant: {problem}")
                 return
         elif form := deploy.form_to_add(declared, manifest, p.settings.precision):
             try:  # the file's own model in the form this worker runs (`gguf` with the kernel library, else `native`)
-                await self.calibrator.add_variant(form)
+                await self.variants.add_form(form)
             except Exception as exc:  # an import that fails for any reason: the worker is refused or runs the other form
                 if form == deploy.FALLBACK_FORM:  # nothing else it could run
                     await self._refuse(channel, f"cannot provide the {form} variant: {exc}")
@@ -109,14 +112,17 @@ class Connections:
         link = p.links()[wid] = Link(channel)
         # the join token was for admission only: the declaration kept in the state (and its event log) goes without it
         p.emit(S.WorkerJoined(wid, name, dataclasses.replace(declared, token=None), p.clock()))  # its dashboard line: narrate.entry
-        await link.send(Welcome(wid).to_message())
-        p.measure(M.DeviceJoined(name, p.clock()))
-        if declared.drafter:  # no stage for it: it gets the draft model instead (cluster.drafting)
-            p.spawn(self.drafting.attach(wid, link))
-        else:
-            self.calibrator.joined(wid)
-            p.replan_wanted.set()
         try:
+            try:
+                await link.send(Welcome(wid).to_message())
+            except ChannelClosed:  # it left before its welcome: the one line is its leave
+                return
+            p.measure(M.DeviceJoined(name, p.clock()))
+            if declared.drafter:  # no stage for it: it gets the draft model instead (cluster.drafting)
+                p.spawn(self.drafting.attach(wid, link))
+            else:
+                self.calibrator.joined(wid)
+                p.replan_wanted.set()
             await self._read_worker(wid, link)
         finally:
             await self.lose(wid, "disconnected")

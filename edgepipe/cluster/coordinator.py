@@ -45,7 +45,7 @@ from .placement import Deployment, StageAssignment
 from .planning import MemoryProportional, PlanContext, PlanPolicy
 from .ports import Ports
 from .prefix_cache import PrefixCaching
-from .profiling import ClusterProfile
+from .profiling import RUNTIME_OVERHEAD_BYTES, ClusterProfile
 from .settings import CoordinatorSettings
 from .requests import Requests
 from .speculation import Speculation
@@ -78,7 +78,7 @@ class Coordinator:
         self.up = asyncio.Event()  # set exactly while the phase is Up
         self.gate = asyncio.Event()  # set exactly while no plan is being swapped in (sequences may step)
         self.gate.set()
-        self.profile = ClusterProfile(self.manifest)
+        self.profile = ClusterProfile(self.manifest, variant_disk_bytes=self.settings.variant_disk_bytes)
         if self.settings.calibration_file:
             self.profile.load_known(Path(self.settings.calibration_file))
         # every state event and measurement, indexed (bounded): replays into ``cluster`` and ``profile``
@@ -139,7 +139,8 @@ class Coordinator:
         line = narrate.entry(event, self.cluster, self.profile, wall)
         if line is not None:
             self.events.append(line)
-            log.info("%s %s", line["kind"], {k: v for k, v in line.items() if k not in ("t", "kind")})
+            log.info("%s %s", line["kind"], {k: v for k, v in line.items() if k not in ("t", "kind")},
+                     extra={"narrated": line})  # the serve terminal's line in words (cluster.operator_log)
 
     @property
     def manifest(self):
@@ -192,8 +193,11 @@ class Coordinator:
 
     def plan_context(self, workers: list[WorkerView]) -> PlanContext:
         """What the plan function decides from (it is given no more than this)."""
+        ids = [w.id for w in workers]
+        forms = deploy.worker_forms(self.cluster, self.manifest, self.settings.precision, ids)
         return PlanContext(self.cluster, self.profile, workers, self.clock(), self.kv_plan_positions(), self.recovery_s(),
-                           deploy.budget_form(self.cluster, self.manifest, self.settings.precision, [w.id for w in workers]))
+                           deploy.budget_form(self.cluster, self.manifest, self.settings.precision, ids), forms,
+                           deploy.new_stage_room(self.cluster, self.manifest, forms, RUNTIME_OVERHEAD_BYTES))
 
     @property
     def kv_capacity(self) -> int | None:
@@ -215,11 +219,16 @@ class Coordinator:
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self.connections.heartbeats()), asyncio.create_task(self.deployer.replanner())]
 
-    async def stop(self) -> None:
+    def halt(self, why: str) -> None:
+        """Take no more work: every open request fails with ``why`` now (a stream ends with its API's
+        error event); the workers stay connected until ``stop``."""
         self.stopped = True
+        self.steps.lost(None, why, final=True)
+
+    async def stop(self) -> None:
+        self.halt("the coordinator stopped")
         for task in self._tasks:
             task.cancel()
-        self.steps.lost(None, "the coordinator stopped", final=True)
         for task in list(self._background):
             task.cancel()
         for wid, link in list(self.links.items()):

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
+from ..native import FALLBACK_FORM, KERNEL_FORM
+from ..net.capabilities import capabilities
 from ..net.messages import Hello, Load
 from ..plan import Plan, Stage
 from ..plan.switching import LoadStage, MoveKV, diff
@@ -114,14 +116,13 @@ def next_hop(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, Wo
     return {**first, "replicas": [hop_to(w) for w in targets[1:]]} if len(targets) > 1 else first
 
 
-KERNEL_FORM, FALLBACK_FORM = "gguf", "native"  # the file's own model: run by the GGUF kernel library, or by MatMulNBits
 
 
 def has_gguf_kernel(hello: Hello) -> bool:
-    """Whether a worker can run the `gguf` form: its kernel library loaded and it computes on the
-    CPU (a GPU stage runs on ONNX Runtime's WebGPU provider, which has no custom ops; a browser
-    never has the library)."""
-    return hello.native_kernel == KERNEL_FORM and hello.device != "gpu" and hello.kind != "browser"
+    """Whether a worker can run the `gguf` form: its kernel library loaded and its kind runs ONNX
+    Runtime's CPU provider (the WebGPU provider has no custom ops; a browser never has the
+    library): ``net.capabilities``."""
+    return capabilities(hello).gguf_kernel
 
 
 def _everywhere(manifest, precision: str) -> bool:
@@ -151,14 +152,34 @@ def form_to_add(hello: Hello, manifest, serving: str | None) -> str | None:
     return None if _everywhere(manifest, wanted) else wanted
 
 
-def load_message(package, plan_id: int, start: int, end: int, precision: str | None, nxt: dict, keep: list[int],
-                 warm: bool | None = None, data_secret: str | None = None, batch_invariant: bool = False, gpu: bool = False,
-                 verify: bool = False) -> Load:
-    """The LOAD frame of a stage; ``gpu``: the worker computes on a GPU (the graph's GPU form);
-    ``verify``: the cluster decodes speculatively (the graph's verify form, ``graphs.verify_form``)."""
-    manifest = package.manifest
-    graph = package.stage_graph(start, end, precision, batch_invariant, gpu, verify=True) if verify else \
-        package.stage_graph(start, end, precision, batch_invariant, gpu)
+@dataclass(frozen=True)
+class StageForm:
+    """The graph a worker's stage is sent: its weight variant (``precision``; None: the package's
+    own), the GPU form where its kind computes on a GPU (``graphs.gpu_form``), the verify form
+    where the cluster decodes speculatively (``graphs.verify_form``), and batch-invariant products."""
+
+    precision: str | None = None
+    gpu: bool = False
+    verify: bool = False
+    batch_invariant: bool = False
+
+
+def stage_form(state: ClusterState, worker_id: str, manifest, settings) -> StageForm:
+    """The form of ``worker_id``'s stages on this cluster: its capabilities and the settings'
+    (``precision``, ``speculative``, ``batch_invariant``)."""
+    w = state.workers.get(worker_id)
+    return StageForm(precision=precision_of(state, worker_id, manifest, settings.precision), gpu=bool(w and w.caps.gpu),
+                     verify=bool(settings.speculative), batch_invariant=bool(settings.batch_invariant))
+
+
+def load_message(package, plan_id: int, start: int, end: int, form: StageForm | str | None, nxt: dict, keep: list[int],
+                 warm: bool | None = None, data_secret: str | None = None) -> Load:
+    """The LOAD frame of a stage in ``form`` (a bare precision: that variant's plain CPU form)."""
+    if not isinstance(form, StageForm):
+        form = StageForm(precision=form)
+    precision, manifest = form.precision, package.manifest
+    graph = package.stage_graph(start, end, precision, form.batch_invariant, form.gpu, verify=True) if form.verify else \
+        package.stage_graph(start, end, precision, form.batch_invariant, form.gpu)
     return Load(plan=plan_id, start=start, end=end, graph=graph,
                 files=list(manifest.stage_files(start, end, precision)), next=nxt, keep=keep, max_context=manifest.max_context,
                 kv_bytes_per_token=sum(manifest.kv_bytes_per_token(u, precision) for u in range(start, end)), warm=warm,
@@ -240,12 +261,6 @@ def budget_form(state: ClusterState, manifest, serving: str | None, worker_ids: 
     return max(sorted(forms, key=str), key=lambda form: sum(kv_bytes_per_unit(manifest, form)))
 
 
-def computes_on_gpu(state: ClusterState, worker_id: str) -> bool:
-    """Whether the worker computes on a GPU (it is sent the GPU form of its stage's graph)."""
-    w = state.workers.get(worker_id)
-    return bool(w and w.hello.device == "gpu")
-
-
 def plannable(state: ClusterState, now: float) -> list[WorkerInfo]:
     """The workers a new plan may use: live (not suspected, not quarantined), in join order, not
     held by the calibrator (a worker being timed would be planned on guessed figures), and not
@@ -256,3 +271,14 @@ def plannable(state: ClusterState, now: float) -> list[WorkerInfo]:
 def steps_may_start(state: ClusterState) -> bool:
     """Sequences step only while no plan is being swapped in (the deployer's gate is open)."""
     return state.switching is None
+
+
+def worker_forms(state: ClusterState, manifest, serving: str | None, worker_ids: Iterable[str]) -> dict[str, str | None]:
+    """Worker id -> the form it is sent (``precision_of``): the planner prices each device with
+    its own form's weights and KV, so a joining device of another form (a tab, a worker without
+    the kernel library) leaves the others' figures as they were."""
+    return {w: precision_of(state, w, manifest, serving) for w in worker_ids}
+
+
+# Where a new plan may load beside the running one (``load_room``), as deploy.X for the deployer and planner.
+from .load_room import FAILED_PLAN_HOLD_S, new_stage_room, repeats_failure  # noqa: E402,F401

@@ -24,10 +24,12 @@ from .placement import Deployment, StageAssignment
 from .planning import PlanContext, PlanPolicy
 from .ports import Ports
 from .profiling import RUNTIME_OVERHEAD_BYTES
+from .variants import missing_units
 from .views import WorkerView
 
 QUIESCE_S = 30.0
 CATCH_UP_S = 5.0  # the next spare waits at most this long for the sequences to be fed on a new plan
+DOWN_RETRY_S = 2.0  # with no plan up, a failed plan is retried at least this often
 
 
 class Deployer:
@@ -61,9 +63,10 @@ class Deployer:
         p = self.ports
         return deploy.precision_of(p.state(), worker_id, p.package.manifest, p.settings.precision)
 
-    def on_gpu(self, worker_id: str) -> bool:
-        """Whether the worker computes on a GPU (it is sent the GPU form of its stage's graph)."""
-        return deploy.computes_on_gpu(self.ports.state(), worker_id)
+    def form(self, worker_id: str) -> deploy.StageForm:
+        """The graph form the worker's stages are sent (its variant, GPU, verify: ``deploy.stage_form``)."""
+        p = self.ports
+        return deploy.stage_form(p.state(), worker_id, p.package.manifest, p.settings)
 
     def kv_capacity(self) -> int | None:
         p = self.ports
@@ -75,6 +78,7 @@ class Deployer:
     # -- re-planning -----------------------------------------------------------------------------
     async def replanner(self) -> None:
         p = self.ports
+        failures = 0  # plans that failed in a row
         while True:
             try:
                 await asyncio.wait_for(p.replan_wanted.wait(), timeout=p.settings.replan_every_s)
@@ -86,9 +90,13 @@ class Deployer:
                 await self.calibrator.settled()
             try:
                 await self.replan()
+                failures = 0
             except Exception as exc:  # a failed plan must not stop future re-planning
                 p.emit(S.PlanFailed(str(exc).splitlines()[0] if str(exc) else type(exc).__name__))
-                await asyncio.sleep(0.5)
+                # back off: 0.5 s, then twice as long after each failure in a row, at most the periodic
+                # check while a plan serves (DOWN_RETRY_S while none does: getting up again comes first)
+                await asyncio.sleep(retry_after_s(failures, p.settings.replan_every_s if p.state().active is not None else DOWN_RETRY_S))
+                failures += 1
                 p.replan_wanted.set()
 
     async def replan(self, force: bool = False) -> Deployment | None:
@@ -113,14 +121,22 @@ class Deployer:
             else:
                 stages, reason, predicted = self.plan_fn(self.plan_context(workers))
             if not stages:
-                p.emit(S.PlanFailed(reason))
+                # before the first plan is up, devices are still arriving: no line until one could serve
+                p.emit(S.PlanFailed(reason, attempted=cluster.ever_up))
                 return None
             cluster = p.state()
             current = cluster.active
+            kept = predicted.get("kept")
+            if not force and current is not None and deploy.repeats_failure(cluster, stages, p.clock()):
+                kept = f"keeping plan {current.plan_id}: the plan that just failed to prepare is not tried again for {deploy.FAILED_PLAN_HOLD_S:.0f} s"
+                stages = list(current.stages)
+            if kept and kept != cluster.last_failure:  # said once, not at every check
+                p.emit(S.PlanFailed(kept, attempted=False))
+                p.note(S.NoteKind.PLAN_KEPT, plan=current.plan_id if current else None, why=kept)
             if not force and deploy.stay_reason(current, stages, cluster.pinned(p.clock()), predicted.get("switch")) is not None:
                 return current
             try:
-                return await self._deploy(stages, reason, {k: v for k, v in predicted.items() if k != "switch"})
+                return await self._deploy(stages, reason, {k: v for k, v in predicted.items() if k not in ("switch", "kept")})
             except Exception:
                 if spare is not None:
                     p.emit(S.SpareChosen(None))  # the next attempt asks the planner
@@ -154,13 +170,18 @@ class Deployer:
                 raise deploy_error(f"worker {next(s.worker_id for s in stages if s.worker_id not in workers)} left before deployment")
             secrets = auth.plan_secrets(len(stages)) if settings.issue_data_secrets else [None] * len(stages)
             p.emit(S.SecretsIssued(dep.plan_id, {s.worker_id: secret for s, secret in zip(stages, secrets) if secret}))
-            loads = [self.load(s.worker_id, deploy.load_message(p.package, dep.plan_id, s.start, s.end, self.precision(s.worker_id),
+            for s in stages:  # a stage in a variant the package lacks for its units (a tab's fp32): those units are built now
+                await self.calibrator.variants.ensure(self.precision(s.worker_id), s.start, s.end, s.worker_id)
+            loads = [self.load(s.worker_id, deploy.load_message(p.package, dep.plan_id, s.start, s.end, self.form(s.worker_id),
                                                                 deploy.next_hop(stages, i, workers, secrets), keep,
-                                                                data_secret=secrets[i], batch_invariant=settings.batch_invariant,
-                                                                gpu=self.on_gpu(s.worker_id), verify=settings.speculative))
+                                                                data_secret=secrets[i]))
                      for i, s in enumerate(stages)]
             results = await asyncio.gather(*loads)
             failed = [f"{s.worker_id}: {r.error}" for s, r in zip(stages, results) if not r.ok]
+            for s, r in zip(stages, results):
+                if not r.ok and r.needed_bytes is not None and r.budget_bytes is not None:  # over its budget: priced with it from now on
+                    p.emit(S.LoadRefused(s.worker_id, dep.plan_id, s.start, s.end, r.needed_bytes, r.free_bytes or 0, r.budget_bytes,
+                                         old.plan_id if old else None, p.clock()))
             if failed:
                 raise RuntimeError("plan %d failed to load (%s)" % (dep.plan_id, "; ".join(failed)))
         except BaseException as exc:
@@ -239,10 +260,11 @@ class Deployer:
         p.emit(S.SpareChosen(tuple(stages)))
         plan_id = -next(self._ids)
         for i, s in enumerate(stages):
+            if missing_units(p.package.manifest, self.precision(s.worker_id), s.start, s.end):
+                continue  # a spare is an optimisation: a variant's units are built when a plan needs them, not for a spare
             # warm: build the session too when the worker's budget allows (else it holds the files)
-            msg = deploy.load_message(p.package, plan_id, s.start, s.end, self.precision(s.worker_id), {"kind": "coordinator"}, [],
-                                      warm=True, batch_invariant=p.settings.batch_invariant, gpu=self.on_gpu(s.worker_id),
-                                      verify=p.settings.speculative)
+            msg = deploy.load_message(p.package, plan_id, s.start, s.end, self.form(s.worker_id), {"kind": "coordinator"}, [],
+                                      warm=True)
             p.spawn(self._spare_load(plan_id, tuple(stages), s.worker_id, msg))
 
     async def _spare_load(self, plan_id: int, stages: tuple[StageAssignment, ...], worker_id: str, msg) -> None:
@@ -256,6 +278,11 @@ class Deployer:
         # not ok: it holds the files at most, no session built, no KV checkpoints taken (its line: narrate.entry)
         p.emit(S.SpareLoaded(plan_id, stages, worker_id, bool(reply.ok and not reply.prefetched),
                              None if reply.ok else reply.error or "not loaded"))
+
+
+def retry_after_s(failures: int, most_s: float) -> float:
+    """Seconds before re-planning after ``failures`` + 1 plans failed in a row: 0.5 s, doubling, at most ``most_s``."""
+    return min(max(most_s, 0.5), 0.5 * 2 ** min(failures, 16))
 
 
 def deploy_error(text: str) -> Exception:

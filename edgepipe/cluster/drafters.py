@@ -76,6 +76,8 @@ class RemoteDrafter:
         if params is not None and not params.greedy:
             sampling = {"temperature": float(params.temperature), "top_k": int(params.top_k), "top_p": float(params.top_p),
                         "seed": int(params.seed)}
+            if params.min_p:
+                sampling["min_p"] = float(params.min_p)
         fut: Future = Future()
         with self._lock:
             rid = next(self._ids)

@@ -100,6 +100,25 @@ class PrepareFailed:
 
 
 @dataclass(frozen=True)
+class LoadRefused:
+    """``worker_id`` refused the LOAD of plan ``plan_id``'s stage [start, end) over its memory
+    budget: the stage needs ``needed_bytes`` where only ``free_bytes`` of its ``budget_bytes``
+    were free beside what it holds (the stage of ``beside``, the plan running when it was asked;
+    None: none ran). The planner prices that worker with these figures from then on
+    (``deploy.new_stage_room``): a plan it refused is not prepared again."""
+
+    worker_id: str
+    plan_id: int
+    start: int
+    end: int
+    needed_bytes: int
+    free_bytes: int
+    budget_bytes: int
+    beside: int | None
+    now: float
+
+
+@dataclass(frozen=True)
 class Committing:
     now: float
 
@@ -267,6 +286,7 @@ class ProbeAccepting:
 
 
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
+         | LoadRefused
          | Committing | Committed | PlanFailed | SpareChosen | SpareLoaded | Pinned | Repriced | SecretsIssued | SwitchStarted | SwitchEnded | Noted
          | RequestStarted | RequestFed | RequestPaused | Routed | KvMoved | KvMoveSent | KvMoveEnded
          | RequestEnded | ProbeAccepting)

@@ -117,8 +117,20 @@ def _predicted(p: object) -> str:
     return ", ".join(out)
 
 
+def _variant(f: Mapping) -> str:
+    """A weight variant's build (``cluster.variants``): what, for which units and worker, and how it went."""
+    from .variants import _span
+
+    units = f.get("units")
+    where = (f" of {_span(units)}" if isinstance(units, list) and units else "") + (f" for {f['worker']}" if f.get("worker") else "")
+    size = f" (~{value(f['estimated_bytes'], 'estimated_bytes')})" if f.get("estimated_bytes") else ""
+    took = f" in {seconds(float(f['seconds']))}" if f.get("seconds") is not None else ""
+    reason = f": {f['reason']}" if f.get("reason") else ""
+    return f"{f.get('precision')} variant{where} {f.get('status')}{size}{took}{reason}"
+
+
 SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
-    "join": lambda f: f"{f['worker']} joined" + (f" ({value(f.get('memory_bytes'), 'memory_bytes')})" if f.get("memory_bytes") else ""),
+    "join": lambda f: f"{f['worker']} joined" + (f" ({value(m, 'memory_bytes')})" if (m := f.get("memory_bytes") or f.get("memory")) else ""),
     "leave": lambda f: f"{f['worker']} left" + _why(f),
     "draft_site": lambda f: f"drafts now made on {'the coordinator' if f['site'] == 'coordinator' else f['site']}" + _why(f),
     "drafter": lambda f: f"drafter {f['worker']} {f['status']}: " + _pairs(f, ("worker", "status")),
@@ -131,9 +143,11 @@ SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
     "quarantine": lambda f: f"{f['worker']} quarantined" + (f" for {seconds(float(f['for_s']))}" if f.get("for_s") is not None else "") + _why(f),
     "suspect": lambda f: f"{f['worker']} suspected" + _why(f),
     "plan_failed": lambda f: "a plan failed to deploy" + _why(f),
+    "variant": lambda f: _variant(f),
     "link_measured": lambda f: f"link {f['src']} to {f['dst']} measured: rtt {value(f.get('rtt_ms'), 'rtt_ms')}, "
                                f"{value(f.get('mb_s'), 'mb_s')}",
     "spare": lambda f: f"spare plan ready: {value(f.get('stages'))}",
+    "plan_kept": lambda f: str(f["why"]),
     "prefix_dropped": lambda f: f"prefix cache dropped ({number(f['blocks'])} blocks)" + _why(f),
 }
 
@@ -170,8 +184,8 @@ def _fields(event, state, profile) -> dict | None:
             return {"kind": "up", "plan": dep.plan_id, "prepare_s": timings.prepare_s, "paused_s": timings.paused_s,
                     "fetched_bytes": timings.fetched_bytes, "predicted": dep.predicted, "replaced": timings.replaced, **timings.moved}
         case E.WorkerJoined(wid, _, hello, _):
-            return {"kind": "join", "worker": wid, "memory": hello.memory_bytes,
-                    "emulation": None if hello.emulation is None else dict(hello.emulation), "device_kind": hello.kind}
+            return {"kind": "join", "worker": wid, "memory": hello.memory_bytes, "memory_budget": hello.memory_budget,
+                    "emulation": hello.declared_emulation, "device_kind": hello.kind}
         case E.WorkerLost(wid, why, _):
             return {"kind": "leave", "worker": wid, "why": why}
         case E.Suspected(wid, now) if wid in state.workers:
@@ -187,12 +201,13 @@ def _fields(event, state, profile) -> dict | None:
             return {"kind": "prepare", "plan": dep.plan_id, "stages": [[s.worker_id, s.start, s.end] for s in dep.stages], "reason": dep.reason}
         case E.PlanFailed(why, True):
             return {"kind": "plan_failed", "error": why}
-        case E.SpareChosen(stages) if stages:
-            return {"kind": "spare", "stages": [[s.worker_id, s.start, s.end] for s in stages]}
         case M.PeerLink(src, dst, rtt, bandwidth):
             return {"kind": "link_measured", "src": src, "dst": dst, "rtt_ms": round(rtt * 1e3, 3), "mb_s": round(bandwidth / 1e6, 4)}
         case E.SpareLoaded(plan, _, wid, _, error) if error is not None:
             return {"kind": "spare_unbuilt", "worker": wid, "plan": plan, "error": error}
+        case E.SpareLoaded(_, stages, _, True, _) if stages == state.spare and {s.worker_id for s in stages} <= state.spare_built:
+            # ready once every stage's session is built (the last answer), not when it is chosen
+            return {"kind": "spare", "stages": [[s.worker_id, s.start, s.end] for s in stages]}
         case K.CheckpointStored(rid, _, _, needs, wid, position, nbytes) if needs and wid == max(needs) and _whole(state, rid, position):
             return {"kind": "checkpoint", "request": rid, "position": position, "bytes": nbytes}
         case M.Distrusted(wid, (start, end), reported, measured):

@@ -34,6 +34,7 @@ class NoteKind(str, Enum):
     LINK_PROBE_FAILED = "link_probe_failed"
     BLOB_REPAIRED = "blob_repaired"
     SPARE_FAILED = "spare_failed"
+    PLAN_KEPT = "plan_kept"  # the running plan stays: no other loads beside it, or the one that would failed to (``deploy``)
     DRAFTER = "drafter"  # a drafter worker loading, ready or failed (``cluster.drafting``)
     DRAFT_SITE = "draft_site"  # the draft moved to another site (this process or a drafter worker)
 

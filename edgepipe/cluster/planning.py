@@ -13,10 +13,12 @@ relays through the coordinator (a browser's hops are not routed per sequence).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Mapping
 
 from ..plan import (Objective, Plan, PlanError, PlanRequest, Stage, evaluate, expected_goodput, objective_value, plan, should_switch,
                     spare_plan, switch_cost)
+from ..plan.plan import replica_sequences
 from .placement import Deployment, StageAssignment, proportional_split, stage_groups
 from .profiling import ClusterProfile
 from .state import ClusterState
@@ -35,6 +37,8 @@ class PlanContext:
     kv_positions: int  # deploy.kv_plan_positions: what the running sequences may grow to
     recovery_s: float  # median seconds from losing the running plan to the next one up
     kv_form: str | None = None  # the form whose KV a plan budgets (deploy.budget_form; None: the package's own)
+    forms: Mapping[str, str | None] = field(default_factory=dict)  # worker -> the form it runs (deploy.worker_forms): its own bytes
+    room: Mapping[str, int] = field(default_factory=dict)  # worker -> memory for a new stage beside the running one (deploy.new_stage_room)
 
     @property
     def sequences(self) -> int:
@@ -85,27 +89,42 @@ class PlannerPolicy(PlanPolicy):
         """The model profile with KV sized for what is running (``PlanContext.kv_positions``),
         spread over the sequences the request counts: not every sequence at full context."""
         sequences = self.request(ctx).sequences
-        return ctx.profile.model_profile(context_tokens=-(-ctx.kv_positions // sequences), kv_form=ctx.kv_form)
+        return ctx.profile.model_profile(context_tokens=-(-ctx.kv_positions // sequences), kv_form=ctx.kv_form, forms=ctx.forms.values())
 
     def __call__(self, ctx: PlanContext):
         prof, workers = ctx.profile, ctx.workers
         model = self.model(ctx)
-        devices = prof.device_profiles(workers)
+        current = ctx.state.active
+        running = set(current.workers) if current is not None else set()
+        # a device that refused a LOAD while running nothing of the live plan holds what it reported
+        # (``deploy.new_stage_room``); one running a stage may keep it, so it is checked below instead
+        devices = [replace(d, memory_bytes=min(d.memory_bytes, ctx.room[d.id])) if d.id in ctx.room and d.id not in running else d
+                   for d in prof.device_profiles(workers, ctx.forms)]
         network = prof.network_profile(workers)
         request = self.request(ctx)
         result = plan(model, devices, network, request)
         self.last_result = (result, model, devices, network, request)
         best = result.best
+        alive = {d.id for d in devices}
+        serving = current is not None and set(current.workers) <= alive  # the running plan may stay
+        if best.complete and serving and ctx.room:
+            best, why = loadable_beside(best, current, model, devices, network, request, ctx.room)
+            if best is None:  # nothing better loads beside it: it keeps serving (``deploy.stay_reason``: same plan)
+                return list(current.stages), f"keeping plan {current.plan_id}: {why}", {"kept": f"keeping plan {current.plan_id}: {why}"}
         if not best.complete:
+            if serving:
+                why = f"keeping plan {current.plan_id}: no other complete plan ({best.reason})"
+                return list(current.stages), why, {"kept": why}
             return [], best.reason, {}
         rates = {w.id: prof.failure_rate(w.name, ctx.now) for w in workers}
         if request.objective is Objective.THROUGHPUT and any(rates.values()):
-            best = self._weigh_churn(best, model, devices, network, request, rates, ctx.recovery_s)
+            weighed = self._weigh_churn(best, model, devices, network, request, rates, ctx.recovery_s)
+            # the fewer-devices plan, only where it loads beside the running one too
+            if not (serving and ctx.room and beside_running(weighed.stages, current, model, devices, request.sequences, ctx.room)):
+                best = weighed
         stages = assignments(best.stages)
         predicted = prediction_dict(best)
-        current = ctx.state.active
-        alive = {d.id for d in devices}
-        if current is not None and set(current.workers) <= alive:
+        if serving:
             running = running_plan(current, model, request)
             try:
                 running_pred = evaluate(running.stages, model, devices, network, request)
@@ -161,13 +180,51 @@ class PlannerPolicy(PlanPolicy):
         if len(workers) < 2:
             return None
         prof = ctx.profile
-        model, devices, network = self.model(ctx), prof.device_profiles(workers), prof.network_profile(workers)
+        model, devices, network = self.model(ctx), prof.device_profiles(workers, ctx.forms), prof.network_profile(workers)
         request = replace(self.request(ctx), objective=Objective.LATENCY)
         running = running_plan(dep, model, request)
         spare = spare_plan(model, devices, network, request, running, set(dep.workers))
         if spare is None:
             return None
         return assignments(spare.stages)
+
+
+def beside_running(stages, current: Deployment, model, devices, sequences: int, room: Mapping[str, int]) -> list[tuple[str, int, int]]:
+    """(device, bytes needed, room) of every stage of ``stages`` that its device cannot load beside
+    the running plan ``current``: a range other than the one it runs now, needing more than its
+    ``room`` (``deploy.new_stage_room``; a range it runs now is reused, it needs nothing more)."""
+    devs = {d.id: d for d in devices}
+    running = {(s.worker_id, s.start, s.end) for s in current.stages}
+    over = []
+    for stage in stages:
+        for d in stage.device_ids:
+            if d not in room or (d, stage.start, stage.end) in running:
+                continue
+            need = model.stage_bytes(stage.start, stage.end, replica_sequences(sequences, len(stage.device_ids)), devs[d].precision)
+            if need > room[d]:
+                over.append((d, need, room[d]))
+    return over
+
+
+def loadable_beside(best: Plan, current: Deployment, model, devices, network, request: PlanRequest,
+                    room: Mapping[str, int]) -> tuple[Plan | None, str]:
+    """The best plan whose stages load beside the running plan (``beside_running``): each device
+    that could not load its stage is planned again with only its room, until a plan loads (or
+    none is complete: None and why, in one line). Pure, and at most one search per device."""
+    capped: dict[str, int] = {}
+    sized, why = list(devices), ""
+    for _ in range(len(devices) + 1):
+        if not best.complete:
+            return None, why or best.reason
+        over = beside_running(best.stages, current, model, sized, request.sequences, room)
+        if not over:
+            return best, ""
+        why = "no other plan loads beside it (" + "; ".join(f"{d} would need {need / 1e6:.0f} MB, {free / 1e6:.0f} MB free"
+                                                            for d, need, free in over) + ")"
+        capped.update({d: free for d, _, free in over})
+        sized = [replace(d, memory_bytes=min(d.memory_bytes, capped[d.id])) if d.id in capped else d for d in devices]
+        best = plan(model, sized, network, request).best
+    return None, why
 
 
 def assignments(stages) -> list[StageAssignment]:

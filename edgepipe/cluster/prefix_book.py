@@ -60,8 +60,8 @@ def why_off(workers, units, dep: Deployment, max_positions: int) -> str | None:
         return "sliding-window layers"
     for s in dep.stages:
         w = workers.get(s.worker_id)
-        if w is not None and (w.hello.kind == "browser" or w.hello.device == "gpu"):
-            return f"stage on {s.worker_id} ({'browser' if w.hello.kind == 'browser' else 'gpu'})"
+        if w is not None and not w.caps.kind.prefix_cache:
+            return f"stage on {s.worker_id} ({w.caps.kind.name})"
     return None
 
 

@@ -36,8 +36,9 @@ ROW_FLOOR = 0.01  # the least a further row of a batched step is priced at, as a
 
 
 class ClusterProfile:
-    def __init__(self, manifest, context_tokens: int = 2048, window: int = 32):
+    def __init__(self, manifest, context_tokens: int = 2048, window: int = 32, variant_disk_bytes: int | None = None):
         self.manifest = manifest
+        self.variant_disk_bytes = variant_disk_bytes  # what built variants may add on disk (``variants.budget_problem``; None: unbounded)
         self.window = window
         self.context_tokens = min(context_tokens, manifest.max_context)
         self.devices: dict[str, DeviceMeasurements] = {}
@@ -241,29 +242,59 @@ class ClusterProfile:
         m.speed = anchor[1] * anchor[0] / median
 
     # -- profiles out ---------------------------------------------------------------------------
-    def model_profile(self, precision: str | None = None, context_tokens: int | None = None, kv_form: str | None = None) -> ModelProfile:
+    def model_profile(self, precision: str | None = None, context_tokens: int | None = None, kv_form: str | None = None,
+                      forms=()) -> ModelProfile:
         """``context_tokens``: KV positions to plan per sequence (default: the full context);
-        ``kv_form``: the form whose KV is counted (default: ``precision``'s)."""
+        ``kv_form``: the form whose KV is counted (default: ``precision``'s); ``forms``: the
+        forms the devices run (``device_profiles``' ``forms``), each priced with its own weight
+        and KV bytes (a form the package does not hold yet is priced as the profile's own)."""
         m = self.manifest
         kv_form = kv_form or precision
         units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, m.kv_bytes_per_token(u.index, kv_form),
                                   u.out_bytes_per_token, u.kv_window, experts=u.experts, experts_used=u.experts_used,
                                   expert_bytes=m.variant(u.index, precision).expert_bytes) for u in m.units)
-        return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES)
+        from .variants import unit_sizes
 
-    def device_profiles(self, workers) -> list[DeviceProfile]:
+        # Per form: each device is priced in the form it runs (``forms``), and a tab in the variant
+        # it asks for (fp32), as built or else as estimated (``variants.unit_sizes``), units not
+        # built yet included, so what it may be given is bounded by its memory.
+        devices_forms = sorted({f for f in forms if f})
+        names = sorted({p for u in m.units for p in getattr(u, "variants", ())} | {"fp32"} | set(devices_forms))
+        weights = {name: unit_sizes(m, name) for name in names}
+        kv = {form: tuple(m.kv_bytes_per_token(u.index, form) for u in m.units) for form in devices_forms}
+        return ModelProfile(m.name, units, context_tokens or self.context_tokens, runtime_overhead_bytes=RUNTIME_OVERHEAD_BYTES,
+                            variant_weight_bytes=weights, variant_kv_bytes=kv)
+
+    def device_profiles(self, workers, forms=None) -> list[DeviceProfile]:
+        """The planner's devices; ``forms`` (worker id -> the form it is sent) sizes each with its own."""
         out = []
         for w in sorted(workers, key=lambda w: w.id):
             m = self.of(w.id)
-            emu = w.hello.emulation or {}
             out.append(DeviceProfile(
-                id=w.id, memory_bytes=w.memory_bytes, speed=m.speed, overhead_s=m.overhead_s,
+                id=w.id, memory_bytes=self._plannable_memory(w), speed=m.speed, overhead_s=m.overhead_s,
                 power_busy_w=_declared(w.hello.power_busy_w, DEFAULT_POWER_BUSY_W),
                 power_idle_w=_declared(w.hello.power_idle_w, DEFAULT_POWER_IDLE_W),
-                held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=bool(emu),
+                held_units=frozenset(self._held_units(w)), relay=w.relay, emulated=w.hello.emulated,
                 kind=w.hello.device or "cpu", adapter=w.hello.adapter, row_speed=m.row_speed,
+                precision=(forms or {}).get(w.id) or w.hello.precision,  # the form it is sent (a tab: the variant it asks for)
             ))
         return out
+
+    def _plannable_memory(self, w) -> int:
+        """Its declared memory; for a worker of a variant built as its stages need it (a tab's fp32),
+        no more than the weights that variant may hold within the disk budget (those built, plus
+        what the budget has left) with the KV and overhead of a stage beside them, so that no
+        plan is made whose build would be refused (``variants.budget_problem``)."""
+        from .variants import added_bytes, own_forms
+
+        precision = w.hello.precision
+        if self.variant_disk_bytes is None or not precision or precision in own_forms(self.manifest):
+            return w.memory_bytes
+        m = self.manifest
+        built = sum(m.variant(u.index, precision).weight_bytes for u in m.units if precision in u.variants)
+        room = built + max(0, self.variant_disk_bytes - added_bytes(m))
+        kv = self.context_tokens * sum(m.kv_bytes_per_token(u.index, precision) for u in m.units)
+        return min(w.memory_bytes, room + kv + RUNTIME_OVERHEAD_BYTES)
 
     def _held_units(self, w) -> set[int]:
         held = set(w.hello.held)

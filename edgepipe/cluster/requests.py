@@ -101,9 +101,14 @@ class Requests:
         """What the model needs of the workers: (weight bytes, KV bytes of the tokens a plan reserves)."""
         p = self.ports
         manifest = p.package.manifest
-        weights = sum(manifest.variant(u.index, p.settings.precision).weight_bytes for u in manifest.units)
-        state = p.state()  # KV as the workers keep it: the gguf form's fp16 cache is half the others' fp32
-        kv = deploy.kv_bytes_per_unit(manifest, deploy.budget_form(state, manifest, p.settings.precision, state.workers))
+        state = p.state()  # as the workers keep it: the gguf form's own blocks and fp16 cache, not the `native` figures
+        form = deploy.budget_form(state, manifest, p.settings.precision, state.workers)
+        try:
+            weights = sum(manifest.variant(u.index, form).weight_bytes for u in manifest.units)
+        except KeyError:  # a form still being built (a tab's): the cluster's own meanwhile
+            form = p.settings.precision
+            weights = sum(manifest.variant(u.index, form).weight_bytes for u in manifest.units)
+        kv = deploy.kv_bytes_per_unit(manifest, form)
         return weights, sum(kv) * min(KV_RESERVE_TOKENS, manifest.max_context)
 
     def lacking(self) -> str | None:

@@ -31,3 +31,6 @@ class CoordinatorSettings:
     prefix_block: int = 32  # token ids per cached block (cluster.prefix)
     kv_checkpoint_tokens: int = 32  # copy a live sequence's KV to the spare plan every this many tokens (0: never; cluster.checkpoints)
     kv_checkpoint_in_flight: int = 2  # sequences whose checkpoint is being copied at once
+    # bytes the weight variants beyond the package's own forms (a browser's fp32 units) may add to it on disk
+    # (cluster.variants): one WebAssembly tab's worth, the 4 GiB its 32-bit memory can address
+    variant_disk_bytes: int = 4 << 30

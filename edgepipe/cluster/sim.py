@@ -127,9 +127,24 @@ class FakeManifest:
         return [f"file{u}" for u in range(start, end)]
 
 
-class FakePackage:
+class TwoFormManifest(FakeManifest):
+    """The fake model as a file's own model in two forms, as a GGUF package holds it: `gguf`
+    (for workers with the kernel library: an fp16 KV cache, half the bytes) and `native` (the
+    others: a tab, a worker without the library). A worker of either form computes the same tokens."""
+
+    precision = "native"
+
     def __init__(self):
-        self.manifest = FakeManifest()
+        self.units = [_Unit(i, f"u{i}", "layer", variants=("gguf", "native")) for i in range(N_UNITS)]
+
+    def kv_bytes_per_token(self, index, precision=None) -> int:
+        per_token = self.units[index].kv_bytes_per_token
+        return per_token // 2 if (precision or self.precision) == "gguf" else per_token
+
+
+class FakePackage:
+    def __init__(self, two_forms: bool = False):
+        self.manifest = TwoFormManifest() if two_forms else FakeManifest()
 
     def stage_graph(self, start, end, precision=None, batch_invariant=False, gpu=False) -> str:
         return f"graph-{start}-{end}" + ("-invariant" if batch_invariant else "") + ("-gpu" if gpu else "")

@@ -44,6 +44,12 @@ class Schedule:
     requests: tuple[Req, ...]
     faults: tuple[Fault, ...]
     replicate: float | None = None  # at this time, a pinned plan that replicates a stage on a worker the plan leaves out
+    # workers without the GGUF kernel library (targeted schedules): the package then holds the
+    # model in two forms (``sim.TwoFormManifest``), these get the `native` one, the others `gguf`
+    kernel_less: tuple[int, ...] = ()
+    # per worker, the budget it enforces where it is less than the memory it declares (targeted
+    # schedules: a device that overstates its memory refuses a LOAD the planner thought fits)
+    budgets: tuple[int | None, ...] = ()
 
     @staticmethod
     def random(seed: int) -> "Schedule":

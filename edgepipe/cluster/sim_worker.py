@@ -29,15 +29,17 @@ IN_ORDER = (Forward, Kv, Drop, KvExport)
 class FakeWorker:
     """Speaks the worker protocol over a ``SimChannel`` through the real worker core."""
 
-    def __init__(self, world, name: str, memory: int, slowdown: float = 1.0):
+    def __init__(self, world, name: str, memory: int, slowdown: float = 1.0, kernel: bool = True, budget: int | None = None):
         self.world, self.name, self.memory, self.slowdown = world, name, memory, slowdown
+        self.kernel = kernel  # its hello says the GGUF kernel library loaded (it is sent the `gguf` form where the package has one)
         self.url = f"sim://{name}"
         self.dead = False
         self.stalled_until = 0.0
         self.dropping_until = 0.0  # answers pings but drops activation frames until then
         self.refusing_kv_until = 0.0  # fails every KV frame it is sent until then (a KV move or checkpoint that fails)
         # the fake model's slowness is in its compute; the core adds no emulated wait of its own
-        self.state = core.WorkerState(name, budget_bytes=memory, data_url=self.url)
+        # the budget it enforces: what it declares, unless it overstates its memory (``budget``)
+        self.state = core.WorkerState(name, budget_bytes=memory if budget is None else budget, data_url=self.url)
         self.model = FakeStages(name)  # its stages' fake KV and cached prompt blocks (``sim_model``)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.control = None
@@ -74,7 +76,7 @@ class FakeWorker:
         """Its declaration, typed as the shipped worker's (``worker.shell``): a native worker whose
         emulated memory budget is all of its memory."""
         return Hello(name=self.name, token=None, protocol=PROTOCOL_VERSION, kind="native", memory_bytes=self.memory, threads=1,
-                     data_url=self.url, held=(), emulation={"memory_budget": self.memory})
+                     data_url=self.url, held=(), emulation={"memory_budget": self.memory}, native_kernel="gguf" if self.kernel else None)
 
     async def _life(self) -> None:
         """Join, serve until the channel closes, then reconnect with jittered backoff (forever)."""

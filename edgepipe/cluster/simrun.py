@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from .planning import PlannerPolicy
 from .sim import (QUARANTINE_FAULTS, SETTINGS, UP_BOUND_S, UNIT_BYTES, Admission, Coordinator, CoordinatorSettings, FakePackage, FakeWorker,
                   GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
+from . import state as S
 from .scheduling import AdmissionError
 from .sim_replicas import replica_counts, replicate
 from .sim_schedule import Fault, Req, Schedule  # noqa: F401 - Fault and Req: where callers know them
@@ -47,6 +48,9 @@ class Report:
     checkpoints_failed: int = 0  # checkpoints voided because a copy failed
     replicated: int = 0  # plans with a replicated stage committed
     replica_lost: int = 0  # workers lost while they ran a replica of the active plan
+    prepared: list[float] = field(default_factory=list)  # when each plan began to be prepared (virtual seconds)
+    prepare_failed: int = 0  # plans that failed to prepare
+    dashboard: list[str] = field(default_factory=list)  # the kinds of the dashboard's lines, in order (every coordinator's)
 
 
 class World:
@@ -70,7 +74,7 @@ class World:
     async def start_coordinator(self) -> None:
         # As ``edgepipe serve`` runs it: calibration (stage timings, uplink and peer-link probes),
         # the planner's policy (objective, switch-or-stay, churn) and its spare plan for recovery.
-        coord = Coordinator(FakePackage(), CoordinatorSettings(**SETTINGS), plan_fn=PlannerPolicy(), clock=asyncio.get_running_loop().time)
+        coord = Coordinator(FakePackage(two_forms=bool(self.schedule.kernel_less)), CoordinatorSettings(**SETTINGS), plan_fn=PlannerPolicy(), clock=asyncio.get_running_loop().time)
         await coord.start()
         admission = Admission(max_active=4, max_queue=8)
         admission.bind(coord)  # as ``create_app`` does: the book is the coordinator's state
@@ -193,7 +197,9 @@ async def _main(schedule: Schedule) -> Report:
     report = Report(schedule.seed, tuple(f.kind for f in schedule.faults))
     world = World(schedule)
     await world.start_coordinator()
-    world.workers = [FakeWorker(world, f"n{i}", m) for i, m in enumerate(schedule.memories)]
+    budgets = dict(enumerate(schedule.budgets))
+    world.workers = [FakeWorker(world, f"n{i}", m, kernel=i not in schedule.kernel_less, budget=budgets.get(i))
+                     for i, m in enumerate(schedule.memories)]
     plan = sorted([(t, 0, i) for i, t in enumerate(schedule.join_at)] + [(r.at, 1, i) for i, r in enumerate(schedule.requests)]
                   + [(f.at, 2, i) for i, f in enumerate(schedule.faults)] + ([(schedule.replicate, 3, 0)] if schedule.replicate is not None else []))
     clients, healed = [], 0.0
@@ -263,6 +269,10 @@ async def _main(schedule: Schedule) -> Report:
     report.prefix_hits = sum(c.cluster.prefix.counts.hits for c, _ in world.coordinators)
     report.replicated, report.replica_lost = (sum(n) for n in zip(*(replica_counts(c) for c, _ in world.coordinators)))
     report.prefix_dropped = sum(c.cluster.prefix.counts.dropped for c, _ in world.coordinators)
+    history = [e for c, _ in world.coordinators for e in c.history.events]
+    report.prepared = sorted(e.now for e in history if isinstance(e, S.Preparing))
+    report.prepare_failed = sum(isinstance(e, S.PrepareFailed) for e in history)
+    report.dashboard = [str(line.get("kind")) for c, _ in world.coordinators for line in c.events]
     for w in world.workers:
         w.kill()
     for c, _ in world.coordinators:

@@ -24,7 +24,7 @@ from . import admission_book as AB, step_book as SB  # the API's admission ledge
 # The event types (``events``), re-exported so callers write ``state.Heard(...)``.
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
-    EmulationChanged, Preparing, PrepareFailed, Committing, Committed, PlanFailed, SpareChosen, SpareLoaded, Pinned, Repriced,
+    EmulationChanged, Preparing, PrepareFailed, LoadRefused, Committing, Committed, PlanFailed, SpareChosen, SpareLoaded, Pinned, Repriced,
     SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, RequestPaused, Routed, KvMoved, KvMoveSent,
     KvMoveEnded, RequestEnded, Event, ProbeAccepting,
 )
@@ -80,6 +80,11 @@ class ClusterState:
     outages: tuple[float, ...] = ()  # seconds from leaving Up to the next Up
     phase_time: Mapping[str, float] = field(default_factory=lambda: _frozen({p.value: 0.0 for p in Phase}))
     last_failure: str | None = None  # the last reason a plan could not be made or loaded
+    # the stages of the last plan that failed to prepare while another served, and when (not
+    # prepared again in a row: ``deploy.repeats_failure``); cleared by a commit or a change of membership
+    failed_stages: tuple[StageAssignment, ...] | None = None
+    failed_at: float = 0.0
+    refusals: Mapping[str, LoadRefused] = field(default_factory=lambda: _frozen({}))  # worker -> its last LOAD refused over budget
     joins: int = 0  # workers ever joined (numbers their ids)
     # by device identity, so that reconnecting does not clear it
     quarantine: Mapping[tuple, Quarantine] = field(default_factory=lambda: _frozen({}))
@@ -120,7 +125,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
     match event:
         case WorkerJoined(wid, name, hello, now):
             info = WorkerInfo(wid, name, hello, joined_at=now, last_seen=now)
-            return _replace(state, workers=_with(state.workers, wid, info), joins=state.joins + 1)
+            return _replace(state, workers=_with(state.workers, wid, info), joins=state.joins + 1, failed_stages=None)
         case Heard(wid, now) if wid in state.workers:
             return _worker(state, heard(state.workers[wid], now))
         case Ponged(wid, rtt, stats, now) if wid in state.workers:
@@ -128,7 +133,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case Suspected(wid, now) if wid in state.workers and state.workers[wid].suspected_since is None:
             return _worker(state, _replace(state.workers[wid], suspected_since=now))
         case WorkerLost(wid, why, now) if wid in state.workers:
-            state = _replace(state, workers=_without(state.workers, wid))
+            state = _replace(state, workers=_without(state.workers, wid), refusals=_without(state.refusals, wid), failed_stages=None)
             if state.spare and any(s.worker_id == wid for s in state.spare):
                 # a holder is gone: no checkpoint is whole
                 state = _replace(state, spare=None, spare_plan=None, spare_built=frozenset(), checkpoints=_frozen({}))
@@ -155,9 +160,12 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _phase(state, Phase.PREPARING, now) if state.active is None else state
         case PrepareFailed(plan_id, why, now):
             if state.preparing is not None and state.preparing.plan_id == plan_id:
-                state = _replace(state, preparing=None)
+                state = _replace(state, preparing=None, failed_stages=state.preparing.stages if state.active is not None else None,
+                                 failed_at=now)
             state = _replace(state, last_failure=why)
             return _phase(state, Phase.DOWN, now) if state.active is None else state
+        case LoadRefused(wid) if wid in state.workers:
+            return _replace(state, refusals=_with(state.refusals, wid, event))
         case Committing(now) if state.active is None:
             return _phase(state, Phase.COMMITTING, now)
         case Committed(dep, now, _):
@@ -168,7 +176,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             # the secrets of the new plan and of the one it replaces are kept, those of other (failed) plans go
             kept = {dep.plan_id} | ({state.active.plan_id} if state.active is not None else set())
             secrets = _frozen({p: s for p, s in state.secrets.items() if p in kept})
-            state = _replace(state, active=dep, preparing=None, ever_up=True, last_switch=now, last_failure=None, secrets=secrets,
+            state = _replace(state, active=dep, preparing=None, ever_up=True, last_switch=now, last_failure=None, secrets=secrets, failed_stages=None,
                              prefix=PB.switched(state.prefix, dep.plan_id))  # the cache of another plan's stages is void
             return _phase(state, Phase.UP, now)
         case SecretsIssued(plan_id, secrets):

@@ -83,6 +83,7 @@ def status(coord) -> dict:
     return {
         "state": coord.cluster.phase.value,
         "model": coord.manifest.name,
+        "context": coord.manifest.max_context,  # the longest sequence served (serve --context)
         "n_units": coord.n_units,
         "units": [{"index": u.index, "name": u.name, "kind": u.kind} for u in coord.manifest.units],
         "plan": None if dep is None else {
@@ -97,11 +98,12 @@ def status(coord) -> dict:
         },
         "workers": [{
             "id": w.id, "name": w.name, "kind": w.hello.kind, "role": w.hello.role or "stage", "memory_bytes": w.memory_bytes,
-            "device": w.hello.device or "cpu", "adapter": w.hello.adapter, "device_note": w.hello.device_note,
+            "device": w.hello.device or "cpu", "device_kind": w.caps.kind.name, "adapter": w.hello.adapter, "device_note": w.hello.device_note,
             "data_url": w.hello.data_url, "pid": w.hello.pid,
             "native_kernel": w.hello.native_kernel, "native_kernel_note": w.hello.native_kernel_note,
             "rtt_ms": None if w.rtt_s is None else round(w.rtt_s * 1e3, 2),
-            "emulation": None if w.hello.emulation is None else dict(w.hello.emulation),
+            # emulation is what --slowdown, --roofline and link shaping inject; a --memory budget is a budget
+            "emulation": w.hello.declared_emulation, "emulated": w.hello.emulated, "memory_budget": w.hello.memory_budget,
             "suspected": w.suspected_since is not None, "stats": dict(w.stats),
             "quarantined_s": _quarantine_left(coord.cluster, w, coord.clock()),
             "units": next(([s.start, s.end] for s in dep.stages if s.worker_id == w.id), None) if dep else None,

@@ -11,9 +11,11 @@ clear it; each strike doubles the time out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Mapping
 
+from ..net.capabilities import Capabilities, capabilities
 from ..net.messages import Hello
 
 HEARTBEAT_WINDOW = 32  # inter-arrival times kept per worker for the failure detector
@@ -49,9 +51,14 @@ class WorkerInfo:
     def memory_bytes(self) -> int:
         return self.hello.memory_bytes
 
+    @cached_property
+    def caps(self) -> Capabilities:
+        """What it can run, derived once from its hello (``net.capabilities``)."""
+        return capabilities(self.hello)
+
     @property
     def relay(self) -> bool:
-        return self.hello.relay
+        return self.caps.relay
 
     @property
     def identity(self) -> tuple:

@@ -6,7 +6,8 @@
 - ``roofline`` a device with a compute rate and a memory bandwidth (memory-bound at one row, compute-bound at many).
 
 Every object here has ``emulated = True`` and a ``label()`` saying "emulated", so that reports
-never pass emulated numbers off as measured on real devices.
+never pass emulated numbers off as measured on real devices; except ``MemoryBudget``: a memory
+budget is one the user chose (``worker --memory``), a real cap on a real device too, not emulation.
 """
 
 from edgepipe.emulate.netns import EmulationUnavailable, NetnsCommandFailed, NetnsHost

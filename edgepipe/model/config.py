@@ -1,21 +1,14 @@
 """The architecture description every other part of the model package reads.
 
-One frozen dataclass, filled from GGUF metadata or a Hugging Face ``config.json``.
+One frozen dataclass, filled from GGUF metadata or a Hugging Face ``config.json``; which
+architectures there are, and what each sets here, is ``families.FAMILIES``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
 
-Architecture = Literal["llama", "qwen2", "qwen3", "qwen3moe", "mistral", "gemma2", "gemma3", "phi3"]
-# GGUF architectures, each checked token for token against Hugging Face transformers
-# (tests/test_families.py). Mistral 7B / Llama 2 / TinyLlama GGUFs say "llama" (with a
-# SentencePiece vocabulary); gguf has no "mistral" architecture ("mistral" remains for HF folders).
-# Granite was written but transformers cannot read a granite GGUF to check it: not listed.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
-# qwen3moe (Qwen3-30B-A3B, 235B-A22B): Qwen3's layer with a MoE FFN (model/moe.py), checked against
-# a numpy reference of llama.cpp's graph on a synthetic file of its per-layer shapes (tests/test_moe_qwen3.py).
+from .families import SUPPORTED_ARCHITECTURES  # noqa: F401 - re-exported: the registry is families.FAMILIES
 
 
 class UnsupportedModel(ValueError):
@@ -56,6 +49,11 @@ class ModelConfig:
     rope_original_context: int = 0  # LongRoPE: past this context the long factors apply
     attn_logit_softcap: float = 0.0  # Gemma 2: tanh soft-capping of attention scores; 0 = off
     final_logit_softcap: float = 0.0  # Gemma 2: tanh soft-capping of the logits; 0 = off
+    # -- GPT-2's layer (defaults keep the Llama layer) --
+    learned_positions: bool = False  # position_embd rows added to the token embedding; no RoPE
+    norm: str = "rms"  # "rms" (RMSNorm) or "layer" (LayerNorm with a bias); rms_eps is either's epsilon
+    gated_ffn: bool = True  # act(gate) * up; False: act(up) (one up projection)
+    biases: bool = False  # every linear (qkv, attn_output, ffn_up, ffn_down) and norm carries a bias
     # -- mixture of experts (model/moe.py; 0 experts = dense FFNs) --
     n_experts: int = 0  # E: experts per MoE layer
     n_experts_used: int = 0  # k: experts each row is routed to

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import SUPPORTED_ARCHITECTURES, UnsupportedModel
+from .config import UnsupportedModel
+from .families import family, refusal
 
 # GGUF metadata value types: id -> (struct format, size); 8 = string, 9 = array.
 _SCALAR = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
@@ -139,8 +140,10 @@ def unsupported_reasons(header: GGUFHeader) -> list[str]:
 
     m = header.metadata
     arch = header.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        return [f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"]
+    refused = refusal(arch)
+    if refused:
+        return [refused]
+    fam = family(arch)
     reasons = []
     tok_model = m.get("tokenizer.ggml.model")
     if tok_model is None:
@@ -157,29 +160,16 @@ def unsupported_reasons(header: GGUFHeader) -> list[str]:
         from .moe import moe_reasons
 
         reasons += moe_reasons(arch, header)
-    missing = [n for n in _required_tensors(arch, header) if n not in header.tensors]
+    required = fam.required_tensors(header.tensors)
+    if m.get(f"{arch}.expert_count"):  # the router and 3-D experts instead of the dense FFN
+        from .moe import required_tensors
+
+        required = required_tensors(required)
+    missing = [n for n in required if n not in header.tensors]
     if missing:
         more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         reasons.append(f"missing tensor{'s' if len(missing) > 1 else ''} {', '.join(missing[:4])}{more}")
     return reasons
-
-
-def _required_tensors(arch: str, header: GGUFHeader) -> list[str]:
-    names = ["token_embd.weight", "output_norm.weight", "blk.0.attn_norm.weight", "blk.0.attn_output.weight",
-             "blk.0.ffn_down.weight", "blk.0.ffn_up.weight"]
-    if "blk.0.attn_qkv.weight" not in header.tensors:
-        names += ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"]
-    if arch != "phi3":
-        names += ["blk.0.ffn_gate.weight"]
-    if arch in ("gemma2", "gemma3"):
-        names += ["blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"]
-    if arch in ("qwen3", "qwen3moe", "gemma3"):
-        names += ["blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"]
-    if header.metadata.get(f"{arch}.expert_count"):  # the router and 3-D experts instead of the dense FFN
-        from .moe import required_tensors
-
-        names = required_tensors(names)
-    return names
 
 
 def check_supported(path: str | Path) -> GGUFHeader:

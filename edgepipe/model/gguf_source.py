@@ -16,17 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModel
+from .config import ModelConfig, UnsupportedModel
 from .weights import FLOAT_TYPES, NATIVE_TYPES, BlockQuantized, Weight, decode_float, decode_native, row_bytes
 
 
 class CorruptModel(ValueError):
     """The model file is truncated or not what it claims to be."""
-
-
-# llama.cpp's converter permutes q/k rows for these so its "normal" rope rotates adjacent
-# pairs; the others keep the Hugging Face (neox, rotate-half) layout.
-_INTERLEAVED_ROPE = {"llama", "mistral", "granite"}
 
 
 @dataclass(frozen=True)
@@ -126,11 +121,12 @@ class GGUFSource:
         return self._meta.get(key, default)
 
     def _read_config(self) -> ModelConfig:
+        from .families import family, family_config, refusal
+
         arch = self._field("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModel(
-                f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        if refusal(arch):
+            raise UnsupportedModel(refusal(arch))
+        fam = family(arch)
         a = lambda k, d=None: self._field(f"{arch}.{k}", d)  # noqa: E731
         n_heads = int(a("attention.head_count"))
         hidden = int(a("embedding_length"))
@@ -138,7 +134,10 @@ class GGUFSource:
         vocab = a("vocab_size") or len(self._meta.get("tokenizer.ggml.tokens", ()))
         if "token_embd.weight" not in self._tensors:
             raise CorruptModel(f"{self.path.name}: no token_embd.weight tensor")
-        from .families import family_config
+        ffn = a("feed_forward_length")
+        if ffn is None:  # (GPT-2 files may leave it out: the up projection's rows say it)
+            up = self._tensors.get("blk.0.ffn_up.weight")
+            ffn = up.shape[0] if up is not None else 4 * hidden
         from .moe import moe_config
 
         return moe_config(family_config(ModelConfig(
@@ -146,16 +145,16 @@ class GGUFSource:
             name=str(self._field("general.name", self.path.stem)),
             n_layers=int(a("block_count")),
             hidden_size=hidden,
-            intermediate_size=int(a("feed_forward_length")),
+            intermediate_size=int(ffn),
             n_heads=n_heads,
             n_kv_heads=int(a("attention.head_count_kv", n_heads)),
             head_dim=head_dim,
             vocab_size=int(vocab),
             context_length=int(a("context_length", 2048)),
             rope_theta=float(a("rope.freq_base", 10000.0)),
-            rms_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+            rms_eps=float(a(fam.eps_key, 1e-6 if fam.norm == "rms" else 1e-5)),
             tie_embeddings="output.weight" not in self._tensors,
-            rope_interleaved=arch in _INTERLEAVED_ROPE,
+            rope_interleaved=False,  # (the family's layout: family_config)
             attention_bias="blk.0.attn_q.bias" in self._tensors,
             qk_norm="blk.0.attn_q_norm.weight" in self._tensors,
             embedding_scale=float(a("embedding_scale", 1.0)),

@@ -4,6 +4,7 @@ Every unit reads and writes tensors with fixed names, so that any contiguous ran
 can be merged into one stage graph by concatenation (see ``package.merge_units``):
 
     unit 0            input_ids [B, S] int64            -> hidden.1 [B, S, H]
+                      (learned positions, GPT-2: position_ids [B, S] int64 too; its rows are added)
     unit u (layer)    hidden.u [B, S, H]                -> hidden.{u+1} [B, S, H]
                       past_key.u / past_value.u [B, kvH, C, D] -> present_key.u / present_value.u
                       seqlens_k [B] int32, total_sequence_length [] int32 (shared)
@@ -41,7 +42,7 @@ MS = "com.microsoft"
 
 FLOAT, INT64, INT32, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL
 FLOAT16 = TensorProto.FLOAT16
-SAMPLING_INPUTS = ("do_sample", "temperature", "top_k", "top_p", "uniform")
+SAMPLING_INPUTS = ("do_sample", "temperature", "top_k", "top_p", "uniform", "min_p")
 HEAD_CONTROL_INPUTS = ("logit_adjust", "num_top", "prompt_targets")
 HEAD_LOGPROB_OUTPUTS = ("token_logprob", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs")
 MAX_TOP_LOGPROBS = 20
@@ -53,7 +54,8 @@ MAX_TOP_LOGPROBS = 20
 # 6: a lone row's 4-bit products share one pad/slice per run of row-wise ops (fewer nodes per layer).
 # 7: no in-graph padding: a lone row runs every product at M = 1 (batch invariance is the stage runner's option).
 # 8: the head's repeat penalty. 9: the kernel form's layers attend with KvAttention over an fp16 KV cache.
-GRAPH_VERSION = 9
+# 10: the sampler's min_p; top_p and min_p judge the probabilities before temperature (llama.cpp's order).
+GRAPH_VERSION = 10
 
 
 def kernel_form(w: dict) -> bool:
@@ -163,6 +165,13 @@ class _Graph:
         return self.op("SimplifiedLayerNormalization", [x, self.const(weight.astype(np.float32), base)],
                        out=[out] if out else None, axis=-1, epsilon=eps, stash_type=1)[0]
 
+    def norm(self, x: str, weight: np.ndarray, bias: np.ndarray | None, eps: float, base: str) -> str:
+        """RMSNorm, or LayerNorm where the norm has a bias (GPT-2's ``ln``)."""
+        if bias is None:
+            return self.rms_norm(x, weight, eps, base)
+        return self.op1("LayerNormalization", [x, self.const(weight.astype(np.float32), base),
+                                               self.const(bias.astype(np.float32), base + ".bias")], axis=-1, epsilon=eps)
+
     def model(self, inputs: list, outputs: list, name: str) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, name, inputs, outputs, list(self.initializers.values()))
         model = helper.make_model(
@@ -183,7 +192,9 @@ def rotary_tables(cfg: ModelConfig, max_positions: int, freq_factors: np.ndarray
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def embedding_unit(cfg: ModelConfig, table: Weight) -> onnx.ModelProto:
+def embedding_unit(cfg: ModelConfig, table: Weight, positions: np.ndarray | None = None) -> onnx.ModelProto:
+    """Token ids to the first hidden state; ``positions`` ``[P, H]`` (learned positions, GPT-2):
+    the row of each token's absolute position (``position_ids``, the stage runner's) is added."""
     g = _Graph("embed.")
     out = hidden_name(1)
     if isinstance(table, StoredGGUF):  # the file's blocks, dequantized per row by the kernel library
@@ -195,9 +206,13 @@ def embedding_unit(cfg: ModelConfig, table: Weight) -> onnx.ModelProto:
         y = g.op1("Gather", [g.const(table, "table"), "input_ids"], axis=0)
     if cfg.embedding_scale != 1.0:
         y = g.op1("Mul", [y, g.const(np.array(cfg.embedding_scale, np.float32), "scale")])
+    inputs = [helper.make_tensor_value_info("input_ids", INT64, ["batch", "seq"])]
+    if positions is not None:
+        y = g.op1("Add", [y, g.op1("Gather", [g.const(np.asarray(positions, np.float32), "positions"), "position_ids"], axis=0)])
+        inputs.append(helper.make_tensor_value_info("position_ids", INT64, ["batch", "seq"]))
     g.op("Identity", [y], out=[out])
     return g.model(
-        [helper.make_tensor_value_info("input_ids", INT64, ["batch", "seq"])],
+        inputs,
         [helper.make_tensor_value_info(out, FLOAT, ["batch", "seq", cfg.hidden_size])],
         "embedding",
     )
@@ -229,7 +244,10 @@ def _gather_blocks(g: _Graph, table) -> str:
 def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], cos: np.ndarray, sin: np.ndarray,
                local_rope: tuple[np.ndarray, np.ndarray] | None = None, fp16_kv: bool | None = None) -> onnx.ModelProto:
     """One decoder layer. ``w`` holds attn_norm, qkv (fused rows), qkv_bias?, q_norm?, k_norm?,
-    attn_output, post_attention_norm?, ffn_norm, gate_up (fused rows), ffn_down, post_ffw_norm?.
+    attn_output, post_attention_norm?, ffn_norm, gate_up (fused rows; up alone where
+    ``cfg.gated_ffn`` is false), ffn_down, post_ffw_norm?; with ``cfg.biases`` (GPT-2) also
+    attn_norm_bias, ffn_norm_bias (LayerNorm), attn_output_bias, gate_up_bias, ffn_down_bias.
+    Learned positions (``cfg.learned_positions``): attention rotates nothing.
 
     A sliding-window layer (``cfg.window``) attends to its last ``window`` positions and, where
     the family gives such layers their own RoPE base, rotates with ``local_rope``.
@@ -241,15 +259,15 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
     H, D, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     eps = cfg.rms_eps
 
-    normed = g.op1("SimplifiedLayerNormalization", [x, g.const(w["attn_norm"].astype(np.float32), "attn_norm")],
-                        axis=-1, epsilon=eps, stash_type=1)
+    normed = g.norm(x, w["attn_norm"], w.get("attn_norm_bias"), eps, "attn_norm")
     qkv = g.linear(normed, w["qkv"], "qkv", bias=w.get("qkv_bias"))
     window = cfg.window(unit - 1)
+    rotates = not cfg.learned_positions  # (GPT-2's positions were added to the embedding)
     # GroupQueryAttention's local_window_size counts the keys a query sees, itself included (ONNX
     # Runtime 1.31; llama.cpp's and transformers' window: distance < window). A window
     # layer's cache keeps only its window (the stage runner drops older positions), so a buffer
     # index is no position: q and k are rotated before attention, at explicit position_ids.
-    gqa_attrs = dict(num_heads=nq, kv_num_heads=nkv, do_rotary=0 if window else 1, rotary_interleaved=int(cfg.rope_interleaved),
+    gqa_attrs = dict(num_heads=nq, kv_num_heads=nkv, do_rotary=1 if rotates and not window else 0, rotary_interleaved=int(cfg.rope_interleaved),
                      local_window_size=window if window else -1)
     if cfg.attention_scale is not None:
         gqa_attrs["scale"] = float(cfg.attention_scale)
@@ -267,16 +285,21 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
     if window and local_rope is not None:
         cos, sin = local_rope
         rope_suffix = "_local"
-    cos_name = g.const(cos, "cos_cache" + rope_suffix, shared=True)
-    sin_name = g.const(sin, "sin_cache" + rope_suffix, shared=True)
-    lengths, rope_in = ["seqlens_k", "total_sequence_length"], [cos_name, sin_name]
+    kv_type = FLOAT16 if (kernel_form(w) if fp16_kv is None else fp16_kv) else FLOAT
+    cos_name = sin_name = ""
+    if rotates or kv_type == FLOAT16:
+        if not rotates:  # KvAttention takes tables whatever do_rotary says: a one-row stand-in
+            cos = sin = np.zeros((1, D // 2), np.float32)
+            rope_suffix = "_none"
+        cos_name = g.const(cos, "cos_cache" + rope_suffix, shared=True)
+        sin_name = g.const(sin, "sin_cache" + rope_suffix, shared=True)
+    lengths, rope_in = ["seqlens_k", "total_sequence_length"], [cos_name, sin_name] if rotates else []
     if window:
         rotary = dict(interleaved=int(cfg.rope_interleaved), **({"rotary_embedding_dim": 2 * cos.shape[1]} if 2 * cos.shape[1] < D else {}))
         attn_in = [g.op1("RotaryEmbedding", [attn_in[0], "position_ids", cos_name, sin_name], domain=MS, num_heads=nq, **rotary),
                    g.op1("RotaryEmbedding", [attn_in[1], "position_ids", cos_name, sin_name], domain=MS, num_heads=nkv, **rotary),
                    attn_in[2]]
         lengths, rope_in = ["window_seqlens_k", "window_total_sequence_length"], []
-    kv_type = FLOAT16 if (kernel_form(w) if fp16_kv is None else fp16_kv) else FLOAT
     if kv_type == FLOAT16:  # the kernel library's attention over an fp16 cache: qkv packed, rotary tables always given
         packed = attn_in[0] if not attn_in[1] else g.op1("Concat", attn_in, axis=-1)
         attn, _, _ = g.op(KV_ATTENTION, [packed, f"past_key.{unit}", f"past_value.{unit}", *lengths, cos_name, sin_name], domain=GGUF_DOMAIN,
@@ -287,15 +310,18 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
             attn_in + [f"past_key.{unit}", f"past_value.{unit}", *lengths, *rope_in],
             domain=MS, out=[g.name("attn"), f"present_key.{unit}", f"present_value.{unit}"], **gqa_attrs,
         )
-    attn_out = g.linear(attn, w["attn_output"], "attn_output")
+    attn_out = g.linear(attn, w["attn_output"], "attn_output", bias=w.get("attn_output_bias"))
     if cfg.post_norms:
         attn_out = g.op1("SimplifiedLayerNormalization", [attn_out, g.const(w["post_attention_norm"].astype(np.float32),
                               "post_attention_norm")], axis=-1, epsilon=eps, stash_type=1)
     if cfg.residual_scale != 1.0:
         attn_out = g.op1("Mul", [attn_out, g.const(np.array(cfg.residual_scale, np.float32), "res_scale")])
-    # SkipSimplifiedLayerNormalization: residual add and the MLP's input norm in one kernel.
-    mlp_in, _, _, resid = g.op("SkipSimplifiedLayerNormalization", [attn_out, x, g.const(w["ffn_norm"].astype(np.float32), "ffn_norm")],
-                                     n_out=4, domain=MS, epsilon=eps)
+    if cfg.norm == "layer":
+        resid = g.op1("Add", [attn_out, x])
+        mlp_in = g.norm(resid, w["ffn_norm"], w.get("ffn_norm_bias"), eps, "ffn_norm")
+    else:  # SkipSimplifiedLayerNormalization: residual add and the MLP's input norm in one kernel.
+        mlp_in, _, _, resid = g.op("SkipSimplifiedLayerNormalization", [attn_out, x, g.const(w["ffn_norm"].astype(np.float32), "ffn_norm")],
+                                   n_out=4, domain=MS, epsilon=eps)
     if "router" in w:  # a mixture of experts (model/moe.py): each expert is this FFN at its own width
         from .moe import moe_ffn
 
@@ -303,7 +329,13 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
         down = moe_ffn(g, cfg, mlp_in, w, lambda rows, ew, base: _ffn(g, cfg, rows, ew["gate_up"], ew["ffn_down"], width, base, rank=2),
                        lambda x: _activation(g, x, cfg.ffn_activation))
     else:
-        down = _ffn(g, cfg, mlp_in, w["gate_up"], w["ffn_down"], cfg.intermediate_size)
+        gate_up = g.linear(mlp_in, w["gate_up"], "gate_up", bias=w.get("gate_up_bias"))
+        if cfg.gated_ffn:
+            gate, up = g.op("Split", [gate_up, g.const(np.array([cfg.intermediate_size] * 2, np.int64), "gu_split")], n_out=2, axis=-1)
+            act = g.op1("Mul", [_activation(g, gate, cfg.ffn_activation), up])  # act(gate) * up
+        else:
+            act = _activation(g, gate_up, cfg.ffn_activation)  # act(up)
+        down = g.linear(act, w["ffn_down"], "ffn_down", bias=w.get("ffn_down_bias"))
     if cfg.post_norms:
         down = g.op1("SimplifiedLayerNormalization", [down, g.const(w["post_ffw_norm"].astype(np.float32), "post_ffw_norm")],
                           axis=-1, epsilon=eps, stash_type=1)
@@ -349,12 +381,16 @@ def _per_head_norm(g: _Graph, x: str, heads: int, D: int, weight: np.ndarray, ep
     return g.op1("Reshape", [normed, shape_in])
 
 
-def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weight) -> onnx.ModelProto:
-    """Final norm + LM head on the last position, then greedy or seeded sampling in-graph.
+def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weight,
+              final_norm_bias: np.ndarray | None = None) -> onnx.ModelProto:
+    """Final norm (LayerNorm where it has a bias) + LM head on the last position, then greedy or
+    seeded sampling in-graph.
 
-    Sampling (when ``do_sample``): logits / temperature, keep the ``top_k`` best (0 = all),
-    keep the smallest prefix whose probability reaches ``top_p``, and pick the token where the
-    cumulative kept mass first exceeds ``uniform * total``. ``uniform`` is drawn by the caller
+    Sampling (when ``do_sample``), in llama.cpp's order: keep the ``top_k`` best (0 = all), then
+    the smallest prefix whose probability reaches ``top_p`` and the tokens at least ``min_p`` times
+    as likely as the best (0 = off), both judged on the model's own probabilities, then apply the
+    temperature to what is kept (GRAPH_VERSION 10; before, top_p judged the tempered ones), and
+    pick the token where the cumulative kept mass first exceeds ``uniform * total``. ``uniform`` is drawn by the caller
     from the request's seed, so a seeded request gives the same tokens on any pipeline.
 
     Controls: ``logit_adjust`` is added to the logits before the choice (greedy or sampled):
@@ -370,6 +406,7 @@ def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weig
     """
     g = _Graph("head.")
     x = hidden_name(unit)
+    final_norm = (final_norm, final_norm_bias)
     last = g.op1("Gather", [x, g.const(np.array(-1, np.int64), "last")], axis=1)  # [B, H]
     logits = _head_logits(g, cfg, last, final_norm, lm_head)
     adjusted = g.op1("Add", [_repeat_penalised(g, logits), "logit_adjust"])
@@ -401,7 +438,8 @@ def head_unit(cfg: ModelConfig, unit: int, final_norm: np.ndarray, lm_head: Weig
          helper.make_tensor_value_info("num_top", INT64, [1]),
          helper.make_tensor_value_info("prompt_targets", INT64, ["target_rows", "targets"]),
          helper.make_tensor_value_info("repeat_ids", INT64, ["batch", "repeat"]),
-         helper.make_tensor_value_info("repeat_penalty", FLOAT, ["batch"])],
+         helper.make_tensor_value_info("repeat_penalty", FLOAT, ["batch"]),
+         helper.make_tensor_value_info("min_p", FLOAT, ["batch"])],
         [helper.make_tensor_value_info("next_token", INT64, ["batch"]),
          helper.make_tensor_value_info("token_logprob", FLOAT, ["batch"]),
          helper.make_tensor_value_info("top_ids", INT64, ["batch", "top"]),
@@ -424,9 +462,11 @@ def _repeat_penalised(g: _Graph, logits: str) -> str:
     return g.op1("ScatterElements", [logits, "repeat_ids", scaled], axis=1)
 
 
-def _head_logits(g: _Graph, cfg: ModelConfig, rows: str, final_norm: np.ndarray, lm_head: Weight) -> str:
-    """Logits ``[N, V]`` of hidden rows ``[N, H]``: final norm, LM head, the family's scale and softcap."""
-    normed = g.rms_norm(rows, final_norm, cfg.rms_eps, "final_norm")
+def _head_logits(g: _Graph, cfg: ModelConfig, rows: str, final_norm: np.ndarray | tuple, lm_head: Weight) -> str:
+    """Logits ``[N, V]`` of hidden rows ``[N, H]``: final norm (its weight, or (weight, bias or
+    None)), LM head, the family's scale and softcap."""
+    weight, bias = final_norm if isinstance(final_norm, tuple) else (final_norm, None)
+    normed = g.norm(rows, weight, bias, cfg.rms_eps, "final_norm")
     if isinstance(lm_head, np.ndarray) and cfg.tie_embeddings:
         # Gemm with transB reads the embedding table as stored: one weight file for both units.
         logits = g.op1("Gemm", [normed, g.const(lm_head, "lm_head"), ], transB=1)
@@ -443,7 +483,7 @@ def _head_logits(g: _Graph, cfg: ModelConfig, rows: str, final_norm: np.ndarray,
 PROMPT_CHUNK = 64  # echo: positions whose [chunk, V] logits exist at once (a Scan over chunks bounds the memory)
 
 
-def _prompt_branch(outer: _Graph, cfg: ModelConfig, x: str, final_norm: np.ndarray, lm_head: Weight) -> onnx.GraphProto:
+def _prompt_branch(outer: _Graph, cfg: ModelConfig, x: str, final_norm: tuple, lm_head: Weight) -> onnx.GraphProto:
     """Every position's logprob of its target and top N (``echo``), ``PROMPT_CHUNK`` positions at
     a time (rows padded with zeros to a whole chunk, the padding dropped after). Its weights are the
     outer graph's initializers (same names, so nothing is stored twice)."""
@@ -474,7 +514,7 @@ def _prompt_branch(outer: _Graph, cfg: ModelConfig, x: str, final_norm: np.ndarr
         helper.make_tensor_value_info("p_top_logprobs", FLOAT, None)])
 
 
-def _prompt_chunk(outer: _Graph, cfg: ModelConfig, final_norm: np.ndarray, lm_head: Weight) -> onnx.GraphProto:
+def _prompt_chunk(outer: _Graph, cfg: ModelConfig, final_norm: tuple, lm_head: Weight) -> onnx.GraphProto:
     """Scan body: ``PROMPT_CHUNK`` hidden rows and their targets -> logprobs [C], top ids/logprobs [C, N]."""
     g = _Graph("head.")
     g._count = 200_000
@@ -519,11 +559,21 @@ def _sampling_branch(logits: str, vocab: int) -> onnx.GraphProto:
         n("Unsqueeze", ["s_k_eff", "s_ax1"], ["s_k_col"]),
         n("Less", ["s_rank", "s_k_col"], ["s_keep_k"]),
         n("Softmax", ["s_vals"], ["s_probs"], axis=-1),
-        n("CumSum", ["s_probs", "s_ax1_scalar"], ["s_cum"]),
-        n("Sub", ["s_cum", "s_probs"], ["s_before"]),
+        # top_p and min_p judge the model's own probabilities, before temperature (llama.cpp's
+        # sampler chain: top_k, top_p, min_p, then temperature), so its default values mean the same here
+        n("Mul", ["s_vals", "s_t"], ["s_raw_vals"]),
+        n("Softmax", ["s_raw_vals"], ["s_raw"], axis=-1),
+        n("CumSum", ["s_raw", "s_ax1_scalar"], ["s_cum"]),
+        n("Sub", ["s_cum", "s_raw"], ["s_before"]),
         n("Unsqueeze", ["top_p", "s_ax1"], ["s_p_col"]),
         n("Less", ["s_before", "s_p_col"], ["s_keep_p"]),
-        n("And", ["s_keep_k", "s_keep_p"], ["s_keep"]),
+        # min_p: keep what is at least min_p times as likely as the best (sorted: the first column)
+        n("Gather", ["s_raw", "s_first"], ["s_pmax"], axis=1),
+        n("Unsqueeze", ["min_p", "s_ax1"], ["s_minp_col"]),
+        n("Mul", ["s_pmax", "s_minp_col"], ["s_floor"]),
+        n("LessOrEqual", ["s_floor", "s_raw"], ["s_keep_m"]),
+        n("And", ["s_keep_k", "s_keep_p"], ["s_keep_kp"]),
+        n("And", ["s_keep_kp", "s_keep_m"], ["s_keep"]),
         n("Where", ["s_keep", "s_probs", "s_fzero"], ["s_kept"]),
         n("CumSum", ["s_kept", "s_ax1_scalar"], ["s_cum2"]),
         n("ReduceSum", ["s_kept", "s_ax1"], ["s_total"], keepdims=1),
@@ -537,7 +587,7 @@ def _sampling_branch(logits: str, vocab: int) -> onnx.GraphProto:
         n("GatherElements", ["s_idx", "s_choice_c"], ["s_tok"], axis=1),
         n("Squeeze", ["s_tok", "s_ax1"], ["sampled_token"]),
     ]
-    inits = [c("s_ax1", [1]), c("s_ax1_scalar", 1), c("s_zero", 0), c("s_one", 1), c("s_vocab", vocab),
+    inits = [c("s_ax1", [1]), c("s_ax1_scalar", 1), c("s_zero", 0), c("s_one", 1), c("s_vocab", vocab), c("s_first", [0]),
              numpy_helper.from_array(np.array(0.0, np.float32), "s_fzero")]
     return helper.make_graph(nodes, "sample", [], [helper.make_tensor_value_info("sampled_token", INT64, ["batch"])], inits)
 
@@ -727,7 +777,7 @@ def sampler_form(model: onnx.ModelProto) -> onnx.ModelProto:
 
     ``sampler_probs [rows, N]`` float and ``sampler_ids [rows, N]`` int64: the token ids in the
     sampler's order (best logit first) and their kept probabilities after temperature, ``top_k``
-    and ``top_p`` (zero past the kept prefix, not normalised: the sampler draws from
+    , ``top_p`` and ``min_p`` (zero past the kept prefix, not normalised: the sampler draws from
     ``probs / sum(probs)``); ``N`` is the batch's largest ``top_k`` (the vocabulary for 0). A
     greedy run (``do_sample`` false) gives its token with probability 1 (``N = 1``). These are the
     sampling branch's own tensors, so the distribution is the one ``next_token`` is drawn from,

@@ -3,7 +3,8 @@
 Offers the same interface as :class:`GGUFSource` under GGUF tensor names, so the importer
 builds the same units. Safetensors are parsed directly (a JSON header and raw little-endian
 tensors), bf16 included, so this needs nothing beyond numpy. Hugging Face checkpoints keep
-q/k in the rotate-half layout, so rotary runs non-interleaved.
+q/k in the rotate-half layout, so rotary runs non-interleaved. Which class is which family, its
+config.json keys and tensor names are the family's record (``families.Family.hf_*``).
 """
 
 from __future__ import annotations
@@ -18,19 +19,7 @@ import numpy as np
 from .config import ModelConfig, UnsupportedModel
 from .gguf_source import CorruptModel
 
-_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-         "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": "granite"}
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64, "I32": np.int32}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
 
 
 @dataclass(frozen=True)
@@ -76,36 +65,41 @@ class HFSource:
             self._index[name] = (f, spec, 8 + n)
 
     def _read_config(self) -> ModelConfig:
-        arch = _ARCH.get((self.hf.get("architectures") or [""])[0])
-        if arch is None:
-            raise UnsupportedModel(f"architecture {(self.hf.get('architectures') or ['?'])[0]!r} is not supported "
-                                   f"(supported: {', '.join(_ARCH)})")
+        from .families import HF_CLASSES
+
+        cls = (self.hf.get("architectures") or ["?"])[0]
+        fam = HF_CLASSES.get(cls)
+        if fam is None:
+            raise UnsupportedModel(f"architecture {cls!r} is not supported (supported: {', '.join(HF_CLASSES)})")
+        self.family = fam
         # transformers >= 5 writes rope settings under rope_parameters; older configs use rope_theta / rope_scaling
         rope = {**(self.hf.get("rope_scaling") or {}), **(self.hf.get("rope_parameters") or {})}
         if rope.get("rope_type", "default") not in ("default", None):
             raise UnsupportedModel(f"rope scaling {rope.get('rope_type')!r} is not supported from a folder; import the GGUF")
         theta = float(rope.get("rope_theta", self.hf.get("rope_theta", 10000.0)))
-        heads = int(self.hf["num_attention_heads"])
-        hidden = int(self.hf["hidden_size"])
+        key = lambda field, default=None: self.hf.get(fam.hf_keys[field], default)  # noqa: E731
+        heads = int(key("n_heads"))
+        hidden = int(key("hidden_size"))
+        flags = {k: v for k, v in fam.graph_flags().items() if k != "rope_interleaved"}
         return ModelConfig(
-            architecture=arch, name=self.path.name, n_layers=int(self.hf["num_hidden_layers"]), hidden_size=hidden,
-            intermediate_size=int(self.hf["intermediate_size"]), n_heads=heads, n_kv_heads=int(self.hf.get("num_key_value_heads", heads)),
+            architecture=fam.name, name=self.path.name, n_layers=int(key("n_layers")), hidden_size=hidden,
+            intermediate_size=int(key("intermediate_size") or 4 * hidden), n_heads=heads, n_kv_heads=int(key("n_kv_heads", heads) or heads),
             head_dim=int(self.hf.get("head_dim") or hidden // heads), vocab_size=int(self.hf["vocab_size"]),
-            context_length=int(self.hf.get("max_position_embeddings", 2048)), rope_theta=theta,
-            rms_eps=float(self.hf.get("rms_norm_eps", 1e-6)), tie_embeddings="lm_head.weight" not in self._index,
-            rope_interleaved=False, attention_bias="model.layers.0.self_attn.q_proj.bias" in self._index,
-            qk_norm="model.layers.0.self_attn.q_norm.weight" in self._index,
+            context_length=int(key("context_length", 2048)), rope_theta=theta,
+            rms_eps=float(key("eps", 1e-6)), tie_embeddings=not self.has("output.weight"),
+            rope_interleaved=False, attention_bias=self.has("blk.0.attn_q.bias"),
+            qk_norm=self.has("blk.0.attn_q_norm.weight"),
             embedding_scale=float(self.hf.get("embedding_multiplier", 1.0)), residual_scale=float(self.hf.get("residual_multiplier", 1.0)),
-            attention_scale=self.hf.get("attention_multiplier"), logit_scale=float(self.hf.get("logits_scaling", 1.0)),
+            attention_scale=self.hf.get("attention_multiplier"), logit_scale=float(self.hf.get("logits_scaling", 1.0)), **flags,
         )
 
     # -- tensors, under GGUF names --------------------------------------------------------------
-    @staticmethod
-    def _hf_name(name: str) -> str:
-        if name in _GLOBAL_NAMES:
-            return _GLOBAL_NAMES[name]
+    def _hf_name(self, name: str) -> str:
+        fam = self.family
+        if name in fam.hf_global:
+            return fam.hf_global[name]
         _, layer, rest = name.split(".", 2)
-        return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+        return f"{fam.hf_layer_prefix}{layer}.{fam.hf_layer[rest]}"
 
     def has(self, name: str) -> bool:
         try:
@@ -126,7 +120,9 @@ class HFSource:
         arr = raw.view(dtype).reshape(spec["shape"])
         if spec["dtype"] == "BF16":  # the top half of a float32
             arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        return np.asarray(arr, np.float32)
+        if self.family.hf_conv1d and arr.ndim == 2 and name.startswith("blk."):  # Conv1D keeps [in, out]
+            arr = arr.T
+        return np.ascontiguousarray(arr, np.float32)
 
     def vector(self, name: str) -> np.ndarray:
         return self.dense(name).reshape(-1)

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import onnx
@@ -31,15 +31,15 @@ import onnx
 from . import graphs
 from .config import ModelConfig, UnsupportedModel
 from .gguf_source import CorruptModel, GGUFSource
-from .manifest import FORMAT_VERSION, Manifest, Unit, UnitVariant, sha256_bytes, sha256_file
+from .manifest import FORMAT_VERSION, Manifest, Unit, UnitVariant, sha256_bytes
 from .weights import (FLOAT_TYPES, NATIVE_TYPES, PRECISIONS, BlockQuantized, Stored, StoredBlocks, StoredGGUF,
                       concat_rows, quantize_symmetric8, to_precision)
 
-Progress = Callable[[str, int, int], None]  # (phase, done, total); phase "weights" counts bytes of the source
+Progress = Callable[[str, int, int], None]  # (phase, done, total); phases "hash" and "weights" count bytes of the source
 INLINE_LIMIT = 1024  # tensors smaller than this stay inside the graph file
 CHUNK_WEIGHTS = 1 << 23  # weights converted at a time when streaming a tensor (bounds peak memory)
 DEFAULT_PRECISION = "native"
-DEFAULT_MAX_CONTEXT = 8192
+DEFAULT_MAX_CONTEXT = None  # the model's own context length (its rope tables are built for that many positions)
 
 
 def package_name(source: Path, precision: str) -> str:
@@ -64,13 +64,15 @@ def import_model(
     models_dir: str | Path,
     precision: str = DEFAULT_PRECISION,
     name: str | None = None,
-    max_context: int = DEFAULT_MAX_CONTEXT,
+    max_context: int | None = DEFAULT_MAX_CONTEXT,
     progress: Progress | None = None,
     measure_cost: bool = True,
 ) -> Path:
     """Write the package for ``source_path`` under ``models_dir`` and return its directory.
 
-    An existing package of the same name whose manifest names the same source hash is reused.
+    ``max_context``: the longest sequence the package holds (None: the model's own context
+    length; more than that is cut to it). An existing package of the same name whose manifest
+    names the same source hash and holds at least that context is reused.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -97,18 +99,20 @@ def import_model(
             raise CorruptModel(f"{source_path.name}: not a readable GGUF file, truncated or damaged ({exc})") from None
     models_dir = Path(models_dir)
     target = models_dir / (name or package_name(source_path, precision))
-    source_hash = _cached_sha256(source_path, models_dir) if source_path.is_file() else _folder_hash(source_path)
-    if (target / "manifest.json").is_file():
-        existing = Manifest.from_json((target / "manifest.json").read_text())
-        if existing.source.get("sha256") == source_hash and existing.source.get("graphs", 1) == graphs.GRAPH_VERSION:
-            return target  # (a package built with older unit graphs is rebuilt)
-    report = progress or (lambda *_: None)
+    source_hash = _cached_sha256(source_path, models_dir, progress) if source_path.is_file() else _folder_hash(source_path)
     src = open_source(source_path)
     cfg: ModelConfig = src.config
+    context = cfg.context_length if max_context is None else min(max_context, cfg.context_length)
+    if (target / "manifest.json").is_file():
+        existing = Manifest.from_json((target / "manifest.json").read_text())
+        if (existing.source.get("sha256") == source_hash and existing.source.get("graphs", 1) == graphs.GRAPH_VERSION
+                and existing.max_context >= context):
+            return target  # (a package built with older unit graphs, or for a shorter context, is rebuilt)
+    report = progress or (lambda *_: None)
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=models_dir))
     try:
-        manifest = _write_package(src, cfg, tmp, target.name, precision, source_path, source_hash, min(max_context, cfg.context_length), report, measure_cost)
+        manifest = _write_package(src, cfg, tmp, target.name, precision, source_path, source_hash, context, report, measure_cost)
         (tmp / "manifest.json").write_text(manifest.to_json())
         if target.exists():
             shutil.rmtree(target)
@@ -119,27 +123,33 @@ def import_model(
     return target
 
 
-def add_variant(package_dir: str | Path, precision: str, progress: Progress | None = None) -> Path:
-    """Add another weight variant (e.g. fp32 MatMuls for browser workers) to a package.
+def add_variant(package_dir: str | Path, precision: str, progress: Progress | None = None, units: Iterable[int] | None = None) -> Path:
+    """Add another weight variant (e.g. fp32 MatMuls for browser workers) to a package: to every
+    unit, or to ``units`` only (a browser's stage: the rest is built when a stage needs it, so a
+    tab on a big model does not copy the whole model at fp32). Units that hold it already are skipped.
 
     Blobs are written beside the existing ones (content addressing dedupes shared files) and
     the manifest is replaced atomically, so readers see either the old or the new one.
     """
     package_dir = Path(package_dir)
     manifest = Manifest.from_json((package_dir / "manifest.json").read_text())
-    if all(precision in u.variants for u in manifest.units):
+    wanted = range(len(manifest.units)) if units is None else sorted(set(units))
+    missing = frozenset(u for u in wanted if precision not in manifest.units[u].variants)
+    if not missing:
         return package_dir
     source_path = Path(manifest.source["path"])
     src = open_source(source_path)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{package_dir.name}-{precision}-", dir=package_dir.parent))
     try:
         extra = _write_package(src, src.config, tmp, manifest.name, precision, source_path, manifest.source["sha256"], manifest.max_context,
-                               progress or (lambda *_: None), measure_cost=False)
+                               progress or (lambda *_: None), measure_cost=False, only=missing)
         for blob in (tmp / "blobs").iterdir():
             if not (package_dir / "blobs" / blob.name).exists():
                 os.replace(blob, package_dir / "blobs" / blob.name)
-        units = tuple(dataclasses.replace(u, variants={**u.variants, precision: e.variants[precision]}) for u, e in zip(manifest.units, extra.units))
-        merged = dataclasses.replace(manifest, units=units, shared_files={**manifest.shared_files, **extra.shared_files})
+        merged_units = tuple(dataclasses.replace(u, variants={**u.variants, precision: e.variants[precision]}) if u.index in missing else u
+                             for u, e in zip(manifest.units, extra.units))
+        shared = tuple(sorted(set(manifest.shared_files.get(precision, ())) | set(extra.shared_files.get(precision, ()))))
+        merged = dataclasses.replace(manifest, units=merged_units, shared_files={**manifest.shared_files, precision: shared})
         staged = package_dir / "manifest.json.tmp"
         staged.write_text(merged.to_json())
         os.replace(staged, package_dir / "manifest.json")
@@ -148,8 +158,28 @@ def add_variant(package_dir: str | Path, precision: str, progress: Progress | No
     return package_dir
 
 
-def _cached_sha256(path: Path, models_dir: Path) -> str:
-    """The file's sha256, remembered by (path, size, mtime) so a re-import does not re-read it."""
+def estimated_weight_bytes(cfg: ModelConfig, precision: str) -> tuple[int, ...] | None:
+    """Per unit, the weight bytes of ``precision``'s variant before it is built (what the planner
+    sizes a browser's stage with, and what a build is counted as against the disk budget): exact
+    for ``fp32`` up to the few tensors small enough to stay inside a graph (``INLINE_LIMIT``);
+    None for a precision whose size this cannot tell (its blocks depend on the file)."""
+    if precision != "fp32":
+        return None
+    H, D, V, inter = cfg.hidden_size, cfg.head_dim, cfg.vocab_size, cfg.intermediate_size
+    q, kv = cfg.n_heads * D, cfg.n_kv_heads * D
+
+    def stored(*numels: int) -> int:
+        return sum(4 * n for n in numels if 4 * n >= INLINE_LIMIT)
+
+    layer = stored(H * (q + 2 * kv), q * H, 2 * H * inter, inter * H, H, H, *((q + 2 * kv,) if cfg.attention_bias else ()),
+                   *((D, D) if cfg.qk_norm else ()), *((H, H) if cfg.post_norms else ()))
+    table = stored(V * H)
+    return (table, *([layer] * cfg.n_layers), stored(H) + table)
+
+
+def _cached_sha256(path: Path, models_dir: Path, progress: Progress | None = None) -> str:
+    """The file's sha256, remembered by (path, size, mtime) so a re-import does not re-read it
+    (reading it is reported as the "hash" phase, in bytes)."""
     stat = path.stat()
     key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     cache = models_dir.parent / "cache" / "source-hashes.json"  # beside the packages: that folder holds packages only
@@ -158,12 +188,22 @@ def _cached_sha256(path: Path, models_dir: Path) -> str:
     except (OSError, ValueError):
         known = {}
     if key not in known:
-        known[key] = sha256_file(path, chunk=1 << 22)
+        known[key] = _sha256_reported(path, progress or (lambda *_: None))
         cache.parent.mkdir(parents=True, exist_ok=True)
         staged = cache.with_suffix(f".{os.getpid()}.tmp")
         staged.write_text(json.dumps(known))
         os.replace(staged, cache)
     return known[key]
+
+
+def _sha256_reported(path: Path, report: Progress, chunk: int = 1 << 22) -> str:
+    h, total, done = hashlib.sha256(), path.stat().st_size, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            done += len(block)
+            report("hash", done, total)
+    return h.hexdigest()
 
 
 def _folder_hash(folder: Path) -> str:
@@ -371,6 +411,10 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str, writer: _Bl
         w["ffn_down"] = lin("ffn_down")
     if cfg.attention_bias:
         w["qkv_bias"] = np.concatenate([src.vector(p + f"attn_{x}.bias") for x in "qkv"])
+    if cfg.biases:  # GPT-2: LayerNorms and every linear carry a bias
+        for key, name in (("attn_norm_bias", "attn_norm"), ("qkv_bias", "attn_qkv"), ("attn_output_bias", "attn_output"),
+                          ("ffn_norm_bias", "ffn_norm"), ("gate_up_bias", "ffn_up"), ("ffn_down_bias", "ffn_down")):
+            w[key] = src.vector(p + name + ".bias")
     if cfg.qk_norm:
         w["q_norm"] = src.vector(p + "attn_q_norm.weight")
         w["k_norm"] = src.vector(p + "attn_k_norm.weight")
@@ -401,74 +445,86 @@ def _embedding_table(src, precision: str, writer: _BlobWriter | None = None, met
 
 
 def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str, source_path: Path, source_hash: str,
-                   max_context: int, report: Progress, measure_cost: bool) -> Manifest:
+                   max_context: int, report: Progress, measure_cost: bool, only: frozenset[int] | None = None) -> Manifest:
+    """Every unit's graph and weights under ``root`` and the manifest that names them; ``only``: build
+    just these units (the others are listed without a variant: ``add_variant`` merges what was built)."""
     writer = _BlobWriter(root / "blobs")
     n_units = cfg.n_units
+    wanted = frozenset(range(n_units)) if only is None else only
     from .families import rope_factor_tensor, rope_tables
 
     factors = rope_factor_tensor(cfg, max_context, src.has)
     ropes = rope_tables(cfg, max_context, src.dense(factors).reshape(-1) if factors else None)
     cos, sin = ropes["global"]
 
-    meter = _ReadMeter(report, sum(src.tensor(n).nbytes for n in src.tensor_names()) if precision in ("native", "gguf") else 0)
+    meter = _ReadMeter(report, sum(src.tensor(n).nbytes for n in src.tensor_names()) if precision in ("native", "gguf") and only is None else 0)
     shared: set[str] = set()
-    unit_files: list[dict[str, tuple[str, int]]] = []
-    graph_shas: list[str] = []
-    kinds: list[str] = []
+    unit_files: dict[int, dict[str, tuple[str, int]]] = {}
+    graph_shas: dict[int, str] = {}
+    kinds = ["embedding", *["layer"] * cfg.n_layers, "head"]
     half_kv_units: set[int] = set()  # layers attending over an fp16 KV cache (graphs.kernel_form)
 
-    def store(kind: str, model: onnx.ModelProto) -> None:
+    def store(index: int, model: onnx.ModelProto) -> None:
         """Write one unit now (its weights, then its graph) so the next unit starts from nothing."""
         files = writer.externalize(model)
         shared.update(sha for name, (sha, _) in files.items() if name.startswith(("cos_cache", "sin_cache")))
-        unit_files.append({n: f for n, f in files.items() if not n.startswith(("cos_cache", "sin_cache"))})
-        graph_shas.append(writer.put(model.SerializeToString()))
-        kinds.append(kind)
-        report("build", len(kinds), n_units)
+        unit_files[index] = {n: f for n, f in files.items() if not n.startswith(("cos_cache", "sin_cache"))}
+        graph_shas[index] = writer.put(model.SerializeToString())
+        report("build", len(graph_shas), len(wanted))
 
-    table = _embedding_table(src, precision, writer, meter)
-    store("embedding", graphs.embedding_unit(cfg, table))
+    head = n_units - 1
+    table = _embedding_table(src, precision, writer, meter) if 0 in wanted or (head in wanted and cfg.tie_embeddings) else None
+    if 0 in wanted:
+        # learned positions (GPT-2): float32 rows up to the package's context, whatever the file's type
+        positions = src.dense("position_embd.weight")[:max_context] if cfg.learned_positions else None
+        store(0, graphs.embedding_unit(cfg, table, positions))
     for layer in range(cfg.n_layers):
         unit = layer + 1
+        if unit not in wanted:
+            continue
         w = _unit_weights(src, cfg, layer, precision, writer, meter)
-        store("layer", graphs.layer_unit(cfg, unit, w, cos, sin, ropes.get("local"), fp16_kv=precision == "gguf"))
+        store(unit, graphs.layer_unit(cfg, unit, w, cos, sin, ropes.get("local"), fp16_kv=precision == "gguf"))
         if precision == "gguf":
             half_kv_units.add(unit)
         del w
-    if cfg.tie_embeddings:
-        lm_head = table
-    elif precision == "native":
-        lm_head = _native_linear(src, ["output.weight"], writer, meter)
-    elif precision == "gguf":
-        lm_head = _gguf_linear(src, ["output.weight"], writer, meter)
-    else:
-        lm_head = src.linear("output.weight")
-        lm_head = to_precision(lm_head, "fp32") if precision == "fp32" else to_precision(lm_head, "int8")
-    store("head", graphs.head_unit(cfg, cfg.n_layers + 1, src.vector("output_norm.weight"), lm_head))
-    del table, lm_head
-    built = [(kind, None) for kind in kinds]
+    if head in wanted:
+        if cfg.tie_embeddings:
+            lm_head = table
+        elif precision == "native":
+            lm_head = _native_linear(src, ["output.weight"], writer, meter)
+        elif precision == "gguf":
+            lm_head = _gguf_linear(src, ["output.weight"], writer, meter)
+        else:
+            lm_head = src.linear("output.weight")
+            lm_head = to_precision(lm_head, "fp32") if precision == "fp32" else to_precision(lm_head, "int8")
+        final_bias = src.vector("output_norm.bias") if cfg.norm == "layer" else None
+        store(head, graphs.head_unit(cfg, cfg.n_layers + 1, src.vector("output_norm.weight"), lm_head, final_bias))
+        del lm_head
+    del table
 
     tokenizer_sha = writer.put(src.tokenizer_json().encode())
     tok = src.tokenizer_info()
 
     costs = [0.0] * n_units
     if measure_cost:
-        costs = _measure_unit_costs(root / "blobs", graph_shas, cfg, report, kinds=kinds,
-                                    weight_bytes=[sum(dict(f.values()).values()) for f in unit_files])
+        costs = _measure_unit_costs(root / "blobs", [graph_shas[i] for i in range(n_units)], cfg, report, kinds=kinds,
+                                    weight_bytes=[sum(dict(unit_files[i].values()).values()) for i in range(n_units)])
 
     from ..runtime.stage_runner import window_positions
 
     H = cfg.hidden_size
     units = []
-    for i, (kind, _) in enumerate(built):
-        files = unit_files[i]
-        variant = UnitVariant(precision=precision, graph=graph_shas[i], files=tuple(sorted({s for s, _ in files.values()})),
-                              weight_bytes=sum(dict(files.values()).values()),
-                              kv_bytes_per_token=cfg.kv_bytes_per_token_per_layer // 2 if i in half_kv_units else None)
+    for i, kind in enumerate(kinds):
+        variants = {}
+        if i in graph_shas:
+            files = unit_files[i]
+            variants[precision] = UnitVariant(precision=precision, graph=graph_shas[i], files=tuple(sorted({s for s, _ in files.values()})),
+                                              weight_bytes=sum(dict(files.values()).values()),
+                                              kv_bytes_per_token=cfg.kv_bytes_per_token_per_layer // 2 if i in half_kv_units else None)
         units.append(Unit(
             index=i, kind=kind, name={"embedding": "embed", "layer": f"layer{i - 1}", "head": "head"}[kind],
             cost_s=costs[i], kv_bytes_per_token=cfg.kv_bytes_per_token_per_layer if kind == "layer" else 0,
-            out_bytes_per_token=8 if kind == "head" else H * 4, variants={precision: variant},
+            out_bytes_per_token=8 if kind == "head" else H * 4, variants=variants,
             kv_window=window_positions(cfg.window(i - 1)) if kind == "layer" and cfg.window(i - 1) else 0,
         ))
     from .moe import with_experts

@@ -25,8 +25,10 @@ class Package:
         if not path.is_file():
             raise FileNotFoundError(f"{self.root}: not a model package (no manifest.json)")
         self.manifest = Manifest.from_json(path.read_text())
+        self.stored_context = self.manifest.max_context  # what the package holds (its rope tables)
         self.blobs = self.root / "blobs"
         self._stage_shas: dict[tuple, str] = {}  # merging is slow; the result never changes
+        self._context: int | None = None  # limit_context's, kept across reload
 
     @property
     def name(self) -> str:
@@ -122,6 +124,20 @@ class Package:
     def reload(self) -> None:
         """Re-read the manifest (after a variant was added)."""
         self.manifest = Manifest.from_json((self.root / "manifest.json").read_text())
+        self.stored_context = self.manifest.max_context
+        if self._context is not None:
+            self.limit_context(self._context)
+
+    def limit_context(self, tokens: int) -> None:
+        """Serve sequences of at most ``tokens`` positions (``serve --context``): the manifest this
+        process reads says so, so the API, the coordinator and every stage's load use it. It
+        cannot exceed what the package holds (``stored_context``: re-import for more)."""
+        import dataclasses
+
+        if not 1 <= tokens <= self.stored_context:
+            raise ValueError(f"context {tokens} is outside [1, {self.stored_context}], what the package {self.name} holds")
+        self._context = tokens
+        self.manifest = dataclasses.replace(self.manifest, max_context=tokens)
 
     @cached_property
     def tokenizer(self) -> TextTokenizer:

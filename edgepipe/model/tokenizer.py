@@ -21,9 +21,15 @@ _SPLIT_REGEX["deepseek-r1-qwen"] = _SPLIT_REGEX["qwen2"]
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types that must never be split
 SUPPORTED_TOKENIZERS: tuple[str, ...] = ("gpt2", "llama")  # byte-level BPE, SentencePiece BPE
-# SentencePiece families whose text handling differs from Llama 2's (Metaspace, prefix space):
-_GEMMA = {"gemma", "gemma2", "gemma3"}
-_PHI3 = {"phi3"}
+
+
+def _sentencepiece_style(architecture: str) -> str:
+    """How a family's SentencePiece vocabulary handles text (``Family.sentencepiece``): Llama 2's
+    Metaspace with a prefix space, Gemma's spaces kept as spaces, or Phi-3's."""
+    from .families import family
+
+    fam = family(architecture)
+    return fam.sentencepiece if fam is not None else "llama"
 
 
 def tokenizer_json_from_gguf(data, architecture: str = "") -> str:
@@ -69,7 +75,8 @@ def _sentencepiece(data, architecture: str) -> str:
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     tokens = list(data.tokens)
-    if architecture in _GEMMA:  # runs of spaces are stored as spaces, looked up as ``▁``
+    style = _sentencepiece_style(architecture)
+    if style == "gemma":  # runs of spaces are stored as spaces, looked up as ``▁``
         tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
         ranks = {t: -i for i, t in enumerate(tokens)}
     else:
@@ -77,12 +84,12 @@ def _sentencepiece(data, architecture: str) -> str:
         ranks = dict(zip(tokens, scores))
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in data.merges] if data.merges else merges_from_ranks(vocab, ranks)
-    unk = tokens[data.unk_id] if architecture in _GEMMA and getattr(data, "unk_id", None) is not None else None
+    unk = tokens[data.unk_id] if style == "gemma" and getattr(data, "unk_id", None) is not None else None
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, unk_token=unk))
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if architecture in _GEMMA:
+    if style == "gemma":
         tok.normalizer = normalizers.Replace(" ", "\u2581")
-    elif architecture in _PHI3:
+    elif style == "phi3":
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
         steps.append(decoders.Strip(content=" ", left=1))
     else:

@@ -15,6 +15,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+# The two forms of the file's own model: its blocks run by this library, or as MatMulNBits graphs
+# (every worker without the library: no compiler, a GPU, a browser). Defined once, read everywhere.
+KERNEL_FORM, FALLBACK_FORM = "gguf", "native"
 DOMAIN = "edgepipe.gguf"
 MATMUL_OP = "GgufMatMul"
 GATHER_OP = "GgufGather"  # rows of a raw-block table, dequantized exactly (embeddings)

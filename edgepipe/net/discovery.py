@@ -20,6 +20,27 @@ def advertised_addresses(host: str) -> list[str]:
     return sorted({ip.ip for adapter in ifaddr.get_adapters() for ip in adapter.ips if isinstance(ip.ip, str)}) or ["127.0.0.1"]
 
 
+def loopback_only(host: str) -> bool:
+    """Whether a server bound to ``host`` is reachable from this machine only."""
+    import ipaddress
+
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to any interface
+
+
+def address_for_others(host: str) -> str:
+    """The address another machine reaches a server bound to ``host`` at (for a wildcard bind,
+    this machine's first address beyond loopback; its name when it has none)."""
+    if host not in ("0.0.0.0", "::", ""):
+        return f"[{host}]" if ":" in host else host
+    beyond = [a for a in advertised_addresses(host) if ":" not in a and not a.startswith("127.")]
+    return beyond[0] if beyond else socket.gethostname()
+
+
 class Advertiser:
     """Registers the coordinator's service while the server runs (asyncio side)."""
 

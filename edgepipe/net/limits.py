@@ -19,6 +19,8 @@ HELD_HEADROOM = 4  # held files counted as if every file came in this many varia
 HELD_ENTRY_BYTES = 80  # one sha256 hex string in msgpack, rounded up
 MAX_DECODE_BATCH = 256  # decode lanes carry at most this many sequences per frame
 LINK_PROBE_MAX_BYTES = 1 << 22  # the largest uplink probe payload a worker is asked for
+LINK_PROBE_DEFAULT_BYTES = 1 << 18  # a link or peer probe's payload when the probe names no size
+MAX_TOP_LOGPROBS = 20  # the most alternatives a sampling entry's ``top`` may ask the head for (OpenAI's bound)
 KV_RESERVE_TOKENS = 2048  # KV room every stage must keep for one sequence this long (a worker's memory check)
 
 

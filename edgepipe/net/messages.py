@@ -128,6 +128,9 @@ class NextHop:
         return {**hop, "replicas": [h.wire() for h in self.replicas]} if self.replicas else hop
 
 
+_NOT_EMULATING = {"slowdown": 1.0, "link_delay_ms": 0.0, "misreport": 1.0}  # an emulation entry's values that emulate nothing
+
+
 @dataclass(frozen=True)
 class Hello(Wire):
     """A worker's first frame: who it is and what it can hold. The coordinator keeps it, parsed
@@ -175,8 +178,22 @@ class Hello(Wire):
 
     @property
     def memory_budget(self):
-        """The EMULATED memory budget it declared (None: no budget)."""
+        """The memory budget it declared (``--memory``; None: no budget). It travels in ``emulation``
+        but is no emulation: a budget the user chose is a budget (``emulated`` leaves it out)."""
         return (self.emulation or {}).get("memory_budget")
+
+    @property
+    def declared_emulation(self) -> dict | None:
+        """What it emulates (``--slowdown``, ``--roofline``, link shaping, ``--drop-work``,
+        ``--misreport``), its defaults and its memory budget left out; None: a real device."""
+        left = {k: v for k, v in (self.emulation or {}).items() if k != "memory_budget" and v is not None and v is not False
+                and not (k in _NOT_EMULATING and v == _NOT_EMULATING[k])}
+        return left or None
+
+    @property
+    def emulated(self) -> bool:
+        """Whether its slowness (or misbehaviour) is injected: what reports and the dashboard label emulated."""
+        return self.declared_emulation is not None
 
     def with_slowdown(self, slowdown: float) -> Hello:
         """The same declaration with its emulated slowdown changed (the dashboard's emulation control)."""
@@ -289,6 +306,18 @@ class Probe(Wire):
 PROBE_PLAN = 0
 """Plan id a link probe presents on a data port (real plans count from 1, calibration's are negative)."""
 
+CALIBRATION_PLANS = -10_000
+"""Plan ids at or below this one are calibration's timed ranges; those between it and 0 the spare plan's."""
+
+
+def plan_label(plan: int | None) -> str:
+    """A plan id as a log line names it: ``plan 3``, ``the spare plan``, or ``calibration`` (never a negative id)."""
+    if plan is None or plan > 0:
+        return f"plan {plan}"
+    if plan <= CALIBRATION_PLANS:
+        return "calibration"
+    return "the spare plan" if plan < 0 else "a link probe"
+
 
 @dataclass(frozen=True)
 class KvExport(Wire):
@@ -311,6 +340,14 @@ class KvExport(Wire):
 class Emulate(Wire):
     TYPE = T.EMULATE
     slowdown: float
+
+
+@dataclass(frozen=True)
+class Notice(Wire):
+    TYPE = T.NOTICE
+    text: str
+    done: int | None = None
+    total: int | None = None
 
 
 @dataclass(frozen=True)
@@ -342,6 +379,11 @@ class Forward(Wire):
         if made is None:
             made = self.__dict__["_entries"] = tuple(ForwardEntry.of(item) for item in self.batch)
         return made
+
+
+SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "uniform", "min_p")  # min_p: heads of GRAPH_VERSION 10 on
+"""The fields of a FORWARD entry's ``sampling`` every head reads (``runtime.controls`` writes them);
+the others (``logprobs``, ``top``, ``adjust``, ``mask``, ...) are extensions a head may lack."""
 
 
 class ForwardEntry(NamedTuple):
@@ -415,7 +457,7 @@ class Draft(Wire):
     keep: int
     k: int
     step: int  # the generated tokens before the ids' end: draft j samples with the target's draw for token step + j
-    sampling: Mapping | None = None  # {temperature, top_k, top_p, seed} of a sampled request; null: greedy
+    sampling: Mapping | None = None  # {temperature, top_k, top_p, seed[, min_p]} of a sampled request; null: greedy
     rule: bool | None = None  # with the distribution each draft was drawn from (the speculative-sampling rule's q)
     tensors: Mapping = field(default_factory=dict, compare=False, repr=False, metadata=TENSORS)  # ids: int32 [n]
 
@@ -505,6 +547,11 @@ class Loaded(Wire):
     prefetched: bool | None = None  # a prefetch load: files held, nothing built
     reused_session: bool | None = None  # the stage's session was already built (kept range, warm spare)
     bytes: int | None = None  # a KV move: bytes installed
+    # a LOAD refused over the worker's memory budget: what the stage needs, what was free beside
+    # what it holds, and the budget (the coordinator prices the worker with them: ``LoadRefused``)
+    needed_bytes: int | None = None
+    free_bytes: int | None = None
+    budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -586,7 +633,11 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
                           None if f.get("error") is None else str(f["error"]).splitlines()[0] if str(f["error"]) else "error",
                           int(f.get("fetched_bytes") or 0) if _int(f.get("fetched_bytes") or 0) else 0, _num(f.get("load_s")),
                           f.get("weight_bytes") if _int(f.get("weight_bytes")) else None,
-                          [str(x)[:80] for x in f["repaired"][:64]] if isinstance(f.get("repaired"), list) else None)
+                          [str(x)[:80] for x in f["repaired"][:64]] if isinstance(f.get("repaired"), list) else None,
+                          None if f.get("prefetched") is None else bool(f["prefetched"]),
+                          None if f.get("reused_session") is None else bool(f["reused_session"]),
+                          _opt_size(f.get("bytes"), "bytes"), _opt_size(f.get("needed_bytes"), "needed_bytes"),
+                          _opt_size(f.get("free_bytes"), "free_bytes"), _opt_size(f.get("budget_bytes"), "budget_bytes"))
         if msg.type is T.PROBED:
             times = f.get("times")
             if times is not None and not (isinstance(times, list) and all(_finite(t) and t >= 0 for t in times)):
@@ -728,7 +779,9 @@ def _draft(f: dict) -> Draft:
         if not (isinstance(sampling, Mapping) and all(_finite(sampling.get(n)) for n in ("temperature", "top_p"))
                 and _int(sampling.get("top_k")) and _int(sampling.get("seed"))):
             raise ProtocolError("draft: sampling must be {temperature, top_k, top_p, seed} numbers")
-        sampling = MappingProxyType({n: sampling[n] for n in ("temperature", "top_k", "top_p", "seed")})
+        if sampling.get("min_p") is not None and not (_finite(sampling["min_p"]) and 0 <= sampling["min_p"] <= 1):
+            raise ProtocolError("draft: sampling.min_p must be a number in [0, 1]")
+        sampling = MappingProxyType({n: sampling[n] for n in ("temperature", "top_k", "top_p", "seed", "min_p") if n in sampling})
     return Draft(_need_int(f["id"], "id"), seq, keep, k, step, sampling, bool(f["rule"]) if f.get("rule") is not None else None)
 
 
@@ -741,6 +794,7 @@ _TO_WORKER = {
     T.PROBE: _probe,
     T.KV_EXPORT: _kv_export,
     T.EMULATE: _emulate,
+    T.NOTICE: lambda f: Notice(_str(f["text"], "text")[:500], _opt_int(f.get("done"), "done"), _opt_int(f.get("total"), "total")),
     T.BYE: lambda f: Bye(bool(f["final"]) if f.get("final") is not None else None),
     T.DRAFT_LOAD: _draft_load,
     T.DRAFT: _draft,
@@ -778,6 +832,14 @@ def _need_int(v, name: str) -> int:
 
 def _opt_int(v, name: str) -> int | None:
     return None if v is None else _need_int(v, name)
+
+
+def _opt_size(v, name: str) -> int | None:
+    """An optional byte count: an int >= 0 (a negative one is refused)."""
+    n = _opt_int(v, name)
+    if n is not None and n < 0:
+        raise ProtocolError(f"{name} must be >= 0")
+    return n
 
 
 def _finite(v) -> bool:

@@ -44,6 +44,7 @@ class MessageType(str, Enum):
     KV_EXPORT = "kv_export"  # coordinator -> worker: send this sequence's KV to a peer
     KV = "kv"  # worker -> worker: KV tensors of a sequence
     EMULATE = "emulate"  # coordinator -> worker: change emulated slowdown (tests, benchmarks)
+    NOTICE = "notice"  # coordinator -> worker: what it is preparing for that worker (a status line; no reply)
     DRAFT_LOAD = "draft_load"  # coordinator -> drafter worker: fetch and build the draft model, time its steps
     DRAFT_READY = "draft_ready"  # drafter worker -> coordinator: the draft model is built (or not), its step time
     DRAFT = "draft"  # coordinator -> drafter worker: draft k tokens after these ids

@@ -99,10 +99,27 @@ def server_context(cert: Path, key: Path) -> ssl.SSLContext:
     return ctx
 
 
+def server_certificate(host: str, port: int, timeout: float = 10) -> str:
+    """The PEM certificate ``host:port`` presents (``ssl.SSLError`` when it does not answer in TLS)."""
+    return ssl.get_server_certificate((host, port), timeout=timeout)
+
+
+def answers_plain_http(host: str, port: int, timeout: float = 5) -> bool:
+    """Whether ``host:port`` answers a plain-HTTP request (what a TLS handshake's failure means)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(f"HEAD /health HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+            return sock.recv(5) == b"HTTP/"
+    except OSError:
+        return False
+
+
 def pinned_context(host: str, port: int, fingerprint: str, timeout: float = 10) -> ssl.SSLContext:
     """A client context that trusts exactly the certificate ``host:port`` presents now, after
     checking it has ``fingerprint`` (raises :class:`PinMismatch` otherwise)."""
-    pem = ssl.get_server_certificate((host, port), timeout=timeout)
+    pem = server_certificate(host, port, timeout)
     if not hmac.compare_digest(fingerprint_pem(pem), normalize(fingerprint)):
         raise PinMismatch(f"{host}:{port} presented a certificate with another fingerprint than the pinned one")
     return trusting(pem)

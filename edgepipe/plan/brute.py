@@ -56,12 +56,11 @@ def price(layout: Layout, model: ModelProfile, devices: dict[str, DeviceProfile]
     for ids, start, end in layout:
         r = len(ids)
         per_replica = -(-sequences // r)
-        kv = sum(model.kv_bytes_per_sequence[start:end])
         cost = sum(model.units[u].cost for u in range(start, end))
         slowest = 0.0
         for d in ids:
             device = devices[d]
-            need = weights(device, start, end) + per_replica * kv + model.runtime_overhead_bytes
+            need = weights(device, start, end) + per_replica * sum(model.unit_kv(device.precision)[start:end]) + model.runtime_overhead_bytes
             if need > device.memory_bytes:
                 return None
             t = device.overhead_s + cost / device.speed

@@ -158,9 +158,9 @@ def _milp(
     if pair_hops is None:
         pair_hops = m <= 16
     seq = request.sequences
-    kv = np.array([seq * b for b in model.kv_bytes_per_sequence], dtype=float)
-    # (n, m): each device sized with the weight variant it runs
-    unit_mem = np.stack([np.asarray(model.unit_weights(devs[d].precision), dtype=float) + kv for d in ids], axis=1)
+    # (n, m): each device sized with the variant it runs (its weights and its KV)
+    unit_mem = np.stack([np.asarray(model.unit_weights(devs[d].precision), dtype=float)
+                         + seq * np.asarray(model.unit_kv(devs[d].precision), dtype=float) for d in ids], axis=1)
     cost = np.array([u.cost for u in model.units])
     speed = np.array([devs[d].speed for d in ids])
     overhead = np.array([devs[d].overhead_s for d in ids])

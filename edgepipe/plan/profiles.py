@@ -108,7 +108,8 @@ class ModelProfile:
     embeddings) and that both units' `weight_bytes` count; a stage holding both counts them
     once. `variant_weight_bytes`: per precision name, every unit's weight bytes in that
     variant (e.g. the fp32 files a browser runs); a device whose `precision` names one is
-    sized with it. Activations are priced as `out_bytes_per_token` at float32; a device
+    sized with it. `variant_kv_bytes`: likewise, every unit's KV bytes per token in that
+    variant (a GGUF kernel form keeps an fp16 cache, half the fp32 one of the others). Activations are priced as `out_bytes_per_token` at float32; a device
     sending float16 (`DeviceProfile.activation_dtype`) halves its outgoing activations.
     """
 
@@ -120,15 +121,15 @@ class ModelProfile:
     prefill_efficiency: float = DEFAULT_PREFILL_EFFICIENCY
     tied_bytes: int = 0
     variant_weight_bytes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    variant_kv_bytes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "units", tuple(self.units))
-        variants = self.variant_weight_bytes
-        if isinstance(variants, dict):
-            variants = tuple(variants.items())
-        object.__setattr__(
-            self, "variant_weight_bytes", tuple(sorted((str(k), tuple(int(b) for b in v)) for k, v in variants))
-        )
+        for name in ("variant_weight_bytes", "variant_kv_bytes"):
+            variants = getattr(self, name)
+            if isinstance(variants, dict):
+                variants = tuple(variants.items())
+            object.__setattr__(self, name, tuple(sorted((str(k), tuple(int(b) for b in v)) for k, v in variants)))
         _require(len(self.units) > 0, f"model {self.name!r} has no units")
         for position, unit in enumerate(self.units):
             _require(
@@ -145,11 +146,12 @@ class ModelProfile:
             self.prefill_efficiency > 0,
             f"model {self.name!r}: prefill_efficiency must be > 0",
         )
-        for precision, sizes in self.variant_weight_bytes:
-            _require(
-                len(sizes) == len(self.units) and all(b >= 0 for b in sizes),
-                f"model {self.name!r}: variant {precision!r} needs {len(self.units)} weight sizes >= 0",
-            )
+        for what, variants in (("weight", self.variant_weight_bytes), ("KV", self.variant_kv_bytes)):
+            for precision, sizes in variants:
+                _require(
+                    len(sizes) == len(self.units) and all(b >= 0 for b in sizes),
+                    f"model {self.name!r}: variant {precision!r} needs {len(self.units)} {what} sizes >= 0",
+                )
         smaller_end = min(self.units[0].weight_bytes, self.units[-1].weight_bytes)
         _require(
             0 <= self.tied_bytes <= smaller_end or len(self.units) == 1 and self.tied_bytes == 0,
@@ -166,6 +168,15 @@ class ModelProfile:
         """Per unit, the KV bytes of one sequence of `context_tokens` (window layers: their window)."""
         return tuple(u.kv_bytes(self.context_tokens) for u in self.units)
 
+    def unit_kv(self, precision: str | None = None) -> tuple[int, ...]:
+        """Per unit, the KV bytes of one sequence of `context_tokens` in the variant `precision`
+        (None, or a variant without its own KV sizes: the profile's own)."""
+        sizes = dict(self.variant_kv_bytes).get(precision) if precision is not None else None
+        if sizes is None:
+            return self.kv_bytes_per_sequence
+        return tuple((min(self.context_tokens, u.kv_window) if u.kv_window else self.context_tokens) * b
+                     for u, b in zip(self.units, sizes))
+
     def unit_weights(self, precision: str | None = None) -> tuple[int, ...]:
         """Weight bytes of every unit in the variant `precision` (None: the profile's own)."""
         if precision is not None:
@@ -175,13 +186,14 @@ class ModelProfile:
         return tuple(u.weight_bytes for u in self.units)
 
     def stage_bytes(self, start: int, end: int, sequences: int, precision: str | None = None) -> int:
-        """Memory a stage `[start, end)` needs with `sequences` KV caches of full context.
+        """Memory a stage `[start, end)` needs with `sequences` KV caches of full context, on a
+        device running the variant `precision` (its weights and its KV).
 
         Tied embedding/head bytes are counted once when the stage holds both units."""
         weights = sum(self.unit_weights(precision)[start:end])
         if start == 0 and end == len(self.units) and len(self.units) > 1:
             weights -= self.tied_bytes
-        kv = sum(self.kv_bytes_per_sequence[start:end])
+        kv = sum(self.unit_kv(precision)[start:end])
         return weights + sequences * kv + self.runtime_overhead_bytes
 
 

@@ -107,7 +107,7 @@ class DeviceTables:
 def _stage_need(model: ModelProfile, sequences: int, precision: str | None) -> np.ndarray:
     """(n+1, n+1) bytes of stage [x, i) with `sequences` KV caches in weight variant `precision`."""
     n = model.n_units
-    kv_prefix = np.concatenate(([0], np.cumsum(model.kv_bytes_per_sequence, dtype=np.int64)))
+    kv_prefix = np.concatenate(([0], np.cumsum(model.unit_kv(precision), dtype=np.int64)))
     weight_prefix = np.concatenate(([0], np.cumsum(model.unit_weights(precision), dtype=np.int64)))
     weights = weight_prefix[None, :] - weight_prefix[:, None]
     if n > 1:

@@ -88,8 +88,11 @@ def packed_mask(mask, vocab: int) -> bytes:
 
 def wire_sampling(params: GenerationParams, step: int) -> dict:
     """A step's ``sampling`` entry as it travels to the head (before the controls of ``step_fields``)."""
-    return {"do_sample": not params.greedy, "temperature": params.temperature or 1.0, "top_k": params.top_k,
-            "top_p": params.top_p, "uniform": uniform_draw(params.seed, step) if not params.greedy else 0.0}
+    out = {"do_sample": not params.greedy, "temperature": params.temperature or 1.0, "top_k": params.top_k,
+           "top_p": params.top_p, "uniform": uniform_draw(params.seed, step) if not params.greedy else 0.0}
+    if params.min_p and not params.greedy:  # absent: 0 (heads and workers before min_p read no such field)
+        out["min_p"] = params.min_p
+    return out
 
 
 def step_fields(state: SequenceState, vocab: int, prefill: bool) -> dict:

@@ -51,6 +51,19 @@ class ExecutionDevice:
 
 
 CPU = ExecutionDevice()
+# ONNX Runtime's own log at errors, set before its environment exists (the first session): what was
+# chosen is said in one line by ``describe``, not by the provider's warnings.
+ort.set_default_logger_severity(3)
+
+
+def _quiet_vulkan() -> None:
+    """A private XDG_RUNTIME_DIR where none is set (a service, a container, ssh without a login
+    session): the Vulkan loader's window-system layers otherwise print "XDG_RUNTIME_DIR is invalid
+    or not set" twice as the provider starts, though a compute-only worker needs no display."""
+    if not os.environ.get("XDG_RUNTIME_DIR"):
+        import tempfile
+
+        os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="edgepipe-xdg-")
 _registered: tuple[list, str | None] | None = None  # (WebGPU EP devices, why none)
 
 
@@ -65,6 +78,7 @@ def webgpu_devices() -> tuple[list, str | None]:
         _registered = [], f"the WebGPU execution provider is not installed ({INSTALL_HINT})"
         return _registered
     try:
+        _quiet_vulkan()
         ort.register_execution_provider_library("webgpu", plugin.get_library_path())
         found = [d for d in ort.get_ep_devices() if d.ep_name == plugin.get_ep_name()]
     except Exception as e:  # a missing Vulkan loader or driver surfaces here

@@ -23,6 +23,7 @@ def sampling_for(params: GenerationParams, step: int) -> SamplingBatch:
     return SamplingBatch(
         True, np.array([params.temperature], np.float32), np.array([params.top_k], np.int64),
         np.array([params.top_p], np.float32), np.array([uniform_draw(params.seed, step)], np.float32),
+        min_p=np.array([params.min_p], np.float32),
     )
 
 

@@ -19,9 +19,10 @@ FinishReason = Literal["stop", "length"]
 @dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy (the API routes default to api.generation.SAMPLING_DEFAULTS)
     top_p: float = 1.0
     top_k: int = 0  # 0 = no limit
+    min_p: float = 0.0  # keep tokens at least this times as likely as the best (0 = off)
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
@@ -47,6 +48,8 @@ class GenerationParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
             raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if any(not -100 <= v <= 100 for _, v in self.logit_bias):

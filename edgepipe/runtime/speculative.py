@@ -512,7 +512,7 @@ class ModelDrafter:
                 return SamplingBatch.greedy(1)
             return SamplingBatch(True, np.array([params.temperature], np.float32), np.array([params.top_k], np.int64),
                                  np.array([params.top_p], np.float32), np.array([uniform_draw(params.seed, step + j)], np.float32),
-                                 want_sampler=choose is not None)
+                                 want_sampler=choose is not None, min_p=np.array([params.min_p], np.float32))
 
         if k <= 0 or not ids:
             return []

@@ -31,6 +31,9 @@ KV_BLOCK = 256
 WINDOW_SLACK = 64  # a sliding-window layer drops old positions in steps of this many (window_start)
 
 
+ORT_LOG_ERROR = 3  # ONNX Runtime's severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
+
+
 class ContextOverflow(ValueError):
     """A sequence would exceed the stage's context limit."""
 
@@ -165,6 +168,7 @@ class SamplingBatch:
     repeat_penalty: np.ndarray | None = None  # [B] float32 (1.0: a row without it)
     adjust_per_position: bool = False  # ``adjust`` has a row per head position of the one (verify) sequence
     want_sampler: bool = False  # keep the sampler's distribution (``StageRunner.last_sampler``): the sampling rule's p or q
+    min_p: np.ndarray | None = None  # [B] float32 (None: 0, off); fed to heads of GRAPH_VERSION 10 on
 
     @classmethod
     def greedy(cls, batch: int) -> "SamplingBatch":
@@ -190,13 +194,17 @@ class SamplingBatch:
                 raise ValueError(OLD_HEAD)
             adjust = logit_adjust(controls, vocab)
         repeat_ids, repeat_penalty = repeat_rows(s, vocab)
+        min_p = [v.get("min_p") or 0.0 for v in s]
+        if any(not isinstance(m, (int, float)) or isinstance(m, bool) or not 0 <= m <= 1 for m in min_p):
+            raise ValueError("sampling.min_p must be a number in [0, 1]")
         return cls(any(bool(v["do_sample"]) for v in s),
                    np.array([v["temperature"] for v in s], np.float32),
                    np.array([v["top_k"] if v["do_sample"] else 1 for v in s], np.int64),
                    np.array([v["top_p"] for v in s], np.float32),
                    np.array([u for v in s for u in (v["uniform"] if isinstance(v["uniform"], list) else [v["uniform"]])], np.float32),
                    adjust, num_top, None if targets[0] is None else np.array([targets[0]], np.int64), repeat_ids, repeat_penalty,
-                   per_position, any("drafts" in v for v in s))
+                   per_position, any("drafts" in v for v in s),
+                   np.array(min_p, np.float32) if any(min_p) else None)
 
     @property
     def wants_head_extras(self) -> bool:
@@ -204,7 +212,8 @@ class SamplingBatch:
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {"do_sample": np.array(self.do_sample), "temperature": self.temperature, "top_k": self.top_k,
-                "top_p": self.top_p, "uniform": self.uniform}
+                "top_p": self.top_p, "uniform": self.uniform,
+                "min_p": np.zeros(len(self.temperature), np.float32) if self.min_p is None else self.min_p}
 
 
 def repeat_rows(entries: list[dict], vocab: int | None) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -494,6 +503,9 @@ class StageRunner:
         if threads:
             options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        # Errors only: the GPU form's optimizer otherwise prints a warning per initializer it drops
+        # ("Removing initializer ... It is not used by any node"), ~250 of them as a GPU worker joins.
+        options.log_severity_level = ORT_LOG_ERROR
         # Spinning threads win on an idle machine but halve throughput when another process (or
         # another stage's session in this process) needs the core: callers decide (spin_by_default).
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
@@ -505,12 +517,15 @@ class StageRunner:
         outputs = [o.name for o in self.session.get_outputs()]
         self.layers = sorted(int(m.group(1)) for n in inputs if (m := re.fullmatch(r"past_key\.(\d+)", n)))
         self.takes_token_ids = "input_ids" in inputs
+        # absolute positions: a sliding-window layer rotates at them, a learned-position embedding (GPT-2) adds their rows
+        self.takes_positions = "position_ids" in inputs
         self.input_name = "input_ids" if self.takes_token_ids else next(n for n in inputs if n.startswith("hidden."))
         self.emits_tokens = "next_token" in outputs
         self.output_name = "next_token" if self.emits_tokens else next(n for n in outputs if n.startswith("hidden."))
         # A head built before logprobs/controls (GRAPH_VERSION 1) lacks these: plain requests still run on it.
         self.head_controls = self.emits_tokens and "logit_adjust" in inputs
         self.head_repeat = self.emits_tokens and "repeat_ids" in inputs  # GRAPH_VERSION 8 heads
+        self.head_min_p = self.emits_tokens and "min_p" in inputs  # GRAPH_VERSION 10 heads
         self.vocab = int(inputs["logit_adjust"].shape[1]) if self.head_controls else None
         self._extra_outputs = HEAD_EXTRA_OUTPUTS if self.head_controls else ()
         self._no_adjust = np.zeros((1, self.vocab or 0), np.float32)
@@ -558,6 +573,17 @@ class StageRunner:
         if pool.window_names and pool.start[seq] > window_start(length, self.window):
             raise ValueError(f"{seq}: the sliding-window layers no longer hold what {length} positions need")
         pool.length[seq] = length
+
+    def place(self, seq: str, length: int) -> None:
+        """A stage without decoder layers holds no KV, only where each sequence's positions
+        start (a learned-position embedding adds their rows): the frame's ``pos`` says it, so a
+        sequence this stage never saw (a plan switch, cached prefix blocks, a rewind) starts
+        right. A stage with layers keeps its own length (``forward_problem`` checks it)."""
+        if self.layers:
+            return
+        if seq not in self._pool.row_of:
+            self._pool.add(seq)
+        self._pool.length[seq] = max(0, int(length))
 
     def sequences(self) -> list[str]:
         return list(self._pool.row_of)
@@ -668,10 +694,11 @@ class StageRunner:
         else:  # bystander rows inside [lo, hi) get a dummy input
             feed = np.zeros((n, *x.shape[1:]), x.dtype)
             feed[np.array(rows) - lo] = x
-        if self.layers:
+        if self.layers or self.takes_positions:
             by_row = {r: s for s, r in pool.row_of.items()}
             lengths = np.array([pool.length.get(by_row.get(r, ""), 0) for r in range(lo, hi)], np.int64)
             lengths[np.array(rows) - lo] = np.array(totals) - new
+        if self.layers:
             kept = lengths - np.array([pool.start.get(by_row.get(r, ""), 0) for r in range(lo, hi)], np.int64)
             pool.reserve(int(lengths.max()) + width, int(kept.max()) + width)
         binding = self._binding(lo, hi)
@@ -697,10 +724,15 @@ class StageRunner:
         if self.window:  # window layers: buffer lengths, and the absolute positions to rotate at
             self._bind_host(binding, "window_seqlens_k", (kept + width - 1).astype(np.int32))
             self._bind_host(binding, "window_total_sequence_length", np.array(int(kept.max()) + width, np.int32))
+        if self.takes_positions:
             self._bind_host(binding, "position_ids", lengths[:, None] + np.arange(new, dtype=np.int64)[None, :])
         if self.emits_tokens:
             batch = sampling or SamplingBatch.greedy(len(seqs))
             for name, arr in batch.feeds().items():
+                if name == "min_p" and not self.head_min_p:
+                    if batch.do_sample and batch.min_p is not None and batch.min_p.any():
+                        raise ValueError("this head cannot apply min_p (built before GRAPH_VERSION 10: re-import the model)")
+                    continue
                 if arr.ndim and not in_order:
                     full = np.zeros(n, arr.dtype) if name != "temperature" and name != "top_p" else np.ones(n, arr.dtype)
                     full[np.array(rows) - lo] = arr

@@ -87,8 +87,9 @@ class BlobCache:
         except OSError:
             pass  # a read-only marker directory only costs a re-hash in the next process
 
-    def fetch(self, base_url: str, sha: str, headers: dict | None = None, timeout: float = 120) -> int:
-        """Download one blob unless held intact; returns the bytes downloaded (0 when cached)."""
+    def fetch(self, base_url: str, sha: str, headers: dict | None = None, timeout: float = 120, on_bytes=None) -> int:
+        """Download one blob unless held intact; returns the bytes downloaded (0 when cached).
+        ``on_bytes(n)`` is called for every chunk received (from this thread)."""
         if self.verified(sha):
             return 0
         tmp = self.root / f".{sha}.{os.getpid()}.part"
@@ -101,6 +102,8 @@ class BlobCache:
                     digest.update(chunk)
                     out.write(chunk)
                     size += len(chunk)
+                    if on_bytes is not None:
+                        on_bytes(len(chunk))
             if digest.hexdigest() != sha:
                 raise HashMismatch(f"blob {sha[:16]}… from {base_url}: sha256 is {digest.hexdigest()[:16]}…")
             tmp.replace(self.path(sha))

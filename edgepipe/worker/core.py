@@ -74,7 +74,8 @@ def _fetched(state: WorkerState, event: Fetched) -> tuple[WorkerState, list[Comm
             MemoryBudget(state.budget_bytes).check(event.weight_bytes + kv, f"units [{load.start}, {load.end}) weights + KV for "
                                                    f"{reserve} tokens", state.in_use(load.keep, bool(load.warm), load.graph))
         except MemoryBudgetExceeded as exc:
-            return state, [_loaded(load.plan, ok=False, error=str(exc).splitlines()[0])]
+            return state, [_loaded(load.plan, ok=False, error=str(exc).splitlines()[0], needed_bytes=exc.requested_bytes,
+                                   free_bytes=max(0, exc.budget_bytes - exc.in_use_bytes), budget_bytes=exc.budget_bytes)]
     commands: list[Command] = []
     if not load.warm and load.plan >= 0 and load.graph not in state.warm:
         # The real stage takes the memory a warm spare held (calibration's small ranges, with
@@ -164,14 +165,14 @@ def _emulate(state: WorkerState, event: Emulate) -> tuple[WorkerState, list[Comm
 
 def _probe(state: WorkerState, probe: Probe) -> tuple[WorkerState, list[Command]]:
     if probe.kind == "link":
-        return state, [SendLinkPayload(probe.probe, int(probe.bytes or 1 << 18))]
+        return state, [SendLinkPayload(probe.probe, int(probe.bytes or limits.LINK_PROBE_DEFAULT_BYTES))]
     if probe.kind == "accept":  # peers presenting this secret on PROBE_PLAN may time this data port
         secret = probe.secret if isinstance(probe.secret, str) and probe.secret else None
         return replace(state, probe_secret=secret), [SendControl(Probed(probe.probe, secret is not None).to_message())]
     if probe.kind == "peer":
         if not (isinstance(probe.url, str) and probe.url.startswith(("ws://", "wss://"))):
             return state, [SendControl(Probed(probe.probe, False, error=f"peer probe: bad url {probe.url!r}"[:200]).to_message())]
-        return state, [MeasurePeer(probe.probe, probe.url, probe.secret, probe.fingerprint, int(probe.bytes or 1 << 18))]
+        return state, [MeasurePeer(probe.probe, probe.url, probe.secret, probe.fingerprint, int(probe.bytes or limits.LINK_PROBE_DEFAULT_BYTES))]
     stage = state.stages.get(probe.plan) if probe.plan is not None else None
     if stage is None:
         return state, [SendControl(Probed(probe.probe, False).to_message())]

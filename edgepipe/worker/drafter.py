@@ -91,7 +91,8 @@ class DrafterRole:
         params = None
         if draft.sampling is not None:
             s = draft.sampling
-            params = GenerationParams(temperature=float(s["temperature"]), top_k=int(s["top_k"]), top_p=float(s["top_p"]), seed=int(s["seed"]))
+            params = GenerationParams(temperature=float(s["temperature"]), top_k=int(s["top_k"]), top_p=float(s["top_p"]), seed=int(s["seed"]),
+                                      min_p=float(s.get("min_p") or 0.0))
         q_ids = q_probs = None
         if draft.rule:
             tokens, q = self.drafter.draft_sampled(draft.seq, all_ids, draft.k, params, draft.step)

@@ -96,6 +96,8 @@ class Runners:
             for item in entries:  # speculative decoding: drafts the last verify rejected are forgotten
                 if item.rewind and item.pos is not None:
                     runner.rewind(item.seq, item.pos)
+                if runner.takes_positions and item.pos is not None:
+                    runner.place(item.seq, item.pos)  # a stage of no layers: its positions start where the frame says
             for seq, entry in cmd.prefixes:  # install cached prompt blocks first: the frame starts after them
                 store.before(runner, seq, entry)
             c0 = time.thread_time()

@@ -21,7 +21,8 @@ class WorkerSettings:
     """Emulation (always labelled as such in what the worker reports): ``slowdown`` makes each
     compute call last ``f`` times its CPU time (single-threaded decode; else ``f`` times its wall
     time); ``roofline`` instead makes each call last as long as a device of that compute rate and
-    memory bandwidth would take for its rows (``emulate.roofline``); ``memory_bytes`` is a hard budget for weights plus KV; ``link`` shapes every frame the
+    memory bandwidth would take for its rows (``emulate.roofline``); ``memory_bytes`` is a hard budget for weights plus KV
+    (a budget the user chose, on a real device as on an emulated one: not emulation); ``link`` shapes every frame the
     worker sends; ``drop_work`` makes it a faulty device that answers heartbeats but silently
     drops every activation frame, and ``misreport`` one that reports its compute times divided by
     a factor (the coordinator must find both by what they do)."""
@@ -64,7 +65,8 @@ class WorkerSettings:
         return self.roofline is not None or self.slowdown != 1.0 or bool(self.link_delay_ms) or bool(self.link_rate) or self.drop_work or self.misreport != 1.0
 
     def emulation(self) -> dict | None:
-        """The hello's emulation entry (None: a real device, no budget)."""
+        """The hello's emulation entry (None: a real device, no budget). The budget travels here too
+        (``memory_budget``), but alone it is no emulation (``Hello.emulated``)."""
         if not (self.emulated or self.memory_bytes):
             return None
         return {"slowdown": self.slowdown, "link_delay_ms": self.link_delay_ms, "link_rate": self.link_rate,

@@ -9,15 +9,16 @@ import asyncio
 import logging
 import os
 import random
+import ssl
 import time
 from dataclasses import replace
 
 from .. import PROTOCOL_VERSION
 from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
-from ..net.messages import PROBE_PLAN, Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Ping, Probed, Welcome, parse
+from ..net.messages import PROBE_PLAN, Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Notice, Ping, Probed, Welcome, parse, plan_label
 from ..net.protocol import Message, ProtocolError, decode, encode
 from ..runtime.devices import resolve as resolve_device
-from . import core, links
+from . import connect, core, links
 from .blobcache import BlobCache
 from .dataport import DataPort
 from .runners import Runners, failure
@@ -36,12 +37,28 @@ def _websocket_errors() -> type[Exception]:
     return websockets.exceptions.WebSocketException
 
 
+class DownloadMeter:
+    """A line every ``every_s`` seconds while a plan's files download (a large model takes minutes)."""
+
+    def __init__(self, label: str, started: float, every_s: float = 5.0):
+        self.label, self.started, self.last, self.every_s, self.done = label, started, started, every_s, 0
+
+    def add(self, nbytes: int) -> None:  # from the download's thread
+        self.done += nbytes
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            log.info("%s: downloading, %.0f MB so far (%.1f MB/s)", self.label, self.done / 1e6, self.done / (now - self.started) / 1e6)
+
+
 class Worker:
     def __init__(self, settings: WorkerSettings):
         self.s = settings
         self.device = resolve_device(settings.device)
         if self.device.note and settings.device != "cpu":
-            log.warning("computing on the CPU: %s", self.device.note)
+            # a GPU asked for by name and not had is a warning; under auto the CPU is a fine answer
+            auto = (settings.device or "auto").strip().lower() == "auto"
+            (log.info if auto else log.warning)("computing on the CPU: %s", self.device.note)
         elif self.device.is_gpu:
             log.info("computing on %s", self.device.describe())
         self.native_kernel, self.native_kernel_note = gguf_kernel(self.device.is_gpu)
@@ -133,11 +150,14 @@ class Worker:
         loop = asyncio.get_running_loop()
         headers = {"Authorization": f"Bearer {self.s.join_token}"} if self.s.join_token else {}
         try:
-            fetched = 0
+            fetched, started = 0, time.monotonic()
+            meter = DownloadMeter(plan_label(load.plan), started)
             for sha in [load.graph, *load.files]:
-                fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers)
+                fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers, 120, meter.add)
             if fetched:
-                log.info("plan %s: downloaded %d bytes (%d in all)", load.plan, fetched, self.state.fetched_bytes + fetched)
+                took = max(time.monotonic() - started, 1e-6)
+                log.info("%s: downloaded %d bytes in %.1f s (%.1f MB/s; %d in all)", plan_label(load.plan), fetched, took,
+                         fetched / took / 1e6, self.state.fetched_bytes + fetched)
             weight_bytes = sum(self.cache.path(f).stat().st_size for f in load.files)
             repaired, self.cache.repaired = tuple(self.cache.repaired), []
             event = core.Fetched(load, fetched, weight_bytes, repaired)
@@ -212,8 +232,12 @@ class Worker:
                 started = time.monotonic()
                 try:
                     channel = await self._connect_control()
-                except (OSError, asyncio.TimeoutError, _websocket_errors()) as exc:
-                    why = f"cannot reach {self.s.coordinator}: {str(exc) or type(exc).__name__}"
+                except (OSError, asyncio.TimeoutError, ValueError, _websocket_errors()) as exc:
+                    judged = connect.verdict(exc, connect.control_url(self.s.coordinator))
+                    if isinstance(judged, connect.Stop):
+                        raise connect.CannotJoin(judged.why) from None
+                    await self._tls_instead(exc)
+                    why = judged.why
                 else:
                     joins = self.state.joins
                     if await self._session(channel):
@@ -276,7 +300,13 @@ class Worker:
                 raise PermissionError(f"coordinator refused this worker: {welcome.message}")
             if not isinstance(welcome, Welcome):
                 raise ProtocolError(f"expected welcome, got {reply.type.value}")
-        except (ChannelClosed, ProtocolError, asyncio.TimeoutError) as exc:
+        except ProtocolError as exc:  # it speaks WebSocket at /v1/worker, but not our protocol: retrying cannot help
+            await self._close_control()
+            if "protocol version" in str(exc):
+                raise connect.CannotJoin(f"{self.s.coordinator} speaks another edgepipe protocol ({exc}): install the coordinator's own "
+                                         f"edgepipe here (the pip line `serve` prints)") from None
+            raise connect.CannotJoin(f"{self.s.coordinator} is not an edgepipe coordinator (its answer to the hello: {exc})") from None
+        except (ChannelClosed, asyncio.TimeoutError) as exc:
             log.warning("no welcome from the coordinator: %s", str(exc) or type(exc).__name__)
             await self._close_control()
             return False
@@ -321,7 +351,7 @@ class Worker:
     async def _connect_control(self) -> Channel:
         import websockets
 
-        url = self.s.coordinator.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/worker"
+        url = connect.control_url(self.s.coordinator)
         ssl_context = await self._coordinator_tls() if url.startswith("wss://") else None
         ws = await websockets.connect(url, max_size=None, ping_interval=None, open_timeout=10, ssl=ssl_context, compression=None)
         return WebSocketChannel(ws, "coordinator")
@@ -334,13 +364,38 @@ class Worker:
 
             from ..net import tls
 
-            if not self.s.tls_fingerprint:
-                raise ValueError("the coordinator serves TLS: start the worker with --tls-fingerprint (printed by serve)")
             where = urlsplit(self.s.coordinator)
-            self._tls_coordinator = await asyncio.get_running_loop().run_in_executor(
-                None, tls.pinned_context, where.hostname, where.port or 443, self.s.tls_fingerprint)
+            host, port, loop = where.hostname, where.port or 443, asyncio.get_running_loop()
+            try:
+                if not self.s.tls_fingerprint:
+                    await loop.run_in_executor(None, tls.server_certificate, host, port)
+                    raise connect.CannotJoin(f"{where.netloc} serves TLS: start the worker with --tls-fingerprint "
+                                             f"(the sha256 `serve --tls` prints) to pin its certificate")
+                self._tls_coordinator = await loop.run_in_executor(None, tls.pinned_context, host, port, self.s.tls_fingerprint)
+            except ssl.SSLError:  # it answered, but not in TLS: say what it does speak
+                if await loop.run_in_executor(None, tls.answers_plain_http, host, port):
+                    raise connect.CannotJoin(connect.plain_http_instead(self.s.coordinator)) from None
+                raise
             self.cache.ssl_context = self._tls_coordinator
         return self._tls_coordinator
+
+    async def _tls_instead(self, exc: BaseException) -> None:
+        """An http:// coordinator that hung up during the handshake: if it speaks TLS, say so and stop."""
+        import websockets
+
+        if not (isinstance(exc, websockets.exceptions.InvalidMessage) and self.s.coordinator.startswith("http://")):
+            return
+        from urllib.parse import urlsplit
+
+        from ..net import tls
+
+        where = urlsplit(self.s.coordinator)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, tls.server_certificate, where.hostname, where.port or 80, 5)
+        except (OSError, ValueError):
+            return  # not TLS either: a coordinator stopping, retried
+        pin = self.s.tls_fingerprint or "<the sha256 `serve --tls` prints>"
+        raise connect.CannotJoin(f"{where.netloc} serves TLS: join with --coordinator https://{where.netloc}{where.path} --tls-fingerprint {pin}")
 
     def _shape(self, channel: Channel) -> Channel:
         return ShapedChannel(channel, self.link) if self.link else channel
@@ -386,6 +441,8 @@ class Worker:
             self.loop_lag_s = 0.0
         elif isinstance(typed, Error):
             log.warning("coordinator: %s", typed.message)
+        elif isinstance(typed, Notice):  # what the coordinator prepares for this worker (e.g. the units of its variant)
+            log.info("coordinator: %s", typed.text)
         elif not isinstance(typed, Message):
             await self.feed(typed)
 

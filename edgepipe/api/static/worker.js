@@ -4,17 +4,26 @@
 // WebSocket to the coordinator (/v1/worker). A tab cannot accept connections, so it says
 // kind "browser" in its hello: the coordinator relays activations to it, and it sends its own
 // outputs back over the same socket (`forward` with `relay_to`, or `token` from the head).
-// Reference implementation of the worker side: edgepipe/cluster/worker.py and
-// edgepipe/runtime/stage_runner.py; this file mirrors them.
-/* global ort, MessagePack */
+// The native worker it mirrors: edgepipe/worker/core.py (a stage's decisions, frame by frame),
+// edgepipe/worker/shell.py (its I/O) and edgepipe/runtime/stage_runner.py (the stage itself).
+// The protocol's constants (version, message types, field names, error codes, limits) are not
+// written here: protocol.js, generated from edgepipe/net/messages.py by
+// `python -m edgepipe.net.protocol_js --write`, defines them and worker.html loads it first.
+/* global ort, MessagePack, EdgepipeProtocol */
 "use strict";
 
 (() => {
-  const PROTOCOL = 1;
-  const KV_BLOCK = 256; // KV capacity grows in blocks of this many positions (as stage_runner.py)
-  const MAX_HEADER_BYTES = 1 << 20;
-  const DTYPES = { float32: [Float32Array, 4], float16: [Uint16Array, 2], int64: [BigInt64Array, 8],
+  const P = self.EdgepipeProtocol;
+  if (!P) throw new Error("protocol.js is not loaded: worker.html loads it before worker.js");
+  const PROTOCOL = P.VERSION, T = P.MESSAGE, CODE = P.ERROR, LIMITS = P.LIMITS;
+  const FIELDS = Object.fromEntries(Object.entries(P.FIELDS).map(([type, names]) => [type, new Set(names)]));
+  const KV_BLOCK = 256; // KV capacity grows in blocks of this many positions (as stage_runner.py: the tab's own choice, not the wire's)
+  const ARRAYS = { float32: [Float32Array, 4], float16: [Uint16Array, 2], int64: [BigInt64Array, 8],
                    int32: [Int32Array, 4], uint8: [Uint8Array, 1], bool: [Uint8Array, 1] };
+  const DTYPES = Object.fromEntries(P.DTYPES.map((d) => {
+    if (!ARRAYS[d]) throw new Error(`the protocol allows dtype ${d}, which this worker cannot read`);
+    return [d, ARRAYS[d]];
+  }));
   const params = new URLSearchParams(location.search);
 
   // -- page ------------------------------------------------------------------------------------
@@ -34,8 +43,11 @@
     const slots = [...worker.slots.values()].filter((s) => s.plan > 0);
     $("units").textContent = slots.length ? slots.map((s) => `[${s.start}, ${s.end}) plan ${s.plan}`).join("; ") : "–";
     if (document.body.dataset.state === "joined") {
-      $("message").textContent = slots.length ? `serving units ${$("units").textContent} as ${worker.id}` : `joined as ${worker.id}; waiting for a stage`;
+      $("message").textContent = slots.length ? `serving units ${$("units").textContent} as ${worker.id}`
+        : worker.notice || `joined as ${worker.id}; waiting for a stage`;
     }
+    if (slots.length) worker.notice = null; // what the coordinator was preparing is here
+    if (worker.notice) document.body.dataset.preparing = "1"; else delete document.body.dataset.preparing;
     $("computed").textContent = String(stats.computed);
     $("tokens").textContent = String(stats.tokens);
     $("held").textContent = `${stats.held} files, ${fmtBytes(stats.heldBytes)}`;
@@ -43,11 +55,13 @@
     $("hits").textContent = String(stats.hits);
     $("fetched").textContent = String(stats.fetched);
   }
+  // A plan id as the log names it (net.messages.plan_label): calibration's ranges and the spare have negative ids.
+  const planLabel = (plan) => (plan > 0 ? `plan ${plan}` : plan <= LIMITS.CALIBRATION_PLANS ? "calibration" : plan < 0 ? "the spare plan" : "a link probe");
   const fmtBytes = (n) => (n >= 1e9 ? `${(n / 1e9).toFixed(2)} GB` : n >= 1e6 ? `${(n / 1e6).toFixed(1)} MB` : `${(n / 1e3).toFixed(1)} kB`);
   const firstLine = (e) => String((e && e.message) || e || "error").split("\n")[0];
   // An error with its wire code (docs/protocol.md, error codes), as the Python worker sends them.
   const coded = (message, code) => Object.assign(new Error(message), { code });
-  const BASIC_SAMPLING = new Set(["do_sample", "temperature", "top_k", "top_p", "uniform"]);
+  const BASIC_SAMPLING = new Set(P.SAMPLING_FIELDS); // what every head reads; the rest are extensions
 
   // -- frames: u32 LE header length | msgpack header | tensor bytes (docs/protocol.md) ------------
   function encodeFrame(type, fields = {}, tensors = {}) {
@@ -69,7 +83,7 @@
     if (!(buf instanceof ArrayBuffer)) throw new Error("expected a binary frame, got text");
     if (buf.byteLength < 4) throw new Error(`frame of ${buf.byteLength} bytes is shorter than its length prefix`);
     const n = new DataView(buf).getUint32(0, true);
-    if (n > MAX_HEADER_BYTES || 4 + n > buf.byteLength) throw new Error(`header length ${n} does not fit a frame of ${buf.byteLength} bytes`);
+    if (n > LIMITS.MAX_HEADER_BYTES || 4 + n > buf.byteLength) throw new Error(`header length ${n} does not fit a frame of ${buf.byteLength} bytes`);
     const header = MessagePack.decode(new Uint8Array(buf, 4, n));
     if (!header || typeof header !== "object" || Array.isArray(header)) throw new Error("header is not a map");
     if (header.v !== PROTOCOL) throw new Error(`protocol version ${header.v} is not supported (this side speaks ${PROTOCOL})`);
@@ -270,8 +284,12 @@
       let cache = this.caches.get(seq);
       if (!cache) this.caches.set(seq, (cache = { length: 0, capacity: 0, kv: {} }));
       const total = cache.length + added;
-      if (this.maxContext && total > this.maxContext) throw coded(`sequence ${seq} would reach ${total} tokens, over the context of ${this.maxContext}`, "context");
+      if (this.maxContext && total > this.maxContext) throw coded(`sequence ${seq} would reach ${total} tokens, over the context of ${this.maxContext}`, CODE.CONTEXT);
       const feeds = { [this.inputName]: new ort.Tensor(x.dtype, x.data, x.shape) };
+      // Absolute positions: sliding-window layers rotate at them, a learned-position embedding (GPT-2) adds their rows.
+      if (this.session.inputNames.includes("position_ids")) {
+        feeds.position_ids = new ort.Tensor("int64", BigInt64Array.from({ length: added }, (_, i) => BigInt(cache.length + i)), [1, added]);
+      }
       if (this.layers.length) {
         await this.reserve(cache, total);
         const lengths = { seqlens_k: Int32Array.of(total - 1), total_sequence_length: Int32Array.of(total) };
@@ -281,9 +299,6 @@
           for (const input of [name, `window_${name}`]) {
             if (this.session.inputNames.includes(input)) feeds[input] = new ort.Tensor("int32", value.slice(), name === "seqlens_k" ? [1] : []);
           }
-        }
-        if (this.session.inputNames.includes("position_ids")) {
-          feeds.position_ids = new ort.Tensor("int64", BigInt64Array.from({ length: added }, (_, i) => BigInt(cache.length + i)), [1, added]);
         }
         for (const u of this.layers) {
           feeds[`past_key.${u}`] = cache.kv[`key.${u}`];
@@ -297,6 +312,9 @@
         feeds.top_k = new ort.Tensor("int64", BigInt64Array.of(BigInt(s.do_sample ? Math.trunc(s.top_k) : 1)), [1]);
         feeds.top_p = new ort.Tensor("float32", Float32Array.of(s.top_p), [1]);
         feeds.uniform = new ort.Tensor("float32", Float32Array.of(s.uniform), [1]);
+        if (this.session.inputNames.includes("min_p")) { // heads of GRAPH_VERSION 10 on; absent from the wire: 0 (off)
+          feeds.min_p = new ort.Tensor("float32", Float32Array.of(s.do_sample ? Number(s.min_p || 0) : 0), [1]);
+        } else if (s.do_sample && s.min_p) throw coded("this head cannot apply min_p (built before GRAPH_VERSION 10)", "bad_input");
         if (this.headControls) Object.assign(feeds, this.headControls(s, added));
       }
       const out = await this.session.run(feeds);
@@ -347,11 +365,16 @@
     slots: new Map(), // plan -> {plan, start, end, runner, next, weightBytes}
     store: null,
     queued: 0,
-    compute: Promise.resolve(), // forwards and probes run one at a time, in arrival order
+    compute: Promise.resolve(), // forwards, drops and probes run one at a time, in arrival order
+    stats,
     refused: false,
     retry: null,
     device: { kind: "cpu", adapter: null, note: "not looked for yet" }, // see findDevice
+    notice: null, // the coordinator's last NOTICE while this tab waits for a stage (e.g. its fp32 units being built)
   };
+  // WebAssembly memory is 32-bit: a tab computing there holds at most 4 GiB, whatever the machine has
+  // (declared as its budget unless ?memory= says otherwise, so that the planner gives it no more).
+  const WASM_MEMORY_BYTES = 4 * 2 ** 30;
 
   // Where this tab computes: WebGPU when the browser gives an adapter (?device=cpu opts out),
   // else WebAssembly, with one line saying why.
@@ -392,7 +415,12 @@
     return run;
   }
 
+  // A frame's fields must be the message's own (protocol.js): a field renamed in net/messages.py
+  // fails here, in the browser tests, rather than being dropped by the coordinator.
   function send(type, fields, tensors) {
+    const declared = FIELDS[type];
+    if (!declared) throw new Error(`no message type ${type} in protocol.js`);
+    for (const name of Object.keys(fields)) if (!declared.has(name)) throw new Error(`${type} has no field ${name} (protocol.js)`);
     const ws = worker.ws;
     if (ws && ws.readyState === WebSocket.OPEN) ws.send(encodeFrame(type, fields, tensors));
   }
@@ -415,7 +443,7 @@
     const ws = (worker.ws = new WebSocket(url));
     ws.binaryType = "arraybuffer";
     show("connecting", `connecting to ${url}…`);
-    ws.onopen = () => send("hello", hello(held));
+    ws.onopen = () => send(T.HELLO, hello(held));
     ws.onmessage = (ev) => onFrame(ev.data);
     ws.onclose = (ev) => {
       if (worker.ws !== ws) return;
@@ -430,13 +458,14 @@
     };
   }
 
-  // The hello: every field of net.messages.Hello, null ones too, as Hello.to_message writes it
-  // (the golden-frames test checks this frame against the dataclass and parses it).
+  // The hello: every field of net.messages.Hello, null ones too (a field added there since is sent
+  // null), as Hello.to_message writes it (the golden-frames test checks this frame and parses it).
   function hello(held) {
     const d = worker.device;
-    return {
+    const given = {
       name: worker.name, token: worker.token || null, protocol: PROTOCOL, kind: "browser",
-      memory_bytes: worker.memoryBytes, threads: worker.threads,
+      memory_bytes: d.kind === "gpu" || params.get("memory") ? worker.memoryBytes : Math.min(worker.memoryBytes, WASM_MEMORY_BYTES),
+      threads: worker.threads,
       data_url: null,  // a tab accepts no connections: its activations travel through the coordinator
       held, emulation: null,
       // On WebGPU no precision: the package's own variant (MatMulNBits runs there); WebAssembly runs fp32 fastest.
@@ -446,6 +475,8 @@
       native_kernel: null, native_kernel_note: null,  // the GGUF kernel library is native only
       role: null,  // a tab holds stages; drafting (--role drafter) is a native worker's
     };
+    for (const name of Object.keys(given)) if (!FIELDS[T.HELLO].has(name)) throw new Error(`hello has no field ${name} (protocol.js)`);
+    return Object.fromEntries(P.FIELDS[T.HELLO].map((name) => [name, given[name] === undefined ? null : given[name]]));
   }
 
   function dropAll() {
@@ -453,67 +484,128 @@
     worker.slots.clear();
   }
 
+  // -- decisions: handle(state, frame) -> commands, beside edgepipe/worker/core.py's handle -----
+  // handle decides from the tab's state (`worker`, read only) what a coordinator frame asks for;
+  // perform carries the commands out (the socket, the page, the unit store, onnxruntime-web).
+  // FORWARD and DROP are decided in compute order, once the frames queued before them are done,
+  // so a frame is checked against the KV as it stands when its turn comes (as in the core).
+  const COMPUTE_ORDERED = new Set([T.FORWARD, T.DROP]);
+
   function onFrame(data) {
-    let msg;
+    let frame;
     try {
-      msg = decodeFrame(data);
+      frame = decodeFrame(data);
     } catch (e) {
       log(`bad frame from the coordinator: ${firstLine(e)}`);
       return;
     }
-    handle(msg).catch((e) => log(`${msg.type} failed: ${firstLine(e)}`));
+    const step = async () => perform(handle(worker, frame)); // async: a decision that throws is logged, not left uncaught
+    (COMPUTE_ORDERED.has(frame.type) ? serial(step) : step()).catch((e) => log(`${frame.type} failed: ${firstLine(e)}`));
   }
 
-  async function handle({ type, fields: f, tensors }) {
+  function handle(state, { type, fields: f, tensors }) {
     switch (type) {
-      case "welcome":
-        worker.id = f.worker_id;
-        show("joined", `joined as ${worker.id}; waiting for a stage`);
-        render();
-        break;
-      case "error":
-        if (worker.id === null) { // refused at the door (e.g. a wrong or missing join token)
-          worker.refused = true;
-          show("refused", `the coordinator refused this worker: ${f.message}`);
-        } else {
-          log(`coordinator: ${f.message}`);
-        }
-        break;
-      case "ping":
-        send("pong", { t: f.t, kv_bytes: kvBytes(), queue: worker.queued, busy_s: stats.busy_s, computed: stats.computed });
-        break;
-      case "load":
-        await load(f);
-        break;
-      case "activate": {
+      case T.WELCOME:
+        return [{ op: "joined", id: f.worker_id }];
+      case T.ERROR: // before a welcome: refused at the door (e.g. a wrong or missing join token)
+        return state.id === null ? [{ op: "refused", message: f.message }] : [{ op: "log", line: `coordinator: ${f.message}` }];
+      case T.PING:
+        return [{ op: "send", type: T.PONG, fields: { t: f.t, kv_bytes: kvBytes(state), queue: state.queued, busy_s: state.stats.busy_s,
+                                                       computed: state.stats.computed } }];
+      case T.LOAD:
+        return [{ op: "fetchAndBuild", load: f }];
+      case T.ACTIVATE: {
         const keep = new Set(f.keep);
-        for (const [plan, slot] of worker.slots) if (!keep.has(plan)) { slot.runner.release(); worker.slots.delete(plan); }
-        render();
-        break;
+        return [...state.slots.keys()].filter((plan) => !keep.has(plan)).map((plan) => ({ op: "release", plan }));
       }
-      case "drop": // after the steps queued before it: a running step may still read the sequence's GPU buffers
-        await serial(() => { for (const slot of worker.slots.values()) slot.runner.drop(f.seq); });
-        break;
-      case "forward":
-        await serial(() => forward(f, tensors)).catch((e) => {
-          for (const item of Array.isArray(f.batch) ? f.batch : [{}]) send("error", { message: firstLine(e), code: e.code || "internal", seq: item.seq, step: item.step, rid: item.rid });
-        });
-        break;
-      case "probe":
-        await probe(f);
-        break;
-      case "kv_export": // KV moves need the data port a tab does not have: the coordinator re-runs prefill instead
-        send("loaded", { kv_received: f.move === undefined ? null : f.move, ok: false, error: "browser workers do not move KV" });
-        break;
-      case "bye":
-        show("stopped", "the coordinator said bye");
-        break;
+      case T.DROP: // in compute order: a running step may still read the sequence's GPU buffers
+        return [{ op: "dropSequence", seq: f.seq }];
+      case T.FORWARD:
+        return forwardCommands(state, f, tensors);
+      case T.PROBE:
+        return [{ op: "runProbe", probe: f }];
+      case T.KV_EXPORT: // KV moves need the data port a tab does not have: the coordinator re-runs prefill instead
+        return [{ op: "send", type: T.LOADED, fields: { kv_received: f.move === undefined ? null : f.move, ok: false,
+                                                         error: "browser workers do not move KV" } }];
+      case T.NOTICE: // what the coordinator prepares for this tab (no reply): shown until a stage arrives
+        return [{ op: "showNotice", notice: f }];
+      case T.BYE:
+        return [{ op: "stopped" }];
       default:
-        log(`ignored ${type}`);
+        return [{ op: "log", line: `ignored ${type}` }];
     }
   }
 
-  const kvBytes = () => [...worker.slots.values()].reduce((n, s) => n + s.runner.kvBytes, 0);
+  // One error frame per sequence of a FORWARD (as the core's errors for a refused frame).
+  const errorFrames = (f, message, code) => (Array.isArray(f.batch) ? f.batch : [{}]).map((item) => (
+    { op: "send", type: T.ERROR, fields: { message, code, seq: item.seq, step: item.step, rid: item.rid } }));
+
+  // A FORWARD lane, checked before it runs (as core.forward_problem): the stage exists, x fits the
+  // batch, activations are sane, each sequence's KV ends where the frame starts, and the head can
+  // apply what the sampling asks. Either error frames or one compute command.
+  function forwardCommands(state, f, tensors) {
+    const refuse = (message, code) => errorFrames(f, message, code);
+    const slot = state.slots.get(f.plan);
+    if (!slot) return refuse(`worker ${state.id} holds no stage for plan ${f.plan}`, CODE.NO_STAGE);
+    let x = tensors.x;
+    if (!x) return refuse("forward without an x tensor", CODE.BAD_INPUT);
+    const batch = f.batch || [];
+    if (Number(x.shape[0]) !== batch.length || !batch.length) return refuse(`forward frame: x has ${x.shape[0]} rows for ${batch.length} sequences`, CODE.BAD_INPUT);
+    if (x.dtype === "float16") x = { dtype: "float32", shape: x.shape, data: halfToFloat(x.data) };
+    if (!slot.runner.takesTokenIds) { // what the predecessor sent, checked before use (as validate.activation_problem)
+      const problem = activationProblem(x, slot.runner.hidden, slot.runner.maxContext);
+      if (problem) return refuse(`plan ${f.plan}: ${problem}`, CODE.CORRUPT_INPUT);
+    }
+    for (const item of batch) { // a frame must start where the sequence's cache ends: a lost frame leaves a hole
+      const held = (slot.runner.caches.get(item.seq) || { length: 0 }).length;
+      if (Number.isInteger(item.pos) && slot.runner.layers.length && item.pos !== held) {
+        return refuse(`plan ${f.plan}: ${item.seq} holds ${held} positions, the frame starts at ${item.pos} (a frame was lost)`, CODE.CORRUPT_INPUT);
+      }
+    }
+    if (slot.runner.emitsTokens && !slot.runner.headControls) { // a head older than logit controls: refuse rather than ignore them
+      const asked = [...new Set(batch.flatMap((item) => Object.entries(item.sampling || {})
+        .filter(([k, v]) => !BASIC_SAMPLING.has(k) && v !== null && v !== undefined && v !== false && v !== 0 && !(Array.isArray(v) && !v.length))
+        .map(([k]) => k)))];
+      if (asked.length) return refuse(`a browser worker does not apply ${asked.join(", ")} (sampling extensions)`, CODE.BAD_INPUT);
+    }
+    return [{ op: "runStage", f, slot, x, batch }];
+  }
+
+  async function perform(commands) {
+    for (const c of commands) {
+      switch (c.op) {
+        case "send": send(c.type, c.fields); break;
+        case "log": log(c.line); break;
+        case "joined":
+          worker.id = c.id;
+          worker.notice = null;
+          show("joined", `joined as ${worker.id}; waiting for a stage`);
+          break;
+        case "refused":
+          worker.refused = true;
+          show("refused", `the coordinator refused this worker: ${c.message}`);
+          break;
+        case "fetchAndBuild": worker.notice = null; await load(c.load); break; // the stage it was preparing has come
+        case "showNotice": {
+          const f = c.notice;
+          worker.notice = f.total ? `${f.text} [${"#".repeat(Math.round(10 * f.done / f.total)).padEnd(10, ".")}]` : f.text;
+          if (f.done === f.total || !f.total) log(`coordinator: ${f.text}`);
+          break;
+        }
+        case "release": worker.slots.get(c.plan).runner.release(); worker.slots.delete(c.plan); break;
+        case "dropSequence": for (const slot of worker.slots.values()) slot.runner.drop(c.seq); break;
+        case "runStage": // a failure while running (a head control out of range, the context outgrown) fails the lane
+          await compute(c).catch((e) => perform(errorFrames(c.f, firstLine(e), e.code || CODE.INTERNAL)));
+          break;
+        case "runProbe": await probe(c.probe); break;
+        case "stopped": show("stopped", "the coordinator said bye"); break;
+        default: throw new Error(`no such command ${c.op}`);
+      }
+    }
+    render();
+  }
+
+  const kvBytes = (state) => [...state.slots.values()].reduce((n, s) => n + s.runner.kvBytes, 0);
 
   const inflight = new Map(); // sha -> Promise: two loads that share a file download it once
   function fetchUnit(sha) {
@@ -567,8 +659,8 @@
       await refreshHeld();
       render();
       if (f.prefetch) { // a spare plan: hold its files, build nothing yet
-        send("loaded", { plan: f.plan, ok: true, prefetched: true, fetched_bytes: fetched });
-        log(`plan ${f.plan}: prefetched units [${f.start}, ${f.end}), ${fmtBytes(fetched)}`);
+        send(T.LOADED, { plan: f.plan, ok: true, prefetched: true, fetched_bytes: fetched });
+        log(`${planLabel(f.plan)}: prefetched units [${f.start}, ${f.end}), ${fmtBytes(fetched)}`);
         return;
       }
       const onGpu = worker.device.kind === "gpu";
@@ -588,12 +680,12 @@
       if (old) old.runner.release();
       worker.slots.set(f.plan, { plan: f.plan, start: f.start, end: f.end, runner: new StageRunner(session, f.max_context, onGpu), next: f.next, weightBytes });
       reply = { plan: f.plan, ok: true, load_s: (performance.now() - t0) / 1000, fetched_bytes: fetched, weight_bytes: weightBytes };
-      log(`plan ${f.plan}: units [${f.start}, ${f.end}) ready in ${reply.load_s.toFixed(2)} s, fetched ${fmtBytes(fetched)}`);
+      log(`${planLabel(f.plan)}: units [${f.start}, ${f.end}) ready in ${reply.load_s.toFixed(2)} s, fetched ${fmtBytes(fetched)}`);
     } catch (e) {
       reply = { plan: f.plan, ok: false, error: firstLine(e) };
-      log(`plan ${f.plan}: load failed: ${reply.error}`);
+      log(`${planLabel(f.plan)}: load failed: ${reply.error}`);
     }
-    send("loaded", reply);
+    send(T.LOADED, reply);
     render();
   }
 
@@ -604,32 +696,10 @@
     return where;
   }
 
-  // A forward frame carries one lane of sequences (`batch`, one row of x each); a tab runs
-  // them one after the other and answers with one frame, as a native worker does.
-  async function forward(f, tensors) {
-    const slot = worker.slots.get(f.plan);
-    if (!slot) throw coded(`worker ${worker.id} holds no stage for plan ${f.plan}`, "no_stage");
-    let x = tensors.x;
-    if (!x) throw coded("forward without an x tensor", "bad_input");
-    const batch = f.batch || [];
-    if (Number(x.shape[0]) !== batch.length || !batch.length) throw coded(`forward frame: x has ${x.shape[0]} rows for ${batch.length} sequences`, "bad_input");
-    if (x.dtype === "float16") x = { dtype: "float32", shape: x.shape, data: halfToFloat(x.data) };
-    if (!slot.runner.takesTokenIds) { // a stage checks what its predecessor sent before using it (as validate.activation_problem)
-      const problem = activationProblem(x, slot.runner.hidden, slot.runner.maxContext);
-      if (problem) throw coded(`plan ${f.plan}: ${problem}`, "corrupt_input");
-    }
-    for (const item of batch) { // a frame must start where the sequence's cache ends: a lost frame leaves a hole (as the native worker)
-      const held = (slot.runner.caches.get(item.seq) || { length: 0 }).length;
-      if (Number.isInteger(item.pos) && slot.runner.layers.length && item.pos !== held) {
-        throw coded(`plan ${f.plan}: ${item.seq} holds ${held} positions, the frame starts at ${item.pos} (a frame was lost)`, "corrupt_input");
-      }
-    }
-    if (slot.runner.emitsTokens && !slot.runner.headControls) { // a head older than logit controls: refuse rather than ignore them
-      const asked = [...new Set(batch.flatMap((item) => Object.entries(item.sampling || {})
-        .filter(([k, v]) => !BASIC_SAMPLING.has(k) && v !== null && v !== undefined && v !== false && v !== 0 && !(Array.isArray(v) && !v.length))
-        .map(([k]) => k)))];
-      if (asked.length) throw coded(`a browser worker does not apply ${asked.join(", ")} (sampling extensions)`, "bad_input");
-    }
+  // A forward frame carries one lane of sequences (`batch`, one row of x each).
+  // Run a checked FORWARD lane (forwardCommands): its sequences one after the other, answered with
+  // one frame, as a native worker does.
+  async function compute({ f, slot, x, batch }) {
     const t0 = performance.now();
     const width = x.data.length / batch.length;
     const outs = [], logprobs = [];
@@ -640,21 +710,21 @@
       outs.push(await slot.runner.run(item.seq, row, sampling));
       logprobs.push(sampling && sampling.logprobs ? logprobsEntry(slot.runner.lastOut, sampling) : null);
     }
-    const compute = (performance.now() - t0) / 1000;
-    stats.busy_s += compute;
+    const seconds = (performance.now() - t0) / 1000;
+    stats.busy_s += seconds;
     stats.computed += batch.length;
     // [worker, seconds, positions, bytes per activation element, sequences in the call]
-    const timings = [...(f.timings || []), [worker.id, compute, Number(x.shape[1]), 4, batch.length]];
+    const timings = [...(f.timings || []), [worker.id, seconds, Number(x.shape[1]), 4, batch.length]];
     const base = { plan: f.plan, batch, timings };
     if (slot.next.kind === "coordinator") {
       if (batch.every((item) => item.partial)) return; // replay frames before the last: no token wanted
       stats.tokens += batch.length;
-      send("token", { ...base, tokens: outs.map((o) => Number(o.data[0])), ...(logprobs.some((e) => e) ? { logprobs } : {}) });
+      send(T.TOKEN, { ...base, tokens: outs.map((o) => Number(o.data[0])), ...(logprobs.some((e) => e) ? { logprobs } : {}) });
     } else {
       const data = new Float32Array(outs.reduce((n, o) => n + o.data.length, 0));
       let at = 0;
       for (const o of outs) { data.set(o.data, at); at += o.data.length; }
-      send("forward", { ...base, relay_to: slot.next.id }, { x: { dtype: "float32", shape: [batch.length, ...outs[0].dims.slice(1)], data } });
+      send(T.FORWARD, { ...base, relay_to: slot.next.id }, { x: { dtype: "float32", shape: [batch.length, ...outs[0].dims.slice(1)], data } });
     }
   }
 
@@ -664,36 +734,36 @@
     s = s || {};
     const adjust = new Float32Array(vocab);
     const ids = s.adjust_ids || [], values = s.adjust || [];
-    if (!Array.isArray(ids) || !Array.isArray(values) || ids.length !== values.length) throw coded("adjust_ids and adjust must be lists of one length", "bad_input");
+    if (!Array.isArray(ids) || !Array.isArray(values) || ids.length !== values.length) throw coded("adjust_ids and adjust must be lists of one length", CODE.BAD_INPUT);
     for (let i = 0; i < ids.length; i++) {
       const t = Number(ids[i]), v = Number(values[i]);
-      if (!Number.isInteger(t) || t < 0 || t >= vocab || !Number.isFinite(v)) throw coded(`logit adjustment ids must be in [0, ${vocab}) with finite values`, "bad_input");
+      if (!Number.isInteger(t) || t < 0 || t >= vocab || !Number.isFinite(v)) throw coded(`logit adjustment ids must be in [0, ${vocab}) with finite values`, CODE.BAD_INPUT);
       adjust[t] += v;
     }
     if (s.mask !== undefined && s.mask !== null) {
       const m = s.mask;
-      if (!(m instanceof Uint8Array) || m.length !== Math.ceil(vocab / 8)) throw coded(`token mask must be ${Math.ceil(vocab / 8)} bytes for ${vocab} tokens`, "bad_input");
+      if (!(m instanceof Uint8Array) || m.length !== Math.ceil(vocab / 8)) throw coded(`token mask must be ${Math.ceil(vocab / 8)} bytes for ${vocab} tokens`, CODE.BAD_INPUT);
       let allowed = 0;
       for (let t = 0; t < vocab; t++) {
         if ((m[t >> 3] >> (t & 7)) & 1) allowed++;
         else adjust[t] = -Infinity;
       }
-      if (!allowed) throw coded("token mask allows no token", "bad_input");
+      if (!allowed) throw coded("token mask allows no token", CODE.BAD_INPUT);
     }
     const top = Number(s.top || 0);
-    if (!Number.isInteger(top) || top < 0 || top > 20) throw coded(`top logprobs must be in [0, 20], got ${s.top}`, "bad_input");
+    if (!Number.isInteger(top) || top < 0 || top > LIMITS.MAX_TOP_LOGPROBS) throw coded(`top logprobs must be in [0, ${LIMITS.MAX_TOP_LOGPROBS}], got ${s.top}`, CODE.BAD_INPUT);
     const targets = s.targets ? BigInt64Array.from(s.targets, (t) => BigInt(t)) : new BigInt64Array(0);
-    if (s.targets && (targets.length !== added || s.targets.some((t) => !(t >= 0 && t < vocab)))) throw coded("prompt targets must be one id in the vocabulary per position of the prefill", "bad_input");
+    if (s.targets && (targets.length !== added || s.targets.some((t) => !(t >= 0 && t < vocab)))) throw coded("prompt targets must be one id in the vocabulary per position of the prefill", CODE.BAD_INPUT);
     const feeds = { logit_adjust: new ort.Tensor("float32", adjust, [1, vocab]), num_top: new ort.Tensor("int64", BigInt64Array.of(BigInt(top)), [1]),
                     prompt_targets: new ort.Tensor("int64", targets, [1, targets.length]) };
     if (!repeat) {
-      if (s.repeat_ids && s.repeat_ids.length) throw coded("this model package's head predates the repeat penalty: re-import the model", "bad_input");
+      if (s.repeat_ids && s.repeat_ids.length) throw coded("this model package's head predates the repeat penalty: re-import the model", CODE.BAD_INPUT);
       return feeds;
     }
     // The repeat penalty (runtime/controls.py): distinct ids and a factor, as stage_runner.repeat_rows.
     const rids = s.repeat_ids || [], penalty = rids.length ? Number(s.repeat_penalty) : 1;
-    if (!Array.isArray(rids) || rids.some((t) => !(Number.isInteger(Number(t)) && t >= 0 && t < vocab))) throw coded(`repeat_ids must be token ids in [0, ${vocab})`, "bad_input");
-    if (!(penalty > 0 && penalty <= 100)) throw coded("repeat_penalty must be a number in (0, 100]", "bad_input");
+    if (!Array.isArray(rids) || rids.some((t) => !(Number.isInteger(Number(t)) && t >= 0 && t < vocab))) throw coded(`repeat_ids must be token ids in [0, ${vocab})`, CODE.BAD_INPUT);
+    if (!(penalty > 0 && penalty <= 100)) throw coded("repeat_penalty must be a number in (0, 100]", CODE.BAD_INPUT);
     feeds.repeat_ids = new ort.Tensor("int64", BigInt64Array.from(rids, (t) => BigInt(t)), [1, rids.length]);
     feeds.repeat_penalty = new ort.Tensor("float32", Float32Array.of(penalty), [1]);
     return feeds;
@@ -732,9 +802,9 @@
   // Time decode steps of a loaded stage (as Worker._time_slot), or send a payload to time the uplink.
   async function probe(f) {
     if (f.kind === "link") { // random bytes, as the native worker sends: a compressing hop cannot flatter the uplink
-      const payload = new Uint8Array(Number(f.bytes || 1 << 18));
+      const payload = new Uint8Array(Number(f.bytes || LIMITS.LINK_PROBE_DEFAULT_BYTES));
       for (let at = 0; at < payload.length; at += 65536) crypto.getRandomValues(payload.subarray(at, at + 65536));
-      send("probed", { probe: f.probe, ok: true }, { payload: { dtype: "uint8", shape: [payload.length], data: payload } });
+      send(T.PROBED, { probe: f.probe, ok: true }, { payload: { dtype: "uint8", shape: [payload.length], data: payload } });
       return;
     }
     const slot = worker.slots.get(f.plan);
@@ -756,8 +826,8 @@
         return times;
       }).catch((e) => { result.ok = false; result.error = firstLine(e); return []; });
     }
-    if (result.times) log(`probe of plan ${f.plan}: ${result.times.map((t) => (t * 1e3).toFixed(1)).join(" ")} ms`);
-    send("probed", result);
+    if (result.times) log(`probe of ${planLabel(f.plan)}: ${result.times.map((t) => (t * 1e3).toFixed(1)).join(" ")} ms`);
+    send(T.PROBED, result);
   }
 
   // -- start ---------------------------------------------------------------------------------------
@@ -796,6 +866,6 @@
   }
 
   // For tests and benchmarks (the page's own view of what it did).
-  self.edgepipeWorker = { worker, stats, sha256, sha256Fallback, encodeFrame, decodeFrame, connect, serial, randomInput };
+  self.edgepipeWorker = { worker, stats, sha256, sha256Fallback, encodeFrame, decodeFrame, connect, serial, randomInput, handle };
   start();
 })();

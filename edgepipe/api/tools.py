@@ -303,10 +303,9 @@ def _starts_line(text: str, i: int) -> bool:
     return not text[line_start:i].strip()
 
 
-def _first_value(text: str):
-    """The first balanced JSON object or array at the start of ``text``, and its source (None, "" if none parses)."""
-    open_ch = text[0]
-    close_ch = "}" if open_ch == "{" else "]"
+def _balanced_end(text: str, opening: str, closing: str) -> tuple[int, str] | None:
+    """Where the bracket opening ``text`` closes (the index after it, and the closing character),
+    counting ``opening`` and ``closing`` characters outside strings; None when it never closes."""
     depth, in_str, escape = 0, False, False
     for i, ch in enumerate(text):
         if in_str:
@@ -319,18 +318,24 @@ def _first_value(text: str):
             continue
         if ch == '"':
             in_str = True
-        elif ch in "{[":
+        elif ch in opening:
             depth += 1
-        elif ch in "}]":
+        elif ch in closing:
             depth -= 1
             if depth == 0:
-                if ch != close_ch:
-                    return None, ""
-                try:
-                    return json.loads(text[:i + 1]), text[:i + 1]
-                except json.JSONDecodeError:
-                    return None, ""
-    return None, ""
+                return i + 1, ch
+    return None
+
+
+def _first_value(text: str):
+    """The first balanced JSON object or array at the start of ``text``, and its source (None, "" if none parses)."""
+    closing = _balanced_end(text, "{[", "}]")
+    if closing is None or closing[1] != ("}" if text[0] == "{" else "]"):
+        return None, ""
+    try:
+        return json.loads(text[:closing[0]]), text[:closing[0]]
+    except json.JSONDecodeError:
+        return None, ""
 
 
 def _with_fence(text: str, start: int, end: int) -> tuple[int, int]:
@@ -413,28 +418,13 @@ def _first_object(text: str):
     """The first balanced JSON object at the start of ``text`` and its source (None, text if none parses)."""
     if not text.startswith("{"):
         return None, text.strip()
-    depth, in_str, escape = 0, False, False
-    for i, ch in enumerate(text):
-        if in_str:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                in_str = False
-            continue
-        if ch == '"':
-            in_str = True
-        elif ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                try:
-                    return json.loads(text[:i + 1]), text[:i + 1]
-                except json.JSONDecodeError:
-                    return None, text[:i + 1]
-    return None, text.strip()
+    closing = _balanced_end(text, "{", "}")
+    if closing is None:
+        return None, text.strip()
+    try:
+        return json.loads(text[:closing[0]]), text[:closing[0]]
+    except json.JSONDecodeError:
+        return None, text[:closing[0]]
 
 
 def _common_prefix(a: str, b: str) -> int:

@@ -4,7 +4,7 @@
     python benchmarks/moe_upcycled.py --llama-python /tmp/llvenv/bin/python  # and llama.cpp (llama-cpp-python there)
 
 Writes ``tied`` (router rows in equal pairs: each weight exactly 1/2, each layer the dense one to
-the bit) and ``random`` (a random router) upcycled files (``tests/moe_files.py``), runs 32 greedy
+the bit) and ``random`` (a random router) upcycled files (``edgepipe/bench/moe_files.py``), runs 32 greedy
 tokens of three chat prompts on each file and the dense one in edgepipe's kernel form, and, given
 an interpreter with ``llama_cpp``, in llama.cpp (one thread, the same prompt token ids); prints
 the first position where each pair of runs differs (32: none).
@@ -19,7 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 PROMPTS = ["List three facts about the Moon.", "Write a short poem about a cat.", "What is the tallest mountain on Earth?"]
 TOKENS = 32
@@ -52,7 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-python", help="a Python with llama_cpp installed (its own venv)")
     args = parser.parse_args()
-    from moe_files import upcycle
+    from edgepipe.bench.moe_files import upcycle
 
     from edgepipe.model.store import bundled_gguf, resolve
     from edgepipe.runtime.local import generate

@@ -2,8 +2,9 @@
 x.gguf``, a form added to a package), fed by the importer's ``(phase, done, total)`` callbacks.
 
 On a terminal: rich bars (the weights phase counts bytes, so it shows sizes and MB/s). Otherwise
-(a pipe, a log file, CI): plain lines, one when a phase starts, then at most one per
-``PLAIN_EVERY_S`` seconds, and one when it ends, each with the rate for byte phases. Both go to
+(a pipe, a log file, CI): plain lines for a phase that lasts ``QUIET_S`` or more, the first then,
+the next at most one per ``PLAIN_EVERY_S`` seconds, and one when it ends, each with the rate for
+byte phases; a phase over sooner says nothing (a failed command's one line stays one line). Both go to
 stderr; stdout stays the command's answer.
 """
 
@@ -16,6 +17,7 @@ from typing import Callable
 LABELS = {"hash": "reading the source", "weights": "converting weights", "build": "importing units", "measure": "measuring unit costs"}
 BYTE_PHASES = frozenset({"hash", "weights"})
 PLAIN_EVERY_S = 5.0
+QUIET_S = 1.0
 
 
 def _mb(n: float) -> str:
@@ -27,6 +29,7 @@ class PlainLines:
     """Which plain progress lines to write (pure: the time is passed in)."""
 
     every_s: float = PLAIN_EVERY_S
+    quiet_s: float = QUIET_S
     started: dict[str, float] = field(default_factory=dict)
     last: dict[str, float] = field(default_factory=dict)
     ended: set[str] = field(default_factory=set)
@@ -36,19 +39,22 @@ class PlainLines:
         """The line for this callback, or None (too soon after the last one, or the phase ended)."""
         if phase in self.ended:
             return None
-        first = phase not in self.started
-        if first:
-            self.started[phase] = now
+        self.started.setdefault(phase, now)
         self.seen[phase] = (done, total)
         end = total > 0 and done >= total
-        if not (first or end or now - self.last.get(phase, now) >= self.every_s):
+        if phase not in self.last:  # nothing said yet: only once the phase has lasted quiet_s
+            if now - self.started[phase] < self.quiet_s:
+                if end:
+                    self.ended.add(phase)
+                return None
+        elif not (end or now - self.last[phase] >= self.every_s):
             return None
         return self._say(phase, done, total, now, end)
 
     def finish(self, now: float) -> list[str]:
         """The closing line of every phase that did not reach its total (a meter that counts only
         part of what it names): where it got to, and how long it took."""
-        return [self._say(phase, *self.seen[phase], now, True) for phase in self.started if phase not in self.ended]
+        return [self._say(phase, *self.seen[phase], now, True) for phase in self.started if phase in self.last and phase not in self.ended]
 
     def _say(self, phase: str, done: int, total: int, now: float, end: bool) -> str:
         self.last[phase] = now

@@ -21,6 +21,7 @@ from edgepipe.worker.settings import gguf_kernel as _gguf_kernel
 from edgepipe.model.importer import add_variant
 from edgepipe.model.store import resolve
 from edgepipe.native import reset_for_tests
+from edgepipe.progress import LABELS
 from edgepipe.net.messages import Hello
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
@@ -201,7 +202,7 @@ def test_a_coordinator_without_the_library_keeps_the_native_form(tmp_path_factor
     assert got == reference(pkg, PROMPTS[0], [], ["native"], 24)
 
 
-PROGRESS = re.compile(r"(converting weights|importing units|measuring unit costs): ")  # edgepipe.progress's plain lines
+PROGRESS = re.compile("(" + "|".join(map(re.escape, LABELS.values())) + "): ")  # edgepipe.progress's plain lines
 
 
 def test_generate_runs_the_files_own_model_by_default_and_says_when_it_falls_back(tmp_path_factory):

@@ -24,13 +24,15 @@ SOFTWARE_GPU = {"VK_ICD_FILENAMES": str(SWIFTSHADER_ICD), "ORT_WEBGPU_EP_ALLOW_S
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_child(code: str, env: dict, home: Path, timeout: float = 300) -> dict:
-    """Run ``code`` in a fresh interpreter; it prints ``RESULT <json>`` as its last line."""
+def run_child(code: str, env: dict, home: Path, timeout: float = 300):
+    """Run ``code`` in a fresh interpreter; it prints ``RESULT <json>`` as its last line. A JSON
+    object comes back with the child's stderr added under ``_stderr``."""
     full = {**os.environ, "EDGEPIPE_HOME": str(home), **env}
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     line = next((ln for ln in reversed(done.stdout.splitlines()) if ln.startswith("RESULT ")), None)
     assert done.returncode == 0 and line, f"child failed ({done.returncode}):\n{done.stderr[-3000:]}"
-    return {**json.loads(line[7:]), "_stderr": done.stderr}
+    value = json.loads(line[7:])
+    return {**value, "_stderr": done.stderr} if isinstance(value, dict) else value
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from edgepipe.model.store import bundled_gguf, local_form, prepare_local_form, r
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
-from moe_files import upcycle
+from edgepipe.bench.moe_files import upcycle
 
 PROMPTS = ["List three facts about the Moon.", "Write a short poem about a cat."]
 

@@ -11,7 +11,7 @@ from edgepipe.model.store import bundled_gguf, local_form, prepare_local_form, r
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
-from moe_files import qwen3moe_reference, synthetic_qwen3moe
+from edgepipe.bench.moe_files import qwen3moe_reference, synthetic_qwen3moe
 
 PROMPT = "The experts of a mixture are chosen per token."
 

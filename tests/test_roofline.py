@@ -165,6 +165,7 @@ def test_rows_timed_gives_the_cost_of_a_further_row_and_it_is_remembered(tmp_pat
 
     class Unit:
         cost_s = 0.01
+        experts = 0  # dense
 
     class Manifest:
         name = "toy"

@@ -314,7 +314,7 @@
         feeds.uniform = new ort.Tensor("float32", Float32Array.of(s.uniform), [1]);
         if (this.session.inputNames.includes("min_p")) { // heads of GRAPH_VERSION 10 on; absent from the wire: 0 (off)
           feeds.min_p = new ort.Tensor("float32", Float32Array.of(s.do_sample ? Number(s.min_p || 0) : 0), [1]);
-        } else if (s.do_sample && s.min_p) throw coded("this head cannot apply min_p (built before GRAPH_VERSION 10)", "bad_input");
+        } else if (s.do_sample && s.min_p) throw coded("this head cannot apply min_p (built before GRAPH_VERSION 10)", CODE.BAD_INPUT);
         if (this.headControls) Object.assign(feeds, this.headControls(s, added));
       }
       const out = await this.session.run(feeds);

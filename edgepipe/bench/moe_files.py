@@ -1,4 +1,4 @@
-"""MoE GGUF files for tests: a dense model "upcycled" into a mixture of identical experts.
+"""MoE GGUF files for tests and benchmarks: a dense model "upcycled" into a mixture of identical experts.
 
 Each layer's FFN (gate, up, down, its blocks as stored) is copied into ``experts`` experts,
 stacked as llama.cpp stores them (3-D ``ffn_{gate,up,down}_exps``), under a random float32

@@ -102,12 +102,15 @@ class _Unit:
     cost_s: float = 0.01
     variants: tuple = ("fp32",)
     kv_window: int = 0
+    experts: int = 0  # a dense model (manifest.Unit's MoE fields)
+    experts_used: int = 0
 
 
 @dataclass
 class _Variant:
     weight_bytes: int
     files: tuple = ()
+    expert_bytes: int = 0
 
 
 class FakeManifest:

@@ -62,6 +62,7 @@ async def _scenario() -> dict:
     seen["recovered_unpinned"] = not coord.cluster.pinned(asyncio.get_running_loop().time())
     for w in world.workers:
         w.kill()
+    await asyncio.sleep(0.01)  # the killed shells' tasks end on the loop
     await coord.stop()
     return seen
 

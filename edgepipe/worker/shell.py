@@ -30,9 +30,9 @@ IN_ORDER = (Forward, Kv, Drop, KvExport)  # computed in arrival order, one at a 
 
 
 def _websocket_errors() -> type[Exception]:
-    import websockets
+    from websockets.exceptions import WebSocketException  # the submodule itself: ``import websockets`` loads it lazily
 
-    return websockets.exceptions.WebSocketException
+    return WebSocketException
 
 
 class Worker:
@@ -310,9 +310,9 @@ class Worker:
 
     async def _tls_instead(self, exc: BaseException) -> None:
         """An http:// coordinator that hung up during the handshake: if it speaks TLS, say so and stop."""
-        import websockets
+        from websockets.exceptions import InvalidMessage
 
-        if not (isinstance(exc, websockets.exceptions.InvalidMessage) and self.s.coordinator.startswith("http://")):
+        if not (isinstance(exc, InvalidMessage) and self.s.coordinator.startswith("http://")):
             return
         from urllib.parse import urlsplit
 
@@ -411,8 +411,6 @@ class Worker:
     async def _send_peer(self, url: str, frame: bytes, plan: int, secret: str | None, fingerprint: str | None = None) -> None:
         """Send to another worker's data port, one connection per (port, plan), presenting
         that stage's secret; any failure to reach it is ChannelClosed."""
-        import websockets
-
         key = f"{url}#{plan}"
         try:
             channel = self.peers.get(key)
@@ -421,7 +419,7 @@ class Worker:
                     self._spawn(self.peers.pop(stale).close())  # plans this worker no longer runs
                 channel = self.peers[key] = self._shape(await self.ports.peers.open(url, plan, secret, fingerprint))
             await channel.send(frame)
-        except (ChannelClosed, OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as exc:
+        except (ChannelClosed, OSError, asyncio.TimeoutError, _websocket_errors()) as exc:
             self.peers.pop(key, None)  # a dead peer must not poison later sends
             raise ChannelClosed(f"{url}: {exc}") from None
 

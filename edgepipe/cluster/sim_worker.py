@@ -18,7 +18,7 @@ import numpy as np
 
 from ..net.channel import ChannelClosed
 from ..net.messages import ErrorCode, Forward
-from ..net.protocol import MessageType as T, decode, encode
+from ..net.protocol import MessageType as T, decode
 from ..runtime.devices import CPU
 from ..worker import Worker, WorkerSettings, core
 from ..worker.dataport import data_loop
@@ -34,24 +34,15 @@ class FakeWorker:
         self.world, self.name, self.memory, self.slowdown = world, name, memory, slowdown
         self.url, self.dead, self.malformed, self.tasks = f"sim://{name}", False, 0, []
         self.stalled_until = self.dropping_until = self.refusing_kv_until = 0.0
-        self.model = FakeStages(name)  # its stages' fake KV and cached prompt blocks
-        self.ranges: dict[str, tuple[int, int]] = {}  # graph -> its units [start, end)
+        self.model = FakeCompute(self)  # its stages' fake KV and cached prompt blocks
         self.receive = None  # the shell's, given to the data port
         rng = random.Random(f"{world.seed if world else 0}-{self.name}")
         # the fake model's slowness is in its compute (``slowdown`` here): the core adds no emulated wait
-        ports = WorkerPorts(Host(CPU, "gguf" if kernel else None), self._connect, self, _DataPort(self), self, self,
+        ports = WorkerPorts(Host(CPU, "gguf" if kernel else None), self._connect, self, _DataPort(self), self, self.model,
                             clock=lambda: asyncio.get_running_loop().time(), draw=rng.random, lag_tick_s=None)
         self.shell = Worker(WorkerSettings("sim://coordinator", name, memory_bytes=memory, threads=1), ports)
         if budget is not None:  # it enforces less than it declares (it overstates its memory)
             self.shell.state = replace(self.shell.state, budget_bytes=budget)
-
-    @property
-    def state(self) -> core.WorkerState:
-        return self.shell.state
-
-    @property
-    def computed(self) -> int:
-        return self.shell.state.computed
 
     @property
     def control(self):
@@ -93,6 +84,8 @@ class FakeWorker:
 
         target = self.world.net.ports.get(url)
         self._check_link(target, url)
+        if target.admit(plan, lambda expected: expected == secret) is None:  # the handshake's check (core.admit_data)
+            raise ChannelClosed(f"{url}: 401 (no valid credentials for plan {plan})")
         mine, theirs = SimChannel(self.world.net, f"{self.name}>{url}", url), SimChannel(self.world.net, f"{url}<{self.name}", self.name)
         mine.other, theirs.other = theirs, mine
         self.world.spawn(data_loop(theirs, plan, target._received))
@@ -123,53 +116,37 @@ class FakeWorker:
     def held(self) -> list[str]:
         return []
 
-    # -- compute: the fake model ----------------------------------------------------------------------------
-    async def build(self, load, path) -> core.Session:
-        from .sim import N_UNITS, VOCAB
 
-        self.model.kv.setdefault(load.graph, {})  # a build takes no virtual time: the download's 0.2 s stands for both
-        self.ranges[load.graph] = (load.start, load.end)
-        # The fake model passes integers between stages: every stage takes "token ids".
-        return core.Session(load.graph, True, load.end == N_UNITS, 0, tuple(range(load.start, load.end)), VOCAB)
+class FakeCompute(FakeStages):
+    """The compute port: the fake model (``sim_model``), its time on the virtual clock, and the
+    worker's stall and KV-refusal faults."""
+
+    def __init__(self, worker: FakeWorker):
+        super().__init__(worker.name)
+        self.worker = worker
+
+    async def build(self, load, path) -> core.Session:
+        return self.session(load)  # a build takes no virtual time: the download's 0.2 s stands for both
 
     async def run(self, cmd: core.RunStage, joins: int, single_thread: bool):
         start, end = self.ranges[cmd.graph]
-        await asyncio.sleep(0.002 * np.shape(cmd.x)[1] * (end - start) * len(cmd.forward.batch) * self.slowdown)
-        await self._stall()
-        return self.model.run(cmd, start, end, 0.002 * self.slowdown, joins)
+        slowdown = self.worker.slowdown
+        await asyncio.sleep(0.002 * np.shape(cmd.x)[1] * (end - start) * len(cmd.forward.batch) * slowdown)
+        await self.worker._stall()
+        return self.step(cmd, 0.002 * slowdown, joins)
 
     async def export(self, cmd: core.ExportKv) -> bytes:
-        await self._stall()
-        frame = self.model.export_frame(cmd, self.ranges.get(cmd.graph, (0, 0))[0])
-        if isinstance(frame, str):
-            raise ValueError(frame)
-        return encode(frame)
+        await self.worker._stall()
+        return self.export_frame(cmd)
 
     async def import_kv(self, cmd: core.ImportKv):
-        await self._stall()
-        if asyncio.get_running_loop().time() < self.refusing_kv_until:
+        await self.worker._stall()
+        if asyncio.get_running_loop().time() < self.worker.refusing_kv_until:
             return core.Failed(cmd.kv, ErrorCode.INTERNAL, f"{self.name} refuses KV (a fault)")
-        return self.model.import_kv(cmd)
+        return super().import_kv(cmd)
 
     async def time_stage(self, cmd: core.TimeStage, session, slowdown, roofline=None) -> core.StageTimed:
-        return core.StageTimed(cmd.probe, [0.01 * self.slowdown * cmd.rows] * cmd.reps)  # compute-bound, like its steps
-
-    def drop(self, cmd: core.DropSequence) -> None:
-        self.model.drop(cmd.seq, cmd.graphs)
-
-    def keep(self, cmd: core.KeepSessions) -> None:
-        self.model.keep_only(cmd.graphs, cmd.plans)
-
-    def forget_sequences(self) -> None:
-        self.model.forget()
-
-    def kv_bytes(self, graphs) -> int:
-        return 0
-
-    prefix_bytes = 0
-
-    def close(self) -> None:
-        pass
+        return core.StageTimed(cmd.probe, [0.01 * self.worker.slowdown * cmd.rows] * cmd.reps)  # compute-bound, like its steps
 
 
 class _DataPort:

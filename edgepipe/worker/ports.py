@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from ..net.channel import Channel, WebSocketChannel
+from ..net.channel import Channel, ChannelClosed, WebSocketChannel
 from ..net.messages import PROBE_PLAN, plan_label
 from ..runtime.devices import ExecutionDevice, resolve as resolve_device
 from . import connect, links
@@ -42,6 +42,12 @@ from .blobcache import BlobCache
 from .settings import WorkerSettings, default_cache, gguf_kernel
 
 log = logging.getLogger("edgepipe.worker")
+
+
+def websocket_errors() -> type[Exception]:
+    from websockets.exceptions import WebSocketException  # the submodule itself: ``import websockets`` loads it lazily
+
+    return WebSocketException
 
 
 @dataclass(frozen=True)
@@ -147,16 +153,13 @@ class WebSocketPeers:
         return await links.open_peer(url, plan, secret, await self.tls.context(url, fingerprint))
 
     async def measure(self, url: str, secret: str | None, fingerprint: str | None, most_bytes: int, shape=lambda c: c) -> tuple[float, float]:
-        from .shell import _websocket_errors
-        from ..net.channel import ChannelClosed
-
         channel = shape(await self.open(url, PROBE_PLAN, secret, fingerprint))
         try:
             return await links.measure_peer(channel, most_bytes)
         finally:
             try:
                 await asyncio.wait_for(channel.close(), timeout=1.0)
-            except (ChannelClosed, OSError, asyncio.TimeoutError, _websocket_errors()):
+            except (ChannelClosed, OSError, asyncio.TimeoutError, websocket_errors()):
                 pass
 
 

@@ -18,7 +18,7 @@ from ..net.channel import Channel, ChannelClosed, ShapedChannel
 from ..net.messages import Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Notice, Ping, Probed, Welcome, parse
 from ..net.protocol import Message, ProtocolError, decode, encode
 from . import connect, core, links
-from .ports import WorkerPorts
+from .ports import WorkerPorts, websocket_errors as _websocket_errors
 from .runners import failure
 from .settings import WorkerSettings, reconnect_delay, system_memory
 
@@ -27,12 +27,6 @@ STABLE_SESSION_S = 10.0  # a membership that lasted this long resets the backoff
 WELCOME_TIMEOUT_S = 120.0  # the coordinator may build a weight variant before it welcomes
 LOOP_LAG_WARN_S = 1.0  # the event loop held up this long (a PONG would have waited as long): log it
 IN_ORDER = (Forward, Kv, Drop, KvExport)  # computed in arrival order, one at a time
-
-
-def _websocket_errors() -> type[Exception]:
-    from websockets.exceptions import WebSocketException  # the submodule itself: ``import websockets`` loads it lazily
-
-    return WebSocketException
 
 
 class Worker:
@@ -356,6 +350,9 @@ class Worker:
                 await asyncio.wait_for(self.receive(typed), timeout=self.s.silence_s)
             except asyncio.TimeoutError:
                 log.warning("could not send to the coordinator for %.0f s", self.s.silence_s)
+                return False
+            except ChannelClosed:  # it closed while this frame was answered (a PONG): reconnect, as for a closed recv
+                log.warning("the control channel closed while answering the coordinator")
                 return False
 
     async def receive(self, typed) -> None:

@@ -35,7 +35,7 @@ class FakeWorker:
         self.url, self.dead, self.malformed, self.tasks = f"sim://{name}", False, 0, []
         self.stalled_until = self.dropping_until = self.refusing_kv_until = 0.0
         self.model = FakeCompute(self)  # its stages' fake KV and cached prompt blocks
-        self.receive = None  # the shell's, given to the data port
+        self.admit = self.receive = None  # the shell's, given to the data port
         rng = random.Random(f"{world.seed if world else 0}-{self.name}")
         # the fake model's slowness is in its compute (``slowdown`` here): the core adds no emulated wait
         ports = WorkerPorts(Host(CPU, "gguf" if kernel else None), self._connect, self, _DataPort(self), self, self.model,

@@ -285,10 +285,10 @@ def test_a_graph_built_twice_keeps_one_runner_and_its_kv(int4_pkg, monkeypatch):
     graph = int4_pkg.stage_graph(0, 2)
     path, greedy, prompt = int4_pkg.blob(graph), SamplingBatch.greedy(1), np.array([[1, 2, 3]], np.int64)
     workers = R.Runners(threads=1, spin=False, device=None)
-    workers.build(graph, path, 64)
+    workers.build_sync(graph, path, 64)
     runner = workers.by_graph[graph]
     runner.run("r.c1", prompt, greedy)
-    workers.build(graph, path, 64)  # a second load of the graph, after the first was built
+    workers.build_sync(graph, path, 64)  # a second load of the graph, after the first was built
     assert workers.by_graph[graph] is runner and runner.length("r.c1") == 3
     # two builds in flight: the other finishes (and its runner takes KV) while this one constructs
     workers, real = R.Runners(threads=1, spin=False, device=None), R.StageRunner
@@ -299,7 +299,7 @@ def test_a_graph_built_twice_keeps_one_runner_and_its_kv(int4_pkg, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(R, "StageRunner", constructing)
-    session = workers.build(graph, path, 64)
+    session = workers.build_sync(graph, path, 64)
     assert workers.by_graph[graph].length("r.c1") == 3 and session.layers == tuple(workers.by_graph[graph].layers)
 
 
@@ -316,8 +316,9 @@ def _schedule(memory_units: int, workers: int, faults, at: float = 5.0, first_un
 
 
 # Three workers: w1-n0 serves alone from 4.4 s (slowed 10x at 4.5 s, so the requests are long),
-# w2-n2 holds the spare. The re-planner's next look (9.4 s) moves to a throughput plan that gives
-# w2-n2 another stage: the kills below come before it.
+# w2-n1 holds the spare (n1 and n2 are alike: the one whose hello lands first on the virtual clock
+# joins second). The re-planner's next look (9.4 s) moves to a throughput plan that gives
+# w2-n1 another stage: the kills below come before it.
 def test_sim_a_fresh_checkpoint_resumes_and_tokens_stay_exact():
     """The server is killed mid-stream: both sequences resume from their checkpoint on the spare."""
     from edgepipe.cluster.simrun import Fault, run
@@ -330,14 +331,14 @@ def test_sim_a_fresh_checkpoint_resumes_and_tokens_stay_exact():
 def test_sim_a_checkpoint_lost_with_its_holder_replays_whole():
     from edgepipe.cluster.simrun import Fault, run
 
-    report = run(_schedule(9, 3, [Fault("slow", 4.5, 0, factor=10.0), Fault("kill", 8.0, 2), Fault("kill", 8.5, 0)]))
+    report = run(_schedule(9, 3, [Fault("slow", 4.5, 0, factor=10.0), Fault("kill", 8.0, 1), Fault("kill", 8.5, 0)]))  # the holder, then the server
     assert not report.violations, report.violations
     assert report.ok == 2 and report.checkpoints >= 1 and report.resumed == 0, report
 
 
 def test_sim_a_checkpoint_voided_by_a_prepare_on_its_holder_is_not_resumed(caplog):
     """Later requests: q0 is checkpointed on the spare, then the throughput plan being prepared
-    gives its holder w2-n2 another stage (it drops its spare session, the checkpoint in it), and
+    gives its holder w2-n1 another stage (it drops its spare session, the checkpoint in it), and
     the server dies before that plan is up. The recovery onto the spare replays whole: no
     sequence resumes on KV that is gone (no frame refused for it), and the tokens stay exact.
     The server has room for its next stage beside the eight units it runs (14 units): a plan it
@@ -351,7 +352,7 @@ def test_sim_a_checkpoint_voided_by_a_prepare_on_its_holder_is_not_resumed(caplo
     assert not report.violations, report.violations
     lines = [r.args for r in caplog.records if r.name == "edgepipe.coordinator" and isinstance(r.args, tuple) and len(r.args) == 2]
     kinds = [kind for kind, _ in lines]
-    displacing = next(i for i, (kind, f) in enumerate(lines) if kind == "prepare" and ["w2-n2", 0, 3] in f["stages"])
+    displacing = next(i for i, (kind, f) in enumerate(lines) if kind == "prepare" and ["w2-n1", 0, 3] in f["stages"])
     assert "checkpoint" in kinds[:displacing] and kinds.index("leave") > displacing, lines  # stored, then voided by the prepare
     assert "resume" not in kinds and "invalid_frame" not in kinds, lines
     assert report.ok == 2 and report.resumed == 0 and report.checkpoints_failed == 0, report

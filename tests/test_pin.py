@@ -10,7 +10,7 @@ import logging
 
 from edgepipe.cluster.placement import StageAssignment as A
 from edgepipe.cluster.sim import SETTINGS, UNIT_BYTES, UNIT_KV_ROOM, FakeWorker, Phase, VirtualLoop
-from edgepipe.cluster.simrun import Schedule, World
+from edgepipe.cluster.simrun import Schedule, World, settle
 from edgepipe.cluster.profiling import RUNTIME_OVERHEAD_BYTES
 
 # Each can hold the whole model, and its stage of the plan being replaced beside the new one
@@ -62,6 +62,7 @@ async def _scenario() -> dict:
     seen["recovered_unpinned"] = not coord.cluster.pinned(asyncio.get_running_loop().time())
     for w in world.workers:
         w.kill()
+    await asyncio.sleep(0.01)  # the killed shells' tasks end on the loop
     await coord.stop()
     return seen
 
@@ -72,10 +73,7 @@ def test_a_pinned_manual_plan_stays_until_its_time_or_a_lost_worker():
     try:
         seen = loop.run_until_complete(_scenario())
     finally:
-        for task in asyncio.all_tasks(loop):
-            task.cancel()
-        loop.run_until_complete(asyncio.sleep(0))
-        loop.close()
+        settle(loop)
         logging.disable(logging.NOTSET)
     assert seen == {"own": seen["own"], "unpinned_replaced": True, "pinned_kept_40s": True, "replaced_after_pin": True,
                     "recovered_unpinned": True}, seen

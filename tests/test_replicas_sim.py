@@ -16,7 +16,7 @@ import pytest
 from edgepipe.cluster import state as S
 from edgepipe.cluster.placement import StageAssignment as A
 from edgepipe.cluster.sim import SETTINGS, UNIT_BYTES, UNIT_KV_ROOM, FakeWorker, GenerationParams, Phase, VirtualLoop, reference
-from edgepipe.cluster.simrun import Schedule, World
+from edgepipe.cluster.simrun import Schedule, World, settle
 from edgepipe.cluster.profiling import RUNTIME_OVERHEAD_BYTES
 
 MEMORY = 16 * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES  # each could hold the model twice over
@@ -102,10 +102,7 @@ def _run(mode: str) -> dict:
     try:
         return loop.run_until_complete(_scenario(mode))
     finally:
-        for task in asyncio.all_tasks(loop):
-            task.cancel()
-        loop.run_until_complete(asyncio.sleep(0))
-        loop.close()
+        settle(loop)
         logging.disable(logging.NOTSET)
 
 

@@ -81,6 +81,25 @@ def test_an_injected_leak_fails_the_simulation(monkeypatch):
     assert any("KV reservations left" in v for r in caught for v in r.violations)
 
 
+def test_a_frame_lost_in_the_worker_shells_receive_path_fails_the_simulation(monkeypatch):
+    """The simulated workers run the shipped shell (``worker.shell.Worker``), so a bug in its
+    receive path is a bug the schedules see: with DROP frames lost on the way to the queue (the
+    sequence's KV is never released), seeded schedules name the KV left on the workers."""
+    from edgepipe.net.messages import Drop
+    from edgepipe.worker.shell import Worker
+
+    receive = Worker.receive
+
+    async def losing(self, typed):
+        if isinstance(typed, Drop):
+            return  # the bug: the frame never reaches the queue
+        return await receive(self, typed)
+
+    monkeypatch.setattr(Worker, "receive", losing)
+    caught = [v for seed in range(10_000, 10_030) for v in run(Schedule.random(seed)).violations]
+    assert any("checkpoint KV still held by workers" in v for v in caught), caught
+
+
 def test_prefix_blocks_outliving_their_plan_fail_the_simulation(monkeypatch):
     """The prefix cache's invalidation is checked too: with it broken on purpose (a plan that
     goes down keeps its cached blocks in the state), a seeded schedule names the stale cache."""

@@ -80,7 +80,9 @@ def test_computed_output_goes_to_the_next_stage_with_its_secret_and_the_kv_lengt
 
 def test_half_precision_activations_and_emulated_slowdown():
     state = replace(_with_stage(), activation_dtype="float16", slowdown=3.0, misreport=2.0)
-    _, cmds = core.handle(state, core.Computed(_forward(), np.ones((1, 2, 8), np.float32), 0.1, None, 2, state.joins, {"a": 2}))
+    (run,) = core.handle(state, _forward())[1]
+    assert isinstance(run, core.RunStage) and run.out_dtype == "float16"  # the compute casts (worker.runners), the core decides
+    _, cmds = core.handle(state, core.Computed(_forward(), np.ones((1, 2, 8), np.float16), 0.1, None, 2, state.joins, {"a": 2}))
     wait, send = cmds
     assert isinstance(wait, core.Wait) and wait.seconds == pytest.approx(0.2)
     assert send.msg.tensors["x"].dtype == np.float16 and send.msg["timings"][-1][3] == 2

@@ -2,8 +2,9 @@
 
 Everything runs on one asyncio loop whose clock is virtual (``VirtualLoop``: when nothing is
 ready, time jumps to the next timer), so a 60 s fault schedule takes milliseconds and a seed
-replays exactly. Fake workers run the shipped worker core (``sim_worker``) and speak the real wire protocol over
-in-memory channels whose frames take a simulated latency and are held while a partition lasts. They compute a fake
+replays exactly. Simulated workers run the shipped worker shell and core (``worker.shell.Worker``)
+on fake ports (``sim_worker``) and speak the real wire protocol over in-memory channels whose
+frames take a simulated latency and are held while a partition lasts. They compute a fake
 model that behaves like a real one where it matters: each unit keeps per-sequence state (its
 "KV"), a token depends on every earlier position through every unit, and splitting the units
 over stages does not change the result, so ``reference`` gives the exact tokens and a lost or

@@ -4,15 +4,16 @@ A stage's KV is per-unit integer state (a running hash of the ids it was fed, on
 unit, and the positions held last); a few recent lengths of each sequence are kept, since a
 rewind goes back to one and a checkpoint's ``upto`` exports one (the fake state is a running
 hash, not per position as a real KV cache). Cached prompt blocks are kept per plan under the
-prefix decision's epoch, as ``runtime.prefix_store`` keeps them. No I/O and no clock: the
-simulated worker (``sim_worker``) waits for the compute time and moves the frames."""
+prefix decision's epoch, as ``runtime.prefix_store`` keeps them. Its methods are the worker
+shell's compute port (``worker.ports``: those of ``worker.runners.Runners``), without I/O or
+clock: the simulated worker (``sim_worker.FakeCompute``) adds the compute time and the faults."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ..net.messages import ErrorCode, Kv
-from ..net.protocol import Message
+from ..net.protocol import Message, encode
 from ..worker import core
 
 KEPT_LENGTHS = 12  # recent lengths kept per sequence (a rewind or a checkpoint goes back only a few)
@@ -26,29 +27,46 @@ class FakeStages:
         self.kv: dict[str, dict[str, list[int]]] = {}  # graph -> seq -> per-unit state + [positions held]
         self.lengths: dict[tuple[str, str], dict[int, list[int]]] = {}  # (graph, seq) -> length -> its state then
         self.prefixes: dict[int, tuple[int, dict[str, list[int]]]] = {}  # plan -> (epoch, block name -> state after the block)
+        self.ranges: dict[str, tuple[int, int]] = {}  # graph -> its units [start, end)
+        self.prefix_bytes = 0  # what a PONG reports (the fake KV weighs nothing)
 
     # -- what the core's commands change --------------------------------------------------------------
-    def drop(self, seq: str, graphs) -> None:
-        for graph in graphs:
-            self.kv.get(graph, {}).pop(seq, None)
-            self.lengths.pop((graph, seq), None)
+    def session(self, load) -> core.Session:
+        """A built stage: the fake model passes integers between stages, so every stage takes "token ids"."""
+        from .sim import N_UNITS, VOCAB
 
-    def keep_only(self, graphs, plans) -> None:
-        self.kv = {g: kv for g, kv in self.kv.items() if g in graphs}
-        self.lengths = {k: v for k, v in self.lengths.items() if k[0] in graphs}
-        if plans is not None:
-            self.prefixes = {p: s for p, s in self.prefixes.items() if p in plans}
+        self.kv.setdefault(load.graph, {})
+        self.ranges[load.graph] = (load.start, load.end)
+        return core.Session(load.graph, True, load.end == N_UNITS, 0, tuple(range(load.start, load.end)), VOCAB)
 
-    def forget(self) -> None:
+    def drop(self, cmd: core.DropSequence) -> None:
+        for graph in cmd.graphs:
+            self.kv.get(graph, {}).pop(cmd.seq, None)
+            self.lengths.pop((graph, cmd.seq), None)
+
+    def keep(self, cmd: core.KeepSessions) -> None:
+        self.kv = {g: kv for g, kv in self.kv.items() if g in cmd.graphs}
+        self.lengths = {k: v for k, v in self.lengths.items() if k[0] in cmd.graphs}
+        if cmd.plans is not None:
+            self.prefixes = {p: s for p, s in self.prefixes.items() if p in cmd.plans}
+
+    def forget_sequences(self) -> None:
         self.kv = {g: {} for g in self.kv}
         self.lengths.clear()
         self.prefixes.clear()
 
+    def kv_bytes(self, graphs) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
     # -- a step -----------------------------------------------------------------------------------------
-    def run(self, cmd: core.RunStage, start: int, end: int, compute_s: float, joins: int):
-        """The stage ``start:end`` fed ``cmd``: ``Computed`` or ``Failed`` (a prefix miss, a rewind it cannot make)."""
+    def step(self, cmd: core.RunStage, compute_s: float, joins: int):
+        """The stage of ``cmd.graph`` fed ``cmd``: ``Computed`` or ``Failed`` (a prefix miss, a rewind it cannot make)."""
         from .sim import N_UNITS, VOCAB, _unit
 
+        start, end = self.ranges[cmd.graph]
         x = np.asarray(cmd.x, dtype=np.int64)
         batch = cmd.forward.entries()
         kv = self.kv.setdefault(cmd.graph, {})
@@ -101,8 +119,14 @@ class FakeStages:
             held.pop(name, None)
         return None
 
-    def export_frame(self, cmd: core.ExportKv, start: int) -> Message | str:
-        """The KV frame an export sends (its stage starts at unit ``start``), or why it cannot."""
+    def export_frame(self, cmd: core.ExportKv) -> bytes:
+        """The KV frame an export sends; ValueError when it cannot."""
+        frame = self._export(cmd, self.ranges.get(cmd.graph, (0, 0))[0])
+        if isinstance(frame, str):
+            raise ValueError(frame)
+        return encode(frame)
+
+    def _export(self, cmd: core.ExportKv, start: int) -> Message | str:
         e = cmd.export
         held = self.kv.get(cmd.graph, {}).get(e.seq)
         if held is None:

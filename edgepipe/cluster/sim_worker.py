@@ -1,227 +1,211 @@
-"""The simulation's worker: the shipped worker core (``worker.core``) with a fake model and
-in-memory channels in place of ONNX Runtime and sockets.
+"""The simulation's worker: the shipped worker shell (``worker.shell.Worker``: its receive loop,
+queue, ``_execute``, peers and reconnect with backoff) on fake ports (``worker.ports``).
 
-It carries out the core's commands as the real shell does, except that a stage computes the
-fake model of ``cluster.sim`` (``sim_model.FakeStages``: per-unit integer state standing in for
-KV) and frames travel through the simulated network. Faults are injected here: a stalled worker, one that drops
-activation frames for a while, malformed frames, a killed process."""
+Only the ports are fakes, as TigerBeetle's simulator swaps only its message bus: the control
+channel and the peer links are ``sim``'s in-memory channels (latency, partitions), the data port
+runs the real frame checks (``dataport.data_loop``) on them, the compute is the fake model of
+``sim_model`` (its time on the virtual clock), and downloads take a fixed virtual time. Faults are
+injected here: a stalled worker, one that drops activation frames for a while, one that refuses
+KV, malformed frames, a killed process."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
+from dataclasses import replace
 
 import numpy as np
 
 from ..net.channel import ChannelClosed
-from .. import PROTOCOL_VERSION
-from ..net.messages import Bye, Drop, ErrorCode, Forward, Hello, Kv, KvExport, Load, Ping, Probed, Welcome, parse
-from ..net.protocol import Message, ProtocolError, decode, encode
-from ..worker import core
+from ..net.messages import ErrorCode, Forward
+from ..net.protocol import MessageType as T, decode
+from ..runtime.devices import CPU
+from ..worker import Worker, WorkerSettings, core
+from ..worker.dataport import data_loop
+from ..worker.ports import Host, WorkerPorts
 from .profiling import RUNTIME_OVERHEAD_BYTES
 from .sim_model import FakeStages
 
-log = logging.getLogger("edgepipe.sim")
-IN_ORDER = (Forward, Kv, Drop, KvExport)
-
 
 class FakeWorker:
-    """Speaks the worker protocol over a ``SimChannel`` through the real worker core."""
+    """One simulated worker process and the faults it can be given (``simrun._fault``)."""
 
     def __init__(self, world, name: str, memory: int, slowdown: float = 1.0, kernel: bool = True, budget: int | None = None):
         self.world, self.name, self.memory, self.slowdown = world, name, memory, slowdown
-        self.kernel = kernel  # its hello says the GGUF kernel library loaded (it is sent the `gguf` form where the package has one)
-        self.url = f"sim://{name}"
-        self.dead = False
-        self.stalled_until = 0.0
-        self.dropping_until = 0.0  # answers pings but drops activation frames until then
-        self.refusing_kv_until = 0.0  # fails every KV frame it is sent until then (a KV move or checkpoint that fails)
-        # the fake model's slowness is in its compute; the core adds no emulated wait of its own
-        # the budget it enforces: what it declares, unless it overstates its memory (``budget``)
-        self.state = core.WorkerState(name, budget_bytes=memory if budget is None else budget, data_url=self.url)
-        self.model = FakeStages(name)  # its stages' fake KV and cached prompt blocks (``sim_model``)
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.control = None
-        self.tasks: list[asyncio.Task] = []
-        self.malformed = 0  # malformed frames still to send
-        from .sim import Pipe
-
-        self.data = Pipe(lambda frame: self.queue.put_nowait(parse(frame)))  # frames from other workers' data ports, typed as the real port does
+        self.url, self.dead, self.malformed, self.tasks = f"sim://{name}", False, 0, []
+        self.stalled_until = self.dropping_until = self.refusing_kv_until = 0.0
+        self.model = FakeCompute(self)  # its stages' fake KV and cached prompt blocks
+        self.admit = self.receive = None  # the shell's, given to the data port
+        rng = random.Random(f"{world.seed if world else 0}-{self.name}")
+        # the fake model's slowness is in its compute (``slowdown`` here): the core adds no emulated wait
+        ports = WorkerPorts(Host(CPU, "gguf" if kernel else None), self._connect, self, _DataPort(self), self, self.model,
+                            clock=lambda: asyncio.get_running_loop().time(), draw=rng.random, lag_tick_s=None)
+        self.shell = Worker(WorkerSettings("sim://coordinator", name, memory_bytes=memory, threads=1), ports)
+        if budget is not None:  # it enforces less than it declares (it overstates its memory)
+            self.shell.state = replace(self.shell.state, budget_bytes=budget)
 
     @property
-    def computed(self) -> int:
-        return self.state.computed
+    def control(self):
+        return self.shell.control
+
+    def hello(self):
+        return self.shell.hello()
 
     def start(self) -> None:
-        self.world.net.ports[self.url] = self
-        loop = asyncio.get_running_loop()
-        self.tasks = [loop.create_task(self._life()), loop.create_task(self._compute())]
+        self.tasks = [asyncio.get_running_loop().create_task(self.shell.run())]
 
     def kill(self) -> None:
+        """The process dies: its connections break at once (no bye) and its tasks stop."""
         self.dead = True
-        for t in self.tasks:
-            t.cancel()
-        if self.control is not None:
-            self.control.closed = True
-            self.control._told = True
-            self.control._deliver(None)
+        if self.shell.control is not None:
+            self.shell.control.cut()
+        for task in [*self.tasks, *self.shell._background]:
+            task.cancel()
 
     async def _stall(self) -> None:
         loop = asyncio.get_running_loop()
         while loop.time() < self.stalled_until:
             await asyncio.sleep(self.stalled_until - loop.time())
 
-    def hello(self) -> Hello:
-        """Its declaration, typed as the shipped worker's (``worker.shell``): a native worker whose
-        emulated memory budget is all of its memory."""
-        return Hello(name=self.name, token=None, protocol=PROTOCOL_VERSION, kind="native", memory_bytes=self.memory, threads=1,
-                     data_url=self.url, held=(), emulation={"memory_budget": self.memory}, native_kernel="gguf" if self.kernel else None)
+    def _dropping(self, frame) -> bool:
+        return asyncio.get_running_loop().time() < self.dropping_until and decode(frame).type is T.FORWARD
 
-    async def _life(self) -> None:
-        """Join, serve until the channel closes, then reconnect with jittered backoff (forever)."""
+    # -- control port -------------------------------------------------------------------------------
+    async def _connect(self) -> "FakeControl":
         from .sim import sim_pair
 
-        rng = random.Random(f"{self.world.seed}-{self.name}")
-        backoff = 0.2
-        while not self.dead:
-            mine, theirs = sim_pair(self.world.net, self.name)
-            self.control = mine
-            self.world.spawn(self.world.coordinator.attach(theirs))
-            try:
-                await mine.send(encode(self.hello().to_message()))
-                reply = parse(decode(await mine.recv()))
-                if isinstance(reply, Welcome):
-                    backoff = 0.2
-                    await self.feed(core.Joined(reply.worker_id))
-                    await self._serve(mine)
-            except ChannelClosed:
-                pass
-            await asyncio.sleep(backoff * (1 + rng.random()))
-            backoff = min(backoff * 2, 2.0)
+        mine, theirs = sim_pair(self.world.net, self.name)
+        self.world.spawn(self.world.coordinator.attach(theirs))
+        return FakeControl(self, mine)
 
-    async def _serve(self, ch) -> None:
-        from .sim import bad_frame
+    # -- peers (the shell as ``ports.peers``) -------------------------------------------------------------
+    async def open(self, url: str, plan: int, secret, fingerprint) -> "PeerLink":
+        from .sim import SimChannel
 
-        while True:
-            await self._stall()
-            if self.malformed:
-                self.malformed -= 1
-                await ch.send(bad_frame(self.malformed))
-            msg = decode(await ch.recv())
-            await self._stall()
-            try:
-                typed = parse(msg)
-            except ProtocolError as exc:  # the coordinator sent what the worker core cannot read: a bug
-                log.error("%s: bad frame from the coordinator: %s", self.name, exc)
-                continue
-            if isinstance(typed, Bye):
-                return
-            if isinstance(typed, IN_ORDER):
-                self.queue.put_nowait(typed)
-            elif isinstance(typed, Ping):
-                await self.feed(core.Pinged(typed.t, 0, self.queue.qsize(), 0.0))
-            elif isinstance(typed, Load):
-                self.world.spawn(self._quietly(typed))
-            elif not isinstance(typed, Message):
-                await self.feed(typed)
+        target = self.world.net.ports.get(url)
+        self._check_link(target, url)
+        if target.admit(plan, lambda expected: expected == secret) is None:  # the handshake's check (core.admit_data)
+            raise ChannelClosed(f"{url}: 401 (no valid credentials for plan {plan})")
+        mine, theirs = SimChannel(self.world.net, f"{self.name}>{url}", url), SimChannel(self.world.net, f"{url}<{self.name}", self.name)
+        mine.other, theirs.other = theirs, mine
+        self.world.spawn(data_loop(theirs, plan, target._received))
+        return PeerLink(self, target, mine)
 
-    async def _compute(self) -> None:
-        while True:
-            msg = await self.queue.get()
-            await self._stall()
-            if isinstance(msg, Forward) and asyncio.get_running_loop().time() < self.dropping_until:
-                continue
-            try:
-                await self.feed(msg)
-            except (ChannelClosed, ProtocolError):
-                pass
+    async def _received(self, typed) -> None:
+        if not (isinstance(typed, Forward) and asyncio.get_running_loop().time() < self.dropping_until):
+            await self.receive(typed)
 
-    async def _quietly(self, event) -> None:
-        try:
-            await self.feed(event)
-        except ChannelClosed:
-            pass
+    def _check_link(self, target, url: str) -> None:
+        if self.dead or target is None or target.dead or self.world.net.peer_cut_until.get(self.name, 0.0) > asyncio.get_running_loop().time():
+            raise ChannelClosed(f"next hop unreachable: {url}")
 
-    # -- carrying out the core's commands -----------------------------------------------------------
-    async def feed(self, event) -> None:
-        self.state, commands = core.handle(self.state, event)
-        for cmd in commands:
-            await self._execute(cmd)
+    async def measure(self, url, secret, fingerprint, most_bytes, shape=None) -> tuple[float, float]:
+        return 0.001, 1e8
 
-    async def _execute(self, cmd) -> None:
-        loop = asyncio.get_running_loop()
-        if isinstance(cmd, core.SendControl):
-            await self._send(cmd.msg)
-        elif isinstance(cmd, core.SendPeer):
-            target = self.world.net.ports.get(cmd.url)
-            cut = self.world.net.peer_cut_until.get(self.name, 0.0) > loop.time()
-            if target is None or target.dead or cut:
-                if cmd.about is not None:
-                    await self.feed(core.Failed(cmd.about, ErrorCode.UNREACHABLE, f"next hop unreachable: {cmd.url}"))
-                return
-            target.data.put(loop.time() + 0.001, cmd.msg)
-        elif isinstance(cmd, core.RunStage):
-            await self.feed(await self._run(cmd))
-        elif isinstance(cmd, core.Wait):
-            await asyncio.sleep(cmd.seconds)
-        elif isinstance(cmd, core.DropSequence):
-            self.model.drop(cmd.seq, cmd.graphs)
-        elif isinstance(cmd, core.KeepSessions):
-            self.model.keep_only(cmd.graphs, cmd.plans)
-        elif isinstance(cmd, core.Forget):
-            while not self.queue.empty():
-                self.queue.get_nowait()
-            self.model.forget()
-        elif isinstance(cmd, core.FetchFiles):
-            await asyncio.sleep(0.2 * self.slowdown)
-            await self._stall()
-            units = cmd.load.end - cmd.load.start
-            await self.feed(core.Fetched(cmd.load, 0, units * _unit_bytes() + RUNTIME_OVERHEAD_BYTES))
-        elif isinstance(cmd, core.BuildSession):
-            load = cmd.load
-            self.model.kv.setdefault(load.graph, {})
-            from .sim import N_UNITS, VOCAB
+    # -- blob fetcher ------------------------------------------------------------------------------------
+    async def fetch(self, load) -> tuple[int, int, tuple]:
+        from .sim import UNIT_BYTES
 
-            # The fake model passes integers between stages: every stage takes "token ids".
-            session = core.Session(load.graph, True, load.end == N_UNITS, 0, tuple(range(load.start, load.end)), VOCAB)
-            await self.feed(core.Built(load, session, cmd.weight_bytes, cmd.fetched_bytes, 0.2 * self.slowdown, False))
-        elif isinstance(cmd, core.ExportKv):
-            await self._export(cmd)
-        elif isinstance(cmd, core.ImportKv):
-            if loop.time() < self.refusing_kv_until:
-                await self.feed(core.Failed(cmd.kv, ErrorCode.INTERNAL, f"{self.name} refuses KV (a fault)"))
-            else:
-                await self.feed(self.model.import_kv(cmd))
-        elif isinstance(cmd, core.TimeStage):
-            await self.feed(core.StageTimed(cmd.probe, [0.01 * self.slowdown * cmd.rows] * cmd.reps))  # compute-bound, like its steps
-        elif isinstance(cmd, core.SendLinkPayload):
-            await self._send(Probed(cmd.probe, True).to_message({"payload": np.zeros(cmd.nbytes, np.uint8)}))
-        elif isinstance(cmd, core.MeasurePeer):
-            await self.feed(core.PeerMeasured(cmd.probe, 0.001, 1e8))
-
-    async def _send(self, msg: Message) -> None:
-        if self.control is not None:
-            await self.control.send(encode(msg))
-
-    async def _run(self, cmd: core.RunStage):
-        """A stage's step: its compute time on the virtual clock, then the fake model's result."""
-        stage = next(s for s in self.state.stages.values() if s.graph == cmd.graph)
-        await asyncio.sleep(0.002 * np.shape(cmd.x)[1] * (stage.end - stage.start) * len(cmd.forward.batch) * self.slowdown)
+        await asyncio.sleep(0.2 * self.slowdown)
         await self._stall()
-        return self.model.run(cmd, stage.start, stage.end, 0.002 * self.slowdown, self.state.joins)
+        return 0, (load.end - load.start) * UNIT_BYTES + RUNTIME_OVERHEAD_BYTES, ()
 
-    async def _export(self, cmd: core.ExportKv) -> None:
-        e = cmd.export
-        target = self.world.net.ports.get(e.url)
-        start = next((s.start for s in self.state.stages.values() if s.graph == cmd.graph), 0)
-        frame = self.model.export_frame(cmd, start) if target is not None and not target.dead else "cannot export"
-        if isinstance(frame, str):
-            await self.feed(core.ExportFailed(e, frame))
-        else:
-            target.data.put(asyncio.get_running_loop().time() + 0.001, frame)
+    def path(self, sha: str) -> str:
+        return sha
 
-def _unit_bytes() -> int:
-    from .sim import UNIT_BYTES
+    def held(self) -> list[str]:
+        return []
 
-    return UNIT_BYTES
+
+class FakeCompute(FakeStages):
+    """The compute port: the fake model (``sim_model``), its time on the virtual clock, and the
+    worker's stall and KV-refusal faults."""
+
+    def __init__(self, worker: FakeWorker):
+        super().__init__(worker.name)
+        self.worker = worker
+
+    async def build(self, load, path) -> core.Session:
+        return self.session(load)  # a build takes no virtual time: the download's 0.2 s stands for both
+
+    async def run(self, cmd: core.RunStage, joins: int, single_thread: bool):
+        start, end = self.ranges[cmd.graph]
+        slowdown = self.worker.slowdown
+        await asyncio.sleep(0.002 * np.shape(cmd.x)[1] * (end - start) * len(cmd.forward.batch) * slowdown)
+        await self.worker._stall()
+        return self.step(cmd, 0.002 * slowdown, joins)
+
+    async def export(self, cmd: core.ExportKv) -> bytes:
+        await self.worker._stall()
+        return self.export_frame(cmd)
+
+    async def import_kv(self, cmd: core.ImportKv):
+        await self.worker._stall()
+        if asyncio.get_running_loop().time() < self.worker.refusing_kv_until:
+            return core.Failed(cmd.kv, ErrorCode.INTERNAL, f"{self.name} refuses KV (a fault)")
+        return super().import_kv(cmd)
+
+    async def time_stage(self, cmd: core.TimeStage, session, slowdown, roofline=None) -> core.StageTimed:
+        return core.StageTimed(cmd.probe, [0.01 * self.worker.slowdown * cmd.rows] * cmd.reps)  # compute-bound, like its steps
+
+
+class _DataPort:
+    """Its data port: registered in the simulated network; each peer link is served by the real
+    frame checks (``dataport.data_loop``)."""
+
+    def __init__(self, worker: FakeWorker):
+        self.worker, self.url, self.fingerprint = worker, worker.url, None
+
+    async def start(self, admit, receive, shape=None):
+        self.worker.admit, self.worker.receive = admit, receive
+        self.worker.world.net.ports[self.url] = self.worker
+
+
+class FakeControl:
+    """The worker's end of its control channel, where stalls and malformed frames are injected."""
+
+    def __init__(self, worker: FakeWorker, channel):
+        self.worker, self.channel, self.peer = worker, channel, "coordinator"
+
+    async def send(self, frame: bytes) -> None:
+        await self.channel.send(frame)
+
+    async def recv(self) -> bytes:
+        w = self.worker
+        while True:
+            await w._stall()
+            if w.malformed:
+                w.malformed -= 1
+                from .sim import bad_frame
+
+                await self.channel.send(bad_frame(w.malformed))
+            frame = await self.channel.recv()
+            await w._stall()
+            if not w._dropping(frame):
+                return frame
+
+    async def close(self, reason: str = "") -> None:
+        await self.channel.close(reason)
+
+    def cut(self) -> None:
+        """A dead process: both ends see the connection end, and nothing more leaves."""
+        self.channel.closed = self.channel._told = True
+        self.channel._deliver(None)
+
+
+class PeerLink:
+    """A connection to another simulated worker's data port: sends fail while either end is dead
+    or this worker's peer links are cut (``partition_peer``)."""
+
+    def __init__(self, worker: FakeWorker, target: FakeWorker, channel):
+        self.worker, self.target, self.channel, self.peer = worker, target, channel, target.url
+
+    async def send(self, frame: bytes) -> None:
+        self.worker._check_link(self.target, self.target.url)
+        await self.channel.send(frame)
+
+    async def recv(self) -> bytes:
+        return await self.channel.recv()
+
+    async def close(self, reason: str = "") -> None:
+        await self.channel.close(reason)

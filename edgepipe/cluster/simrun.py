@@ -285,12 +285,21 @@ def run(schedule: Schedule) -> Report:
     try:
         return loop.run_until_complete(_main(schedule))
     finally:
+        settle(loop)
+
+
+def settle(loop: asyncio.AbstractEventLoop, rounds: int = 10) -> None:
+    """Cancel what still runs on ``loop`` and let it finish, then close the loop. A worker shell
+    that is cancelled closes its channels in tasks of its own: those are let finish too, so no
+    coroutine is left for the garbage collector to finalise later (in another test's code)."""
+    for _ in range(rounds):
         pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        if not pending:
+            break
         for t in pending:
             t.cancel()
-        if pending:
-            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        loop.close()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
 
 
 def replay_command(seed: int) -> str:

@@ -2,8 +2,8 @@
 
 ``core`` decides (sans-IO: state, events in, commands out); ``shell`` carries the commands out
 over the control channel, the data port (``dataport``), peer links (``links``) and the compute
-thread (``runners``); ``settings`` is what it is started with. The simulation drives the same
-core with a fake model (``cluster.sim``)."""
+thread (``runners``), all reached through ``ports``; ``settings`` is what it is started with.
+The simulation runs the same shell on fake ports, with a fake model as its compute (``cluster.sim_worker``)."""
 
 from .settings import WorkerSettings, reconnect_delay
 from .shell import Worker

@@ -233,16 +233,16 @@ def _forward(state: WorkerState, msg: Forward) -> tuple[WorkerState, list[Comman
     if problem is not None:
         return state, errors_for(msg, *problem)
     stage = state.stages[msg.plan]
-    x = msg.x
-    if x.dtype == np.float16:
-        x = x.astype(np.float32)
+    x = msg.x  # fp16 on a half-width wire: the compute casts it for its graph (worker.runners)
     # A fast decode step runs on the loop, skipping two thread hand-offs per hop (a heartbeat
     # waits at most one such step). Slow steps and prefills use the thread, so the loop stays
     # free to answer heartbeats.
     inline = x.shape[1] == 1 and state.step_s.get(stage.graph, 0.0) < INLINE_STEP_S
     entries = msg.entries()
     prefixes = tuple((item.seq, item.prefix) for item in entries if item.prefix is not None)
-    return state, [RunStage(msg, stage.graph, [item.seq for item in entries], x, inline and not prefixes, prefixes)]
+    half = state.activation_dtype == "float16" and stage.next.kind == "worker"
+    return state, [RunStage(msg, stage.graph, [item.seq for item in entries], x, inline and not prefixes, prefixes,
+                            "float16" if half else None)]
 
 
 def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Command]]:
@@ -258,7 +258,7 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
     commands: list[Command] = [Wait(extra)] if extra > 0 else []
     if stage is None:  # the plan was replaced while it computed: nobody waits for the result
         return state, commands
-    out = event.out.astype(np.float16) if state.activation_dtype == "float16" and stage.next.kind == "worker" else event.out
+    out = event.out  # already in the wire's dtype (RunStage.out_dtype)
     elem = 2 if state.activation_dtype == "float16" else 4
     timings = list(msg.timings or []) + [[state.worker_id, (event.compute_s + extra) / state.misreport, event.positions, elem, len(batch)]]
     if stage.next.kind == "coordinator":

@@ -243,6 +243,7 @@ class RunStage:
     x: np.ndarray
     inline: bool  # a fast decode step: run on the event loop
     prefixes: tuple[tuple[str, dict], ...] = ()  # (seq, prefix entry): cached blocks installed before, saved after (cluster.prefix)
+    out_dtype: str | None = None  # "float16": the compute casts its output so (the next stage is a worker on a half-width wire)
 
 
 @dataclass(frozen=True)

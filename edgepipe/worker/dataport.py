@@ -1,7 +1,9 @@
 """A worker's data port: the WebSocket server its predecessor sends activations (and KV movers
 send KV) to. Nothing is read from a peer before its handshake names a plan this worker holds
 and presents that stage's secret (``core.admit_data``); only then is its frame limit raised to
-the plan's. Frames are checked with ``net.messages.parse`` and handed to the worker."""
+the plan's. Frames are checked with ``net.messages.parse`` (``data_loop``) and handed to the
+``receive`` the shell gives ``start``; admission asks the shell's ``admit`` (``core.admit_data``
+on its current state). The port holds no reference to the shell."""
 
 from __future__ import annotations
 
@@ -12,28 +14,33 @@ from ..net import auth, limits
 from ..net.channel import Channel, ChannelClosed, WebSocketChannel
 from ..net.messages import PROBE_PLAN, parse
 from ..net.protocol import MessageType as T, ProtocolError, decode, error_frame
-from . import core, links
+from . import links
 
 log = logging.getLogger("edgepipe.worker")
 
 
 class DataPort:
-    def __init__(self, worker):
-        self.worker = worker  # its state decides admission; its ``receive`` takes the frames
+    def __init__(self, settings, tls_root):
+        self.s, self.tls_root = settings, tls_root  # tls_root: where its self-signed certificate is kept (TLS clusters)
+        self.admit = self.receive = None  # given by ``start``
+        self.shape = lambda channel: channel
         self.url: str | None = None
         self.fingerprint: str | None = None  # sha256 of this port's certificate (TLS clusters)
         self._plans: dict[int, int] = {}  # connection -> the plan its handshake was admitted for
         self._refusals = limits.RateLimiter(rate_per_s=2.0, burst=20)
 
-    async def start(self):
+    async def start(self, admit, receive, shape=lambda channel: channel):
+        """Serve the port: ``admit(plan, check)`` -> the plan's frame limit or None, ``receive(typed)``
+        takes each accepted frame, ``shape`` wraps a probe's echo channel (the worker's link)."""
         import websockets
 
-        s = self.worker.s
+        self.admit, self.receive, self.shape = admit, receive, shape
+        s = self.s
         server_tls = None
         if s.tls_fingerprint:  # a cluster on TLS: activations go over wss too, with this worker's own certificate
             from ..net import tls
 
-            cert, key = tls.make_self_signed(self.worker.cache.root / ".tls", ("127.0.0.1", "localhost", s.data_host,
+            cert, key = tls.make_self_signed(self.tls_root / ".tls", ("127.0.0.1", "localhost", s.data_host,
                                                                                s.advertise_host or s.data_host))
             server_tls, self.fingerprint = tls.server_context(cert, key), tls.fingerprint_pem(cert.read_text())
         # compression=None here and on every connection: activations and KV are float tensors that
@@ -48,9 +55,9 @@ class DataPort:
     async def _handler(self, ws) -> None:
         plan = self._plans.pop(id(ws), None)
         if plan == PROBE_PLAN:  # a peer timing this link: answers leave through this worker's own (shaped) link
-            await links.echo_loop(self.worker._shape(WebSocketChannel(ws)))
+            await links.echo_loop(self.shape(WebSocketChannel(ws)))
         elif plan is not None:
-            await self._data_loop(WebSocketChannel(ws), plan)
+            await data_loop(WebSocketChannel(ws), plan, self.receive)
 
     def _authorize(self, connection, request):
         """Handshake check: the plan's stage secret, else 401 (or 429 once an address has been
@@ -60,7 +67,7 @@ class DataPort:
             plan = int(request.headers.get(auth.PLAN_HEADER, ""))
         except ValueError:
             plan = None
-        limit = core.admit_data(self.worker.state, plan, lambda secret: auth.bearer_matches(request.headers.get("Authorization"), secret))
+        limit = self.admit(plan, lambda secret: auth.bearer_matches(request.headers.get("Authorization"), secret))
         if limit is not None:
             connection.protocol.max_message_size = limit
             self._plans[id(connection)] = plan
@@ -70,27 +77,28 @@ class DataPort:
         log.warning("data port: refused %s (no valid credentials for a plan this worker holds)", peer)
         return connection.respond(401, "data port: this stage's credentials are required\n")
 
-    async def _data_loop(self, channel: Channel, plan: int) -> None:
-        """Frames from the authenticated predecessor (or KV mover) of ``plan``: only FORWARD and
-        KV, and only for that plan."""
-        while True:
+
+async def data_loop(channel: Channel, plan: int, receive) -> None:
+    """Frames from the authenticated predecessor (or KV mover) of ``plan``: only FORWARD and
+    KV, and only for that plan."""
+    while True:
+        try:
+            raw = await channel.recv()
+        except ChannelClosed:
+            return
+        try:
+            msg = decode(raw)
+            if msg.type not in (T.FORWARD, T.KV):
+                raise ProtocolError(f"{msg.type.value} is not accepted on the data port")
+            typed = parse(msg)
+            if typed.plan != plan:
+                raise ProtocolError(f"frame for plan {typed.plan!r} on a connection for plan {plan}")
+        except ProtocolError as exc:
+            log.warning("rejected frame from %s: %s", channel.peer, exc)
             try:
-                raw = await channel.recv()
+                await channel.send(error_frame(str(exc)))
+                await channel.close("protocol error")
             except ChannelClosed:
-                return
-            try:
-                msg = decode(raw)
-                if msg.type not in (T.FORWARD, T.KV):
-                    raise ProtocolError(f"{msg.type.value} is not accepted on the data port")
-                typed = parse(msg)
-                if typed.plan != plan:
-                    raise ProtocolError(f"frame for plan {typed.plan!r} on a connection for plan {plan}")
-            except ProtocolError as exc:
-                log.warning("rejected frame from %s: %s", channel.peer, exc)
-                try:
-                    await channel.send(error_frame(str(exc)))
-                    await channel.close("protocol error")
-                except ChannelClosed:
-                    pass
-                return
-            await self.worker.receive(typed)
+                pass
+            return
+        await receive(typed)

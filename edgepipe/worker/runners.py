@@ -46,7 +46,14 @@ class Runners:
         self.prefix: dict[int, PrefixStore] = {}  # plan -> its stage's cached prompt blocks (cluster.prefix decides)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="compute")
 
-    def build(self, graph: str, path, max_context: int | None) -> core.Session:
+    async def build(self, load, path) -> core.Session:
+        """``build_sync`` of ``load``'s graph, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.build_sync, load.graph, path, load.max_context)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def build_sync(self, graph: str, path, max_context: int | None) -> core.Session:
         """The session of ``graph``, built unless this worker holds it already. Two loads of one
         graph may be in flight together (a plan's stage and the warm spare's on the same range):
         the build that finishes second keeps the runner the first installed, which may have taken
@@ -91,6 +98,7 @@ class Runners:
         store = self.prefix.setdefault(cmd.forward.plan, PrefixStore()) if cmd.prefixes else None
 
         verify = any(item.verify for item in entries)
+        x = cmd.x.astype(np.float32) if cmd.x.dtype == np.float16 else cmd.x  # fp16 on the wire, fp32 in the graph
 
         def timed():
             for item in entries:  # speculative decoding: drafts the last verify rejected are forgotten
@@ -101,7 +109,7 @@ class Runners:
             for seq, entry in cmd.prefixes:  # install cached prompt blocks first: the frame starts after them
                 store.before(runner, seq, entry)
             c0 = time.thread_time()
-            out = runner.run_batch(cmd.seqs, cmd.x, sampling, verify)
+            out = runner.run_batch(cmd.seqs, x, sampling, verify)
             if verify and runner.emits_tokens:  # sampled drafts with their distribution: the sampling rule decides here
                 out = head_tokens(runner, batch[0], out)
             cpu = time.thread_time() - c0 if single_thread else None
@@ -114,6 +122,8 @@ class Runners:
             out, cpu = timed() if cmd.inline else await asyncio.get_running_loop().run_in_executor(self.pool, timed)
         except Exception as exc:  # noqa: BLE001 - onnxruntime errors must not kill the worker
             return core.Failed(cmd.forward, *failure(exc), lengths=self._lengths(runner, cmd.seqs))
+        if cmd.out_dtype is not None:
+            out = out.astype(cmd.out_dtype)  # the core chose the wire's activation dtype for the next stage
         return core.Computed(cmd.forward, out, time.perf_counter() - t0, cpu, int(cmd.x.shape[1]), joins,
                              self._lengths(runner, cmd.seqs), runner.logprobs_field(batch, verify) if runner.emits_tokens else {})
 

@@ -1,28 +1,26 @@
-"""The worker process's I/O: the control channel to the coordinator, the data port its
-predecessor sends activations to, downloads, and the compute thread. Every decision is
+"""The worker process's shell: the receive loop, the in-order compute queue, carrying out the
+core's commands, the peer connections and the reconnect with backoff. Every decision is
 ``worker.core``'s: this shell turns what arrives into core events and carries out the commands
-``core.handle`` returns. Needs only onnxruntime, numpy, msgpack and websockets."""
+``core.handle`` returns. Its I/O goes through ``worker.ports`` (the control channel, the data
+port, peers, downloads, the compute, sleep and clock): the real ones by default, fakes in the
+simulation (``cluster.sim_worker``), which so runs this very shell. Needs only onnxruntime,
+numpy, msgpack and websockets."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import random
-import ssl
-import time
 from dataclasses import replace
 
 from .. import PROTOCOL_VERSION
-from ..net.channel import Channel, ChannelClosed, ShapedChannel, WebSocketChannel
-from ..net.messages import PROBE_PLAN, Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Notice, Ping, Probed, Welcome, parse, plan_label
+from ..net.channel import Channel, ChannelClosed, ShapedChannel
+from ..net.messages import Bye, Draft, DraftLoad, Drop, Error, ErrorCode, Forward, Hello, Kv, KvExport, Notice, Ping, Probed, Welcome, parse
 from ..net.protocol import Message, ProtocolError, decode, encode
-from ..runtime.devices import resolve as resolve_device
 from . import connect, core, links
-from .blobcache import BlobCache
-from .dataport import DataPort
-from .runners import Runners, failure
-from .settings import WorkerSettings, default_cache, gguf_kernel, reconnect_delay, system_memory
+from .ports import WorkerPorts, websocket_errors as _websocket_errors
+from .runners import failure
+from .settings import WorkerSettings, reconnect_delay, system_memory
 
 log = logging.getLogger("edgepipe.worker")
 STABLE_SESSION_S = 10.0  # a membership that lasted this long resets the backoff
@@ -31,46 +29,18 @@ LOOP_LAG_WARN_S = 1.0  # the event loop held up this long (a PONG would have wai
 IN_ORDER = (Forward, Kv, Drop, KvExport)  # computed in arrival order, one at a time
 
 
-def _websocket_errors() -> type[Exception]:
-    import websockets
-
-    return websockets.exceptions.WebSocketException
-
-
-class DownloadMeter:
-    """A line every ``every_s`` seconds while a plan's files download (a large model takes minutes)."""
-
-    def __init__(self, label: str, started: float, every_s: float = 5.0):
-        self.label, self.started, self.last, self.every_s, self.done = label, started, started, every_s, 0
-
-    def add(self, nbytes: int) -> None:  # from the download's thread
-        self.done += nbytes
-        now = time.monotonic()
-        if now - self.last >= self.every_s:
-            self.last = now
-            log.info("%s: downloading, %.0f MB so far (%.1f MB/s)", self.label, self.done / 1e6, self.done / (now - self.started) / 1e6)
-
-
 class Worker:
-    def __init__(self, settings: WorkerSettings):
+    def __init__(self, settings: WorkerSettings, ports: WorkerPorts | None = None):
+        """``ports``: the worker's I/O (``worker.ports``); None: the real ones for ``settings``."""
         self.s = settings
-        self.device = resolve_device(settings.device)
-        if self.device.note and settings.device != "cpu":
-            # a GPU asked for by name and not had is a warning; under auto the CPU is a fine answer
-            auto = (settings.device or "auto").strip().lower() == "auto"
-            (log.info if auto else log.warning)("computing on the CPU: %s", self.device.note)
-        elif self.device.is_gpu:
-            log.info("computing on %s", self.device.describe())
-        self.native_kernel, self.native_kernel_note = gguf_kernel(self.device.is_gpu)
-        self.cache = BlobCache(settings.cache_dir or default_cache())
+        self.ports = ports = ports or WorkerPorts.real(settings)
+        self.device = ports.host.device
+        self.native_kernel, self.native_kernel_note = ports.host.native_kernel, ports.host.native_kernel_note
+        self.runners, self.data_port = ports.compute, ports.data
         self.state = core.WorkerState(settings.name, settings.join_token, settings.memory_bytes, settings.slowdown, settings.misreport,
                                       settings.drop_work, settings.activation_dtype, roofline=settings.roofline_policy())
-        self.runners = Runners(settings.threads, settings.spin, self.device)
         self.control: Channel | None = None
         self.peers: dict[str, Channel] = {}
-        self.peer_tls = links.PeerTls()
-        self.data_port = DataPort(self)
-        self._tls_coordinator = None
         self.queue: asyncio.Queue[Forward | Kv | Drop | KvExport] = asyncio.Queue()
         self.link = None
         if settings.link_delay_ms or settings.link_rate:
@@ -84,8 +54,8 @@ class Worker:
         if settings.role == "drafter":
             from .drafter import DrafterRole
 
-            headers = {"Authorization": f"Bearer {settings.join_token}"} if settings.join_token else {}
-            self.drafter = DrafterRole(lambda sha: self.cache.fetch(self.s.coordinator, sha, headers), self.cache.path,
+            cache, headers = ports.blobs.cache, ports.blobs.headers()
+            self.drafter = DrafterRole(lambda sha: cache.fetch(self.s.coordinator, sha, headers), cache.path,
                                        self._send_control, settings.threads, settings.slowdown)
 
     @property
@@ -111,7 +81,7 @@ class Worker:
         elif isinstance(cmd, core.RunStage):
             await self.feed(await self.runners.run(cmd, self.state.joins, self.s.threads == 1))
         elif isinstance(cmd, core.Wait):
-            await asyncio.sleep(cmd.seconds)
+            await self.ports.sleep(cmd.seconds)
         elif isinstance(cmd, core.DropSequence):
             self.runners.drop(cmd)
         elif isinstance(cmd, core.KeepSessions):
@@ -147,30 +117,18 @@ class Worker:
 
     # -- loading ----------------------------------------------------------------------------
     async def _fetch(self, load) -> None:
-        loop = asyncio.get_running_loop()
-        headers = {"Authorization": f"Bearer {self.s.join_token}"} if self.s.join_token else {}
         try:
-            fetched, started = 0, time.monotonic()
-            meter = DownloadMeter(plan_label(load.plan), started)
-            for sha in [load.graph, *load.files]:
-                fetched += await loop.run_in_executor(None, self.cache.fetch, self.s.coordinator, sha, headers, 120, meter.add)
-            if fetched:
-                took = max(time.monotonic() - started, 1e-6)
-                log.info("%s: downloaded %d bytes in %.1f s (%.1f MB/s; %d in all)", plan_label(load.plan), fetched, took,
-                         fetched / took / 1e6, self.state.fetched_bytes + fetched)
-            weight_bytes = sum(self.cache.path(f).stat().st_size for f in load.files)
-            repaired, self.cache.repaired = tuple(self.cache.repaired), []
+            fetched, weight_bytes, repaired = await self.ports.blobs.fetch(load)
             event = core.Fetched(load, fetched, weight_bytes, repaired)
         except (OSError, ValueError, RuntimeError) as exc:
             event = core.LoadFailed(load, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         await self.feed(event)
 
     async def _build(self, cmd: core.BuildSession) -> None:
-        load, t0 = cmd.load, time.perf_counter()
+        load, t0 = cmd.load, self.ports.clock()
         try:
-            session = await asyncio.get_running_loop().run_in_executor(None, self.runners.build, load.graph, self.cache.path(load.graph),
-                                                                       load.max_context)
-            event = core.Built(load, session, cmd.weight_bytes, cmd.fetched_bytes, time.perf_counter() - t0, False, cmd.repaired)
+            session = await self.runners.build(load, self.ports.blobs.path(load.graph))
+            event = core.Built(load, session, cmd.weight_bytes, cmd.fetched_bytes, self.ports.clock() - t0, False, cmd.repaired)
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types
             text = str(exc).splitlines()[0] if str(exc) else ""
             event = core.LoadFailed(load, text if isinstance(exc, (OSError, ValueError, RuntimeError)) else f"{type(exc).__name__}: {text}")
@@ -187,14 +145,7 @@ class Worker:
 
     async def _measure_peer(self, cmd: core.MeasurePeer) -> None:
         try:
-            channel = self._shape(await links.open_peer(cmd.url, PROBE_PLAN, cmd.secret, await self.peer_tls.context(cmd.url, cmd.fingerprint)))
-            try:
-                rtt, bandwidth = await links.measure_peer(channel, cmd.most_bytes)
-            finally:
-                try:
-                    await asyncio.wait_for(channel.close(), timeout=1.0)
-                except (ChannelClosed, OSError, asyncio.TimeoutError, _websocket_errors()):
-                    pass
+            rtt, bandwidth = await self.ports.peers.measure(cmd.url, cmd.secret, cmd.fingerprint, cmd.most_bytes, self._shape)
             event = core.PeerMeasured(cmd.probe, rtt, bandwidth)
         except (ChannelClosed, OSError, ValueError, ProtocolError, asyncio.TimeoutError, _websocket_errors()) as exc:
             event = core.PeerMeasured(cmd.probe, error=str(exc) or type(exc).__name__)
@@ -219,19 +170,20 @@ class Worker:
         exponential backoff, keeping its data port, blob cache and built sessions, and joins
         again as a new member (the coordinator recalls its calibration by name and hardware).
         With a ``control`` channel given (in-memory use) it serves that one channel only."""
-        server = await self.data_port.start()
+        server = await self.data_port.start(lambda plan, check: core.admit_data(self.state, plan, check), self.receive, self._shape)
         self.state = replace(self.state, data_url=self.data_port.url)
         compute = asyncio.create_task(self._compute_loop())
-        lag = asyncio.create_task(self._watch_loop_lag())
+        lag = asyncio.create_task(self._watch_loop_lag()) if self.ports.lag_tick_s else None
         try:
             if control is not None:
                 await self._session(control)
                 return
-            attempt, gone_since = 0, time.monotonic()
+            clock = self.ports.clock
+            attempt, gone_since = 0, clock()
             while True:
-                started = time.monotonic()
+                started = clock()
                 try:
-                    channel = await self._connect_control()
+                    channel = await self.ports.connect()
                 except (OSError, asyncio.TimeoutError, ValueError, _websocket_errors()) as exc:
                     judged = connect.verdict(exc, connect.control_url(self.s.coordinator))
                     if isinstance(judged, connect.Stop):
@@ -244,19 +196,20 @@ class Worker:
                         return
                     why = "control connection lost"
                     if self.state.joins > joins:  # it was a member: the coordinator is gone from now
-                        gone_since = time.monotonic()
+                        gone_since = clock()
                         if gone_since - started > STABLE_SESSION_S:
                             attempt = 0  # it served a while: the backoff starts afresh
-                delay = reconnect_delay(attempt, random.random(), time.monotonic() - gone_since)
+                delay = reconnect_delay(attempt, self.ports.draw(), clock() - gone_since)
                 attempt += 1
                 log.warning("%s; reconnecting in %.1f s (attempt %d)", why, delay, attempt)
-                await asyncio.sleep(delay)
+                await self.ports.sleep(delay)
         finally:
             compute.cancel()
-            lag.cancel()
+            if lag is not None:
+                lag.cancel()
             if server is not None:
                 server.close()
-            self.runners.pool.shutdown(wait=False, cancel_futures=True)
+            self.runners.close()
             if self.drafter is not None:
                 self.drafter.close()
 
@@ -278,12 +231,13 @@ class Worker:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
         await self.run()
 
-    async def _watch_loop_lag(self, tick: float = 0.1) -> None:
+    async def _watch_loop_lag(self) -> None:
         """Measure how late the event loop wakes up: what a heartbeat would have waited."""
+        tick = self.ports.lag_tick_s
         while True:
-            t0 = time.monotonic()
-            await asyncio.sleep(tick)
-            held = time.monotonic() - t0 - tick
+            t0 = self.ports.clock()
+            await self.ports.sleep(tick)
+            held = self.ports.clock() - t0 - tick
             self.loop_lag_s = max(self.loop_lag_s, held)
             if held > LOOP_LAG_WARN_S:
                 log.warning("event loop held up for %.2f s (heartbeats waited as long)", held)
@@ -311,8 +265,8 @@ class Worker:
             await self._close_control()
             return False
         await self.feed(core.Joined(welcome.worker_id))
-        log.info("joined as %s (pid %d, %d blobs held, %d sessions kept, %d bytes downloaded so far)",
-                 self.id, os.getpid(), len(self.cache.held()), len(self.runners.by_graph), self.state.fetched_bytes)
+        log.info("joined as %s (pid %s, %d blobs held, %d sessions kept, %d bytes downloaded so far)",
+                 self.id, self.ports.host.pid, len(self.ports.blobs.held()), len(self.state.sessions), self.state.fetched_bytes)
         try:
             return await self._control_loop()
         except asyncio.CancelledError:  # the process is stopping for good: the coordinator drops it at once
@@ -343,47 +297,16 @@ class Worker:
             device=self.device.kind, adapter=self.device.adapter,
             device_note=self.device.note if self.s.device != "cpu" else None,
             native_kernel=self.native_kernel, native_kernel_note=self.native_kernel_note,
-            data_url=self.data_port.url, held=tuple(self.cache.held()), pid=os.getpid(), data_fingerprint=self.data_port.fingerprint,
+            data_url=self.data_port.url, held=tuple(self.ports.blobs.held()), pid=self.ports.host.pid, data_fingerprint=self.data_port.fingerprint,
             power_busy_w=self.s.power_busy_w, power_idle_w=self.s.power_idle_w, emulation=self.s.emulation(),
             role=self.s.role if self.s.role != "stage" else None,
         )
 
-    async def _connect_control(self) -> Channel:
-        import websockets
-
-        url = connect.control_url(self.s.coordinator)
-        ssl_context = await self._coordinator_tls() if url.startswith("wss://") else None
-        ws = await websockets.connect(url, max_size=None, ping_interval=None, open_timeout=10, ssl=ssl_context, compression=None)
-        return WebSocketChannel(ws, "coordinator")
-
-    async def _coordinator_tls(self):
-        """The client TLS context for the coordinator: its certificate, checked against the
-        pinned fingerprint once, then trusted for the control channel and file downloads."""
-        if self._tls_coordinator is None:
-            from urllib.parse import urlsplit
-
-            from ..net import tls
-
-            where = urlsplit(self.s.coordinator)
-            host, port, loop = where.hostname, where.port or 443, asyncio.get_running_loop()
-            try:
-                if not self.s.tls_fingerprint:
-                    await loop.run_in_executor(None, tls.server_certificate, host, port)
-                    raise connect.CannotJoin(f"{where.netloc} serves TLS: start the worker with --tls-fingerprint "
-                                             f"(the sha256 `serve --tls` prints) to pin its certificate")
-                self._tls_coordinator = await loop.run_in_executor(None, tls.pinned_context, host, port, self.s.tls_fingerprint)
-            except ssl.SSLError:  # it answered, but not in TLS: say what it does speak
-                if await loop.run_in_executor(None, tls.answers_plain_http, host, port):
-                    raise connect.CannotJoin(connect.plain_http_instead(self.s.coordinator)) from None
-                raise
-            self.cache.ssl_context = self._tls_coordinator
-        return self._tls_coordinator
-
     async def _tls_instead(self, exc: BaseException) -> None:
         """An http:// coordinator that hung up during the handshake: if it speaks TLS, say so and stop."""
-        import websockets
+        from websockets.exceptions import InvalidMessage
 
-        if not (isinstance(exc, websockets.exceptions.InvalidMessage) and self.s.coordinator.startswith("http://")):
+        if not (isinstance(exc, InvalidMessage) and self.s.coordinator.startswith("http://")):
             return
         from urllib.parse import urlsplit
 
@@ -427,6 +350,9 @@ class Worker:
                 await asyncio.wait_for(self.receive(typed), timeout=self.s.silence_s)
             except asyncio.TimeoutError:
                 log.warning("could not send to the coordinator for %.0f s", self.s.silence_s)
+                return False
+            except ChannelClosed:  # it closed while this frame was answered (a PONG): reconnect, as for a closed recv
+                log.warning("the control channel closed while answering the coordinator")
                 return False
 
     async def receive(self, typed) -> None:
@@ -482,17 +408,15 @@ class Worker:
     async def _send_peer(self, url: str, frame: bytes, plan: int, secret: str | None, fingerprint: str | None = None) -> None:
         """Send to another worker's data port, one connection per (port, plan), presenting
         that stage's secret; any failure to reach it is ChannelClosed."""
-        import websockets
-
         key = f"{url}#{plan}"
         try:
             channel = self.peers.get(key)
             if channel is None:
                 for stale in [k for k in self.peers if int(k.rsplit("#", 1)[1]) not in self.state.stages and k != key]:
                     self._spawn(self.peers.pop(stale).close())  # plans this worker no longer runs
-                channel = self.peers[key] = self._shape(await links.open_peer(url, plan, secret, await self.peer_tls.context(url, fingerprint)))
+                channel = self.peers[key] = self._shape(await self.ports.peers.open(url, plan, secret, fingerprint))
             await channel.send(frame)
-        except (ChannelClosed, OSError, asyncio.TimeoutError, websockets.exceptions.WebSocketException) as exc:
+        except (ChannelClosed, OSError, asyncio.TimeoutError, _websocket_errors()) as exc:
             self.peers.pop(key, None)  # a dead peer must not poison later sends
             raise ChannelClosed(f"{url}: {exc}") from None
 

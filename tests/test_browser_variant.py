@@ -32,6 +32,7 @@ def bare_home(tmp_path_factory, native_pkg):
     return home, bare_copy(native_pkg, home / "models" / native_pkg.root.name)
 
 
+@pytest.mark.slow  # ~40-100 s of chromium and a variant build; the partial build and its budget run by default (test_variant_units)
 def test_a_tab_joins_at_once_and_the_package_grows_by_its_units_only(bare_home):
     home, pkg = bare_home
     n = len(pkg.manifest.units)

@@ -160,6 +160,7 @@ def test_random_router_layers_equal_dense_layers(home, native_pkg, moe_files):
         h = dense
 
 
+@pytest.mark.slow  # ~25 s of worker processes; the single-process and cut tests above run by default
 def test_three_workers_with_cuts_inside_the_experts_equal_dense(home, native_pkg, moe_pkg):
     from harness import Server
 

@@ -131,7 +131,8 @@ def test_a_worker_download_says_its_rate_as_it_goes(caplog):
     import logging
     import time
 
-    from edgepipe.worker.shell import DownloadMeter, plan_label
+    from edgepipe.net.messages import plan_label
+    from edgepipe.worker.ports import DownloadMeter
 
     assert (plan_label(3), plan_label(-10_001), plan_label(-2), plan_label(0)) == ("plan 3", "calibration", "the spare plan", "a link probe")
     meter = DownloadMeter(plan_label(-10_001), time.monotonic() - 2.0, every_s=1.0)

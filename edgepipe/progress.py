@@ -37,7 +37,7 @@ class PlainLines:
 
     def line(self, phase: str, done: int, total: int, now: float) -> str | None:
         """The line for this callback, or None (too soon after the last one, or the phase ended)."""
-        if phase in self.ended:
+        if phase in self.ended or (phase in BYTE_PHASES and total <= 0):  # no bytes to count (a form kept as the file's own blocks)
             return None
         self.started.setdefault(phase, now)
         self.seen[phase] = (done, total)

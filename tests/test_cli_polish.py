@@ -122,6 +122,7 @@ def test_plain_progress_lines_are_few_and_end_with_a_rate():
     assert p.line("build", 4, 4, 7.5) == "importing units: 4/4, done in 1.5 s"
     assert p.line("build", 4, 4, 8.0) is None
     assert p.line("hash", 1, 1, 8.0) is None and p.line("hash", 1, 1, 9.5) is None  # over at once: silent
+    assert p.line("weights", 0, 0, 20.0) is None and p.line("weights", 0, 0, 30.0) is None  # nothing to convert: silent
     # a meter that never reaches its total is closed where it got to
     assert p.finish(10.0) == ["converting weights: 60 MB of 100 MB (6.0 MB/s), done in 10.0 s"]
 

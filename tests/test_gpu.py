@@ -303,3 +303,21 @@ def test_gpu_sliding_windows_logprobs_and_masks_work_as_on_the_cpu(home, int4_pk
     assert gpu["token"] == cpu["token"] and gpu["top_ids"][:3] == cpu["top_ids"][:3]
     assert max(abs(a - b) for a, b in zip(gpu["top_logprobs"], cpu["top_logprobs"])) < 0.05
     assert gpu["masked"] in (17, 400, 4000) and gpu["masked"] == cpu["masked"]
+
+
+@pytest.mark.pure
+def test_private_runtime_dir_is_one_per_user_and_private(tmp_path, monkeypatch):
+    """Workers without XDG_RUNTIME_DIR share one private directory (one per process piled up in
+    /tmp, never removed); a name held by something not ours and private gets a fresh directory."""
+    import os
+    import tempfile
+
+    from edgepipe.runtime import devices
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    first, second = devices._private_runtime_dir(), devices._private_runtime_dir()
+    assert first == second == str(tmp_path / f"edgepipe-xdg-{os.getuid()}")
+    assert os.stat(first).st_mode & 0o777 == 0o700
+    os.chmod(first, 0o755)  # someone else's or world-readable: not used
+    third = devices._private_runtime_dir()
+    assert third != first and os.stat(third).st_mode & 0o777 == 0o700

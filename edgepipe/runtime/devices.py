@@ -61,9 +61,29 @@ def _quiet_vulkan() -> None:
     session): the Vulkan loader's window-system layers otherwise print "XDG_RUNTIME_DIR is invalid
     or not set" twice as the provider starts, though a compute-only worker needs no display."""
     if not os.environ.get("XDG_RUNTIME_DIR"):
-        import tempfile
+        os.environ["XDG_RUNTIME_DIR"] = _private_runtime_dir()
 
-        os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="edgepipe-xdg-")
+
+def _private_runtime_dir() -> str:
+    """One directory per user, reused by every worker (a fresh one per process was never removed:
+    hundreds piled up in /tmp). It must be ours and private; if something else holds the name, a
+    fresh directory is made and removed when the process exits."""
+    import atexit
+    import shutil
+    import stat
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"edgepipe-xdg-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) == 0o700:
+        return path
+    fresh = tempfile.mkdtemp(prefix="edgepipe-xdg-")
+    atexit.register(shutil.rmtree, fresh, ignore_errors=True)
+    return fresh
 _registered: tuple[list, str | None] | None = None  # (WebGPU EP devices, why none)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from edgepipe.cluster.calibration import Calibrator
-from edgepipe.cluster.variants import unit_sizes
+from edgepipe.cluster.variant_rules import unit_sizes
 from edgepipe.model.package import Package
 
 from browser import browser_context

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from edgepipe.cluster import variants as V
+from edgepipe.cluster import variant_rules as V
 from edgepipe.cluster.profiling import ClusterProfile
 from edgepipe.cluster.worker_info import WorkerInfo
 from edgepipe.model.config import ModelConfig

@@ -24,7 +24,7 @@ from .placement import Deployment, StageAssignment
 from .planning import PlanContext, PlanPolicy
 from .ports import Ports
 from .profiling import RUNTIME_OVERHEAD_BYTES
-from .variants import missing_units
+from .variant_rules import missing_units
 from .views import WorkerView
 
 QUIESCE_S = 30.0

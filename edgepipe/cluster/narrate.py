@@ -119,7 +119,7 @@ def _predicted(p: object) -> str:
 
 def _variant(f: Mapping) -> str:
     """A weight variant's build (``cluster.variants``): what, for which units and worker, and how it went."""
-    from .variants import _span
+    from .variant_rules import _span
 
     units = f.get("units")
     where = (f" of {_span(units)}" if isinstance(units, list) and units else "") + (f" for {f['worker']}" if f.get("worker") else "")

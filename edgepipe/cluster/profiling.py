@@ -253,7 +253,7 @@ class ClusterProfile:
         units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, m.kv_bytes_per_token(u.index, kv_form),
                                   u.out_bytes_per_token, u.kv_window, experts=u.experts, experts_used=u.experts_used,
                                   expert_bytes=m.variant(u.index, precision).expert_bytes) for u in m.units)
-        from .variants import unit_sizes
+        from .variant_rules import unit_sizes
 
         # Per form: each device is priced in the form it runs (``forms``), and a tab in the variant
         # it asks for (fp32), as built or else as estimated (``variants.unit_sizes``), units not
@@ -285,7 +285,7 @@ class ClusterProfile:
         no more than the weights that variant may hold within the disk budget (those built, plus
         what the budget has left) with the KV and overhead of a stage beside them, so that no
         plan is made whose build would be refused (``variants.budget_problem``)."""
-        from .variants import added_bytes, own_forms
+        from .variant_rules import added_bytes, own_forms
 
         precision = w.hello.precision
         if self.variant_disk_bytes is None or not precision or precision in own_forms(self.manifest):

@@ -10,7 +10,7 @@
 /* The block types: one row each in edgepipe/native/quant_types.py, generated into gguf_types.h. */
 #include "gguf_types.h"
 
-/* GGML type ids (the numbers stored in a GGUF tensor header): GGUF_Q4_0 = 2, ... */
+/* GGML type ids (the numbers stored in a GGUF tensor header), GGUF_<NAME> for each row. */
 enum {
 #define GGUF_TYPE_ID(NAME, name, id, values, bytes, act) GGUF_##NAME = id,
     GGUF_TYPES(GGUF_TYPE_ID)

@@ -20,10 +20,12 @@ from onnx import TensorProto, helper
 from edgepipe.model.store import missing_reference, reference_gguf
 from edgepipe.native import DOMAIN, GATHER_OP, MATMUL_OP, gguf_kernel_library, native_library, reset_for_tests
 from edgepipe.native.build import BuildError, build_library
+from edgepipe.native.quant_types import BY_NAME, QUANT_TYPES
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = [t.name for t in QUANT_TYPES]  # every row of the type table
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # byte offsets of fp16 scales in a block
+               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "MXFP4": []}  # byte offsets of fp16 scales in a block
+E8M0_FIELDS = {"MXFP4": 0}  # byte offset of an E8M0 block exponent
 ISA_LADDERS = [["portable", "avx2", "avx512vnni"], ["portable", "neon", "neon_dotprod"]]
 
 
@@ -52,6 +54,9 @@ def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.nda
         scales = (rng.standard_normal((n, k // values)) * 0.02).astype(np.float16)
         scales[0, 0] = 0
         raw[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(n, k // values, 2)
+    if kind in E8M0_FIELDS:  # exponents 2^-28..2^-1, and one block at the smallest, 2^-128 (a subnormal scale)
+        raw[:, :, E8M0_FIELDS[kind]] = rng.integers(100, 128, size=(n, k // values), dtype=np.uint8)
+        raw[0, 0, E8M0_FIELDS[kind]] = 0
     return raw.reshape(n, -1)
 
 
@@ -92,7 +97,7 @@ def run_op(library: str, kind: str, x: np.ndarray, w: np.ndarray, threads: int =
 def check_product(y: np.ndarray, x: np.ndarray, weights: np.ndarray, kind: str) -> None:
     """y equals the product of the 8-bit activations within float rounding, and the fp32 product
     only within the activation quantization."""
-    block = 256 if kind.endswith("_K") else 32
+    block = BY_NAME[kind].activation
     x2 = x.reshape(-1, x.shape[-1]).astype(np.float64)
     xq = quantize8(x.reshape(-1, x.shape[-1]), block).astype(np.float64)
     w64 = weights.astype(np.float64)

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 
 from edgepipe.native.build import ARM64_UNITS, COMMON_FLAGS, SOURCE_DIR
+from edgepipe.native.quant_types import QUANT_TYPES
 
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 CHECK_SOURCE = Path(__file__).parent / "native" / "neon_check.c"
 ATTENTION_CHECK_SOURCE = Path(__file__).parent / "native" / "kv_attention_check.c"
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = [t.name for t in QUANT_TYPES]  # neon_check.c writes blocks of each (it names them: a row missing there fails here)
 
 
 @pytest.fixture(scope="module")

@@ -177,7 +177,7 @@ def test_three_workers_with_cuts_inside_the_experts_equal_dense(home, native_pkg
 
 
 # -- the kernel library's grouped product ------------------------------------------------------
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "MXFP4"])
 def test_kernel_moe_matmul_is_each_rows_expert_product_in_any_batch(kind):
     """``GgufMoEMatMul`` gives each (row, slot) exactly ``GgufMatMul`` of that row with its expert's
     blocks, whichever other rows chose the expert, and each row's bits alone as in the batch."""

@@ -3,6 +3,8 @@ synthetic GGUF of its per-layer shapes, against a numpy reference of llama.cpp's
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -38,4 +40,28 @@ def test_qwen3moe_equals_llama_cpp_reference(home, qwen3moe):
         error = np.linalg.norm(hidden - ref_hidden, axis=-1) / np.linalg.norm(ref_hidden, axis=-1)
         assert error.max() < tolerance, (precision, error)
         result = generate(pkg.pipeline([2], precision=precision), ids, GenerationParams(max_tokens=1), pkg.tokenizer.decode, eos_ids=())
+        assert result.tokens == [int(np.argmax(ref_logits[-1]))], precision
+
+
+def test_qwen3moe_with_mxfp4_experts_in_both_forms(home, tmp_path):
+    """The experts as gpt-oss stores them (MXFP4): the kernel form keeps the 3-D blocks and runs
+    them through GgufMoEMatMul, the fallback form holds them exactly as 8-bit MatMulNBits blocks;
+    each hidden state equals the reference of the dequantized weights but for the 8-bit
+    activations, and the next token is the reference's."""
+    from edgepipe.native import kernel_handles
+
+    assert kernel_handles("MXFP4")
+    path, weights = synthetic_qwen3moe(tmp_path / "qwen3moe-mxfp4.gguf", bundled_gguf(), expert_type="MXFP4", layers=1, experts=32, used=4)
+    assert {t.type_id for n, t in read_header(path).tensors.items() if "_exps" in n} == {39}
+    ids = None
+    for precision in ("gguf", "native"):
+        pkg = resolve(str(path), precision, home)
+        graph = Path(pkg.blob(pkg.stage_graph(0, 2, precision))).read_bytes()
+        assert (b"GgufMoEMatMul" in graph) == (precision == "gguf"), precision  # the kernel form reads the blocks as stored
+        ids = ids or pkg.tokenizer.encode(PROMPT)
+        hidden = pkg.runner(0, 2, precision).run("s", np.array([ids]))[0]
+        ref_hidden, ref_logits = qwen3moe_reference(weights, ids)
+        error = np.linalg.norm(hidden - ref_hidden, axis=-1) / np.linalg.norm(ref_hidden, axis=-1)
+        assert error.max() < 3e-2, (precision, error)
+        result = generate(pkg.pipeline([1], precision=precision), ids, GenerationParams(max_tokens=1), pkg.tokenizer.decode, eos_ids=())
         assert result.tokens == [int(np.argmax(ref_logits[-1]))], precision

@@ -35,7 +35,7 @@ def reference(raw: np.ndarray, kind: str, k: int) -> np.ndarray:
 def random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Valid raw GGUF rows ``[n, row_bytes]``: quantized by gguf where it can, else random bytes."""
     qtype = gguf.GGMLQuantizationType[kind]
-    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16"):
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "BF16"):
         w = (rng.standard_normal((n, k)) * rng.uniform(0.001, 1.0, (n, 1))).astype(np.float32)
         w[0, :32] = 0.0  # an all-zero block (d == 0)
         return gguf.quants.quantize(w, qtype).reshape(n, -1)

@@ -63,10 +63,11 @@ def upcycle(source: Path, target: Path, experts: int = 4, used: int = 2, seed: i
 QWEN3MOE_SHAPES = dict(hidden=512, heads=8, kv_heads=1, head_dim=128, experts=128, used=8, expert_ffn=96, layers=2)
 
 
-def synthetic_qwen3moe(target: Path, tokenizer_source: Path, seed: int = 0, **shapes) -> tuple[Path, dict]:
-    """A ``qwen3moe`` GGUF of random weights (Q8_0 linears and experts, F32 norms and router) with
-    the tokenizer of ``tokenizer_source``; returns the file and its float weights (dequantized,
-    numpy order) for ``qwen3moe_reference``."""
+def synthetic_qwen3moe(target: Path, tokenizer_source: Path, seed: int = 0, expert_type: str = "Q8_0", **shapes) -> tuple[Path, dict]:
+    """A ``qwen3moe`` GGUF of random weights (Q8_0 linears, experts of ``expert_type`` (a GGUF type
+    gguf-py quantizes: Q8_0, MXFP4 as gpt-oss stores them, ...), F32 norms and router) with the
+    tokenizer of ``tokenizer_source``; returns the file and its float weights (dequantized, numpy
+    order) for ``qwen3moe_reference``."""
     import gguf
     from gguf.quants import dequantize, quantize
 
@@ -89,10 +90,11 @@ def synthetic_qwen3moe(target: Path, tokenizer_source: Path, seed: int = 0, **sh
     rng = np.random.default_rng(seed)
     weights: dict[str, np.ndarray] = {}
 
-    def q8(name: str, shape: tuple[int, ...], scale: float) -> None:
-        data = quantize((rng.standard_normal(shape) * scale).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        weights[name] = dequantize(data, gguf.GGMLQuantizationType.Q8_0).reshape(shape)
+    def q8(name: str, shape: tuple[int, ...], scale: float, kind: str = "Q8_0") -> None:
+        qtype = gguf.GGMLQuantizationType[kind]
+        data = quantize((rng.standard_normal(shape) * scale).astype(np.float32), qtype)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        weights[name] = dequantize(data, qtype).reshape(shape)
 
     def f32(name: str, value: np.ndarray) -> None:
         writer.add_tensor(name, value.astype(np.float32))
@@ -111,9 +113,9 @@ def synthetic_qwen3moe(target: Path, tokenizer_source: Path, seed: int = 0, **sh
         f32(p + "attn_k_norm.weight", 1 + 0.1 * rng.standard_normal(D))
         f32(p + "ffn_norm.weight", 1 + 0.1 * rng.standard_normal(H))
         f32(p + "ffn_gate_inp.weight", rng.standard_normal((E, H)) * H ** -0.5 * 3)
-        q8(p + "ffn_gate_exps.weight", (E, F, H), H ** -0.5)
-        q8(p + "ffn_up_exps.weight", (E, F, H), H ** -0.5)
-        q8(p + "ffn_down_exps.weight", (E, H, F), F ** -0.5)
+        q8(p + "ffn_gate_exps.weight", (E, F, H), H ** -0.5, expert_type)
+        q8(p + "ffn_up_exps.weight", (E, F, H), H ** -0.5, expert_type)
+        q8(p + "ffn_down_exps.weight", (E, H, F), F ** -0.5, expert_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

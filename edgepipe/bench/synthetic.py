@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..native.quant_types import BY_NAME
+
 SHAPES = {
     "tiny": dict(n_layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=2048),
     "llama-3.2-1b": dict(n_layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8, vocab=128256),
@@ -50,12 +52,14 @@ def write_synthetic_gguf(path: Path, n_layers: int, hidden: int, ffn: int, heads
     w.add_token_merges([])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
-    block = {Q.Q4_K: (256, 144), Q.Q6_K: (256, 210)}
+    def block(qtype):  # (values, bytes) per block, from the type table
+        return BY_NAME[qtype.name].block_values, BY_NAME[qtype.name].block_bytes
+
     for name, (shape, qtype) in shapes.items():
         if qtype == Q.F32:
             w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
         else:
-            elems, size = block[qtype]
+            elems, size = block(qtype)
             w.add_tensor_info(name, (shape[0], shape[1] // elems * size), np.dtype(np.uint8), shape[0] * shape[1] // elems * size, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -64,7 +68,7 @@ def write_synthetic_gguf(path: Path, n_layers: int, hidden: int, ffn: int, heads
         if qtype == Q.F32:
             w.write_tensor_data(np.ones(shape, np.float32))
             continue
-        elems, size = block[qtype]
+        elems, size = block(qtype)
         raw = np.frombuffer(rng.bytes(shape[0] * shape[1] // elems * size), np.uint8).reshape(-1, size).copy()
         scales = (rng.uniform(0.5, 1.5, (raw.shape[0], 2)) * 1e-3).astype(np.float16).view(np.uint8)
         if qtype == Q.Q6_K:
@@ -82,12 +86,12 @@ def write_synthetic_gguf(path: Path, n_layers: int, hidden: int, ffn: int, heads
 def random_gguf_rows(kind: str, n: int, k: int, rng) -> np.ndarray:
     """``n`` rows of ``k`` weights as random GGUF blocks of type ``kind`` (``[n, k / block * block_bytes]``
     uint8), each block's scales set to small float16 values so that the decoded weights are finite."""
-    from ..model.weights import NATIVE_TYPES
-
-    t = NATIVE_TYPES[kind]
-    raw = rng.integers(0, 256, (n, k // t.block_elems, t.block_bytes), dtype=np.uint8)
+    t = BY_NAME[kind]
+    raw = rng.integers(0, 256, (n, k // t.block_values, t.block_bytes), dtype=np.uint8)
     scales = (rng.uniform(0.5, 1.5, raw.shape[:2] + (2,)) * 1e-3).astype(np.float16).view(np.uint8)
-    if kind == "Q6_K":
+    if kind == "MXFP4":  # E8M0 exponents 2^-16..2^-12: weights up to ~3e-3, as the fp16 scales give
+        raw[..., 0] = rng.integers(112, 117, raw.shape[:2], dtype=np.uint8)
+    elif kind == "Q6_K":
         raw[..., 208:210] = scales[..., :2]
     else:
         raw[..., 0:4] = scales.reshape(*raw.shape[:2], 4)

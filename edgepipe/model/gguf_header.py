@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..native.quant_types import FLOAT_TYPES, QUANT_TYPES, type_name
 from .config import UnsupportedModel
 from .families import family, refusal
 
@@ -25,12 +26,8 @@ _SCALAR = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4),
 _STRING, _ARRAY = 8, 9
 _KEEP_ARRAY = 64  # arrays up to this many elements are kept; longer ones become their length
 
-# Tensor types (ggml ids) the importer reads: float ones and every block type gguf.quants dequantizes.
-TENSOR_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
-                10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 16: "IQ2_XXS", 17: "IQ2_XS",
-                18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M",
-                34: "TQ1_0", 35: "TQ2_0"}
-_OTHER_TYPES = {9: "Q8_1", 15: "Q8_K", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 39: "MXFP4", 40: "NVFP4"}
+# Tensor types (ggml ids) the importer keeps exactly: the float ones and the rows of the type table.
+TENSOR_TYPES = {**{i: name for name, i in FLOAT_TYPES.items()}, **{t.ggml_id: t.name for t in QUANT_TYPES}}
 # RoPE scaling kinds the graphs reproduce ("su"/"longrope" arrive as factor tensors).
 ROPE_SCALING = ("none", "linear", "llama3", "longrope", "su")
 
@@ -150,9 +147,9 @@ def unsupported_reasons(header: GGUFHeader) -> list[str]:
         reasons.append("no tokenizer in the file (tokenizer.ggml.model is missing)")
     elif tok_model not in SUPPORTED_TOKENIZERS:
         reasons.append(f"tokenizer model {tok_model!r} is not supported (supported: {', '.join(SUPPORTED_TOKENIZERS)})")
-    bad = sorted({_OTHER_TYPES.get(t.type_id, f"ggml type {t.type_id}") for t in header.tensors.values() if t.type_id not in TENSOR_TYPES})
+    bad = sorted({type_name(t.type_id) for t in header.tensors.values() if t.type_id not in TENSOR_TYPES})
     if bad:
-        reasons.append(f"tensor type {', '.join(bad)} is not supported")
+        reasons.append(f"tensor type {', '.join(bad)} is not supported (supported: {', '.join(TENSOR_TYPES.values())})")
     scaling = m.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ROPE_SCALING:
         reasons.append(f"RoPE scaling {scaling!r} is not supported (supported: {', '.join(ROPE_SCALING)})")

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig, UnsupportedModel
-from .weights import FLOAT_TYPES, NATIVE_TYPES, BlockQuantized, Weight, decode_float, decode_native, row_bytes
+from ..native.quant_types import GGML_TYPE_IDS, kernel_handles
+from .weights import FLOAT_TYPES, BlockQuantized, Weight, decode_float, decode_native, row_bytes
 
 
 class CorruptModel(ValueError):
@@ -90,12 +91,12 @@ def read_gguf_header(path: Path) -> tuple[dict, dict[str, TensorEntry]]:
 def refuse_unsupported_types(path: Path, tensors: dict[str, TensorEntry]) -> None:
     """One line naming the first tensor whose type has no exact layout (before reading any data)."""
     for t in tensors.values():
-        if t.kind not in NATIVE_TYPES and t.kind not in FLOAT_TYPES:
+        if not kernel_handles(t.kind) and t.kind not in FLOAT_TYPES:
             others = sum(1 for u in tensors.values() if u.kind == t.kind) - 1
             more = f" (and {others} more of that type)" if others else ""
             raise UnsupportedTensorType(
                 f"{path.name}: tensor {t.name} has GGUF type {t.kind}{more}, which edgepipe cannot keep exactly "
-                f"(supported: {', '.join(FLOAT_TYPES + tuple(NATIVE_TYPES))})")
+                f"(supported: {', '.join(FLOAT_TYPES + tuple(GGML_TYPE_IDS))})")
 
 
 class GGUFSource:

@@ -321,12 +321,12 @@ def _gguf_linear(src, names: list[str], writer: _BlobWriter, meter: _ReadMeter):
     """Tensors ``names`` stacked by rows, as the file stores them (precision ``gguf``): consecutive
     tensors of one block type share one blob of raw rows; float tensors (or a type the kernel
     library does not run) stay float; the graph concatenates the groups' outputs."""
-    from ..native import GGML_TYPE_IDS
+    from ..native import kernel_handles
 
     groups: list[tuple[str, list]] = []
     for name in names:
         t = src.tensor(name)
-        kind = t.kind if t.kind in GGML_TYPE_IDS else "float"
+        kind = t.kind if kernel_handles(t.kind) else "float"
         if groups and groups[-1][0] == kind:
             groups[-1][1].append(t)
         else:
@@ -426,9 +426,9 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str, writer: _Bl
 
 def _embedding_table(src, precision: str, writer: _BlobWriter | None = None, meter: _ReadMeter | None = None):
     if precision == "gguf":
-        from ..native import GGML_TYPE_IDS
+        from ..native import kernel_handles
 
-        if src.tensor("token_embd.weight").kind in GGML_TYPE_IDS:  # GgufGather rows (and a tied head's GgufMatMul)
+        if kernel_handles(src.tensor("token_embd.weight").kind):  # GgufGather rows (and a tied head's GgufMatMul)
             return _gguf_linear(src, ["token_embd.weight"], writer, meter)
         precision = "native"
     if precision == "native":

@@ -146,12 +146,12 @@ def expert_weights(src, layer: int, linear: Linear, blocks: Callable[[str], obje
     ``blocks``, the gguf form: each 3-D expert tensor whole, as stored, where the kernel library
     runs its type) or ``experts``, per expert ``{"gate_up": rows of gate then up, "ffn_down"}`` as
     ``linear`` builds them."""
-    from ..native import GGML_TYPE_IDS
+    from ..native import kernel_handles
     from .weights import StoredGGUF
 
     router = np.ascontiguousarray(src.dense(f"blk.{layer}.ffn_gate_inp.weight"), np.float32)
     names = dict(zip(("gate", "up", "down"), EXPERT_TENSORS))
-    if blocks is not None and all(src.tensor(f"blk.{layer}.{n}.weight").kind in GGML_TYPE_IDS for n in names.values()):
+    if blocks is not None and all(kernel_handles(src.tensor(f"blk.{layer}.{n}.weight").kind) for n in names.values()):
         stored = {part: blocks(name) for part, name in names.items()}
         if all(isinstance(v, StoredGGUF) for v in stored.values()):
             return {"router": router, "expert_blocks": stored}

@@ -20,6 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..native.quant_types import FLOAT_TYPES as FLOAT_TYPE_IDS
+from ..native.quant_types import BY_NAME as QUANT_TYPE
+from ..native.quant_types import QUANT_TYPES
+
 Precision = str  # "native" | "fp32" | "int8" | "int4" | "gguf"
 # "native" keeps the file's own blocks; the others re-quantize (or dequantize) every linear.
 # "gguf" keeps the file's bytes as stored, for the edgepipe.gguf kernel library (edgepipe.native).
@@ -156,25 +160,19 @@ class NativeType:
     has_offset: bool  # the type has a per-block minimum (d * q + m)
 
 
+# The types the fallback form holds exactly: the rows of the type table with a MatMulNBits layout.
 NATIVE_TYPES: dict[str, NativeType] = {
-    "Q4_0": NativeType(32, 18, 4, 32, 0, False),  # d * (q - 8)
-    "Q4_1": NativeType(32, 20, 4, 32, 0, True),  # d * q + m
-    "Q5_0": NativeType(32, 22, 8, 32, 112, False),  # d * (q - 16)
-    "Q5_1": NativeType(32, 24, 8, 32, 112, True),  # d * q + m
-    "Q8_0": NativeType(32, 34, 8, 32, 128, False),  # d * q, q int8
-    "Q4_K": NativeType(256, 144, 4, 32, 0, True),  # (d * sc) * q - dmin * mn, 8 sub-blocks of 32
-    "Q5_K": NativeType(256, 176, 8, 32, 112, True),  # same with 5-bit q
-    "Q6_K": NativeType(256, 210, 8, 16, 96, False),  # (d * sc) * (q - 32), 16 sub-blocks of 16
-}
-FLOAT_TYPES = ("F32", "F16", "BF16")
+    t.name: NativeType(t.block_values, t.block_bytes, t.fallback.bits, t.fallback.block_size, t.fallback.shift, t.fallback.has_offset)
+    for t in QUANT_TYPES if t.fallback is not None}
+FLOAT_TYPES = tuple(FLOAT_TYPE_IDS)
 
 
 def row_bytes(kind: str, k: int) -> int:
     """Bytes of one row of ``k`` elements of GGUF type ``kind``."""
     if kind in FLOAT_TYPES:
         return k * (4 if kind == "F32" else 2)
-    t = NATIVE_TYPES[kind]
-    return k // t.block_elems * t.block_bytes
+    t = QUANT_TYPE[kind]
+    return k // t.block_values * t.block_bytes
 
 
 def decode_float(raw: np.ndarray, kind: str, k: int) -> np.ndarray:
@@ -185,6 +183,15 @@ def decode_float(raw: np.ndarray, kind: str, k: int) -> np.ndarray:
     if kind == "F16":
         return raw.view(np.float16).astype(np.float32).reshape(-1, k)
     return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(-1, k)
+
+
+MXFP4_KVALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)  # E2M1 values, doubled
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """MXFP4's E8M0 exponent bytes as the half scale 2^(e - 128), float32 bit for bit as gguf-py's."""
+    e = e.astype(np.uint32)
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).astype(np.uint32).view(np.float32)
 
 
 def _f16(raw: np.ndarray, at: int) -> np.ndarray:
@@ -222,13 +229,17 @@ def decode_native(raw: np.ndarray, kind: str, k: int) -> BlockQuantized:
     nb = blocks.shape[1]
     offset64 = None  # per-block c + z * s in float64 before the exactness check
     z = 2 ** (t.bits - 1) - t.shift  # u - 2**(bits-1) = q - z
-    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+    if kind == "MXFP4":  # exponent byte, 16 bytes of E2M1 codes: 2^(e - 128) x kvalues[code], the codes as int8 + 128
+        q = _nibbles(blocks[..., 1:17], 1).reshape(n, nb, 32)
+        q = MXFP4_KVALUES[q].view(np.uint8) ^ np.uint8(0x80)
+        scales = e8m0_half(blocks[..., 0])
+    elif t.block_elems == 32:  # the legacy 32-blocks: fp16 d (and m), 4 or 5-bit or int8 codes
         d = _f16(blocks, 0)  # [n, nb]
         if kind == "Q8_0":
             q = blocks[..., 2:34] ^ np.uint8(0x80)  # int8 q + 128, as uint8
         else:
-            body = 4 if kind in ("Q4_1", "Q5_1") else 2
-            if kind in ("Q5_0", "Q5_1"):
+            body = 4 if t.has_offset else 2
+            if kind.startswith("Q5"):
                 high = np.unpackbits(blocks[..., body : body + 4], axis=-1, bitorder="little")  # bit j -> element j
                 q = _nibbles(blocks[..., body + 4 : body + 20], 1).reshape(n, nb, 32)
                 q |= high << 4
@@ -312,7 +323,7 @@ class StoredGGUF:
     """Rows of one GGUF block type, byte for byte as in the file (precision ``gguf``): the
     ``edgepipe.gguf`` GgufMatMul op reads them as stored, so the package is the file's size."""
 
-    kind: str  # a GGUF type the kernel library runs (edgepipe.native.GGML_TYPE_IDS)
+    kind: str  # a GGUF type the kernel library runs (edgepipe.native.kernel_handles)
     shape: tuple[int, int]  # [N, K]
     raw: Stored  # uint8 [N, row_bytes(kind, K)]
 

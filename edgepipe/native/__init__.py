@@ -23,8 +23,9 @@ MATMUL_OP = "GgufMatMul"
 GATHER_OP = "GgufGather"  # rows of a raw-block table, dequantized exactly (embeddings)
 ATTENTION_OP = "KvAttention"  # attention over an fp16 KV cache (the kernel form's layers)
 MOE_OP = "GgufMoEMatMul"  # one projection of a mixture of experts on its 3-D blocks, rows grouped by expert (model/moe.py)
-# GGML type ids of the block types GgufMatMul runs (its `qtype` attribute).
-GGML_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# GGML type ids of the block types GgufMatMul runs (its `qtype` attribute), and whether it runs a
+# type: both read the one type table (quant_types.py).
+from .quant_types import GGML_TYPE_IDS, kernel_handles  # noqa: E402,F401 - re-exported for the graph builders
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ from platformdirs import user_cache_dir
 
 SOURCE_DIR = Path(__file__).parent / "src"
 LIBRARY_NAME = "libedgepipe_gguf.so"
-COMMON_FLAGS = ("-O3", "-fPIC", "-fvisibility=hidden", "-std=gnu11", "-Wall", "-ffp-contract=off")  # no fused a*b+c: dequantized values equal gguf-py's
+# -ffp-contract=off: no fused a*b+c, so dequantized values equal gguf-py's; an undeclared function is
+# an error (a type-table row whose kernel is missing must not build a library that fails to load)
+COMMON_FLAGS = ("-O3", "-fPIC", "-fvisibility=hidden", "-std=gnu11", "-Wall", "-ffp-contract=off", "-Werror=implicit-function-declaration")
 
 
 @dataclass(frozen=True)

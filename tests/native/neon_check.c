@@ -24,11 +24,12 @@ static void put_half(uint8_t *p) {
     memcpy(p, &h, 2);
 }
 
-typedef struct { const char *name; int qtype, values, bytes, halves[2]; } block_type;
+/* Where each type keeps its block scales: fp16 halves (offsets, -1 for none) or an E8M0 exponent. */
+typedef struct { const char *name; int qtype, values, bytes, halves[2], e8m0; } block_type;
 static const block_type TYPES[] = {
-    {"Q4_0", 2, 32, 18, {0, -1}}, {"Q4_1", 3, 32, 20, {0, 2}},   {"Q5_0", 6, 32, 22, {0, -1}},
-    {"Q5_1", 7, 32, 24, {0, 2}},  {"Q8_0", 8, 32, 34, {0, -1}},  {"Q4_K", 12, 256, 144, {0, 2}},
-    {"Q5_K", 13, 256, 176, {0, 2}}, {"Q6_K", 14, 256, 210, {208, -1}},
+    {"Q4_0", 2, 32, 18, {0, -1}, -1}, {"Q4_1", 3, 32, 20, {0, 2}, -1},   {"Q5_0", 6, 32, 22, {0, -1}, -1},
+    {"Q5_1", 7, 32, 24, {0, 2}, -1},  {"Q8_0", 8, 32, 34, {0, -1}, -1},  {"Q4_K", 12, 256, 144, {0, 2}, -1},
+    {"Q5_K", 13, 256, 176, {0, 2}, -1}, {"Q6_K", 14, 256, 210, {208, -1}, -1}, {"MXFP4", 39, 32, 17, {-1, -1}, 0},
 };
 
 int main(int argc, char **argv) {
@@ -45,6 +46,8 @@ int main(int argc, char **argv) {
         for (int64_t b = 0; b < blocks; b++)
             for (int h = 0; h < 2; h++)
                 if (type->halves[h] >= 0) put_half(w + b * type->bytes + type->halves[h]);
+        for (int64_t b = 0; b < blocks && type->e8m0 >= 0; b++) /* 2^-28..2^-1; block 0 at 2^-128, a subnormal */
+            w[b * type->bytes + type->e8m0] = b == 0 ? 0 : (uint8_t)(100 + next_random() % 28);
         float *x = malloc(sizeof(float) * (size_t)(m * k));
         for (int64_t i = 0; i < m * k; i++) x[i] = uniform() * (i % 97 == 0 ? 40.0f : 1.0f);
         float *reference = malloc(sizeof(float) * (size_t)(m * n)), *y = malloc(sizeof(float) * (size_t)(m * n));

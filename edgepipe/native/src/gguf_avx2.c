@@ -71,20 +71,25 @@ static inline __m256i high_bits32(const uint8_t *qh_bytes) {
  * its activations) (m for the types with a minimum) for the types whose codes carry an offset. */
 TILE_KERNEL tile_32(const int qtype, int64_t nb, const uint8_t *w, const void *xv, size_t xs,
                     const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
-    const int block_bytes = qtype == GGUF_Q4_0 ? 18 : qtype == GGUF_Q4_1 ? 20 : qtype == GGUF_Q5_0 ? 22 : qtype == GGUF_Q5_1 ? 24 : 34;
+    const int block_bytes = gguf_block_bytes(qtype);
     const int has_min = qtype == GGUF_Q4_1 || qtype == GGUF_Q5_1;
+    const int signed_codes = qtype == GGUF_Q8_0 || qtype == GGUF_MXFP4; /* no offset; signed x signed products */
+    const __m256i kvalues = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)GGUF_KVALUES_MXFP4));
     const act_block32 *x[GGUF_TILE_ROWS];
-    __m256 acc[GGUF_TILE_ROWS], offset = _mm256_setzero_ps(), scale = _mm256_setzero_ps();
+    /* MXFP4's 17-byte blocks come fast enough that one fmadd chain per row is the limit: even and
+     * odd blocks go to two chains, in every tile size alike (the rows' arithmetic stays the same) */
+    const int two_chains = qtype == GGUF_MXFP4;
+    __m256 acc[GGUF_TILE_ROWS], acc_odd[GGUF_TILE_ROWS], offset = _mm256_setzero_ps(), scale = _mm256_setzero_ps();
     float offset_one = 0.0f, scale_one = 0.0f; /* rows = 1 (a decode step): the same operations in scalars */
-    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = acc_odd[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += block_bytes) {
-        float d = half_at(w);
+        float d = qtype == GGUF_MXFP4 ? gguf_e8m0_half(w[0]) : half_at(w);
         if (rows == 1) {
             scale_one = d * x[0][b].d;
-            if (qtype != GGUF_Q8_0) offset_one += (has_min ? half_at(w + 2) : d) * x[0][b].ds;
+            if (!signed_codes) offset_one += (has_min ? half_at(w + 2) : d) * x[0][b].ds;
         } else {
             scale = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(sc[b].d));
-            if (qtype != GGUF_Q8_0) {
+            if (!signed_codes) {
                 __m256 factor = _mm256_set1_ps(has_min ? half_at(w + 2) : d);
                 offset = _mm256_add_ps(offset, _mm256_mul_ps(factor, _mm256_loadu_ps(sc[b].ds)));
             }
@@ -95,22 +100,24 @@ TILE_KERNEL tile_32(const int qtype, int64_t nb, const uint8_t *w, const void *x
         case GGUF_Q4_1: q = nibbles32(w + 4); break;
         case GGUF_Q5_0: q = _mm256_or_si256(nibbles32(w + 6), high_bits32(w + 2)); break;
         case GGUF_Q5_1: q = _mm256_or_si256(nibbles32(w + 8), high_bits32(w + 4)); break;
+        case GGUF_MXFP4: q = _mm256_shuffle_epi8(kvalues, nibbles32(w + 1)); break; /* code -> doubled E2M1 value */
         default: q = _mm256_loadu_si256((const __m256i *)(w + 2)); break;
         }
         __m256i q_abs = _mm256_sign_epi8(q, q);
         for (int r = 0; r < rows; r++) {
             __m256i xq = _mm256_loadu_si256((const __m256i *)x[r][b].qs);
-            /* Q8_0: signed x signed through the unsigned product, |q| times x carrying q's sign */
-            __m256i products = qtype == GGUF_Q8_0 ? dot_u8s8(q_abs, _mm256_sign_epi8(xq, q)) : dot_u8s8(q, xq);
+            /* Q8_0, MXFP4: signed x signed through the unsigned product, |q| times x carrying q's sign */
+            __m256i products = signed_codes ? dot_u8s8(q_abs, _mm256_sign_epi8(xq, q)) : dot_u8s8(q, xq);
             __m256 row_scale = rows == 1 ? _mm256_set1_ps(scale_one) : _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(r));
-            acc[r] = _mm256_fmadd_ps(row_scale, _mm256_cvtepi32_ps(products), acc[r]);
+            if (two_chains && (b & 1)) acc_odd[r] = _mm256_fmadd_ps(row_scale, _mm256_cvtepi32_ps(products), acc_odd[r]);
+            else acc[r] = _mm256_fmadd_ps(row_scale, _mm256_cvtepi32_ps(products), acc[r]);
         }
     }
     float off[GGUF_TILE_ROWS];
     _mm256_storeu_ps(off, offset);
     if (rows == 1) off[0] = offset_one;
     for (int r = 0; r < rows; r++) {
-        float sum = hsum_ps(acc[r]);
+        float sum = hsum_ps(two_chains ? _mm256_add_ps(acc[r], acc_odd[r]) : acc[r]);
         y[r * ys] = qtype == GGUF_Q4_0 ? sum - 8.0f * off[r] : qtype == GGUF_Q5_0 ? sum - 16.0f * off[r] : has_min ? sum + off[r] : sum;
     }
 }
@@ -129,6 +136,9 @@ TILE_KERNEL tile_q5_1(int64_t nb, const uint8_t *w, const void *x, size_t xs, co
 }
 TILE_KERNEL tile_q8_0(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
     tile_32(GGUF_Q8_0, nb, w, x, xs, sc, rows, y, ys);
+}
+TILE_KERNEL tile_mxfp4(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
+    tile_32(GGUF_MXFP4, nb, w, x, xs, sc, rows, y, ys);
 }
 
 /* The 12 scale bytes of a Q4_K/Q5_K block -> eight 6-bit scales and eight 6-bit minimums, one
@@ -334,25 +344,14 @@ TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
         default: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, sc, 8, y + i, ys); break; \
         }                                                                                              \
     }
-KERNELS(q4_0)
-KERNELS(q4_1)
-KERNELS(q5_0)
-KERNELS(q5_1)
-KERNELS(q8_0)
-KERNELS(q4_k)
-KERNELS(q5_k)
-KERNELS(q6_k)
+#define ISA_ROWS(NAME, name) KERNELS(name)
+GGUF_TYPES_AVX2(ISA_ROWS)
+#undef ISA_ROWS
 
+/* The portable kernels, with this file's in place of those it has (every type runs on every ISA). */
 void gguf_table_avx2(gguf_kernel_table *table) {
-    memset(table, 0, sizeof *table);
-#define ENTRY(type, name) table->rows[type] = rows_##name
-    ENTRY(GGUF_Q4_0, q4_0);
-    ENTRY(GGUF_Q4_1, q4_1);
-    ENTRY(GGUF_Q5_0, q5_0);
-    ENTRY(GGUF_Q5_1, q5_1);
-    ENTRY(GGUF_Q8_0, q8_0);
-    ENTRY(GGUF_Q4_K, q4_k);
-    ENTRY(GGUF_Q5_K, q5_k);
-    ENTRY(GGUF_Q6_K, q6_k);
+    gguf_table_portable(table);
+#define ENTRY(NAME, name) table->rows[GGUF_##NAME] = rows_##name;
+    GGUF_TYPES_AVX2(ENTRY)
 #undef ENTRY
 }

@@ -7,18 +7,34 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* GGML type ids (the numbers stored in a GGUF tensor header). */
+/* The block types: one row each in edgepipe/native/quant_types.py, generated into gguf_types.h. */
+#include "gguf_types.h"
+
+/* GGML type ids (the numbers stored in a GGUF tensor header), GGUF_<NAME> for each row. */
 enum {
-    GGUF_Q4_0 = 2,
-    GGUF_Q4_1 = 3,
-    GGUF_Q5_0 = 6,
-    GGUF_Q5_1 = 7,
-    GGUF_Q8_0 = 8,
-    GGUF_Q4_K = 12,
-    GGUF_Q5_K = 13,
-    GGUF_Q6_K = 14,
-    GGUF_TYPE_SLOTS = 16
+#define GGUF_TYPE_ID(NAME, name, id, values, bytes, act) GGUF_##NAME = id,
+    GGUF_TYPES(GGUF_TYPE_ID)
+#undef GGUF_TYPE_ID
 };
+
+/* Bytes per block of a type id known at compile time (folds to a constant in a specialised kernel). */
+static inline int gguf_block_bytes(int qtype) {
+    switch (qtype) {
+#define GGUF_TYPE_BYTES(NAME, name, id, values, bytes, act) case id: return bytes;
+        GGUF_TYPES(GGUF_TYPE_BYTES)
+#undef GGUF_TYPE_BYTES
+    }
+    return 0;
+}
+
+/* MXFP4's E2M1 codes as doubled values (the block exponent is halved to match), and its E8M0
+ * exponent e as that half scale 2^(e - 128), bit for bit as gguf-py's e8m0_to_fp32_half. */
+static const int8_t GGUF_KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float gguf_e8m0_half(uint8_t e) {
+    union { uint32_t bits; float value; } u;
+    u.bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    return u.value;
+}
 
 /* Activations quantized per 256 for the k-quants: 8-bit values, sums of each 16, scale. 64-byte
  * aligned and sized (the buffers are), so no 32-byte load of the values straddles a cache line. */
@@ -57,14 +73,17 @@ typedef void (*gguf_rows_dot)(int64_t nblocks, const uint8_t *weights, int64_t w
                               const void *activations, size_t activation_stride, const act_tile_scales32 *tile_scales,
                               int rows, float *y, size_t y_stride);
 
-/* One ISA's kernels, indexed by GGML type id (NULL where the type is not supported). */
+/* One ISA's kernels, indexed by GGML type id (NULL where the type is not supported). An ISA's
+ * table starts as the portable one and replaces the types its file has kernels for (the
+ * GGUF_TYPES_<ISA> lists), so every type runs everywhere: ggml's arch-fallback.h, as a table. */
 typedef struct {
     gguf_rows_dot rows[GGUF_TYPE_SLOTS];
 } gguf_kernel_table;
 
 typedef struct {
-    int block_values; /* values per block: 32 or 256 */
-    int block_bytes;  /* bytes per block as stored */
+    int block_values;      /* values per block: 32 or 256 */
+    int block_bytes;       /* bytes per block as stored */
+    int activation_values; /* activations quantized per 32 (act_block32) or 256 (act_block256) */
 } gguf_type_info;
 
 /* Block geometry of a supported type, or NULL. */

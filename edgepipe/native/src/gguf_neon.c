@@ -42,16 +42,21 @@ static inline uint8x16_t high_plane16(uint32_t bits) {
 
 /* 32-blocks: codes unpacked once per block, each row's sum as in gguf_portable.c. */
 TILE_KERNEL tile_32(const int qtype, int64_t nb, const uint8_t *w, const void *xv, size_t xs, const int rows, float *y, size_t ys) {
-    const int block_bytes = qtype == GGUF_Q4_0 ? 18 : qtype == GGUF_Q4_1 ? 20 : qtype == GGUF_Q5_0 ? 22 : qtype == GGUF_Q5_1 ? 24 : 34;
+    const int block_bytes = gguf_block_bytes(qtype);
     const act_block32 *x[GGUF_TILE_ROWS];
     float sum[GGUF_TILE_ROWS];
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), sum[r] = 0.0f;
     const uint8x16_t low = vdupq_n_u8(0x0F);
+    const int8x16_t kvalues = vld1q_s8(GGUF_KVALUES_MXFP4);
     for (int64_t b = 0; b < nb; b++, w += block_bytes) {
         int8x16_t c0, c1;
         if (qtype == GGUF_Q8_0) {
             c0 = vld1q_s8((const int8_t *)(w + 2));
             c1 = vld1q_s8((const int8_t *)(w + 18));
+        } else if (qtype == GGUF_MXFP4) { /* codes -> doubled E2M1 values by a table lookup */
+            uint8x16_t v = vld1q_u8(w + 1);
+            c0 = vqtbl1q_s8(kvalues, vandq_u8(v, low));
+            c1 = vqtbl1q_s8(kvalues, vshrq_n_u8(v, 4));
         } else {
             const int has_min = qtype == GGUF_Q4_1 || qtype == GGUF_Q5_1, five = qtype == GGUF_Q5_0 || qtype == GGUF_Q5_1;
             const uint8_t *qs = w + 2 + 2 * has_min + 4 * five;
@@ -65,7 +70,7 @@ TILE_KERNEL tile_32(const int qtype, int64_t nb, const uint8_t *w, const void *x
             c0 = vreinterpretq_s8_u8(lo);
             c1 = vreinterpretq_s8_u8(hi);
         }
-        float d = half_at(w);
+        float d = qtype == GGUF_MXFP4 ? gguf_e8m0_half(w[0]) : half_at(w);
         for (int r = 0; r < rows; r++) {
             const act_block32 *xb = &x[r][b];
             int isum = dot32(c0, c1, xb->qs);
@@ -86,6 +91,7 @@ TILE_KERNEL tile_q4_1(int64_t nb, const uint8_t *w, const void *x, size_t xs, co
 TILE_KERNEL tile_q5_0(int64_t nb, const uint8_t *w, const void *x, size_t xs, const int rows, float *y, size_t ys) { tile_32(GGUF_Q5_0, nb, w, x, xs, rows, y, ys); }
 TILE_KERNEL tile_q5_1(int64_t nb, const uint8_t *w, const void *x, size_t xs, const int rows, float *y, size_t ys) { tile_32(GGUF_Q5_1, nb, w, x, xs, rows, y, ys); }
 TILE_KERNEL tile_q8_0(int64_t nb, const uint8_t *w, const void *x, size_t xs, const int rows, float *y, size_t ys) { tile_32(GGUF_Q8_0, nb, w, x, xs, rows, y, ys); }
+TILE_KERNEL tile_mxfp4(int64_t nb, const uint8_t *w, const void *x, size_t xs, const int rows, float *y, size_t ys) { tile_32(GGUF_MXFP4, nb, w, x, xs, rows, y, ys); }
 
 /* The 12 scale bytes of a Q4_K/Q5_K block -> eight 6-bit scales and minimums (the format's packing). */
 static inline void unpack_k_scales(const uint8_t *s, uint8_t *scale, uint8_t *minimum) {
@@ -187,25 +193,14 @@ TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
         default: for (int64_t i = 0; i < weight_rows; i++) tile_##name(nb, w + i * row_bytes, x, xs, 8, y + i, ys); break; \
         }                                                                                                          \
     }
-KERNELS(q4_0)
-KERNELS(q4_1)
-KERNELS(q5_0)
-KERNELS(q5_1)
-KERNELS(q8_0)
-KERNELS(q4_k)
-KERNELS(q5_k)
-KERNELS(q6_k)
+#define ISA_ROWS(NAME, name) KERNELS(name)
+GGUF_TYPES_NEON(ISA_ROWS)
+#undef ISA_ROWS
 
+/* The portable kernels, with this file's in place of those it has (every type runs on every ISA). */
 void gguf_table_neon_name(gguf_kernel_table *table) {
-    memset(table, 0, sizeof *table);
-#define ENTRY(type, name) table->rows[type] = rows_##name
-    ENTRY(GGUF_Q4_0, q4_0);
-    ENTRY(GGUF_Q4_1, q4_1);
-    ENTRY(GGUF_Q5_0, q5_0);
-    ENTRY(GGUF_Q5_1, q5_1);
-    ENTRY(GGUF_Q8_0, q8_0);
-    ENTRY(GGUF_Q4_K, q4_k);
-    ENTRY(GGUF_Q5_K, q5_k);
-    ENTRY(GGUF_Q6_K, q6_k);
+    gguf_table_portable(table);
+#define ENTRY(NAME, name) table->rows[GGUF_##NAME] = rows_##name;
+    GGUF_TYPES_NEON(ENTRY)
 #undef ENTRY
 }

@@ -145,11 +145,11 @@ static int alloc_activations(matmul_job *job, int64_t m) {
     size_t bytes = job->xq_row_bytes * (size_t)(m > 0 ? m : 1);
     job->xq = aligned_alloc(64, (bytes + 63) / 64 * 64); /* 64-byte blocks of 256 values start on cache lines */
     job->scales = NULL;
-    if (job->plan->type->block_values == 32) {
+    if (job->plan->type->activation_values == 32) {
         size_t tiles = (size_t)((m + GGUF_TILE_ROWS - 1) / GGUF_TILE_ROWS);
         job->scales = calloc(tiles > 0 ? tiles * (size_t)job->nblocks : 1, sizeof(act_tile_scales32));
     }
-    return job->xq == NULL || (job->plan->type->block_values == 32 && job->scales == NULL) ? -1 : 0;
+    return job->xq == NULL || (job->plan->type->activation_values == 32 && job->scales == NULL) ? -1 : 0;
 }
 
 static void free_activations(matmul_job *job) {
@@ -160,7 +160,7 @@ static void free_activations(matmul_job *job) {
 static void quantize_rows(const matmul_job *job, int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++) {
         void *row = (char *)job->xq + m * job->xq_row_bytes;
-        if (job->plan->type->block_values == 256) {
+        if (job->plan->type->activation_values == 256) {
             gguf_quantize_row256(job->x + m * job->k, row, job->k);
         } else {
             gguf_quantize_row32(job->x + m * job->k, row, job->k);
@@ -223,7 +223,7 @@ static int prepare_job(matmul_job *job, const matmul_plan *plan, int64_t k, int6
     job->n = n;
     job->nblocks = nblocks;
     job->row_bytes = row_bytes;
-    job->xq_row_bytes = (size_t)nblocks * (type->block_values == 256 ? sizeof(act_block256) : sizeof(act_block32));
+    job->xq_row_bytes = (size_t)nblocks * (type->activation_values == 256 ? sizeof(act_block256) : sizeof(act_block32));
     /* ~4 tasks per thread on a large pool, at least 4 rows each */
     int64_t tasks = n / 4 < 64 ? (n / 4 > 0 ? n / 4 : 1) : 64;
     job->rows_per_task = (n + tasks - 1) / tasks;
@@ -235,7 +235,7 @@ static int plan_for(matmul_plan *plan, int qtype, int isa, char *error, size_t e
     plan->qtype = qtype;
     if (plan->type == NULL) {
         snprintf(error, error_size,
-                 "GgufMatMul: GGML type %d is not supported (Q4_0=2 Q4_1=3 Q5_0=6 Q5_1=7 Q8_0=8 Q4_K=12 Q5_K=13 Q6_K=14)",
+                 "GgufMatMul: GGML type %d is not supported (" GGUF_TYPES_SUPPORTED ")",
                  qtype);
         return -1;
     }

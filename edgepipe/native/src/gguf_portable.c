@@ -6,9 +6,9 @@
 #include "gguf_kernels.h"
 
 static const gguf_type_info TYPE_INFO[GGUF_TYPE_SLOTS] = {
-    [GGUF_Q4_0] = {32, 18},  [GGUF_Q4_1] = {32, 20},   [GGUF_Q5_0] = {32, 22},
-    [GGUF_Q5_1] = {32, 24},  [GGUF_Q8_0] = {32, 34},   [GGUF_Q4_K] = {256, 144},
-    [GGUF_Q5_K] = {256, 176}, [GGUF_Q6_K] = {256, 210},
+#define TYPE_INFO_ROW(NAME, name, id, values, bytes, act) [id] = {values, bytes, act},
+    GGUF_TYPES(TYPE_INFO_ROW)
+#undef TYPE_INFO_ROW
 };
 
 const gguf_type_info *gguf_type(int qtype) {
@@ -157,6 +157,22 @@ static float dot_q8_0(int64_t nb, const uint8_t *w, const void *xv) {
         int isum = 0;
         for (int i = 0; i < 32; i++) isum += qs[i] * x[b].qs[i];
         sum += half_at(w) * x[b].d * (float)isum;
+    }
+    return sum;
+}
+
+/* MXFP4: exponent byte e, then element i < 16 in the low nibble of qs[i] and i + 16 in its high
+ * nibble, each a code into the doubled E2M1 values; d = 2^(e - 128). */
+static float dot_mxfp4(int64_t nb, const uint8_t *w, const void *xv) {
+    const act_block32 *x = xv;
+    float sum = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += 17) {
+        const uint8_t *qs = w + 1;
+        int isum = 0;
+        for (int i = 0; i < 16; i++) {
+            isum += GGUF_KVALUES_MXFP4[qs[i] & 0x0F] * x[b].qs[i] + GGUF_KVALUES_MXFP4[qs[i] >> 4] * x[b].qs[i + 16];
+        }
+        sum += gguf_e8m0_half(w[0]) * x[b].d * (float)isum;
     }
     return sum;
 }
@@ -314,6 +330,14 @@ void gguf_dequantize_row(int qtype, const uint8_t *w, float *out, int64_t k) {
             }
             break;
         }
+        case GGUF_MXFP4: {
+            float d = gguf_e8m0_half(w[0]);
+            for (int i = 0; i < 16; i++) {
+                y[i] = d * (float)GGUF_KVALUES_MXFP4[w[1 + i] & 0x0F];
+                y[i + 16] = d * (float)GGUF_KVALUES_MXFP4[w[1 + i] >> 4];
+            }
+            break;
+        }
         default:
             break;
         }
@@ -330,25 +354,13 @@ void gguf_dequantize_row(int qtype, const uint8_t *w, float *out, int64_t k) {
             for (int r = 0; r < rows; r++)                                                             \
                 y[r * y_stride + i] = dot_##name(nb, w + i * row_bytes, (const char *)x + r * x_stride); \
     }
-ROWS_BY_DOT(q4_0)
-ROWS_BY_DOT(q4_1)
-ROWS_BY_DOT(q5_0)
-ROWS_BY_DOT(q5_1)
-ROWS_BY_DOT(q8_0)
-ROWS_BY_DOT(q4_k)
-ROWS_BY_DOT(q5_k)
-ROWS_BY_DOT(q6_k)
+#define PORTABLE_ROWS(NAME, name, id, values, bytes, act) ROWS_BY_DOT(name)
+GGUF_TYPES(PORTABLE_ROWS)
+#undef PORTABLE_ROWS
 
 void gguf_table_portable(gguf_kernel_table *table) {
     memset(table, 0, sizeof *table);
-#define ENTRY(type, name) table->rows[type] = rows_##name
-    ENTRY(GGUF_Q4_0, q4_0);
-    ENTRY(GGUF_Q4_1, q4_1);
-    ENTRY(GGUF_Q5_0, q5_0);
-    ENTRY(GGUF_Q5_1, q5_1);
-    ENTRY(GGUF_Q8_0, q8_0);
-    ENTRY(GGUF_Q4_K, q4_k);
-    ENTRY(GGUF_Q5_K, q5_k);
-    ENTRY(GGUF_Q6_K, q6_k);
+#define ENTRY(NAME, name, id, values, bytes, act) table->rows[GGUF_##NAME] = rows_##name;
+    GGUF_TYPES(ENTRY)
 #undef ENTRY
 }

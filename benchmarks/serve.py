@@ -49,8 +49,9 @@ import httpx
 from edgepipe.bench.cluster import Server, bench_home, free_port
 from edgepipe.bench.machine import Conditions, load_average, package_version
 from edgepipe.bench.results import write_results
-from edgepipe.bench.serving import (BREAKDOWN_HEAD, COMPARISON_HEAD, Snapshot, Stream, breakdown_row, comparison_rows,
-                                    decode_breakdown, llama_server_argv, median_of, parse_metrics, rpc_server_argv, summarize)
+from edgepipe.bench.serving import (BREAKDOWN_HEAD, COMPARISON_HEAD, LOAD_HEAD, Snapshot, Stream, breakdown_row, comparison_rows,
+                                    decode_breakdown, level_counters, llama_server_argv, load_row, median_breakdown, median_of, parse_metrics,
+                                    rpc_server_argv, summarize)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("EDGEPIPE_MODELS") or Path.home() / ".cache" / "edgepipe" / "models")
@@ -261,7 +262,10 @@ def compare(models: list[Path], args, home: Path, logdir: Path) -> dict:
                     try:
                         level(srv.url, 1, 8, f"w{rep}")  # warm-up
                         for n in levels:
+                            a = snapshot(srv) if engine == "edgepipe" else None
                             r = level(srv.url, n, args.tokens, f"r{rep}{kind[0]}{n}")
+                            if a is not None:  # what the wire and the processes say of this level
+                                r["counters"] = level_counters(a, snapshot(srv))
                             r["load_before"], r["load_after"] = before, load_average()
                             runs[model.name][kind][engine][n].append(r)
                             print(f"rep {rep + 1} {model.name} {kind} {engine} {n} clients: {r['aggregate_tok_s']} tok/s aggregate, "
@@ -301,11 +305,11 @@ def profile(model: Path, args, home: Path, logdir: Path) -> list[dict]:
             for rep in range(args.profile_reps):  # long and short alternate; the same prompt, so prefill and prefix hits match
                 long = timed_request(ep, args.profile_tokens, "p")
                 short = timed_request(ep, 8, "p")
-                parts.append(decode_breakdown(long, short, ep.stages))
-            keys = [k for k in parts[0] if k not in ("stages", "hops")]
-            med = {"stages": ep.stages, "hops": ep.stages + 1, "workers": workers, "threads": threads, "model": model.name,
-                   **{k: round(sorted(p[k] for p in parts)[len(parts) // 2], 2) for k in keys}, "reps": parts, "load": load_average()}
-            print(f"profile {model.name} {ep.stages} stage(s): {json.dumps({k: med[k] for k in keys})}", flush=True)
+                parts.append(decode_breakdown(long, short, ep.stages, threads))
+            med = {**median_breakdown(parts), "stages": ep.stages, "hops": ep.stages + 1, "workers": workers, "threads": threads,
+                   "model": model.name, "reps": parts, "load": load_average()}
+            print(f"profile {model.name} {ep.stages} stage(s) x {threads} thread(s): "
+                  f"{json.dumps({k: v for k, v in med.items() if k not in ('reps', 'model')})}", flush=True)
             out.append(med)
         finally:
             ep.close()
@@ -343,6 +347,12 @@ def report(data: dict, run: Conditions, args) -> str:
             if kind in kinds:
                 lines += comparison_rows(kinds[kind]["edgepipe"], kinds[kind]["llama.cpp"], label)
         lines.append("")
+        servers = data["compare"]["servers"][name]
+        rows = [load_row(f"{kind}, {servers.get(f'{kind}/edgepipe', {}).get('stages', '?')} stage(s)", n, r["aggregate_tok_s"], r["counters"])
+                for kind in kinds for n, reps in data["compare"]["runs"][name][kind]["edgepipe"].items() for r in reps[-1:]
+                if r.get("counters")]
+        if rows:
+            lines += ["edgepipe under each level, from /metrics and /proc (the last rep; prefills included):", "", *LOAD_HEAD, *rows, ""]
     if data.get("profile"):
         lines += ["## One decode step through `edgepipe serve` (ms per token, 1 client)", "",
                   "From /metrics (StepRecord: send-to-token wall, time before sending, stage compute) and /proc CPU times, "
@@ -387,15 +397,19 @@ def main() -> None:
     data = {"versions": versions(), "config": {"tokens": args.tokens, "reps": args.reps, "levels": args.levels,
                                                "pipeline_levels": args.pipeline_levels if args.pipeline else [],
                                                "models": [str(m) for m in models], "slot_context": SLOT_CONTEXT}}
+    stem = "serve-quick" if args.quick else "serve"
+
+    def write() -> None:  # after each part: a later part that fails keeps what was measured
+        run.finish()
+        for path in write_results(stem, {**run.as_dict(), "elapsed_s": run.elapsed_s, **data}, report(data, run, args), args.out):
+            print(f"wrote {path}", flush=True)
+
     if not args.profile_only:
         data["compare"] = compare(models, args, home, logdir)
+        write()
     if args.profile or args.profile_only or args.quick:
         data["profile"] = profile(models[0], args, home, logdir)
-    run.finish()
-    data = {**run.as_dict(), "elapsed_s": run.elapsed_s, **data}
-    stem = "serve-quick" if args.quick else "serve"
-    for path in write_results(stem, data, report(data, run, args), args.out):
-        print(f"wrote {path}")
+        write()
 
 
 if __name__ == "__main__":

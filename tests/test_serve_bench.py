@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgepipe.bench.serving import (Snapshot, Stream, comparison_rows, decode_breakdown, llama_server_argv, median_of,
+from edgepipe.bench.serving import (Snapshot, Stream, comparison_rows, decode_breakdown, level_counters, llama_server_argv, median_breakdown, median_of,
                                     parse_metrics, ratio, summarize)
 
 pytestmark = pytest.mark.pure
@@ -66,5 +66,24 @@ def test_decode_breakdown_cancels_the_prefill_by_the_long_minus_the_short_reques
     assert b["hops"] == 4 and b["per_hop_ms"] == pytest.approx(1.0, abs=0.01)
     assert b["between_steps_ms"] == pytest.approx(2.0, abs=0.01) and b["coordinator_cpu_ms"] == pytest.approx(3.0, abs=0.01)
     assert b["workers_cpu_beyond_compute_ms"] == pytest.approx(2.0, abs=0.01) and b["stage_calls_per_token"] == 1.0
+    assert decode_breakdown(req(63, 10.0), req(7, 100.0), stages=1, threads=2)["workers_cpu_beyond_compute_ms"] is None
     with pytest.raises(ValueError, match="no decode steps"):
         decode_breakdown(req(7, 0.0), req(7, 5.0), stages=1)
+
+
+def test_level_counters_per_token_and_per_stage_call():
+    a = Snapshot(parse_metrics("edgepipe_tokens_generated_total 10\nedgepipe_stage_compute_seconds_count{worker=\"a\"} 5\n"), 1.0, 2.0)
+    text = ("edgepipe_tokens_generated_total 74\n"  # 64 tokens in 16 stage calls of 4 sequences, 0.8 s compute
+            'edgepipe_stage_compute_seconds_count{worker="a"} 21\nedgepipe_stage_compute_seconds_sum{worker="a"} 0.8\n'
+            'edgepipe_stage_batch_size_sum{worker="a"} 64\nedgepipe_time_per_output_token_seconds_sum 1.5\n'
+            "edgepipe_time_per_output_token_seconds_count 60\n")
+    c = level_counters(a, Snapshot(parse_metrics(text), 1.128, 3.28))
+    assert c["tokens"] == 64 and c["stage_calls_per_token"] == 0.25 and c["batch_mean"] == 4.0
+    assert c["compute_ms_per_call"] == 50.0 and c["decode_step_ms"] == 25.0
+    assert c["coordinator_cpu_ms_per_token"] == 2.0 and c["workers_cpu_ms_per_token"] == 20.0
+    assert level_counters(a, a) == {}
+
+
+def test_breakdown_medians_keep_a_figure_that_is_none():
+    m = median_breakdown([{"a": 1.0, "b": None}, {"a": 3.0, "b": None}, {"a": 2.0, "b": None}])
+    assert m == {"a": 2.0, "b": None}

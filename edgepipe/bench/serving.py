@@ -7,7 +7,8 @@ llama.cpp's): pure, so the figures a table shows can be tested without a server.
   tok/s, per-stream decode tok/s and TTFT median;
 - ``parse_metrics`` / ``decode_breakdown``: edgepipe's ``/metrics`` counters and the processes'
   CPU times before and after a long and a short request, turned into one decode step's parts
-  (the difference of the two cancels the prefill and the request's set-up);
+  (the difference of the two cancels the prefill and the request's set-up); ``level_counters``:
+  the same counters over a whole concurrency level (batching, CPU per token);
 - ``ratio`` and the markdown tables.
 """
 
@@ -109,13 +110,32 @@ def _delta(a: Snapshot, b: Snapshot) -> dict[str, float]:
     return {"tokens": d.get("edgepipe_tokens_generated_total", 0.0),
             "wall_s": d.get("edgepipe_step_wall_seconds_total", 0.0),
             "before_send_s": d.get("edgepipe_coordinator_seconds_total", 0.0),
+            "tpot_s": d.get("edgepipe_time_per_output_token_seconds_sum", 0.0),
+            "tpot_n": d.get("edgepipe_time_per_output_token_seconds_count", 0.0),
+            "batch_sum": sum(v for k, v in d.items() if k.startswith("edgepipe_stage_batch_size_sum")),
             "compute_s": sum(v for k, v in d.items() if k.startswith("edgepipe_stage_compute_seconds_sum")),
             "calls": sum(v for k, v in d.items() if k.startswith("edgepipe_stage_compute_seconds_count")),
             "coordinator_cpu_s": b.coordinator_cpu_s - a.coordinator_cpu_s,
             "workers_cpu_s": b.workers_cpu_s - a.workers_cpu_s}
 
 
-def decode_breakdown(long: tuple[Snapshot, Snapshot, float], short: tuple[Snapshot, Snapshot, float], stages: int) -> dict:
+def level_counters(before: Snapshot, after: Snapshot) -> dict:
+    """What ``/metrics`` and the CPU times say of a whole concurrency level (prefills included):
+    per generated token the coordinator's and the workers' CPU ms and the stage calls; per stage
+    call its compute ms and sequences batched; the mean decode step (send to token, StepRecord)."""
+    d = _delta(before, after)
+    n, calls = d["tokens"], d["calls"]
+    if n <= 0:
+        return {}
+    return {"tokens": n, "coordinator_cpu_ms_per_token": round(d["coordinator_cpu_s"] / n * 1e3, 2),
+            "workers_cpu_ms_per_token": round(d["workers_cpu_s"] / n * 1e3, 2), "stage_calls_per_token": round(calls / n, 2),
+            "compute_ms_per_call": round(d["compute_s"] / calls * 1e3, 2) if calls else None,
+            "batch_mean": round(d["batch_sum"] / calls, 2) if calls else None,
+            "decode_step_ms": round(d["tpot_s"] / d["tpot_n"] * 1e3, 2) if d["tpot_n"] else None}
+
+
+def decode_breakdown(long: tuple[Snapshot, Snapshot, float], short: tuple[Snapshot, Snapshot, float], stages: int,
+                     threads: int = 1) -> dict:
     """One decode step's parts, in ms per token, from a long and a short single-stream request
     (``(before, after, client seconds from first to last token)`` each): every counter's
     difference between the two over the difference in tokens, so the prefill and the request's
@@ -127,8 +147,9 @@ def decode_breakdown(long: tuple[Snapshot, Snapshot, float], short: tuple[Snapsh
     (coordinator -> first stage ... last stage -> coordinator) with the workers' framing and any
     queueing on the way, ``per_hop`` its mean. ``between_steps`` is what the client sees per token
     beyond a step (the coordinator between a token's arrival and the next step's start: streaming
-    it out, scheduling). CPU: the coordinator's process and the workers' (their CPU beyond compute
-    is their framing and messaging)."""
+    it out, scheduling). CPU: the coordinator's process and the workers'; with one thread per
+    worker, their CPU beyond compute is their framing and messaging (None with more threads: a
+    compute second may then hold up to ``threads`` CPU seconds)."""
     (la, lb, lclient), (sa, sb, sclient) = long, short
     dl, ds = _delta(la, lb), _delta(sa, sb)
     n = dl["tokens"] - ds["tokens"]
@@ -145,8 +166,17 @@ def decode_breakdown(long: tuple[Snapshot, Snapshot, float], short: tuple[Snapsh
             "between_steps_ms": round(client - step, 2), "before_send_ms": round(before, 2), "compute_ms": round(compute, 2),
             "transit_ms": round(transit, 2), "hops": stages + 1, "per_hop_ms": round(transit / (stages + 1), 2),
             "coordinator_cpu_ms": round(per("coordinator_cpu_s"), 2), "workers_cpu_ms": round(per("workers_cpu_s"), 2),
-            "workers_cpu_beyond_compute_ms": round(per("workers_cpu_s") - compute, 2),
+            "workers_cpu_beyond_compute_ms": round(per("workers_cpu_s") - compute, 2) if threads == 1 else None,
             "stage_calls_per_token": round((dl["calls"] - ds["calls"]) / n, 2)}
+
+
+def median_breakdown(parts: list[dict]) -> dict:
+    """Each figure's median over repetitions of ``decode_breakdown`` (a figure None in any: None)."""
+    out = {}
+    for k in parts[0]:
+        values = [p[k] for p in parts]
+        out[k] = None if any(v is None for v in values) else round(statistics.median(values), 2)
+    return out
 
 
 # -- tables --------------------------------------------------------------------------------------
@@ -172,11 +202,21 @@ COMPARISON_HEAD = ["| | edgepipe tok/s | llama.cpp tok/s | ratio | edgepipe per-
                    "| edgepipe TTFT median s | llama.cpp TTFT median s |", "|---|---|---|---|---|---|---|---|"]
 
 BREAKDOWN_HEAD = ["| stages | client ms/token | step (send → token) | before send | stage compute | transit (hops + framing + queue) "
-                  "| hops | per hop | between steps | coordinator CPU | workers' CPU beyond compute |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| hops | per hop | between steps | coordinator CPU | workers' CPU | workers' CPU beyond compute |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def breakdown_row(b: dict) -> str:
     return (f"| {b['stages']} | {b['client_ms']:.2f} | {b['step_ms']:.2f} | {b['before_send_ms']:.2f} | {b['compute_ms']:.2f} "
             f"| {b['transit_ms']:.2f} | {b['hops']} | {b['per_hop_ms']:.2f} | {b['between_steps_ms']:.2f} "
-            f"| {b['coordinator_cpu_ms']:.2f} | {b['workers_cpu_beyond_compute_ms']:.2f} |")
+            f"| {b['coordinator_cpu_ms']:.2f} | {b['workers_cpu_ms']:.2f} | {_f(b['workers_cpu_beyond_compute_ms'], 2)} |")
+
+
+LOAD_HEAD = ["| config | clients | tok/s | decode step ms | sequences per stage call | compute ms per call | stage calls per token "
+             "| coordinator CPU ms/token | workers' CPU ms/token |", "|---|---|---|---|---|---|---|---|---|"]
+
+
+def load_row(config: str, clients: int, tok_s: float, c: dict) -> str:
+    return (f"| {config} | {clients} | {tok_s:.1f} | {_f(c.get('decode_step_ms'), 2)} | {_f(c.get('batch_mean'), 2)} "
+            f"| {_f(c.get('compute_ms_per_call'), 2)} | {_f(c.get('stage_calls_per_token'), 2)} "
+            f"| {_f(c.get('coordinator_cpu_ms_per_token'), 2)} | {_f(c.get('workers_cpu_ms_per_token'), 2)} |")

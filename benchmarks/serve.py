@@ -255,13 +255,13 @@ def compare(models: list[Path], args, home: Path, logdir: Path) -> dict:
         for model in models:
             for kind, levels in kinds.items():
                 for engine in ("edgepipe", "llama.cpp") if rep % 2 == 0 else ("llama.cpp", "edgepipe"):
-                    before = load_average()
                     t0 = time.monotonic()
                     srv = start(kind, engine, model, home, logdir)
                     up_s = time.monotonic() - t0
                     try:
                         level(srv.url, 1, 8, f"w{rep}")  # warm-up
                         for n in levels:
+                            before = load_average()
                             a = snapshot(srv) if engine == "edgepipe" else None
                             r = level(srv.url, n, args.tokens, f"r{rep}{kind[0]}{n}")
                             if a is not None:  # what the wire and the processes say of this level
@@ -357,9 +357,12 @@ def report(data: dict, run: Conditions, args) -> str:
         lines += ["## One decode step through `edgepipe serve` (ms per token, 1 client)", "",
                   "From /metrics (StepRecord: send-to-token wall, time before sending, stage compute) and /proc CPU times, "
                   f"a {args.profile_tokens}-token minus an 8-token request per token (the prefill cancels), median of "
-                  f"{args.profile_reps}. Transit = step - before send - compute: the hops (coordinator -> first stage ... last stage -> "
+                  f"{args.profile_reps}; CPU times in /proc ticks of {1e3 / os.sysconf('SC_CLK_TCK'):g} ms (over "
+                  f"{args.profile_tokens - 8} tokens a rep). Transit = step - before send - compute: the hops (coordinator -> first stage ... last stage -> "
                   "coordinator), the workers' framing and any queueing; per hop is its mean (no per-hop stamps on the wire). "
-                  "Between steps = client's time per token - step (the coordinator from a token's arrival to the next step's start).", ""]
+                  "Between steps = client's time per token - step (the coordinator from a token's arrival to the next step's start; "
+                  "a difference of two measured figures, slightly negative where noise exceeds it). Stage compute is the workers' "
+                  "wall time of a call: on a loaded machine it holds time without a core, and their CPU falls below it.", ""]
         for model in dict.fromkeys(p["model"] for p in data["profile"]):
             lines += [f"### {model}", "", *BREAKDOWN_HEAD, *[breakdown_row(p) for p in data["profile"] if p["model"] == model], ""]
     return "\n".join(lines)
@@ -375,7 +378,7 @@ def main() -> None:
     ap.add_argument("--no-pipeline", dest="pipeline", action="store_false")
     ap.add_argument("--profile", action="store_true", help="also the decode-step breakdown (on the first model)")
     ap.add_argument("--profile-only", action="store_true")
-    ap.add_argument("--profile-tokens", type=int, default=64)
+    ap.add_argument("--profile-tokens", type=int, default=128, help="the long request (the short: 8 tokens)")
     ap.add_argument("--profile-reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="smoke: the 0.5B, 1 rep, 16 tokens, levels 1,4 and 1,2, a short profile")
     ap.add_argument("--out", default=None)

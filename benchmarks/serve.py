@@ -17,7 +17,9 @@ every configuration, then rep 2, ...), medians reported:
   `llama-server -t 2 -np 16 -c 16x512`, at 1, 4 and 16 concurrent clients;
 - a pipeline of 3 processes of 1 thread: `edgepipe serve --workers 3 --worker-threads 1
   --placement memory` (3 stages) against 3 `rpc-server -t 1` under `llama-server -t 1 --rpc
-  a,b,c -ngl 999 -ts 1,1,1` (an even layer split), at 1 and 8 clients.
+  a,b,c -ngl 999 -ts 1,1,1` (an even split of the layers in order: the 0.5B's 24 layers go 9/8/7
+  with the output layer on the third, llama-server itself keeping only the token embeddings),
+  at 1 and 8 clients. edgepipe's 3 workers each hold a third of the layers (`--placement memory`).
 
 Each client streams `/v1/completions` (a distinct raw prompt, greedy `temperature: 0`,
 `max_tokens` N, `ignore_eos`); aggregate tok/s = all tokens / first send to last token,
@@ -186,7 +188,6 @@ class Edgepipe:
                              args=("--model", str(model), "--worker-threads", str(threads), "--max-active", "16", "--max-queue", "64", *extra))
         self.url = self.server.url
         self.pid = self.server.proc.pid
-        self.workers = [p for p in descendants(self.pid)]
         self.stages = len((self.server.status().get("plan") or {}).get("stages") or [])
         self.argv = list(self.server.proc.args)
 

@@ -169,8 +169,8 @@ static inline __m256 high_half_ps(__m512 v) { return _mm256_castpd_ps(_mm512_ext
 static inline __m512i mxfp4_pair_codes(const uint8_t *w) {
     __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(w + 1))),
                                         _mm_loadu_si128((const __m128i *)(w + 18)), 1); /* [even qs | odd qs] */
-    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-    both = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)); /* [even lo, even hi, odd lo, odd hi] */
+    __m512i both = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), _mm512_castsi256_si512(v)); /* [even, even, odd, odd] */
+    both = _mm512_mask_srli_epi16(both, 0xFF00FF00u, both, 4); /* [even lo, even hi, odd lo, odd hi] after the mask */
     return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
 }
 

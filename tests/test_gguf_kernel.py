@@ -150,6 +150,27 @@ def test_a_row_gives_the_same_bits_alone_or_in_a_batch(kind, library, isas, monk
         assert np.array_equal(batched[:, 1:10].view(np.uint32), shifted.view(np.uint32)), f"{kind} {isa}: rows 1-9"
 
 
+
+def test_mxfp4_odd_block_count_is_batch_invariant_and_equal_across_x86_paths(library, isas, monkeypatch):
+    """MXFP4's AVX-512 kernel takes two blocks per register (an odd last block alone) and keeps the
+    AVX2 kernel's even/odd chains lane for lane: an odd block count (17) is batch-invariant on
+    every ISA, within rounding of the quantized product, and the AVX-512 path equals AVX2 bit for bit."""
+    rng = np.random.default_rng(417)
+    k, n = 17 * 32, 24
+    raw = random_blocks("MXFP4", n, k, rng)
+    x = rng.standard_normal((1, 11, k)).astype(np.float32)
+    x[0, 3, -32:] = 0.0  # the lone last block all zero in one row
+    outputs = {}
+    for isa in isas:
+        monkeypatch.setenv("EDGEPIPE_GGUF_ISA", isa)
+        batched = run_op(library, "MXFP4", x, raw)
+        alone = np.concatenate([run_op(library, "MXFP4", x[:, i:i + 1], raw) for i in range(11)], axis=1)
+        assert np.array_equal(batched.view(np.uint32), alone.view(np.uint32)), f"MXFP4 {isa}: batch of 11 vs one by one"
+        check_product(batched, x, dequantized(raw, "MXFP4", k), "MXFP4")
+        outputs[isa] = batched
+    if "avx512vnni" in outputs:
+        assert np.array_equal(outputs["avx512vnni"].view(np.uint32), outputs["avx2"].view(np.uint32))
+
 def test_two_threads_give_the_same_bits(library):
     rng = np.random.default_rng(7)
     k, n = 1024, 300

@@ -55,6 +55,20 @@ static inline __m256i high_bits32(const uint8_t *qh_bytes) {
 }
 
 
+/* gguf_e8m0_half of every exponent byte as float bits, a constant table (one load per block instead
+ * of a compare, two shifts and a select): the same formula, so the same values bit for bit. */
+#define E8M0_HALF_BITS(e) ((e) < 2 ? 0x00200000u << (e) : (uint32_t)((e) - 1) << 23)
+#define E8M0_4(e) E8M0_HALF_BITS(e), E8M0_HALF_BITS((e) + 1), E8M0_HALF_BITS((e) + 2), E8M0_HALF_BITS((e) + 3)
+#define E8M0_16(e) E8M0_4(e), E8M0_4((e) + 4), E8M0_4((e) + 8), E8M0_4((e) + 12)
+#define E8M0_64(e) E8M0_16(e), E8M0_16((e) + 16), E8M0_16((e) + 32), E8M0_16((e) + 48)
+static const uint32_t e8m0_half_bits[256] = {E8M0_64(0), E8M0_64(64), E8M0_64(128), E8M0_64(192)};
+
+static inline float e8m0_half(uint8_t e) {
+    float value;
+    memcpy(&value, &e8m0_half_bits[e], 4);
+    return value;
+}
+
 #define TILE_KERNEL static inline __attribute__((always_inline)) void
 
 /* Activation row r of a tile: `x` rows `stride` bytes apart. */
@@ -83,7 +97,7 @@ TILE_KERNEL tile_32(const int qtype, int64_t nb, const uint8_t *w, const void *x
     float offset_one = 0.0f, scale_one = 0.0f; /* rows = 1 (a decode step): the same operations in scalars */
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = acc_odd[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += block_bytes) {
-        float d = qtype == GGUF_MXFP4 ? gguf_e8m0_half(w[0]) : half_at(w);
+        float d = qtype == GGUF_MXFP4 ? e8m0_half(w[0]) : half_at(w);
         if (rows == 1) {
             scale_one = d * x[0][b].d;
             if (!signed_codes) offset_one += (has_min ? half_at(w + 2) : d) * x[0][b].ds;
@@ -137,9 +151,87 @@ TILE_KERNEL tile_q5_1(int64_t nb, const uint8_t *w, const void *x, size_t xs, co
 TILE_KERNEL tile_q8_0(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
     tile_32(GGUF_Q8_0, nb, w, x, xs, sc, rows, y, ys);
 }
+#ifdef GGUF_USE_AVX512
+/* MXFP4 on AVX-512: an even block and the odd one after it in one 512-bit register (low half: even,
+ * high half: odd), so each vector operation does two blocks' work. The lanes do exactly the AVX2
+ * tile's arithmetic: the low half is its even fmadd chain, the high half its odd one, and the two
+ * are added and summed at the end as there; so the result is the AVX2 kernel's bit for bit, in
+ * every tile size (an odd last block goes alone on the even chain, as there). The codes become
+ * |value| by one byte lookup, and the activations take the code's sign (its bit 3) by a masked
+ * negation: the same integer products as the sign-trick of the 256-bit path. */
+static inline __m512 concat_ps(__m256 low, __m256 high) { /* AVX512F only (no DQ needed) */
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)), _mm256_castps_pd(high), 1));
+}
+
+static inline __m256 high_half_ps(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+/* The codes (0..15) of the 17-byte blocks at w and w + 17, laid out as their activations are. */
+static inline __m512i mxfp4_pair_codes(const uint8_t *w) {
+    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(w + 1))),
+                                        _mm_loadu_si128((const __m128i *)(w + 18)), 1); /* [even qs | odd qs] */
+    __m512i both = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), _mm512_castsi256_si512(v)); /* [even, even, odd, odd] */
+    both = _mm512_mask_srli_epi16(both, 0xFF00FF00u, both, 4); /* [even lo, even hi, odd lo, odd hi] after the mask */
+    return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+}
+
+static inline __m512i act_pair(const act_block32 *x, int64_t b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)x[b].qs)),
+                              _mm256_loadu_si256((const __m256i *)x[b + 1].qs), 1);
+}
+
+TILE_KERNEL tile_mxfp4(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const act_tile_scales32 *sc, const int rows,
+                       float *y, size_t ys) {
+    static const int8_t magnitudes[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12};
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)magnitudes));
+    const __m256i kvalues = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)GGUF_KVALUES_MXFP4));
+    const __m512i sign_bit = _mm512_set1_epi8(0x08), zero = _mm512_setzero_si512();
+    const act_block32 *x[GGUF_TILE_ROWS];
+    __m512 acc[GGUF_TILE_ROWS];
+    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, w += 34) {
+        const float d0 = e8m0_half(w[0]), d1 = e8m0_half(w[17]);
+        const __m512i codes = mxfp4_pair_codes(w);
+        const __m512i q_abs = _mm512_shuffle_epi8(table, codes);
+        const __mmask64 negative = _mm512_test_epi8_mask(codes, sign_bit);
+        __m512 scales = _mm512_setzero_ps();
+        if (rows > 1) /* lanes 0-7: d0 x_r.d of block b, lanes 8-15: d1 x_r.d of block b + 1 (lane r: row r) */
+            scales = concat_ps(_mm256_mul_ps(_mm256_set1_ps(d0), _mm256_loadu_ps(sc[b].d)),
+                               _mm256_mul_ps(_mm256_set1_ps(d1), _mm256_loadu_ps(sc[b + 1].d)));
+        for (int r = 0; r < rows; r++) {
+            __m512i xq = act_pair(x[r], b);
+            __m512i products = _mm512_dpbusd_epi32(zero, q_abs, _mm512_mask_sub_epi8(xq, negative, zero, xq));
+            __m512 row_scale;
+            if (rows == 1) {
+                row_scale = concat_ps(_mm256_set1_ps(d0 * x[0][b].d), _mm256_set1_ps(d1 * x[0][b + 1].d));
+            } else {
+                const __m512i lane = _mm512_set_epi32(8 + r, 8 + r, 8 + r, 8 + r, 8 + r, 8 + r, 8 + r, 8 + r, r, r, r, r, r, r, r, r);
+                row_scale = _mm512_permutexvar_ps(lane, scales);
+            }
+            acc[r] = _mm512_fmadd_ps(row_scale, _mm512_cvtepi32_ps(products), acc[r]);
+        }
+    }
+    __m256 tail[GGUF_TILE_ROWS]; /* an odd last block: the even chain, as the AVX2 tile does it */
+    for (int r = 0; r < rows; r++) tail[r] = _mm512_castps512_ps256(acc[r]);
+    if (b < nb) {
+        const float d = e8m0_half(w[0]);
+        const __m256 scale = rows > 1 ? _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(sc[b].d)) : _mm256_setzero_ps();
+        const __m256i q = _mm256_shuffle_epi8(kvalues, nibbles32(w + 1));
+        const __m256i q_abs = _mm256_sign_epi8(q, q);
+        for (int r = 0; r < rows; r++) {
+            __m256i xq = _mm256_loadu_si256((const __m256i *)x[r][b].qs);
+            __m256i products = dot_u8s8(q_abs, _mm256_sign_epi8(xq, q));
+            __m256 row_scale = rows == 1 ? _mm256_set1_ps(d * x[0][b].d) : _mm256_permutevar8x32_ps(scale, _mm256_set1_epi32(r));
+            tail[r] = _mm256_fmadd_ps(row_scale, _mm256_cvtepi32_ps(products), tail[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(_mm256_add_ps(tail[r], high_half_ps(acc[r])));
+}
+#else
 TILE_KERNEL tile_mxfp4(int64_t nb, const uint8_t *w, const void *x, size_t xs, const act_tile_scales32 *sc, const int rows, float *y, size_t ys) {
     tile_32(GGUF_MXFP4, nb, w, x, xs, sc, rows, y, ys);
 }
+#endif
 
 /* The 12 scale bytes of a Q4_K/Q5_K block -> eight 6-bit scales and eight 6-bit minimums, one
  * byte each, by 32-bit word arithmetic: bytes 0-3 hold scales 0-3 (low 6 bits) and the top bits

@@ -195,3 +195,17 @@ def test_serve_with_one_worker_gives_generates_greedy_tokens_on_the_direct_path(
         for prompt, r in zip(prompts, replies):
             expected = [t for t in reference_tokens(native_pkg, prompt, 40) if t not in native_pkg.manifest.eos_ids]
             assert r.json()["choices"][0]["token_ids"] == expected
+
+
+# -- the coordinator's CPU per token --------------------------------------------------------------
+@pytest.mark.pure
+def test_the_events_narration_skips_have_no_dashboard_line():
+    """``narrate.SILENT`` (a token's and a heartbeat's events) skips the dashboard's match, and
+    ``Coordinator.adopt`` logs them without applying them again: none may be one the match knows."""
+    import inspect
+    import re
+
+    from edgepipe.cluster import narrate
+
+    named = set(re.findall(r"\b([A-Z][A-Za-z]+)\(", inspect.getsource(narrate._fields)))
+    assert named and not named & {t.__name__ for t in narrate.SILENT}

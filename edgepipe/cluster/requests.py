@@ -69,6 +69,11 @@ def next_step(state: S.ClusterState, rid: str, fed_plan: int | None, plan: int, 
     return NextStep(None, epoch, nxt.fed_plan, nxt.feed, nxt.replay_from)
 
 
+def _length(state: SequenceState) -> int:
+    """Its positions so far (``len(state.all_ids)``, without building that list at every token)."""
+    return len(state.prompt_ids) + len(state.generated)
+
+
 class Requests:
     def __init__(self, ports: Ports, steps: Steps, checkpoints, speculation, up: asyncio.Event, gate: asyncio.Event,
                  stopped: Callable[[], bool], on_step: Callable[[StepRecord], None], recent_steps: deque):
@@ -156,12 +161,12 @@ class Requests:
                     head = controls.step_fields(state, self.ports.package.manifest.config.get("vocab_size") or 0, len(feed) > 1)
                 except ValueError as exc:  # the token mask provider's answer cannot be used
                     raise RequestFailed(str(exc).splitlines()[0] if str(exc) else "bad token mask") from None
-                kv_start = len(state.all_ids) - len(feed)
+                kv_start = _length(state) - len(feed)
                 proposal = None
                 if spec is not None and not state.generated and spec.eligible(state, head):
                     spec.prime(rid, state)  # the drafter prefills beside the pipeline
                 if spec is not None and replay_from is None and len(feed) == 1 and spec.eligible(state, head):
-                    room = min(state.params.max_tokens - len(state.generated) - 1, p.package.manifest.max_context - len(state.all_ids) - 2)
+                    room = min(state.params.max_tokens - len(state.generated) - 1, p.package.manifest.max_context - _length(state) - 2)
                     proposal = await spec.propose(rid, state, room, rule=spec.by_rule(state, head))
                     proposal, head = spec.masked(state, head, proposal, self.ports.package.manifest.config.get("vocab_size") or 0)
                 drafts = proposal.tokens if proposal else []
@@ -197,7 +202,7 @@ class Requests:
                     spec.learn(rid, len(drafts), len(tokens) - 1, by_rule=proposal.q is not None)
                     record.tokens_out = len(tokens)
                 rewind = bool(drafts) and len(tokens) < len(drafts) + 1  # the stages hold rejected drafts
-                p.emit(S.RequestFed(rid, seq, dep.plan_id, len(state.all_ids) + len(tokens) - 1, p.clock()))  # ends a pause
+                p.emit(S.RequestFed(rid, seq, dep.plan_id, _length(state) + len(tokens) - 1, p.clock()))  # ends a pause
                 if seq not in p.state().steps.ahead:  # its stage runs ahead of the count: no checkpoint of it meanwhile
                     await self.checkpoints.after_step(rid, seq, dep, len(state.prompt_ids))
                 if head.get("logprobs") and record.logprobs is None:
@@ -230,7 +235,7 @@ class Requests:
         if limit <= 0:
             return 0
         cluster = p.state()
-        left = min(state.params.max_tokens - len(state.generated) - 1, p.package.manifest.max_context - len(state.all_ids) - 1)
+        left = min(state.params.max_tokens - len(state.generated) - 1, p.package.manifest.max_context - _length(state) - 1)
         return direct.grant(direct.Ask(limit, state.params.greedy, frozenset(head), len(dep.stages), dep.replicated,
                                        self.speculation is not None, self.checkpoints.enabled and cluster.spare is not None,
                                        len(cluster.requests) - 1, left))

@@ -96,8 +96,7 @@ class Steps:
     def carry_out(self, handled: core.Handled) -> None:
         """Emit what the core decided; settle or fail the futures of the steps it ended."""
         p = self.ports
-        for event in handled.events:
-            p.emit(event)
+        p.carry(handled.state, handled.events)
         for command in handled.commands:
             match command:
                 case core.SettleStep(step_id, result):

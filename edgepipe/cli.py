@@ -361,6 +361,10 @@ def serve(
                                              help="Copy each live sequence's KV to the spare plan's workers every this many generated "
                                                   "tokens, so a recovery replays only the tokens since (0: off; not with speculative "
                                                   "decoding)."),
+    direct_steps: int = typer.Option(8, "--direct-steps", min=0,
+                                     help="On a one-stage plan, the worker feeds each greedy token straight into its next step, up to "
+                                          "this many steps between two frames from the coordinator, which still takes every token in "
+                                          "order and stops, cancels and recovers as before (0: every token through the coordinator)."),
     variant_disk: str = typer.Option("4GiB", "--variant-disk",
                                      help="Disk the browser variants may add to the model package (a WebAssembly tab's fp32 "
                                           "units, built unit by unit as its stages need them); a build beyond it is refused."),
@@ -404,7 +408,7 @@ def serve(
                              cluster=cluster, advertise=advertise, batch_invariant=batch_invariant, local_device=local_device,
                              speculative=speculative, draft_k=draft_k, draft_threads=draft_threads, draft_length=draft_length, draft_on=draft_on, verify_form=verify_form,
                              prefix_cache_positions=prefix_cache_positions if prefix_cache else 0, kv_checkpoint_tokens=kv_checkpoint_tokens,
-                             variant_disk_bytes=variant_disk_bytes)
+                             variant_disk_bytes=variant_disk_bytes, direct_steps=direct_steps)
 
     def ready(bound: int, coordinator) -> None:
         if min_workers is not None:

@@ -65,6 +65,7 @@ class ServeSettings:
     verify_form: bool = False  # stages run the verify form and a lost sequence is rebuilt by one prefill (experimental)
     prefix_cache_positions: int = 4096  # KV positions of cached prompt prefixes per stage (0: no prefix cache)
     kv_checkpoint_tokens: int = 32  # copy live sequences' KV to the spare plan every this many tokens (0: off)
+    direct_steps: int = 8  # a one-stage plan's stage feeds itself up to this many decode steps (cluster.direct; 0: off)
     variant_disk_bytes: int = 4 << 30  # what the browser variants (a tab's fp32 units) may add to the package on disk
 
 
@@ -254,6 +255,7 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
                                                                  replay_in_one_prefill=settings.verify_form,
                                                                  prefix_cache_positions=settings.prefix_cache_positions,
                                                                  kv_checkpoint_tokens=settings.kv_checkpoint_tokens,
+                                                                 direct_steps=settings.direct_steps,
                                                                  variant_disk_bytes=settings.variant_disk_bytes), plan_fn=plan_fn,
                               speculation=build_speculation(settings.speculative, package, settings.draft_k, settings.draft_threads,
                                                             timed=settings.draft_length == "timed")

@@ -47,6 +47,7 @@ def test_sim_2000_schedules(request):
     _check(summary)
     assert all(n > 0 for n in summary["fault_kinds"].values()) and len(summary["fault_kinds"]) == len(FAULTS)
     assert summary["replicated_plans"] > 0 and summary["replicas_lost"] > 0  # faults hit replicated stages too
+    assert summary["direct_steps"] > 0  # one-stage plans' stages fed their own next steps (the direct token path)
 
 
 @pytest.mark.slow

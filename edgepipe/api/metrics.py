@@ -29,6 +29,8 @@ class Metrics:
         self.hop_bytes = Counter("edgepipe_hop_bytes", "Activation bytes sent per hop", ["hop"], registry=r)
         self.coordinator_s = Counter("edgepipe_coordinator_seconds", "Coordinator time spent per step (before sending)", registry=r)
         self.wall_s = Counter("edgepipe_step_wall_seconds", "Wall time of steps", registry=r)
+        self.direct_steps = Counter("edgepipe_direct_steps", "Decode steps a one-stage plan's stage fed itself (the direct token path: "
+                                    "no frame from the coordinator)", registry=r)
         self.workers = Gauge("edgepipe_workers", "Connected workers", registry=r)
         self.in_flight = Gauge("edgepipe_requests_in_flight", "Requests in flight", registry=r)
         self.drafted = Counter("edgepipe_speculative_drafted_tokens", "Tokens drafted into verify passes (speculative decoding)", registry=r)
@@ -66,6 +68,8 @@ class Metrics:
             self._recent_ttft.append((now, record.wall_s))
         else:
             self.tpot.observe(record.wall_s)
+            if getattr(record, "direct", False):
+                self.direct_steps.inc()
         self.coordinator_s.inc(record.coordinator_s)
         self.wall_s.inc(record.wall_s)
         for i, entry in enumerate(record.timings):

@@ -43,8 +43,7 @@ class Connections:
         """Emit what the core decided, then do what it says (a ping of every worker is the heartbeat
         loop's; ``link``: the channel a LOADED came on, whose LOAD it answers)."""
         p = self.ports
-        for event in handled.events:
-            p.emit(event)
+        p.carry(handled.state, handled.events)
         for command in handled.commands:
             match command:
                 case core.LoseWorker(wid, why):

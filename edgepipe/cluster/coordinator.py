@@ -90,7 +90,7 @@ class Coordinator:
         self.stopped = False
         ports = Ports(state=lambda: self.cluster, emit=self.emit, measure=self.measure, note=self.event, clock=self.clock, spawn=self.spawn,
                       links=lambda: self.links, replan_wanted=self.replan_wanted, settings=self.settings, package=package,
-                      profile=self.profile)
+                      profile=self.profile, adopt=self.adopt)
         self.prefix = PrefixCaching(ports, lambda: self.kv_capacity)
         self.steps = Steps(ports, self.prefix, self.quarantine, self.lose)
         # drafter workers (--role drafter) get the draft model, where there is one to hand out
@@ -112,6 +112,26 @@ class Coordinator:
         """The one way the cluster state changes."""
         self.cluster = S.apply(self.cluster, event)
         self._logged(event)
+        return self._flags()
+
+    def adopt(self, state: ClusterState, events: tuple) -> None:
+        """``emit`` for the events of a ``core.handle`` that already applied them to the state now
+        (its result is ``state``): each is logged, none applied a second time. Where one has a
+        dashboard line, which reads the state right after it, they go through ``emit`` one by one."""
+        if not events:
+            return
+        if any(type(e) not in narrate.SILENT for e in events):
+            for e in events:
+                self.emit(e)
+            return
+        self.cluster = state
+        wall = time.time()
+        for e in events:
+            self.history.append(e, wall)
+        self._flags()
+
+    def _flags(self) -> ClusterState:
+        """Up and the gate, as the state now says."""
         if self.cluster.phase is Phase.UP and self.cluster.active is not None:
             self.up.set()
         else:

@@ -28,7 +28,7 @@ from typing import Mapping
 from . import measurements as M, membership, prefix, prefix_book as PB, scheduling, step_path
 from .profiling import RUNTIME_OVERHEAD_BYTES
 from .state import ClusterState, Event, Heard, Ponged, apply
-from .step_path import (ArmLane, ErrorHeard, FailStep, Quarantine, SendBatch, SettleStep, StepAsked, StepGivenUp, StepInput,  # noqa: F401
+from .step_path import (ArmLane, DirectForgotten, ErrorHeard, FailStep, Quarantine, SendBatch, SettleStep, StepAsked, StepGivenUp, StepInput,  # noqa: F401
                         StepResult, StepsLost, StepTimedOut, TokenHeard)  # the step path's inputs and commands, as core.X
 
 HEARD_EVERY_S = 0.05  # frames closer than this tell the failure detector nothing new
@@ -163,7 +163,7 @@ def handle(state: ClusterState, event: Input, config: Config) -> Handled:
                 return _after(state, (decided,), () if decided.decision.empty else (CarryPrefix(rid, decided.decision),))
         case PrefillEnded(rid, ok):
             return _after(state, (PB.PrefixDone(rid, ok),))
-        case (StepAsked() | TokenHeard() | ErrorHeard() | StepTimedOut() | StepGivenUp() | StepsLost()
+        case (StepAsked() | TokenHeard() | ErrorHeard() | StepTimedOut() | StepGivenUp() | StepsLost() | DirectForgotten()
               | step_path.SB.LaneAsked() | step_path.SB.LaneReturned() | step_path.SB.LaneLeft() | step_path.SB.LaneExpired()):
             return _after(state, *step_path.decide(state, event))
     return Handled(state)

@@ -154,8 +154,20 @@ SENTENCES: dict[str, Callable[[Mapping[str, object]], str]] = {
 
 def entry(event, state, profile, wall: float) -> dict | None:
     """The dashboard's record of a logged event (``{"t", "kind", ...fields}``), None for no line."""
+    if type(event) in SILENT:  # a token's events: no line (asked first, they skip the match below)
+        return None
     fields = _fields(event, state, profile)
     return None if fields is None else json_safe({"t": wall, **fields})
+
+
+def _silent() -> frozenset[type]:
+    from . import step_book as SB
+
+    return frozenset({SB.StepSent, SB.StepEnded, SB.LaneAsked, SB.LaneReturned, SB.LaneLeft, SB.LaneExpired, SB.DirectFed,
+                      SB.DirectHeard, SB.DirectEnded, E.Heard, E.Ponged, M.StageStep, M.StepObserved, M.HeartbeatRtt})
+
+
+SILENT = _silent()  # the events of every step and heartbeat: ``_fields`` has no case for them (a test checks it)
 
 
 def _calibrated(worker_id: str, profile) -> dict | None:

@@ -34,6 +34,17 @@ class Ports:
     settings: CoordinatorSettings  # read only
     package: Any  # the model package (its manifest: ``package.manifest``)
     profile: Any  # profiling.ClusterProfile: read here, changed only through ``measure``
+    # adopt(state, events): the state ``core.handle`` returned from the state now, with the events it
+    # applied, logged as ``emit`` logs them and not applied again (None: each event through ``emit``)
+    adopt: Callable[[ClusterState, tuple], None] | None = None
+
+    def carry(self, state: ClusterState, events: tuple) -> None:
+        """Take the events of a ``core.handle`` whose result is ``state`` (computed from the state now)."""
+        if self.adopt is not None:
+            self.adopt(state, events)
+        else:
+            for event in events:
+                self.emit(event)
 
     async def send(self, worker_id: str, message: Message) -> None:
         """A frame on the worker's control channel (``KeyError``: it is not connected)."""

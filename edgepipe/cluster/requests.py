@@ -27,7 +27,7 @@ from ..net.limits import KV_RESERVE_TOKENS
 from ..runtime import controls
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta
 from ..runtime.speculative import accept_greedy
-from . import checkpoints, deploy, measurements as M, scheduling, state as S
+from . import checkpoints, deploy, direct, measurements as M, scheduling, state as S
 from .placement import Deployment
 from .ports import Ports
 from .profiling import RUNTIME_OVERHEAD_BYTES
@@ -67,6 +67,11 @@ def next_step(state: S.ClusterState, rid: str, fed_plan: int | None, plan: int, 
     if nxt.new_epoch:
         return NextStep(f"{rid}.{epoch + 1}", epoch + 1, nxt.fed_plan, nxt.feed, nxt.replay_from)
     return NextStep(None, epoch, nxt.fed_plan, nxt.feed, nxt.replay_from)
+
+
+def _length(state: SequenceState) -> int:
+    """Its positions so far (``len(state.all_ids)``, without building that list at every token)."""
+    return len(state.prompt_ids) + len(state.generated)
 
 
 class Requests:
@@ -156,20 +161,22 @@ class Requests:
                     head = controls.step_fields(state, self.ports.package.manifest.config.get("vocab_size") or 0, len(feed) > 1)
                 except ValueError as exc:  # the token mask provider's answer cannot be used
                     raise RequestFailed(str(exc).splitlines()[0] if str(exc) else "bad token mask") from None
-                kv_start = len(state.all_ids) - len(feed)
+                kv_start = _length(state) - len(feed)
                 proposal = None
                 if spec is not None and not state.generated and spec.eligible(state, head):
                     spec.prime(rid, state)  # the drafter prefills beside the pipeline
                 if spec is not None and replay_from is None and len(feed) == 1 and spec.eligible(state, head):
-                    room = min(state.params.max_tokens - len(state.generated) - 1, p.package.manifest.max_context - len(state.all_ids) - 2)
+                    room = min(state.params.max_tokens - len(state.generated) - 1, p.package.manifest.max_context - _length(state) - 2)
                     proposal = await spec.propose(rid, state, room, rule=spec.by_rule(state, head))
                     proposal, head = spec.masked(state, head, proposal, self.ports.package.manifest.config.get("vocab_size") or 0)
                 drafts = proposal.tokens if proposal else []
                 sent_plan = dep.plan_id
+                ahead = self.direct_grant(state, dep, head) if len(feed) == 1 and replay_from is None and not drafts and not rewind else 0
                 try:
                     token, record = await self.steps.step(dep, seq, step, feed + drafts, state.params, rid, replay_from, head,
                                                           kv_start=kv_start, verify=bool(drafts), rewind=rewind,
-                                                          draft_q=proposal.q if drafts else None)
+                                                          draft_q=proposal.q if drafts else None, ahead=ahead,
+                                                          stop=direct.stop_ids(state.params.ignore_eos, state.eos_ids) if ahead else None)
                 except PipelineBroken as exc:
                     why = str(exc)
                     if p.clock() - last_progress >= p.settings.max_wait_s:
@@ -195,8 +202,9 @@ class Requests:
                     spec.learn(rid, len(drafts), len(tokens) - 1, by_rule=proposal.q is not None)
                     record.tokens_out = len(tokens)
                 rewind = bool(drafts) and len(tokens) < len(drafts) + 1  # the stages hold rejected drafts
-                p.emit(S.RequestFed(rid, seq, dep.plan_id, len(state.all_ids) + len(tokens) - 1, p.clock()))  # ends a pause
-                await self.checkpoints.after_step(rid, seq, dep, len(state.prompt_ids))
+                p.emit(S.RequestFed(rid, seq, dep.plan_id, _length(state) + len(tokens) - 1, p.clock()))  # ends a pause
+                if seq not in p.state().steps.ahead:  # its stage runs ahead of the count: no checkpoint of it meanwhile
+                    await self.checkpoints.after_step(rid, seq, dep, len(state.prompt_ids))
                 if head.get("logprobs") and record.logprobs is None:
                     raise RequestFailed("the last stage returned no logprobs (a worker older than logprobs)")
                 if "targets" in head:
@@ -219,6 +227,18 @@ class Requests:
             self.steps.leave(rid)
             # Cancelled callers cannot await, so clean up in a task of its own.
             p.spawn(self.steps.finish(seq, sent_plan))
+
+    def direct_grant(self, state: SequenceState, dep: Deployment, head: dict) -> int:
+        """Steps after this decode step that its stage may feed itself (``cluster.direct``; 0: none)."""
+        p = self.ports
+        limit = p.settings.direct_steps
+        if limit <= 0:
+            return 0
+        cluster = p.state()
+        left = min(state.params.max_tokens - len(state.generated) - 1, p.package.manifest.max_context - _length(state) - 1)
+        return direct.grant(direct.Ask(limit, state.params.greedy, frozenset(head), len(dep.stages), dep.replicated,
+                                       self.speculation is not None, self.checkpoints.enabled and cluster.spare is not None,
+                                       len(cluster.requests) - 1, left))
 
     async def wait_up(self, since: float) -> Deployment:
         """The active plan once Up; fails (one line) when the wait exceeds its bound."""
@@ -248,7 +268,7 @@ class Requests:
             batch = entry[4] if len(entry) > 4 else 1
             if positions == 1 and worker in ranges:
                 self.ports.measure(M.StageStep(worker, *ranges[worker], compute, batch))
-        if record.first_in_batch and record.tokens_in == 1 and len(self.ports.state().requests) == 1:  # what hops took (profiling)
+        if record.first_in_batch and record.tokens_in == 1 and not record.direct and len(self.ports.state().requests) == 1:  # what hops took (profiling)
             self.ports.measure(M.StepObserved(tuple((s.worker_id, s.start, s.end) for s in dep.stages), record.wall_s,
                                               tuple(map(tuple, record.timings))))
         self.recent_steps.append((record.tokens_in, record.wall_s))

@@ -46,7 +46,11 @@ UP_BOUND_S = 30.0  # last fault healed -> Up, when the live workers can hold the
 FAULTS = ("kill", "stall", "slow", "partition_coord", "partition_peer", "reconnect", "join_late", "restart", "malformed", "bad_request",
           "drop_work", "forget_prefixes")
 # Faults after which a worker may rightly be quarantined (it took work and computed nothing).
-QUARANTINE_FAULTS = ("stall", "partition_coord", "drop_work")
+QUARANTINE_FAULTS = ("stall", "partition_coord", "drop_work", "lose_feed", "lose_copy")
+# The direct token path's faults (targeted schedules, ``tests/test_sim.py``): a one-stage plan's stage
+# loses its own next step (its token reached the coordinator only), or the copy of a token it fed
+# itself (it reached the stage's next step only)
+DIRECT_FAULTS = ("lose_feed", "lose_copy")
 
 
 # -- virtual time -----------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ channel and the peer links are ``sim``'s in-memory channels (latency, partitions
 runs the real frame checks (``dataport.data_loop``) on them, the compute is the fake model of
 ``sim_model`` (its time on the virtual clock), and downloads take a fixed virtual time. Faults are
 injected here: a stalled worker, one that drops activation frames for a while, one that refuses
-KV, malformed frames, a killed process."""
+KV, malformed frames, a killed process, and on the direct token path (a one-stage plan's stage
+feeding its own next step) the loss of that feed or of the token's copy to the coordinator."""
 
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ class FakeWorker:
         self.world, self.name, self.memory, self.slowdown = world, name, memory, slowdown
         self.url, self.dead, self.malformed, self.tasks = f"sim://{name}", False, 0, []
         self.stalled_until = self.dropping_until = self.refusing_kv_until = 0.0
+        self.losing_feed_until = self.losing_copy_until = 0.0  # the direct path's faults: the stage's own next step / the coordinator's copy
+        self.fed = self.feeds_lost = self.copies_lost = 0  # entries the stage fed itself; feeds and copies the faults lost
         self.model = FakeCompute(self)  # its stages' fake KV and cached prompt blocks
         self.admit = self.receive = None  # the shell's, given to the data port
         rng = random.Random(f"{world.seed if world else 0}-{self.name}")
         # the fake model's slowness is in its compute (``slowdown`` here): the core adds no emulated wait
         ports = WorkerPorts(Host(CPU, "gguf" if kernel else None), self._connect, self, _DataPort(self), self, self.model,
-                            clock=lambda: asyncio.get_running_loop().time(), draw=rng.random, lag_tick_s=None)
+                            clock=lambda: asyncio.get_running_loop().time(), draw=rng.random, lag_tick_s=None, loopback=self._loopback)
         self.shell = Worker(WorkerSettings("sim://coordinator", name, memory_bytes=memory, threads=1), ports)
         if budget is not None:  # it enforces less than it declares (it overstates its memory)
             self.shell.state = replace(self.shell.state, budget_bytes=budget)
@@ -66,6 +69,26 @@ class FakeWorker:
         loop = asyncio.get_running_loop()
         while loop.time() < self.stalled_until:
             await asyncio.sleep(self.stalled_until - loop.time())
+
+    def _loopback(self, forward: Forward) -> None:
+        """The stage's own next step (the direct token path), unless a fault loses it: its token
+        then reached the coordinator but not the stage's next step."""
+        if asyncio.get_running_loop().time() < self.losing_feed_until:
+            self.feeds_lost += 1
+            return
+        self.fed += len(forward.batch)
+        self.shell.queue.put_nowait(forward)
+
+    def _losing_copy(self, frame: bytes) -> bool:
+        """A TOKEN frame of steps the stage fed itself, lost on its way to the coordinator (the
+        stage went on with it): only while the fault lasts."""
+        if asyncio.get_running_loop().time() >= self.losing_copy_until:
+            return False
+        msg = decode(frame)
+        if msg.type is T.TOKEN and any(msg.fields.get("fed") or ()):
+            self.copies_lost += 1
+            return True
+        return False
 
     def _dropping(self, frame) -> bool:
         return asyncio.get_running_loop().time() < self.dropping_until and decode(frame).type is T.FORWARD
@@ -168,7 +191,8 @@ class FakeControl:
         self.worker, self.channel, self.peer = worker, channel, "coordinator"
 
     async def send(self, frame: bytes) -> None:
-        await self.channel.send(frame)
+        if not self.worker._losing_copy(frame):
+            await self.channel.send(frame)
 
     async def recv(self) -> bytes:
         w = self.worker

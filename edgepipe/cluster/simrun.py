@@ -51,6 +51,8 @@ class Report:
     prepared: list[float] = field(default_factory=list)  # when each plan began to be prepared (virtual seconds)
     prepare_failed: int = 0  # plans that failed to prepare
     dashboard: list[str] = field(default_factory=list)  # the kinds of the dashboard's lines, in order (every coordinator's)
+    direct: int = 0  # decode steps a one-stage plan's stage fed itself (the direct token path)
+    direct_lost: int = 0  # of its feeds and token copies, those a fault lost
 
 
 class World:
@@ -158,7 +160,12 @@ async def _fault(world: World, f: Fault) -> float:
         w.model.prefixes.clear()
     elif f.kind == "refuse_kv":  # KV sent to it fails (targeted schedules only: not among the random FAULTS)
         w.refusing_kv_until = now + f.seconds
-    return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work", "refuse_kv") else 0.0)
+    elif f.kind == "lose_feed":  # the direct path: the stage's own next steps are lost (targeted schedules)
+        w.losing_feed_until = now + f.seconds
+    elif f.kind == "lose_copy":  # the direct path: the copies of the tokens it fed itself are lost (targeted schedules)
+        w.losing_copy_until = now + f.seconds
+    return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work", "refuse_kv", "lose_feed", "lose_copy")
+                  else 0.0)
 
 
 def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
@@ -173,6 +180,8 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
         out.append(f"load/probe futures left: {[(w, sorted(l.loads), sorted(l.probes)) for w, l in coord.links.items() if l.loads or l.probes]}")
     if coord.cluster.moves or coord.deployer.migration.acks:
         out.append(f"KV moves left: {sorted(coord.cluster.moves)}, awaited {sorted(coord.deployer.migration.acks)}")
+    if coord.cluster.steps.ahead:
+        out.append(f"direct runs left: {sorted(coord.cluster.steps.ahead)}")
     if not coord.cluster.steps.lanes.idle() or coord.steps.outgoing:
         out.append(f"lane members left (frames waiting: {sorted(coord.steps.outgoing)})")
     if coord.cluster.prefix.cache.pending:
@@ -273,6 +282,8 @@ async def _main(schedule: Schedule) -> Report:
     report.prepared = sorted(e.now for e in history if isinstance(e, S.Preparing))
     report.prepare_failed = sum(isinstance(e, S.PrepareFailed) for e in history)
     report.dashboard = [str(line.get("kind")) for c, _ in world.coordinators for line in c.events]
+    report.direct = sum(w.fed for w in world.workers)
+    report.direct_lost = sum(w.feeds_lost + w.copies_lost for w in world.workers)
     for w in world.workers:
         w.kill()
     for c, _ in world.coordinators:

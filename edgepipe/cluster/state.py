@@ -232,7 +232,8 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _replace(state, requests=_with(state.requests, rid, _replace(state.requests[rid], migrated_to=plan)))
         case RequestEnded(rid) if rid in state.requests:
             return _replace(state, requests=_without(state.requests, rid), checkpoints=_without(state.checkpoints, rid))
-        case SB.StepSent() | SB.StepEnded() | SB.LaneAsked() | SB.LaneReturned() | SB.LaneLeft() | SB.LaneExpired():
+        case (SB.StepSent() | SB.StepEnded() | SB.LaneAsked() | SB.LaneReturned() | SB.LaneLeft() | SB.LaneExpired() | SB.DirectFed()
+              | SB.DirectHeard() | SB.DirectEnded()):
             return _replace(state, steps=SB.apply(state.steps, event))
         case AB.Admitted() | AB.Queued() | AB.Refused() | AB.AdmissionEnded():
             return _replace(state, admission=AB.apply(state.admission, event))

@@ -42,11 +42,23 @@ class InFlight:
 
 
 @dataclass(frozen=True)
+class Ahead:
+    """The direct token path (``cluster.direct``): the stage of a one-stage ``plan`` feeds the
+    sequence's step ``step`` itself (no frame from the coordinator), and ``early`` holds the results
+    of its steps that came back before the sequence asked for them (step -> ``step_path.StepResult``)."""
+
+    plan: int
+    step: int
+    early: Mapping[int, object] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
 class StepBook:
     inflight: Mapping[int, InFlight] = field(default_factory=lambda: MappingProxyType({}))  # by step id
     sent_on: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))  # plan -> steps ever sent on it
     next_id: int = 1
     lanes: LaneBook = LaneBook()  # the micro-batch lanes: members, steps waiting for their lane, lanes out
+    ahead: Mapping[str, Ahead] = field(default_factory=lambda: MappingProxyType({}))  # seq -> the step its stage feeds itself
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,36 @@ class StepEnded:
     now: float
 
 
-def apply(book: StepBook, event: StepSent | StepEnded | batching.LaneEvent) -> StepBook:
+@dataclass(frozen=True)
+class DirectFed:
+    """The stage fed ``seq``'s step ``step`` on ``plan`` itself (its TOKEN frame said so)."""
+
+    seq: str
+    plan: int
+    step: int
+
+
+@dataclass(frozen=True)
+class DirectHeard:
+    """The result of ``seq``'s step ``step``, fed by its stage, came before the sequence asked for it."""
+
+    seq: str
+    plan: int
+    step: int
+    result: object  # ``step_path.StepResult``
+
+
+@dataclass(frozen=True)
+class DirectEnded:
+    """``seq``'s stage no longer feeds it (it ended, its plan was lost, it went another way)."""
+
+    seq: str
+
+
+DirectEvent = DirectFed | DirectHeard | DirectEnded
+
+
+def apply(book: StepBook, event: StepSent | StepEnded | batching.LaneEvent | DirectEvent) -> StepBook:
     """The book after one of its events (pure; the end of a step not in flight changes nothing).
     A sequence has one step in flight: a new one replaces an older one still listed."""
     match event:
@@ -80,13 +121,26 @@ def apply(book: StepBook, event: StepSent | StepEnded | batching.LaneEvent) -> S
             index = book.sent_on.get(plan, 0) + 1
             flight = InFlight(book.next_id, seq, step, plan, rid, tuple(path), MappingProxyType(dict(before)), now, crowded, index)
             return StepBook(MappingProxyType({**kept, book.next_id: flight}), MappingProxyType({**book.sent_on, plan: index}),
-                            book.next_id + 1, book.lanes)
+                            book.next_id + 1, book.lanes, book.ahead)
         case StepEnded(step_id, _, _) if step_id in book.inflight:
             return StepBook(MappingProxyType({i: f for i, f in book.inflight.items() if i != step_id}), book.sent_on, book.next_id,
-                            book.lanes)
+                            book.lanes, book.ahead)
         case LaneAsked() | LaneReturned() | LaneLeft() | LaneExpired():
-            return StepBook(book.inflight, book.sent_on, book.next_id, batching.apply(book.lanes, event))
+            return StepBook(book.inflight, book.sent_on, book.next_id, batching.apply(book.lanes, event), book.ahead)
+        case DirectFed(seq, plan, step):
+            was = book.ahead.get(seq)
+            early = {s: r for s, r in was.early.items() if s >= step} if was is not None and was.plan == plan else {}
+            return _ahead(book, {**book.ahead, seq: Ahead(plan, step, MappingProxyType(early))})
+        case DirectHeard(seq, plan, step, result) if seq in book.ahead and book.ahead[seq].plan == plan and step >= book.ahead[seq].step:
+            was = book.ahead[seq]
+            return _ahead(book, {**book.ahead, seq: Ahead(was.plan, was.step, MappingProxyType({**was.early, step: result}))})
+        case DirectEnded(seq) if seq in book.ahead:
+            return _ahead(book, {k: v for k, v in book.ahead.items() if k != seq})
     return book
+
+
+def _ahead(book: StepBook, ahead: dict) -> StepBook:
+    return StepBook(book.inflight, book.sent_on, book.next_id, book.lanes, MappingProxyType(ahead))
 
 
 # -- decisions --------------------------------------------------------------------------------------
@@ -110,6 +164,13 @@ def errored(book: StepBook, seq: str | None, step: int | None) -> InFlight | Non
 def on_plan(book: StepBook, plan: int | None) -> list[InFlight]:
     """The steps in flight on ``plan`` (None: every plan), in the order they were sent."""
     return [f for _, f in sorted(book.inflight.items()) if plan is None or f.plan == plan]
+
+
+def fed_by_stage(book: StepBook, seq: str, step: int, plan: int) -> bool:
+    """``seq``'s step ``step`` on ``plan`` is one its stage feeds itself (the direct token path):
+    no frame goes out for it, its token comes (or came: ``Ahead.early``) all the same."""
+    a = book.ahead.get(seq)
+    return a is not None and a.plan == plan and a.step == step
 
 
 def alone(book: StepBook, flight: InFlight) -> bool:

@@ -79,8 +79,15 @@ class StepsLost:
     step_ids: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class DirectForgotten:
+    """``seq`` ended: its stage's run ahead of it is of no use (its KV is dropped)."""
+
+    seq: str
+
+
 LaneInput = SB.LaneAsked | SB.LaneReturned | SB.LaneLeft | SB.LaneExpired  # a lane's input is its own event
-StepInput = StepAsked | TokenHeard | ErrorHeard | StepTimedOut | StepGivenUp | StepsLost | LaneInput
+StepInput = StepAsked | TokenHeard | ErrorHeard | StepTimedOut | StepGivenUp | StepsLost | DirectForgotten | LaneInput
 
 
 # -- commands ---------------------------------------------------------------------------------------
@@ -93,6 +100,7 @@ class StepResult:
     first: bool  # the batch's first entry (its other entries carry the same timings: count stage times once)
     logprobs: dict | list | None
     verified: list | None
+    fed: bool = False  # the stage fed the sequence's next step itself (the direct token path: ``step_book.Ahead``)
 
 
 @dataclass(frozen=True)
@@ -139,7 +147,18 @@ def decide(state, event: StepInput) -> tuple[tuple, tuple]:
     book = state.steps
     match event:
         case StepAsked(seq, step, plan, rid, path, now):
-            return (SB.StepSent(seq, step, plan, rid, path, membership.computed_counts(state, path), now),), ()
+            sent = SB.StepSent(seq, step, plan, rid, path, membership.computed_counts(state, path), now)
+            ahead = book.ahead.get(seq)
+            if ahead is None:
+                return (sent,), ()
+            if not SB.fed_by_stage(book, seq, step, plan):  # it went another way (a replay, a new plan): the stage's run is void
+                return (SB.DirectEnded(seq), sent), ()
+            early = ahead.early.get(step)
+            if early is None:  # its stage computes it: the token comes as for a step sent
+                return (sent,), ()
+            # it came before it was asked for: settled at once
+            return (sent, SB.StepEnded(book.next_id, SB.StepEnd.TOKEN, now), _chained(seq, plan, step, early.fed)), \
+                (SettleStep(book.next_id, early),)
         case SB.LaneAsked() | SB.LaneReturned() | SB.LaneLeft() | SB.LaneExpired():
             gone = batching.departures(book.lanes, event)
             if gone.book == book.lanes:
@@ -152,16 +171,21 @@ def decide(state, event: StepInput) -> tuple[tuple, tuple]:
                 return (Noted(NoteKind.IGNORED, {"worker": wid, "why": why}, now),), ()
             events, commands = [], []
             for i, entry in enumerate(msg.entries()):
+                result = StepResult(entry.token, msg.timings, i == 0, entry.logprobs, entry.verified, entry.fed)
                 flight = SB.settled_by(book, msg.plan, entry.seq, entry.step)
-                if flight is not None and flight.step_id not in {e.step_id for e in events}:
+                if flight is not None and flight.step_id not in {e.step_id for e in events if isinstance(e, SB.StepEnded)}:
                     events.append(SB.StepEnded(flight.step_id, SB.StepEnd.TOKEN, now))
-                    commands.append(SettleStep(flight.step_id, StepResult(entry.token, msg.timings, i == 0, entry.logprobs, entry.verified)))
+                    commands.append(SettleStep(flight.step_id, result))
+                    if entry.fed or entry.seq in book.ahead:
+                        events.append(_chained(entry.seq, msg.plan, entry.step, entry.fed))
+                elif flight is None and _awaited_ahead(book, msg.plan, entry.seq, entry.step):
+                    events.append(SB.DirectHeard(entry.seq, msg.plan, entry.step, result))
             return tuple(events), tuple(commands)
         case ErrorHeard(wid, err, now):
             flight = SB.errored(book, err.seq, err.step)
             if flight is None:
                 return (), ()
-            events = [SB.StepEnded(flight.step_id, SB.StepEnd.FAILED, now)]
+            events = [SB.StepEnded(flight.step_id, SB.StepEnd.FAILED, now), *_unfed(book, flight.seq)]
             if err.code is ErrorCode.CORRUPT_INPUT:  # the previous stage sent garbage: never served, retried on a new plan
                 events.append(Noted(NoteKind.INVALID_FRAME, {"worker": wid, "why": err.message}, now))
             why = err.message if err.retryable else f"worker {wid}: {err.message}"
@@ -170,10 +194,31 @@ def decide(state, event: StepInput) -> tuple[tuple, tuple]:
             flight = book.inflight[step_id]
             idle = membership.idle_stage(state, flight.path, flight.computed_before, flight.sent_at, SB.alone(book, flight))
             why = f"computed nothing for {flight.seq} step {flight.step} in {timeout_s} s while answering pings"
-            return (SB.StepEnded(step_id, SB.StepEnd.TIMED_OUT, now),), (Quarantine(idle, why),) if idle else ()
+            return (SB.StepEnded(step_id, SB.StepEnd.TIMED_OUT, now), *_unfed(book, flight.seq)), (Quarantine(idle, why),) if idle else ()
         case StepGivenUp(step_id, now) if step_id in book.inflight:
-            return (SB.StepEnded(step_id, SB.StepEnd.GIVEN_UP, now),), ()
+            return (SB.StepEnded(step_id, SB.StepEnd.GIVEN_UP, now), *_unfed(book, book.inflight[step_id].seq)), ()
         case StepsLost(plan, why, now, final, ids):
             lost = [f for f in SB.on_plan(book, None) if f.step_id in ids] if ids is not None else SB.on_plan(book, plan)
-            return tuple(SB.StepEnded(f.step_id, SB.StepEnd.FAILED, now) for f in lost), tuple(FailStep(f.step_id, why, final) for f in lost)
+            unfed = {f.seq for f in lost} | ({s for s, a in book.ahead.items() if plan is None or a.plan == plan} if ids is None else set())
+            return (tuple(SB.StepEnded(f.step_id, SB.StepEnd.FAILED, now) for f in lost) + tuple(SB.DirectEnded(s) for s in sorted(unfed)
+                                                                                             if s in book.ahead),
+                    tuple(FailStep(f.step_id, why, final) for f in lost))
+        case DirectForgotten(seq) if seq in book.ahead:
+            return (SB.DirectEnded(seq),), ()
     return (), ()
+
+
+def _chained(seq: str, plan: int, step: int, fed: bool):
+    """After ``seq``'s step ``step`` settled: its stage feeds the next one itself, or no longer."""
+    return SB.DirectFed(seq, plan, step + 1) if fed else SB.DirectEnded(seq)
+
+
+def _awaited_ahead(book, plan: int, seq: str, step: int) -> bool:
+    """A token no step waits for yet, of a step its stage fed itself: kept until it is asked for."""
+    a = book.ahead.get(seq)
+    return a is not None and a.plan == plan and step >= a.step and step not in a.early
+
+
+def _unfed(book, seq: str) -> tuple:
+    """A sequence whose step failed: what its stage may still compute of it is void (replayed)."""
+    return (SB.DirectEnded(seq),) if seq in book.ahead else ()

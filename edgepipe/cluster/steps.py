@@ -67,6 +67,7 @@ class StepRecord:
     prefix_reused: int = 0  # prompt positions taken from the prefix cache (no stage computed them)
     verified: list[int] | None = None  # a verify step: the token the target chose after each position fed
     tokens_out: int = 1  # tokens the step yielded (a verify pass: the drafts kept + 1)
+    direct: bool = False  # its stage fed it itself (the direct token path): no frame went out, its wall time is no round trip
 
 
 @dataclass
@@ -95,8 +96,7 @@ class Steps:
     def carry_out(self, handled: core.Handled) -> None:
         """Emit what the core decided; settle or fail the futures of the steps it ended."""
         p = self.ports
-        for event in handled.events:
-            p.emit(event)
+        p.carry(handled.state, handled.events)
         for command in handled.commands:
             match command:
                 case core.SettleStep(step_id, result):
@@ -123,7 +123,7 @@ class Steps:
 
     async def step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str,
                    replay_from: int | None = None, head: dict | None = None, kv_start: int | None = None,
-                   verify: bool = False, rewind: bool = False, draft_q: tuple | None = None):
+                   verify: bool = False, rewind: bool = False, draft_q: tuple | None = None, ahead: int = 0, stop: list | None = None):
         """One step of one sequence: a decode step goes out with its lane, a prefill alone.
 
         ``head``: the step's logit controls and logprob requests (``controls.step_fields``).
@@ -134,16 +134,22 @@ class Steps:
         distribution each draft was drawn from (a sampled request's model drafts): the head then
         applies the sampling rule and returns its tokens up to the first it rejected
         (``runtime.speculative.head_verdict``); ``rewind``: stages holding more than ``kv_start``
-        positions (drafts the last verify rejected) forget them."""
+        positions (drafts the last verify rejected) forget them. ``ahead``: the stage may feed
+        this decode step's next ``ahead`` steps itself (``cluster.direct``), stopping at the ids
+        ``stop``; a step it feeds is asked for here all the same, and no frame goes out for it."""
         p = self.ports
         t0 = p.clock()
         route = self.route(dep, rid)
-        replaced = SB.of_seq(p.state().steps, seq)
+        book = p.state().steps
+        replaced = SB.of_seq(book, seq)
         if replaced is not None:  # a sequence has one step in flight: the older one is no longer awaited
             self.waiters.pop(replaced.step_id, None)
-        step_id = p.state().steps.next_id
+        fed = len(feed) == 1 and replay_from is None and not verify and SB.fed_by_stage(book, seq, step, dep.plan_id)
+        step_id = book.next_id
+        fut = self.waiters[step_id] = asyncio.get_running_loop().create_future()  # first: a token that came early settles it at once
         self._handle(core.StepAsked(seq, step, dep.plan_id, rid, tuple(route or dep.workers), t0))
-        fut = self.waiters[step_id] = asyncio.get_running_loop().create_future()
+        if fed:
+            return await self._fed_step(dep, seq, step, rid, step_id, fut, t0)
         sampling = {**controls.wire_sampling(params, step), **(head or {})}
         if verify and not params.greedy:  # position i samples token step + i: its own seeded draw, as one step each would
             sampling["uniform"] = [uniform_draw(params.seed, step + i) for i in range(len(feed))]
@@ -151,6 +157,7 @@ class Steps:
                 sampling.update(rule_fields(feed[1:], list(draft_q), params.seed, step))
         item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling, **({"verify": True} if verify else {}),
                 **({"rewind": True} if rewind and kv_start is not None else {}),
+                **({"ahead": ahead, "stop": list(stop or ())} if ahead > 0 and len(feed) == 1 and not verify and kv_start is not None else {}),
                 **({"route": list(route)} if route else {})}
         # A replay rebuilds KV exactly as first computed: the prompt as one prefill, then each later
         # token as its own decode step (one prefill over everything takes other kernel paths and
@@ -174,6 +181,7 @@ class Steps:
 
         first = route[0] if route else dep.stages[0].worker_id
         out = _OutStep(dep, step_id, first, {**item, **at(len(chunks) - 1)}, chunks[-1], fut)
+        reply = None
         try:
             if len(feed) == 1:
                 # a micro-batch in flight per worker (replicas included: they compute side by side)
@@ -194,7 +202,8 @@ class Steps:
             self._handle(core.StepTimedOut(step_id, p.settings.step_timeout_s, p.clock()))  # it may blame a stage
             raise PipelineBroken(f"no token for {seq} step {step} within {p.settings.step_timeout_s} s") from None
         finally:
-            self._handle(SB.LaneReturned(rid))
+            if reply is None or not reply.fed:  # its stage feeds its next step: the lane is still out (re-formed when it comes back)
+                self._handle(SB.LaneReturned(rid))
             self.outgoing.pop(step_id, None)  # still waiting for its lane: it will not go
         if decision:
             self.prefix.done(rid, ok=True)
@@ -205,6 +214,22 @@ class Steps:
                        or (draft_q is None and len(record.verified) != len(feed))):
             raise RequestFailed("the last stage did not verify the drafted tokens (a worker without speculative decoding)")
         return reply.token, record
+
+    async def _fed_step(self, dep: Deployment, seq: str, step: int, rid: str, step_id: int, fut: asyncio.Future, t0: float):
+        """A step its stage feeds itself: await its token (it may have come already), as a sent one's."""
+        p = self.ports
+        reply = None
+        try:
+            reply = await asyncio.wait_for(asyncio.shield(fut), timeout=p.settings.step_timeout_s)
+        except asyncio.TimeoutError:
+            self._handle(core.StepTimedOut(step_id, p.settings.step_timeout_s, p.clock()))
+            raise PipelineBroken(f"no token for {seq} step {step} within {p.settings.step_timeout_s} s") from None
+        finally:
+            if reply is None or not reply.fed:  # the run ended: its lane is back
+                self._handle(SB.LaneReturned(rid))
+        stop_if_cancelled()
+        return reply.token, StepRecord(rid, 1, p.clock() - t0, reply.timings, 0.0, first_in_batch=reply.first, logprobs=reply.logprobs,
+                                       direct=True)
 
     def route(self, dep: Deployment, rid: str) -> replicas.Route:
         """``rid``'s route on a plan with replicated stages, chosen (and recorded) at its first
@@ -286,6 +311,7 @@ class Steps:
             await self.drop(seq, plan)
 
     async def drop(self, seq: str, plan: int) -> None:
+        self._handle(core.DirectForgotten(seq))  # what its stage computed ahead of it goes with its KV
         active = self.ports.state().active
         dep = active if active and active.plan_id == plan else None
         links = self.ports.links()

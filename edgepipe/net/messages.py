@@ -362,7 +362,7 @@ class Forward(Wire):
 
     TYPE = T.FORWARD
     plan: int
-    batch: list  # [{seq, step, rid, sampling[, partial][, pos][, prefix][, verify][, rewind][, route]}], passed on as received
+    batch: list  # [{seq, step, rid, sampling[, partial][, pos][, prefix][, verify][, rewind][, route][, ahead, stop][, direct]}], passed on as received
     timings: list | None = None
     relay_to: str | None = None
     # ``x``: token ids [batch, positions] into a first stage, else activations [batch, positions, hidden]
@@ -499,12 +499,16 @@ class Token(Wire):
     # per batch entry: for a verify entry (speculative decoding), the token the head chose after
     # each of its positions; None for the others (see runtime.speculative)
     verified: list | None = None
+    # per batch entry: True where the stage fed the entry's next step itself with this token (the
+    # direct token path: the entry's ``ahead`` allowed it); absent from stages that never do
+    fed: list | None = None
 
     def entries(self) -> list["TokenEntry"]:
         """One typed result per batch entry, in frame order (``parse`` checked each entry's seq and step)."""
         logprobs = self.logprobs or [None] * len(self.tokens)
         verified = self.verified or [None] * len(self.tokens)
-        return [TokenEntry(item["seq"], item["step"], token, logprobs[i], verified[i])
+        fed = self.fed or [False] * len(self.tokens)
+        return [TokenEntry(item["seq"], item["step"], token, logprobs[i], verified[i], bool(fed[i]) if i < len(fed) else False)
                 for i, (item, token) in enumerate(zip(self.batch, self.tokens))]
 
 
@@ -517,6 +521,7 @@ class TokenEntry:
     token: int
     logprobs: dict | list | None  # its logprobs entry (a verify entry: one per position), when asked
     verified: list | None  # a verify entry: the token the head chose after each position
+    fed: bool = False  # the stage fed this sequence's next step itself (the direct token path)
 
 
 @dataclass(frozen=True)
@@ -624,7 +629,10 @@ def parse(msg: Message, vocab_size: int = MAX_TOKEN_ID + 1) -> Any:
                 if not (isinstance(verified, list) and len(verified) == len(batch)
                         and all(v is None or (isinstance(v, list) and all(_int(t) and 0 <= t < vocab_size for t in v)) for v in verified)):
                     raise ProtocolError("token: verified must be a list with one entry per batch entry, each None or token ids")
-            return Token(_need_int(f["plan"], "plan"), batch, tokens, _timings(f.get("timings", [])), logprobs, verified)
+            fed = f.get("fed")
+            if fed is not None and not (isinstance(fed, list) and len(fed) == len(batch) and all(isinstance(v, bool) for v in fed)):
+                raise ProtocolError("token: fed must be a list of booleans, one per batch entry")
+            return Token(_need_int(f["plan"], "plan"), batch, tokens, _timings(f.get("timings", [])), logprobs, verified, fed)
         if msg.type is T.PONG:
             return Pong(_num(f.get("t")), f.get("kv_bytes"), f.get("queue"), f.get("busy_s"), f.get("computed"),
                         prefix_bytes=f["prefix_bytes"] if _int(f.get("prefix_bytes")) and f["prefix_bytes"] >= 0 else None)

@@ -114,7 +114,11 @@ DOCS: dict[type, MessageDoc] = {
                  "a sampled `verify` entry's `sampling` has `uniform` as a list (a draw per position) and, for the "
                  "speculative-sampling rule, `drafts` (k ids), `draft_ids`/`draft_probs` (per draft the distribution it was "
                  "drawn from, sparse) and `accept`/`replace` (k draws each): the head then decides (`runtime.speculative.head_verdict`); "
-                 "a `verify` entry of a request with a response format has `masks` (a mask per position) instead of `mask`",
+                 "a `verify` entry of a request with a response format has `masks` (a mask per position) instead of `mask`; "
+                 "the direct token path (`cluster/direct.py`): `ahead: n` and `stop: [ids]` on a greedy decode entry let the "
+                 "stage of a one-stage plan feed the token it samples into the entry's next step itself, up to `n` steps, "
+                 "unless the token is in `stop`; the entries it so feeds itself carry `direct: true` (with `step`, `pos` one "
+                 "on and `ahead` one less), and one whose `seq` it no longer holds (dropped meanwhile) is skipped",
         "timings": "`[worker_id, seconds, positions, bytes/elem, batch]` appended by each stage",
         "relay_to": "worker id the coordinator passes the frame on to (from a stage before or after a browser)",
     }, "`x`: `int64 [B, S]` token ids into the first stage, else `float32`/`float16 [B, S, H]`; `S > 1` only with `B = 1`"),
@@ -127,6 +131,8 @@ DOCS: dict[type, MessageDoc] = {
                     "(a `verify` entry: a list of them, one per position)",
         "verified": "per batch entry: the token chosen after each position of a `verify` entry (by the rule: up to the "
                     "first draft it replaced), else null",
+        "fed": "per batch entry: true where the stage fed the entry's next step itself with this token (the direct "
+               "token path: its `ahead` allowed it); absent where no entry asked for it",
     }),
     messages.Drop: MessageDoc("c→w", "free a sequence's KV", {"seq": "the sequence id"}),
     messages.Ping: MessageDoc("c→w", "heartbeat, every 0.5 s", {"t": "coordinator clock, echoed in the pong"}),

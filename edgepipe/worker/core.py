@@ -28,7 +28,7 @@ from ..net.messages import (PROBE_PLAN, Activate, Drop, Emulate, Error, ErrorCod
 from .data import (  # noqa: F401 - the core's vocabulary, used as core.X by the shells and tests
     Session, Stage, WorkerState, Joined, Pinged, Fetched, Built, LoadFailed, Computed, Failed, Imported, ExportFailed,
     StageTimed, PeerMeasured, SendControl, SendPeer, Forget, FetchFiles, BuildSession, KeepSessions, RunStage, Wait,
-    DropSequence, ExportKv, ImportKv, SendLinkPayload, MeasurePeer, TimeStage, Event, Command)
+    DropSequence, ExportKv, ImportKv, SendLinkPayload, MeasurePeer, TimeStage, FeedSelf, Event, Command)
 
 KV_RESERVE_TOKENS = limits.KV_RESERVE_TOKENS  # KV room a stage must leave for at least one sequence this long
 INLINE_STEP_S = 0.02  # decode steps faster than this run on the event loop (no thread hand-off)
@@ -229,6 +229,9 @@ def forward_problem(state: WorkerState, msg: Forward) -> tuple[ErrorCode, str] |
 def _forward(state: WorkerState, msg: Forward) -> tuple[WorkerState, list[Command]]:
     if state.drop_work:
         return state, []
+    msg = without_dropped(state, msg)
+    if msg is None:  # the stage's own next steps of sequences the coordinator dropped meanwhile (they stopped)
+        return state, []
     problem = forward_problem(state, msg)
     if problem is not None:
         return state, errors_for(msg, *problem)
@@ -266,7 +269,15 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
         if not all(item.partial for item in entries):  # replay frames before the last: no token wanted
             tokens = [int(t) for t in event.out]  # a verify entry: the target's token after each of its positions
             chosen = {"tokens": tokens[-1:], "verified": [tokens]} if entries[0].verify else {"tokens": tokens}
-            commands.append(SendControl(Token(plan, batch, timings=timings, logprobs=event.logprobs.get("logprobs"), **chosen).to_message()))
+            fed = None
+            if event.positions == 1 and state.sessions[stage.graph].takes_token_ids:  # a one-stage plan: it may feed itself
+                fed = [feeds_next(item, token) for item, token in zip(batch, chosen["tokens"])] if len(chosen["tokens"]) == len(batch) else None
+                if fed is not None and any(fed):
+                    commands.append(FeedSelf(next_forward(plan, batch, chosen["tokens"], fed)))
+                elif not any(item.get("ahead") for item in batch):
+                    fed = None  # nothing asked for the direct path: the frame is as it always was
+            commands.append(SendControl(Token(plan, batch, timings=timings, logprobs=event.logprobs.get("logprobs"), fed=fed,
+                                              **chosen).to_message()))
         return state, commands
     # A replicated next stage: each row goes to the replica on its entry's route (a frame per
     # replica; the computations so far are timed in the first frame only, so they count once).
@@ -283,6 +294,48 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
             commands.append(SendPeer(hop.url, plan, sent.to_message({"x": x}),
                                      data_secret(state, hop.url, plan, hop.secret), hop.fingerprint, about=msg))
     return state, commands
+
+
+# -- the direct token path (a one-stage plan) ----------------------------------------------------------------
+def feeds_next(item: dict, token: int) -> bool:
+    """Whether a last stage that also takes token ids feeds ``item``'s next step itself with the
+    ``token`` it sampled: the coordinator allowed ``ahead`` more steps (``cluster.direct``), it is a
+    greedy decode step at a known position, and ``token`` is not one of its ``stop`` ids (an end
+    of sequence the coordinator would stop at). The coordinator hears which (``Token.fed``)."""
+    ahead, stop, sampling = item.get("ahead"), item.get("stop") or (), item.get("sampling") or {}
+    return (type(ahead) is int and ahead > 0 and type(item.get("pos")) is int and not item.get("partial") and not item.get("verify")
+            and not sampling.get("do_sample") and token not in stop)
+
+
+def next_forward(plan: int, batch: list, tokens: list[int], fed: list[bool]) -> Forward:
+    """The frame of the fed entries' next steps: one position on, one step less ahead, marked
+    ``direct`` (the stage's own, not the coordinator's), in the frame's order (a lane stays one batch)."""
+    items, ids = [], []
+    for item, token, go in zip(batch, tokens, fed):
+        if go:
+            nxt = {k: v for k, v in item.items() if k not in ("prefix", "rewind", "partial")}
+            nxt.update(step=item["step"] + 1, pos=item["pos"] + 1, ahead=item["ahead"] - 1, direct=True)
+            items.append(nxt)
+            ids.append([token])
+    return Forward(plan, items, tensors={"x": np.array(ids, np.int64)})
+
+
+def without_dropped(state: WorkerState, msg: Forward) -> Forward | None:
+    """A frame of the stage's own next steps (``direct`` entries) without the sequences it no
+    longer holds (dropped: the coordinator stopped them while the stage ran ahead); None when none
+    is left. Frames from the coordinator or a predecessor pass as they are."""
+    batch = msg.batch
+    if not any(type(item) is dict and item.get("direct") for item in batch):
+        return msg
+    stage = state.stages.get(msg.plan)
+    if stage is None:
+        return None
+    keep = [i for i, item in enumerate(batch) if not item.get("direct") or state.length(stage.graph, item["seq"]) > 0]
+    if len(keep) == len(batch):
+        return msg
+    if not keep:
+        return None
+    return Forward(msg.plan, [batch[i] for i in keep], msg.timings, tensors={"x": msg.x[keep]})
 
 
 def emulated_wait(state: WorkerState, stage: Stage | None, event: Computed) -> float:

@@ -296,5 +296,13 @@ class TimeStage:
     weight_bytes: int = 0  # the stage's, for an emulated roofline
 
 
+@dataclass(frozen=True)
+class FeedSelf:
+    """The direct token path (a one-stage plan): the stage's next decode step, fed with the tokens
+    it just sampled, into its own compute queue (behind what arrived meanwhile)."""
+
+    forward: Forward
+
+
 Command = Union[SendControl, SendPeer, Forget, FetchFiles, BuildSession, KeepSessions, RunStage, Wait, DropSequence, ExportKv, ImportKv,
-                SendLinkPayload, MeasurePeer, TimeStage]
+                SendLinkPayload, MeasurePeer, TimeStage, FeedSelf]

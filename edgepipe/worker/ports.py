@@ -84,6 +84,7 @@ class WorkerPorts:
     clock: Callable[[], float] = time.monotonic
     draw: Callable[[], float] = random.random
     lag_tick_s: float | None = 0.1
+    loopback: Callable[[Any], None] | None = None  # where a stage's own next step goes (None: its compute queue; the simulation's may lose it)
 
     @classmethod
     def real(cls, settings: WorkerSettings) -> "WorkerPorts":

@@ -78,6 +78,10 @@ class Worker:
             except ChannelClosed as exc:
                 if cmd.about is not None:
                     await self.feed(core.Failed(cmd.about, ErrorCode.UNREACHABLE, f"next hop unreachable: {exc}"))
+        elif isinstance(cmd, core.FeedSelf):
+            # on the next turn of the loop, behind what arrived meanwhile: a stage feeding itself
+            # still hears pings and DROPs between its steps (a queue.get that finds an item never yields)
+            asyncio.get_running_loop().call_soon(self.ports.loopback or self.queue.put_nowait, cmd.forward)
         elif isinstance(cmd, core.RunStage):
             await self.feed(await self.runners.run(cmd, self.state.joins, self.s.threads == 1))
         elif isinstance(cmd, core.Wait):

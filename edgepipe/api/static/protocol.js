@@ -39,7 +39,7 @@ self.EdgepipeProtocol = (function freeze(value) {
     "loaded": ["ok", "plan", "kv_received", "error", "fetched_bytes", "load_s", "weight_bytes", "repaired", "prefetched", "reused_session", "bytes", "needed_bytes", "free_bytes", "budget_bytes"],
     "activate": ["keep"],
     "forward": ["plan", "batch", "timings", "relay_to"],
-    "token": ["plan", "batch", "tokens", "timings", "logprobs", "verified"],
+    "token": ["plan", "batch", "tokens", "timings", "logprobs", "verified", "fed"],
     "drop": ["seq"],
     "ping": ["t"],
     "pong": ["t", "kv_bytes", "queue", "busy_s", "computed", "fetched_bytes", "joins", "loop_lag_s", "prefix_bytes"],

@@ -1,0 +1,211 @@
+"""The direct token path (``cluster.direct``): a one-stage plan's stage feeds its sampled token into
+its own next step, the coordinator still takes every token in order and decides the rest.
+
+Pure: the one decision (``direct.grant``), the worker's rule and frames (``worker.core``), the
+coordinator's book of steps a stage feeds itself (``step_path``). Simulation: the real worker
+shell and coordinator on a virtual clock, with a stage's own next step lost (its token reached
+the coordinator only) and the copy of a token it fed itself lost (it reached the stage only).
+Real processes (slow): ``serve`` with one worker gives ``generate``'s greedy tokens exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from edgepipe.cluster import core, direct, sim, step_book as SB, step_path
+from edgepipe.cluster.profiling import RUNTIME_OVERHEAD_BYTES
+from edgepipe.cluster.settings import CoordinatorSettings
+from edgepipe.cluster.simrun import Fault, Req, Schedule, run
+from edgepipe.cluster.state import ClusterState, apply
+from edgepipe.net.messages import Forward, Token
+from edgepipe.worker import core as wcore
+
+ASK = direct.Ask(limit=8, greedy=True, head=frozenset(), stages=1, replicated=False, speculative=False, checkpoints=False, others=0,
+                 left=100)
+
+
+# -- the decision ---------------------------------------------------------------------------------
+@pytest.mark.pure
+def test_a_greedy_sequence_alone_on_a_one_stage_plan_goes_direct_up_to_its_last_step():
+    assert direct.grant(ASK) == 8
+    assert direct.grant(dataclasses.replace(ASK, left=3)) == 3  # never past max tokens or the context
+    assert direct.grant(dataclasses.replace(ASK, left=0)) == 0
+    assert direct.grant(dataclasses.replace(ASK, head=frozenset({"logprobs", "top"}))) == 8  # the same fields at every step
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("change", [
+    dict(limit=0),  # serve --direct-steps 0
+    dict(greedy=False),  # a step's random draw is the coordinator's
+    dict(head=frozenset({"mask"})),  # structured output: a mask per step
+    dict(head=frozenset({"adjust_ids", "adjust"})),  # penalties change with the tokens
+    dict(head=frozenset({"repeat_ids", "repeat_penalty"})),
+    dict(stages=2), dict(replicated=True), dict(speculative=True), dict(checkpoints=True),
+    dict(others=1),  # a lane of several sequences is re-formed by the coordinator at each departure
+])
+def test_what_needs_the_coordinator_each_step_stays_on_todays_path(change):
+    assert direct.grant(dataclasses.replace(ASK, **change)) == 0
+
+
+@pytest.mark.pure
+def test_stop_ids_are_the_end_of_sequence_unless_ignored():
+    assert direct.stop_ids(False, (7, 2)) == [2, 7]
+    assert direct.stop_ids(True, (7, 2)) == []
+
+
+# -- the worker's rule and frames ------------------------------------------------------------------
+def _item(**extra) -> dict:
+    return {"seq": "r1.0", "step": 4, "rid": "r1", "pos": 10, "sampling": {"do_sample": False}, "ahead": 3, "stop": [2], **extra}
+
+
+@pytest.mark.pure
+def test_a_stage_feeds_the_next_step_only_where_the_coordinator_allowed_it():
+    assert wcore.feeds_next(_item(), 5)
+    assert not wcore.feeds_next(_item(), 2)  # an end of sequence: the coordinator stops there
+    assert not wcore.feeds_next(_item(ahead=0), 5)
+    assert not wcore.feeds_next({k: v for k, v in _item().items() if k != "ahead"}, 5)  # today's frames
+    assert not wcore.feeds_next(_item(sampling={"do_sample": True}), 5)
+    assert not wcore.feeds_next(_item(verify=True), 5)
+    assert not wcore.feeds_next(_item(partial=True), 5)
+    assert not wcore.feeds_next({k: v for k, v in _item().items() if k != "pos"}, 5)
+
+
+@pytest.mark.pure
+def test_the_fed_frame_is_one_step_and_one_position_on_in_the_lanes_order():
+    batch = [_item(seq="a", prefix={"epoch": 1}), _item(seq="b"), _item(seq="c", rewind=True)]
+    msg = wcore.next_forward(1, batch, [5, 6, 7], [True, False, True])
+    assert [i["seq"] for i in msg.batch] == ["a", "c"] and msg.x.tolist() == [[5], [7]]
+    assert all(i["step"] == 5 and i["pos"] == 11 and i["ahead"] == 2 and i["direct"] for i in msg.batch)
+    assert not any("prefix" in i or "rewind" in i for i in msg.batch)
+
+
+@pytest.mark.pure
+def test_the_stages_own_steps_of_a_dropped_sequence_are_skipped():
+    stage = wcore.Stage(1, 0, 4, "g", None, 0)
+    state = dataclasses.replace(wcore.WorkerState("w", None, None), stages={1: stage}, held={"g": {"a": 11}})
+    mine = Forward(1, [{**_item(seq="a"), "direct": True}, {**_item(seq="b"), "direct": True}], tensors={"x": np.array([[5], [6]])})
+    kept = wcore.without_dropped(state, mine)
+    assert [i["seq"] for i in kept.batch] == ["a"] and kept.x.tolist() == [[5]]
+    assert wcore.without_dropped(state, Forward(1, [mine.batch[1]], tensors={"x": np.array([[6]])})) is None
+    theirs = Forward(1, [_item(seq="b")], tensors={"x": np.array([[6]])})  # the coordinator's frame: checked as always
+    assert wcore.without_dropped(state, theirs) is theirs
+
+
+# -- the coordinator's book -----------------------------------------------------------------------
+CONFIG = core.Config.of(CoordinatorSettings())
+
+
+def _fold(state, given):
+    handled = core.handle(state, given, CONFIG)
+    for e in handled.events:  # the state handle returned is the events applied
+        state = apply(state, e)
+    assert state == handled.state
+    return state, handled
+
+
+def _token(step: int, token: int, fed: bool, plan: int = 1) -> Token:
+    return Token(plan, [{"seq": "r1.0", "step": step, "ahead": 1}], [token], [["w1", 0.01, 1, 4, 1]], fed=[fed])
+
+
+@pytest.mark.pure
+def test_a_fed_token_that_comes_early_settles_its_step_when_it_is_asked_for():
+    state = ClusterState()
+    state, _ = _fold(state, core.StepAsked("r1.0", 4, 1, "r1", ("w1",), 0.0))
+    first = state.steps.next_id - 1
+    state, h = _fold(state, core.TokenHeard("w1", _token(4, 50, True), 0.1))
+    assert [c.step_id for c in h.commands if isinstance(c, core.SettleStep)] == [first]
+    assert SB.fed_by_stage(state.steps, "r1.0", 5, 1) and not SB.fed_by_stage(state.steps, "r1.0", 5, 2)
+    state, h = _fold(state, core.TokenHeard("w1", _token(5, 51, False), 0.2))  # before the sequence asked for step 5
+    assert not h.commands and 5 in state.steps.ahead["r1.0"].early
+    asked = state.steps.next_id
+    state, h = _fold(state, core.StepAsked("r1.0", 5, 1, "r1", ("w1",), 0.3))
+    settled = [c for c in h.commands if isinstance(c, core.SettleStep)]
+    assert [(c.step_id, c.result.token) for c in settled] == [(asked, 51)]
+    assert not state.steps.inflight and "r1.0" not in state.steps.ahead  # its run ended: the next step goes out as today
+
+
+@pytest.mark.pure
+def test_a_step_that_goes_another_way_or_a_lost_plan_ends_the_stages_run():
+    state = ClusterState()
+    state, _ = _fold(state, core.StepAsked("r1.0", 4, 1, "r1", ("w1",), 0.0))
+    state, _ = _fold(state, core.TokenHeard("w1", _token(4, 50, True), 0.1))
+    replay, _ = _fold(state, core.StepAsked("r1.1", 0, 2, "r1", ("w2",), 0.2))  # a replay under a new epoch
+    assert "r1.0" in replay.steps.ahead  # another sequence: the old one's run ends with its DROP
+    other, _ = _fold(state, core.StepAsked("r1.0", 4, 1, "r1", ("w1",), 0.2))  # not the step the stage feeds
+    assert "r1.0" not in other.steps.ahead
+    lost, _ = _fold(state, core.StepsLost(1, "gone", 0.2))
+    assert not lost.steps.ahead
+    dropped, _ = _fold(state, core.DirectForgotten("r1.0"))
+    assert not dropped.steps.ahead
+    stray, h = _fold(dropped, core.TokenHeard("w1", _token(5, 51, True), 0.3))  # after the run ended: nobody keeps it
+    assert not h.commands and not stray.steps.ahead
+
+
+# -- the simulation ---------------------------------------------------------------------------------
+MEMORY = 9 * (sim.UNIT_BYTES + sim.UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES  # one worker holds the model: a one-stage plan
+
+
+def _direct_schedule(fault: Fault | None = None) -> Schedule:
+    # two requests side by side (today's path, batched), then one alone (direct); the fault hits its run
+    requests = (Req(5.0, (1, 2, 3), 12), Req(5.01, (4, 5), 10), Req(12.0, (4, 6), 12))
+    return Schedule(39, (MEMORY,), (0.0,), requests, (fault,) if fault else ())
+
+
+@pytest.mark.parametrize("kind", sim.DIRECT_FAULTS)
+def test_a_token_lost_on_one_of_its_two_ways_loses_and_repeats_nothing(kind):
+    report = run(_direct_schedule(Fault(kind, 12.06, 0, 0.04)))
+    assert report.violations == [] and report.ok == 3  # the tokens equal the reference (simrun._client), nothing leaked
+    assert report.direct > 0 and report.direct_lost > 0  # the stage fed itself, and the fault lost a feed or a copy
+
+
+def test_the_simulation_sees_a_stage_that_feeds_itself_a_wrong_token(monkeypatch):
+    real = wcore.next_forward
+    monkeypatch.setattr(wcore, "next_forward", lambda plan, batch, tokens, fed: real(plan, batch, [(t + 1) % sim.VOCAB for t in tokens], fed))
+    report = run(_direct_schedule())
+    assert report.direct > 0 and any("!= reference" in v for v in report.violations)
+
+
+# -- real processes ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_serve_with_one_worker_gives_generates_greedy_tokens_on_the_direct_path(native_pkg, home):
+    import concurrent.futures
+    import re
+
+    from harness import Server
+    from test_distributed import reference_tokens
+
+    prompts = ["Write a short poem about a cat.", "Explain recursion in one sentence."]
+    with Server(home, workers=1) as server:
+        def ask(prompt):
+            return server.client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "temperature": 0, "return_token_ids": True})
+
+        for prompt in prompts:  # alone: direct
+            r = ask(prompt)
+            assert r.status_code == 200, r.text
+            expected = [t for t in reference_tokens(native_pkg, prompt, 40) if t not in native_pkg.manifest.eos_ids]
+            assert r.json()["choices"][0]["token_ids"] == expected
+        fed = float(re.search(r"^edgepipe_direct_steps_total (\S+)$", server.client.get("/metrics").text, re.M).group(1))
+        assert fed > 0
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # side by side: a lane, through the coordinator
+            replies = list(pool.map(ask, prompts))
+        for prompt, r in zip(prompts, replies):
+            expected = [t for t in reference_tokens(native_pkg, prompt, 40) if t not in native_pkg.manifest.eos_ids]
+            assert r.json()["choices"][0]["token_ids"] == expected
+
+
+# -- the coordinator's CPU per token --------------------------------------------------------------
+@pytest.mark.pure
+def test_the_events_narration_skips_have_no_dashboard_line():
+    """``narrate.SILENT`` (a token's and a heartbeat's events) skips the dashboard's match, and
+    ``Coordinator.adopt`` logs them without applying them again: none may be one the match knows."""
+    import inspect
+    import re
+
+    from edgepipe.cluster import narrate
+
+    named = set(re.findall(r"\b([A-Z][A-Za-z]+)\(", inspect.getsource(narrate._fields)))
+    assert named and not named & {t.__name__ for t in narrate.SILENT}

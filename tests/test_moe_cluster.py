@@ -125,3 +125,45 @@ def test_moe_stages_move_cache_replicate_batch_and_survive_a_kill(home, native_p
         text, _ = stream_tokens(server, N, kill)
         assert killed.is_set() and text == text_of(expected)
         assert events(server, "leave") and events(server, "recovered")
+
+
+def test_speculative_verify_on_moe_stages_through_a_move_and_a_kill(home, moe_pkg):
+    """n-gram drafts verified on MoE stages (cuts inside the experts): a forced rebalance mid-stream
+    moves the KV with rejected drafts' positions, a worker SIGKILLed mid-stream is replayed; the text
+    is decoding one token per step in the verify form, single process."""
+    from test_speculative_cluster import EDIT, chat_ids, without_eos
+
+    pipe = moe_pkg.pipeline(verify_form=True, threads=1, precision=local_form(moe_pkg))
+    params = GenerationParams(max_tokens=80, ignore_eos=True)
+    ref = generate(pipe, chat_ids(moe_pkg, EDIT), params, moe_pkg.tokenizer.decode, moe_pkg.manifest.eos_ids).tokens
+    expected = moe_pkg.tokenizer.decode(without_eos(moe_pkg, ref))
+    body = {"messages": [{"role": "user", "content": EDIT}], "max_tokens": 80, "temperature": 0, "stream": True, "ignore_eos": True}
+
+    def stream(server, at_20) -> str:
+        import json
+
+        pieces, done = [], False
+        with httpx.Client(base_url=server.url, timeout=300) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    pieces += [choice["delta"].get("content", "") for choice in json.loads(line[6:])["choices"]]
+                    if len(pieces) >= 20 and not done:
+                        at_20()
+                        done = True
+        assert done
+        return "".join(pieces)
+
+    with Server(home, workers=3, args=("--placement", "memory", "--speculative", "ngram", "--model", moe_pkg.root.name), timeout=300) as server:
+        a, b, c = sorted(w["id"] for w in server.status()["workers"])
+        n = server.status()["n_units"]
+        rebalance(server, [(a, 0, 7), (b, 7, 20), (c, 20, n)])
+        moved = {}
+        assert stream(server, lambda: moved.update(rebalance(server, [(c, 0, 12), (a, 12, 25), (b, 25, n)]))) == expected
+        up = [e for e in events(server, "up") if e.get("plan") == moved["plan"]]
+        assert up and up[0]["kv_moved"] == 1, up
+        kept = server.status()["speculation"]["kept"]
+        assert kept > 0
+        victim = next(w for w in server.status()["workers"] if w["id"] == a)
+        assert stream(server, lambda: os.kill(victim["pid"], signal.SIGKILL)) == expected
+        assert events(server, "leave") and events(server, "recovered")

@@ -3,7 +3,8 @@
     python benchmarks/moe_synthetic.py --quick    # agreement on few layers, 48 tokens per prompt; a speed smoke run
     python benchmarks/moe_synthetic.py            # agreement (100 tokens per prompt); speed on a 24-layer Qwen3-30B-A3B shape
 
-Writes `benchmarks/results/moe_synthetic.json` and `.md` (`moe_synthetic-quick.*` for `--quick`).
+Writes `benchmarks/results/moe_synthetic.json` and `.md` (`moe_synthetic-quick.*` for `--quick`,
+`-agreement` added with `--speed-layers 0`).
 
 The files (``edgepipe/bench/arch_files.py``): each architecture's real per-layer shapes, a few
 layers, the bundled tokenizer, Q4_K_M's block types (Q4_K, Q6_K, Q8_0, Q5_K), random blocks
@@ -162,8 +163,9 @@ def main() -> None:
     report = {"quick": args.quick, **run.finish().as_dict(), "elapsed_s": round(time.time() - started),
               "versions": {d: version(d) for d in ("edgepipe", "onnxruntime", "llama_cpp_python", "gguf", "numpy")},
               "agreement_tokens_per_prompt": tokens, "agreement": agree, "speed": timed,
-              "command": "python benchmarks/moe_synthetic.py" + (" --quick" if args.quick else "")}
-    written = write_results("moe_synthetic-quick" if args.quick else "moe_synthetic", report, markdown(report), args.out)
+              "command": " ".join(["python benchmarks/moe_synthetic.py", *sys.argv[1:]])}
+    stem = "moe_synthetic" + ("-quick" if args.quick else "") + ("-agreement" if not speed_layers else "")  # a partial run keeps the whole one
+    written = write_results(stem, report, markdown(report), args.out)
     print("\n" + markdown(report))
     print(f"wrote {' and '.join(map(str, written))} ({report['elapsed_s']} s)")
 

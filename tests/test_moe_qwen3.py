@@ -65,3 +65,29 @@ def test_qwen3moe_with_mxfp4_experts_in_both_forms(home, tmp_path):
         assert error.max() < 3e-2, (precision, error)
         result = generate(pkg.pipeline([1], precision=precision), ids, GenerationParams(max_tokens=1), pkg.tokenizer.decode, eos_ids=())
         assert result.tokens == [int(np.argmax(ref_logits[-1]))], precision
+
+
+def test_layers_too_big_to_measure_are_priced_by_their_routed_bytes(qwen3moe, tmp_path, monkeypatch):
+    """A Qwen3-30B-A3B's or a Mixtral's every layer passes the import's measuring bound: each is
+    then estimated from the bytes a one-row step reads (shared weights and k experts), never 0
+    (it was: no layer measured gave a rate of 0, layers cost nothing, and the join calibration
+    found no two costs to fit a speed to)."""
+    from edgepipe.model import importer
+    from edgepipe.model.package import Package
+
+    path, weights = qwen3moe
+    monkeypatch.setattr(importer, "plan_measurements", lambda kinds, sizes: [None] * len(kinds))  # nothing loaded: all estimated
+    pkg = Package(importer.import_model(path, tmp_path / "models", "gguf", measure_cost=True))
+    units = pkg.manifest.units
+    E, k = weights["shapes"]["experts"], weights["shapes"]["used"]
+    for u in units[1:-1]:
+        v = u.variants["gguf"]
+        assert u.experts == E and v.expert_bytes > 0
+        routed = v.weight_bytes - (E - k) * v.expert_bytes
+        assert u.cost_s == pytest.approx(importer.ESTIMATED_S_PER_BYTE * routed, rel=1e-6)
+        assert u.cost_s < importer.ESTIMATED_S_PER_BYTE * v.weight_bytes / 4  # k of E experts, not all of them
+    from edgepipe.cluster.profiling import ClusterProfile
+
+    profile = ClusterProfile(pkg.manifest)
+    profile.calibrated("w", [(profile.unit_cost(1, 2), 0.002), (profile.unit_cost(1, 3), 0.003)])
+    assert profile.of("w").speed > 0

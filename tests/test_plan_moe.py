@@ -98,3 +98,32 @@ def test_calibration_takes_the_further_experts_off_the_row_price():
         predicted = device.token_share(cost, rows, 1, lambda r: sum(extra_cost(u, r) for u in model.units[1:5])) * rows
         assert predicted == pytest.approx(batched_s)
         assert (experts_s > 0) == moe
+
+
+def test_one_batched_probe_predicts_every_batch_size_along_the_union():
+    """A device whose MoE steps cost a per-row price plus the experts the rows' union reads
+    (E·(1 − (1 − k/E)^S) of them): calibrated by the join's one probe at 8 rows, the planner's
+    step time at every other S is that device's; priced as dense layers (the union folded into a
+    linear per-row price) it is not, too slow at 2 rows and too fast at 32."""
+    from edgepipe.cluster.profiling import ClusterProfile
+
+    speed, per_row = 2.0, 0.0004
+    profile = ClusterProfile(_manifest(True))
+    profile.of("w").speed = speed
+    model = profile.model_profile()
+    cost = profile.unit_cost(1, 5)
+    layers = model.units[1:5]
+    expert_s = sum(u.cost * u.expert_bytes / bytes_read(u, 1) for u in layers) / speed  # reading one more expert in every layer
+
+    def true_step(rows: int) -> float:  # the device: one row's step, a price per further row, the further experts
+        return cost / speed + (rows - 1) * per_row + (experts_touched(E, K, rows) - K) * expert_s
+
+    profile.rows_timed("w", 1, 5, 8, true_step(1), true_step(8))
+    device = DeviceProfile("w", memory_bytes=10**9, speed=speed, overhead_s=0.0, row_speed=profile.of("w").row_speed)
+    dense_device = dataclasses.replace(device, row_speed=cost / ((true_step(8) - true_step(1)) / 7))
+    for rows in (1, 2, 4, 8, 16, 32):
+        predicted = device.token_share(cost, rows, 1, lambda r: sum(extra_cost(u, r) for u in layers)) * rows
+        assert predicted == pytest.approx(true_step(rows), rel=1e-9), rows
+        dense = dense_device.token_share(cost, rows, 1) * rows
+        if rows in (2, 32):
+            assert abs(dense - true_step(rows)) / true_step(rows) > 0.05, rows

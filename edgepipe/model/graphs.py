@@ -332,9 +332,9 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
         gate_up = g.linear(mlp_in, w["gate_up"], "gate_up", bias=w.get("gate_up_bias"))
         if cfg.gated_ffn:
             gate, up = g.op("Split", [gate_up, g.const(np.array([cfg.intermediate_size] * 2, np.int64), "gu_split")], n_out=2, axis=-1)
-            act = g.op1("Mul", [_activation(g, gate, cfg.ffn_activation), up])  # act(gate) * up
+            act = g.op1("Mul", [_activation(g, gate, cfg.ffn_activation, kv_type == FLOAT16), up])  # act(gate) * up
         else:
-            act = _activation(g, gate_up, cfg.ffn_activation)  # act(up)
+            act = _activation(g, gate_up, cfg.ffn_activation, kv_type == FLOAT16)  # act(up)
         down = g.linear(act, w["ffn_down"], "ffn_down", bias=w.get("ffn_down_bias"))
     if cfg.post_norms:
         down = g.op1("SimplifiedLayerNormalization", [down, g.const(w["post_ffw_norm"].astype(np.float32), "post_ffw_norm")],
@@ -366,9 +366,19 @@ def _ffn(g: _Graph, cfg: ModelConfig, x: str, gate_up, ffn_down, width: int, bas
     return g.linear(act, ffn_down, base + "ffn_down", rank=rank)
 
 
-def _activation(g: _Graph, x: str, kind: str) -> str:
+def _activation(g: _Graph, x: str, kind: str, fp16_table: bool = False) -> str:
+    """``kind`` of ``x``; ``fp16_table`` (the kernel form): GELU as llama.cpp's CPU backend computes it,
+    a lookup in a table of fp16 results by the fp16 input (``GGML_GELU_FP16``), ``x`` itself from 10 on
+    and 0 below -10: ``fp16(gelu(fp16(x)))``."""
     if kind == "silu":
         return g.op1("Mul", [x, g.op1("Sigmoid", [x])])
+    if kind == "gelu_tanh" and fp16_table:
+        half = lambda t: g.op1("Cast", [g.op1("Cast", [t], to=FLOAT16)], to=FLOAT)  # noqa: E731
+        looked_up = half(g.op1("Gelu", [half(x)], approximate="tanh"))
+        big = g.op1("GreaterOrEqual", [x, g.const(np.array(10.0, np.float32), "gelu_hi")])
+        small = g.op1("LessOrEqual", [x, g.const(np.array(-10.0, np.float32), "gelu_lo")])
+        zero = g.const(np.array(0.0, np.float32), "gelu_zero")
+        return g.op1("Where", [big, x, g.op1("Where", [small, zero, looked_up])])
     if kind == "gelu_tanh":
         return g.op1("Gelu", [x], approximate="tanh")
     raise ValueError(f"activation {kind!r} is not supported")

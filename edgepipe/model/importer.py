@@ -507,8 +507,11 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
 
     costs = [0.0] * n_units
     if measure_cost:
+        from .moe import routed_file_bytes
+
         costs = _measure_unit_costs(root / "blobs", [graph_shas[i] for i in range(n_units)], cfg, report, kinds=kinds,
-                                    weight_bytes=[sum(dict(unit_files[i].values()).values()) for i in range(n_units)])
+                                    weight_bytes=[sum(dict(unit_files[i].values()).values()) for i in range(n_units)],
+                                    read_bytes=[routed_file_bytes(unit_files[i], cfg.n_experts, cfg.n_experts_used) for i in range(n_units)])
 
     from ..runtime.stage_runner import window_positions
 
@@ -540,6 +543,7 @@ def _write_package(src, cfg: ModelConfig, root: Path, name: str, precision: str,
 
 
 MEASURE_LIMIT = 256 << 20  # units with more weight bytes than this are estimated, not loaded (bounded import memory)
+ESTIMATED_S_PER_BYTE = 1e-10  # 10 GB/s: the estimate's rate where no unit could be measured (only ratios matter: calibration scales them)
 SAME_SHAPE_SAMPLES = 2  # layers with the same kind and weight bytes are measured this many times, the rest reuse the median
 
 
@@ -563,12 +567,16 @@ def plan_measurements(kinds: list[str], weight_bytes: list[int], limit: int = ME
 
 
 def _measure_unit_costs(blobs: Path, graph_shas: list[str], cfg: ModelConfig, report: Progress, context: int = 128, reps: int = 12,
-                        kinds: list[str] | None = None, weight_bytes: list[int] | None = None) -> list[float]:
+                        kinds: list[str] | None = None, weight_bytes: list[int] | None = None,
+                        read_bytes: list[int] | None = None) -> list[float]:
     """Median seconds of one decode step per unit, after ``context`` tokens of prefill.
 
     Decode is memory-bound, so a unit too big to load within the import's memory bound (an 8B
-    model's head) is estimated as its weight bytes times the measured layers' seconds per byte,
-    and layers of identical size reuse their group's median instead of loading every one."""
+    model's head, every layer of a Qwen3-30B-A3B) is estimated as the bytes a step reads of it
+    (``read_bytes``: a MoE layer's shared weights and routed experts; default ``weight_bytes``)
+    times the measured layers' seconds per byte read, or the measured head's where no layer was
+    measured, or ``ESTIMATED_S_PER_BYTE`` where nothing was; layers of identical size reuse their
+    group's median instead of loading every one."""
     from ..runtime.stage_runner import SamplingBatch, StageRunner
 
     kinds = kinds or ["layer"] * len(graph_shas)
@@ -597,12 +605,19 @@ def _measure_unit_costs(blobs: Path, graph_shas: list[str], cfg: ModelConfig, re
         del runner
         measured[i] = float(np.median(times[2:]))
         report("measure", len(measured), sum(1 for u, p in enumerate(plan) if p == u))
-    layer_rates = sorted(measured[i] / weight_bytes[i] for i in measured if kinds[i] == "layer" and weight_bytes[i])
-    per_byte = layer_rates[len(layer_rates) // 2] if layer_rates else 0.0
+    read_bytes = read_bytes or weight_bytes
+
+    def rates(kind: str) -> list[float]:
+        return sorted(measured[i] / read_bytes[i] for i in measured if kinds[i] == kind and read_bytes[i])
+
+    # (with no layer measured the rate was 0: every layer of a model whose layers all pass the
+    # bound, a Qwen3-30B-A3B's or a Mixtral's, cost nothing, and no calibration could fit a speed)
+    layer_rates = rates("layer") or rates("head")
+    per_byte = layer_rates[len(layer_rates) // 2] if layer_rates else ESTIMATED_S_PER_BYTE
     costs = []
     for i, p in enumerate(plan):
         if p is None:  # an embedding gathers one row per token; a head streams all of its bytes
-            costs.append(per_byte * weight_bytes[i] / (cfg.vocab_size if kinds[i] == "embedding" else 1))
+            costs.append(per_byte * read_bytes[i] / (cfg.vocab_size if kinds[i] == "embedding" else 1))
         elif i in measured:
             costs.append(measured[i])
         else:  # same kind and size as unit p: the median of that group's measurements

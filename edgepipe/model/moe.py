@@ -31,6 +31,7 @@ fp32 (or fused-SwiGLU) weights, 8x the bytes of the file's 4-bit blocks, and ``Q
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 
 import numpy as np
@@ -226,6 +227,21 @@ def expert_file_bytes(files: dict[str, tuple[str, int]], n_experts: int) -> int:
     ``moe_ffn`` names them); 0 for a dense unit."""
     whole = sum(n for name, (_, n) in files.items() if ".moe_exps." in name)
     return sum(n for name, (_, n) in files.items() if ".exp0." in name) + (whole // n_experts if n_experts else 0)
+
+
+def routed_file_bytes(files: dict[str, tuple[str, int]], n_experts: int, n_used: int) -> int:
+    """Weight bytes one decode row reads of a unit (``name -> (sha, bytes)``, each blob once): all
+    of a dense unit's; of a MoE layer its shared initializers (attention, router, norms) and
+    ``n_used`` experts' (what the import's estimate of an unmeasured layer prices, as the one-row
+    step it measures elsewhere reads)."""
+    one = expert_file_bytes(files, n_experts)
+    if not one:
+        return sum(dict(files.values()).values())
+    shared = {sha: n for name, (sha, n) in files.items() if ".moe_exps." not in name and not _EXPERT_NAME.search(name)}
+    return sum(shared.values()) + n_used * one
+
+
+_EXPERT_NAME = re.compile(r"\.exp\d+\.")
 
 
 def with_experts(units: list, unit_files, precision: str, cfg: ModelConfig) -> list:

@@ -29,10 +29,10 @@ _KEEP_ARRAY = 64  # arrays up to this many elements are kept; longer ones become
 TENSOR_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
                 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 16: "IQ2_XXS", 17: "IQ2_XS",
                 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M",
-                34: "TQ1_0", 35: "TQ2_0"}
-_OTHER_TYPES = {9: "Q8_1", 15: "Q8_K", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 39: "MXFP4", 40: "NVFP4"}
+                34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
+_OTHER_TYPES = {9: "Q8_1", 15: "Q8_K", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 40: "NVFP4"}
 # RoPE scaling kinds the graphs reproduce ("su"/"longrope" arrive as factor tensors).
-ROPE_SCALING = ("none", "linear", "llama3", "longrope", "su")
+ROPE_SCALING = ("none", "linear", "llama3", "longrope", "su", "yarn")
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def unsupported_reasons(header: GGUFHeader) -> list[str]:
         from .moe import required_tensors
 
         required = required_tensors(required)
-    missing = [n for n in required if n not in header.tensors]
+    missing = [n for n in dict.fromkeys(required) if n not in header.tensors]
     if missing:
         more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         reasons.append(f"missing tensor{'s' if len(missing) > 1 else ''} {', '.join(missing[:4])}{more}")

@@ -165,7 +165,10 @@ NATIVE_TYPES: dict[str, NativeType] = {
     "Q4_K": NativeType(256, 144, 4, 32, 0, True),  # (d * sc) * q - dmin * mn, 8 sub-blocks of 32
     "Q5_K": NativeType(256, 176, 8, 32, 112, True),  # same with 5-bit q
     "Q6_K": NativeType(256, 210, 8, 16, 96, False),  # (d * sc) * (q - 32), 16 sub-blocks of 16
+    "MXFP4": NativeType(32, 17, 8, 32, 128, False),  # 2^(e - 128) * 2 * fp4(q): an E8M0 exponent, 4-bit e2m1 values (gpt-oss's experts)
 }
+# MXFP4's e2m1 values doubled to integers (ggml's kvalues_mxfp4): a block is 2^(e - 128) times these.
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int16)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -254,6 +257,9 @@ def decode_native(raw: np.ndarray, kind: str, k: int) -> BlockQuantized:
             q = q.reshape(n, nb, QK_K)
         offset64 = z * scales.astype(np.float64) - dm.astype(np.float64)
         nb = nb * 8
+    elif kind == "MXFP4":  # block_mxfp4: e (uint8), then 16 bytes: element j in the low nibble of byte j, j + 16 in its high nibble
+        scales = np.ldexp(np.float32(1.0), blocks[..., 0].astype(np.int32) - 128).astype(np.float32)  # ggml_e8m0_to_fp32_half
+        q = (_MXFP4_VALUES[_nibbles(blocks[..., 1:17], 1).reshape(n, nb, 32)] + 128).astype(np.uint8)
     elif kind == "Q6_K":
         ql = _nibbles(blocks[..., 0:128], 2).reshape(n, -1, 8, 32)  # [n, nbk, 8, 32]
         qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)

@@ -186,7 +186,8 @@ def _random_mxfp4(rng, shape: tuple[int, ...], scale: float) -> np.ndarray:
     return np.concatenate([e.astype(np.uint8), qs], axis=-1).reshape(*lead, nb * 17)
 
 
-def synthetic_gpt_oss(target: Path, tokenizer_source: Path, seed: int = 0, reference: bool = False, **shapes) -> tuple[Path, dict]:
+def synthetic_gpt_oss(target: Path, tokenizer_source: Path, seed: int = 0, reference: bool = False, router: float = 3.0,
+                      ffn: float = 1.0, **shapes) -> tuple[Path, dict]:
     """A ``gpt-oss`` GGUF of random weights with the tokenizer (and chat template) of
     ``tokenizer_source``: experts MXFP4 (GGML type 39), attention and head Q8_0, norms, biases,
     sinks and router F32, the metadata keys convert_hf_to_gguf.py's GptOssModel writes. With
@@ -247,11 +248,11 @@ def synthetic_gpt_oss(target: Path, tokenizer_source: Path, seed: int = 0, refer
         f32(p + "attn_output.bias", 0.1 * rng.standard_normal(H))
         f32(p + "attn_sinks.weight", rng.standard_normal(nh) * 2)
         f32(p + "post_attention_norm.weight", 1 + 0.1 * rng.standard_normal(H))
-        f32(p + "ffn_gate_inp.weight", rng.standard_normal((E, H)) * H ** -0.5 * 3)
+        f32(p + "ffn_gate_inp.weight", rng.standard_normal((E, H)) * H ** -0.5 * router)
         f32(p + "ffn_gate_inp.bias", 0.5 * rng.standard_normal(E))
         mxfp4(p + "ffn_gate_exps.weight", (E, F, H), H ** -0.5)
         mxfp4(p + "ffn_up_exps.weight", (E, F, H), H ** -0.5)
-        mxfp4(p + "ffn_down_exps.weight", (E, H, F), F ** -0.5)
+        mxfp4(p + "ffn_down_exps.weight", (E, H, F), F ** -0.5 * ffn)
         f32(p + "ffn_gate_exps.bias", 0.1 * rng.standard_normal((E, F)))
         f32(p + "ffn_up_exps.bias", 0.1 * rng.standard_normal((E, F)))
         f32(p + "ffn_down_exps.bias", 0.1 * rng.standard_normal((E, H)))

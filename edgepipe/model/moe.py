@@ -7,7 +7,9 @@ llama.cpp's ``build_moe_ffn`` for the families here (``llama`` with ``expert_cou
 its kin; ``qwen3moe``): probabilities ``softmax`` over all E logits, the k most probable experts,
 their probabilities divided by their sum (clamped below at 2^-14), times
 ``expert_weights_scale`` where the file gives one other than 0 or 1; each expert
-``down(silu(gate(x)) * up(x))``, times its weight, summed.
+``down(silu(gate(x)) * up(x))``, times its weight, summed. ``gpt-oss``: the router's bias added,
+the k largest logits chosen and their weights a softmax over those k (``SOFTMAX_WEIGHT``), each
+projection's expert bias added, the activation ``swiglu_oai`` (``graphs._glu``), no renormalising.
 
 The graph (``moe_ffn``) groups a step's rows by expert, so an expert's weights are read once per
 step for all the rows that chose it and not at all when none did (a one-row decode step reads k
@@ -75,7 +77,7 @@ def moe_reasons(arch: str, header) -> list[str]:
     extras = sorted({n.split(".", 2)[2].split(".")[0] for n in tensors if n.startswith("blk.")
                      and any(s in n for s in ("_shexp", "exp_probs_b", "ffn_gate_inp_shexp"))})
     if extras:
-        reasons.append(f"shared experts or expert biases ({', '.join(extras)}) are not supported")
+        reasons.append(f"shared experts or expert selection biases ({', '.join(extras)}) are not supported")
     for name in EXPERT_TENSORS:
         t = tensors.get(f"blk.0.{name}.weight")
         if t is not None and (len(t.shape) != 3 or t.shape[2] != n_expert):

@@ -70,6 +70,25 @@ def test_gpt_oss_file_equals_llama_cpp_reference(home, tiny):
             assert result.tokens == expected
 
 
+def test_kernel_form_with_experts_as_3d_blocks_equals_reference(home, tmp_path):
+    """Experts of a type the kernel library runs (Q8_0 here; MXFP4 once its type table has it)
+    stay 3-D blocks under GgufMoEMatMul, with each slot's expert bias gathered beside them."""
+    from edgepipe.native import gguf_kernel_library
+
+    if gguf_kernel_library() is None:
+        pytest.skip("no kernel library on this machine")
+    path, weights = synthetic_gpt_oss(tmp_path / "gpt-oss-q8.gguf", bundled_gguf(), reference=True, expert_type="Q8_0", **TINY)
+    pkg = resolve(str(path), "native", home)
+    prepare_local_form(pkg)
+    assert local_form(pkg) == "gguf"
+    graph = pkg.blob(pkg.manifest.units[1].variants["gguf"].graph).read_bytes()
+    assert b"GgufMoEMatMul" in graph and b"KvAttention" in graph
+    hidden = pkg.runner(0, TINY["layers"] + 1, "gguf").run("s", np.array([IDS]))[0]
+    ref_hidden, _ = gpt_oss_reference(weights, IDS)
+    error = np.linalg.norm(hidden - ref_hidden, axis=-1) / np.linalg.norm(ref_hidden, axis=-1)
+    assert error.max() < 0.1, error
+
+
 @pytest.mark.slow  # llama.cpp loads the same file (~10 s)
 def test_llama_cpp_runs_the_file_as_the_reference_does(tiny):
     """The reference is llama.cpp's graph: its logits are llama.cpp's up to llama.cpp's own rounding

@@ -187,11 +187,15 @@ def _random_mxfp4(rng, shape: tuple[int, ...], scale: float) -> np.ndarray:
 
 
 def synthetic_gpt_oss(target: Path, tokenizer_source: Path, seed: int = 0, reference: bool = False, router: float = 3.0,
-                      ffn: float = 1.0, **shapes) -> tuple[Path, dict]:
+                      ffn: float = 1.0, head: float = 0.0, expert_type: str = "MXFP4", **shapes) -> tuple[Path, dict]:
     """A ``gpt-oss`` GGUF of random weights with the tokenizer (and chat template) of
     ``tokenizer_source``: experts MXFP4 (GGML type 39), attention and head Q8_0, norms, biases,
     sinks and router F32, the metadata keys convert_hf_to_gguf.py's GptOssModel writes. With
-    ``reference``, also every weight as float (numpy order) for ``gpt_oss_reference``."""
+    ``reference``, also every weight as float (numpy order) for ``gpt_oss_reference``.
+
+    ``head`` > 0 makes the logits peaked: the head's rows are ``head`` times a fixed permutation of
+    the embedding's rows plus unit noise, so each position's residual stream (its token's embedding
+    plus what the layers add) leads one logit by a margin the layers move but rounding does not."""
     import gguf
     from gguf.quants import dequantize, quantize
 
@@ -218,13 +222,15 @@ def synthetic_gpt_oss(target: Path, tokenizer_source: Path, seed: int = 0, refer
     weights: dict[str, np.ndarray] = {}
     Q8, MX = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
 
-    def q8(name: str, shape: tuple[int, ...], scale: float) -> None:
-        data = quantize((rng.standard_normal(shape) * scale).astype(np.float32), Q8)
+    def q8(name: str, shape: tuple[int, ...], scale: float, values: np.ndarray | None = None) -> None:
+        data = quantize((rng.standard_normal(shape) * scale if values is None else values).astype(np.float32), Q8)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=Q8)
         if reference:
             weights[name] = dequantize(data, Q8).reshape(shape)
 
-    def mxfp4(name: str, shape: tuple[int, ...], scale: float) -> None:
+    def mxfp4(name: str, shape: tuple[int, ...], scale: float) -> None:  # (expert_type="Q8_0": the kernel library's 3-D path today)
+        if expert_type == "Q8_0":
+            return q8(name, shape, scale)
         data = _random_mxfp4(rng, shape, scale)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=MX)
         if reference:
@@ -235,9 +241,11 @@ def synthetic_gpt_oss(target: Path, tokenizer_source: Path, seed: int = 0, refer
         if reference:
             weights[name] = value.astype(np.float32)
 
-    q8("token_embd.weight", (vocab, H), 1.0)
+    table = rng.standard_normal((vocab, H)).astype(np.float32)
+    q8("token_embd.weight", (vocab, H), 1.0, table)
     f32("output_norm.weight", 1 + 0.1 * rng.standard_normal(H))
-    q8("output.weight", (vocab, H), 1.0)
+    q8("output.weight", (vocab, H), 1.0, head * table[rng.permutation(vocab)] + rng.standard_normal((vocab, H)) if head else None)
+    del table
     for i in range(L):
         p = f"blk.{i}."
         f32(p + "attn_norm.weight", 1 + 0.1 * rng.standard_normal(H))

@@ -181,7 +181,7 @@ def _random_mxfp4(rng, shape: tuple[int, ...], scale: float) -> np.ndarray:
     block's E8M0 exponent near ``log2(scale / rms(e2m1))`` (+-1), its 32 nibbles uniform."""
     *lead, k = shape
     nb = k // 32
-    e = 128 + int(round(np.log2(scale / _E2M1_RMS))) + rng.integers(-1, 2, (*lead, nb, 1))
+    e = 127 + int(round(np.log2(scale / _E2M1_RMS))) + rng.integers(-1, 2, (*lead, nb, 1))  # value = 2^(e - 127) * e2m1
     qs = rng.integers(0, 256, (*lead, nb, 16), dtype=np.uint8)
     return np.concatenate([e.astype(np.uint8), qs], axis=-1).reshape(*lead, nb * 17)
 

@@ -218,8 +218,8 @@ def tiny_dir(tmp_path_factory):
 
 def test_every_supported_architecture_has_a_reference():
     # gpt2's reference is tests/test_gpt2.py (transformers' GPT2LMHeadModel, another layer than these);
-    # qwen3moe's is tests/test_moe_qwen3.py (a numpy reference of llama.cpp's MoE graph)
-    assert set(SUPPORTED_ARCHITECTURES) <= {s.get("arch", f) for f, s in SPECS.items()} | {"gpt2", "qwen3moe"}
+    # qwen3moe's is tests/test_moe_qwen3.py and gpt-oss's tests/test_gpt_oss.py (numpy references of llama.cpp's graphs)
+    assert set(SUPPORTED_ARCHITECTURES) <= {s.get("arch", f) for f, s in SPECS.items()} | {"gpt2", "qwen3moe", "gpt-oss"}
 
 
 @pytest.mark.parametrize("arch", list(SPECS))

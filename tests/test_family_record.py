@@ -12,7 +12,7 @@ pytestmark = pytest.mark.pure
 
 
 def test_supported_are_the_gguf_records_that_are_not_refused():
-    assert SUPPORTED_ARCHITECTURES == ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "gpt2")
+    assert SUPPORTED_ARCHITECTURES == ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss", "gemma2", "gemma3", "phi3", "gpt2")
     assert all(refusal(a) is None for a in SUPPORTED_ARCHITECTURES)
     assert "mistral" not in SUPPORTED_ARCHITECTURES and HF_CLASSES["MistralForCausalLM"].name == "mistral"  # folders only
     assert HF_CLASSES["GPT2LMHeadModel"] is FAMILIES["gpt2"]

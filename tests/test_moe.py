@@ -37,13 +37,13 @@ def _header(arch: str = "llama", extra_meta: dict | None = None, extra_tensors: 
 def test_header_accepts_llama_experts_and_names_what_it_cannot_build():
     assert unsupported_reasons(_header()) == []  # no dense ffn_gate/up/down needed: the router and experts instead
     assert unsupported_reasons(_header("qwen2")) == [
-        "mixture-of-experts layers of 'qwen2' are not supported (supported: llama, qwen3moe)"]
+        "mixture-of-experts layers of 'qwen2' are not supported (supported: llama, qwen3moe, gpt-oss)"]
     assert unsupported_reasons(_header(extra_meta={"llama.expert_used_count": 9})) == [
         "llama.expert_used_count 9 is not between 1 and expert_count 8"]
     assert unsupported_reasons(_header(extra_meta={"llama.expert_gating_func": 2})) == [
         "expert gating function 2 is not supported (softmax only)"]
     assert unsupported_reasons(_header(extra_tensors=("blk.0.ffn_up_shexp.weight",))) == [
-        "shared experts or expert biases (ffn_up_shexp) are not supported"]
+        "shared experts or expert selection biases (ffn_up_shexp) are not supported"]
     missing = _header()
     del missing.tensors["blk.0.ffn_down_exps.weight"]
     assert unsupported_reasons(missing) == ["missing tensor blk.0.ffn_down_exps.weight"]

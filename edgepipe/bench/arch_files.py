@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..native.quant_types import BY_NAME
+
 HEAD_LOGIT_STD = 8.0
 
 SHAPES: dict[str, dict] = {
@@ -44,7 +46,6 @@ SHAPES: dict[str, dict] = {
 # a final norm gain of 4 peaks the logits (tuned on llama.cpp's greedy text: 23 distinct tokens of 48).
 GPT2_SIGMAS = dict(token=0.1, position=3.0, attn_out=3.0, ffn_down=3.0, head_gain=4.0)
 
-_BLOCK = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q8_0": (32, 34)}
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -69,7 +70,7 @@ def random_blocks(kind: str, rows: int, k: int, sigma: float, rng: np.random.Gen
     """``rows`` rows of ``k`` weights as blocks of ``kind`` (``[rows, k / block * bytes]`` uint8):
     uniform random quants, per-block scales about ``sigma / std(quants)`` (times 0.8..1.2) so the
     weights have mean ~0 and standard deviation ~``sigma``."""
-    elems, size = _BLOCK[kind]
+    elems, size = BY_NAME[kind].block_values, BY_NAME[kind].block_bytes
     n = rows * (k // elems)
     raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
     jitter = rng.uniform(0.8, 1.2, n)
@@ -181,7 +182,7 @@ def write_arch_gguf(path: Path, shape: str, tokenizer_source: Path, layers: int 
             nbytes = int(np.prod(shp)) * 4
             w.add_tensor_info(name, shp, np.dtype(np.float32), nbytes)
         else:
-            elems, size = _BLOCK[kind]
+            elems, size = BY_NAME[kind].block_values, BY_NAME[kind].block_bytes
             byte_shape = (*shp[:-1], shp[-1] // elems * size)
             nbytes = int(np.prod(byte_shape))
             w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=getattr(Q, kind))

@@ -168,3 +168,169 @@ def qwen3moe_reference(weights: dict, ids: list[int]) -> tuple[np.ndarray, np.nd
                 out[r] += we * (w[p + "ffn_down_exps.weight"][e] @ (gate / (1 + np.exp(-gate)) * up))
         x = x + out
     return x, _rms(x, w["output_norm.weight"]) @ w["token_embd.weight"].T
+
+
+# gpt-oss-20b's per-layer shapes (llama.cpp's LLM_ARCH_OPENAI_MOE): hidden 2880, 64 query heads and 8
+# kv heads of 64, 32 experts of width 2880, top 4, a 128-token window on every other layer, YaRN
+# (factor 32 over 4096 positions, base 150000). Tests shrink the widths; the layer count is the file's.
+GPT_OSS_SHAPES = dict(hidden=2880, heads=64, kv_heads=8, head_dim=64, experts=32, used=4, expert_ffn=2880, layers=2,
+                      window=128, context=131072, yarn_factor=32.0, yarn_original=4096, rope_base=150000.0)
+_E2M1_RMS = float(np.sqrt(np.mean(np.array([0, 0.25, 1, 2.25, 4, 9, 16, 36]))))  # of a random MXFP4 value, scale 1
+
+
+def _random_mxfp4(rng, shape: tuple[int, ...], scale: float) -> np.ndarray:
+    """Raw MXFP4 blocks ``[..., K / 32 * 17]`` of random values whose RMS is about ``scale``: each
+    block's E8M0 exponent near ``log2(scale / rms(e2m1))`` (+-1), its 32 nibbles uniform."""
+    *lead, k = shape
+    nb = k // 32
+    e = 127 + int(round(np.log2(scale / _E2M1_RMS))) + rng.integers(-1, 2, (*lead, nb, 1))  # value = 2^(e - 127) * e2m1
+    qs = rng.integers(0, 256, (*lead, nb, 16), dtype=np.uint8)
+    return np.concatenate([e.astype(np.uint8), qs], axis=-1).reshape(*lead, nb * 17)
+
+
+def synthetic_gpt_oss(target: Path, tokenizer_source: Path, seed: int = 0, reference: bool = False, router: float = 3.0,
+                      ffn: float = 1.0, head: float = 0.0, expert_type: str = "MXFP4", **shapes) -> tuple[Path, dict]:
+    """A ``gpt-oss`` GGUF of random weights with the tokenizer (and chat template) of
+    ``tokenizer_source``: experts MXFP4 (GGML type 39), attention and head Q8_0, norms, biases,
+    sinks and router F32, the metadata keys convert_hf_to_gguf.py's GptOssModel writes. With
+    ``reference``, also every weight as float (numpy order) for ``gpt_oss_reference``.
+
+    ``head`` > 0 makes the logits peaked: the head's rows are ``head`` times a fixed permutation of
+    the embedding's rows plus unit noise, so each position's residual stream (its token's embedding
+    plus what the layers add) leads one logit by a margin the layers move but rounding does not."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    s = {**GPT_OSS_SHAPES, **shapes}
+    H, nh, nkv, D, E, k, F, L = (s[n] for n in ("hidden", "heads", "kv_heads", "head_dim", "experts", "used", "expert_ffn", "layers"))
+    reader = gguf.GGUFReader(str(tokenizer_source))
+    a = "gpt-oss"
+    writer = gguf.GGUFWriter(str(target), a)
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            vtype = field.types[0]
+            writer.add_key_value(name, field.contents(), vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    for key, value in (("block_count", L), ("context_length", s["context"]), ("embedding_length", H), ("feed_forward_length", F),
+                       ("expert_feed_forward_length", F), ("expert_count", E), ("expert_used_count", k), ("attention.head_count", nh),
+                       ("attention.head_count_kv", nkv), ("attention.key_length", D), ("attention.value_length", D),
+                       ("attention.sliding_window", s["window"]), ("rope.scaling.original_context_length", s["yarn_original"])):
+        writer.add_uint32(f"{a}.{key}", value)
+    writer.add_float32(f"{a}.rope.freq_base", s["rope_base"])
+    writer.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_string(f"{a}.rope.scaling.type", "yarn")
+    writer.add_float32(f"{a}.rope.scaling.factor", s["yarn_factor"])
+    rng = np.random.default_rng(seed)
+    weights: dict[str, np.ndarray] = {}
+    Q8, MX = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
+
+    def q8(name: str, shape: tuple[int, ...], scale: float, values: np.ndarray | None = None) -> None:
+        data = quantize((rng.standard_normal(shape) * scale if values is None else values).astype(np.float32), Q8)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=Q8)
+        if reference:
+            weights[name] = dequantize(data, Q8).reshape(shape)
+
+    def mxfp4(name: str, shape: tuple[int, ...], scale: float) -> None:  # (expert_type="Q8_0": the kernel library's 3-D path today)
+        if expert_type == "Q8_0":
+            return q8(name, shape, scale)
+        data = _random_mxfp4(rng, shape, scale)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=MX)
+        if reference:
+            weights[name] = dequantize(data, MX).reshape(shape)
+
+    def f32(name: str, value: np.ndarray) -> None:
+        writer.add_tensor(name, value.astype(np.float32))
+        if reference:
+            weights[name] = value.astype(np.float32)
+
+    table = rng.standard_normal((vocab, H)).astype(np.float32)
+    q8("token_embd.weight", (vocab, H), 1.0, table)
+    f32("output_norm.weight", 1 + 0.1 * rng.standard_normal(H))
+    q8("output.weight", (vocab, H), 1.0, head * table[rng.permutation(vocab)] + rng.standard_normal((vocab, H)) if head else None)
+    del table
+    for i in range(L):
+        p = f"blk.{i}."
+        f32(p + "attn_norm.weight", 1 + 0.1 * rng.standard_normal(H))
+        for t, rows in (("q", nh * D), ("k", nkv * D), ("v", nkv * D)):
+            q8(p + f"attn_{t}.weight", (rows, H), H ** -0.5)
+            f32(p + f"attn_{t}.bias", 0.1 * rng.standard_normal(rows))
+        q8(p + "attn_output.weight", (H, nh * D), (nh * D) ** -0.5)
+        f32(p + "attn_output.bias", 0.1 * rng.standard_normal(H))
+        f32(p + "attn_sinks.weight", rng.standard_normal(nh) * 2)
+        f32(p + "post_attention_norm.weight", 1 + 0.1 * rng.standard_normal(H))
+        f32(p + "ffn_gate_inp.weight", rng.standard_normal((E, H)) * H ** -0.5 * router)
+        f32(p + "ffn_gate_inp.bias", 0.5 * rng.standard_normal(E))
+        mxfp4(p + "ffn_gate_exps.weight", (E, F, H), H ** -0.5)
+        mxfp4(p + "ffn_up_exps.weight", (E, F, H), H ** -0.5)
+        mxfp4(p + "ffn_down_exps.weight", (E, H, F), F ** -0.5 * ffn)
+        f32(p + "ffn_gate_exps.bias", 0.1 * rng.standard_normal((E, F)))
+        f32(p + "ffn_up_exps.bias", 0.1 * rng.standard_normal((E, F)))
+        f32(p + "ffn_down_exps.bias", 0.1 * rng.standard_normal((E, H)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target, {"shapes": s, **weights}
+
+
+def _yarn_tables(s: dict, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin ``[positions, D / 2]`` as ggml's ``rope_yarn`` (ext_factor 1, beta_fast 32, beta_slow 1)."""
+    D, base, factor, original = s["head_dim"], s["rope_base"], s["yarn_factor"], s["yarn_original"]
+    corr = lambda rot: D * np.log(original / (rot * 2 * np.pi)) / (2 * np.log(base))  # noqa: E731
+    low, high = max(0.0, np.floor(corr(32.0))), min(D - 1.0, np.ceil(corr(1.0)))
+    i = np.arange(D // 2)
+    extrapolated = base ** (-2.0 * i / D)
+    ramp = 1 - np.clip((i - low) / max(0.001, high - low), 0, 1)
+    theta = np.arange(positions)[:, None] * (extrapolated / factor * (1 - ramp) + extrapolated * ramp)[None, :]
+    mscale = 1 + 0.1 * np.log(factor)
+    return np.cos(theta) * mscale, np.sin(theta) * mscale
+
+
+def gpt_oss_reference(weights: dict, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's gpt-oss graph (``llm_build_openai_moe_iswa``, ``build_moe_ffn`` with
+    SOFTMAX_WEIGHT and SWIGLU_OAI_MOE) in float64 numpy: ``(hidden after the last layer [S, H],
+    logits [S, V])`` for one sequence."""
+    s = weights["shapes"]
+    nh, nkv, D, k, window = s["heads"], s["kv_heads"], s["head_dim"], s["used"], s["window"]
+    w = {n: v.astype(np.float64) for n, v in weights.items() if n != "shapes"}
+    x = w["token_embd.weight"][ids]
+    S = len(ids)
+    half = D // 2
+    cos, sin = (t[:, None, :] for t in _yarn_tables(s, S))
+
+    def rope(t):  # NEOX: rotate the two halves of each head
+        a, b = t[..., :half], t[..., half:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+    pos = np.arange(S)
+    for i in range(s["layers"]):
+        p = f"blk.{i}."
+        h = _rms(x, w[p + "attn_norm.weight"], 1e-5)
+        q = rope((h @ w[p + "attn_q.weight"].T + w[p + "attn_q.bias"]).reshape(S, nh, D))
+        kk = rope((h @ w[p + "attn_k.weight"].T + w[p + "attn_k.bias"]).reshape(S, nkv, D))
+        v = (h @ w[p + "attn_v.weight"].T + w[p + "attn_v.bias"]).reshape(S, nkv, D)
+        kk, v = np.repeat(kk, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)
+        seen = pos[None, :] <= pos[:, None]
+        if i % 2 == 0:  # the sliding-window layers (pattern 2): distance below the window
+            seen &= pos[:, None] - pos[None, :] < window
+        scores = np.einsum("qhd,khd->hqk", q, kk) / np.sqrt(D) + np.where(seen, 0.0, -np.inf)
+        sink = w[p + "attn_sinks.weight"][:, None, None]
+        top = np.maximum(scores.max(-1, keepdims=True), sink)
+        att = np.exp(scores - top)
+        att /= att.sum(-1, keepdims=True) + np.exp(sink - top)
+        x = x + np.einsum("hqk,khd->qhd", att, v).reshape(S, nh * D) @ w[p + "attn_output.weight"].T + w[p + "attn_output.bias"]
+        h = _rms(x, w[p + "post_attention_norm.weight"], 1e-5)
+        logits = h @ w[p + "ffn_gate_inp.weight"].T + w[p + "ffn_gate_inp.bias"]
+        out = np.zeros_like(h)
+        for r in range(S):
+            chosen = np.argsort(-logits[r], kind="stable")[:k]
+            weight = np.exp(logits[r, chosen] - logits[r, chosen].max())
+            weight /= weight.sum()
+            for e, we in zip(chosen, weight):
+                gate = w[p + "ffn_gate_exps.weight"][e] @ h[r] + w[p + "ffn_gate_exps.bias"][e]
+                up = w[p + "ffn_up_exps.weight"][e] @ h[r] + w[p + "ffn_up_exps.bias"][e]
+                gx, uy = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
+                act = gx / (1 + np.exp(-1.702 * gx)) * (uy + 1)
+                out[r] += we * (w[p + "ffn_down_exps.weight"][e] @ act + w[p + "ffn_down_exps.bias"][e])
+        x = x + out
+    return x, _rms(x, w["output_norm.weight"], 1e-5) @ w["output.weight"].T

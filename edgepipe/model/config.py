@@ -38,7 +38,7 @@ class ModelConfig:
     attention_scale: float | None = None  # None means 1/sqrt(head_dim)
     logit_scale: float = 1.0
     # -- layer structure beyond Llama (defaults keep the Llama layer) --
-    ffn_activation: str = "silu"  # "silu" or "gelu_tanh" (Gemma): act(gate) * up
+    ffn_activation: str = "silu"  # "silu" or "gelu_tanh" (Gemma): act(gate) * up; "swiglu_oai" (gpt-oss): llama.cpp's ggml_swiglu_oai
     post_norms: bool = False  # Gemma 2/3: RMSNorm on the attention and MLP outputs before each residual add
     rotary_dim: int = 0  # rotated dims per head (Phi-4-mini rotates 3/4); 0 = head_dim
     sliding_window: int = 0  # tokens a sliding-window layer sees (itself included); 0 = none
@@ -47,6 +47,10 @@ class ModelConfig:
     rope_linear_factor: float = 1.0  # linear position scaling of the global layers' RoPE
     rope_attn_factor: float = 1.0  # LongRoPE: cos/sin scaled by this (Phi-3 "su")
     rope_original_context: int = 0  # LongRoPE: past this context the long factors apply
+    rope_yarn_factor: float = 0.0  # YaRN (gpt-oss): the context scale factor; 0 = no YaRN (rope_original_context: its original context)
+    rope_yarn_beta_fast: float = 32.0  # YaRN's ramp corners (llama.cpp's yarn_beta_fast / yarn_beta_slow)
+    rope_yarn_beta_slow: float = 1.0
+    attention_sinks: bool = False  # gpt-oss: a learned logit per query head in each softmax's denominator (attn_sinks)
     attn_logit_softcap: float = 0.0  # Gemma 2: tanh soft-capping of attention scores; 0 = off
     final_logit_softcap: float = 0.0  # Gemma 2: tanh soft-capping of the logits; 0 = off
     # -- GPT-2's layer (defaults keep the Llama layer) --
@@ -60,6 +64,7 @@ class ModelConfig:
     expert_intermediate_size: int = 0  # an expert's FFN width (qwen3moe: expert_feed_forward_length)
     expert_weights_norm: bool = True  # the k selected weights divided by their sum (llama.cpp's norm_w)
     expert_weights_scale: float = 0.0  # the weights times this where it is not 0 or 1 (llama.cpp's w_scale)
+    expert_gating: str = "softmax"  # "softmax": over all E logits, then top k; "softmax_weight" (gpt-oss): top k logits, softmax over those
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))

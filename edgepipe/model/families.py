@@ -119,6 +119,24 @@ def _mistral(cfg: "ModelConfig", a: Meta, has: Has) -> dict:
     return dict(sliding_window=window, layer_windows=(window,) * cfg.n_layers)
 
 
+def _gpt_oss(cfg: "ModelConfig", a: Meta, has: Has) -> dict:
+    """gpt-oss (llama.cpp's ``LLM_ARCH_OPENAI_MOE``): sliding-window layers where
+    ``layer % pattern < pattern - 1`` (``set_swa_pattern``; pattern 2: the even layers), the others
+    full; a learned sink logit per query head in every softmax (``attn_sinks``)."""
+    from .config import UnsupportedModel
+
+    window = int(a("attention.sliding_window", 128))
+    pattern = a("attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):  # one flag per layer
+        swa = [bool(x) for x in pattern]
+    else:
+        pattern = int(pattern)
+        swa = [pattern == 0 or i % pattern < pattern - 1 for i in range(cfg.n_layers)]
+    if len(swa) != cfg.n_layers:
+        raise UnsupportedModel(f"attention.sliding_window_pattern has {len(swa)} flags for {cfg.n_layers} layers")
+    return dict(sliding_window=window, layer_windows=tuple(window if s else 0 for s in swa), attention_sinks=True)
+
+
 def _longrope_attn_factor(a: Meta, context: int) -> float:
     if a("rope.scaling.attn_factor"):
         return float(a("rope.scaling.attn_factor"))
@@ -171,9 +189,10 @@ class Family:
     positions: Literal["rope", "learned"] = "rope"  # learned: position_embd added to the token embedding (GPT-2)
     norm: Literal["rms", "layer"] = "rms"  # RMSNorm, or LayerNorm with a bias (GPT-2)
     gated_ffn: bool = True  # act(gate) * up (a fused ffn_up of 2F rows where there is no ffn_gate); False: act(up)
-    activation: Literal["silu", "gelu_tanh"] = "silu"
+    activation: Literal["silu", "gelu_tanh", "swiglu_oai"] = "silu"
     post_norms: bool = False  # Gemma 2/3: a norm on the attention and MLP outputs before each residual add
     biases: bool = False  # every linear and norm carries a bias (GPT-2; Qwen2's q/k/v biases are read off the file)
+    ffn_norm: str = "ffn_norm"  # the FFN's input norm tensor (gpt-oss: "post_attention_norm")
     configure: Callable[["ModelConfig", Meta, Has], dict] | None = None  # ModelConfig changes only this family's metadata makes
     # -- text --
     sentencepiece: Literal["llama", "gemma", "phi3"] = "llama"  # SentencePiece text handling (spaces, prefix space)
@@ -226,6 +245,14 @@ _GPT2_TENSORS = tuple(["token_embd.weight", "position_embd.weight", "output_norm
 
 _GEMMA = dict(activation="gelu_tanh", post_norms=True, sentencepiece="gemma")
 
+# gpt-oss's tensors (llama_model_openai_moe::load_arch_tensors): biases on q/k/v/o, the router and
+# the experts, a sink per head, the FFN's norm named post_attention_norm, an untied head.
+_GPT_OSS_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight", "blk.0.attn_norm.weight",
+                    "blk.0.attn_output.weight", "blk.0.attn_output.bias", "blk.0.attn_q.bias", "blk.0.attn_k.bias",
+                    "blk.0.attn_v.bias", "blk.0.attn_sinks.weight", "blk.0.post_attention_norm.weight",
+                    "blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_inp.bias", "blk.0.ffn_gate_exps.bias",
+                    "blk.0.ffn_up_exps.bias", "blk.0.ffn_down_exps.bias")
+
 # Every architecture edgepipe knows, each checked against a reference (tests/test_families.py:
 # Hugging Face transformers token for token; tests/test_gpt2.py for gpt2). Mistral 7B / Llama 2 /
 # TinyLlama GGUFs say "llama" (with a SentencePiece vocabulary): gguf has no "mistral"
@@ -238,6 +265,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen2", hf_classes=("Qwen2ForCausalLM",)),
     Family("qwen3", required=_LLAMA_TENSORS + _GATE + _QK_NORM, hf_classes=("Qwen3ForCausalLM",)),
     Family("qwen3moe", required=_LLAMA_TENSORS + _GATE + _QK_NORM),  # Qwen3's layer, a MoE FFN (model/moe.py; tests/test_moe_qwen3.py)
+    Family("gpt-oss", required=_GPT_OSS_TENSORS, configure=_gpt_oss, activation="swiglu_oai", ffn_norm="post_attention_norm"),
     Family("gemma2", required=_LLAMA_TENSORS + _GATE + _POST_NORMS, configure=_sliding(2, softcaps=True), **_GEMMA),
     Family("gemma3", required=_LLAMA_TENSORS + _GATE + _POST_NORMS + _QK_NORM, configure=_sliding(6, softcaps=False), **_GEMMA),
     Family("phi3", required=_LLAMA_TENSORS, configure=_phi3, sentencepiece="phi3", chat="phi3"),  # fused qkv and gate-up
@@ -278,6 +306,14 @@ def family_config(cfg: "ModelConfig", a: Meta, has: Has) -> "ModelConfig":
     scaling = a("rope.scaling.type")
     if scaling == "linear" and a("rope.scaling.factor"):
         changes["rope_linear_factor"] = float(a("rope.scaling.factor"))
+    if scaling == "yarn" and float(a("rope.scaling.factor", 1.0) or 1.0) > 1.0:
+        if a("rope.scaling.yarn_log_multiplier"):
+            raise UnsupportedModel("YaRN with rope.scaling.yarn_log_multiplier is not supported")
+        changes.update(rope_yarn_factor=float(a("rope.scaling.factor")),
+                       rope_original_context=int(a("rope.scaling.original_context_length", cfg.context_length)),
+                       rope_attn_factor=float(a("rope.scaling.attn_factor", 1.0) or 1.0),
+                       rope_yarn_beta_fast=float(a("rope.scaling.yarn_beta_fast", 32.0)),
+                       rope_yarn_beta_slow=float(a("rope.scaling.yarn_beta_slow", 1.0)))
     if a("rope.dimension_count") and int(a("rope.dimension_count")) != cfg.head_dim:
         changes["rotary_dim"] = int(a("rope.dimension_count"))
     if fam.configure is not None:
@@ -304,13 +340,34 @@ def rope_tables(cfg: "ModelConfig", max_positions: int, factors: np.ndarray | No
         f = inv_freq(theta, dim) / linear
         if freq_factors is not None:
             f = f / np.asarray(freq_factors, np.float64).reshape(-1)
+        scale = cfg.rope_attn_factor
+        if cfg.rope_yarn_factor:
+            f, scale = yarn_frequencies(f, theta, dim, cfg)
         angles = positions * f[None, :]
-        return (np.cos(angles) * cfg.rope_attn_factor).astype(np.float32), (np.sin(angles) * cfg.rope_attn_factor).astype(np.float32)
+        return (np.cos(angles) * scale).astype(np.float32), (np.sin(angles) * scale).astype(np.float32)
 
     tables = {"global": table(cfg.rope_theta, cfg.rope_linear_factor, factors)}
     if cfg.rope_theta_local is not None:
         tables["local"] = table(cfg.rope_theta_local, 1.0, None)
     return tables
+
+
+def yarn_frequencies(extrapolated: np.ndarray, theta: float, dim: int, cfg: "ModelConfig") -> tuple[np.ndarray, float]:
+    """YaRN as ggml's ``rope_yarn`` computes it (ext_factor 1): per rotated pair ``i``, the
+    frequency ``f / factor`` (interpolated) mixed with ``f`` (extrapolated) by a ramp that is 1
+    below pair ``low`` and 0 above ``high`` (``ggml_rope_yarn_corr_dims`` at beta_fast and
+    beta_slow of the original context), and cos/sin scaled by ``attn_factor * (1 + 0.1 ln factor)``."""
+    factor, original = cfg.rope_yarn_factor, cfg.rope_original_context or cfg.context_length
+
+    def corr_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(0.0, math.floor(corr_dim(cfg.rope_yarn_beta_fast)))
+    high = min(dim - 1.0, math.ceil(corr_dim(cfg.rope_yarn_beta_slow)))
+    pair = np.arange(len(extrapolated), dtype=np.float64)
+    ramp = 1.0 - np.clip((pair - low) / max(0.001, high - low), 0.0, 1.0)
+    mixed = extrapolated / factor * (1.0 - ramp) + extrapolated * ramp
+    return mixed, cfg.rope_attn_factor * (1.0 + 0.1 * math.log(factor))
 
 
 def rope_factor_tensor(cfg: "ModelConfig", max_context: int, has: Has) -> str | None:

@@ -29,7 +29,7 @@ _KEEP_ARRAY = 64  # arrays up to this many elements are kept; longer ones become
 # Tensor types (ggml ids) the importer keeps exactly: the float ones and the rows of the type table.
 TENSOR_TYPES = {**{i: name for name, i in FLOAT_TYPES.items()}, **{t.ggml_id: t.name for t in QUANT_TYPES}}
 # RoPE scaling kinds the graphs reproduce ("su"/"longrope" arrive as factor tensors).
-ROPE_SCALING = ("none", "linear", "llama3", "longrope", "su")
+ROPE_SCALING = ("none", "linear", "llama3", "longrope", "su", "yarn")
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def unsupported_reasons(header: GGUFHeader) -> list[str]:
         from .moe import required_tensors
 
         required = required_tensors(required)
-    missing = [n for n in required if n not in header.tensors]
+    missing = [n for n in dict.fromkeys(required) if n not in header.tensors]
     if missing:
         more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         reasons.append(f"missing tensor{'s' if len(missing) > 1 else ''} {', '.join(missing[:4])}{more}")

@@ -300,14 +300,18 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
                    g.op1("RotaryEmbedding", [attn_in[1], "position_ids", cos_name, sin_name], domain=MS, num_heads=nkv, **rotary),
                    attn_in[2]]
         lengths, rope_in = ["window_seqlens_k", "window_total_sequence_length"], []
+    # gpt-oss: a learned logit per query head joins every softmax's denominator (its value row is 0)
+    sinks = [g.const(np.asarray(w["attn_sinks"], np.float32).reshape(nq), "attn_sinks")] if cfg.attention_sinks else []
     if kv_type == FLOAT16:  # the kernel library's attention over an fp16 cache: qkv packed, rotary tables always given
         packed = attn_in[0] if not attn_in[1] else g.op1("Concat", attn_in, axis=-1)
-        attn, _, _ = g.op(KV_ATTENTION, [packed, f"past_key.{unit}", f"past_value.{unit}", *lengths, cos_name, sin_name], domain=GGUF_DOMAIN,
-                          out=[g.name("attn"), f"present_key.{unit}", f"present_value.{unit}"], **gqa_attrs)
+        attn, _, _ = g.op(KV_ATTENTION, [packed, f"past_key.{unit}", f"past_value.{unit}", *lengths, cos_name, sin_name, *sinks],
+                          domain=GGUF_DOMAIN, out=[g.name("attn"), f"present_key.{unit}", f"present_value.{unit}"], **gqa_attrs)
     else:
+        gqa_in = attn_in + [f"past_key.{unit}", f"past_value.{unit}", *lengths, *rope_in]
+        if sinks:  # GroupQueryAttention's head_sink (input 11, after cos/sin, position_ids and attention_bias)
+            gqa_in = gqa_in + [""] * (11 - len(gqa_in)) + sinks
         attn, _, _ = g.op(
-            "GroupQueryAttention",
-            attn_in + [f"past_key.{unit}", f"past_value.{unit}", *lengths, *rope_in],
+            "GroupQueryAttention", gqa_in,
             domain=MS, out=[g.name("attn"), f"present_key.{unit}", f"present_value.{unit}"], **gqa_attrs,
         )
     attn_out = g.linear(attn, w["attn_output"], "attn_output", bias=w.get("attn_output_bias"))
@@ -326,13 +330,14 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
         from .moe import moe_ffn
 
         width = cfg.expert_intermediate_size or cfg.intermediate_size
-        down = moe_ffn(g, cfg, mlp_in, w, lambda rows, ew, base: _ffn(g, cfg, rows, ew["gate_up"], ew["ffn_down"], width, base, rank=2),
-                       lambda x: _activation(g, x, cfg.ffn_activation))
+        down = moe_ffn(g, cfg, mlp_in, w, lambda rows, ew, base: _ffn(g, cfg, rows, ew["gate_up"], ew["ffn_down"], width, base, rank=2,
+                                                                       gate_up_bias=ew.get("gate_up_bias"), down_bias=ew.get("ffn_down_bias")),
+                       lambda gate, up: _glu(g, gate, up, cfg.ffn_activation))
     else:
         gate_up = g.linear(mlp_in, w["gate_up"], "gate_up", bias=w.get("gate_up_bias"))
         if cfg.gated_ffn:
             gate, up = g.op("Split", [gate_up, g.const(np.array([cfg.intermediate_size] * 2, np.int64), "gu_split")], n_out=2, axis=-1)
-            act = g.op1("Mul", [_activation(g, gate, cfg.ffn_activation, kv_type == FLOAT16), up])  # act(gate) * up
+            act = _glu(g, gate, up, cfg.ffn_activation, kv_type == FLOAT16)  # act(gate) * up
         else:
             act = _activation(g, gate_up, cfg.ffn_activation, kv_type == FLOAT16)  # act(up)
         down = g.linear(act, w["ffn_down"], "ffn_down", bias=w.get("ffn_down_bias"))
@@ -358,12 +363,26 @@ def layer_unit(cfg: ModelConfig, unit: int, w: dict[str, Weight | np.ndarray], c
     )
 
 
-def _ffn(g: _Graph, cfg: ModelConfig, x: str, gate_up, ffn_down, width: int, base: str = "", rank: int = 3) -> str:
+def _ffn(g: _Graph, cfg: ModelConfig, x: str, gate_up, ffn_down, width: int, base: str = "", rank: int = 3,
+         gate_up_bias: np.ndarray | None = None, down_bias: np.ndarray | None = None) -> str:
     """``down(act(gate(x)) * up(x))``, gate and up as one product of fused rows (``width`` each)."""
-    fused = g.linear(x, gate_up, base + "gate_up", rank=rank)
+    fused = g.linear(x, gate_up, base + "gate_up", bias=gate_up_bias, rank=rank)
     gate, up = g.op("Split", [fused, g.const(np.array([width] * 2, np.int64), base + "gu_split")], n_out=2, axis=-1)
-    act = g.op1("Mul", [_activation(g, gate, cfg.ffn_activation), up])  # act(gate) * up
-    return g.linear(act, ffn_down, base + "ffn_down", rank=rank)
+    return g.linear(_glu(g, gate, up, cfg.ffn_activation), ffn_down, base + "ffn_down", bias=down_bias, rank=rank)
+
+
+def _glu(g: _Graph, gate: str, up: str, kind: str, fp16_table: bool = False) -> str:
+    """The gated activation ``act(gate) * up``; "swiglu_oai" (gpt-oss, llama.cpp's ggml_swiglu_oai):
+    ``x * sigmoid(1.702 x) * (y + 1)`` with ``x = min(gate, 7)``, ``y = clamp(up, -7, 7)``."""
+    if kind == "swiglu_oai":
+        from .moe import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+
+        limit = g.const(np.array(SWIGLU_OAI_LIMIT, np.float32), "oai_limit")
+        x = g.op1("Min", [gate, limit])
+        y = g.op1("Clip", [up, g.const(np.array(-SWIGLU_OAI_LIMIT, np.float32), "oai_low"), limit])
+        glu = g.op1("Mul", [x, g.op1("Sigmoid", [g.op1("Mul", [x, g.const(np.array(SWIGLU_OAI_ALPHA, np.float32), "oai_alpha")])])])
+        return g.op1("Mul", [glu, g.op1("Add", [y, g.const(np.array(1.0, np.float32), "oai_one")])])
+    return g.op1("Mul", [_activation(g, gate, kind, fp16_table), up])
 
 
 def _activation(g: _Graph, x: str, kind: str, fp16_table: bool = False) -> str:

@@ -30,6 +30,7 @@ import onnx
 
 from . import graphs
 from .config import ModelConfig, UnsupportedModel
+from .families import family
 from .gguf_source import CorruptModel, GGUFSource
 from .manifest import FORMAT_VERSION, Manifest, Unit, UnitVariant, sha256_bytes
 from .weights import (FLOAT_TYPES, NATIVE_TYPES, PRECISIONS, BlockQuantized, Stored, StoredBlocks, StoredGGUF,
@@ -326,7 +327,7 @@ def _gguf_linear(src, names: list[str], writer: _BlobWriter, meter: _ReadMeter):
     groups: list[tuple[str, list]] = []
     for name in names:
         t = src.tensor(name)
-        kind = t.kind if kernel_handles(t.kind) else "float"
+        kind = t.kind if kernel_handles(t.kind) else "native" if t.kind in NATIVE_TYPES else "float"  # a type the library does not run keeps its blocks as MatMulNBits ones
         if groups and groups[-1][0] == kind:
             groups[-1][1].append(t)
         else:
@@ -335,6 +336,8 @@ def _gguf_linear(src, names: list[str], writer: _BlobWriter, meter: _ReadMeter):
     for kind, tensors in groups:
         if kind == "float":
             out.append(np.concatenate([src.dense(t.name).reshape(t.rows, -1) for t in tensors]))
+        elif kind == "native":
+            out.append(_native_linear(src, [t.name for t in tensors], writer, _ReadMeter(lambda *a: None, 0)))
         else:
             blob, rows = writer.stream(), 0
             for t in tensors:
@@ -399,7 +402,7 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str, writer: _Bl
         "attn_norm": src.vector(p + "attn_norm.weight"),
         "qkv": lin("attn_qkv") if src.has(p + "attn_qkv.weight") else fused("attn_q", "attn_k", "attn_v"),
         "attn_output": lin("attn_output"),
-        "ffn_norm": src.vector(p + "ffn_norm.weight"),
+        "ffn_norm": src.vector(p + family(cfg.architecture).ffn_norm + ".weight"),
     }
     from .moe import expert_weights, is_moe_layer
 
@@ -415,6 +418,10 @@ def _unit_weights(src, cfg: ModelConfig, layer: int, precision: str, writer: _Bl
         for key, name in (("attn_norm_bias", "attn_norm"), ("qkv_bias", "attn_qkv"), ("attn_output_bias", "attn_output"),
                           ("ffn_norm_bias", "ffn_norm"), ("gate_up_bias", "ffn_up"), ("ffn_down_bias", "ffn_down")):
             w[key] = src.vector(p + name + ".bias")
+    if not cfg.biases and src.has(p + "attn_output.bias"):  # gpt-oss
+        w["attn_output_bias"] = src.vector(p + "attn_output.bias")
+    if cfg.attention_sinks:
+        w["attn_sinks"] = src.vector(p + "attn_sinks.weight")
     if cfg.qk_norm:
         w["q_norm"] = src.vector(p + "attn_q_norm.weight")
         w["k_norm"] = src.vector(p + "attn_k_norm.weight")

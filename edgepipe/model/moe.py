@@ -7,7 +7,9 @@ llama.cpp's ``build_moe_ffn`` for the families here (``llama`` with ``expert_cou
 its kin; ``qwen3moe``): probabilities ``softmax`` over all E logits, the k most probable experts,
 their probabilities divided by their sum (clamped below at 2^-14), times
 ``expert_weights_scale`` where the file gives one other than 0 or 1; each expert
-``down(silu(gate(x)) * up(x))``, times its weight, summed.
+``down(silu(gate(x)) * up(x))``, times its weight, summed. ``gpt-oss``: the router's bias added,
+the k largest logits chosen and their weights a softmax over those k (``SOFTMAX_WEIGHT``), each
+projection's expert bias added, the activation ``swiglu_oai`` (``graphs._glu``), no renormalising.
 
 The graph (``moe_ffn``) groups a step's rows by expert, so an expert's weights are read once per
 step for all the rows that chose it and not at all when none did (a one-row decode step reads k
@@ -31,6 +33,7 @@ fp32 (or fused-SwiGLU) weights, 8x the bytes of the file's 4-bit blocks, and ``Q
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Callable
 
@@ -38,15 +41,22 @@ import numpy as np
 
 from .config import ModelConfig
 
+log = logging.getLogger(__name__)
+
 # Architectures whose MoE layers edgepipe builds, each with llama.cpp's routing for it:
 # (normalise the selected weights, gating function). Both use softmax gating today.
 MOE_ARCHITECTURES: dict[str, dict] = {
     "llama": {"normalise": True},  # llm_build_llama: LLM_FFN_SILU, norm_w = true, SOFTMAX
     "qwen3moe": {"normalise": True},  # llm_build_qwen3moe: LLM_FFN_SILU, norm_w = true, SOFTMAX
+    # llm_build_openai_moe_iswa: LLM_FFN_SWIGLU_OAI_MOE, norm_w = false, SOFTMAX_WEIGHT; biases on the
+    # router and on every expert projection
+    "gpt-oss": {"normalise": False, "gating": "softmax_weight"},
 }
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 WEIGHT_SUM_FLOOR = 6.103515625e-5  # llama.cpp clamps the selected weights' sum here (the smallest normal fp16)
 _GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (the default where the key is absent)
+_GATING_SOFTMAX_WEIGHT = 3  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT: gpt-oss's (its graph fixes it whatever the key says)
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0  # llama.cpp's constants for LLM_FFN_SWIGLU_OAI_MOE
 
 
 def is_moe_layer(has: Callable[[str], bool], layer: int) -> bool:
@@ -63,12 +73,12 @@ def moe_reasons(arch: str, header) -> list[str]:
     if not 0 < n_used <= n_expert:
         reasons.append(f"{arch}.expert_used_count {n_used} is not between 1 and expert_count {n_expert}")
     gating = int(m.get(f"{arch}.expert_gating_func") or _GATING_SOFTMAX)
-    if gating != _GATING_SOFTMAX:
+    if gating != _GATING_SOFTMAX and not (arch == "gpt-oss" and gating == _GATING_SOFTMAX_WEIGHT):
         reasons.append(f"expert gating function {gating} is not supported (softmax only)")
     extras = sorted({n.split(".", 2)[2].split(".")[0] for n in tensors if n.startswith("blk.")
                      and any(s in n for s in ("_shexp", "exp_probs_b", "ffn_gate_inp_shexp"))})
     if extras:
-        reasons.append(f"shared experts or expert biases ({', '.join(extras)}) are not supported")
+        reasons.append(f"shared experts or expert selection biases ({', '.join(extras)}) are not supported")
     for name in EXPERT_TENSORS:
         t = tensors.get(f"blk.0.{name}.weight")
         if t is not None and (len(t.shape) != 3 or t.shape[2] != n_expert):
@@ -91,6 +101,7 @@ def moe_config(cfg: ModelConfig, a: Callable[..., object]) -> ModelConfig:
         cfg, n_experts=n_expert, n_experts_used=int(a("expert_used_count")),
         expert_intermediate_size=int(a("expert_feed_forward_length") or _default_expert_width(cfg, int(a("expert_used_count")))),
         expert_weights_norm=MOE_ARCHITECTURES.get(cfg.architecture, {}).get("normalise", True),
+        expert_gating=MOE_ARCHITECTURES.get(cfg.architecture, {}).get("gating", "softmax"),
         expert_weights_scale=float(a("expert_weights_scale") or 0.0),
     )
 
@@ -150,29 +161,49 @@ def expert_weights(src, layer: int, linear: Linear, blocks: Callable[[str], obje
     from ..native import kernel_handles
     from .weights import StoredGGUF
 
-    router = np.ascontiguousarray(src.dense(f"blk.{layer}.ffn_gate_inp.weight"), np.float32)
+    p = f"blk.{layer}."
+    router = np.ascontiguousarray(src.dense(p + "ffn_gate_inp.weight"), np.float32)
     names = dict(zip(("gate", "up", "down"), EXPERT_TENSORS))
-    if blocks is not None and all(kernel_handles(src.tensor(f"blk.{layer}.{n}.weight").kind) for n in names.values()):
+    out: dict = {"router": router}
+    if src.has(p + "ffn_gate_inp.bias"):  # gpt-oss: the router's and each expert's biases
+        out["router_bias"] = src.vector(p + "ffn_gate_inp.bias")
+        out["expert_bias"] = {part: np.ascontiguousarray(src.dense(p + name + ".bias").reshape(router.shape[0], -1), np.float32)
+                              for part, name in names.items()}
+    kinds = {src.tensor(p + n + ".weight").kind for n in names.values()}
+    if blocks is not None and all(kernel_handles(k) for k in kinds):
         stored = {part: blocks(name) for part, name in names.items()}
         if all(isinstance(v, StoredGGUF) for v in stored.values()):
-            return {"router": router, "expert_blocks": stored}
+            return {**out, "expert_blocks": stored}
+    if blocks is not None:
+        missing = sorted(k for k in kinds if not kernel_handles(k))
+        log.warning("layer %d: the kernel library has no %s: its experts run per expert as MatMulNBits blocks (the fallback "
+                    "form's experts, exact)", layer, "/".join(missing))
     experts = []
     for e in range(router.shape[0]):
         view = ExpertView(src, e)
-        experts.append({"gate_up": linear(view, "ffn_gate_exps", "ffn_up_exps"), "ffn_down": linear(view, "ffn_down_exps")})
-    return {"router": router, "experts": experts}
+        ew = {"gate_up": linear(view, "ffn_gate_exps", "ffn_up_exps"), "ffn_down": linear(view, "ffn_down_exps")}
+        if "expert_bias" in out:
+            ew["gate_up_bias"] = np.concatenate([out["expert_bias"]["gate"][e], out["expert_bias"]["up"][e]])
+            ew["ffn_down_bias"] = out["expert_bias"]["down"][e]
+        experts.append(ew)
+    return {**out, "experts": experts}
 
 
 Ffn = Callable[[str, dict, str], str]  # (rows [n, H], one expert's weights, name prefix) -> [n, H]
 
 
-def moe_ffn(g, cfg: ModelConfig, x: str, w: dict, ffn: Ffn, activation: Callable[[str], str] | None) -> str:
+def moe_ffn(g, cfg: ModelConfig, x: str, w: dict, ffn: Ffn, glu: Callable[[str, str], str] | None) -> str:
     """The MoE FFN of ``x [B, S, H]`` in graph ``g`` (``graphs._Graph``): ``[B, S, H]`` out.
 
     With ``expert_blocks`` (the gguf form) each projection is one ``GgufMoEMatMul`` over the 3-D
-    blocks (rows grouped by expert in the kernel library), ``activation`` between them, and the
+    blocks (rows grouped by expert in the kernel library), ``glu`` between them, and the
     slots' weighted outputs summed in rank order as llama.cpp sums them; else each expert is
-    ``ffn`` on the rows that chose it (``NonZero``/``GatherND``), added back with ``ScatterND``."""
+    ``ffn`` on the rows that chose it (``NonZero``/``GatherND``), added back with ``ScatterND``.
+    ``glu(gate, up)``: the gated activation between the projections (the kernel form's).
+
+    Routing (``cfg.expert_gating``): "softmax" over all E logits, the k most probable, renormalised
+    where ``expert_weights_norm``; "softmax_weight" (gpt-oss): the k largest logits (router bias
+    added), their weights a softmax over those k."""
     from onnx import TensorProto
 
     router = w["router"]
@@ -180,9 +211,13 @@ def moe_ffn(g, cfg: ModelConfig, x: str, w: dict, ffn: Ffn, activation: Callable
     i64 = lambda v, name: g.const(np.array(v, np.int64), name)  # noqa: E731
     shape = g.op1("Shape", [x])
     rows = g.op1("Reshape", [x, i64([-1, H], "moe.rows")])  # [R, H]
-    logits = g.linear(rows, router, "router", rank=2)  # [R, E]
-    probs = g.op1("Softmax", [logits], axis=-1)
-    weights, chosen = g.op("TopK", [probs, i64([k], "moe.k")], n_out=2, axis=-1, largest=1, sorted=1)  # [R, k]
+    logits = g.linear(rows, router, "router", bias=w.get("router_bias"), rank=2)  # [R, E]
+    if cfg.expert_gating == "softmax_weight":
+        top, chosen = g.op("TopK", [logits, i64([k], "moe.k")], n_out=2, axis=-1, largest=1, sorted=1)  # [R, k]
+        weights = g.op1("Softmax", [top], axis=-1)
+    else:
+        probs = g.op1("Softmax", [logits], axis=-1)
+        weights, chosen = g.op("TopK", [probs, i64([k], "moe.k")], n_out=2, axis=-1, largest=1, sorted=1)  # [R, k]
     if cfg.expert_weights_norm:
         total = g.op1("ReduceSum", [weights, i64([-1], "moe.last")], keepdims=1)
         total = g.op1("Max", [total, g.const(np.array(WEIGHT_SUM_FLOOR, np.float32), "moe.floor")])
@@ -199,8 +234,14 @@ def moe_ffn(g, cfg: ModelConfig, x: str, w: dict, ffn: Ffn, activation: Callable
             raw = g.external(stored.raw, f"moe_exps.{part}.gguf", TensorProto.UINT8, [E, n, stored.raw.nbytes // stored.shape[0]])
             return g.op1(MOE_OP, [inp, chosen, raw], domain=DOMAIN, qtype=GGML_TYPE_IDS[stored.kind])
 
-        act = g.op1("Mul", [activation(project(rows, "gate")), project(rows, "up")])  # [R, k, F]
-        down = g.op1("Mul", [project(act, "down"), g.op1("Unsqueeze", [weights, i64([-1], "moe.last2")])])  # [R, k, H]
+        bias = w.get("expert_bias")
+
+        def biased(y: str, part: str) -> str:  # llama.cpp's ggml_add_id: each slot's expert's bias row
+            return y if bias is None else g.op1("Add", [y, g.op1("Gather", [g.const(bias[part], f"moe_exps.{part}.bias"), chosen], axis=0)])
+
+        act = glu(biased(project(rows, "gate"), "gate"), biased(project(rows, "up"), "up"))  # [R, k, F]
+        down = biased(project(act, "down"), "down")
+        down = g.op1("Mul", [down, g.op1("Unsqueeze", [weights, i64([-1], "moe.last2")])])  # [R, k, H]
         return g.op1("Reshape", [g.op1("ReduceSum", [down, axis1], keepdims=0), shape])
     acc = g.op1("ConstantOfShape", [g.op1("Shape", [rows])], value=_zero_tensor())
     zero = g.const(np.array(0.0, np.float32), "moe.zero")

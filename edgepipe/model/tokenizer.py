@@ -15,6 +15,11 @@ _SPLIT_REGEX = {
     "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
+# o200k (gpt-oss, GPT-4o): llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O
+_SPLIT_REGEX["gpt-4o"] = "|".join((
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"))
 _SPLIT_REGEX["llama3"] = _SPLIT_REGEX["llama-bpe"]
 _SPLIT_REGEX["smaug-bpe"] = _SPLIT_REGEX["llama-bpe"]
 _SPLIT_REGEX["deepseek-r1-qwen"] = _SPLIT_REGEX["qwen2"]

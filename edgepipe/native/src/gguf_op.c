@@ -642,7 +642,9 @@ static const OrtCustomOp GGUF_MOE = {
  * minus one), total_sequence_length [] int32, cos_cache / sin_cache [P, R / 2] float. Outputs:
  * [B, S, heads D] float, present_key / present_value (past's shape; bound to past's memory they are
  * written in place: only the new positions). Attributes as GroupQueryAttention's: num_heads,
- * kv_num_heads, do_rotary, rotary_interleaved, local_window_size, scale, softcap. */
+ * kv_num_heads, do_rotary, rotary_interleaved, local_window_size, scale, softcap. An optional eighth input
+ * head_sink [heads] float (gpt-oss's attention sinks, GroupQueryAttention's head_sink): a logit per
+ * query head that joins each softmax's denominator with a zero value row. */
 
 typedef struct {
     const OrtApi *api;
@@ -710,13 +712,18 @@ static void attention_task(void *data, size_t index) {
 static OrtStatus *compute_attention(void *kernel_data, OrtKernelContext *context) {
     const attention_kernel *kernel = kernel_data;
     const OrtApi *api = kernel->api;
-    const OrtValue *in[7];
-    int64_t dims[7][8];
-    size_t rank[7];
-    for (size_t i = 0; i < 7; i++) {
+    const OrtValue *in[8] = {NULL};
+    int64_t dims[8][8];
+    size_t rank[8], count = 0;
+    RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetInputCount)(context, &count));
+    for (size_t i = 0; i < 8 && i < count; i++) {
         RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetInput)(context, i, &in[i]));
-        if (in[i] == NULL) return error_status(api, ORT_ERR_INVALID_ARGUMENT, "KvAttention: every input is required");
-        RETURN_IF_ERROR(tensor_shape(api, in[i], dims[i], &rank[i]));
+        if (in[i] == NULL && i < 7) return error_status(api, ORT_ERR_INVALID_ARGUMENT, "KvAttention: every input but head_sink is required");
+        if (in[i] != NULL) RETURN_IF_ERROR(tensor_shape(api, in[i], dims[i], &rank[i]));
+    }
+    if (count < 7) return error_status(api, ORT_ERR_INVALID_ARGUMENT, "KvAttention: every input but head_sink is required");
+    if (in[7] != NULL && (rank[7] != 1 || dims[7][0] != kernel->heads)) {
+        return error_status(api, ORT_ERR_INVALID_ARGUMENT, "KvAttention: head_sink must be [num_heads]");
     }
     const int64_t B = dims[0][0], S = dims[0][1], D = dims[1][3], C = dims[1][2];
     if (rank[0] != 3 || rank[1] != 4 || rank[2] != 4 || memcmp(dims[1], dims[2], sizeof(int64_t) * 4) != 0 ||
@@ -732,8 +739,10 @@ static OrtStatus *compute_attention(void *kernel_data, OrtKernelContext *context
     RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetOutput)(context, 0, out_dims, 3, &out_value));
     RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetOutput)(context, 1, dims[1], 4, &present[0]));
     RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetOutput)(context, 2, dims[2], 4, &present[1]));
-    void *data[7], *out = NULL, *present_data[2];
-    for (size_t i = 0; i < 7; i++) RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)((OrtValue *)in[i], &data[i]));
+    void *data[8] = {NULL}, *out = NULL, *present_data[2];
+    for (size_t i = 0; i < 8; i++) {
+        if (in[i] != NULL) RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)((OrtValue *)in[i], &data[i]));
+    }
     RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)(out_value, &out));
     for (int i = 0; i < 2; i++) {
         RETURN_IF_ERROR(ORT_FN(api, GetTensorMutableData)(present[i], &present_data[i]));
@@ -755,7 +764,7 @@ static OrtStatus *compute_attention(void *kernel_data, OrtKernelContext *context
         .rotary_pairs = kernel->do_rotary ? dims[5][1] : 0, .rope_positions = dims[5][0],
         .interleaved = (int)kernel->interleaved, .window = kernel->window,
         .scale = kernel->scale != 0.0f ? kernel->scale : 1.0f / sqrtf((float)D), .softcap = kernel->softcap,
-        .qkv = data[0], .seqlens_k = data[3], .cos = data[5], .sin = data[6],
+        .qkv = data[0], .seqlens_k = data[3], .cos = data[5], .sin = data[6], .sinks = data[7],
         .key = present_data[0], .value = present_data[1], .out = out, .kernels = &kernels,
     };
     job.q_rotated = malloc(sizeof(float) * (size_t)(B * S * kernel->heads * D));
@@ -790,7 +799,8 @@ static int attention_input_type(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 1 || i == 2 ? ORT_TENSOR_FLOAT16 : i == 3 || i == 4 ? ORT_TENSOR_INT32 : ORT_TENSOR_FLOAT;
 }
-static size_t attention_input_count(const OrtCustomOp *op) { (void)op; return 7; }
+static size_t attention_input_count(const OrtCustomOp *op) { (void)op; return 8; }
+static int attention_input_characteristic(const OrtCustomOp *op, size_t i) { (void)op; return i == 7 ? ORT_IO_OPTIONAL : ORT_IO_REQUIRED; }
 static int attention_output_type(const OrtCustomOp *op, size_t i) { (void)op; return i == 0 ? ORT_TENSOR_FLOAT : ORT_TENSOR_FLOAT16; }
 static size_t attention_output_count(const OrtCustomOp *op) { (void)op; return 3; }
 
@@ -805,7 +815,7 @@ static const OrtCustomOp KV_ATTENTION = {
     .GetOutputTypeCount = attention_output_count,
     .KernelCompute = compute_attention_v1,
     .KernelDestroy = destroy_kernel,
-    .GetInputCharacteristic = required,
+    .GetInputCharacteristic = attention_input_characteristic,
     .GetOutputCharacteristic = required,
     .GetInputMemoryType = default_memory,
     .GetVariadicInputMinArity = one,

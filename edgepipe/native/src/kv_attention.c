@@ -185,8 +185,12 @@ int kv_attention_task(const kv_attention_job *job, int64_t task) {
             row[j] = x;
             top = x > top ? x : top;
         }
+        /* a sink: one more logit in the softmax whose value row is zero (ggml's soft_max with sinks) */
+        float sink = job->sinks != NULL ? job->sinks[kvh * group + h] : -INFINITY;
+        top = sink > top ? sink : top;
         job->kernels->exp_shifted(row, keys, top);
         for (int64_t j = 0; j < keys; j++) sum += row[j];
+        if (job->sinks != NULL) sum += expf(sink - top);
         inverse[h] = 1.0f / sum;
     }
     job->kernels->accumulate(job->value + base, keys, D, scores, group, D, acc);

@@ -34,6 +34,7 @@ typedef struct {
     const float *qkv; /* [batch, seq, (heads + 2 kv_heads) dim] */
     const int32_t *seqlens_k; /* [batch]: positions after this step - 1 */
     const float *cos, *sin;
+    const float *sinks; /* [heads] or NULL: a logit per query head added to each softmax's denominator (gpt-oss) */
     uint16_t *key, *value; /* [batch, kv_heads, capacity, dim], the new positions written here */
     float *out;            /* [batch, seq, heads dim] */
     float *q_rotated;      /* scratch [batch, seq, heads, dim] */

@@ -29,7 +29,7 @@ typedef struct OrtApiBase {
 
 enum { ORT_ERR_FAIL = 1, ORT_ERR_INVALID_ARGUMENT = 2 };
 enum { ORT_TENSOR_FLOAT = 1, ORT_TENSOR_UINT8 = 2, ORT_TENSOR_INT32 = 6, ORT_TENSOR_INT64 = 7, ORT_TENSOR_FLOAT16 = 10 };
-enum { ORT_IO_REQUIRED = 0 };
+enum { ORT_IO_REQUIRED = 0, ORT_IO_OPTIONAL = 1 };
 
 /* Slot indices in the OrtApi function table. */
 enum ort_slot {

@@ -1,0 +1,133 @@
+"""gpt-oss (llama.cpp's LLM_ARCH_OPENAI_MOE: attention sinks, a sliding window on every other
+layer, YaRN, biases on q/k/v/o, the router and the experts, the clamped SwiGLU, softmax over the
+selected top k, MXFP4 experts) on a tiny synthetic GGUF, against a numpy reference of llama.cpp's
+graph; llama.cpp itself and 3 worker processes in the slow tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgepipe.bench.moe_files import gpt_oss_reference, synthetic_gpt_oss
+from edgepipe.model.gguf_header import read_header, unsupported_reasons
+from edgepipe.model.store import bundled_gguf, local_form, prepare_local_form, resolve
+from edgepipe.model.weights import decode_native
+from edgepipe.runtime.local import generate
+from edgepipe.runtime.sequence import GenerationParams
+
+# gpt-oss-20b's layer shrunk (head width 16: a rotary multiple of 16); a window of 4 so that the
+# prompt (11 tokens) runs past it; 8 experts, top 4.
+TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, used=4, expert_ffn=64, layers=2, window=4)
+IDS = list(range(100, 111))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synthetic_gpt_oss(tmp_path_factory.mktemp("gpt-oss") / "gpt-oss-tiny.gguf", bundled_gguf(), reference=True, **TINY)
+
+
+@pytest.mark.pure
+def test_mxfp4_blocks_decode_as_ggml_lays_them_out():
+    """block_mxfp4: the E8M0 exponent byte, then 16 bytes whose low nibbles are elements 0..15 and
+    high nibbles 16..31, each an e2m1 value (kvalues_mxfp4 / 2) times 2^(e - 127)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    e2m1 = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
+    rng = np.random.default_rng(1)
+    nibbles = rng.integers(0, 16, 32)
+    for e in (0, 1, 120, 127, 130, 200):  # (from about 253 up, 6 * 2^(e - 127) overflows float32 in ggml too)
+        block = np.array([e, *(nibbles[:16] | (nibbles[16:] << 4))], np.uint8)[None, :]
+        expected = np.array([e2m1[n] for n in nibbles], np.float64) * 2.0 ** (e - 127)
+        mine = decode_native(block, "MXFP4", 32)
+        assert mine.bits == 8 and np.array_equal(mine.dequantize()[0].astype(np.float64), expected), e
+    raw = rng.integers(0, 256, (6, 3 * 17), dtype=np.uint8)  # random exponents and nibbles, against gguf-py's decoder too
+    raw[:, 0::17] %= 240  # (exponents that stay finite in float32)
+    assert np.array_equal(decode_native(raw, "MXFP4", 96).dequantize(), dequantize(raw, gguf.GGMLQuantizationType.MXFP4))
+
+
+def test_gpt_oss_file_equals_llama_cpp_reference(home, tiny):
+    path, weights = tiny
+    assert unsupported_reasons(read_header(path)) == []  # (refused before: 'gpt-oss' was no architecture, MXFP4 no type)
+    ref_hidden, ref_logits = gpt_oss_reference(weights, IDS)
+    # float weights (exact up to float rounding); then the file's blocks (MXFP4 -> 8-bit MatMulNBits
+    # exactly, activations quantized to int8 as llama.cpp quantizes them to Q8_0; gguf: fp16 KV)
+    for precision, tolerance in (("fp32", 1e-5), ("native", 0.06), (None, 0.06)):
+        pkg = resolve(str(path), precision or "native", home)
+        if precision is None:
+            prepare_local_form(pkg)
+            precision = local_form(pkg)
+        cfg = pkg.manifest.config
+        assert (cfg["n_experts"], cfg["n_experts_used"], cfg["expert_gating"], cfg["ffn_activation"]) == (8, 4, "softmax_weight", "swiglu_oai")
+        assert cfg["attention_sinks"] and cfg["layer_windows"] == [4, 0] and cfg["rope_yarn_factor"] == 32.0
+        hidden = pkg.runner(0, TINY["layers"] + 1, precision).run("s", np.array([IDS]))[0]
+        error = np.linalg.norm(hidden - ref_hidden, axis=-1) / np.linalg.norm(ref_hidden, axis=-1)
+        assert error.max() < tolerance, (precision, error)
+        if precision == "fp32":  # greedy decode steps past the window, against the reference's argmax at each
+            result = generate(pkg.pipeline([2], precision=precision), IDS, GenerationParams(max_tokens=4), pkg.tokenizer.decode, eos_ids=())
+            expected = []
+            for _ in range(4):
+                expected.append(int(np.argmax(gpt_oss_reference(weights, IDS + expected)[1][-1])))
+            assert result.tokens == expected
+
+
+def test_kernel_form_with_experts_as_3d_blocks_equals_reference(home, tmp_path):
+    """Experts of a type the kernel library runs (Q8_0 here; MXFP4 once its type table has it)
+    stay 3-D blocks under GgufMoEMatMul, with each slot's expert bias gathered beside them."""
+    from edgepipe.native import gguf_kernel_library
+
+    if gguf_kernel_library() is None:
+        pytest.skip("no kernel library on this machine")
+    path, weights = synthetic_gpt_oss(tmp_path / "gpt-oss-q8.gguf", bundled_gguf(), reference=True, expert_type="Q8_0", **TINY)
+    pkg = resolve(str(path), "native", home)
+    prepare_local_form(pkg)
+    assert local_form(pkg) == "gguf"
+    graph = pkg.blob(pkg.manifest.units[1].variants["gguf"].graph).read_bytes()
+    assert b"GgufMoEMatMul" in graph and b"KvAttention" in graph
+    hidden = pkg.runner(0, TINY["layers"] + 1, "gguf").run("s", np.array([IDS]))[0]
+    ref_hidden, _ = gpt_oss_reference(weights, IDS)
+    error = np.linalg.norm(hidden - ref_hidden, axis=-1) / np.linalg.norm(ref_hidden, axis=-1)
+    assert error.max() < 0.1, error
+
+
+@pytest.mark.slow  # llama.cpp loads the same file (~10 s)
+def test_llama_cpp_runs_the_file_as_the_reference_does(tiny):
+    """The reference is llama.cpp's graph: its logits are llama.cpp's up to llama.cpp's own rounding
+    (Q8_0 activations), and each feature left out moves them an order of magnitude further."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path, weights = tiny
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, verbose=False, logits_all=True,
+                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    llm.eval(IDS)
+    theirs = np.array(llm.scores[: len(IDS)])
+
+    def distance(w) -> float:
+        ref = gpt_oss_reference(w, IDS)[1]
+        return float((np.linalg.norm(theirs - ref, axis=-1) / np.linalg.norm(ref, axis=-1)).mean())
+
+    base = distance(weights)
+    no_sinks = dict(weights, **{f"blk.{i}.attn_sinks.weight": np.full(TINY["heads"], -1e30, np.float32) for i in range(TINY["layers"])})
+    no_window = dict(weights, shapes=dict(weights["shapes"], window=10_000))
+    assert base < 0.05, base
+    assert distance(no_sinks) > 5 * base and distance(no_window) > 5 * base
+
+
+@pytest.mark.slow  # worker processes (~30 s)
+def test_three_workers_with_cuts_between_moe_layers_equal_one_process(home, tmp_path_factory):
+    from harness import Server
+
+    path, _ = synthetic_gpt_oss(tmp_path_factory.mktemp("gpt-oss-4") / "gpt-oss-tiny4.gguf", bundled_gguf(), **{**TINY, "layers": 4})
+    pkg = resolve(str(path), "native", home)
+    prepare_local_form(pkg)
+    prompts = ["The experts of a mixture are chosen per token.", "Sliding windows alternate with full attention."]
+    with Server(home, workers=3, args=("--placement", "memory", "--model", pkg.root.name)) as server:
+        stages = server.status()["plan"]["stages"]
+        assert len(stages) == 3 and all(1 < s["start"] < 5 for s in stages[1:])  # both cuts between MoE layers
+        for prompt in prompts:
+            r = server.client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "temperature": 0, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            tok, eos = pkg.tokenizer, pkg.manifest.eos_ids
+            ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
+            alone = generate(pkg.pipeline([], precision=local_form(pkg)), ids, GenerationParams(max_tokens=24), tok.decode, eos).tokens
+            assert r.json()["choices"][0]["token_ids"] == [t for t in alone if t not in eos], prompt

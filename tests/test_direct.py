@@ -5,7 +5,8 @@ Pure: the one decision (``direct.grant``), the worker's rule and frames (``worke
 coordinator's book of steps a stage feeds itself (``step_path``). Simulation: the real worker
 shell and coordinator on a virtual clock, with a stage's own next step lost (its token reached
 the coordinator only) and the copy of a token it fed itself lost (it reached the stage only).
-Real processes (slow): ``serve`` with one worker gives ``generate``'s greedy tokens exactly.
+Real processes (slow): ``serve`` with one worker gives ``generate``'s greedy tokens exactly, and a
+seeded sampled request's tokens with the direct path on and off.
 """
 
 from __future__ import annotations
@@ -227,6 +228,38 @@ def test_serve_with_one_worker_gives_generates_greedy_tokens_on_the_direct_path(
         for prompt, r in zip(prompts, replies):
             expected = [t for t in reference_tokens(native_pkg, prompt, 40) if t not in native_pkg.manifest.eos_ids]
             assert r.json()["choices"][0]["token_ids"] == expected
+
+
+@pytest.mark.slow
+def test_seeded_sampled_tokens_are_the_same_direct_through_the_coordinator_and_in_generate(native_pkg, home):
+    """Every API's default sampling (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) with a seed:
+    ``serve`` with the direct path (its default), with ``--direct-steps 0`` and ``generate`` agree."""
+    import re
+
+    from harness import Server
+
+    from edgepipe.model.store import local_form
+    from edgepipe.runtime.local import generate
+    from edgepipe.runtime.sequence import GenerationParams
+
+    tok, cases = native_pkg.tokenizer, [("Write a short poem about a cat.", 11), ("Explain recursion in one sentence.", 2026)]
+    pipeline = native_pkg.pipeline(precision=local_form(native_pkg))
+    expected = []
+    for prompt, seed in cases:  # what ``edgepipe generate --seed`` runs (cli.generate: runtime.local.generate)
+        params = GenerationParams(max_tokens=40, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
+        ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
+        tokens = generate(pipeline, ids, params, tok.decode, native_pkg.manifest.eos_ids).tokens
+        expected.append([t for t in tokens if t not in native_pkg.manifest.eos_ids])
+    assert expected[0] != expected[1]
+    for args, direct_on in (((), True), (("--direct-steps", "0"), False)):
+        with Server(home, workers=1, args=args) as server:
+            for (prompt, seed), want in zip(cases, expected):
+                r = server.client.post("/v1/chat/completions", json={  # the sampling fields left out: the API's defaults
+                    "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "seed": seed, "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["token_ids"] == want
+            fed = float(re.search(r"^edgepipe_direct_steps_total (\S+)$", server.client.get("/metrics").text, re.M).group(1))
+            assert (fed > 0) is direct_on
 
 
 # -- the coordinator's CPU per token --------------------------------------------------------------

@@ -5,7 +5,8 @@ Pure: the one decision (``direct.grant``), the worker's rule and frames (``worke
 coordinator's book of steps a stage feeds itself (``step_path``). Simulation: the real worker
 shell and coordinator on a virtual clock, with a stage's own next step lost (its token reached
 the coordinator only) and the copy of a token it fed itself lost (it reached the stage only).
-Real processes (slow): ``serve`` with one worker gives ``generate``'s greedy tokens exactly.
+Real processes (slow): ``serve`` with one worker gives ``generate``'s greedy tokens exactly, and a
+seeded sampled request's tokens with the direct path on and off.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from edgepipe.cluster.state import ClusterState, apply
 from edgepipe.net.messages import Forward, Token
 from edgepipe.worker import core as wcore
 
-ASK = direct.Ask(limit=8, greedy=True, head=frozenset(), stages=1, replicated=False, speculative=False, checkpoints=False, others=0,
+ASK = direct.Ask(limit=8, head=frozenset(), stages=1, replicated=False, speculative=False, checkpoints=False, others=0,
                  left=100)
 
 
@@ -39,7 +40,6 @@ def test_a_greedy_sequence_alone_on_a_one_stage_plan_goes_direct_up_to_its_last_
 @pytest.mark.pure
 @pytest.mark.parametrize("change", [
     dict(limit=0),  # serve --direct-steps 0
-    dict(greedy=False),  # a step's random draw is the coordinator's
     dict(head=frozenset({"mask"})),  # structured output: a mask per step
     dict(head=frozenset({"adjust_ids", "adjust"})),  # penalties change with the tokens
     dict(head=frozenset({"repeat_ids", "repeat_penalty"})),
@@ -48,6 +48,23 @@ def test_a_greedy_sequence_alone_on_a_one_stage_plan_goes_direct_up_to_its_last_
 ])
 def test_what_needs_the_coordinator_each_step_stays_on_todays_path(change):
     assert direct.grant(dataclasses.replace(ASK, **change)) == 0
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("extra, goes", [
+    ({}, True),  # every API's default sampling: its head fields are the request's, the draw rides along
+    (dict(logprobs=True, top_logprobs=2), True),
+    (dict(presence_penalty=0.5), False), (dict(frequency_penalty=0.5), False), (dict(logit_bias=((3, 1.0),)), False),
+    (dict(repeat_penalty=1.1), False),
+])
+def test_a_sampled_sequence_goes_direct_unless_its_head_fields_change_or_need_the_coordinator(extra, goes):
+    from edgepipe.runtime import controls
+    from edgepipe.runtime.sequence import GenerationParams, SequenceState
+
+    params = GenerationParams(max_tokens=50, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=7, **extra)
+    state = SequenceState([1, 5, 9], params, str, (2,), generated=[4, 4])
+    head = controls.step_fields(state, 32, False)
+    assert (direct.grant(dataclasses.replace(ASK, head=frozenset(head))) == 8) is goes
 
 
 @pytest.mark.pure
@@ -71,6 +88,22 @@ def test_a_stage_feeds_the_next_step_only_where_the_coordinator_allowed_it():
     assert not wcore.feeds_next(_item(verify=True), 5)
     assert not wcore.feeds_next(_item(partial=True), 5)
     assert not wcore.feeds_next({k: v for k, v in _item().items() if k != "pos"}, 5)
+
+
+@pytest.mark.pure
+def test_a_fed_sampled_step_samples_with_the_draw_the_coordinator_would_have_sent():
+    from edgepipe.runtime import controls
+    from edgepipe.runtime.sequence import GenerationParams
+
+    params = GenerationParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=1234)
+    item = _item(sampling=controls.wire_sampling(params, 4), uniforms=controls.fed_uniforms(params, 4, 3))
+    assert not wcore.feeds_next({k: v for k, v in item.items() if k != "uniforms"}, 5)  # no draws: today's path
+    assert not wcore.feeds_next({**item, "uniforms": item["uniforms"][:2]}, 5)  # fewer draws than steps
+    for step in (5, 6, 7):  # each step the stage feeds itself, as the coordinator would have sent it
+        assert wcore.feeds_next(item, 5)
+        item = wcore.next_forward(1, [item], [5], [True]).batch[0]
+        assert item["step"] == step and item["sampling"] == controls.wire_sampling(params, step)
+    assert item["ahead"] == 0 and item["uniforms"] == [] and not wcore.feeds_next(item, 5)
 
 
 @pytest.mark.pure
@@ -195,6 +228,38 @@ def test_serve_with_one_worker_gives_generates_greedy_tokens_on_the_direct_path(
         for prompt, r in zip(prompts, replies):
             expected = [t for t in reference_tokens(native_pkg, prompt, 40) if t not in native_pkg.manifest.eos_ids]
             assert r.json()["choices"][0]["token_ids"] == expected
+
+
+@pytest.mark.slow
+def test_seeded_sampled_tokens_are_the_same_direct_through_the_coordinator_and_in_generate(native_pkg, home):
+    """Every API's default sampling (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) with a seed:
+    ``serve`` with the direct path (its default), with ``--direct-steps 0`` and ``generate`` agree."""
+    import re
+
+    from harness import Server
+
+    from edgepipe.model.store import local_form
+    from edgepipe.runtime.local import generate
+    from edgepipe.runtime.sequence import GenerationParams
+
+    tok, cases = native_pkg.tokenizer, [("Write a short poem about a cat.", 11), ("Explain recursion in one sentence.", 2026)]
+    pipeline = native_pkg.pipeline(precision=local_form(native_pkg))
+    expected = []
+    for prompt, seed in cases:  # what ``edgepipe generate --seed`` runs (cli.generate: runtime.local.generate)
+        params = GenerationParams(max_tokens=40, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
+        ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
+        tokens = generate(pipeline, ids, params, tok.decode, native_pkg.manifest.eos_ids).tokens
+        expected.append([t for t in tokens if t not in native_pkg.manifest.eos_ids])
+    assert expected[0] != expected[1]
+    for args, direct_on in (((), True), (("--direct-steps", "0"), False)):
+        with Server(home, workers=1, args=args) as server:
+            for (prompt, seed), want in zip(cases, expected):
+                r = server.client.post("/v1/chat/completions", json={  # the sampling fields left out: the API's defaults
+                    "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "seed": seed, "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["token_ids"] == want
+            fed = float(re.search(r"^edgepipe_direct_steps_total (\S+)$", server.client.get("/metrics").text, re.M).group(1))
+            assert (fed > 0) is direct_on
 
 
 # -- the coordinator's CPU per token --------------------------------------------------------------

@@ -5,6 +5,11 @@ the last stage returns the sampled id, and the coordinator sends it again as the
 one-stage plan the stage holds both ends, so a decode step may carry ``ahead: n``: the stage then
 feeds the token it samples straight back into its own next step (``worker.core.feeds_next``), up
 to ``n`` steps, and sends each token to the coordinator as before, saying it fed it (``Token.fed``).
+A sampled sequence goes direct as well: its head fields are the same at every step but the random
+draw, and the draw is a pure function (``runtime.sequence.uniform_draw(seed, step)``), so the
+granting entry also carries ``uniforms``, the draws of the ``n`` steps the stage may feed, computed
+by the coordinator (``controls.fed_uniforms``): the stage puts the next one in each fed step's
+``sampling`` and knows no seed rule (one definition of the draw, ``n`` floats a frame).
 The coordinator's record of tokens stays the truth: it still takes each token in order, decides
 stop strings, cancellation and max tokens, and asks for each step (the steps its stage fed are
 asked for as well, only no frame goes out: ``step_book.Ahead``). A stop or a cancel ends a run
@@ -14,8 +19,9 @@ replay ends it too (the stage's steps of a void sequence are of no use).
 ``grant`` says per decode step whether the sequence goes direct, and for how many steps. What it
 leaves on today's path, each step through the coordinator:
 
-- sampled requests (a step's random draw is the coordinator's, per step) and any request whose
-  head fields change from step to step: penalties, repeat windows, a structured-output mask;
+- any request whose head fields change from step to step: penalties and logit bias (``adjust``),
+  repeat windows, a structured-output mask (sampling's own fields, temperature, top-k, top-p and
+  min-p, are the request's; only its draw changes, and that rides along as ``uniforms``);
 - speculative decoding (each verify pass is the coordinator's drafts), replicated stages, plans
   of more than one stage, and a cluster that copies KV checkpoints to a spare plan (a copy takes
   the positions the coordinator counts);
@@ -37,7 +43,6 @@ class Ask:
     """One decode step as the decision sees it."""
 
     limit: int  # steps a stage may feed itself at most (``CoordinatorSettings.direct_steps``; 0: never)
-    greedy: bool
     head: frozenset[str]  # the step's head fields (``controls.step_fields``)
     stages: int  # the plan's stages
     replicated: bool
@@ -49,7 +54,7 @@ class Ask:
 
 def grant(ask: Ask) -> int:
     """Steps after this one that the stage may feed itself (0: today's path)."""
-    if (ask.limit <= 0 or not ask.greedy or not ask.head <= CONSTANT_HEAD_FIELDS or ask.stages != 1 or ask.replicated
+    if (ask.limit <= 0 or not ask.head <= CONSTANT_HEAD_FIELDS or ask.stages != 1 or ask.replicated
             or ask.speculative or ask.checkpoints or ask.others > 0):
         return 0
     return max(0, min(ask.limit, ask.left))

@@ -236,7 +236,7 @@ class Requests:
             return 0
         cluster = p.state()
         left = min(state.params.max_tokens - len(state.generated) - 1, p.package.manifest.max_context - _length(state) - 1)
-        return direct.grant(direct.Ask(limit, state.params.greedy, frozenset(head), len(dep.stages), dep.replicated,
+        return direct.grant(direct.Ask(limit, frozenset(head), len(dep.stages), dep.replicated,
                                        self.speculation is not None, self.checkpoints.enabled and cluster.spare is not None,
                                        len(cluster.requests) - 1, left))
 

@@ -136,7 +136,8 @@ class Steps:
         (``runtime.speculative.head_verdict``); ``rewind``: stages holding more than ``kv_start``
         positions (drafts the last verify rejected) forget them. ``ahead``: the stage may feed
         this decode step's next ``ahead`` steps itself (``cluster.direct``), stopping at the ids
-        ``stop``; a step it feeds is asked for here all the same, and no frame goes out for it."""
+        ``stop``, a sampled one with the draws of those steps (``uniforms``); a step it feeds is asked
+        for here all the same, and no frame goes out for it."""
         p = self.ports
         t0 = p.clock()
         route = self.route(dep, rid)
@@ -158,6 +159,8 @@ class Steps:
         item = {"seq": seq, "step": step, "rid": rid, "sampling": sampling, **({"verify": True} if verify else {}),
                 **({"rewind": True} if rewind and kv_start is not None else {}),
                 **({"ahead": ahead, "stop": list(stop or ())} if ahead > 0 and len(feed) == 1 and not verify and kv_start is not None else {}),
+                **({"uniforms": controls.fed_uniforms(params, step, ahead)} if ahead > 0 and not params.greedy and len(feed) == 1
+                   and not verify and kv_start is not None else {}),
                 **({"route": list(route)} if route else {})}
         # A replay rebuilds KV exactly as first computed: the prompt as one prefill, then each later
         # token as its own decode step (one prefill over everything takes other kernel paths and

@@ -362,7 +362,7 @@ class Forward(Wire):
 
     TYPE = T.FORWARD
     plan: int
-    batch: list  # [{seq, step, rid, sampling[, partial][, pos][, prefix][, verify][, rewind][, route][, ahead, stop][, direct]}], passed on as received
+    batch: list  # [{seq, step, rid, sampling[, partial][, pos][, prefix][, verify][, rewind][, route][, ahead, stop[, uniforms]][, direct]}], passed on as received
     timings: list | None = None
     relay_to: str | None = None
     # ``x``: token ids [batch, positions] into a first stage, else activations [batch, positions, hidden]

@@ -115,10 +115,12 @@ DOCS: dict[type, MessageDoc] = {
                  "speculative-sampling rule, `drafts` (k ids), `draft_ids`/`draft_probs` (per draft the distribution it was "
                  "drawn from, sparse) and `accept`/`replace` (k draws each): the head then decides (`runtime.speculative.head_verdict`); "
                  "a `verify` entry of a request with a response format has `masks` (a mask per position) instead of `mask`; "
-                 "the direct token path (`cluster/direct.py`): `ahead: n` and `stop: [ids]` on a greedy decode entry let the "
+                 "the direct token path (`cluster/direct.py`): `ahead: n` and `stop: [ids]` on a decode entry let the "
                  "stage of a one-stage plan feed the token it samples into the entry's next step itself, up to `n` steps, "
-                 "unless the token is in `stop`; the entries it so feeds itself carry `direct: true` (with `step`, `pos` one "
-                 "on and `ahead` one less), and one whose `seq` it no longer holds (dropped meanwhile) is skipped",
+                 "unless the token is in `stop`; a sampled entry also has `uniforms` (the `n` draws of those steps, in "
+                 "order: the coordinator's `uniform_draw(seed, step)`); the entries it so feeds itself carry `direct: true` "
+                 "(with `step`, `pos` one on, `ahead` one less, `sampling.uniform` the first of `uniforms` and `uniforms` "
+                 "the rest), and one whose `seq` it no longer holds (dropped meanwhile) is skipped",
         "timings": "`[worker_id, seconds, positions, bytes/elem, batch]` appended by each stage",
         "relay_to": "worker id the coordinator passes the frame on to (from a stage before or after a browser)",
     }, "`x`: `int64 [B, S]` token ids into the first stage, else `float32`/`float16 [B, S, H]`; `S > 1` only with `B = 1`"),

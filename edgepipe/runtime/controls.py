@@ -95,6 +95,12 @@ def wire_sampling(params: GenerationParams, step: int) -> dict:
     return out
 
 
+def fed_uniforms(params: GenerationParams, step: int, ahead: int) -> list[float]:
+    """The draws of the ``ahead`` steps after ``step`` that a stage may feed itself (the direct
+    token path: the entry's ``uniforms``; each is the ``uniform`` ``wire_sampling`` would send); empty if greedy."""
+    return [] if params.greedy else [uniform_draw(params.seed, step + 1 + i) for i in range(ahead)]
+
+
 def step_fields(state: SequenceState, vocab: int, prefill: bool) -> dict:
     """The ``sampling`` fields this step adds for the head (empty for a plain request)."""
     p, out = state.params, {}

@@ -300,21 +300,28 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
 def feeds_next(item: dict, token: int) -> bool:
     """Whether a last stage that also takes token ids feeds ``item``'s next step itself with the
     ``token`` it sampled: the coordinator allowed ``ahead`` more steps (``cluster.direct``), it is a
-    greedy decode step at a known position, and ``token`` is not one of its ``stop`` ids (an end
-    of sequence the coordinator would stop at). The coordinator hears which (``Token.fed``)."""
+    decode step at a known position, greedy or sampled with the draw of each step it may feed
+    (``uniforms``: the coordinator's), and ``token`` is not one of its ``stop`` ids (an end of
+    sequence the coordinator would stop at). The coordinator hears which (``Token.fed``)."""
     ahead, stop, sampling = item.get("ahead"), item.get("stop") or (), item.get("sampling") or {}
+    uniforms = item.get("uniforms")
+    drawn = not sampling.get("do_sample") or (type(uniforms) is list and type(ahead) is int and len(uniforms) >= ahead
+                                              and all(type(u) is float and 0 <= u < 1 for u in uniforms))
     return (type(ahead) is int and ahead > 0 and type(item.get("pos")) is int and not item.get("partial") and not item.get("verify")
-            and not sampling.get("do_sample") and token not in stop)
+            and drawn and token not in stop)
 
 
 def next_forward(plan: int, batch: list, tokens: list[int], fed: list[bool]) -> Forward:
     """The frame of the fed entries' next steps: one position on, one step less ahead, marked
-    ``direct`` (the stage's own, not the coordinator's), in the frame's order (a lane stays one batch)."""
+    ``direct`` (the stage's own, not the coordinator's), in the frame's order (a lane stays one batch);
+    a sampled entry's next step samples with the first of its ``uniforms`` and passes on the rest."""
     items, ids = [], []
     for item, token, go in zip(batch, tokens, fed):
         if go:
             nxt = {k: v for k, v in item.items() if k not in ("prefix", "rewind", "partial")}
             nxt.update(step=item["step"] + 1, pos=item["pos"] + 1, ahead=item["ahead"] - 1, direct=True)
+            if "uniforms" in item:
+                nxt.update(sampling={**item["sampling"], "uniform": item["uniforms"][0]}, uniforms=item["uniforms"][1:])
             items.append(nxt)
             ids.append([token])
     return Forward(plan, items, tensors={"x": np.array(ids, np.int64)})

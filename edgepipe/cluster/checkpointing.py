@@ -11,7 +11,7 @@ import itertools
 from dataclasses import dataclass
 
 from ..net.messages import Drop, KvExport
-from . import deploy, replicas, state as S
+from . import deploy, replicas, sequence_ids, state as S
 from .checkpoints import CheckpointSettings, Resume, copies_lost, due, unreferenced
 from .placement import Deployment
 from .ports import Ports
@@ -80,7 +80,7 @@ class Checkpoints:
             return
         # The holders hold ``held`` positions under the same name: send only what came since.
         since = held if ck is not None and held is not None and held <= q.kv_len else 0
-        name = ck.seq if since else f"{rid}.c{next(self._names)}"
+        name = ck.seq if since else sequence_ids.checkpoint(rid, next(self._names))
         futures = []
         loop = asyncio.get_running_loop()
         # from the first frame on, a holder may be part-way; the name is placed and flying (``checkpoints.book``)

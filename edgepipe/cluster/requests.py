@@ -27,7 +27,7 @@ from ..net.limits import KV_RESERVE_TOKENS
 from ..runtime import controls
 from ..runtime.sequence import GenerationParams, SequenceState, TextDelta
 from ..runtime.speculative import accept_greedy
-from . import checkpoints, deploy, direct, measurements as M, scheduling, state as S
+from . import checkpoints, deploy, direct, measurements as M, scheduling, sequence_ids, state as S
 from .placement import Deployment
 from .ports import Ports
 from .profiling import RUNTIME_OVERHEAD_BYTES
@@ -65,7 +65,7 @@ def next_step(state: S.ClusterState, rid: str, fed_plan: int | None, plan: int, 
         feed = (prompt_ids + generated)[resume.position:]
         return NextStep(resume.seq, epoch + 1, plan, feed, 1 if len(feed) > 1 else None, resume)
     if nxt.new_epoch:
-        return NextStep(f"{rid}.{epoch + 1}", epoch + 1, nxt.fed_plan, nxt.feed, nxt.replay_from)
+        return NextStep(sequence_ids.live(rid, epoch + 1), epoch + 1, nxt.fed_plan, nxt.feed, nxt.replay_from)
     return NextStep(None, epoch, nxt.fed_plan, nxt.feed, nxt.replay_from)
 
 
@@ -135,7 +135,7 @@ class Requests:
         rid = rid or f"r{next(self._ids)}"
         epoch, fed_plan = 0, None  # fed_plan: plan whose workers hold this sequence's KV
         sent_plan = None  # plan the current seq's latest step went to (its KV is there, token or not)
-        seq = f"{rid}.{epoch}"
+        seq = sequence_ids.live(rid, epoch)
         spec = self.speculation
         rewind = False  # the stages hold drafts the last verify rejected
         p.emit(S.RequestStarted(rid, len(state.prompt_ids) + state.params.max_tokens))

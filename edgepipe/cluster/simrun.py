@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from .planning import PlannerPolicy
 from .sim import (QUARANTINE_FAULTS, SETTINGS, UP_BOUND_S, UNIT_BYTES, Admission, Coordinator, CoordinatorSettings, FakePackage, FakeWorker,
                   GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
-from . import state as S
+from . import sequence_ids, state as S
 from .scheduling import AdmissionError
 from .sim_replicas import replica_counts, replicate
 from .sim_schedule import Fault, Req, Schedule  # noqa: F401 - Fault and Req: where callers know them
@@ -198,7 +198,7 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
 def _held_checkpoints(workers: list[FakeWorker]) -> list[str]:
     """Checkpoint KV (``<rid>.c<n>``) a live worker still holds once every request has ended."""
     return sorted(f"{w.name}:{seq}" for w in workers if not w.dead for kv in w.model.kv.values() for seq in kv
-                  if seq.rsplit(".", 1)[-1].startswith("c"))
+                  if sequence_ids.is_checkpoint(seq))
 
 
 async def _main(schedule: Schedule) -> Report:

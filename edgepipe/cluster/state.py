@@ -28,7 +28,7 @@ from .events import (
     SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, RequestPaused, Routed, KvMoved, KvMoveSent,
     KvMoveEnded, RequestEnded, Event, ProbeAccepting,
 )
-from . import checkpoints as K, prefix_book as PB
+from . import checkpoints as K, prefix_book as PB, sequence_ids
 from .checkpoints import (Checkpoint, CheckpointDropped, CheckpointSending, CheckpointStored, CheckpointVoid, CopyBook,  # noqa: F401
                           CopySent, Resume, RoundEnded)  # events and values, as state.X
 from .placement import Deployment, StageAssignment
@@ -208,7 +208,7 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
         case PrefixDecided() | PrefixDone():
             return _replace(state, prefix=PB.apply(state.prefix, event))
         case RequestStarted(rid, positions):
-            return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, f"{rid}.0")))
+            return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, sequence_ids.live(rid, 0))))
         case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
             q = state.requests[rid]
             q = _replace(q, seq=seq, plan=plan, kv_len=kv_len, migrated_to=None, resume=None, paused=None, recovered=q.paused)

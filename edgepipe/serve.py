@@ -236,9 +236,21 @@ def stopping_server(config, on_stop):
 
 
 async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=None) -> int | None:
-    """Serve until stopped; the signal that stopped it (None: stopped otherwise)."""
-
+    """Serve until stopped; the signal that stopped it (None: stopped otherwise). The listening
+    socket is closed however it ends: uvicorn closes it only after a shutdown of its own, not when
+    the serving task is cancelled or the setup before it fails (the port stayed open, accepting
+    into its backlog, until the loop closed)."""
     sock = bind_socket(settings.host, settings.port)
+    servers: list = []  # the asyncio servers uvicorn made on ``sock``, closed with it
+    try:
+        return await _serve_on(sock, servers, package, settings, plan_fn, on_ready)
+    finally:
+        for listening in servers:
+            listening.close()  # stops accepting (the loop's reader on the socket goes) and closes it
+        sock.close()
+
+
+async def _serve_on(sock: socket.socket, servers: list, package, settings: ServeSettings, plan_fn, on_ready) -> int | None:
     port = sock.getsockname()[1]
     if plan_fn is None and settings.planner:
         from .plan import Objective
@@ -336,6 +348,7 @@ async def run_server(package, settings: ServeSettings, plan_fn=None, on_ready=No
     try:
         await server.serve(sockets=[sock])
     finally:
+        servers.extend(getattr(server, "servers", ()))
         supervisor.cancel()
         if joining is not None:
             joining.cancel()

@@ -90,3 +90,42 @@ def test_a_plan_change_carried_out_on_lent_ports_alone():
     # and which plans each keeps: the new one only
     for w in ("w1", "w2"):
         assert [parse(m).keep for m in links[w].channel.sent if m.type is T.ACTIVATE][-1] == [second.plan_id]
+
+
+def test_a_worker_lost_as_it_joins_leaves_no_calibration_coroutine_unawaited():
+    """``joined`` spawns the calibration; ``lost`` at once cancels it before its first step. The
+    work's coroutine used to be made in ``joined`` and handed to the task, so that cancelled task
+    left it never awaited ("coroutine 'Calibrator.calibrate' was never awaited", seen in the
+    simulation's injected-bug runs, torn down while a worker was joining)."""
+    import gc
+    import warnings
+
+    async def main():
+        package, settings = FakePackage(), CoordinatorSettings(calibrate=True)
+        profile = ClusterProfile(package.manifest)
+        box = {"state": S.ClusterState()}
+        tasks = []
+
+        def emit(event):
+            box["state"] = S.apply(box["state"], event)
+            return box["state"]
+
+        hello = Hello.from_fields({"name": "w1", "memory_bytes": 8 << 30, "data_url": "tcp://w1:1"})
+        emit(S.WorkerJoined("w1", "w1", hello, 0.0))
+        ports = Ports(state=lambda: box["state"], emit=emit, measure=profile.apply, note=lambda kind, **f: None,
+                      clock=lambda: 10.0, spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)) or tasks[-1],
+                      links=lambda: {}, replan_wanted=asyncio.Event(), settings=settings, package=package, profile=profile)
+        calibrator = Calibrator(ports, MemoryProportional(), lambda workers: None, lambda: {})
+        calibrator.joined("w1")
+        assert box["state"].workers["w1"].calibrating
+        calibrator.lost("w1")
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return tasks
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tasks = asyncio.run(main())
+        del tasks
+        gc.collect()
+    unawaited = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "never awaited" in str(w.message)]
+    assert not unawaited, unawaited

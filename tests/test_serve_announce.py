@@ -84,3 +84,27 @@ def test_with_a_token_the_worker_line_carries_it_and_no_warning(native_pkg, caps
     err = serve_once(native_pkg, "0.0.0.0", "s3cret", "edgepipe worker --coordinator", capsys)
     assert "without --join-token" not in err
     assert any(line.strip().endswith("--join-token s3cret") for line in err.splitlines()), err
+
+
+def test_a_cancelled_server_closes_its_listening_socket(native_pkg):
+    """Cancelled (as a test or an embedding program stops it), the server closes its port: it was
+    left listening (connections accepted into the backlog, never answered) until the loop closed."""
+    import socket
+
+    async def main():
+        ready = asyncio.Event()
+        ports = []
+        task = asyncio.create_task(run_server(native_pkg, ServeSettings(host="127.0.0.1", port=0, workers=0),
+                                              on_ready=lambda port, coordinator: (ports.append(port), ready.set())))
+        await asyncio.wait_for(ready.wait(), 60)
+        await asyncio.sleep(0.5)  # uvicorn serving on it
+        socket.create_connection(("127.0.0.1", ports[0]), timeout=5).close()  # listening
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        with pytest.raises(ConnectionRefusedError):  # the loop still runs: only a closed socket refuses
+            socket.create_connection(("127.0.0.1", ports[0]), timeout=5).close()
+
+    asyncio.run(main())

@@ -128,8 +128,11 @@ def create_app(coordinator, package, api_key: str | None = None, join_token: str
     s.started = time.time()
     from ..model.store import alias_of  # a package imported under an alias answers to it too (`smollm2`, `qwen05`)
 
+    from .served import ServedNames
+
     alias = alias_of(package.manifest.name)
     s.model_names = [package.manifest.name, alias] if alias else [package.manifest.name]
+    s.served = ServedNames.of(package.manifest.name, alias, (package.manifest.source or {}).get("path"))
     s.metrics = metrics or Metrics(package.manifest.hidden_size)
     s.admission = admission or Admission()
     s.admission.bind(coordinator)  # its book is the coordinator's ``ClusterState.admission``

@@ -157,11 +157,10 @@ def tag(name: str) -> str:
 
 
 def served_name(request: Request, model: str) -> str:
-    names = request.app.state.model_names
-    for n in names:
-        if model in (n, tag(n)):
-            return tag(names[0])
-    raise APIError(404, f"model '{model[:100]}' not found", code="model_not_found")
+    served = request.app.state.served
+    if served.answers(model):
+        return tag(served.shown[0])
+    raise APIError(404, f"model '{model[:100]}' not found (this server serves: {', '.join(map(tag, served.shown))})", code="model_not_found")
 
 
 def parameter_count(config: dict) -> int:

@@ -51,10 +51,12 @@ async def parse_body(request: Request, model: type[BaseModel]):
 
 
 def check_model(request: Request, model: str | None) -> str:
-    names = request.app.state.model_names
-    if model is None or model in names:
-        return names[0]
-    raise APIError(404, f"The model '{model[:100]}' does not exist (this server serves: {', '.join(names)})", param="model",
+    """The served model's name, or a 404 when ``model`` names another (``served.ServedNames``:
+    the package name, its file's stem, its alias, Ollama's ``name:latest``; none: the served one)."""
+    served = request.app.state.served
+    if model is None or served.answers(model):
+        return served.shown[0]
+    raise APIError(404, f"The model '{model[:100]}' does not exist (this server serves: {served.listing()})", param="model",
                    code="model_not_found")
 
 
@@ -91,8 +93,7 @@ async def list_models(request: Request) -> JSONResponse:
 
 async def get_model(request: Request) -> JSONResponse:
     name = request.path_params["model"]
-    if name not in request.app.state.model_names:
-        raise APIError(404, f"The model '{name[:100]}' does not exist", param="model", code="model_not_found")
+    check_model(request, name)
     return JSONResponse(model_card(request, name))
 
 

@@ -66,15 +66,15 @@ class Calibrator:
             return
         if step == "recall":
             p.measure(M.Recalled(wid, info.identity))  # its dashboard line: narrate.entry
-            work = self.links.probe_peers_locked(wid)
-        else:
-            work = self.calibrate(wid)
         p.emit(S.Calibrating(wid, True))
-        self._running[wid] = p.spawn(self._holding(wid, work))
+        self._running[wid] = p.spawn(self._holding(wid, step))
 
-    async def _holding(self, wid: str, work) -> None:
+    async def _holding(self, wid: str, step: str) -> None:
+        # The work's coroutine is made here, inside the task: made in ``joined`` and handed in,
+        # it was never awaited when the task was cancelled before its first step (a worker lost
+        # at once, a run torn down), and Python warned "coroutine ... was never awaited".
         try:
-            await work
+            await (self.links.probe_peers_locked(wid) if step == "recall" else self.calibrate(wid))
         finally:
             self.ports.emit(S.Calibrating(wid, False))
 

@@ -46,6 +46,8 @@ class ClusterProfile:
         self.known: dict[tuple, DeviceMeasurements] = {}  # last calibration by (name, declared hardware)
         self.peer_links: dict[tuple[str, str], tuple[float, float]] = {}  # (src, dst) -> (RTT, bandwidth) on the data port
         self.hop_excess = RollingMedian(window)  # seconds per hop decode steps took beyond the link model
+        self._profiles: dict[tuple, ModelProfile] = {}  # model_profile's answers for ``_profiles_of`` (a pure function of it)
+        self._profiles_of = None
 
     def of(self, worker_id: str) -> DeviceMeasurements:
         return self.devices.setdefault(worker_id, DeviceMeasurements())
@@ -249,6 +251,24 @@ class ClusterProfile:
         forms the devices run (``device_profiles``' ``forms``), each priced with its own weight
         and KV bytes (a form the package does not hold yet is priced as the profile's own)."""
         m = self.manifest
+        devices_forms = sorted({f for f in forms if f})
+        # Cached: the answer depends on the manifest and the arguments only, and costs ~1-7 ms
+        # (a UnitProfile per unit, fp32 sizes estimated from the config), asked for by every plan,
+        # status view and (MoE) step timing. A built variant comes as a new manifest (``Variants``
+        # reloads the package), and which variants each unit holds is in the key besides, so a
+        # unit built in place is reflected too.
+        if self._profiles_of is not m:
+            self._profiles, self._profiles_of = {}, m
+        key = (precision, context_tokens or self.context_tokens, kv_form, tuple(devices_forms),
+               tuple(tuple(getattr(u, "variants", ())) for u in m.units))
+        if key not in self._profiles:
+            if len(self._profiles) >= 64:  # bounded: a long run asking for many context sizes
+                self._profiles.clear()
+            self._profiles[key] = self._model_profile(precision, context_tokens, kv_form, devices_forms)
+        return self._profiles[key]
+
+    def _model_profile(self, precision, context_tokens, kv_form, devices_forms) -> ModelProfile:
+        m = self.manifest
         kv_form = kv_form or precision
         units = tuple(UnitProfile(u.index, u.name, u.cost_s, m.variant(u.index, precision).weight_bytes, m.kv_bytes_per_token(u.index, kv_form),
                                   u.out_bytes_per_token, u.kv_window, experts=u.experts, experts_used=u.experts_used,
@@ -258,7 +278,6 @@ class ClusterProfile:
         # Per form: each device is priced in the form it runs (``forms``), and a tab in the variant
         # it asks for (fp32), as built or else as estimated (``variants.unit_sizes``), units not
         # built yet included, so what it may be given is bounded by its memory.
-        devices_forms = sorted({f for f in forms if f})
         names = sorted({p for u in m.units for p in getattr(u, "variants", ())} | {"fp32"} | set(devices_forms))
         weights = {name: unit_sizes(m, name) for name in names}
         kv = {form: tuple(m.kv_bytes_per_token(u.index, form) for u in m.units) for form in devices_forms}

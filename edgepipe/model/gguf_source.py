@@ -114,8 +114,14 @@ class GGUFSource:
         except (ValueError, struct.error, UnicodeDecodeError, OverflowError) as exc:
             raise CorruptModel(f"{self.path.name}: not a readable GGUF file, truncated or damaged ({exc})") from exc
         refuse_unsupported_types(self.path, self._tensors)
-        self._file = None
+        self._file = None  # opened by the first ``raw_rows``, kept for the rest of the import; ``close`` ends it
         self.config = self._read_config()
+
+    def close(self) -> None:
+        """Close the file the tensors are read from (reading again reopens it)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     # -- metadata ---------------------------------------------------------------------------
     def _field(self, key: str, default=None):

@@ -102,6 +102,21 @@ def import_model(
     target = models_dir / (name or package_name(source_path, precision))
     source_hash = _cached_sha256(source_path, models_dir, progress) if source_path.is_file() else _folder_hash(source_path)
     src = open_source(source_path)
+    try:
+        return _import(src, target, models_dir, precision, source_path, source_hash, max_context, progress, measure_cost)
+    finally:
+        close_source(src)
+
+
+def close_source(src) -> None:
+    """Close the file a source reads tensors from (a GGUF's; a folder's are closed as read)."""
+    close = getattr(src, "close", None)
+    if close is not None:
+        close()
+
+
+def _import(src, target: Path, models_dir: Path, precision: str, source_path: Path, source_hash: str, max_context: int | None,
+            progress: Progress | None, measure_cost: bool) -> Path:
     cfg: ModelConfig = src.config
     context = cfg.context_length if max_context is None else min(max_context, cfg.context_length)
     if (target / "manifest.json").is_file():
@@ -155,6 +170,7 @@ def add_variant(package_dir: str | Path, precision: str, progress: Progress | No
         staged.write_text(merged.to_json())
         os.replace(staged, package_dir / "manifest.json")
     finally:
+        close_source(src)
         shutil.rmtree(tmp, ignore_errors=True)
     return package_dir
 

@@ -43,7 +43,7 @@ from edgepipe.bench.client import stream_once
 from edgepipe.bench.cluster import Server
 from edgepipe.bench.machine import Conditions
 from edgepipe.bench.results import write_results
-from edgepipe.cluster.coordinator import Coordinator, CoordinatorSettings
+from edgepipe.cluster.shells.coordinator import Coordinator, CoordinatorSettings
 from edgepipe.model.importer import add_variant
 from edgepipe.model.store import resolve
 from edgepipe.net.protocol import Message, MessageType as T

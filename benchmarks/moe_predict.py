@@ -7,7 +7,7 @@ Writes `benchmarks/results/moe_predict.json` and `.md` (`moe_predict-quick.*` fo
 
 Per package, in this one process (its kernel form, the form a CPU worker here is sent):
 
-1. **Calibration, as a joining worker's** (``cluster/calibration.py``): decode steps of a 1-layer
+1. **Calibration, as a joining worker's** (``cluster/shells/calibration.py``): decode steps of a 1-layer
    and a 4-layer range after a 32-position prefill of random inputs (``PROBE_REPS`` each, the first
    two dropped) give speed and per-call overhead (``ClusterProfile.calibrated``); the 4-layer range
    at 1 row and at ``ROW_PROBE`` rows stepped together gives the price of a further row
@@ -36,8 +36,8 @@ import numpy as np
 
 from edgepipe.bench.machine import Conditions, package_version as version
 from edgepipe.bench.results import write_results
-from edgepipe.cluster.calibration_rules import PROBE_REPS, ROW_PROBE, ROW_REPS
-from edgepipe.cluster.profiling import ClusterProfile
+from edgepipe.cluster.rules.calibration_rules import PROBE_REPS, ROW_PROBE, ROW_REPS
+from edgepipe.cluster.rules.profiling import ClusterProfile
 from edgepipe.model.store import bundled_gguf, local_form, resolve
 from edgepipe.plan import DeviceProfile
 from edgepipe.plan.moe import experts_touched, range_extra_cost

@@ -37,7 +37,7 @@ from edgepipe.bench.cluster import Cluster, Device, bench_home
 from edgepipe.bench.emulated import header, measured_profiles, prewarm
 from edgepipe.bench.machine import Conditions
 from edgepipe.bench.results import write_results
-from edgepipe.cluster.profiling import ClusterProfile
+from edgepipe.cluster.rules.profiling import ClusterProfile
 from edgepipe.emulate.roofline import RooflinePolicy
 from edgepipe.emulate.slowdown import parse_bytes
 from edgepipe.model.store import prepare_local_form, resolve

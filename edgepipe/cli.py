@@ -280,7 +280,7 @@ def _served_context(pkg, form: str, asked: Optional[int], workers: int) -> int:
     """``serve``'s context (``model.context.served_context``), with its one line when it is cut."""
     import psutil
 
-    from .cluster.profiling import RUNTIME_OVERHEAD_BYTES
+    from .cluster.rules.profiling import RUNTIME_OVERHEAD_BYTES
     from .model.context import served_context
 
     m = pkg.manifest
@@ -376,7 +376,7 @@ def serve(
     import asyncio
     import signal
 
-    from .cluster import operator_log
+    from .cluster.shells import operator_log
     from .serve import ServeSettings, run_server
     from .model.store import home_dir
 
@@ -580,7 +580,7 @@ def _plan_model_profile(pkg, precision: Optional[str], context: int):
     browser's fp32), and the embedding/head files both units count (tied weights)."""
     from dataclasses import replace
 
-    from .cluster.profiling import ClusterProfile
+    from .cluster.rules.profiling import ClusterProfile
 
     manifest = pkg.manifest
     have = sorted(set.intersection(*(set(u.variants) for u in manifest.units)))

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from .api.admission import Admission
 from .api.app import create_app
 from .net.limits import control_frame_limit
-from .cluster.coordinator import Coordinator, CoordinatorSettings
-from .cluster.events import NoteKind
-from .cluster.speculation import build_speculation
+from .cluster.shells.coordinator import Coordinator, CoordinatorSettings
+from .cluster.state.events import NoteKind
+from .cluster.shells.speculation import build_speculation
 
 
 @dataclass
@@ -254,7 +254,7 @@ async def _serve_on(sock: socket.socket, servers: list, package, settings: Serve
     port = sock.getsockname()[1]
     if plan_fn is None and settings.planner:
         from .plan import Objective
-        from .cluster.planning import PlannerPolicy
+        from .cluster.rules.planning import PlannerPolicy
 
         plan_fn = PlannerPolicy(Objective(settings.objective), settings.tpot_target_ms / 1e3 if settings.tpot_target_ms else None)
     coordinator = Coordinator(package, CoordinatorSettings(min_workers=max(1, settings.workers), join_token=settings.join_token,

@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(session, config, items):
 
     out = Path(tempfile.mkdtemp(prefix="edgepipe-sim-")) / "summary.json"
     with open(out, "w") as stdout, open(out.with_suffix(".err"), "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "edgepipe.cluster.simrun", "--play", str(SIM_FIRST), str(SIM_SCHEDULES)],
+        proc = subprocess.Popen([sys.executable, "-m", "edgepipe.cluster.simulation.simrun", "--play", str(SIM_FIRST), str(SIM_SCHEDULES)],
                                 stdout=stdout, stderr=stderr, preexec_fn=_lowest_cpu_priority, start_new_session=True)
     config.edgepipe_sim = (proc, out)
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from edgepipe.cluster import admission_book as AB, core, narrate, state as S
+from edgepipe.cluster.state import admission_book as AB, state as S
+from edgepipe.cluster.rules import core
+from edgepipe.cluster.shells import narrate
 
 pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
 

@@ -27,7 +27,7 @@ JOIN_TOKEN = {"/v1/blobs/{sha}", "/v1/worker"}  # workers hold the join token, n
 @pytest.fixture(scope="module")
 def make(native_pkg):
     from edgepipe.api.app import create_app
-    from edgepipe.cluster.coordinator import Coordinator
+    from edgepipe.cluster.shells.coordinator import Coordinator
 
     def build(**kwargs):
         return create_app(Coordinator(native_pkg), native_pkg, **kwargs)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from edgepipe.cluster.calibration import Calibrator
-from edgepipe.cluster.variant_rules import unit_sizes
+from edgepipe.cluster.shells.calibration import Calibrator
+from edgepipe.cluster.rules.variant_rules import unit_sizes
 from edgepipe.model.package import Package
 
 from browser import browser_context

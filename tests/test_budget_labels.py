@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from edgepipe.cluster import state as S
-from edgepipe.cluster.narrate import entry
-from edgepipe.cluster.profiling import ClusterProfile
-from edgepipe.cluster.sim import FakeManifest
-from edgepipe.cluster.worker_info import WorkerInfo
+from edgepipe.cluster.state import state as S
+from edgepipe.cluster.shells.narrate import entry
+from edgepipe.cluster.rules.profiling import ClusterProfile
+from edgepipe.cluster.simulation.sim import FakeManifest
+from edgepipe.cluster.state.worker_info import WorkerInfo
 from edgepipe.emulate.slowdown import MemoryBudget, MemoryBudgetExceeded
 from edgepipe.net.messages import Hello
 from edgepipe.worker.settings import WorkerSettings

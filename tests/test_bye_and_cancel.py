@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from edgepipe.cluster.coordinator import Coordinator, CoordinatorSettings
-from edgepipe.cluster.sim import FakePackage
+from edgepipe.cluster.shells.coordinator import Coordinator, CoordinatorSettings
+from edgepipe.cluster.simulation.sim import FakePackage
 from edgepipe.net.channel import ChannelClosed, memory_pair
 from edgepipe.net.messages import Bye, Token
 from edgepipe.net.protocol import Message, MessageType as T, decode, encode
@@ -135,7 +135,7 @@ def test_a_request_cancelled_as_its_token_arrives_stops_and_frees_its_kv():
     arrive in the same instant, losing the cancel: the request would run on, holding its slot.
     The token loop must stop anyway, end the request (its reservation) and drop the sequence's KV
     on the workers, although its first step's token had already been taken."""
-    from edgepipe.cluster.placement import Deployment, StageAssignment
+    from edgepipe.cluster.state.placement import Deployment, StageAssignment
     from edgepipe.runtime.sequence import GenerationParams
 
     async def main():

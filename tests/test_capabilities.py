@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from edgepipe.cluster import deploy, prefix_book
-from edgepipe.cluster import state as S
-from edgepipe.cluster.placement import Deployment, StageAssignment
+from edgepipe.cluster.rules import deploy
+from edgepipe.cluster.state import prefix_book
+from edgepipe.cluster.state import state as S
+from edgepipe.cluster.state.placement import Deployment, StageAssignment
 from edgepipe.net.capabilities import DEVICE_KINDS, capabilities
 from edgepipe.net.messages import Hello
 

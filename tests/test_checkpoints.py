@@ -12,10 +12,10 @@ import time
 import numpy as np
 import pytest
 
-from edgepipe.cluster import state as S
-from edgepipe.cluster import checkpoints as K
-from edgepipe.cluster.checkpoints import CheckpointSettings, Resume, due, resume_point
-from edgepipe.cluster.placement import Deployment, StageAssignment as A
+from edgepipe.cluster.state import state as S
+from edgepipe.cluster.state import checkpoints as K
+from edgepipe.cluster.state.checkpoints import CheckpointSettings, Resume, due, resume_point
+from edgepipe.cluster.state.placement import Deployment, StageAssignment as A
 from edgepipe.net.messages import Hello, Kv, KvExport, Load, NextHop
 from edgepipe.worker import core
 
@@ -186,7 +186,7 @@ def test_which_spare_workers_take_checkpoints_is_state():
 def test_the_next_spare_waits_for_the_sequences_to_catch_up():
     """After a recovery the next spare's loads wait until every sequence was fed on the new plan
     (they would share the cores with the replays)."""
-    from edgepipe.cluster.deploy import catching_up
+    from edgepipe.cluster.rules.deploy import catching_up
 
     st = S.apply(checkpointed(serving(), "r", 64), S.WorkerLost("b", "killed", 2.0))
     st = S.apply(st, S.Committed(Deployment(2, SPARE), 2.5))
@@ -306,8 +306,8 @@ def test_a_graph_built_twice_keeps_one_runner_and_its_kv(int4_pkg, monkeypatch):
 # -- the simulation -------------------------------------------------------------------------------
 def _schedule(memory_units: int, workers: int, faults, at: float = 5.0, first_units: int | None = None):
     """``first_units``: the first worker's memory, where it differs (in units with their KV room)."""
-    from edgepipe.cluster.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM
-    from edgepipe.cluster.simrun import Req, Schedule
+    from edgepipe.cluster.simulation.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM
+    from edgepipe.cluster.simulation.simrun import Req, Schedule
 
     memory = memory_units * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES
     first = memory if first_units is None else first_units * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES
@@ -321,7 +321,7 @@ def _schedule(memory_units: int, workers: int, faults, at: float = 5.0, first_un
 # w2-n1 another stage: the kills below come before it.
 def test_sim_a_fresh_checkpoint_resumes_and_tokens_stay_exact():
     """The server is killed mid-stream: both sequences resume from their checkpoint on the spare."""
-    from edgepipe.cluster.simrun import Fault, run
+    from edgepipe.cluster.simulation.simrun import Fault, run
 
     report = run(_schedule(9, 3, [Fault("slow", 4.5, 0, factor=10.0), Fault("kill", 8.5, 0)]))
     assert not report.violations, report.violations  # every token equals the reference
@@ -329,7 +329,7 @@ def test_sim_a_fresh_checkpoint_resumes_and_tokens_stay_exact():
 
 
 def test_sim_a_checkpoint_lost_with_its_holder_replays_whole():
-    from edgepipe.cluster.simrun import Fault, run
+    from edgepipe.cluster.simulation.simrun import Fault, run
 
     report = run(_schedule(9, 3, [Fault("slow", 4.5, 0, factor=10.0), Fault("kill", 8.0, 1), Fault("kill", 8.5, 0)]))  # the holder, then the server
     assert not report.violations, report.violations
@@ -345,7 +345,7 @@ def test_sim_a_checkpoint_voided_by_a_prepare_on_its_holder_is_not_resumed(caplo
     could not load beside them is not prepared at all (issue 42)."""
     import logging
 
-    from edgepipe.cluster.simrun import Fault, run
+    from edgepipe.cluster.simulation.simrun import Fault, run
 
     caplog.set_level(logging.INFO, logger="edgepipe.coordinator")
     report = run(_schedule(9, 3, [Fault("slow", 7.0, 0, factor=10.0), Fault("kill", 11.0, 0)], at=7.8, first_units=14))
@@ -361,7 +361,7 @@ def test_sim_a_checkpoint_voided_by_a_prepare_on_its_holder_is_not_resumed(caplo
 def test_sim_a_partial_checkpoint_replays_whole():
     """Two workers serve, two hold the spare; one holder refuses KV for a while (its copies
     fail): the checkpoints are void, and the sequences replay whole after the kill."""
-    from edgepipe.cluster.simrun import Fault, run
+    from edgepipe.cluster.simulation.simrun import Fault, run
 
     report = run(_schedule(5, 4, [Fault("slow", 7.0, 0, factor=10.0), Fault("refuse_kv", 10.0, 3, seconds=5.0), Fault("kill", 11.0, 0)],
                            at=7.8))
@@ -374,8 +374,8 @@ def _checkpoint_schedule(seed: int):
     holder), a holder refusing KV and stalls, at random times while the requests run."""
     import random
 
-    from edgepipe.cluster.simrun import Fault, Req, Schedule
-    from edgepipe.cluster.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM
+    from edgepipe.cluster.simulation.simrun import Fault, Req, Schedule
+    from edgepipe.cluster.simulation.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM
 
     rng = random.Random(seed)
     n = rng.randint(3, 5)
@@ -393,7 +393,7 @@ def test_sim_checkpoint_schedules_keep_every_token_exact():
     """30 seeded schedules aimed at checkpoints: whatever survives of them (fresh, stale, partial,
     lost with a holder), every request ends with the reference tokens, nothing leaks, and both
     kinds of recovery happen (some sequences resume from a checkpoint, some checkpoints fail)."""
-    from edgepipe.cluster.simrun import run
+    from edgepipe.cluster.simulation.simrun import run
 
     reports = [run(_checkpoint_schedule(seed)) for seed in range(500, 530)]
     failing = [(r.seed, r.violations[:2]) for r in reports if r.violations]

@@ -326,7 +326,7 @@ def test_serve_restarts_a_killed_local_worker(home, native_pkg, expected):
 
 
 def test_calibrations_saved_by_one_coordinator_are_recalled_by_the_next(native_pkg, tmp_path):
-    from edgepipe.cluster.profiling import ClusterProfile
+    from edgepipe.cluster.rules.profiling import ClusterProfile
 
     path = tmp_path / "calibrations" / "m.json"
     first = ClusterProfile(native_pkg.manifest)

@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from edgepipe.cluster import deploy
-from edgepipe.cluster.placement import Deployment, StageAssignment as A
+from edgepipe.cluster.rules import deploy
+from edgepipe.cluster.state.placement import Deployment, StageAssignment as A
 
 pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
 
@@ -38,7 +38,7 @@ def test_a_better_plan_worth_it_or_a_plan_function_without_a_verdict_switches():
     assert deploy.stay_reason(RUNNING, OTHER, pinned=False, decision=None) is None
 
 
-from edgepipe.cluster.scheduling import next_feed  # noqa: E402
+from edgepipe.cluster.rules.scheduling import next_feed  # noqa: E402
 
 PROMPT, GENERATED = [1, 2, 3], [7, 8]
 
@@ -75,10 +75,10 @@ def test_the_event_log_replays_into_the_state_the_coordinator_holds(monkeypatch)
     folding them over the state and profile before its oldest event gives the coordinator's
     state and profile (what the planner decides from), after seeded fault schedules (kills,
     partitions, restarts, ...; calibration and link probes on) with the log far shorter than the run."""
-    from edgepipe.cluster import state as S
-    from edgepipe.cluster.coordinator import Coordinator
-    from edgepipe.cluster.event_log import EventLog
-    from edgepipe.cluster.simrun import Schedule, run
+    from edgepipe.cluster.state import state as S
+    from edgepipe.cluster.shells.coordinator import Coordinator
+    from edgepipe.cluster.state.event_log import EventLog
+    from edgepipe.cluster.simulation.simrun import Schedule, run
 
     monkeypatch.setattr(EventLog.__init__, "__defaults__", (None, 64))
     checked = []
@@ -104,7 +104,8 @@ def test_the_event_log_replays_into_the_state_the_coordinator_holds(monkeypatch)
 
 
 # -- the deployer's and the calibrator's ledgers, as state ------------------------------------------
-from edgepipe.cluster import calibration, state as S  # noqa: E402
+from edgepipe.cluster.shells import calibration
+from edgepipe.cluster.state import state as S
 from edgepipe.net.messages import Hello  # noqa: E402
 
 
@@ -172,10 +173,10 @@ def test_the_dashboards_lines_are_the_event_logs_and_a_replayed_log_gives_the_sa
     """Every dashboard line is ``narrate.entry`` of a logged event: walking the log from its base
     gives exactly the lines the coordinator showed (the whole run with a log that kept it all; the
     tail with a log far shorter than the run), after seeded fault schedules with calibration on."""
-    from edgepipe.cluster import narrate
-    from edgepipe.cluster.coordinator import Coordinator
-    from edgepipe.cluster.event_log import EventLog
-    from edgepipe.cluster.simrun import Schedule, run
+    from edgepipe.cluster.shells import narrate
+    from edgepipe.cluster.shells.coordinator import Coordinator
+    from edgepipe.cluster.state.event_log import EventLog
+    from edgepipe.cluster.simulation.simrun import Schedule, run
 
     def lines(log: EventLog) -> list[dict]:
         return [line for e, wall, st, prof in log.walk() if (line := narrate.entry(e, st, prof, wall)) is not None]

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import asyncio
 
-from edgepipe.cluster import state as S
-from edgepipe.cluster.calibration import Calibrator
-from edgepipe.cluster.deployer import Deployer
-from edgepipe.cluster.placement import StageAssignment as A
-from edgepipe.cluster.planning import MemoryProportional, PlanContext
-from edgepipe.cluster.ports import Ports
-from edgepipe.cluster.profiling import ClusterProfile
-from edgepipe.cluster.settings import CoordinatorSettings
-from edgepipe.cluster.sim import FakePackage
-from edgepipe.cluster.views import Link, WorkerView
+from edgepipe.cluster.state import state as S
+from edgepipe.cluster.shells.calibration import Calibrator
+from edgepipe.cluster.shells.deployer import Deployer
+from edgepipe.cluster.state.placement import StageAssignment as A
+from edgepipe.cluster.rules.planning import MemoryProportional, PlanContext
+from edgepipe.cluster.shells.ports import Ports
+from edgepipe.cluster.rules.profiling import ClusterProfile
+from edgepipe.cluster.state.settings import CoordinatorSettings
+from edgepipe.cluster.simulation.sim import FakePackage
+from edgepipe.cluster.shells.views import Link, WorkerView
 from edgepipe.net.messages import Hello, Loaded, parse
 from edgepipe.net.protocol import MessageType as T, decode
 

@@ -16,11 +16,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from edgepipe.cluster import core, direct, sim, step_book as SB, step_path
-from edgepipe.cluster.profiling import RUNTIME_OVERHEAD_BYTES
-from edgepipe.cluster.settings import CoordinatorSettings
-from edgepipe.cluster.simrun import Fault, Req, Schedule, run
-from edgepipe.cluster.state import ClusterState, apply
+from edgepipe.cluster.rules import core, direct, step_path
+from edgepipe.cluster.simulation import sim
+from edgepipe.cluster.state import step_book as SB
+from edgepipe.cluster.rules.profiling import RUNTIME_OVERHEAD_BYTES
+from edgepipe.cluster.state.settings import CoordinatorSettings
+from edgepipe.cluster.simulation.simrun import Fault, Req, Schedule, run
+from edgepipe.cluster.state.state import ClusterState, apply
 from edgepipe.net.messages import Forward, Token
 from edgepipe.worker import core as wcore
 
@@ -270,7 +272,7 @@ def test_the_events_narration_skips_have_no_dashboard_line():
     import inspect
     import re
 
-    from edgepipe.cluster import narrate
+    from edgepipe.cluster.shells import narrate
 
     named = set(re.findall(r"\b([A-Z][A-Za-z]+)\(", inspect.getsource(narrate._fields)))
     assert named and not named & {t.__name__ for t in narrate.SILENT}

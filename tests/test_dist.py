@@ -67,7 +67,7 @@ def test_the_wheel_is_made_once_per_source(wheel, cache):
 
 def test_the_route_serves_it_without_the_key_and_names_the_one_it_serves(native_pkg, wheel, cache):
     from edgepipe.api.app import create_app
-    from edgepipe.cluster.coordinator import Coordinator
+    from edgepipe.cluster.shells.coordinator import Coordinator
 
     app = create_app(Coordinator(native_pkg), native_pkg, api_key="k", join_token="t")
     app.state.dist_cache = cache

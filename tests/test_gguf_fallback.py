@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from edgepipe.cluster import deploy
+from edgepipe.cluster.rules import deploy
 from edgepipe.worker.settings import gguf_kernel as _gguf_kernel
 from edgepipe.model.importer import add_variant
 from edgepipe.model.store import resolve

@@ -70,7 +70,7 @@ def test_kv_moves_between_the_kernel_forms_fp16_cache_and_the_fallbacks_fp32_one
     kernel, fallback = pkg.pipeline([], precision="gguf"), pkg.pipeline([], precision="native")
     assert "KvAttention" in [n.op_type for n in onnx.load(pkg.blob(pkg.manifest.variant(1, "gguf").graph), load_external_data=False).graph.node]
     assert pkg.manifest.kv_bytes_per_token(1, "gguf") * 2 == pkg.manifest.kv_bytes_per_token(1, "native")
-    from edgepipe.cluster.profiling import ClusterProfile
+    from edgepipe.cluster.rules.profiling import ClusterProfile
 
     profiles = {p: ClusterProfile(pkg.manifest, context_tokens=256).model_profile(p) for p in ("gguf", "native")}
     assert [2 * u.kv_bytes_per_token for u in profiles["gguf"].units] == [u.kv_bytes_per_token for u in profiles["native"].units]

@@ -301,7 +301,7 @@ def test_a_hello_must_carry_every_field_of_the_typed_message_and_parse():
 def test_the_simulated_worker_declares_itself_with_the_typed_hello():
     """The simulation's worker sends the hello the shipped worker sends: every field of
     ``messages.Hello``, parsed by the one ``parse``."""
-    from edgepipe.cluster.sim_worker import FakeWorker
+    from edgepipe.cluster.simulation.sim_worker import FakeWorker
 
     hello = FakeWorker(None, "n0", 3 << 30).hello().to_message()
     assert check_hello(hello, "native") == []

@@ -11,11 +11,12 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from edgepipe.cluster import deploy, kv_moves, state as S
-from edgepipe.cluster.placement import Deployment, StageAssignment as A
-from edgepipe.cluster.planning import PlannerPolicy, PlanContext
-from edgepipe.cluster.profiling import ClusterProfile
-from edgepipe.cluster.requests import Requests
+from edgepipe.cluster.rules import deploy, kv_moves
+from edgepipe.cluster.state import state as S
+from edgepipe.cluster.state.placement import Deployment, StageAssignment as A
+from edgepipe.cluster.rules.planning import PlannerPolicy, PlanContext
+from edgepipe.cluster.rules.profiling import ClusterProfile
+from edgepipe.cluster.shells.requests import Requests
 from edgepipe.model.manifest import Manifest, Unit, UnitVariant
 from edgepipe.net.limits import KV_RESERVE_TOKENS
 from edgepipe.net.messages import Hello

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from edgepipe.cluster.batching import (MAX_LANE, LaneAsked, LaneBook, LaneExpired, LaneItem, LaneLeft, LaneReturned, apply,
+from edgepipe.cluster.state.batching import (MAX_LANE, LaneAsked, LaneBook, LaneExpired, LaneItem, LaneLeft, LaneReturned, apply,
                                        departures)
 from edgepipe.runtime.stage_runner import _KVPool
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from edgepipe.cluster import narrate, state as S
-from edgepipe.cluster.placement import Deployment, StageAssignment as A
+from edgepipe.cluster.shells import narrate
+from edgepipe.cluster.state import state as S
+from edgepipe.cluster.state.placement import Deployment, StageAssignment as A
 
 pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
 
@@ -52,7 +53,7 @@ def test_the_up_line_is_read_from_the_commit():
 # -- the prefix cache's bookkeeping, as state ------------------------------------------------------
 import random  # noqa: E402
 
-from edgepipe.cluster import prefix, prefix_book as PB  # noqa: E402
+from edgepipe.cluster.state import prefix, prefix_book as PB
 from edgepipe.net.messages import Hello  # noqa: E402
 
 
@@ -136,8 +137,8 @@ def test_the_cache_is_off_where_reuse_is_not_known_to_be_exact():
 # -- KV moves at a switch: decided from the state, in flight as state -------------------------------
 from types import SimpleNamespace as NS  # noqa: E402
 
-from edgepipe.cluster import kv_moves  # noqa: E402
-from edgepipe.cluster.deploy import KvCopy  # noqa: E402
+from edgepipe.cluster.rules import kv_moves
+from edgepipe.cluster.rules.deploy import KvCopy  # noqa: E402
 
 UNITS = [NS(kv_bytes_per_token=1000) for _ in range(8)]
 OLD, NEW = Deployment(1, (A("w1", 0, 4), A("w2", 4, 8))), Deployment(2, (A("w1", 0, 5), A("w2", 5, 8)))
@@ -204,7 +205,7 @@ def test_moves_in_flight_are_state():
 
 
 # -- a heartbeat's verdicts: suspect, lose, abandon (membership.beat) --------------------------------
-from edgepipe.cluster import membership  # noqa: E402
+from edgepipe.cluster.rules import membership
 
 
 def _beating(spare: bool) -> S.ClusterState:
@@ -242,7 +243,7 @@ def test_a_heartbeat_suspects_loses_and_abandons_as_plain_decisions():
 
 
 # -- resume or replay, from the state (requests.next_step) -------------------------------------------
-from edgepipe.cluster.requests import NextStep, next_step  # noqa: E402
+from edgepipe.cluster.shells.requests import NextStep, next_step  # noqa: E402
 
 PROMPT, GENERATED = [1, 2, 3], [7, 8, 9]
 
@@ -271,7 +272,8 @@ def test_a_checkpoint_on_the_plan_that_came_up_saves_replaying_what_it_holds():
 
 
 # -- the coordinator's core: inputs in, events and commands out (core.handle) ------------------------
-from edgepipe.cluster import core, measurements as Mm  # noqa: E402
+from edgepipe.cluster.rules import core
+from edgepipe.cluster.state import measurements as Mm
 
 CONFIG = core.Config(membership.LivenessSettings(), prefix_block=2)
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from edgepipe.cluster.profiling import ClusterProfile
+from edgepipe.cluster.rules.profiling import ClusterProfile
 from edgepipe.worker.links import peer_link
 from edgepipe.plan import COORDINATOR, DeviceProfile, LinkProfile, NetworkProfile, PlanRequest, Stage, evaluate
 from edgepipe.plan.brute import layouts, price

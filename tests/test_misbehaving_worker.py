@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from edgepipe.cluster import membership, state as S
-from edgepipe.cluster.state import ClusterState, apply
+from edgepipe.cluster.rules import membership
+from edgepipe.cluster.state import state as S
+from edgepipe.cluster.state.state import ClusterState, apply
 from edgepipe.net.messages import Hello
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
@@ -116,7 +117,7 @@ def test_a_worker_that_drops_work_is_quarantined_and_the_request_completes(nativ
 
 
 def test_probe_times_a_worker_underreports_are_overruled_by_the_coordinators_clock():
-    from edgepipe.cluster.calibration import trusted_step_times
+    from edgepipe.cluster.shells.calibration import trusted_step_times
 
     # 8 extra steps took 80 ms more on the coordinator's clock: 10 ms per step
     honest, overruled = trusted_step_times([0.009, 0.011, 0.010], 0.200, 0.120, 8)
@@ -155,7 +156,7 @@ def test_a_worker_claiming_to_be_20x_faster_is_calibrated_by_what_it_takes(nativ
 
 
 def test_a_silent_stage_abandons_the_plan_only_when_the_others_can_serve():
-    from edgepipe.cluster.placement import Deployment, StageAssignment
+    from edgepipe.cluster.state.placement import Deployment, StageAssignment
 
     state = _cluster("a", "b", "c")
     dep = Deployment(7, (StageAssignment("w0", 0, 4), StageAssignment("w1", 4, 8)))
@@ -176,7 +177,7 @@ def test_a_silent_stage_abandons_the_plan_only_when_the_others_can_serve():
 
 
 def test_a_silent_stage_is_routed_around_after_twice_its_longest_stall_or_the_replay_cost_if_less():
-    from edgepipe.cluster.placement import Deployment, StageAssignment
+    from edgepipe.cluster.state.placement import Deployment, StageAssignment
 
     settings = membership.LivenessSettings(heartbeat_s=0.5, min_suspect_s=2.0)
     state = _cluster("a", "b", "c")

@@ -86,7 +86,7 @@ def test_layers_too_big_to_measure_are_priced_by_their_routed_bytes(qwen3moe, tm
         routed = v.weight_bytes - (E - k) * v.expert_bytes
         assert u.cost_s == pytest.approx(importer.ESTIMATED_S_PER_BYTE * routed, rel=1e-6)
         assert u.cost_s < importer.ESTIMATED_S_PER_BYTE * v.weight_bytes / 4  # k of E experts, not all of them
-    from edgepipe.cluster.profiling import ClusterProfile
+    from edgepipe.cluster.rules.profiling import ClusterProfile
 
     profile = ClusterProfile(pkg.manifest)
     profile.calibrated("w", [(profile.unit_cost(1, 2), 0.002), (profile.unit_cost(1, 3), 0.003)])

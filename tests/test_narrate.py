@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from edgepipe.cluster.narrate import describe
+from edgepipe.cluster.shells.narrate import describe
 
 pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
 

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from edgepipe.cluster.operator_log import OperatorLog, Summary
+from edgepipe.cluster.shells.operator_log import OperatorLog, Summary
 
 pytestmark = pytest.mark.pure
 

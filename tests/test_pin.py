@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from edgepipe.cluster.placement import StageAssignment as A
-from edgepipe.cluster.sim import SETTINGS, UNIT_BYTES, UNIT_KV_ROOM, FakeWorker, Phase, VirtualLoop
-from edgepipe.cluster.simrun import Schedule, World, settle
-from edgepipe.cluster.profiling import RUNTIME_OVERHEAD_BYTES
+from edgepipe.cluster.state.placement import StageAssignment as A
+from edgepipe.cluster.simulation.sim import SETTINGS, UNIT_BYTES, UNIT_KV_ROOM, FakeWorker, Phase, VirtualLoop
+from edgepipe.cluster.simulation.simrun import Schedule, World, settle
+from edgepipe.cluster.rules.profiling import RUNTIME_OVERHEAD_BYTES
 
 # Each can hold the whole model, and its stage of the plan being replaced beside the new one
 # (a worker keeps the active plan's stage until the switch: the worker core counts both).

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from edgepipe.cluster.narrate import describe
+from edgepipe.cluster.shells.narrate import describe
 
 from harness import Server
 

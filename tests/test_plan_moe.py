@@ -81,7 +81,7 @@ def _manifest(moe: bool):
 def test_calibration_takes_the_further_experts_off_the_row_price():
     """A batched step measured on a MoE stage holds the further experts its rows read; the row
     price keeps only the rest, so the planner's prediction of that step is the step measured."""
-    from edgepipe.cluster.profiling import ClusterProfile
+    from edgepipe.cluster.rules.profiling import ClusterProfile
 
     rows, speed, per_row = 8, 2.0, 0.0004
     for moe in (False, True):
@@ -105,7 +105,7 @@ def test_one_batched_probe_predicts_every_batch_size_along_the_union():
     (E·(1 − (1 − k/E)^S) of them): calibrated by the join's one probe at 8 rows, the planner's
     step time at every other S is that device's; priced as dense layers (the union folded into a
     linear per-row price) it is not, too slow at 2 rows and too fast at 32."""
-    from edgepipe.cluster.profiling import ClusterProfile
+    from edgepipe.cluster.rules.profiling import ClusterProfile
 
     speed, per_row = 2.0, 0.0004
     profile = ClusterProfile(_manifest(True))

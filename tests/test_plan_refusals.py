@@ -18,12 +18,14 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from edgepipe.cluster import deploy, narrate, state as S
-from edgepipe.cluster.deployer import retry_after_s
-from edgepipe.cluster.placement import Deployment, StageAssignment as A
-from edgepipe.cluster.planning import PlanContext, PlannerPolicy
-from edgepipe.cluster.profiling import RUNTIME_OVERHEAD_BYTES as O, ClusterProfile
-from edgepipe.cluster.requests import Requests
+from edgepipe.cluster.rules import deploy
+from edgepipe.cluster.shells import narrate
+from edgepipe.cluster.state import state as S
+from edgepipe.cluster.shells.deployer import retry_after_s
+from edgepipe.cluster.state.placement import Deployment, StageAssignment as A
+from edgepipe.cluster.rules.planning import PlanContext, PlannerPolicy
+from edgepipe.cluster.rules.profiling import RUNTIME_OVERHEAD_BYTES as O, ClusterProfile
+from edgepipe.cluster.shells.requests import Requests
 from edgepipe.model.manifest import Manifest, Unit, UnitVariant
 from edgepipe.net.messages import Hello, Load, Loaded, NextHop, parse, plan_label
 from edgepipe.worker import core

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgepipe.cluster import prefix as P
+from edgepipe.cluster.state import prefix as P
 from edgepipe.net.validate import prefix_entry
 from edgepipe.runtime.prefix_store import PrefixMiss, PrefixStore
 from edgepipe.runtime.stage_runner import SamplingBatch

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from edgepipe.cluster import variant_rules
-from edgepipe.cluster.profiling import ClusterProfile
+from edgepipe.cluster.rules import variant_rules
+from edgepipe.cluster.rules.profiling import ClusterProfile
 from edgepipe.model.manifest import UnitVariant
 
 

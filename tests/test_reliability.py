@@ -2,8 +2,8 @@
 
 import pytest
 
-from edgepipe.cluster.planning import PlannerPolicy
-from edgepipe.cluster.profiling import ClusterProfile
+from edgepipe.cluster.rules.planning import PlannerPolicy
+from edgepipe.cluster.rules.profiling import ClusterProfile
 from edgepipe.plan import (COORDINATOR, DeviceProfile, LinkProfile, NetworkProfile, Objective, PlanRequest, availability,
                            expected_goodput, failure_rate, plan, transformer_profile)
 

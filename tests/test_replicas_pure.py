@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgepipe.cluster import deploy, replicas, state as S
-from edgepipe.cluster.batching import LaneAsked, LaneBook, LaneItem, LaneReturned, departures
-from edgepipe.cluster.placement import Deployment, StageAssignment as A, stage_groups
-from edgepipe.cluster.planning import assignments, running_plan
+from edgepipe.cluster.rules import deploy, replicas
+from edgepipe.cluster.state import state as S
+from edgepipe.cluster.state.batching import LaneAsked, LaneBook, LaneItem, LaneReturned, departures
+from edgepipe.cluster.state.placement import Deployment, StageAssignment as A, stage_groups
+from edgepipe.cluster.rules.planning import assignments, running_plan
 from edgepipe.net.messages import Hello, Load, NextHop, parse
 from edgepipe.net.protocol import Message, MessageType as T, decode, encode
 from edgepipe.plan import Objective, PlanRequest, Stage

@@ -13,11 +13,11 @@ import logging
 
 import pytest
 
-from edgepipe.cluster import state as S
-from edgepipe.cluster.placement import StageAssignment as A
-from edgepipe.cluster.sim import SETTINGS, UNIT_BYTES, UNIT_KV_ROOM, FakeWorker, GenerationParams, Phase, VirtualLoop, reference
-from edgepipe.cluster.simrun import Schedule, World, settle
-from edgepipe.cluster.profiling import RUNTIME_OVERHEAD_BYTES
+from edgepipe.cluster.state import state as S
+from edgepipe.cluster.state.placement import StageAssignment as A
+from edgepipe.cluster.simulation.sim import SETTINGS, UNIT_BYTES, UNIT_KV_ROOM, FakeWorker, GenerationParams, Phase, VirtualLoop, reference
+from edgepipe.cluster.simulation.simrun import Schedule, World, settle
+from edgepipe.cluster.rules.profiling import RUNTIME_OVERHEAD_BYTES
 
 MEMORY = 16 * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES  # each could hold the model twice over
 MAX_TOKENS = 40

@@ -160,8 +160,8 @@ def test_probe_rows_are_checked_on_the_wire():
 
 # -- the coordinator measures the cost of a further row ---------------------------------------------------------
 def test_rows_timed_gives_the_cost_of_a_further_row_and_it_is_remembered(tmp_path):
-    from edgepipe.cluster import known_devices, measurements as M
-    from edgepipe.cluster.profiling import ROW_FLOOR, ClusterProfile
+    from edgepipe.cluster.state import known_devices, measurements as M
+    from edgepipe.cluster.rules.profiling import ROW_FLOOR, ClusterProfile
 
     class Unit:
         cost_s = 0.01
@@ -194,7 +194,8 @@ def test_the_batched_probe_is_skipped_on_the_verify_form_and_a_failed_one_measur
     import asyncio
     from types import SimpleNamespace
 
-    from edgepipe.cluster import calibration as C, measurements as M
+    from edgepipe.cluster.shells import calibration as C
+    from edgepipe.cluster.state import measurements as M
     from edgepipe.net.messages import Probed
 
     measured_now, asked = [], []

@@ -192,7 +192,7 @@ def test_attack3_corrupt_cached_blob_is_deleted_and_fetched_again(tmp_path, blob
 @pytest.fixture
 def app_factory(native_pkg):
     from edgepipe.api.app import create_app
-    from edgepipe.cluster.coordinator import Coordinator
+    from edgepipe.cluster.shells.coordinator import Coordinator
 
     def make(**kwargs):
         return create_app(Coordinator(native_pkg), native_pkg, **kwargs)

@@ -3,7 +3,7 @@ checkpoint copies are told apart, and each belongs to its request, whatever the 
 
 import pytest
 
-from edgepipe.cluster import sequence_ids as ids
+from edgepipe.cluster.state import sequence_ids as ids
 
 
 @pytest.mark.pure

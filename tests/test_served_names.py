@@ -31,7 +31,7 @@ def test_a_renamed_import_still_answers_to_its_file():
 @pytest.fixture(scope="module")
 def client(native_pkg):
     from edgepipe.api.app import create_app
-    from edgepipe.cluster.coordinator import Coordinator
+    from edgepipe.cluster.shells.coordinator import Coordinator
 
     return TestClient(create_app(Coordinator(native_pkg), native_pkg))
 

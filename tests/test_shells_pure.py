@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from edgepipe.cluster import core, measurements as M, narrate, state as S
-from edgepipe.cluster.placement import Deployment, StageAssignment as A
+from edgepipe.cluster.rules import core
+from edgepipe.cluster.state import measurements as M, state as S
+from edgepipe.cluster.shells import narrate
+from edgepipe.cluster.state.placement import Deployment, StageAssignment as A
 from edgepipe.net.messages import Hello, Loaded
 
 pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions

@@ -1,10 +1,10 @@
-"""The real control plane under seeded fault schedules on a virtual clock (``edgepipe.cluster.sim``).
+"""The real control plane under seeded fault schedules on a virtual clock (``edgepipe.cluster.simulation.sim``).
 
 Each schedule: 1-6 fake workers (some joining late), a few requests (some with out-of-range
 values), up to four faults (kill, stall, slow, partition from coordinator or neighbour,
 reconnect, coordinator restart, malformed frames, bad requests), and in some an operator's plan
 that replicates a stage (so kills hit replicas). Invariants in
-``edgepipe.cluster.simrun``. The default run plays the issue's 2,000 schedules, the slow one
+``edgepipe.cluster.simulation.simrun``. The default run plays the issue's 2,000 schedules, the slow one
 20,000. A failing seed prints the command that replays it exactly.
 """
 
@@ -15,9 +15,9 @@ import os
 
 import pytest
 
-from edgepipe.cluster import simplay
-from edgepipe.cluster.sim import FAULTS
-from edgepipe.cluster.simrun import Schedule, replay_command, run
+from edgepipe.cluster.simulation import simplay
+from edgepipe.cluster.simulation.sim import FAULTS
+from edgepipe.cluster.simulation.simrun import Schedule, replay_command, run
 
 SIM_FIRST, SIM_SCHEDULES = 10_000, int(os.environ.get("EDGEPIPE_SIM_SCHEDULES", 2000))
 
@@ -65,9 +65,9 @@ def test_an_injected_leak_fails_the_simulation(monkeypatch):
     keeps its KV reservation), seeded schedules catch it and name the leak."""
     import sys
 
-    from edgepipe.cluster import state as S
-    from edgepipe.cluster.coordinator import Coordinator
-    from edgepipe.cluster.steps import RequestFailed
+    from edgepipe.cluster.state import state as S
+    from edgepipe.cluster.shells.coordinator import Coordinator
+    from edgepipe.cluster.shells.steps import RequestFailed
 
     emit = Coordinator.emit
 
@@ -106,7 +106,7 @@ def test_prefix_blocks_outliving_their_plan_fail_the_simulation(monkeypatch):
     goes down keeps its cached blocks in the state), a seeded schedule names the stale cache."""
     from types import SimpleNamespace
 
-    from edgepipe.cluster import prefix_book, state as S
+    from edgepipe.cluster.state import prefix_book, state as S
 
     def switched(book, plan):  # the bug: Down leaves the cache as it was
         return book if plan is None else prefix_book.switched(book, plan)
@@ -123,7 +123,7 @@ def test_a_seed_replays_exactly_under_any_hash_seed():
     import subprocess
     import sys
 
-    code = ("import json; from edgepipe.cluster.simrun import Schedule, run\n"
+    code = ("import json; from edgepipe.cluster.simulation.simrun import Schedule, run\n"
             "print(json.dumps([repr(run(Schedule.random(s))) for s in range(10_000, 10_012)]))")
     reports = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONHASHSEED": h}).stdout for h in ("0", "4242")]
@@ -135,8 +135,8 @@ def test_lost_prefix_blocks_and_plan_switches_keep_tokens_exact():
     lost its blocks (``forget_prefixes``) makes the next reuse miss, the coordinator drops the
     cache and the request replays; a worker that reconnects takes the plan down and the next plan
     starts without the old plan's cache. Every answer is the reference's."""
-    from edgepipe.cluster.simrun import Fault, Req
-    from edgepipe.cluster.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM
+    from edgepipe.cluster.simulation.simrun import Fault, Req
+    from edgepipe.cluster.simulation.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM
 
     stem = (11, 12, 13, 14, 15, 16)
     memory = 5 * (UNIT_BYTES + UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES  # neither holds the model alone: both serve

@@ -7,9 +7,10 @@ import math
 
 import pytest
 
-from edgepipe.cluster import membership, scheduling, state as S
-from edgepipe.cluster.deploy import KvCopy, kv_moves
-from edgepipe.cluster.placement import Deployment, StageAssignment as A
+from edgepipe.cluster.rules import membership, scheduling
+from edgepipe.cluster.state import state as S
+from edgepipe.cluster.rules.deploy import KvCopy, kv_moves
+from edgepipe.cluster.state.placement import Deployment, StageAssignment as A
 from edgepipe.net.messages import Error, ErrorCode, Hello, Token, parse
 from edgepipe.net.protocol import Message, MessageType as T, ProtocolError, decode, encode
 

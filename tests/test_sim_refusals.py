@@ -6,8 +6,8 @@ ended (51, 39 and 4 failed prepares) while the dashboard stayed "up"."""
 
 from __future__ import annotations
 
-from edgepipe.cluster.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM
-from edgepipe.cluster.simrun import Fault, Req, Schedule, run
+from edgepipe.cluster.simulation.sim import RUNTIME_OVERHEAD_BYTES, UNIT_BYTES, UNIT_KV_ROOM
+from edgepipe.cluster.simulation.simrun import Fault, Req, Schedule, run
 
 GGUF_KV_ROOM = UNIT_KV_ROOM // 2  # a unit's KV room in the gguf form (fp16)
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from edgepipe.cluster.speculation import Speculation
+from edgepipe.cluster.shells.speculation import Speculation
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 from edgepipe.runtime.speculative import ModelDrafter

@@ -178,7 +178,7 @@ def test_steps_and_verify_passes_of_every_width_alternate(verify_pipe, reference
 def test_a_draft_model_with_another_tokenizer_is_refused(native_pkg):
     from types import SimpleNamespace
 
-    from edgepipe.cluster.speculation import build_speculation
+    from edgepipe.cluster.shells.speculation import build_speculation
 
     target = SimpleNamespace(name="other-model", manifest=SimpleNamespace(tokenizer="0" * 64))
     with pytest.raises(ValueError, match="another tokenizer"):

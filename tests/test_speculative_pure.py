@@ -162,7 +162,7 @@ def test_ngram_drafts(ids, k, expected):
 def test_which_requests_speculate():
     """Requests whose head controls are the same at every position (greedy or sampled); not masks
     (structured output), logit bias or penalties, which change with every token."""
-    from edgepipe.cluster.speculation import Speculation
+    from edgepipe.cluster.shells.speculation import Speculation
     from edgepipe.runtime import controls
     from edgepipe.runtime.sequence import GenerationParams, SequenceState
 
@@ -185,7 +185,7 @@ def test_drafts_for_the_next_pass_are_made_during_this_one():
     guess is used only where the target kept every draft and chose the drafter's next token."""
     import asyncio
 
-    from edgepipe.cluster.speculation import Speculation
+    from edgepipe.cluster.shells.speculation import Speculation
     from edgepipe.runtime.sequence import GenerationParams, SequenceState
 
     class Counting:  # drafts "the next integers": right until the target says otherwise
@@ -231,7 +231,7 @@ def test_an_acceptance_only_length_starts_every_request_alike(timed):
     do: with acceptance-only lengths a new request starts from the same rate whatever the server
     served before; timed lengths (whose tokens follow the machine anyway) start from the drafts'
     overall acceptance once there is some."""
-    from edgepipe.cluster.speculation import PRIOR_AFTER, Speculation
+    from edgepipe.cluster.shells.speculation import PRIOR_AFTER, Speculation
 
     fresh = Speculation(NgramDrafter(), k_max=8, timed=timed)
     busy = Speculation(NgramDrafter(), k_max=8, timed=timed)

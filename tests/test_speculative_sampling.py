@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from edgepipe.cluster.speculation import Speculation
+from edgepipe.cluster.shells.speculation import Speculation
 from edgepipe.model.importer import import_model
 from edgepipe.model.package import Package
 from edgepipe.runtime import controls, speculative

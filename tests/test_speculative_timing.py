@@ -227,8 +227,8 @@ class _Local:
 
 
 def test_drafts_go_to_the_drafter_worker_and_come_back_here_when_it_fails():
-    from edgepipe.cluster.draft_placement import PlacedDrafter
-    from edgepipe.cluster.drafters import RemoteDrafter
+    from edgepipe.cluster.shells.draft_placement import PlacedDrafter
+    from edgepipe.cluster.shells.drafters import RemoteDrafter
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -267,8 +267,8 @@ def test_drafts_go_to_the_drafter_worker_and_come_back_here_when_it_fails():
 
 
 def test_a_silent_drafter_is_dropped_after_its_timeout():
-    from edgepipe.cluster.draft_placement import PlacedDrafter
-    from edgepipe.cluster.drafters import RemoteDrafter
+    from edgepipe.cluster.shells.draft_placement import PlacedDrafter
+    from edgepipe.cluster.shells.drafters import RemoteDrafter
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from edgepipe.cluster import core, membership, narrate, state as S, step_book as SB
-from edgepipe.cluster.batching import LaneItem
-from edgepipe.cluster.placement import Deployment, StageAssignment as A
+from edgepipe.cluster.rules import core, membership
+from edgepipe.cluster.shells import narrate
+from edgepipe.cluster.state import state as S, step_book as SB
+from edgepipe.cluster.state.batching import LaneItem
+from edgepipe.cluster.state.placement import Deployment, StageAssignment as A
 from edgepipe.net.messages import Error, ErrorCode, Hello, Token
 
 pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from edgepipe.cluster import variant_rules as V
-from edgepipe.cluster.profiling import ClusterProfile
-from edgepipe.cluster.worker_info import WorkerInfo
+from edgepipe.cluster.rules import variant_rules as V
+from edgepipe.cluster.rules.profiling import ClusterProfile
+from edgepipe.cluster.state.worker_info import WorkerInfo
 from edgepipe.model.config import ModelConfig
 from edgepipe.model.importer import add_variant, estimated_weight_bytes
 from edgepipe.model.manifest import UnitVariant

@@ -16,8 +16,8 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.websockets import WebSocket
 
-from ..cluster.events import NoteKind
-from ..cluster.narrate import describe
+from ..cluster.state.events import NoteKind
+from ..cluster.shells.narrate import describe
 from ..net import auth, limits
 from ..net.channel import ChannelClosed, StarletteChannel
 from ..net.messages import parse
@@ -42,7 +42,7 @@ async def status(request: Request) -> JSONResponse:
 
 async def plan(request: Request) -> JSONResponse:
     """The live plan: what the planner predicted next to what the cluster measured."""
-    from ..cluster.views import replica_fields
+    from ..cluster.shells.views import replica_fields
 
     coord = request.app.state.coordinator
     dep = coord.active
@@ -230,7 +230,7 @@ MAX_PIN_S = 7 * 24 * 3600
 async def rebalance(request: Request) -> JSONResponse:
     """Deploy a given placement now (operators; tests forcing a KV move). ``pin_s`` keeps the
     re-planner from replacing it for that long (it still goes if one of its workers is lost)."""
-    from ..cluster.placement import StageAssignment, check_stages, stage_groups
+    from ..cluster.state.placement import StageAssignment, check_stages, stage_groups
     from .errors import read_json
 
     require_admin(request)

@@ -278,7 +278,7 @@ async def answer(request: Request, ticket: int, states: list[SequenceState], rid
     """A whole (not streamed) answer for admitted sequences: their texts, the admission released
     however it ends; a failed pipeline is a 503, a client that left cancels the work. Counted in
     the requests metric by outcome."""
-    from ..cluster.coordinator import RequestFailed
+    from ..cluster.shells.coordinator import RequestFailed
 
     app = request.app.state
     try:

@@ -24,7 +24,7 @@ from pydantic import Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ..cluster.coordinator import RequestFailed
+from ..cluster.shells.coordinator import RequestFailed
 from . import schemas as S, turns
 from .errors import APIError, bad_request
 from .openai_routes import parse_body

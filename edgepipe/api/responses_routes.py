@@ -23,7 +23,7 @@ from pydantic import Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ..cluster.coordinator import RequestFailed
+from ..cluster.shells.coordinator import RequestFailed
 from . import generation as G, schemas as S, turns
 from .errors import bad_request
 from .routing import Doc, Guard, post

@@ -14,8 +14,8 @@ import time
 from dataclasses import replace
 from types import SimpleNamespace
 
-from ..cluster.placement import proportional_split
-from ..cluster.profiling import ClusterProfile
+from ..cluster.state.placement import proportional_split
+from ..cluster.rules.profiling import ClusterProfile
 from ..net.messages import Hello
 from ..plan import DeviceProfile, LinkProfile, NetworkProfile, PlanRequest, Stage, evaluate
 from .cluster import Cluster, bench_home

@@ -29,7 +29,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2]))
 
-from edgepipe.cluster.deploy import load_message  # noqa: E402
+from edgepipe.cluster.rules.deploy import load_message  # noqa: E402
 from edgepipe.net import messages as M  # noqa: E402
 from edgepipe.net.protocol import Message, encode  # noqa: E402
 from edgepipe.runtime.stage_runner import SamplingBatch  # noqa: E402

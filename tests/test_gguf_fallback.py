@@ -123,6 +123,7 @@ def stop(*workers) -> str:
     return "".join(logs)
 
 
+@pytest.mark.slow  # a few seconds too long for the default suite's bound; -m slow runs it
 def test_a_worker_without_the_library_serves_the_native_tokens(both_forms, both_home):
     """The package carries both forms; the one worker has its library turned off: it is sent the
     MatMulNBits graphs, says why in its hello, logs one line, and serves the single-process

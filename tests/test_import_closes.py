@@ -29,11 +29,12 @@ def test_an_import_closes_its_gguf(tmp_path, monkeypatch):
 
 
 def test_a_variant_build_closes_its_gguf(native_pkg, monkeypatch):
-    unit = next(u.index for u in native_pkg.manifest.units if "fp32" not in u.variants)
+    # a (unit, variant) not built yet: the session's package may have gained fp32 units in other tests
+    unit, precision = next((u.index, p) for p in ("fp32", "int8", "int4") for u in native_pkg.manifest.units if p not in u.variants)
     before = (native_pkg.root / "manifest.json").read_text()
     seen = []
     monkeypatch.setattr(importer, "_write_package", reading_then_failing(seen))
     with pytest.raises(RuntimeError, match="first read"):
-        importer.add_variant(native_pkg.root, "fp32", units=[unit])
+        importer.add_variant(native_pkg.root, precision, units=[unit])
     assert seen and seen[0]._file is None
     assert (native_pkg.root / "manifest.json").read_text() == before

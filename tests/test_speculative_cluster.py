@@ -151,6 +151,7 @@ def test_a_response_format_speculates_with_a_mask_per_position(int4_pkg, spec_se
     assert after["passes"] > before["passes"] and after["kept"] > before["kept"]
 
 
+@pytest.mark.slow  # a few seconds too long for the default suite's bound; -m slow runs it
 def test_beside_other_requests(int4_pkg, fp32_pkg, spec_server):
     """A greedy speculating request, a sampled one (speculating by the rule) and one with a logit
     bias (decoding a token per step in a lane) at once: each gets its solo tokens. The sampled one,

@@ -18,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 
 from ...net.channel import ChannelClosed
-from ...net.messages import ErrorCode, Forward
+from ...net.messages import ErrorCode, Forward, parse
 from ...net.protocol import MessageType as T, decode
 from ...runtime.devices import CPU
 from ...worker import Worker, WorkerSettings, core
@@ -85,7 +85,7 @@ class FakeWorker:
         if asyncio.get_running_loop().time() >= self.losing_copy_until:
             return False
         msg = decode(frame)
-        if msg.type is T.TOKEN and any(msg.fields.get("fed") or ()):
+        if msg.type is T.TOKEN and any(e.fed for e in parse(msg).entries()):
             self.copies_lost += 1
             return True
         return False

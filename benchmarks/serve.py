@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -180,9 +181,10 @@ class Edgepipe:
     """``edgepipe serve`` with its local workers; ``close`` also kills any worker left behind."""
 
     _count = 0
+    serve_args: tuple[str, ...] = ()  # --serve-args: more flags for every edgepipe serve
 
     def __init__(self, model: Path, workers: int, threads: int, home: Path, logdir: Path):
-        extra = ("--placement", "memory") if workers > 1 else ()
+        extra = (("--placement", "memory") if workers > 1 else ()) + Edgepipe.serve_args
         Edgepipe._count += 1
         self.server = Server(home, workers=workers, timeout=1800, log=logdir / f"edgepipe-{Edgepipe._count:02d}-{workers}w.log", client_timeout=600,
                              args=("--model", str(model), "--worker-threads", str(threads), "--max-active", "16", "--max-queue", "64", *extra))
@@ -383,7 +385,9 @@ def main() -> None:
     ap.add_argument("--profile-reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="smoke: the 0.5B, 1 rep, 16 tokens, levels 1,4 and 1,2, a short profile")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--serve-args", default="", help="more flags for every `edgepipe serve`, e.g. \"--worker-args '--spin'\"")
     args = ap.parse_args()
+    Edgepipe.serve_args = tuple(shlex.split(args.serve_args))
     if args.quick:
         args.reps, args.tokens, args.levels, args.pipeline_levels = 1, 16, "1,4", "1,2"
         args.profile_tokens, args.profile_reps = 24, 1

@@ -55,3 +55,33 @@ def test_uniform_draw_is_pure():
 def test_bad_params_are_refused(kw):
     with pytest.raises(ValueError):
         GenerationParams(**kw)
+
+
+# -- incremental detokenisation on real tokenizers: the streamed text is the whole decode ----------
+@pytest.mark.parametrize("which", ["smollm2", "qwen05", "gemma270m"])
+def test_streamed_text_equals_the_decode_of_all_ids_on_real_tokenizers(which):
+    from edgepipe.model.gguf_source import GGUFSource
+    from edgepipe.model.store import bundled_gguf, missing_reference, reference_gguf
+    from edgepipe.model.tokenizer import TextTokenizer
+
+    path = bundled_gguf() if which == "smollm2" else reference_gguf(which)
+    if not path.is_file():
+        pytest.fail(missing_reference(which))
+    src = GGUFSource(path)
+    info = src.tokenizer_info()
+    tok = TextTokenizer.from_json(src.tokenizer_json(), info.chat_template, info.eos_ids, info.bos_id, info.add_bos)
+    text = " Grüße aus Köln — 東京 🚀 naïve café\n\tdef f(x):  return x**2  # ok 12345 ümlaut"
+    ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
+    rng = __import__("random").Random(7)
+    noise = [rng.randrange(tok.tokenizer.get_vocab_size()) for _ in range(40)]  # odd byte pieces too
+    for sequence in (ids, noise, ids[:5] + noise[:9] + ids[5:]):
+        calls = []
+
+        def counted(part, calls=calls):
+            calls.append(len(part))
+            return tok.decode(part)
+
+        state = SequenceState([], GenerationParams(max_tokens=len(sequence)), counted, eos_ids=())
+        streamed = "".join(state.push(t).text for t in sequence)
+        assert streamed == tok.decode(sequence)
+        assert max(calls) < len(sequence) // 2  # each push decodes a window, not every id so far

@@ -93,6 +93,13 @@ class SequenceState:
     token_mask: object | None = None
     logprobs: list = field(default_factory=list)  # controls.TokenLogprob of each id in ``generated``
     prompt_logprobs: list | None = None  # controls.TokenLogprob | None per prompt id (echo; the first is None)
+    # Incremental detokenisation (vLLM's): ``_text`` is the decode of ``generated[:_read]`` up to its
+    # last whole character, and ``generated[_prefix:_read]`` the window the next tokens are decoded
+    # after, so a push decodes a few ids, not all of them (a decoder that drops the first token's
+    # leading space drops it from both decodes of the window alike).
+    _text: str = field(default="", init=False, repr=False)
+    _prefix: int = field(default=0, init=False, repr=False)
+    _read: int = field(default=0, init=False, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -108,11 +115,11 @@ class SequenceState:
             raise RuntimeError("sequence already finished")
         if token in self.eos_ids and not self.params.ignore_eos:
             self.finish_reason = "stop"
-            return TextDelta(self._flush(self.decode(self.generated)), True, "stop")
+            return TextDelta(self._flush(self._decoded()), True, "stop")
         self.generated.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
-        text = self.decode(self.generated)
+        text = self._decoded()
         for stop in self.params.stop:
             at = text.find(stop, max(0, len(self.emitted) - len(stop)))
             if at != -1:
@@ -130,6 +137,18 @@ class SequenceState:
                     safe -= k
                     break
         return TextDelta(self._flush(text[: max(safe, len(self.emitted))]), False)
+
+    def _decoded(self) -> str:
+        """The decode of every generated id (a trailing unfinished character as U+FFFD), decoding
+        only the ids since the last whole character and the window before them."""
+        before = self.decode(self.generated[self._prefix:self._read]) if self._read > self._prefix else ""
+        window = self.decode(self.generated[self._prefix:])
+        tail = window[len(before):]
+        if not tail.endswith("\ufffd"):
+            self._text += tail
+            self._prefix, self._read = self._read, len(self.generated)
+            return self._text
+        return self._text + tail
 
     def _flush(self, text: str) -> str:
         delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "edgepipe"
 
 # Lower numbers are lower layers; a part may import its own rank or below.
 PACKAGE_RANK = {
-    "native": 0, "progress": 0, "dist": 0, "__version__": 0,
+    "native": 0, "progress": 0, "generated": 0, "dist": 0, "__version__": 0,
     "runtime": 1, "emulate": 1,
     "model": 2, "net": 2, "plan": 2,
     "worker": 3,

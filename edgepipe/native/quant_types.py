@@ -20,11 +20,12 @@ and imports nothing from edgepipe.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from .. import generated
 
 Isa = Literal["avx2", "neon"]  # a kernel file: gguf_avx2.c (also built as avx512vnni), gguf_neon.c (also neon_dotprod)
 
@@ -136,23 +137,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m edgepipe.native.quant_types", description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite edgepipe/native/src/gguf_types.h")
-    parser.add_argument("--check", action="store_true", help="exit 1 when the committed header differs from the table")
-    parser.add_argument("--file", type=Path, default=TARGET)
-    args = parser.parse_args(argv)
-    text = render()
-    if args.write:
-        args.file.write_text(text)
-        return 0
-    if args.check:
-        if not args.file.is_file() or args.file.read_text() != text:
-            print(f"{args.file} differs from edgepipe/native/quant_types.py: run python -m edgepipe.native.quant_types --write",
-                  file=sys.stderr)
-            return 1
-        return 0
-    sys.stdout.write(text)
-    return 0
+    return generated.main(argv, module="edgepipe.native.quant_types", describe=__doc__.splitlines()[0], target=TARGET, source="edgepipe/native/quant_types.py",
+                          render=render)
 
 
 if __name__ == "__main__":

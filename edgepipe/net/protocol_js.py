@@ -17,13 +17,12 @@ file does not declare). The file is a classic script (``worker.html`` loads it b
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import MISSING
 from pathlib import Path
 
-from .. import PROTOCOL_VERSION
+from .. import PROTOCOL_VERSION, generated
 from . import limits, messages
 from .messages import RETRYABLE, SAMPLING_FIELDS, ErrorCode, header_fields
 from .protocol import ALLOWED_DTYPES, MAX_HEADER_BYTES, MessageType
@@ -91,22 +90,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m edgepipe.net.protocol_js", description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite edgepipe/api/static/protocol.js")
-    parser.add_argument("--check", action="store_true", help="exit 1 when the committed file differs from net.messages")
-    parser.add_argument("--file", type=Path, default=TARGET)
-    args = parser.parse_args(argv)
-    text = render()
-    if args.write:
-        args.file.write_text(text)
-        return 0
-    if args.check:
-        if not args.file.is_file() or args.file.read_text() != text:
-            print(f"{args.file} differs from edgepipe/net/messages.py: run python -m edgepipe.net.protocol_js --write", file=sys.stderr)
-            return 1
-        return 0
-    sys.stdout.write(text)
-    return 0
+    return generated.main(argv, module="edgepipe.net.protocol_js", describe=__doc__.splitlines()[0], target=TARGET, source="edgepipe/net/messages.py",
+                          render=render)
 
 
 if __name__ == "__main__":

@@ -509,6 +509,9 @@ class StageRunner:
         # Spinning threads win on an idle machine but halve throughput when another process (or
         # another stage's session in this process) needs the core: callers decide (spin_by_default).
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+        # ...and only within a run: once it returns, the pool's threads block at once instead of
+        # spinning on while this process's loop, the coordinator or a client need the cores.
+        options.add_session_config_entry("session.force_spinning_stop", "1" if spin else "0")
         register_gguf_kernel(options, graph_path)  # graphs of the `gguf` precision run the native kernel library
         providers = add_to_session(options, self.device, provider_options)
         self.session = ort.InferenceSession(str(graph_path), options, providers=providers)

@@ -1,5 +1,6 @@
 """Mixture-of-experts layers (``model/moe.py``): llama.cpp's routing, and the bundled SmolLM2
-upcycled into 4 experts (top 2) giving the dense model's tokens, in one process and through 3."""
+upcycled into 4 experts (top 2) giving the dense model's tokens, in one process and through 3;
+Qwen2.5-Coder-0.5B upcycled as ``llama`` (``-m slow``) giving the dense text."""
 
 from __future__ import annotations
 

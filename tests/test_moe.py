@@ -253,6 +253,8 @@ def test_qwen05_upcycled_as_llama_gives_the_dense_text(qwen_moe):
     for prompt in PROMPTS:
         rewritten = _tokens(pkgs["as-llama"], prompt, form)
         assert _tokens(pkgs["tied"], prompt, form, cuts=(7, 19)) == rewritten, prompt
+    # (the cat poem parts from the qwen2 text at token 15, a near tie the rewrite without experts tips too:
+    # attention's summation order through int8 activation quantisation, benchmarks/results/moe_upcycled-qwen05.md)
     for prompt in (PROMPTS[0], "What is the tallest mountain on Earth?"):
         dense = _tokens(pkgs["dense"], prompt, form)
         assert _tokens(pkgs["random"], prompt, form) == dense == _tokens(pkgs["tied"], prompt, form), prompt

@@ -214,6 +214,42 @@ def test_neox_rows_permuted_rotate_as_adjacent_pairs():
                           neox_to_interleaved(dequantize(blocks, gguf.GGMLQuantizationType.Q8_0), heads))
 
 
+def test_tiny_qwen2_upcycled_as_llama_is_the_qwen2_model(tmp_path):
+    """A random ``qwen2`` file (q/k/v biases, tied head, test_families' writer) rewritten as
+    ``llama``, with and without experts: in float every layer is the qwen2 layer up to summation
+    order, so the greedy tokens are the qwen2 file's, in one stage and in two."""
+    from test_families import PROMPT, write_tiny_gguf
+
+    from edgepipe.model.importer import import_model
+    from edgepipe.model.package import Package
+
+    source = write_tiny_gguf(tmp_path / "tiny-qwen2.gguf", "qwen2")
+    files = {"dense": source, "as-llama": as_llama(source, tmp_path / "tiny-as-llama.gguf"),
+             "tied": upcycle(source, tmp_path / "tiny-moe-tied.gguf", seed=2, tied=True),
+             "random": upcycle(source, tmp_path / "tiny-moe-random.gguf", seed=1)}
+    pkgs = {name: Package(import_model(path, tmp_path / "models", "fp32", max_context=256, measure_cost=False))
+            for name, path in files.items()}
+    assert [pkgs[n].manifest.config["architecture"] for n in files] == ["qwen2", "llama", "llama", "llama"]
+    assert pkgs["random"].manifest.config["n_experts"] == 4 and pkgs["random"].manifest.config["attention_bias"]
+    ids = pkgs["dense"].tokenizer.encode(PROMPT)
+    h = pkgs["dense"].runner(0, 1, "fp32").run("s", np.array([ids]))
+    for unit in range(1, len(pkgs["dense"].manifest.units) - 1):
+        dense = pkgs["dense"].runner(unit, unit + 1, "fp32").run("s", h)
+        for name in ("as-llama", "tied", "random"):
+            np.testing.assert_allclose(pkgs[name].runner(unit, unit + 1, "fp32").run("s", h), dense, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name}, layer unit {unit}")
+        h = dense
+
+    def tokens(pkg, cuts):
+        return generate(pkg.pipeline(cuts), ids, GenerationParams(max_tokens=24), pkg.tokenizer.decode, eos_ids=()).tokens
+
+    expected = tokens(pkgs["dense"], [])
+    assert len(set(expected)) > 3  # a text, not one token repeated
+    for name in ("as-llama", "tied", "random"):
+        for cuts in ([], [2]):
+            assert tokens(pkgs[name], cuts) == expected, (name, cuts)
+
+
 @pytest.fixture(scope="module")
 def qwen_moe(home, tmp_path_factory):
     """Qwen2.5-Coder-0.5B (``qwen2``) and, written as ``llama``: the dense rewrite (``as-llama``),

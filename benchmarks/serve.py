@@ -4,10 +4,11 @@
     python benchmarks/serve.py --quick         # smoke: the 0.5B, 1 rep, 16 tokens, levels 1,4 / 1,2
     python benchmarks/serve.py --model x.gguf --reps 3 --levels 1,4,16 --pipeline-levels 1,8 [--no-pipeline]
     python benchmarks/serve.py --profile-only  # only the decode-step breakdown
+    python benchmarks/serve.py --model moe.gguf --kinds pipeline-server --pipeline-server-levels 16  # 3 stages vs llama-server -np 16
 
 Needs `scripts/build_llama_cpp.sh` (llama-server, rpc-server) and `scripts/fetch_qwen15.sh`
 / `scripts/fetch_qwen05.sh` (the GGUFs). Writes `benchmarks/results/serve.json` and `serve.md`
-(`serve-quick.*` for `--quick`).
+(`serve-quick.*` for `--quick`, `<stem>.*` for `--stem`).
 
 Configurations, each server alone on the machine (started, warmed up with one short request,
 measured at every level, stopped: the next starts only then), repetitions interleaved (rep 1 of
@@ -20,6 +21,10 @@ every configuration, then rep 2, ...), medians reported:
   a,b,c -ngl 999 -ts 1,1,1` (an even split of the layers in order: the 0.5B's 24 layers go 9/8/7
   with the output layer on the third, llama-server itself keeping only the token embeddings),
   at 1 and 8 clients. edgepipe's 3 workers each hold a third of the layers (`--placement memory`).
+- a pipeline against one server (`--kinds pipeline-server`, issue 38's MoE check): the same 3-stage
+  `edgepipe serve` against `llama-server -t 2 -np 16 -c 16x512` alone (the machine's 2 cores), at
+  16 clients (`--pipeline-server-levels`). An upcycled MoE file for it:
+  `python -m edgepipe.bench.moe_files SOURCE.gguf TARGET.gguf` (`edgepipe/bench/moe_files.py`).
 
 Each client streams `/v1/completions` (a distinct raw prompt, greedy `temperature: 0`,
 `max_tokens` N, `ignore_eos`); aggregate tok/s = all tokens / first send to last token,
@@ -52,7 +57,7 @@ import httpx
 from edgepipe.bench.cluster import Server, bench_home, free_port
 from edgepipe.bench.machine import Conditions, load_average, package_version
 from edgepipe.bench.results import write_results
-from edgepipe.bench.serving import (BREAKDOWN_HEAD, COMPARISON_HEAD, LOAD_HEAD, Snapshot, Stream, breakdown_row, comparison_rows,
+from edgepipe.bench.serving import (BREAKDOWN_HEAD, COMPARISON_HEAD, COMPARISONS, LOAD_HEAD, Snapshot, Stream, breakdown_row, comparison_rows,
                                     decode_breakdown, level_counters, llama_server_argv, load_row, median_breakdown, median_of, parse_metrics,
                                     rpc_server_argv, summarize)
 
@@ -245,13 +250,15 @@ def level(url: str, clients: int, tokens: int, tag: str) -> dict:
 
 # -- the comparison ------------------------------------------------------------------------------
 def start(kind: str, engine: str, model: Path, home: Path, logdir: Path):
+    c = COMPARISONS[kind]
     if engine == "edgepipe":
-        return Edgepipe(model, 1 if kind == "server" else 3, 2 if kind == "server" else 1, home, logdir)
-    return Llama(model, 2 if kind == "server" else 1, 16, 0 if kind == "server" else 3, logdir)
+        return Edgepipe(model, c.workers, c.worker_threads, home, logdir)
+    return Llama(model, c.llama_threads, 16, c.rpc_servers, logdir)
 
 
 def compare(models: list[Path], args, home: Path, logdir: Path) -> dict:
-    kinds = {"server": args.levels, **({"pipeline": args.pipeline_levels} if args.pipeline else {})}
+    levels = {"server": args.levels, "pipeline": args.pipeline_levels, "pipeline-server": args.pipeline_server_levels}
+    kinds = {k: levels[k] for k in args.kinds if k != "pipeline" or args.pipeline}
     runs = {m.name: {k: {e: {n: [] for n in lv} for e in ("edgepipe", "llama.cpp")} for k, lv in kinds.items()} for m in models}
     info = {m.name: {} for m in models}
     for rep in range(args.reps):
@@ -345,10 +352,9 @@ def report(data: dict, run: Conditions, args) -> str:
              f"{data['versions']['llama_server']} (llama-cpp-python {LLAMA_VERSION} sdist) · edgepipe {data['versions']['edgepipe_git']}", ""]
     for name, kinds in (data.get("compare") or {}).get("medians", {}).items():
         lines += [f"## {name}", "", *COMPARISON_HEAD]
-        for kind, label in (("server", "one machine: 1 worker x 2 threads vs llama-server -t 2 -np 16"),
-                            ("pipeline", "3 processes x 1 thread: 3 stages vs 3 rpc-servers")):
+        for kind, c in COMPARISONS.items():
             if kind in kinds:
-                lines += comparison_rows(kinds[kind]["edgepipe"], kinds[kind]["llama.cpp"], label)
+                lines += comparison_rows(kinds[kind]["edgepipe"], kinds[kind]["llama.cpp"], c.label)
         lines.append("")
         servers = data["compare"]["servers"][name]
         rows = [load_row(f"{kind}, {servers.get(f'{kind}/edgepipe', {}).get('stages', '?')} stage(s)", n, r["aggregate_tok_s"], r["counters"])
@@ -379,12 +385,15 @@ def main() -> None:
     ap.add_argument("--levels", default="1,4,16")
     ap.add_argument("--pipeline-levels", default="1,8")
     ap.add_argument("--no-pipeline", dest="pipeline", action="store_false")
+    ap.add_argument("--kinds", default="server,pipeline", help=f"the comparisons, of {','.join(COMPARISONS)}")
+    ap.add_argument("--pipeline-server-levels", default="16", help="clients of the pipeline-server kind")
     ap.add_argument("--profile", action="store_true", help="also the decode-step breakdown (on the first model)")
     ap.add_argument("--profile-only", action="store_true")
     ap.add_argument("--profile-tokens", type=int, default=128, help="the long request (the short: 8 tokens)")
     ap.add_argument("--profile-reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="smoke: the 0.5B, 1 rep, 16 tokens, levels 1,4 and 1,2, a short profile")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--stem", default=None, help="results file names (default serve, serve-quick with --quick)")
     ap.add_argument("--serve-args", default="", help="more flags for every `edgepipe serve`, e.g. \"--worker-args '--spin'\"")
     args = ap.parse_args()
     Edgepipe.serve_args = tuple(shlex.split(args.serve_args))
@@ -394,6 +403,10 @@ def main() -> None:
         args.model = args.model or [QWEN05]
     args.levels = [int(x) for x in args.levels.split(",")]
     args.pipeline_levels = [int(x) for x in args.pipeline_levels.split(",")]
+    args.pipeline_server_levels = [int(x) for x in args.pipeline_server_levels.split(",")]
+    args.kinds = args.kinds.split(",")
+    if unknown := [k for k in args.kinds if k not in COMPARISONS]:
+        sys.exit(f"serve.py: unknown --kinds {', '.join(unknown)} (of {', '.join(COMPARISONS)})")
     models = args.model or [QWEN15, QWEN05]
     missing = [str(m) for m in models if not m.is_file()] + [str(LLAMA_BIN / b) for b in ("llama-server", "rpc-server")
                                                              if not (LLAMA_BIN / b).is_file()]
@@ -404,8 +417,9 @@ def main() -> None:
     run = Conditions.start()
     data = {"versions": versions(), "config": {"tokens": args.tokens, "reps": args.reps, "levels": args.levels,
                                                "pipeline_levels": args.pipeline_levels if args.pipeline else [],
+                                               "kinds": args.kinds, "pipeline_server_levels": args.pipeline_server_levels,
                                                "models": [str(m) for m in models], "slot_context": SLOT_CONTEXT}}
-    stem = "serve-quick" if args.quick else "serve"
+    stem = args.stem or ("serve-quick" if args.quick else "serve")
 
     def write() -> None:  # after each part: a later part that fails keeps what was measured
         run.finish()

@@ -1,5 +1,6 @@
 """Mixture-of-experts layers (``model/moe.py``): llama.cpp's routing, and the bundled SmolLM2
-upcycled into 4 experts (top 2) giving the dense model's tokens, in one process and through 3."""
+upcycled into 4 experts (top 2) giving the dense model's tokens, in one process and through 3;
+Qwen2.5-Coder-0.5B upcycled as ``llama`` (``-m slow``) giving the dense text."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from edgepipe.model.store import bundled_gguf, local_form, prepare_local_form, r
 from edgepipe.runtime.local import generate
 from edgepipe.runtime.sequence import GenerationParams
 
-from edgepipe.bench.moe_files import upcycle
+from edgepipe.bench.moe_files import as_llama, neox_to_interleaved, upcycle
 
 PROMPTS = ["List three facts about the Moon.", "Write a short poem about a cat."]
 
@@ -174,6 +175,125 @@ def test_three_workers_with_cuts_inside_the_experts_equal_dense(home, native_pkg
             eos = native_pkg.manifest.eos_ids
             expected = [t for t in _tokens(native_pkg, prompt, local_form(native_pkg), eos_ids=eos) if t not in eos]
             assert r.json()["choices"][0]["token_ids"] == expected, prompt
+
+
+# -- Qwen2.5-Coder-0.5B, upcycled as llama ------------------------------------------------------
+@pytest.mark.pure
+def test_neox_rows_permuted_rotate_as_adjacent_pairs():
+    """``llama`` rotates adjacent pairs, ``qwen2`` the halves of each head: the permuted q/k rows
+    rotated in pairs are the rows as stored rotated in halves, permuted, to the bit; per head
+    ``q . k`` is unchanged but for summation order; raw blocks permute as whole rows."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(3)
+    heads, D, S = 3, 8, 5
+    half = D // 2
+    angles = np.arange(S)[:, None, None] * (10000.0 ** (-np.arange(half) * 2 / D))[None, None, :]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+    def neox(t):  # [S, heads, D]
+        a, b = t[..., :half], t[..., half:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+    def pairs(t):
+        a, b = t[..., 0::2], t[..., 1::2]
+        return np.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(t.shape)
+
+    permute = lambda rows: neox_to_interleaved(rows.T, heads).T  # noqa: E731 - on the last axis of [S, heads * D]
+    q, k = (rng.standard_normal((S, heads * D)).astype(np.float32) for _ in range(2))
+    rotated = neox(q.reshape(S, heads, D)).reshape(S, -1)
+    assert np.array_equal(pairs(permute(q).reshape(S, heads, D)).reshape(S, -1), permute(rotated))
+    assert not np.array_equal(pairs(q.reshape(S, heads, D)), neox(q.reshape(S, heads, D)))  # the layouts do differ
+    dots = lambda a, b: np.einsum("shd,thd->hst", a.reshape(S, heads, D), b.reshape(S, heads, D))  # noqa: E731
+    np.testing.assert_allclose(dots(pairs(permute(q).reshape(S, heads, D)), pairs(permute(k).reshape(S, heads, D))),
+                               dots(rotated, neox(k.reshape(S, heads, D))), rtol=1e-5, atol=1e-5)
+    w = rng.standard_normal((heads * D, 64)).astype(np.float32)
+    blocks = quantize(w, gguf.GGMLQuantizationType.Q8_0)  # [rows, bytes]
+    assert np.array_equal(dequantize(neox_to_interleaved(blocks, heads), gguf.GGMLQuantizationType.Q8_0),
+                          neox_to_interleaved(dequantize(blocks, gguf.GGMLQuantizationType.Q8_0), heads))
+
+
+def test_tiny_qwen2_upcycled_as_llama_is_the_qwen2_model(tmp_path):
+    """A random ``qwen2`` file (q/k/v biases, tied head, test_families' writer) rewritten as
+    ``llama``, with and without experts: in float every layer is the qwen2 layer up to summation
+    order, so the greedy tokens are the qwen2 file's, in one stage and in two."""
+    from test_families import PROMPT, write_tiny_gguf
+
+    from edgepipe.model.importer import import_model
+    from edgepipe.model.package import Package
+
+    source = write_tiny_gguf(tmp_path / "tiny-qwen2.gguf", "qwen2")
+    files = {"dense": source, "as-llama": as_llama(source, tmp_path / "tiny-as-llama.gguf"),
+             "tied": upcycle(source, tmp_path / "tiny-moe-tied.gguf", seed=2, tied=True),
+             "random": upcycle(source, tmp_path / "tiny-moe-random.gguf", seed=1)}
+    pkgs = {name: Package(import_model(path, tmp_path / "models", "fp32", max_context=256, measure_cost=False))
+            for name, path in files.items()}
+    assert [pkgs[n].manifest.config["architecture"] for n in files] == ["qwen2", "llama", "llama", "llama"]
+    assert pkgs["random"].manifest.config["n_experts"] == 4 and pkgs["random"].manifest.config["attention_bias"]
+    ids = pkgs["dense"].tokenizer.encode(PROMPT)
+    h = pkgs["dense"].runner(0, 1, "fp32").run("s", np.array([ids]))
+    for unit in range(1, len(pkgs["dense"].manifest.units) - 1):
+        dense = pkgs["dense"].runner(unit, unit + 1, "fp32").run("s", h)
+        for name in ("as-llama", "tied", "random"):
+            np.testing.assert_allclose(pkgs[name].runner(unit, unit + 1, "fp32").run("s", h), dense, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name}, layer unit {unit}")
+        h = dense
+
+    def tokens(pkg, cuts):
+        return generate(pkg.pipeline(cuts), ids, GenerationParams(max_tokens=24), pkg.tokenizer.decode, eos_ids=()).tokens
+
+    expected = tokens(pkgs["dense"], [])
+    assert len(set(expected)) > 3  # a text, not one token repeated
+    for name in ("as-llama", "tied", "random"):
+        for cuts in ([], [2]):
+            assert tokens(pkgs[name], cuts) == expected, (name, cuts)
+
+
+@pytest.fixture(scope="module")
+def qwen_moe(home, tmp_path_factory):
+    """Qwen2.5-Coder-0.5B (``qwen2``) and, written as ``llama``: the dense rewrite (``as-llama``),
+    upcycled with a random router (``random``) and with rows in equal pairs (``tied``); each
+    imported in the form this machine runs (the kernel library's where it loads)."""
+    from edgepipe.model.store import missing_reference, reference_gguf
+    from edgepipe.native import FALLBACK_FORM, KERNEL_FORM, gguf_kernel_library
+
+    if missing := missing_reference("qwen05"):
+        pytest.fail(missing)
+    root, source = tmp_path_factory.mktemp("qwen-moe"), reference_gguf("qwen05")
+    form = KERNEL_FORM if gguf_kernel_library() is not None else FALLBACK_FORM
+    files = {"dense": source, "as-llama": as_llama(source, root / "qwen05-as-llama.gguf"),
+             "tied": upcycle(source, root / "qwen05-moe-tied.gguf", seed=2, tied=True),
+             "random": upcycle(source, root / "qwen05-moe-random.gguf", seed=1)}
+    return form, {name: resolve(str(path), form, home) for name, path in files.items()}
+
+
+@pytest.mark.slow  # four imports of a 0.5B (two of 1.1 GB) and 32-token runs: minutes
+def test_qwen05_upcycled_as_llama_gives_the_dense_text(qwen_moe):
+    form, pkgs = qwen_moe
+    cfg = pkgs["random"].manifest.config
+    assert (cfg["architecture"], cfg["n_experts"], cfg["n_experts_used"], cfg["rope_interleaved"]) == ("llama", 4, 2, True)
+    same = lambda c: {k: v for k, v in c.items() if k not in ("architecture", "rope_interleaved") and "expert" not in k}  # noqa: E731
+    assert same(cfg) == same(pkgs["dense"].manifest.config) and cfg["attention_bias"]  # rope base, RMS epsilon, heads, biases, ...
+    # the rewrite: each layer the qwen2 one, the positions that rotate nothing (0) to the bit, the others up to rounding
+    tok = pkgs["dense"].tokenizer
+    ids = np.array([tok.encode(tok.format_chat([{"role": "user", "content": PROMPTS[1]}]))])
+    h = pkgs["dense"].runner(0, 1, form).run("s", ids)
+    for unit in (1, 2, 12, 24):
+        dense, rewritten, tied = (pkgs[n].runner(unit, unit + 1, form).run("s", h) for n in ("dense", "as-llama", "tied"))
+        assert np.array_equal(rewritten[:, 0], dense[:, 0]) and np.array_equal(tied, rewritten), unit  # tied: 1/2 + 1/2
+        rel = np.abs(rewritten - dense).max(-1) / np.abs(dense - h).max(-1)
+        assert np.median(rel) < 1e-4 and rel.max() < 2e-2, (unit, float(np.median(rel)), float(rel.max()))
+        h = dense
+    # greedy text: the tied file is the rewrite token for token, cut anywhere; both routers give the dense text
+    for prompt in PROMPTS:
+        rewritten = _tokens(pkgs["as-llama"], prompt, form)
+        assert _tokens(pkgs["tied"], prompt, form, cuts=(7, 19)) == rewritten, prompt
+    # (the cat poem parts from the qwen2 text at token 15, a near tie the rewrite without experts tips too:
+    # attention's summation order through int8 activation quantisation, benchmarks/results/moe_upcycled-qwen05.md)
+    for prompt in (PROMPTS[0], "What is the tallest mountain on Earth?"):
+        dense = _tokens(pkgs["dense"], prompt, form)
+        assert _tokens(pkgs["random"], prompt, form) == dense == _tokens(pkgs["tied"], prompt, form), prompt
 
 
 # -- the kernel library's grouped product ------------------------------------------------------

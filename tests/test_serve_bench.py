@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgepipe.bench.serving import (Snapshot, Stream, comparison_rows, decode_breakdown, level_counters, llama_server_argv, median_breakdown, median_of,
+from edgepipe.bench.serving import (COMPARISONS, Snapshot, Stream, comparison_rows, decode_breakdown, level_counters, llama_server_argv, median_breakdown, median_of,
                                     parse_metrics, ratio, summarize)
 
 pytestmark = pytest.mark.pure
@@ -39,6 +39,16 @@ def test_rpc_pipeline_offloads_every_layer_evenly_over_the_servers_in_order():
     assert int(argv[argv.index("-ngl") + 1]) >= 999 and argv[argv.index("-np") + 1] == "16" and argv[argv.index("-t") + 1] == "1"
     alone = llama_server_argv("llama-server", "m.gguf", 9000, 2, 16, 8192)
     assert "--rpc" not in alone and "-ngl" not in alone and alone[alone.index("-c") + 1] == "8192"
+
+
+def test_the_pipeline_against_one_server_is_the_3_stage_pipeline_against_llama_server_alone():
+    """issue 38: 16 streams through edgepipe's 3 stages against ``llama-server -np 16`` on the machine's 2 cores."""
+    pipeline, one, both = COMPARISONS["pipeline"], COMPARISONS["server"], COMPARISONS["pipeline-server"]
+    assert (both.workers, both.worker_threads) == (pipeline.workers, pipeline.worker_threads) == (3, 1)
+    assert (both.llama_threads, both.rpc_servers) == (one.llama_threads, one.rpc_servers) == (2, 0)
+    argv = llama_server_argv("llama-server", "m.gguf", 9000, both.llama_threads, 16, 16 * 512)
+    assert "--rpc" not in argv and argv[argv.index("-np") + 1] == "16" and argv[argv.index("-t") + 1] == "2"
+    assert len({c.label for c in COMPARISONS.values()}) == len(COMPARISONS)  # each kind its own rows
 
 
 def _snap(tokens, wall, before, compute, calls, coord, workers):

@@ -10,6 +10,20 @@ rounding, so the dense model's greedy text is the reference, with no MoE downloa
 each row picks one whole group (which group varies from row to row) and each weight is exactly
 ``1 / used``; with ``used = 2``, ``y / 2 + y / 2 == y`` in float: the MoE layer equals the dense
 layer to the bit wherever its products give a row the same bits in any batch.
+
+A ``qwen2`` source (Qwen2.5) is written as llama.cpp's ``llama`` with experts (Mixtral's layer),
+since llama.cpp's ``qwen2`` has no MoE form and its ``qwen2moe`` adds a sigmoid-gated shared
+expert and leaves the routed weights unnormalised (no exact construction). ``llama`` reads the
+same hyper-parameters (the ``qwen2.*`` keys renamed ``llama.*``: rope base, RMS epsilon, heads),
+loads Qwen2's optional q/k/v biases and its untied head; what differs is RoPE: ``llama`` rotates
+adjacent pairs, ``qwen2`` the two halves of each head (NEOX), so the q and k rows (weights as
+stored and biases) are permuted as llama.cpp's converter permutes a Llama checkpoint's
+(``neox_to_interleaved``). The rotation is then the same; only the order in which attention sums
+``q . k`` over a head changes: rounding, which the int8 quantisation of activations (the kernel
+library's and MatMulNBits') now and then turns into one quantisation step of an element (on
+Qwen2.5-Coder-0.5B a layer's rows differ by a median 1e-6 of the layer's output, the worst by
+0.4%; position 0, which rotates nothing, to the bit). ``as_llama`` writes that rewrite without
+experts: the reference the ``tied`` file equals to the bit.
 """
 
 from __future__ import annotations
@@ -19,28 +33,57 @@ from pathlib import Path
 import numpy as np
 
 _DENSE = ("ffn_gate", "ffn_up", "ffn_down")
+# Families written as ``llama`` (see the module's docstring), by the metadata key of their q and k heads.
+_AS_LLAMA = {"qwen2": {"attn_q": "attention.head_count", "attn_k": "attention.head_count_kv"}}
+
+
+def neox_to_interleaved(rows: np.ndarray, heads: int) -> np.ndarray:
+    """A q or k projection's rows ``[heads * D, ...]`` (a weight's rows as stored, blocks and all,
+    or a bias) reordered so that rotating adjacent pairs ``(2j, 2j + 1)`` rotates what rotating
+    ``(j, j + D / 2)`` did: llama.cpp's ``convert_hf_to_gguf.py`` ``LlamaModel.permute``."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 def upcycle(source: Path, target: Path, experts: int = 4, used: int = 2, seed: int = 0, tied: bool = False) -> Path:
-    """Write ``target``: ``source`` (a dense ``llama`` GGUF) with every FFN turned into
-    ``experts`` copies, ``used`` of them routed per row, under a seeded random router."""
+    """Write ``target``: ``source`` (a dense ``llama`` or ``qwen2`` GGUF) with every FFN turned
+    into ``experts`` copies, ``used`` of them routed per row, under a seeded random router; a
+    ``qwen2`` file becomes a ``llama`` one."""
+    return _rewrite(source, target, (experts, used, seed, tied))
+
+
+def as_llama(source: Path, target: Path) -> Path:
+    """Write ``target``: the dense ``qwen2`` ``source`` as a dense ``llama`` file (the rewrite
+    ``upcycle`` makes, without experts): the model whose layers the upcycled file's ``tied``
+    layers equal to the bit, its q . k summed in the same order."""
+    return _rewrite(source, target, None)
+
+
+def _rewrite(source: Path, target: Path, moe: tuple[int, int, int, bool] | None) -> Path:
     import gguf
 
     reader = gguf.GGUFReader(str(source))
-    arch = str(reader.fields["general.architecture"].contents())
+    source_arch = str(reader.fields["general.architecture"].contents())
+    if source_arch != "llama" and source_arch not in _AS_LLAMA:
+        raise ValueError(f"{source}: architecture {source_arch!r} cannot be upcycled (llama, {', '.join(_AS_LLAMA)})")
+    arch = "llama"
+    heads = {kind: int(reader.fields[f"{source_arch}.{key}"].contents()) for kind, key in _AS_LLAMA.get(source_arch, {}).items()}
     writer = gguf.GGUFWriter(str(target), arch)
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
+        if name.startswith(source_arch + "."):
+            name = arch + name[len(source_arch):]
         vtype = field.types[0]
         writer.add_key_value(name, field.contents(), vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    writer.add_uint32(f"{arch}.expert_count", experts)
-    writer.add_uint32(f"{arch}.expert_used_count", used)
-    rng = np.random.default_rng(seed)
-    hidden = int(reader.fields[f"{arch}.embedding_length"].contents())
+    if moe is not None:
+        experts, used, seed, tied = moe
+        writer.add_uint32(f"{arch}.expert_count", experts)
+        writer.add_uint32(f"{arch}.expert_used_count", used)
+        rng = np.random.default_rng(seed)
+        hidden = int(reader.fields[f"{source_arch}.embedding_length"].contents())
     for t in reader.tensors:
         parts = t.name.split(".")
-        if len(parts) == 4 and parts[2] in _DENSE:
+        if moe is not None and len(parts) == 4 and parts[2] in _DENSE:
             layer = parts[1]
             stacked = np.ascontiguousarray(np.broadcast_to(t.data, (experts, *t.data.shape)))
             writer.add_tensor(f"blk.{layer}.{parts[2]}_exps.weight", stacked, raw_shape=stacked.shape, raw_dtype=t.tensor_type)
@@ -50,12 +93,31 @@ def upcycle(source: Path, target: Path, experts: int = 4, used: int = 2, seed: i
                     router = np.repeat(router[::used], used, axis=0)[:experts]
                 writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", router)
             continue
-        writer.add_tensor(t.name, np.asarray(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)  # bytes per row for blocks
+        data = np.asarray(t.data)
+        if len(parts) == 4 and parts[2] in heads:
+            data = neox_to_interleaved(data, heads[parts[2]])
+        writer.add_tensor(t.name, data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)  # bytes per row for blocks
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+def main() -> None:
+    """``python -m edgepipe.bench.moe_files SOURCE TARGET [--experts 4 --used 2 --seed 1 --tied]``:
+    write an upcycled file (for ``benchmarks/serve.py --model TARGET``, llama.cpp, ...)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="write a dense llama/qwen2 GGUF upcycled into identical experts under a random router")
+    ap.add_argument("source", type=Path)
+    ap.add_argument("target", type=Path)
+    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--used", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--tied", action="store_true", help="router rows in groups of --used equal rows (each layer the dense one to the bit)")
+    args = ap.parse_args()
+    print(upcycle(args.source, args.target, args.experts, args.used, args.seed, args.tied))
 
 
 # Qwen3-30B-A3B's per-layer shapes (128 experts, top 8, head_dim 128, 8 query heads per kv head),
@@ -334,3 +396,7 @@ def gpt_oss_reference(weights: dict, ids: list[int]) -> tuple[np.ndarray, np.nda
                 out[r] += we * (w[p + "ffn_down_exps.weight"][e] @ act + w[p + "ffn_down_exps.bias"][e])
         x = x + out
     return x, _rms(x, w["output_norm.weight"], 1e-5) @ w["output.weight"].T
+
+
+if __name__ == "__main__":
+    main()

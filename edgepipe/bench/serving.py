@@ -1,6 +1,7 @@
 """The arithmetic and command lines of ``benchmarks/serve.py`` (edgepipe's server against
 llama.cpp's): pure, so the figures a table shows can be tested without a server.
 
+- ``COMPARISONS``: the kinds of comparison, each what edgepipe and llama.cpp start for it;
 - ``llama_server_argv`` / ``rpc_server_argv``: llama.cpp's ``llama-server`` alone or on top of
   ``rpc-server`` processes (one layer range per RPC device, ``--tensor-split`` even);
 - ``Stream`` and ``summarize``: one client stream's timestamps, a concurrency level's aggregate
@@ -17,6 +18,26 @@ from __future__ import annotations
 import re
 import statistics
 from dataclasses import dataclass
+
+
+# -- the comparisons -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Comparison:
+    """One kind of comparison: the ``edgepipe serve`` and the llama.cpp servers it starts."""
+
+    label: str  # its rows in the table
+    workers: int  # edgepipe serve --workers (more than 1: a pipeline, --placement memory)
+    worker_threads: int  # each worker's --threads
+    llama_threads: int  # llama-server -t (each rpc-server's is 1)
+    rpc_servers: int = 0  # rpc-servers under llama-server, one layer range each (0: llama-server alone)
+
+
+COMPARISONS = {
+    "server": Comparison("one machine: 1 worker x 2 threads vs llama-server -t 2 -np 16", 1, 2, 2),
+    "pipeline": Comparison("3 processes x 1 thread: 3 stages vs 3 rpc-servers", 3, 1, 1, rpc_servers=3),
+    # issue 38: a 3-stage pipeline against the one server llama.cpp would run on the machine
+    "pipeline-server": Comparison("3 stages x 1 thread vs llama-server -t 2 -np 16", 3, 1, 2),
+}
 
 
 # -- llama.cpp command lines ---------------------------------------------------------------------

@@ -131,3 +131,65 @@ def test_three_workers_with_cuts_between_moe_layers_equal_one_process(home, tmp_
             ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
             alone = generate(pkg.pipeline([], precision=local_form(pkg)), ids, GenerationParams(max_tokens=24), tok.decode, eos).tokens
             assert r.json()["choices"][0]["token_ids"] == [t for t in alone if t not in eos], prompt
+
+
+def stream_ids(server, prompt: str, n: int, at: int, act) -> list[int]:
+    """A greedy chat stream's token ids (``return_token_ids``: each chunk those since the last),
+    ``act()`` called once when ``at`` ids have arrived."""
+    import json
+
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    ids: list[int] = []
+    done = False
+    with httpx.Client(base_url=server.url, timeout=300) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                ids += [t for choice in chunk["choices"] for t in choice.get("token_ids", [])]
+                if len(ids) >= at and not done:
+                    act()
+                    done = True
+    assert done, ids
+    return ids
+
+
+@pytest.mark.slow  # three worker processes (~45 s)
+def test_three_workers_keep_one_process_tokens_through_a_move_and_a_kill(home, tmp_path_factory):
+    """gpt-oss stages (cuts between MoE layers, sliding-window and full layers on both sides): a
+    forced rebalance mid-stream moves their KV, a SIGKILLed worker mid-stream is replayed on the
+    survivors; every token is the single process's, greedy."""
+    import os
+    import signal
+
+    from harness import Server
+    from test_living_cluster import events
+    from test_moe_cluster import rebalance, solo
+
+    path, _ = synthetic_gpt_oss(tmp_path_factory.mktemp("gpt-oss-6") / "gpt-oss-tiny6.gguf", bundled_gguf(), **{**TINY, "layers": 6})
+    pkg = resolve(str(path), "native", home)
+    prepare_local_form(pkg)
+    # 96 tokens: a tiny model streams them fast; the move and the kill must land while it still runs
+    n_tokens, prompt = 96, "Tell me a long story about a lighthouse keeper."
+    expected = solo(pkg, [{"role": "user", "content": prompt}], n_tokens, ignore_eos=True)
+    assert len(expected) == n_tokens and len(set(expected)) > 5  # a non-trivial sequence
+    with Server(home, workers=3, args=("--placement", "memory", "--batch-invariant", "--model", pkg.root.name), timeout=300) as server:
+        n = server.status()["n_units"]
+        assert n == 8  # embedding, 6 MoE layers, head
+        a, b, c = sorted(w["id"] for w in server.status()["workers"])
+        rebalance(server, [(a, 0, 3), (b, 3, 5), (c, 5, n)])
+        moved: dict = {}
+        got = stream_ids(server, prompt, n_tokens, 10, lambda: moved.update(rebalance(server, [(b, 0, 2), (c, 2, 6), (a, 6, n)])))
+        assert moved and got == expected
+        up = [e for e in events(server, "up") if e.get("plan") == moved["plan"]]
+        assert up and up[0]["kv_moved"] == 1 and up[0]["kv_recomputed"] == 0 and up[0]["kv_moved_bytes"] > 0, up
+
+        rebalance(server, [(a, 0, 2), (b, 2, 6), (c, 6, n)])
+        victim = next(w for w in server.status()["workers"] if w["id"] == b)
+        got = stream_ids(server, prompt, n_tokens, 10, lambda: os.kill(victim["pid"], signal.SIGKILL))
+        assert got == expected
+        assert events(server, "leave") and events(server, "recovered")

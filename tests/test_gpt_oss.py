@@ -46,6 +46,40 @@ def test_mxfp4_blocks_decode_as_ggml_lays_them_out():
     assert np.array_equal(decode_native(raw, "MXFP4", 96).dequantize(), dequantize(raw, gguf.GGMLQuantizationType.MXFP4))
 
 
+@pytest.mark.pure
+def test_fallback_expert_products_read_activations_as_llama_cpp_quantizes_them():
+    """The fallback's MXFP4 product (8-bit MatMulNBits, accuracy level 4) quantizes each block of
+    32 activations to int8 at amax / 127, as llama.cpp's Q8_0 (MXFP4's vec_dot_type) does; only
+    the block scale's fp16 rounding differs. Its agreement with llama.cpp rests on this: a product
+    in float activations differs from llama.cpp's by the whole int8 rounding, 20x more."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    from edgepipe.model.graphs import FLOAT, _Graph
+
+    rng = np.random.default_rng(3)
+    n, k = 64, 2880  # gpt-oss-20b's expert input width
+    raw = rng.integers(0, 256, (n, k // 32 * 17), dtype=np.uint8)
+    raw[:, 0::17] = rng.integers(118, 124, raw[:, 0::17].shape)  # exponents of weights about 2^-5
+    w = decode_native(raw, "MXFP4", k)
+    g = _Graph("t.")
+    g.linear("x", w, "expert", out="y")
+    model = g.model([helper.make_tensor_value_info("x", FLOAT, [1, "seq", k])], [helper.make_tensor_value_info("y", FLOAT, [1, "seq", n])], "t")
+    x = rng.standard_normal((1, 3, k)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0].astype(np.float64)
+    blocks = x.reshape(3, k // 32, 32)
+    d = np.abs(blocks).max(-1, keepdims=True) / 127
+    q = np.round(blocks / d)
+    weights = w.dequantize().astype(np.float64)
+
+    def error(activations) -> float:
+        want = activations.reshape(1, 3, k).astype(np.float64) @ weights.T
+        return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+    exact, int8, llama_q8_0 = error(x), error(q * d), error(q * d.astype(np.float16))
+    assert int8 < 1e-5 and llama_q8_0 < 1e-3 < exact and llama_q8_0 * 10 < exact, (int8, llama_q8_0, exact)
+
+
 def test_gpt_oss_file_equals_llama_cpp_reference(home, tiny):
     path, weights = tiny
     assert unsupported_reasons(read_header(path)) == []  # (refused before: 'gpt-oss' was no architecture, MXFP4 no type)

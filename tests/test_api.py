@@ -91,6 +91,27 @@ def test_unknown_route_and_method(server):
     assert_error(server.client.get("/v1/chat/completions"), 405)
 
 
+def test_streamed_token_ids_are_the_whole_answers(server):
+    """``return_token_ids`` in a stream: the ids of each chunk, in order, are the answer's ids,
+    the text of each chunk the decoded pieces, for chat and for completions."""
+    import json
+
+    for route, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "The sky is", "max_tokens": 16, "temperature": 0})):
+        whole = server.client.post(route, json={**body, "return_token_ids": True}).json()["choices"][0]
+        ids, texts = [], []
+        with httpx.Client(base_url=server.url, timeout=60) as c, \
+                c.stream("POST", route, json={**body, "stream": True, "return_token_ids": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                    choice = json.loads(line[6:])["choices"][0]
+                    ids += choice.get("token_ids", [])
+                    texts.append(choice["delta"].get("content", "") if "delta" in choice else choice["text"])
+        assert ids == whole["token_ids"] and len(ids) > 1, route
+        assert "".join(texts) == (whole["message"]["content"] if "message" in whole else whole["text"])
+    with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+        assert not any("token_ids" in line for line in r.iter_lines())  # only when asked for
+
+
 def test_client_disconnect_mid_stream_frees_kv(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 400, "stream": True}) as r:

@@ -46,6 +46,40 @@ def test_mxfp4_blocks_decode_as_ggml_lays_them_out():
     assert np.array_equal(decode_native(raw, "MXFP4", 96).dequantize(), dequantize(raw, gguf.GGMLQuantizationType.MXFP4))
 
 
+@pytest.mark.pure
+def test_fallback_expert_products_read_activations_as_llama_cpp_quantizes_them():
+    """The fallback's MXFP4 product (8-bit MatMulNBits, accuracy level 4) quantizes each block of
+    32 activations to int8 at amax / 127, as llama.cpp's Q8_0 (MXFP4's vec_dot_type) does; only
+    the block scale's fp16 rounding differs. Its agreement with llama.cpp rests on this: a product
+    in float activations differs from llama.cpp's by the whole int8 rounding, 20x more."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    from edgepipe.model.graphs import FLOAT, _Graph
+
+    rng = np.random.default_rng(3)
+    n, k = 64, 2880  # gpt-oss-20b's expert input width
+    raw = rng.integers(0, 256, (n, k // 32 * 17), dtype=np.uint8)
+    raw[:, 0::17] = rng.integers(118, 124, raw[:, 0::17].shape)  # exponents of weights about 2^-5
+    w = decode_native(raw, "MXFP4", k)
+    g = _Graph("t.")
+    g.linear("x", w, "expert", out="y")
+    model = g.model([helper.make_tensor_value_info("x", FLOAT, [1, "seq", k])], [helper.make_tensor_value_info("y", FLOAT, [1, "seq", n])], "t")
+    x = rng.standard_normal((1, 3, k)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0].astype(np.float64)
+    blocks = x.reshape(3, k // 32, 32)
+    d = np.abs(blocks).max(-1, keepdims=True) / 127
+    q = np.round(blocks / d)
+    weights = w.dequantize().astype(np.float64)
+
+    def error(activations) -> float:
+        want = activations.reshape(1, 3, k).astype(np.float64) @ weights.T
+        return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+    exact, int8, llama_q8_0 = error(x), error(q * d), error(q * d.astype(np.float16))
+    assert int8 < 1e-5 and llama_q8_0 < 1e-3 < exact and llama_q8_0 * 10 < exact, (int8, llama_q8_0, exact)
+
+
 def test_gpt_oss_file_equals_llama_cpp_reference(home, tiny):
     path, weights = tiny
     assert unsupported_reasons(read_header(path)) == []  # (refused before: 'gpt-oss' was no architecture, MXFP4 no type)
@@ -131,3 +165,65 @@ def test_three_workers_with_cuts_between_moe_layers_equal_one_process(home, tmp_
             ids = tok.encode(tok.format_chat([{"role": "user", "content": prompt}]))
             alone = generate(pkg.pipeline([], precision=local_form(pkg)), ids, GenerationParams(max_tokens=24), tok.decode, eos).tokens
             assert r.json()["choices"][0]["token_ids"] == [t for t in alone if t not in eos], prompt
+
+
+def stream_ids(server, prompt: str, n: int, at: int, act) -> list[int]:
+    """A greedy chat stream's token ids (``return_token_ids``: each chunk those since the last),
+    ``act()`` called once when ``at`` ids have arrived."""
+    import json
+
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    ids: list[int] = []
+    done = False
+    with httpx.Client(base_url=server.url, timeout=300) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                ids += [t for choice in chunk["choices"] for t in choice.get("token_ids", [])]
+                if len(ids) >= at and not done:
+                    act()
+                    done = True
+    assert done, ids
+    return ids
+
+
+@pytest.mark.slow  # three worker processes (~45 s)
+def test_three_workers_keep_one_process_tokens_through_a_move_and_a_kill(home, tmp_path_factory):
+    """gpt-oss stages (cuts between MoE layers, sliding-window and full layers on both sides): a
+    forced rebalance mid-stream moves their KV, a SIGKILLed worker mid-stream is replayed on the
+    survivors; every token is the single process's, greedy."""
+    import os
+    import signal
+
+    from harness import Server
+    from test_living_cluster import events
+    from test_moe_cluster import rebalance, solo
+
+    path, _ = synthetic_gpt_oss(tmp_path_factory.mktemp("gpt-oss-6") / "gpt-oss-tiny6.gguf", bundled_gguf(), **{**TINY, "layers": 6})
+    pkg = resolve(str(path), "native", home)
+    prepare_local_form(pkg)
+    # 96 tokens: a tiny model streams them fast; the move and the kill must land while it still runs
+    n_tokens, prompt = 96, "Tell me a long story about a lighthouse keeper."
+    expected = solo(pkg, [{"role": "user", "content": prompt}], n_tokens, ignore_eos=True)
+    assert len(expected) == n_tokens and len(set(expected)) > 5  # a non-trivial sequence
+    with Server(home, workers=3, args=("--placement", "memory", "--batch-invariant", "--model", pkg.root.name), timeout=300) as server:
+        n = server.status()["n_units"]
+        assert n == 8  # embedding, 6 MoE layers, head
+        a, b, c = sorted(w["id"] for w in server.status()["workers"])
+        rebalance(server, [(a, 0, 3), (b, 3, 5), (c, 5, n)])
+        moved: dict = {}
+        got = stream_ids(server, prompt, n_tokens, 10, lambda: moved.update(rebalance(server, [(b, 0, 2), (c, 2, 6), (a, 6, n)])))
+        assert moved and got == expected
+        up = [e for e in events(server, "up") if e.get("plan") == moved["plan"]]
+        assert up and up[0]["kv_moved"] == 1 and up[0]["kv_recomputed"] == 0 and up[0]["kv_moved_bytes"] > 0, up
+
+        rebalance(server, [(a, 0, 2), (b, 2, 6), (c, 6, n)])
+        victim = next(w for w in server.status()["workers"] if w["id"] == b)
+        got = stream_ids(server, prompt, n_tokens, 10, lambda: os.kill(victim["pid"], signal.SIGKILL))
+        assert got == expected
+        assert events(server, "leave") and events(server, "recovered")

@@ -251,8 +251,9 @@ async def _run(request: Request, req: S.Sampling, model: str, prompts: list[list
     try:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         kind = head["object"] + (".chunk" if chat else "")
+        ids = [_StreamedIds(state, prompt_only) if req.return_token_ids else None for state in states]
         events = _events(app, coord, states, rid, {**head, "object": kind}, chat, use_tools, include_usage, usage, views,
-                         [echo[i // n] for i in range(len(states))] if echo else None, prompt_only)
+                         [echo[i // n] for i in range(len(states))] if echo else None, prompt_only, ids)
         return G.ReleasingStream(events, on_close=lambda: app.admission.release(ticket), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     except BaseException:
@@ -285,13 +286,27 @@ class _Logprobs:
         return out
 
 
+class _StreamedIds:
+    """One choice's generated token ids handed out as they arrive (``return_token_ids`` in a stream:
+    each chunk carries the ids since the previous one, also those whose text is still held back)."""
+
+    def __init__(self, state, prompt_only: bool = False):
+        self.state, self.prompt_only, self.sent = state, prompt_only, 0
+
+    def take(self) -> list[int]:
+        new = [] if self.prompt_only else list(self.state.generated[self.sent:])
+        self.sent += len(new)
+        return new
+
+
 def _sse(obj: dict) -> str:
     return "data: " + json.dumps(obj) + "\n\n"
 
 
-async def _events(app, coord, states, rid, head, chat, use_tools, include_usage, usage, views, echo, prompt_only=False):
+async def _events(app, coord, states, rid, head, chat, use_tools, include_usage, usage, views, echo, prompt_only=False, ids=None):
     def chunk(i: int, finish: str | None, text: str | None = None, role: bool = False, tool_calls: list | None = None) -> str:
         logprobs = None if role else views[i].take()
+        token_ids = ids[i].take() if ids and ids[i] and not role else None
         if chat:
             delta = {"role": "assistant", "content": ""} if role else {}
             if text:
@@ -303,6 +318,8 @@ async def _events(app, coord, states, rid, head, chat, use_tools, include_usage,
             if echo and echo[i] is not None:  # the prompt goes first, in the choice's first chunk
                 text, echo[i] = echo[i] + (text or ""), None
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return _sse({**head, "choices": [choice]})
 
     held = [tools.HeldCalls(chat) for _ in states] if use_tools else []

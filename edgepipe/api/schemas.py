@@ -56,7 +56,8 @@ class Sampling(Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
-    return_token_ids: bool | None = Field(False, description="An extension (as in vLLM): each choice carries its token ids.")
+    return_token_ids: bool | None = Field(False, description="An extension (as in vLLM): each choice carries its token ids "
+                                                            "(streamed: each chunk those since the previous one).")
     user: str | None = Field(None, max_length=256)
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="Subtracted once from the logit of every token generated so far.")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="Subtracted per occurrence from the logit of tokens generated so far.")

@@ -90,6 +90,7 @@ class Coordinator:
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.stopped = False
+        self.stopped_why = ""  # why it halted: what a request between its steps fails with
         ports = Ports(state=lambda: self.cluster, emit=self.emit, measure=self.measure, note=self.event, clock=self.clock, spawn=self.spawn,
                       links=lambda: self.links, replan_wanted=self.replan_wanted, settings=self.settings, package=package,
                       profile=self.profile, adopt=self.adopt)
@@ -99,7 +100,7 @@ class Coordinator:
         self.drafting = (Drafting(ports, speculation.placed, speculation.pool, speculation.drafter_moved)
                          if speculation is not None and speculation.placed else None)
         self.checkpoints = Checkpoints(ports, CheckpointSettings(self.settings.kv_checkpoint_tokens, self.settings.kv_checkpoint_in_flight))
-        self.requests = Requests(ports, self.steps, self.checkpoints, speculation, self.up, self.gate, lambda: self.stopped,
+        self.requests = Requests(ports, self.steps, self.checkpoints, speculation, self.up, self.gate, lambda: self.stopped_why if self.stopped else None,
                                  lambda record: self.on_step(record), self.recent_steps)
         views = lambda: self.workers  # noqa: E731 - the worker views as they stand when asked
         self.calibrator = Calibrator(ports, self.plan_fn, self.plan_context, views)
@@ -244,7 +245,7 @@ class Coordinator:
     def halt(self, why: str) -> None:
         """Take no more work: every open request fails with ``why`` now (a stream ends with its API's
         error event); the workers stay connected until ``stop``."""
-        self.stopped = True
+        self.stopped, self.stopped_why = True, self.stopped_why or why  # the first reason stays (a signal's, not stop's)
         self.steps.lost(None, why, final=True)
 
     async def stop(self) -> None:

@@ -77,7 +77,7 @@ def _length(state: SequenceState) -> int:
 
 class Requests:
     def __init__(self, ports: Ports, steps: Steps, checkpoints, speculation, up: asyncio.Event, gate: asyncio.Event,
-                 stopped: Callable[[], bool], on_step: Callable[[StepRecord], None], recent_steps: deque):
+                 stopped: Callable[[], str | None], on_step: Callable[[StepRecord], None], recent_steps: deque):
         self.ports = ports
         self.steps = steps  # one step on the wire
         self.checkpoints = checkpoints  # ``checkpointing.Checkpoints``: KV copied to the spare after steps
@@ -246,8 +246,9 @@ class Requests:
         p = self.ports
         waits = scheduling.WaitSettings(p.settings.capacity_wait_s, p.settings.max_wait_s)
         while True:
-            if self.stopped():
-                raise RequestFailed("the coordinator stopped")
+            why = self.stopped()  # why the coordinator halted (falsy: it did not)
+            if why:
+                raise RequestFailed(why)
             if not self.gate.is_set():
                 await self.gate.wait()
             if p.state().active is not None and self.up.is_set() and self.gate.is_set():

@@ -311,7 +311,7 @@ def test_kernel_moe_matmul_is_each_rows_expert_product_in_any_batch(kind):
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(library))
     rng = np.random.default_rng(7)
-    E, N, K, R, k = 6, 40, 256, 9, 2
+    E, N, K, R, k = 6, 40, 256, 30, 2  # ~10 rows an expert: groups of more than one tile of rows
     raw = random_blocks(kind, E * N, K, rng).reshape(E, N, -1)
     x = rng.standard_normal((R, K)).astype(np.float32)
     chosen = np.stack([rng.choice(E, k, replace=False) for _ in range(R)]).astype(np.int64)
@@ -333,6 +333,47 @@ def test_kernel_moe_matmul_is_each_rows_expert_product_in_any_batch(kind):
         assert np.array_equal(moe.run(None, {"x": x[r : r + 1], "chosen": chosen[r : r + 1], "w": raw})[0], y[r : r + 1])
     per_slot = np.repeat(x[:, None, :], k, axis=1)  # [R, k, K]: one input per slot, as the down projection takes
     assert np.array_equal(moe.run(None, {"x": per_slot, "chosen": chosen, "w": raw})[0], y)
+
+
+def test_kernel_products_on_huge_pages_keep_their_weights_and_results(monkeypatch):
+    """The kernels move a constant weight's 2 MiB-aligned interior onto huge pages at session
+    creation (the copy replaces the old pages at the same addresses): the results equal the same
+    products with the weights fed as an input, and with the move turned off."""
+    from onnx import TensorProto, numpy_helper
+
+    from edgepipe.native import DOMAIN, GGML_TYPE_IDS, MATMUL_OP, MOE_OP, gguf_kernel_library, native_library
+    from test_gguf_kernel import random_blocks
+
+    library = gguf_kernel_library()
+    assert library is not None, native_library().reason
+    rng = np.random.default_rng(3)
+    E, N, K, R, k = 8, 1024, 2048, 3, 2  # 8 x 1.1 MB of Q4_K blocks: several 2 MiB pages inside
+    raw = random_blocks("Q4_K", E * N, K, rng).reshape(E, N, -1)
+    x = rng.standard_normal((R, K)).astype(np.float32)
+    chosen = np.array([[0, 5], [7, 2], [5, 3]], np.int64)
+    t = helper.make_tensor_value_info
+
+    def session(op, inputs, constant):
+        names = [i.name for i in inputs] + ["w"]
+        graph = helper.make_graph([helper.make_node(op, names, ["y"], domain=DOMAIN, qtype=GGML_TYPE_IDS["Q4_K"])], "g",
+                                  inputs + ([] if constant else [t("w", TensorProto.UINT8, None)]), [t("y", FLOAT, None)],
+                                  initializer=[numpy_helper.from_array(constant_w, "w")] if constant else [])
+        model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
+        options = ort.SessionOptions()
+        options.register_custom_ops_library(str(library))
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    for op, inputs, feeds, constant_w in (
+        (MOE_OP, [t("x", FLOAT, None), t("chosen", TensorProto.INT64, None)], {"x": x, "chosen": chosen}, raw),
+        (MATMUL_OP, [t("x", FLOAT, None)], {"x": x}, raw.reshape(E * N, -1)),
+    ):
+        fed = session(op, inputs, constant=False).run(None, {**feeds, "w": constant_w})[0]
+        moved = session(op, inputs, constant=True).run(None, feeds)[0]
+        monkeypatch.setenv("EDGEPIPE_GGUF_HUGE_PAGES", "0")
+        kept = session(op, inputs, constant=True).run(None, feeds)[0]
+        monkeypatch.delenv("EDGEPIPE_GGUF_HUGE_PAGES")
+        assert np.array_equal(moved, fed) and np.array_equal(kept, fed), op
+        assert np.abs(fed).max() > 0, op
 
 
 # -- the browser's runtime ----------------------------------------------------------------------

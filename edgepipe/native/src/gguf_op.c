@@ -13,6 +13,7 @@
  * on the tile: batch-invariant bit for bit). The ISA is picked at
  * kernel creation: the best the CPU supports, or EDGEPIPE_GGUF_ISA (portable|avx2|avx512vnni on
  * x86-64, portable|neon|neon_dotprod on ARM64). */
+#define _GNU_SOURCE /* mremap's MREMAP_FIXED */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,6 +26,9 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #define EDGEPIPE_X86 1
+#endif
+#ifdef __linux__
+#include <sys/mman.h>
 #endif
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
@@ -366,8 +370,59 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *context) {
     return status;
 }
 
+/* Moves a constant weight input onto 2 MiB pages (Linux transparent huge pages), best effort. A
+ * decode step streams every weight once, and on 4 KiB pages one core's reads stall at each page
+ * boundary (the hardware prefetchers stop there, and each page costs a TLB walk): the same Q4_K
+ * expert product reads about 1.4x faster from huge pages on one core. ONNX Runtime maps an
+ * external initializer's file privately (4 KiB page-cache pages, which cannot be collapsed), or
+ * reads it into anonymous memory: either way the 2 MiB-aligned interior of the tensor is copied
+ * into fresh huge-page memory that then replaces the old pages at the same addresses (mremap), so
+ * every pointer to the tensor stays valid and its bytes are unchanged; the runtime's own unmap or
+ * free at the end releases the new pages as it would have the old. Costs one copy of the weights
+ * at load (about a second per few GB). EDGEPIPE_GGUF_HUGE_PAGES=0 turns it off (comparisons). */
+static void weights_on_huge_pages(const OrtApi *api, const OrtKernelInfo *info, size_t input) {
+#ifdef __linux__
+    const char *setting = getenv("EDGEPIPE_GGUF_HUGE_PAGES");
+    if (setting != NULL && strcmp(setting, "0") == 0) return;
+    int is_constant = 0;
+    const OrtValue *value = NULL;
+    OrtStatus *status = ORT_FN(api, KernelInfoGetConstantInput_tensor)(info, input, &is_constant, &value);
+    if (status != NULL) {
+        ORT_FN(api, ReleaseStatus)(status);
+        return;
+    }
+    if (!is_constant || value == NULL) return;
+    int64_t dims[8];
+    size_t rank = 0;
+    void *data = NULL;
+    if ((status = tensor_shape(api, value, dims, &rank)) == NULL) status = ORT_FN(api, GetTensorMutableData)((OrtValue *)value, &data);
+    if (status != NULL) {
+        ORT_FN(api, ReleaseStatus)(status);
+        return;
+    }
+    size_t bytes = 1; /* uint8 blocks */
+    for (size_t i = 0; i < rank; i++) bytes *= (size_t)dims[i];
+    const size_t huge = (size_t)2 << 20;
+    uintptr_t start = ((uintptr_t)data + huge - 1) & ~(uintptr_t)(huge - 1), end = ((uintptr_t)data + bytes) & ~(uintptr_t)(huge - 1);
+    if (data == NULL || end <= start) return;
+    size_t length = end - start;
+    char *fresh = mmap(NULL, length + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (fresh == MAP_FAILED) return;
+    char *aligned = (char *)(((uintptr_t)fresh + huge - 1) & ~(uintptr_t)(huge - 1));
+    if (aligned > fresh) munmap(fresh, (size_t)(aligned - fresh)); /* keep only the aligned span */
+    if (aligned + length < fresh + length + huge) munmap(aligned + length, (size_t)(fresh + length + huge - (aligned + length)));
+    if (madvise(aligned, length, MADV_HUGEPAGE) != 0) { /* no THP here: leave the weights where they are */
+        munmap(aligned, length);
+        return;
+    }
+    memcpy(aligned, (void *)start, length);
+    if (mremap(aligned, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, (void *)start) == MAP_FAILED) munmap(aligned, length);
+#else
+    (void)api, (void)info, (void)input;
+#endif
+}
+
 static OrtStatus *create_kernel(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {
-    (void)op;
     int64_t qtype = -1;
     OrtStatus *status = ORT_FN(api, KernelInfoGetAttribute_int64)(info, "qtype", &qtype);
     if (status != NULL) {
@@ -384,6 +439,9 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, const OrtApi *api, const 
         free(kernel);
         return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
     }
+    const char *name = op->GetName(op); /* the products stream their weights; a gather reads a few rows */
+    if (strcmp(name, "GgufMatMul") == 0) weights_on_huge_pages(api, info, 1);
+    if (strcmp(name, "GgufMoEMatMul") == 0) weights_on_huge_pages(api, info, 2);
     *out = kernel;
     return NULL;
 }
@@ -519,10 +577,74 @@ static const OrtCustomOp GGUF_GATHER = {
  * Inputs: x [R, K] (every routed slot of a row reads the row) or [R, k, K] (one input per slot)
  * float; chosen [R, k] int64 (each row's experts, as TopK gives them); w [E, N, row_bytes] uint8,
  * the GGUF's 3-D expert tensor as stored; attribute `qtype`. Output: y [R, k, N], slot (r, j) =
- * x's row for it times expert chosen[r, j]'s weights. Each expert's rows are gathered and run as
- * one GgufMatMul (its weight blocks read once per call, however many rows chose it; an expert no
- * row chose is not read): a slot's result is GgufMatMul's for that row, whatever else is in the
- * batch (batch-invariant bit for bit). */
+ * x's row for it times expert chosen[r, j]'s weights. The slots are grouped by expert (stable),
+ * and each chosen expert's rows meet its weight rows as GgufMatMul's do (its blocks read once per
+ * call, however many rows chose it; an expert no row chose is not read): a slot's result is
+ * GgufMatMul's for that row, whatever else is in the batch (batch-invariant bit for bit).
+ *
+ * A decode step is one row and k experts, so the call is built for it: an input row shared by its
+ * k slots is quantized once (its blocks copied to each slot), and every expert's output ranges are
+ * tasks of one parallel loop (one wake of the pool per projection, not one per expert). */
+
+typedef struct {
+    const uint8_t *w;          /* the expert's [N, row_bytes] blocks */
+    int64_t first, count;      /* its slots, [first, first + count) of the grouped order */
+    int64_t first_task;        /* its first task of the call's parallel loop */
+    int64_t first_tile;        /* its first tile of rows in the call's tile scales */
+    act_tile_scales32 *scales; /* 32-block types: its tiles' scales (lanes past its last row 0), else NULL */
+} moe_group;
+
+typedef struct {
+    matmul_job job; /* xq: every slot's quantized row in grouped order; w, x, y, m unused */
+    const moe_group *groups;
+    int64_t ngroups;
+    float *out; /* [slots, N], grouped order */
+} moe_job;
+
+static void moe_product_task(void *data, size_t index) {
+    const moe_job *moe = data;
+    const matmul_job *job = &moe->job;
+    int64_t lo = 0, hi = moe->ngroups - 1; /* the group whose tasks hold `index` */
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (moe->groups[mid].first_task <= (int64_t)index) lo = mid;
+        else hi = mid - 1;
+    }
+    const moe_group *group = &moe->groups[lo];
+    int64_t n0 = ((int64_t)index - group->first_task) * job->rows_per_task;
+    int64_t n1 = n0 + job->rows_per_task < job->n ? n0 + job->rows_per_task : job->n;
+    for (int64_t m = 0; m < group->count; m += GGUF_TILE_ROWS) {
+        int rows = group->count - m < GGUF_TILE_ROWS ? (int)(group->count - m) : GGUF_TILE_ROWS;
+        const char *xq = (const char *)job->xq + (group->first + m) * job->xq_row_bytes;
+        const act_tile_scales32 *scales = group->scales ? group->scales + (m / GGUF_TILE_ROWS) * job->nblocks : NULL;
+        job->plan->rows(job->nblocks, group->w + n0 * job->row_bytes, n1 - n0, job->row_bytes, xq, job->xq_row_bytes, scales, rows,
+                        moe->out + (group->first + m) * job->n + n0, (size_t)job->n);
+    }
+}
+
+typedef struct {
+    const matmul_job *job;
+    const float *x;        /* the rows to quantize, K apart */
+    const int64_t *source; /* row of x for each destination row */
+    void *xq;              /* destination rows, xq_row_bytes apart */
+} quantize_gather;
+
+static void quantize_gather_task(void *data, size_t index) {
+    const quantize_gather *q = data;
+    const float *row = q->x + q->source[index] * q->job->k;
+    void *out = (char *)q->xq + index * q->job->xq_row_bytes;
+    if (q->job->plan->type->activation_values == 256) gguf_quantize_row256(row, out, q->job->k);
+    else gguf_quantize_row32(row, out, q->job->k);
+}
+
+/* Quantizes rows source[0..count) of x into consecutive rows of xq, on the pool when there are several. */
+static OrtStatus *quantize_gathered(const OrtApi *api, OrtKernelContext *context, const matmul_job *job, const float *x,
+                                    const int64_t *source, int64_t count, void *xq) {
+    quantize_gather q = {job, x, source, xq};
+    if (count >= 4) return ORT_FN(api, KernelContext_ParallelFor)(context, quantize_gather_task, (size_t)count, 0, &q);
+    for (int64_t i = 0; i < count; i++) quantize_gather_task(&q, (size_t)i);
+    return NULL;
+}
 
 static OrtStatus *compute_moe(void *kernel_data, OrtKernelContext *context) {
     const gguf_kernel *kernel = kernel_data;
@@ -543,11 +665,12 @@ static OrtStatus *compute_moe(void *kernel_data, OrtKernelContext *context) {
     }
     const int64_t R = c_dims[0], k = c_dims[1], E = w_dims[0], K = x_dims[x_rank - 1];
     char error[512];
-    matmul_job job = {0};
-    if (prepare_job(&job, &kernel->plan, K, w_dims[1], w_dims[2], error, sizeof error) != 0) {
+    moe_job moe = {0};
+    matmul_job *job = &moe.job;
+    if (prepare_job(job, &kernel->plan, K, w_dims[1], w_dims[2], error, sizeof error) != 0) {
         return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
     }
-    const int64_t N = job.n;
+    const int64_t N = job->n;
     int64_t y_dims[3] = {R, k, N};
     OrtValue *y_value = NULL;
     RETURN_IF_ERROR(ORT_FN(api, KernelContext_GetOutput)(context, 0, y_dims, 3, &y_value));
@@ -565,39 +688,77 @@ static OrtStatus *compute_moe(void *kernel_data, OrtKernelContext *context) {
             return error_status(api, ORT_ERR_INVALID_ARGUMENT, error);
         }
     }
-    int64_t *order = malloc(sizeof(int64_t) * (size_t)slots); /* slots sorted by expert, stable */
-    float *rows = malloc(sizeof(float) * (size_t)(slots * K)), *out = malloc(sizeof(float) * (size_t)(slots * N));
-    if (order == NULL || rows == NULL || out == NULL || alloc_activations(&job, slots) != 0) {
-        free(order), free(rows), free(out), free_activations(&job);
-        return error_status(api, ORT_ERR_FAIL, "GgufMoEMatMul: out of memory");
-    }
+    /* the slots grouped by expert (a counting sort: stable), and each group's place */
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)slots), *source = malloc(sizeof(int64_t) * (size_t)(slots > R ? slots : R));
+    int64_t *start = calloc((size_t)E + 1, sizeof(int64_t));
+    moe_group *groups = malloc(sizeof(moe_group) * (size_t)(slots < E ? slots : E));
+    float *out = malloc(sizeof(float) * (size_t)(slots * N));
+    void *rows = NULL; /* [R] quantized input rows when the slots share them */
     OrtStatus *status = NULL;
-    int64_t done = 0;
-    for (int64_t e = 0; e < E && status == NULL; e++) {
-        int64_t count = 0;
-        for (int64_t i = 0; i < slots; i++) {
-            if (chosen[i] != e) continue;
-            const float *src = (const float *)x_data + (x_rank == 2 ? i / k : i) * K;
-            memcpy(rows + count * K, src, sizeof(float) * (size_t)K);
-            order[done + count++] = i;
-        }
-        if (count == 0) continue;
-        job.x = rows;
-        job.w = (const uint8_t *)w_data + e * N * job.row_bytes;
-        job.y = out;
-        job.m = count;
-        if (job.scales != NULL) { /* a tile's lanes past its last row stay 0, as for GgufMatMul */
-            memset(job.scales, 0, sizeof(act_tile_scales32) * (size_t)(((slots + GGUF_TILE_ROWS - 1) / GGUF_TILE_ROWS) * job.nblocks));
-        }
-        quantize_rows(&job, 0, count);
-        size_t tasks = (size_t)((N + job.rows_per_task - 1) / job.rows_per_task);
-        status = ORT_FN(api, KernelContext_ParallelFor)(context, product_task, tasks, 0, &job);
-        for (int64_t c = 0; c < count && status == NULL; c++) {
-            memcpy((float *)y_data + order[done + c] * N, out + c * N, sizeof(float) * (size_t)N);
-        }
-        done += count;
+    if (order == NULL || source == NULL || start == NULL || groups == NULL || out == NULL || alloc_activations(job, slots) != 0) {
+        status = error_status(api, ORT_ERR_FAIL, "GgufMoEMatMul: out of memory");
+        goto done;
     }
-    free(order), free(rows), free(out), free_activations(&job);
+    free(job->scales); /* the groups' tiles are laid out below */
+    job->scales = NULL;
+    for (int64_t i = 0; i < slots; i++) start[chosen[i] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    for (int64_t i = 0; i < slots; i++) order[start[chosen[i]]++] = i; /* start[e] is now group e's end */
+    int64_t tasks_per_group = (N + job->rows_per_task - 1) / job->rows_per_task, tiles = 0;
+    for (int64_t e = 0, first = 0; e < E; e++) {
+        int64_t count = start[e] - first;
+        if (count == 0) continue;
+        moe_group *group = &groups[moe.ngroups];
+        group->w = (const uint8_t *)w_data + e * N * job->row_bytes;
+        group->first = first, group->count = count, group->first_task = moe.ngroups * tasks_per_group;
+        group->first_tile = tiles, group->scales = NULL;
+        tiles += (count + GGUF_TILE_ROWS - 1) / GGUF_TILE_ROWS;
+        moe.ngroups++;
+        first += count;
+    }
+    /* the quantized row of every slot, in grouped order: a shared row quantized once */
+    if (x_rank == 2) {
+        for (int64_t r = 0; r < R; r++) source[r] = r;
+        rows = aligned_alloc(64, (job->xq_row_bytes * (size_t)R + 63) / 64 * 64);
+        if (rows == NULL) {
+            status = error_status(api, ORT_ERR_FAIL, "GgufMoEMatMul: out of memory");
+            goto done;
+        }
+        status = quantize_gathered(api, context, job, x_data, source, R, rows);
+        for (int64_t p = 0; p < slots && status == NULL; p++) {
+            memcpy((char *)job->xq + p * job->xq_row_bytes, (char *)rows + (order[p] / k) * job->xq_row_bytes, job->xq_row_bytes);
+        }
+    } else {
+        status = quantize_gathered(api, context, job, x_data, order, slots, job->xq);
+    }
+    if (status != NULL) goto done;
+    if (kernel->plan.type->activation_values == 32) { /* each group's tiles repeat its rows' block scales by block */
+        job->scales = calloc((size_t)(tiles * job->nblocks), sizeof(act_tile_scales32));
+        if (job->scales == NULL) {
+            status = error_status(api, ORT_ERR_FAIL, "GgufMoEMatMul: out of memory");
+            goto done;
+        }
+        for (int64_t g = 0; g < moe.ngroups; g++) {
+            moe_group *group = &groups[g];
+            group->scales = job->scales + group->first_tile * job->nblocks;
+            for (int64_t m = 0; m < group->count; m++) {
+                const act_block32 *blocks = (const act_block32 *)((const char *)job->xq + (group->first + m) * job->xq_row_bytes);
+                act_tile_scales32 *tile = group->scales + (m / GGUF_TILE_ROWS) * job->nblocks;
+                for (int64_t b = 0; b < job->nblocks; b++) {
+                    tile[b].d[m % GGUF_TILE_ROWS] = blocks[b].d;
+                    tile[b].ds[m % GGUF_TILE_ROWS] = blocks[b].ds;
+                }
+            }
+        }
+    }
+    moe.groups = groups;
+    moe.out = out;
+    status = ORT_FN(api, KernelContext_ParallelFor)(context, moe_product_task, (size_t)(moe.ngroups * tasks_per_group), 0, &moe);
+    for (int64_t p = 0; p < slots && status == NULL; p++) {
+        memcpy((float *)y_data + order[p] * N, out + p * N, sizeof(float) * (size_t)N);
+    }
+done:
+    free(order), free(source), free(start), free(groups), free(out), free(rows), free_activations(job);
     return status;
 }
 

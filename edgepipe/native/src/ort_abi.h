@@ -48,6 +48,7 @@ enum ort_slot {
     ORT_SLOT_KernelContext_GetOutput = 91,
     ORT_SLOT_ReleaseStatus = 93,
     ORT_SLOT_ReleaseTensorTypeAndShapeInfo = 99,
+    ORT_SLOT_KernelInfoGetConstantInput_tensor = 249, /* ORT 1.15+ */
     ORT_SLOT_GetBuildInfoString = 254,
     ORT_SLOT_KernelContext_ParallelFor = 274,
 };
@@ -68,6 +69,8 @@ typedef OrtStatus *(*ort_KernelContext_GetOutput)(OrtKernelContext *context, siz
                                                   size_t dim_count, OrtValue **out);
 typedef void (*ort_ReleaseStatus)(OrtStatus *status);
 typedef void (*ort_ReleaseTensorTypeAndShapeInfo)(OrtTensorTypeAndShapeInfo *info);
+typedef OrtStatus *(*ort_KernelInfoGetConstantInput_tensor)(const OrtKernelInfo *info, size_t index, int *is_constant,
+                                                              const OrtValue **out);
 typedef const char *(*ort_GetBuildInfoString)(void);
 typedef OrtStatus *(*ort_KernelContext_ParallelFor)(const OrtKernelContext *context, void (*fn)(void *, size_t),
                                                     size_t total, size_t num_batch, void *user_data);

@@ -1,6 +1,6 @@
 """Admission as the HTTP routes use it: ``cluster.scheduling.Admission`` with its refusal as a 429.
 
-The decision is ``edgepipe.cluster.rules.core.admission`` (its book ``ClusterState.admission``), its
+The decision is ``edgepipe.cluster.rules.core.handle`` (``AdmitAsked``, ``AdmitLeft``) (its book ``ClusterState.admission``), its
 shell ``edgepipe.cluster.rules.scheduling.Admission``; this wrapper only turns ``QueueFull`` into
 an OpenAI-shaped ``APIError(429)`` with ``Retry-After``, so the routes keep their one call.
 """

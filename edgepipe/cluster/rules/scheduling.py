@@ -3,7 +3,7 @@
 Admission: at most ``max_active`` sequences run, and their KV must fit what the workers'
 budgets hold; the next ``max_queue`` wait in arrival order; beyond that :class:`QueueFull` (the
 API turns it into a 429 with ``Retry-After``). The rule and the book of tickets are state
-(``admission_book``, ``ClusterState.admission``), the decision is ``core.admission``;
+(``admission_book``, ``ClusterState.admission``), the decision is ``core.handle`` (``AdmitAsked``, ``AdmitLeft``);
 :class:`Admission` is its shell, keeping only the futures of the requests in line.
 
 Waiting for Up: a request whose cluster is not Up waits, but not forever (``wait_verdict``):
@@ -37,7 +37,7 @@ class QueueFull(AdmissionError):
 
 
 class Admission:
-    """The admission shell: asks ``core.admission`` and carries out its commands; the futures of
+    """The admission shell: asks ``core.handle`` and carries out its commands; the futures of
     the requests waiting in line are the only thing it keeps. The book itself (who runs, who
     waits) is ``ClusterState.admission``: the coordinator's once bound to it (``bind``: its events
     go through the coordinator's ``emit``, so they are logged), a state of its own before."""
@@ -85,7 +85,7 @@ class Admission:
         fut = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = fut
         try:
-            self._carry(core.admission(self._state(), core.AdmitAsked(ticket, positions, self.capacity()), self.limits))
+            self._carry(core.handle(self._state(), core.AdmitAsked(ticket, positions, self.capacity(), self.limits), core.Config()))
             return await fut
         except asyncio.CancelledError:
             self._leave(ticket)  # out of the line, or the slot it was handed as it left goes back
@@ -98,7 +98,7 @@ class Admission:
             self._leave(ticket)
 
     def _leave(self, ticket: int) -> None:
-        self._carry(core.admission(self._state(), core.AdmitLeft(ticket, self.capacity()), self.limits))
+        self._carry(core.handle(self._state(), core.AdmitLeft(ticket, self.capacity(), self.limits), core.Config()))
 
     def _carry(self, handled) -> None:
         for event in handled.events:

@@ -3,8 +3,8 @@
 A worker connects with HELLO and is refused (one line, ``ErrorCode.REFUSED``) or welcomed and
 read until its channel closes. Every frame it sends is checked (``net.messages.parse``,
 ``net.validate``) before anything uses it: a bad one closes the channel, never the coordinator.
-Frames are routed to their owner (tokens and errors to ``steps``, LOADED where ``core.loaded``
-says: a LOAD's waiter, the KV migration, the checkpoints; pongs into the state). The heartbeat loop pings every worker and carries out what ``membership.beat``
+Frames are routed to their owner (tokens and errors to ``steps``, LOADED where the core
+says (``core.LoadAnswered``): a LOAD's waiter, the KV migration, the checkpoints; pongs into the state). The heartbeat loop pings every worker and carries out what ``membership.beat``
 decides (suspect, lose, abandon a plan whose stage went silent). Heartbeats, frames heard and
 pongs are inputs of the coordinator's core (``core.handle``): this shell emits the events it
 returns and carries out its commands. It is lent ``ports.Ports`` and the few collaborators it
@@ -163,7 +163,7 @@ class Connections:
                      "prefix_bytes": typed.prefix_bytes}
             self.carry_out(core.handle(p.state(), core.PongHeard(wid, typed.t, stats, p.clock()), self.config))
         elif msg.type is T.LOADED:
-            self.carry_out(core.loaded(p.state(), core.LoadAnswered(wid, typed)), link)
+            self.carry_out(core.handle(p.state(), core.LoadAnswered(wid, typed), self.config), link)
         elif msg.type is T.PROBED:
             fut = link.probes.pop(typed.probe, None)
             if fut and not fut.done():

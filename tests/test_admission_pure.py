@@ -1,5 +1,5 @@
 """An API request's state as plain decisions (no process, no loop). Admission: the book of
-tickets is ``ClusterState.admission`` (``admission_book``), and ``core.admission`` decides who
+tickets is ``ClusterState.admission`` (``admission_book``), and ``core.handle`` decides who
 runs, who waits in line, who is refused and who leaves the line when a slot frees. A paused
 request: ``RequestPaused`` and the ``RequestFed`` that ends it are state, and the dashboard's
 ``pause``/``recovered`` lines are read from them (``narrate.entry``)."""
@@ -15,6 +15,7 @@ from edgepipe.cluster.shells import narrate
 pytestmark = pytest.mark.pure  # no process, no model: the cores as plain functions
 
 LIMITS = AB.Limits(max_active=3, max_queue=2, retry_after_s=7)
+CONFIG = core.Config()
 
 
 def _book(running=(), waiting=()) -> AB.AdmissionBook:
@@ -43,13 +44,13 @@ def test_admit_queue_or_refuse(running, waiting, positions, capacity, verdict):
 def test_the_core_admits_queues_and_refuses_with_events_and_commands():
     state = S.ClusterState()
     for ticket in (1, 2, 3):
-        done = core.admission(state, core.AdmitAsked(ticket, 10, None), LIMITS)
+        done = core.handle(state, core.AdmitAsked(ticket, 10, None, LIMITS), CONFIG)
         assert done.events == (AB.Admitted(ticket, 10),) and done.commands == (core.StartRequest(ticket),)
         state = done.state
-    queued = core.admission(state, core.AdmitAsked(4, 10, None), LIMITS)
+    queued = core.handle(state, core.AdmitAsked(4, 10, None, LIMITS), CONFIG)
     assert queued.events == (AB.Queued(4, 10),) and queued.commands == ()  # its waiter waits for a StartRequest
-    state = core.admission(queued.state, core.AdmitAsked(5, 10, None), LIMITS).state
-    refused = core.admission(state, core.AdmitAsked(6, 10, None), LIMITS)
+    state = core.handle(queued.state, core.AdmitAsked(5, 10, None, LIMITS), CONFIG).state
+    refused = core.handle(state, core.AdmitAsked(6, 10, None, LIMITS), CONFIG)
     why = "server busy: 3 requests running and 2 queued; retry later"
     assert refused.events == (AB.Refused(6, why),) and refused.commands == (core.RefuseRequest(6, why, 7),)
     assert refused.state.admission.refused == 1 and 6 not in refused.state.admission.running
@@ -60,12 +61,12 @@ def test_a_release_starts_the_head_of_the_line_or_nobody():
     state = S.ClusterState()
     for event in (AB.Admitted(1, 300), AB.Admitted(2, 300), AB.Queued(3, 400), AB.Queued(4, 10)):
         state = S.apply(state, event)
-    one = core.admission(state, core.AdmitLeft(1, 1000), LIMITS)  # 2 x 400 fits; then 3 x 400 does not: 4 waits behind
+    one = core.handle(state, core.AdmitLeft(1, 1000, LIMITS), CONFIG)  # 2 x 400 fits; then 3 x 400 does not: 4 waits behind
     assert one.events == (AB.AdmissionEnded(1), AB.Admitted(3, 400)) and one.commands == (core.StartRequest(3),)
     assert dict(one.state.admission.running) == {2: 300, 3: 400} and one.state.admission.waiting == ((4, 10),)
-    both = core.admission(state, core.AdmitLeft(1, None), LIMITS)  # unbounded: both go, in arrival order
+    both = core.handle(state, core.AdmitLeft(1, None, LIMITS), CONFIG)  # unbounded: both go, in arrival order
     assert both.commands == (core.StartRequest(3), core.StartRequest(4))
-    blocked = core.admission(state, core.AdmitLeft(1, 500), LIMITS)  # the head does not fit: nobody goes
+    blocked = core.handle(state, core.AdmitLeft(1, 500, LIMITS), CONFIG)  # the head does not fit: nobody goes
     assert blocked.events == (AB.AdmissionEnded(1),) and blocked.commands == ()
 
 
@@ -73,18 +74,20 @@ def test_leaving_the_line_and_unknown_tickets():
     state = S.ClusterState()
     for event in (AB.Admitted(1, 10), AB.Admitted(2, 10), AB.Admitted(3, 10), AB.Queued(4, 10), AB.Queued(5, 10)):
         state = S.apply(state, event)
-    left = core.admission(state, core.AdmitLeft(4, None), LIMITS)
+    left = core.handle(state, core.AdmitLeft(4, None, LIMITS), CONFIG)
     assert left.events == (AB.AdmissionEnded(4),) and left.commands == () and left.state.admission.waiting == ((5, 10),)
-    unknown = core.admission(state, core.AdmitLeft(99, None), LIMITS)
+    unknown = core.handle(state, core.AdmitLeft(99, None, LIMITS), CONFIG)
     assert unknown.events == () and unknown.state is state
     assert S.apply(state, AB.AdmissionEnded(99)) == state  # a late or duplicated end is harmless
 
 
 def test_the_book_replays_from_its_events_and_has_no_dashboard_line():
     state, log = S.ClusterState(), []
-    for asked in (core.AdmitAsked(1, 10, 100), core.AdmitAsked(2, 90, 100), core.AdmitAsked(3, 10, 100), core.AdmitLeft(1, 100),
-                  core.AdmitAsked(4, 10, 100), core.AdmitAsked(5, 10, 100), core.AdmitLeft(2, 100)):
-        done = core.admission(state, asked, AB.Limits(max_active=3, max_queue=2))
+    limits = AB.Limits(max_active=3, max_queue=2)
+    for asked in (core.AdmitAsked(1, 10, 100, limits), core.AdmitAsked(2, 90, 100, limits), core.AdmitAsked(3, 10, 100, limits),
+                  core.AdmitLeft(1, 100, limits), core.AdmitAsked(4, 10, 100, limits), core.AdmitAsked(5, 10, 100, limits),
+                  core.AdmitLeft(2, 100, limits)):
+        done = core.handle(state, asked, CONFIG)
         state, log = done.state, log + list(done.events)
     replayed = S.ClusterState()
     for event in log:

@@ -1,6 +1,6 @@
 """The shells' last ledgers and lines as state and pure functions (no process, no model, no loop):
 dashboard lines read from the events that made the change, the link-probe secret a data port
-accepts, and whose a worker's LOADED is (``core.loaded``)."""
+accepts, and whose a worker's LOADED is (``core.handle`` of a ``LoadAnswered``)."""
 
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ def test_a_loaded_goes_to_whoever_awaits_it():
         Loaded(False, kv_received=1 << 40, error="refused"): core.AckCheckpointCopy(Loaded(False, kv_received=1 << 40, error="refused")),
     }
     for reply, command in answers.items():
-        handled = core.loaded(state, core.LoadAnswered("w2", reply))
+        handled = core.handle(state, core.LoadAnswered("w2", reply), core.Config())
         assert handled.commands == (command,) and handled.state is state and handled.events == ()
     ended = S.apply(S.apply(state, S.KvMoveEnded(3, False)), S.RoundEnded("r1", (1 << 40,)))
     for late in (Loaded(True, kv_received=3), Loaded(True, kv_received=1 << 40), Loaded(True, kv_received=99)):
-        assert core.loaded(ended, core.LoadAnswered("w2", late)).commands == ()  # its switch or round is over
+        assert core.handle(ended, core.LoadAnswered("w2", late), core.Config()).commands == ()  # its switch or round is over

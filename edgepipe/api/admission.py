@@ -1,13 +1,13 @@
-"""Admission as the HTTP routes use it: ``cluster.scheduling.Admission`` with its refusal as a 429.
+"""Admission as the HTTP routes use it: ``cluster.shells.admission.Admission`` with its refusal as a 429.
 
-The decision is ``edgepipe.cluster.rules.core.admission`` (its book ``ClusterState.admission``), its
-shell ``edgepipe.cluster.rules.scheduling.Admission``; this wrapper only turns ``QueueFull`` into
+The decision is ``edgepipe.cluster.rules.core.handle`` (``AdmitAsked``, ``AdmitLeft``) (its book ``ClusterState.admission``), its
+shell ``edgepipe.cluster.shells.admission.Admission``; this wrapper only turns ``QueueFull`` into
 an OpenAI-shaped ``APIError(429)`` with ``Retry-After``, so the routes keep their one call.
 """
 
 from __future__ import annotations
 
-from ..cluster.rules.scheduling import Admission as _Admission, AdmissionError, QueueFull
+from ..cluster.shells.admission import Admission as _Admission, AdmissionError, QueueFull
 from .errors import APIError
 
 

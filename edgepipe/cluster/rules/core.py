@@ -1,23 +1,25 @@
-"""The coordinator's decisions as data (sans-IO): ``handle(state, input, config) -> Handled(state,
-events, commands)``.
+"""The coordinator's decisions as data (sans-IO): one ``handle(state, input, config) -> Handled(state,
+events, commands)`` over one union of inputs, ``Input``.
 
 An input is something that happened at the coordinator's edge: a heartbeat is due, a frame or a
-pong came from a worker, a prompt prefill is about to be sent, the frame that carried a prefix
-decision came back, and the step path's inputs (``step_path``: a sequence asks for a step or its
-lane, a TOKEN or ERROR frame came from a stage, a step timed out or was given up, a plan's steps
-were lost). ``handle`` returns the events that input makes (the state after them is ``state``:
-the shell emits each one, so they are logged and narrated like every other) and the commands the
-shell must carry out (take a worker out, fail a plan's steps, wake the re-planner, ping every
-worker, record a measurement, send a prefill with its prefix decision, settle or fail a step's
-future, send a lane's batch, arm a lane's timer, quarantine a worker). A worker's LOADED goes
-through ``loaded`` (whose it is: a LOAD's waiter, a switch's KV move, a checkpoint's copy), an
-API request's admission through ``admission`` (admit, queue or refuse it; when one leaves, who in
-line starts: the book is ``ClusterState.admission``, ``admission_book``).
+pong came from a worker, a worker's LOADED came (whose it is: a LOAD's waiter, a switch's KV
+move, a checkpoint's copy), a prompt prefill is about to be sent, the frame that carried a prefix
+decision came back, an API request asks for a slot or leaves it (admit, queue or refuse it; when
+one leaves, who in line starts: the book is ``ClusterState.admission``, ``admission_book``), and
+the step path's inputs (``step_path``: a sequence asks for a step or its lane, a TOKEN or ERROR
+frame came from a stage, a step timed out or was given up, a plan's steps were lost).
+``handle`` returns the state after the events that input makes, those events (the shell logs
+them, and narrates them like every other, without applying them again) and the commands the
+shell must carry out (``Command``: take a worker out, fail a plan's steps, wake the re-planner,
+ping every worker, record a measurement, send a prefill with its prefix decision, hand a LOADED
+to its owner, start or refuse a request, settle or fail a step's future, send a lane's batch,
+arm a lane's timer, quarantine a worker).
 
-Driven by ``connections`` (heartbeats, frames heard, pongs, LOADED), ``prefix_cache`` (prefills),
-``steps`` (the step path: the in-flight table and the lanes are ``ClusterState.steps``,
-``step_book``) and ``scheduling.Admission`` (the API's admission shell: its waiters' futures).
-A request's token loop once admitted is still its shell's own code (``requests``).
+One shell carries out every command: ``shells.executor.Executor`` (a total match over
+``Command``). The shells that meet these inputs (``connections``: heartbeats, frames heard,
+pongs, LOADED; ``prefix_cache``: prefills; ``steps``: the step path, whose in-flight table and
+lanes are ``ClusterState.steps``, ``step_book``; ``admission``: the API's tickets) hand them to
+it. A request's token loop once admitted is still its shell's own code (``requests``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..state import measurements as M, prefix, prefix_book as PB
+from ...net.messages import Loaded
+from ..state import admission_book as AB, measurements as M, prefix, prefix_book as PB
 from . import membership, scheduling, step_path
 from .profiling import RUNTIME_OVERHEAD_BYTES
 from ..state.state import ClusterState, Event, Heard, Ponged, apply
@@ -76,7 +79,34 @@ class PrefillEnded:
     ok: bool  # the frame came back from the last stage (False: it failed or was given up part-way)
 
 
-Input = HeartbeatDue | FrameHeard | PongHeard | PrefillAsked | PrefillEnded | StepInput
+@dataclass(frozen=True)
+class LoadAnswered:
+    """A worker's LOADED: the answer to a LOAD, or (``kv_received``) the acknowledgement of a KV copy."""
+
+    worker_id: str
+    reply: Loaded
+
+
+@dataclass(frozen=True)
+class AdmitAsked:
+    """An accepted API request asks for a slot under ``ticket``; its KV may grow to ``positions``."""
+
+    ticket: int
+    positions: int
+    capacity: int | None  # KV positions the workers' budgets hold now (None: unbounded; ``deploy.kv_capacity``)
+    limits: AB.Limits  # the admission's (``scheduling.Admission``: the API's, set by ``serve``)
+
+
+@dataclass(frozen=True)
+class AdmitLeft:
+    """``ticket`` is done with its slot, or gives up its place in line (a client gone while it waited)."""
+
+    ticket: int
+    capacity: int | None
+    limits: AB.Limits
+
+
+Input = HeartbeatDue | FrameHeard | PongHeard | LoadAnswered | PrefillAsked | PrefillEnded | AdmitAsked | AdmitLeft | StepInput
 
 
 # -- commands ---------------------------------------------------------------------------------------
@@ -117,13 +147,52 @@ class CarryPrefix:
     decision: prefix.PrefillDecision
 
 
-Command = LoseWorker | FailPlan | Replan | PingAll | Measure | CarryPrefix | step_path.StepCommand
+@dataclass(frozen=True)
+class AnswerLoad:
+    """Hand ``reply`` to whoever awaits ``worker_id``'s LOAD of ``reply.plan`` (none: a late answer, dropped)."""
+
+    worker_id: str
+    reply: Loaded
+
+
+@dataclass(frozen=True)
+class AckKvMove:
+    """A KV move of a switch was acknowledged (``ClusterState.moves``)."""
+
+    reply: Loaded
+
+
+@dataclass(frozen=True)
+class AckCheckpointCopy:
+    """A checkpoint's copy was acknowledged (``ClusterState.checkpoint_copies``)."""
+
+    reply: Loaded
+
+
+@dataclass(frozen=True)
+class StartRequest:
+    """``ticket`` has its slot: hand it to its waiter, whose token loop starts (a waiter already gone gives it back)."""
+
+    ticket: int
+
+
+@dataclass(frozen=True)
+class RefuseRequest:
+    """Refuse ``ticket`` now (the API's 429 with ``Retry-After``)."""
+
+    ticket: int
+    why: str
+    retry_after_s: int
+
+
+Command = (LoseWorker | FailPlan | Replan | PingAll | Measure | CarryPrefix | AnswerLoad | AckKvMove | AckCheckpointCopy
+           | StartRequest | RefuseRequest | step_path.StepCommand)
 
 
 @dataclass(frozen=True)
 class Config:
-    liveness: membership.LivenessSettings
-    prefix_block: int  # token ids per cached prefix block
+    liveness: membership.LivenessSettings = membership.LivenessSettings()
+    prefix_block: int = 32  # token ids per cached prefix block
 
     @classmethod
     def of(cls, settings) -> "Config":
@@ -158,6 +227,10 @@ def handle(state: ClusterState, event: Input, config: Config) -> Handled:
         case PongHeard(wid, sent_at, stats, now):
             rtt = now - sent_at if sent_at is not None and sent_at <= now else None
             return _after(state, (Ponged(wid, rtt, stats, now),), (Measure(M.HeartbeatRtt(wid, rtt)),) if rtt is not None else ())
+        case LoadAnswered():
+            return _loaded(state, event)
+        case AdmitAsked() | AdmitLeft():
+            return _admission(state, event)
         case PrefillAsked(plan, rid, ids, reuse, room):
             decided = PB.decide(state.prefix, plan, rid, ids, room, config.prefix_block, reuse)
             if decided is not None:
@@ -176,44 +249,12 @@ def _after(state: ClusterState, events: tuple, commands: tuple = ()) -> Handled:
     return Handled(state, tuple(events), tuple(commands))
 
 
-# -- a worker's LOADED: whose it is (``loaded``, driven by ``connections``; ``handle`` takes the inputs above) --
-from ...net.messages import Loaded  # noqa: E402 - this section's own import, kept with it
 
 
-@dataclass(frozen=True)
-class LoadAnswered:
-    """A worker's LOADED: the answer to a LOAD, or (``kv_received``) the acknowledgement of a KV copy."""
-
-    worker_id: str
-    reply: Loaded
-
-
-@dataclass(frozen=True)
-class AnswerLoad:
-    """Hand ``reply`` to whoever awaits ``worker_id``'s LOAD of ``reply.plan`` (none: a late answer, dropped)."""
-
-    worker_id: str
-    reply: Loaded
-
-
-@dataclass(frozen=True)
-class AckKvMove:
-    """A KV move of a switch was acknowledged (``ClusterState.moves``)."""
-
-    reply: Loaded
-
-
-@dataclass(frozen=True)
-class AckCheckpointCopy:
-    """A checkpoint's copy was acknowledged (``ClusterState.checkpoint_copies``)."""
-
-    reply: Loaded
-
-
-def loaded(state: ClusterState, answer: LoadAnswered) -> Handled:
-    """Whose a LOADED is (pure): a LOAD's answer, a switch's KV move or a checkpoint's copy in
-    flight; an acknowledgement of a copy no longer in flight (its round or switch is over) is
-    dropped. Changes no state: the shell that awaits it records the outcome."""
+def _loaded(state: ClusterState, answer: LoadAnswered) -> Handled:
+    """Whose a LOADED is: a LOAD's answer, a switch's KV move or a checkpoint's copy in flight; an
+    acknowledgement of a copy no longer in flight (its round or switch is over) is dropped.
+    Changes no state: the shell that awaits it records the outcome."""
     reply = answer.reply
     if reply.kv_received is None:
         return Handled(state, (), (AnswerLoad(answer.worker_id, reply),))
@@ -224,49 +265,12 @@ def loaded(state: ClusterState, answer: LoadAnswered) -> Handled:
     return Handled(state)
 
 
-# -- an API request's admission (``admission``, driven by ``scheduling.Admission``; the book is ``ClusterState.admission``) --
-from ..state import admission_book as AB  # noqa: E402 - this section's own import, kept with it
-
-
-@dataclass(frozen=True)
-class AdmitAsked:
-    """An accepted API request asks for a slot under ``ticket``; its KV may grow to ``positions``."""
-
-    ticket: int
-    positions: int
-    capacity: int | None  # KV positions the workers' budgets hold now (None: unbounded; ``deploy.kv_capacity``)
-
-
-@dataclass(frozen=True)
-class AdmitLeft:
-    """``ticket`` is done with its slot, or gives up its place in line (a client gone while it waited)."""
-
-    ticket: int
-    capacity: int | None
-
-
-@dataclass(frozen=True)
-class StartRequest:
-    """``ticket`` has its slot: hand it to its waiter, whose token loop starts (a waiter already gone gives it back)."""
-
-    ticket: int
-
-
-@dataclass(frozen=True)
-class RefuseRequest:
-    """Refuse ``ticket`` now (the API's 429 with ``Retry-After``)."""
-
-    ticket: int
-    why: str
-    retry_after_s: int
-
-
-def admission(state: ClusterState, asked: AdmitAsked | AdmitLeft, limits: AB.Limits) -> Handled:
-    """Admit, queue or refuse a request; when one leaves, who in line starts (pure). A ticket
-    queued gets no command: its waiter waits for a ``StartRequest``."""
+def _admission(state: ClusterState, asked: AdmitAsked | AdmitLeft) -> Handled:
+    """Admit, queue or refuse a request; when one leaves, who in line starts. A ticket queued gets
+    no command: its waiter waits for a ``StartRequest``."""
     book = state.admission
     match asked:
-        case AdmitAsked(ticket, positions, capacity):
+        case AdmitAsked(ticket, positions, capacity, limits):
             verdict = AB.decide(book, positions, capacity, limits)
             if verdict is AB.Verdict.ADMIT:
                 return _after(state, (AB.Admitted(ticket, positions),), (StartRequest(ticket),))
@@ -274,11 +278,11 @@ def admission(state: ClusterState, asked: AdmitAsked | AdmitLeft, limits: AB.Lim
                 return _after(state, (AB.Queued(ticket, positions),))
             why = f"server busy: {len(book.running)} requests running and {len(book.waiting)} queued; retry later"
             return _after(state, (AB.Refused(ticket, why),), (RefuseRequest(ticket, why, limits.retry_after_s),))
-        case AdmitLeft(ticket, capacity) if ticket in book.running:
+        case AdmitLeft(ticket, capacity, limits) if ticket in book.running:
             ended = apply(state, AB.AdmissionEnded(ticket))
             started = AB.starts(ended.admission, capacity, limits)
             return _after(state, (AB.AdmissionEnded(ticket), *started), tuple(StartRequest(e.ticket) for e in started))
-        case AdmitLeft(ticket, _) if any(t == ticket for t, _ in book.waiting):
+        case AdmitLeft(ticket, _, _) if any(t == ticket for t, _ in book.waiting):
             # as before the book: a place given up in line starts nobody (the next release does)
             return _after(state, (AB.AdmissionEnded(ticket),))
     return Handled(state)

@@ -1,10 +1,8 @@
-"""Scheduling decisions: which requests run (admission), how long one may wait for the cluster.
+"""Scheduling decisions: how long a request may wait for the cluster, and where its next step resumes.
 
-Admission: at most ``max_active`` sequences run, and their KV must fit what the workers'
-budgets hold; the next ``max_queue`` wait in arrival order; beyond that :class:`QueueFull` (the
-API turns it into a 429 with ``Retry-After``). The rule and the book of tickets are state
-(``admission_book``, ``ClusterState.admission``), the decision is ``core.admission``;
-:class:`Admission` is its shell, keeping only the futures of the requests in line.
+Admission (which requests run) is state and a decision of the core: the book of tickets is
+``ClusterState.admission`` (``admission_book``), the decision ``core.handle`` of ``AdmitAsked`` /
+``AdmitLeft``, its shell ``shells.admission.Admission``.
 
 Waiting for Up: a request whose cluster is not Up waits, but not forever (``wait_verdict``):
 when the connected workers cannot hold the model at all it fails after ``capacity_wait_s``
@@ -14,108 +12,9 @@ The micro-batch lanes are in ``batching``; replay (rebuilding a sequence's KV) i
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
-from ..state import admission_book as AB
-from . import core  # core imports this module too: its names are read at call time
-from ..state.state import ClusterState, Phase, apply
-
-
-class AdmissionError(RuntimeError):
-    """A request cannot be admitted now (``retry_after_s``: when to try again)."""
-
-    def __init__(self, message: str, retry_after_s: int = 1, code: str = "queue_full"):
-        super().__init__(message)
-        self.retry_after_s, self.code = retry_after_s, code
-
-
-class QueueFull(AdmissionError):
-    pass
-
-
-class Admission:
-    """The admission shell: asks ``core.admission`` and carries out its commands; the futures of
-    the requests waiting in line are the only thing it keeps. The book itself (who runs, who
-    waits) is ``ClusterState.admission``: the coordinator's once bound to it (``bind``: its events
-    go through the coordinator's ``emit``, so they are logged), a state of its own before."""
-
-    def __init__(self, max_active: int = 16, max_queue: int = 64, retry_after_s: int = 1, capacity=lambda: None):
-        self.limits = AB.Limits(max_active, max_queue, retry_after_s)
-        self.capacity = capacity  # () -> KV positions the workers' budgets hold, or None
-        self._own = ClusterState()
-        self._state: Callable[[], ClusterState] = lambda: self._own
-        self._emit: Callable[[object], object] = self._apply_own
-        self._waiters: dict[int, asyncio.Future] = {}  # ticket -> the future its caller awaits, while it waits in line
-        self._tickets = itertools.count(1)
-
-    def bind(self, coordinator) -> None:
-        """Keep the book in ``coordinator``'s state (before any request is admitted)."""
-        self._state, self._emit = (lambda: coordinator.cluster), coordinator.emit
-        self.capacity = lambda: coordinator.kv_capacity
-
-    @property
-    def max_active(self) -> int:
-        return self.limits.max_active
-
-    @property
-    def running(self) -> Mapping[int, int]:
-        """Ticket -> KV positions it may grow to."""
-        return self._state().admission.running
-
-    @property
-    def active(self) -> int:
-        return len(self.running)
-
-    @property
-    def queued(self) -> int:
-        return len(self._state().admission.waiting)
-
-    @property
-    def limit(self) -> int:
-        """Sequences that could run at once if each grew to the longest running one."""
-        return AB.limit(self._state().admission, self.capacity(), self.limits)
-
-    async def admit(self, positions: int = 0) -> int:
-        """Wait for a slot for a request whose KV may grow to ``positions``; returns its ticket
-        (``QueueFull`` when the line is full)."""
-        ticket = next(self._tickets)
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters[ticket] = fut
-        try:
-            self._carry(core.admission(self._state(), core.AdmitAsked(ticket, positions, self.capacity()), self.limits))
-            return await fut
-        except asyncio.CancelledError:
-            self._leave(ticket)  # out of the line, or the slot it was handed as it left goes back
-            raise
-        finally:
-            self._waiters.pop(ticket, None)
-
-    def release(self, ticket: int | None) -> None:
-        if ticket is not None:
-            self._leave(ticket)
-
-    def _leave(self, ticket: int) -> None:
-        self._carry(core.admission(self._state(), core.AdmitLeft(ticket, self.capacity()), self.limits))
-
-    def _carry(self, handled) -> None:
-        for event in handled.events:
-            self._emit(event)
-        for command in handled.commands:
-            match command:
-                case core.StartRequest(ticket):
-                    fut = self._waiters.get(ticket)
-                    if fut is None or fut.done():  # its caller is gone: the slot goes back
-                        self._leave(ticket)
-                    else:
-                        fut.set_result(ticket)
-                case core.RefuseRequest(_, why, retry_after_s):
-                    raise QueueFull(why, retry_after_s)
-
-    def _apply_own(self, event) -> None:
-        self._own = apply(self._own, event)
+from ..state.state import ClusterState, Phase
 
 
 # -- waiting for the cluster ----------------------------------------------------------------------

@@ -3,12 +3,14 @@
 A worker connects with HELLO and is refused (one line, ``ErrorCode.REFUSED``) or welcomed and
 read until its channel closes. Every frame it sends is checked (``net.messages.parse``,
 ``net.validate``) before anything uses it: a bad one closes the channel, never the coordinator.
-Frames are routed to their owner (tokens and errors to ``steps``, LOADED where ``core.loaded``
-says: a LOAD's waiter, the KV migration, the checkpoints; pongs into the state). The heartbeat loop pings every worker and carries out what ``membership.beat``
-decides (suspect, lose, abandon a plan whose stage went silent). Heartbeats, frames heard and
-pongs are inputs of the coordinator's core (``core.handle``): this shell emits the events it
-returns and carries out its commands. It is lent ``ports.Ports`` and the few collaborators it
-hands frames to, by name; never the coordinator.
+Frames are routed to their owner (tokens and errors to ``steps``; LOADED where the core says,
+``core.LoadAnswered``: a LOAD's waiter, the KV migration, the checkpoints; pongs into the state).
+Every ``heartbeat_s`` the core gets a ``HeartbeatDue`` (``membership.beat``: suspect, lose,
+abandon a plan whose stage went silent; then ``PingAll``). Heartbeats, frames heard, pongs and
+LOADED are inputs of the coordinator's core, handed to the one executor (``executor``), which
+carries out the commands; the two that touch the channels come back here (``answer_load``,
+``ping_all``). It is lent ``ports.Ports`` and the few collaborators it hands frames to, by
+name; never the coordinator.
 """
 
 from __future__ import annotations
@@ -28,41 +30,32 @@ from .views import Link
 
 
 class Connections:
-    def __init__(self, ports: Ports, calibrator, steps, migration, requests, lose: Callable[..., Awaitable[None]],
-                 stopped: Callable[[], bool], drafting=None, checkpoints=None):
+    def __init__(self, ports: Ports, executor, calibrator, steps, requests, lose: Callable[..., Awaitable[None]],
+                 stopped: Callable[[], bool], drafting=None):
         self.ports = ports
         self.drafting = drafting  # drafter workers (``cluster.drafting``; None: no draft model here)
         self.calibrator = calibrator  # told of each join
         self.variants = calibrator.variants  # builds the form of the file's own model a newcomer runs
-        self.steps, self.migration = steps, migration  # tokens, errors and relays; a switch's acknowledged KV moves
-        self.checkpoints = checkpoints  # a checkpoint's acknowledged copies (``checkpointing``)
+        self.executor = executor  # ``executor.Executor``: heartbeats, frames heard, pongs and LOADED go to the core through it
+        self.steps = steps  # tokens, errors and relays
         self.requests = requests  # capacity (``lacking``) and the replay estimate an abandon weighs
         self.lose, self.stopped = lose, stopped  # takes a worker out (``Coordinator.lose``); the coordinator is stopping
-        self.config = core.Config.of(ports.settings)
 
-    def carry_out(self, handled: core.Handled, link: Link | None = None) -> None:
-        """Emit what the core decided, then do what it says (a ping of every worker is the heartbeat
-        loop's; ``link``: the channel a LOADED came on, whose LOAD it answers)."""
+    def answer_load(self, worker_id: str, reply) -> None:
+        """Hand a LOADED to whoever awaits ``worker_id``'s LOAD of its plan (``core.AnswerLoad``; none: a late answer, dropped)."""
+        link = self.ports.links().get(worker_id)
+        fut = link.loads.pop(reply.plan, None) if link is not None else None
+        if fut and not fut.done():
+            fut.set_result(reply)
+
+    async def ping_all(self, now: float) -> None:
+        """Ping every connected worker (``core.PingAll``); one whose channel closed is taken out."""
         p = self.ports
-        p.carry(handled.state, handled.events)
-        for command in handled.commands:
-            match command:
-                case core.LoseWorker(wid, why):
-                    p.spawn(self.lose(wid, why))
-                case core.FailPlan(plan, why):
-                    self.steps.lost(plan, why)
-                case core.Replan():
-                    p.replan_wanted.set()
-                case core.Measure(m):
-                    p.measure(m)
-                case core.AnswerLoad(_, reply) if link is not None:
-                    fut = link.loads.pop(reply.plan, None)
-                    if fut and not fut.done():
-                        fut.set_result(reply)
-                case core.AckKvMove(reply):
-                    self.migration.moved(reply)
-                case core.AckCheckpointCopy(reply):
-                    self.checkpoints.moved(reply)
+        for wid, link in list(p.links().items()):
+            try:
+                await link.send(Ping(now).to_message())
+            except ChannelClosed:
+                p.spawn(self.lose(wid, "disconnected"))
 
     async def attach(self, channel: Channel) -> None:
         """Serve one worker's control channel until it closes (called by the API endpoint)."""
@@ -151,7 +144,7 @@ class Connections:
             except (ProtocolError, validate.InvalidWorkerFrame) as exc:
                 await self._refuse(link.channel, f"bad frame from {wid}: {exc}")
                 return
-            self.carry_out(core.handle(p.state(), core.FrameHeard(wid, p.clock()), self.config))
+            self.executor.handle(core.FrameHeard(wid, p.clock()))
             self._dispatch(wid, link, msg, typed)
 
     def _dispatch(self, wid: str, link: Link, msg: Message, typed) -> None:
@@ -161,9 +154,9 @@ class Connections:
         elif msg.type is T.PONG:
             stats = {"kv_bytes": typed.kv_bytes, "queue": typed.queue, "busy_s": typed.busy_s, "computed": typed.computed,
                      "prefix_bytes": typed.prefix_bytes}
-            self.carry_out(core.handle(p.state(), core.PongHeard(wid, typed.t, stats, p.clock()), self.config))
+            self.executor.handle(core.PongHeard(wid, typed.t, stats, p.clock()))
         elif msg.type is T.LOADED:
-            self.carry_out(core.loaded(p.state(), core.LoadAnswered(wid, typed)), link)
+            self.executor.handle(core.LoadAnswered(wid, typed))
         elif msg.type is T.PROBED:
             fut = link.probes.pop(typed.probe, None)
             if fut and not fut.done():
@@ -189,7 +182,7 @@ class Connections:
             p.spawn(self.lose(wid, "shut down (final bye)" if final else "said bye", failure=not final))
 
     async def heartbeats(self) -> None:
-        """Every ``heartbeat_s``: carry out the core's verdicts (``membership.beat``), then ping every worker."""
+        """Every ``heartbeat_s``: the core's verdicts (``membership.beat``), and its ``PingAll``."""
         p = self.ports
         last = p.clock()
         while True:
@@ -197,9 +190,4 @@ class Connections:
             now = p.clock()
             due = core.HeartbeatDue(last, now, self.requests.replay_estimate_s(), *self.requests.needs())
             last = now
-            self.carry_out(core.handle(p.state(), due, self.config))
-            for wid, link in list(p.links().items()):
-                try:
-                    await link.send(Ping(now).to_message())
-                except ChannelClosed:
-                    p.spawn(self.lose(wid, "disconnected"))
+            self.executor.handle(due)

@@ -1,12 +1,14 @@
 """The coordinator's asyncio shell: worker connections in, events into ``ClusterState``, decisions out.
 
 It never touches activations. The parts, one concern per file:
-``state`` (the frozen cluster state and its one reducer ``apply``), ``core`` (inputs in, events
-and commands out, for heartbeats, frames heard, LOADED, prompt prefills and, in ``step_path``,
-the step path), ``membership`` (suspect / lose decisions), ``scheduling`` (admission, bounded
-waits), ``deploy`` (plan change as actions, pure), ``deployer`` (carries out re-planning, loads,
-KV moves, the spare), ``requests`` (the token loop of every request, replay), ``steps`` (one
-step on the wire; the steps in flight and the lanes are state: ``step_book``, ``batching``),
+``state`` (the frozen cluster state and its one reducer ``apply``), ``core`` (one ``handle``:
+inputs in, state, events and commands out, for heartbeats, frames heard, LOADED, prompt
+prefills, admission and, in ``step_path``, the step path), ``executor`` (the one shell that
+carries out every command of the core), ``membership`` (suspect / lose decisions),
+``scheduling`` (bounded waits, resume or replay), ``admission`` (the API's tickets), ``deploy``
+(plan change as actions, pure), ``deployer`` (carries out re-planning, loads, KV moves, the
+spare), ``requests`` (the token loop of every request, replay), ``steps`` (one step on the
+wire; the steps in flight and the lanes are state: ``step_book``, ``batching``),
 ``connections`` (worker channels in, heartbeats out), ``calibration``, ``checkpoints``
 (live sequences' KV copied to the spare plan, so a recovery replays less), ``event_log`` (every
 event and measurement, indexed) and ``narrate`` (the dashboard's line of a logged event).
@@ -32,7 +34,7 @@ from typing import Callable
 from ...net import limits
 from ...net.channel import Channel, ChannelClosed
 from ...net.messages import Bye, Emulate
-from ..rules import deploy
+from ..rules import core, deploy
 from ..state import measurements, state as S
 from . import narrate, views
 from ..state.event_log import EventLog
@@ -42,6 +44,7 @@ from ..state.checkpoints import CheckpointSettings
 from .connections import Connections
 from .deployer import Deployer
 from .drafting import Drafting
+from .executor import Executor
 from .migration import KvMigration
 from ..state.placement import Deployment, StageAssignment
 from ..rules.planning import MemoryProportional, PlanContext, PlanPolicy
@@ -94,8 +97,10 @@ class Coordinator:
         ports = Ports(state=lambda: self.cluster, emit=self.emit, measure=self.measure, note=self.event, clock=self.clock, spawn=self.spawn,
                       links=lambda: self.links, replan_wanted=self.replan_wanted, settings=self.settings, package=package,
                       profile=self.profile, adopt=self.adopt)
-        self.prefix = PrefixCaching(ports, lambda: self.kv_capacity)
-        self.steps = Steps(ports, self.prefix, self.quarantine, self.lose)
+        # the one executor of the core's commands: every shell below hands the core's inputs to it
+        self.executor = Executor(ports.state, ports.carry, core.Config.of(self.settings))
+        self.prefix = PrefixCaching(ports, lambda: self.kv_capacity, self.executor)
+        self.steps = Steps(ports, self.prefix, self.executor, self.lose)
         # drafter workers (--role drafter) get the draft model, where there is one to hand out
         self.drafting = (Drafting(ports, speculation.placed, speculation.pool, speculation.drafter_moved)
                          if speculation is not None and speculation.placed else None)
@@ -107,8 +112,10 @@ class Coordinator:
         self.deployer = Deployer(ports, self.calibrator, self.plan_fn, self.plan_context, views, self.requests.lacking,
                                  lambda: bool(self.cluster.steps.inflight))
         self.deployer.migration = KvMigration(ports, self.steps.route)
-        self.connections = Connections(ports, self.calibrator, self.steps, self.deployer.migration, self.requests, self.lose,
-                                       lambda: self.stopped, self.drafting, self.checkpoints)
+        self.connections = Connections(ports, self.executor, self.calibrator, self.steps, self.requests, self.lose,
+                                       lambda: self.stopped, self.drafting)
+        self.executor.bind(ports=ports, lose=self.lose, quarantine=self.quarantine, connections=self.connections, steps=self.steps,
+                           prefix=self.prefix, migration=self.deployer.migration, checkpoints=self.checkpoints)
 
     # -- state ------------------------------------------------------------------------------------
     def emit(self, event: S.Event) -> ClusterState:

@@ -79,7 +79,7 @@ class KvMigration:
         return {"kv_moved": len(whole), "kv_moved_bytes": moves.moved_bytes, "kv_recomputed": len(replay)}
 
     def moved(self, reply: Loaded) -> None:
-        """A move's acknowledgement (``core.loaded`` found it among the state's moves)."""
+        """A move's acknowledgement (the core found it among the state's moves: ``core.AckKvMove``)."""
         fut = self.acks.pop(reply.kv_received, None)
         if fut is not None and not fut.done():
             fut.set_result(reply)

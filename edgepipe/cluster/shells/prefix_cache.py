@@ -1,6 +1,7 @@
 """The coordinator's prefix cache (shell): hands each prompt prefill and each returned or failed
-frame to the coordinator's core (``core.PrefillAsked``/``PrefillEnded``), which decides a
-``PrefixDecided`` or ``PrefixDone`` event; the bookkeeping (which blocks
+frame to the coordinator's core (``core.PrefillAsked``/``PrefillEnded``, through the executor),
+which decides a ``PrefixDecided`` or ``PrefixDone`` event and, for a decision that is not
+empty, the ``CarryPrefix`` whose decision the prefill frame carries; the bookkeeping (which blocks
 the stages hold, the counts for ``/metrics`` and the dashboard) is ``ClusterState.prefix``
 (``prefix_book``), the decisions are ``prefix``'s.
 
@@ -25,10 +26,11 @@ from .ports import Ports
 
 
 class PrefixCaching:
-    def __init__(self, ports: Ports, kv_capacity: Callable[[], int | None]):
+    def __init__(self, ports: Ports, kv_capacity: Callable[[], int | None], executor):
         self.ports = ports
         self.kv_capacity = kv_capacity  # KV positions the active plan's tightest stage holds (None: no budget declared)
-        self.config = core.Config.of(ports.settings)
+        self.executor = executor  # ``executor.Executor``: asks the core; its ``CarryPrefix`` comes back here (``carry``)
+        self._carried: dict[str, prefix.PrefillDecision] = {}  # rid -> the decision its prefill frame is to carry (until taken)
 
     @property
     def cache(self) -> prefix.PrefixCache:
@@ -50,15 +52,16 @@ class PrefixCaching:
             return None
         room = prefix.room_blocks(p.settings.prefix_cache_positions, self.kv_capacity(), deploy.kv_plan_positions(state, 0),
                                   p.settings.prefix_block)
-        handled = core.handle(state, core.PrefillAsked(dep.plan_id, rid, ids, reuse, room), self.config)
-        for event in handled.events:
-            p.emit(event)
-        return next((c.decision for c in handled.commands if isinstance(c, core.CarryPrefix)), None)
+        self.executor.handle(core.PrefillAsked(dep.plan_id, rid, ids, reuse, room))
+        return self._carried.pop(rid, None)
+
+    def carry(self, rid: str, decision: prefix.PrefillDecision) -> None:
+        """``core.CarryPrefix``: ``rid``'s prefill frame carries ``decision`` (taken by ``decide``)."""
+        self._carried[rid] = decision
 
     def done(self, rid: str, ok: bool) -> None:
         """The frame that carried ``rid``'s decision came back (ok) or failed (the cache is dropped)."""
-        for event in core.handle(self.ports.state(), core.PrefillEnded(rid, ok), self.config).events:
-            self.ports.emit(event)
+        self.executor.handle(core.PrefillEnded(rid, ok))
 
     def view(self) -> dict:
         """What /status and the dashboard show."""

@@ -7,11 +7,12 @@ its route (``replicas``: a replica per stage, chosen at its first step there). W
 is state (``ClusterState.steps``, ``step_book``, the lanes included): a step is asked for, waits
 for its lane, is settled by a TOKEN frame, failed by an ERROR frame or a lost plan, timed out
 (blaming a stage that dropped it) or given up through the coordinator's core (``core.handle``,
-``step_path``); this shell emits what it decides, carries out its commands, and keeps only the
-futures the requests await and the frames of steps waiting for their lane, by step id. It sends the DROP that frees a
+``step_path``), whose commands the executor (``executor``) carries out, those about steps by
+calling back here; this shell keeps only the futures the requests await and the frames of steps
+waiting for their lane, by step id. It sends the DROP that frees a
 finished sequence's KV once nothing of it is left in the pipeline. Failures come back as
 :class:`PipelineBroken` (retry on the next plan) or :class:`RequestFailed` (one line, final).
-It is lent ``ports.Ports`` and its collaborators by name (the prefix cache, quarantine, lose),
+It is lent ``ports.Ports`` and its collaborators by name (the prefix cache, the executor, lose),
 never the coordinator.
 """
 
@@ -85,42 +86,35 @@ class _OutStep:
 
 
 class Steps:
-    def __init__(self, ports: Ports, prefix, quarantine: Callable[[str, str], Awaitable[None]],
-                 lose: Callable[[str, str], Awaitable[None]]):
+    def __init__(self, ports: Ports, prefix, executor, lose: Callable[[str, str], Awaitable[None]]):
         self.ports = ports
         self.prefix = prefix  # ``prefix_cache.PrefixCaching``: the decision a prompt prefill carries
-        self.quarantine, self.lose = quarantine, lose  # take out a worker that dropped a step; one whose channel closed
-        self.config = core.Config.of(ports.settings)
+        self.executor = executor  # ``executor.Executor``: asks the core and carries out its commands (those of steps come back here)
+        self.lose = lose  # takes out a worker whose channel closed
         self.waiters: dict[int, asyncio.Future] = {}  # step id -> the future its token resolves (the steps: ``ClusterState.steps``)
         self.outgoing: dict[int, _OutStep] = {}  # step id -> the frame of a decode step waiting for its lane
 
-    def carry_out(self, handled: core.Handled) -> None:
-        """Emit what the core decided; settle or fail the futures of the steps it ended."""
-        p = self.ports
-        p.carry(handled.state, handled.events)
-        for command in handled.commands:
-            match command:
-                case core.SettleStep(step_id, result):
-                    fut = self.waiters.pop(step_id, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(result)
-                case core.FailStep(step_id, why, final):
-                    fut = self.waiters.pop(step_id, None)
-                    if fut is not None and not fut.done():
-                        fut.set_exception(RequestFailed(why) if final else PipelineBroken(why))
-                case core.Quarantine(wid, why):
-                    p.spawn(self.quarantine(wid, why))
-                case core.ArmLane(index, departure):
-                    expired = SB.LaneExpired(index, departure)
-                    asyncio.get_running_loop().call_later(p.settings.lane_wait_s, lambda: self._handle(expired))
-                case core.SendBatch(step_ids):
-                    p.spawn(self._send_forward([self.outgoing.pop(i) for i in step_ids if i in self.outgoing]))
-        for event in handled.events:  # timed out or given up: nobody waits for it any more
-            if isinstance(event, SB.StepEnded):
-                self.waiters.pop(event.step_id, None)
+    # -- the core's step commands, as the executor carries them out --------------------------------
+    def settle(self, step_id: int, result: core.StepResult) -> None:
+        fut = self.waiters.pop(step_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(result)
+
+    def fail(self, step_id: int, why: str, final: bool) -> None:
+        fut = self.waiters.pop(step_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(RequestFailed(why) if final else PipelineBroken(why))
+
+    def forget(self, step_id: int) -> None:
+        """The step ended (timed out, given up): nobody waits for it any more."""
+        self.waiters.pop(step_id, None)
+
+    def send_batch(self, step_ids: tuple[int, ...]) -> None:
+        """Send the decode steps a lane let go as one frame."""
+        self.ports.spawn(self._send_forward([self.outgoing.pop(i) for i in step_ids if i in self.outgoing]))
 
     def _handle(self, given: core.Input) -> None:
-        self.carry_out(core.handle(self.ports.state(), given, self.config))
+        self.executor.handle(given)
 
     async def step(self, dep: Deployment, seq: str, step: int, feed: list[int], params: GenerationParams, rid: str,
                    replay_from: int | None = None, head: dict | None = None, kv_start: int | None = None,

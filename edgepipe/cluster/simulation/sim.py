@@ -30,7 +30,7 @@ from ..shells.coordinator import Coordinator, CoordinatorSettings
 from ..state.placement import proportional_split
 from ..rules.profiling import RUNTIME_OVERHEAD_BYTES
 from ..shells.steps import RequestFailed
-from ..rules.scheduling import Admission
+from ..shells.admission import Admission
 from ..state.state import Phase
 
 MASK = (1 << 61) - 1

@@ -25,7 +25,7 @@ from ..rules.planning import PlannerPolicy
 from .sim import (QUARANTINE_FAULTS, SETTINGS, UP_BOUND_S, UNIT_BYTES, Admission, Coordinator, CoordinatorSettings, FakePackage, FakeWorker,
                   GenerationParams, Net, Phase, RequestFailed, VirtualLoop, can_hold, reference)
 from ..state import sequence_ids, state as S
-from ..rules.scheduling import AdmissionError
+from ..shells.admission import AdmissionError
 from .sim_replicas import replica_counts, replicate
 from .sim_schedule import Fault, Req, Schedule  # noqa: F401 - Fault and Req: where callers know them
 

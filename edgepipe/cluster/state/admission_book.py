@@ -1,6 +1,6 @@
 """The API's admission ledger as state: which tickets run, which wait in line (``ClusterState.admission``).
 
-A request the HTTP routes accept asks for a slot under a ticket (``core.admission``); the
+A request the HTTP routes accept asks for a slot under a ticket (``core.AdmitAsked``); the
 decision is ``decide`` (admit, queue or refuse: a pure function of the book, the request's KV
 positions, the workers' KV capacity and the limits) and, when a slot frees, ``starts`` (which
 heads of the line go now, in arrival order). What happened is an event here, applied by

@@ -14,7 +14,8 @@ threads; every engine and repetition in a process of its own, repetitions interl
 (A B A B ...), medians reported. Time to first token = prefill of the prompt + first sample.
 
 Bandwidth: bytes of weights each engine streams per token (every weight file but the embedding
-table, which is only gathered, unless the head reads it too) x tokens/s, against this machine's
+table, which is only gathered, unless the head reads it too; of a mixture-of-experts layer only
+the routed experts, expert_used_count of expert_count) x tokens/s, against this machine's
 read bandwidth measured here with numpy (1 and 2 threads summing a 1 GiB array).
 
 Agreement: llama.cpp greedily continues three chat prompts; both engines are then teacher-forced
@@ -76,11 +77,30 @@ def package_weight_mb(pkg, precision: str) -> float:
 
 
 def streamed_bytes_gguf(path: Path) -> int:
+    """Weight bytes a one-row decode step reads from the file: every tensor but the gathered
+    embedding (unless the head shares it), and of a mixture-of-experts layer's expert tensors
+    (``*_exps``) only the routed share, expert_used_count / expert_count."""
+    from edgepipe.model.gguf_source import read_gguf_header
+
+    meta, tensors = read_gguf_header(path)
+    tied = "output.weight" not in tensors
+    routed = routed_share(meta)
+    return round(sum(t.nbytes * (routed if "_exps." in name else 1)
+                     for name, t in tensors.items() if name != "token_embd.weight" or tied))
+
+
+def routed_share(meta: dict) -> float:
+    """Share of a MoE layer's experts one token reads (1.0 for a dense model)."""
+    arch = meta.get("general.architecture", "")
+    experts, used = meta.get(f"{arch}.expert_count"), meta.get(f"{arch}.expert_used_count")
+    return int(used) / int(experts) if experts and used else 1.0
+
+
+def expert_bytes_gguf(path: Path) -> int:
     from edgepipe.model.gguf_source import read_gguf_header
 
     _, tensors = read_gguf_header(path)
-    tied = "output.weight" not in tensors
-    return sum(t.nbytes for name, t in tensors.items() if name != "token_embd.weight" or tied)
+    return sum(t.nbytes for name, t in tensors.items() if "_exps." in name)
 
 
 def agreement(a: list[int], b: list[int]) -> tuple[float, int]:
@@ -102,11 +122,21 @@ def bench_model(path: Path, home: Path, reps: int, lengths: list[int], thread_se
     tok = pkg.tokenizer
     prompt = tok.encode(tok.format_chat([{"role": "user", "content": PROMPT}]))
     ep_bytes, gguf_bytes = streamed_bytes_edgepipe(pkg), streamed_bytes_gguf(path)
+    # A package's files hold every expert; a decode step reads the routed ones: take the unread
+    # experts' bytes out, as the file counts them (exact for the kernel form, which keeps the file's
+    # blocks; scaled by the package's size against the file's for the others).
+    from edgepipe.model.gguf_source import read_gguf_header
+    meta, tensors = read_gguf_header(path)
+    unread = expert_bytes_gguf(path) * (1 - routed_share(meta))
+    file_bytes = sum(t.nbytes for t in tensors.values())
+    def read_per_token(package_bytes: int) -> int:
+        return round(package_bytes - unread * package_bytes / file_bytes) if unread else package_bytes
+    ep_bytes = read_per_token(ep_bytes)
     other_bytes, package_mb = {}, {"native": package_weight_mb(pkg, "native")}
     for precision in precisions[1:] if precisions[0] == "native" else precisions:  # e.g. gguf: the kernel library's variant
         other = resolve(str(path), precision, home)
         other.stage_graph(0, len(other.manifest.units))
-        other_bytes[precision] = streamed_bytes_edgepipe(other)
+        other_bytes[precision] = read_per_token(streamed_bytes_edgepipe(other))
         package_mb[precision] = package_weight_mb(other, precision)
     configs = []
     for threads in thread_settings:
@@ -261,7 +291,7 @@ def main() -> None:
             "process": f"one process per engine and repetition, repetitions interleaved; a {WARMUP_TOKENS}-token warm-up before timing",
             "ttft": "request start to the first sampled token (prefill of the prompt)",
             "decode_tok_s": "(generated - 1) / (time from first to last token), median over repetitions",
-            "gb_s": "weight bytes streamed per token (all but the gathered embedding table) x decode tok/s",
+            "gb_s": "weight bytes read per token (all but the gathered embedding table; of MoE experts the routed share) x decode tok/s",
             "agreement": f"teacher-forced top-1, edgepipe vs llama.cpp, along llama.cpp's greedy continuations of {len(AGREE_PROMPTS)} chat prompts; "
                          "beside it llama.cpp with an f32 KV cache vs its default f16 one (how far llama.cpp moves from itself)",
             "elapsed_s": round(time.time() - started),

@@ -18,7 +18,8 @@ import pytest
 
 from edgepipe.cluster.rules import core, direct, step_path
 from edgepipe.cluster.simulation import sim
-from edgepipe.cluster.state import step_book as SB
+from edgepipe.cluster.state import batching, step_book as SB
+from edgepipe.cluster.state.batching import LaneItem
 from edgepipe.cluster.rules.profiling import RUNTIME_OVERHEAD_BYTES
 from edgepipe.cluster.state.settings import CoordinatorSettings
 from edgepipe.cluster.simulation.simrun import Fault, Req, Schedule, run
@@ -177,6 +178,27 @@ def test_a_step_that_goes_another_way_or_a_lost_plan_ends_the_stages_run():
     assert not dropped.steps.ahead
     stray, h = _fold(dropped, core.TokenHeard("w1", _token(5, 51, True), 0.3))  # after the run ended: nobody keeps it
     assert not h.commands and not stray.steps.ahead
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("how", ["new plan", "lost plan"])
+def test_a_step_asked_after_its_stages_run_ended_unseen_goes_out_at_once(how):
+    """A fed token keeps its lane out (the stage runs the next step). When the next step is asked
+    another way (here on a new plan after a KV move, or after the plan was lost), the lane comes
+    back first: the step goes out at once, not after the step timeout (a worker killed and
+    restarted mid-stream once waited 60 s here)."""
+    state = ClusterState()
+    state, _ = _fold(state, core.StepAsked("r1.0", 4, 1, "r1", ("w1",), 0.0))
+    state, h = _fold(state, SB.LaneAsked(LaneItem("r1", 1, state.steps.next_id - 1), 1))
+    assert [c for c in h.commands if isinstance(c, step_path.SendBatch)]
+    state, _ = _fold(state, core.TokenHeard("w1", _token(4, 50, True), 0.1))  # fed: the shell keeps the lane out
+    assert batching.out(state.steps.lanes, "r1")
+    if how == "lost plan":
+        state, _ = _fold(state, core.StepsLost(1, "gone", 0.15))
+    state, _ = _fold(state, core.StepAsked("r1.0", 5, 2, "r1", ("w1", "w2"), 0.2))
+    assert not batching.out(state.steps.lanes, "r1") and "r1.0" not in state.steps.ahead
+    state, h = _fold(state, SB.LaneAsked(LaneItem("r1", 2, state.steps.next_id - 1), 2))
+    assert [c.step_ids for c in h.commands if isinstance(c, step_path.SendBatch)] == [(state.steps.next_id - 1,)]
 
 
 # -- the simulation ---------------------------------------------------------------------------------

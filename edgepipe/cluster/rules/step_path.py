@@ -150,10 +150,14 @@ def decide(state, event: StepInput) -> tuple[tuple, tuple]:
         case StepAsked(seq, step, plan, rid, path, now):
             sent = SB.StepSent(seq, step, plan, rid, path, membership.computed_counts(state, path), now)
             ahead = book.ahead.get(seq)
+            # A fed token keeps its lane out (its stage runs the next step). A step asked another way
+            # means that run ended unseen (a new plan, a replay, a failure): the lane comes back
+            # first, or the step would wait behind it until its timeout.
+            back = (SB.LaneReturned(rid),) if batching.out(book.lanes, rid) and not SB.fed_by_stage(book, seq, step, plan) else ()
             if ahead is None:
-                return (sent,), ()
+                return (*back, sent), ()
             if not SB.fed_by_stage(book, seq, step, plan):  # it went another way (a replay, a new plan): the stage's run is void
-                return (SB.DirectEnded(seq), sent), ()
+                return (SB.DirectEnded(seq), *back, sent), ()
             early = ahead.early.get(step)
             if early is None:  # its stage computes it: the token comes as for a step sent
                 return (sent,), ()

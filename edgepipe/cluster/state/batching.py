@@ -125,6 +125,12 @@ def apply(book: LaneBook, event: LaneEvent) -> LaneBook:
     return departures(book, event).book
 
 
+def out(book: LaneBook, rid: str) -> bool:
+    """``rid``'s lane counts it out (a step of it in flight, or its stage feeding it itself)."""
+    i = book.lane_of.get(rid)
+    return i is not None and i < len(book.lanes) and rid in book.lanes[i].flying
+
+
 @dataclass
 class Lane:
     index: int

@@ -211,6 +211,18 @@ def _direct_schedule(fault: Fault | None = None) -> Schedule:
     return Schedule(39, (MEMORY,), (0.0,), requests, (fault,) if fault else ())
 
 
+def test_a_plan_change_that_moves_a_direct_runs_kv_loses_no_time():
+    """A lone request on a one-stage plan runs direct; a second worker joins and the memory split
+    moves its KV to a two-stage plan mid-run. Its next step must go out at once: it once waited
+    behind its own lane (out since the last fed token) for the step timeout, and the newcomer was
+    quarantined for computing nothing (the simulation's check of quarantines, after the requests)."""
+    room = 20 * (sim.UNIT_BYTES + sim.UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES  # the new plan loads beside the running one
+    schedule = Schedule(43, (room, room), (0.0, 7.0), (Req(5.0, (1, 2, 3), 240),), (Fault("slow", 0.5, 0, 0.0, 3.0),),
+                        memory_placement=True)
+    report = run(schedule)
+    assert report.violations == [] and report.ok == 1
+
+
 @pytest.mark.parametrize("kind", sim.DIRECT_FAULTS)
 def test_a_token_lost_on_one_of_its_two_ways_loses_and_repeats_nothing(kind):
     report = run(_direct_schedule(Fault(kind, 12.06, 0, 0.04)))

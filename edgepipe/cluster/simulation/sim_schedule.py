@@ -50,6 +50,9 @@ class Schedule:
     # per worker, the budget it enforces where it is less than the memory it declares (targeted
     # schedules: a device that overstates its memory refuses a LOAD the planner thought fits)
     budgets: tuple[int | None, ...] = ()
+    # targeted schedules: layers split in proportion to memory (``serve --placement memory``), so
+    # every live worker takes a stage: a plan that one worker held is split again when another comes
+    memory_placement: bool = False
 
     @staticmethod
     def random(seed: int) -> "Schedule":

@@ -67,6 +67,7 @@ def test_device_specs_and_the_cpu_fallback_say_why(home):
     assert missing["kind"] == "cpu" and "pip install 'edgepipe[gpu]'" in missing["note"], missing
 
 
+@pytest.mark.slow  # ~12-14 s: the default suite's 12-minute bound; a GPU stage's exact tokens stay checked by test_gpu_worker_serves_with_cpu_workers_exactly
 def test_gpu_stage_keeps_kv_on_the_device_and_moves_only_activations(home, int4_pkg, software_gpu):
     """Units [1, 4) of the bundled model on the software GPU: KV buffers live in device memory, a
     decode step moves its input and output hidden rows (and lengths), a KV export from the GPU

@@ -106,6 +106,7 @@ def test_cached_prefix_is_exact_on_qwen(home, workers):
         assert again == whole
 
 
+@pytest.mark.slow  # ~12-14 s: the default suite's 12-minute bound; the cache's exactness stays checked by test_cached_turns_give_the_tokens_of_a_whole_prefill
 def test_plan_switch_and_lost_worker_drop_the_cache_and_tokens_stay_exact(native_pkg, home):
     """A rebalance (every stage's range changes) and a killed worker (recovery on the survivor)
     each start the cache afresh on the new plan; the answers before, across and after are the

@@ -191,6 +191,7 @@ def stream_text(server, prompt: str, max_tokens: int, on_piece=None) -> str:
     return "".join(pieces)
 
 
+@pytest.mark.slow  # ~12-14 s: the default suite's 12-minute bound; speculative decoding's tokens stay checked by test_greedy_tokens_and_logprobs_equal_one_token_per_step
 def test_a_drafter_worker_drafts_and_its_loss_loses_nothing(int4_pkg, spec_server):
     """A worker started with ``--role drafter`` holds no stage: it fetches the draft model's files,
     times its steps and drafts over the control channel; the greedy tokens are those of decoding

@@ -215,12 +215,17 @@ def test_a_plan_change_that_moves_a_direct_runs_kv_loses_no_time():
     """A lone request on a one-stage plan runs direct; a second worker joins and the memory split
     moves its KV to a two-stage plan mid-run. Its next step must go out at once: it once waited
     behind its own lane (out since the last fed token) for the step timeout, and the newcomer was
-    quarantined for computing nothing (the simulation's check of quarantines, after the requests)."""
+    quarantined for computing nothing (the simulation's check of quarantines, after the requests).
+    Nor may the moved KV's first frame be refused: the old stage had run the step it fed itself,
+    one position past the coordinator's count, and the new plan's first step forgets it (``rewind``)
+    instead of being refused as a lost frame and replaying the sequence (``invalid_frame``, ``pause``)."""
     room = 20 * (sim.UNIT_BYTES + sim.UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES  # the new plan loads beside the running one
     schedule = Schedule(43, (room, room), (0.0, 7.0), (Req(5.0, (1, 2, 3), 240),), (Fault("slow", 0.5, 0, 0.0, 3.0),),
                         memory_placement=True)
     report = run(schedule)
-    assert report.violations == [] and report.ok == 1
+    assert report.violations == [] and report.ok == 1 and report.direct > 0
+    assert report.dashboard.count("up") == 2  # the KV did move to a second plan mid-run
+    assert "invalid_frame" not in report.dashboard and "pause" not in report.dashboard, report.dashboard
 
 
 @pytest.mark.parametrize("kind", sim.DIRECT_FAULTS)

@@ -242,8 +242,8 @@ def test_a_heartbeat_suspects_loses_and_abandons_as_plain_decisions():
     assert membership.beat(quarantined, 60.5, 61.5, settings, 0.5, lambda state: None).replan  # its time out ended
 
 
-# -- resume or replay, from the state (requests.next_step) -------------------------------------------
-from edgepipe.cluster.shells.requests import NextStep, next_step  # noqa: E402
+# -- resume or replay, from the state (progress.next_step) -------------------------------------------
+from edgepipe.cluster.rules.progress import NextStep, next_step  # noqa: E402
 
 PROMPT, GENERATED = [1, 2, 3], [7, 8, 9]
 

@@ -80,10 +80,13 @@ def plan_step(state: ClusterState, rid: str, plan: int, prompt_ids: list[int], g
     nxt = next_step(state, rid, now.fed_plan, plan, prompt_ids, generated, now.epoch)
     replay = nxt.seq is not None  # the plan changed under it: its KV is rebuilt by replay (or from a checkpoint)
     drop = (now.seq, now.fed_plan) if replay and now.fed_plan is not None else None
-    # a prefill or a replay leaves no rejected drafts on the stages; a checkpoint's holder may hold
-    # more of it than the checkpoint (a round of copies was under way): the step forgets the rest
-    rewind = nxt.resume is not None or (now.rewind and len(nxt.feed) <= 1)
-    event = StepPlanned(rid, nxt.seq if replay else now.seq, nxt.epoch, nxt.fed_plan, rewind, nxt.resume, replay)
+    # A prefill or a replay leaves no rejected drafts on the stages. A checkpoint's holder may hold
+    # more of it than the checkpoint (a round of copies was under way), and KV moved from another
+    # plan may hold a position past the count (its stage ran a step it fed itself, ``direct``):
+    # the step forgets the rest.
+    moved = not replay and now.fed_plan is not None and now.fed_plan != plan
+    rewind = nxt.resume is not None or moved or (now.rewind and len(nxt.feed) <= 1)
+    event = StepPlanned(rid, plan, nxt.seq if replay else now.seq, nxt.epoch, nxt.fed_plan, rewind, nxt.resume, replay)
     return Planned(drop, event, nxt, rewind)
 
 

@@ -164,7 +164,7 @@ def _silent() -> frozenset[type]:
     from ..state import step_book as SB
 
     return frozenset({SB.StepSent, SB.StepEnded, SB.LaneAsked, SB.LaneReturned, SB.LaneLeft, SB.LaneExpired, SB.DirectFed,
-                      SB.DirectHeard, SB.DirectEnded, E.Heard, E.Ponged, M.StageStep, M.StepObserved, M.HeartbeatRtt})
+                      SB.DirectHeard, SB.DirectEnded, E.StepPlanned, E.Heard, E.Ponged, M.StageStep, M.StepObserved, M.HeartbeatRtt})
 
 
 SILENT = _silent()  # the events of every step and heartbeat: ``_fields`` has no case for them (a test checks it)

@@ -2,10 +2,11 @@
 
 Per decode step the coordinator sends a sequence's token ids to the first stage and waits for
 the sampled id that the last stage returns (``steps`` carries a step over the wire, in lanes).
-Resume or replay is ``next_step``, a function of the state: when the plan changes under a
-sequence and its KV was not moved, it is rebuilt by replay (prompt as one prefill, then each
-generated token as its own step; from a checkpoint on the spare, only what came after it) under
-a new sequence id ``<rid>.<epoch>``, so no token is lost. ``Requests`` is lent ``ports.Ports``
+Where a request's loop stands is state (``state.Progress``), and what comes next is decided
+from it (``rules.progress``): resume or replay, and what a step's outcome makes of it. When the
+plan changes under a sequence and its KV was not moved, it is rebuilt by replay (prompt as one
+prefill, then each generated token as its own step; from a checkpoint on the spare, only what
+came after it) under a new sequence id ``<rid>.<epoch>``, so no token is lost. ``Requests`` is lent ``ports.Ports``
 and its collaborators by name, not the coordinator. With speculative decoding (the
 ``speculation`` it is lent) a decode step may carry drafted tokens: one verify pass through the
 stages keeps the drafts the target agrees with plus its own next token, and the next frame tells
@@ -27,8 +28,8 @@ from ...net.limits import KV_RESERVE_TOKENS
 from ...runtime import controls
 from ...runtime.sequence import GenerationParams, SequenceState, TextDelta
 from ...runtime.speculative import accept_greedy
-from ..state import checkpoints, measurements as M, sequence_ids, state as S
-from ..rules import deploy, direct, scheduling
+from ..state import measurements as M, state as S
+from ..rules import deploy, direct, progress, scheduling
 from ..state.placement import Deployment
 from .ports import Ports
 from ..rules.profiling import RUNTIME_OVERHEAD_BYTES
@@ -37,37 +38,6 @@ from .steps import PipelineBroken, RequestFailed, StepRecord, Steps, stop_if_can
 __all__ = ["MAX_WIRE_INT", "PipelineBroken", "RequestFailed", "Requests", "StepRecord"]
 
 MAX_WIRE_INT = (1 << 31) - 1
-
-
-@dataclass(frozen=True)
-class NextStep:
-    """Resume or replay (``next_step``): what a sequence's next step feeds, under which id."""
-
-    seq: str | None  # a new sequence id (the old one's KV is void: dropped, replayed or resumed from a checkpoint); None: the same
-    epoch: int  # the epoch of the id it feeds under
-    fed_plan: int | None  # the plan whose workers hold its KV once this step is fed
-    feed: list[int]  # the token ids to send
-    replay_from: int | None  # positions before this go as one prefill frame, the rest one by one
-    resume: checkpoints.Resume | None = None  # the checkpoint on the spare it resumes from (replaying only what came after)
-
-
-def next_step(state: S.ClusterState, rid: str, fed_plan: int | None, plan: int, prompt_ids: list[int], generated: list[int],
-              epoch: int) -> NextStep:
-    """Resume or replay, from the state: on the plan that holds its KV (or that its KV moved to)
-    it resumes with its last token (``scheduling.next_feed``); on a plan that holds a checkpoint
-    of it, it replays only the tokens after the checkpoint, each as a decode step; on any other
-    plan it replays everything under a new epoch (``fed_plan``: where it was last fed, -1 after a
-    broken step, None before the first)."""
-    info = state.requests.get(rid)
-    nxt = scheduling.next_feed(fed_plan, plan, info.migrated_to if info else None, prompt_ids, generated)
-    total = len(prompt_ids) + len(generated)
-    resume = checkpoints.resume_point(info.resume if info else None, plan, len(prompt_ids), total) if nxt.fed_plan != plan else None
-    if resume is not None:
-        feed = (prompt_ids + generated)[resume.position:]
-        return NextStep(resume.seq, epoch + 1, plan, feed, 1 if len(feed) > 1 else None, resume)
-    if nxt.new_epoch:
-        return NextStep(sequence_ids.live(rid, epoch + 1), epoch + 1, nxt.fed_plan, nxt.feed, nxt.replay_from)
-    return NextStep(None, epoch, nxt.fed_plan, nxt.feed, nxt.replay_from)
 
 
 def _length(state: SequenceState) -> int:
@@ -131,33 +101,30 @@ class Requests:
         return positions * (steps[len(steps) // 2] / len(dep.stages) if steps and dep else 0.01)
 
     async def stream(self, state: SequenceState, rid: str | None = None) -> AsyncIterator[TextDelta]:
-        """Run one sequence to its end, yielding text as it is produced."""
+        """Run one sequence to its end, yielding text as it is produced. Where its token loop
+        stands is state (``state.Progress``): each step is planned from it (``progress.plan_step``:
+        resume or replay) and each outcome becomes its events and the next command
+        (``progress.after_step``: go on, retry after a backoff, or fail)."""
         p = self.ports
         rid = rid or f"r{next(self._ids)}"
-        epoch, fed_plan = 0, None  # fed_plan: plan whose workers hold this sequence's KV
-        sent_plan = None  # plan the current seq's latest step went to (its KV is there, token or not)
-        seq = sequence_ids.live(rid, epoch)
         spec = self.speculation
-        rewind = False  # the stages hold drafts the last verify rejected
-        p.emit(S.RequestStarted(rid, len(state.prompt_ids) + state.params.max_tokens))
+        settings = progress.ProgressSettings(p.settings.max_wait_s)
+        p.emit(S.RequestStarted(rid, len(state.prompt_ids) + state.params.max_tokens, p.clock()))
+        now = p.state().requests[rid].progress
         try:
-            broken, last_progress, why = 0, p.clock(), ""
             while not state.finished:
                 step = len(state.generated)
-                dep = await self.wait_up(last_progress)
-                nxt = next_step(p.state(), rid, fed_plan, dep.plan_id, state.prompt_ids, state.generated, epoch)
-                if nxt.seq is not None:  # the plan changed under us: rebuild KV by replay (or from a checkpoint)
-                    if fed_plan is not None:
-                        await self.steps.drop(seq, fed_plan)
-                    epoch, seq, sent_plan = nxt.epoch, nxt.seq, None
-                fed_plan, feed, replay_from, resume = nxt.fed_plan, nxt.feed, nxt.replay_from, nxt.resume
+                dep = await self.wait_up(p.state().requests[rid].progress.last_progress)
+                planned = progress.plan_step(p.state(), rid, dep.plan_id, state.prompt_ids, state.generated)
+                if planned.drop is not None:  # the plan changed under it: the old id's KV goes first
+                    await self.steps.drop(*planned.drop)
+                p.emit(planned.event)
+                now = p.state().requests[rid].progress
+                nxt, seq, rewind = planned.step, now.seq, planned.rewind
+                feed, replay_from, resume = nxt.feed, nxt.replay_from, nxt.resume
                 if resume is not None:  # the spare holds its KV up to a checkpoint: replay only what came after
                     self.checkpoints.resumed(resume)
                     p.note(S.NoteKind.RESUME, request=rid, position=resume.position, replayed=len(state.all_ids) - resume.position)
-                if len(feed) > 1:  # a prefill or a replay: a sequence whose stages hold no rejected drafts
-                    rewind = False
-                if resume is not None:  # a holder may hold more of it (a round of copies was under way): forget the rest
-                    rewind = True
                 try:
                     head = controls.step_fields(state, self.ports.package.manifest.config.get("vocab_size") or 0, len(feed) > 1)
                 except ValueError as exc:  # the token mask provider's answer cannot be used
@@ -171,7 +138,6 @@ class Requests:
                     proposal = await spec.propose(rid, state, room, rule=spec.by_rule(state, head))
                     proposal, head = spec.masked(state, head, proposal, self.ports.package.manifest.config.get("vocab_size") or 0)
                 drafts = proposal.tokens if proposal else []
-                sent_plan = dep.plan_id
                 ahead = self.direct_grant(state, dep, head) if len(feed) == 1 and replay_from is None and not drafts and not rewind else 0
                 try:
                     token, record = await self.steps.step(dep, seq, step, feed + drafts, state.params, rid, replay_from, head,
@@ -179,31 +145,29 @@ class Requests:
                                                           draft_q=proposal.q if drafts else None, ahead=ahead,
                                                           stop=direct.stop_ids(state.params.ignore_eos, state.eos_ids) if ahead else None)
                 except PipelineBroken as exc:
-                    why = str(exc)
-                    if p.clock() - last_progress >= p.settings.max_wait_s:
-                        raise RequestFailed(f"no token for {p.clock() - last_progress:.0f} s: {why}") from None
-                    if p.state().requests[rid].paused is None:  # the first break since its last token (its dashboard line)
-                        p.emit(S.RequestPaused(rid, step, why, p.clock()))
-                    fed_plan, broken = -1, broken + 1
-                    # Stages before the failure may have taken the step: its KV there is no longer
-                    # known to be whole, so a move that brought it is void and the retry replays.
-                    p.emit(S.KvMoved(rid, None))
-                    if resume is not None:  # nor is the checkpoint it resumed from
-                        p.emit(S.CheckpointVoid(rid, why))
-                    # Always yield before retrying: a send to a closed channel fails without
-                    # awaiting, and the task that takes the dead worker out must get to run.
-                    await asyncio.sleep(min(0.01 * broken, 0.25))
-                    continue
-                broken, last_progress = 0, p.clock()
-                fed_plan = dep.plan_id
+                    events, commands = progress.after_step(p.state(), rid, progress.Broke(step, str(exc)), p.clock(), settings)
+                    for event in events:
+                        p.emit(event)
+                    match commands:
+                        case (progress.Fail(why),):
+                            raise RequestFailed(why) from None
+                        case (progress.Retry(after_s),):
+                            # Always yield before retrying: a send to a closed channel fails without
+                            # awaiting, and the task that takes the dead worker out must get to run.
+                            await asyncio.sleep(after_s)
+                            continue
+                    raise AssertionError(f"a broken step's commands: {commands!r}")
                 tokens, entries = [token], [record.logprobs]
                 if drafts:
                     tokens = accept_greedy(drafts, record.verified)
                     entries = record.logprobs[:len(tokens)] if isinstance(record.logprobs, list) else [None] * len(tokens)
                     spec.learn(rid, len(drafts), len(tokens) - 1, by_rule=proposal.q is not None)
                     record.tokens_out = len(tokens)
-                rewind = bool(drafts) and len(tokens) < len(drafts) + 1  # the stages hold rejected drafts
-                p.emit(S.RequestFed(rid, seq, dep.plan_id, _length(state) + len(tokens) - 1, p.clock()))  # ends a pause
+                rejected = bool(drafts) and len(tokens) < len(drafts) + 1  # the stages hold rejected drafts
+                events, _ = progress.after_step(p.state(), rid, progress.Yielded(dep.plan_id, _length(state) + len(tokens) - 1, rejected),
+                                                p.clock(), settings)
+                for event in events:  # ends a pause
+                    p.emit(event)
                 if seq not in p.state().steps.ahead:  # its stage runs ahead of the count: no checkpoint of it meanwhile
                     await self.checkpoints.after_step(rid, seq, dep, len(state.prompt_ids))
                 if head.get("logprobs") and record.logprobs is None:
@@ -223,11 +187,13 @@ class Requests:
         finally:
             if spec is not None:
                 spec.forget(rid)
+            info = p.state().requests.get(rid)
+            now = info.progress if info is not None else now
             p.emit(S.RequestEnded(rid))
             self.checkpoints.sweep()  # its checkpoint on the spare goes
             self.steps.leave(rid)
             # Cancelled callers cannot await, so clean up in a task of its own.
-            p.spawn(self.steps.finish(seq, sent_plan))
+            p.spawn(self.steps.finish(now.seq, now.sent_plan))
 
     def direct_grant(self, state: SequenceState, dep: Deployment, head: dict) -> int:
         """Steps after this decode step that its stage may feed itself (``cluster.direct``; 0: none)."""

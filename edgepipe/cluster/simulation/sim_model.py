@@ -135,17 +135,33 @@ class FakeStages:
             held = self.lengths.get((cmd.graph, e.seq), {}).get(e.upto)
             if held is None:
                 return f"{e.seq}: no state at {e.upto} positions"
-        # the fake KV of unit u (one integer) travels as the real KV does, a tensor per layer
-        units = {f"key.{u}": np.array([held[u - start]], np.int64) for u in range(e.start, e.end)}
+        # The fake KV of unit u (one integer) travels as the real KV does, a tensor per layer. A
+        # real KV holds every position, so its receiver may rewind it: the fake one carries its
+        # recent lengths too (oldest first, consecutive up to the one it has), for the same rewinds.
+        kept = self.lengths.get((cmd.graph, e.seq), {})
+        history = [held]
+        while len(history) < KEPT_LENGTHS and (before := kept.get(history[0][-1] - 1)) is not None:
+            history.insert(0, before)
+        units = {f"key.{u}": np.array([h[u - start] for h in history], np.int64) for u in range(e.start, e.end)}
         return Kv(e.as_seq or e.seq, e.to_plan, held[-1], e.move, tensors=units).to_message()
 
     def import_kv(self, cmd: core.ImportKv) -> core.Imported:
         kv = cmd.kv
         start, end = cmd.layers[0], cmd.layers[-1] + 1
         h = self.kv.setdefault(cmd.graph, {}).setdefault(kv.seq, [0] * (end - start + 1))
-        for u, named in kv.layers().items():
-            h[u - start] = int(named[f"key.{u}"][0])
-        h[-1] = kv.length
+        kept = self.lengths.setdefault((cmd.graph, kv.seq), {})
+        layers = kv.layers()
+        n = min((len(named[f"key.{u}"]) for u, named in layers.items()), default=1)
+        for back in range(n - 1, -1, -1):  # its recent lengths, then the one it has (another import may bring other units)
+            length = kv.length - back
+            at = list(kept.get(length, h))
+            for u, named in layers.items():
+                at[u - start] = int(named[f"key.{u}"][len(named[f"key.{u}"]) - 1 - back])
+            at[-1] = length
+            if back:
+                kept[length] = at
+            else:
+                h[:] = at
         self._keep(cmd.graph, kv.seq, h)
         return core.Imported(kv, cmd.graph, h[-1], 0)
 

@@ -12,6 +12,7 @@ from typing import Mapping
 
 from ...net.messages import Hello
 from .notes import Noted, NoteKind  # noqa: F401 - the lines that change no state, as events.X
+from .checkpoints import Resume
 from .placement import Deployment, StageAssignment
 
 @dataclass(frozen=True)
@@ -210,6 +211,34 @@ class SwitchEnded:
 class RequestStarted:
     rid: str
     positions: int
+    now: float = 0.0  # its progress is counted from here (``Progress.last_progress``)
+
+
+@dataclass(frozen=True)
+class StepPlanned:
+    """``rid``'s next step goes to ``plan`` under ``seq`` (epoch ``epoch``): resumed, or replayed
+    on a plan that does not hold its KV (``replay``: a new id, or a checkpoint's); once fed, its KV
+    lives on ``fed_plan``. ``rewind``: the step tells the stages to forget positions past its
+    start; ``resume``: the checkpoint on the spare it resumes from (``rules.progress.plan_step``)."""
+
+    rid: str
+    plan: int
+    seq: str
+    epoch: int
+    fed_plan: int | None
+    rewind: bool = False
+    resume: Resume | None = None
+    replay: bool = False
+
+
+@dataclass(frozen=True)
+class StepBroke:
+    """``rid``'s step broke (``PipelineBroken``): its KV is no longer known whole on any plan, so
+    the retry replays; one more consecutive break (``Progress.breaks``)."""
+
+    rid: str
+    why: str
+    now: float
 
 
 @dataclass(frozen=True)
@@ -222,6 +251,7 @@ class RequestFed:
     plan: int | None
     kv_len: int
     now: float | None = None
+    rewind: bool = False  # the stages hold drafts the verify rejected: the next step forgets them
 
 
 @dataclass(frozen=True)
@@ -288,5 +318,5 @@ class ProbeAccepting:
 Event = (WorkerJoined | Heard | Ponged | Suspected | WorkerLost | Misbehaved | PlanAbandoned | Calibrating | EmulationChanged | Preparing | PrepareFailed
          | LoadRefused
          | Committing | Committed | PlanFailed | SpareChosen | SpareLoaded | Pinned | Repriced | SecretsIssued | SwitchStarted | SwitchEnded | Noted
-         | RequestStarted | RequestFed | RequestPaused | Routed | KvMoved | KvMoveSent | KvMoveEnded
+         | RequestStarted | StepPlanned | StepBroke | RequestFed | RequestPaused | Routed | KvMoved | KvMoveSent | KvMoveEnded
          | RequestEnded | ProbeAccepting)

@@ -25,7 +25,7 @@ class NoteKind(str, Enum):
     MDNS_UNAVAILABLE = "mdns_unavailable"
     WORKER_RESTARTED = "worker_restarted"  # serve's supervisor started a local worker process again
     # a sequence resumes from a KV checkpoint on the spare: the token loop's resume-or-replay choice
-    # (``requests.next_step``), not a change of state: the state it changes is its step's ``RequestFed``
+    # (``progress.next_step``), not a change of state: the state it changes is its step's ``RequestFed``
     RESUME = "resume"
     STAGES_TIMED = "stages_timed"
     STAGE_TIMING_FAILED = "stage_timing_failed"

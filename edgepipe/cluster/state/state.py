@@ -25,7 +25,7 @@ from . import admission_book as AB, step_book as SB  # the API's admission ledge
 from .events import (
     WorkerJoined, Heard, Ponged, Suspected, WorkerLost, Misbehaved, PlanAbandoned, Calibrating,
     EmulationChanged, Preparing, PrepareFailed, LoadRefused, Committing, Committed, PlanFailed, SpareChosen, SpareLoaded, Pinned, Repriced,
-    SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, RequestFed, RequestPaused, Routed, KvMoved, KvMoveSent,
+    SecretsIssued, SwitchStarted, SwitchEnded, Noted, NoteKind, UpTimings, RequestStarted, StepPlanned, StepBroke, RequestFed, RequestPaused, Routed, KvMoved, KvMoveSent,
     KvMoveEnded, RequestEnded, Event, ProbeAccepting,
 )
 from . import checkpoints as K, prefix_book as PB, sequence_ids
@@ -52,6 +52,24 @@ def _frozen(d: Mapping) -> Mapping:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """Where a request's token loop stands, changed by ``StepPlanned``, ``RequestFed`` and
+    ``StepBroke`` and read by ``rules.progress``: the sequence id its steps go under and its
+    epoch, the plan its KV was fed on, the plan its latest step went to, whether the stages hold
+    positions the next step must forget, the checkpoint it resumed from, its consecutive broken
+    steps and when it last made progress."""
+
+    seq: str
+    epoch: int = 0
+    fed_plan: int | None = None  # whose workers hold its KV once its latest step is fed (-1: that step broke; None: none yet)
+    sent_plan: int | None = None  # the plan its id's latest step went to (its KV is there, token or not)
+    rewind: bool = False  # the stages hold positions past the count (rejected drafts): the next step forgets them
+    resume: Resume | None = None  # the checkpoint on the spare its latest step resumed from
+    breaks: int = 0  # consecutive broken steps
+    last_progress: float = 0.0  # when it started or its latest step was fed
+
+
+@dataclass(frozen=True)
 class RequestInfo:
     rid: str
     positions: int  # KV positions it may grow to (prompt + max_tokens): its reservation
@@ -63,6 +81,7 @@ class RequestInfo:
     route: tuple[int, tuple[str, ...]] | None = None  # (plan, a worker per stage): its replicas there (cluster.replicas)
     paused: tuple[float, int] | None = None  # (since, step): a step broke and none was fed since (``RequestPaused``)
     recovered: tuple[float, int] | None = None  # the pause its last fed step ended (the dashboard's ``recovered`` line)
+    progress: Progress | None = None  # its token loop (``Progress``; set by ``RequestStarted``)
 
 
 @dataclass(frozen=True)
@@ -207,11 +226,24 @@ def apply(state: ClusterState, event: Event) -> ClusterState:
             return _replace(state, moves=_without(state.moves, move))
         case PrefixDecided() | PrefixDone():
             return _replace(state, prefix=PB.apply(state.prefix, event))
-        case RequestStarted(rid, positions):
-            return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, sequence_ids.live(rid, 0))))
-        case RequestFed(rid, seq, plan, kv_len) if rid in state.requests:
+        case RequestStarted(rid, positions, now):
+            seq = sequence_ids.live(rid, 0)
+            return _replace(state, requests=_with(state.requests, rid, RequestInfo(rid, positions, seq, progress=Progress(seq, last_progress=now))))
+        case StepPlanned(rid, plan, seq, epoch, fed_plan, rewind, resume) if rid in state.requests:
             q = state.requests[rid]
-            q = _replace(q, seq=seq, plan=plan, kv_len=kv_len, migrated_to=None, resume=None, paused=None, recovered=q.paused)
+            progress = _replace(q.progress or Progress(q.seq), seq=seq, epoch=epoch, fed_plan=fed_plan, sent_plan=plan, rewind=rewind, resume=resume)
+            return _replace(state, requests=_with(state.requests, rid, _replace(q, progress=progress)))
+        case StepBroke(rid) if rid in state.requests:
+            q = state.requests[rid]
+            progress = q.progress or Progress(q.seq)
+            progress = _replace(progress, fed_plan=-1, breaks=progress.breaks + 1)
+            return _replace(state, requests=_with(state.requests, rid, _replace(q, progress=progress)))
+        case RequestFed(rid, seq, plan, kv_len, now, rewind) if rid in state.requests:
+            q = state.requests[rid]
+            progress = q.progress and _replace(q.progress, fed_plan=plan, rewind=rewind, breaks=0,
+                                               last_progress=q.progress.last_progress if now is None else now)
+            q = _replace(q, seq=seq, plan=plan, kv_len=kv_len, migrated_to=None, resume=None, paused=None, recovered=q.paused,
+                         progress=progress)
             return _replace(state, requests=_with(state.requests, rid, q))
         case RequestPaused(rid, step, _, now) if rid in state.requests and state.requests[rid].paused is None:
             return _replace(state, requests=_with(state.requests, rid, _replace(state.requests[rid], paused=(now, step))))

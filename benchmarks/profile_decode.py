@@ -34,6 +34,7 @@ import onnxruntime as ort
 from edgepipe.bench.machine import Conditions, load_average
 from edgepipe.bench.results import write_results
 from edgepipe.model.store import bundled_gguf, home_dir, reference_gguf, resolve
+from edgepipe.native import register_gguf_kernel
 from edgepipe.runtime.stage_runner import SamplingBatch, StageRunner
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
@@ -110,8 +111,9 @@ def profile_package(pkg, threads: int, steps: int, batch_invariant: bool = False
     runner = pkg.runner(0, n_units, threads=threads, batch_invariant=batch_invariant)
     wall, cpu, tokens = decode_steps(runner, prompt, steps)
     with tempfile.TemporaryDirectory() as tmp:
-        runner.session = ort.InferenceSession(str(graph_path), session_options(threads, str(Path(tmp) / "prof")),
-                                              providers=["CPUExecutionProvider"])
+        options = session_options(threads, str(Path(tmp) / "prof"))
+        register_gguf_kernel(options, graph_path)  # the `gguf` form's graphs run the kernel library's ops
+        runner.session = ort.InferenceSession(str(graph_path), options, providers=["CPUExecutionProvider"])
         runner._bound_key = None
         pwall, _, ptokens = decode_steps(runner, prompt, steps)
         events = json.loads(Path(runner.session.end_profiling()).read_text())
@@ -220,6 +222,7 @@ def main() -> None:
     ap.add_argument("--package", action="append", help="an imported package directory (repeatable)")
     ap.add_argument("--threads", default="1", help="comma-separated thread counts (default 1)")
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--precision", default="native", help="the form imported: native (MatMulNBits) or gguf (the kernel library)")
     ap.add_argument("--batch-invariant", action="store_true", help="profile batch-invariant runners (a lone row takes a bystander)")
     ap.add_argument("--home")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -229,7 +232,7 @@ def main() -> None:
     pkgs = [resolve(p) for p in args.package or []]
     if args.model or not pkgs:
         specs = args.model or [str(bundled_gguf())] + ([str(QWEN05)] if QWEN05.is_file() else [])
-        pkgs += [resolve(s, "native", home) for s in specs]
+        pkgs += [resolve(s, args.precision, home) for s in specs]
     threads_list = [int(t) for t in args.threads.split(",")]
     check = lone_row_check(threads_list[0])
     results = []

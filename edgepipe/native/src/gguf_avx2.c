@@ -71,6 +71,16 @@ static inline float e8m0_half(uint8_t e) {
 
 #define TILE_KERNEL static inline __attribute__((always_inline)) void
 
+/* Software prefetch of the weight stream, PREFETCH_AHEAD bytes past the block being computed,
+ * into L1, a line per 64 bytes of the block: on an Intel Xeon (Sapphire Rapids, one core) the
+ * hardware prefetchers alone left the Q4_K decode product at 8 GB/s from memory, this at 17-19
+ * (a pure read of the same buffer: 22); on an AMD EPYC 2 KiB ahead into L1 measured neutral
+ * (benchmarks/gguf_kernel.py). A prefetch past the matrix's end is harmless (no fault). */
+#define PREFETCH_AHEAD 4096
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *w, const int bytes) {
+    for (int offset = 0; offset < bytes; offset += 64) _mm_prefetch((const char *)w + PREFETCH_AHEAD + offset, _MM_HINT_T0);
+}
+
 /* Activation row r of a tile: `x` rows `stride` bytes apart. */
 #define ACT_ROW(type, x, stride, r) ((const type *)((const char *)(x) + (size_t)(r) * (stride)))
 
@@ -97,6 +107,7 @@ TILE_KERNEL tile_32(const int qtype, int64_t nb, const uint8_t *w, const void *x
     float offset_one = 0.0f, scale_one = 0.0f; /* rows = 1 (a decode step): the same operations in scalars */
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = acc_odd[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += block_bytes) {
+        prefetch_block(w, block_bytes);
         float d = qtype == GGUF_MXFP4 ? e8m0_half(w[0]) : half_at(w);
         if (rows == 1) {
             scale_one = d * x[0][b].d;
@@ -190,6 +201,7 @@ TILE_KERNEL tile_mxfp4(int64_t nb, const uint8_t *w, const void *xv, size_t xs, 
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block32, xv, xs, r), acc[r] = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < nb; b += 2, w += 34) {
+        prefetch_block(w, 34);
         const float d0 = e8m0_half(w[0]), d1 = e8m0_half(w[17]);
         const __m512i codes = mxfp4_pair_codes(w);
         const __m512i q_abs = _mm512_shuffle_epi8(table, codes);
@@ -290,6 +302,7 @@ TILE_KERNEL tile_q4_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
     __m256 acc[GGUF_TILE_ROWS], acc_min[GGUF_TILE_ROWS];
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 144) {
+        prefetch_block(w, 144);
         uint64_t scale, minimum;
         unpack_k_scales(w + 4, &scale, &minimum);
         const __m256i scales16 = k_scales16(scale);
@@ -334,6 +347,7 @@ TILE_KERNEL tile_q5_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
     __m256 acc[GGUF_TILE_ROWS], acc_min[GGUF_TILE_ROWS];
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 176) {
+        prefetch_block(w, 176);
         uint64_t scale, minimum;
         unpack_k_scales(w + 4, &scale, &minimum);
         const __m256i scales16 = k_scales16(scale);
@@ -382,6 +396,7 @@ TILE_KERNEL tile_q6_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
     __m256 acc[GGUF_TILE_ROWS];
     for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += 210) {
+        prefetch_block(w, 210);
         const uint8_t *ql = w, *qhp = w + 128;
         const int8_t *scales = (const int8_t *)(w + 192);
         const __m128i scale_bytes = _mm_loadu_si128((const __m128i *)scales);

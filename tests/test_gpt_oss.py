@@ -91,6 +91,9 @@ def test_gpt_oss_file_equals_llama_cpp_reference(home, tiny):
         if precision is None:
             prepare_local_form(pkg)
             precision = local_form(pkg)
+            if precision == "gguf":  # the MXFP4 experts as 3-D blocks on the kernel library (GGML type 39)
+                graph = pkg.blob(pkg.manifest.units[1].variants["gguf"].graph).read_bytes()
+                assert b"GgufMoEMatMul" in graph and b"MatMulNBits" not in graph
         cfg = pkg.manifest.config
         assert (cfg["n_experts"], cfg["n_experts_used"], cfg["expert_gating"], cfg["ffn_activation"]) == (8, 4, "softmax_weight", "swiglu_oai")
         assert cfg["attention_sinks"] and cfg["layer_windows"] == [4, 0] and cfg["rope_yarn_factor"] == 32.0
@@ -106,8 +109,8 @@ def test_gpt_oss_file_equals_llama_cpp_reference(home, tiny):
 
 
 def test_kernel_form_with_experts_as_3d_blocks_equals_reference(home, tmp_path):
-    """Experts of a type the kernel library runs (Q8_0 here; MXFP4 once its type table has it)
-    stay 3-D blocks under GgufMoEMatMul, with each slot's expert bias gathered beside them."""
+    """Experts of another type the kernel library runs (Q8_0 here; MXFP4 in the test above) stay
+    3-D blocks under GgufMoEMatMul, with each slot's expert bias gathered beside them."""
     from edgepipe.native import gguf_kernel_library
 
     if gguf_kernel_library() is None:

@@ -8,7 +8,8 @@ prompt and of each token (to 1e-3). On WebGPU the reference runs the tab's stage
 onnxruntime-web's MatMulNBits multiplies float activations by the dequantized blocks (its output
 equals the fp32 variant's to 3e-6 on these layers), where the CPU provider at accuracy level 4
 quantizes activations to int8 first (1% away on these layers), so the CPU's run of the package's
-own variant is not what the tab computes."""
+own variant is not what the tab computes. The WebGPU test's 37-token twin is a strict xfail: see
+``SHORT``."""
 
 from __future__ import annotations
 
@@ -102,7 +103,10 @@ def test_tab_on_webassembly_runs_gpt_oss_layers(home, gpt_oss):
             assert distance(logprobs, want_logprobs) < 1e-3 < 0.05 < distance(logprobs, other), placement
 
 
-def test_tab_on_webgpu_runs_gpt_oss_layers(home, gpt_oss):
+@pytest.mark.parametrize("short", [True, pytest.param(False, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "onnxruntime-web 1.30's FlashAttention prefill shader (32+ new positions) on SwiftShader's 4-wide subgroups: "
+    "full-attention layers come out wrong; passing means it was fixed")))], ids=["11-token prompt", "37-token prompt"])
+def test_tab_on_webgpu_runs_gpt_oss_layers(home, gpt_oss, short):
     from test_browser_webgpu import remember_tab
 
     pkg = gpt_oss
@@ -118,10 +122,10 @@ def test_tab_on_webgpu_runs_gpt_oss_layers(home, gpt_oss):
             assert next(w for w in server.status()["workers"] if w["id"] == tab)["device"] == "gpu"
             stages = rebalance(server, [(tab, 0, 3), (other_worker, 3, N_UNITS)])
             assert [s["precision"] for s in stages] == [pkg.manifest.precision, local_form(pkg)]
-            assert 4 < len(prompt_ids(pkg, short=True)) < 32
-            tokens, logprobs = served(server, pkg, 8, short=True)
-            want, want_logprobs = reference(pkg, stages, ["fp32", local_form(pkg)], 8, short=True)
-            other = reference(pkg, stages, [pkg.manifest.precision, local_form(pkg)], 8, short=True)[1]
+            assert (4 < len(prompt_ids(pkg, short)) < 32) == short
+            tokens, logprobs = served(server, pkg, 8, short)
+            want, want_logprobs = reference(pkg, stages, ["fp32", local_form(pkg)], 8, short)
+            other = reference(pkg, stages, [pkg.manifest.precision, local_form(pkg)], 8, short)[1]
             assert tokens == want and len(set(tokens)) > 2
             assert distance(logprobs, want_logprobs) < 1e-3 < 0.05 < distance(logprobs, other)  # 1e-5; 0.25
         finally:

@@ -91,6 +91,9 @@ def test_gpt_oss_file_equals_llama_cpp_reference(home, tiny):
         if precision is None:
             prepare_local_form(pkg)
             precision = local_form(pkg)
+            if precision == "gguf":  # the MXFP4 experts as 3-D blocks on the kernel library (GGML type 39)
+                graph = pkg.blob(pkg.manifest.units[1].variants["gguf"].graph).read_bytes()
+                assert b"GgufMoEMatMul" in graph and b"MatMulNBits" not in graph
         cfg = pkg.manifest.config
         assert (cfg["n_experts"], cfg["n_experts_used"], cfg["expert_gating"], cfg["ffn_activation"]) == (8, 4, "softmax_weight", "swiglu_oai")
         assert cfg["attention_sinks"] and cfg["layer_windows"] == [4, 0] and cfg["rope_yarn_factor"] == 32.0
@@ -106,8 +109,8 @@ def test_gpt_oss_file_equals_llama_cpp_reference(home, tiny):
 
 
 def test_kernel_form_with_experts_as_3d_blocks_equals_reference(home, tmp_path):
-    """Experts of a type the kernel library runs (Q8_0 here; MXFP4 once its type table has it)
-    stay 3-D blocks under GgufMoEMatMul, with each slot's expert bias gathered beside them."""
+    """Experts of another type the kernel library runs (Q8_0 here; MXFP4 in the test above) stay
+    3-D blocks under GgufMoEMatMul, with each slot's expert bias gathered beside them."""
     from edgepipe.native import gguf_kernel_library
 
     if gguf_kernel_library() is None:
@@ -122,6 +125,99 @@ def test_kernel_form_with_experts_as_3d_blocks_equals_reference(home, tmp_path):
     ref_hidden, _ = gpt_oss_reference(weights, IDS)
     error = np.linalg.norm(hidden - ref_hidden, axis=-1) / np.linalg.norm(ref_hidden, axis=-1)
     assert error.max() < 0.1, error
+
+
+_ORT_WEB = """
+import { createRequire } from "module";
+import fs from "fs";
+const require = createRequire(import.meta.url);
+const [vendor, dir] = process.argv.slice(2);
+const ort = require(vendor + "/ort.webgpu.min.js");
+ort.env.wasm.numThreads = 1;
+ort.env.wasm.wasmPaths = vendor + "/";
+const kinds = { float32: Float32Array, int32: Int32Array, int64: BigInt64Array };
+for (const unit of JSON.parse(fs.readFileSync(dir + "/units.json"))) {
+  const meta = JSON.parse(fs.readFileSync(`${dir}/${unit}.json`));
+  const feeds = {};
+  for (const [name, [dtype, shape]] of Object.entries(meta.inputs)) {
+    const bytes = new Uint8Array(fs.readFileSync(`${dir}/${unit}.${name}.bin`));
+    feeds[name] = new ort.Tensor(dtype, new kinds[dtype](bytes.buffer), shape);
+  }
+  const session = await ort.InferenceSession.create(fs.readFileSync(`${dir}/${unit}.onnx`), { executionProviders: ["wasm"], graphOptimizationLevel: "all" });
+  const out = await session.run(feeds);
+  for (const name of meta.outputs) fs.writeFileSync(`${dir}/${unit}.out.${name}.bin`, Buffer.from(out[name].data.buffer));
+}
+console.log("written");  // then the caller ends the process: the runtime's threads keep it from exiting
+"""
+
+
+def test_layers_run_in_onnxruntime_web(home, tiny, tmp_path):
+    """A tab's runtime (the vendored onnxruntime-web on WebAssembly, under Node) runs the fp32 form
+    a tab is sent of both layers (sinks as GroupQueryAttention's ``head_sink``, the windowed
+    layer's ``local_window_size``, YaRN, the experts' plain ops), a prompt past the window: hidden
+    states and KV equal ONNX Runtime's on the CPU, which moves far without the sinks. (Chromium
+    tabs, WebAssembly and WebGPU, through a cluster: ``test_gpt_oss_browser``, ``-m slow``.)"""
+    import json
+    import shutil
+    import subprocess
+    import threading
+    from pathlib import Path
+
+    import onnx
+    import onnxruntime as ort
+    from onnx.external_data_helper import load_external_data_for_model
+
+    from edgepipe.model.importer import add_variant
+
+    node = shutil.which("node")
+    assert node is not None, "node is missing (apt-get install nodejs)"
+    pkg = resolve(str(tiny[0]), "native", home)
+    add_variant(pkg.root, "fp32", units=(1, 2))
+    pkg.reload()
+    rng = np.random.default_rng(2)
+    S, capacity, H, kv, D = len(IDS), 16, TINY["hidden"], TINY["kv_heads"], TINY["head_dim"]
+    expected, without_sinks, units = {}, {}, []
+    for u in (1, 2):
+        path = pkg.blob(pkg.manifest.units[u].variants["fp32"].graph)
+        model = onnx.load(str(path), load_external_data=False)
+        load_external_data_for_model(model, str(path.parent))
+        names = [i.name for i in model.graph.input]
+        feeds = {f"hidden.{u}": rng.standard_normal((1, S, H)).astype(np.float32),
+                 f"past_key.{u}": np.zeros((1, kv, capacity, D), np.float32), f"past_value.{u}": np.zeros((1, kv, capacity, D), np.float32)}
+        for prefix in ("", "window_"):  # as worker.js feeds them: every position kept, buffer index = position
+            if f"{prefix}seqlens_k" in names:
+                feeds[f"{prefix}seqlens_k"], feeds[f"{prefix}total_sequence_length"] = np.array([S - 1], np.int32), np.array(S, np.int32)
+        if "position_ids" in names:
+            feeds["position_ids"] = np.arange(S, dtype=np.int64)[None]
+        outputs = [o.name for o in model.graph.output]
+        expected[u] = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(outputs, feeds)
+        gqa = next(n for n in model.graph.node if n.op_type == "GroupQueryAttention")
+        assert gqa.input[11] == f"l{u}.attn_sinks" and any(a.name == "local_window_size" and a.i == (4 if u == 1 else -1) for a in gqa.attribute)
+        (tmp_path / f"u{u}.onnx").write_bytes(model.SerializeToString())
+        gqa.input[11] = ""
+        without_sinks[u] = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(outputs[:1], feeds)[0]
+        for name, value in feeds.items():
+            value.tofile(tmp_path / f"u{u}.{name}.bin")
+        (tmp_path / f"u{u}.json").write_text(json.dumps({"inputs": {k: [str(v.dtype), list(v.shape)] for k, v in feeds.items()}, "outputs": outputs}))
+        units.append(f"u{u}")
+    (tmp_path / "units.json").write_text(json.dumps(units))
+    (tmp_path / "run.mjs").write_text(_ORT_WEB)
+    vendor = Path(__file__).resolve().parents[1] / "edgepipe" / "api" / "static" / "vendor"
+    proc = subprocess.Popen([node, str(tmp_path / "run.mjs"), str(vendor), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    deadline = threading.Timer(120, proc.kill)
+    deadline.start()
+    try:
+        assert any(line.strip() == "written" for line in proc.stdout), "onnxruntime-web did not run the layers"
+    finally:
+        deadline.cancel()
+        proc.kill()
+        proc.wait()
+    for u in (1, 2):
+        outputs = json.loads((tmp_path / f"u{u}.json").read_text())["outputs"]
+        for name, want in zip(outputs, expected[u]):
+            got = np.fromfile(tmp_path / f"u{u}.out.{name}.bin", np.float32).reshape(want.shape)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"layer {u}: {name}")
+        assert np.abs(without_sinks[u] - expected[u][0]).max() > 0.1, u  # (about 2.4)
 
 
 @pytest.mark.slow  # llama.cpp loads the same file (~10 s)

@@ -46,7 +46,7 @@ def test_a_greedy_sequence_alone_on_a_one_stage_plan_goes_direct_up_to_its_last_
     dict(head=frozenset({"mask"})),  # structured output: a mask per step
     dict(head=frozenset({"adjust_ids", "adjust"})),  # penalties change with the tokens
     dict(head=frozenset({"repeat_ids", "repeat_penalty"})),
-    dict(stages=2), dict(replicated=True), dict(speculative=True), dict(checkpoints=True),
+    dict(replicated=True), dict(speculative=True), dict(checkpoints=True),
     dict(others=1),  # a lane of several sequences is re-formed by the coordinator at each departure
 ])
 def test_what_needs_the_coordinator_each_step_stays_on_todays_path(change):
@@ -68,6 +68,14 @@ def test_a_sampled_sequence_goes_direct_unless_its_head_fields_change_or_need_th
     state = SequenceState([1, 5, 9], params, str, (2,), generated=[4, 4])
     head = controls.step_fields(state, 32, False)
     assert (direct.grant(dataclasses.replace(ASK, head=frozenset(head))) == 8) is goes
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_a_sequence_alone_on_a_plan_of_several_stages_goes_direct_too(stages):
+    """Its last stage feeds the plan's first stage (``Load.first``): no hop through the coordinator."""
+    assert direct.grant(dataclasses.replace(ASK, stages=stages)) == 8
+    assert direct.grant(dataclasses.replace(ASK, stages=stages, head=frozenset({"mask"}))) == 0
 
 
 @pytest.mark.pure
@@ -121,13 +129,126 @@ def test_the_fed_frame_is_one_step_and_one_position_on_in_the_lanes_order():
 @pytest.mark.pure
 def test_the_stages_own_steps_of_a_dropped_sequence_are_skipped():
     stage = wcore.Stage(1, 0, 4, "g", None, 0)
-    state = dataclasses.replace(wcore.WorkerState("w", None, None), stages={1: stage}, held={"g": {"a": 11}})
+    session = wcore.Session("g", True, True, 0, (0, 1))
+    state = dataclasses.replace(wcore.WorkerState("w", None, None), stages={1: stage}, sessions={"g": session}, held={"g": {"a": 11}})
     mine = Forward(1, [{**_item(seq="a"), "direct": True}, {**_item(seq="b"), "direct": True}], tensors={"x": np.array([[5], [6]])})
     kept = wcore.without_dropped(state, mine)
     assert [i["seq"] for i in kept.batch] == ["a"] and kept.x.tolist() == [[5]]
     assert wcore.without_dropped(state, Forward(1, [mine.batch[1]], tensors={"x": np.array([[6]])})) is None
     theirs = Forward(1, [_item(seq="b")], tensors={"x": np.array([[6]])})  # the coordinator's frame: checked as always
     assert wcore.without_dropped(state, theirs) is theirs
+    # a stage without decoder layers (a head alone) holds no KV to tell by: a stage with layers skips them
+    headless = dataclasses.replace(state, sessions={"g": dataclasses.replace(session, layers=())}, held={})
+    assert wcore.without_dropped(headless, mine) is mine
+
+
+# -- a plan of several stages: the last stage feeds the first ------------------------------------
+def _hello(name: str, relay: bool = False):
+    from edgepipe.net.messages import Hello
+
+    return Hello(name=name, token=None, protocol=1, kind="browser" if relay else "native", memory_bytes=1 << 30, threads=2,
+                 data_url=None if relay else f"ws://{name}:1", held=())
+
+
+@pytest.mark.pure
+def test_a_plans_last_stage_is_loaded_with_its_first_stage_and_the_first_with_the_one_peer_it_takes_token_ids_from():
+    from edgepipe.cluster.rules import deploy
+    from edgepipe.cluster.state import state as S
+    from edgepipe.cluster.state.placement import StageAssignment as A
+
+    workers = {w: S.WorkerInfo(w, w, _hello(w), 0.0, 0.0) for w in "abc"}
+    three = (A("a", 0, 3), A("b", 3, 6), A("c", 6, 8))
+    assert [deploy.feed_fields(three, i, workers, "f") for i in range(3)] == [
+        {"fed_by": "c", "feed_secret": "f"}, {}, {"first": {"kind": "worker", "id": "a", "url": "ws://a:1", "relay": False, "secret": "f"}}]
+    assert deploy.feed_fields(three, 0, workers) == {"fed_by": "c"}  # secrets derived from the join token, or an open cluster
+    assert deploy.feed_fields((A("a", 0, 8),), 0, workers, "f") == {}  # one stage: it feeds itself
+    assert deploy.feed_fields((A("a", 0, 3), A("b", 3, 8), A("c", 3, 8)), 2, workers, "f") == {}  # replicas: the coordinator routes
+    tab = {**workers, "a": S.WorkerInfo("a", "a", _hello("a", relay=True), 0.0, 0.0)}
+    assert tab["a"].relay and [deploy.feed_fields(three, i, tab, "f") for i in range(3)] == [{}, {}, {}]  # no data port to feed
+
+
+def _fed_state(**stage) -> wcore.WorkerState:
+    first = wcore.Stage(1, 0, 3, "g", None, 0, secret="k", **stage)
+    return dataclasses.replace(wcore.WorkerState("w", None, None), stages={1: first}, sessions={"g": wcore.Session("g", True, False, 0, (0,))})
+
+
+@pytest.mark.pure
+def test_the_first_stage_takes_a_feed_only_from_the_peer_its_load_named_with_its_feed_secret():
+    fed = _fed_state(fed_by="c", feed_secret="f")
+    assert wcore.admit_data(fed, 1, lambda s: s == "f") == fed.stages[1].frame_limit  # the feed connection is admitted...
+    assert wcore.admit_feed(fed, 1, lambda s: s == "f")  # ...as the last stage's
+    assert not wcore.admit_feed(fed, 1, lambda s: s == "k")  # the stage's own secret (a KV mover holds it too) feeds nothing
+    assert not wcore.admit_feed(fed, 2, lambda s: True)
+    assert not wcore.admit_feed(_fed_state(), 1, lambda s: True)  # closed by default: no peer named, no feed
+    assert wcore.admit_feed(_fed_state(fed_by="c"), 1, lambda s: s is None)  # an open cluster: named, nothing to present
+
+
+@pytest.mark.pure
+def test_token_ids_reach_a_data_port_only_on_the_feed_connection_and_it_carries_nothing_else():
+    from edgepipe.worker.dataport import feed_problem
+
+    step = Forward(1, [{**_item(), "direct": True}], tensors={"x": np.array([[5]], np.int64)})
+    activations = Forward(1, [{**_item(), "direct": True}], tensors={"x": np.zeros((1, 1, 4), np.float32)})
+    assert feed_problem(step, feed=True) is None and feed_problem(activations, feed=False) is None
+    assert "only from the plan's last stage" in feed_problem(step, feed=False)
+    assert feed_problem(activations, feed=True) and feed_problem(Forward(1, [_item()], tensors={"x": np.array([[5]])}), feed=True)
+    assert feed_problem(Forward(1, [{**_item(), "direct": True}], tensors={"x": np.array([[5, 6]])}), feed=True)  # a step is one id
+
+
+@pytest.mark.pure
+def test_a_refused_token_id_frame_gets_a_clear_error_and_is_not_computed():
+    import asyncio
+
+    from edgepipe.net.channel import ChannelClosed
+    from edgepipe.net.protocol import decode, encode
+    from edgepipe.worker.dataport import data_loop
+
+    class Channel:
+        peer = "x"
+
+        def __init__(self, frames):
+            self.frames, self.sent, self.closed = list(frames), [], False
+
+        async def recv(self):
+            if not self.frames:
+                raise ChannelClosed("end")
+            return self.frames.pop(0)
+
+        async def send(self, frame):
+            self.sent.append(frame)
+
+        async def close(self, reason=""):
+            self.closed = True
+
+    step = encode(Forward(1, [{**_item(), "direct": True}], tensors={"x": np.array([[5]], np.int64)}).to_message())
+    for feed, taken in ((False, 0), (True, 1)):
+        channel, got = Channel([step]), []
+
+        async def receive(typed):
+            got.append(typed)
+
+        asyncio.run(data_loop(channel, 1, receive, feed))
+        assert len(got) == taken and channel.closed is not feed
+        if not feed:
+            assert "only from the plan's last stage" in decode(channel.sent[0])["message"]
+
+
+@pytest.mark.pure
+def test_the_last_stage_of_several_feeds_the_first_stage_and_still_sends_the_coordinator_its_copy():
+    from edgepipe.net.messages import NextHop
+
+    first = NextHop("worker", "a", "ws://a:1", secret="f")
+    last = wcore.Stage(1, 3, 8, "h", NextHop("coordinator"), 0, first=first, first_secret="f")
+    state = dataclasses.replace(wcore.WorkerState("c", None, None), stages={1: last}, sessions={"h": wcore.Session("h", False, True, 8, (3,))})
+    msg = Forward(1, [_item()], tensors={"x": np.zeros((1, 1, 8), np.float32)})
+    _, commands = wcore.handle(state, wcore.Computed(msg, np.array([5]), 0.01, None, 1, 0, {"r1.0": 11}))
+    feed, copy = commands
+    assert isinstance(feed, wcore.FeedFirst) and (feed.url, feed.plan, feed.secret) == ("ws://a:1", 1, "f")
+    assert feed.forward.x.tolist() == [[5]] and feed.forward.batch[0]["pos"] == 11 and feed.forward.batch[0]["direct"]
+    assert isinstance(copy, wcore.SendControl) and copy.msg["fed"] == [True]
+    alone = dataclasses.replace(state, stages={1: dataclasses.replace(last, first=None)})  # no first stage to feed (a relay)
+    _, commands = wcore.handle(alone, wcore.Computed(msg, np.array([5]), 0.01, None, 1, 0, {"r1.0": 11}))
+    assert [type(c) for c in commands] == [wcore.SendControl]
 
 
 # -- the coordinator's book -----------------------------------------------------------------------
@@ -235,10 +356,42 @@ def test_a_token_lost_on_one_of_its_two_ways_loses_and_repeats_nothing(kind):
     assert report.direct > 0 and report.direct_lost > 0  # the stage fed itself, and the fault lost a feed or a copy
 
 
-def test_the_simulation_sees_a_stage_that_feeds_itself_a_wrong_token(monkeypatch):
+# a plan of several stages: each worker holds part of the model (the planner splits it over all of them)
+SPLIT = {2: 5 * (sim.UNIT_BYTES + sim.UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES, 3: 3 * (sim.UNIT_BYTES + sim.UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES}
+
+
+def _pipeline_schedule(stages: int, kind: str | None = None, at: float = 12.06, seconds: float = 0.04) -> Schedule:
+    """As ``_direct_schedule`` on a plan of ``stages`` stages; the fault is given to every worker
+    (only the last stage feeds the first and sends the copies, so it is the one it hits)."""
+    requests = (Req(5.0, (1, 2, 3), 12), Req(5.01, (4, 5), 10), Req(12.0, (4, 6), 12))
+    faults = tuple(Fault(kind, at, w, seconds) for w in range(stages)) if kind else ()
+    return Schedule(39, (SPLIT[stages],) * stages, (0.0,) * stages, requests, faults, kv_checkpoints=False)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_plan_of_several_stages_feeds_its_first_stage_from_its_last(stages):
+    report = run(_pipeline_schedule(stages))
+    assert report.violations == [] and report.ok == 3  # the tokens equal the reference, nothing leaked
+    assert report.direct_first > 0 and report.direct_first == report.direct  # every feed went last stage -> first stage
+    assert "invalid_frame" not in report.dashboard and "pause" not in report.dashboard, report.dashboard
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("kind", sim.DIRECT_FAULTS)
+def test_a_token_lost_between_the_last_and_first_stage_or_on_its_way_to_the_coordinator_loses_nothing(kind, stages):
+    """``lose_feed``: the last stage's FORWARD to the first stage is lost, the coordinator's copy
+    arrives; ``lose_copy``: the copy is lost, the first stage got the token and runs on. Either way
+    the coordinator's step times out and the sequence replays: no token lost, repeated or changed."""
+    report = run(_pipeline_schedule(stages, kind))
+    assert report.violations == [] and report.ok == 3
+    assert report.direct_first > 0 and report.direct_lost > 0
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_the_simulation_sees_a_last_stage_that_feeds_a_wrong_token(monkeypatch, stages):
     real = wcore.next_forward
     monkeypatch.setattr(wcore, "next_forward", lambda plan, batch, tokens, fed: real(plan, batch, [(t + 1) % sim.VOCAB for t in tokens], fed))
-    report = run(_direct_schedule())
+    report = run(_direct_schedule() if stages == 1 else _pipeline_schedule(stages))
     assert report.direct > 0 and any("!= reference" in v for v in report.violations)
 
 

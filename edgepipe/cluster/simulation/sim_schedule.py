@@ -53,6 +53,9 @@ class Schedule:
     # targeted schedules: layers split in proportion to memory (``serve --placement memory``), so
     # every live worker takes a stage: a plan that one worker held is split again when another comes
     memory_placement: bool = False
+    # targeted schedules: no KV checkpoints to a spare plan (``direct.grant`` keeps a sequence off the
+    # direct path while they are copied), so a lone sequence on a plan of several stages runs direct
+    kv_checkpoints: bool = True
 
     @staticmethod
     def random(seed: int) -> "Schedule":

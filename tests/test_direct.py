@@ -1,12 +1,14 @@
-"""The direct token path (``cluster.direct``): a one-stage plan's stage feeds its sampled token into
-its own next step, the coordinator still takes every token in order and decides the rest.
+"""The direct token path (``cluster.direct``): a plan's last stage feeds its sampled token into the
+next step itself (a one-stage plan's stage into its own queue, a plan of several stages' last stage
+to the first stage over the data path), the coordinator still takes every token in order and decides the rest.
 
-Pure: the one decision (``direct.grant``), the worker's rule and frames (``worker.core``), the
-coordinator's book of steps a stage feeds itself (``step_path``). Simulation: the real worker
-shell and coordinator on a virtual clock, with a stage's own next step lost (its token reached
-the coordinator only) and the copy of a token it fed itself lost (it reached the stage only).
-Real processes (slow): ``serve`` with one worker gives ``generate``'s greedy tokens exactly, and a
-seeded sampled request's tokens with the direct path on and off.
+Pure: the one decision (``direct.grant``), the worker's rule and frames (``worker.core``), who may
+feed a first stage (``core.admit_feed``, ``dataport.feed_problem``), the LOAD fields that name the
+two ends (``deploy.feed_fields``), the coordinator's book of steps fed (``step_path``). Simulation:
+the real worker shell and coordinator on a virtual clock, on one, two and three stages, with the
+fed next step lost (its token reached the coordinator only) and the copy of a fed token lost (it
+reached the next step only). Real processes (slow): ``serve`` with one, two and three workers gives
+``generate``'s greedy tokens exactly, and a seeded sampled request's tokens with the direct path on and off.
 """
 
 from __future__ import annotations
@@ -452,6 +454,47 @@ def test_seeded_sampled_tokens_are_the_same_direct_through_the_coordinator_and_i
                     "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "seed": seed, "return_token_ids": True})
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["token_ids"] == want
+            fed = float(re.search(r"^edgepipe_direct_steps_total (\S+)$", server.client.get("/metrics").text, re.M).group(1))
+            assert (fed > 0) is direct_on
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers, args", [
+    (3, ()),  # issued secrets: the coordinator gives the last stage the first stage's feed secret
+    (2, ("--join-token", "s3cret", "--data-secrets", "derived")),  # both ends derive it from the join token
+])
+def test_serve_across_stages_gives_generates_tokens_with_the_direct_path_on_and_off(native_pkg, home, workers, args):
+    """The last stage feeds the plan's first stage (no hop through the coordinator) and the tokens
+    are ``generate``'s, as with ``--direct-steps 0`` (every token through the coordinator)."""
+    import re
+
+    from harness import Server
+    from test_distributed import reference_tokens
+
+    from edgepipe.model.store import local_form
+    from edgepipe.runtime.local import generate
+    from edgepipe.runtime.sequence import GenerationParams
+
+    prompts = ["Write a short poem about a cat.", "Explain recursion in one sentence."]
+    expected = [[t for t in reference_tokens(native_pkg, p, 40) if t not in native_pkg.manifest.eos_ids] for p in prompts]
+    tok, seed = native_pkg.tokenizer, 11  # and a seeded sampled request (every API's default sampling), as generate --seed
+    params = GenerationParams(max_tokens=40, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
+    ids = tok.encode(tok.format_chat([{"role": "user", "content": prompts[0]}]))
+    sampled = [t for t in generate(native_pkg.pipeline(precision=local_form(native_pkg)), ids, params, tok.decode,
+                                   native_pkg.manifest.eos_ids).tokens if t not in native_pkg.manifest.eos_ids]
+    # no KV checkpoints to a spare plan: a sequence whose KV is copied stays on the full path (direct.grant)
+    base = ("--placement", "memory", "--kv-checkpoint-tokens", "0", *args)
+    for extra, direct_on in (((), True), (("--direct-steps", "0"), False)):
+        with Server(home, workers=workers, args=base + extra, timeout=240) as server:
+            assert len(server.status()["plan"]["stages"]) == workers
+            for prompt, want in zip(prompts, expected):
+                r = server.client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "temperature": 0, "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["token_ids"] == want
+            r = server.client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": prompts[0]}], "max_tokens": 40, "seed": seed, "return_token_ids": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == sampled, r.text
             fed = float(re.search(r"^edgepipe_direct_steps_total (\S+)$", server.client.get("/metrics").text, re.M).group(1))
             assert (fed > 0) is direct_on
 

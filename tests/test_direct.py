@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from edgepipe.cluster.rules import core, direct, step_path
+from edgepipe.cluster.rules import core, direct, kv_moves, step_path
 from edgepipe.cluster.simulation import sim
 from edgepipe.cluster.state import batching, step_book as SB
 from edgepipe.cluster.state.batching import LaneItem
@@ -368,6 +368,23 @@ def _pipeline_schedule(stages: int, kind: str | None = None, at: float = 12.06, 
     requests = (Req(5.0, (1, 2, 3), 12), Req(5.01, (4, 5), 10), Req(12.0, (4, 6), 12))
     faults = tuple(Fault(kind, at, w, seconds) for w in range(stages)) if kind else ()
     return Schedule(39, (SPLIT[stages],) * stages, (0.0,) * stages, requests, faults, kv_checkpoints=False)
+
+
+def test_a_plan_change_that_moves_a_direct_runs_kv_between_plans_of_several_stages_loses_no_time(monkeypatch):
+    """A lone request runs direct on a two-stage plan (its last stage feeding the first); a third
+    worker joins and the memory split moves its KV to a three-stage plan mid-run. Each old stage
+    may hold another count past the coordinator's: the copies are of the KV at the coordinator's
+    count (``kv_moves.export_upto``), and the new plan's first step goes out at once, refused by none."""
+    room = 20 * (sim.UNIT_BYTES + sim.UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES  # each new plan loads beside the running one
+    schedule = Schedule(43, (room, room, room), (0.0, 0.0, 7.0), (Req(5.0, (1, 2, 3), 240),), (Fault("slow", 0.5, 0, 0.0, 3.0),),
+                        memory_placement=True, kv_checkpoints=False)
+    moved, real = [], kv_moves.export_upto
+    monkeypatch.setattr(kv_moves, "export_upto", lambda state, rid, old: moved.append((len(old.groups), real(state, rid, old))) or moved[-1][1])
+    report = run(schedule)
+    assert report.violations == [] and report.ok == 1 and report.direct_first > 0
+    assert report.dashboard.count("up") == 3  # one stage, then two (before the request), then three mid-run
+    assert moved and all(upto is not None for stages, upto in moved if stages > 1)  # the move from two stages: at the count
+    assert "invalid_frame" not in report.dashboard and "pause" not in report.dashboard, report.dashboard
 
 
 @pytest.mark.parametrize("stages", [2, 3])

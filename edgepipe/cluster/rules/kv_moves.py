@@ -91,3 +91,16 @@ def settled(moves: MovePlan, acknowledged: Mapping[int, bool], ids: tuple[int, .
     for (rid, _), move in zip(moves.copies, ids):
         whole[rid] = whole.get(rid, True) and acknowledged.get(move, False)
     return [r for r, ok in whole.items() if ok], list(moves.replay) + [r for r, ok in whole.items() if not ok]
+
+
+def export_upto(state, rid: str, old: Deployment) -> int | None:
+    """The length ``rid``'s KV is copied at (``KvExport.upto``; None: as the stage holds it). A
+    sequence on a direct run of a plan of several stages (``rules.direct``) may be held at a
+    different count past the coordinator's by each stage (the last fed the first a step the
+    others have not reached): each copy is then of the KV as it was ``kv_len`` positions long, so
+    that a new stage built from the copies of two old ones holds one length (a sliding-window
+    layer is kept relative to it)."""
+    q = state.requests.get(rid)
+    if q is None or len(old.groups) < 2 or q.seq not in state.steps.ahead:
+        return None
+    return q.kv_len

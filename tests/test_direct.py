@@ -165,8 +165,9 @@ def test_a_plans_last_stage_is_loaded_with_its_first_stage_and_the_first_with_th
     assert deploy.feed_fields(three, 0, workers) == {"fed_by": "c"}  # secrets derived from the join token, or an open cluster
     assert deploy.feed_fields((A("a", 0, 8),), 0, workers, "f") == {}  # one stage: it feeds itself
     assert deploy.feed_fields((A("a", 0, 3), A("b", 3, 8), A("c", 3, 8)), 2, workers, "f") == {}  # replicas: the coordinator routes
-    tab = {**workers, "a": S.WorkerInfo("a", "a", _hello("a", relay=True), 0.0, 0.0)}
-    assert tab["a"].relay and [deploy.feed_fields(three, i, tab, "f") for i in range(3)] == [{}, {}, {}]  # no data port to feed
+    for w in "ab":  # a browser tab's stage, first (no data port to feed) or in the middle (no book of dropped sequences)
+        tab = {**workers, w: S.WorkerInfo(w, w, _hello(w, relay=True), 0.0, 0.0)}
+        assert tab[w].relay and [deploy.feed_fields(three, i, tab, "f") for i in range(3)] == [{}, {}, {}]
 
 
 def _fed_state(**stage) -> wcore.WorkerState:

@@ -121,13 +121,14 @@ def feed_fields(stages: Sequence[StageAssignment], i: int, workers: Mapping[str,
     stages (``rules.direct``): the last stage's ``first`` (the first stage's data port, with the
     secret it takes a feed with), the first stage's ``fed_by`` (the one peer it takes token ids
     from) and ``feed_secret``. None for a plan of one stage (its stage feeds itself), one with
-    replicated stages (the coordinator routes each step), or an end on a relay (no data port
-    between them): every token then goes through the coordinator."""
+    replicated stages (the coordinator routes each step), or one with a stage on a relay (a
+    browser tab: no data port to feed, and its worker keeps no book of what a run computed past
+    a DROP): every token then goes through the coordinator."""
     groups = stage_groups(stages)
     if len(groups) < 2 or len(groups) != len(stages):
         return {}
     head, tail = stages[0], stages[-1]
-    if workers[head.worker_id].relay or workers[tail.worker_id].relay or not workers[head.worker_id].hello.data_url:
+    if any(workers[s.worker_id].relay for s in stages) or not workers[head.worker_id].hello.data_url:
         return {}
     if i == len(stages) - 1:
         hop = {"kind": "worker", "id": head.worker_id, "url": workers[head.worker_id].hello.data_url, "relay": False}

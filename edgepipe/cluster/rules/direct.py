@@ -42,9 +42,10 @@ leaves on the full path, each step through the coordinator:
   direct; when a second request comes, the first's run ends within ``limit`` steps and both go on
   through the coordinator, batched as before).
 
-A plan whose last stage cannot reach its first over a data port (an end on a relay, a browser
-tab) is given no ``first``: its last stage feeds nothing and says so (``Token.fed`` false), and
-each step goes the full path.
+A plan with a stage on a relay (a browser tab: no data port, no book of what a run computed past
+a DROP) is given no ``first``: its last stage feeds nothing and says so (``Token.fed`` absent), and
+each step goes the full path; so does a last stage that cannot reach the first (the send fails:
+the coordinator's copy is there, the step it asks for times out and is replayed).
 """
 
 from __future__ import annotations

@@ -303,7 +303,7 @@ class TimeStage:
 
 @dataclass(frozen=True)
 class FeedSelf:
-    """The direct token path (a one-stage plan): the stage's next decode step, fed with the tokens
+    """The direct token path on a one-stage plan: the stage's next decode step, fed with the tokens
     it just sampled, into its own compute queue (behind what arrived meanwhile)."""
 
     forward: Forward

@@ -391,9 +391,21 @@ def test_a_plan_change_that_moves_a_direct_runs_kv_between_plans_of_several_stag
 @pytest.mark.parametrize("stages", [2, 3])
 def test_a_plan_of_several_stages_feeds_its_first_stage_from_its_last(stages):
     report = run(_pipeline_schedule(stages))
-    assert report.violations == [] and report.ok == 3  # the tokens equal the reference, nothing leaked
+    assert report.violations == [] and report.ok == 3 and report.kv_left == []  # the tokens equal the reference, nothing leaked
     assert report.direct_first > 0 and report.direct_first == report.direct  # every feed went last stage -> first stage
     assert "invalid_frame" not in report.dashboard and "pause" not in report.dashboard, report.dashboard
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_cancel_mid_run_frees_the_positions_every_stage_computed_past_it(stages):
+    """The client goes after 5 tokens while the last stage runs ahead (``ahead`` 8): the DROP
+    reaches every stage, and a fed frame that reaches a stage after its DROP is discarded, so no
+    stage keeps the sequence's KV (``Report.kv_left``)."""
+    requests = (Req(5.0, (4, 6), 40, cancel_after=5), Req(9.0, (1, 2, 3), 40, cancel_after=21))
+    memories = (MEMORY,) if stages == 1 else (SPLIT[stages],) * stages
+    report = run(Schedule(39, memories, (0.0,) * stages, requests, (), kv_checkpoints=False))
+    assert report.violations == [] and report.ok == 2  # the tokens it got equal the reference's first ones
+    assert report.direct > 0 and report.kv_left == []
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -403,7 +415,7 @@ def test_a_token_lost_between_the_last_and_first_stage_or_on_its_way_to_the_coor
     arrives; ``lose_copy``: the copy is lost, the first stage got the token and runs on. Either way
     the coordinator's step times out and the sequence replays: no token lost, repeated or changed."""
     report = run(_pipeline_schedule(stages, kind))
-    assert report.violations == [] and report.ok == 3
+    assert report.violations == [] and report.ok == 3 and report.kv_left == []
     assert report.direct_first > 0 and report.direct_lost > 0
 
 

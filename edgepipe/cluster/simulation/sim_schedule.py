@@ -34,6 +34,7 @@ class Req:
     prompt: tuple[int, ...]
     max_tokens: int
     bad: str | None = None  # which value is out of range
+    cancel_after: int | None = None  # targeted schedules: the client goes after this many tokens (a cancel mid-run)
 
 
 @dataclass(frozen=True)

@@ -396,6 +396,18 @@ def test_a_plan_of_several_stages_feeds_its_first_stage_from_its_last(stages):
     assert "invalid_frame" not in report.dashboard and "pause" not in report.dashboard, report.dashboard
 
 
+@pytest.mark.parametrize("killed", range(4))
+def test_a_worker_killed_mid_run_at_any_stage_of_four_voids_the_run_and_the_sequence_replays_exactly(killed):
+    """A lone request runs direct on four stages (``--placement memory``: every worker takes one);
+    one worker dies mid-run, the first, a middle one or the last (the one feeding the first):
+    the run is void, the other three hold the model, and the sequence replays there."""
+    requests = (Req(12.0, (4, 6), 60),)
+    report = run(Schedule(39, (SPLIT[3],) * 4, (0.0,) * 4, requests, (Fault("kill", 12.3, killed, 0.0),), memory_placement=True,
+                          kv_checkpoints=False))
+    assert report.violations == [] and report.ok == 1 and report.kv_left == []
+    assert report.direct_first > 0 and "leave" in report.dashboard and "recovered" in report.dashboard
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3])
 def test_a_cancel_mid_run_frees_the_positions_every_stage_computed_past_it(stages):
     """The client goes after 5 tokens while the last stage runs ahead (``ahead`` 8): the DROP

@@ -371,20 +371,17 @@ def _pipeline_schedule(stages: int, kind: str | None = None, at: float = 12.06, 
     return Schedule(39, (SPLIT[stages],) * stages, (0.0,) * stages, requests, faults, kv_checkpoints=False)
 
 
-def test_a_plan_change_that_moves_a_direct_runs_kv_between_plans_of_several_stages_loses_no_time(monkeypatch):
+def test_a_plan_change_that_moves_a_direct_runs_kv_between_plans_of_several_stages_loses_no_time():
     """A lone request runs direct on a two-stage plan (its last stage feeding the first); a third
     worker joins and the memory split moves its KV to a three-stage plan mid-run. Each old stage
-    may hold another count past the coordinator's: the copies are of the KV at the coordinator's
-    count (``kv_moves.export_upto``), and the new plan's first step goes out at once, refused by none."""
+    may hold another count past the coordinator's: the new plan's first step forgets what lies
+    past its start at every stage (``rewind``), and goes out at once, refused by none."""
     room = 20 * (sim.UNIT_BYTES + sim.UNIT_KV_ROOM) + RUNTIME_OVERHEAD_BYTES  # each new plan loads beside the running one
     schedule = Schedule(43, (room, room, room), (0.0, 0.0, 7.0), (Req(5.0, (1, 2, 3), 240),), (Fault("slow", 0.5, 0, 0.0, 3.0),),
                         memory_placement=True, kv_checkpoints=False)
-    moved, real = [], kv_moves.export_upto
-    monkeypatch.setattr(kv_moves, "export_upto", lambda state, rid, old: moved.append((len(old.groups), real(state, rid, old))) or moved[-1][1])
     report = run(schedule)
     assert report.violations == [] and report.ok == 1 and report.direct_first > 0
     assert report.dashboard.count("up") == 3  # one stage, then two (before the request), then three mid-run
-    assert moved and all(upto is not None for stages, upto in moved if stages > 1)  # the move from two stages: at the count
     assert "invalid_frame" not in report.dashboard and "pause" not in report.dashboard, report.dashboard
 
 
@@ -553,3 +550,20 @@ def test_the_events_narration_skips_have_no_dashboard_line():
 
     named = set(re.findall(r"\b([A-Z][A-Za-z]+)\(", inspect.getsource(narrate._fields)))
     assert named and not named & {t.__name__ for t in narrate.SILENT}
+
+
+@pytest.mark.pure
+def test_a_direct_run_of_several_stages_on_a_sliding_window_model_is_replayed_not_moved():
+    """Its stages may each hold another count past the coordinator's: a new stage built from two
+    old ones' copies would import two lengths, and a window layer's KV would not line up."""
+    from types import SimpleNamespace as NS
+
+    from edgepipe.cluster.state.placement import Deployment, StageAssignment as A
+
+    two, one = Deployment(1, (A("a", 0, 4), A("b", 4, 8))), Deployment(1, (A("a", 0, 8),))
+    state = NS(requests={"r1": NS(seq="r1.0")}, steps=NS(ahead={"r1.0": SB.Ahead(1, 5)}))
+    window, full = [NS(kv_window=0), NS(kv_window=512)], [NS(kv_window=0)] * 2
+    assert kv_moves.uneven(state, "r1", two, window)
+    assert not kv_moves.uneven(state, "r1", two, full)  # full-cache layers: the first step's rewind trims either length
+    assert not kv_moves.uneven(state, "r1", one, window)  # one stage: one count
+    assert not kv_moves.uneven(NS(requests=state.requests, steps=NS(ahead={})), "r1", two, window)  # not running ahead

@@ -338,7 +338,7 @@ class KvExport(Wire):
     move: int
     secret: str | None = None  # the destination stage's data-port secret for ``to_plan``
     fingerprint: str | None = None  # the destination's data-port certificate (TLS clusters)
-    upto: int | None = None  # a checkpoint, a direct run's move: the KV as it was this many positions long (the sender refuses with fewer)
+    upto: int | None = None  # a checkpoint: the sender must hold exactly this many positions (else it refuses)
     as_seq: str | None = None  # a checkpoint: the name the receiver stores the KV under (None: ``seq``)
     since: int | None = None  # a checkpoint's increment: full-cache layers from this position on (the receiver holds the rest)
 

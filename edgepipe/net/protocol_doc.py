@@ -186,7 +186,7 @@ DOCS: dict[type, MessageDoc] = {
         "move": "move id (acknowledged by the receiver's `loaded`)",
         "secret": "the receiver stage's data-port secret for `to_plan`",
         "fingerprint": "the receiver's data-port certificate (TLS clusters)",
-        "upto": "a KV checkpoint, or a move of a sequence on a direct run of several stages: the KV as it was this many positions long (the sender refuses when it holds fewer)",
+        "upto": "a KV checkpoint: positions the sender must hold now (it refuses otherwise)",
         "as_seq": "a KV checkpoint: the name the receiver stores the KV under",
         "since": "a KV checkpoint's increment: full-cache layers' positions from here on (the receiver holds those before)",
     }),

@@ -52,8 +52,8 @@ def plan(state, old: Deployment, new: Deployment, units, profile,
     for rid in live:
         old_route = replicas.routed(state.requests, old, rid)
         unrouted = old.replicated and old_route is None
-        per_seq[rid] = None if unrouted else deploy.kv_moves(old, new, len(units), kv_per_unit, old_route,
-                                                              new_route(rid) or None)
+        per_seq[rid] = None if unrouted or uneven(state, rid, old, units) else deploy.kv_moves(old, new, len(units), kv_per_unit,
+                                                                                                old_route, new_route(rid) or None)
     copies = max((cp for cp in per_seq.values() if cp is not None), key=len, default=[])
     # Replays of all live sequences share the stages (one row per frame), so moving is weighed
     # for all of them at once: every byte that changes hands against every position replayed.
@@ -93,14 +93,14 @@ def settled(moves: MovePlan, acknowledged: Mapping[int, bool], ids: tuple[int, .
     return [r for r, ok in whole.items() if ok], list(moves.replay) + [r for r, ok in whole.items() if not ok]
 
 
-def export_upto(state, rid: str, old: Deployment) -> int | None:
-    """The length ``rid``'s KV is copied at (``KvExport.upto``; None: as the stage holds it). A
-    sequence on a direct run of a plan of several stages (``rules.direct``) may be held at a
-    different count past the coordinator's by each stage (the last fed the first a step the
-    others have not reached): each copy is then of the KV as it was ``kv_len`` positions long, so
-    that a new stage built from the copies of two old ones holds one length (a sliding-window
-    layer is kept relative to it)."""
+
+def uneven(state, rid: str, old: Deployment, units) -> bool:
+    """``rid`` runs direct on ``old``, a plan of several stages, of a model with sliding-window
+    layers: its stages may each hold another count past the coordinator's (the last stage fed
+    the first a step the others have not reached), and a new stage built from the copies of two
+    old ones would import two lengths, a window layer's KV lined up with the other's. Such a
+    sequence is replayed, not moved. (Full-cache layers take either length: the first step on
+    the new plan forgets what lies past its start, ``rewind``.)"""
     q = state.requests.get(rid)
-    if q is None or len(old.groups) < 2 or q.seq not in state.steps.ahead:
-        return None
-    return q.kv_len
+    return (q is not None and len(old.groups) > 1 and q.seq in state.steps.ahead
+            and any(getattr(u, "kv_window", 0) for u in units))

@@ -56,8 +56,7 @@ class KvMigration:
                 p.emit(kv_moves.KvMoveSent(move, rid, copy.src, copy.dst, new.plan_id, copy.start, copy.end))
                 self.acks[move] = acks[move]
                 msg = KvExport(q.seq, old.plan_id, copy.start, copy.end, new.plan_id, dst.data_url, move,
-                               secret=p.state().secrets.get(new.plan_id, {}).get(copy.dst), fingerprint=dst.data_fingerprint,
-                               upto=kv_moves.export_upto(state, rid, old))
+                               secret=p.state().secrets.get(new.plan_id, {}).get(copy.dst), fingerprint=dst.data_fingerprint)
                 if not await _sent(p, copy.src, msg):
                     acks[move].cancel()
             # All moves run at once; whatever has not arrived within the bound is rebuilt by replay.

@@ -362,7 +362,8 @@ def serve(
                                                   "tokens, so a recovery replays only the tokens since (0: off; not with speculative "
                                                   "decoding)."),
     direct_steps: int = typer.Option(8, "--direct-steps", min=0,
-                                     help="On a one-stage plan, the worker feeds each sampled token (greedy or drawn) straight into its next step, up to "
+                                     help="The plan's last stage feeds each sampled token (greedy or drawn) straight into the next step (on several stages: "
+                                          "to the first stage, worker to worker), up to "
                                           "this many steps between two frames from the coordinator, which still takes every token in "
                                           "order and stops, cancels and recovers as before (0: every token through the coordinator)."),
     variant_disk: str = typer.Option("4GiB", "--variant-disk",

@@ -29,7 +29,7 @@ class Metrics:
         self.hop_bytes = Counter("edgepipe_hop_bytes", "Activation bytes sent per hop", ["hop"], registry=r)
         self.coordinator_s = Counter("edgepipe_coordinator_seconds", "Coordinator time spent per step (before sending)", registry=r)
         self.wall_s = Counter("edgepipe_step_wall_seconds", "Wall time of steps", registry=r)
-        self.direct_steps = Counter("edgepipe_direct_steps", "Decode steps a one-stage plan's stage fed itself (the direct token path: "
+        self.direct_steps = Counter("edgepipe_direct_steps", "Decode steps a plan's last stage fed itself (the direct token path: "
                                     "no frame from the coordinator)", registry=r)
         self.workers = Gauge("edgepipe_workers", "Connected workers", registry=r)
         self.in_flight = Gauge("edgepipe_requests_in_flight", "Requests in flight", registry=r)

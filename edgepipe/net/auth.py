@@ -47,6 +47,14 @@ def derived_secret(join_token: str, data_url: str, plan: int) -> str:
     return hmac.new(join_token.encode(), message, hashlib.sha256).hexdigest()
 
 
+def derived_feed_secret(join_token: str, data_url: str, plan: int) -> str:
+    """What a plan's last stage presents at the first stage's data port (``data_url``) when it feeds
+    it the next step of a direct run, for clusters whose coordinator does not issue one: distinct
+    from the stage's own secret, which the plan's KV movers hold as well."""
+    message = f"edgepipe-feed|{data_url.rstrip('/')}|{int(plan)}".encode()
+    return hmac.new(join_token.encode(), message, hashlib.sha256).hexdigest()
+
+
 def plan_secrets(n_stages: int) -> list[str]:
     """Fresh random secrets, one per stage of a new plan (I/O shell: uses the OS's RNG)."""
     return [secrets.token_urlsafe(24) for _ in range(n_stages)]

@@ -268,6 +268,13 @@ class Load(Wire):
     data_secret: str | None = None  # what this stage's predecessor must present on its data port (net.auth)
     matmul_bytes: int | None = None  # weight bytes its matrix products read per step (not the embedding table, only gathered from)
     head_bytes: int | None = None  # of matmul_bytes, the head's: it computes the last position of each row only
+    # The direct token path on a plan of several stages (``cluster.rules.direct``): the last stage's
+    # ``first`` is the plan's first stage, which it sends the next step of a direct run to (with that
+    # stage's ``feed_secret``); the first stage's ``fed_by`` is the last stage's worker id, the one
+    # peer it takes token ids from on its data port (None: it takes them from the coordinator only)
+    first: NextHop | None = None
+    fed_by: str | None = None
+    feed_secret: str | None = None  # what the last stage presents when it feeds the first (net.auth)
 
 
 @dataclass(frozen=True)
@@ -709,7 +716,18 @@ def _load(f: dict) -> Load:
                 _opt_int(f.get("max_context"), "max_context"), _opt_int(f.get("kv_bytes_per_token"), "kv_bytes_per_token"),
                 bool(f["warm"]) if f.get("warm") is not None else None, bool(f["prefetch"]) if f.get("prefetch") is not None else None,
                 _opt_str(f.get("data_secret"), "data_secret"), _opt_int(f.get("matmul_bytes"), "matmul_bytes"),
-                _opt_int(f.get("head_bytes"), "head_bytes"))
+                _opt_int(f.get("head_bytes"), "head_bytes"), _first_hop(f.get("first")), _opt_str(f.get("fed_by"), "fed_by"),
+                _opt_str(f.get("feed_secret"), "feed_secret"))
+
+
+def _first_hop(wire) -> NextHop | None:
+    """A LOAD's ``first``: a worker hop on a data port (a relayed first stage takes no feed)."""
+    if wire is None:
+        return None
+    hop = NextHop.of(wire)
+    if hop.kind != "worker" or hop.relay or not hop.url or hop.replicas:
+        raise ProtocolError("load: first must be a worker hop with a url (no relay, no replicas)")
+    return hop
 
 
 def _probe(f: dict) -> Probe:

@@ -78,6 +78,11 @@ DOCS: dict[type, MessageDoc] = {
         "data_secret": "what its predecessor must present on its data port (`net.auth`)",
         "matmul_bytes": "weight bytes the stage's matrix products read per step (the embedding table is only gathered from): an emulated roofline device prices steps by it",
         "head_bytes": "of matmul_bytes, the head's: it computes only the last position of each row (a verify row: every position), so an emulated roofline prices it per row, not per position",
+        "first": "the last stage of a plan of several stages: the plan's first stage (`{kind: worker, id, url, relay: false[, secret][, fingerprint]}`, "
+                 "`secret`: its feed secret), which it sends the next step of a direct run to over the data path (`cluster/rules/direct.py`)",
+        "fed_by": "the first stage of such a plan: the worker id of its last stage, the one peer whose token ids it takes on its data port",
+        "feed_secret": "the first stage: what that peer presents (absent: derived from the join token, `net.auth.derived_feed_secret`, "
+                       "or none in an open cluster); a token-id `forward` on any other data connection is refused with an error frame",
     }),
     messages.Loaded: MessageDoc("w→c", "a stage is ready (or failed), or a KV move arrived", {
         "ok": "whether it worked",
@@ -116,9 +121,10 @@ DOCS: dict[type, MessageDoc] = {
                  "drawn from, sparse) and `accept`/`replace` (k draws each): the head then decides (`runtime.speculative.head_verdict`); "
                  "a `verify` entry of a request with a response format has `masks` (a mask per position) instead of `mask`; "
                  "the direct token path (`cluster/rules/direct.py`): `ahead: n` and `stop: [ids]` on a decode entry let the "
-                 "stage of a one-stage plan feed the token it samples into the entry's next step itself, up to `n` steps, "
-                 "unless the token is in `stop`; a sampled entry also has `uniforms` (the `n` draws of those steps, in "
-                 "order: the coordinator's `uniform_draw(seed, step)`); the entries it so feeds itself carry `direct: true` "
+                 "last stage feed the token it samples into the entry's next step itself, up to `n` steps, "
+                 "unless the token is in `stop` (a one-stage plan's stage into its own queue; on several stages to the "
+                 "plan's first stage over its data port: `load.first`); a sampled entry also has `uniforms` (the `n` draws of those steps, in "
+                 "order: the coordinator's `uniform_draw(seed, step)`); the entries it so feeds carry `direct: true` "
                  "(with `step`, `pos` one on, `ahead` one less, `sampling.uniform` the first of `uniforms` and `uniforms` "
                  "the rest), and one whose `seq` it no longer holds (dropped meanwhile) is skipped",
         "timings": "`[worker_id, seconds, positions, bytes/elem, batch]` appended by each stage",
@@ -133,7 +139,7 @@ DOCS: dict[type, MessageDoc] = {
                     "(a `verify` entry: a list of them, one per position)",
         "verified": "per batch entry: the token chosen after each position of a `verify` entry (by the rule: up to the "
                     "first draft it replaced), else null",
-        "fed": "per batch entry: true where the stage fed the entry's next step itself with this token (the direct "
+        "fed": "per batch entry: true where the last stage fed the entry's next step itself with this token (the direct "
                "token path: its `ahead` allowed it); absent where no entry asked for it",
     }),
     messages.Drop: MessageDoc("c→w", "free a sequence's KV", {"seq": "the sequence id"}),

@@ -28,7 +28,7 @@ from ..net.messages import (PROBE_PLAN, Activate, Drop, Emulate, Error, ErrorCod
 from .data import (  # noqa: F401 - the core's vocabulary, used as core.X by the shells and tests
     Session, Stage, WorkerState, Joined, Pinged, Fetched, Built, LoadFailed, Computed, Failed, Imported, ExportFailed,
     StageTimed, PeerMeasured, SendControl, SendPeer, Forget, FetchFiles, BuildSession, KeepSessions, RunStage, Wait,
-    DropSequence, ExportKv, ImportKv, SendLinkPayload, MeasurePeer, TimeStage, FeedSelf, Event, Command)
+    DropSequence, ExportKv, ImportKv, SendLinkPayload, MeasurePeer, TimeStage, FeedSelf, FeedFirst, Event, Command)
 
 KV_RESERVE_TOKENS = limits.KV_RESERVE_TOKENS  # KV room a stage must leave for at least one sequence this long
 INLINE_STEP_S = 0.02  # decode steps faster than this run on the event loop (no thread hand-off)
@@ -114,11 +114,16 @@ def _built(state: WorkerState, event: Built) -> tuple[WorkerState, list[Command]
         state = _forget_sessions(state)
         commands.append(KeepSessions(_used_graphs(state)))
     else:
+        first = load.first if load.next.kind == "coordinator" else None
         stage = Stage(load.plan, load.start, load.end, load.graph, load.next, event.weight_bytes,
                       secret=data_secret(state, state.data_url, load.plan, load.data_secret),
                       frame_limit=limits.data_frame_limit(int(load.max_context or 4096), session.hidden, _kv_move_bytes(load, session)),
                       max_context=load.max_context, matmul_bytes=load.matmul_bytes,
-                      head_bytes=int(load.head_bytes or 0))
+                      head_bytes=int(load.head_bytes or 0), first=first,
+                      first_secret=feed_secret(state, first.url, load.plan, first.secret) if first else None,
+                      fed_by=load.fed_by if session.takes_token_ids else None,
+                      feed_secret=feed_secret(state, state.data_url, load.plan, load.feed_secret)
+                      if load.fed_by and session.takes_token_ids else None)
         state = replace(state, stages={**state.stages, load.plan: stage})
     repaired = list(event.repaired) if event.repaired else None  # cached files that failed their hash and were fetched again
     return state, commands + [_loaded(load.plan, ok=True, load_s=event.load_s, fetched_bytes=event.fetched_bytes,
@@ -270,10 +275,14 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
             tokens = [int(t) for t in event.out]  # a verify entry: the target's token after each of its positions
             chosen = {"tokens": tokens[-1:], "verified": [tokens]} if entries[0].verify else {"tokens": tokens}
             fed = None
-            if event.positions == 1 and state.sessions[stage.graph].takes_token_ids:  # a one-stage plan: it may feed itself
+            itself = state.sessions[stage.graph].takes_token_ids  # a one-stage plan: it feeds itself; else the plan's first stage
+            if event.positions == 1 and (itself or stage.first is not None):
                 fed = [feeds_next(item, token) for item, token in zip(batch, chosen["tokens"])] if len(chosen["tokens"]) == len(batch) else None
                 if fed is not None and any(fed):
-                    commands.append(FeedSelf(next_forward(plan, batch, chosen["tokens"], fed)))
+                    nxt = next_forward(plan, batch, chosen["tokens"], fed)
+                    # the next step first: it is the run's critical path, the coordinator's copy is not
+                    commands.append(FeedSelf(nxt) if itself else FeedFirst(stage.first.url, plan, nxt, stage.first_secret,
+                                                                           stage.first.fingerprint))
                 elif not any(item.get("ahead") for item in batch):
                     fed = None  # nothing asked for the direct path: the frame is as it always was
             commands.append(SendControl(Token(plan, batch, timings=timings, logprobs=event.logprobs.get("logprobs"), fed=fed,
@@ -296,7 +305,7 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
     return state, commands
 
 
-# -- the direct token path (a one-stage plan) ----------------------------------------------------------------
+# -- the direct token path ------------------------------------------------------------------------------------
 def feeds_next(item: dict, token: int) -> bool:
     """Whether a last stage that also takes token ids feeds ``item``'s next step itself with the
     ``token`` it sampled: the coordinator allowed ``ahead`` more steps (``cluster.direct``), it is a
@@ -337,6 +346,8 @@ def without_dropped(state: WorkerState, msg: Forward) -> Forward | None:
     stage = state.stages.get(msg.plan)
     if stage is None:
         return None
+    if not session_layers(state, stage.graph):  # an embedding or a head alone holds no KV to tell: a stage with layers does
+        return msg
     keep = [i for i, item in enumerate(batch) if not item.get("direct") or state.length(stage.graph, item["seq"]) > 0]
     if len(keep) == len(batch):
         return msg
@@ -437,15 +448,33 @@ def data_secret(state: WorkerState, url: str | None, plan: int, given: str | Non
     return auth.derived_secret(state.join_token, url, plan) if state.join_token and url else None
 
 
+def feed_secret(state: WorkerState, url: str | None, plan: int, given: str | None) -> str | None:
+    """What a plan's last stage presents at its first stage (at ``url``) to feed it a direct run's
+    next step: as issued by the coordinator, else derived from the join token, else none (an open cluster)."""
+    from ..net import auth
+
+    if given:
+        return given
+    return auth.derived_feed_secret(state.join_token, url, plan) if state.join_token and url else None
+
+
 def admit_data(state: WorkerState, plan: int | None, bearer_ok) -> int | None:
     """The frame limit for a data-port connection that names ``plan`` (``bearer_ok(secret)``
     says whether its Authorization presents ``secret``), or None to refuse it."""
     if plan == PROBE_PLAN and bearer_ok(state.probe_secret):
         return PROBE_PLAN_FRAME_LIMIT
     stage = state.stages.get(plan) if plan is not None else None
-    if stage is not None and (stage.secret is None or bearer_ok(stage.secret)):
+    if stage is not None and (stage.secret is None or bearer_ok(stage.secret) or admit_feed(state, plan, bearer_ok)):
         return stage.frame_limit
     return None
+
+
+def admit_feed(state: WorkerState, plan: int | None, bearer_ok) -> bool:
+    """Whether a data-port connection for ``plan`` is its last stage feeding this first stage the
+    next steps of direct runs (the one connection that may carry token ids): closed unless the
+    stage's LOAD named the peer (``fed_by``), and then only with its feed secret (an open cluster: none)."""
+    stage = state.stages.get(plan) if plan is not None else None
+    return stage is not None and stage.fed_by is not None and (stage.feed_secret is None or bearer_ok(stage.feed_secret))
 
 
 PROBE_PLAN_FRAME_LIMIT = (1 << 20) + limits.HEADER_SLACK_BYTES  # largest frame a probe connection may send

@@ -42,6 +42,11 @@ class Stage:
     max_context: int | None = None
     matmul_bytes: int | None = None  # weight bytes its matrix products read per step (emulated roofline); None: weight_bytes
     head_bytes: int = 0  # of those, the head's (it computes a row's last position only)
+    # the direct token path on a plan of several stages (``Load.first``, ``Load.fed_by``)
+    first: NextHop | None = None  # the last stage: the plan's first stage, fed the next step of a direct run
+    first_secret: str | None = None  # the last stage: what it presents when it feeds the first
+    fed_by: str | None = None  # the first stage: the worker of its plan's last stage, the one peer it takes token ids from
+    feed_secret: str | None = None  # the first stage: what that peer presents (None: an open cluster)
 
     @property
     def compute_bytes(self) -> int:
@@ -298,11 +303,25 @@ class TimeStage:
 
 @dataclass(frozen=True)
 class FeedSelf:
-    """The direct token path (a one-stage plan): the stage's next decode step, fed with the tokens
+    """The direct token path on a one-stage plan: the stage's next decode step, fed with the tokens
     it just sampled, into its own compute queue (behind what arrived meanwhile)."""
 
     forward: Forward
 
 
+@dataclass(frozen=True)
+class FeedFirst:
+    """The direct token path on a plan of several stages: the last stage's next decode step, fed
+    with the tokens it just sampled, to the plan's first stage at ``url`` (its data port, presenting
+    its feed ``secret``). A send that fails is only logged: the coordinator holds the token's copy
+    and asks for the step, which times out and is replayed."""
+
+    url: str
+    plan: int
+    forward: Forward
+    secret: str | None
+    fingerprint: str | None
+
+
 Command = Union[SendControl, SendPeer, Forget, FetchFiles, BuildSession, KeepSessions, RunStage, Wait, DropSequence, ExportKv, ImportKv,
-                SendLinkPayload, MeasurePeer, TimeStage, FeedSelf]
+                SendLinkPayload, MeasurePeer, TimeStage, FeedSelf, FeedFirst]

@@ -82,6 +82,11 @@ class Worker:
             # on the next turn of the loop, behind what arrived meanwhile: a stage feeding itself
             # still hears pings and DROPs between its steps (a queue.get that finds an item never yields)
             asyncio.get_running_loop().call_soon(self.ports.loopback or self.queue.put_nowait, cmd.forward)
+        elif isinstance(cmd, core.FeedFirst):
+            try:
+                await self._send_peer(cmd.url, encode(cmd.forward.to_message()), cmd.plan, cmd.secret, cmd.fingerprint, feed=True)
+            except ChannelClosed as exc:  # the coordinator has the token's copy: its step times out and is replayed
+                log.warning("plan %d: could not feed the first stage the next step: %s", cmd.plan, exc)
         elif isinstance(cmd, core.RunStage):
             await self.feed(await self.runners.run(cmd, self.state.joins, self.s.threads == 1))
         elif isinstance(cmd, core.Wait):
@@ -174,7 +179,8 @@ class Worker:
         exponential backoff, keeping its data port, blob cache and built sessions, and joins
         again as a new member (the coordinator recalls its calibration by name and hardware).
         With a ``control`` channel given (in-memory use) it serves that one channel only."""
-        server = await self.data_port.start(lambda plan, check: core.admit_data(self.state, plan, check), self.receive, self._shape)
+        server = await self.data_port.start(lambda plan, check: core.admit_data(self.state, plan, check), self.receive, self._shape,
+                                              lambda plan, check: core.admit_feed(self.state, plan, check))
         self.state = replace(self.state, data_url=self.data_port.url)
         compute = asyncio.create_task(self._compute_loop())
         lag = asyncio.create_task(self._watch_loop_lag()) if self.ports.lag_tick_s else None
@@ -409,10 +415,12 @@ class Worker:
             pass
 
     # -- sending ----------------------------------------------------------------------------
-    async def _send_peer(self, url: str, frame: bytes, plan: int, secret: str | None, fingerprint: str | None = None) -> None:
+    async def _send_peer(self, url: str, frame: bytes, plan: int, secret: str | None, fingerprint: str | None = None,
+                         feed: bool = False) -> None:
         """Send to another worker's data port, one connection per (port, plan), presenting
-        that stage's secret; any failure to reach it is ChannelClosed."""
-        key = f"{url}#{plan}"
+        that stage's secret (``feed``: the first stage's feed secret, on a connection of its own);
+        any failure to reach it is ChannelClosed."""
+        key = f"{url}#feed#{plan}" if feed else f"{url}#{plan}"
         try:
             channel = self.peers.get(key)
             if channel is None:

@@ -35,7 +35,7 @@ self.EdgepipeProtocol = (function freeze(value) {
   "FIELDS": {
     "hello": ["name", "token", "protocol", "kind", "memory_bytes", "threads", "data_url", "held", "emulation", "precision", "pid", "data_fingerprint", "power_busy_w", "power_idle_w", "device", "adapter", "device_note", "native_kernel", "native_kernel_note", "role"],
     "welcome": ["worker_id"],
-    "load": ["plan", "start", "end", "graph", "files", "next", "keep", "max_context", "kv_bytes_per_token", "warm", "prefetch", "data_secret", "matmul_bytes", "head_bytes"],
+    "load": ["plan", "start", "end", "graph", "files", "next", "keep", "max_context", "kv_bytes_per_token", "warm", "prefetch", "data_secret", "matmul_bytes", "head_bytes", "first", "fed_by", "feed_secret"],
     "loaded": ["ok", "plan", "kv_received", "error", "fetched_bytes", "load_s", "weight_bytes", "repaired", "prefetched", "reused_session", "bytes", "needed_bytes", "free_bytes", "budget_bytes"],
     "activate": ["keep"],
     "forward": ["plan", "batch", "timings", "relay_to"],

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from ...native import FALLBACK_FORM, KERNEL_FORM
 from ...net.capabilities import capabilities
-from ...net.messages import Hello, Load
+from ...net.messages import Hello, Load, NextHop
 from ...plan import Plan, Stage
 from ...plan.switching import LoadStage, MoveKV, diff
 from . import replicas
@@ -116,6 +116,32 @@ def next_hop(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, Wo
     return {**first, "replicas": [hop_to(w) for w in targets[1:]]} if len(targets) > 1 else first
 
 
+def feed_fields(stages: Sequence[StageAssignment], i: int, workers: Mapping[str, WorkerInfo], feed_secret: str | None = None) -> dict:
+    """The LOAD fields of stage assignment ``i`` for the direct token path on a plan of several
+    stages (``rules.direct``): the last stage's ``first`` (the first stage's data port, with the
+    secret it takes a feed with), the first stage's ``fed_by`` (the one peer it takes token ids
+    from) and ``feed_secret``. None for a plan of one stage (its stage feeds itself), one with
+    replicated stages (the coordinator routes each step), or one with a stage on a relay (a
+    browser tab: no data port to feed, and its worker keeps no book of what a run computed past
+    a DROP): every token then goes through the coordinator."""
+    groups = stage_groups(stages)
+    if len(groups) < 2 or len(groups) != len(stages):
+        return {}
+    head, tail = stages[0], stages[-1]
+    if any(workers[s.worker_id].relay for s in stages) or not workers[head.worker_id].hello.data_url:
+        return {}
+    if i == len(stages) - 1:
+        hop = {"kind": "worker", "id": head.worker_id, "url": workers[head.worker_id].hello.data_url, "relay": False}
+        if feed_secret:
+            hop["secret"] = feed_secret
+        if workers[head.worker_id].hello.data_fingerprint:
+            hop["fingerprint"] = workers[head.worker_id].hello.data_fingerprint
+        return {"first": hop}
+    if i == 0:
+        return {"fed_by": tail.worker_id, **({"feed_secret": feed_secret} if feed_secret else {})}
+    return {}
+
+
 
 
 def has_gguf_kernel(hello: Hello) -> bool:
@@ -173,7 +199,7 @@ def stage_form(state: ClusterState, worker_id: str, manifest, settings) -> Stage
 
 
 def load_message(package, plan_id: int, start: int, end: int, form: StageForm | str | None, nxt: dict, keep: list[int],
-                 warm: bool | None = None, data_secret: str | None = None) -> Load:
+                 warm: bool | None = None, data_secret: str | None = None, feed: dict | None = None) -> Load:
     """The LOAD frame of a stage in ``form`` (a bare precision: that variant's plain CPU form)."""
     if not isinstance(form, StageForm):
         form = StageForm(precision=form)
@@ -185,7 +211,9 @@ def load_message(package, plan_id: int, start: int, end: int, form: StageForm | 
                 kv_bytes_per_token=sum(manifest.kv_bytes_per_token(u, precision) for u in range(start, end)), warm=warm,
                 data_secret=data_secret, matmul_bytes=sum(manifest.variant(u.index, precision).weight_bytes
                                                           for u in manifest.units[start:end] if u.kind != "embedding"),
-                head_bytes=sum(manifest.variant(u.index, precision).weight_bytes for u in manifest.units[start:end] if u.kind == "head"))
+                head_bytes=sum(manifest.variant(u.index, precision).weight_bytes for u in manifest.units[start:end] if u.kind == "head"),
+                first=NextHop.of(feed["first"]) if feed and feed.get("first") else None, fed_by=(feed or {}).get("fed_by"),
+                feed_secret=(feed or {}).get("feed_secret"))
 
 
 def kv_capacity(state: ClusterState, manifest, precision_of, overhead_bytes: int) -> int | None:

@@ -52,8 +52,8 @@ def plan(state, old: Deployment, new: Deployment, units, profile,
     for rid in live:
         old_route = replicas.routed(state.requests, old, rid)
         unrouted = old.replicated and old_route is None
-        per_seq[rid] = None if unrouted else deploy.kv_moves(old, new, len(units), kv_per_unit, old_route,
-                                                              new_route(rid) or None)
+        per_seq[rid] = None if unrouted or uneven(state, rid, old, units) else deploy.kv_moves(old, new, len(units), kv_per_unit,
+                                                                                                old_route, new_route(rid) or None)
     copies = max((cp for cp in per_seq.values() if cp is not None), key=len, default=[])
     # Replays of all live sequences share the stages (one row per frame), so moving is weighed
     # for all of them at once: every byte that changes hands against every position replayed.
@@ -91,3 +91,16 @@ def settled(moves: MovePlan, acknowledged: Mapping[int, bool], ids: tuple[int, .
     for (rid, _), move in zip(moves.copies, ids):
         whole[rid] = whole.get(rid, True) and acknowledged.get(move, False)
     return [r for r, ok in whole.items() if ok], list(moves.replay) + [r for r, ok in whole.items() if not ok]
+
+
+
+def uneven(state, rid: str, old: Deployment, units) -> bool:
+    """``rid`` runs direct on ``old``, a plan of several stages, of a model with sliding-window
+    layers: its stages may each hold another count past the coordinator's (the last stage fed
+    the first a step the others have not reached), and a new stage built from the copies of two
+    old ones would import two lengths, a window layer's KV lined up with the other's. Such a
+    sequence is replayed, not moved. (Full-cache layers take either length: the first step on
+    the new plan forgets what lies past its start, ``rewind``.)"""
+    q = state.requests.get(rid)
+    return (q is not None and len(old.groups) > 1 and q.seq in state.steps.ahead
+            and any(getattr(u, "kv_window", 0) for u in units))

@@ -170,12 +170,14 @@ class Deployer:
             if any(s.worker_id not in workers for s in stages):
                 raise deploy_error(f"worker {next(s.worker_id for s in stages if s.worker_id not in workers)} left before deployment")
             secrets = auth.plan_secrets(len(stages)) if settings.issue_data_secrets else [None] * len(stages)
+            feed_secret = auth.plan_secrets(1)[0] if settings.issue_data_secrets and len(stages) > 1 else None  # the direct path's, last to first
             p.emit(S.SecretsIssued(dep.plan_id, {s.worker_id: secret for s, secret in zip(stages, secrets) if secret}))
             for s in stages:  # a stage in a variant the package lacks for its units (a tab's fp32): those units are built now
                 await self.calibrator.variants.ensure(self.precision(s.worker_id), s.start, s.end, s.worker_id)
             loads = [self.load(s.worker_id, deploy.load_message(p.package, dep.plan_id, s.start, s.end, self.form(s.worker_id),
                                                                 deploy.next_hop(stages, i, workers, secrets), keep,
-                                                                data_secret=secrets[i]))
+                                                                data_secret=secrets[i],
+                                                                feed=deploy.feed_fields(stages, i, workers, feed_secret)))
                      for i, s in enumerate(stages)]
             results = await asyncio.gather(*loads)
             failed = [f"{s.worker_id}: {r.error}" for s, r in zip(stages, results) if not r.ok]

@@ -47,9 +47,10 @@ FAULTS = ("kill", "stall", "slow", "partition_coord", "partition_peer", "reconne
           "drop_work", "forget_prefixes")
 # Faults after which a worker may rightly be quarantined (it took work and computed nothing).
 QUARANTINE_FAULTS = ("stall", "partition_coord", "drop_work", "lose_feed", "lose_copy")
-# The direct token path's faults (targeted schedules, ``tests/test_sim.py``): a one-stage plan's stage
-# loses its own next step (its token reached the coordinator only), or the copy of a token it fed
-# itself (it reached the stage's next step only)
+# The direct token path's faults (targeted schedules, ``tests/test_sim.py``, ``tests/test_direct.py``): a
+# last stage's feed of the next step is lost (its own queue on a one-stage plan, the first stage's on a
+# plan of several: the token reached the coordinator only), or the coordinator's copy of a token it fed
+# (the token reached the next step only)
 DIRECT_FAULTS = ("lose_feed", "lose_copy")
 
 

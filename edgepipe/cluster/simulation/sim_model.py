@@ -19,6 +19,20 @@ from ...worker import core
 KEPT_LENGTHS = 12  # recent lengths kept per sequence (a rewind or a checkpoint goes back only a few)
 
 
+_SHIFTS = np.arange(8, dtype=np.int64) * 8  # an integer state below 2**64 as 8 bytes
+
+
+def activations(y: np.ndarray, dtype: str = "float32") -> np.ndarray:
+    """The fake model's states ``[batch, positions]`` (int64) as activations ``[batch, positions, 8]``:
+    a byte each, exact in float16 as in float32 (a stage after the first refuses token ids)."""
+    return ((y[..., None] >> _SHIFTS) & 0xFF).astype(dtype)
+
+
+def from_activations(x: np.ndarray) -> np.ndarray:
+    """``activations`` undone: ``[batch, positions, 8]`` -> int64 ``[batch, positions]``."""
+    return (np.rint(np.asarray(x, np.float64)).astype(np.int64) << _SHIFTS).sum(-1)
+
+
 class FakeStages:
     """The fake KV and prompt blocks of one simulated worker's stages."""
 
@@ -32,12 +46,13 @@ class FakeStages:
 
     # -- what the core's commands change --------------------------------------------------------------
     def session(self, load) -> core.Session:
-        """A built stage: the fake model passes integers between stages, so every stage takes "token ids"."""
+        """A built stage: the first takes token ids, the others activations (the fake model's integer
+        state, carried exactly as small floats: ``activations``), as a real pipeline's."""
         from .sim import N_UNITS, VOCAB
 
         self.kv.setdefault(load.graph, {})
         self.ranges[load.graph] = (load.start, load.end)
-        return core.Session(load.graph, True, load.end == N_UNITS, 0, tuple(range(load.start, load.end)), VOCAB)
+        return core.Session(load.graph, load.start == 0, load.end == N_UNITS, 0, tuple(range(load.start, load.end)), VOCAB)
 
     def drop(self, cmd: core.DropSequence) -> None:
         for graph in cmd.graphs:
@@ -67,7 +82,7 @@ class FakeStages:
         from .sim import N_UNITS, VOCAB, _unit
 
         start, end = self.ranges[cmd.graph]
-        x = np.asarray(cmd.x, dtype=np.int64)
+        x = from_activations(cmd.x) if np.ndim(cmd.x) == 3 else np.asarray(cmd.x, dtype=np.int64)
         batch = cmd.forward.entries()
         kv = self.kv.setdefault(cmd.graph, {})
         plan = cmd.forward.plan
@@ -99,7 +114,8 @@ class FakeStages:
                 self._keep(cmd.graph, item.seq, h)
                 if keep and h[-1] % entry["block"] == 0 and h[-1] // entry["block"] - 1 in keep:
                     held[keep[h[-1] // entry["block"] - 1]] = list(h)
-        out = np.array([int(y[r, -1]) % VOCAB for r in range(len(batch))], np.int64) if end == N_UNITS else y
+        out = np.array([int(y[r, -1]) % VOCAB for r in range(len(batch))], np.int64) if end == N_UNITS else \
+            activations(y, cmd.out_dtype or "float32")
         lengths = {item.seq: kv[item.seq][-1] for item in batch}
         return core.Computed(cmd.forward, out, compute_s, None, int(x.shape[1]), joins, lengths)
 

@@ -34,6 +34,7 @@ class Req:
     prompt: tuple[int, ...]
     max_tokens: int
     bad: str | None = None  # which value is out of range
+    cancel_after: int | None = None  # targeted schedules: the client goes after this many tokens (a cancel mid-run)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class Schedule:
     # targeted schedules: layers split in proportion to memory (``serve --placement memory``), so
     # every live worker takes a stage: a plan that one worker held is split again when another comes
     memory_placement: bool = False
+    # targeted schedules: no KV checkpoints to a spare plan (``direct.grant`` keeps a sequence off the
+    # direct path while they are copied), so a lone sequence on a plan of several stages runs direct
+    kv_checkpoints: bool = True
 
     @staticmethod
     def random(seed: int) -> "Schedule":

@@ -6,8 +6,9 @@ channel and the peer links are ``sim``'s in-memory channels (latency, partitions
 runs the real frame checks (``dataport.data_loop``) on them, the compute is the fake model of
 ``sim_model`` (its time on the virtual clock), and downloads take a fixed virtual time. Faults are
 injected here: a stalled worker, one that drops activation frames for a while, one that refuses
-KV, malformed frames, a killed process, and on the direct token path (a one-stage plan's stage
-feeding its own next step) the loss of that feed or of the token's copy to the coordinator."""
+KV, malformed frames, a killed process, and on the direct token path (a last stage feeding the next
+step itself: into its own queue on a one-stage plan, to the plan's first stage over a peer link on
+a plan of several) the loss of that feed or of the token's copy to the coordinator."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ class FakeWorker:
         self.stalled_until = self.dropping_until = self.refusing_kv_until = 0.0
         self.losing_feed_until = self.losing_copy_until = 0.0  # the direct path's faults: the stage's own next step / the coordinator's copy
         self.fed = self.feeds_lost = self.copies_lost = 0  # entries the stage fed itself; feeds and copies the faults lost
+        self.fed_first = 0  # of those fed, the ones sent to the plan's first stage (a plan of several stages)
         self.model = FakeCompute(self)  # its stages' fake KV and cached prompt blocks
-        self.admit = self.receive = None  # the shell's, given to the data port
+        self.admit = self.receive = self.feeds = None  # the shell's, given to the data port
         rng = random.Random(f"{world.seed if world else 0}-{self.name}")
         # the fake model's slowness is in its compute (``slowdown`` here): the core adds no emulated wait
         ports = WorkerPorts(Host(CPU, "gguf" if kernel else None), self._connect, self, _DataPort(self), self, self.model,
@@ -107,12 +109,14 @@ class FakeWorker:
 
         target = self.world.net.ports.get(url)
         self._check_link(target, url)
-        if target.admit(plan, lambda expected: expected == secret) is None:  # the handshake's check (core.admit_data)
+        check = lambda expected: expected == secret  # noqa: E731 - the handshake's check (core.admit_data, core.admit_feed)
+        if target.admit(plan, check) is None:
             raise ChannelClosed(f"{url}: 401 (no valid credentials for plan {plan})")
+        feed = bool(target.feeds(plan, check))
         mine, theirs = SimChannel(self.world.net, f"{self.name}>{url}", url), SimChannel(self.world.net, f"{url}<{self.name}", self.name)
         mine.other, theirs.other = theirs, mine
-        self.world.spawn(data_loop(theirs, plan, target._received))
-        return PeerLink(self, target, mine)
+        self.world.spawn(data_loop(theirs, plan, target._received, feed))
+        return PeerLink(self, target, mine, feed)
 
     async def _received(self, typed) -> None:
         if not (isinstance(typed, Forward) and asyncio.get_running_loop().time() < self.dropping_until):
@@ -179,8 +183,8 @@ class _DataPort:
     def __init__(self, worker: FakeWorker):
         self.worker, self.url, self.fingerprint = worker, worker.url, None
 
-    async def start(self, admit, receive, shape=None):
-        self.worker.admit, self.worker.receive = admit, receive
+    async def start(self, admit, receive, shape=None, feeds=lambda plan, check: False):
+        self.worker.admit, self.worker.receive, self.worker.feeds = admit, receive, feeds
         self.worker.world.net.ports[self.url] = self.worker
 
 
@@ -219,13 +223,21 @@ class FakeControl:
 
 class PeerLink:
     """A connection to another simulated worker's data port: sends fail while either end is dead
-    or this worker's peer links are cut (``partition_peer``)."""
+    or this worker's peer links are cut (``partition_peer``); on a ``feed`` link (a last stage
+    feeding its plan's first stage, the direct token path) the ``lose_feed`` fault loses frames."""
 
-    def __init__(self, worker: FakeWorker, target: FakeWorker, channel):
-        self.worker, self.target, self.channel, self.peer = worker, target, channel, target.url
+    def __init__(self, worker: FakeWorker, target: FakeWorker, channel, feed: bool = False):
+        self.worker, self.target, self.channel, self.peer, self.feed = worker, target, channel, target.url, feed
 
     async def send(self, frame: bytes) -> None:
         self.worker._check_link(self.target, self.target.url)
+        if self.feed:
+            if asyncio.get_running_loop().time() < self.worker.losing_feed_until:
+                self.worker.feeds_lost += 1  # its token reached the coordinator, the next step not the first stage
+                return
+            fed = len(parse(decode(frame)).batch)
+            self.worker.fed += fed
+            self.worker.fed_first += fed
         await self.channel.send(frame)
 
     async def recv(self) -> bytes:

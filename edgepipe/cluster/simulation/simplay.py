@@ -16,7 +16,7 @@ from .sim_schedule import Schedule
 def _play_one(seed: int) -> tuple:
     logging.disable(logging.CRITICAL)
     r = run(Schedule.random(seed))
-    return seed, sorted(set(r.kinds)), r.violations, r.time_to_up, r.worst_error_s, r.worst_ok_s, r.ok, r.errors, r.rejected, r.prefix_hits, r.replicated, r.replica_lost, r.direct
+    return seed, sorted(set(r.kinds)), r.violations, r.time_to_up, r.worst_error_s, r.worst_ok_s, r.ok, r.errors, r.rejected, r.prefix_hits, r.replicated, r.replica_lost, r.direct, r.direct_first
 
 
 def play(first: int, count: int) -> dict:
@@ -35,6 +35,7 @@ def play(first: int, count: int) -> dict:
         "requests_ok": sum(r[6] for r in results), "requests_failed_clearly": sum(r[7] for r in results),
         "requests_rejected": sum(r[8] for r in results), "prefix_hits": sum(r[9] for r in results),
         "replicated_plans": sum(r[10] for r in results), "replicas_lost": sum(r[11] for r in results),
-        "direct_steps": sum(r[12] for r in results),  # decode steps a one-stage plan's stage fed itself
+        "direct_steps": sum(r[12] for r in results),  # decode steps a last stage fed (the direct token path)
+        "direct_steps_first": sum(r[13] for r in results),  # of those, fed by a plan of several stages' last stage to its first
         "failing": [[r[0], r[2]] for r in results if r[2]],
     }

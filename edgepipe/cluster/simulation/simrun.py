@@ -51,8 +51,10 @@ class Report:
     prepared: list[float] = field(default_factory=list)  # when each plan began to be prepared (virtual seconds)
     prepare_failed: int = 0  # plans that failed to prepare
     dashboard: list[str] = field(default_factory=list)  # the kinds of the dashboard's lines, in order (every coordinator's)
-    direct: int = 0  # decode steps a one-stage plan's stage fed itself (the direct token path)
+    direct: int = 0  # decode steps a last stage fed itself (the direct token path)
     direct_lost: int = 0  # of its feeds and token copies, those a fault lost
+    direct_first: int = 0  # of ``direct``, those a plan of several stages' last stage fed its first stage
+    kv_left: list = field(default_factory=list)  # "worker:seq" of sequence KV live workers still hold at the end (``_held_sequences``)
 
 
 class World:
@@ -77,7 +79,7 @@ class World:
         # As ``edgepipe serve`` runs it: calibration (stage timings, uplink and peer-link probes),
         # the planner's policy (objective, switch-or-stay, churn) and its spare plan for recovery.
         policy = MemoryProportional() if self.schedule.memory_placement else PlannerPolicy()  # serve --placement memory|planner
-        coord = Coordinator(FakePackage(two_forms=bool(self.schedule.kernel_less)), CoordinatorSettings(**SETTINGS), plan_fn=policy,
+        coord = Coordinator(FakePackage(two_forms=bool(self.schedule.kernel_less)), CoordinatorSettings(**{**SETTINGS, **({} if self.schedule.kv_checkpoints else {"kv_checkpoint_tokens": 0})}), plan_fn=policy,
                             clock=asyncio.get_running_loop().time)
         await coord.start()
         admission = Admission(max_active=4, max_queue=8)
@@ -109,12 +111,15 @@ async def _client(world: World, req: Req, rid: str, report: Report) -> None:
         report.violations.append(f"{rid}: a request with bad {req.bad} was admitted")
     t0 = loop.time()
     try:
-        async for _ in coord.stream(state, rid):
-            pass
+        stream = coord.stream(state, rid)
+        async for _ in stream:
+            if req.cancel_after is not None and len(state.generated) >= req.cancel_after:
+                await stream.aclose()  # the client went: its sequence ends with a DROP
+                break
         took = loop.time() - t0
         report.ok += 1
         report.worst_ok_s = max(report.worst_ok_s, took)
-        want = reference(prompt, max_tokens)
+        want = reference(prompt, max_tokens)[:len(state.generated) if req.cancel_after is not None else None]
         if state.generated != want:
             report.violations.append(f"{rid}: tokens {state.generated} != reference {want}")
     except RequestFailed as exc:
@@ -162,9 +167,9 @@ async def _fault(world: World, f: Fault) -> float:
         w.model.prefixes.clear()
     elif f.kind == "refuse_kv":  # KV sent to it fails (targeted schedules only: not among the random FAULTS)
         w.refusing_kv_until = now + f.seconds
-    elif f.kind == "lose_feed":  # the direct path: the stage's own next steps are lost (targeted schedules)
+    elif f.kind == "lose_feed":  # the direct path: the next steps its last stage feeds are lost (targeted schedules)
         w.losing_feed_until = now + f.seconds
-    elif f.kind == "lose_copy":  # the direct path: the copies of the tokens it fed itself are lost (targeted schedules)
+    elif f.kind == "lose_copy":  # the direct path: the coordinator's copies of the tokens it fed are lost (targeted schedules)
         w.losing_copy_until = now + f.seconds
     return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work", "refuse_kv", "lose_feed", "lose_copy")
                   else 0.0)
@@ -195,6 +200,14 @@ def _leaks(coord: Coordinator, admission: Admission) -> list[str]:
     if copies or coord.checkpoints.acks or coord.cluster.checkpoints:
         out.append(f"KV checkpoints left: {sorted(copies.placed)} placed, {sorted(copies.flying)} in flight, {len(copies.copies)} copies")
     return out
+
+
+def _held_sequences(workers: list[FakeWorker]) -> list[str]:
+    """Sequence KV (not checkpoints) a live worker still holds once every request has ended: a DROP
+    that missed a stage (the direct path's targeted schedules check it is empty: a run's steps past
+    a stop must go at every stage)."""
+    return sorted(f"{w.name}:{seq}" for w in workers if not w.dead for kv in w.model.kv.values() for seq in kv
+                  if not sequence_ids.is_checkpoint(seq))
 
 
 def _held_checkpoints(workers: list[FakeWorker]) -> list[str]:
@@ -289,6 +302,8 @@ async def _main(schedule: Schedule) -> Report:
     report.dashboard = [str(line.get("kind")) for c, _ in world.coordinators for line in c.events]
     report.direct = sum(w.fed for w in world.workers)
     report.direct_lost = sum(w.feeds_lost + w.copies_lost for w in world.workers)
+    report.direct_first = sum(w.fed_first for w in world.workers)
+    report.kv_left = _held_sequences(world.workers)
     for w in world.workers:
         w.kill()
     for c, _ in world.coordinators:

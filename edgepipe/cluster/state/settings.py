@@ -20,7 +20,7 @@ class CoordinatorSettings:
     calibrate: bool = True  # time two unit ranges on each joining worker
     replan_every_s: float = 10.0  # periodic check for drift
     lane_wait_s: float = 0.005  # how long a micro-batch waits for a member that is late
-    direct_steps: int = 8  # a one-stage plan's stage may feed itself this many decode steps (cluster.direct; 0: every token via the coordinator)
+    direct_steps: int = 8  # a plan's last stage may feed the next step itself this many decode steps (cluster.direct; 0: every token via the coordinator)
     capacity_wait_s: float = 30.0  # a request waits this long for workers that can hold the model, then fails
     issue_data_secrets: bool = True  # False: stages derive data-port secrets from the join token (net.auth)
     max_wait_s: float = 300.0  # a request without progress for this long fails (cluster down, pipeline failing)

@@ -43,8 +43,8 @@ class InFlight:
 
 @dataclass(frozen=True)
 class Ahead:
-    """The direct token path (``cluster.direct``): the stage of a one-stage ``plan`` feeds the
-    sequence's step ``step`` itself (no frame from the coordinator), and ``early`` holds the results
+    """The direct token path (``cluster.direct``): the last stage of ``plan`` feeds the sequence's
+    step ``step`` itself (no frame from the coordinator), and ``early`` holds the results
     of its steps that came back before the sequence asked for them (step -> ``step_path.StepResult``)."""
 
     plan: int

@@ -127,6 +127,13 @@ def test_tab_on_webgpu_runs_gpt_oss_layers(home, gpt_oss, short):
             other = reference(pkg, stages, [pkg.manifest.precision, local_form(pkg)], 8, short)[1]
             assert tokens == want and len(set(tokens)) > 2
             assert distance(logprobs, want_logprobs) < 1e-3 < 0.05 < distance(logprobs, other)  # 1e-5; 0.25
+            if not short:  # both layers and the head in the tab: its chunks' prompt logprobs joined, the last one's token
+                stages = rebalance(server, [(other_worker, 0, 1), (tab, 1, N_UNITS)])
+                tokens, logprobs = served(server, pkg, 8)
+                want, want_logprobs = reference(pkg, stages, [local_form(pkg), "fp32"], 8)
+                other = reference(pkg, stages, [local_form(pkg), pkg.manifest.precision], 8)[1]
+                assert tokens == want and len(set(tokens)) > 2
+                assert distance(logprobs, want_logprobs) < 1e-3 < 0.05 < distance(logprobs, other)
         finally:
             native.terminate()
             native.wait(timeout=15)

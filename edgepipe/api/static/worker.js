@@ -18,6 +18,12 @@
   const PROTOCOL = P.VERSION, T = P.MESSAGE, CODE = P.ERROR, LIMITS = P.LIMITS;
   const FIELDS = Object.fromEntries(Object.entries(P.FIELDS).map(([type, names]) => [type, new Set(names)]));
   const KV_BLOCK = 256; // KV capacity grows in blocks of this many positions (as stage_runner.py: the tab's own choice, not the wire's)
+  // onnxruntime-web 1.30 runs GroupQueryAttention with a FlashAttention prefill shader once a run carries
+  // 32 or more new positions; on SwiftShader (4-wide subgroups) that shader computes full-attention layers
+  // wrong, for every family (docs/families.md). Under 32 it takes the shader decode steps take, which is
+  // right. On an adapter that may get it wrong (prefillChunking) a longer run goes as chunks of this many.
+  const WEBGPU_PREFILL_CHUNK = 31;
+  const TRUSTED_SUBGROUP = 16; // the smallest subgroup size the prefill shader is left to (hardware adapters: not checked here)
   const ARRAYS = { float32: [Float32Array, 4], float16: [Uint16Array, 2], int64: [BigInt64Array, 8],
                    int32: [Int32Array, 4], uint8: [Uint8Array, 1], bool: [Uint8Array, 1] };
   const DTYPES = Object.fromEntries(P.DTYPES.map((d) => {
@@ -213,9 +219,11 @@
   // (preferredOutputLocation) and are fed as past_* of the next step; only growing the capacity
   // (every KV_BLOCK positions) passes the live prefix through the host.
   class StageRunner {
-    constructor(session, maxContext, onGpu = false) {
+    // prefillChunk: a run of more new positions than this goes as consecutive runs of at most this many (0: whole).
+    constructor(session, maxContext, onGpu = false, prefillChunk = 0) {
       this.session = session;
       this.onGpu = onGpu;
+      this.prefillChunk = prefillChunk;
       const inputs = session.inputNames, outputs = session.outputNames;
       const meta = Object.fromEntries((session.inputMetadata || []).map((m) => [m.name, m]));
       this.layers = inputs.map((n) => /^past_key\.(\d+)$/.exec(n)).filter(Boolean).map((m) => Number(m[1])).sort((a, b) => a - b);
@@ -278,8 +286,33 @@
       cache.capacity = capacity;
     }
 
-    // Feed S new positions of one sequence; returns hidden [1, S, H] float32 or next_token [1] int64.
+    // Feed S new positions of one sequence; returns hidden [1, S, H] float32 or next_token [1] int64 (the
+    // head's logprobs in lastOut). With prefillChunk, S over it run as consecutive chunks of at most that many:
+    // the KV advances chunk by chunk as it does across steps, hidden is the chunks' rows in order, the token
+    // and its logprobs are the last chunk's, the prompt logprobs (sampling.targets, one a position) all chunks'.
     async run(seq, x, sampling) {
+      const added = Number(x.shape[1]), chunk = this.prefillChunk;
+      if (!(chunk > 0 && added > chunk && this.layers.length)) return this.runOnce(seq, x, sampling);
+      const held = (this.caches.get(seq) || { length: 0 }).length;
+      // refused before the first chunk moves the KV, as a whole run would be
+      if (this.maxContext && held + added > this.maxContext) throw coded(`sequence ${seq} would reach ${held + added} tokens, over the context of ${this.maxContext}`, CODE.CONTEXT);
+      const width = x.data.length / added, outs = [], heads = [];
+      // targets of another length than the run go whole to the first chunk, whose head refuses them before it runs
+      const slicing = sampling && sampling.targets && sampling.targets.length === added;
+      for (let at = 0; at < added; at += chunk) {
+        const n = Math.min(chunk, added - at);
+        const part = { dtype: x.dtype, shape: [1, n, ...x.shape.slice(2)], data: x.data.slice(at * width, (at + n) * width) }; // a copy: the proxy moves a run's input buffers
+        outs.push(await this.runOnce(seq, part, slicing ? { ...sampling, targets: sampling.targets.slice(at, at + n) } : sampling));
+        if (this.emitsTokens) heads.push(this.lastOut);
+      }
+      if (!this.emitsTokens) return joinPositions(outs);
+      this.lastOut = { ...heads[heads.length - 1] };
+      if (slicing) for (const name of ["prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs"]) this.lastOut[name] = joinPositions(heads.map((h) => h[name]));
+      return outs[outs.length - 1];
+    }
+
+    // One run of the session over S new positions (see run).
+    async runOnce(seq, x, sampling) {
       const added = Number(x.shape[1]);
       let cache = this.caches.get(seq);
       if (!cache) this.caches.set(seq, (cache = { length: 0, capacity: 0, kv: {} }));
@@ -343,6 +376,15 @@
     }
   }
 
+  // Tensors of one row ([1, S_i, ...]) joined along their positions: [1, sum S_i, ...], as {data, dims}.
+  function joinPositions(parts) {
+    const data = new parts[0].data.constructor(parts.reduce((n, t) => n + t.data.length, 0));
+    let at = 0;
+    for (const t of parts) { data.set(t.data, at); at += t.data.length; }
+    const dims = parts[0].dims.map(Number);
+    return { data, dims: [dims[0], parts.reduce((n, t) => n + Number(t.dims[1]), 0), ...dims.slice(2)] };
+  }
+
   function disposeAll(tensors) {
     for (const t of Object.values(tensors)) if (t.location === "gpu-buffer") t.dispose();
   }
@@ -390,7 +432,31 @@
     if (!adapter) return { kind: "cpu", adapter: null, note: "no WebGPU adapter" };
     const info = adapter.info || {};
     const name = [info.vendor, info.architecture, info.description].filter(Boolean).join(" ") || "unnamed adapter";
-    return { kind: "gpu", adapter: name, note: null };
+    return { kind: "gpu", adapter: name, note: null, ...prefillChunking(info) };
+  }
+
+  // Whether this adapter's prefills go in chunks of WEBGPU_PREFILL_CHUNK (see there), from what it reports:
+  // SwiftShader, and any adapter whose subgroups may be under TRUSTED_SUBGROUP or that does not say, chunk.
+  // ?prefill_chunk=N overrides it on any device (0: whole prefills, as onnxruntime-web runs them).
+  function prefillChunking(info) {
+    const min = Number(info.subgroupMinSize) || 0;
+    const why = /swiftshader/i.test(`${info.vendor} ${info.architecture}`) ? "SwiftShader"
+      : !min ? "the adapter does not report its subgroup size"
+      : min < TRUSTED_SUBGROUP ? `its subgroups may be ${min} wide` : null;
+    return { prefillChunk: why ? WEBGPU_PREFILL_CHUNK : 0, prefillWhy: why };
+  }
+
+  // The chunk a stage's runs are cut to on this device (StageRunner's prefillChunk), and a line saying why.
+  function prefillSetting(d) {
+    const asked = params.get("prefill_chunk");
+    if (asked !== null) {
+      const n = Number(asked);
+      if (!(Number.isInteger(n) && n >= 0)) throw new Error(`?prefill_chunk= must be a whole number of positions, got ${asked}`);
+      return { chunk: n, line: n ? `prefills run in chunks of at most ${n} positions (?prefill_chunk=${n})` : "prefills run whole (?prefill_chunk=0)" };
+    }
+    if (d.kind !== "gpu" || !d.prefillChunk) return { chunk: 0, line: null };
+    return { chunk: d.prefillChunk, line: `prefills run in chunks of at most ${d.prefillChunk} positions on this adapter (${d.prefillWhy}): ` +
+             `onnxruntime-web's FlashAttention prefill shader, taken at ${d.prefillChunk + 1}+ new positions, is wrong on SwiftShader's 4-wide subgroups` };
   }
 
   // A WebGPU session could not be built: from now on this tab computes on WebAssembly, and it joins
@@ -678,7 +744,7 @@
       }
       const old = worker.slots.get(f.plan);
       if (old) old.runner.release();
-      worker.slots.set(f.plan, { plan: f.plan, start: f.start, end: f.end, runner: new StageRunner(session, f.max_context, onGpu), next: f.next, weightBytes });
+      worker.slots.set(f.plan, { plan: f.plan, start: f.start, end: f.end, runner: new StageRunner(session, f.max_context, onGpu, prefillSetting(worker.device).chunk), next: f.next, weightBytes });
       reply = { plan: f.plan, ok: true, load_s: (performance.now() - t0) / 1000, fetched_bytes: fetched, weight_bytes: weightBytes };
       log(`${planLabel(f.plan)}: units [${f.start}, ${f.end}) ready in ${reply.load_s.toFixed(2)} s, fetched ${fmtBytes(fetched)}`);
     } catch (e) {
@@ -834,6 +900,14 @@
   async function start() {
     worker.device = await findDevice();
     showDevice();
+    let prefill;
+    try {
+      prefill = prefillSetting(worker.device);
+    } catch (e) {
+      show("error", firstLine(e));
+      return;
+    }
+    if (prefill.line) log(prefill.line);
     $("token").value = worker.token;
     $("join").addEventListener("submit", (ev) => {
       ev.preventDefault();
@@ -866,6 +940,6 @@
   }
 
   // For tests and benchmarks (the page's own view of what it did).
-  self.edgepipeWorker = { worker, stats, sha256, sha256Fallback, encodeFrame, decodeFrame, connect, serial, randomInput, handle };
+  self.edgepipeWorker = { worker, stats, sha256, sha256Fallback, encodeFrame, decodeFrame, connect, serial, randomInput, handle, prefillSetting };
   start();
 })();

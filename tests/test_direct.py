@@ -245,10 +245,11 @@ def test_the_last_stage_of_several_feeds_the_first_stage_and_still_sends_the_coo
     state = dataclasses.replace(wcore.WorkerState("c", None, None), stages={1: last}, sessions={"h": wcore.Session("h", False, True, 8, (3,))})
     msg = Forward(1, [_item()], tensors={"x": np.zeros((1, 1, 8), np.float32)})
     _, commands = wcore.handle(state, wcore.Computed(msg, np.array([5]), 0.01, None, 1, 0, {"r1.0": 11}))
-    feed, copy = commands
+    (feed,) = commands  # the copy rides on the feed: it goes after the send, unfed if the send fails
     assert isinstance(feed, wcore.FeedFirst) and (feed.url, feed.plan, feed.secret) == ("ws://a:1", 1, "f")
     assert feed.forward.x.tolist() == [[5]] and feed.forward.batch[0]["pos"] == 11 and feed.forward.batch[0]["direct"]
-    assert isinstance(copy, wcore.SendControl) and copy.msg["fed"] == [True]
+    assert feed.copy.to_message()["fed"] == [True] and feed.unfed().to_message()["fed"] == [False]
+    assert feed.unfed().tokens == feed.copy.tokens == [5]
     alone = dataclasses.replace(state, stages={1: dataclasses.replace(last, first=None)})  # no first stage to feed (a relay)
     _, commands = wcore.handle(alone, wcore.Computed(msg, np.array([5]), 0.01, None, 1, 0, {"r1.0": 11}))
     assert [type(c) for c in commands] == [wcore.SendControl]
@@ -426,6 +427,17 @@ def test_a_token_lost_between_the_last_and_first_stage_or_on_its_way_to_the_coor
     report = run(_pipeline_schedule(stages, kind))
     assert report.violations == [] and report.ok == 3 and report.kv_left == []
     assert report.direct_first > 0 and report.direct_lost > 0
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_feed_the_last_stage_cannot_send_goes_on_through_the_coordinator_at_once(stages):
+    """``refuse_feed``: the last stage's send of the next step to the first stage fails (the stage
+    knows it, unlike a lost frame): its copy of the token goes to the coordinator unfed, and the
+    coordinator sends the next step itself, with no step timeout and no replay."""
+    report = run(_pipeline_schedule(stages, sim.REFUSE_FEED, seconds=0.5))
+    assert report.violations == [] and report.ok == 3 and report.kv_left == []
+    assert report.direct_first > 0 and report.direct_lost == 0
+    assert report.worst_ok_s < sim.SETTINGS["step_timeout_s"], report.worst_ok_s
 
 
 @pytest.mark.parametrize("stages", [1, 2])

@@ -274,19 +274,21 @@ def _computed(state: WorkerState, event: Computed) -> tuple[WorkerState, list[Co
         if not all(item.partial for item in entries):  # replay frames before the last: no token wanted
             tokens = [int(t) for t in event.out]  # a verify entry: the target's token after each of its positions
             chosen = {"tokens": tokens[-1:], "verified": [tokens]} if entries[0].verify else {"tokens": tokens}
-            fed = None
+            fed, feed = None, None
             itself = state.sessions[stage.graph].takes_token_ids  # a one-stage plan: it feeds itself; else the plan's first stage
             if event.positions == 1 and (itself or stage.first is not None):
                 fed = [feeds_next(item, token) for item, token in zip(batch, chosen["tokens"])] if len(chosen["tokens"]) == len(batch) else None
                 if fed is not None and any(fed):
-                    nxt = next_forward(plan, batch, chosen["tokens"], fed)
-                    # the next step first: it is the run's critical path, the coordinator's copy is not
-                    commands.append(FeedSelf(nxt) if itself else FeedFirst(stage.first.url, plan, nxt, stage.first_secret,
-                                                                           stage.first.fingerprint))
+                    feed = next_forward(plan, batch, chosen["tokens"], fed)
                 elif not any(item.get("ahead") for item in batch):
                     fed = None  # nothing asked for the direct path: the frame is as it always was
-            commands.append(SendControl(Token(plan, batch, timings=timings, logprobs=event.logprobs.get("logprobs"), fed=fed,
-                                              **chosen).to_message()))
+            copy = Token(plan, batch, timings=timings, logprobs=event.logprobs.get("logprobs"), fed=fed, **chosen)
+            # the next step first: it is the run's critical path, the coordinator's copy is not
+            if feed is not None and not itself:  # the copy goes after the send, unfed if the send failed
+                commands.append(FeedFirst(stage.first.url, plan, feed, stage.first_secret, stage.first.fingerprint, copy))
+            else:
+                commands += [FeedSelf(feed)] if feed is not None else []
+                commands.append(SendControl(copy.to_message()))
         return state, commands
     # A replicated next stage: each row goes to the replica on its entry's route (a frame per
     # replica; the computations so far are timed in the first frame only, so they count once).

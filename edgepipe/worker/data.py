@@ -3,14 +3,14 @@ messages (what the shell reports back), and the commands it gives the shell. Pla
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Union
 
 import numpy as np
 
 from ..emulate.roofline import RooflinePolicy
 from ..net import limits
-from ..net.messages import Activate, Drop, Emulate, ErrorCode, Forward, Kv, KvExport, Load, NextHop, Probe
+from ..net.messages import Activate, Drop, Emulate, ErrorCode, Forward, Kv, KvExport, Load, NextHop, Probe, Token
 from ..net.protocol import Message
 
 # -- state --------------------------------------------------------------------------------------------------
@@ -313,14 +313,20 @@ class FeedSelf:
 class FeedFirst:
     """The direct token path on a plan of several stages: the last stage's next decode step, fed
     with the tokens it just sampled, to the plan's first stage at ``url`` (its data port, presenting
-    its feed ``secret``). A send that fails is only logged: the coordinator holds the token's copy
-    and asks for the step, which times out and is replayed."""
+    its feed ``secret``), then the tokens' ``copy`` to the coordinator. A send that fails turns the
+    copy unfed (``unfed``), so the coordinator sends the next step itself at once rather than wait
+    for a step that never comes until its timeout."""
 
     url: str
     plan: int
     forward: Forward
     secret: str | None
     fingerprint: str | None
+    copy: Token
+
+    def unfed(self) -> Token:
+        """The copy as if the stage had fed nothing: the coordinator takes the next steps on."""
+        return replace(self.copy, fed=[False] * len(self.copy.fed or ()))
 
 
 Command = Union[SendControl, SendPeer, Forget, FetchFiles, BuildSession, KeepSessions, RunStage, Wait, DropSequence, ExportKv, ImportKv,

@@ -83,10 +83,13 @@ class Worker:
             # still hears pings and DROPs between its steps (a queue.get that finds an item never yields)
             asyncio.get_running_loop().call_soon(self.ports.loopback or self.queue.put_nowait, cmd.forward)
         elif isinstance(cmd, core.FeedFirst):
+            copy = cmd.copy
             try:
                 await self._send_peer(cmd.url, encode(cmd.forward.to_message()), cmd.plan, cmd.secret, cmd.fingerprint, feed=True)
-            except ChannelClosed as exc:  # the coordinator has the token's copy: its step times out and is replayed
-                log.warning("plan %d: could not feed the first stage the next step: %s", cmd.plan, exc)
+            except ChannelClosed as exc:
+                log.warning("plan %d: could not feed the first stage the next step (the coordinator sends it): %s", cmd.plan, exc)
+                copy = cmd.unfed()
+            await self._send_control(copy.to_message())
         elif isinstance(cmd, core.RunStage):
             await self.feed(await self.runners.run(cmd, self.state.joins, self.s.threads == 1))
         elif isinstance(cmd, core.Wait):

@@ -52,6 +52,9 @@ QUARANTINE_FAULTS = ("stall", "partition_coord", "drop_work", "lose_feed", "lose
 # plan of several: the token reached the coordinator only), or the coordinator's copy of a token it fed
 # (the token reached the next step only)
 DIRECT_FAULTS = ("lose_feed", "lose_copy")
+# A feed the last stage cannot send (the first stage's port refuses it: ``ChannelClosed``), which
+# the stage knows of, unlike a lost one: its copy goes to the coordinator unfed (targeted schedules)
+REFUSE_FEED = "refuse_feed"
 
 
 # -- virtual time -----------------------------------------------------------------------------------

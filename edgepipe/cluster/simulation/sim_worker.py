@@ -37,6 +37,7 @@ class FakeWorker:
         self.url, self.dead, self.malformed, self.tasks = f"sim://{name}", False, 0, []
         self.stalled_until = self.dropping_until = self.refusing_kv_until = 0.0
         self.losing_feed_until = self.losing_copy_until = 0.0  # the direct path's faults: the stage's own next step / the coordinator's copy
+        self.refusing_feed_until = 0.0  # the direct path: sends of its feed to the first stage fail (``refuse_feed``)
         self.fed = self.feeds_lost = self.copies_lost = 0  # entries the stage fed itself; feeds and copies the faults lost
         self.fed_first = 0  # of those fed, the ones sent to the plan's first stage (a plan of several stages)
         self.model = FakeCompute(self)  # its stages' fake KV and cached prompt blocks
@@ -232,6 +233,8 @@ class PeerLink:
     async def send(self, frame: bytes) -> None:
         self.worker._check_link(self.target, self.target.url)
         if self.feed:
+            if asyncio.get_running_loop().time() < self.worker.refusing_feed_until:
+                raise ChannelClosed(f"{self.peer}: the first stage refused the feed")
             if asyncio.get_running_loop().time() < self.worker.losing_feed_until:
                 self.worker.feeds_lost += 1  # its token reached the coordinator, the next step not the first stage
                 return

@@ -169,9 +169,12 @@ async def _fault(world: World, f: Fault) -> float:
         w.refusing_kv_until = now + f.seconds
     elif f.kind == "lose_feed":  # the direct path: the next steps its last stage feeds are lost (targeted schedules)
         w.losing_feed_until = now + f.seconds
+    elif f.kind == "refuse_feed":  # the direct path: its sends of the next step to the first stage fail (targeted schedules)
+        w.refusing_feed_until = now + f.seconds
     elif f.kind == "lose_copy":  # the direct path: the coordinator's copies of the tokens it fed are lost (targeted schedules)
         w.losing_copy_until = now + f.seconds
-    return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work", "refuse_kv", "lose_feed", "lose_copy")
+    return now + (f.seconds if f.kind in ("stall", "partition_coord", "partition_peer", "drop_work", "refuse_kv", "lose_feed", "lose_copy",
+                                  "refuse_feed")
                   else 0.0)
 
 

@@ -27,6 +27,9 @@ lost plan, a timeout or a replay ends it too (the stages' steps of a void sequen
 A fed step lost between the last and the first stage, or a token's copy lost on its way to the
 coordinator, leaves a step the coordinator asked for without its token: it times out and the
 sequence is replayed exactly, as any lost step (the simulation's ``lose_feed`` and ``lose_copy``).
+A feed the last stage cannot send (the first stage's port refuses or is gone: ``ChannelClosed``)
+is known to it: its copy then goes to the coordinator unfed (``worker.data.FeedFirst.unfed``), and
+the coordinator sends the next step itself at once (the simulation's ``refuse_feed``).
 
 ``grant`` says per decode step whether the sequence goes direct, and for how many steps. What it
 leaves on the full path, each step through the coordinator:

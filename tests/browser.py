@@ -23,3 +23,23 @@ def browser_context(webgpu: bool = False, **kwargs):
     chromium_path()
     with _browser.browser_context(webgpu, **kwargs) as context:
         yield context
+
+
+def run_under_ort_web(node: str, script: str, folder, what: str, timeout_s: float = 120) -> None:
+    """Run ``script`` (an ES module) with Node in ``folder``, given the vendored onnxruntime-web and
+    that folder; it prints ``written`` when its outputs are in the folder (killed after ``timeout_s``)."""
+    import subprocess
+    import threading
+    from pathlib import Path
+
+    (Path(folder) / "run.mjs").write_text(script)
+    vendor = Path(__file__).resolve().parents[1] / "edgepipe" / "api" / "static" / "vendor"
+    proc = subprocess.Popen([node, str(Path(folder) / "run.mjs"), str(vendor), str(folder)], stdout=subprocess.PIPE, text=True)
+    deadline = threading.Timer(timeout_s, proc.kill)
+    deadline.start()
+    try:
+        assert any(line.strip() == "written" for line in proc.stdout), f"onnxruntime-web did not run the {what}"
+    finally:
+        deadline.cancel()
+        proc.kill()
+        proc.wait()

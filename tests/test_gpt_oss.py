@@ -159,9 +159,6 @@ def test_layers_run_in_onnxruntime_web(home, tiny, tmp_path):
     tabs, WebAssembly and WebGPU, through a cluster: ``test_gpt_oss_browser``, ``-m slow``.)"""
     import json
     import shutil
-    import subprocess
-    import threading
-    from pathlib import Path
 
     import onnx
     import onnxruntime as ort
@@ -201,17 +198,9 @@ def test_layers_run_in_onnxruntime_web(home, tiny, tmp_path):
         (tmp_path / f"u{u}.json").write_text(json.dumps({"inputs": {k: [str(v.dtype), list(v.shape)] for k, v in feeds.items()}, "outputs": outputs}))
         units.append(f"u{u}")
     (tmp_path / "units.json").write_text(json.dumps(units))
-    (tmp_path / "run.mjs").write_text(_ORT_WEB)
-    vendor = Path(__file__).resolve().parents[1] / "edgepipe" / "api" / "static" / "vendor"
-    proc = subprocess.Popen([node, str(tmp_path / "run.mjs"), str(vendor), str(tmp_path)], stdout=subprocess.PIPE, text=True)
-    deadline = threading.Timer(120, proc.kill)
-    deadline.start()
-    try:
-        assert any(line.strip() == "written" for line in proc.stdout), "onnxruntime-web did not run the layers"
-    finally:
-        deadline.cancel()
-        proc.kill()
-        proc.wait()
+    from browser import run_under_ort_web
+
+    run_under_ort_web(node, _ORT_WEB, tmp_path, "layers")
     for u in (1, 2):
         outputs = json.loads((tmp_path / f"u{u}.json").read_text())["outputs"]
         for name, want in zip(outputs, expected[u]):

@@ -144,10 +144,7 @@ def test_a_request_cancelled_as_its_token_arrives_stops_and_frees_its_kv():
             mine, wid = await joined_worker(coord)
             dep = Deployment(1, (StageAssignment(wid, 0, 8),))
 
-            async def up(since):
-                return dep
-
-            coord.requests.wait_up = up  # the plan is Up (no planning in this test)
+            coord.requests.usable_plan = lambda: dep  # the plan is Up (no planning in this test)
             state = coord.requests.new_sequence([1, 2, 3], GenerationParams(max_tokens=5), lambda ids: "x" * len(ids))
             deltas = []
 

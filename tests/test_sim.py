@@ -64,19 +64,27 @@ def test_a_seed_replays_exactly():
 def test_an_injected_leak_fails_the_simulation(monkeypatch):
     """The invariants have teeth: with one release path broken on purpose (a request that fails
     keeps its KV reservation), seeded schedules catch it and name the leak."""
-    import sys
-
     from edgepipe.cluster.state import state as S
     from edgepipe.cluster.shells.coordinator import Coordinator
+    from edgepipe.cluster.shells.requests import Requests
     from edgepipe.cluster.shells.steps import RequestFailed
 
-    emit = Coordinator.emit
+    emit, end = Coordinator.emit, Requests._end
+    failing: list[bool] = []  # while a request ends: whether it failed
+
+    def ending(self, live, outcome):
+        failing.append(isinstance(outcome, RequestFailed))
+        try:
+            return end(self, live, outcome)
+        finally:
+            failing.pop()
 
     def leaky(self, event):
-        if isinstance(event, S.RequestEnded) and isinstance(sys.exc_info()[1], RequestFailed):
+        if isinstance(event, S.RequestEnded) and failing and failing[-1]:
             return self.cluster  # the bug: a failed request's end is never applied
         return emit(self, event)
 
+    monkeypatch.setattr(Requests, "_end", ending)
     monkeypatch.setattr(Coordinator, "emit", leaky)
     caught = [r for r in (run(Schedule.random(seed)) for seed in range(10_000, 10_030)) if r.violations]
     assert caught, "30 schedules did not notice a leaked reservation"

@@ -18,7 +18,14 @@ is lost or repeated.
 request pauses, a KV move that brought it and the checkpoint it resumed from are void, and it
 retries after a backoff, ``Retry``; or, with no token for ``max_wait_s``, fails: ``Fail``).
 
-The token loop (``shells.requests``) awaits the steps and carries out what these return.
+``schedule(state, waiting, plan, stopped, lacking, now, waits) -> commands``: one decision for
+every sequence between steps at once: on a usable plan each gets its next step (``StartStep``, from
+``plan_step``); while there is none each waits, or fails once its wait exceeds its bound
+(``FailRequest``); once the coordinator halted each fails with its reason.
+
+The scheduler (``shells.requests``) asks ``schedule`` whenever steps have come back or sequences
+arrived, carries out its commands (a step's I/O, one task per step in flight) and turns each
+step's outcome into ``after_step``'s events and commands.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from dataclasses import dataclass
 from ..state import checkpoints, sequence_ids
 from ..state.events import KvMoved, RequestFed, RequestPaused, StepBroke, StepPlanned
 from ..state.state import CheckpointVoid, ClusterState
-from .scheduling import next_feed
+from .scheduling import WaitSettings, next_feed, wait_verdict
 
 RETRY_STEP_S = 0.01  # the backoff grows by this per consecutive broken step...
 RETRY_MAX_S = 0.25  # ...up to this
@@ -160,3 +167,50 @@ def after_step(state: ClusterState, rid: str, outcome: Outcome, now: float, sett
                 events.append(CheckpointVoid(rid, why))
             return tuple(events), (Retry(min(RETRY_STEP_S * (progress.breaks + 1), RETRY_MAX_S)),)
     raise TypeError(f"not a step's outcome: {outcome!r}")
+
+
+# -- one decision for every sequence between steps ------------------------------------------------
+@dataclass(frozen=True)
+class Waiting:
+    """A running request between steps (its latest step came back, or it has not stepped yet)."""
+
+    rid: str
+    prompt_ids: list[int]
+    generated: list[int]
+
+
+@dataclass(frozen=True)
+class StartStep:
+    """Carry out ``planned``, the request's next step on the usable plan."""
+
+    rid: str
+    planned: Planned
+
+
+@dataclass(frozen=True)
+class FailRequest:
+    """The request fails now with ``why`` (one line)."""
+
+    rid: str
+    why: str
+
+
+Decision = StartStep | FailRequest
+
+
+def schedule(state: ClusterState, waiting: tuple[Waiting, ...], plan: int | None, stopped: str | None, lacking: str | None,
+             now: float, waits: WaitSettings) -> tuple[Decision, ...]:
+    """The next step of every sequence in ``waiting`` on ``plan`` (the active plan while it is Up
+    and no plan is being swapped in; None: there is none to step on). Without a plan a sequence
+    keeps waiting (no command) until ``wait_verdict`` says its wait, counted from its latest
+    progress, is over; ``lacking`` says why the workers cannot hold the model (None: they may).
+    ``stopped``: why the coordinator halted (every waiting request fails with it)."""
+    decisions: list[Decision] = []
+    for w in waiting:
+        if stopped:
+            decisions.append(FailRequest(w.rid, stopped))
+        elif plan is not None:
+            decisions.append(StartStep(w.rid, plan_step(state, w.rid, plan, w.prompt_ids, w.generated)))
+        elif (why := wait_verdict(state, now - state.requests[w.rid].progress.last_progress, lacking, waits)) is not None:
+            decisions.append(FailRequest(w.rid, why))
+    return tuple(decisions)

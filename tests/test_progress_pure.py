@@ -99,3 +99,45 @@ def test_rejected_drafts_are_forgotten_by_the_next_decode_step_only():
     state = _fold(_fed_on(3), S.RequestFed("r1", "r1.0", 3, 6, 2.0, rewind=True))
     assert P.plan_step(state, "r1", 3, PROMPT, GENERATED).rewind
     assert not P.plan_step(state, "r1", 5, PROMPT, GENERATED).rewind  # a replay leaves no drafts behind
+
+
+# -- one decision for every sequence between steps -------------------------------------------------
+WAITS = P.WaitSettings(capacity_wait_s=10.0, max_wait_s=30.0)
+
+
+def _two_waiting() -> tuple[S.ClusterState, tuple[P.Waiting, ...]]:
+    """r1 fed on plan 1 (its prompt and three tokens), r2 just started at 0."""
+    state = _fold(_fed_on(1), S.RequestStarted("r2", 40, 0.0))
+    return state, (P.Waiting("r1", PROMPT, GENERATED), P.Waiting("r2", [4, 5], []))
+
+
+def test_on_a_usable_plan_every_waiting_sequence_gets_its_next_step_in_one_decision():
+    state, waiting = _two_waiting()
+    decisions = P.schedule(state, waiting, 1, None, None, 2.0, WAITS)
+    assert [type(d) for d in decisions] == [P.StartStep, P.StartStep]
+    r1, r2 = (d.planned for d in decisions)
+    assert r1.step.feed == [9] and r1.step.seq is None  # resumes on the plan that holds its KV
+    assert r2.step.feed == [4, 5] and r2.event.plan == 1  # its prompt, as one prefill
+
+
+def test_on_another_plan_each_sequence_is_replayed_and_a_new_one_starts():
+    state, waiting = _two_waiting()
+    r1, r2 = (d.planned for d in P.schedule(state, waiting, 2, None, None, 2.0, WAITS))
+    assert r1.drop == ("r1.0", 1) and r1.step.feed == PROMPT + GENERATED and r1.step.seq == "r1.1"
+    assert r2.drop is None and r2.step.feed == [4, 5]
+
+
+def test_without_a_plan_sequences_wait_until_their_bound_then_fail_in_one_line():
+    state, waiting = _two_waiting()
+    assert P.schedule(state, waiting, None, None, None, 20.0, WAITS) == ()  # not up yet: both wait
+    lacking = P.schedule(state, waiting, None, None, "the workers hold 1 GiB of 2", 20.0, WAITS)
+    assert [(d.rid, type(d)) for d in lacking] == [("r1", P.FailRequest), ("r2", P.FailRequest)]
+    assert all("lacks capacity" in d.why and "\n" not in d.why for d in lacking)
+    late = P.schedule(state, waiting, None, None, None, 30.5, WAITS)  # r1's wait counts from its last token (1.0)
+    assert [d.rid for d in late] == ["r2"] and "not up" in late[0].why
+
+
+def test_once_the_coordinator_halted_every_waiting_sequence_fails_with_its_reason():
+    state, waiting = _two_waiting()
+    decisions = P.schedule(state, waiting, 1, "the coordinator stopped", None, 2.0, WAITS)
+    assert decisions == (P.FailRequest("r1", "the coordinator stopped"), P.FailRequest("r2", "the coordinator stopped"))

@@ -1,9 +1,12 @@
-"""The token loop of every request (I/O): checks, wait for Up, one step per token, replay.
+"""The scheduler of every request's steps (I/O): checks, wait for Up, one step per token, replay.
 
-Per decode step the coordinator sends a sequence's token ids to the first stage and waits for
-the sampled id that the last stage returns (``steps`` carries a step over the wire, in lanes).
-Where a request's loop stands is state (``state.Progress``), and what comes next is decided
-from it (``rules.progress``): resume or replay, and what a step's outcome makes of it. When the
+One scheduler task decides for every sequence between steps at once (``progress.schedule``:
+its next step on the usable plan, a wait, or a failure), starts each step as a task (``steps``
+carries a step over the wire; decode steps of several sequences share a frame, in lanes), and
+turns each step's outcome into events and what follows (``progress.after_step``: its tokens to
+the caller, a retry after a backoff, or the end): schedule, output, update. A request's
+``stream`` only hands on the text the scheduler produced. Where a request stands is state
+(``state.Progress``), and what comes next is decided from it: resume or replay. When the
 plan changes under a sequence and its KV was not moved, it is rebuilt by replay (prompt as one
 prefill, then each generated token as its own step; from a checkpoint on the spare, only what
 came after it) under a new sequence id ``<rid>.<epoch>``, so no token is lost. ``Requests`` is lent ``ports.Ports``

@@ -26,7 +26,7 @@ TYPES = [t.name for t in QUANT_TYPES]  # every row of the type table
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "MXFP4": []}  # byte offsets of fp16 scales in a block
 E8M0_FIELDS = {"MXFP4": 0}  # byte offset of an E8M0 block exponent
-ISA_LADDERS = [["portable", "avx2", "avx512vnni"], ["portable", "neon", "neon_dotprod"]]
+ISA_LADDERS = [["portable", "avx2", "avx512vnni", "avx512vnni+amx"], ["portable", "neon", "neon_dotprod"]]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ its kernels by cpuid at run time.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -61,15 +62,36 @@ def translation_units() -> list[TranslationUnit]:
         return ARM64_UNITS
     if not _is_x86_64():
         return [TranslationUnit("gguf_portable.c"), TranslationUnit("kv_attention.c"), TranslationUnit("gguf_op.c")]
-    return [
+    avx512 = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+    units = [
         TranslationUnit("gguf_portable.c"),
         TranslationUnit("kv_attention.c"),
         TranslationUnit("gguf_avx2.c", ("-mavx2", "-mfma", "-mf16c")),
         TranslationUnit("kv_attention_avx2.c", ("-mavx2", "-mfma", "-mf16c")),
-        TranslationUnit("gguf_avx512vnni.c", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
-                                              "-mavx512vl", "-mavx512vnni")),
-        TranslationUnit("gguf_op.c", ("-DEDGEPIPE_HAVE_AVX2", "-DEDGEPIPE_HAVE_AVX512VNNI")),
+        TranslationUnit("gguf_avx512vnni.c", avx512),
     ]
+    op_flags = ("-DEDGEPIPE_HAVE_AVX2", "-DEDGEPIPE_HAVE_AVX512VNNI")
+    if _compiler_has_amx(find_compiler()):  # AMX int8 tiles: a compiler without -mamx-int8 builds the rest
+        units.append(TranslationUnit("gguf_amx.c", (*avx512, *AMX_FLAGS)))
+        op_flags += ("-DEDGEPIPE_HAVE_AMX",)
+    return [*units, TranslationUnit("gguf_op.c", op_flags)]
+
+
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_has_amx(compiler: str | None) -> bool:
+    """Whether `compiler` builds AMX tile intrinsics (gcc 11+, clang 12+)."""
+    if compiler is None:
+        return False
+    probe = "#include <immintrin.h>\nvoid f(void) { _tile_zero(0); _tile_dpbusd(0, 1, 2); _tile_release(); }\n"
+    try:
+        done = subprocess.run([compiler, *AMX_FLAGS, "-x", "c", "-c", "-o", os.devnull, "-"], input=probe,
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def find_compiler() -> str | None:

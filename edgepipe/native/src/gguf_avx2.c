@@ -9,6 +9,7 @@
  * size (batch invariance: where a tile does a row's scalar work in a vector lane, the lane's IEEE
  * operation is the scalar one), and independent rows hide the accumulators' latency at prefill. */
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #include "gguf_kernels.h"
@@ -288,6 +289,20 @@ static inline __m256i k_scales16(uint64_t scales) {
     return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scales)));
 }
 
+/* 8 int32 vectors -> one whose lane r is the sum of vector r's lanes (integer sums: exact in any order). */
+static inline __m256i hsum8_epi32(const __m256i v[8]) {
+    __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    __m256i ce = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    /* ab: lane r (r < 4) the low half of v[r], lane 4 + r its high half; ce the same for v[4..7] */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, ce, 0x20), _mm256_permute2x128_si256(ab, ce, 0x31));
+}
+
+/* Q4_K. Every path that runs Q4_K on x86 (this tile at any row count, and the AMX kernels of
+ * gguf_amx.c) computes per 256-block and row the exact int32 totals T = sum_j scale_j (q . x)_j and
+ * M = sum_j minimum_j (sum of x)_j, then the same float steps in block order:
+ *   acc = fmaf(x.d * d, (float)T, acc); acc = fmaf(-(x.d * dmin), (float)M, acc); y = acc,
+ * so a row's bits do not depend on the path or its tile (in a tile, lane r of one vector does row r's
+ * scalar operations). */
 TILE_KERNEL tile_q4_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const act_tile_scales32 *sc, const int rows,
                       float *y, size_t ys) {
     (void)sc; /* 256-blocks read their scales from the rows */
@@ -299,8 +314,9 @@ TILE_KERNEL tile_q4_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
         _mm256_setr_epi8(SPREAD16x8(6), SPREAD16x8(6)), _mm256_setr_epi8(SPREAD16x8(7), SPREAD16x8(7)),
     };
     const act_block256 *x[GGUF_TILE_ROWS];
-    __m256 acc[GGUF_TILE_ROWS], acc_min[GGUF_TILE_ROWS];
-    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r), acc[r] = acc_min[r] = _mm256_setzero_ps();
+    float acc_one = 0.0f;              /* rows = 1 (a decode step): scalars */
+    __m256 acc = _mm256_setzero_ps();  /* rows > 1: lane r for row r */
+    for (int r = 0; r < rows; r++) x[r] = ACT_ROW(act_block256, xv, xs, r);
     for (int64_t b = 0; b < nb; b++, w += 144) {
         prefetch_block(w, 144);
         uint64_t scale, minimum;
@@ -323,14 +339,35 @@ TILE_KERNEL tile_q4_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, c
                 isum_hi[r] = add_scaled_pairs(isum_hi[r], p_hi, scale_hi);
             }
         }
-        float d = half_at(w), dmin = half_at(w + 2);
-        for (int r = 0; r < rows; r++) {
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][b].d * d), _mm256_cvtepi32_ps(_mm256_add_epi32(isum[r], isum_hi[r])), acc[r]);
-            acc_min[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r][b].d * dmin),
-                                         _mm256_cvtepi32_ps(minimum_products(minimum, x[r][b].bsums)), acc_min[r]);
+        const float d = half_at(w), dmin = half_at(w + 2);
+        if (rows == 1) {
+            /* T and M of the one row: [T, M, T, M] after two horizontal adds */
+            __m256i t = _mm256_hadd_epi32(_mm256_add_epi32(isum[0], isum_hi[0]), minimum_products(minimum, x[0][b].bsums));
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            s = _mm_hadd_epi32(s, s);
+            const float xd = x[0][b].d;
+            acc_one = fmaf(xd * d, (float)_mm_cvtsi128_si32(s), acc_one);
+            acc_one = fmaf(-(xd * dmin), (float)_mm_extract_epi32(s, 1), acc_one);
+        } else {
+            __m256i totals[8], mins[8];
+            float xd[8];
+            for (int r = 0; r < 8; r++) {
+                totals[r] = r < rows ? _mm256_add_epi32(isum[r], isum_hi[r]) : _mm256_setzero_si256();
+                mins[r] = r < rows ? minimum_products(minimum, x[r][b].bsums) : _mm256_setzero_si256();
+                xd[r] = r < rows ? x[r][b].d : 0.0f;
+            }
+            const __m256 row_d = _mm256_loadu_ps(xd);
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(row_d, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(hsum8_epi32(totals)), acc);
+            acc = _mm256_fnmadd_ps(_mm256_mul_ps(row_d, _mm256_set1_ps(dmin)), _mm256_cvtepi32_ps(hsum8_epi32(mins)), acc);
         }
     }
-    for (int r = 0; r < rows; r++) y[r * ys] = hsum_ps(_mm256_sub_ps(acc[r], acc_min[r]));
+    if (rows == 1) {
+        y[0] = acc_one;
+    } else {
+        float out[8];
+        _mm256_storeu_ps(out, acc);
+        for (int r = 0; r < rows; r++) y[r * ys] = out[r];
+    }
 }
 
 TILE_KERNEL tile_q5_k(int64_t nb, const uint8_t *w, const void *xv, size_t xs, const act_tile_scales32 *sc, const int rows,

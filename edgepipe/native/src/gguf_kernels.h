@@ -105,4 +105,15 @@ void gguf_table_avx512vnni(gguf_kernel_table *table);
 void gguf_table_neon(gguf_kernel_table *table);
 void gguf_table_neon_dotprod(gguf_kernel_table *table);
 
+/* Intel AMX (gguf_amx.c, built where the compiler has -mamx-int8): Q4_K products of many rows with
+ * the bits of the AVX kernels. gguf_amx_request asks Linux for the tile state (1: granted);
+ * gguf_amx_pack_acts lays quantized activation rows 16 g .. 16 g + 15 out as tiles (buffer of
+ * gguf_amx_acts_bytes, 64-byte aligned); gguf_amx_q4_k: `weight_rows` (a multiple of 16) rows
+ * against all m rows, y[r * ys + i]; 0, or -1 when out of memory. */
+int gguf_amx_request(void);
+size_t gguf_amx_acts_bytes(int64_t m, int64_t nblocks);
+void gguf_amx_pack_acts(const void *xq, size_t row_bytes, int64_t m, int64_t nblocks, int64_t g, void *out);
+int gguf_amx_q4_k(int64_t nblocks, const uint8_t *w, int64_t weight_rows, int64_t row_bytes, const void *packed, int64_t m,
+                  float *y, size_t ys);
+
 #endif

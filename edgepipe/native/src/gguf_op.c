@@ -11,8 +11,10 @@
  * fp32. Output rows are split over ONNX Runtime's intra-op thread pool; within a task each weight
  * row meets the activation rows a tile of GGUF_TILE_ROWS at a time (a row's result does not depend
  * on the tile: batch-invariant bit for bit). The ISA is picked at
- * kernel creation: the best the CPU supports, or EDGEPIPE_GGUF_ISA (portable|avx2|avx512vnni on
- * x86-64, portable|neon|neon_dotprod on ARM64). */
+ * kernel creation: the best the CPU supports, or EDGEPIPE_GGUF_ISA (portable|avx2|avx512vnni|avx512vnni+amx
+ * on x86-64, portable|neon|neon_dotprod on ARM64). avx512vnni+amx is avx512vnni with Q4_K products of
+ * GGUF_AMX_MIN_ROWS rows or more on AMX tiles (gguf_amx.c), the same bits; it is the best ISA where
+ * cpuid reports AMX-TILE and AMX-INT8, XCR0 enables tile state and Linux grants it to the process. */
 #define _GNU_SOURCE /* mremap's MREMAP_FIXED */
 #include <math.h>
 #include <stdio.h>
@@ -39,8 +41,12 @@
 
 #define ORT_API_VERSION_USED 20 /* ONNX Runtime 1.20+: every slot in ort_abi.h exists there */
 
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, ISA_NEON = 3, ISA_NEON_DOTPROD = 4, ISA_COUNT = 5 };
-static const char *const ISA_NAMES[] = {"portable", "avx2", "avx512vnni", "neon", "neon_dotprod"};
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, ISA_NEON = 3, ISA_NEON_DOTPROD = 4, ISA_AVX512VNNI_AMX = 5, ISA_COUNT = 6 };
+static const char *const ISA_NAMES[] = {"portable", "avx2", "avx512vnni", "neon", "neon_dotprod", "avx512vnni+amx"};
+
+/* Fewest activation rows a Q4_K product takes to AMX (below: the AVX tiles; a partial group of 16
+ * rows is padded with zero rows). */
+#define GGUF_AMX_MIN_ROWS 16
 
 /* ---- ISA detection ---- */
 
@@ -52,7 +58,7 @@ static unsigned long long read_xcr0(void) {
 }
 #endif
 
-static int best_isa(void) {
+static int detect_isa(void) {
     int best = ISA_PORTABLE;
 #ifdef EDGEPIPE_X86
     unsigned int a, b, c, d;
@@ -69,6 +75,11 @@ static int best_isa(void) {
 #ifdef EDGEPIPE_HAVE_AVX512VNNI
     if (best == ISA_AVX2 && avx512f && avx512bw && avx512vl && vnni && (xcr0 & 0xE6) == 0xE6) best = ISA_AVX512VNNI;
 #endif
+#ifdef EDGEPIPE_HAVE_AMX
+    /* leaf 7 EDX bit 24 AMX-TILE, bit 25 AMX-INT8; XCR0 bits 17-18 tile config and data; then Linux's grant */
+    int amx_tile = (d >> 24) & 1, amx_int8 = (d >> 25) & 1;
+    if (best == ISA_AVX512VNNI && amx_tile && amx_int8 && (xcr0 & 0x60000) == 0x60000 && gguf_amx_request()) best = ISA_AVX512VNNI_AMX;
+#endif
     (void)avx512f; (void)avx512bw; (void)avx512vl; (void)vnni; (void)avx2; (void)fma; (void)f16c; (void)xcr0;
 #endif
 #ifdef EDGEPIPE_HAVE_NEON
@@ -80,10 +91,18 @@ static int best_isa(void) {
     return best;
 }
 
+/* The best ISA here, detected once (the AMX grant is a system call). */
+static int best_isa(void) {
+    static volatile int cached = -1;
+    if (cached < 0) cached = detect_isa(); /* a race only repeats the same detection */
+    return cached;
+}
+
 /* Whether `isa` runs here: the ISAs of one architecture form a ladder up to the best one. */
 static int isa_available(int isa) {
     int best = best_isa();
     if (isa == ISA_PORTABLE || isa == best) return 1;
+    if (best == ISA_AVX512VNNI_AMX) return isa == ISA_AVX2 || isa == ISA_AVX512VNNI;
     if (best == ISA_AVX512VNNI) return isa == ISA_AVX2;
     if (best == ISA_NEON_DOTPROD) return isa == ISA_NEON;
     return 0;
@@ -102,13 +121,14 @@ static int chosen_isa(char *error, size_t error_size) {
             return -1;
         }
     }
-    snprintf(error, error_size, "EDGEPIPE_GGUF_ISA=%s: not one of portable, avx2, avx512vnni, neon, neon_dotprod", wanted);
+    snprintf(error, error_size, "EDGEPIPE_GGUF_ISA=%s: not one of portable, avx2, avx512vnni, avx512vnni+amx, neon, neon_dotprod", wanted);
     return -1;
 }
 
 static void fill_table(int isa, gguf_kernel_table *table) {
     switch (isa) {
 #ifdef EDGEPIPE_HAVE_AVX512VNNI
+    case ISA_AVX512VNNI_AMX: /* the AVX-512 kernels; the AMX products are the driver's (matmul_plan.amx) */
     case ISA_AVX512VNNI: gguf_table_avx512vnni(table); return;
 #endif
 #ifdef EDGEPIPE_HAVE_AVX2
@@ -130,6 +150,7 @@ typedef struct {
     gguf_rows_dot rows;
     const gguf_type_info *type;
     int qtype;
+    int amx; /* Q4_K products of GGUF_AMX_MIN_ROWS rows or more go to gguf_amx_q4_k */
 } matmul_plan;
 
 typedef struct {
@@ -142,6 +163,7 @@ typedef struct {
     act_tile_scales32 *scales; /* 32-block types: nblocks per tile of rows, lanes past the last row 0 */
     float *y;
     int64_t rows_per_task;
+    void *amx_acts; /* the quantized rows as AMX tiles (gguf_amx_pack_acts) when this product runs on AMX */
 } matmul_job;
 
 /* Room for m quantized rows (and their tile scales); 0 or -1 when out of memory. */
@@ -159,6 +181,32 @@ static int alloc_activations(matmul_job *job, int64_t m) {
 static void free_activations(matmul_job *job) {
     free(job->xq);
     free(job->scales);
+    free(job->amx_acts);
+}
+
+/* Whether this product runs on AMX: the plan allows it and there are enough rows. Then room for the
+ * tiles (0), else -1 when out of memory (the caller then runs the AVX tiles: the same bits). */
+static int use_amx(matmul_job *job) {
+    job->amx_acts = NULL;
+#ifdef EDGEPIPE_HAVE_AMX
+    if (!job->plan->amx || job->m < GGUF_AMX_MIN_ROWS) return -1;
+    size_t bytes = gguf_amx_acts_bytes(job->m, job->nblocks);
+    job->amx_acts = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (job->amx_acts == NULL) return -1;
+    job->rows_per_task = job->rows_per_task < 64 ? 64 : (job->rows_per_task + 15) / 16 * 16; /* whole groups of 16 */
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+static void amx_pack_task(void *data, size_t index) {
+#ifdef EDGEPIPE_HAVE_AMX
+    const matmul_job *job = data;
+    gguf_amx_pack_acts(job->xq, job->xq_row_bytes, job->m, job->nblocks, (int64_t)index, job->amx_acts);
+#else
+    (void)data, (void)index;
+#endif
 }
 
 static void quantize_rows(const matmul_job *job, int64_t m0, int64_t m1) {
@@ -189,6 +237,16 @@ static void quantize_task(void *data, size_t index) {
  * a row's result does not depend on its tile. */
 static void product_rows(const matmul_job *job, int64_t n0, int64_t n1) {
     gguf_rows_dot rows_dot = job->plan->rows;
+#ifdef EDGEPIPE_HAVE_AMX
+    if (job->amx_acts != NULL) { /* whole groups of 16 weight rows on AMX, any rest (and an out-of-memory) below */
+        int64_t whole = (n1 - n0) / 16 * 16;
+        if (whole > 0 && gguf_amx_q4_k(job->nblocks, job->w + n0 * job->row_bytes, whole, job->row_bytes, job->amx_acts, job->m,
+                                       job->y + n0, (size_t)job->n) == 0) {
+            n0 += whole;
+        }
+        if (n0 >= n1) return;
+    }
+#endif
     for (int64_t m = 0; m < job->m; m += GGUF_TILE_ROWS) {
         int rows = job->m - m < GGUF_TILE_ROWS ? (int)(job->m - m) : GGUF_TILE_ROWS;
         const char *xq = (const char *)job->xq + m * job->xq_row_bytes;
@@ -246,6 +304,7 @@ static int plan_for(matmul_plan *plan, int qtype, int isa, char *error, size_t e
     gguf_kernel_table table;
     fill_table(isa, &table);
     plan->rows = table.rows[qtype];
+    plan->amx = isa == ISA_AVX512VNNI_AMX && qtype == GGUF_Q4_K;
     return 0;
 }
 
@@ -286,6 +345,9 @@ __attribute__((visibility("default"))) const char *edgepipe_gguf_matmul(int qtyp
         return "out of memory";
     }
     quantize_rows(&job, 0, m);
+    if (use_amx(&job) == 0) {
+        for (int64_t g = 0; g < (m + 15) / 16; g++) amx_pack_task(&job, (size_t)g);
+    }
     product_rows(&job, 0, n);
     free_activations(&job);
     return NULL;
@@ -361,6 +423,9 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *context) {
         status = ORT_FN(api, KernelContext_ParallelFor)(context, quantize_task, (size_t)m, 0, &job);
     } else {
         quantize_rows(&job, 0, m);
+    }
+    if (status == NULL && use_amx(&job) == 0) {
+        status = ORT_FN(api, KernelContext_ParallelFor)(context, amx_pack_task, (size_t)((m + 15) / 16), 0, &job);
     }
     if (status == NULL) {
         size_t tasks = (size_t)((job.n + job.rows_per_task - 1) / job.rows_per_task);
@@ -915,7 +980,7 @@ static OrtStatus *compute_attention(void *kernel_data, OrtKernelContext *context
     kv_attention_kernels kernels;
     kv_attention_portable(&kernels);
 #ifdef EDGEPIPE_HAVE_AVX2
-    if ((kernel->isa == ISA_AVX2 || kernel->isa == ISA_AVX512VNNI) && D % 16 == 0) kv_attention_avx2(&kernels);
+    if ((kernel->isa == ISA_AVX2 || kernel->isa == ISA_AVX512VNNI || kernel->isa == ISA_AVX512VNNI_AMX) && D % 16 == 0) kv_attention_avx2(&kernels);
 #endif
 #ifdef EDGEPIPE_HAVE_NEON
     if ((kernel->isa == ISA_NEON || kernel->isa == ISA_NEON_DOTPROD) && D % 16 == 0) kv_attention_neon(&kernels);

@@ -69,6 +69,7 @@ def translation_units() -> list[TranslationUnit]:
         TranslationUnit("gguf_avx2.c", ("-mavx2", "-mfma", "-mf16c")),
         TranslationUnit("kv_attention_avx2.c", ("-mavx2", "-mfma", "-mf16c")),
         TranslationUnit("gguf_avx512vnni.c", avx512),
+        TranslationUnit("gguf_vnni_wide.c", avx512),
     ]
     op_flags = ("-DEDGEPIPE_HAVE_AVX2", "-DEDGEPIPE_HAVE_AVX512VNNI")
     if _compiler_has_amx(find_compiler()):  # AMX int8 tiles: a compiler without -mamx-int8 builds the rest

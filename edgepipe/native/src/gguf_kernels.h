@@ -116,4 +116,10 @@ void gguf_amx_pack_acts(const void *xq, size_t row_bytes, int64_t m, int64_t nbl
 int gguf_amx_q4_k(int64_t nblocks, const uint8_t *w, int64_t weight_rows, int64_t row_bytes, const void *packed, int64_t m,
                   float *y, size_t ys);
 
+/* AVX-512 VNNI with lanes over 16 weight rows (gguf_vnni_wide.c, built on every x86-64): Q4_K
+ * products of many rows with the bits of the AVX tiles, reading the quantized rows where they are
+ * (`xq`, `xq_row_bytes` apart). `weight_rows` a multiple of 16; y[r * ys + i]; 0, or -1 when out of memory. */
+int gguf_vnni_q4_k(int64_t nblocks, const uint8_t *w, int64_t weight_rows, int64_t row_bytes, const void *xq,
+                   size_t xq_row_bytes, int64_t m, float *y, size_t ys);
+
 #endif

@@ -14,7 +14,9 @@
  * kernel creation: the best the CPU supports, or EDGEPIPE_GGUF_ISA (portable|avx2|avx512vnni|avx512vnni+amx
  * on x86-64, portable|neon|neon_dotprod on ARM64). avx512vnni+amx is avx512vnni with Q4_K products of
  * GGUF_AMX_MIN_ROWS rows or more on AMX tiles (gguf_amx.c), the same bits; it is the best ISA where
- * cpuid reports AMX-TILE and AMX-INT8, XCR0 enables tile state and Linux grants it to the process. */
+ * cpuid reports AMX-TILE and AMX-INT8, XCR0 enables tile state and Linux grants it to the process.
+ * On avx512vnni and up, Q4_K products of GGUF_WIDE_MIN_ROWS rows or more that AMX does not take run
+ * with the lanes over weight rows (gguf_vnni_wide.c), the same bits again: `product_path` decides. */
 #define _GNU_SOURCE /* mremap's MREMAP_FIXED */
 #include <math.h>
 #include <stdio.h>
@@ -47,6 +49,10 @@ static const char *const ISA_NAMES[] = {"portable", "avx2", "avx512vnni", "neon"
 /* Fewest activation rows a Q4_K product takes to AMX (below: the AVX tiles; a partial group of 16
  * rows is padded with zero rows). */
 #define GGUF_AMX_MIN_ROWS 16
+
+/* Fewest activation rows a Q4_K product takes to the wide VNNI kernel: its weight unpacking pays
+ * for itself from about 8 rows (Intel Xeon, 1 thread: 1.0x the AVX tile at 8, 1.3x at 12, 1.9x at 512). */
+#define GGUF_WIDE_MIN_ROWS 12
 
 /* ---- ISA detection ---- */
 
@@ -150,8 +156,24 @@ typedef struct {
     gguf_rows_dot rows;
     const gguf_type_info *type;
     int qtype;
-    int amx; /* Q4_K products of GGUF_AMX_MIN_ROWS rows or more go to gguf_amx_q4_k */
+    int amx;  /* Q4_K products of GGUF_AMX_MIN_ROWS rows or more may go to gguf_amx_q4_k */
+    int wide; /* Q4_K products of GGUF_WIDE_MIN_ROWS rows or more may go to gguf_vnni_q4_k */
 } matmul_plan;
+
+/* How a product of m activation rows runs: the AVX (or portable, NEON) tiles of GGUF_TILE_ROWS rows
+ * against each weight row, AMX tiles, or the wide VNNI kernel. Every path gives the same bits. */
+typedef enum { PATH_TILES = 0, PATH_AMX = 1, PATH_WIDE = 2 } product_path_kind;
+static const char *const PATH_NAMES[] = {"tiles", "amx", "wide"};
+
+static product_path_kind product_path(const matmul_plan *plan, int64_t m) {
+#ifdef EDGEPIPE_HAVE_AMX
+    if (plan->amx && m >= GGUF_AMX_MIN_ROWS) return PATH_AMX;
+#endif
+#ifdef EDGEPIPE_HAVE_AVX512VNNI
+    if (plan->wide && m >= GGUF_WIDE_MIN_ROWS) return PATH_WIDE;
+#endif
+    return PATH_TILES;
+}
 
 typedef struct {
     const matmul_plan *plan;
@@ -163,6 +185,7 @@ typedef struct {
     act_tile_scales32 *scales; /* 32-block types: nblocks per tile of rows, lanes past the last row 0 */
     float *y;
     int64_t rows_per_task;
+    product_path_kind path;
     void *amx_acts; /* the quantized rows as AMX tiles (gguf_amx_pack_acts) when this product runs on AMX */
 } matmul_job;
 
@@ -184,20 +207,23 @@ static void free_activations(matmul_job *job) {
     free(job->amx_acts);
 }
 
-/* Whether this product runs on AMX: the plan allows it and there are enough rows. Then room for the
- * tiles (0), else -1 when out of memory (the caller then runs the AVX tiles: the same bits). */
-static int use_amx(matmul_job *job) {
+/* Sets the job's path (product_path) and what it needs: tasks of whole groups of 16 weight rows for
+ * AMX and the wide kernel, room for the AMX tiles. 0 when the activations are to be packed as AMX
+ * tiles, else -1 (an out-of-memory for them leaves the AVX tiles: the same bits). */
+static int choose_path(matmul_job *job) {
     job->amx_acts = NULL;
+    job->path = product_path(job->plan, job->m);
+    if (job->path == PATH_TILES) return -1;
+    job->rows_per_task = job->rows_per_task < 64 ? 64 : (job->rows_per_task + 15) / 16 * 16;
 #ifdef EDGEPIPE_HAVE_AMX
-    if (!job->plan->amx || job->m < GGUF_AMX_MIN_ROWS) return -1;
-    size_t bytes = gguf_amx_acts_bytes(job->m, job->nblocks);
-    job->amx_acts = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (job->amx_acts == NULL) return -1;
-    job->rows_per_task = job->rows_per_task < 64 ? 64 : (job->rows_per_task + 15) / 16 * 16; /* whole groups of 16 */
-    return 0;
-#else
-    return -1;
+    if (job->path == PATH_AMX) {
+        size_t bytes = gguf_amx_acts_bytes(job->m, job->nblocks);
+        job->amx_acts = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (job->amx_acts != NULL) return 0;
+        job->path = PATH_TILES;
+    }
 #endif
+    return -1;
 }
 
 static void amx_pack_task(void *data, size_t index) {
@@ -237,16 +263,20 @@ static void quantize_task(void *data, size_t index) {
  * a row's result does not depend on its tile. */
 static void product_rows(const matmul_job *job, int64_t n0, int64_t n1) {
     gguf_rows_dot rows_dot = job->plan->rows;
+    const int64_t whole = (n1 - n0) / 16 * 16; /* AMX and the wide kernel take whole groups of 16 weight rows; */
+    int done = -1;                              /* any rest (and an out-of-memory) goes to the tiles below */
 #ifdef EDGEPIPE_HAVE_AMX
-    if (job->amx_acts != NULL) { /* whole groups of 16 weight rows on AMX, any rest (and an out-of-memory) below */
-        int64_t whole = (n1 - n0) / 16 * 16;
-        if (whole > 0 && gguf_amx_q4_k(job->nblocks, job->w + n0 * job->row_bytes, whole, job->row_bytes, job->amx_acts, job->m,
-                                       job->y + n0, (size_t)job->n) == 0) {
-            n0 += whole;
-        }
-        if (n0 >= n1) return;
-    }
+    if (job->path == PATH_AMX && whole > 0)
+        done = gguf_amx_q4_k(job->nblocks, job->w + n0 * job->row_bytes, whole, job->row_bytes, job->amx_acts, job->m,
+                             job->y + n0, (size_t)job->n);
 #endif
+#ifdef EDGEPIPE_HAVE_AVX512VNNI
+    if (job->path == PATH_WIDE && whole > 0)
+        done = gguf_vnni_q4_k(job->nblocks, job->w + n0 * job->row_bytes, whole, job->row_bytes, job->xq, job->xq_row_bytes,
+                              job->m, job->y + n0, (size_t)job->n);
+#endif
+    if (done == 0) n0 += whole;
+    if (n0 >= n1) return;
     for (int64_t m = 0; m < job->m; m += GGUF_TILE_ROWS) {
         int rows = job->m - m < GGUF_TILE_ROWS ? (int)(job->m - m) : GGUF_TILE_ROWS;
         const char *xq = (const char *)job->xq + m * job->xq_row_bytes;
@@ -305,6 +335,7 @@ static int plan_for(matmul_plan *plan, int qtype, int isa, char *error, size_t e
     fill_table(isa, &table);
     plan->rows = table.rows[qtype];
     plan->amx = isa == ISA_AVX512VNNI_AMX && qtype == GGUF_Q4_K;
+    plan->wide = (isa == ISA_AVX512VNNI || isa == ISA_AVX512VNNI_AMX) && qtype == GGUF_Q4_K;
     return 0;
 }
 
@@ -317,6 +348,18 @@ __attribute__((visibility("default"))) const char *edgepipe_gguf_isa(void) {
 }
 
 __attribute__((visibility("default"))) const char *edgepipe_gguf_best_isa(void) { return ISA_NAMES[best_isa()]; }
+
+/* The path a product of m rows of `qtype` takes on ISA `isa_name` (tiles, amx, wide), or NULL for an
+ * unknown ISA or type: tests check a product ran where they meant it to. */
+__attribute__((visibility("default"))) const char *edgepipe_gguf_product_path(int qtype, const char *isa_name, int64_t m) {
+    char error[256];
+    matmul_plan plan;
+    for (int i = 0; i < ISA_COUNT; i++) {
+        if (strcmp(isa_name, ISA_NAMES[i]) == 0 && isa_available(i) && plan_for(&plan, qtype, i, error, sizeof error) == 0)
+            return PATH_NAMES[product_path(&plan, m)];
+    }
+    return NULL;
+}
 
 /* Returns NULL on success, else a message (static storage, not thread-safe: test use only). */
 __attribute__((visibility("default"))) const char *edgepipe_gguf_matmul(int qtype, const char *isa_name,
@@ -345,7 +388,7 @@ __attribute__((visibility("default"))) const char *edgepipe_gguf_matmul(int qtyp
         return "out of memory";
     }
     quantize_rows(&job, 0, m);
-    if (use_amx(&job) == 0) {
+    if (choose_path(&job) == 0) {
         for (int64_t g = 0; g < (m + 15) / 16; g++) amx_pack_task(&job, (size_t)g);
     }
     product_rows(&job, 0, n);
@@ -424,7 +467,7 @@ static OrtStatus *compute(void *kernel_data, OrtKernelContext *context) {
     } else {
         quantize_rows(&job, 0, m);
     }
-    if (status == NULL && use_amx(&job) == 0) {
+    if (status == NULL && choose_path(&job) == 0) {
         status = ORT_FN(api, KernelContext_ParallelFor)(context, amx_pack_task, (size_t)((m + 15) / 16), 0, &job);
     }
     if (status == NULL) {

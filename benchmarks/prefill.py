@@ -66,6 +66,18 @@ def llama_prefill(model: Path, n: int, threads: int) -> float:
     return float(json.loads(done.stdout)[0]["avg_ts"])
 
 
+def kernel_isa() -> str:
+    """The ISA edgepipe's kernel library runs here (EDGEPIPE_GGUF_ISA, else the best the CPU has)."""
+    import ctypes
+    from edgepipe.native import gguf_kernel_library
+    path = gguf_kernel_library()
+    if path is None:
+        return "none (no kernel library)"
+    lib = ctypes.CDLL(str(path))
+    lib.edgepipe_gguf_isa.restype = ctypes.c_char_p
+    return lib.edgepipe_gguf_isa().decode()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", type=Path, help="GGUF (repeatable; default the 1.5B Q4_K_M and the 0.5B)")
@@ -101,13 +113,14 @@ def main() -> None:
     cond.finish()
     lines = ["# Prefill: edgepipe (kernel form) against llama-bench", "", f"- {cond.line()}",
              f"- `python benchmarks/prefill.py {' '.join(sys.argv[1:])}`; edgepipe: median of {args.samples} prefills a process; "
-             "llama.cpp: `llama-bench -p N -n 0 -r 3`; each engine in its own process, repetitions interleaved", "",
+             "llama.cpp: `llama-bench -p N -n 0 -r 3`; each engine in its own process, repetitions interleaved",
+             f"- edgepipe's kernel ISA: `{kernel_isa()}`", "",
              "| model | prompt tokens | threads | edgepipe tok/s (reps) | llama.cpp tok/s (reps) | ratio (means) |",
              "| --- | ---: | ---: | --- | --- | ---: |"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['tokens']} | {r['threads']} | {' / '.join(map(str, r['edgepipe_tok_s']))} | "
                      f"{' / '.join(map(str, r['llama_cpp_tok_s']))} | **{r['ratio']:.2f}x** |")
-    for path in write_results(args.stem, {**cond.as_dict(), "rows": rows}, "\n".join(lines), args.out):
+    for path in write_results(args.stem, {**cond.as_dict(), "kernel_isa": kernel_isa(), "rows": rows}, "\n".join(lines), args.out):
         print(f"wrote {path}")
 
 

@@ -76,7 +76,6 @@ class WorkerState:
     busy_s: float = 0.0
     fetched_bytes: int = 0
     roofline: RooflinePolicy | None = None  # emulated roofline device (replaces the slowdown), None: none
-    dropped: tuple[str, ...] = ()  # the last sequence ids DROPPED here (core.DROPPED_KEPT): a stale frame of one brings no KV back
 
     def stage_of(self, plan: int) -> Stage | None:
         return self.stages.get(plan)

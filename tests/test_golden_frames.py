@@ -1,7 +1,8 @@
 """Golden frames: the Python worker and the browser worker answer the coordinator's recorded frames alike.
 
 ``tests/data/golden_frames/`` holds the frames a coordinator sends one worker (welcome, ping,
-two loads, forwards with float32 and float16 activations, a partial replay frame, drop,
+two loads, forwards with float32 and float16 activations, a partial replay frame, drop, a
+stale frame of the dropped id (discarded, alone and beside a live sequence),
 failing frames of each error code (one of them a lost frame: a ``pos`` gap), activate, a
 prefetch, probes, emulate, a final bye) as
 encoded bytes, the answers a correct worker gives, and ``script.json``; ``make.py`` there

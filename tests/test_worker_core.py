@@ -145,6 +145,30 @@ def test_drop_forgets_the_sequence_everywhere():
     assert state.length("g-0-2", "a") == 0 and cmds == [core.DropSequence(("g-0-2",), "a")]
 
 
+def test_a_stale_frame_of_a_dropped_sequence_brings_no_kv_back():
+    """Seed 1096 of the simulation: a prefill sat behind a partition while the coordinator replayed
+    the request under a new id and dropped the old one; the frame then reached the next stages and
+    re-created the old id's KV there, never to be freed. A dropped id that is not held is now
+    discarded from frames; the other sequences of the frame run; a KV import of that id (moved back
+    here) or a rejoin (a new coordinator counts ids afresh) makes its frames live again."""
+    state = _with_stage()
+    state, _ = core.handle(state, Drop("a"))
+    _, cmds = core.handle(state, _forward(seqs=("a",)))
+    assert cmds == []
+    _, cmds = core.handle(state, _forward(seqs=("a", "b")))
+    assert [type(c) for c in cmds] == [core.RunStage] and cmds[0].seqs == ["b"] and cmds[0].x.shape[0] == 1
+    kv = parse(Message(T.KV, {"seq": "a", "plan": 1, "length": 2, "move": 4}, {}))
+    moved_back, _ = core.handle(state, core.Imported(kv, "g-0-2", 2, 80))
+    _, cmds = core.handle(moved_back, _forward(seqs=("a",), pos=2))
+    assert [type(c) for c in cmds] == [core.RunStage] and cmds[0].seqs == ["a"]
+    rejoined, _ = core.handle(state, core.Joined("w1"))
+    assert rejoined.dropped == {}
+    many = state
+    for i in range(core.DROPPED_KEPT + 5):
+        many, _ = core.handle(many, Drop(f"s{i}"))
+    assert len(many.dropped) == core.DROPPED_KEPT and "a" not in many.dropped  # bounded: the oldest go first
+
+
 def test_kv_moves_export_what_is_held_and_acknowledge_imports():
     state = _with_stage()
     export = KvExport("a", 1, 0, 2, 5, "ws://10.0.0.9:7000", 3)

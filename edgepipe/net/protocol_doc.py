@@ -142,7 +142,9 @@ DOCS: dict[type, MessageDoc] = {
         "fed": "per batch entry: true where the last stage fed the entry's next step itself with this token (the direct "
                "token path: its `ahead` allowed it); absent where no entry asked for it",
     }),
-    messages.Drop: MessageDoc("c→w", "free a sequence's KV", {"seq": "the sequence id"}),
+    messages.Drop: MessageDoc("c→w", "free a sequence's KV", {
+        "seq": "the sequence id; never run again (a replay takes the next epoch's id): a later frame entry of it, "
+               "unless its KV is imported here again, is stale and discarded without an answer"}),
     messages.Ping: MessageDoc("c→w", "heartbeat, every 0.5 s", {"t": "coordinator clock, echoed in the pong"}),
     messages.Pong: MessageDoc("w→c", "heartbeat answer (sent off the compute path)", {
         "t": "the ping's `t`",

@@ -32,6 +32,10 @@ from .data import (  # noqa: F401 - the core's vocabulary, used as core.X by the
 
 KV_RESERVE_TOKENS = limits.KV_RESERVE_TOKENS  # KV room a stage must leave for at least one sequence this long
 INLINE_STEP_S = 0.02  # decode steps faster than this run on the event loop (no thread hand-off)
+# Sequence ids are never reused after a DROP (a replay takes a new epoch's id; a sequence moved away
+# comes back only by a KV import): a frame of a dropped id that would start its KV afresh is stale
+# (it sat behind a stall while the coordinator gave up on it) and is discarded. The last this many are kept.
+DROPPED_KEPT = 4096
 
 
 # -- the transition ------------------------------------------------------------------------------------------
@@ -46,7 +50,8 @@ def _joined(state: WorkerState, event: Joined) -> tuple[WorkerState, list[Comman
     restarted one counts from 1 again) and its sequences are rebuilt elsewhere by replay.
     Built sessions stay, as warm spares, so a rejoin that gets the same range builds nothing."""
     warm = state.warm | {s.graph for s in state.stages.values()}
-    return replace(state, worker_id=event.worker_id, joins=state.joins + 1, stages={}, warm=frozenset(warm), held={}), [Forget()]
+    return replace(state, worker_id=event.worker_id, joins=state.joins + 1, stages={}, warm=frozenset(warm), held={},
+                   dropped={}), [Forget()]
 
 
 def _pinged(state: WorkerState, event: Pinged) -> tuple[WorkerState, list[Command]]:
@@ -160,7 +165,12 @@ def _drop(state: WorkerState, event: Drop) -> tuple[WorkerState, list[Command]]:
     # the warm spare's session too: it may hold KV checkpoints while its stage is not (yet) there
     graphs = tuple(sorted({s.graph for s in state.stages.values()} | state.warm))
     held = {g: {s: n for s, n in h.items() if s != event.seq} for g, h in state.held.items()}
-    return replace(state, held=held), [DropSequence(graphs, event.seq)]
+    dropped = dict(state.dropped)
+    dropped.pop(event.seq, None)
+    dropped[event.seq] = None
+    if len(dropped) > DROPPED_KEPT:
+        del dropped[next(iter(dropped))]  # the oldest
+    return replace(state, held=held, dropped=dropped), [DropSequence(graphs, event.seq)]
 
 
 def _emulate(state: WorkerState, event: Emulate) -> tuple[WorkerState, list[Command]]:
@@ -339,18 +349,19 @@ def next_forward(plan: int, batch: list, tokens: list[int], fed: list[bool]) -> 
 
 
 def without_dropped(state: WorkerState, msg: Forward) -> Forward | None:
-    """A frame of the stage's own next steps (``direct`` entries) without the sequences it no
-    longer holds (dropped: the coordinator stopped them while the stage ran ahead); None when none
-    is left. Frames from the coordinator or a predecessor pass as they are."""
-    batch = msg.batch
-    if not any(type(item) is dict and item.get("direct") for item in batch):
+    """A frame without the sequences it must not run: the stage's own next steps (``direct``
+    entries) of sequences it no longer holds (the coordinator stopped them while the stage ran
+    ahead), and any entry of a sequence this worker dropped that it does not hold (a stale frame:
+    it would bring the dropped KV back, never to be freed). None when none is left; the rest of a
+    frame for a stage this worker lacks goes on, to be refused as such."""
+    batch, stale = msg.batch, state.dropped
+    if not any(type(item) is dict and (item.get("direct") or item.get("seq") in stale) for item in batch):
         return msg
     stage = state.stages.get(msg.plan)
-    if stage is None:
-        return None
-    if not session_layers(state, stage.graph):  # an embedding or a head alone holds no KV to tell: a stage with layers does
+    if stage is not None and not session_layers(state, stage.graph):  # an embedding or a head alone holds no KV to tell
         return msg
-    keep = [i for i, item in enumerate(batch) if not item.get("direct") or state.length(stage.graph, item["seq"]) > 0]
+    keep = [i for i, item in enumerate(batch)
+            if not (item.get("direct") or item.get("seq") in stale) or (stage is not None and state.length(stage.graph, item["seq"]) > 0)]
     if len(keep) == len(batch):
         return msg
     if not keep:
@@ -427,7 +438,9 @@ def _import(state: WorkerState, msg: Kv) -> tuple[WorkerState, list[Command]]:
 
 def _imported(state: WorkerState, event: Imported) -> tuple[WorkerState, list[Command]]:
     held = {**state.held.get(event.graph, {}), event.kv.seq: event.length}
-    return replace(state, held={**state.held, event.graph: held}), [
+    dropped = dict(state.dropped)
+    dropped.pop(event.kv.seq, None)  # moved back here: its frames are live again
+    return replace(state, held={**state.held, event.graph: held}, dropped=dropped), [
         _kv_ack(event.kv.move, plan=event.kv.plan, ok=True, bytes=event.nbytes)]
 
 

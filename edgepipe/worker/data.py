@@ -76,6 +76,9 @@ class WorkerState:
     busy_s: float = 0.0
     fetched_bytes: int = 0
     roofline: RooflinePolicy | None = None  # emulated roofline device (replaces the slowdown), None: none
+    # the last sequence ids DROPPED here, oldest first (core.DROPPED_KEPT; a dict for order and a cheap
+    # lookup on every frame): a stale frame of one brings no KV back
+    dropped: dict[str, None] = field(default_factory=dict)
 
     def stage_of(self, plan: int) -> Stage | None:
         return self.stages.get(plan)

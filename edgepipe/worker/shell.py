@@ -91,7 +91,14 @@ class Worker:
                 copy = cmd.unfed()
             await self._send_control(copy.to_message())
         elif isinstance(cmd, core.RunStage):
-            await self.feed(await self.runners.run(cmd, self.state.joins, self.s.threads == 1))
+            joins = self.state.joins
+            event = await self.runners.run(cmd, joins, self.s.threads == 1)
+            if self.state.joins != joins or cmd.graph not in self.state.sessions:
+                # the worker rejoined (its sequences were forgotten) or let the session go while this ran:
+                # the KV the compute wrote belongs to no one now
+                for seq in cmd.seqs:
+                    self.runners.drop(core.DropSequence((cmd.graph,), seq))
+            await self.feed(event)
         elif isinstance(cmd, core.Wait):
             await self.ports.sleep(cmd.seconds)
         elif isinstance(cmd, core.DropSequence):

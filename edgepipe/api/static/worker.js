@@ -405,6 +405,7 @@
     memoryBytes: parseBytes(params.get("memory")) || Math.round((navigator.deviceMemory || 4) * 2 ** 30),
     threads: Number(params.get("threads")) || (self.crossOriginIsolated ? Math.max(1, Math.min(4, Math.floor((navigator.hardwareConcurrency || 2) / 2))) : 1),
     slots: new Map(), // plan -> {plan, start, end, runner, next, weightBytes}
+    dropped: new Set(), // the last DROPPED_KEPT sequence ids dropped here, oldest first: a stale frame of one brings no KV back
     store: null,
     queued: 0,
     compute: Promise.resolve(), // forwards, drops and probes run one at a time, in arrival order
@@ -556,6 +557,7 @@
   // FORWARD and DROP are decided in compute order, once the frames queued before them are done,
   // so a frame is checked against the KV as it stands when its turn comes (as in the core).
   const COMPUTE_ORDERED = new Set([T.FORWARD, T.DROP]);
+  const DROPPED_KEPT = 4096; // as worker/core.py's
 
   function onFrame(data) {
     let frame;
@@ -602,6 +604,26 @@
     }
   }
 
+  // Sequence ids are never run again after a DROP (as worker/core.py's without_dropped): an entry of a
+  // dropped id this tab does not hold is a stale frame (it sat behind a stall while the coordinator
+  // replayed the request) and is discarded, lest it bring the dropped KV back. [f, tensors], or [null] when none is left.
+  function withoutDropped(state, f, tensors) {
+    const batch = Array.isArray(f.batch) ? f.batch : [];
+    const slot = state.slots.get(f.plan);
+    if (!batch.some((item) => item && state.dropped.has(item.seq))) return [f, tensors];
+    if (slot && !slot.runner.layers.length) return [f, tensors]; // an embedding or a head alone holds no KV to tell
+    const held = (seq) => slot && (slot.runner.caches.get(seq) || { length: 0 }).length > 0;
+    const keep = batch.map((item, i) => [item, i]).filter(([item]) => !(item && state.dropped.has(item.seq)) || held(item.seq)).map(([, i]) => i);
+    if (keep.length === batch.length) return [f, tensors];
+    if (!keep.length) return [null, null];
+    const x = tensors.x;
+    if (!x || Number(x.shape[0]) !== batch.length) return [f, tensors]; // malformed: refused as such below
+    const row = x.data.length / batch.length;
+    const data = new x.data.constructor(keep.length * row);
+    keep.forEach((i, j) => data.set(x.data.subarray(i * row, (i + 1) * row), j * row));
+    return [{ ...f, batch: keep.map((i) => batch[i]) }, { ...tensors, x: { ...x, shape: [keep.length, ...x.shape.slice(1)], data } }];
+  }
+
   // One error frame per sequence of a FORWARD (as the core's errors for a refused frame).
   const errorFrames = (f, message, code) => (Array.isArray(f.batch) ? f.batch : [{}]).map((item) => (
     { op: "send", type: T.ERROR, fields: { message, code, seq: item.seq, step: item.step, rid: item.rid } }));
@@ -610,6 +632,8 @@
   // batch, activations are sane, each sequence's KV ends where the frame starts, and the head can
   // apply what the sampling asks. Either error frames or one compute command.
   function forwardCommands(state, f, tensors) {
+    [f, tensors] = withoutDropped(state, f, tensors);
+    if (!f) return [];
     const refuse = (message, code) => errorFrames(f, message, code);
     const slot = state.slots.get(f.plan);
     if (!slot) return refuse(`worker ${state.id} holds no stage for plan ${f.plan}`, CODE.NO_STAGE);
@@ -645,6 +669,7 @@
         case "joined":
           worker.id = c.id;
           worker.notice = null;
+          worker.dropped.clear(); // a new membership: ids are counted afresh
           show("joined", `joined as ${worker.id}; waiting for a stage`);
           break;
         case "refused":
@@ -659,7 +684,12 @@
           break;
         }
         case "release": worker.slots.get(c.plan).runner.release(); worker.slots.delete(c.plan); break;
-        case "dropSequence": for (const slot of worker.slots.values()) slot.runner.drop(c.seq); break;
+        case "dropSequence":
+          for (const slot of worker.slots.values()) slot.runner.drop(c.seq);
+          worker.dropped.delete(c.seq);
+          worker.dropped.add(c.seq);
+          if (worker.dropped.size > DROPPED_KEPT) worker.dropped.delete(worker.dropped.values().next().value);
+          break;
         case "runStage": // a failure while running (a head control out of range, the context outgrown) fails the lane
           await compute(c).catch((e) => perform(errorFrames(c.f, firstLine(e), e.code || CODE.INTERNAL)));
           break;

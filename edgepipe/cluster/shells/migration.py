@@ -93,10 +93,9 @@ class KvMigration:
 
 
     async def _drop_off_route(self, old: Deployment, new: Deployment, rid: str, seq: str) -> None:
-        """A sequence that moved to another replica: the workers of its old route off its new one
-        keep their session (the range is unchanged) and its KV in it until the sequence ended."""
-        if not (old.replicated or new.replicated):
-            return
+        """A sequence whose KV moved: the workers of its old route off its new one may keep their
+        session (another replica of an unchanged range, or a warm spare: simulation seed 10123), and
+        the sequence's KV in it would outlive the sequence; they drop it now."""
         requests = self.ports.state().requests
         before = replicas.routed(requests, old, rid) or replicas.plain_route(old)
         after = replicas.routed(requests, new, rid) or replicas.plain_route(new)

@@ -54,7 +54,7 @@ class Report:
     direct: int = 0  # decode steps a last stage fed itself (the direct token path)
     direct_lost: int = 0  # of its feeds and token copies, those a fault lost
     direct_first: int = 0  # of ``direct``, those a plan of several stages' last stage fed its first stage
-    kv_left: list = field(default_factory=list)  # "worker:seq" of sequence KV live workers still hold at the end (``_held_sequences``)
+    kv_left: list = field(default_factory=list)  # "worker:seq" of sequence KV live workers still hold at the end (``_held_sequences``; a violation)
 
 
 class World:
@@ -307,6 +307,8 @@ async def _main(schedule: Schedule) -> Report:
     report.direct_lost = sum(w.feeds_lost + w.copies_lost for w in world.workers)
     report.direct_first = sum(w.fed_first for w in world.workers)
     report.kv_left = _held_sequences(world.workers)
+    if report.kv_left:
+        report.violations.append(f"sequence KV still held by workers after every request ended: {report.kv_left[:8]}")
     for w in world.workers:
         w.kill()
     for c, _ in world.coordinators:

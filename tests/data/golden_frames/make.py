@@ -118,12 +118,15 @@ def build(pkg) -> tuple[list[dict], dict]:
     step(forward(HEAD_PLAN, b, y1), (token(HEAD_PLAN, b, head.run_batch(["g.0", "h.0"], y1, sampling), [timing(1, 2)]), {}))
     # A replay frame before the last (partial): the head computes and sends nothing.
     step(forward(HEAD_PLAN, [item("p.0", 0, partial=True)], y0))
-    # Drop frees the sequence: its next step starts from an empty KV.
+    # Drop frees the sequence, and its id is never run again: a frame of it that comes after (one that
+    # sat behind a stall while the coordinator replayed the request) is stale, discarded without an
+    # answer, lest it bring the dropped KV back. The replay runs under the next epoch's id from an empty KV.
     step(M.Drop("g.0").to_message())
-    b = [item("g.0", 2)]
     x2 = x1[:1].astype(np.float32)
-    layer.drop("g.0")
-    step(forward(LAYER_PLAN, b, x2), (relayed(LAYER_PLAN, b, layer.run("g.0", x2), [timing(1, 1)]), {"tensors": True}))
+    step(forward(LAYER_PLAN, [item("g.0", 2)], x2))
+    b = [item("g.1", 0)]  # in a frame beside a stale entry: its row alone runs
+    step(forward(LAYER_PLAN, [item("g.0", 2), *b], np.concatenate([x2 + 1, x2])),
+         (relayed(LAYER_PLAN, b, layer.run("g.1", x2), [timing(1, 1)]), {"tensors": True}))
     # Failures, each with its code.
     b = [item("e.0", 0)]
     step(forward(99, b, x2), (error(M.ErrorCode.NO_STAGE, b[0], f"worker {WORKER_ID} holds no stage for plan 99"), {"text": ["message"]}))
@@ -140,7 +143,7 @@ def build(pkg) -> tuple[list[dict], dict]:
     step(forward(LAYER_PLAN, b, xc[:, :5]), (error(M.ErrorCode.CONTEXT, b[0], f"sequence c.0 would reach 17 tokens, over the context of {MAX_CONTEXT}"), {"text": ["message"]}))
     # The layer stage is let go; its plan is then unknown here.
     step(M.Activate([HEAD_PLAN]).to_message())
-    b = [item("g.0", 3)]
+    b = [item("g.1", 1)]
     step(forward(LAYER_PLAN, b, x2), (error(M.ErrorCode.NO_STAGE, b[0], f"worker {WORKER_ID} holds no stage for plan {LAYER_PLAN}"), {"text": ["message"]}))
     # A spare's prefetch: files held already, nothing fetched or built.
     step(prefetch.to_message(), (M.Loaded(True, -3, fetched_bytes=0, prefetched=True).to_message(), {}))

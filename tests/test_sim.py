@@ -157,13 +157,14 @@ def test_lost_prefix_blocks_and_plan_switches_keep_tokens_exact():
     assert report.prefix_hits >= 3 and report.prefix_dropped >= 2, report
 
 
-@pytest.mark.parametrize("seed", [1096, 10123])
+@pytest.mark.parametrize("seed", [1096, 10123, 10627, 11056])
 def test_no_sequence_kv_is_left_after_a_stale_frame_or_a_kv_move(seed):
     """Two schedules that left sequence KV on live workers after every request had ended (``Report.kv_left``).
     1096: a prefill sat behind a partition while the request was replayed under a new id; reaching
     the next stages after their DROP it re-created the old id's KV (a worker now discards a frame of
     a dropped id it does not hold: ``worker.core.without_dropped``). 10123: a sequence's KV moved at
     a plan switch, and the old stage's worker kept the session as the warm spare, the KV in it (the
-    old route's workers off the new one now drop it: ``Migration._drop_off_route``)."""
+    old route's workers off the new one now drop it: ``Migration._drop_off_route``). 10627 and 11056
+    left KV the same two ways, behind a partition of the coordinator and a worker's rejoin."""
     report = run(Schedule.random(seed))
     assert report.violations == [] and report.kv_left == []

@@ -164,7 +164,9 @@ def test_no_sequence_kv_is_left_after_a_stale_frame_or_a_kv_move(seed):
     the next stages after their DROP it re-created the old id's KV (a worker now discards a frame of
     a dropped id it does not hold: ``worker.core.without_dropped``). 10123: a sequence's KV moved at
     a plan switch, and the old stage's worker kept the session as the warm spare, the KV in it (the
-    old route's workers off the new one now drop it: ``Migration._drop_off_route``). 10627 and 11056
-    left KV the same two ways, behind a partition of the coordinator and a worker's rejoin."""
+    old route's workers off the new one now drop it: ``Migration._drop_off_route``). 10627 (the coordinator
+    partitioned from a worker) and 11056 (a worker restarted): a compute still running when its
+    worker rejoined wrote KV after the rejoin had forgotten every sequence (the shell now drops
+    what such a compute wrote: ``WorkerShell._execute``, RunStage; without it both fail)."""
     report = run(Schedule.random(seed))
     assert report.violations == [] and report.kv_left == []

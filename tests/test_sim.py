@@ -52,6 +52,7 @@ def test_sim_2000_schedules(request):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # about 11 minutes of 2 quiet cores: past the default run's 600 s per test
 def test_sim_20000_schedules():
     _check(play(100_000, 20_000))
 

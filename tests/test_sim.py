@@ -158,7 +158,7 @@ def test_lost_prefix_blocks_and_plan_switches_keep_tokens_exact():
     assert report.prefix_hits >= 3 and report.prefix_dropped >= 2, report
 
 
-@pytest.mark.parametrize("seed", [1096, 10123, 10627, 11056])
+@pytest.mark.parametrize("seed", [1096, 10123, 10627, 11056, 107571])
 def test_no_sequence_kv_is_left_after_a_stale_frame_or_a_kv_move(seed):
     """Two schedules that left sequence KV on live workers after every request had ended (``Report.kv_left``).
     1096: a prefill sat behind a partition while the request was replayed under a new id; reaching
@@ -168,6 +168,9 @@ def test_no_sequence_kv_is_left_after_a_stale_frame_or_a_kv_move(seed):
     old route's workers off the new one now drop it: ``Migration._drop_off_route``). 10627 (the coordinator
     partitioned from a worker) and 11056 (a worker restarted): a compute still running when its
     worker rejoined wrote KV after the rejoin had forgotten every sequence (the shell now drops
-    what such a compute wrote: ``WorkerShell._execute``, RunStage; without it both fail)."""
+    what such a compute wrote: ``WorkerShell._execute``, RunStage; without it both fail). 107571
+    (also 103412 and 108997 of the 20,000): a request ended while its KV moved at a plan switch,
+    its DROP reached the old plan's workers and the copy landed after it (``KvMigration.migrate``
+    now drops the copy of a request that ended meanwhile)."""
     report = run(Schedule.random(seed))
     assert report.violations == [] and report.kv_left == []

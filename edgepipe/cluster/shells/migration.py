@@ -75,6 +75,13 @@ class KvMigration:
         for rid in whole:
             p.emit(S.KvMoved(rid, new.plan_id))
             await self._drop_off_route(old, new, rid, state.requests[rid].seq)
+        # A request that ended while its KV was on the way (simulation seed 107571): its DROP went to the
+        # old plan's workers and the copy landed after it. Checked with no await before the switch
+        # commits: a request ending later drops on every worker, the new plan then being the active one.
+        live = p.state().requests
+        for rid, copy in moves.copies:
+            if rid in whole and rid not in live:
+                p.spawn(_sent(p, copy.dst, Drop(state.requests[rid].seq)))
         whole = [*moves.stay, *whole]
         return {"kv_moved": len(whole), "kv_moved_bytes": moves.moved_bytes, "kv_recomputed": len(replay)}
 

@@ -112,10 +112,12 @@ class Checkpoints:
         # land: the name stays flying, so ``sweep`` does not drop it before that.
         try:
             await asyncio.wait([f for _, _, f in futures], timeout=MOVE_TIMEOUT_S)
-        finally:
-            for move, _, _ in futures:
-                self.acks.pop(move, None)
-            self.ports.emit(S.RoundEnded(rid, tuple(move for move, _, _ in futures)))
+        except asyncio.CancelledError:  # the coordinator stops: the round is over and its name kept by nobody
+            self._round_ended(rid, futures)
+            self.ports.emit(S.CheckpointVoid(rid, "the coordinator stopped"))
+            self.sweep()
+            raise
+        self._round_ended(rid, futures)
         ok = [f.done() and not f.cancelled() and f.exception() is None and f.result().ok for _, _, f in futures]
         for _, dst, f in futures:
             if not f.done():
@@ -136,6 +138,11 @@ class Checkpoints:
             self.ports.emit(S.CheckpointVoid(rid, "a checkpoint copy failed" if kept else "a holder dropped its spare session"))
             self.counts.failed += 1
         self.sweep()
+
+    def _round_ended(self, rid: str, futures) -> None:
+        for move, _, _ in futures:
+            self.acks.pop(move, None)
+        self.ports.emit(S.RoundEnded(rid, tuple(move for move, _, _ in futures)))
 
     def moved(self, reply) -> None:
         """A copy's acknowledgement (LOADED ``kv_received``), from its destination or, refused,
